@@ -1,0 +1,3 @@
+from narwhal.cli.daemon import main
+
+raise SystemExit(main())

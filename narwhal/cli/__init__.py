@@ -1,0 +1,1 @@
+"""Console entry points. Each module exposes `main(argv=None) -> int`."""

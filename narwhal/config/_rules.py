@@ -1,0 +1,94 @@
+"""Declarative per-field rules.
+
+Each rule checks one value and returns a message fragment, or None when the value is
+fine. The loader walks every field of the model and collects *all* failures, so an
+operator sees every mistake in one pass instead of fixing them one at a time (attrs
+validators raise on the first failure, which is why the rules are not validators).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+
+def _fmt(value: float | int) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@attrs.frozen
+class Positive:
+    def check(self, value: float | int) -> str | None:
+        if not math.isfinite(value) or value <= 0:
+            return f"{_fmt(value)} must be positive"
+        return None
+
+    def describe(self) -> str:
+        return "> 0"
+
+
+@attrs.frozen
+class NonNegative:
+    def check(self, value: float | int) -> str | None:
+        if not math.isfinite(value) or value < 0:
+            return f"{_fmt(value)} must be nonnegative"
+        return None
+
+    def describe(self) -> str:
+        return ">= 0"
+
+
+@attrs.frozen
+class AtLeast:
+    minimum: float | int
+
+    def check(self, value: float | int) -> str | None:
+        if not math.isfinite(value) or value < self.minimum:
+            return f"{_fmt(value)} must be at least {_fmt(self.minimum)}"
+        return None
+
+    def describe(self) -> str:
+        return f">= {_fmt(self.minimum)}"
+
+
+@attrs.frozen
+class Between:
+    """Closed range unless an end is marked open; message matches `5 is outside 1..3`."""
+
+    low: float | int
+    high: float | int
+    low_open: bool = False
+    high_open: bool = False
+
+    def check(self, value: float | int) -> str | None:
+        too_low = value <= self.low if self.low_open else value < self.low
+        too_high = value >= self.high if self.high_open else value > self.high
+        if not math.isfinite(value) or too_low or too_high:
+            return f"{_fmt(value)} is outside {self.describe()}"
+        return None
+
+    def describe(self) -> str:
+        if not self.low_open and not self.high_open:
+            return f"{_fmt(self.low)}..{_fmt(self.high)}"
+        left = "(" if self.low_open else "["
+        right = ")" if self.high_open else "]"
+        return f"{left}{_fmt(self.low)}, {_fmt(self.high)}{right}"
+
+
+@attrs.frozen
+class ZeroOrAtLeast:
+    """`0` disables the feature; enabled values must reach the minimum."""
+
+    minimum: float | int
+
+    def check(self, value: float | int) -> str | None:
+        if not math.isfinite(value) or (value != 0 and value < self.minimum):
+            return f"{_fmt(value)} must be 0 (disabled) or at least {_fmt(self.minimum)}"
+        return None
+
+    def describe(self) -> str:
+        return f"0 or >= {_fmt(self.minimum)}"
+
+
+Rule = Positive | NonNegative | AtLeast | Between | ZeroOrAtLeast
