@@ -1,0 +1,1 @@
+"""Engine-facing I/O: the HTTP transport and the dialects' wire formats."""

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+import pytest
+import trio.testing
+
+
+@pytest.fixture
+def io_clock() -> trio.testing.MockClock:
+    """A mock clock for tests that also do real socket I/O.
+
+    Plain autojump jumps the clock whenever every task is blocked, and a task waiting
+    on a loopback socket looks blocked, so connect and read deadlines would fire while
+    bytes are in flight. Jumping only after 50 ms of real idleness lets I/O finish first.
+    """
+    return trio.testing.MockClock(autojump_threshold=0.05)
