@@ -1,0 +1,126 @@
+"""What each engine dialect expects on the wire, without doing any I/O.
+
+vLLM + NIXL (engine-protocols notes §1): the prefill leg is the client body with
+`kv_transfer_params.do_remote_decode`, `stream: false`, no `stream_options` (vLLM
+rejects it when not streaming), `max_tokens` 1 and `min_tokens` clamped to 1; the
+decode leg is the original body plus the prefill response's `kv_transfer_params`,
+passed through verbatim because its keys change between vLLM versions. Both legs carry
+the same X-Request-Id.
+
+SGLang (§5): both legs get the same body with `bootstrap_host/port/room` and are sent
+concurrently; the engines pair by room.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Literal
+
+import attrs
+
+Json = dict[str, object]
+EndpointKind = Literal["completions", "chat"]
+
+ENDPOINT_PATHS: dict[EndpointKind, bytes] = {
+    "completions": b"/v1/completions",
+    "chat": b"/v1/chat/completions",
+}
+
+_PREFILL_KV_REQUEST: Json = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+@attrs.frozen
+class Dialect:
+    name: Literal["vllm", "sglang"]
+    concurrent_legs: bool
+    health_path: bytes = b"/health"
+    tokenize_path: bytes = b"/tokenize"
+
+
+VLLM = Dialect("vllm", concurrent_legs=False)
+SGLANG = Dialect("sglang", concurrent_legs=True)
+
+
+def dialect_for(name: str) -> Dialect:
+    return SGLANG if name == "sglang" else VLLM
+
+
+def vllm_prefill_body(body: Json) -> Json:
+    leg = dict(body)
+    leg["kv_transfer_params"] = dict(_PREFILL_KV_REQUEST)
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    for key in ("min_tokens", "min_completion_tokens"):
+        value = leg.get(key)
+        # vLLM validates min_tokens <= max_tokens; clamping keeps "at least one token".
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            leg[key] = 1
+    return leg
+
+
+def vllm_decode_body(body: Json, kv_transfer_params: Json | None) -> Json:
+    if not kv_transfer_params:
+        # Like vLLM's own proxies: without params the decode engine prefills locally.
+        return body
+    leg = dict(body)
+    leg["kv_transfer_params"] = kv_transfer_params
+    return leg
+
+
+def vllm_kv_params(prefill_response: object) -> Json | None:
+    if isinstance(prefill_response, dict):
+        params = prefill_response.get("kv_transfer_params")
+        if isinstance(params, dict) and params:
+            return params
+    return None
+
+
+def sglang_pd_body(body: Json, *, host: str, port: int, room: int) -> Json:
+    leg = dict(body)
+    leg["bootstrap_host"] = host
+    leg["bootstrap_port"] = port
+    leg["bootstrap_room"] = room
+    return leg
+
+
+def new_bootstrap_room() -> int:
+    """A room identifies one request pairing; SGLang takes 0 .. 2**63 - 1."""
+    return secrets.randbits(63)
+
+
+def tokenize_body(kind: EndpointKind, body: Json) -> Json:
+    """The /tokenize request for a client body (same shape on vLLM and newer SGLang)."""
+    request: Json = {}
+    if "model" in body:
+        request["model"] = body["model"]
+    if kind == "chat":
+        request["messages"] = body.get("messages")
+        request["add_generation_prompt"] = True
+    else:
+        request["prompt"] = body.get("prompt")
+    return request
+
+
+def tokenize_count(response: object) -> int | None:
+    if isinstance(response, dict):
+        count = response.get("count")
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+    return None
+
+
+def encode(document: Json) -> bytes:
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()

@@ -1,0 +1,100 @@
+"""Incremental server-sent-events scanning for relayed engine streams.
+
+The router forwards the engine's bytes unchanged, but it must see event boundaries to
+know when the first token arrived, whether the engine reported an error inside the 200
+stream (vLLM and SGLang both do: `data: {"error": ...}` then `data: [DONE]`), and
+whether the success terminator came. Full JSON parsing of every chunk would cost more
+than the relay itself, so only error events are parsed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import attrs
+
+
+class SseKind(enum.Enum):
+    DATA = "data"
+    DONE = "done"
+    ERROR = "error"
+    OTHER = "other"  # comments, `event:`/`id:` lines, keep-alives
+
+
+@attrs.frozen
+class SseEvent:
+    kind: SseKind
+    payload: bytes
+    error: dict[str, object] | None = None
+
+
+# vLLM and SGLang terminate events with a blank line; tolerate CRLF framing too.
+_SEPARATORS = (b"\n\n", b"\r\n\r\n")
+_MAX_PENDING = 4 * 1024 * 1024
+
+
+class SseOverflow(Exception):
+    pass
+
+
+class SseScanner:
+    """Feed raw stream bytes; get complete events back."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete event held back (a partial line from the engine)."""
+        return len(self._pending)
+
+    def feed(self, data: bytes) -> list[SseEvent]:
+        buffer = self._pending + data if self._pending else data
+        events: list[SseEvent] = []
+        start = 0
+        while True:
+            end, sep_len = _find_separator(buffer, start)
+            if end < 0:
+                break
+            events.append(_classify(buffer[start:end]))
+            start = end + sep_len
+        self._pending = buffer[start:]
+        if len(self._pending) > _MAX_PENDING:
+            raise SseOverflow(f"engine sent an SSE event larger than {_MAX_PENDING} bytes")
+        return events
+
+
+def _find_separator(buffer: bytes, start: int) -> tuple[int, int]:
+    lf = buffer.find(b"\n\n", start)
+    crlf = buffer.find(b"\r\n\r\n", start)
+    if crlf >= 0 and (lf < 0 or crlf < lf):
+        return crlf, 4
+    return lf, 2
+
+
+def _classify(block: bytes) -> SseEvent:
+    data_lines = [line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:")]
+    if not data_lines:
+        return SseEvent(SseKind.OTHER, block)
+    payload = b"\n".join(data_lines)
+    if payload.strip() == b"[DONE]":
+        return SseEvent(SseKind.DONE, payload)
+    # Error events start with the "error" key in both engines' encoders; a token chunk
+    # starts with "id". Anything else that fails to parse is still relayed as data.
+    if payload.lstrip().startswith(b'{"error"'):
+        try:
+            parsed = json.loads(payload)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            return SseEvent(SseKind.ERROR, payload, _error_fields(parsed["error"]))
+    return SseEvent(SseKind.DATA, payload)
+
+
+def _error_fields(error: object) -> dict[str, object]:
+    if isinstance(error, dict):
+        return {str(k): v for k, v in error.items()}
+    return {"message": str(error)}

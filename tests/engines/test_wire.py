@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, strategies as st
+
+from narwhal.engines import SseKind, SseScanner, parse_error_body
+from narwhal.engines._dialects import (
+    sglang_pd_body,
+    tokenize_body,
+    tokenize_count,
+    vllm_decode_body,
+    vllm_kv_params,
+    vllm_prefill_body,
+)
+
+VLLM_STREAM = (
+    b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" Paris"}]}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","choices":[],"usage":{"completion_tokens":1}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def test_scanner_splits_events_and_recognises_the_terminator() -> None:
+    kinds = [event.kind for event in SseScanner().feed(VLLM_STREAM)]
+    assert kinds == [SseKind.DATA, SseKind.DATA, SseKind.DONE]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(VLLM_STREAM) - 1), max_size=8))
+def test_scanner_is_indifferent_to_transport_chunking(cuts: list[int]) -> None:
+    scanner = SseScanner()
+    bounds = [0, *sorted(set(cuts)), len(VLLM_STREAM)]
+    events = []
+    for start, end in itertools.pairwise(bounds):
+        events.extend(scanner.feed(VLLM_STREAM[start:end]))
+    assert [e.payload for e in events] == [e.payload for e in SseScanner().feed(VLLM_STREAM)]
+    assert scanner.pending == 0
+
+
+def test_partial_line_is_held_back() -> None:
+    scanner = SseScanner()
+    assert scanner.feed(b'data: {"id":"x"') == []
+    assert scanner.pending == len(b'data: {"id":"x"')
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        # vLLM >= 0.10.1 (nested, compact and with json.dumps spacing)
+        b'data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}\n\n',
+        b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n',
+        # SGLang / old vLLM flat object inside the error key
+        b'data: {"error": {"object": "error", "message": "Internal server error", "code": 500}}\n\n',
+        b'data:{"error":{"message":"Internal server error"}}\r\n\r\n',
+    ],
+)
+def test_mid_stream_error_events_are_detected(frame: bytes) -> None:
+    (event,) = SseScanner().feed(frame)
+    assert event.kind is SseKind.ERROR
+    assert event.error is not None
+    assert event.error["message"] == "Internal server error"
+
+
+def test_comment_lines_are_not_data() -> None:
+    (event,) = SseScanner().feed(b": keep-alive\n\n")
+    assert event.kind is SseKind.OTHER
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "kind"),
+    [
+        (
+            b'{"error":{"message":"The model `foo` does not exist.","type":"NotFoundError","param":"model","code":404}}',
+            "The model `foo` does not exist.",
+            "NotFoundError",
+        ),
+        (
+            b'{"object":"error","message":"bad","type":"BadRequestError","param":null,"code":400}',
+            "bad",
+            "BadRequestError",
+        ),
+        (b"<html>502 Bad Gateway</html>", "<html>502 Bad Gateway</html>", None),
+        (b"", "engine returned HTTP 503 with no body", None),
+    ],
+)
+def test_error_bodies_in_every_shape(body: bytes, message: str, kind: str | None) -> None:
+    info = parse_error_body(503, body)
+    assert (info.status, info.message, info.type) == (503, message, kind)
+
+
+def test_vllm_prefill_leg_rewrites_exactly_what_the_protocol_needs() -> None:
+    client = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 200,
+        "max_completion_tokens": 200,
+        "min_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.3,
+    }
+    leg = vllm_prefill_body(client)
+    assert leg == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "min_tokens": 1,
+        "stream": False,
+        "temperature": 0.3,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
+    assert client["max_tokens"] == 200, "the client body must not be mutated"
+
+
+def test_vllm_decode_leg_passes_params_through_verbatim() -> None:
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "future_key": {"x": 1}}
+    prefill_response = {"choices": [], "kv_transfer_params": params}
+    body = {"model": "m", "prompt": "hi", "stream": True}
+    leg = vllm_decode_body(body, vllm_kv_params(prefill_response))
+    assert leg["kv_transfer_params"] is params
+    assert {k: v for k, v in leg.items() if k != "kv_transfer_params"} == body
+    assert vllm_decode_body(body, vllm_kv_params({"kv_transfer_params": None})) is body
+
+
+def test_sglang_legs_carry_the_bootstrap_triple() -> None:
+    leg = sglang_pd_body({"prompt": "x"}, host="10.0.0.5", port=8998, room=42)
+    assert leg == {
+        "prompt": "x",
+        "bootstrap_host": "10.0.0.5",
+        "bootstrap_port": 8998,
+        "bootstrap_room": 42,
+    }
+
+
+def test_tokenize_request_and_response() -> None:
+    assert tokenize_body(
+        "chat", {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    ) == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "add_generation_prompt": True,
+    }
+    assert tokenize_body("completions", {"prompt": "x"}) == {"prompt": "x"}
+    assert tokenize_count(json.loads('{"count":3,"max_model_len":8192,"tokens":[1,2,3]}')) == 3
+    assert tokenize_count({"count": True}) is None
+    assert tokenize_count({"count": [3, 4]}) is None
