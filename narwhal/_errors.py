@@ -1,0 +1,144 @@
+"""Client-facing errors: each knows its HTTP status and its OpenAI-style envelope.
+
+A few semantic classes rather than one per cause; `code` is the machine-readable
+reason (`queue_full`, `expired`, `first_token_timeout`, ...) and the message names the
+limit and the value that was hit.
+"""
+
+from __future__ import annotations
+
+import math
+
+Json = dict[str, object]
+
+
+class NarwhalError(Exception):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def envelope(self) -> Json:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.retry_after_s is None:
+            return []
+        # Retry-After takes whole seconds; round up so a client never comes back early.
+        return [(b"retry-after", str(max(1, math.ceil(self.retry_after_s))).encode())]
+
+
+class BadRequest(NarwhalError):
+    status = 400
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+
+
+class NotFound(NarwhalError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class PayloadTooLarge(NarwhalError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class Refused(NarwhalError):
+    """Admission said no: retained ceiling, queue full or timed out, TTFT budget."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "overloaded"
+
+
+class Unavailable(NarwhalError):
+    """No engine can take the request right now, or Narwhal itself is degraded."""
+
+    status = 503
+    type = "service_unavailable_error"
+    default_code = "no_engine_available"
+
+
+class Expired(NarwhalError):
+    """The request's own deadline (serving.request_timeout_s) passed."""
+
+    status = 504
+    type = "timeout_error"
+    default_code = "expired"
+
+
+class EngineFailed(NarwhalError):
+    """An engine leg failed; status is what the client should see for it.
+
+    `retryable` follows manual 4.2: transport failures and engine 408/429/500/502/503/504
+    before visible output. `engine_id` and `phase` say which leg, so the retry excludes
+    that engine and only that phase's breaker counts it.
+    """
+
+    type = "server_error"
+    default_code = "engine_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        engine_id: str,
+        phase: str,
+        retryable: bool,
+        counts_against_engine: bool,
+        code: str | None = None,
+        param: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message, code=code, param=param)
+        self.status = status
+        self.engine_id = engine_id
+        self.phase = phase
+        self.retryable = retryable
+        self.counts_against_engine = counts_against_engine
+        if error_type is not None:
+            self.type = error_type
+
+
+RETRYABLE_ENGINE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def client_status_for_engine_status(status: int) -> int:
+    """What the client sees for an engine's HTTP error.
+
+    Client errors keep their status (the engine judged the request). Overload keeps its
+    meaning: an engine 429 stays 429 and 503 stays 503 (peers turn 429 into 500, which
+    tells clients the wrong thing). Other engine failures are the gateway's upstream
+    failing: 502, or 504 when the engine itself timed out.
+    """
+    if status in (429, 503):
+        return status
+    if status in (408, 504):
+        return 504
+    if 400 <= status < 500:
+        return status
+    return 502
