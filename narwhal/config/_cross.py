@@ -301,7 +301,7 @@ def _handoff_cap(cfg: Config) -> list[str]:
         reasons.append(("retries", f"serving.max_attempts={s.max_attempts}"))
     if s.handoff_timeout_s <= 0 and reasons:
         features = " and ".join(name for name, _ in reasons)
-        verb = "are" if len(reasons) > 1 else "is"
+        verb = "is" if features == "queueing" else "are"
         settings = ", ".join(setting for _, setting in reasons)
         return [
             f"serving.handoff_timeout_s: {s.handoff_timeout_s!r} must be positive when "
