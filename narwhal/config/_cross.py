@@ -167,29 +167,28 @@ def _engine_urls(cfg: Config) -> list[str]:
 
 def _one_dialect(cfg: Config) -> list[str]:
     """All engines use one dialect: a vLLM prefill cannot hand KV to an SGLang decode."""
-    if not cfg.engines:
-        return []
-    first = cfg.engines[0].dialect
-    return [
-        f"engines[{index}].dialect: {spec.dialect!r} differs from {first!r} "
-        "(engines[0].dialect); kv handoff cannot cross engine dialects"
-        for index, spec in enumerate(cfg.engines)
-        if spec.dialect != first
-    ]
+    return _agree_with_first(cfg, "dialect", "kv handoff cannot cross engine dialects")
 
 
 def _one_model(cfg: Config) -> list[str]:
     """All engines serve one model: KV computed for one model is meaningless to another,
     and demand pricing uses the mean profile across the fleet (manual 7.7)."""
+    return _agree_with_first(cfg, "model", "all engines must serve one model")
+
+
+def _agree_with_first(cfg: Config, field: str, because: str) -> list[str]:
     if not cfg.engines:
         return []
-    first = cfg.engines[0].model
-    return [
-        f"engines[{index}].model: {spec.model!r} differs from {first!r} "
-        "(engines[0].model); all engines must serve one model"
-        for index, spec in enumerate(cfg.engines)
-        if spec.model != first
-    ]
+    first: str = getattr(cfg.engines[0], field)
+    out: list[str] = []
+    for index, spec in enumerate(cfg.engines):
+        value: str = getattr(spec, field)
+        if value != first:
+            out.append(
+                f"engines[{index}].{field}: {value!r} differs from {first!r} "
+                f"(engines[0].{field}); {because}"
+            )
+    return out
 
 
 def _bootstrap_ports(cfg: Config) -> list[str]:
