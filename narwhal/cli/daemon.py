@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections.abc import Sequence
 
+from ..config import ConfigError, config_to_dict, load_config_file
 from ._common import not_implemented
 
 
@@ -20,10 +23,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _validate(path: str) -> int:
+    try:
+        config = load_config_file(path)
+    except ConfigError as exc:
+        print(f"narwhal: {len(exc.messages)} problem(s) in {path}:", file=sys.stderr)
+        for message in exc.messages:
+            print(message, file=sys.stderr)
+        return 1
+    print(json.dumps(config_to_dict(config), indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "validate":
-        return not_implemented("narwhal validate", 2)
+        return _validate(args.config)
     return not_implemented("narwhal serve", 3)
 
 

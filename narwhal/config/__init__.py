@@ -1,5 +1,12 @@
 """Narwhal configuration: the model, its rules and the JSON loader."""
 
+from ._describe import FieldDoc as FieldDoc, describe_fields as describe_fields
+from ._load import (
+    ConfigError as ConfigError,
+    config_to_dict as config_to_dict,
+    load_config as load_config,
+    load_config_file as load_config_file,
+)
 from ._model import (
     Breaker as Breaker,
     Config as Config,

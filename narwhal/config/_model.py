@@ -1,8 +1,9 @@
 """The configuration model: one frozen attrs class per section.
 
 Every field of the product manual's tables is here with the manual's default. Ranges
-are attached as metadata (see `_rules`) and cross-field rules live in `_load`; both
-are enforced by `load_config`, which reports every problem at once.
+are attached as metadata (see `_rules`) and cross-field rules live in `_cross`; both
+are enforced by `load_config`, which reports every problem at once. The `doc` text of
+each field is the meaning column of the generated `conf/CONFIGURATION.md`.
 """
 
 from __future__ import annotations
@@ -20,87 +21,247 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 T = TypeVar("T")
 
 
-def _f(default: T, *rules: Rule, doc: str = "") -> T:
+def _meta(*rules: Rule, doc: str) -> dict[str, object]:
+    return {"rules": rules, "doc": doc}
+
+
+def _f(default: T, *rules: Rule, doc: str) -> T:
     # Typed as the default so the attrs mypy plugin sees a plain default value.
-    field: T = attrs.field(default=default, metadata={"rules": rules, "doc": doc})
+    field: T = attrs.field(default=default, metadata=_meta(*rules, doc=doc))
     return field
 
 
 @attrs.frozen(kw_only=True)
 class EngineSpec:
-    id: str
-    url: str
-    dialect: Dialect = "vllm"
-    role: Role = "both"
-    model: str = "default"
-    # SGLang only: the prefill engine's bootstrap server port (SGLang's default is 8998).
-    bootstrap_port: int | None = _f(None, Between(1, 65535), doc="SGLang bootstrap port")
-    # Per-engine admission overrides; None inherits serving.prefill/decode_concurrency.
+    """One engine of the fleet (`engines` is a list of these)."""
+
+    id: str = attrs.field(
+        metadata=_meta(
+            doc="Unique, non-blank engine name used by placement, state, metrics and narwhalctl."
+        )
+    )
+    url: str = attrs.field(
+        metadata=_meta(doc="Engine base URL, `http(s)://host:port`, with no path beyond `/`.")
+    )
+    dialect: Dialect = attrs.field(
+        default="vllm",
+        metadata=_meta(
+            doc="Engine API dialect. One fleet uses one dialect: KV handoff cannot cross them."
+        ),
+    )
+    role: Role = attrs.field(
+        default="both",
+        metadata=_meta(
+            doc="Initial role. The controller may change it at run time unless it is disabled."
+        ),
+    )
+    model: str = _f(
+        "default", doc="Model the engine serves. All engines must serve the same model."
+    )
+    bootstrap_port: int | None = _f(
+        None,
+        Between(1, 65535),
+        doc=(
+            "SGLang only: the engine's prefill bootstrap-server port "
+            "(`--disaggregation-bootstrap-port`). `null` means SGLang's default, 8998, "
+            "which the router then sends. Rejected for vLLM engines."
+        ),
+    )
     prefill_concurrency: int | None = _f(
-        None, NonNegative(), doc="override of serving.prefill_concurrency"
+        None,
+        NonNegative(),
+        doc="Override of `serving.prefill_concurrency` for this engine; `null` inherits it.",
     )
     decode_concurrency: int | None = _f(
-        None, NonNegative(), doc="override of serving.decode_concurrency"
+        None,
+        NonNegative(),
+        doc="Override of `serving.decode_concurrency` for this engine; `null` inherits it.",
     )
 
 
 @attrs.frozen(kw_only=True)
 class Slo:
-    ttft_s: float = _f(0.5, Positive(), doc="time-to-first-token target")
-    tpot_s: float = _f(0.05, Positive(), doc="time-per-output-token target")
+    """Service-level objectives that admission, placement and role control price against."""
+
+    ttft_s: float = _f(0.5, Positive(), doc="Time-to-first-token target, seconds.")
+    tpot_s: float = _f(0.05, Positive(), doc="Time-per-output-token target, seconds.")
     percentile: float = _f(
-        0.9, Between(0.0, 1.0, low_open=True), doc="attainment percentile reported"
+        0.9,
+        Between(0.0, 1.0, low_open=True),
+        doc="Percentile at which SLO attainment is reported.",
     )
 
 
 @attrs.frozen(kw_only=True)
 class Listen:
-    host: str = "127.0.0.1"
-    port: int = _f(8000, Between(0, 65535))
+    """The router's HTTP listener."""
+
+    host: str = _f("127.0.0.1", doc="Address the HTTP server binds.")
+    port: int = _f(8000, Between(0, 65535), doc="HTTP port; `0` picks a free port.")
 
 
 @attrs.frozen(kw_only=True)
 class Ctl:
-    socket: str = "runs/narwhal.sock"
+    """The narwhalctl control socket."""
+
+    socket: str = _f("runs/narwhal.sock", doc="Path of the AF_UNIX control socket.")
 
 
 @attrs.frozen(kw_only=True)
 class Log:
-    level: LogLevel = "info"
+    """Logging."""
+
+    level: LogLevel = attrs.field(default="info", metadata=_meta(doc="Minimum level logged."))
 
 
 @attrs.frozen(kw_only=True)
 class Serving:
-    admission: Admission = "predictive"
-    admission_margin: float = _f(0.0, NonNegative())
-    max_connections: int = _f(512, AtLeast(1))
-    queue_capacity: int = _f(0, NonNegative())
-    queue_timeout_s: float = _f(0.0, NonNegative())
-    prefill_concurrency: int = _f(0, NonNegative())
-    decode_concurrency: int = _f(0, NonNegative())
-    handoff_timeout_s: float = _f(0.0, NonNegative())
-    max_attempts: int = _f(1, Between(1, 3))
-    retry_base_s: float = _f(0.1, Positive())
-    retry_cap_s: float = _f(1.0, Positive())
-    retry_budget: int = _f(10, NonNegative())
-    retry_replenish: float = _f(0.1, Between(0.0, 1.0))
-    max_request_bytes: int = _f(4194304, AtLeast(1))
-    max_response_bytes: int = _f(16777216, AtLeast(1))
-    request_timeout_s: float = _f(600.0, Positive())
-    prefill_timeout_s: float = _f(120.0, Positive())
+    """Admission, waiting, phase concurrency, retries, byte limits and deadlines (manual 4, 6)."""
+
+    admission: Admission = attrs.field(
+        default="predictive",
+        metadata=_meta(
+            doc=(
+                "`predictive` prices every prefill path against the TTFT target and "
+                "constrains aggregate placement to the single-phase region covered by "
+                "measurements; `open` disables both admission checks."
+            )
+        ),
+    )
+    admission_margin: float = _f(
+        0.0,
+        NonNegative(),
+        doc="Fraction added to the TTFT admission budget to reduce boundary churn.",
+    )
+    max_connections: int = _f(
+        512, AtLeast(1), doc="Global admitted-request limit and HTTP data-pool size."
+    )
+    queue_capacity: int = _f(
+        0,
+        NonNegative(),
+        doc="Maximum requests waiting for admission. `0` rejects immediately at saturation.",
+    )
+    queue_timeout_s: float = _f(
+        0.0,
+        NonNegative(),
+        doc=(
+            "Maximum admission wait, capped by the original request deadline. "
+            "Must be positive when queueing is enabled."
+        ),
+    )
+    prefill_concurrency: int = _f(
+        0,
+        NonNegative(),
+        doc=(
+            "Resident prefill requests per engine; `0` sets no limit. Queueing requires a "
+            "positive measured value. At most `serving.max_connections`."
+        ),
+    )
+    decode_concurrency: int = _f(
+        0,
+        NonNegative(),
+        doc=(
+            "Resident decode requests per engine; `0` sets no limit. Queueing requires a "
+            "positive measured value. At most `serving.max_connections`."
+        ),
+    )
+    handoff_timeout_s: float = _f(
+        0.0,
+        NonNegative(),
+        doc=(
+            "Caps KV-handoff age from the start of the prefill HTTP request. Queueing or retry "
+            "requires a positive cap below the verified backend lease (and below "
+            "`serving.request_timeout_s`). At `0` the original request deadline supplies the cap."
+        ),
+    )
+    max_attempts: int = _f(
+        1, Between(1, 3), doc="Maximum complete prefill/decode attempts per original request."
+    )
+    retry_base_s: float = _f(
+        0.1,
+        Positive(),
+        doc="Initial exponential-backoff ceiling. Full jitter samples from zero to the ceiling.",
+    )
+    retry_cap_s: float = _f(
+        1.0, Positive(), doc="Maximum backoff ceiling. At least `serving.retry_base_s`."
+    )
+    retry_budget: int = _f(
+        10,
+        NonNegative(),
+        doc="Initial and maximum retry-credit pool. Each retry spends one credit.",
+    )
+    retry_replenish: float = _f(
+        0.1,
+        Between(0.0, 1.0),
+        doc="Credits added after each successful original request.",
+    )
+    max_request_bytes: int = _f(
+        4194304, AtLeast(1), doc="Maximum HTTP request-body size, enforced while reading."
+    )
+    max_response_bytes: int = _f(
+        16777216,
+        AtLeast(1),
+        doc=(
+            "Maximum retained bytes for each non-streaming attempt and the streaming "
+            "pre-output metadata buffer."
+        ),
+    )
+    request_timeout_s: float = _f(
+        600.0,
+        Positive(),
+        doc="End-to-end completion deadline from HTTP ingress through response delivery.",
+    )
+    prefill_timeout_s: float = _f(120.0, Positive(), doc="Prefill-leg deadline.")
 
 
 @attrs.frozen(kw_only=True)
 class Engine:
-    control_connections: int = _f(0, NonNegative())
-    decode_read_timeout_s: float = _f(60.0, NonNegative())
-    first_token_timeout_s: float = _f(2.5, Positive())
-    tokenize: bool = True
-    tokenize_timeout_s: float = _f(2.0, Positive())
-    chars_per_token: float = _f(3.8, Positive())
-    pool_timeout_s: float = _f(5.0, Positive())
-    connect_timeout_s: float = _f(10.0, Positive())
-    health_timeout_s: float = _f(5.0, Positive())
+    """How the router talks to engines over HTTP (manual 4.1, 6)."""
+
+    control_connections: int = _f(
+        0,
+        NonNegative(),
+        doc=(
+            "HTTP connections reserved for health and recovery. "
+            "`0` derives two per engine, with a minimum of four."
+        ),
+    )
+    decode_read_timeout_s: float = _f(
+        60.0,
+        NonNegative(),
+        doc=(
+            "Maximum silent interval between decode chunks after the first token. "
+            "`0` disables the gap limit."
+        ),
+    )
+    first_token_timeout_s: float = _f(
+        2.5,
+        Positive(),
+        doc=(
+            "Deadline from opening the decode stream to the first generated token, and for "
+            "each functional-verification leg."
+        ),
+    )
+    tokenize: bool = _f(
+        True, doc="Request the exact input length from the dialect's tokenisation endpoint."
+    )
+    tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")
+    chars_per_token: float = _f(
+        3.8,
+        Positive(),
+        doc="Character-to-token fallback ratio for the quadratic prefill estimate.",
+    )
+    pool_timeout_s: float = _f(
+        5.0,
+        Positive(),
+        doc="Maximum wait for an engine HTTP connection on the serving or control pool.",
+    )
+    connect_timeout_s: float = _f(10.0, Positive(), doc="TCP-connect deadline for engine requests.")
+    health_timeout_s: float = _f(
+        5.0,
+        Positive(),
+        doc="Deadline for preflight, breaker and readmission health probes.",
+    )
 
     def control_pool_size(self, engine_count: int) -> int:
         """`0` derives two per engine with a minimum of four (manual 4.1)."""
@@ -111,83 +272,237 @@ class Engine:
 
 @attrs.frozen(kw_only=True)
 class Profiles:
-    path: str = "runs/profiles.json"
+    """Engine latency profiles."""
+
+    path: str = _f(
+        "runs/profiles.json",
+        doc="Profile store read by the router and written by `narwhal-profile`.",
+    )
 
 
 @attrs.frozen(kw_only=True)
 class Health:
-    interval_s: float = _f(2.0, Positive(), doc="health probe period per engine")
-    window_s: float = _f(30.0, Positive(), doc="latency-residual window for ejection")
-    min_samples: int = _f(5, AtLeast(1), doc="residuals required before ejection can fire")
-    eject_ratio: float = _f(3.0, AtLeast(1.0), doc="median observed/predicted latency that ejects")
-    failure_threshold: int = _f(3, AtLeast(1), doc="consecutive failed probes that eject")
-    readmit_successes: int = _f(2, AtLeast(1), doc="consecutive good probes before verification")
+    """Health probing and latency-residual ejection."""
+
+    interval_s: float = _f(2.0, Positive(), doc="Health probe period per engine.")
+    window_s: float = _f(30.0, Positive(), doc="Latency-residual window for ejection.")
+    min_samples: int = _f(
+        5,
+        AtLeast(1),
+        doc=(
+            "Residuals required before ejection can fire. At most "
+            "floor(`recovery.health.window_s` / `controller.monitor_interval_s`): each monitor "
+            "pass contributes at most one residual per engine."
+        ),
+    )
+    eject_ratio: float = _f(
+        3.0, AtLeast(1.0), doc="Median observed/predicted latency ratio that ejects."
+    )
+    failure_threshold: int = _f(3, AtLeast(1), doc="Consecutive failed probes that eject.")
+    readmit_successes: int = _f(
+        2, AtLeast(1), doc="Consecutive good probes before readmission verification."
+    )
 
 
 @attrs.frozen(kw_only=True)
 class Breaker:
-    failure_threshold: int = _f(5, AtLeast(1), doc="counted failures within window_s that open")
-    window_s: float = _f(30.0, Positive())
-    open_s: float = _f(10.0, Positive(), doc="time open before a half-open verification")
+    """Per-engine circuit breaker."""
+
+    failure_threshold: int = _f(
+        5, AtLeast(1), doc="Counted failures within `window_s` that open the breaker."
+    )
+    window_s: float = _f(30.0, Positive(), doc="Window in which failures are counted.")
+    open_s: float = _f(10.0, Positive(), doc="Time open before a half-open verification.")
 
 
 @attrs.frozen(kw_only=True)
 class Recovery:
-    failure_quarantine_s: float = _f(0.0, NonNegative())
-    restart_hold_s: float = _f(
-        5.0, NonNegative(), doc="hold after an engine restart before placement"
+    """Quarantine, restart holds, shutdown drain, health and breakers."""
+
+    failure_quarantine_s: float = _f(
+        0.0,
+        NonNegative(),
+        doc="Time a failed engine remains excluded from placement. `0` disables quarantine.",
     )
-    shutdown_grace_s: float = _f(30.0, NonNegative(), doc="in-flight drain bound on SIGTERM")
+    restart_hold_s: float = _f(
+        5.0, NonNegative(), doc="Hold after an engine restart before placement."
+    )
+    shutdown_grace_s: float = _f(30.0, NonNegative(), doc="In-flight drain bound on SIGTERM.")
     health: Health = attrs.field(factory=Health)
     breaker: Breaker = attrs.field(factory=Breaker)
 
 
 @attrs.frozen(kw_only=True)
 class Thresholds:
-    expand: float = _f(1.0, Positive())
-    shrink: float = _f(0.5, NonNegative())
-    cooldown_s: float = _f(10.0, NonNegative())
-    sustained_intervals: int = _f(3, AtLeast(1))
-    dwell_s: float = _f(0.0, NonNegative())
-    panic_ratio: float = _f(0.0, ZeroOrAtLeast(1))
-    flip_resident_guard: int = _f(0, NonNegative())
+    """Role-control thresholds (manual 7)."""
+
+    expand: float = _f(
+        1.0, Positive(), doc="SLO-relative pool load that initiates reactive expansion."
+    )
+    shrink: float = _f(
+        0.5,
+        NonNegative(),
+        doc=(
+            "Maximum projected source load for ordinary consolidation. Lower than "
+            "`controller.thresholds.expand`. Mixed-pressure D-to-P moves may exceed it."
+        ),
+    )
+    cooldown_s: float = _f(10.0, NonNegative(), doc="Minimum time between prefill-to-decode moves.")
+    sustained_intervals: int = _f(
+        3,
+        AtLeast(1),
+        doc=(
+            "Minimum confirmation count for nonurgent, incomplete-demand and "
+            "mixed-pressure proposals."
+        ),
+    )
+    dwell_s: float = _f(
+        0.0, NonNegative(), doc="Minimum residence time after an engine changes role."
+    )
+    panic_ratio: float = _f(
+        0.0,
+        ZeroOrAtLeast(1),
+        doc=(
+            "Decode-load multiple that may bypass cooldown while prefill is below `shrink`. "
+            "`0` disables it."
+        ),
+    )
+    flip_resident_guard: int = _f(
+        0,
+        NonNegative(),
+        doc=(
+            "Maximum resident decode streams allowed on a D-to-P candidate. `0` disables the guard."
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
 class Reactive:
-    window_s: float = _f(120.0, Positive())
-    confirmations: int = _f(2, AtLeast(1))
-    utilization: float = _f(0.8, Between(0.0, 1.0, low_open=True))
-    min_arrivals: int = _f(10, AtLeast(1))
-    demand_floor: float = _f(0.5, Positive())
-    movement_margin: float = _f(0.05, Between(0.0, 1.0, high_open=True))
-    step_s: float = _f(5.0, Positive())
-    evidence_span_s: float = _f(60.0, Positive())
-    evidence_max_span_s: float = _f(120.0, Positive())
-    evidence_min_arrivals: int = _f(10, AtLeast(1))
-    demand_rise_tolerance: float = _f(0.25, NonNegative())
-    decode_correction_min: float = _f(0.5, Positive())
-    decode_correction_max: float = _f(2.0, Positive())
-    decode_correction_alpha: float = _f(0.2, Between(0.0, 1.0, low_open=True))
-    decode_correction_min_samples: int = _f(8, AtLeast(1))
+    """Reactive-controller parameters (manual 7.5-7.7)."""
+
+    window_s: float = _f(120.0, Positive(), doc="Demand-estimation window.")
+    confirmations: int = _f(
+        2,
+        AtLeast(1),
+        doc=(
+            "Required consecutive identical adjacent proposals for nonurgent, "
+            "incomplete-demand and mixed-pressure moves."
+        ),
+    )
+    utilization: float = _f(
+        0.8,
+        Between(0.0, 1.0, low_open=True),
+        doc="Fraction of each engine treated as usable capacity.",
+    )
+    min_arrivals: int = _f(10, AtLeast(1), doc="Minimum arrival count required for a decision.")
+    demand_floor: float = _f(0.5, Positive(), doc="Minimum accepted demand signal.")
+    movement_margin: float = _f(
+        0.05,
+        Between(0.0, 1.0, high_open=True),
+        doc="Required reduction in the worst projected SLO ratio before movement.",
+    )
+    step_s: float = _f(
+        5.0,
+        Positive(),
+        doc=(
+            "Minimum interval between scheduled adjacent-split evaluations. A projected "
+            "prefill TTFT breach may trigger one guarded D-to-P evaluation in between."
+        ),
+    )
+    evidence_span_s: float = _f(
+        60.0,
+        Positive(),
+        doc=(
+            "Minimum recent-arrival span for D-to-P consolidation and the short horizon of "
+            "the rising-demand test. At most `evidence_max_span_s`."
+        ),
+    )
+    evidence_max_span_s: float = _f(
+        120.0,
+        Positive(),
+        doc=(
+            "Maximum evidence duration under sparse traffic. At least `evidence_span_s` "
+            "and at most `window_s`."
+        ),
+    )
+    evidence_min_arrivals: int = _f(
+        10,
+        AtLeast(1),
+        doc="Minimum samples within the evidence span before D-to-P consolidation.",
+    )
+    demand_rise_tolerance: float = _f(
+        0.25,
+        NonNegative(),
+        doc="Maximum accepted short-horizon rise over long-horizon decode demand.",
+    )
+    decode_correction_min: float = _f(
+        0.5, Positive(), doc="Lower bound on the live/profile decode correction."
+    )
+    decode_correction_max: float = _f(
+        2.0,
+        Positive(),
+        doc="Upper bound on the live/profile decode correction. At least the minimum.",
+    )
+    decode_correction_alpha: float = _f(
+        0.2,
+        Between(0.0, 1.0, low_open=True),
+        doc="Fraction of each qualifying observation window applied to the correction.",
+    )
+    decode_correction_min_samples: int = _f(
+        8,
+        AtLeast(1),
+        doc="Required decode gaps before a window updates the correction.",
+    )
 
 
 @attrs.frozen(kw_only=True)
 class Controller:
-    enabled: bool = True
-    advisory: bool = False
-    monitor_interval_s: float = _f(1.0, Positive())
-    monitor_failure_limit: int = _f(5, AtLeast(1))
-    min_prefill: int = _f(1, AtLeast(1))
-    min_decode: int = _f(1, AtLeast(1))
-    flip_history: int = _f(1000, AtLeast(1))
+    """Role control (manual 7)."""
+
+    enabled: bool = _f(True, doc="Run the role controller; `false` keeps the configured roles.")
+    advisory: bool = _f(
+        False,
+        doc="Record proposed role splits and reasons while retaining the current roles.",
+    )
+    monitor_interval_s: float = _f(1.0, Positive(), doc="Delay between monitor passes.")
+    monitor_failure_limit: int = _f(
+        5,
+        AtLeast(1),
+        doc=(
+            "Consecutive passes with any monitoring-stage failure before degraded state "
+            "stops new admission."
+        ),
+    )
+    min_prefill: int = _f(
+        1,
+        AtLeast(1),
+        doc=(
+            "Minimum live prefill engines preserved by controller moves. At most the number "
+            "of engines with role `prefill` or `both`."
+        ),
+    )
+    min_decode: int = _f(
+        1,
+        AtLeast(1),
+        doc=(
+            "Minimum live decode engines preserved by controller moves. At most the number "
+            "of engines with role `decode` or `both`."
+        ),
+    )
+    flip_history: int = _f(
+        1000,
+        AtLeast(1),
+        doc="Maximum retained role-change records exposed by `/narwhal/state`.",
+    )
     thresholds: Thresholds = attrs.field(factory=Thresholds)
     reactive: Reactive = attrs.field(factory=Reactive)
 
 
 @attrs.frozen(kw_only=True)
 class Config:
-    engines: tuple[EngineSpec, ...] = ()
+    """The whole configuration document."""
+
+    engines: tuple[EngineSpec, ...] = _f((), doc="The engine fleet; at least one engine.")
     slo: Slo = attrs.field(factory=Slo)
     listen: Listen = attrs.field(factory=Listen)
     ctl: Ctl = attrs.field(factory=Ctl)

@@ -1,0 +1,390 @@
+"""Cross-field rules: invariants that relate two or more fields.
+
+Each rule is a small function from a structured `Config` to messages; the loader runs
+them all and collects every message. A rule names the fields it reads so the loader can
+skip it when one of them already broke its own range rule: comparing against a value
+that is itself wrong only adds a second, misleading message for one mistake.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from fractions import Fraction
+from urllib.parse import urlsplit
+
+import attrs
+
+from ._model import Config
+
+
+@attrs.frozen
+class CrossRule:
+    check: Callable[[Config], list[str]]
+    reads: tuple[str, ...]
+    """Field patterns (`engines[].url`) whose own range failures make this rule moot."""
+
+    @property
+    def doc(self) -> str:
+        return inspect.getdoc(self.check) or ""
+
+
+def cross_rules() -> tuple[CrossRule, ...]:
+    """Every cross-field rule, in the order its messages are reported."""
+    return (
+        CrossRule(_engines_present, ()),
+        CrossRule(_engine_ids, ()),
+        CrossRule(_engine_urls, ()),
+        CrossRule(_one_dialect, ()),
+        CrossRule(_one_model, ()),
+        CrossRule(_bootstrap_ports, ("engines[].bootstrap_port",)),
+        CrossRule(_role_floors, ("controller.min_prefill", "controller.min_decode")),
+        CrossRule(_retry_cap, ("serving.retry_base_s", "serving.retry_cap_s")),
+        CrossRule(
+            _queueing,
+            (
+                "serving.queue_capacity",
+                "serving.queue_timeout_s",
+                "serving.prefill_concurrency",
+                "serving.decode_concurrency",
+                "engines[].prefill_concurrency",
+                "engines[].decode_concurrency",
+            ),
+        ),
+        CrossRule(
+            _handoff_cap,
+            (
+                "serving.queue_capacity",
+                "serving.max_attempts",
+                "serving.handoff_timeout_s",
+                "serving.request_timeout_s",
+            ),
+        ),
+        CrossRule(
+            _admission_overrides,
+            (
+                "serving.max_connections",
+                "serving.prefill_concurrency",
+                "serving.decode_concurrency",
+                "engines[].prefill_concurrency",
+                "engines[].decode_concurrency",
+            ),
+        ),
+        CrossRule(_thresholds, ("controller.thresholds.expand", "controller.thresholds.shrink")),
+        CrossRule(
+            _evidence_spans,
+            (
+                "controller.reactive.evidence_span_s",
+                "controller.reactive.evidence_max_span_s",
+                "controller.reactive.window_s",
+            ),
+        ),
+        CrossRule(
+            _decode_correction,
+            (
+                "controller.reactive.decode_correction_min",
+                "controller.reactive.decode_correction_max",
+            ),
+        ),
+        CrossRule(
+            _health_samples,
+            (
+                "recovery.health.min_samples",
+                "recovery.health.window_s",
+                "controller.monitor_interval_s",
+            ),
+        ),
+    )
+
+
+def _engines_present(cfg: Config) -> list[str]:
+    """`engines` lists at least one engine."""
+    if not cfg.engines:
+        return ["engines: at least one engine is required"]
+    return []
+
+
+def _engine_ids(cfg: Config) -> list[str]:
+    """Engine ids are non-blank and unique."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for index, spec in enumerate(cfg.engines):
+        if not spec.id.strip():
+            out.append(f"engines[{index}].id: {spec.id!r} must not be empty or blank")
+        elif spec.id in seen:
+            out.append(f"engines[{index}].id: duplicate id {spec.id!r}")
+        seen.add(spec.id)
+    return out
+
+
+def _url_problem(url: str) -> tuple[str | None, tuple[str, str, int] | None]:
+    """A problem with an engine URL, or None and its (scheme, host, port) identity."""
+    if any(ch.isspace() for ch in url):
+        return "must not contain whitespace", None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        # urlsplit raises for out-of-range or non-numeric ports and malformed IPv6 hosts.
+        return "is not a valid url with a numeric port in 1..65535", None
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://", None
+    host = parts.hostname
+    if not host:
+        return "has no host", None
+    if port == 0:
+        return "is not a valid url with a numeric port in 1..65535", None
+    if parts.path not in ("", "/"):
+        return f"must not have a path beyond '/' (got {parts.path!r})", None
+    if parts.query or parts.fragment:
+        return "must not have a query or fragment", None
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    return None, (parts.scheme, host, port)
+
+
+def _engine_urls(cfg: Config) -> list[str]:
+    """Engine URLs are `http(s)://host[:port]` with no path beyond `/`, no query or
+    fragment, and no two engines share one (scheme, host, port); a missing port means
+    80 or 443."""
+    out: list[str] = []
+    seen: dict[tuple[str, str, int], int] = {}
+    for index, spec in enumerate(cfg.engines):
+        problem, identity = _url_problem(spec.url)
+        if problem is not None:
+            out.append(f"engines[{index}].url: {spec.url!r} {problem}")
+        elif identity is not None:
+            if identity in seen:
+                out.append(
+                    f"engines[{index}].url: {spec.url!r} is the same engine as "
+                    f"engines[{seen[identity]}].url"
+                )
+            else:
+                seen[identity] = index
+    return out
+
+
+def _one_dialect(cfg: Config) -> list[str]:
+    """All engines use one dialect: a vLLM prefill cannot hand KV to an SGLang decode."""
+    return _agree_with_first(cfg, "dialect", "kv handoff cannot cross engine dialects")
+
+
+def _one_model(cfg: Config) -> list[str]:
+    """All engines serve one model: KV computed for one model is meaningless to another,
+    and demand pricing uses the mean profile across the fleet (manual 7.7)."""
+    return _agree_with_first(cfg, "model", "all engines must serve one model")
+
+
+def _agree_with_first(cfg: Config, field: str, because: str) -> list[str]:
+    if not cfg.engines:
+        return []
+    first: str = getattr(cfg.engines[0], field)
+    out: list[str] = []
+    for index, spec in enumerate(cfg.engines):
+        value: str = getattr(spec, field)
+        if value != first:
+            out.append(
+                f"engines[{index}].{field}: {value!r} differs from {first!r} "
+                f"(engines[0].{field}); {because}"
+            )
+    return out
+
+
+def _bootstrap_ports(cfg: Config) -> list[str]:
+    """`bootstrap_port` is set only on SGLang engines, and never to the engine's own HTTP
+    port. Left `null` on an SGLang engine, the router uses SGLang's default, 8998."""
+    out: list[str] = []
+    for index, spec in enumerate(cfg.engines):
+        if spec.bootstrap_port is None:
+            continue
+        where = f"engines[{index}].bootstrap_port"
+        if spec.dialect != "sglang":
+            out.append(
+                f"{where}: {spec.bootstrap_port} is only used by the sglang dialect "
+                f"(dialect is {spec.dialect!r})"
+            )
+            continue
+        _, identity = _url_problem(spec.url)
+        if identity is not None and identity[2] == spec.bootstrap_port:
+            out.append(f"{where}: {spec.bootstrap_port} is the engine's own http port")
+    return out
+
+
+def _role_floors(cfg: Config) -> list[str]:
+    """`controller.min_prefill` and `controller.min_decode` fit the fleet: enough engines
+    can serve each phase (role `prefill` or `both` for prefill, `decode` or `both` for
+    decode), and `min_prefill + min_decode` is at most the number of engines, except that
+    a single engine with role `both` and both floors 1 is accepted: it serves aggregate
+    inference (manual 7.2)."""
+    if not cfg.engines:
+        return []
+    ctl = cfg.controller
+    prefill_capable = sum(spec.role in ("prefill", "both") for spec in cfg.engines)
+    decode_capable = sum(spec.role in ("decode", "both") for spec in cfg.engines)
+    out: list[str] = []
+    if ctl.min_prefill > prefill_capable:
+        out.append(
+            f"controller.min_prefill: {ctl.min_prefill} exceeds the {prefill_capable} "
+            "engine(s) with role 'prefill' or 'both'"
+        )
+    if ctl.min_decode > decode_capable:
+        out.append(
+            f"controller.min_decode: {ctl.min_decode} exceeds the {decode_capable} "
+            "engine(s) with role 'decode' or 'both'"
+        )
+    aggregate = (
+        len(cfg.engines) == 1
+        and cfg.engines[0].role == "both"
+        and ctl.min_prefill == ctl.min_decode == 1
+    )
+    total = ctl.min_prefill + ctl.min_decode
+    if total > len(cfg.engines) and not aggregate:
+        out.append(
+            f"controller: min_prefill + min_decode = {total} exceeds the "
+            f"{len(cfg.engines)} configured engine(s)"
+        )
+    return out
+
+
+def _retry_cap(cfg: Config) -> list[str]:
+    """`serving.retry_cap_s` is at least `serving.retry_base_s`."""
+    s = cfg.serving
+    if s.retry_cap_s < s.retry_base_s:
+        return [
+            f"serving.retry_cap_s: {s.retry_cap_s!r} must be at least the base value "
+            f"serving.retry_base_s={s.retry_base_s!r}"
+        ]
+    return []
+
+
+def _effective(override: int | None, inherited: int) -> int:
+    return inherited if override is None else override
+
+
+def _queueing(cfg: Config) -> list[str]:
+    """Queueing (`serving.queue_capacity > 0`) requires a positive `serving.queue_timeout_s`
+    and a positive prefill and decode concurrency for every engine, after per-engine
+    overrides."""
+    s = cfg.serving
+    if s.queue_capacity <= 0:
+        return []
+    because = f"when queueing is enabled (serving.queue_capacity={s.queue_capacity})"
+    out: list[str] = []
+    if s.queue_timeout_s <= 0:
+        out.append(f"serving.queue_timeout_s: {s.queue_timeout_s!r} must be positive {because}")
+    for phase in ("prefill", "decode"):
+        inherited: int = getattr(s, f"{phase}_concurrency")
+        overrides: list[int | None] = [
+            getattr(spec, f"{phase}_concurrency") for spec in cfg.engines
+        ]
+        if inherited <= 0 and (not overrides or None in overrides):
+            out.append(f"serving.{phase}_concurrency: {inherited} must be positive {because}")
+        out.extend(
+            f"engines[{index}].{phase}_concurrency: {value} must be positive {because}"
+            for index, value in enumerate(overrides)
+            if value is not None and value <= 0
+        )
+    return out
+
+
+def _handoff_cap(cfg: Config) -> list[str]:
+    """Queueing or retries (`serving.max_attempts > 1`) require a positive
+    `serving.handoff_timeout_s`; a positive cap is below `serving.request_timeout_s`,
+    since a cap the request deadline always reaches first never applies."""
+    s = cfg.serving
+    reasons: list[tuple[str, str]] = []
+    if s.queue_capacity > 0:
+        reasons.append(("queueing", f"serving.queue_capacity={s.queue_capacity}"))
+    if s.max_attempts > 1:
+        reasons.append(("retries", f"serving.max_attempts={s.max_attempts}"))
+    if s.handoff_timeout_s <= 0 and reasons:
+        features = " and ".join(name for name, _ in reasons)
+        verb = "is" if features == "queueing" else "are"
+        settings = ", ".join(setting for _, setting in reasons)
+        return [
+            f"serving.handoff_timeout_s: {s.handoff_timeout_s!r} must be positive when "
+            f"{features} {verb} enabled ({settings})"
+        ]
+    if s.handoff_timeout_s >= s.request_timeout_s:
+        return [
+            f"serving.handoff_timeout_s: {s.handoff_timeout_s!r} must be below "
+            f"serving.request_timeout_s={s.request_timeout_s!r}"
+        ]
+    return []
+
+
+def _admission_overrides(cfg: Config) -> list[str]:
+    """Admission overrides (`serving.prefill_concurrency`, `serving.decode_concurrency`
+    and each engine's overrides) are at most `serving.max_connections`, keeping admission
+    within the dispatch pool (manual 4.1)."""
+    limit = cfg.serving.max_connections
+    named: list[tuple[str, int | None]] = [
+        ("serving.prefill_concurrency", cfg.serving.prefill_concurrency),
+        ("serving.decode_concurrency", cfg.serving.decode_concurrency),
+    ]
+    for index, spec in enumerate(cfg.engines):
+        named.append((f"engines[{index}].prefill_concurrency", spec.prefill_concurrency))
+        named.append((f"engines[{index}].decode_concurrency", spec.decode_concurrency))
+    return [
+        f"{path}: {value} exceeds serving.max_connections={limit}"
+        for path, value in named
+        if value is not None and value > limit
+    ]
+
+
+def _thresholds(cfg: Config) -> list[str]:
+    """`controller.thresholds.shrink` is lower than `controller.thresholds.expand`."""
+    t = cfg.controller.thresholds
+    if t.shrink >= t.expand:
+        return [
+            f"controller.thresholds.shrink: {t.shrink!r} must be lower than "
+            f"controller.thresholds.expand={t.expand!r}"
+        ]
+    return []
+
+
+def _evidence_spans(cfg: Config) -> list[str]:
+    """`evidence_span_s <= evidence_max_span_s <= window_s` in `controller.reactive`."""
+    r = cfg.controller.reactive
+    out: list[str] = []
+    if r.evidence_span_s > r.evidence_max_span_s:
+        out.append(
+            f"controller.reactive.evidence_span_s: {r.evidence_span_s!r} must be at most "
+            f"controller.reactive.evidence_max_span_s={r.evidence_max_span_s!r}"
+        )
+    if r.evidence_max_span_s > r.window_s:
+        out.append(
+            f"controller.reactive.evidence_max_span_s: {r.evidence_max_span_s!r} must be at "
+            f"most controller.reactive.window_s={r.window_s!r}"
+        )
+    return out
+
+
+def _decode_correction(cfg: Config) -> list[str]:
+    """`controller.reactive.decode_correction_max` is at least `decode_correction_min`."""
+    r = cfg.controller.reactive
+    if r.decode_correction_max < r.decode_correction_min:
+        return [
+            f"controller.reactive.decode_correction_max: {r.decode_correction_max!r} must be "
+            f"at least controller.reactive.decode_correction_min={r.decode_correction_min!r}"
+        ]
+    return []
+
+
+def _health_samples(cfg: Config) -> list[str]:
+    """`recovery.health.min_samples` is at most
+    floor(`recovery.health.window_s` / `controller.monitor_interval_s`): each monitor
+    pass contributes at most one residual per engine (manual 7)."""
+    health = cfg.recovery.health
+    interval = cfg.controller.monitor_interval_s
+    # Operators write decimals: 0.3 / 0.1 must floor to 3, which binary floats get wrong
+    # (2.9999999999999996), so divide the shortest decimal forms exactly.
+    bound = math.floor(Fraction(repr(health.window_s)) / Fraction(repr(interval)))
+    if health.min_samples > bound:
+        return [
+            f"recovery.health.min_samples: {health.min_samples} exceeds "
+            "floor(recovery.health.window_s / controller.monitor_interval_s) = "
+            f"floor({health.window_s!r} / {interval!r}) = {bound}"
+        ]
+    return []

@@ -1,0 +1,517 @@
+"""Loading a JSON configuration document into a `Config`, reporting every problem at once.
+
+Three checks, each collecting rather than stopping at the first failure:
+
+1. structuring with a private cattrs converter: strict JSON types and unknown keys;
+2. the per-field range rules from the model metadata, by a walker over the result;
+3. the cross-field rules of `_cross`.
+
+When structuring fails there is no `Config` to walk, yet an operator who mistyped one key
+should still learn that another value is out of range. So the loader repairs a copy of
+the document (drops unknown and mistyped keys, so they take their defaults, and fills
+required ones with placeholders) and walks that. Cross-field rules wait for a fully typed
+document: comparing a default that stands in for a mistyped value would report a problem
+that is not in the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn
+
+from ._cross import cross_rules
+from ._model import Config
+from ._paths import Path, field_pattern, format_path
+
+_INT64 = 2**63
+_SHOW_LIMIT = 40
+# Repairing a document can expose a deeper problem (a replaced engine now lacks its
+# required keys); the schema is three levels deep, so a few rounds always suffice.
+_REPAIR_ROUNDS = 4
+
+
+class ConfigError(Exception):
+    """A configuration document is invalid; `messages` holds one line per problem."""
+
+    def __init__(self, messages: Sequence[str], *, source: str = "<config>") -> None:
+        self.messages = list(messages)
+        self.source = source
+        super().__init__("\n".join(self.messages))
+
+    def __str__(self) -> str:
+        return "\n".join(self.messages)
+
+
+def load_config(document: object, *, source: str = "<config>") -> Config:
+    """Structure and check an already-parsed JSON value.
+
+    Raises ConfigError listing every problem, each message starting with the dotted path
+    of the offending value (`source` stands for the whole document).
+    """
+    converter = _make_converter()
+    try:
+        config = converter.structure(document, Config)
+    except (BaseValidationError, _Mismatch) as exc:
+        problems = _structure_problems(exc, ())
+        repaired = _repaired_config(converter, document, problems)
+        if repaired is not None:
+            problems.extend(field_problems(repaired))
+        raise ConfigError(_in_document_order(document, problems, source), source=source) from None
+
+    problems = field_problems(config)
+    messages = _in_document_order(document, problems, source)
+    broken = {field_pattern(problem.path) for problem in problems}
+    for rule in cross_rules():
+        if broken.isdisjoint(rule.reads):
+            messages.extend(rule.check(config))
+    if messages:
+        raise ConfigError(messages, source=source)
+    return config
+
+
+def load_config_file(path: str | os.PathLike[str]) -> Config:
+    """Read, parse and check a JSON configuration file.
+
+    Blocking: from async code call it through `trio.to_thread.run_sync`.
+    """
+    source = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            text = stream.read()
+    except FileNotFoundError:
+        raise ConfigError([f"{source}: no such file"], source=source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"{source}: not utf-8 text (invalid byte at offset {exc.start})"], source=source
+        ) from None
+    except OSError as exc:
+        reason = (exc.strerror or type(exc).__name__).lower()
+        raise ConfigError([f"{source}: cannot read file: {reason}"], source=source) from None
+
+    document, duplicates = _parse_json(text, source)
+    try:
+        config = load_config(document, source=source)
+    except ConfigError as exc:
+        raise ConfigError(duplicates + exc.messages, source=source) from None
+    if duplicates:
+        raise ConfigError(duplicates, source=source)
+    return config
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The JSON-ready form of `config`, every default filled in."""
+    unstructured: dict[str, Any] = _make_converter().unstructure(config)
+    return unstructured
+
+
+@attrs.frozen
+class Problem:
+    path: Path
+    text: str
+    kind: Literal["invalid", "unknown", "missing"] = "invalid"
+
+
+def field_problems(config: Config) -> list[Problem]:
+    """Every per-field rule failure in `config`, in model order."""
+    out: list[Problem] = []
+    _walk(config, (), out)
+    return out
+
+
+def _walk(node: attrs.AttrsInstance, path: Path, out: list[Problem]) -> None:
+    for field in attrs.fields(type(node)):
+        value = getattr(node, field.name)
+        here = (*path, field.name)
+        if attrs.has(type(value)):
+            _walk(value, here, out)
+        elif isinstance(value, tuple):
+            for index, item in enumerate(value):
+                _walk(item, (*here, index), out)
+        elif value is not None:
+            for rule in field.metadata.get("rules", ()):
+                text = rule.check(value)
+                if text is not None:
+                    out.append(Problem(here, text))
+
+
+# --- structuring --------------------------------------------------------------------------
+
+
+class _Mismatch(ValueError):
+    """A JSON value of the wrong type (or magnitude) for its field."""
+
+    def __init__(self, expected: str, value: object, hint: str = "") -> None:
+        self.expected = expected
+        self.value = value
+        super().__init__(f"expected {expected}, got {_show(value)}{hint}")
+
+
+def _show(value: object) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        # Not JSON (a Python caller's object) or an int past the str-conversion limit.
+        text = f"<{type(value).__name__}>"
+    if len(text) > _SHOW_LIMIT:
+        text = text[: _SHOW_LIMIT - 3] + "..."
+    return text
+
+
+def _make_converter() -> cattrs.Converter:
+    # A fresh converter per load: hooks are registered once here and never mutated, and
+    # nothing is shared between loads (style guide: no module-global converter).
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(int, _structure_int)
+    converter.register_structure_hook(float, _structure_float)
+    converter.register_structure_hook(bool, _structure_bool)
+    converter.register_structure_hook(str, _structure_str)
+    converter.register_structure_hook_factory(_is_literal, _literal_hook)
+    converter.register_structure_hook_factory(
+        _is_optional, lambda tp: _optional_hook(converter, tp)
+    )
+    converter.register_structure_hook_factory(
+        _is_homogeneous_tuple, lambda tp: _tuple_hook(converter, tp)
+    )
+    converter.register_structure_hook_factory(attrs.has, lambda cl: _object_hook(converter, cl))
+    return converter
+
+
+def _structure_int(value: object, _: object) -> int:
+    # bool is an int subclass, and cattrs would otherwise call int("3") or int(3.7).
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Mismatch("an integer", value)
+    if not -_INT64 <= value < _INT64:
+        raise _Mismatch("a 64-bit integer", value)
+    return value
+
+
+def _structure_float(value: object, _: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Mismatch("a number", value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _Mismatch("a finite number", value)
+    return number
+
+
+def _structure_bool(value: object, _: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Mismatch("true or false", value)
+    return value
+
+
+def _structure_str(value: object, _: object) -> str:
+    if not isinstance(value, str):
+        raise _Mismatch("a string", value)
+    return value
+
+
+def _is_literal(tp: Any) -> bool:
+    return get_origin(tp) is Literal
+
+
+def _literal_hook(tp: Any) -> Callable[[object, object], str]:
+    choices: tuple[str, ...] = get_args(tp)
+
+    def structure(value: object, _: object) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        expected = "one of " + ", ".join(repr(choice) for choice in choices)
+        hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
+        raise _Mismatch(expected, value, hint)
+
+    return structure
+
+
+def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _is_optional(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def _optional_hook(
+    converter: cattrs.Converter, tp: Any
+) -> Callable[[object, object], object | None]:
+    (inner,) = (arg for arg in get_args(tp) if arg is not type(None))
+    structure_inner = converter.get_structure_hook(inner)
+
+    def structure(value: object, _: object) -> object | None:
+        if value is None:
+            return None
+        try:
+            structured: object = structure_inner(value, inner)
+        except _Mismatch as exc:
+            raise _Mismatch(f"{exc.expected} or null", value) from None
+        return structured
+
+    return structure
+
+
+def _is_homogeneous_tuple(tp: Any) -> bool:
+    args = get_args(tp)
+    return get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _tuple_hook(
+    converter: cattrs.Converter, tp: Any
+) -> Callable[[object, object], tuple[Any, ...]]:
+    item_type = get_args(tp)[0]
+    structure_item = converter.get_structure_hook(item_type)
+
+    def structure(value: object, _: object) -> tuple[Any, ...]:
+        # cattrs accepts any iterable here: a string would become a tuple of characters.
+        if not isinstance(value, list):
+            raise _Mismatch("a list", value)
+        items: list[Any] = []
+        errors: list[Exception] = []
+        for index, item in enumerate(value):
+            try:
+                items.append(structure_item(item, item_type))
+            except Exception as exc:
+                exc.add_note(IterableValidationNote(f"@ index {index}", index, item_type))
+                errors.append(exc)
+        if errors:
+            raise IterableValidationError(f"while structuring {tp}", errors, tp)
+        return tuple(items)
+
+    return structure
+
+
+def _object_hook(converter: cattrs.Converter, cl: type[Any]) -> Callable[[object, object], Any]:
+    structure_fields = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True)
+
+    def structure(value: object, _: object) -> Any:
+        # The generated function indexes its input: a list or string would raise
+        # TypeError deep inside rather than say what was expected.
+        if not isinstance(value, dict):
+            raise _Mismatch("an object", value)
+        if not all(isinstance(key, str) for key in value):
+            raise _Mismatch("an object with string keys", value)
+        return structure_fields(value, cl)
+
+    return structure
+
+
+def _note(exc: BaseException, kind: type[str]) -> str | None:
+    for note in getattr(exc, "__notes__", ()):
+        if type(note) is kind:
+            return note
+    return None
+
+
+def _structure_problems(exc: BaseException, path: Path) -> list[Problem]:
+    """Translate cattrs' nested exception groups into path-named problems."""
+    if isinstance(exc, _Mismatch):
+        return [Problem(path, str(exc))]
+    if isinstance(exc, KeyError):
+        # The generated structure function indexes required keys directly.
+        return [Problem(path, "required key is missing", "missing")]
+    if isinstance(exc, ClassValidationError):
+        out: list[Problem] = []
+        for sub in exc.exceptions:
+            if isinstance(sub, ForbiddenExtraKeysError):
+                out.extend(_unknown_keys(sub, path))
+                continue
+            note = _note(sub, AttributeValidationNote)
+            if not isinstance(note, AttributeValidationNote):
+                raise exc
+            out.extend(_structure_problems(sub, (*path, note.name)))
+        return out
+    if isinstance(exc, IterableValidationError):
+        out = []
+        for sub in exc.exceptions:
+            note = _note(sub, IterableValidationNote)
+            if not isinstance(note, IterableValidationNote) or not isinstance(note.index, int):
+                raise exc
+            out.extend(_structure_problems(sub, (*path, note.index)))
+        return out
+    # Anything else is a bug in the loader, not a configuration problem: let it surface.
+    raise exc
+
+
+def _unknown_keys(exc: ForbiddenExtraKeysError, path: Path) -> list[Problem]:
+    known = [field.name for field in attrs.fields(exc.cl)]
+    return [
+        Problem((*path, key), "unknown key" + _did_you_mean(key, known), "unknown")
+        for key in sorted(exc.extra_fields)
+    ]
+
+
+# --- repair, so field rules can run despite structure errors ------------------------------
+
+_DELETE = object()
+
+
+def _repaired_config(
+    converter: cattrs.Converter, document: object, problems: list[Problem]
+) -> Config | None:
+    for _ in range(_REPAIR_ROUNDS):
+        for problem in problems:
+            document = _repair(document, problem)
+        try:
+            return converter.structure(document, Config)
+        except (BaseValidationError, _Mismatch) as exc:
+            problems = _structure_problems(exc, ())
+    return None
+
+
+def _repair(document: object, problem: Problem) -> object:
+    if not problem.path:
+        return {}
+    if problem.kind == "unknown":
+        return _replace(document, problem.path, _DELETE)
+    tp, has_default = _schema_at(problem.path)
+    if problem.kind == "invalid" and has_default:
+        return _replace(document, problem.path, _DELETE)
+    return _replace(document, problem.path, _placeholder(tp))
+
+
+def _schema_at(path: Path) -> tuple[Any, bool]:
+    """The declared type at a schema path, and whether an absent value has a default."""
+    tp: Any = Config
+    has_default = True
+    for segment in path:
+        if isinstance(segment, int):
+            tp, has_default = get_args(tp)[0], False
+        else:
+            field = attrs.fields_dict(tp)[segment]
+            tp, has_default = get_type_hints(tp)[segment], field.default is not attrs.NOTHING
+    return tp, has_default
+
+
+def _placeholder(tp: Any) -> object:
+    # Required values exist only for str fields and list items (objects); the
+    # placeholders carry no range rules, so they add no messages of their own.
+    if attrs.has(tp):
+        return {}
+    if tp is str:
+        return ""
+    return None
+
+
+def _replace(node: object, path: Path, new: object) -> object:
+    """A copy of `node` with the value at `path` replaced (or deleted), sharing the rest."""
+    head, rest = path[0], path[1:]
+    if isinstance(node, dict):
+        copy = dict(node)
+        if rest:
+            copy[head] = _replace(node[head], rest, new)
+        elif new is _DELETE:
+            copy.pop(head, None)
+        else:
+            copy[head] = new
+        return copy
+    if isinstance(node, list) and isinstance(head, int):
+        items = list(node)
+        items[head] = _replace(node[head], rest, new) if rest else new
+        return items
+    return node
+
+
+# --- ordering and rendering ---------------------------------------------------------------
+
+
+def _in_document_order(document: object, problems: list[Problem], source: str) -> list[str]:
+    ordered = sorted(problems, key=lambda problem: _position(document, problem.path))
+    return [f"{format_path(p.path) or source}: {p.text}" for p in ordered]
+
+
+def _position(document: object, path: Path) -> tuple[int, ...]:
+    # Where the value sits in the file: an operator reads the messages top to bottom
+    # alongside it. A missing required key sorts after its object's present keys.
+    position: list[int] = []
+    node: object = document
+    for segment in path:
+        if isinstance(node, dict) and segment in node:
+            position.append(list(node).index(segment))
+            node = node[segment]
+        elif isinstance(node, list) and isinstance(segment, int) and segment < len(node):
+            position.append(segment)
+            node = node[segment]
+        else:
+            position.append(len(node) if isinstance(node, dict | list) else 0)
+            node = None
+    return tuple(position)
+
+
+# --- JSON files ---------------------------------------------------------------------------
+
+
+def _parse_json(text: str, source: str) -> tuple[object, list[str]]:
+    """Parse `text`; also return a message for every duplicated object key.
+
+    The json module silently keeps the last of duplicated keys: a config with two
+    `serving` objects would lose half its settings without a word.
+    """
+    duplicated: dict[int, list[str]] = {}
+
+    def object_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        obj: dict[str, object] = {}
+        again: list[str] = []
+        for key, value in pairs:
+            if key in obj and key not in again:
+                again.append(key)
+            obj[key] = value
+        if again:
+            duplicated[id(obj)] = again
+        return obj
+
+    try:
+        document = json.loads(text, object_pairs_hook=object_pairs)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            [f"{source}: invalid json at line {exc.lineno} column {exc.colno}: {_lower(exc.msg)}"],
+            source=source,
+        ) from None
+    except RecursionError:
+        raise ConfigError([f"{source}: invalid json: nested too deeply"], source=source) from None
+    except ValueError as exc:
+        # Integers past Python's str-conversion limit (4300 digits).
+        raise ConfigError([f"{source}: invalid json: {_lower(str(exc))}"], source=source) from None
+    messages = [
+        f"{format_path(path)}: duplicate key; only its last value would be used"
+        for path in _duplicate_key_paths(document, duplicated)
+    ]
+    return document, messages
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _duplicate_key_paths(document: object, duplicated: dict[int, list[str]]) -> Iterator[Path]:
+    if not duplicated:
+        return
+    # Iterative: a document nested near the parser's depth limit must not overflow here.
+    stack: list[tuple[Path, object]] = [((), document)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            for key in duplicated.get(id(node), ()):
+                yield (*path, key)
+            stack.extend(((*path, key), value) for key, value in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend(((*path, index), item) for index, item in reversed(list(enumerate(node))))

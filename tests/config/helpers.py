@@ -1,0 +1,61 @@
+"""Small builders for configuration documents, shared by the config tests."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+from typing import Any
+
+import pytest
+
+from narwhal.config import ConfigError, load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# A message starts with a dotted path (keys that are not identifiers appear as JSON
+# strings in brackets) or with the source name standing for the whole document.
+_SEGMENT = r'(?:\[(?:\d+|"(?:[^"\\]|\\.)*")\])'
+PATH_PREFIX = re.compile(
+    rf"^(?:<config>|(?:[A-Za-z_]\w*|{_SEGMENT})(?:\.[A-Za-z_]\w*|{_SEGMENT})*): \S", re.ASCII
+)
+
+
+def engine(index: int, role: str = "both", **fields: Any) -> dict[str, Any]:
+    return {"id": f"e{index}", "url": f"http://127.0.0.1:{8100 + index}", "role": role, **fields}
+
+
+def fleet(*roles: str) -> list[dict[str, Any]]:
+    return [engine(index, role) for index, role in enumerate(roles)]
+
+
+def document(**sections: Any) -> dict[str, Any]:
+    """A valid two-engine document (one prefill, one decode) with `sections` merged in."""
+    doc: dict[str, Any] = {"engines": fleet("prefill", "decode")}
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(doc.get(name), dict):
+            doc[name] = {**doc[name], **value}
+        else:
+            doc[name] = value
+    return doc
+
+
+def with_value(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of `doc` with `value` at a dotted path such as `engines[1].role`."""
+    out = copy.deepcopy(doc)
+    node: Any = out
+    parts = re.findall(r"[^.\[\]]+|\[\d+\]", path)
+    for part in parts[:-1]:
+        node = node[int(part[1:-1])] if part.startswith("[") else node.setdefault(part, {})
+    last = parts[-1]
+    if last.startswith("["):
+        node[int(last[1:-1])] = value
+    else:
+        node[last] = value
+    return out
+
+
+def problems(doc: object) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(doc)
+    return info.value.messages

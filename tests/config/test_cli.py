@@ -1,0 +1,78 @@
+"""`narwhal validate --config FILE` as an operator runs it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import REPO
+
+
+def _validate(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "narwhal", "validate", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize("name", ["narwhal.json", "demo.json"])
+def test_valid_config_prints_the_effective_config(name: str) -> None:
+    proc = _validate(REPO / "conf" / name)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    effective = json.loads(proc.stdout)
+    assert len(effective["engines"]) == 4
+    # defaults are filled in, not only the keys the file sets
+    assert effective["controller"]["reactive"]["decode_correction_alpha"] == 0.2
+    assert effective["serving"]["max_response_bytes"] == 16777216
+
+
+def test_invalid_config_lists_every_problem(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(
+        json.dumps(
+            {
+                "engines": [{"id": "p0", "url": "http://127.0.0.1:8100"}],
+                "serving": {"max_attempt": 2, "request_timeout_s": "30"},
+                "controller": {"thresholds": {"shrink": -1}},
+            }
+        )
+    )
+    proc = _validate(path)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"narwhal: 3 problem(s) in {path}:",
+        "serving.max_attempt: unknown key; did you mean 'max_attempts'?",
+        'serving.request_timeout_s: expected a number, got "30"',
+        "controller.thresholds.shrink: -1.0 must be nonnegative",
+    ]
+
+
+def test_missing_config_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "nope.json"
+    proc = _validate(path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"narwhal: 1 problem(s) in {path}:",
+        f"{path}: no such file",
+    ]
+
+
+def test_serve_is_not_built_yet() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "narwhal", "serve", "--config", "conf/demo.json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "narwhal serve: not implemented yet" in proc.stderr

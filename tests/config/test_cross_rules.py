@@ -1,0 +1,365 @@
+"""Cross-field rules: one test per rule, each asserting its exact messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.config import load_config
+
+from .helpers import document, engine, fleet, problems, with_value
+
+
+@pytest.mark.parametrize("doc", [{}, {"engines": []}])
+def test_engines_are_required(doc: dict[str, Any]) -> None:
+    assert problems(doc) == ["engines: at least one engine is required"]
+
+
+def test_engine_ids_are_unique() -> None:
+    engines = fleet("prefill", "decode", "decode")
+    engines[1]["id"] = engines[2]["id"] = "e0"
+    assert problems(document(engines=engines)) == [
+        "engines[1].id: duplicate id 'e0'",
+        "engines[2].id: duplicate id 'e0'",
+    ]
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_engine_ids_are_not_blank(blank: str) -> None:
+    doc = with_value(document(), "engines[0].id", blank)
+    assert problems(doc) == [f"engines[0].id: {blank!r} must not be empty or blank"]
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("127.0.0.1:8100", "must start with http:// or https://"),
+        ("ftp://h:8100", "must start with http:// or https://"),
+        ("http://:8100", "has no host"),
+        ("http://h:99999", "is not a valid url with a numeric port in 1..65535"),
+        ("http://h:port", "is not a valid url with a numeric port in 1..65535"),
+        ("http://h:0", "is not a valid url with a numeric port in 1..65535"),
+        ("http://h:8100/v1", "must not have a path beyond '/' (got '/v1')"),
+        ("http://h:8100/?a=1", "must not have a query or fragment"),
+        ("http://h:8100#x", "must not have a query or fragment"),
+        ("http://h :8100", "must not contain whitespace"),
+        ("", "must start with http:// or https://"),
+    ],
+)
+def test_engine_urls_are_http_host_port(url: str, reason: str) -> None:
+    doc = with_value(document(), "engines[1].url", url)
+    assert problems(doc) == [f"engines[1].url: {url!r} {reason}"]
+
+
+@pytest.mark.parametrize(
+    "url", ["http://h:8100", "https://h:8443", "http://h:8100/", "http://h", "http://[::1]:8100"]
+)
+def test_engine_url_forms_accepted(url: str) -> None:
+    load_config(with_value(document(), "engines[1].url", url))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("http://127.0.0.1:8100", "http://127.0.0.1:8100/"),
+        ("http://h", "http://H:80"),
+        ("https://h", "https://h:443"),
+    ],
+)
+def test_engine_urls_are_unique(first: str, second: str) -> None:
+    doc = with_value(with_value(document(), "engines[0].url", first), "engines[1].url", second)
+    assert problems(doc) == [f"engines[1].url: {second!r} is the same engine as engines[0].url"]
+
+
+def test_one_dialect_per_fleet() -> None:
+    doc = with_value(document(), "engines[1].dialect", "sglang")
+    assert problems(doc) == [
+        "engines[1].dialect: 'sglang' differs from 'vllm' (engines[0].dialect); "
+        "kv handoff cannot cross engine dialects"
+    ]
+
+
+def test_one_model_per_fleet() -> None:
+    doc = with_value(document(), "engines[1].model", "llama-70b")
+    assert problems(doc) == [
+        "engines[1].model: 'llama-70b' differs from 'default' (engines[0].model); "
+        "all engines must serve one model"
+    ]
+
+
+def test_bootstrap_port_is_for_sglang_only() -> None:
+    doc = with_value(document(), "engines[0].bootstrap_port", 8998)
+    assert problems(doc) == [
+        "engines[0].bootstrap_port: 8998 is only used by the sglang dialect (dialect is 'vllm')"
+    ]
+
+
+def test_bootstrap_port_is_not_the_http_port() -> None:
+    engines = [
+        engine(0, "prefill", dialect="sglang", bootstrap_port=8100),
+        engine(1, "decode", dialect="sglang"),
+    ]
+    assert problems(document(engines=engines)) == [
+        "engines[0].bootstrap_port: 8100 is the engine's own http port"
+    ]
+
+
+def test_sglang_bootstrap_port_may_be_left_to_the_default() -> None:
+    engines = [engine(0, "prefill", dialect="sglang"), engine(1, "decode", dialect="sglang")]
+    config = load_config(document(engines=engines))
+    assert config.engines[0].bootstrap_port is None
+
+
+def test_prefill_floor_needs_prefill_capable_engines() -> None:
+    doc = document(engines=fleet("prefill", "decode", "decode"), controller={"min_prefill": 2})
+    assert problems(doc) == [
+        "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both'"
+    ]
+
+
+def test_decode_floor_needs_decode_capable_engines() -> None:
+    doc = document(engines=fleet("prefill", "prefill", "both"), controller={"min_decode": 2})
+    assert problems(doc) == [
+        "controller.min_decode: 2 exceeds the 1 engine(s) with role 'decode' or 'both'"
+    ]
+
+
+def test_floors_together_fit_the_fleet() -> None:
+    doc = document(
+        engines=fleet("both", "both", "both"), controller={"min_prefill": 2, "min_decode": 2}
+    )
+    assert problems(doc) == [
+        "controller: min_prefill + min_decode = 4 exceeds the 3 configured engine(s)"
+    ]
+
+
+def test_single_engine_with_role_both_serves_aggregate_inference() -> None:
+    config = load_config({"engines": [engine(0, "both")]})
+    assert config.controller.min_prefill == config.controller.min_decode == 1
+
+
+def test_single_engine_of_one_role_cannot_meet_both_floors() -> None:
+    assert problems({"engines": [engine(0, "prefill")]}) == [
+        "controller.min_decode: 1 exceeds the 0 engine(s) with role 'decode' or 'both'",
+        "controller: min_prefill + min_decode = 2 exceeds the 1 configured engine(s)",
+    ]
+
+
+def test_single_engine_exception_is_only_for_floors_of_one() -> None:
+    doc = {"engines": [engine(0, "both")], "controller": {"min_prefill": 2}}
+    assert problems(doc) == [
+        "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both'",
+        "controller: min_prefill + min_decode = 3 exceeds the 1 configured engine(s)",
+    ]
+
+
+def test_retry_cap_is_at_least_the_base() -> None:
+    doc = document(serving={"retry_base_s": 0.5, "retry_cap_s": 0.25})
+    assert problems(doc) == [
+        "serving.retry_cap_s: 0.25 must be at least the base value serving.retry_base_s=0.5"
+    ]
+    load_config(document(serving={"retry_base_s": 0.5, "retry_cap_s": 0.5}))
+
+
+_QUEUEING = {"queue_capacity": 10, "queue_timeout_s": 1.0, "handoff_timeout_s": 5.0}
+
+
+def test_queueing_needs_a_queue_timeout() -> None:
+    doc = document(
+        serving={
+            **_QUEUEING,
+            "queue_timeout_s": 0,
+            "prefill_concurrency": 4,
+            "decode_concurrency": 8,
+        }
+    )
+    assert problems(doc) == [
+        "serving.queue_timeout_s: 0.0 must be positive when queueing is enabled "
+        "(serving.queue_capacity=10)"
+    ]
+
+
+def test_queueing_needs_phase_concurrency() -> None:
+    assert problems(document(serving=_QUEUEING)) == [
+        "serving.prefill_concurrency: 0 must be positive when queueing is enabled "
+        "(serving.queue_capacity=10)",
+        "serving.decode_concurrency: 0 must be positive when queueing is enabled "
+        "(serving.queue_capacity=10)",
+    ]
+
+
+def test_queueing_counts_engine_overrides() -> None:
+    engines = [
+        engine(0, "prefill", prefill_concurrency=4, decode_concurrency=0),
+        engine(1, "decode", prefill_concurrency=4),
+    ]
+    doc = document(engines=engines, serving={**_QUEUEING, "decode_concurrency": 8})
+    assert problems(doc) == [
+        "engines[0].decode_concurrency: 0 must be positive when queueing is enabled "
+        "(serving.queue_capacity=10)"
+    ]
+
+
+def test_queueing_is_satisfied_when_every_engine_overrides() -> None:
+    engines = [
+        engine(i, role, prefill_concurrency=4, decode_concurrency=8)
+        for i, role in enumerate(("prefill", "decode"))
+    ]
+    load_config(document(engines=engines, serving=_QUEUEING))
+
+
+def test_queueing_needs_a_handoff_cap() -> None:
+    serving = {
+        **_QUEUEING,
+        "handoff_timeout_s": 0,
+        "prefill_concurrency": 4,
+        "decode_concurrency": 8,
+    }
+    assert problems(document(serving=serving)) == [
+        "serving.handoff_timeout_s: 0.0 must be positive when queueing is enabled "
+        "(serving.queue_capacity=10)"
+    ]
+
+
+def test_retries_need_a_handoff_cap() -> None:
+    assert problems(document(serving={"max_attempts": 2})) == [
+        "serving.handoff_timeout_s: 0.0 must be positive when retries are enabled "
+        "(serving.max_attempts=2)"
+    ]
+
+
+def test_queueing_and_retries_name_both_reasons_once() -> None:
+    serving = {
+        "queue_capacity": 5,
+        "queue_timeout_s": 1,
+        "prefill_concurrency": 4,
+        "decode_concurrency": 8,
+        "max_attempts": 3,
+    }
+    assert problems(document(serving=serving)) == [
+        "serving.handoff_timeout_s: 0.0 must be positive when queueing and retries are enabled "
+        "(serving.queue_capacity=5, serving.max_attempts=3)"
+    ]
+
+
+def test_handoff_cap_is_below_the_request_deadline() -> None:
+    doc = document(serving={"handoff_timeout_s": 30, "request_timeout_s": 30})
+    assert problems(doc) == [
+        "serving.handoff_timeout_s: 30.0 must be below serving.request_timeout_s=30.0"
+    ]
+
+
+@pytest.mark.parametrize("field", ["prefill_concurrency", "decode_concurrency"])
+def test_serving_concurrency_within_max_connections(field: str) -> None:
+    doc = document(serving={"max_connections": 64, field: 65})
+    assert problems(doc) == [f"serving.{field}: 65 exceeds serving.max_connections=64"]
+    load_config(document(serving={"max_connections": 64, field: 64}))
+
+
+@pytest.mark.parametrize("field", ["prefill_concurrency", "decode_concurrency"])
+def test_engine_concurrency_overrides_within_max_connections(field: str) -> None:
+    doc = with_value(document(serving={"max_connections": 64}), f"engines[1].{field}", 100)
+    assert problems(doc) == [f"engines[1].{field}: 100 exceeds serving.max_connections=64"]
+
+
+@pytest.mark.parametrize("shrink", [1.0, 1.5])
+def test_shrink_is_below_expand(shrink: float) -> None:
+    doc = document(controller={"thresholds": {"expand": 1.0, "shrink": shrink}})
+    assert problems(doc) == [
+        f"controller.thresholds.shrink: {shrink!r} must be lower than "
+        "controller.thresholds.expand=1.0"
+    ]
+
+
+def test_evidence_span_within_max_span() -> None:
+    doc = document(controller={"reactive": {"evidence_span_s": 90, "evidence_max_span_s": 80}})
+    assert problems(doc) == [
+        "controller.reactive.evidence_span_s: 90.0 must be at most "
+        "controller.reactive.evidence_max_span_s=80.0"
+    ]
+
+
+def test_evidence_max_span_within_window() -> None:
+    doc = document(controller={"reactive": {"evidence_max_span_s": 150, "window_s": 120}})
+    assert problems(doc) == [
+        "controller.reactive.evidence_max_span_s: 150.0 must be at most "
+        "controller.reactive.window_s=120.0"
+    ]
+
+
+def test_evidence_spans_may_be_equal() -> None:
+    reactive = {"evidence_span_s": 60, "evidence_max_span_s": 60, "window_s": 60}
+    load_config(document(controller={"reactive": reactive}))
+
+
+def test_decode_correction_bounds_are_ordered() -> None:
+    reactive = {"decode_correction_min": 1.5, "decode_correction_max": 1.2}
+    assert problems(document(controller={"reactive": reactive})) == [
+        "controller.reactive.decode_correction_max: 1.2 must be at least "
+        "controller.reactive.decode_correction_min=1.5"
+    ]
+
+
+def test_health_min_samples_fit_the_window() -> None:
+    doc = document(
+        recovery={"health": {"min_samples": 40, "window_s": 30}},
+        controller={"monitor_interval_s": 1},
+    )
+    assert problems(doc) == [
+        "recovery.health.min_samples: 40 exceeds floor(recovery.health.window_s / "
+        "controller.monitor_interval_s) = floor(30.0 / 1.0) = 30"
+    ]
+
+
+def test_health_min_samples_bound_uses_decimal_division() -> None:
+    # In binary floating point 0.3 / 0.1 is 2.9999999999999996.
+    doc = document(
+        recovery={"health": {"min_samples": 3, "window_s": 0.3}},
+        controller={"monitor_interval_s": 0.1},
+    )
+    load_config(doc)
+    assert problems(with_value(doc, "recovery.health.min_samples", 4)) == [
+        "recovery.health.min_samples: 4 exceeds floor(recovery.health.window_s / "
+        "controller.monitor_interval_s) = floor(0.3 / 0.1) = 3"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        (
+            {"serving": {"retry_base_s": -1, "retry_cap_s": 0.05}},
+            "serving.retry_base_s: -1.0 must be positive",
+        ),
+        (
+            {"controller": {"reactive": {"evidence_max_span_s": -1}}},
+            "controller.reactive.evidence_max_span_s: -1.0 must be positive",
+        ),
+        (
+            {"controller": {"monitor_interval_s": 0}},
+            "controller.monitor_interval_s: 0.0 must be positive",
+        ),
+        (
+            {"serving": {"queue_capacity": -1}},
+            "serving.queue_capacity: -1 must be nonnegative",
+        ),
+    ],
+)
+def test_a_value_outside_its_own_range_is_reported_once(
+    sections: dict[str, Any], message: str
+) -> None:
+    assert problems(document(**sections)) == [message]
+
+
+def test_all_cross_rule_problems_are_reported_together() -> None:
+    doc = document(
+        serving={"max_attempts": 2, "retry_base_s": 2.0},
+        controller={"thresholds": {"shrink": 1.0}},
+    )
+    assert problems(doc) == [
+        "serving.retry_cap_s: 1.0 must be at least the base value serving.retry_base_s=2.0",
+        "serving.handoff_timeout_s: 0.0 must be positive when retries are enabled "
+        "(serving.max_attempts=2)",
+        "controller.thresholds.shrink: 1.0 must be lower than controller.thresholds.expand=1.0",
+    ]
