@@ -128,8 +128,12 @@ def _url_problem(url: str) -> tuple[str | None, tuple[str, str, int] | None]:
     except ValueError:
         # urlsplit raises for out-of-range or non-numeric ports and malformed IPv6 hosts.
         return "is not a valid url with a numeric port in 1..65535", None
-    if parts.scheme not in ("http", "https"):
-        return "must start with http:// or https://", None
+    if parts.scheme == "https":
+        # The engine transport speaks plain HTTP/1.1; accepting https here would fail
+        # only at the first request.
+        return "uses https, which the engine transport does not support yet", None
+    if parts.scheme != "http":
+        return "must start with http://", None
     host = parts.hostname
     if not host:
         return "has no host", None
@@ -140,7 +144,7 @@ def _url_problem(url: str) -> tuple[str | None, tuple[str, str, int] | None]:
     if parts.query or parts.fragment:
         return "must not have a query or fragment", None
     if port is None:
-        port = 443 if parts.scheme == "https" else 80
+        port = 80
     return None, (parts.scheme, host, port)
 
 

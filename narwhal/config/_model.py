@@ -9,6 +9,7 @@ each field is the meaning column of the generated `conf/CONFIGURATION.md`.
 from __future__ import annotations
 
 from typing import Literal, TypeVar
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -41,7 +42,7 @@ class EngineSpec:
         )
     )
     url: str = attrs.field(
-        metadata=_meta(doc="Engine base URL, `http(s)://host:port`, with no path beyond `/`.")
+        metadata=_meta(doc="Engine base URL, `http://host:port`, with no path beyond `/`.")
     )
     dialect: Dialect = attrs.field(
         default="vllm",
@@ -77,6 +78,12 @@ class EngineSpec:
         NonNegative(),
         doc="Override of `serving.decode_concurrency` for this engine; `null` inherits it.",
     )
+
+    def origin(self) -> tuple[str, int]:
+        """(host, port) of a url the loader accepted."""
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        return host, parts.port or 80
 
 
 @attrs.frozen(kw_only=True)

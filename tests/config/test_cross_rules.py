@@ -34,8 +34,8 @@ def test_engine_ids_are_not_blank(blank: str) -> None:
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
-        ("127.0.0.1:8100", "must start with http:// or https://"),
-        ("ftp://h:8100", "must start with http:// or https://"),
+        ("127.0.0.1:8100", "must start with http://"),
+        ("ftp://h:8100", "must start with http://"),
         ("http://:8100", "has no host"),
         ("http://h:99999", "is not a valid url with a numeric port in 1..65535"),
         ("http://h:port", "is not a valid url with a numeric port in 1..65535"),
@@ -44,7 +44,8 @@ def test_engine_ids_are_not_blank(blank: str) -> None:
         ("http://h:8100/?a=1", "must not have a query or fragment"),
         ("http://h:8100#x", "must not have a query or fragment"),
         ("http://h :8100", "must not contain whitespace"),
-        ("", "must start with http:// or https://"),
+        ("https://h:8443", "uses https, which the engine transport does not support yet"),
+        ("", "must start with http://"),
     ],
 )
 def test_engine_urls_are_http_host_port(url: str, reason: str) -> None:
@@ -53,7 +54,7 @@ def test_engine_urls_are_http_host_port(url: str, reason: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["http://h:8100", "https://h:8443", "http://h:8100/", "http://h", "http://[::1]:8100"]
+    "url", ["http://h:8100", "http://h:8100/", "http://h", "http://[::1]:8100"]
 )
 def test_engine_url_forms_accepted(url: str) -> None:
     load_config(with_value(document(), "engines[1].url", url))
@@ -64,7 +65,6 @@ def test_engine_url_forms_accepted(url: str) -> None:
     [
         ("http://127.0.0.1:8100", "http://127.0.0.1:8100/"),
         ("http://h", "http://H:80"),
-        ("https://h", "https://h:443"),
     ],
 )
 def test_engine_urls_are_unique(first: str, second: str) -> None:
