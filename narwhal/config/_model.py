@@ -213,6 +213,16 @@ class Serving:
             "pre-output metadata buffer."
         ),
     )
+    client_stall_s: float = _f(
+        0.5,
+        Positive(),
+        doc=(
+            "A write to a client that cannot complete within this time means the client "
+            "stopped reading and its socket buffer is full (manual 4.3, client "
+            "backpressure): the connection is closed at once and the request's engine "
+            "legs are cancelled."
+        ),
+    )
     request_timeout_s: float = _f(
         600.0,
         Positive(),

@@ -26,6 +26,7 @@ class SseKind(enum.Enum):
 class SseEvent:
     kind: SseKind
     payload: bytes
+    raw: bytes  # the event as received, separator included, for verbatim relay
     error: dict[str, object] | None = None
 
 
@@ -59,7 +60,7 @@ class SseScanner:
             end, sep_len = _find_separator(buffer, start)
             if end < 0:
                 break
-            events.append(_classify(buffer[start:end]))
+            events.append(_classify(buffer[start:end], buffer[start : end + sep_len]))
             start = end + sep_len
         self._pending = buffer[start:]
         if len(self._pending) > _MAX_PENDING:
@@ -75,13 +76,13 @@ def _find_separator(buffer: bytes, start: int) -> tuple[int, int]:
     return lf, 2
 
 
-def _classify(block: bytes) -> SseEvent:
+def _classify(block: bytes, raw: bytes) -> SseEvent:
     data_lines = [line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:")]
     if not data_lines:
-        return SseEvent(SseKind.OTHER, block)
+        return SseEvent(SseKind.OTHER, block, raw)
     payload = b"\n".join(data_lines)
     if payload.strip() == b"[DONE]":
-        return SseEvent(SseKind.DONE, payload)
+        return SseEvent(SseKind.DONE, payload, raw)
     # Error events start with the "error" key in both engines' encoders; a token chunk
     # starts with "id". Anything else that fails to parse is still relayed as data.
     if payload.lstrip().startswith(b'{"error"'):
@@ -90,8 +91,8 @@ def _classify(block: bytes) -> SseEvent:
         except ValueError:
             parsed = None
         if isinstance(parsed, dict) and "error" in parsed:
-            return SseEvent(SseKind.ERROR, payload, _error_fields(parsed["error"]))
-    return SseEvent(SseKind.DATA, payload)
+            return SseEvent(SseKind.ERROR, payload, raw, _error_fields(parsed["error"]))
+    return SseEvent(SseKind.DATA, payload, raw)
 
 
 def _error_fields(error: object) -> dict[str, object]:

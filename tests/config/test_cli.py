@@ -64,15 +64,3 @@ def test_missing_config_file(tmp_path: pathlib.Path) -> None:
         f"narwhal: 1 problem(s) in {path}:",
         f"{path}: no such file",
     ]
-
-
-def test_serve_is_not_built_yet() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "narwhal", "serve", "--config", "conf/demo.json"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=REPO,
-    )
-    assert proc.returncode == 2
-    assert "narwhal serve: not implemented yet" in proc.stderr

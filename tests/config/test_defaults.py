@@ -51,6 +51,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "serving.retry_replenish": (0.1, "0.0..1.0"),
     "serving.max_request_bytes": (4194304, ">= 1"),
     "serving.max_response_bytes": (16777216, ">= 1"),
+    "serving.client_stall_s": (0.5, "> 0"),  # (model) manual 4.3 client backpressure
     # manual 6
     "serving.request_timeout_s": (600.0, "> 0"),
     "serving.prefill_timeout_s": (120.0, "> 0"),

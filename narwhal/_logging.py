@@ -1,0 +1,39 @@
+"""Structured logs: one JSON object per line, with the event's fields at top level."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+# Attributes every LogRecord has; anything else came from `extra=` and is ours to emit.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(
+            (key, value)
+            for key, value in record.__dict__.items()
+            if key not in _STANDARD and not key.startswith("_")
+        )
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("narwhal")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

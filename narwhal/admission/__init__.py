@@ -1,0 +1,8 @@
+"""Admission: the global gate and queue, retries, and (with profiles) TTFT pricing."""
+
+from ._gate import AdmissionGate as AdmissionGate, GateStatistics as GateStatistics
+from ._retry import (
+    RetryBudget as RetryBudget,
+    backoff_ceiling as backoff_ceiling,
+    full_jitter as full_jitter,
+)

@@ -1,0 +1,84 @@
+"""The global admission gate: at most serving.max_connections admitted requests, and a
+bounded FIFO of requests waiting for a slot (manual 4.2).
+
+trio's CapacityLimiter wakes waiters in arrival order, so the queue is FIFO without any
+bookkeeping of our own; the capacity bound is checked before a request starts to wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from .._errors import Refused
+
+
+@attrs.frozen
+class GateStatistics:
+    admitted: int
+    max_admitted: int
+    waiting: int
+    queue_capacity: int
+
+
+class AdmissionGate:
+    def __init__(self, *, max_admitted: int, queue_capacity: int) -> None:
+        self._limiter = trio.CapacityLimiter(max_admitted)
+        self.queue_capacity = queue_capacity
+
+    def reconfigure(self, *, max_admitted: int, queue_capacity: int) -> None:
+        self._limiter.total_tokens = max_admitted
+        self.queue_capacity = queue_capacity
+
+    def statistics(self) -> GateStatistics:
+        stats = self._limiter.statistics()
+        return GateStatistics(
+            admitted=stats.borrowed_tokens,
+            max_admitted=int(stats.total_tokens),
+            waiting=stats.tasks_waiting,
+            queue_capacity=self.queue_capacity,
+        )
+
+    @asynccontextmanager
+    async def admitted(
+        self, *, queue_timeout_s: float, retry_after_s: float | None = None
+    ) -> AsyncIterator[float]:
+        """Hold an admission slot for the body; yields the time spent queued.
+
+        Raises Refused when the gate is saturated and the queue is full (or disabled),
+        or when the wait exceeds queue_timeout_s. The caller's deadline scope caps the
+        wait too (manual 4.2: the queue timeout is capped by the request deadline).
+        """
+        borrower = object()
+        started = trio.current_time()
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(borrower)
+        except trio.WouldBlock:
+            stats = self._limiter.statistics()
+            if stats.tasks_waiting >= self.queue_capacity:
+                if self.queue_capacity == 0:
+                    message = (
+                        f"all serving.max_connections={int(stats.total_tokens)} admission "
+                        "slots are in use and queueing is off (serving.queue_capacity=0)"
+                    )
+                else:
+                    message = (
+                        f"admission queue is full (serving.queue_capacity="
+                        f"{self.queue_capacity} requests waiting)"
+                    )
+                raise Refused(message, code="queue_full", retry_after_s=retry_after_s) from None
+            with trio.move_on_after(queue_timeout_s) as wait:
+                await self._limiter.acquire_on_behalf_of(borrower)
+            if wait.cancelled_caught:
+                raise Refused(
+                    f"waited serving.queue_timeout_s={queue_timeout_s} for admission",
+                    code="queue_timeout",
+                    retry_after_s=retry_after_s,
+                ) from None
+        try:
+            yield trio.current_time() - started
+        finally:
+            self._limiter.release_on_behalf_of(borrower)

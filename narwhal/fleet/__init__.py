@@ -1,0 +1,10 @@
+"""The router's live engine registry."""
+
+from ._engine import (
+    EngineState as EngineState,
+    EngineView as EngineView,
+    Fleet as Fleet,
+    Phase as Phase,
+    Role as Role,
+    control_share as control_share,
+)

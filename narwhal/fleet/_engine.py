@@ -1,0 +1,167 @@
+"""The router's live view of each engine: pools, phase limiters, role, availability, load.
+
+Everything here is bookkeeping that the request path and the supervisor mutate; the
+decisions (placement, admission, role control) read frozen snapshots of it, so they
+stay pure functions of a snapshot and a clock value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import attrs
+import trio
+
+from ..config import Config, EngineSpec
+from ..engines import ConnectionPool, Dialect, dialect_for
+
+Role = Literal["prefill", "decode", "both"]
+Phase = Literal["prefill", "decode", "aggregate"]
+
+
+def _limit(value: int) -> float:
+    # 0 means "no per-engine limit" (manual 4.2: bounded serving is opt-in).
+    return math.inf if value == 0 else value
+
+
+@attrs.frozen
+class EngineView:
+    """What placement and admission may know about one engine at one instant."""
+
+    id: str
+    role: Role
+    available: bool
+    unavailable_reason: str | None
+    prefill_inflight: int
+    prefill_tokens_inflight: int
+    prefill_slots_free: float
+    decode_active: int
+    decode_tokens: int
+    decode_slots_free: float
+
+
+class EngineState:
+    """One engine as the router sees it; created from config, mutated in place on reload."""
+
+    def __init__(self, spec: EngineSpec, config: Config) -> None:
+        self.spec = spec
+        self.id = spec.id
+        self.dialect: Dialect = dialect_for(spec.dialect)
+        self.host, self.port = spec.origin()
+        engine_cfg = config.engine
+        self.serving_pool = ConnectionPool(
+            self.host,
+            self.port,
+            # Admission already caps requests at max_connections and each holds at most
+            # one connection per engine, so the data pool can never starve by itself.
+            max_connections=config.serving.max_connections,
+            connect_timeout_s=engine_cfg.connect_timeout_s,
+            pool_timeout_s=engine_cfg.pool_timeout_s,
+        )
+        self.control_pool = ConnectionPool(
+            self.host,
+            self.port,
+            max_connections=control_share(config),
+            connect_timeout_s=engine_cfg.connect_timeout_s,
+            pool_timeout_s=engine_cfg.pool_timeout_s,
+        )
+        self.role: Role = spec.role
+        self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
+        self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
+        # Availability. Each flag has its own owner (operator, supervisor, breaker).
+        self.drained = False
+        self.removed = False
+        # Load the router itself put on the engine.
+        self.prefill_inflight = 0
+        self.prefill_tokens_inflight = 0
+        self.decode_active = 0
+        self.decode_tokens = 0
+        self.handoffs_pending = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<EngineState {self.id} {self.role} "
+            f"[prefill {self.prefill_inflight}, decode {self.decode_active}"
+            f"{', drained' if self.drained else ''}]>"
+        )
+
+    def reconfigure(self, spec: EngineSpec, config: Config) -> None:
+        """Apply a reloaded config in place: resident requests keep their reservations."""
+        self.spec = spec
+        engine_cfg = config.engine
+        self.serving_pool.resize(config.serving.max_connections)
+        self.control_pool.resize(control_share(config))
+        for pool in (self.serving_pool, self.control_pool):
+            pool.configure(
+                connect_timeout_s=engine_cfg.connect_timeout_s,
+                pool_timeout_s=engine_cfg.pool_timeout_s,
+            )
+        self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
+        self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
+
+    def unavailable_reason(self, now: float) -> str | None:
+        if self.removed:
+            return "removed"
+        if self.drained:
+            return "drained"
+        return None
+
+    def view(self, now: float) -> EngineView:
+        reason = self.unavailable_reason(now)
+        return EngineView(
+            id=self.id,
+            role=self.role,
+            available=reason is None,
+            unavailable_reason=reason,
+            prefill_inflight=self.prefill_inflight,
+            prefill_tokens_inflight=self.prefill_tokens_inflight,
+            prefill_slots_free=self.prefill_limiter.available_tokens,
+            decode_active=self.decode_active,
+            decode_tokens=self.decode_tokens,
+            decode_slots_free=self.decode_limiter.available_tokens,
+        )
+
+    async def aclose(self) -> None:
+        await self.serving_pool.aclose()
+        await self.control_pool.aclose()
+
+
+def _concurrency(spec: EngineSpec, config: Config, phase: Literal["prefill", "decode"]) -> int:
+    override = spec.prefill_concurrency if phase == "prefill" else spec.decode_concurrency
+    if override is not None:
+        return override
+    serving = config.serving
+    return serving.prefill_concurrency if phase == "prefill" else serving.decode_concurrency
+
+
+def control_share(config: Config) -> int:
+    """Each engine's slice of the control pool (manual 4.1: 0 → two per engine, min 4)."""
+    total = config.engine.control_pool_size(len(config.engines))
+    return max(1, math.ceil(total / max(1, len(config.engines))))
+
+
+class Fleet:
+    """The engines in config order; lookups by id."""
+
+    def __init__(self, config: Config) -> None:
+        self._engines: dict[str, EngineState] = {
+            spec.id: EngineState(spec, config) for spec in config.engines
+        }
+
+    def __iter__(self) -> Iterator[EngineState]:
+        return iter(self._engines.values())
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def get(self, engine_id: str) -> EngineState | None:
+        return self._engines.get(engine_id)
+
+    def views(self, now: float) -> tuple[EngineView, ...]:
+        return tuple(engine.view(now) for engine in self._engines.values())
+
+    async def aclose(self) -> None:
+        for engine in self._engines.values():
+            await engine.aclose()

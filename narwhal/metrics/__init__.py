@@ -1,0 +1,3 @@
+"""Prometheus metrics on Narwhal's own registry."""
+
+from ._metrics import GaugeSource as GaugeSource, Metrics as Metrics

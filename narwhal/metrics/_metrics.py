@@ -1,0 +1,105 @@
+"""Prometheus metrics on Narwhal's own registry (never the global REGISTRY).
+
+Counters and histograms are updated where things happen; gauges of live state are
+read at scrape time by a collector over the router's statistics, so nothing has to be
+kept in sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+    5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+)  # fmt: skip
+
+# A gauge family produced at scrape time: (name, help, labels, samples[(labelvalues, value)]).
+GaugeSource = Callable[[], Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]]
+
+
+class _LiveGauges(Collector):
+    def __init__(self, source: GaugeSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for name, help_text, labels, samples in self._source():
+            family = GaugeMetricFamily(name, help_text, labels=labels)
+            for label_values, value in samples:
+                family.add_metric(label_values, value)
+            yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        registry = CollectorRegistry(auto_describe=True)
+        self.registry = registry
+        self.requests = Counter(
+            "narwhal_requests",
+            "Completion requests by endpoint and final outcome (ok or an error code).",
+            ["endpoint", "outcome"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "narwhal_refusals",
+            "Requests refused before reaching an engine, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.engine_failures = Counter(
+            "narwhal_engine_failures",
+            "Failed engine legs by engine, phase and failure code.",
+            ["engine", "phase", "code"],
+            registry=registry,
+        )
+        self.token_counts = Counter(
+            "narwhal_token_counts",
+            "Prompt length determinations by method (exact via /tokenize, or fallback).",
+            ["method"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "narwhal_retries",
+            "Retries started, by the failure code that caused them.",
+            ["code"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "narwhal_ttft_seconds",
+            "Time from ingress to the first generated token relayed to the client.",
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "narwhal_tpot_seconds",
+            "Mean time per output token after the first, per streamed request.",
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "narwhal_queue_wait_seconds",
+            "Time admitted requests waited in the admission queue.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "narwhal_request_duration_seconds",
+            "Time from ingress to the end of the response, by endpoint.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def add_live_gauges(self, source: GaugeSource) -> None:
+        self.registry.register(_LiveGauges(source))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

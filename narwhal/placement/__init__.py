@@ -1,0 +1,9 @@
+"""Placement decisions: pure functions of engine views."""
+
+from ._place import (
+    DEFAULT_POLICY as DEFAULT_POLICY,
+    NoPlacement as NoPlacement,
+    Placement as Placement,
+    Policy as Policy,
+    choose as choose,
+)

@@ -1,0 +1,123 @@
+"""Placement: which engines run a request's phases. Pure; no trio, no I/O.
+
+Manual chapter 5: filter by role, then availability, then exclusions (engines that
+already failed this request), then projected SLO compliance; pick the lowest cost; break
+ties by engine id. When every candidate would miss its projected SLO the request still
+runs on the cheapest one and the placement is recorded as unserved.
+
+Engines with role "both" serve aggregate inference (one leg, no KV handoff); engines with
+role "prefill" and "decode" form disaggregated pairs. A fleet that has an available pair
+disaggregates; otherwise it falls back to an available "both" engine; otherwise nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import attrs
+
+from ..fleet import EngineView
+
+Mode = Literal["disaggregated", "aggregate"]
+
+
+@attrs.frozen
+class Placement:
+    mode: Mode
+    prefill: str | None
+    decode: str
+    unserved: bool = False
+
+
+@attrs.frozen
+class NoPlacement:
+    """Why no engine could take the request: the first filter that left nothing."""
+
+    reason: str
+
+
+# A projected-SLO predicate and a cost per engine; the defaults are load-based until the
+# profile-driven versions (admission and pricing) supply their own.
+SloCheck = Callable[[EngineView], bool]
+Cost = Callable[[EngineView], float]
+
+
+def _prefill_cost(view: EngineView) -> float:
+    return float(view.prefill_tokens_inflight)
+
+
+def _decode_cost(view: EngineView) -> float:
+    return view.decode_active + view.decode_tokens * 1e-6
+
+
+def _always(view: EngineView) -> bool:
+    return True
+
+
+@attrs.frozen
+class Policy:
+    prefill_ok: SloCheck = _always
+    decode_ok: SloCheck = _always
+    prefill_cost: Cost = _prefill_cost
+    decode_cost: Cost = _decode_cost
+
+
+DEFAULT_POLICY = Policy()
+
+
+def _pick(
+    views: Sequence[EngineView],
+    roles: tuple[str, ...],
+    excluded: frozenset[str],
+    slo_ok: SloCheck,
+    cost: Cost,
+    phase: str,
+) -> tuple[EngineView | None, bool, str | None]:
+    """(engine, meets its projected SLO, reason when none)."""
+    by_role = [v for v in views if v.role in roles]
+    if not by_role:
+        return None, False, f"no engine has the {phase} role"
+    available = [v for v in by_role if v.available]
+    if not available:
+        reasons = sorted({v.unavailable_reason or "unavailable" for v in by_role})
+        return None, False, f"no {phase} engine is available ({', '.join(reasons)})"
+    allowed = [v for v in available if v.id not in excluded]
+    if not allowed:
+        return None, False, f"every available {phase} engine already failed this request"
+    compliant = [v for v in allowed if slo_ok(v)]
+    pool = compliant or allowed
+    best = min(pool, key=lambda v: (cost(v), v.id))
+    return best, bool(compliant), None
+
+
+def choose(
+    views: Sequence[EngineView],
+    *,
+    excluded: frozenset[str] = frozenset(),
+    policy: Policy = DEFAULT_POLICY,
+) -> Placement | NoPlacement:
+    prefill, prefill_meets, prefill_reason = _pick(
+        views, ("prefill",), excluded, policy.prefill_ok, policy.prefill_cost, "prefill"
+    )
+    decode, decode_meets, decode_reason = _pick(
+        views, ("decode",), excluded, policy.decode_ok, policy.decode_cost, "decode"
+    )
+    if prefill is not None and decode is not None:
+        return Placement(
+            "disaggregated", prefill.id, decode.id, unserved=not (prefill_meets and decode_meets)
+        )
+    both, both_meets, both_reason = _pick(
+        views,
+        ("both",),
+        excluded,
+        lambda v: policy.prefill_ok(v) and policy.decode_ok(v),
+        lambda v: policy.prefill_cost(v) + policy.decode_cost(v),
+        "aggregate",
+    )
+    if both is not None:
+        return Placement("aggregate", None, both.id, unserved=not both_meets)
+    has_pairs = any(v.role in ("prefill", "decode") for v in views)
+    if has_pairs:
+        return NoPlacement(prefill_reason or decode_reason or "no engine pair")
+    return NoPlacement(both_reason or "no engine")

@@ -1,0 +1,85 @@
+"""The ASGI application: OpenAI-compatible completions plus Narwhal's own endpoints."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from typing import Any
+
+from .._errors import NarwhalError, NotFound
+from ._client import ClientChannel, Receive, Send, json_bytes
+from ._context import ServingContext
+from ._flow import Flow
+from ._request import request_id_from_header
+from ._state import live_gauges, state_document
+
+log = logging.getLogger("narwhal.app")
+
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class App:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.flow = Flow(ctx)
+        ctx.metrics.add_live_gauges(lambda: live_gauges(ctx))
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            # No lifespan protocol: hypercorn continues without it when the app raises.
+            raise RuntimeError(f"narwhal serves http only, not {scope['type']}")
+        method = scope["method"]
+        path = scope["path"]
+        headers = scope.get("headers", [])
+        request_id = request_id_from_header(
+            next((v for k, v in headers if k == b"x-request-id"), None)
+        )
+        try:
+            if method == "POST" and path == "/v1/completions":
+                await self.flow.handle("completions", dict(scope), receive, send)
+            elif method == "POST" and path == "/v1/chat/completions":
+                await self.flow.handle("chat", dict(scope), receive, send)
+            elif method == "GET" and path == "/health":
+                await self._health(send, request_id)
+            elif method == "GET" and path == "/v1/models":
+                await self._models(send, request_id)
+            elif method == "GET" and path == "/narwhal/state":
+                body = json_bytes(state_document(self.ctx))
+                await ClientChannel(send, request_id).send_json(200, body)
+            elif method == "GET" and path == "/metrics":
+                await self._metrics(send)
+            else:
+                raise NotFound(f"no route for {method} {path}")
+        except NarwhalError as exc:
+            await ClientChannel(send, request_id).send_error(exc)
+
+    async def _health(self, send: Send, request_id: str) -> None:
+        ctx = self.ctx
+        reason = ctx.degraded_reason
+        if reason is None and not ctx.accepting:
+            reason = "shutting down"
+        status = 200 if reason is None else 503
+        body = {"status": "ok" if reason is None else "unavailable", "reason": reason}
+        await ClientChannel(send, request_id).send_json(status, json_bytes(body))
+
+    async def _models(self, send: Send, request_id: str) -> None:
+        data = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "narwhal"}
+            for model in self.ctx.models
+        ]
+        body = json_bytes({"object": "list", "data": data})
+        await ClientChannel(send, request_id).send_json(200, body)
+
+    async def _metrics(self, send: Send) -> None:
+        body = self.ctx.metrics.render()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", _METRICS_TYPE),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})

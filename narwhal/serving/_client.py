@@ -1,0 +1,134 @@
+"""Writing to the client through ASGI: JSON responses, SSE streams, terminal errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+
+import trio
+
+from .._errors import BadRequest, NarwhalError, PayloadTooLarge
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+def json_bytes(document: object) -> bytes:
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+class ClientChannel:
+    """One response. `started` means the status line is out: no more HTTP errors."""
+
+    __slots__ = ("_request_id", "_send", "finished", "started", "status")
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self._request_id = request_id.encode()
+        self.started = False
+        self.finished = False
+        self.status = 0
+
+    async def _start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"x-request-id", self._request_id)],
+            }
+        )
+
+    async def send_json(
+        self, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
+        await self._start(
+            status,
+            [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                *headers,
+            ],
+        )
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def start_stream(self) -> None:
+        await self._start(
+            200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        )
+
+    async def send_chunk(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_stream(self) -> None:
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def send_error(self, error: NarwhalError) -> None:
+        """An HTTP error before the response started, else a terminal SSE error event.
+
+        The error event is never followed by `data: [DONE]`: clients must be able to
+        tell a failed stream from a finished one (manual 4.3).
+        """
+        if self.finished:
+            return
+        envelope = json_bytes(error.envelope())
+        if not self.started:
+            await self.send_json(error.status, envelope, error.headers())
+            return
+        self.finished = True
+        await self._send(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + envelope + b"\n\n",
+                "more_body": False,
+            }
+        )
+
+
+async def read_body(receive: Receive, content_length: int | None, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit`."""
+    if content_length is not None and content_length > limit:
+        raise PayloadTooLarge(
+            f"request body of {content_length} bytes exceeds serving.max_request_bytes={limit}"
+        )
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds serving.max_request_bytes={limit}")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                raise BadRequest("invalid content-length header") from None
+    return None
+
+
+async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> None:
+    """After the body is read, the next ASGI message can only be a disconnect."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_gone()
+            return
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,68 @@
+"""Shared state of the serving side: config, fleet, gate, budget, metrics, records."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ..admission import AdmissionGate, RetryBudget
+from ..config import Config
+from ..fleet import Fleet
+from ..metrics import Metrics
+
+log = logging.getLogger("narwhal.request")
+
+
+@attrs.define(eq=False)
+class RequestRecord:
+    """A retained request, for /narwhal/state; removed when its response ends."""
+
+    id: str
+    endpoint: str
+    arrival: float
+    stream: bool = False
+    stage: str = "reading"
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    attempts: int = 0
+    prompt_tokens: int | None = None
+    token_count_method: str | None = None
+
+
+class ServingContext:
+    def __init__(self, config: Config, *, seed: int | None = None) -> None:
+        self.config = config
+        self.fleet = Fleet(config)
+        self.gate = AdmissionGate(
+            max_admitted=config.serving.max_connections,
+            queue_capacity=config.serving.queue_capacity,
+        )
+        self.retry_budget = RetryBudget(
+            maximum=float(config.serving.retry_budget),
+            replenish=config.serving.retry_replenish,
+        )
+        self.metrics = Metrics()
+        self.rng = random.Random(seed)
+        self.retained = 0
+        self.records: dict[int, RequestRecord] = {}
+        self.outcomes: Counter[str] = Counter()
+        self.unsized_offers = 0
+        self.token_methods: Counter[str] = Counter()
+        self.models = tuple(sorted({spec.model for spec in config.engines}))
+        self.started_at = trio.current_time()
+        # Set by the supervisor when Narwhal cannot make sound decisions (manual 7:
+        # monitor failures); new admissions are refused with this reason.
+        self.degraded_reason: str | None = None
+        self.accepting = True
+        # Other subsystems (controller, recovery) add sections to /narwhal/state.
+        self.state_providers: list[tuple[str, Callable[[], object]]] = []
+
+    @property
+    def retained_ceiling(self) -> int:
+        serving = self.config.serving
+        return serving.max_connections + serving.queue_capacity

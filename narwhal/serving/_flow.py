@@ -1,0 +1,902 @@
+"""One completion request, from ingress to the last byte (manual 4.2, 4.3, 5, 6).
+
+Each request is one trio nursery inside one deadline scope (serving.request_timeout_s,
+from ingress through tokenisation, queueing, backoff, engine work and client writes).
+Inside it run the request itself and a watcher that cancels everything the moment the
+client disconnects, which closes the engine connections so the engines abort too.
+
+Engine legs have their own timers:
+- prefill: serving.prefill_timeout_s around the prefill HTTP request;
+- handoff: serving.handoff_timeout_s from the start of the prefill request until the
+  decode request is sent, so a decode never runs against KV blocks the producer may
+  have released; an expired handoff is retried with a fresh prefill;
+- first token: engine.first_token_timeout_s from before the decode stream opens until
+  the first generated token;
+- decode gap: engine.decode_read_timeout_s between transport chunks after that.
+One CancelScope per stream carries the first-token and gap timers by moving its
+deadline, which is cheaper than a scope per chunk.
+
+What the client sees: before the response starts, failures are HTTP errors with an
+OpenAI-style envelope. A streaming response commits 200 just before the decode stream
+opens; from then on any failure is a terminal `data: {"error": ...}` event with no
+`[DONE]`. Retries happen only before that commit (or, for non-streaming requests,
+before the body is sent), only for transient failures, within serving.max_attempts and
+the retry budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import trio
+
+from .._errors import (
+    RETRYABLE_ENGINE_STATUSES,
+    EngineFailed,
+    Expired,
+    NarwhalError,
+    NotFound,
+    Refused,
+    Unavailable,
+    client_status_for_engine_status,
+)
+from ..admission import full_jitter
+from ..config import Config
+from ..engines import (
+    ENDPOINT_PATHS,
+    SGLANG_DEFAULT_BOOTSTRAP_PORT,
+    ConnectError,
+    PoolTimeout,
+    RemoteProtocolError,
+    Response,
+    ResponseTooLarge,
+    SseKind,
+    SseScanner,
+    parse_error_body,
+)
+from ..engines._dialects import (
+    encode,
+    new_bootstrap_room,
+    sglang_pd_body,
+    tokenize_body,
+    tokenize_count,
+    vllm_decode_body,
+    vllm_kv_params,
+    vllm_prefill_body,
+)
+from ..engines._sse import SseOverflow
+from ..fleet import EngineState
+from ..placement import NoPlacement, Placement, choose
+from ._client import (
+    ClientChannel,
+    ClientGone,
+    Receive,
+    Send,
+    content_length,
+    read_body,
+    watch_disconnect,
+)
+from ._context import RequestRecord, ServingContext, log
+from ._request import ClientRequest, parse_body, request_id_from_header
+
+LegPhase = Literal["prefill", "decode", "aggregate"]
+_ERROR_BODY_LIMIT = 65536
+
+
+class _HandoffExpired(Exception):
+    pass
+
+
+class Flow:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    # ------------------------------------------------------------------ ingress
+
+    async def handle(
+        self,
+        endpoint: Literal["completions", "chat"],
+        scope: dict[str, object],
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        ctx = self.ctx
+        config = ctx.config  # one snapshot per request: a reload applies to new requests
+        arrival = trio.current_time()
+        headers = scope.get("headers", [])
+        assert isinstance(headers, list)
+        request_id = request_id_from_header(_header(headers, b"x-request-id"))
+        client = ClientChannel(send, request_id)
+        if not ctx.accepting:
+            await self._refuse(
+                client, endpoint, Unavailable("narwhal is shutting down", code="shutting_down")
+            )
+            return
+        if ctx.retained >= ctx.retained_ceiling:
+            # Manual 4.2: past the ceiling, refuse before reading or parsing the body.
+            ctx.unsized_offers += 1
+            await self._refuse(
+                client,
+                endpoint,
+                Refused(
+                    f"narwhal retains at most serving.max_connections + serving.queue_capacity"
+                    f" = {ctx.retained_ceiling} requests",
+                    code="retained_ceiling",
+                    retry_after_s=1.0,
+                ),
+            )
+            return
+        record = RequestRecord(id=request_id, endpoint=endpoint, arrival=arrival)
+        ctx.retained += 1
+        ctx.records[id(record)] = record
+        outcome = "client_disconnected"
+        try:
+            outcome = await self._handle_retained(
+                endpoint, config, headers, receive, client, record
+            )
+        except Exception:
+            # A bug must still produce a well-formed error, never a dropped connection.
+            log.exception("internal error serving request %s", request_id)
+            outcome = "internal_error"
+            with trio.move_on_after(1.0):
+                await client.send_error(
+                    NarwhalError(f"internal error serving request {request_id}")
+                )
+        finally:
+            ctx.retained -= 1
+            del ctx.records[id(record)]
+            ctx.outcomes[outcome] += 1
+            ctx.metrics.requests.labels(endpoint, outcome).inc()
+            ctx.metrics.request_duration.labels(endpoint).observe(trio.current_time() - arrival)
+            log.info(
+                "request finished",
+                extra={
+                    "event": "request",
+                    "request_id": request_id,
+                    "endpoint": endpoint,
+                    "outcome": outcome,
+                    "status": client.status,
+                    "prefill_engine": record.prefill_engine,
+                    "decode_engine": record.decode_engine,
+                    "attempts": record.attempts,
+                    "duration_s": round(trio.current_time() - arrival, 6),
+                },
+            )
+
+    async def _refuse(self, client: ClientChannel, endpoint: str, error: NarwhalError) -> None:
+        self.ctx.outcomes[error.code] += 1
+        self.ctx.metrics.requests.labels(endpoint, error.code).inc()
+        self.ctx.metrics.refusals.labels(error.code).inc()
+        await client.send_error(error)
+
+    async def _handle_retained(
+        self,
+        endpoint: Literal["completions", "chat"],
+        config: Config,
+        headers: list[tuple[bytes, bytes]],
+        receive: Receive,
+        client: ClientChannel,
+        record: RequestRecord,
+    ) -> str:
+        serving = config.serving
+        deadline = record.arrival + serving.request_timeout_s
+        gone = False
+        failure: NarwhalError | None = None
+        with trio.CancelScope(deadline=deadline) as deadline_scope:
+            try:
+                raw = await read_body(receive, content_length(headers), serving.max_request_bytes)
+                request = parse_body(
+                    raw,
+                    kind=endpoint,
+                    request_id=record.id,
+                    models=self.ctx.models,
+                    arrival=record.arrival,
+                    deadline=deadline,
+                )
+            except ClientGone:
+                return "client_disconnected"
+            except NarwhalError as exc:
+                failure = exc
+            else:
+                record.stream = request.stream
+
+                async with trio.open_nursery() as nursery:
+
+                    def on_gone() -> None:
+                        nonlocal gone
+                        gone = True
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(watch_disconnect, receive, on_gone)
+                    try:
+                        await self._serve(request, config, client, record)
+                    except NarwhalError as exc:
+                        failure = exc
+                    nursery.cancel_scope.cancel()
+            if failure is not None and not gone:
+                if isinstance(failure, Refused):
+                    self.ctx.metrics.refusals.labels(failure.code).inc()
+                await client.send_error(failure)
+        if gone:
+            return "client_disconnected"
+        if deadline_scope.cancelled_caught:
+            # Outside the expired scope; the write itself is bounded by the client
+            # stall limit, so this cannot hang.
+            await client.send_error(
+                Expired(
+                    f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
+                    code="expired",
+                )
+            )
+            return "expired"
+        if failure is not None:
+            return failure.code
+        return "ok"
+
+    # ------------------------------------------------------------------ the request
+
+    async def _serve(
+        self, request: ClientRequest, config: Config, client: ClientChannel, record: RequestRecord
+    ) -> None:
+        ctx = self.ctx
+        if request.model not in ctx.models:
+            raise NotFound(f"the model `{request.model}` does not exist", param="model")
+        if ctx.degraded_reason is not None:
+            raise Unavailable(f"narwhal is degraded: {ctx.degraded_reason}", code="degraded")
+        record.stage = "tokenizing"
+        tokens, method = await self._count_tokens(request, config)
+        record.prompt_tokens = tokens
+        record.token_count_method = method
+        record.stage = "queued"
+        serving = config.serving
+        async with ctx.gate.admitted(queue_timeout_s=serving.queue_timeout_s) as waited:
+            ctx.metrics.queue_wait.observe(waited)
+            await self._attempts(request, tokens, config, client, record)
+
+    async def _count_tokens(self, request: ClientRequest, config: Config) -> tuple[int, str]:
+        """Exact prompt length from the engine's /tokenize, else the chars fallback."""
+        ctx = self.ctx
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids, "token_ids"
+        fallback = max(1, math.ceil(request.prompt_chars / config.engine.chars_per_token))
+        if config.engine.tokenize:
+            engine = self._tokenizer_engine()
+            if engine is not None:
+                count = await self._tokenize(engine, request, config)
+                if count is not None:
+                    ctx.token_methods["exact"] += 1
+                    ctx.metrics.token_counts.labels("exact").inc()
+                    return count, "exact"
+        ctx.token_methods["fallback"] += 1
+        ctx.metrics.token_counts.labels("fallback").inc()
+        return fallback, "fallback"
+
+    def _tokenizer_engine(self) -> EngineState | None:
+        now = trio.current_time()
+        candidates = [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
+        if not candidates:
+            return None
+        # The least busy engine by router-side accounting; ties by config order.
+        return min(candidates, key=lambda e: e.serving_pool.statistics().in_use)
+
+    async def _tokenize(
+        self, engine: EngineState, request: ClientRequest, config: Config
+    ) -> int | None:
+        body = encode(tokenize_body(request.kind, request.body))
+        with trio.move_on_after(config.engine.tokenize_timeout_s):
+            try:
+                async with engine.serving_pool.request(
+                    b"POST", engine.dialect.tokenize_path, _json_headers(request.id), body
+                ) as response:
+                    raw = await response.aread(_ERROR_BODY_LIMIT)
+                    if response.status != 200:
+                        return None
+                    return tokenize_count(json.loads(raw))
+            except (ConnectError, RemoteProtocolError, PoolTimeout, ResponseTooLarge, ValueError):
+                return None
+        return None
+
+    async def _attempts(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        config: Config,
+        client: ClientChannel,
+        record: RequestRecord,
+    ) -> None:
+        ctx = self.ctx
+        serving = config.serving
+        excluded: set[str] = set()
+        attempt = 0
+        while True:
+            attempt += 1
+            record.attempts = attempt
+            placement = choose(ctx.fleet.views(trio.current_time()), excluded=frozenset(excluded))
+            if isinstance(placement, NoPlacement):
+                raise Unavailable(placement.reason, code="no_engine_available")
+            record.prefill_engine = placement.prefill
+            record.decode_engine = placement.decode
+            try:
+                await self._attempt(request, tokens, placement, config, client, record)
+            except EngineFailed as failure:
+                self._count_failure(failure)
+                if client.started or not failure.retryable or attempt >= serving.max_attempts:
+                    raise
+                if not ctx.retry_budget.try_spend():
+                    failure.message += " (retry budget exhausted)"
+                    raise
+                excluded.add(failure.engine_id)
+                ctx.metrics.retries.labels(failure.code).inc()
+                record.stage = "backoff"
+                await trio.sleep(
+                    full_jitter(
+                        attempt, base_s=serving.retry_base_s, cap_s=serving.retry_cap_s, rng=ctx.rng
+                    )
+                )
+                continue
+            ctx.retry_budget.on_success()
+            return
+
+    def _count_failure(self, failure: EngineFailed) -> None:
+        self.ctx.metrics.engine_failures.labels(
+            failure.engine_id, failure.phase, failure.code
+        ).inc()
+
+    async def _attempt(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        placement: Placement,
+        config: Config,
+        client: ClientChannel,
+        record: RequestRecord,
+    ) -> None:
+        fleet = self.ctx.fleet
+        decode = fleet.get(placement.decode)
+        assert decode is not None
+        if placement.prefill is None:
+            await self._aggregate(request, tokens, decode, config, client, record)
+            return
+        prefill = fleet.get(placement.prefill)
+        assert prefill is not None
+        if prefill.dialect.concurrent_legs:
+            await self._sglang_pair(request, tokens, prefill, decode, config, client, record)
+        else:
+            await self._vllm_pair(request, tokens, prefill, decode, config, client, record)
+
+    # ------------------------------------------------------------------ dialects
+
+    async def _vllm_pair(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        prefill: EngineState,
+        decode: EngineState,
+        config: Config,
+        client: ClientChannel,
+        record: RequestRecord,
+    ) -> None:
+        serving = config.serving
+        record.stage = "prefill"
+        prefill_started = trio.current_time()
+        handoff_cap = serving.handoff_timeout_s or math.inf  # 0: the deadline is the cap
+        async with self._phase_slot(prefill, "prefill", tokens):
+            raw = await self._json_leg(
+                prefill,
+                "prefill",
+                encode(vllm_prefill_body(request.body)),
+                request,
+                config,
+                timeout_s=serving.prefill_timeout_s,
+                timeout_code="prefill_timeout",
+                timeout_setting="serving.prefill_timeout_s",
+            )
+        kv_params = vllm_kv_params(_loads(raw, prefill, "prefill"))
+        record.stage = "handoff"
+        # Until the decode request is sent, the producer holds KV blocks for us.
+        prefill.handoffs_pending += 1
+        handed_over = False
+        try:
+            async with self._phase_slot(
+                decode, "decode", tokens, not_after=prefill_started + handoff_cap
+            ):
+                prefill.handoffs_pending -= 1
+                handed_over = True
+                await self._decode_leg(
+                    decode,
+                    "decode",
+                    encode(vllm_decode_body(request.body, kv_params)),
+                    request,
+                    config,
+                    client,
+                    record,
+                    first_token_budget=config.engine.first_token_timeout_s,
+                )
+        except _HandoffExpired:
+            age = trio.current_time() - prefill_started
+            raise EngineFailed(
+                f"kv handoff from {prefill.id} to {decode.id} expired after {age:.3f}s "
+                f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
+                "the prefill must be redone",
+                status=503,
+                engine_id=decode.id,
+                phase="decode",
+                retryable=True,
+                counts_against_engine=False,
+                code="handoff_expired",
+            ) from None
+        finally:
+            if not handed_over:
+                prefill.handoffs_pending -= 1
+
+    async def _sglang_pair(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        prefill: EngineState,
+        decode: EngineState,
+        config: Config,
+        client: ClientChannel,
+        record: RequestRecord,
+    ) -> None:
+        """Both legs at once with the same body; the engines pair by bootstrap room.
+
+        Either leg failing cancels the other at once (peers hang here until a bootstrap
+        timeout). The decode stream's output is held until the prefill leg succeeds, so
+        a prefill failure is still an HTTP error the client can retry.
+        """
+        serving = config.serving
+        port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+        body = encode(
+            sglang_pd_body(request.body, host=prefill.host, port=port, room=new_bootstrap_room())
+        )
+        prefill_done = trio.Event()
+        first_failure: list[BaseException] = []
+        record.stage = "prefill"
+        timer = trio.CancelScope(
+            deadline=trio.current_time()
+            + serving.prefill_timeout_s
+            + config.engine.first_token_timeout_s
+        )
+
+        async def run_prefill() -> None:
+            async with self._phase_slot(prefill, "prefill", tokens):
+                await self._json_leg(
+                    prefill,
+                    "prefill",
+                    body,
+                    request,
+                    config,
+                    timeout_s=serving.prefill_timeout_s,
+                    timeout_code="prefill_timeout",
+                    timeout_setting="serving.prefill_timeout_s",
+                )
+            record.stage = "decode"
+            timer.deadline = min(
+                timer.deadline, trio.current_time() + config.engine.first_token_timeout_s
+            )
+            if request.stream:
+                await client.start_stream()
+            prefill_done.set()
+
+        async def run_decode() -> None:
+            async with self._phase_slot(decode, "decode", tokens):
+                await self._decode_leg(
+                    decode,
+                    "decode",
+                    body,
+                    request,
+                    config,
+                    client,
+                    record,
+                    first_token_budget=math.inf,
+                    timer=timer,
+                    hold_until=prefill_done,
+                )
+
+        async with trio.open_nursery() as legs:
+            for leg in (run_prefill, run_decode):
+                legs.start_soon(_first_failure_cancels, leg, first_failure, legs.cancel_scope)
+        if first_failure:
+            raise first_failure[0]
+
+    async def _aggregate(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        engine: EngineState,
+        config: Config,
+        client: ClientChannel,
+        record: RequestRecord,
+    ) -> None:
+        """One engine does both phases: its first token includes the prefill."""
+        record.stage = "decode"
+        async with self._phase_slot(engine, "decode", tokens):
+            await self._decode_leg(
+                engine,
+                "aggregate",
+                encode(request.body),
+                request,
+                config,
+                client,
+                record,
+                first_token_budget=config.serving.prefill_timeout_s
+                + config.engine.first_token_timeout_s,
+            )
+
+    # ------------------------------------------------------------------ legs
+
+    @asynccontextmanager
+    async def _phase_slot(
+        self,
+        engine: EngineState,
+        phase: Literal["prefill", "decode"],
+        tokens: int,
+        *,
+        not_after: float = math.inf,
+    ) -> AsyncIterator[None]:
+        """Hold one of the engine's phase slots (serving.*_concurrency) and account load."""
+        limiter = engine.prefill_limiter if phase == "prefill" else engine.decode_limiter
+        borrower = object()
+        with trio.CancelScope(deadline=not_after) as wait:
+            await limiter.acquire_on_behalf_of(borrower)
+        if wait.cancelled_caught or trio.current_time() > not_after:
+            if not wait.cancelled_caught:
+                limiter.release_on_behalf_of(borrower)
+            raise _HandoffExpired
+        if phase == "prefill":
+            engine.prefill_inflight += 1
+            engine.prefill_tokens_inflight += tokens
+        else:
+            engine.decode_active += 1
+            engine.decode_tokens += tokens
+        try:
+            yield
+        finally:
+            if phase == "prefill":
+                engine.prefill_inflight -= 1
+                engine.prefill_tokens_inflight -= tokens
+            else:
+                engine.decode_active -= 1
+                engine.decode_tokens -= tokens
+            limiter.release_on_behalf_of(borrower)
+
+    @asynccontextmanager
+    async def _engine_request(
+        self, engine: EngineState, phase: LegPhase, path: bytes, body: bytes, request: ClientRequest
+    ) -> AsyncIterator[Response]:
+        """One engine HTTP request; transport failures become EngineFailed here, once."""
+        try:
+            async with engine.serving_pool.request(
+                b"POST", path, _json_headers(request.id), body
+            ) as response:
+                yield response
+        except ConnectError as exc:
+            raise EngineFailed(
+                f"{phase} engine {engine.id}: {exc}",
+                status=502,
+                engine_id=engine.id,
+                phase=phase,
+                retryable=True,
+                counts_against_engine=True,
+                code="engine_unreachable",
+            ) from None
+        except RemoteProtocolError as exc:
+            raise EngineFailed(
+                f"{phase} engine {engine.id}: {exc}",
+                status=502,
+                engine_id=engine.id,
+                phase=phase,
+                retryable=True,
+                counts_against_engine=True,
+                code="engine_connection_lost",
+            ) from None
+        except PoolTimeout as exc:
+            # Local starvation is not the engine's fault and is not retried (manual 4.2).
+            raise Unavailable(str(exc), code="pool_exhausted") from None
+
+    async def _status_failure(
+        self, engine: EngineState, phase: LegPhase, response: Response
+    ) -> EngineFailed:
+        try:
+            raw = await response.aread(_ERROR_BODY_LIMIT)
+        except ResponseTooLarge:
+            raw = b""
+        info = parse_error_body(response.status, raw)
+        status = response.status
+        client_error = 400 <= status < 500 and status not in (408, 429)
+        return EngineFailed(
+            f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",
+            status=client_status_for_engine_status(status),
+            engine_id=engine.id,
+            phase=phase,
+            retryable=status in RETRYABLE_ENGINE_STATUSES,
+            # The request's own fault (400, 404, 422...) says nothing about the engine.
+            counts_against_engine=not client_error and status != 429,
+            code="engine_rejected_request" if client_error else f"engine_http_{status}",
+            param=info.param if client_error else None,
+            error_type="invalid_request_error" if client_error else None,
+        )
+
+    async def _json_leg(
+        self,
+        engine: EngineState,
+        phase: LegPhase,
+        body: bytes,
+        request: ClientRequest,
+        config: Config,
+        *,
+        timeout_s: float,
+        timeout_code: str,
+        timeout_setting: str,
+    ) -> bytes:
+        """A non-streaming leg; the body is retained up to serving.max_response_bytes."""
+        limit = config.serving.max_response_bytes
+        path = ENDPOINT_PATHS[request.kind]
+        with trio.move_on_after(timeout_s) as timer:
+            async with self._engine_request(engine, phase, path, body, request) as response:
+                if response.status != 200:
+                    raise await self._status_failure(engine, phase, response)
+                try:
+                    return await response.aread(limit)
+                except ResponseTooLarge:
+                    raise EngineFailed(
+                        f"{phase} engine {engine.id} response exceeds "
+                        f"serving.max_response_bytes={limit}",
+                        status=502,
+                        engine_id=engine.id,
+                        phase=phase,
+                        retryable=False,
+                        counts_against_engine=False,
+                        code="response_too_large",
+                    ) from None
+        assert timer.cancelled_caught
+        raise EngineFailed(
+            f"{phase} engine {engine.id} exceeded {timeout_setting}={timeout_s}",
+            status=504,
+            engine_id=engine.id,
+            phase=phase,
+            retryable=True,
+            counts_against_engine=True,
+            code=timeout_code,
+        )
+
+    async def _decode_leg(
+        self,
+        engine: EngineState,
+        phase: LegPhase,
+        body: bytes,
+        request: ClientRequest,
+        config: Config,
+        client: ClientChannel,
+        record: RequestRecord,
+        *,
+        first_token_budget: float,
+        timer: trio.CancelScope | None = None,
+        hold_until: trio.Event | None = None,
+    ) -> None:
+        record.stage = "decode"
+        if not request.stream:
+            raw = await self._json_leg(
+                engine,
+                phase,
+                body,
+                request,
+                config,
+                timeout_s=math.inf,
+                timeout_code="decode_timeout",
+                timeout_setting="",
+            )
+            if hold_until is not None:
+                await hold_until.wait()
+            record.stage = "writing"
+            await client.send_json(200, raw)
+            return
+        if hold_until is None:
+            await client.start_stream()  # manual 4.3: commit 200 before decode starts
+        if timer is None:
+            timer = trio.CancelScope(deadline=trio.current_time() + first_token_budget)
+        await _relay(self, engine, phase, body, request, config, client, record, timer, hold_until)
+
+
+async def _relay(
+    flow: Flow,
+    engine: EngineState,
+    phase: LegPhase,
+    body: bytes,
+    request: ClientRequest,
+    config: Config,
+    client: ClientChannel,
+    record: RequestRecord,
+    timer: trio.CancelScope,
+    hold_until: trio.Event | None,
+) -> None:
+    """Relay an engine SSE stream to the client, event by event.
+
+    Only complete events are forwarded, so a terminal error event we add can never be
+    glued onto half an engine line. Events before the first generated token (chat's
+    role chunk, say) are held in a buffer bounded by serving.max_response_bytes and
+    sent with the first token.
+    """
+    ctx = flow.ctx
+    limit = config.serving.max_response_bytes
+    gap = config.engine.decode_read_timeout_s or math.inf
+    scanner = SseScanner()
+    held: list[bytes] = []
+    held_bytes = 0
+    first_at: float | None = None
+    last_at = 0.0
+    tokens = 0
+    done = False
+    path = ENDPOINT_PATHS[request.kind]
+    with timer:
+        async with flow._engine_request(engine, phase, path, body, request) as response:
+            if response.status != 200:
+                raise await flow._status_failure(engine, phase, response)
+            while not done:
+                chunk = await response.receive_some()
+                now = trio.current_time()
+                if not chunk:
+                    raise _failed(
+                        engine,
+                        phase,
+                        "engine_stream_truncated",
+                        "stream ended without the [DONE] terminator",
+                    )
+                if first_at is not None:
+                    timer.deadline = now + gap  # partial lines and metadata reset it too
+                try:
+                    events = scanner.feed(chunk)
+                except SseOverflow as exc:
+                    raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
+                out: list[bytes] = []
+                for event in events:
+                    if event.kind is SseKind.ERROR:
+                        message = (event.error or {}).get("message", "engine error")
+                        raise _failed(
+                            engine,
+                            phase,
+                            "engine_stream_error",
+                            f"engine reported an error mid-stream: {message}",
+                        )
+                    raw = event.raw
+                    if event.kind is SseKind.DONE:
+                        done = True
+                    elif event.kind is SseKind.DATA:
+                        if first_at is None and _has_token(event.payload):
+                            first_at = now
+                            timer.deadline = now + gap
+                            ctx.metrics.ttft.labels(phase).observe(now - request.arrival)
+                        if first_at is not None:
+                            tokens += 1
+                            last_at = now
+                    if first_at is None:
+                        held.append(raw)
+                        held_bytes += len(raw)
+                    else:
+                        out.append(raw)
+                    if done:
+                        break
+                if first_at is None and held_bytes + scanner.pending > limit:
+                    raise _failed(
+                        engine,
+                        phase,
+                        "response_too_large",
+                        f"pre-output buffer exceeds serving.max_response_bytes={limit}",
+                    )
+                if out and (hold_until is None or hold_until.is_set()):
+                    if held:
+                        out = [*held, *out]
+                        held = []
+                        held_bytes = 0
+                    record.stage = "streaming"
+                    await client.send_chunk(b"".join(out))
+                elif out:
+                    held.extend(out)  # SGLang: the prefill leg has not answered yet
+    if timer.cancelled_caught:
+        if first_at is None:
+            raise _failed(
+                engine,
+                phase,
+                "first_token_timeout",
+                f"no first token within engine.first_token_timeout_s="
+                f"{config.engine.first_token_timeout_s}",
+                status=504,
+            )
+        raise _failed(
+            engine,
+            phase,
+            "decode_stalled",
+            f"engine was silent for engine.decode_read_timeout_s="
+            f"{config.engine.decode_read_timeout_s}",
+            status=504,
+        )
+    if held:
+        if hold_until is not None:
+            await hold_until.wait()
+        await client.send_chunk(b"".join(held))
+    if tokens > 1 and first_at is not None:
+        ctx.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
+    await client.end_stream()
+
+
+def _failed(
+    engine: EngineState, phase: LegPhase, code: str, detail: str, *, status: int = 502
+) -> EngineFailed:
+    return EngineFailed(
+        f"{phase} engine {engine.id}: {detail}",
+        status=status,
+        engine_id=engine.id,
+        phase=phase,
+        # Raised once output may be visible; the attempt loop will not retry it anyway,
+        # but a timeout before any output is the engine's fault and transient.
+        retryable=code in ("first_token_timeout", "engine_stream_truncated"),
+        counts_against_engine=True,
+        code=code,
+    )
+
+
+async def _first_failure_cancels(
+    leg: object, failures: list[BaseException], scope: trio.CancelScope
+) -> None:
+    assert callable(leg)
+    try:
+        await leg()
+    except NarwhalError as exc:
+        failures.append(exc)
+        scope.cancel()
+
+
+def _has_token(payload: bytes) -> bool:
+    """Whether a chunk carries generated output (not just chat's role announcement)."""
+    try:
+        document = json.loads(payload)
+    except ValueError:
+        return True  # not ours to judge: the engine sent something, count it
+    if not isinstance(document, dict):
+        return True
+    choices = document.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text") or choice.get("finish_reason") or choice.get("token_ids"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(key)
+            for key in ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
+        ):
+            return True
+    return False
+
+
+def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise EngineFailed(
+            f"{phase} engine {engine.id} returned a body that is not JSON",
+            status=502,
+            engine_id=engine.id,
+            phase=phase,
+            retryable=False,
+            counts_against_engine=True,
+            code="engine_bad_response",
+        ) from None
+
+
+def _json_headers(request_id: str) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None

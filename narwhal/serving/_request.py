@@ -1,0 +1,136 @@
+"""Parsing and checking a client's completion request body (no I/O)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import attrs
+
+from .._errors import BadRequest
+from ..engines import EndpointKind, Json
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@attrs.frozen
+class ClientRequest:
+    id: str
+    kind: EndpointKind
+    body: Json
+    stream: bool
+    model: str
+    prompt_chars: int
+    # Token ids supplied directly (completions only): an exact length without /tokenize.
+    prompt_token_ids: int | None
+    max_tokens: int | None
+    arrival: float
+    deadline: float
+
+
+def request_id_from_header(value: bytes | None) -> str:
+    """Keep a well-formed client X-Request-Id (both legs and the logs carry it)."""
+    if value is not None:
+        text = value.decode("latin-1")
+        if _REQUEST_ID.match(text):
+            return text
+    return uuid.uuid4().hex
+
+
+def parse_body(
+    raw: bytes,
+    *,
+    kind: EndpointKind,
+    request_id: str,
+    models: tuple[str, ...],
+    arrival: float,
+    deadline: float,
+) -> ClientRequest:
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not valid UTF-8", code="invalid_json") from None
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    model = body.get("model")
+    if model is None:
+        if len(models) != 1:
+            raise BadRequest("'model' is required", param="model")
+        model = models[0]
+    elif not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    n = body.get("n", 1)
+    if n != 1:
+        # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.
+        raise BadRequest("only n=1 is supported", param="n")
+    max_tokens = _max_tokens(body)
+    if kind == "chat":
+        chars = _chat_chars(body)
+        token_ids = None
+    else:
+        chars, token_ids = _prompt_size(body)
+    return ClientRequest(
+        id=request_id,
+        kind=kind,
+        body=body,
+        stream=stream,
+        model=model,
+        prompt_chars=chars,
+        prompt_token_ids=token_ids,
+        max_tokens=max_tokens,
+        arrival=arrival,
+        deadline=deadline,
+    )
+
+
+def _max_tokens(body: Json) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"'{key}' must be a positive integer", param=key)
+        return value
+    return None
+
+
+def _prompt_size(body: Json) -> tuple[int, int | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt), None
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return 0, len(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return len(prompt[0]), None
+    raise BadRequest(
+        "'prompt' must be a string or a list of token ids (batched prompts are not supported)",
+        param="prompt",
+    )
+
+
+def _chat_chars(body: Json) -> int:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    total = 0
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{index}] must be an object", param="messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += len(part["text"])
+    return total

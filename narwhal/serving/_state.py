@@ -1,0 +1,172 @@
+"""The /narwhal/state document and the live Prometheus gauges, both read from one place."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import attrs
+import trio
+
+from .. import __version__
+from ..engines import PoolStatistics
+from ..fleet import EngineState
+from ._context import ServingContext
+
+_LISTED_REQUESTS = 200
+
+
+def _limit(value: float) -> int | None:
+    return None if math.isinf(value) else int(value)
+
+
+def _pool(stats: PoolStatistics) -> dict[str, int]:
+    return attrs.asdict(stats)
+
+
+def engine_state(engine: EngineState, now: float) -> dict[str, object]:
+    reason = engine.unavailable_reason(now)
+    return {
+        "id": engine.id,
+        "url": engine.spec.url,
+        "dialect": engine.dialect.name,
+        "model": engine.spec.model,
+        "role": engine.role,
+        "available": reason is None,
+        "unavailable_reason": reason,
+        "drained": engine.drained,
+        "prefill": {
+            "inflight": engine.prefill_inflight,
+            "tokens_inflight": engine.prefill_tokens_inflight,
+            "limit": _limit(engine.prefill_limiter.total_tokens),
+            "slots_in_use": engine.prefill_limiter.borrowed_tokens,
+        },
+        "decode": {
+            "active": engine.decode_active,
+            "tokens": engine.decode_tokens,
+            "limit": _limit(engine.decode_limiter.total_tokens),
+            "slots_in_use": engine.decode_limiter.borrowed_tokens,
+        },
+        "handoffs_pending": engine.handoffs_pending,
+        "pools": {
+            "serving": _pool(engine.serving_pool.statistics()),
+            "control": _pool(engine.control_pool.statistics()),
+        },
+    }
+
+
+def state_document(ctx: ServingContext) -> dict[str, object]:
+    now = trio.current_time()
+    gate = ctx.gate.statistics()
+    budget = ctx.retry_budget
+    records = sorted(ctx.records.values(), key=lambda r: r.arrival)
+    document: dict[str, object] = {
+        "narwhal": {
+            "version": __version__,
+            "uptime_s": round(now - ctx.started_at, 3),
+            "accepting": ctx.accepting,
+            "degraded": ctx.degraded_reason,
+        },
+        "admission": {
+            "mode": ctx.config.serving.admission,
+            "retained": ctx.retained,
+            "retained_ceiling": ctx.retained_ceiling,
+            "admitted": gate.admitted,
+            "max_admitted": gate.max_admitted,
+            "queue_depth": gate.waiting,
+            "queue_capacity": gate.queue_capacity,
+            "unsized_offers": ctx.unsized_offers,
+        },
+        "retry_budget": {
+            "level": round(budget.level, 3),
+            "maximum": budget.maximum,
+            "spent_total": budget.spent_total,
+            "denied_total": budget.denied_total,
+        },
+        "requests": {
+            "outcomes": dict(sorted(ctx.outcomes.items())),
+            "token_counts": dict(sorted(ctx.token_methods.items())),
+            "in_flight": [
+                {
+                    "id": r.id,
+                    "endpoint": r.endpoint,
+                    "stream": r.stream,
+                    "stage": r.stage,
+                    "age_s": round(now - r.arrival, 3),
+                    "attempts": r.attempts,
+                    "prefill_engine": r.prefill_engine,
+                    "decode_engine": r.decode_engine,
+                    "prompt_tokens": r.prompt_tokens,
+                    "token_count_method": r.token_count_method,
+                }
+                for r in records[:_LISTED_REQUESTS]
+            ],
+        },
+        "engines": [engine_state(engine, now) for engine in ctx.fleet],
+    }
+    for key, provider in ctx.state_providers:
+        document[key] = provider()
+    return document
+
+
+Gauge = tuple[str, str, list[str], list[tuple[list[str], float]]]
+
+
+def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
+    gate = ctx.gate.statistics()
+    yield "narwhal_retained_requests", "Completion requests retained.", [], [([], ctx.retained)]
+    yield (
+        "narwhal_admitted_requests",
+        "Requests holding an admission slot.",
+        [],
+        [([], gate.admitted)],
+    )
+    yield "narwhal_queue_depth", "Requests waiting for admission.", [], [([], gate.waiting)]
+    yield "narwhal_retry_budget", "Retry credits available.", [], [([], ctx.retry_budget.level)]
+    now = trio.current_time()
+    engines = list(ctx.fleet)
+    yield (
+        "narwhal_engine_available",
+        "1 when the engine can take new work.",
+        ["engine"],
+        [([e.id], float(e.unavailable_reason(now) is None)) for e in engines],
+    )
+    yield (
+        "narwhal_engine_role",
+        "1 for the engine's current role.",
+        ["engine", "role"],
+        [
+            ([e.id, role], float(e.role == role))
+            for e in engines
+            for role in ("prefill", "decode", "both")
+        ],
+    )
+    yield (
+        "narwhal_engine_prefill_inflight",
+        "Prefill legs in flight per engine.",
+        ["engine"],
+        [([e.id], e.prefill_inflight) for e in engines],
+    )
+    yield (
+        "narwhal_engine_decode_active",
+        "Decode streams active per engine.",
+        ["engine"],
+        [([e.id], e.decode_active) for e in engines],
+    )
+    yield (
+        "narwhal_engine_handoffs_pending",
+        "Prefilled requests whose KV still waits on the engine for its decode leg.",
+        ["engine"],
+        [([e.id], e.handoffs_pending) for e in engines],
+    )
+    yield (
+        "narwhal_engine_connections",
+        "Engine HTTP connections by pool and state.",
+        ["engine", "pool", "state"],
+        [
+            ([e.id, name, state], float(getattr(pool.statistics(), state)))
+            for e in engines
+            for name, pool in (("serving", e.serving_pool), ("control", e.control_pool))
+            for state in ("in_use", "idle", "waiting")
+        ],
+    )
