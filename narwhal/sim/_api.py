@@ -638,6 +638,9 @@ class _Run:
         e, ctx, plan = self.e, self.ctx, self.plan
         core = ctx.core
         f = ctx.faults
+        if ctx.remote is not None:
+            # Heartbeats start as soon as the decoder has the request (§2.2).
+            e.awaiting_kv.add(ctx)
         if f is not None and f.slow_first_token_s:
             e.counters.slow_first_tokens_injected += 1
             e.pending += 1
@@ -665,8 +668,6 @@ class _Run:
                     "timed out waiting for the decode instance to bootstrap"
                 )
                 return await self._fail(500, msg)
-        if ctx.remote is not None:
-            e.awaiting_kv.add(ctx)
         e.core.add(core)
         e.wake_scheduler()
         if ctx.remote is not None:

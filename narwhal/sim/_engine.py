@@ -85,6 +85,8 @@ class Lease:
     duration: float
     expiry: float
     in_transfer: bool = False
+    # The decoder gave up while a transfer was running: free when the transfer unwinds.
+    released: bool = False
 
 
 @attrs.define(eq=False)
@@ -701,7 +703,7 @@ class SimEngine:
             return None
         if "engine_id" in body and body["engine_id"] != self.instance_id:
             # A restarted producer has a new id and none of the old blocks.
-            await resp.send_json(410, {"error": "unknown engine id (producer restarted?)"})
+            await resp.send_json(410, {"error": "engine id mismatch (producer restarted?)"})
             return None
         return body
 
@@ -729,10 +731,14 @@ class SimEngine:
         released = 0
         for rid in body.get("request_ids") or []:
             lease = self.leases.get(str(rid))
-            if lease is not None and not lease.in_transfer:
+            if lease is None:
+                continue
+            self.counters.leases_released += 1
+            released += 1
+            if lease.in_transfer:
+                lease.released = True
+            else:
                 self.free_lease(lease)
-                self.counters.leases_released += 1
-                released += 1
         await resp.send_json(200, {"released": released})
 
     async def _nixl_pull(self, req: HttpRequest, resp: Responder) -> None:
@@ -770,6 +776,8 @@ class SimEngine:
             if done:
                 self.counters.kv_served += 1
                 self.metrics.xfer.observe(seconds)
+                self.free_lease(lease)
+            elif lease.released:
                 self.free_lease(lease)
             elif lease.id in self.leases:
                 self._push_lease(lease)  # the puller vanished: back under the lease timer
