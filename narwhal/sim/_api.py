@@ -107,6 +107,7 @@ class Api:
             plan = self._parse(req, chat=chat)
         except ApiError as err:
             e.counters.rejected_invalid += 1
+            self._fail_room(req, err.message)
             await self.send_error(resp, err, echo)
             return
         leg = plan.leg
@@ -117,6 +118,7 @@ class Api:
             message = faults.error_message or _DEFAULT_MESSAGES.get(
                 faults.error_status, f"Injected error {faults.error_status}"
             )
+            self._fail_room(req, message)
             await self.send_error(resp, ApiError(faults.error_status, message), echo)
             return
         limit = e.spec.max_num_queued
@@ -126,6 +128,7 @@ class Api:
                 # vLLM >= 0.29 admission control: QueueOverflowError is a GracefulHTTPError,
                 # so `type` is the HTTP phrase (§3.4).
                 e.counters.rejected_queue_full += 1
+                self._fail_room(req, "queue full")
                 e.record(None, request_id=xrid, phase=leg, outcome="error", status=503)
                 msg = (
                     f"The engine's request queue is full ({queued} queued, "
@@ -182,6 +185,19 @@ class Api:
             e.record(
                 ctx, request_id=xrid, phase=leg, outcome=outcome, status=status, tokens=run.sent
             )
+
+    def _fail_room(self, req: HttpRequest, reason: str) -> None:
+        """An SGLang prefill request that never starts must still fail its decoder's wait."""
+        if not self.sglang:
+            return
+        try:
+            body = json.loads(req.body)
+        except ValueError:
+            return
+        if isinstance(body, dict) and body.get("bootstrap_port") == self.e.port:
+            room = body.get("bootstrap_room")
+            if isinstance(room, int) and not isinstance(room, bool):
+                self.e.room(room).fail(reason)
 
     def _parse(self, req: HttpRequest, *, chat: bool) -> _Plan:
         e = self.e

@@ -186,3 +186,5 @@ async def serve_fleet(
             fleet.engines.append(EngineHandle(fleet, i, engine))
             await fleet._start(engine)
         task_status.started(fleet)
+        # Keep the nursery open while an engine is between instances (restart).
+        await trio.sleep_forever()

@@ -249,12 +249,15 @@ async def test_health_models_version_metrics(
     fleet = await start_fleet(engines=2, build="build-42", **FAST)
     url = fleet[1].url
     r = await client.get(f"{url}/health")
-    assert r.status_code == 200 and r.content == b""
+    assert r.status_code == 200
+    assert r.content == b""
     models = (await client.get(f"{url}/v1/models")).json()
     assert models["object"] == "list"
     (card,) = models["data"]
-    assert card["id"] == DEFAULT_MODEL and card["owned_by"] == "vllm"
-    assert card["max_model_len"] == 8192 and card["permission"][0]["object"] == "model_permission"
+    assert card["id"] == DEFAULT_MODEL
+    assert card["owned_by"] == "vllm"
+    assert card["max_model_len"] == 8192
+    assert card["permission"][0]["object"] == "model_permission"
     version = (await client.get(f"{url}/version")).json()
     assert version["build"] == "build-42"
     assert version["instance_id"] == fleet[1].instance_id

@@ -68,7 +68,8 @@ async def test_handoff_end_to_end(start_fleet: StartFleet, client: httpx.AsyncCl
         "remote_blocks_expiry_time",
         "transfer_mode",
     ]
-    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    assert kv["do_remote_prefill"] is True
+    assert kv["do_remote_decode"] is False
     prompt_tokens = body["usage"]["prompt_tokens"]
     (blocks,) = kv["remote_block_ids"]
     assert len(blocks) == -(-prompt_tokens // 16)
@@ -101,7 +102,8 @@ async def test_handoff_end_to_end(start_fleet: StartFleet, client: httpx.AsyncCl
     assert "kv_transfer_params" not in tokens[0]
     # The pull freed the producer's blocks; the decoder freed its own when done.
     p_state, d_state = p.state(), d.state()
-    assert p_state["leases"]["held"] == 0 and p_state["kv"]["used_blocks"] == 0
+    assert p_state["leases"]["held"] == 0
+    assert p_state["kv"]["used_blocks"] == 0
     assert p_state["counters"]["kv_served"] == 1
     assert d_state["counters"]["kv_pulled"] == 1
     assert d_state["counters"]["requests"]["decode"] == 1
@@ -248,7 +250,8 @@ async def test_producer_restart_loses_the_blocks(
     old_id = p.instance_id
     await p.restart()
     assert p.instance_id != old_id
-    assert p.state()["leases"]["held"] == 0 and p.state()["generation"] == 1
+    assert p.state()["leases"]["held"] == 0
+    assert p.state()["generation"] == 1
     r = await client.post(f"{fleet[1].url}/v1/completions", json=decode_body(kv))
     assert r.status_code == 500
     assert fleet[1].state()["outcomes"][-1]["outcome"] == "error"
