@@ -119,10 +119,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         trio.run(partial(_run, spec, engines=args.engines, host=args.host, port=args.port))
+    except BaseExceptionGroup as group:
+        # Binding happens inside the fleet's nursery, so a busy port arrives in a group.
+        matched, rest = group.split(OSError)
+        if matched is None or rest is not None:
+            raise
+        for err in _leaves(matched):
+            print(f"narwhal-sim: {err}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _leaves(group: BaseExceptionGroup[OSError]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 if __name__ == "__main__":

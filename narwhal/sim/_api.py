@@ -16,11 +16,12 @@ import trio
 from ._core import CoreRequest, ReqState
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import DropConnection, HttpRequest, Responder
+from ._records import RemoteKV, ReqCtx
 from ._spec import ENGINE_VERSION
 from ._tokenizer import BOS, OutputText, piece_id, render_chat
 
 if TYPE_CHECKING:
-    from ._engine import ReqCtx, SimEngine
+    from ._engine import SimEngine
 
 _COMPACT = (",", ":")
 _VLLM_TYPES = {
@@ -145,8 +146,6 @@ class Api:
             hold_kv=plan.hold_kv,
             remote_kv=plan.remote is not None,
         )
-        from ._engine import ReqCtx
-
         ctx = ReqCtx(
             request_id=xrid,
             internal_id=core.rid,
@@ -297,8 +296,6 @@ class Api:
 
     def _leg(self, body: dict[str, Any]) -> tuple[str, Any, int | None, bool]:
         """(leg, remote KV, bootstrap room, hold KV after finishing)."""
-        from ._engine import RemoteKV
-
         e = self.e
         if self.sglang:
             host = body.get("bootstrap_host")

@@ -7,7 +7,6 @@ The OpenAI endpoints live in `_api`; this module owns everything they share.
 from __future__ import annotations
 
 import heapq
-import json
 import random
 import sys
 import time
@@ -23,15 +22,16 @@ import h11
 import trio
 
 from . import _http
-from ._core import CoreRequest, ReqState, SchedulerCore
+from ._api import Api
+from ._core import SchedulerCore
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import HttpRequest, Responder
 from ._metrics import EngineMetrics, Gauges, make_registry, render
+from ._records import PHASES, Counters, Lease, RemoteKV, ReqCtx, Room
 from ._spec import ENGINE_VERSION, SimEngineSpec
 from ._timing import Noise
 from ._tokenizer import Tokenizer
 
-PHASES = ("prefill", "decode", "aggregate")
 # If the step loop falls this far behind its own schedule (CPU saturation), it stops
 # trying to catch up and restarts the timeline from now.
 _MAX_LAG_S = 0.02
@@ -40,110 +40,8 @@ _CONTROL_TIMEOUT_S = 5.0
 # Wall-clock bound on a NIXL-style pull beyond its transfer time.
 _PULL_SLACK_S = 10.0
 _MAX_ROOMS = 65_536
+_MIN_HEARTBEAT_S = 0.001
 _EXPIRED_RING = 1_000
-
-
-def _phase_counter() -> dict[str, int]:
-    return dict.fromkeys(PHASES, 0)
-
-
-@attrs.define
-class Counters:
-    requests: dict[str, int] = attrs.Factory(_phase_counter)
-    completed: dict[str, int] = attrs.Factory(_phase_counter)
-    aborted: dict[str, int] = attrs.Factory(_phase_counter)
-    errors: dict[str, int] = attrs.Factory(_phase_counter)
-    rejected_invalid: int = 0
-    rejected_queue_full: int = 0
-    errors_injected: int = 0
-    crashes_injected: int = 0
-    sse_errors_injected: int = 0
-    stalls_injected: int = 0
-    slow_first_tokens_injected: int = 0
-    kv_pull_failures_injected: int = 0
-    downs_injected: int = 0
-    leases_created: int = 0
-    leases_released: int = 0
-    kv_expired: int = 0
-    kv_served: int = 0
-    kv_pulled: int = 0
-    kv_pull_failed: int = 0
-    heartbeats_sent: int = 0
-    heartbeats_received: int = 0
-    heartbeats_failed: int = 0
-    handler_errors: int = 0
-
-
-@attrs.define(eq=False)
-class Lease:
-    """KV blocks a producer keeps for a decoder (vLLM NIXL lease, §2.2)."""
-
-    id: str
-    request_id: str
-    blocks: list[int]
-    tokens: int
-    duration: float
-    expiry: float
-    in_transfer: bool = False
-    # The decoder gave up while a transfer was running: free when the transfer unwinds.
-    released: bool = False
-
-
-@attrs.define(eq=False)
-class RemoteKV:
-    """Where a decode request's KV lives: a vLLM producer or an SGLang bootstrap room."""
-
-    host: str
-    port: int
-    num_tokens: int
-    engine_id: str = ""
-    request_id: str = ""
-    block_ids: Any = None
-    room: int | None = None
-
-
-@attrs.define(eq=False)
-class Room:
-    """SGLang pairing state on the prefill side, keyed by bootstrap_room."""
-
-    room: int
-    d_arrived: trio.Event = attrs.Factory(trio.Event)
-    done: trio.Event = attrs.Factory(trio.Event)
-    lease: Lease | None = None
-    failure: str | None = None
-    d_present: bool = False
-
-    def fail(self, reason: str) -> None:
-        if not self.done.is_set():
-            self.failure = reason
-            self.done.set()
-
-
-@attrs.define(eq=False)
-class ReqCtx:
-    request_id: str
-    internal_id: str
-    phase: str
-    core: CoreRequest
-    arrival: float
-    faults: FaultSpec | None = None
-    remote: RemoteKV | None = None
-    room: Room | None = None
-    lease_s: float = 0.0
-    lease: Lease | None = None
-    event: trio.Event = attrs.Factory(trio.Event)
-    first_token_at: float | None = None
-    last_token_at: float = 0.0
-    # Set when the engine fails the request after it was accepted (KV load failure).
-    failure: str | None = None
-    failure_outcome: str = "error"
-
-    def wake(self) -> None:
-        self.event.set()
-
-    async def wait_change(self) -> None:
-        await self.event.wait()
-        self.event = trio.Event()
 
 
 class SimEngine:
@@ -199,8 +97,6 @@ class SimEngine:
         self._listener_scope: trio.CancelScope | None = None
         self._listener_done = trio.Event()
         self._on_restart = on_restart
-        from ._api import Api  # circular at import time only
-
         self.api = Api(self)
         self._routes: dict[tuple[str, str], Callable[[HttpRequest, Responder], Awaitable[None]]]
         self._routes = self._make_routes()
@@ -386,7 +282,8 @@ class SimEngine:
 
     # -- heartbeats (decode side) ---------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
-        interval = self.spec.scaled(self.spec.lease_s) / 6.0
+        # vLLM heartbeats every lease/6; the floor keeps absurd speed factors from spinning.
+        interval = max(self.spec.scaled(self.spec.lease_s) / 6.0, _MIN_HEARTBEAT_S)
         while True:
             await trio.sleep(interval)
             groups: dict[tuple[str, int, str], list[str]] = {}
@@ -830,8 +727,4 @@ def _flatten(block_ids: Any) -> list[int]:
     return list(block_ids) if isinstance(block_ids, list) else []
 
 
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(", ", ": ")).encode()
-
-
-__all__ = ["PHASES", "Counters", "Lease", "RemoteKV", "ReqCtx", "ReqState", "Room", "SimEngine"]
+__all__ = ["PHASES", "Counters", "Lease", "RemoteKV", "ReqCtx", "Room", "SimEngine"]
