@@ -28,7 +28,7 @@ a base port gives consecutive ports. Keyword options override fields of `SimEngi
 `SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
 H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,
 SGLang timeouts) by K. `SimTiming.zero()` is an instant engine whose steps still take
-``min_step_s`` so a busy engine never spins. `SchedulerCore` / `CoreRequest` /
+``min_step_s`` so a busy engine never spins (CLI: ``--zero``). `SchedulerCore` / `CoreRequest` /
 `idle_prefill_s` are the pure step arithmetic (no I/O) for tests and profile checks.
 
 Faults (`FaultSpec`, see `narwhal.sim._faults` for every key) are set per engine with

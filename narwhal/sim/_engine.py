@@ -416,8 +416,10 @@ class SimEngine:
             counters.aborted[phase] += 1
         else:
             counters.errors[phase] += 1
-        reason = {"ok": "length", "aborted": "abort"}.get(outcome, "error")
-        self.metrics.success[reason] = self.metrics.success.get(reason, 0) + 1
+        if ctx is not None:
+            # Like vLLM, only requests that reached the engine count as finished.
+            reason = {"ok": "length", "aborted": "abort"}.get(outcome, "error")
+            self.metrics.success[reason] = self.metrics.success.get(reason, 0) + 1
         self.outcomes.append(
             {
                 "request_id": request_id,
@@ -541,7 +543,10 @@ class SimEngine:
             raise
 
     async def _health(self, req: HttpRequest, resp: Responder) -> None:
-        await resp.send(200 if self.healthy() else 503, b"")
+        healthy = self.healthy()
+        if not healthy:
+            self.counters.health_failures_served += 1
+        await resp.send(200 if healthy else 503, b"")
 
     async def _version(self, req: HttpRequest, resp: Responder) -> None:
         await resp.send_json(

@@ -32,6 +32,8 @@ class Counters:
     slow_first_tokens_injected: int = 0
     kv_pull_failures_injected: int = 0
     downs_injected: int = 0
+    # /health answers of 503 caused by `unhealthy` or `health_flap_period_s`.
+    health_failures_served: int = 0
     leases_created: int = 0
     leases_released: int = 0
     kv_expired: int = 0

@@ -245,6 +245,7 @@ async def test_health_flapping_and_unhealthy(
             seen.add((await client.get(f"{e.url}/health")).status_code)
             await trio.sleep(0.02)
     assert seen == {200, 503}
+    assert e.state()["counters"]["health_failures_served"] >= 2
     e.clear_faults()
     assert (await client.get(f"{e.url}/health")).status_code == 200
 
