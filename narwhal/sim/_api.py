@@ -162,7 +162,6 @@ class Api:
         core.owner = ctx
         e.counters.requests[leg] += 1
         e.metrics.prompt_tokens += plan.prompt_tokens
-        e.active.add(ctx)
         run = _Run(self, ctx, resp, plan, response_id, echo)
         outcome, status = "aborted", 499
         try:
@@ -174,7 +173,6 @@ class Api:
                 if ctx.remote is not None and ctx in e.awaiting_kv:
                     e.notify_release(ctx.remote)
             e.awaiting_kv.discard(ctx)
-            e.active.discard(ctx)
             if ctx.room is not None:
                 ctx.room.fail("Aborted by AbortReq." if outcome == "aborted" else "prefill failed")
             if run.crashed:

@@ -85,7 +85,6 @@ class SimEngine:
         self.awaiting_kv: set[ReqCtx] = set()
         # Requests accepted but held before the scheduler (slow first token, SGLang bootstrap).
         self.pending = 0
-        self.active: set[ReqCtx] = set()
         self.faults: FaultSpec | None = None
         self._fault_remaining: int | None = None
         self._fault_set_at = 0.0
