@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import trio
 
-from narwhal.sim import Fleet
+from narwhal.sim import Fleet, SimTiming
 
 from .conftest import StartFleet, post_stream, sse_json, wait_for
 
@@ -268,3 +268,38 @@ async def test_same_engine_can_serve_both_phases(
     r = await client.post(f"{fleet[0].url}/v1/completions", json=decode_body(kv))
     assert r.status_code == 200
     assert fleet[0].state()["kv"]["used_blocks"] == 0
+
+
+async def test_many_concurrent_handoffs_leak_nothing(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # Small KV so decoders queue for space and preempt; every lease must still be settled.
+    timing = SimTiming(kv_capacity_tokens=6000)
+    fleet = await start_fleet(engines=4, speed=5.0, timing=timing)
+    outcomes: list[bool] = []
+
+    async def pair(i: int) -> None:
+        p, d = fleet[i % 2], fleet[2 + i % 2]
+        prompt = "word " * (20 + 37 * i)
+        r = await client.post(
+            f"{p.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": P_PARAMS},
+        )
+        kv = r.json()["kv_transfer_params"]
+        status, _, raw = await post_stream(
+            client,
+            f"{d.url}/v1/completions",
+            {"prompt": prompt, "max_tokens": 5 + i, "stream": True, "kv_transfer_params": kv},
+        )
+        outcomes.append(status == 200 and "error" not in sse_json(raw)[-1])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(40):
+            nursery.start_soon(pair, i)
+    assert outcomes == [True] * 40
+    for handle in fleet:
+        state = handle.state(outcomes=0)
+        assert state["kv"]["used_blocks"] == 0
+        assert state["leases"]["held"] == 0
+        assert state["running"] == state["waiting"] == state["pulling"] == 0
+    assert sum(h.state()["counters"]["kv_served"] for h in fleet) == 40
