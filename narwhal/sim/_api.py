@@ -179,9 +179,7 @@ class Api:
                 outcome = "error"
             if outcome == "aborted" and resp.started:
                 status = resp.status
-            e.record(
-                ctx, request_id=xrid, phase=leg, outcome=outcome, status=status, tokens=run.sent
-            )
+            run.settle(outcome, status)
 
     def _fail_room(self, req: HttpRequest, reason: str) -> None:
         """An SGLang prefill request that never starts must still fail its decoder's wait."""
@@ -602,6 +600,7 @@ class _Run:
         self.echo = echo
         self.sent = 0
         self.crashed = False
+        self.settled = False
         self.created = int(time.time())
         self.text = OutputText(self.e.spec.seed, plan.prompt_key)
         if plan.remote is not None:
@@ -721,20 +720,37 @@ class _Run:
         else:
             # kv_load_failure_policy=fail: FINISHED_ERROR -> GenerationError -> 500 (§2.3).
             msg = "Internal server error"
-        result = await self._fail(500, msg)
-        return outcome, result[1]
+        return await self._fail(500, msg, outcome)
 
-    async def _fail(self, status: int, message: str) -> tuple[str, int]:
+    def settle(self, outcome: str, status: int) -> None:
+        """Record the outcome once, before the last bytes go out, so that a client that
+        has read the end of its response always finds its outcome in /_sim/state."""
+        if self.settled:
+            return
+        self.settled = True
+        ctx = self.ctx
+        self.e.record(
+            ctx,
+            request_id=ctx.request_id,
+            phase=ctx.phase,
+            outcome=outcome,
+            status=status,
+            tokens=self.sent,
+        )
+
+    async def _fail(self, status: int, message: str, outcome: str = "error") -> tuple[str, int]:
         if self.plan.stream:
             out = b""
             if self.plan.chat and not self.api.sglang and self.sent == 0:
                 out += self._role_chunk()
             out += self.api.sse_error(status, message, "InternalServerError")
+            self.settle(outcome, 200)
             await self.resp.end_stream(out + b"data: [DONE]\n\n")
-            return "error", 200
+            return outcome, 200
         err = ApiError(status, message, type_="InternalServerError")
+        self.settle(outcome, status)
         await self.api.send_error(self.resp, err, self.echo)
-        return "error", status
+        return outcome, status
 
     def _role_chunk(self) -> bytes:
         return (
@@ -762,6 +778,7 @@ class _Run:
             if crash_at is not None and sent >= crash_at:
                 e.counters.crashes_injected += 1
                 self.crashed = True
+                self.settle("error", self.resp.status if self.resp.started else 0)
                 raise DropConnection()
             if error_at is not None and sent >= error_at:
                 e.counters.sse_errors_injected += 1
@@ -814,9 +831,12 @@ class _Run:
             if plan.include_usage:
                 usage = (self.head + '"choices":[],"usage":' + _j(self._usage()) + "}").encode()
                 out += b"data: " + usage + b"\n\n"
+            self.settle("ok", 200)
             await self.resp.end_stream(out + b"data: [DONE]\n\n")
             return "ok", 200
-        await self.resp.send(200, self._body(), headers=self.echo)
+        body = self._body()
+        self.settle("ok", 200)
+        await self.resp.send(200, body, headers=self.echo)
         return "ok", 200
 
     def _kv_params(self) -> dict[str, Any] | None:

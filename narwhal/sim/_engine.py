@@ -715,6 +715,8 @@ class SimEngine:
         room.d_arrived.set()
         try:
             await room.done.wait()
+            # Forget the room before answering, so a decoder that has its KV never finds it.
+            self.drop_room(room)
             lease = room.lease
             if room.failure is not None or lease is None or lease.id not in self.leases:
                 await resp.send_json(500, {"error": room.failure or "prefill failed"})
