@@ -33,7 +33,19 @@ SGLang timeouts) by K. `SimTiming.zero()` is an instant engine whose steps still
 
 Faults (`FaultSpec`, see `narwhal.sim._faults` for every key) are set per engine with
 ``POST /_sim/faults`` (JSON object), cleared with ``DELETE /_sim/faults``, or per request
-with the header ``X-Sim-Fault: <json object>``. Fault durations are wall-clock seconds.
+with the header ``X-Sim-Fault: <json object>`` (which replaces the engine's faults for that
+request). Fault durations are wall-clock seconds. Examples::
+
+    {"error_status": 503, "leg": "prefill", "count": 2}     # first two P legs get 503
+    {"crash_after_tokens": 5, "leg": "decode"}              # drop TCP after 5 tokens
+    {"sse_error_after_tokens": 3}                           # error event + [DONE]
+    {"stall_after_tokens": 4}                               # hang forever after 4 tokens
+    {"lease_s": 0.05}                                       # KV produced here expires fast
+    {"down_s": 2.0}   {"health_flap_period_s": 1.0}   {"unhealthy": true}
+
+Everything the simulator reports is wall-clock. When the process is CPU-bound the step
+loop falls behind the law; ``/_sim/state`` counts that under ``step_lag`` (a speed below 1
+is valid and runs the fleet in slow motion, which keeps a CPU-bound benchmark faithful).
 
 Simulator-only endpoints on every engine: ``GET /_sim/state[?outcomes=N]``,
 ``GET|POST|DELETE /_sim/faults``, ``POST /_sim/restart``, and the engine-to-engine side

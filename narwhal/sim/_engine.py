@@ -91,6 +91,9 @@ class SimEngine:
         self.http_stats = _http.ServerStats()
         self.up = False
         self.started_at = time.time()
+        # How far the step loop fell behind its own timeline (CPU saturation).
+        self.step_lag_resets = 0
+        self.max_step_lag_s = 0.0
         self._wakeup = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._listener_scope: trio.CancelScope | None = None
@@ -192,7 +195,14 @@ class SimEngine:
                 await self._wakeup.wait()
                 continue
             now = trio.current_time()
-            start = now if prev_end is None or now - prev_end > _MAX_LAG_S else prev_end
+            if prev_end is not None and now - prev_end > 0:
+                lag = now - prev_end
+                self.max_step_lag_s = max(self.max_step_lag_s, lag)
+                if lag > _MAX_LAG_S:
+                    # The CPU could not keep up: simulated time is now running slow.
+                    self.step_lag_resets += 1
+                    prev_end = None
+            start = now if prev_end is None else prev_end
             end = start + plan.duration_s / speed
             await trio.sleep_until(end)
             result = core.complete(plan)
@@ -468,6 +478,8 @@ class SimEngine:
             "waiting": len(core.waiting) + self.pending,
             "pulling": len(core.pulling),
             "steps": core.steps,
+            # Non-zero resets mean the process was CPU-bound and ran slower than the law.
+            "step_lag": {"resets": self.step_lag_resets, "max_s": self.max_step_lag_s},
             "kv": {
                 "resident_tokens": core.resident_tokens(),
                 "capacity_tokens": core.timing.kv_capacity_tokens,

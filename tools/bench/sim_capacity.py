@@ -20,6 +20,8 @@ from typing import Any
 import h11
 import trio
 
+from narwhal.sim._http import request
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -99,6 +101,7 @@ async def scenario(
             for _ in range(conns):
                 n.start_soon(worker, port, body, t0 + seconds, totals)
         cpu1, t1 = cpu_seconds(proc.pid), trio.current_time()
+        state = (await request("127.0.0.1", port, "GET", "/_sim/state?outcomes=0")).json()
     finally:
         proc.terminate()
         with trio.move_on_after(5):
@@ -119,6 +122,9 @@ async def scenario(
         "sim_cpu_us_per_chunk": round(1e6 * cpu / max(totals.chunks, 1), 1) if stream else None,
         "tokens_per_chunk": round(tokens / max(totals.chunks, 1), 2) if stream else None,
         "errors": totals.errors,
+        # Steps on which the sim fell more than 20 ms behind the law (CPU-bound).
+        "step_lag_resets": state["step_lag"]["resets"],
+        "max_step_lag_ms": round(1000 * state["step_lag"]["max_s"], 1),
     }
 
 
