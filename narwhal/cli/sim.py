@@ -1,12 +1,143 @@
+"""narwhal-sim: serve a simulated engine fleet until SIGINT/SIGTERM."""
+
 from __future__ import annotations
 
+import argparse
+import json
+import signal
+import sys
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
-from ._common import not_implemented
+import attrs
+import trio
+
+from narwhal.sim import DEFAULT_MODEL, SimEngineSpec, SimTiming, serve_fleet
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="narwhal-sim",
+        description="Serve N simulated vLLM/SGLang engines on consecutive ports.",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8100,
+        help="first engine's port; engine i gets port+i (0: ephemeral ports)",
+    )
+    p.add_argument("--engines", type=int, default=1, help="number of engines (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm")
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="time compression: every simulated duration is divided by this",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="JSON object of SimTiming fields (seconds at speed 1) overriding the "
+        'default law, optionally nested under "timing"',
+    )
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=30.0,
+        help="KV lease on produced blocks, seconds at speed 1 (default 30)",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--build", default=None, help="build identity reported by /version")
+    p.add_argument(
+        "--max-num-queued",
+        type=int,
+        default=None,
+        help="vLLM admission limit on waiting+running requests (503 beyond)",
+    )
+    p.add_argument(
+        "--zero",
+        action="store_true",
+        help="instant engines (SimTiming.zero) for router-overhead measurements",
+    )
+    return p
+
+
+def load_profile(path: str) -> SimTiming:
+    with open(path, encoding="utf-8") as fh:
+        data: Any = json.load(fh)
+    if isinstance(data, dict) and isinstance(data.get("timing"), dict):
+        data = data["timing"]
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of SimTiming fields")
+    known = {f.name for f in attrs.fields(SimTiming)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown timing field(s): {', '.join(unknown)}")
+    return SimTiming(**data)
+
+
+async def _run(spec: SimEngineSpec, *, engines: int, host: str, port: int) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            fleet = await nursery.start(
+                partial(serve_fleet, engines=engines, host=host, port=port, spec=spec)
+            )
+            for handle in fleet:
+                print(handle.url, flush=True)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return not_implemented("narwhal-sim", 2)
+    args = _parser().parse_args(argv)
+    try:
+        if args.engines < 1:
+            raise ValueError(f"--engines is {args.engines}; must be >= 1")
+        if args.port and not 0 < args.port + args.engines - 1 <= 65535:
+            raise ValueError("--port + --engines exceeds 65535")
+        timing = load_profile(args.profile) if args.profile else SimTiming()
+        if args.zero:
+            timing = SimTiming.zero()
+        fields: dict[str, Any] = {
+            "dialect": args.dialect,
+            "speed": args.speed,
+            "lease_s": args.lease_s,
+            "model": args.model,
+            "seed": args.seed,
+            "timing": timing,
+            "max_num_queued": args.max_num_queued,
+        }
+        if args.build:
+            fields["build"] = args.build
+        spec = SimEngineSpec(**fields)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"narwhal-sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(partial(_run, spec, engines=args.engines, host=args.host, port=args.port))
+    except BaseExceptionGroup as group:
+        # Binding happens inside the fleet's nursery, so a busy port arrives in a group.
+        matched, rest = group.split(OSError)
+        if matched is None or rest is not None:
+            raise
+        for err in _leaves(matched):
+            print(f"narwhal-sim: {err}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"narwhal-sim: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _leaves(group: BaseExceptionGroup[OSError]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""narwhal-sim: a simulated vLLM / SGLang engine fleet for tests, demos and benchmarks.
+
+Each simulated engine is a continuous-batching scheduler (`SchedulerCore`) behind an h11 +
+trio HTTP server that speaks vLLM's (or SGLang's) OpenAI API, P/D handoff and auxiliary
+endpoints. Wire shapes follow ``shared/notes/engine-protocols.md``; the latency law follows
+``shared/notes/controllers-and-traces.md`` §3.
+
+In-process use (stable API)::
+
+    from functools import partial
+    from narwhal.sim import serve_fleet
+
+    async def test_something(nursery):
+        fleet = await nursery.start(partial(serve_fleet, engines=4, speed=50))
+        fleet[0].url                  # "http://127.0.0.1:<ephemeral port>"
+        fleet[0].set_faults(error_status=503, leg="prefill", count=1)
+        fleet[0].clear_faults()
+        fleet[0].state()              # same document as GET /_sim/state
+        await fleet[1].go_down()      # connection refused until ...
+        await fleet[1].come_up()
+        await fleet[2].restart()      # drop in-flight work and KV, new instance id
+
+`serve_fleet(*, engines, host="127.0.0.1", port=0, spec=None, dialect=None, speed=None,
+lease_s=None, model=None, seed=None, build=None, max_num_queued=None, timing=None,
+task_status)` serves until cancelled. ``port=0`` gives each engine its own ephemeral port;
+a base port gives consecutive ports. Keyword options override fields of `SimEngineSpec`.
+
+`SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
+H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,
+SGLang timeouts) by K. `SimTiming.zero()` is an instant engine whose steps still take
+``min_step_s`` so a busy engine never spins (CLI: ``--zero``). `SchedulerCore` / `CoreRequest` /
+`idle_prefill_s` are the pure step arithmetic (no I/O) for tests and profile checks.
+
+Faults (`FaultSpec`, see `narwhal.sim._faults` for every key) are set per engine with
+``POST /_sim/faults`` (JSON object), cleared with ``DELETE /_sim/faults``, or per request
+with the header ``X-Sim-Fault: <json object>`` (which replaces the engine's faults for that
+request). Fault durations are wall-clock seconds. Examples::
+
+    {"error_status": 503, "leg": "prefill", "count": 2}     # first two P legs get 503
+    {"crash_after_tokens": 5, "leg": "decode"}              # drop TCP after 5 tokens
+    {"sse_error_after_tokens": 3}                           # error event + [DONE]
+    {"stall_after_tokens": 4}                               # hang forever after 4 tokens
+    {"lease_s": 0.05}                                       # KV produced here expires fast
+    {"down_s": 2.0}   {"health_flap_period_s": 1.0}   {"unhealthy": true}
+
+Everything the simulator reports is wall-clock. When the process is CPU-bound the step
+loop falls behind the law; ``/_sim/state`` counts that under ``step_lag`` (a speed below 1
+is valid and runs the fleet in slow motion, which keeps a CPU-bound benchmark faithful).
+
+Simulator-only endpoints on every engine: ``GET /_sim/state[?outcomes=N]``,
+``GET|POST|DELETE /_sim/faults``, ``POST /_sim/restart``, and the engine-to-engine side
+channel ``POST /_sim/nixl/{pull,heartbeat,release}`` and ``POST /_sim/bootstrap/transfer``.
+"""
+
+from ._core import CoreRequest as CoreRequest
+from ._core import ReqState as ReqState
+from ._core import SchedulerCore as SchedulerCore
+from ._core import StepPlan as StepPlan
+from ._core import StepResult as StepResult
+from ._core import idle_prefill_s as idle_prefill_s
+from ._engine import SimEngine as SimEngine
+from ._faults import FaultSpec as FaultSpec
+from ._faults import FaultSpecError as FaultSpecError
+from ._faults import parse_faults as parse_faults
+from ._fleet import EngineHandle as EngineHandle
+from ._fleet import Fleet as Fleet
+from ._fleet import serve_fleet as serve_fleet
+from ._spec import DEFAULT_MODEL as DEFAULT_MODEL
+from ._spec import Dialect as Dialect
+from ._spec import SimEngineSpec as SimEngineSpec
+from ._timing import SimTiming as SimTiming
+from ._tokenizer import Tokenizer as Tokenizer
+from ._tokenizer import render_chat as render_chat

@@ -1,0 +1,3 @@
+from narwhal.cli.sim import main
+
+raise SystemExit(main())

@@ -1,0 +1,912 @@
+"""The OpenAI-compatible endpoints of a simulated engine, in vLLM's or SGLang's dialect.
+
+Wire shapes follow engine-protocols.md; the section is cited where a detail matters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ._core import CoreRequest, ReqState
+from ._faults import FaultSpec, FaultSpecError, parse_faults
+from ._http import DropConnection, HttpRequest, Responder
+from ._records import RemoteKV, ReqCtx
+from ._spec import ENGINE_VERSION
+from ._tokenizer import BOS, OutputText, piece_id, render_chat
+
+if TYPE_CHECKING:
+    from ._engine import SimEngine
+
+_COMPACT = (",", ":")
+_VLLM_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+}
+_DEFAULT_MESSAGES = {
+    500: "Internal server error",
+    503: "The server is overloaded or not ready yet.",
+    429: "Too many requests",
+}
+_KV_PARAM_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
+
+
+def _j(obj: Any) -> str:
+    return json.dumps(obj, separators=_COMPACT)
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, *, type_: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+
+class Api:
+    def __init__(self, engine: SimEngine) -> None:
+        self.e = engine
+        self.sglang = engine.spec.dialect == "sglang"
+
+    # -- errors ---------------------------------------------------------------------------
+    def error_body(
+        self, status: int, message: str, *, type_: str | None = None, param: str | None = None
+    ) -> dict[str, Any]:
+        if type_ is None:
+            type_ = _VLLM_TYPES.get(status)
+        if type_ is None:
+            try:
+                type_ = HTTPStatus(status).phrase
+            except ValueError:
+                type_ = "InternalServerError" if status >= 500 else "BadRequestError"
+        if self.sglang:
+            # SGLang keeps the flat pre-0.10.1 vLLM shape (§5.5).
+            return {
+                "object": "error",
+                "message": message,
+                "type": type_,
+                "param": param,
+                "code": status,
+            }
+        return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+    async def send_error(
+        self, resp: Responder, err: ApiError, headers: list[tuple[str, str]] | None = None
+    ) -> None:
+        body = self.error_body(err.status, err.message, type_=err.type, param=err.param)
+        await resp.send_json(err.status, body, headers=headers)
+
+    def sse_error(self, status: int, message: str, type_: str | None = None) -> bytes:
+        body = self.error_body(status, message, type_=type_)
+        if self.sglang:
+            body = {"error": body}
+        return b"data: " + _j(body).encode() + b"\n\n"
+
+    # -- /v1/completions and /v1/chat/completions -----------------------------------------
+    async def generate(self, req: HttpRequest, resp: Responder, *, chat: bool) -> None:
+        e = self.e
+        xrid = req.headers.get("x-request-id") or uuid.uuid4().hex
+        echo = [("x-request-id", xrid)]
+        try:
+            plan = self._parse(req, chat=chat)
+        except ApiError as err:
+            e.counters.rejected_invalid += 1
+            self._fail_room(req, err.message)
+            await self.send_error(resp, err, echo)
+            return
+        leg = plan.leg
+        faults = e.request_faults(leg, plan.header_faults)
+        if faults is not None and faults.error_status is not None:
+            e.counters.errors_injected += 1
+            e.record(None, request_id=xrid, phase=leg, outcome="error", status=faults.error_status)
+            message = faults.error_message or _DEFAULT_MESSAGES.get(
+                faults.error_status, f"Injected error {faults.error_status}"
+            )
+            self._fail_room(req, message)
+            await self.send_error(resp, ApiError(faults.error_status, message), echo)
+            return
+        limit = e.spec.max_num_queued
+        if limit is not None:
+            queued = len(e.core.running) + len(e.core.waiting) + len(e.core.pulling) + e.pending
+            if queued >= limit:
+                # vLLM >= 0.29 admission control: QueueOverflowError is a GracefulHTTPError,
+                # so `type` is the HTTP phrase (§3.4).
+                e.counters.rejected_queue_full += 1
+                self._fail_room(req, "queue full")
+                e.record(None, request_id=xrid, phase=leg, outcome="error", status=503)
+                msg = (
+                    f"The engine's request queue is full ({queued} queued, "
+                    f"max_num_queued_reqs={limit}); retry on another instance."
+                )
+                await self.send_error(resp, ApiError(503, msg, type_="Service Unavailable"), echo)
+                return
+        prefix = "chatcmpl" if chat else "cmpl"
+        response_id = f"{prefix}-{xrid}"
+        core = CoreRequest(
+            rid=f"{response_id}-{e.new_hex()}",
+            prompt_tokens=plan.prompt_tokens,
+            max_tokens=plan.max_tokens,
+            hold_kv=plan.hold_kv,
+            remote_kv=plan.remote is not None,
+        )
+        ctx = ReqCtx(
+            request_id=xrid,
+            internal_id=core.rid,
+            phase=leg,
+            core=core,
+            arrival=trio.current_time(),
+            faults=faults,
+            remote=plan.remote,
+        )
+        ctx.lease_s = e.lease_for(faults)
+        if plan.room is not None and leg == "prefill":
+            ctx.room = e.room(plan.room)
+            ctx.lease_s = e.spec.scaled(e.spec.bootstrap_timeout_s)
+        core.owner = ctx
+        e.counters.requests[leg] += 1
+        e.metrics.prompt_tokens += plan.prompt_tokens
+        run = _Run(self, ctx, resp, plan, response_id, echo)
+        outcome, status = "aborted", 499
+        try:
+            outcome, status = await run.serve()
+        finally:
+            if core.state is not ReqState.FINISHED:
+                e.core.abort(core)
+                e.wake_scheduler()
+                if ctx.remote is not None and ctx in e.awaiting_kv:
+                    e.notify_release(ctx.remote)
+            e.awaiting_kv.discard(ctx)
+            if ctx.room is not None:
+                ctx.room.fail("Aborted by AbortReq." if outcome == "aborted" else "prefill failed")
+            if run.crashed:
+                outcome = "error"
+            if outcome == "aborted" and resp.started:
+                status = resp.status
+            run.settle(outcome, status)
+
+    def _fail_room(self, req: HttpRequest, reason: str) -> None:
+        """An SGLang prefill request that never starts must still fail its decoder's wait."""
+        if not self.sglang:
+            return
+        try:
+            body = json.loads(req.body)
+        except ValueError:
+            return
+        if isinstance(body, dict) and body.get("bootstrap_port") == self.e.port:
+            room = body.get("bootstrap_room")
+            if isinstance(room, int) and not isinstance(room, bool):
+                self.e.room(room).fail(reason)
+
+    def _parse(self, req: HttpRequest, *, chat: bool) -> _Plan:
+        e = self.e
+        try:
+            body = json.loads(req.body)
+        except ValueError as exc:
+            raise ApiError(
+                400, f"JSON decode error: {exc}", type_="Bad Request", param="body"
+            ) from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", type_="Bad Request")
+        header_faults: FaultSpec | None = None
+        raw = req.headers.get("x-sim-fault")
+        if raw:
+            try:
+                header_faults = parse_faults(json.loads(raw), per_request=True)
+            except (ValueError, FaultSpecError) as exc:
+                raise ApiError(400, f"invalid X-Sim-Fault header: {exc}") from None
+        model = body.get("model")
+        if model is not None and model != e.spec.model:
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", type_="NotFoundError", param="model"
+            )
+        stream = bool(body.get("stream") or False)
+        stream_options = body.get("stream_options")
+        if stream_options is not None and not stream and not self.sglang:
+            # A pydantic model validator in vLLM, so FastAPI's validation handler answers.
+            raise ApiError(
+                400,
+                "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': "
+                "'Value error, Stream options can only be defined when `stream=True`.'}",
+                type_="Bad Request",
+                param="body",
+            )
+        include_usage = False
+        if stream and isinstance(stream_options, dict):
+            # vLLM defaults include_usage to True, SGLang to False (§4.4, §5.5).
+            include_usage = bool(stream_options.get("include_usage", not self.sglang))
+
+        leg, remote, room, hold_kv = self._leg(body)
+        prompt_tokens, prompt_key = self._prompt(body, chat=chat)
+        limit = e.spec.timing.max_model_len
+        if prompt_tokens >= limit:
+            if self.sglang:
+                raise ApiError(
+                    400,
+                    f"The input ({prompt_tokens} tokens) is longer than the "
+                    f"model's context length ({limit} tokens).",
+                )
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_tokens} input tokens. Please reduce the length of the input "
+                "messages.",
+                param="input_tokens",
+            )
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(256, limit - prompt_tokens) if chat else 16
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ApiError(
+                400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
+            )
+        if self.sglang and room is not None and leg == "prefill":
+            max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
+        min_tokens = body.get("min_tokens") or 0
+        if isinstance(min_tokens, int) and min_tokens > max_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                f"{min_tokens}. (parameter=min_tokens, value={min_tokens})",
+                param="min_tokens",
+            )
+        if prompt_tokens + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{prompt_tokens} input tokens ({max_tokens} > {limit} - {prompt_tokens}).",
+                param="max_tokens",
+            )
+        return _Plan(
+            leg=leg,
+            remote=remote,
+            room=room,
+            hold_kv=hold_kv,
+            stream=stream,
+            include_usage=include_usage,
+            chat=chat,
+            prompt_tokens=prompt_tokens,
+            prompt_key=prompt_key,
+            max_tokens=max_tokens,
+            header_faults=header_faults,
+        )
+
+    def _leg(self, body: dict[str, Any]) -> tuple[str, Any, int | None, bool]:
+        """(leg, remote KV, bootstrap room, hold KV after finishing)."""
+        e = self.e
+        if self.sglang:
+            host = body.get("bootstrap_host")
+            port = body.get("bootstrap_port")
+            room = body.get("bootstrap_room")
+            if host is None and port is None and room is None:
+                return "aggregate", None, None, False
+            if room is None:
+                raise ApiError(
+                    400, "Invalid request: Disaggregated request received without boostrap room id"
+                )
+            if not isinstance(room, int) or isinstance(room, bool):
+                raise ApiError(400, "bootstrap_room must be an integer (batches are not simulated)")
+            # Every sim engine can take either role; it is the prefill server of a pair
+            # exactly when the router names its own port as the bootstrap port.
+            if port == e.port:
+                return "prefill", None, room, True
+            if not isinstance(host, str) or not isinstance(port, int):
+                raise ApiError(
+                    400, "bootstrap_host and bootstrap_port are required with bootstrap_room"
+                )
+            return "decode", RemoteKV(host=host, port=port, num_tokens=0, room=room), room, False
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return "aggregate", None, None, False
+        if params.get("do_remote_decode"):
+            return "prefill", None, None, True
+        if params.get("do_remote_prefill"):
+            if any(params.get(k) is None for k in _KV_PARAM_KEYS):
+                # vLLM logs "Got invalid KVTransferParams" and computes the prompt itself.
+                return "decode", None, None, False
+            port = params.get("remote_port")
+            if not isinstance(port, int):
+                return "decode", None, None, False
+            remote = RemoteKV(
+                host=str(params["remote_host"]),
+                port=port,
+                num_tokens=int(params.get("remote_num_tokens") or 0),
+                engine_id=str(params["remote_engine_id"]),
+                request_id=str(params["remote_request_id"]),
+                block_ids=params["remote_block_ids"],
+            )
+            return "decode", remote, None, False
+        return "aggregate", None, None, False
+
+    def _prompt(self, body: dict[str, Any], *, chat: bool) -> tuple[int, str]:
+        tok = self.e.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "messages must be a non-empty list", param="messages")
+            try:
+                text = render_chat(
+                    messages, add_generation_prompt=body.get("add_generation_prompt", True)
+                )
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+            return tok.count(text), text
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            special = 1 if body.get("add_special_tokens", True) else 0
+            return tok.count(prompt) + special, prompt
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            return len(prompt), _j(prompt[:64])
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise ApiError(
+                400,
+                "batched prompts are not simulated; send one prompt per request",
+                param="prompt",
+            )
+        raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+
+    # -- other endpoints ------------------------------------------------------------------
+    async def tokenize(self, req: HttpRequest, resp: Responder) -> None:
+        e = self.e
+        try:
+            body = json.loads(req.body) if req.body else {}
+        except ValueError as exc:
+            await self.send_error(resp, ApiError(400, f"JSON decode error: {exc}"))
+            return
+        if not isinstance(body, dict):
+            await self.send_error(resp, ApiError(400, "request body must be a JSON object"))
+            return
+        model = body.get("model")
+        if model is not None and model != e.spec.model:
+            await self.send_error(
+                resp, ApiError(404, f"The model `{model}` does not exist.", param="model")
+            )
+            return
+        limit = e.spec.timing.max_model_len
+        if "messages" in body:
+            messages = body["messages"]
+            if body.get("add_generation_prompt", True) and body.get("continue_final_message"):
+                await self.send_error(
+                    resp,
+                    ApiError(
+                        400,
+                        "Cannot set both `continue_final_message` and `add_generation_prompt` "
+                        "to True.",
+                    ),
+                )
+                return
+            try:
+                if not isinstance(messages, list):
+                    raise ValueError("messages must be a list")
+                text = render_chat(
+                    messages, add_generation_prompt=body.get("add_generation_prompt", True)
+                )
+            except ValueError as exc:
+                await self.send_error(resp, ApiError(400, str(exc), param="messages"))
+                return
+            # The template carries its own BOS; vLLM defaults add_special_tokens to False here.
+            pieces = e.tokenizer.pieces(text)
+            if body.get("add_special_tokens", False):
+                pieces.insert(0, BOS)
+        else:
+            prompt = body.get("prompt")
+            if self.sglang and isinstance(prompt, list):
+                many = [self._pieces(p, body) for p in prompt if isinstance(p, str)]
+                await resp.send_json(
+                    200,
+                    {
+                        "tokens": [[piece_id(x) for x in p] for p in many],
+                        "count": [len(p) for p in many],
+                        "max_model_len": limit,
+                    },
+                )
+                return
+            if not isinstance(prompt, str):
+                await self.send_error(
+                    resp, ApiError(400, "prompt must be a string", param="prompt")
+                )
+                return
+            pieces = self._pieces(prompt, body)
+        ids = [piece_id(p) for p in pieces]
+        if self.sglang:
+            await resp.send_json(200, {"tokens": ids, "count": len(ids), "max_model_len": limit})
+            return
+        strs = pieces if body.get("return_token_strs") else None
+        await resp.send_json(
+            200, {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
+        )
+
+    def _pieces(self, prompt: str, body: dict[str, Any]) -> list[str]:
+        pieces = self.e.tokenizer.pieces(prompt)
+        if body.get("add_special_tokens", True):
+            pieces.insert(0, BOS)
+        return pieces
+
+    async def models(self, req: HttpRequest, resp: Responder) -> None:
+        e = self.e
+        created = int(e.started_at)
+        card: dict[str, Any] = {
+            "id": e.spec.model,
+            "object": "model",
+            "created": created,
+            "owned_by": "sglang" if self.sglang else "vllm",
+            "root": e.spec.model,
+            "max_model_len": e.spec.timing.max_model_len,
+        }
+        if not self.sglang:
+            card["parent"] = None
+            card["permission"] = [
+                {
+                    "id": f"modelperm-{e.instance_id.replace('-', '')}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ]
+        await resp.send_json(200, {"object": "list", "data": [card]})
+
+    async def server_info(self, req: HttpRequest, resp: Responder) -> None:
+        e = self.e
+        t = e.spec.timing
+        await resp.send_json(
+            200,
+            {
+                "model_path": e.spec.model,
+                "tokenizer_path": e.spec.model,
+                "served_model_name": e.spec.model,
+                "tp_size": 1,
+                "dp_size": 1,
+                "context_length": t.max_model_len,
+                "chunked_prefill_size": t.chunk_tokens,
+                "page_size": t.block_size,
+                "max_running_requests": t.max_num_seqs,
+                "max_total_num_tokens": t.kv_capacity_tokens,
+                "disaggregation_mode": "null",
+                "disaggregation_bootstrap_port": e.port,
+                "disaggregation_transfer_backend": "fake",
+                "internal_states": [
+                    {
+                        "last_gen_throughput": 0.0,
+                        "num_running_reqs": len(e.core.running),
+                        "num_queue_reqs": len(e.core.waiting) + e.pending,
+                    }
+                ],
+                "version": ENGINE_VERSION["sglang"],
+                "build": e.spec.build,
+                "instance_id": e.instance_id,
+            },
+        )
+
+    async def model_info(self, req: HttpRequest, resp: Responder) -> None:
+        e = self.e
+        await resp.send_json(
+            200,
+            {
+                "model_path": e.spec.model,
+                "tokenizer_path": e.spec.model,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            },
+        )
+
+    async def flush_cache(self, req: HttpRequest, resp: Responder) -> None:
+        await resp.send(
+            200,
+            b"Cache flushed.\nPlease check backend logs for more details. (When there are "
+            b"running or waiting requests, the operation will not be performed.)\n",
+            content_type="text/plain; charset=utf-8",
+        )
+
+
+class _Plan:
+    __slots__ = (
+        "chat",
+        "header_faults",
+        "hold_kv",
+        "include_usage",
+        "leg",
+        "max_tokens",
+        "prompt_key",
+        "prompt_tokens",
+        "remote",
+        "room",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        *,
+        leg: str,
+        remote: Any,
+        room: int | None,
+        hold_kv: bool,
+        stream: bool,
+        include_usage: bool,
+        chat: bool,
+        prompt_tokens: int,
+        prompt_key: str,
+        max_tokens: int,
+        header_faults: FaultSpec | None,
+    ) -> None:
+        self.leg = leg
+        self.remote = remote
+        self.room = room
+        self.hold_kv = hold_kv
+        self.stream = stream
+        self.include_usage = include_usage
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens
+        self.prompt_key = prompt_key
+        self.max_tokens = max_tokens
+        self.header_faults = header_faults
+
+
+class _Run:
+    """One accepted generation request, from admission to its last byte."""
+
+    def __init__(
+        self,
+        api: Api,
+        ctx: ReqCtx,
+        resp: Responder,
+        plan: _Plan,
+        response_id: str,
+        echo: list[tuple[str, str]],
+    ) -> None:
+        self.api = api
+        self.e = api.e
+        self.ctx = ctx
+        self.resp = resp
+        self.plan = plan
+        self.response_id = response_id
+        self.echo = echo
+        self.sent = 0
+        self.crashed = False
+        self.settled = False
+        self.created = int(time.time())
+        self.text = OutputText(self.e.spec.seed, plan.prompt_key)
+        if plan.remote is not None:
+            plan.remote.num_tokens = plan.remote.num_tokens or plan.prompt_tokens
+        self._templates()
+
+    def _templates(self) -> None:
+        head = (
+            f'{{"id":{_j(self.response_id)},"object":"%s","created":{self.created},'
+            f'"model":{_j(self.e.spec.model)},'
+        )
+        sg = self.api.sglang
+        if self.plan.chat:
+            self.head = head % "chat.completion.chunk"
+            self.pre = self.head + '"choices":[{"index":0,"delta":{"content":'
+            if sg:
+                self.mid = (
+                    '},"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}'
+                )
+                self.last = (
+                    '},"logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":null}'
+                )
+            else:
+                # Chat chunks are dumped with exclude_unset (§4.3).
+                self.mid = '},"logprobs":null,"finish_reason":null}]}'
+                self.last = '},"logprobs":null,"finish_reason":"length","stop_reason":null}]}'
+        else:
+            self.head = head % "text_completion"
+            self.pre = self.head + '"choices":[{"index":0,"text":'
+            if sg:
+                self.mid = (
+                    ',"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}'
+                )
+                self.last = (
+                    ',"logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":null}'
+                )
+            else:
+                # Completion chunks are dumped with every field, nulls included (§4.2).
+                tail = ',"prompt_token_ids":null,"token_ids":null}],"usage":null}'
+                self.mid = ',"logprobs":null,"finish_reason":null,"stop_reason":null' + tail
+                self.last = ',"logprobs":null,"finish_reason":"length","stop_reason":null' + tail
+
+    # -- the request's life ---------------------------------------------------------------
+    async def serve(self) -> tuple[str, int]:
+        e, ctx, plan = self.e, self.ctx, self.plan
+        core = ctx.core
+        f = ctx.faults
+        if ctx.remote is not None:
+            # Heartbeats start as soon as the decoder has the request (§2.2).
+            e.awaiting_kv.add(ctx)
+        if f is not None and f.slow_first_token_s:
+            e.counters.slow_first_tokens_injected += 1
+            e.pending += 1
+            try:
+                await trio.sleep(f.slow_first_token_s)
+            finally:
+                e.pending -= 1
+        if plan.stream:
+            # vLLM's StreamingResponse sends the 200 and headers before the first token.
+            await self.resp.start_stream(200, headers=self.echo)
+        room = ctx.room
+        if room is not None:
+            # SGLang prefill: the request sits in the bootstrap queue until its decoder
+            # registers for the room (§5.3).
+            e.pending += 1
+            try:
+                with trio.move_on_after(e.spec.scaled(e.spec.bootstrap_timeout_s)) as wait:
+                    await room.d_arrived.wait()
+            finally:
+                e.pending -= 1
+            if wait.cancelled_caught:
+                room.fail("bootstrap timeout")
+                msg = (
+                    f"KVTransferError(bootstrap_room={room.room}): Request {ctx.internal_id} "
+                    "timed out waiting for the decode instance to bootstrap"
+                )
+                return await self._fail(500, msg)
+        e.core.add(core)
+        e.wake_scheduler()
+        if ctx.remote is not None:
+            result = await self._await_kv()
+            if result is not None:
+                return result
+        return await self._emit()
+
+    async def _await_kv(self) -> tuple[str, int] | None:
+        e, ctx = self.e, self.ctx
+        core = ctx.core
+        while core.state is ReqState.WAITING:
+            await ctx.wait_change()
+        if core.state is not ReqState.PULLING:
+            return None
+        reason = await e.pull(ctx)
+        e.awaiting_kv.discard(ctx)
+        if reason is None:
+            e.counters.kv_pulled += 1
+            e.core.pull_done(core)
+            e.wake_scheduler()
+            return None
+        e.counters.kv_pull_failed += 1
+        e.metrics.failed_transfers += 1
+        e.core.abort(core)
+        e.wake_scheduler()
+        outcome = "expired_kv" if ("expired" in reason or "unknown" in reason) else "error"
+        rk = ctx.remote
+        if rk is not None and rk.room is not None:
+            cause = (
+                "Aborted by AbortReq."
+                if "Aborted" in reason
+                else "Failed to get kvcache from prefill instance, it might be dead"
+            )
+            msg = (
+                f"Decode transfer failed for request rank=0 rid={ctx.internal_id} "
+                f"bootstrap_room={rk.room} with exception "
+                f"KVTransferError(bootstrap_room={rk.room}): {cause}"
+            )
+        else:
+            # kv_load_failure_policy=fail: FINISHED_ERROR -> GenerationError -> 500 (§2.3).
+            msg = "Internal server error"
+        return await self._fail(500, msg, outcome)
+
+    def settle(self, outcome: str, status: int) -> None:
+        """Record the outcome once, before the last bytes go out, so that a client that
+        has read the end of its response always finds its outcome in /_sim/state."""
+        if self.settled:
+            return
+        self.settled = True
+        ctx = self.ctx
+        self.e.record(
+            ctx,
+            request_id=ctx.request_id,
+            phase=ctx.phase,
+            outcome=outcome,
+            status=status,
+            tokens=self.sent,
+        )
+
+    async def _fail(self, status: int, message: str, outcome: str = "error") -> tuple[str, int]:
+        if self.plan.stream:
+            out = b""
+            if self.plan.chat and not self.api.sglang and self.sent == 0:
+                out += self._role_chunk()
+            out += self.api.sse_error(status, message, "InternalServerError")
+            self.settle(outcome, 200)
+            await self.resp.end_stream(out + b"data: [DONE]\n\n")
+            return outcome, 200
+        err = ApiError(status, message, type_="InternalServerError")
+        self.settle(outcome, status)
+        await self.api.send_error(self.resp, err, self.echo)
+        return outcome, status
+
+    def _role_chunk(self) -> bytes:
+        return (
+            b"data: "
+            + self.head.encode()
+            + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            + b'"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    async def _emit(self) -> tuple[str, int]:
+        e, ctx, plan = self.e, self.ctx, self.plan
+        core = ctx.core
+        f = ctx.faults or FaultSpec()
+        stall_first = f.stall_before_first_token_s
+        stall_at = f.stall_after_tokens
+        crash_at = f.crash_after_tokens
+        error_at = f.sse_error_after_tokens
+        stream = plan.stream
+        max_tokens = core.max_tokens
+        while True:
+            state = core.state
+            if state is ReqState.ABORTED:
+                return await self._fail(500, "Internal server error")
+            sent = self.sent
+            if crash_at is not None and sent >= crash_at:
+                e.counters.crashes_injected += 1
+                self.crashed = True
+                self.settle("error", self.resp.status if self.resp.started else 0)
+                raise DropConnection()
+            if error_at is not None and sent >= error_at:
+                e.counters.sse_errors_injected += 1
+                return await self._fail(500, "Internal server error")
+            if stall_at is not None and sent >= stall_at:
+                e.counters.stalls_injected += 1
+                stall_at = None
+                if f.stall_s is None:
+                    await trio.sleep_forever()
+                await trio.sleep(f.stall_s)
+                continue
+            generated = min(core.generated, max_tokens)
+            if generated > sent:
+                if sent == 0 and stall_first:
+                    e.counters.stalls_injected += 1
+                    await trio.sleep(stall_first)
+                    stall_first = None
+                    continue
+                upto = generated
+                for limit in (crash_at, error_at, stall_at):
+                    if limit is not None and limit > sent:
+                        upto = min(upto, limit)
+                final = state is ReqState.FINISHED and upto == max_tokens
+                if stream:
+                    await self._send_tokens(sent, upto, final)
+                self.sent = upto
+                continue
+            if state is ReqState.FINISHED:
+                return await self._finish()
+            await ctx.wait_change()
+
+    async def _send_tokens(self, start: int, end: int, final: bool) -> None:
+        out = b""
+        if start == 0 and self.plan.chat:
+            out += self._role_chunk()
+        text = _j(self.text.text(start, end))
+        chunk = self.pre + text + (self.last if final else self.mid)
+        out += b"data: " + chunk.encode() + b"\n\n"
+        await self.resp.send_chunk(out)
+
+    def _usage(self) -> dict[str, Any]:
+        p = self.plan.prompt_tokens
+        c = self.sent
+        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+
+    async def _finish(self) -> tuple[str, int]:
+        plan = self.plan
+        if plan.stream:
+            out = b""
+            if plan.include_usage:
+                usage = (self.head + '"choices":[],"usage":' + _j(self._usage()) + "}").encode()
+                out += b"data: " + usage + b"\n\n"
+            self.settle("ok", 200)
+            await self.resp.end_stream(out + b"data: [DONE]\n\n")
+            return "ok", 200
+        body = self._body()
+        self.settle("ok", 200)
+        await self.resp.send(200, body, headers=self.echo)
+        return "ok", 200
+
+    def _kv_params(self) -> dict[str, Any] | None:
+        lease = self.ctx.lease
+        if lease is None or self.api.sglang:
+            return None
+        e = self.e
+        # Newer vLLM pull mode (§1.4): one block list per KV-cache group.
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(lease.blocks)],
+            "remote_engine_id": e.instance_id,
+            "remote_request_id": lease.id,
+            "remote_host": e.advertised_host,
+            "remote_port": e.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": lease.tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+        }
+
+    def _body(self) -> bytes:
+        text = self.text.text(0, self.sent)
+        usage: dict[str, Any] = {**self._usage(), "prompt_tokens_details": None}
+        sg = self.api.sglang
+        out: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion" if self.plan.chat else "text_completion",
+            "created": self.created,
+            "model": self.e.spec.model,
+        }
+        if self.plan.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if sg:
+                message.update({"reasoning_content": None, "tool_calls": None})
+            else:
+                message.update(
+                    {
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [],
+                        "reasoning_content": None,
+                    }
+                )
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        if sg:
+            choice["matched_stop"] = None
+        else:
+            choice["stop_reason"] = None
+            if not self.plan.chat:
+                choice["prompt_logprobs"] = None
+        out["choices"] = [choice]
+        if not sg:
+            out["service_tier"] = None
+            out["system_fingerprint"] = None
+        out["usage"] = usage
+        if not sg:
+            if self.plan.chat:
+                out["prompt_logprobs"] = None
+            out["kv_transfer_params"] = self._kv_params()
+        return _j(out).encode()

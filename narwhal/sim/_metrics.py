@@ -1,0 +1,229 @@
+"""Prometheus exposition of one engine, under vLLM's (or SGLang's) metric names.
+
+Histograms are plain bucket arrays fed from the step loop (one observation per token, so
+prometheus_client's locked objects would cost more than the simulated work); a custom
+collector on the engine's own CollectorRegistry renders them at scrape time.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
+
+
+class Histogram:
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip(self.buckets, self.counts, strict=False):
+            running += n
+            out.append((repr(float(bound)), float(running)))
+        out.append(("+Inf", float(self.count)))
+        return out
+
+
+@attrs.define
+class EngineMetrics:
+    ttft: Histogram = attrs.Factory(lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = attrs.Factory(lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = attrs.Factory(lambda: Histogram(E2E_BUCKETS))
+    xfer: Histogram = attrs.Factory(lambda: Histogram(XFER_BUCKETS))
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    # finished_reason -> count ("length", "abort", "error").
+    success: dict[str, int] = attrs.Factory(dict)
+    kv_expired: int = 0
+    failed_transfers: int = 0
+
+
+@attrs.frozen
+class Gauges:
+    running: int
+    waiting: int
+    kv_usage: float
+    preemptions: int
+
+
+class _Collector:
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        gauges: Callable[[], Gauges],
+        *,
+        dialect: str,
+        model: str,
+        engine: str,
+    ) -> None:
+        self._m = metrics
+        self._gauges = gauges
+        self._sglang = dialect == "sglang"
+        self._model = model
+        self._engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        m = self._m
+        g = self._gauges()
+        labels = ["model_name", "engine"]
+        values = [self._model, self._engine]
+        p = "sglang:" if self._sglang else "vllm:"
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            fam = GaugeMetricFamily(p + name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        def counter(name: str, doc: str, value: float) -> Any:
+            fam = CounterMetricFamily(p + name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        def hist(name: str, doc: str, h: Histogram) -> Any:
+            fam = HistogramMetricFamily(p + name, doc, labels=labels)
+            fam.add_metric(values, h.cumulative(), h.sum)
+            return fam
+
+        if self._sglang:
+            yield gauge("num_running_reqs", "Running requests.", g.running)
+            yield gauge("num_queue_reqs", "Queued requests.", g.waiting)
+            yield gauge("token_usage", "KV cache usage (0..1).", g.kv_usage)
+        else:
+            yield gauge("num_requests_running", "Requests in execution batches.", g.running)
+            yield gauge("num_requests_waiting", "Requests waiting to be processed.", g.waiting)
+            yield gauge(
+                "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage
+            )
+            yield counter("num_preemptions", "Cumulative number of preemptions.", g.preemptions)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
+        yield counter(
+            "generation_tokens", "Number of generation tokens processed.", m.generation_tokens
+        )
+        fam = CounterMetricFamily(
+            p + "request_success",
+            "Count of finished requests.",
+            labels=[*labels, "finished_reason"],
+        )
+        for reason in sorted(m.success):
+            fam.add_metric([*values, reason], m.success[reason])
+        yield fam
+        yield hist("time_to_first_token_seconds", "Time to first token in seconds.", m.ttft)
+        yield hist("inter_token_latency_seconds", "Inter-token latency in seconds.", m.itl)
+        yield hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.", m.e2e)
+        if not self._sglang:
+            yield counter(
+                "nixl_num_kv_expired_reqs",
+                "Requests whose KV blocks expired before a decoder pulled them.",
+                m.kv_expired,
+            )
+            yield counter(
+                "nixl_num_failed_transfers", "Failed NIXL KV transfers.", m.failed_transfers
+            )
+            yield hist("nixl_xfer_time_seconds", "KV transfer time in seconds.", m.xfer)
+
+
+def make_registry(
+    metrics: EngineMetrics,
+    gauges: Callable[[], Gauges],
+    *,
+    dialect: str,
+    model: str,
+    engine: str,
+) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(metrics, gauges, dialect=dialect, model=model, engine=engine))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    out: bytes = generate_latest(registry)
+    return out

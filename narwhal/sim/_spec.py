@@ -1,0 +1,59 @@
+"""Options of one simulated engine."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from .. import __version__
+from ._timing import SimTiming
+
+Dialect = Literal["vllm", "sglang"]
+
+# The engine versions whose wire behaviour the simulator follows (engine-protocols.md).
+ENGINE_VERSION = {"vllm": "0.29.0", "sglang": "0.5.9"}
+DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attr.name} is {value!r}; must be > 0")
+
+
+def _optional_positive_int(_inst: object, attr: attrs.Attribute[Any], v: int | None) -> None:
+    if v is not None and v < 1:
+        raise ValueError(f"{attr.name} is {v!r}; must be >= 1 or None")
+
+
+@attrs.frozen(kw_only=True)
+class SimEngineSpec:
+    """Everything that configures one simulated engine.
+
+    Durations are seconds at speed 1; the engine divides every one of them (step times, KV
+    transfer, lease, timeouts) by ``speed``. ``keep_alive_s`` is wall-clock, like uvicorn's.
+    """
+
+    dialect: Dialect = attrs.field(
+        default="vllm", validator=attrs.validators.in_(("vllm", "sglang"))
+    )
+    model: str = DEFAULT_MODEL
+    speed: float = attrs.field(default=1.0, validator=_positive)
+    # vLLM kv_lease_duration (NIXL lease on produced KV, §2.2).
+    lease_s: float = attrs.field(default=30.0, validator=_positive)
+    seed: int = 0
+    build: str = f"narwhal-sim {__version__}"
+    # vLLM --max-num-queued-reqs (waiting + running); None means unbounded, as vLLM's default.
+    max_num_queued: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    timing: SimTiming = attrs.Factory(SimTiming)
+    # uvicorn's default keep-alive timeout (vLLM VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+    keep_alive_s: float = attrs.field(default=5.0, validator=_positive)
+    # SGLang SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / WAITING_TIMEOUT (§5.3).
+    bootstrap_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    waiting_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    # Bound on the per-request outcome ring kept for /_sim/state.
+    outcome_ring: int = attrs.field(default=10_000, validator=_positive)
+
+    def scaled(self, seconds: float) -> float:
+        """Wall-clock seconds for a model duration."""
+        return seconds / self.speed

@@ -1,0 +1,291 @@
+"""vLLM-dialect wire behaviour: shapes, SSE framing, errors, auxiliary endpoints."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from narwhal.sim import DEFAULT_MODEL, SimTiming
+
+from .conftest import StartFleet, post_stream, sse_json, sse_payloads
+
+FAST = {"speed": 50.0}
+
+
+async def test_completion_non_streaming_shape(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, **FAST)
+    url = fleet[0].url
+    r = await client.post(
+        f"{url}/v1/completions",
+        json={"model": DEFAULT_MODEL, "prompt": "The capital of France is", "max_tokens": 7},
+        headers={"X-Request-Id": "req-1"},
+    )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-1"
+    body = r.json()
+    assert body["id"] == "cmpl-req-1"
+    assert body["object"] == "text_completion"
+    assert body["model"] == DEFAULT_MODEL
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["stop_reason"] is None
+    assert len(choice["text"].split()) == 7
+    assert body["usage"]["completion_tokens"] == 7
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 7
+    assert body["kv_transfer_params"] is None
+    # Output text is deterministic for a prompt.
+    again = await client.post(
+        f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 7}
+    )
+    assert again.json()["choices"][0]["text"] == choice["text"]
+
+
+async def test_default_max_tokens(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
+    fleet = await start_fleet(engines=1, speed=200.0)
+    url = fleet[0].url
+    r = await client.post(f"{url}/v1/completions", json={"prompt": "hi"})
+    assert r.json()["usage"]["completion_tokens"] == 16
+    timing = SimTiming(max_model_len=300)
+    fleet2 = await start_fleet(engines=1, speed=200.0, timing=timing)
+    r = await client.post(
+        f"{fleet2[0].url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "word " * 100}]},
+    )
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 300 - body["usage"]["prompt_tokens"]
+
+
+async def test_completion_stream_framing(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, speed=5.0)
+    url = fleet[0].url
+    status, headers, raw = await post_stream(
+        client,
+        f"{url}/v1/completions",
+        {"prompt": "Hello", "max_tokens": 5, "stream": True, "stream_options": {}},
+    )
+    assert status == 200
+    assert headers["content-type"].startswith("text/event-stream")
+    assert headers["transfer-encoding"] == "chunked"
+    chunks = sse_json(raw)
+    *tokens, usage = chunks
+    for chunk in tokens:
+        # exclude_unset=False: every optional key is present, explicitly null (§4.2).
+        (choice,) = chunk["choices"]
+        assert set(choice) == {
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+            "prompt_token_ids",
+            "token_ids",
+        }
+        assert chunk["usage"] is None
+    assert [c["choices"][0]["finish_reason"] for c in tokens][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in tokens[:-1])
+    assert "".join(c["choices"][0]["text"] for c in tokens).count(" ") == 5
+    # `"stream_options": {}` means include_usage=True in vLLM.
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 5
+
+
+async def test_chat_stream_framing_and_usage_default(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, speed=5.0)
+    url = fleet[0].url
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    status, _, raw = await post_stream(client, f"{url}/v1/chat/completions", body)
+    assert status == 200
+    chunks = sse_json(raw)
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # No stream_options: no usage chunk.
+    assert all(c["choices"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "stop_reason" in chunks[-1]["choices"][0]
+    assert "stop_reason" not in chunks[1]["choices"][0]  # exclude_unset (§4.3)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert len(text.split()) == 4
+    body["stream_options"] = {"include_usage": False}
+    _, _, raw = await post_stream(client, f"{url}/v1/chat/completions", body)
+    assert all(c["choices"] for c in sse_json(raw))
+
+
+async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
+    fleet = await start_fleet(engines=1, **FAST)
+    r = await client.post(
+        f"{fleet[0].url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3},
+    )
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert len(message["content"].split()) == 3
+    assert body["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        (
+            {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
+            400,
+            "min_tokens",
+            "min_tokens must be less than or equal to max_tokens=2, got 5.",
+        ),
+        (
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            400,
+            "body",
+            "1 validation error",
+        ),
+        (
+            {"prompt": "word " * 9000, "max_tokens": 1},
+            400,
+            "input_tokens",
+            "This model's maximum context length is 8192 tokens. However, your request has",
+        ),
+        (
+            {"prompt": "word " * 8000, "max_tokens": 1000},
+            400,
+            "max_tokens",
+            "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
+        ),
+        (
+            {"model": "nope", "prompt": "x"},
+            404,
+            "model",
+            "The model `nope` does not exist.",
+        ),
+    ],
+)
+async def test_validation_errors_use_the_nested_envelope(
+    start_fleet: StartFleet,
+    client: httpx.AsyncClient,
+    body: dict[str, object],
+    status: int,
+    param: str,
+    message: str,
+) -> None:
+    fleet = await start_fleet(engines=1, **FAST)
+    r = await client.post(f"{fleet[0].url}/v1/completions", json=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
+    assert err["param"] == param
+    assert err["message"].startswith(message)
+    if status == 404:
+        assert err["type"] == "NotFoundError"
+    elif param == "body":
+        assert err["type"] == "Bad Request"
+        assert "Stream options can only be defined when `stream=True`." in err["message"]
+    else:
+        assert err["type"] == "BadRequestError"
+    assert fleet[0].state()["counters"]["rejected_invalid"] == 1
+
+
+async def test_queue_limit_answers_503(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
+    fleet = await start_fleet(engines=1, speed=1.0, max_num_queued=1)
+    url = fleet[0].url
+    async with client.stream(
+        "POST", f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 500, "stream": True}
+    ) as first:
+        assert first.status_code == 200
+        r = await client.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 1})
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["type"] == "Service Unavailable"
+        assert err["code"] == 503
+        assert err["param"] is None
+    assert fleet[0].state()["counters"]["rejected_queue_full"] == 1
+
+
+async def test_tokenize_counts_differ_from_chars_estimate(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, **FAST)
+    url = fleet[0].url
+    prose = (
+        "Narwhals are medium-sized toothed whales that live year-round in the Arctic waters "
+        "around Greenland, Canada and Russia. Their most conspicuous characteristic is a long, "
+        "straight, helical tusk extending from the upper left jaw."
+    )
+    r = await client.post(f"{url}/tokenize", json={"model": DEFAULT_MODEL, "prompt": prose})
+    body = r.json()
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert body["max_model_len"] == 8192
+    assert body["token_strs"] is None
+    assert body["count"] == len(body["tokens"])
+    estimate = len(prose) / 3.8
+    assert abs(body["count"] - estimate) / estimate > 0.08
+    # The count is what a generation request is charged.
+    gen = await client.post(f"{url}/v1/completions", json={"prompt": prose, "max_tokens": 1})
+    assert gen.json()["usage"]["prompt_tokens"] == body["count"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prose}]
+    chat_tok = (await client.post(f"{url}/tokenize", json={"messages": msgs})).json()
+    chat = await client.post(f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == chat_tok["count"]
+    # Template overhead: a few tokens per message beyond the contents.
+    assert chat_tok["count"] > body["count"] - 1 + 3 + 2 * 4
+    strs = (
+        await client.post(f"{url}/tokenize", json={"prompt": "Hi there", "return_token_strs": True})
+    ).json()
+    assert strs["token_strs"] == ["<|begin_of_text|>", "Hi", " there"]
+
+
+async def test_health_models_version_metrics(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=2, build="build-42", **FAST)
+    url = fleet[1].url
+    r = await client.get(f"{url}/health")
+    assert r.status_code == 200
+    assert r.content == b""
+    models = (await client.get(f"{url}/v1/models")).json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == DEFAULT_MODEL
+    assert card["owned_by"] == "vllm"
+    assert card["max_model_len"] == 8192
+    assert card["permission"][0]["object"] == "model_permission"
+    version = (await client.get(f"{url}/version")).json()
+    assert version["build"] == "build-42"
+    assert version["instance_id"] == fleet[1].instance_id
+    await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    metrics = (await client.get(f"{url}/metrics")).text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:request_success_total",
+        "vllm:nixl_num_kv_expired_reqs_total",
+    ):
+        assert name in metrics, name
+    assert f'model_name="{DEFAULT_MODEL}"' in metrics
+    assert 'engine="1"' in metrics
+    assert 'vllm:request_success_total{engine="1",finished_reason="length"' in metrics
+    assert "vllm:time_to_first_token_seconds_count" in metrics
+    assert json.loads((await client.get(f"{url}/_sim/state")).text)["engine"] == "1"
+
+
+async def test_unknown_path_and_method(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
+    fleet = await start_fleet(engines=1, **FAST)
+    assert (await client.get(f"{fleet[0].url}/nope")).status_code == 404
+    assert (await client.get(f"{fleet[0].url}/v1/completions")).status_code == 405
+
+
+async def test_sse_payloads_helper_rejects_bad_framing() -> None:
+    with pytest.raises(AssertionError):
+        sse_payloads(b"data: x\n")

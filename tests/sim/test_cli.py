@@ -1,0 +1,80 @@
+"""`narwhal-sim` / `python -m narwhal.sim` as a process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import httpx
+import trio
+
+
+async def _read_lines(proc: trio.Process, n: int) -> list[str]:
+    assert proc.stdout is not None
+    buf = b""
+    with trio.fail_after(20):
+        while buf.count(b"\n") < n:
+            chunk = await proc.stdout.receive_some(4096)
+            assert chunk, "narwhal-sim exited before printing its URLs"
+            buf += chunk
+    return buf.decode().splitlines()[:n]
+
+
+async def test_cli_serves_until_sigint(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"timing": {"step_base_s": 0.001, "max_model_len": 4096}}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "narwhal.sim",
+        "--port",
+        "0",
+        "--engines",
+        "2",
+        "--speed",
+        "10",
+        "--build",
+        "cli-test",
+        "--profile",
+        str(profile),
+    ]
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(trio.run_process, cmd, stdout=subprocess.PIPE, check=False)
+        )
+        try:
+            urls = await _read_lines(proc, 2)
+            assert all(u.startswith("http://127.0.0.1:") for u in urls)
+            assert len(set(urls)) == 2
+            async with httpx.AsyncClient(timeout=5) as client:
+                for url in urls:
+                    assert (await client.get(f"{url}/health")).status_code == 200
+                version = (await client.get(f"{urls[0]}/version")).json()
+                assert version["build"] == "cli-test"
+                models = (await client.get(f"{urls[1]}/v1/models")).json()
+                assert models["data"][0]["max_model_len"] == 4096
+            proc.send_signal(signal.SIGINT)
+            with trio.fail_after(10):
+                await proc.wait()
+            assert proc.returncode == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+
+
+def test_cli_rejects_bad_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "bad.json"
+    profile.write_text(json.dumps({"nonsense": 1}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "narwhal.sim", "--profile", str(profile)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "unknown timing field(s): nonsense" in proc.stderr
