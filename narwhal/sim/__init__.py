@@ -52,22 +52,25 @@ Simulator-only endpoints on every engine: ``GET /_sim/state[?outcomes=N]``,
 channel ``POST /_sim/nixl/{pull,heartbeat,release}`` and ``POST /_sim/bootstrap/transfer``.
 """
 
-from ._core import CoreRequest as CoreRequest
-from ._core import ReqState as ReqState
-from ._core import SchedulerCore as SchedulerCore
-from ._core import StepPlan as StepPlan
-from ._core import StepResult as StepResult
-from ._core import idle_prefill_s as idle_prefill_s
+from ._core import (
+    CoreRequest as CoreRequest,
+    ReqState as ReqState,
+    SchedulerCore as SchedulerCore,
+    StepPlan as StepPlan,
+    StepResult as StepResult,
+    idle_prefill_s as idle_prefill_s,
+)
 from ._engine import SimEngine as SimEngine
-from ._faults import FaultSpec as FaultSpec
-from ._faults import FaultSpecError as FaultSpecError
-from ._faults import parse_faults as parse_faults
-from ._fleet import EngineHandle as EngineHandle
-from ._fleet import Fleet as Fleet
-from ._fleet import serve_fleet as serve_fleet
-from ._spec import DEFAULT_MODEL as DEFAULT_MODEL
-from ._spec import Dialect as Dialect
-from ._spec import SimEngineSpec as SimEngineSpec
+from ._faults import (
+    FaultSpec as FaultSpec,
+    FaultSpecError as FaultSpecError,
+    parse_faults as parse_faults,
+)
+from ._fleet import EngineHandle as EngineHandle, Fleet as Fleet, serve_fleet as serve_fleet
+from ._spec import (
+    DEFAULT_MODEL as DEFAULT_MODEL,
+    Dialect as Dialect,
+    SimEngineSpec as SimEngineSpec,
+)
 from ._timing import SimTiming as SimTiming
-from ._tokenizer import Tokenizer as Tokenizer
-from ._tokenizer import render_chat as render_chat
+from ._tokenizer import Tokenizer as Tokenizer, render_chat as render_chat
