@@ -208,6 +208,8 @@ class Flow:
 
                     def on_gone() -> None:
                         nonlocal gone
+                        if client.finished:
+                            return  # hypercorn reports the end of a completed exchange too
                         gone = True
                         nursery.cancel_scope.cancel()
 

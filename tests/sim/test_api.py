@@ -9,7 +9,7 @@ import pytest
 
 from narwhal.sim import DEFAULT_MODEL, SimTiming
 
-from .conftest import StartFleet, post_stream, sse_json, sse_payloads
+from ..support import StartFleet, post_stream, sse_json, sse_payloads
 
 FAST = {"speed": 50.0}
 

@@ -9,7 +9,7 @@ import trio
 
 from narwhal.sim import SimTiming
 
-from .conftest import StartFleet
+from ..support import StartFleet
 
 
 async def _mean_itl(start_fleet: StartFleet, streams: int) -> float:

@@ -7,7 +7,7 @@ import json
 import httpx
 import trio
 
-from .conftest import StartFleet, open_sse, wait_for
+from ..support import StartFleet, open_sse, wait_for
 
 
 async def test_stream_disconnect_is_an_abort(start_fleet: StartFleet) -> None:

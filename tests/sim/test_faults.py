@@ -11,7 +11,7 @@ import trio
 
 from narwhal.sim import FaultSpecError, parse_faults
 
-from .conftest import StartFleet, open_sse, post_stream, sse_json, wait_for
+from ..support import StartFleet, open_sse, post_stream, sse_json, wait_for
 
 P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 

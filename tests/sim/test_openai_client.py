@@ -9,7 +9,7 @@ import trio
 
 from narwhal.sim import DEFAULT_MODEL
 
-from .conftest import StartFleet
+from ..support import StartFleet
 
 
 def _exercise(base_url: str) -> dict[str, Any]:

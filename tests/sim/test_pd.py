@@ -10,7 +10,7 @@ import trio
 
 from narwhal.sim import Fleet, SimTiming
 
-from .conftest import StartFleet, post_stream, sse_json, wait_for
+from ..support import StartFleet, post_stream, sse_json, wait_for
 
 PROMPT = "Explain the difference between prefill and decode in two sentences."
 P_PARAMS = {

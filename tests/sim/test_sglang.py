@@ -9,7 +9,7 @@ import trio
 
 from narwhal.sim import EngineHandle
 
-from .conftest import StartFleet, post_stream, sse_json, sse_payloads, wait_for
+from ..support import StartFleet, post_stream, sse_json, sse_payloads, wait_for
 
 
 def pd_body(p: EngineHandle, room: int, **extra: Any) -> dict[str, Any]:

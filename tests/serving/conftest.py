@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from narwhal.config import Config, load_config
+from narwhal.serving import ServingContext
+from narwhal.sim import Fleet, serve_fleet
+from narwhal.supervisor import Supervisor
+
+MODEL = "sim-llama-3-8b"
+
+
+@attrs.define
+class Stack:
+    fleet: Fleet
+    supervisor: Supervisor
+    config: Config
+
+    @property
+    def url(self) -> str:
+        return self.supervisor.url
+
+    @property
+    def ctx(self) -> ServingContext:
+        assert self.supervisor.ctx is not None
+        return self.supervisor.ctx
+
+    async def state(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            response = await client.get(f"{self.url}/narwhal/state")
+        response.raise_for_status()
+        document: dict[str, Any] = response.json()
+        return document
+
+
+def fleet_config(fleet: Fleet, roles: list[str], **sections: Any) -> dict[str, Any]:
+    engines = [
+        {"id": f"{role[0]}{i}", "url": handle.url, "role": role, "model": MODEL}
+        for i, (handle, role) in enumerate(zip(fleet, roles, strict=True))
+    ]
+    document: dict[str, Any] = {
+        "engines": engines,
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "serving": {"admission": "open"},
+    }
+    for key, value in sections.items():
+        document[key] = {**document.get(key, {}), **value}
+    return document
+
+
+StartStack = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+def start_stack(nursery: trio.Nursery) -> StartStack:
+    """A simulated fleet plus a Narwhal in front of it, both on loopback."""
+
+    async def start(
+        roles: list[str] | None = None,
+        *,
+        speed: float = 20.0,
+        sim: dict[str, Any] | None = None,
+        **sections: Any,
+    ) -> Stack:
+        roles = roles or ["prefill", "decode"]
+        fleet: Fleet = await nursery.start(
+            partial(serve_fleet, engines=len(roles), speed=speed, model=MODEL, **(sim or {}))
+        )
+        config = load_config(fleet_config(fleet, roles, **sections))
+        supervisor: Supervisor = await nursery.start(Supervisor(config).run)
+        return Stack(fleet, supervisor, config)
+
+    return start

@@ -1,0 +1,177 @@
+"""The request path through simulated P/D engines, seen by real clients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import trio
+
+from ..support import sse_json, wait_for
+from .conftest import MODEL, StartStack
+
+
+def _openai_round_trip(base_url: str) -> dict[str, Any]:
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=20)
+    try:
+        completion = client.completions.create(
+            model=MODEL, prompt="The capital of France", max_tokens=5
+        )
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "stream please"}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text_stream = list(
+            client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3, stream=True)
+        )
+        return {
+            "completion": (
+                completion.choices[0].finish_reason,
+                completion.usage and completion.usage.completion_tokens,
+            ),
+            "chat": (chat.choices[0].message.role, chat.usage and chat.usage.completion_tokens),
+            "stream_roles": [c.choices[0].delta.role for c in chunks if c.choices][:1],
+            "stream_text": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+            "stream_usage": [c.usage.completion_tokens for c in chunks if c.usage],
+            "text_stream": [c.choices[0].finish_reason for c in text_stream if c.choices][-1],
+        }
+    finally:
+        client.close()
+
+
+async def test_openai_client_through_prefill_and_decode(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    result = await trio.to_thread.run_sync(_openai_round_trip, f"{stack.url}/v1")
+    assert result["completion"] == ("length", 5)
+    assert result["chat"] == ("assistant", 4)
+    assert result["stream_roles"] == ["assistant"]
+    assert len(result["stream_text"].split()) >= 6
+    assert result["stream_usage"] == [6]
+    assert result["text_stream"] == "length"
+    prefill, decode = (handle.state() for handle in stack.fleet)
+    # Every request ran its prefill on p0 and its decode (with a KV pull) on d1.
+    assert prefill["counters"]["completed"]["prefill"] == 4
+    assert prefill["counters"]["completed"]["decode"] == 0
+    assert decode["counters"]["completed"]["decode"] == 4
+    assert decode["counters"]["kv_pulled"] == 4
+    assert decode["counters"]["completed"]["prefill"] == 0
+    state = await stack.state()
+    assert state["requests"]["outcomes"] == {"ok": 4}
+    assert state["requests"]["token_counts"] == {"exact": 4}
+
+
+async def test_both_legs_carry_the_same_request_id(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x y z", "max_tokens": 2},
+            headers={"x-request-id": "req-abc.1"},
+        )
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "req-abc.1"
+    legs = [
+        (o["phase"], o["request_id"]) for handle in stack.fleet for o in handle.state()["outcomes"]
+    ]
+    assert sorted(legs) == [("decode", "req-abc.1"), ("prefill", "req-abc.1")]
+
+
+async def test_single_engine_with_both_roles_serves_aggregate(start_stack: StartStack) -> None:
+    stack = await start_stack(["both"], controller={"min_prefill": 1, "min_decode": 1})
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "a b c", "max_tokens": 3, "stream": True},
+        )
+    assert response.status_code == 200
+    events = sse_json(response.content)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    counters = stack.fleet[0].state()["counters"]
+    assert counters["completed"]["aggregate"] == 1
+    assert counters["requests"]["prefill"] == counters["requests"]["decode"] == 0
+
+
+async def test_tokenize_fallback_is_recorded(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"], engine={"tokenize": False})
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x" * 380, "max_tokens": 1},
+        )
+    assert response.status_code == 200
+    state = await stack.state()
+    assert state["requests"]["token_counts"] == {"fallback": 1}
+
+
+async def test_exact_count_differs_from_the_chars_estimate(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    seen: list[int | None] = []
+    prompt = "tokenisation of ordinary english prose " * 10
+
+    async def probe() -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await client.post(
+                f"{stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 200},
+            )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(probe)
+
+        def in_flight() -> bool:
+            records = list(stack.ctx.records.values())
+            if records and records[0].prompt_tokens is not None:
+                seen.append(records[0].prompt_tokens)
+                return True
+            return False
+
+        await wait_for(in_flight)
+    exact = seen[0]
+    assert exact is not None
+    assert exact != -(-len(prompt) // 3.8)
+
+
+async def test_models_health_and_metrics(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    async with httpx.AsyncClient(timeout=10) as client:
+        models = (await client.get(f"{stack.url}/v1/models")).json()
+        health = await client.get(f"{stack.url}/health")
+        await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True},
+        )
+        metrics = (await client.get(f"{stack.url}/metrics")).text
+        missing = await client.get(f"{stack.url}/v2/nothing")
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert health.status_code == 200
+    assert 'narwhal_requests_total{endpoint="completions",outcome="ok"} 1.0' in metrics
+    assert 'narwhal_engine_role{engine="p0",role="prefill"} 1.0' in metrics
+    assert "narwhal_ttft_seconds_bucket" in metrics
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
+
+
+async def test_unknown_model_is_404_with_envelope(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}
+        )
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "the model `gpt-9` does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "not_found",
+        }
+    }

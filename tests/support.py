@@ -1,0 +1,131 @@
+"""Helpers shared by the integration tests: SSE parsing, a raw SSE reader, bounded waits."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import h11
+import httpx
+import trio
+
+from narwhal.sim import Fleet
+
+StartFleet = Callable[..., Awaitable[Fleet]]
+
+
+async def wait_for(predicate: Callable[[], bool], *, within_s: float = 5.0) -> None:
+    """Bounded polling of the simulator's own state, for the few waits no event covers
+    (the state lives in another task or behind a socket, so there is no event to await)."""
+    with trio.fail_after(within_s):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.005)
+
+
+def sse_payloads(raw: bytes) -> list[str]:
+    """Split an SSE body into its `data:` payloads, asserting vLLM's exact framing."""
+    text = raw.decode()
+    assert text.endswith("\n\n"), text[-80:]
+    events = text[:-2].split("\n\n")
+    out = []
+    for event in events:
+        assert event.startswith("data: "), event
+        assert "\n" not in event, event
+        out.append(event[len("data: ") :])
+    return out
+
+
+def sse_json(raw: bytes) -> list[Any]:
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+async def post_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], **kw: Any
+) -> tuple[int, dict[str, str], bytes]:
+    async with client.stream("POST", url, json=body, **kw) as resp:
+        data = b"".join([chunk async for chunk in resp.aiter_raw()])
+        return resp.status_code, dict(resp.headers), data
+
+
+class SseReader:
+    """A bare h11 SSE reader for tests that stop reading half-way.
+
+    httpx's nested async generators warn when abandoned mid-stream (filterwarnings=error),
+    and these tests need exact control over when the connection closes anyway.
+    """
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._conn = h11.Connection(h11.CLIENT)
+        self._buffer = b""
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.ended = False
+
+    async def _send(
+        self, method: str, target: str, host: str, body: bytes, headers: dict[str, str]
+    ) -> None:
+        hdrs = [
+            ("host", host),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            *headers.items(),
+        ]
+        out = self._conn.send(h11.Request(method=method, target=target, headers=hdrs)) or b""
+        out += self._conn.send(h11.Data(data=body)) or b""
+        out += self._conn.send(h11.EndOfMessage()) or b""
+        await self._stream.send_all(out)
+        while True:
+            event = await self._next()
+            if isinstance(event, h11.Response):
+                self.status = event.status_code
+                self.headers = {k.decode(): v.decode() for k, v in event.headers}
+                return
+
+    async def _next(self) -> Any:
+        while True:
+            event = self._conn.next_event()
+            if event is h11.NEED_DATA:
+                self._conn.receive_data(await self._stream.receive_some(65536))
+                continue
+            return event
+
+    async def event(self) -> str | None:
+        """The next SSE payload (without `data: `), or None at the end of the body."""
+        while b"\n\n" not in self._buffer:
+            if self.ended:
+                return None
+            ev = await self._next()
+            if isinstance(ev, h11.Data):
+                self._buffer += bytes(ev.data)
+            elif isinstance(ev, h11.EndOfMessage):
+                self.ended = True
+            else:
+                raise h11.RemoteProtocolError(f"unexpected {ev!r}")
+        raw, self._buffer = self._buffer.split(b"\n\n", 1)
+        text = raw.decode()
+        assert text.startswith("data: "), text
+        return text[len("data: ") :]
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+@asynccontextmanager
+async def open_sse(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> AsyncIterator[SseReader]:
+    parts = httpx.URL(url)
+    stream = await trio.open_tcp_stream(parts.host, parts.port or 80)
+    reader = SseReader(stream)
+    try:
+        await reader._send(
+            "POST", path, f"{parts.host}:{parts.port}", json.dumps(body).encode(), headers or {}
+        )
+        yield reader
+    finally:
+        await reader.aclose()
