@@ -1,0 +1,222 @@
+"""Each engine fault and each deadline gives the manual's outcome (4.2, 4.3, 6).
+
+Timings here are behaviour, not performance: a deadline must fire near its configured
+value. The bounds are generous (the box is shared) but would catch a timer that is not
+armed or armed at the wrong place.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ..support import wait_for
+from .conftest import MODEL, StartStack, Stack
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+async def post(stack: Stack, body: dict[str, Any], **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await client.post(
+            f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}, **kw
+        )
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    text = response.text
+    assert text.endswith("\n\n"), text[-200:]
+    return [block.removeprefix("data: ") for block in text[:-2].split("\n\n")]
+
+
+def terminal_error(response: httpx.Response) -> dict[str, Any]:
+    """A failed stream: 200, then an error event as the last event, and no [DONE]."""
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert "[DONE]" not in events
+    last = json.loads(events[-1])
+    assert set(last) == {"error"}
+    error: dict[str, Any] = last["error"]
+    return error
+
+
+def phases(stack: Stack, index: int, outcome: str) -> list[str]:
+    return [o["phase"] for o in stack.fleet[index].state()["outcomes"] if o["outcome"] == outcome]
+
+
+async def settled(stack: Stack) -> dict[str, Any]:
+    """Router state once every request has left (nothing retained, nothing leaked)."""
+    await wait_for(lambda: stack.ctx.retained == 0)
+    state = await stack.state()
+    assert state["admission"]["admitted"] == 0
+    for engine in state["engines"]:
+        assert engine["prefill"]["inflight"] == 0, engine
+        assert engine["decode"]["active"] == 0, engine
+        assert engine["handoffs_pending"] == 0, engine
+        assert engine["pools"]["serving"]["in_use"] == 0, engine
+    return state
+
+
+@pytest.mark.parametrize(
+    ("status", "client_status", "code"),
+    [(503, 503, "engine_http_503"), (429, 429, "engine_http_429"), (500, 502, "engine_http_500")],
+)
+async def test_prefill_engine_errors_are_mapped_not_passed_through(
+    start_stack: StartStack, status: int, client_status: int, code: str
+) -> None:
+    stack = await start_stack()
+    stack.fleet[0].set_faults(error_status=status, leg="prefill")
+    response = await post(stack, {"max_tokens": 3, "stream": True})
+    assert response.status_code == client_status
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"].startswith(f"prefill engine p0 returned HTTP {status}: ")
+    assert stack.fleet[1].state()["counters"]["requests"]["decode"] == 0
+    await settled(stack)
+
+
+async def test_client_errors_from_the_engine_keep_their_status(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    response = await post(stack, {"max_tokens": 10_000})  # beyond the sim's max_model_len
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "engine_rejected_request"
+    assert "maximum context length" in error["message"]
+
+
+async def test_decode_failure_after_commit_is_a_terminal_error_event(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack()
+    stack.fleet[1].set_faults(error_status=500, leg="decode")
+    response = await post(stack, {"max_tokens": 3, "stream": True})
+    error = terminal_error(response)
+    assert error["code"] == "engine_http_500"
+    assert sse_events(response) == [sse_events(response)[-1]]  # nothing but the error
+    await settled(stack)
+
+
+async def test_non_streaming_decode_failure_is_an_http_error(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    stack.fleet[1].set_faults(error_status=503, leg="decode")
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "engine_http_503"
+
+
+async def test_crash_mid_stream(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    stack.fleet[1].set_faults(crash_after_tokens=3, leg="decode")
+    response = await post(stack, {"max_tokens": 20, "stream": True})
+    error = terminal_error(response)
+    assert error["code"] == "engine_connection_lost"
+    assert len(sse_events(response)) >= 2  # tokens were relayed before the crash
+    await settled(stack)
+
+
+async def test_engine_error_event_inside_the_stream_ends_it(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    stack.fleet[1].set_faults(sse_error_after_tokens=2, leg="decode")
+    response = await post(stack, {"max_tokens": 20, "stream": True})
+    error = terminal_error(response)
+    assert error["code"] == "engine_stream_error"
+    assert "mid-stream" in error["message"]
+    # The engine's own error event and its [DONE] are not relayed.
+    assert sum('"error"' in event for event in sse_events(response)) == 1
+
+
+async def test_prefill_engine_down(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    await stack.fleet[0].go_down()
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "engine_unreachable"
+    assert "connection refused" in error["message"]
+
+
+async def test_expired_kv_lease_fails_the_decode(start_stack: StartStack) -> None:
+    stack = await start_stack(sim={"lease_s": 0.0001}, speed=1.0)
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "engine_http_500"
+    assert stack.fleet[0].state()["counters"]["kv_expired"] >= 1
+
+
+async def test_request_deadline_mid_stream_emits_expired(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"request_timeout_s": 0.5})
+    stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
+    started = trio.current_time()
+    response = await post(stack, {"max_tokens": 20, "stream": True})
+    elapsed = trio.current_time() - started
+    error = terminal_error(response)
+    assert error["code"] == "expired"
+    assert error["type"] == "timeout_error"
+    assert 0.5 <= elapsed < 1.5
+    await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
+    await settled(stack)
+
+
+async def test_request_deadline_before_output_is_504(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"request_timeout_s": 0.4})
+    stack.fleet[0].set_faults(stall_before_first_token_s=5, leg="prefill")
+    started = trio.current_time()
+    response = await post(stack, {"max_tokens": 3})
+    elapsed = trio.current_time() - started
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "expired"
+    assert 0.4 <= elapsed < 1.4
+    await wait_for(lambda: phases(stack, 0, "aborted") == ["prefill"])
+
+
+async def test_prefill_timeout(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"prefill_timeout_s": 0.3})
+    stack.fleet[0].set_faults(stall_before_first_token_s=5, leg="prefill")
+    started = trio.current_time()
+    response = await post(stack, {"max_tokens": 3, "stream": True})
+    elapsed = trio.current_time() - started
+    assert response.status_code == 504
+    error = response.json()["error"]
+    assert error["code"] == "prefill_timeout"
+    assert "serving.prefill_timeout_s=0.3" in error["message"]
+    assert 0.3 <= elapsed < 1.3
+    await wait_for(lambda: phases(stack, 0, "aborted") == ["prefill"])
+
+
+async def test_first_token_timeout(start_stack: StartStack) -> None:
+    stack = await start_stack(engine={"first_token_timeout_s": 0.3})
+    stack.fleet[1].set_faults(stall_before_first_token_s=5, leg="decode")
+    started = trio.current_time()
+    response = await post(stack, {"max_tokens": 3, "stream": True})
+    elapsed = trio.current_time() - started
+    error = terminal_error(response)
+    assert error["code"] == "first_token_timeout"
+    assert "engine.first_token_timeout_s=0.3" in error["message"]
+    assert 0.3 <= elapsed < 1.3
+    await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
+    await settled(stack)
+
+
+async def test_decode_gap_timeout(start_stack: StartStack) -> None:
+    stack = await start_stack(engine={"decode_read_timeout_s": 0.3})
+    stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
+    response = await post(stack, {"max_tokens": 20, "stream": True})
+    error = terminal_error(response)
+    assert error["code"] == "decode_stalled"
+    assert len(sse_events(response)) >= 2
+
+
+async def test_zero_gap_timeout_leaves_the_request_deadline_in_charge(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(
+        engine={"decode_read_timeout_s": 0}, serving={"request_timeout_s": 0.6}
+    )
+    stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
+    response = await post(stack, {"max_tokens": 20, "stream": True})
+    assert terminal_error(response)["code"] == "expired"
