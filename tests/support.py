@@ -129,3 +129,19 @@ async def open_sse(
         yield reader
     finally:
         await reader.aclose()
+
+
+async def send_raw_request(
+    url: str, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> trio.SocketStream:
+    """Send one HTTP/1.1 request and hand back the socket without reading anything."""
+    parts = httpx.URL(url)
+    stream = await trio.open_tcp_stream(parts.host, parts.port or 80)
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"host: {parts.host}:{parts.port}",
+        "content-type: application/json",
+    ]
+    head.extend(f"{k}: {v}" for k, v in (headers or {"content-length": str(len(body))}).items())
+    await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    return stream

@@ -48,7 +48,8 @@ def parse_body(
     deadline: float,
 ) -> ClientRequest:
     try:
-        body = json.loads(raw)
+        # Decode explicitly: json.loads on bytes would guess UTF-16/32 from a BOM.
+        body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise BadRequest("request body is not valid UTF-8", code="invalid_json") from None
     except ValueError as exc:

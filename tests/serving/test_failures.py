@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from ..support import wait_for
-from .conftest import MODEL, StartStack, Stack
+from .conftest import MODEL, Stack, StartStack
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 

@@ -1,0 +1,196 @@
+"""Disconnects, byte limits, the retained-request ceiling, the queue and backpressure."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+import trio
+
+from ..support import open_sse, send_raw_request, wait_for
+from .conftest import MODEL, StartStack
+from .test_failures import phases, post, settled
+
+BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 50, "stream": True}
+QUEUEING = {
+    "max_connections": 1,
+    "queue_capacity": 1,
+    "queue_timeout_s": 0.3,
+    "prefill_concurrency": 1,
+    "decode_concurrency": 1,
+    "handoff_timeout_s": 5.0,
+}
+
+
+async def test_disconnect_mid_stream_aborts_the_decode_and_frees_everything(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(speed=2.0)
+    async with open_sse(stack.url, "/v1/completions", BODY) as reader:
+        assert reader.status == 200
+        assert await reader.event() is not None
+    await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"client_disconnected": 1}
+
+
+async def test_disconnect_during_prefill_aborts_the_prefill(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    stack.fleet[0].set_faults(stall_before_first_token_s=10, leg="prefill")
+    sock = await send_raw_request(stack.url, "/v1/completions", json.dumps(BODY).encode())
+    await wait_for(lambda: any(r.stage == "prefill" for r in stack.ctx.records.values()))
+    await wait_for(lambda: stack.fleet[0].state()["counters"]["requests"]["prefill"] == 1)
+    await sock.aclose()
+    await wait_for(lambda: phases(stack, 0, "aborted") == ["prefill"])
+    await settled(stack)
+    assert stack.fleet[1].state()["counters"]["requests"]["decode"] == 0
+
+
+async def test_disconnect_while_queued_frees_the_slot(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={**QUEUEING, "queue_timeout_s": 30.0})
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as first:
+        assert await first.event() is not None
+        sock = await send_raw_request(stack.url, "/v1/completions", json.dumps(BODY).encode())
+        await wait_for(lambda: stack.ctx.gate.statistics().waiting == 1)
+        await sock.aclose()
+        await wait_for(lambda: stack.ctx.gate.statistics().waiting == 0)
+        assert stack.ctx.retained == 1
+    await settled(stack)
+
+
+async def test_body_over_the_limit_is_refused_before_it_is_read(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"max_request_bytes": 1000})
+    big = {**BODY, "prompt": "x" * 5000}
+    response = await post(stack, big)
+    assert response.status_code == 413
+    assert (
+        response.json()["error"]["message"]
+        == (
+            f"request body of {len(json.dumps({'model': MODEL, 'prompt': 'the quick brown fox jumps over the lazy dog', **big}))}"
+            " bytes exceeds serving.max_request_bytes=1000"
+        )
+        or "exceeds serving.max_request_bytes=1000" in response.json()["error"]["message"]
+    )
+    # Without a content-length the limit is enforced while reading.
+    sock = await send_raw_request(
+        stack.url, "/v1/completions", b"", headers={"transfer-encoding": "chunked"}
+    )
+    chunk = b"y" * 800
+    await sock.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2)
+    reply = b""
+    with trio.fail_after(5):
+        while b"\r\n\r\n" not in reply:
+            reply += await sock.receive_some(65536)
+    assert reply.startswith(b"HTTP/1.1 413")
+    await sock.aclose()
+
+
+async def test_response_over_the_limit_fails_the_attempt(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"max_response_bytes": 200})
+    response = await post(stack, {"max_tokens": 50})
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "response_too_large"
+
+
+async def test_retained_ceiling_refuses_before_parsing(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"max_connections": 1})
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as first:
+        assert await first.event() is not None
+        async with httpx.AsyncClient(timeout=10) as client:
+            response = await client.post(f"{stack.url}/v1/completions", content=b"not even json")
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "retained_ceiling"
+        assert response.headers["retry-after"] == "1"
+    state = await settled(stack)
+    assert state["admission"]["unsized_offers"] == 1
+
+
+async def test_queue_timeout(start_stack: StartStack) -> None:
+    stack = await start_stack(serving=QUEUEING)
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as first:
+        assert await first.event() is not None
+        started = trio.current_time()
+        response = await post(stack, {"max_tokens": 3})
+        elapsed = trio.current_time() - started
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == "queue_timeout"
+    assert 0.3 <= elapsed < 1.3
+
+
+async def test_queue_wait_is_capped_by_the_request_deadline(start_stack: StartStack) -> None:
+    stack = await start_stack(
+        serving={
+            **QUEUEING,
+            "queue_timeout_s": 20.0,
+            "request_timeout_s": 0.5,
+            "handoff_timeout_s": 0.4,
+        }
+    )
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as first:
+        assert await first.event() is not None
+        started = trio.current_time()
+        response = await post(stack, {"max_tokens": 3})
+        elapsed = trio.current_time() - started
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "expired"
+    assert 0.5 <= elapsed < 1.5
+
+
+@pytest.mark.parametrize(
+    ("raw", "message", "param"),
+    [
+        (b"{not json", "request body is not valid JSON", None),
+        (b"\xff\xfe", "request body is not valid UTF-8", None),
+        (b"[1, 2]", "request body must be a JSON object", None),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(),
+            "'stream' must be a boolean",
+            "stream",
+        ),
+        (json.dumps({"model": MODEL, "prompt": 5}).encode(), "'prompt' must be a string", "prompt"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(),
+            "'max_tokens' must be a positive integer",
+            "max_tokens",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(),
+            "only n=1 is supported",
+            "n",
+        ),
+    ],
+)
+async def test_malformed_requests_are_400(
+    start_stack: StartStack, raw: bytes, message: str, param: str | None
+) -> None:
+    stack = await start_stack()
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(f"{stack.url}/v1/completions", content=raw)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(message)
+    assert error["param"] == param
+    assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == 0
+
+
+async def test_a_client_that_stops_reading_is_disconnected(start_stack: StartStack) -> None:
+    stack = await start_stack(sim={"timing": None}, speed=1000.0, serving={"client_stall_s": 0.2})
+    body = json.dumps({**BODY, "max_tokens": 8000, "prompt": "a"}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    host, port = stack.supervisor.bound[0]
+    await stream.socket.connect((host, port))
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    await stream.send_all(head.encode() + body)
+    # Never read: the router's writes must stall, and it must give up on us.
+    await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"], within_s=20)
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"client_disconnected": 1}
+    await stream.aclose()
