@@ -5,6 +5,7 @@ from ._engine import (
     EngineView as EngineView,
     Fleet as Fleet,
     Phase as Phase,
+    PhaseGate as PhaseGate,
     Role as Role,
     control_share as control_share,
 )

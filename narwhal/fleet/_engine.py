@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
 import trio
@@ -32,14 +32,33 @@ class EngineView:
 
     id: str
     role: Role
-    available: bool
-    unavailable_reason: str | None
+    # None when the engine can take new work of that phase, else the first reason why not.
+    prefill_blocked: str | None
+    decode_blocked: str | None
     prefill_inflight: int
     prefill_tokens_inflight: int
     prefill_slots_free: float
     decode_active: int
     decode_tokens: int
     decode_slots_free: float
+    handoffs_pending: int = 0
+
+    @property
+    def available(self) -> bool:
+        return self.prefill_blocked is None and self.decode_blocked is None
+
+    def blocked(self, phase: Phase) -> str | None:
+        if phase == "prefill":
+            return self.prefill_blocked
+        if phase == "decode":
+            return self.decode_blocked
+        return self.prefill_blocked or self.decode_blocked
+
+
+class PhaseGate(Protocol):
+    """A per-phase admission veto owned by recovery (a circuit breaker)."""
+
+    def blocked(self, now: float) -> str | None: ...
 
 
 class EngineState:
@@ -70,9 +89,16 @@ class EngineState:
         self.role: Role = spec.role
         self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
         self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
-        # Availability. Each flag has its own owner (operator, supervisor, breaker).
-        self.drained = False
-        self.removed = False
+        # Availability: each flag has one owner, and all of them stay in force while
+        # the role changes (manual 5).
+        self.removed = False  # reload dropped it from the config; resident work finishes
+        self.drained = False  # operator (narwhalctl drain)
+        self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
+        self.held_until = -math.inf  # restart hold, set by recovery
+        self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
+        self.ejected: str | None = None  # health ejection reason, set by recovery
+        # Circuit breakers per phase, installed by recovery; absent means always closed.
+        self.phase_gates: dict[str, PhaseGate] = {}
         # Load the router itself put on the engine.
         self.prefill_inflight = 0
         self.prefill_tokens_inflight = 0
@@ -101,26 +127,38 @@ class EngineState:
         self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
         self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
 
-    def unavailable_reason(self, now: float) -> str | None:
+    def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
+        """Why the engine takes no new work (of `phase`, if given) now, or None."""
         if self.removed:
             return "removed"
         if self.drained:
             return "drained"
+        if self.ejected is not None:
+            return f"ejected: {self.ejected}"
+        if now < self.held_until:
+            return "restart hold"
+        if now < self.quarantined_until:
+            return "quarantined"
+        phases = ("prefill", "decode") if phase in (None, "aggregate") else (phase,)
+        for name in phases:
+            gate = self.phase_gates.get(name)
+            if gate is not None and (reason := gate.blocked(now)) is not None:
+                return reason
         return None
 
     def view(self, now: float) -> EngineView:
-        reason = self.unavailable_reason(now)
         return EngineView(
             id=self.id,
             role=self.role,
-            available=reason is None,
-            unavailable_reason=reason,
+            prefill_blocked=self.unavailable_reason(now, "prefill"),
+            decode_blocked=self.unavailable_reason(now, "decode"),
             prefill_inflight=self.prefill_inflight,
             prefill_tokens_inflight=self.prefill_tokens_inflight,
             prefill_slots_free=self.prefill_limiter.available_tokens,
             decode_active=self.decode_active,
             decode_tokens=self.decode_tokens,
             decode_slots_free=self.decode_limiter.available_tokens,
+            handoffs_pending=self.handoffs_pending,
         )
 
     async def aclose(self) -> None:

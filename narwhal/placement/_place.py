@@ -17,7 +17,7 @@ from typing import Literal
 
 import attrs
 
-from ..fleet import EngineView
+from ..fleet import EngineView, Phase
 
 Mode = Literal["disaggregated", "aggregate"]
 
@@ -72,16 +72,19 @@ def _pick(
     excluded: frozenset[str],
     slo_ok: SloCheck,
     cost: Cost,
-    phase: str,
+    phase: Phase,
 ) -> tuple[EngineView | None, bool, str | None]:
     """(engine, meets its projected SLO, reason when none)."""
     by_role = [v for v in views if v.role in roles]
     if not by_role:
         return None, False, f"no engine has the {phase} role"
-    available = [v for v in by_role if v.available]
+    gate: Phase = (
+        "aggregate" if phase == "aggregate" else ("prefill" if phase == "prefill" else "decode")
+    )
+    available = [v for v in by_role if v.blocked(gate) is None]
     if not available:
-        reasons = sorted({v.unavailable_reason or "unavailable" for v in by_role})
-        return None, False, f"no {phase} engine is available ({', '.join(reasons)})"
+        reasons = sorted({f"{v.id}: {v.blocked(phase)}" for v in by_role})
+        return None, False, f"no {phase} engine is available ({'; '.join(reasons)})"
     allowed = [v for v in available if v.id not in excluded]
     if not allowed:
         return None, False, f"every available {phase} engine already failed this request"

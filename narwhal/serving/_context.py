@@ -6,16 +6,35 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 import trio
 
+from .._errors import EngineFailed
 from ..admission import AdmissionGate, RetryBudget
 from ..config import Config
-from ..fleet import Fleet
+from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
 
 log = logging.getLogger("narwhal.request")
+
+
+class LegObserver(Protocol):
+    """Told the outcome of every engine leg; recovery implements it (breakers,
+    quarantine, latency residuals). Must not block: it runs on the request path."""
+
+    def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None: ...
+
+    def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
+
+
+class _NoObserver:
+    def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None:
+        pass
+
+    def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
+        pass
 
 
 @attrs.define(eq=False)
@@ -61,6 +80,7 @@ class ServingContext:
         self.accepting = True
         # Other subsystems (controller, recovery) add sections to /narwhal/state.
         self.state_providers: list[tuple[str, Callable[[], object]]] = []
+        self.leg_observer: LegObserver = _NoObserver()
 
     @property
     def retained_ceiling(self) -> int:

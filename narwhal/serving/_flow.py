@@ -639,12 +639,13 @@ class Flow:
         """A non-streaming leg; the body is retained up to serving.max_response_bytes."""
         limit = config.serving.max_response_bytes
         path = ENDPOINT_PATHS[request.kind]
+        started = trio.current_time()
         with trio.move_on_after(timeout_s) as timer:
             async with self._engine_request(engine, phase, path, body, request) as response:
                 if response.status != 200:
                     raise await self._status_failure(engine, phase, response)
                 try:
-                    return await response.aread(limit)
+                    raw = await response.aread(limit)
                 except ResponseTooLarge:
                     raise EngineFailed(
                         f"{phase} engine {engine.id} response exceeds "
@@ -656,7 +657,9 @@ class Flow:
                         counts_against_engine=False,
                         code="response_too_large",
                     ) from None
-        assert timer.cancelled_caught
+        if not timer.cancelled_caught:
+            self.ctx.leg_observer.leg_ok(engine, phase, trio.current_time() - started)
+            return raw
         raise EngineFailed(
             f"{phase} engine {engine.id} exceeded {timeout_setting}={timeout_s}",
             status=504,
@@ -725,6 +728,7 @@ async def _relay(
     sent with the first token.
     """
     ctx = flow.ctx
+    started = trio.current_time()
     limit = config.serving.max_response_bytes
     gap = config.engine.decode_read_timeout_s or math.inf
     scanner = SseScanner()
@@ -823,6 +827,7 @@ async def _relay(
         await client.send_chunk(b"".join(held))
     if tokens > 1 and first_at is not None:
         ctx.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
+    ctx.leg_observer.leg_ok(engine, phase, trio.current_time() - started)
     await client.end_stream()
 
 
