@@ -1,0 +1,42 @@
+"""Recovery: breakers, quarantine, health probes and ejection, restart holds, the monitor."""
+
+from ._breaker import (
+    RECORDED as RECORDED,
+    TRANSITIONS as TRANSITIONS,
+    Breaker as Breaker,
+    BreakerEvent as BreakerEvent,
+    BreakerSettings as BreakerSettings,
+    BreakerState as BreakerState,
+    Transition as Transition,
+)
+from ._health import (
+    HealthTracker as HealthTracker,
+    Identity as Identity,
+    IdentityTracker as IdentityTracker,
+    ResidualWindow as ResidualWindow,
+    RestartHold as RestartHold,
+    Verdict as Verdict,
+    VerdictChange as VerdictChange,
+)
+from ._monitor import (
+    EngineObservation as EngineObservation,
+    Monitor as Monitor,
+    MonitorPass as MonitorPass,
+    PassHandler as PassHandler,
+)
+from ._probe import (
+    HttpProber as HttpProber,
+    LoadSample as LoadSample,
+    Prober as Prober,
+    ProbeResult as ProbeResult,
+    ScrapeError as ScrapeError,
+    VerifyPair as VerifyPair,
+    VerifyResult as VerifyResult,
+    parse_load as parse_load,
+)
+from ._service import (
+    EngineRecovery as EngineRecovery,
+    LegObservation as LegObservation,
+    Predictor as Predictor,
+    Recovery as Recovery,
+)

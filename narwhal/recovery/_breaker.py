@@ -1,0 +1,213 @@
+"""Circuit breakers, one per engine per phase: an explicit, pure state machine.
+
+A breaker guards one phase (prefill or decode) of one engine. It never sees a socket or
+a clock: the recovery service feeds it events with the current time and acts on the
+transitions it returns, so every path through it is a row of `TRANSITIONS` and can be
+tested without I/O.
+
+States
+  closed     placement may use the phase.
+  open       the phase takes no new work; resident requests finish where they are.
+  half_open  recovery.breaker.open_s has passed and a functional verification runs on
+             the control pool (a complete prefill leg and a complete decode leg, each
+             bounded by engine.first_token_timeout_s); still no new work.
+
+What counts
+  Only failures whose `EngineFailed.counts_against_engine` is true: transport failures,
+  engine 5xx, timeouts, broken streams. Client errors (4xx caused by the request) and
+  429 (the engine is busy, not broken) never reach a breaker. A failure is charged to
+  the phase of the leg that failed, so a prefill failure never touches the decode
+  breaker of the pair's decode engine (a peer router opens both). An aggregate leg ran
+  both phases on one engine and is charged to both of that engine's breakers.
+
+Counting is by window, not by streak: recovery.breaker.failure_threshold counted
+failures within recovery.breaker.window_s open the breaker, however many successes lie
+between them. Only the last `failure_threshold` failure times are kept, which is all
+the rule needs, so memory stays bounded under any failure rate.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from ..config import Breaker as BreakerConfig
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class BreakerEvent(enum.Enum):
+    FAILURE = "failure"  # a counted leg failure on the request path
+    OPEN_ELAPSED = "open_elapsed"  # the driver's timer: opened_at + open_s reached
+    VERIFY_OK = "verify_ok"
+    VERIFY_FAILED = "verify_failed"
+    # The control pool had no free connection: the verdict stays as it was (manual 4.1).
+    VERIFY_INCONCLUSIVE = "verify_inconclusive"
+
+
+@attrs.frozen
+class BreakerSettings:
+    failure_threshold: int
+    window_s: float
+    open_s: float
+
+    @classmethod
+    def from_config(cls, config: BreakerConfig) -> BreakerSettings:
+        return cls(config.failure_threshold, config.window_s, config.open_s)
+
+
+@attrs.frozen
+class Transition:
+    """A verdict change, for the log line, the metric and the state document."""
+
+    engine: str
+    phase: str
+    old: BreakerState
+    new: BreakerState
+    event: BreakerEvent
+    reason: str
+    at: float
+
+
+Guard = Callable[["Breaker", float], bool]
+
+
+def _threshold_reached(breaker: Breaker, now: float) -> bool:
+    failures = breaker.failures
+    settings = breaker.settings
+    return len(failures) >= settings.failure_threshold and now - failures[0] <= settings.window_s
+
+
+def _below_threshold(breaker: Breaker, now: float) -> bool:
+    return not _threshold_reached(breaker, now)
+
+
+def _open_time_over(breaker: Breaker, now: float) -> bool:
+    return now >= breaker.opened_at + breaker.settings.open_s
+
+
+@attrs.frozen
+class Row:
+    """One transition: in `state`, on `event`, when `guard` holds, go to `to`."""
+
+    guard: Guard | None
+    to: BreakerState
+
+
+_C, _O, _H = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
+_E = BreakerEvent
+
+# Rows are tried in order; the first whose guard holds wins. A (state, event) pair that
+# is absent is ignored: it cannot change the verdict (e.g. a verification result that
+# arrives after a reload reset the breaker).
+TRANSITIONS: Mapping[tuple[BreakerState, BreakerEvent], tuple[Row, ...]] = {
+    (_C, _E.FAILURE): (Row(_threshold_reached, _O), Row(_below_threshold, _C)),
+    (_O, _E.FAILURE): (Row(None, _O),),
+    (_H, _E.FAILURE): (Row(None, _H),),
+    (_O, _E.OPEN_ELAPSED): (Row(_open_time_over, _H),),
+    (_H, _E.VERIFY_OK): (Row(None, _C),),
+    (_H, _E.VERIFY_FAILED): (Row(None, _O),),
+    (_H, _E.VERIFY_INCONCLUSIVE): (Row(None, _H),),
+}
+
+# Where a failure is remembered for the window before the guards run. Only while
+# closed: failures of requests placed before the breaker opened say nothing new.
+RECORDED: frozenset[tuple[BreakerState, BreakerEvent]] = frozenset({(_C, _E.FAILURE)})
+
+
+class Breaker:
+    """One engine phase's breaker; `blocked(now)` makes it an `EngineState` phase gate."""
+
+    def __init__(self, engine_id: str, phase: str, settings: BreakerSettings) -> None:
+        self.engine_id = engine_id
+        self.phase = phase
+        self.settings = settings
+        self.state = BreakerState.CLOSED
+        self.failures: deque[float] = deque(maxlen=settings.failure_threshold)
+        self.opened_at = -1.0
+        self.last_reason = ""
+        self.opened_total = 0
+
+    def __repr__(self) -> str:
+        return f"<Breaker {self.engine_id}/{self.phase} {self.state.value.upper()}>"
+
+    def configure(self, settings: BreakerSettings) -> None:
+        """Reload: new limits apply from now on; the state and recent failures stay."""
+        self.settings = settings
+        self.failures = deque(self.failures, maxlen=settings.failure_threshold)
+
+    def blocked(self, now: float) -> str | None:
+        if self.state is BreakerState.OPEN:
+            return f"{self.phase} breaker open"
+        if self.state is BreakerState.HALF_OPEN:
+            return f"{self.phase} breaker half-open (verifying)"
+        return None
+
+    def due(self) -> float | None:
+        """When the driver must fire OPEN_ELAPSED, if the breaker is open."""
+        if self.state is BreakerState.OPEN:
+            return self.opened_at + self.settings.open_s
+        return None
+
+    def failures_in_window(self, now: float) -> int:
+        return sum(1 for at in self.failures if now - at <= self.settings.window_s)
+
+    def handle(self, event: BreakerEvent, now: float, detail: str = "") -> Transition | None:
+        """Apply one event; returns the transition when the state changed."""
+        key = (self.state, event)
+        if key in RECORDED:
+            self.failures.append(now)
+        for row in TRANSITIONS.get(key, ()):
+            if row.guard is None or row.guard(self, now):
+                return self._enter(row.to, event, now, detail)
+        return None
+
+    def _enter(
+        self, new: BreakerState, event: BreakerEvent, now: float, detail: str
+    ) -> Transition | None:
+        old = self.state
+        if new is old:
+            return None
+        self.state = new
+        reason = self._reason(event, detail)
+        self.last_reason = reason
+        if new is BreakerState.OPEN:
+            self.opened_at = now
+            self.opened_total += 1
+        if new is BreakerState.CLOSED:
+            self.failures.clear()
+        return Transition(self.engine_id, self.phase, old, new, event, reason, now)
+
+    def _reason(self, event: BreakerEvent, detail: str) -> str:
+        s = self.settings
+        suffix = f" (last: {detail})" if detail else ""
+        if event is BreakerEvent.FAILURE:
+            return (
+                f"{s.failure_threshold} counted {self.phase} failures within "
+                f"recovery.breaker.window_s={s.window_s}{suffix}"
+            )
+        if event is BreakerEvent.OPEN_ELAPSED:
+            return f"open for recovery.breaker.open_s={s.open_s}; verifying"
+        if event is BreakerEvent.VERIFY_OK:
+            return f"verification passed{suffix}"
+        if event is BreakerEvent.VERIFY_FAILED:
+            return f"verification failed{suffix}"
+        return detail
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        due = self.due()
+        return {
+            "state": self.state.value,
+            "failures_in_window": self.failures_in_window(now),
+            "failure_threshold": self.settings.failure_threshold,
+            "reopens_in_s": None if due is None else round(max(0.0, due - now), 3),
+            "opened_total": self.opened_total,
+            "reason": self.last_reason or None,
+        }

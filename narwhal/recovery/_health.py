@@ -1,0 +1,260 @@
+"""Per-engine health verdicts, latency residuals and restart holds. Pure: no I/O, no clock.
+
+Health verdict (`HealthTracker`)
+  up         the engine may take work (other flags permitting).
+  ejected    recovery.health.failure_threshold consecutive failed /health probes, a
+             failed first probe at startup, a failed readmission verification, or a
+             latency-residual ejection. Nothing is placed on it; probing continues, so an
+             engine that is down at startup is kept and readmitted when it comes up
+             (a peer router drops such an engine for good).
+  verifying  recovery.health.readmit_successes consecutive good probes after an
+             ejection; readmission waits for one verification leg pair to pass.
+
+A probe that could not run because the control pool was exhausted is no evidence either
+way and leaves the verdict and the streaks unchanged (manual 4.1).
+
+Latency residuals (`ResidualWindow`)
+  The ratio of an observed leg latency to the latency the engine's profile predicts for
+  it. Each monitor pass contributes at most one per engine (manual 7), so a window of
+  recovery.health.window_s holds at most window_s / controller.monitor_interval_s of
+  them; once it holds recovery.health.min_samples, a median ratio at or above
+  recovery.health.eject_ratio ejects the engine. The median, not the mean: one slow leg
+  behind a long prompt must not eject a healthy engine.
+
+Restart holds (`RestartHold`, `IdentityTracker`)
+  An engine whose identity changed (GET /version reports another instance id, build or
+  version) or that answers again after being unreachable has restarted: its KV and any
+  handoff in flight are gone and its warm-up state is unknown. It is held out of
+  placement for recovery.restart_hold_s and then until a verification pair passes.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections import deque
+
+import attrs
+
+from ..config import Health as HealthConfig
+
+Identity = tuple[tuple[str, str], ...]
+
+
+class Verdict(enum.Enum):
+    UP = "up"
+    EJECTED = "ejected"
+    VERIFYING = "verifying"
+
+
+@attrs.frozen
+class VerdictChange:
+    old: Verdict
+    new: Verdict
+    reason: str
+
+
+class HealthTracker:
+    def __init__(self) -> None:
+        self.verdict = Verdict.UP
+        self.reason: str | None = None
+        self.consecutive_failures = 0
+        self.good_probes = 0
+        self.ejected_total = 0
+
+    def _to(self, new: Verdict, reason: str) -> VerdictChange | None:
+        old = self.verdict
+        self.reason = reason if new is not Verdict.UP else None
+        if new is old:
+            return None
+        self.verdict = new
+        if new is Verdict.EJECTED:
+            self.ejected_total += 1
+            self.good_probes = 0
+        return VerdictChange(old, new, reason)
+
+    @property
+    def ejected_reason(self) -> str | None:
+        """What `EngineState.ejected` shows: set while ejected or being verified."""
+        if self.verdict is Verdict.UP:
+            return None
+        return self.reason
+
+    def probe_ok(self, config: HealthConfig) -> VerdictChange | None:
+        self.consecutive_failures = 0
+        if self.verdict is Verdict.EJECTED:
+            self.good_probes += 1
+            if self.good_probes >= config.readmit_successes:
+                return self._to(
+                    Verdict.VERIFYING,
+                    f"{self.good_probes} good probes (recovery.health.readmit_successes="
+                    f"{config.readmit_successes}); verifying before readmission",
+                )
+        return None
+
+    def probe_failed(self, config: HealthConfig, detail: str) -> VerdictChange | None:
+        self.consecutive_failures += 1
+        self.good_probes = 0
+        if self.verdict is Verdict.VERIFYING:
+            return self._to(Verdict.EJECTED, f"probe failed while verifying: {detail}")
+        if self.verdict is Verdict.UP and self.consecutive_failures >= config.failure_threshold:
+            return self._to(
+                Verdict.EJECTED,
+                f"{self.consecutive_failures} consecutive failed health probes "
+                f"(recovery.health.failure_threshold={config.failure_threshold}): {detail}",
+            )
+        return None
+
+    def eject(self, reason: str) -> VerdictChange | None:
+        """Ejection that needs no streak: down at startup, latency residuals."""
+        self.good_probes = 0
+        return self._to(Verdict.EJECTED, reason)
+
+    def verify_ok(self, detail: str) -> VerdictChange | None:
+        return self._to(Verdict.UP, f"verification passed: {detail}")
+
+    def verify_failed(self, detail: str) -> VerdictChange | None:
+        self.good_probes = 0
+        if self.verdict is Verdict.EJECTED:
+            self.reason = f"verification failed: {detail}"
+            return None
+        return self._to(Verdict.EJECTED, f"verification failed: {detail}")
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "verdict": self.verdict.value,
+            "reason": self.reason,
+            "consecutive_failures": self.consecutive_failures,
+            "good_probes": self.good_probes,
+            "ejected_total": self.ejected_total,
+        }
+
+
+# However the window and interval are configured, a window never holds more than this.
+_MAX_RESIDUALS = 4096
+
+
+class ResidualWindow:
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=_MAX_RESIDUALS)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, now: float, ratio: float, window_s: float) -> None:
+        self._samples.append((now, ratio))
+        self._trim(now, window_s)
+
+    def _trim(self, now: float, window_s: float) -> None:
+        while self._samples and now - self._samples[0][0] > window_s:
+            self._samples.popleft()
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+    def median(self) -> float | None:
+        if not self._samples:
+            return None
+        return statistics.median(ratio for _, ratio in self._samples)
+
+    def verdict(self, now: float, config: HealthConfig) -> str | None:
+        """The ejection reason when the window says eject, else None."""
+        self._trim(now, config.window_s)
+        if len(self._samples) < config.min_samples:
+            return None
+        median = self.median()
+        assert median is not None
+        if median < config.eject_ratio:
+            return None
+        return (
+            f"latency: median observed/predicted ratio {median:.2f} over "
+            f"{len(self._samples)} residuals in recovery.health.window_s={config.window_s} "
+            f">= recovery.health.eject_ratio={config.eject_ratio}"
+        )
+
+    def snapshot(self) -> dict[str, object]:
+        median = self.median()
+        return {
+            "samples": len(self._samples),
+            "median_ratio": None if median is None else round(median, 4),
+        }
+
+
+class RestartHold:
+    """Set on a detected restart; lifted only by a passing verification."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.reason: str | None = None
+        self.since = 0.0
+        self.verify_after = 0.0
+        self.holds_total = 0
+
+    def start(self, now: float, reason: str, hold_s: float) -> bool:
+        """Returns False when a hold was already in force (the clock restarts anyway:
+        a second restart during the hold resets the warm-up it was waiting for)."""
+        fresh = not self.active
+        self.active = True
+        self.reason = reason
+        self.since = now
+        self.verify_after = now + hold_s
+        if fresh:
+            self.holds_total += 1
+        return fresh
+
+    def clear(self) -> bool:
+        was = self.active
+        self.active = False
+        self.reason = None
+        return was
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        return {
+            "active": self.active,
+            "reason": self.reason,
+            "verify_in_s": (round(max(0.0, self.verify_after - now), 3) if self.active else None),
+            "holds_total": self.holds_total,
+        }
+
+
+class IdentityTracker:
+    """Notices restarts from /version identity changes and unreachable periods."""
+
+    def __init__(self) -> None:
+        self.identity: Identity | None = None
+        self.unreachable = False
+
+    def observe(self, reachable: bool | None, identity: Identity | None) -> str | None:
+        """Record one probe; returns why the engine is considered restarted, or None.
+
+        `reachable` is None when the probe cannot tell (a timeout), which changes nothing.
+        """
+        reason: str | None = None
+        if reachable is False:
+            self.unreachable = True
+            return None
+        if reachable and self.unreachable:
+            self.unreachable = False
+            reason = "answered again after being unreachable"
+        if identity is not None:
+            if self.identity is not None and identity != self.identity:
+                changed = _describe_change(self.identity, identity)
+                reason = f"identity changed ({changed})" if reason is None else reason
+            self.identity = identity
+        return reason
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "identity": dict(self.identity) if self.identity is not None else None,
+            "unreachable": self.unreachable,
+        }
+
+
+def _describe_change(old: Identity, new: Identity) -> str:
+    before, after = dict(old), dict(new)
+    parts = [
+        f"{key} {before.get(key)!s} -> {after.get(key)!s}"
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key)
+    ]
+    return ", ".join(parts)

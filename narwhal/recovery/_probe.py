@@ -1,0 +1,418 @@
+"""Talking to engines on their control pools: health probes, identity, load, verification.
+
+Everything here runs on `EngineState.control_pool`, the connections reserved for health
+and recovery (engine.control_connections), so probes never queue behind client traffic
+and client traffic never waits for a probe. When that pool has no free connection the
+probe does not wait for one: it reports `inconclusive`, which leaves the verdict as it
+was (manual 4.1: probe exhaustion leaves the engine verdict unchanged).
+
+Deadlines: a health probe (GET /health, then GET /version for the engine's identity)
+gets engine.health_timeout_s in total, as does a /metrics scrape. A verification pair
+runs a complete prefill leg and a complete decode leg, each bounded on its own by
+engine.first_token_timeout_s (manual 6), in the engine's dialect:
+
+- vLLM: the prefill leg asks the producer to keep its KV for a remote decode; the
+  decode leg hands the returned `kv_transfer_params` to the consumer, which pulls the
+  KV, so a verification exercises exactly the handoff real traffic uses and leaves no
+  KV behind.
+- SGLang: both legs at once with one bootstrap room, as the request path does.
+- An engine with role `both`, or one with no available partner of the other role, is
+  verified with a local pair on itself: a one-token non-streaming completion (prefill)
+  and a one-token streamed completion (decode).
+
+The decode leg must deliver at least one generated event and the `[DONE]` terminator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Literal, Protocol
+
+import attrs
+import trio
+
+from ..config import Config
+from ..engines import (
+    SGLANG_DEFAULT_BOOTSTRAP_PORT,
+    ConnectError,
+    ConnectionPool,
+    PoolTimeout,
+    RemoteProtocolError,
+    ResponseTooLarge,
+    SseKind,
+    SseScanner,
+)
+from ..engines._dialects import (
+    encode,
+    new_bootstrap_room,
+    sglang_pd_body,
+    vllm_decode_body,
+    vllm_kv_params,
+    vllm_prefill_body,
+)
+from ..engines._sse import SseOverflow
+from ..fleet import EngineState
+from ._health import Identity
+
+Outcome = Literal["ok", "failed", "inconclusive"]
+
+_SMALL_BODY = 64 * 1024
+_METRICS_BODY = 8 * 1024 * 1024
+_VERIFY_PROMPT = "Narwhal verification."
+_IDENTITY_KEYS = ("version", "build", "instance_id")
+
+
+@attrs.frozen
+class ProbeResult:
+    outcome: Outcome
+    detail: str
+    # False: the connection was refused or failed; None: cannot tell (a timeout).
+    reachable: bool | None
+    identity: Identity | None = None
+
+
+@attrs.frozen
+class LoadSample:
+    """The engine's own view of its load (its /metrics)."""
+
+    running: float
+    waiting: float
+    kv_usage: float | None
+
+
+class ScrapeError(Exception):
+    """This engine's load could not be observed in this pass."""
+
+
+@attrs.frozen
+class VerifyResult:
+    outcome: Outcome
+    detail: str
+
+
+@attrs.frozen(eq=False)
+class VerifyPair:
+    """Which engine runs which verification leg; `subject` is the one being judged."""
+
+    subject: EngineState
+    phase: str
+    prefill: EngineState
+    decode: EngineState
+    request_id: str
+
+    @property
+    def local(self) -> bool:
+        return self.prefill is self.decode
+
+    def describe(self) -> str:
+        if self.local:
+            return f"local pair on {self.subject.id}"
+        return f"prefill on {self.prefill.id}, decode on {self.decode.id}"
+
+
+class Prober(Protocol):
+    """Engine I/O used by recovery and the monitor; tests inject fakes."""
+
+    async def health(self, engine: EngineState, config: Config) -> ProbeResult: ...
+
+    async def scrape(self, engine: EngineState, config: Config) -> LoadSample: ...
+
+    async def verify(self, pair: VerifyPair, config: Config) -> VerifyResult: ...
+
+
+class _Exhausted(Exception):
+    pass
+
+
+class _LegFailed(Exception):
+    pass
+
+
+def _free(pool: ConnectionPool) -> bool:
+    stats = pool.statistics()
+    return stats.in_use < stats.max_connections
+
+
+def _check_free(engine: EngineState) -> None:
+    # Checked synchronously right before the request: the pool then hands out a slot
+    # without waiting, so a probe never waits on an exhausted control pool.
+    if not _free(engine.control_pool):
+        stats = engine.control_pool.statistics()
+        raise _Exhausted(
+            f"control pool of {engine.id} exhausted ({stats.in_use}/{stats.max_connections} "
+            "in use; engine.control_connections)"
+        )
+
+
+def _headers(request_id: str | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [(b"accept", b"*/*")]
+    if request_id is not None:
+        headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+    return headers
+
+
+class HttpProber:
+    """The production `Prober`: HTTP on each engine's control pool."""
+
+    async def health(self, engine: EngineState, config: Config) -> ProbeResult:
+        timeout = config.engine.health_timeout_s
+        path = engine.dialect.health_path.decode()
+        try:
+            _check_free(engine)
+        except _Exhausted as exc:
+            return ProbeResult("inconclusive", str(exc), None)
+        with trio.move_on_after(timeout) as timer:
+            try:
+                async with engine.control_pool.request(
+                    b"GET", engine.dialect.health_path, _headers()
+                ) as response:
+                    await response.aread(_SMALL_BODY)
+                    status = response.status
+            except ConnectError as exc:
+                return ProbeResult("failed", f"GET {path}: {exc}", False)
+            except (RemoteProtocolError, ResponseTooLarge) as exc:
+                return ProbeResult("failed", f"GET {path}: {exc}", True)
+            except PoolTimeout as exc:
+                return ProbeResult("inconclusive", str(exc), None)
+            if status != 200:
+                return ProbeResult("failed", f"GET {path} returned HTTP {status}", True)
+            identity = await self._identity(engine)
+            return ProbeResult("ok", f"GET {path} returned HTTP 200", True, identity)
+        assert timer.cancelled_caught
+        return ProbeResult(
+            "failed", f"GET {path}: no answer within engine.health_timeout_s={timeout}", None
+        )
+
+    async def _identity(self, engine: EngineState) -> Identity | None:
+        """(key, value) pairs of /version that name the running instance, if any."""
+        if not _free(engine.control_pool):
+            return None
+        try:
+            async with engine.control_pool.request(b"GET", b"/version", _headers()) as response:
+                raw = await response.aread(_SMALL_BODY)
+                if response.status != 200:
+                    return None
+        except (ConnectError, RemoteProtocolError, ResponseTooLarge, PoolTimeout):
+            return None
+        try:
+            document = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(document, dict):
+            return None
+        pairs = tuple(
+            (key, str(document[key]))
+            for key in _IDENTITY_KEYS
+            if key in document and document[key] is not None
+        )
+        return pairs or None
+
+    async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
+        timeout = config.engine.health_timeout_s
+        try:
+            _check_free(engine)
+        except _Exhausted as exc:
+            raise ScrapeError(str(exc)) from None
+        with trio.move_on_after(timeout):
+            try:
+                async with engine.control_pool.request(b"GET", b"/metrics", _headers()) as response:
+                    raw = await response.aread(_METRICS_BODY)
+                    if response.status != 200:
+                        raise ScrapeError(f"GET /metrics returned HTTP {response.status}")
+            except (ConnectError, RemoteProtocolError, ResponseTooLarge, PoolTimeout) as exc:
+                raise ScrapeError(f"GET /metrics: {exc}") from None
+            return parse_load(raw, engine.dialect.name)
+        raise ScrapeError(f"GET /metrics: no answer within engine.health_timeout_s={timeout}")
+
+    async def verify(self, pair: VerifyPair, config: Config) -> VerifyResult:
+        limit = config.engine.first_token_timeout_s
+        try:
+            _check_free(pair.prefill)
+            _check_free(pair.decode)
+            if pair.local:
+                await _local_pair(pair, limit)
+            elif pair.prefill.dialect.concurrent_legs:
+                await _sglang_pair(pair, limit)
+            else:
+                await _vllm_pair(pair, limit)
+        except _Exhausted as exc:
+            return VerifyResult("inconclusive", str(exc))
+        except _LegFailed as exc:
+            return VerifyResult("failed", f"{pair.describe()}: {exc}")
+        return VerifyResult("ok", f"{pair.describe()} completed")
+
+
+def _body(engine: EngineState, *, stream: bool) -> dict[str, object]:
+    return {
+        "model": engine.spec.model,
+        "prompt": _VERIFY_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+async def _local_pair(pair: VerifyPair, limit: float) -> None:
+    engine = pair.subject
+    await _json_leg(engine, "prefill", encode(_body(engine, stream=False)), pair, limit)
+    await _stream_leg(engine, "decode", encode(_body(engine, stream=True)), pair, limit)
+
+
+async def _vllm_pair(pair: VerifyPair, limit: float) -> None:
+    raw = await _json_leg(
+        pair.prefill,
+        "prefill",
+        encode(vllm_prefill_body(_body(pair.prefill, stream=False))),
+        pair,
+        limit,
+    )
+    try:
+        kv_params = vllm_kv_params(json.loads(raw))
+    except ValueError:
+        raise _LegFailed(
+            f"prefill leg on {pair.prefill.id} returned a body that is not JSON"
+        ) from None
+    body = vllm_decode_body(_body(pair.decode, stream=True), kv_params)
+    await _stream_leg(pair.decode, "decode", encode(body), pair, limit)
+
+
+async def _sglang_pair(pair: VerifyPair, limit: float) -> None:
+    prefill = pair.prefill
+    port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+    room = new_bootstrap_room()
+    prefill_body = sglang_pd_body(
+        _body(prefill, stream=False), host=prefill.host, port=port, room=room
+    )
+    decode_body = sglang_pd_body(
+        _body(pair.decode, stream=True), host=prefill.host, port=port, room=room
+    )
+    failures: list[_LegFailed] = []
+
+    async def leg(kind: str) -> None:
+        try:
+            if kind == "prefill":
+                await _json_leg(prefill, "prefill", encode(prefill_body), pair, limit)
+            else:
+                await _stream_leg(pair.decode, "decode", encode(decode_body), pair, limit)
+        except _LegFailed as exc:
+            failures.append(exc)
+            legs.cancel_scope.cancel()
+
+    async with trio.open_nursery() as legs:
+        legs.start_soon(leg, "prefill")
+        legs.start_soon(leg, "decode")
+    if failures:
+        raise failures[0]
+
+
+async def _json_leg(
+    engine: EngineState, leg: str, body: bytes, pair: VerifyPair, limit: float
+) -> bytes:
+    where = f"{leg} leg on {engine.id}"
+    with trio.move_on_after(limit):
+        try:
+            async with engine.control_pool.request(
+                b"POST", b"/v1/completions", _headers(pair.request_id), body
+            ) as response:
+                raw = await response.aread(_SMALL_BODY)
+                if response.status != 200:
+                    raise _LegFailed(f"{where} returned HTTP {response.status}")
+                return raw
+        except PoolTimeout as exc:
+            raise _Exhausted(str(exc)) from None
+        except (ConnectError, RemoteProtocolError, ResponseTooLarge) as exc:
+            raise _LegFailed(f"{where}: {exc}") from None
+    raise _LegFailed(f"{where} did not complete within engine.first_token_timeout_s={limit}")
+
+
+async def _stream_leg(
+    engine: EngineState, leg: str, body: bytes, pair: VerifyPair, limit: float
+) -> None:
+    where = f"{leg} leg on {engine.id}"
+    scanner = SseScanner()
+    received = 0
+    with trio.move_on_after(limit):
+        try:
+            async with engine.control_pool.request(
+                b"POST", b"/v1/completions", _headers(pair.request_id), body
+            ) as response:
+                if response.status != 200:
+                    await response.aread(_SMALL_BODY)
+                    raise _LegFailed(f"{where} returned HTTP {response.status}")
+                data_events = 0
+                while chunk := await response.receive_some():
+                    received += len(chunk)
+                    if received > _SMALL_BODY:
+                        raise _LegFailed(f"{where} sent more than {_SMALL_BODY} bytes")
+                    for event in scanner.feed(chunk):
+                        if event.kind is SseKind.ERROR:
+                            message = (event.error or {}).get("message", "error event")
+                            raise _LegFailed(f"{where} reported an error: {message}")
+                        if event.kind is SseKind.DATA:
+                            data_events += 1
+                        if event.kind is SseKind.DONE:
+                            if data_events == 0:
+                                raise _LegFailed(f"{where} ended without generating a token")
+                            return
+                raise _LegFailed(f"{where} ended without the [DONE] terminator")
+        except PoolTimeout as exc:
+            raise _Exhausted(str(exc)) from None
+        except (ConnectError, RemoteProtocolError, ResponseTooLarge, SseOverflow) as exc:
+            raise _LegFailed(f"{where}: {exc}") from None
+    raise _LegFailed(f"{where} did not complete within engine.first_token_timeout_s={limit}")
+
+
+# vLLM and SGLang name the same three gauges differently.
+_LOAD_NAMES: dict[str, tuple[str, str, str]] = {
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
+}
+# Older vLLM builds only have the deprecated name.
+_KV_FALLBACK = {"vllm": "vllm:gpu_cache_usage_perc"}
+
+
+def parse_load(raw: bytes, dialect: str) -> LoadSample:
+    """Running and waiting requests (summed over data-parallel ranks) and KV usage (the
+    fullest rank), from Prometheus text. Only the wanted lines are parsed: a vLLM
+    /metrics page is ~100 KB and is read every monitor pass."""
+    running_name, waiting_name, kv_name = _LOAD_NAMES.get(dialect, _LOAD_NAMES["vllm"])
+    kv_fallback = _KV_FALLBACK.get(dialect)
+    wanted = {running_name, waiting_name, kv_name}
+    if kv_fallback:
+        wanted.add(kv_fallback)
+    found: dict[str, list[float]] = {}
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ScrapeError("GET /metrics: body is not utf-8") from None
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = len(line)
+        for sep in ("{", " "):
+            index = line.find(sep)
+            if index != -1:
+                end = min(end, index)
+        name = line[:end]
+        if name not in wanted:
+            continue
+        rest = line[line.rindex("}") + 1 :] if "{" in line[end : end + 1] else line[end:]
+        fields = rest.split()
+        if not fields:
+            raise ScrapeError(f"GET /metrics: no value for {name}")
+        try:
+            value = float(fields[0])
+        except ValueError:
+            raise ScrapeError(f"GET /metrics: bad value for {name}: {fields[0]!r}") from None
+        if math.isfinite(value):
+            found.setdefault(name, []).append(value)
+    if running_name not in found or waiting_name not in found:
+        missing = [n for n in (running_name, waiting_name) if n not in found]
+        raise ScrapeError(f"GET /metrics lacks {', '.join(missing)}")
+    kv_values = found.get(kv_name) or (found.get(kv_fallback) if kv_fallback else None)
+    return LoadSample(
+        running=sum(found[running_name]),
+        waiting=sum(found[waiting_name]),
+        kv_usage=max(kv_values) if kv_values else None,
+    )

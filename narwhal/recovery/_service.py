@@ -1,0 +1,674 @@
+"""The recovery service: breakers, quarantine, health ejection, restart holds, readmission.
+
+It owns three of `EngineState`'s availability flags (`ejected`, `held_until`,
+`quarantined_until`) and installs the per-phase breakers as `phase_gates`; drains and
+pins belong to the operator (narwhalctl) and `removed` to reload.
+
+Inputs
+- Every engine leg's outcome, from the request path through `LegObserver`
+  (`leg_ok` / `leg_failed`). Counted failures feed the failing phase's breaker and
+  start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
+  kept as the engine's latest latency observation for the monitor's residual stage.
+- One probe loop per engine: GET /health (and /version for the engine's identity)
+  every recovery.health.interval_s on the control pool.
+- The monitor's residual stage (`residual_pass`), at most once per engine per pass.
+
+When something is due (an open breaker's open_s, a quarantine's end, a restart hold's
+recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
+counted failure wakes it at once. Verifications run inside the engine's loop, one at a
+time per engine, so an engine is never verified twice concurrently, and after one that
+did not pass the next waits a probe interval.
+
+Every verdict change is one JSON log line (`"event": "verdict"` with engine, phase,
+kind, from, to, reason), one increment of narwhal_recovery_transitions_total, and an
+entry in the bounded `recent_changes` list of the state document.
+
+Engines present at startup get one probe before the router reports ready; an engine
+that fails it starts ejected ("failed its first probe") and is probed like any other, so
+it is readmitted (after a restart hold and a verification) when it comes up. Engines
+added by a reload get the same first probe before placement can see them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import attrs
+import trio
+from prometheus_client import Counter
+
+from .._errors import EngineFailed
+from ..config import Config
+from ..fleet import EngineState
+from ..serving import ServingContext
+from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
+from ._health import (
+    HealthTracker,
+    IdentityTracker,
+    ResidualWindow,
+    RestartHold,
+    Verdict,
+    VerdictChange,
+)
+from ._probe import HttpProber, Prober, ProbeResult, VerifyPair, VerifyResult
+
+log = logging.getLogger("narwhal.recovery")
+
+PHASES = ("prefill", "decode")
+_RECENT_CHANGES = 200
+
+
+@attrs.frozen
+class LegObservation:
+    """One successful engine leg and the router-side load on the engine as it ended."""
+
+    engine_id: str
+    phase: str
+    duration_s: float
+    at: float
+    prefill_inflight: int
+    prefill_tokens_inflight: int
+    decode_active: int
+    decode_tokens: int
+
+
+# (engine, phase, observation) -> the latency the engine's profile predicts for that
+# leg, or None when there is no prediction (no profile, outside the measured domain).
+Predictor = Callable[[EngineState, str, LegObservation], float | None]
+
+
+class EngineRecovery:
+    """Recovery's bookkeeping for one `EngineState` instance."""
+
+    def __init__(self, engine: EngineState, config: Config) -> None:
+        self.engine = engine
+        settings = BreakerSettings.from_config(config.recovery.breaker)
+        self.breakers = {phase: Breaker(engine.id, phase, settings) for phase in PHASES}
+        self.health = HealthTracker()
+        self.hold = RestartHold()
+        self.identity = IdentityTracker()
+        self.residuals = ResidualWindow()
+        self.pending: LegObservation | None = None
+        self.wake = trio.Event()
+        self.scope: trio.CancelScope | None = None
+        self.next_verify_at = -math.inf
+        self.quarantine_active = False
+        self.last_probe: ProbeResult | None = None
+        self.last_probe_at: float | None = None
+        self.last_verification: dict[str, object] | None = None
+        engine.phase_gates.update(self.breakers)
+
+    def readmission_wanted(self) -> bool:
+        verdict = self.health.verdict
+        return verdict is Verdict.VERIFYING or (self.hold.active and verdict is Verdict.UP)
+
+    def breaker_wanted(self) -> bool:
+        # While ejected or held, the readmission verification comes first.
+        return (
+            self.health.verdict is Verdict.UP
+            and not self.hold.active
+            and any(b.state is BreakerState.HALF_OPEN for b in self.breakers.values())
+        )
+
+    def next_due(self) -> float:
+        times = [due for b in self.breakers.values() if (due := b.due()) is not None]
+        if self.quarantine_active:
+            times.append(self.engine.quarantined_until)
+        if self.readmission_wanted():
+            hold_due = self.hold.verify_after if self.hold.active else -math.inf
+            times.append(max(self.next_verify_at, hold_due))
+        if self.breaker_wanted():
+            times.append(self.next_verify_at)
+        return min(times, default=math.inf)
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        engine = self.engine
+        probe = self.last_probe
+        return {
+            "breakers": {phase: b.snapshot(now) for phase, b in self.breakers.items()},
+            "health": {
+                **self.health.snapshot(),
+                "last_probe": None
+                if probe is None
+                else {
+                    "outcome": probe.outcome,
+                    "detail": probe.detail,
+                    "age_s": round(now - (self.last_probe_at or now), 3),
+                },
+            },
+            "ejected": engine.ejected,
+            "hold": self.hold.snapshot(now),
+            "quarantine": {
+                "active": now < engine.quarantined_until,
+                "remaining_s": round(max(0.0, engine.quarantined_until - now), 3)
+                if now < engine.quarantined_until
+                else None,
+            },
+            "identity": self.identity.snapshot(),
+            "residuals": self.residuals.snapshot(),
+            "last_verification": self.last_verification,
+            "drained": engine.drained,
+            "pinned": engine.pinned,
+        }
+
+
+class Recovery:
+    """Implements `LegObserver`; `run` is a supervisor service (start protocol)."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        *,
+        prober: Prober | None = None,
+        predictor: Predictor | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.prober: Prober = prober or HttpProber()
+        self.predictor = predictor
+        self._records: dict[str, EngineRecovery] = {}
+        self._nursery: trio.Nursery | None = None
+        self._verify_seq = 0
+        self.recent_changes: deque[dict[str, object]] = deque(maxlen=_RECENT_CHANGES)
+        registry = ctx.metrics.registry
+        self._m_transitions = Counter(
+            "narwhal_recovery_transitions",
+            "Recovery verdict changes by engine, kind (breaker, health, hold, quarantine), "
+            "phase and states.",
+            ["engine", "kind", "phase", "from", "to"],
+            registry=registry,
+        )
+        self._m_probes = Counter(
+            "narwhal_health_probes",
+            "Health probes by engine and outcome (ok, failed, inconclusive).",
+            ["engine", "outcome"],
+            registry=registry,
+        )
+        self._m_verifications = Counter(
+            "narwhal_verifications",
+            "Verification leg pairs by engine, purpose (breaker, readmission) and outcome.",
+            ["engine", "purpose", "outcome"],
+            registry=registry,
+        )
+        self._m_counted = Counter(
+            "narwhal_counted_failures",
+            "Engine leg failures counted against the engine (breakers, quarantine).",
+            ["engine", "phase"],
+            registry=registry,
+        )
+        ctx.metrics.add_live_gauges(self._gauges)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            records = [self._adopt(engine) for engine in self.ctx.fleet]
+            async with trio.open_nursery() as first:
+                for record in records:
+                    first.start_soon(self._first_probe, record, "startup")
+            for record in records:
+                await nursery.start(self._engine_loop, record)
+            task_status.started()
+
+    def _adopt(self, engine: EngineState) -> EngineRecovery:
+        record = EngineRecovery(engine, self.ctx.config)
+        self._records[engine.id] = record
+        return record
+
+    async def admit(self, engine: EngineState) -> None:
+        """A reload added `engine`: probe it once and start its loop, before placement
+        can see it (the caller adds it to the fleet afterwards)."""
+        assert self._nursery is not None, "recovery is not running"
+        record = self._adopt(engine)
+        await self._first_probe(record, "added by reload")
+        await self._nursery.start(self._engine_loop, record)
+
+    def retire(self, engine: EngineState) -> None:
+        """A reload removed (or replaced) `engine`: stop probing that instance."""
+        record = self._records.get(engine.id)
+        if record is not None and record.engine is engine:
+            del self._records[engine.id]
+            if record.scope is not None:
+                record.scope.cancel()
+
+    def reconfigure(self, config: Config) -> None:
+        settings = BreakerSettings.from_config(config.recovery.breaker)
+        for record in self._records.values():
+            for breaker in record.breakers.values():
+                breaker.configure(settings)
+            record.wake.set()
+
+    def record(self, engine_id: str) -> EngineRecovery | None:
+        return self._records.get(engine_id)
+
+    def _record_for(self, engine: EngineState) -> EngineRecovery | None:
+        record = self._records.get(engine.id)
+        return record if record is not None and record.engine is engine else None
+
+    # ------------------------------------------------------------------ LegObserver
+
+    def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None:
+        if self.predictor is None:
+            return
+        record = self._record_for(engine)
+        if record is None:
+            return
+        record.pending = LegObservation(
+            engine_id=engine.id,
+            phase=phase,
+            duration_s=duration_s,
+            at=trio.current_time(),
+            prefill_inflight=engine.prefill_inflight,
+            prefill_tokens_inflight=engine.prefill_tokens_inflight,
+            decode_active=engine.decode_active,
+            decode_tokens=engine.decode_tokens,
+        )
+
+    def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
+        # failure.phase names the leg that failed; never the other engine of the pair.
+        phase = failure.phase
+        if not failure.counts_against_engine:
+            log.debug(
+                "leg failure not counted against %s: %s",
+                engine.id,
+                failure.message,
+                extra={
+                    "event": "leg_failed",
+                    "engine": engine.id,
+                    "phase": phase,
+                    "code": failure.code,
+                    "counted": False,
+                },
+            )
+            return
+        record = self._record_for(engine)
+        if record is None:
+            return
+        now = trio.current_time()
+        self._m_counted.labels(engine.id, phase).inc()
+        # An aggregate leg ran both phases on this engine; either may have failed.
+        phases = PHASES if phase == "aggregate" else (phase,) if phase in PHASES else ()
+        for name in phases:
+            breaker = record.breakers[name]
+            transition = breaker.handle(BreakerEvent.FAILURE, now, failure.message)
+            if transition is not None:
+                self._breaker_changed(transition)
+        log.info(
+            "%s leg on %s failed: %s",
+            phase,
+            engine.id,
+            failure.message,
+            extra={
+                "event": "leg_failed",
+                "engine": engine.id,
+                "phase": phase,
+                "code": failure.code,
+                "counted": True,
+                "failures_in_window": {
+                    name: record.breakers[name].failures_in_window(now) for name in phases
+                },
+            },
+        )
+        quarantine_s = self.ctx.config.recovery.failure_quarantine_s
+        if quarantine_s > 0:
+            until = now + quarantine_s
+            if until > engine.quarantined_until:
+                if not record.quarantine_active:
+                    self._changed(
+                        engine.id,
+                        "quarantine",
+                        None,
+                        "released",
+                        "quarantined",
+                        f"counted {phase} failure ({failure.code}); excluded from placement for "
+                        f"recovery.failure_quarantine_s={quarantine_s}",
+                    )
+                record.quarantine_active = True
+                engine.quarantined_until = until
+        record.wake.set()
+
+    # ------------------------------------------------------------------ per-engine loop
+
+    async def _first_probe(self, record: EngineRecovery, when: str) -> None:
+        result = await self._probe_once(record)
+        if result.outcome == "failed":
+            change = record.health.eject(f"failed its first probe ({when}): {result.detail}")
+            self._health_changed(record, change)
+
+    async def _engine_loop(
+        self,
+        record: EngineRecovery,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with trio.CancelScope() as scope:
+            record.scope = scope
+            task_status.started()
+            next_probe = trio.current_time() + self.ctx.config.recovery.health.interval_s
+            while True:
+                now = trio.current_time()
+                due = min(next_probe, record.next_due())
+                if due > now:
+                    with trio.move_on_at(due):
+                        await record.wake.wait()
+                    if record.wake.is_set():
+                        record.wake = trio.Event()
+                now = trio.current_time()
+                self._timers(record, now)
+                if now >= next_probe:
+                    await self._probe(record)
+                    interval = self.ctx.config.recovery.health.interval_s
+                    next_probe = trio.current_time() + interval
+                await self._verify_due(record)
+
+    def _timers(self, record: EngineRecovery, now: float) -> None:
+        for breaker in record.breakers.values():
+            due = breaker.due()
+            if due is not None and now >= due:
+                transition = breaker.handle(BreakerEvent.OPEN_ELAPSED, now)
+                if transition is not None:
+                    self._breaker_changed(transition)
+        engine = record.engine
+        if record.quarantine_active and now >= engine.quarantined_until:
+            record.quarantine_active = False
+            self._changed(
+                engine.id, "quarantine", None, "quarantined", "released", "quarantine expired"
+            )
+
+    async def _probe_once(self, record: EngineRecovery) -> ProbeResult:
+        engine = record.engine
+        config = self.ctx.config
+        result = await self.prober.health(engine, config)
+        record.last_probe = result
+        record.last_probe_at = trio.current_time()
+        self._m_probes.labels(engine.id, result.outcome).inc()
+        fields = {
+            "event": "probe",
+            "engine": engine.id,
+            "outcome": result.outcome,
+            "detail": result.detail,
+        }
+        if result.outcome == "inconclusive":
+            log.warning("probe of %s inconclusive: %s", engine.id, result.detail, extra=fields)
+            return result
+        restarted = record.identity.observe(result.reachable, result.identity)
+        if result.outcome == "failed":
+            log.warning(
+                "probe of %s failed: %s",
+                engine.id,
+                result.detail,
+                extra={**fields, "consecutive": record.health.consecutive_failures + 1},
+            )
+        else:
+            log.debug("probe of %s ok", engine.id, extra=fields)
+        if restarted is not None:
+            self._start_hold(record, restarted)
+        return result
+
+    async def _probe(self, record: EngineRecovery) -> None:
+        result = await self._probe_once(record)
+        health = self.ctx.config.recovery.health
+        if result.outcome == "ok":
+            self._health_changed(record, record.health.probe_ok(health))
+        elif result.outcome == "failed":
+            self._health_changed(record, record.health.probe_failed(health, result.detail))
+
+    def _start_hold(self, record: EngineRecovery, reason: str) -> None:
+        now = trio.current_time()
+        hold_s = self.ctx.config.recovery.restart_hold_s
+        fresh = record.hold.start(now, reason, hold_s)
+        record.engine.held_until = math.inf
+        # Latency history and pending observations describe the previous instance.
+        record.residuals.clear()
+        record.pending = None
+        self._changed(
+            record.engine.id,
+            "hold",
+            None,
+            "released" if fresh else "held",
+            "held",
+            f"restart detected: {reason}; held for recovery.restart_hold_s={hold_s} "
+            "and until verified",
+        )
+        record.wake.set()
+
+    async def _verify_due(self, record: EngineRecovery) -> None:
+        now = trio.current_time()
+        if now < record.next_verify_at:
+            return
+        engine = record.engine
+        hold_due = not record.hold.active or now >= record.hold.verify_after
+        if record.readmission_wanted() and hold_due:
+            phase = {"prefill": "prefill", "decode": "decode"}.get(engine.role, "aggregate")
+            result = await self._verify(record, "readmission", phase)
+            if result.outcome == "ok":
+                self._health_changed(record, record.health.verify_ok(result.detail))
+                if record.hold.clear():
+                    engine.held_until = -math.inf
+                    self._changed(
+                        engine.id, "hold", None, "held", "released", "verification passed"
+                    )
+            elif result.outcome == "failed":
+                self._health_changed(record, record.health.verify_failed(result.detail))
+            if result.outcome != "ok":
+                record.next_verify_at = trio.current_time() + self._interval()
+            return
+        if record.breaker_wanted():
+            for breaker in record.breakers.values():
+                if breaker.state is not BreakerState.HALF_OPEN:
+                    continue
+                result = await self._verify(record, "breaker", breaker.phase)
+                event = {
+                    "ok": BreakerEvent.VERIFY_OK,
+                    "failed": BreakerEvent.VERIFY_FAILED,
+                    "inconclusive": BreakerEvent.VERIFY_INCONCLUSIVE,
+                }[result.outcome]
+                transition = breaker.handle(event, trio.current_time(), result.detail)
+                if transition is not None:
+                    self._breaker_changed(transition)
+                if result.outcome != "ok":
+                    record.next_verify_at = trio.current_time() + self._interval()
+                    return
+
+    def _interval(self) -> float:
+        return self.ctx.config.recovery.health.interval_s
+
+    async def _verify(self, record: EngineRecovery, purpose: str, phase: str) -> VerifyResult:
+        self._verify_seq += 1
+        subject = record.engine
+        request_id = f"narwhal-verify-{subject.id}-{self._verify_seq}"
+        pair = self._pair(subject, phase, request_id)
+        started = trio.current_time()
+        result = await self.prober.verify(pair, self.ctx.config)
+        duration = trio.current_time() - started
+        self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
+        record.last_verification = {
+            "request_id": request_id,
+            "purpose": purpose,
+            "phase": phase,
+            "outcome": result.outcome,
+            "detail": result.detail,
+            "duration_s": round(duration, 6),
+        }
+        log.log(
+            logging.INFO if result.outcome == "ok" else logging.WARNING,
+            "%s verification of %s (%s): %s: %s",
+            purpose,
+            subject.id,
+            phase,
+            result.outcome,
+            result.detail,
+            extra={
+                "event": "verification",
+                "engine": subject.id,
+                "phase": phase,
+                "purpose": purpose,
+                "request_id": request_id,
+                "outcome": result.outcome,
+                "detail": result.detail,
+                "duration_s": round(duration, 6),
+            },
+        )
+        return result
+
+    def _pair(self, subject: EngineState, phase: str, request_id: str) -> VerifyPair:
+        """The subject runs the leg under test; the other leg runs on the least busy
+        available engine of the other role, or on the subject itself if there is none."""
+        if phase not in PHASES or subject.role == "both":
+            return VerifyPair(subject, phase, subject, subject, request_id)
+        other = "decode" if phase == "prefill" else "prefill"
+        now = trio.current_time()
+        candidates = [
+            engine
+            for engine in self.ctx.fleet
+            if engine is not subject
+            and engine.dialect is subject.dialect
+            and engine.role in (other, "both")
+            and engine.unavailable_reason(now, "prefill" if other == "prefill" else "decode")
+            is None
+        ]
+        if not candidates:
+            return VerifyPair(subject, phase, subject, subject, request_id)
+        partner = min(
+            candidates,
+            key=lambda e: (
+                e.control_pool.statistics().in_use,
+                e.prefill_inflight + e.decode_active,
+                e.id,
+            ),
+        )
+        if phase == "prefill":
+            return VerifyPair(subject, phase, subject, partner, request_id)
+        return VerifyPair(subject, phase, partner, subject, request_id)
+
+    # ------------------------------------------------------------------ residuals
+
+    def residual_pass(self, now: float) -> dict[str, float]:
+        """The monitor's residual stage: at most one residual per engine per pass.
+
+        Each engine's latest successful leg since the previous pass is compared with
+        the profile's prediction. Exceptions from the predictor propagate: they are a
+        monitoring-stage failure.
+        """
+        residuals: dict[str, float] = {}
+        predictor = self.predictor
+        if predictor is None:
+            return residuals
+        health = self.ctx.config.recovery.health
+        for record in list(self._records.values()):
+            observation, record.pending = record.pending, None
+            if observation is None or record.health.verdict is not Verdict.UP:
+                continue
+            predicted = predictor(record.engine, observation.phase, observation)
+            if predicted is None or not math.isfinite(predicted) or predicted <= 0:
+                continue
+            ratio = observation.duration_s / predicted
+            record.residuals.add(now, ratio, health.window_s)
+            residuals[record.engine.id] = ratio
+            reason = record.residuals.verdict(now, health)
+            if reason is not None:
+                record.residuals.clear()
+                self._health_changed(record, record.health.eject(reason))
+        return residuals
+
+    # ------------------------------------------------------------------ verdicts
+
+    def _health_changed(self, record: EngineRecovery, change: VerdictChange | None) -> None:
+        record.engine.ejected = record.health.ejected_reason
+        if change is None:
+            return
+        if change.new is Verdict.EJECTED:
+            record.next_verify_at = -math.inf
+        self._changed(
+            record.engine.id, "health", None, change.old.value, change.new.value, change.reason
+        )
+        record.wake.set()
+
+    def _breaker_changed(self, transition: Transition) -> None:
+        self._changed(
+            transition.engine,
+            "breaker",
+            transition.phase,
+            transition.old.value,
+            transition.new.value,
+            transition.reason,
+        )
+        record = self._records.get(transition.engine)
+        if record is not None:
+            if transition.new is BreakerState.HALF_OPEN:
+                record.next_verify_at = -math.inf
+            record.wake.set()
+
+    def _changed(
+        self, engine_id: str, kind: str, phase: str | None, old: str, new: str, reason: str
+    ) -> None:
+        self._m_transitions.labels(engine_id, kind, phase or "", old, new).inc()
+        entry: dict[str, object] = {
+            "at": round(trio.current_time() - self.ctx.started_at, 6),
+            "engine": engine_id,
+            "kind": kind,
+            "phase": phase,
+            "from": old,
+            "to": new,
+            "reason": reason,
+        }
+        self.recent_changes.append(entry)
+        worse = new in ("open", "ejected", "held", "quarantined")
+        where = f"{engine_id}/{phase}" if phase else engine_id
+        log.log(
+            logging.WARNING if worse else logging.INFO,
+            "%s %s: %s -> %s: %s",
+            kind,
+            where,
+            old,
+            new,
+            reason,
+            extra={"event": "verdict", **{k: v for k, v in entry.items() if k != "at"}},
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def state(self) -> dict[str, object]:
+        now = trio.current_time()
+        return {
+            "engines": {
+                engine_id: record.snapshot(now) for engine_id, record in self._records.items()
+            },
+            "recent_changes": list(self.recent_changes)[-50:],
+        }
+
+    def _gauges(self) -> Iterator[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
+        now = trio.current_time()
+        records = list(self._records.values())
+        codes = {BreakerState.CLOSED: 0.0, BreakerState.OPEN: 1.0, BreakerState.HALF_OPEN: 2.0}
+        yield (
+            "narwhal_breaker_state",
+            "Circuit breaker per engine and phase: 0 closed, 1 open, 2 half-open.",
+            ["engine", "phase"],
+            [
+                ([r.engine.id, phase], codes[b.state])
+                for r in records
+                for phase, b in r.breakers.items()
+            ],
+        )
+        flags: list[tuple[str, str, Callable[[EngineRecovery], bool]]] = [
+            ("ejected", "1 while health-ejected.", lambda r: r.engine.ejected is not None),
+            ("held", "1 while under a restart hold.", lambda r: r.hold.active),
+            (
+                "quarantined",
+                "1 while quarantined after a failure.",
+                lambda r: now < r.engine.quarantined_until,
+            ),
+            ("drained", "1 while drained by the operator.", lambda r: r.engine.drained),
+            ("pinned", "1 while pinned by the operator.", lambda r: r.engine.pinned),
+        ]
+        for name, help_text, test in flags:
+            yield (
+                f"narwhal_engine_{name}",
+                help_text,
+                ["engine"],
+                [([r.engine.id], float(test(r))) for r in records],
+            )

@@ -1,0 +1,140 @@
+"""Health verdicts, residual windows, restart detection and metrics parsing (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.config import Health
+from narwhal.recovery import (
+    HealthTracker,
+    IdentityTracker,
+    ResidualWindow,
+    RestartHold,
+    ScrapeError,
+    Verdict,
+    parse_load,
+)
+
+CFG = Health(
+    failure_threshold=3, readmit_successes=2, window_s=10.0, min_samples=3, eject_ratio=2.0
+)
+
+
+def test_consecutive_failures_eject_and_a_success_resets_the_streak() -> None:
+    health = HealthTracker()
+    assert health.probe_failed(CFG, "HTTP 503") is None
+    assert health.probe_failed(CFG, "HTTP 503") is None
+    health.probe_ok(CFG)
+    assert health.probe_failed(CFG, "HTTP 503") is None
+    assert health.probe_failed(CFG, "HTTP 503") is None
+    change = health.probe_failed(CFG, "GET /health returned HTTP 503")
+    assert change is not None
+    assert (change.old, change.new) == (Verdict.UP, Verdict.EJECTED)
+    assert change.reason == (
+        "3 consecutive failed health probes (recovery.health.failure_threshold=3): "
+        "GET /health returned HTTP 503"
+    )
+    assert health.ejected_reason == change.reason
+
+
+def test_readmission_needs_good_probes_then_verification() -> None:
+    health = HealthTracker()
+    health.eject("failed its first probe (startup): connection refused")
+    assert health.probe_ok(CFG) is None
+    change = health.probe_ok(CFG)
+    assert change is not None
+    assert change.new is Verdict.VERIFYING
+    assert health.ejected_reason is not None  # still out of placement while verifying
+    change = health.verify_ok("prefill on p0, decode on d0 completed")
+    assert change is not None
+    assert change.new is Verdict.UP
+    assert health.ejected_reason is None
+
+
+def test_a_failed_probe_or_verification_restarts_readmission() -> None:
+    health = HealthTracker()
+    health.eject("x")
+    health.probe_ok(CFG)
+    health.probe_failed(CFG, "HTTP 503")  # good streak broken
+    assert health.probe_ok(CFG) is None
+    assert health.probe_ok(CFG) is not None
+    change = health.probe_failed(CFG, "HTTP 503")
+    assert change is not None
+    assert change.new is Verdict.EJECTED
+    health.probe_ok(CFG)
+    health.probe_ok(CFG)
+    change = health.verify_failed("decode leg on d0 returned HTTP 500")
+    assert change is not None
+    assert change.new is Verdict.EJECTED
+    assert health.good_probes == 0
+
+
+def test_residual_window_ejects_on_the_median_after_min_samples() -> None:
+    window = ResidualWindow()
+    window.add(0.0, 10.0, CFG.window_s)
+    window.add(1.0, 10.0, CFG.window_s)
+    assert window.verdict(1.0, CFG) is None  # 2 < min_samples
+    window.add(2.0, 1.0, CFG.window_s)
+    reason = window.verdict(2.0, CFG)
+    assert reason is not None
+    assert reason.startswith("latency: median observed/predicted ratio 10.00 over 3 residuals")
+
+
+def test_residual_window_median_ignores_one_outlier_and_old_samples_leave() -> None:
+    window = ResidualWindow()
+    for t, ratio in [(0.0, 50.0), (1.0, 1.0), (2.0, 1.1)]:
+        window.add(t, ratio, CFG.window_s)
+    assert window.verdict(2.0, CFG) is None
+    window.add(20.0, 9.0, CFG.window_s)
+    assert len(window) == 1  # the rest fell out of recovery.health.window_s
+
+
+def test_identity_change_and_coming_back_are_restarts() -> None:
+    tracker = IdentityTracker()
+    first = (("instance_id", "a"), ("version", "0.11"))
+    assert tracker.observe(True, first) is None
+    assert tracker.observe(True, first) is None
+    assert tracker.observe(None, None) is None  # a timeout tells nothing
+    assert tracker.observe(True, (("instance_id", "b"), ("version", "0.11"))) == (
+        "identity changed (instance_id a -> b)"
+    )
+    assert tracker.observe(False, None) is None
+    assert tracker.observe(False, None) is None
+    assert tracker.observe(True, None) == "answered again after being unreachable"
+    assert tracker.observe(True, None) is None
+
+
+def test_restart_hold_restarts_its_clock_on_a_second_restart() -> None:
+    hold = RestartHold()
+    assert hold.start(10.0, "x", 5.0)
+    assert hold.verify_after == 15.0
+    assert not hold.start(12.0, "y", 5.0)
+    assert hold.verify_after == 17.0
+    assert hold.clear()
+    assert not hold.clear()
+
+
+VLLM_METRICS = b"""# HELP vllm:num_requests_running Requests in execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m x"} 3.0
+vllm:num_requests_running{engine="1",model_name="m x"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m x"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m x"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m x"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m x"} 0.5 1700000000000
+vllm:num_requests_running_total 99
+"""
+
+
+def test_parse_load_sums_ranks_and_takes_the_fullest_kv() -> None:
+    sample = parse_load(VLLM_METRICS, "vllm")
+    assert (sample.running, sample.waiting, sample.kv_usage) == (5.0, 4.0, 0.5)
+
+
+def test_parse_load_sglang_names_and_missing_gauges() -> None:
+    sample = parse_load(b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\n", "sglang")
+    assert (sample.running, sample.waiting, sample.kv_usage) == (1.0, 2.0, None)
+    with pytest.raises(ScrapeError, match=r"^GET /metrics lacks vllm:num_requests_waiting$"):
+        parse_load(b"vllm:num_requests_running 1\n", "vllm")
+    with pytest.raises(ScrapeError, match="bad value"):
+        parse_load(b"vllm:num_requests_running x\nvllm:num_requests_waiting 1\n", "vllm")
