@@ -1,6 +1,12 @@
 """Narwhal configuration: the model, its rules and the JSON loader."""
 
 from ._describe import FieldDoc as FieldDoc, describe_fields as describe_fields
+from ._diff import (
+    RESTART_REQUIRED as RESTART_REQUIRED,
+    Change as Change,
+    ReloadPlan as ReloadPlan,
+    diff as diff,
+)
 from ._load import (
     ConfigError as ConfigError,
     config_to_dict as config_to_dict,

@@ -127,6 +127,16 @@ class EngineState:
         self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
         self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
 
+    @property
+    def resident_work(self) -> int:
+        """Requests that still hold this engine (phase slots, handoffs, connections)."""
+        return (
+            self.prefill_inflight
+            + self.decode_active
+            + self.handoffs_pending
+            + self.serving_pool.statistics().in_use
+        )
+
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""
         if self.removed:
@@ -181,12 +191,18 @@ def control_share(config: Config) -> int:
 
 
 class Fleet:
-    """The engines in config order; lookups by id."""
+    """The engines in config order; lookups by id.
+
+    A reload adds engines with `add` and takes them out with `retire`: a retired engine
+    is marked `removed`, leaves placement at once and waits in `retiring` until its
+    resident requests are done and its pools are closed (`forget`).
+    """
 
     def __init__(self, config: Config) -> None:
         self._engines: dict[str, EngineState] = {
             spec.id: EngineState(spec, config) for spec in config.engines
         }
+        self.retiring: list[EngineState] = []
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(self._engines.values())
@@ -200,6 +216,28 @@ class Fleet:
     def views(self, now: float) -> tuple[EngineView, ...]:
         return tuple(engine.view(now) for engine in self._engines.values())
 
+    def add(self, engine: EngineState) -> None:
+        if engine.id in self._engines:
+            raise ValueError(f"engine {engine.id!r} is already in the fleet")
+        self._engines[engine.id] = engine
+
+    def retire(self, engine_id: str) -> EngineState | None:
+        engine = self._engines.pop(engine_id, None)
+        if engine is not None:
+            engine.removed = True
+            self.retiring.append(engine)
+        return engine
+
+    def forget(self, engine: EngineState) -> None:
+        self.retiring = [e for e in self.retiring if e is not engine]
+
+    def reorder(self, engine_ids: list[str]) -> None:
+        """Config order after a reload (placement breaks ties by id, state lists in order)."""
+        order = {engine_id: i for i, engine_id in enumerate(engine_ids)}
+        self._engines = dict(
+            sorted(self._engines.items(), key=lambda item: order.get(item[0], len(order)))
+        )
+
     async def aclose(self) -> None:
-        for engine in self._engines.values():
+        for engine in [*self._engines.values(), *self.retiring]:
             await engine.aclose()

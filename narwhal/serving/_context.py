@@ -11,7 +11,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from .._errors import EngineFailed
+from .._errors import EngineFailed, NarwhalError
 from ..admission import AdmissionGate, RetryBudget
 from ..config import Config
 from ..fleet import EngineState, Fleet
@@ -51,6 +51,10 @@ class RequestRecord:
     attempts: int = 0
     prompt_tokens: int | None = None
     token_count_method: str | None = None
+    # The request's deadline scope, and the error to report if something other than the
+    # deadline cancels it (the supervisor, when recovery.shutdown_grace_s runs out).
+    scope: trio.CancelScope | None = None
+    abort: NarwhalError | None = None
 
 
 class ServingContext:
@@ -67,7 +71,9 @@ class ServingContext:
         )
         self.metrics = Metrics()
         self.rng = random.Random(seed)
-        self.retained = 0
+        self._retained = 0
+        self._idle = trio.Event()
+        self._idle.set()
         self.records: dict[int, RequestRecord] = {}
         self.outcomes: Counter[str] = Counter()
         self.unsized_offers = 0
@@ -86,3 +92,39 @@ class ServingContext:
     def retained_ceiling(self) -> int:
         serving = self.config.serving
         return serving.max_connections + serving.queue_capacity
+
+    @property
+    def retained(self) -> int:
+        """Completion requests between ingress and their last byte."""
+        return self._retained
+
+    @retained.setter
+    def retained(self, value: int) -> None:
+        self._retained = value
+        if value == 0:
+            self._idle.set()
+        elif self._idle.is_set():
+            self._idle = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no completion request is retained (graceful shutdown)."""
+        while self._retained:
+            await self._idle.wait()
+
+    def engine_leg_failed(self, failure: EngineFailed) -> None:
+        """Tell the leg observer about a failed leg; the request path calls this once per
+        failed engine leg (whether or not it counts against the engine)."""
+        engine = self.fleet.get(failure.engine_id)
+        if engine is not None:
+            self.leg_observer.leg_failed(engine, failure.phase, failure)
+
+    def cancel_requests(self, error: NarwhalError) -> int:
+        """Cancel every retained request; each reports `error` (a streaming response as
+        its terminal error event). Returns how many were cancelled."""
+        count = 0
+        for record in list(self.records.values()):
+            if record.scope is not None:
+                record.abort = error
+                record.scope.cancel()
+                count += 1
+        return count

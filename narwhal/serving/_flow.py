@@ -187,6 +187,7 @@ class Flow:
         gone = False
         failure: NarwhalError | None = None
         with trio.CancelScope(deadline=deadline) as deadline_scope:
+            record.scope = deadline_scope  # the supervisor cancels it past the shutdown grace
             try:
                 raw = await read_body(receive, content_length(headers), serving.max_request_bytes)
                 request = parse_body(
@@ -228,13 +229,12 @@ class Flow:
         if deadline_scope.cancelled_caught:
             # Outside the expired scope; the write itself is bounded by the client
             # stall limit, so this cannot hang.
-            await client.send_error(
-                Expired(
-                    f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
-                    code="expired",
-                )
+            error = record.abort or Expired(
+                f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
+                code="expired",
             )
-            return "expired"
+            await client.send_error(error)
+            return error.code
         if failure is not None:
             return failure.code
         return "ok"
@@ -347,6 +347,7 @@ class Flow:
         self.ctx.metrics.engine_failures.labels(
             failure.engine_id, failure.phase, failure.code
         ).inc()
+        self.ctx.engine_leg_failed(failure)
 
     async def _attempt(
         self,

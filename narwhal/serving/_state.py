@@ -35,6 +35,7 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
         "available": reason is None,
         "unavailable_reason": reason,
         "drained": engine.drained,
+        "pinned": engine.pinned,
         "prefill": {
             "inflight": engine.prefill_inflight,
             "tokens_inflight": engine.prefill_tokens_inflight,

@@ -1,3 +1,6 @@
 """Everything that runs beside the requests, under one nursery."""
 
-from ._supervisor import Supervisor as Supervisor
+from ._notify import Notifier as Notifier
+from ._operations import Operations as Operations
+from ._reload import ReloadResult as ReloadResult, apply_config as apply_config
+from ._supervisor import CLEANUP_S as CLEANUP_S, Supervisor as Supervisor

@@ -1,29 +1,88 @@
 """The supervisor: one nursery that owns everything running beside the requests.
 
-`Supervisor.run` uses the start protocol: it reports started only once the HTTP
-listener is bound, with the supervisor itself as the value, so tests and the daemon
-both get the bound address and a handle to ask for shutdown.
+Services, started in this order with the start protocol (each reports started only
+when it is ready, so a failure stops startup before the daemon claims to be ready):
+
+1. the control socket (when `serve_ctl`): a socket path that is not ours stops startup
+   here, before any port is bound;
+2. recovery: one probe of every engine, then a probe loop per engine (breakers,
+   quarantine, health ejection, restart holds, verifications);
+3. the monitor loop and its pass handlers (the role controller registers one);
+4. the HTTP listener. Then READY=1 goes to systemd and `run` reports started with the
+   supervisor itself as the value (tests and the daemon read `bound` and `url`).
+
+Reload (SIGHUP, `narwhalctl reload`, `reload()`): one at a time; RELOADING=1 before the
+file is read and READY=1 after, whether it was applied or rejected. See `_reload`.
+
+Shutdown (`request_shutdown()`, SIGTERM): STOPPING=1; new requests get 503
+`shutting_down` (the listener stays open during the drain so clients get that answer
+rather than a refused connection, and /health says so to load balancers); requests in
+flight get up to recovery.shutdown_grace_s to finish; whatever is left is then
+cancelled, each reporting `shutting_down` (a stream as its terminal error event);
+after CLEANUP_S for those last writes, connections close and the services stop. A
+second request skips the rest of the grace.
 """
 
 from __future__ import annotations
 
 import logging
-from functools import partial
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
+from prometheus_client import Counter
 
-from ..config import Config
+from .._errors import Unavailable
+from ..config import Config, ConfigError, diff, load_config_file
+from ..ctl import ControlServer
+from ..fleet import EngineState
+from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
+from ._notify import Notifier
+from ._operations import Operations
+from ._reload import ReloadResult, apply_config
 
 log = logging.getLogger("narwhal.supervisor")
 
+# Bound on the last writes after the grace (terminal error events) and on closing.
+CLEANUP_S = 2.0
+# How often a retiring engine is checked for resident work. Its counters belong to
+# the request path and have no wakeup of their own; retiring is rare and bounded by
+# serving.request_timeout_s, so a slow check is the simple, cheap choice.
+_RETIRE_CHECK_S = 0.25
+
 
 class Supervisor:
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        serve_ctl: bool = False,
+        notifier: Notifier | None = None,
+        prober: Prober | None = None,
+        predictor: Predictor | None = None,
+        pass_handlers: Sequence[tuple[str, PassHandler]] = (),
+    ) -> None:
         self.config = config
+        self.config_path = config_path
+        self.serve_ctl = serve_ctl
+        self.notifier = notifier or Notifier(None)
+        self.prober: Prober = prober or HttpProber()
+        self.predictor = predictor
+        self.pass_handlers = list(pass_handlers)
         self.ctx: ServingContext | None = None
+        self.recovery: Recovery | None = None
+        self.monitor: Monitor | None = None
         self.bound: list[tuple[str, int]] = []
+        self.reloads: list[dict[str, object]] = []
+        self.stopping = False
         self._shutdown = trio.Event()
+        self._force = trio.Event()
+        self._started = trio.Event()
+        self._reload_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._m_reloads: Counter | None = None
 
     @property
     def url(self) -> str:
@@ -31,6 +90,9 @@ class Supervisor:
         return f"http://{host}:{port}"
 
     def request_shutdown(self) -> None:
+        """First call: graceful drain. Second call: skip what is left of the grace."""
+        if self._shutdown.is_set():
+            self._force.set()
         self._shutdown.set()
 
     async def run(
@@ -39,23 +101,253 @@ class Supervisor:
         config = self.config
         ctx = ServingContext(config)
         self.ctx = ctx
+        recovery = Recovery(ctx, prober=self.prober, predictor=self.predictor)
+        self.recovery = recovery
+        ctx.leg_observer = recovery
+        monitor = Monitor(ctx, recovery, self.prober, on_degraded=self._degraded_changed)
+        for name, handler in self.pass_handlers:
+            monitor.add_handler(name, handler)
+        self.monitor = monitor
+        ctx.state_providers.extend(
+            [
+                ("supervisor", self._state),
+                ("recovery", recovery.state),
+                ("monitor", monitor.state),
+            ]
+        )
+        self._m_reloads = Counter(
+            "narwhal_reloads",
+            "Configuration reloads by outcome (applied, rejected).",
+            ["outcome"],
+            registry=ctx.metrics.registry,
+        )
+        stop_server = trio.Event()
+        server_done = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                if self.serve_ctl:
+                    server = ControlServer(config.ctl.socket, Operations(self))
+                    await nursery.start(server.run)
+                await nursery.start(recovery.run)
+                await nursery.start(monitor.run)
                 self.bound = await nursery.start(
-                    partial(
-                        serve_app,
-                        App(ctx),
-                        host=config.listen.host,
-                        port=config.listen.port,
-                        client_stall_s=config.serving.client_stall_s,
-                        shutdown=self._shutdown,
-                        graceful_timeout_s=config.recovery.shutdown_grace_s,
-                    )
+                    self._serve_http, App(ctx), stop_server, server_done
                 )
-                log.info("listening", extra={"event": "listening", "url": self.url})
+                await nursery.start(self.notifier.watchdog)
+                log.info(
+                    "listening on %s",
+                    self.url,
+                    extra={
+                        "event": "listening",
+                        "url": self.url,
+                        "ctl_socket": config.ctl.socket if self.serve_ctl else None,
+                        "engines": len(ctx.fleet),
+                    },
+                )
+                self.notifier.ready(self._status_line())
+                self._started.set()
                 task_status.started(self)
                 await self._shutdown.wait()
-                ctx.accepting = False
+                await self._drain(ctx)
+                stop_server.set()
+                with trio.move_on_after(CLEANUP_S + 1.0):
+                    await server_done.wait()
+                nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+            with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
                 await ctx.fleet.aclose()
+            self.notifier.close()
+            log.info("stopped", extra={"event": "stopped"})
+
+    async def _serve_http(
+        self,
+        app: App,
+        stop: trio.Event,
+        done: trio.Event,
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        config = self.config
+        try:
+            await serve_app(
+                app,
+                host=config.listen.host,
+                port=config.listen.port,
+                client_stall_s=config.serving.client_stall_s,
+                shutdown=stop,
+                # The drain happened before `stop`; this only bounds the last writes.
+                graceful_timeout_s=CLEANUP_S,
+                task_status=task_status,
+            )
+        finally:
+            done.set()
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def _drain(self, ctx: ServingContext) -> None:
+        self.stopping = True
+        ctx.accepting = False
+        grace = ctx.config.recovery.shutdown_grace_s
+        in_flight = ctx.retained
+        self.notifier.stopping(f"draining {in_flight} request(s) for up to {grace}s")
+        log.info(
+            "shutting down: %d request(s) in flight, recovery.shutdown_grace_s=%s",
+            in_flight,
+            grace,
+            extra={"event": "shutdown", "outcome": "draining", "in_flight": in_flight},
+        )
+        with trio.move_on_after(grace):
+            await _first_of(ctx.wait_idle, self._force.wait)
+        if ctx.retained:
+            error = Unavailable(
+                f"narwhal shut down before the request finished "
+                f"(recovery.shutdown_grace_s={grace})",
+                code="shutting_down",
+            )
+            cancelled = ctx.cancel_requests(error)
+            log.warning(
+                "shutdown grace over: cancelled %d request(s)",
+                cancelled,
+                extra={"event": "shutdown", "outcome": "cancelled", "cancelled": cancelled},
+            )
+            with trio.move_on_after(CLEANUP_S):
+                await ctx.wait_idle()
+        log.info(
+            "drained; stopping",
+            extra={"event": "shutdown", "outcome": "drained", "left": ctx.retained},
+        )
+
+    # ------------------------------------------------------------------ reload
+
+    async def reload(self, trigger: str = "api") -> ReloadResult:
+        await self._started.wait()
+        async with self._reload_lock:
+            self.notifier.reloading()
+            result = ReloadResult(False, self.config_path or "<none>", trigger=trigger)
+            try:
+                result = await self._reload(trigger)
+            finally:
+                self.reloads = [*self.reloads[-9:], result.to_json()]
+                if self._m_reloads is not None:
+                    self._m_reloads.labels("applied" if result.applied else "rejected").inc()
+                self.notifier.ready(self._status_line())
+            return result
+
+    async def _reload(self, trigger: str) -> ReloadResult:
+        ctx, recovery = self.ctx, self.recovery
+        assert ctx is not None
+        assert recovery is not None
+        path = self.config_path
+        extra: dict[str, Any] = {"event": "reload", "trigger": trigger, "source": path}
+        if path is None:
+            message = "narwhal was started without a config file; there is nothing to re-read"
+            log.error("reload refused: %s", message, extra={**extra, "outcome": "unavailable"})
+            return ReloadResult(False, "<none>", (message,), trigger=trigger)
+        log.info("reloading %s", path, extra={**extra, "outcome": "started"})
+        try:
+            new = await trio.to_thread.run_sync(load_config_file, path)
+        except ConfigError as exc:
+            for problem in exc.messages:
+                log.error(
+                    "reload rejected: %s",
+                    problem,
+                    extra={**extra, "event": "reload_error", "problem": problem},
+                )
+            log.error(
+                "reload of %s rejected: %d problem(s); the running configuration is kept",
+                path,
+                len(exc.messages),
+                extra={**extra, "outcome": "rejected", "problems": len(exc.messages)},
+            )
+            return ReloadResult(False, path, tuple(exc.messages), trigger=trigger)
+        plan = diff(ctx.config, new)
+        self.config = await apply_config(ctx, recovery, new, plan, self._retire)
+        for change in plan.restart_required:
+            log.warning(
+                "%s needs a restart; the running value stays in force",
+                change,
+                extra={**extra, "event": "reload_restart_required", "path": change.path},
+            )
+        log.info(
+            "reload of %s applied: %d change(s)",
+            path,
+            len(plan.changes),
+            extra={**extra, "outcome": "applied", "changes": plan.summary()},
+        )
+        return ReloadResult(True, path, plan=plan, trigger=trigger)
+
+    def _retire(self, engine: EngineState) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._finish_retiring, engine)
+
+    async def _finish_retiring(self, engine: EngineState) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        resident = engine.resident_work
+        log.info(
+            "engine %s removed from placement; %d resident request(s) finish on it",
+            engine.id,
+            resident,
+            extra={"event": "engine_retiring", "engine": engine.id, "resident": resident},
+        )
+        bound = ctx.config.serving.request_timeout_s + CLEANUP_S
+        for _ in range(int(bound / _RETIRE_CHECK_S) + 1):
+            if engine.resident_work == 0:
+                break
+            await trio.sleep(_RETIRE_CHECK_S)
+        with trio.move_on_after(CLEANUP_S, shield=True):
+            await engine.aclose()
+        ctx.fleet.forget(engine)
+        log.info(
+            "engine %s retired",
+            engine.id,
+            extra={"event": "engine_retired", "engine": engine.id, "left": engine.resident_work},
+        )
+
+    # ------------------------------------------------------------------ status
+
+    def _status_line(self) -> str:
+        ctx = self.ctx
+        if ctx is None:
+            return "starting"
+        if self.stopping:
+            return f"stopping; {ctx.retained} request(s) in flight"
+        now = trio.current_time()
+        engines = list(ctx.fleet)
+        available = sum(1 for e in engines if e.unavailable_reason(now) is None)
+        where = self.url if self.bound else "(not listening)"
+        text = f"listening on {where}; {available}/{len(engines)} engines available"
+        if ctx.degraded_reason is not None:
+            text += f"; degraded: {ctx.degraded_reason}"
+        return text
+
+    def _degraded_changed(self, reason: str | None) -> None:
+        self.notifier.status(self._status_line())
+
+    def _state(self) -> dict[str, object]:
+        ctx = self.ctx
+        return {
+            "listen": [f"http://{host}:{port}" for host, port in self.bound],
+            "ctl_socket": self.config.ctl.socket if self.serve_ctl else None,
+            "config_path": self.config_path,
+            "stopping": self.stopping,
+            "retiring_engines": [
+                {"id": e.id, "resident": e.resident_work}
+                for e in (ctx.fleet.retiring if ctx is not None else [])
+            ],
+            "reloads": self.reloads,
+            "notify": {"socket": self.notifier.address, "sent": self.notifier.sent[-5:]},
+        }
+
+
+async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Return as soon as any of `waits` returns."""
+    async with trio.open_nursery() as nursery:
+
+        async def one(wait: Callable[[], Awaitable[object]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        for wait in waits:
+            nursery.start_soon(one, wait)

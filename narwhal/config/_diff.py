@@ -1,0 +1,139 @@
+"""What a configuration reload changes: a pure `diff(old, new) -> ReloadPlan`.
+
+The plan sorts every difference into what the supervisor does with it:
+
+- settings that apply in place (`changes`): limits are resized where they live (the
+  admission gate, phase limiters, connection pools, the retry budget), recovery and
+  monitor settings are read afresh, and request timeouts apply to requests that arrive
+  after the reload, because each request snapshots the config at ingress;
+- settings that need a restart (`restart_required`): the HTTP listen address and the
+  control socket path. The running values stay in force and the plan says so;
+- engines, matched by id: `engines_added` get a first health probe and then placement;
+  `engines_removed` leave placement at once and keep their resident requests until
+  those finish, then their pools close; `engines_replaced` changed `url` or `dialect`,
+  so the old instance retires like a removed one and a new one takes its id;
+  `engines_reconfigured` changed other fields, applied to the live engine in place.
+  A changed configured `role` is listed in `role_changes`: the live role follows it
+  unless an operator pinned the engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+
+from ._load import config_to_dict
+from ._model import Config
+
+RESTART_REQUIRED = ("listen.host", "listen.port", "ctl.socket")
+# An engine whose endpoint or wire format changed is a different engine to talk to.
+_REPLACING_FIELDS = ("url", "dialect")
+_SHOW_LIMIT = 60
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= _SHOW_LIMIT else text[: _SHOW_LIMIT - 3] + "..."
+
+
+@attrs.frozen
+class Change:
+    path: str
+    old: object
+    new: object
+
+    def __str__(self) -> str:
+        return f"{self.path}: {_show(self.old)} -> {_show(self.new)}"
+
+
+@attrs.frozen
+class ReloadPlan:
+    changes: tuple[Change, ...] = ()
+    restart_required: tuple[Change, ...] = ()
+    engines_added: tuple[str, ...] = ()
+    engines_removed: tuple[str, ...] = ()
+    engines_replaced: tuple[str, ...] = ()
+    engines_reconfigured: tuple[str, ...] = ()
+    role_changes: tuple[tuple[str, str, str], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.changes or self.restart_required)
+
+    def summary(self) -> list[str]:
+        """One line per difference, for the log and narwhalctl."""
+        lines = [str(change) for change in self.changes]
+        lines.extend(
+            f"{change} (needs a restart; the running value stays in force)"
+            for change in self.restart_required
+        )
+        return lines
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "changes": [str(change) for change in self.changes],
+            "restart_required": [str(change) for change in self.restart_required],
+            "engines_added": list(self.engines_added),
+            "engines_removed": list(self.engines_removed),
+            "engines_replaced": list(self.engines_replaced),
+            "engines_reconfigured": list(self.engines_reconfigured),
+            "role_changes": [
+                {"engine": engine, "from": old, "to": new} for engine, old, new in self.role_changes
+            ],
+        }
+
+
+def _walk(old: object, new: object, path: str, out: list[Change]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in [*old, *(k for k in new if k not in old)]:
+            _walk(old.get(key), new.get(key), f"{path}.{key}" if path else str(key), out)
+    elif old != new:
+        out.append(Change(path, old, new))
+
+
+def diff(old: Config, new: Config) -> ReloadPlan:
+    before = config_to_dict(old)
+    after = config_to_dict(new)
+    old_engines = {spec["id"]: spec for spec in before.pop("engines")}
+    new_engines = {spec["id"]: spec for spec in after.pop("engines")}
+
+    settings: list[Change] = []
+    _walk(before, after, "", settings)
+    restart = tuple(c for c in settings if c.path in RESTART_REQUIRED)
+    changes = [c for c in settings if c.path not in RESTART_REQUIRED]
+
+    added = tuple(engine_id for engine_id in new_engines if engine_id not in old_engines)
+    removed = tuple(engine_id for engine_id in old_engines if engine_id not in new_engines)
+    replaced: list[str] = []
+    reconfigured: list[str] = []
+    roles: list[tuple[str, str, str]] = []
+    engine_changes = [Change(f"engines[{engine_id}]", None, "added") for engine_id in added]
+    engine_changes.extend(
+        Change(f"engines[{engine_id}]", "present", "removed") for engine_id in removed
+    )
+    for engine_id, spec in new_engines.items():
+        previous = old_engines.get(engine_id)
+        if previous is None or previous == spec:
+            continue
+        fields: list[Change] = []
+        _walk(previous, spec, f"engines[{engine_id}]", fields)
+        engine_changes.extend(fields)
+        names = {change.path.rsplit(".", 1)[-1] for change in fields}
+        if names & set(_REPLACING_FIELDS):
+            replaced.append(engine_id)
+        else:
+            reconfigured.append(engine_id)
+        if previous["role"] != spec["role"]:
+            roles.append((engine_id, previous["role"], spec["role"]))
+    if list(old_engines) != list(new_engines) and not (added or removed):
+        engine_changes.append(Change("engines (order)", list(old_engines), list(new_engines)))
+    return ReloadPlan(
+        changes=(*engine_changes, *changes),
+        restart_required=restart,
+        engines_added=added,
+        engines_removed=removed,
+        engines_replaced=tuple(replaced),
+        engines_reconfigured=tuple(reconfigured),
+        role_changes=tuple(roles),
+    )

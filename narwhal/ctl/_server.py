@@ -1,0 +1,230 @@
+"""The control socket: an AF_UNIX stream listener speaking the JSON-lines protocol.
+
+The socket is the daemon's operator interface, so who can reach it matters:
+
+- it is created mode 0600 (bound, chmod-ed, and only then listening, so no connection
+  can arrive while it is briefly wider), owned by the daemon's user; a missing parent
+  directory is created 0700;
+- an existing path is only replaced when it is a socket owned by us that nobody
+  answers on (a stale socket of a previous run). A path that is not a socket, a
+  symlink, a socket owned by someone else, or a socket a live process answers on makes
+  startup fail with a message naming ctl.socket and the path;
+- peers are checked with SO_PEERCRED where the platform has it: only our own user
+  (and root) may send commands;
+- on exit the socket file is removed, if it is still the one we created.
+
+Each connection is bounded: at most MAX_CONNECTIONS at once (the next is answered
+`busy`), IDLE_S to send each request line, MAX_REQUESTS per connection, and request
+lines of at most MAX_REQUEST_BYTES.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from ._protocol import (
+    MAX_REQUEST_BYTES,
+    CtlError,
+    CtlRequest,
+    LineBuffer,
+    error_response,
+    ok_response,
+    parse_request,
+)
+
+log = logging.getLogger("narwhal.ctl")
+
+MAX_CONNECTIONS = 16
+MAX_REQUESTS = 1000
+IDLE_S = 30.0
+_WRITE_S = 10.0
+
+Handler = Callable[[CtlRequest], Awaitable[object]]
+
+
+class ControlSocketError(Exception):
+    """The control socket cannot be created safely; the daemon must not start."""
+
+
+def _refuse(path: str, why: str) -> ControlSocketError:
+    return ControlSocketError(f"ctl.socket {path!r} {why}; refusing to start")
+
+
+def prepare_path(path: str) -> None:
+    """Make `path` free for our socket, or raise ControlSocketError. Blocking."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, "is a symbolic link")
+    if not stat.S_ISSOCK(info.st_mode):
+        raise _refuse(path, "exists and is not a socket")
+    if info.st_uid != os.geteuid():
+        raise _refuse(path, f"is a socket owned by uid {info.st_uid}, not by us ({os.geteuid()})")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # stale: nobody is listening
+    except OSError as exc:
+        raise _refuse(path, f"cannot be checked ({exc.strerror or exc})") from None
+    else:
+        raise _refuse(path, "is in use: another process (a running narwhal?) answers on it")
+    finally:
+        probe.close()
+    log.info(
+        "replacing stale control socket %s",
+        path,
+        extra={"event": "ctl_socket", "path": path, "outcome": "stale_replaced"},
+    )
+    os.unlink(path)
+
+
+def create_socket(path: str) -> tuple[socket.socket, int]:
+    """A listening AF_UNIX socket at `path`, mode 0600, and its inode. Blocking."""
+    prepare_path(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(path)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise _refuse(path, "appeared while starting (another daemon?)") from None
+            raise _refuse(path, f"cannot be bound ({exc.strerror or exc})") from None
+        os.chmod(path, 0o600)
+        info = os.lstat(path)
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            raise _refuse(path, f"has mode {stat.S_IMODE(info.st_mode):o} after chmod 600")
+        sock.listen(MAX_CONNECTIONS)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, info.st_ino
+
+
+def _remove_if_ours(path: str, inode: int) -> None:
+    try:
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _peer_uid(sock: trio.socket.SocketType) -> int | None:
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    return int(uid)
+
+
+class ControlServer:
+    def __init__(self, path: str, handler: Handler) -> None:
+        self.path = path
+        self.handler = handler
+        self._slots = trio.CapacityLimiter(MAX_CONNECTIONS)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        raw, inode = await trio.to_thread.run_sync(create_socket, self.path)
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
+        log.info(
+            "control socket listening on %s",
+            self.path,
+            extra={"event": "ctl_socket", "path": self.path, "outcome": "listening"},
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, self._connection, [listener])
+                task_status.started()
+        finally:
+            _remove_if_ours(self.path, inode)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                error = CtlError("busy", f"more than {MAX_CONNECTIONS} control connections")
+                await self._send(stream, error_response(None, error))
+                return
+            try:
+                await self._serve(stream)
+            finally:
+                self._slots.release()
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        uid = _peer_uid(stream.socket)
+        if uid is not None and uid not in (os.geteuid(), 0):
+            error = CtlError("forbidden", f"uid {uid} may not use this control socket")
+            await self._send(stream, error_response(None, error))
+            return
+        buffer = LineBuffer(MAX_REQUEST_BYTES)
+        lines: list[bytes] = []
+        for _ in range(MAX_REQUESTS):
+            try:
+                line = await self._next_line(stream, buffer, lines)
+            except CtlError as exc:
+                await self._send(stream, error_response(None, exc))
+                return
+            if line is None or not await self._send(stream, await self._dispatch(line)):
+                return
+
+    async def _next_line(
+        self, stream: trio.SocketStream, buffer: LineBuffer, lines: list[bytes]
+    ) -> bytes | None:
+        """The next non-blank request line; None at EOF or after IDLE_S without one."""
+        with trio.move_on_after(IDLE_S):
+            while not lines:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return None
+                lines.extend(line for line in buffer.feed(data) if line.strip())
+            return lines.pop(0)
+        return None
+
+    async def _dispatch(self, line: bytes) -> bytes:
+        command: str | None = None
+        try:
+            request = parse_request(line)
+            command = request.command
+            result = await self.handler(request)
+        except CtlError as exc:
+            log.info(
+                "control request refused: %s",
+                exc.message,
+                extra={"event": "ctl", "command": command, "outcome": exc.code},
+            )
+            return error_response(command, exc)
+        except Exception as exc:
+            log.exception("control command %s failed", command)
+            return error_response(
+                command, CtlError("internal_error", f"{type(exc).__name__}: {exc}")
+            )
+        return ok_response(request.command, result)
+
+    async def _send(self, stream: trio.SocketStream, data: bytes) -> bool:
+        with trio.move_on_after(_WRITE_S):
+            try:
+                await stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+            return True
+        return False

@@ -1,0 +1,133 @@
+"""What narwhalctl's commands do to the running daemon.
+
+- `drain ENGINE`: the engine takes no new work of any phase; requests resident on it
+  (phase slots, pending handoffs, open streams) finish where they are. `undrain` undoes
+  it. The operator owns this flag; recovery, reload and the controller leave it alone.
+- `pin ENGINE prefill|decode`: sets the engine's role now and marks it pinned: the role
+  controller must not move it and a reload's configured role change waits for `unpin`.
+  Resident requests keep their engine (manual 5: a live role change affects new
+  placement only). `unpin` clears the mark and keeps the current role.
+- `state`: the /narwhal/state document.
+- `reload`: the same as SIGHUP; an invalid file is refused with every problem listed.
+
+Each change is logged (`"event": "operator"`) with the engine, the command and the
+old and new values. When the change leaves no placeable engine pair (say, draining the
+last decode engine), the command still succeeds and its result carries a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, cast
+
+import trio
+
+from ..ctl import CtlError, CtlRequest
+from ..fleet import EngineState, Role
+from ..placement import NoPlacement, choose
+from ..serving import ServingContext, state_document
+
+if TYPE_CHECKING:
+    from ._supervisor import Supervisor
+
+log = logging.getLogger("narwhal.operator")
+
+
+class Operations:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    @property
+    def ctx(self) -> ServingContext:
+        ctx = self.supervisor.ctx
+        assert ctx is not None
+        return ctx
+
+    async def __call__(self, request: CtlRequest) -> object:
+        command = request.command
+        if command == "state":
+            return state_document(self.ctx)
+        if command == "reload":
+            reloaded = await self.supervisor.reload(trigger="narwhalctl")
+            if not reloaded.applied:
+                raise CtlError(
+                    "invalid_config" if reloaded.source != "<none>" else "reload_unavailable",
+                    f"reload of {reloaded.source} rejected; the running configuration is kept",
+                    details=reloaded.to_json(),
+                )
+            return reloaded.to_json()
+        assert request.engine is not None
+        engine = self._engine(request.engine)
+        if command == "drain":
+            return self._flag(engine, "drained", True)
+        if command == "undrain":
+            return self._flag(engine, "drained", False)
+        if command == "pin":
+            assert request.role is not None
+            old_role = engine.role
+            engine.role = cast(Role, request.role)
+            result = self._flag(engine, "pinned", True)
+            result["role"] = engine.role
+            result["previous_role"] = old_role
+            if old_role != engine.role:
+                self._log(engine, "role", old_role, engine.role)
+            return result
+        if command == "unpin":
+            result = self._flag(engine, "pinned", False)
+            result["role"] = engine.role
+            return result
+        raise CtlError("bad_request", f"unknown command {command!r}")
+
+    def _engine(self, engine_id: str) -> EngineState:
+        fleet = self.ctx.fleet
+        engine = fleet.get(engine_id)
+        if engine is not None:
+            return engine
+        if any(e.id == engine_id for e in fleet.retiring):
+            raise CtlError(
+                "unknown_engine",
+                f"engine {engine_id!r} was removed by a reload and is finishing its "
+                "resident requests",
+            )
+        known = ", ".join(e.id for e in fleet) or "none"
+        raise CtlError("unknown_engine", f"no engine {engine_id!r}; engines: {known}")
+
+    def _flag(self, engine: EngineState, name: str, value: bool) -> dict[str, object]:
+        old = bool(getattr(engine, name))
+        setattr(engine, name, value)
+        if old != value:
+            self._log(engine, name, old, value)
+        result: dict[str, object] = {
+            "engine": engine.id,
+            name: value,
+            "changed": old != value,
+            "resident": engine.resident_work,
+            "available": engine.unavailable_reason(trio.current_time()) is None,
+        }
+        warning = self._placement_warning()
+        if warning is not None:
+            result["warning"] = warning
+        return result
+
+    def _placement_warning(self) -> str | None:
+        placement = choose(self.ctx.fleet.views(trio.current_time()))
+        if isinstance(placement, NoPlacement):
+            return f"new requests cannot be placed now: {placement.reason}"
+        return None
+
+    def _log(self, engine: EngineState, what: str, old: object, new: object) -> None:
+        log.warning(
+            "operator set %s of %s: %s -> %s",
+            what,
+            engine.id,
+            old,
+            new,
+            extra={
+                "event": "operator",
+                "engine": engine.id,
+                "kind": what,
+                "from": old,
+                "to": new,
+                "resident": engine.resident_work,
+            },
+        )

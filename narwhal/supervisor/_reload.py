@@ -1,0 +1,124 @@
+"""Applying a reloaded configuration in place, without dropping requests in flight.
+
+The order matters for requests arriving during the reload:
+
+1. engines that need a new instance (added, or replaced because their url or dialect
+   changed) are built and probed once before anything changes, so placement never sees
+   an engine nobody has looked at;
+2. the new config becomes `ctx.config`: each request snapshots it at ingress, so
+   requests in flight keep the timeouts they started with and new ones get the new
+   values; the listen address and control socket keep their running values (they need
+   a restart, and the state document must show what is actually in force);
+3. the admission gate and retry budget are resized in place; a smaller gate lets the
+   requests holding slots finish and admits no more until they do;
+4. removed and replaced engines leave placement (`removed`); their resident requests
+   finish on them, then their pools close (the supervisor's retire task);
+5. new instances join, every live engine's pools and phase limiters are resized in
+   place (the control pool share depends on the engine count), configured role changes
+   apply unless the engine is pinned, and recovery picks up new breaker settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import attrs
+import trio
+
+from ..config import Config, ReloadPlan
+from ..fleet import EngineState, Role
+from ..recovery import Recovery
+from ..serving import ServingContext
+
+log = logging.getLogger("narwhal.reload")
+
+
+@attrs.frozen
+class ReloadResult:
+    applied: bool
+    source: str
+    errors: tuple[str, ...] = ()
+    plan: ReloadPlan | None = None
+    trigger: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "applied": self.applied,
+            "source": self.source,
+            "trigger": self.trigger,
+            "errors": list(self.errors),
+            "changes": self.plan.summary() if self.plan is not None else [],
+            "plan": self.plan.to_json() if self.plan is not None else None,
+        }
+
+
+async def apply_config(
+    ctx: ServingContext,
+    recovery: Recovery,
+    new: Config,
+    plan: ReloadPlan,
+    retire: Callable[[EngineState], None],
+) -> Config:
+    """Apply `new` as described by `plan`; returns the config now in force."""
+    old = ctx.config
+    effective = attrs.evolve(new, listen=old.listen, ctl=old.ctl)
+    fresh: dict[str, EngineState] = {}
+    for engine_id in (*plan.engines_added, *plan.engines_replaced):
+        spec = effective.engine_by_id(engine_id)
+        assert spec is not None
+        fresh[engine_id] = EngineState(spec, effective)
+    async with trio.open_nursery() as nursery:
+        for engine in fresh.values():
+            nursery.start_soon(recovery.admit, engine)
+
+    ctx.config = effective
+    ctx.models = tuple(sorted({spec.model for spec in effective.engines}))
+    serving = effective.serving
+    ctx.gate.reconfigure(
+        max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
+    )
+    ctx.retry_budget.reconfigure(
+        maximum=float(serving.retry_budget), replenish=serving.retry_replenish
+    )
+
+    for engine_id in (*plan.engines_removed, *plan.engines_replaced):
+        retired = ctx.fleet.retire(engine_id)
+        if retired is None:
+            continue
+        recovery.retire(retired)
+        replacement = fresh.get(engine_id)
+        if replacement is not None:
+            # Operator intent survives a new url: a drained or pinned engine stays so.
+            replacement.drained = retired.drained
+            replacement.pinned = retired.pinned
+            if retired.pinned:
+                replacement.role = retired.role
+        retire(retired)
+    for engine in fresh.values():
+        ctx.fleet.add(engine)
+    ctx.fleet.reorder([spec.id for spec in effective.engines])
+
+    for engine in ctx.fleet:
+        spec = effective.engine_by_id(engine.id)
+        if spec is not None:
+            engine.reconfigure(spec, effective)
+    for engine_id, old_role, new_role in plan.role_changes:
+        live = ctx.fleet.get(engine_id)
+        if live is None or engine_id in fresh:
+            continue
+        if live.pinned:
+            log.warning(
+                "engine %s is pinned as %s; the configured role change %s -> %s waits for unpin",
+                engine_id,
+                live.role,
+                old_role,
+                new_role,
+                extra={"event": "reload_role", "engine": engine_id, "outcome": "kept_pinned"},
+            )
+            continue
+        live.role = cast(Role, new_role)
+    recovery.reconfigure(effective)
+    logging.getLogger("narwhal").setLevel(effective.log.level.upper())
+    return effective

@@ -1,0 +1,95 @@
+"""diff(old, new) -> ReloadPlan: what a reload changes and how it applies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal.config import Config, diff, load_config
+
+
+def config(**sections: Any) -> Config:
+    document: dict[str, Any] = {
+        "engines": [
+            {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill"},
+            {"id": "d0", "url": "http://127.0.0.1:9002", "role": "decode"},
+        ]
+    }
+    document.update(sections)
+    return load_config(document)
+
+
+def test_identical_configs_give_an_empty_plan() -> None:
+    plan = diff(config(), config())
+    assert plan.empty
+    assert plan.summary() == []
+
+
+def test_settings_apply_in_place_with_dotted_paths() -> None:
+    plan = diff(
+        config(),
+        config(serving={"max_connections": 64, "request_timeout_s": 30.0}, log={"level": "debug"}),
+    )
+    assert plan.summary() == [
+        "log.level: \"info\" -> \"debug\"",
+        "serving.max_connections: 512 -> 64",
+        "serving.request_timeout_s: 600.0 -> 30.0",
+    ]
+    assert plan.restart_required == ()
+    assert not plan.engines_added
+    assert not plan.engines_removed
+
+
+def test_listen_and_ctl_socket_need_a_restart() -> None:
+    plan = diff(config(), config(listen={"port": 9999}, ctl={"socket": "/run/n.sock"}))
+    assert [c.path for c in plan.restart_required] == ["listen.port", "ctl.socket"]
+    assert plan.changes == ()
+    assert plan.summary() == [
+        "listen.port: 8000 -> 9999 (needs a restart; the running value stays in force)",
+        'ctl.socket: "runs/narwhal.sock" -> "/run/n.sock" (needs a restart; the running value '
+        "stays in force)",
+    ]
+
+
+def test_engines_added_removed_replaced_reconfigured_by_id() -> None:
+    old = load_config(
+        {
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:9001", "role": "prefill"},
+                {"id": "p1", "url": "http://127.0.0.1:9003", "role": "prefill"},
+                {"id": "d0", "url": "http://127.0.0.1:9002", "role": "decode"},
+                {"id": "d1", "url": "http://127.0.0.1:9004", "role": "decode"},
+            ]
+        }
+    )
+    new = load_config(
+        {
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:9001", "role": "decode"},
+                {"id": "d0", "url": "http://127.0.0.1:9012", "role": "decode"},
+                {"id": "d1", "url": "http://127.0.0.1:9004", "role": "decode", "decode_concurrency": 8},
+                {"id": "p2", "url": "http://127.0.0.1:9005", "role": "prefill"},
+            ]
+        }
+    )
+    plan = diff(old, new)
+    assert plan.engines_added == ("p2",)
+    assert plan.engines_removed == ("p1",)
+    assert plan.engines_replaced == ("d0",)
+    assert plan.engines_reconfigured == ("p0", "d1")
+    assert plan.role_changes == (("p0", "prefill", "decode"),)
+    assert plan.summary() == [
+        'engines[p2]: null -> "added"',
+        'engines[p1]: "present" -> "removed"',
+        'engines[p0].role: "prefill" -> "decode"',
+        'engines[d0].url: "http://127.0.0.1:9002" -> "http://127.0.0.1:9012"',
+        "engines[d1].decode_concurrency: null -> 8",
+    ]
+    assert plan.to_json()["role_changes"] == [{"engine": "p0", "from": "prefill", "to": "decode"}]
+
+
+def test_long_values_are_shortened_in_summaries() -> None:
+    plan = diff(config(), config(profiles={"path": "x" * 200}))
+    (line,) = plan.summary()
+    assert line.startswith('profiles.path: "runs/profiles.json" -> "xxxx')
+    assert line.endswith('...')
+    assert len(line) < 150
