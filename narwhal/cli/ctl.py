@@ -1,12 +1,187 @@
+"""narwhalctl: operate a running Narwhal over its control socket.
+
+    narwhalctl [--socket PATH | --config FILE] [--json] [--timeout S] COMMAND
+
+Commands: state | drain ENGINE | undrain ENGINE | pin ENGINE prefill|decode |
+unpin ENGINE | reload.
+
+The socket is --socket, else ctl.socket of --config FILE, else $NARWHAL_CTL_SOCKET,
+else runs/narwhal.sock; a relative path is relative to the current directory (the
+daemon resolves ctl.socket against its own working directory).
+
+Output is for people by default; --json prints the daemon's response object as is.
+
+Exit codes:
+  0  done
+  1  the daemon refused the command (unknown engine, invalid config on reload, ...)
+  2  usage error
+  3  no daemon answers: socket missing, stale (connection refused), not a socket,
+     permission denied
+  4  the daemon did not answer properly (timeout, malformed or oversized response)
+"""
+
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import sys
 from collections.abc import Sequence
+from typing import Any
 
-from ._common import not_implemented
+from ..ctl import CtlProtocolError, CtlRequest, DaemonUnreachable, call
+
+DEFAULT_SOCKET = "runs/narwhal.sock"
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PROTOCOL = 0, 1, 2, 3, 4
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="narwhalctl",
+        description="Operate a running Narwhal over its control socket.",
+        epilog="exit codes: 0 done, 1 refused by the daemon, 2 usage, "
+        "3 daemon not running, 4 bad or no answer",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH", help="control socket path")
+    where.add_argument("--config", metavar="FILE", help="read ctl.socket from this config")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON response")
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, metavar="S", help="answer timeout (default 30)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("state", help="engines, breakers, health, holds and more")
+    for name, text in (
+        ("drain", "stop placing new work on ENGINE; resident work finishes"),
+        ("undrain", "let ENGINE take new work again"),
+        ("unpin", "let the controller move ENGINE again (the role stays)"),
+    ):
+        sub.add_parser(name, help=text).add_argument("engine", metavar="ENGINE")
+    pin = sub.add_parser("pin", help="set ENGINE's role and keep the controller off it")
+    pin.add_argument("engine", metavar="ENGINE")
+    pin.add_argument("role", choices=("prefill", "decode"))
+    sub.add_parser("reload", help="re-read the config file (like SIGHUP)")
+    return parser
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    if args.socket:
+        return str(args.socket)
+    if args.config:
+        from ..config import ConfigError, load_config_file
+
+        try:
+            return load_config_file(args.config).ctl.socket
+        except ConfigError as exc:
+            print(f"narwhalctl: cannot use --config {args.config}:", file=sys.stderr)
+            for message in exc.messages:
+                print(f"  {message}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
+    return os.environ.get("NARWHAL_CTL_SOCKET") or DEFAULT_SOCKET
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return not_implemented("narwhalctl", 6)
+    args = _parser().parse_args(argv)
+    request = CtlRequest(args.command, getattr(args, "engine", None), getattr(args, "role", None))
+    path = _socket_path(args)
+    try:
+        response = call(path, request, timeout_s=args.timeout)
+    except DaemonUnreachable as exc:
+        print(f"narwhalctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except CtlProtocolError as exc:
+        print(f"narwhalctl: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL
+    if args.json:
+        print(json.dumps(response, indent=2))
+        return EXIT_OK if response["ok"] else EXIT_REFUSED
+    if not response["ok"]:
+        _print_error(response.get("error") or {})
+        return EXIT_REFUSED
+    print(_human(args.command, response.get("result")))
+    return EXIT_OK
+
+
+def _print_error(error: dict[str, Any]) -> None:
+    print(f"narwhalctl: {error.get('message', 'refused')}", file=sys.stderr)
+    details = error.get("details")
+    if isinstance(details, dict):
+        for problem in details.get("errors") or []:
+            print(f"  {problem}", file=sys.stderr)
+
+
+def _human(command: str, result: Any) -> str:
+    if command == "state":
+        return _human_state(result)
+    if command == "reload":
+        lines = [f"reloaded {result['source']}: {len(result['changes'])} change(s)"]
+        lines.extend(f"  {change}" for change in result["changes"])
+        return "\n".join(lines)
+    engine = result["engine"]
+    if command in ("drain", "undrain"):
+        verb = "drained" if command == "drain" else "undrained"
+        text = f"{verb} {engine}" if result["changed"] else f"{engine} was already {verb}"
+        if command == "drain" and result["resident"]:
+            text += f"; {result['resident']} resident request(s) finish on it"
+    elif command == "pin":
+        text = f"pinned {engine} as {result['role']}"
+        if result["previous_role"] != result["role"]:
+            text += f" (was {result['previous_role']})"
+    else:
+        text = f"unpinned {engine} (role stays {result['role']})"
+        if not result["changed"]:
+            text = f"{engine} was not pinned (role {result['role']})"
+    if result.get("warning"):
+        text += f"\nwarning: {result['warning']}"
+    return text
+
+
+def _human_state(state: dict[str, Any]) -> str:
+    head = state["narwhal"]
+    supervisor = state.get("supervisor") or {}
+    recovery = (state.get("recovery") or {}).get("engines", {})
+    listen = ", ".join(supervisor.get("listen") or []) or "?"
+    status = "accepting" if head["accepting"] else "not accepting (shutting down)"
+    lines = [
+        f"narwhal {head['version']}  up {head['uptime_s']:.0f}s  {listen}  {status}",
+        f"degraded: {head['degraded'] or 'no'}",
+        "",
+    ]
+    rows = [("ENGINE", "ROLE", "AVAILABLE", "BREAKERS P/D", "HEALTH", "LOAD P/D", "FLAGS")]
+    for engine in state["engines"]:
+        rec = recovery.get(engine["id"], {})
+        breakers = rec.get("breakers", {})
+        flags = [
+            name
+            for name, on in (
+                ("drained", engine.get("drained")),
+                ("pinned", engine.get("pinned")),
+                ("held", (rec.get("hold") or {}).get("active")),
+                ("quarantined", (rec.get("quarantine") or {}).get("active")),
+            )
+            if on
+        ]
+        rows.append(
+            (
+                engine["id"],
+                engine["role"],
+                "yes" if engine["available"] else f"no: {engine['unavailable_reason']}",
+                "/".join(breakers.get(p, {}).get("state", "?") for p in ("prefill", "decode")),
+                (rec.get("health") or {}).get("verdict", "?"),
+                f"{engine['prefill']['inflight']}/{engine['decode']['active']}",
+                ",".join(flags) or "-",
+            )
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines.extend(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+    retiring = supervisor.get("retiring_engines") or []
+    if retiring:
+        lines.append("")
+        lines.extend(f"retiring {e['id']}: {e['resident']} resident" for e in retiring)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

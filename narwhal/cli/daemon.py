@@ -12,7 +12,8 @@ import trio
 
 from .. import _logging
 from ..config import Config, ConfigError, config_to_dict, load_config_file
-from ..supervisor import Supervisor
+from ..ctl import ControlSocketError
+from ..supervisor import Notifier, Supervisor
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,15 +49,24 @@ def _validate(path: str) -> int:
     return 0
 
 
-async def _serve(config: Config) -> None:
-    supervisor = Supervisor(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(supervisor.run)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                supervisor.request_shutdown()
-                break
-        # The supervisor drains and returns; a second signal is not waited for here.
+async def _serve(config: Config, path: str) -> None:
+    supervisor = Supervisor(
+        config, config_path=path, serve_ctl=True, notifier=Notifier.from_environ()
+    )
+    # Signals are received from before startup, so none is lost while engines are probed.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def dispatch() -> None:
+                async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        nursery.start_soon(supervisor.reload, "SIGHUP")
+                    else:
+                        supervisor.request_shutdown()
+
+            nursery.start_soon(dispatch)
+            await supervisor.run()
+            nursery.cancel_scope.cancel()
 
 
 def _run_serve(path: str) -> int:
@@ -64,8 +74,25 @@ def _run_serve(path: str) -> int:
     if config is None:
         return 1
     _logging.configure(config.log.level)
-    trio.run(_serve, config)
-    return 0
+    problems: list[str] = []
+    try:
+        trio.run(_serve, config, path)
+    except* ControlSocketError as group:
+        problems.extend(str(exc) for exc in _leaves(group))
+    except* OSError as group:
+        # Binding the listen address happens inside the supervisor's nursery.
+        listen = f"{config.listen.host}:{config.listen.port}"
+        problems.extend(f"cannot listen on {listen}: {exc}" for exc in _leaves(group))
+    for problem in problems:
+        print(f"narwhal: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
