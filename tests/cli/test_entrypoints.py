@@ -7,7 +7,6 @@ import pytest
 @pytest.mark.parametrize(
     ("module", "argv", "message"),
     [
-        ("narwhal.cli.ctl", [], "narwhalctl: not implemented yet"),
         ("narwhal.cli.profile", [], "narwhal-profile: not implemented yet"),
         ("narwhal.cli.check", [], "narwhal-check: not implemented yet"),
     ],

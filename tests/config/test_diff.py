@@ -30,7 +30,7 @@ def test_settings_apply_in_place_with_dotted_paths() -> None:
         config(serving={"max_connections": 64, "request_timeout_s": 30.0}, log={"level": "debug"}),
     )
     assert plan.summary() == [
-        "log.level: \"info\" -> \"debug\"",
+        'log.level: "info" -> "debug"',
         "serving.max_connections: 512 -> 64",
         "serving.request_timeout_s: 600.0 -> 30.0",
     ]
@@ -66,7 +66,12 @@ def test_engines_added_removed_replaced_reconfigured_by_id() -> None:
             "engines": [
                 {"id": "p0", "url": "http://127.0.0.1:9001", "role": "decode"},
                 {"id": "d0", "url": "http://127.0.0.1:9012", "role": "decode"},
-                {"id": "d1", "url": "http://127.0.0.1:9004", "role": "decode", "decode_concurrency": 8},
+                {
+                    "id": "d1",
+                    "url": "http://127.0.0.1:9004",
+                    "role": "decode",
+                    "decode_concurrency": 8,
+                },
                 {"id": "p2", "url": "http://127.0.0.1:9005", "role": "prefill"},
             ]
         }
@@ -91,5 +96,5 @@ def test_long_values_are_shortened_in_summaries() -> None:
     plan = diff(config(), config(profiles={"path": "x" * 200}))
     (line,) = plan.summary()
     assert line.startswith('profiles.path: "runs/profiles.json" -> "xxxx')
-    assert line.endswith('...')
+    assert line.endswith("...")
     assert len(line) < 150

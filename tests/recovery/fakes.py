@@ -1,0 +1,99 @@
+"""A scripted `Prober` and helpers for driving recovery under a MockClock (no sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+from narwhal._errors import EngineFailed
+from narwhal.config import Config, load_config
+from narwhal.fleet import EngineState
+from narwhal.recovery import LoadSample, ProbeResult, ScrapeError, VerifyPair, VerifyResult
+
+HEALTHY = ProbeResult("ok", "GET /health returned HTTP 200", True, (("instance_id", "a"),))
+UNHEALTHY = ProbeResult("failed", "GET /health returned HTTP 503", True)
+REFUSED = ProbeResult("failed", "GET /health: connect failed: connection refused", False)
+EXHAUSTED = ProbeResult("inconclusive", "control pool of d0 exhausted (2/2 in use)", None)
+VERIFIED = VerifyResult("ok", "completed")
+
+
+@attrs.define
+class Verification:
+    subject: str
+    phase: str
+    prefill: str
+    decode: str
+    at: float
+
+
+class FakeProber:
+    def __init__(self) -> None:
+        self.health_of: dict[str, ProbeResult] = {}
+        self.verify_of: dict[str, VerifyResult] = {}
+        self.load_of: dict[str, LoadSample | Exception] = {}
+        self.probes: list[tuple[str, float]] = []
+        self.verifications: list[Verification] = []
+
+    async def health(self, engine: EngineState, config: Config) -> ProbeResult:
+        await trio.lowlevel.checkpoint()
+        self.probes.append((engine.id, trio.current_time()))
+        return self.health_of.get(engine.id, HEALTHY)
+
+    async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
+        await trio.lowlevel.checkpoint()
+        result = self.load_of.get(engine.id, LoadSample(1.0, 0.0, 0.1))
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def verify(self, pair: VerifyPair, config: Config) -> VerifyResult:
+        await trio.lowlevel.checkpoint()
+        self.verifications.append(
+            Verification(
+                pair.subject.id, pair.phase, pair.prefill.id, pair.decode.id, trio.current_time()
+            )
+        )
+        return self.verify_of.get(pair.subject.id, VERIFIED)
+
+
+def config(**sections: Any) -> Config:
+    document: dict[str, Any] = {
+        "engines": [
+            {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"},
+            {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"},
+        ],
+        "recovery": {
+            "restart_hold_s": 5.0,
+            "health": {"interval_s": 1.0, "failure_threshold": 3, "readmit_successes": 2},
+            "breaker": {"failure_threshold": 3, "window_s": 10.0, "open_s": 4.0},
+        },
+    }
+    return load_config(merge(document, sections))
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def failure(engine: str, phase: str, *, status: int = 502, counts: bool = True) -> EngineFailed:
+    return EngineFailed(
+        f"{phase} engine {engine} returned HTTP {status}",
+        status=status,
+        engine_id=engine,
+        phase=phase,
+        retryable=True,
+        counts_against_engine=counts,
+        code=f"engine_http_{status}",
+    )
+
+
+def scrape_error(text: str) -> ScrapeError:
+    return ScrapeError(text)

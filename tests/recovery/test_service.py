@@ -1,0 +1,478 @@
+"""The recovery service and monitor driven by a scripted prober under a MockClock.
+
+Every probe, timer and verification happens at an exact instant, so the tests assert
+times, not "eventually".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from narwhal.config import Config
+from narwhal.fleet import EngineState
+from narwhal.recovery import (
+    BreakerState,
+    LegObservation,
+    LoadSample,
+    Monitor,
+    MonitorPass,
+    Recovery,
+    ScrapeError,
+    VerifyResult,
+)
+from narwhal.serving import ServingContext
+
+from .fakes import (
+    EXHAUSTED,
+    HEALTHY,
+    REFUSED,
+    UNHEALTHY,
+    FakeProber,
+    config,
+    failure,
+)
+
+
+@attrs.define
+class Rig:
+    ctx: ServingContext
+    recovery: Recovery
+    prober: FakeProber
+    t0: float
+
+    def engine(self, engine_id: str) -> EngineState:
+        engine = self.ctx.fleet.get(engine_id)
+        assert engine is not None
+        return engine
+
+    def reason(self, engine_id: str, phase: Any = None) -> str | None:
+        return self.engine(engine_id).unavailable_reason(trio.current_time(), phase)
+
+    def degraded(self) -> str | None:
+        # A method, so mypy does not narrow the attribute across awaits.
+        return self.ctx.degraded_reason
+
+    def breaker(self, engine_id: str, phase: str) -> BreakerState:
+        record = self.recovery.record(engine_id)
+        assert record is not None
+        return record.breakers[phase].state
+
+    async def at(self, offset: float) -> None:
+        """Sleep until t0 + offset, then let every woken task finish its step."""
+        await trio.sleep_until(self.t0 + offset)
+        await trio.testing.wait_all_tasks_blocked()
+
+
+async def start(
+    nursery: trio.Nursery, cfg: Config, prober: FakeProber | None = None, **kw: Any
+) -> Rig:
+    prober = prober or FakeProber()
+    ctx = ServingContext(cfg)
+    recovery = Recovery(ctx, prober=prober, **kw)
+    ctx.leg_observer = recovery
+    await nursery.start(recovery.run)
+    return Rig(ctx, recovery, prober, trio.current_time())
+
+
+def changes(rig: Rig, kind: str) -> list[tuple[str, str | None, str, str]]:
+    return [
+        (str(c["engine"]), c["phase"], str(c["from"]), str(c["to"]))  # type: ignore[misc]
+        for c in rig.recovery.recent_changes
+        if c["kind"] == kind
+    ]
+
+
+# ---------------------------------------------------------------- health
+
+
+async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_verification(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(2.5)  # failed probes at +1 and +2
+    assert rig.reason("d0") is None
+    await rig.at(3.0)  # the third
+    assert rig.reason("d0") == (
+        "ejected: 3 consecutive failed health probes (recovery.health.failure_threshold=3): "
+        "GET /health returned HTTP 503"
+    )
+    rig.prober.health_of["d0"] = HEALTHY
+    await rig.at(4.0)
+    assert rig.reason("d0") is not None  # one good probe is not enough
+    await rig.at(5.0)  # second good probe -> verifying -> verification at once
+    (verification,) = rig.prober.verifications
+    assert attrs.astuple(verification) == ("d0", "decode", "p0", "d0", rig.t0 + 5.0)
+    assert rig.reason("d0") is None
+    assert changes(rig, "health") == [
+        ("d0", None, "up", "ejected"),
+        ("d0", None, "ejected", "verifying"),
+        ("d0", None, "verifying", "up"),
+    ]
+
+
+async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(2.0)
+    rig.prober.health_of["d0"] = EXHAUSTED
+    await rig.at(6.0)  # four inconclusive probes: no evidence either way
+    assert rig.reason("d0") is None
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(7.0)  # the streak continues from two
+    assert rig.reason("d0") is not None
+    rig.prober.health_of["d0"] = EXHAUSTED
+    await rig.at(12.0)
+    assert rig.prober.verifications == []  # inconclusive probes are not good probes
+    assert rig.reason("d0") is not None
+
+
+async def test_failed_verification_keeps_the_engine_out_until_a_later_one_passes(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    await rig.at(5.0)
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    del rig.prober.verify_of["d0"]
+    await rig.at(7.0)  # two more good probes, then a verification that passes
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 7.0]
+    assert rig.reason("d0") is None
+
+
+async def test_an_engine_down_at_startup_is_kept_probed_held_and_readmitted(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    prober = FakeProber()
+    prober.health_of["d0"] = REFUSED
+    rig = await start(nursery, config(), prober)
+    assert rig.reason("d0") == (
+        "ejected: failed its first probe (startup): GET /health: connect failed: connection refused"
+    )
+    await rig.at(3.0)
+    assert [p for p in rig.prober.probes if p[0] == "d0"] == [
+        ("d0", rig.t0 + t) for t in (0.0, 1.0, 2.0, 3.0)
+    ]
+    prober.health_of["d0"] = HEALTHY
+    await rig.at(4.0)  # answers again: a restart hold of recovery.restart_hold_s=5
+    assert rig.engine("d0").held_until == math.inf
+    await rig.at(8.9)  # good probes long enough, but the hold runs until +9
+    assert rig.prober.verifications == []
+    await rig.at(9.0)
+    (verification,) = rig.prober.verifications
+    assert verification.at == rig.t0 + 9.0
+    assert rig.reason("d0") is None
+    assert changes(rig, "hold") == [
+        ("d0", None, "released", "held"),
+        ("d0", None, "held", "released"),
+    ]
+
+
+async def test_identity_change_is_a_restart_held_until_verified(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    await rig.at(1.5)
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(2.0)
+    assert rig.reason("d0") == "restart hold"
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.hold.reason == "identity changed (instance_id a -> b)"
+    await rig.at(6.9)
+    assert rig.reason("d0") == "restart hold"
+    await rig.at(7.0)
+    assert rig.reason("d0") is None
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0]
+
+
+# ---------------------------------------------------------------- breakers
+
+
+async def test_decode_failures_open_only_that_engines_decode_breaker(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    for _ in range(3):
+        rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    assert rig.breaker("d0", "decode") is BreakerState.OPEN
+    assert rig.breaker("d0", "prefill") is BreakerState.CLOSED
+    assert rig.breaker("p0", "prefill") is BreakerState.CLOSED
+    assert rig.breaker("p0", "decode") is BreakerState.CLOSED
+    assert rig.reason("d0", "decode") == "decode breaker open"
+    assert rig.reason("d0", "prefill") is None
+    await rig.at(3.9)
+    assert rig.prober.verifications == []
+    await rig.at(4.0)  # recovery.breaker.open_s=4: half-open, verified with p0 as producer
+    (verification,) = rig.prober.verifications
+    assert attrs.astuple(verification)[:4] == ("d0", "decode", "p0", "d0")
+    assert rig.breaker("d0", "decode") is BreakerState.CLOSED
+    assert changes(rig, "breaker") == [
+        ("d0", "decode", "closed", "open"),
+        ("d0", "decode", "open", "half_open"),
+        ("d0", "decode", "half_open", "closed"),
+    ]
+
+
+async def test_a_prefill_failure_never_touches_the_decode_engines_breaker(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    p0, d0 = rig.engine("p0"), rig.engine("d0")
+    for _ in range(5):
+        # The pair's request failed in its prefill leg: recovery is told about p0 only,
+        # and even if a caller passed the other engine, failure.phase decides the breaker.
+        rig.recovery.leg_failed(p0, "prefill", failure("p0", "prefill"))
+    assert rig.breaker("p0", "prefill") is BreakerState.OPEN
+    assert rig.breaker("d0", "decode") is BreakerState.CLOSED
+    assert rig.breaker("d0", "prefill") is BreakerState.CLOSED
+    assert rig.reason("d0") is None
+    assert d0.quarantined_until == -math.inf
+
+
+async def test_client_errors_and_busy_engines_never_count(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(recovery={"failure_quarantine_s": 5.0}))
+    d0 = rig.engine("d0")
+    for status in (400, 404, 422, 429) * 5:
+        rig.recovery.leg_failed(d0, "decode", failure("d0", "decode", status=status, counts=False))
+    assert rig.breaker("d0", "decode") is BreakerState.CLOSED
+    assert rig.reason("d0") is None
+
+
+async def test_a_failed_verification_reopens_for_another_open_s(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    for _ in range(3):
+        rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    await rig.at(4.0)
+    assert rig.breaker("d0", "decode") is BreakerState.OPEN
+    del rig.prober.verify_of["d0"]
+    await rig.at(8.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 8.0]
+    assert rig.breaker("d0", "decode") is BreakerState.CLOSED
+
+
+async def test_inconclusive_verification_retries_after_a_probe_interval(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    rig.prober.verify_of["d0"] = VerifyResult("inconclusive", "control pool of d0 exhausted")
+    for _ in range(3):
+        rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    await rig.at(6.5)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 5.0, 6.0]
+    assert rig.breaker("d0", "decode") is BreakerState.HALF_OPEN
+
+
+async def test_aggregate_failures_count_on_both_breakers_and_verify_locally(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = config(engines=[{"id": "a0", "url": "http://127.0.0.1:9", "role": "both"}])
+    rig = await start(nursery, cfg)
+    a0 = rig.engine("a0")
+    for _ in range(3):
+        rig.recovery.leg_failed(a0, "aggregate", failure("a0", "aggregate"))
+    assert rig.breaker("a0", "prefill") is BreakerState.OPEN
+    assert rig.breaker("a0", "decode") is BreakerState.OPEN
+    await rig.at(4.0)
+    assert [attrs.astuple(v)[:4] for v in rig.prober.verifications] == [
+        ("a0", "prefill", "a0", "a0"),
+        ("a0", "decode", "a0", "a0"),
+    ]
+    assert rig.reason("a0") is None
+
+
+# ---------------------------------------------------------------- quarantine
+
+
+async def test_quarantine_excludes_then_expires_on_time(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(recovery={"failure_quarantine_s": 2.0}))
+    p0 = rig.engine("p0")
+    rig.recovery.leg_failed(p0, "prefill", failure("p0", "prefill"))
+    assert rig.reason("p0") == "quarantined"
+    await rig.at(1.0)
+    rig.recovery.leg_failed(p0, "prefill", failure("p0", "prefill"))  # extends to +3
+    await rig.at(2.9)
+    assert rig.reason("p0") == "quarantined"
+    await rig.at(3.0)
+    assert rig.reason("p0") is None
+    assert changes(rig, "quarantine") == [
+        ("p0", None, "released", "quarantined"),
+        ("p0", None, "quarantined", "released"),
+    ]
+
+
+async def test_quarantine_zero_disables_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    rig.recovery.leg_failed(rig.engine("p0"), "prefill", failure("p0", "prefill"))
+    assert rig.reason("p0") is None
+
+
+# ---------------------------------------------------------------- residuals
+
+
+async def test_latency_residuals_eject_after_min_samples_one_per_pass(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    predictions: list[tuple[str, str, LegObservation]] = []
+
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        predictions.append((engine.id, phase, observation))
+        return 0.1 if engine.id == "d0" else None
+
+    cfg = config(recovery={"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}})
+    rig = await start(nursery, cfg, predictor=predictor)
+    d0 = rig.engine("d0")
+    for pass_number in range(3):
+        for _ in range(5):  # five legs between passes still make one residual
+            rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.leg_ok(rig.engine("p0"), "prefill", 0.5)
+        residuals = rig.recovery.residual_pass(trio.current_time())
+        assert residuals == {"d0": pytest.approx(5.0)}
+        if pass_number < 2:
+            assert rig.reason("d0") is None
+    assert rig.reason("d0") == (
+        "ejected: latency: median observed/predicted ratio 5.00 over 3 residuals in "
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0"
+    )
+    assert len(predictions) == 6
+    # Ejected engines contribute nothing; readmission goes through probes and verification.
+    rig.recovery.leg_ok(d0, "decode", 0.5)
+    assert rig.recovery.residual_pass(trio.current_time()) == {}
+    await rig.at(2.0)
+    assert rig.reason("d0") is None
+
+
+# ---------------------------------------------------------------- monitor
+
+
+async def start_monitor(nursery: trio.Nursery, rig: Rig, **kw: Any) -> Monitor:
+    monitor = Monitor(rig.ctx, rig.recovery, rig.prober, **kw)
+    await nursery.start(monitor.run)
+    return monitor
+
+
+async def test_consecutive_failed_passes_degrade_and_a_good_pass_recovers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = config(controller={"monitor_interval_s": 1.0, "monitor_failure_limit": 3})
+    rig = await start(nursery, cfg)
+    for engine_id in ("p0", "d0"):
+        rig.prober.load_of[engine_id] = ScrapeError(f"GET /metrics returned HTTP 500 ({engine_id})")
+    seen: list[str | None] = []
+    monitor = await start_monitor(nursery, rig, on_degraded=seen.append)
+    await rig.at(1.5)  # passes at +0 and +1 failed
+    assert rig.degraded() is None
+    await rig.at(2.0)
+    reason = rig.degraded()
+    assert reason == (
+        "3 consecutive monitor passes failed (controller.monitor_failure_limit=3); last: no "
+        "engine could be observed (p0: GET /metrics returned HTTP 500 (p0); "
+        "d0: GET /metrics returned HTTP 500 (d0))"
+    )
+    rig.prober.load_of.pop("p0")  # one engine observable again: the pass succeeds
+    await rig.at(3.0)
+    assert rig.degraded() is None
+    assert monitor.consecutive_failures == 0
+    assert seen == [reason, None]
+
+
+async def test_one_engine_down_is_not_a_monitor_failure(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = config(controller={"monitor_interval_s": 1.0, "monitor_failure_limit": 1})
+    rig = await start(nursery, cfg)
+    rig.prober.load_of["d0"] = ScrapeError("GET /metrics: connect failed: connection refused")
+    rig.prober.load_of["p0"] = LoadSample(3.0, 2.0, 0.25)
+    passes: list[MonitorPass] = []
+
+    async def handler(result: MonitorPass) -> None:
+        passes.append(result)
+
+    monitor = await start_monitor(nursery, rig)
+    monitor.add_handler("controller", handler)
+    await rig.at(2.0)
+    assert rig.degraded() is None
+    last = passes[-1]
+    assert last.failures == ()
+    assert [(e.id, e.load, e.load_error) for e in last.engines] == [
+        ("p0", LoadSample(3.0, 2.0, 0.25), None),
+        ("d0", None, "GET /metrics: connect failed: connection refused"),
+    ]
+    assert [e.id for e in last.observed] == ["p0"]
+
+
+async def test_a_raising_or_hanging_pass_handler_is_a_monitoring_stage_failure(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(controller={"monitor_interval_s": 1.0, "monitor_failure_limit": 2})
+    rig = await start(nursery, cfg)
+    behaviour = {"mode": "raise"}
+
+    async def controller(result: MonitorPass) -> None:
+        if behaviour["mode"] == "raise":
+            raise ValueError("no profile for d0")
+        if behaviour["mode"] == "hang":
+            await trio.sleep_forever()
+
+    monitor = await start_monitor(nursery, rig)
+    monitor.add_handler("controller", controller)
+    with caplog.at_level(logging.WARNING, logger="narwhal"):
+        await rig.at(1.0)
+    degraded = rig.degraded()
+    assert degraded is not None
+    assert degraded.endswith("last: pass handler 'controller' raised ValueError: no profile for d0")
+    assert any(getattr(r, "event", None) == "degraded" for r in caplog.records)
+    behaviour["mode"] = "ok"
+    await rig.at(2.0)
+    assert rig.degraded() is None
+    behaviour["mode"] = "hang"
+    await rig.at(13.0)  # each hanging pass is cut at max(interval, health_timeout_s)=5s
+    assert monitor.last_failures == ("pass handler 'controller' did not finish within 5.0s",)
+    assert rig.degraded() is not None
+
+
+async def test_verdict_changes_are_logged_as_json_events(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        for _ in range(3):
+            rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "verdict"]
+    assert record.levelno == logging.WARNING
+    fields = {k: getattr(record, k) for k in ("engine", "phase", "kind", "from", "to")}
+    assert fields == {
+        "engine": "d0",
+        "phase": "decode",
+        "kind": "breaker",
+        "from": "closed",
+        "to": "open",
+    }
+    assert "recovery.breaker.window_s=10.0" in record.__dict__["reason"]
+    legs = [r for r in caplog.records if getattr(r, "event", None) == "leg_failed"]
+    assert [r.__dict__["counted"] for r in legs] == [True, True, True]
