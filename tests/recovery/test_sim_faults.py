@@ -1,0 +1,331 @@
+"""Ejection, readmission, restart holds and breakers against the simulator's faults.
+
+Real sockets and real time with fast settings (probes every 50 ms); every wait is
+bounded, and each test asserts on the outcome and on what the engines saw, including
+the verification legs the router sent.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from narwhal.config import Config, Engine, EngineSpec
+from narwhal.fleet import EngineState
+from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
+from narwhal.sim import Fleet, serve_fleet
+
+from ..serving.conftest import MODEL, Stack
+from ..support import wait_for
+from .conftest import StartStack
+
+
+async def post(stack: Stack, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 3, **(body or {})},
+            **kw,
+        )
+
+
+def recovery(stack: Stack, engine_id: str) -> Any:
+    record = stack.supervisor.recovery.record(engine_id)  # type: ignore[union-attr]
+    assert record is not None
+    return record
+
+
+def available(stack: Stack, engine_id: str) -> bool:
+    engine = stack.ctx.fleet.get(engine_id)
+    assert engine is not None
+    return engine.unavailable_reason(trio.current_time()) is None
+
+
+def reason(stack: Stack, engine_id: str) -> str | None:
+    engine = stack.ctx.fleet.get(engine_id)
+    assert engine is not None
+    return engine.unavailable_reason(trio.current_time())
+
+
+def verification_legs(stack: Stack, index: int) -> list[tuple[str, str]]:
+    return [
+        (o["phase"], o["outcome"])
+        for o in stack.fleet[index].state()["outcomes"]
+        if str(o["request_id"]).startswith("narwhal-verify-")
+    ]
+
+
+def transitions(stack: Stack, engine_id: str, kind: str) -> list[tuple[Any, Any]]:
+    changes = stack.supervisor.recovery.recent_changes  # type: ignore[union-attr]
+    return [(c["from"], c["to"]) for c in changes if c["engine"] == engine_id and c["kind"] == kind]
+
+
+async def test_unhealthy_engine_is_ejected_then_readmitted_after_a_verification_pair(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode", "decode"])
+    stack.fleet[1].set_faults(unhealthy=True)
+    await wait_for(lambda: not available(stack, "d1"))
+    assert reason(stack, "d1") == (
+        "ejected: 2 consecutive failed health probes (recovery.health.failure_threshold=2): "
+        "GET /health returned HTTP 503"
+    )
+    requests_before = stack.fleet[1].state()["counters"]["requests"]["decode"]
+    for _ in range(3):
+        assert (await post(stack)).status_code == 200
+    assert stack.fleet[1].state()["counters"]["requests"]["decode"] == requests_before
+    stack.fleet[1].clear_faults()
+    await wait_for(lambda: available(stack, "d1"))
+    last = recovery(stack, "d1").last_verification
+    assert last["purpose"] == "readmission"
+    assert last["outcome"] == "ok"
+    assert last["detail"] == "prefill on p0, decode on d1 completed"
+    # The pair really ran: a prefill leg on p0 and a decode leg (pulling p0's KV) on d1.
+    assert ("prefill", "ok") in verification_legs(stack, 0)
+    assert verification_legs(stack, 1) == [("decode", "ok")]
+    assert stack.fleet[0].state()["leases"]["held"] == 0  # the verification left no KV
+    assert transitions(stack, "d1", "health") == [
+        ("up", "ejected"),
+        ("ejected", "verifying"),
+        ("verifying", "up"),
+    ]
+
+
+async def test_engine_going_down_and_up_gets_a_restart_hold_until_verified(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode", "decode"])
+    await stack.fleet[2].go_down()
+    await wait_for(lambda: (reason(stack, "d2") or "").startswith("ejected: 2 consecutive"))
+    assert "connection refused" in (reason(stack, "d2") or "")
+    await stack.fleet[2].come_up()
+    await wait_for(lambda: recovery(stack, "d2").hold.active)
+    assert recovery(stack, "d2").hold.reason == "answered again after being unreachable"
+    await wait_for(lambda: available(stack, "d2"))
+    assert not recovery(stack, "d2").hold.active
+    assert transitions(stack, "d2", "hold") == [("released", "held"), ("held", "released")]
+    assert (await post(stack)).status_code == 200
+
+
+async def test_restarted_engine_is_held_until_verified(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    old_instance = stack.fleet[1].instance_id
+    await stack.fleet[1].restart()
+    assert stack.fleet[1].instance_id != old_instance
+    await wait_for(lambda: recovery(stack, "d1").hold.holds_total == 1)
+    hold_reason = recovery(stack, "d1").hold.reason
+    assert hold_reason.startswith(("identity changed (instance_id ", "answered again"))
+    await wait_for(lambda: available(stack, "d1"))
+    assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert (await post(stack, {"stream": True})).status_code == 200
+
+
+async def test_flapping_health_ejects_and_readmits(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode", "decode"])
+    stack.fleet[1].set_faults(health_flap_period_s=0.4)
+    await wait_for(lambda: ("verifying", "up") in transitions(stack, "d1", "health"), within_s=8)
+    changes = transitions(stack, "d1", "health")
+    assert changes[0] == ("up", "ejected")
+    stack.fleet[1].clear_faults()
+    await wait_for(lambda: available(stack, "d1"), within_s=5)
+    assert stack.fleet[1].state()["counters"]["health_failures_served"] >= 2
+
+
+async def test_engine_down_at_startup_is_kept_probed_and_readmitted(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"], down_at_start=(1,))
+    assert [e.id for e in stack.ctx.fleet] == ["p0", "d1"]
+    assert (reason(stack, "d1") or "").startswith("ejected: failed its first probe (startup): ")
+    response = await post(stack)
+    assert response.status_code == 503
+    assert "d1: ejected: failed its first probe" in response.json()["error"]["message"]
+    await stack.fleet[1].come_up()
+    await wait_for(lambda: available(stack, "d1"))
+    assert (await post(stack)).status_code == 200
+
+
+async def test_decode_failures_open_the_decode_breaker_only_and_verification_closes_it(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    stack.fleet[1].set_faults(error_status=500, leg="decode")
+    for _ in range(3):
+        assert (await post(stack)).status_code == 502
+    state = (await stack.state())["recovery"]["engines"]
+    assert state["d1"]["breakers"]["decode"]["state"] in ("open", "half_open")
+    assert state["d1"]["breakers"]["prefill"]["state"] == "closed"
+    assert state["p0"]["breakers"]["prefill"]["state"] == "closed"
+    assert state["p0"]["breakers"]["decode"]["state"] == "closed"
+    response = await post(stack)
+    assert response.status_code == 503
+    assert "d1: decode breaker" in response.json()["error"]["message"]
+    # While the fault stays, verification fails and the breaker reopens.
+    await wait_for(lambda: recovery(stack, "d1").breakers["decode"].opened_total >= 2)
+    stack.fleet[1].clear_faults()
+    await wait_for(lambda: available(stack, "d1"))
+    assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert (await post(stack, {"stream": True})).status_code == 200
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"{stack.url}/metrics")).text
+    assert (
+        'narwhal_recovery_transitions_total{engine="d1",from="closed",kind="breaker",'
+        'phase="decode",to="open"} 1.0' in metrics
+    )
+    assert 'narwhal_breaker_state{engine="d1",phase="decode"} 0.0' in metrics
+
+
+async def test_client_errors_never_trip_a_breaker(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"], recovery={"failure_quarantine_s": 5.0})
+    for _ in range(6):
+        response = await post(stack, {"max_tokens": 10**6})
+        assert response.status_code == 400
+    state = (await stack.state())["recovery"]["engines"]
+    assert state["p0"]["breakers"]["prefill"] == {
+        "state": "closed",
+        "failures_in_window": 0,
+        "failure_threshold": 3,
+        "reopens_in_s": None,
+        "opened_total": 0,
+        "reason": None,
+    }
+    assert state["p0"]["quarantine"]["active"] is False
+
+
+async def test_quarantine_after_a_failure_expires(start_stack: StartStack) -> None:
+    stack = await start_stack(
+        ["prefill", "prefill", "decode"], recovery={"failure_quarantine_s": 0.5}
+    )
+    stack.fleet[0].set_faults(error_status=500, leg="prefill", count=1)
+    response = await post(stack)
+    assert response.status_code == 502
+    assert reason(stack, "p0") == "quarantined"
+    assert (await post(stack)).status_code == 200  # p1 serves meanwhile
+    await wait_for(lambda: len(transitions(stack, "p0", "quarantine")) == 2)
+    assert available(stack, "p0")
+    assert transitions(stack, "p0", "quarantine") == [
+        ("released", "quarantined"),
+        ("quarantined", "released"),
+    ]
+
+
+async def test_verification_pairs_in_both_dialects_and_their_failures(
+    nursery: trio.Nursery,
+) -> None:
+    # Built without the loader: the simulator pairs SGLang legs when the bootstrap port is
+    # its own HTTP port, which the config rules (rightly, for real engines) refuse.
+    prober = HttpProber()
+    for dialect in ("vllm", "sglang"):
+        fleet: Fleet = await nursery.start(
+            partial(serve_fleet, engines=2, speed=20.0, model=MODEL, dialect=dialect)
+        )
+        specs = tuple(
+            EngineSpec(
+                id=f"{role[0]}0",
+                url=handle.url,
+                dialect=dialect,
+                role=role,
+                model=MODEL,
+                bootstrap_port=handle.port if dialect == "sglang" else None,
+            )
+            for handle, role in zip(fleet, ("prefill", "decode"), strict=True)
+        )
+        config = Config(engines=specs)
+        p0, d0 = (EngineState(spec, config) for spec in specs)
+        pair = VerifyPair(d0, "decode", p0, d0, f"narwhal-verify-{dialect}")
+        result = await prober.verify(pair, config)
+        assert result == VerifyResult("ok", "prefill on p0, decode on d0 completed"), dialect
+        assert [o["phase"] for o in fleet[0].state()["outcomes"]] == ["prefill"]
+        assert [o["phase"] for o in fleet[1].state()["outcomes"]] == ["decode"]
+        fleet[1].set_faults(error_status=500, leg="decode")
+        result = await prober.verify(pair, config)
+        assert result == VerifyResult(
+            "failed", "prefill on p0, decode on d0: decode leg on d0 returned HTTP 500"
+        )
+        fleet[1].set_faults(stall_before_first_token_s=5.0, leg="decode")
+        slow = attrs.evolve(config, engine=attrs.evolve(config.engine, first_token_timeout_s=0.2))
+        result = await prober.verify(pair, slow)
+        assert result == VerifyResult(
+            "failed",
+            "prefill on p0, decode on d0: decode leg on d0 did not complete within "
+            "engine.first_token_timeout_s=0.2",
+        )
+        fleet[1].clear_faults()
+        local = VerifyPair(p0, "aggregate", p0, p0, "narwhal-verify-local")
+        assert (await prober.verify(local, config)).outcome == "ok"
+        for engine in (p0, d0):
+            await engine.aclose()
+
+
+async def test_probe_on_an_exhausted_control_pool_is_inconclusive(nursery: trio.Nursery) -> None:
+    fleet: Fleet = await nursery.start(partial(serve_fleet, engines=1, model=MODEL))
+    spec = EngineSpec(id="a0", url=fleet[0].url, model=MODEL)
+    config = Config(engines=(spec,), engine=Engine(control_connections=1))
+    engine = EngineState(spec, config)
+    prober = HttpProber()
+    assert (await prober.health(engine, config)).outcome == "ok"
+    async with engine.control_pool.request(b"GET", b"/v1/models"):
+        result = await prober.health(engine, config)
+        assert result.outcome == "inconclusive"
+        assert result.detail == (
+            "control pool of a0 exhausted (1/1 in use; engine.control_connections)"
+        )
+        pair = VerifyPair(engine, "aggregate", engine, engine, "narwhal-verify-x")
+        assert (await prober.verify(pair, config)).outcome == "inconclusive"
+    await engine.aclose()
+
+
+async def test_degraded_state_refuses_admission_with_the_reason(start_stack: StartStack) -> None:
+    stack = await start_stack(controller={"monitor_failure_limit": 2})
+    assert stack.supervisor.monitor is not None
+    broken = {"on": True}
+
+    async def controller(result: Any) -> None:
+        if broken["on"]:
+            raise RuntimeError("profile store unreadable")
+
+    stack.supervisor.monitor.add_handler("controller", controller)
+    await wait_for(lambda: stack.ctx.degraded_reason is not None)
+    response = await post(stack)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "degraded"
+    assert error["message"] == (
+        "narwhal is degraded: 2 consecutive monitor passes failed "
+        "(controller.monitor_failure_limit=2); last: pass handler 'controller' raised "
+        "RuntimeError: profile store unreadable"
+    )
+    async with httpx.AsyncClient() as client:
+        health = await client.get(f"{stack.url}/health")
+    assert health.status_code == 503
+    broken["on"] = False
+    await wait_for(lambda: stack.ctx.degraded_reason is None)
+    assert (await post(stack)).status_code == 200
+    state = await stack.state()
+    assert state["monitor"]["last_pass"]["engines"]["p0"]["running"] is not None
+
+
+async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> None:
+    stack = await start_stack()
+    state = await stack.state()
+    engine = state["recovery"]["engines"]["d1"]
+    assert set(engine) == {
+        "breakers",
+        "health",
+        "ejected",
+        "hold",
+        "quarantine",
+        "identity",
+        "residuals",
+        "last_verification",
+        "drained",
+        "pinned",
+    }
+    assert engine["identity"]["identity"]["instance_id"] == stack.fleet[1].instance_id
+    assert engine["health"]["verdict"] == "up"
+    assert json.dumps(state)  # all of it is JSON
