@@ -16,13 +16,15 @@ import httpx
 import trio
 
 from narwhal.config import Config, Engine, EngineSpec
-from narwhal.fleet import EngineState
+from narwhal.fleet import EngineState, Role
 from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
 from narwhal.sim import Fleet, serve_fleet
 
 from ..serving.conftest import MODEL, Stack
 from ..support import wait_for
 from .conftest import StartStack
+
+ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
 async def post(stack: Stack, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
@@ -233,7 +235,7 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
                 model=MODEL,
                 bootstrap_port=handle.port if dialect == "sglang" else None,
             )
-            for handle, role in zip(fleet, ("prefill", "decode"), strict=True)
+            for handle, role in zip(fleet, ROLES, strict=True)
         )
         config = Config(engines=specs)
         p0, d0 = (EngineState(spec, config) for spec in specs)
