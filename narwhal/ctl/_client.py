@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import stat
 from typing import Any
 
 from ._protocol import MAX_RESPONSE_BYTES, CtlRequest, encode
@@ -30,6 +32,8 @@ def call(path: str, request: CtlRequest, *, timeout_s: float) -> dict[str, Any]:
                 "(or ctl.socket points elsewhere)"
             ) from None
         except ConnectionRefusedError:
+            if not _is_socket(path):
+                raise DaemonUnreachable(f"{path} is not a socket (check ctl.socket)") from None
             raise DaemonUnreachable(
                 f"nothing is listening on {path}: narwhal is not running (stale socket)"
             ) from None
@@ -56,6 +60,13 @@ def call(path: str, request: CtlRequest, *, timeout_s: float) -> dict[str, Any]:
     if not isinstance(response, dict) or not isinstance(response.get("ok"), bool):
         raise CtlProtocolError(f"malformed response from {path}")
     return response
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _read_line(sock: socket.socket) -> bytes:

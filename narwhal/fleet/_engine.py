@@ -129,13 +129,10 @@ class EngineState:
 
     @property
     def resident_work(self) -> int:
-        """Requests that still hold this engine (phase slots, handoffs, connections)."""
-        return (
-            self.prefill_inflight
-            + self.decode_active
-            + self.handoffs_pending
-            + self.serving_pool.statistics().in_use
-        )
+        """Requests that still need this engine: legs in flight, KV handoffs waiting for
+        their decode, and connections (a tokenize call holds one without a phase slot)."""
+        legs = self.prefill_inflight + self.decode_active + self.handoffs_pending
+        return max(legs, self.serving_pool.statistics().in_use)
 
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""

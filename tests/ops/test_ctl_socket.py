@@ -1,0 +1,214 @@
+"""The control socket: who may create and replace it, and what it does with bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from narwhal.ctl import (
+    MAX_REQUEST_BYTES,
+    ControlServer,
+    ControlSocketError,
+    CtlError,
+    CtlRequest,
+    DaemonUnreachable,
+    call,
+)
+
+
+async def echo(request: CtlRequest) -> object:
+    if request.engine == "nope":
+        raise CtlError("unknown_engine", "no engine 'nope'; engines: p0, d0")
+    return {"command": request.command, "engine": request.engine, "role": request.role}
+
+
+async def serve(nursery: trio.Nursery, path: Path) -> trio.CancelScope:
+    scope = trio.CancelScope()
+
+    async def run(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await ControlServer(str(path), echo).run(task_status=task_status)
+
+    await nursery.start(run)
+    return scope
+
+
+async def exchange(path: Path, payload: bytes) -> list[dict[str, Any]]:
+    """Send raw bytes, then read response lines until the server closes or goes quiet."""
+    stream = await trio.open_unix_socket(str(path))
+    async with stream:
+        await stream.send_all(payload)
+        buffer = b""
+        with trio.move_on_after(2.0):
+            while chunk := await stream.receive_some(65536):
+                buffer += chunk
+                if buffer.count(b"\n") >= payload.count(b"\n") and buffer.endswith(b"\n"):
+                    break
+    return [json.loads(line) for line in buffer.splitlines()]
+
+
+def stale_socket(path: Path) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.close()  # the file stays, nobody listens: what a crashed daemon leaves
+
+
+async def test_socket_is_0600_ours_and_removed_on_exit(
+    nursery: trio.Nursery, short_tmp: Path
+) -> None:
+    path = short_tmp / "sub" / "ctl.sock"
+    scope = await serve(nursery, path)
+    info = path.lstat()
+    assert stat.S_ISSOCK(info.st_mode)
+    assert stat.S_IMODE(info.st_mode) == 0o600
+    assert info.st_uid == os.geteuid()
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    response = await trio.to_thread.run_sync(
+        lambda: call(str(path), CtlRequest("drain", "d0"), timeout_s=5)
+    )
+    assert response == {
+        "ok": True,
+        "command": "drain",
+        "result": {"command": "drain", "engine": "d0", "role": None},
+    }
+    scope.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: p.write_text("precious"), "exists and is not a socket"),
+        (lambda p: p.mkdir(), "exists and is not a socket"),
+        (lambda p: p.symlink_to("/tmp"), "is a symbolic link"),
+    ],
+    ids=["file", "directory", "symlink"],
+)
+async def test_refuses_a_path_that_is_not_our_socket(short_tmp: Path, make: Any, why: str) -> None:
+    path = short_tmp / "ctl.sock"
+    make(path)
+    with pytest.raises(
+        ControlSocketError, match=rf"^ctl.socket '{path}' {why}; refusing to start$"
+    ):
+        await ControlServer(str(path), echo).run()
+    assert path.exists() or path.is_symlink()  # left exactly as it was
+    if path.is_file():
+        assert path.read_text() == "precious"
+
+
+async def test_refuses_a_socket_another_process_answers_on(
+    nursery: trio.Nursery, short_tmp: Path
+) -> None:
+    path = short_tmp / "ctl.sock"
+    await serve(nursery, path)
+    with pytest.raises(ControlSocketError, match="is in use: another process"):
+        await ControlServer(str(path), echo).run()
+    assert path.exists()
+
+
+async def test_replaces_a_stale_socket_of_ours(
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = short_tmp / "ctl.sock"
+    stale_socket(path)
+    with caplog.at_level(logging.INFO, logger="narwhal.ctl"):
+        await serve(nursery, path)
+    assert [r.__dict__.get("outcome") for r in caplog.records] == ["stale_replaced", "listening"]
+    (response,) = await exchange(path, b'{"command": "state"}\n')
+    assert response["ok"] is True
+
+
+async def test_oversized_message_is_refused_and_the_connection_closed(
+    nursery: trio.Nursery, short_tmp: Path
+) -> None:
+    path = short_tmp / "ctl.sock"
+    await serve(nursery, path)
+    payload = b'{"command": "drain", "engine": "' + b"x" * MAX_REQUEST_BYTES + b'"}\n'
+    stream = await trio.open_unix_socket(str(path))
+    async with stream:
+        with trio.fail_after(5):
+            try:
+                await stream.send_all(payload)
+            except trio.BrokenResourceError:
+                pass  # the server may close before it has read everything
+            received = b""
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+    (line,) = received.splitlines()
+    assert json.loads(line) == {
+        "ok": False,
+        "command": None,
+        "error": {
+            "code": "message_too_large",
+            "message": f"message longer than the limit of {MAX_REQUEST_BYTES} bytes",
+        },
+    }
+
+
+async def test_malformed_requests_get_errors_and_the_connection_carries_on(
+    nursery: trio.Nursery, short_tmp: Path
+) -> None:
+    path = short_tmp / "ctl.sock"
+    await serve(nursery, path)
+    lines = [
+        b"not json",
+        b"[1, 2]",
+        b'{"command": "explode"}',
+        b'{"command": "drain"}',
+        b'{"command": "drain", "engine": "d0", "force": true}',
+        b'{"command": "pin", "engine": "d0", "role": "both"}',
+        b'{"command": "drain", "engine": "nope"}',
+        b'{"command": "pin", "engine": "d0", "role": "prefill"}',
+    ]
+    responses = await exchange(path, b"\n".join(lines) + b"\n")
+    assert [(r["ok"], r.get("error", {}).get("code")) for r in responses] == [
+        *[(False, "bad_request")] * 6,
+        (False, "unknown_engine"),
+        (True, None),
+    ]
+    assert [r.get("error", {}).get("message") for r in responses[:7]] == [
+        "request is not JSON: Expecting value: line 1 column 1 (char 0)",
+        "request must be a JSON object",
+        "unknown command 'explode'; commands: state, drain, undrain, pin, unpin, reload",
+        "drain: `engine` must be a non-empty string",
+        "drain: unexpected field(s) force",
+        "pin: role is 'both'; must be prefill or decode",
+        "no engine 'nope'; engines: p0, d0",
+    ]
+
+
+async def test_client_errors_when_no_daemon_answers(short_tmp: Path) -> None:
+    missing = short_tmp / "missing.sock"
+    stale = short_tmp / "stale.sock"
+    stale_socket(stale)
+    regular = short_tmp / "file.sock"
+    regular.write_text("")
+    cases = {
+        missing: f"no control socket at {missing}: narwhal is not running",
+        stale: f"nothing is listening on {stale}: narwhal is not running (stale socket)",
+        regular: f"{regular} is not a socket (check ctl.socket)",
+    }
+    for path, message in cases.items():
+        with pytest.raises(DaemonUnreachable) as caught:
+            call(str(path), CtlRequest("state"), timeout_s=1)
+        assert str(caught.value).startswith(message)
+    # The real narwhalctl, as an operator runs it: exit code 3 and the same message.
+    result = await trio.run_process(
+        [sys.executable, "-m", "narwhal.cli.ctl", "--socket", str(stale), "drain", "d0"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 3
+    assert result.stderr.decode() == f"narwhalctl: {cases[stale]}\n"
+    assert result.stdout == b""

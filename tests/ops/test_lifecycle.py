@@ -1,0 +1,154 @@
+"""Shutdown and reload in process: what happens to requests in flight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from narwhal.config import load_config
+from narwhal.serving import ServingContext
+from narwhal.supervisor import Supervisor
+
+from ..recovery.conftest import FAST, StartStack, start_stack as start_stack
+from ..recovery.fakes import merge
+from ..serving.conftest import MODEL, Stack
+from ..support import open_sse, wait_for
+
+BODY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8, "stream": True}
+
+
+async def refused(stack: Stack) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.post(f"{stack.url}/v1/completions", json={**BODY, "stream": False})
+
+
+async def read_all(reader: Any) -> list[str]:
+    events = []
+    while (event := await reader.event()) is not None:
+        events.append(event)
+    return events
+
+
+async def test_shutdown_lets_a_stream_finish_and_refuses_new_requests(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(recovery={"shutdown_grace_s": 10.0})
+    stack.fleet[1].set_faults(stall_after_tokens=2, stall_s=0.5, leg="decode", count=1)
+    async with open_sse(stack.url, "/v1/completions", BODY) as reader:
+        assert reader.status == 200
+        assert await reader.event() is not None
+        stack.supervisor.request_shutdown()
+        await wait_for(lambda: stack.supervisor.stopping)
+        response = await refused(stack)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "shutting_down"
+        events = await read_all(reader)
+    assert events[-1] == "[DONE]"
+    assert not any('"error"' in e for e in events)
+    await wait_for(lambda: stack.ctx.outcomes["ok"] == 1)
+
+
+async def test_past_the_grace_streams_end_with_a_terminal_error_event(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(recovery={"shutdown_grace_s": 0.3})
+    stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")  # stalls for good
+    async with open_sse(stack.url, "/v1/completions", BODY) as reader:
+        assert await reader.event() is not None
+        started = trio.current_time()
+        stack.supervisor.request_shutdown()
+        with trio.fail_after(5):
+            events = await read_all(reader)
+        waited = trio.current_time() - started
+    assert 0.3 <= waited < 2.0
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "shutting_down"
+    assert error["message"] == (
+        "narwhal shut down before the request finished (recovery.shutdown_grace_s=0.3)"
+    )
+    await wait_for(lambda: stack.ctx.outcomes["shutting_down"] == 1)
+    with trio.fail_after(5):
+        while True:  # the listener closes once the drain is over
+            try:
+                stream = await trio.open_tcp_stream(*stack.supervisor.bound[0])
+            except OSError:
+                break
+            await stream.aclose()
+            await trio.sleep(0.05)
+
+
+def write(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(json.dumps(document))
+
+
+async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await start_stack(["prefill", "decode", "decode"])
+    fleet = stack.fleet
+    # The running daemon only knows p0 and d1 (d2 exists, unconfigured).
+    base = merge(
+        {
+            "engines": [
+                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
+                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
+            ],
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "serving": {"admission": "open"},
+        },
+        FAST,
+    )
+    path = tmp_path / "narwhal.json"
+    write(path, base)
+    config = load_config(base)
+    # A supervisor of our own: the fixture's has no config file to re-read.
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(Supervisor(config, config_path=str(path)).run)
+        ctx = supervisor.ctx
+        assert isinstance(ctx, ServingContext)
+        fleet[1].set_faults(stall_after_tokens=2, stall_s=0.6, leg="decode", count=1)
+        async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
+            assert await reader.event() is not None  # resident on d1
+            new = merge(base, {"serving": {"max_connections": 32, "request_timeout_s": 30.0}})
+            new["engines"] = [
+                base["engines"][0],
+                {"id": "d2", "url": fleet[2].url, "role": "decode", "model": MODEL},
+            ]
+            new["listen"] = {"host": "127.0.0.1", "port": 1}
+            write(path, new)
+            result = await supervisor.reload()
+            assert result.applied
+            assert result.plan is not None
+            assert result.plan.engines_added == ("d2",)
+            assert result.plan.engines_removed == ("d1",)
+            assert [c.path for c in result.plan.restart_required] == ["listen.port"]
+            assert [e.id for e in ctx.fleet] == ["p0", "d2"]
+            assert [e.id for e in ctx.fleet.retiring] == ["d1"]
+            assert ctx.gate.statistics().max_admitted == 32
+            assert ctx.config.serving.request_timeout_s == 30.0
+            assert ctx.config.listen.port == 0  # kept: it needs a restart
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.post(
+                    f"{supervisor.url}/v1/completions", json={**BODY, "stream": False}
+                )
+            assert response.status_code == 200
+            assert fleet[2].state()["counters"]["requests"]["decode"] >= 1
+            events = await read_all(reader)
+        assert events[-1] == "[DONE]"
+        await wait_for(lambda: not ctx.fleet.retiring)
+
+        write(path, {**new, "serving": {"max_connections": 0}, "bogus": 1})
+        rejected = await supervisor.reload()
+        assert not rejected.applied
+        assert rejected.errors == (
+            "serving.max_connections: 0 must be at least 1",
+            "bogus: unknown key",
+        )
+        assert ctx.gate.statistics().max_admitted == 32
+        assert [e.id for e in ctx.fleet] == ["p0", "d2"]
+        supervisor.request_shutdown()
