@@ -66,11 +66,11 @@ class Operations:
             assert request.role is not None
             old_role = engine.role
             engine.role = cast(Role, request.role)
+            if old_role != engine.role:
+                self._log(engine, "role", old_role, engine.role)
             result = self._flag(engine, "pinned", True)
             result["role"] = engine.role
             result["previous_role"] = old_role
-            if old_role != engine.role:
-                self._log(engine, "role", old_role, engine.role)
             return result
         if command == "unpin":
             result = self._flag(engine, "pinned", False)
