@@ -76,7 +76,7 @@ class Notifier:
                 "sd_notify to %s failed: %s",
                 self.address,
                 exc,
-                extra={"event": "notify", "outcome": "failed", "message": message},
+                extra={"event": "notify", "outcome": "failed", "notify_message": message},
             )
             return False
         if lines != ("WATCHDOG=1",):

@@ -152,3 +152,18 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
         assert ctx.gate.statistics().max_admitted == 32
         assert [e.id for e in ctx.fleet] == ["p0", "d2"]
         supervisor.request_shutdown()
+
+
+async def test_a_second_shutdown_request_skips_the_rest_of_the_grace(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(recovery={"shutdown_grace_s": 30.0})
+    stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as reader:
+        assert await reader.event() is not None
+        stack.supervisor.request_shutdown()
+        await wait_for(lambda: stack.supervisor.stopping)
+        stack.supervisor.request_shutdown()  # the operator insists (a second SIGTERM)
+        with trio.fail_after(5):
+            events = await read_all(reader)
+    assert json.loads(events[-1])["error"]["code"] == "shutting_down"
