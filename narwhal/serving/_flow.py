@@ -331,7 +331,8 @@ class Flow:
                 if not ctx.retry_budget.try_spend():
                     failure.message += " (retry budget exhausted)"
                     raise
-                excluded.add(failure.engine_id)
+                if failure.exclude_on_retry:
+                    excluded.add(failure.engine_id)
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
                 await trio.sleep(
@@ -430,6 +431,9 @@ class Flow:
                 retryable=True,
                 counts_against_engine=False,
                 code="handoff_expired",
+                # The wait was for a decode slot, not an engine fault: the same decode
+                # engine may well have room by the time the fresh prefill is done.
+                exclude_on_retry=False,
             ) from None
         finally:
             if not handed_over:
