@@ -38,16 +38,9 @@ request_like = st.fixed_dictionaries(
 )
 
 
-def parse(raw: bytes, kind: str) -> ClientRequest | BadRequest:
+def parse(raw: bytes, kind: EndpointKind) -> ClientRequest | BadRequest:
     try:
-        return parse_body(
-            raw,
-            kind=kind,
-            request_id="r",
-            models=("m",),
-            arrival=0.0,
-            deadline=1.0,  # type: ignore[arg-type]
-        )
+        return parse_body(raw, kind=kind, request_id="r", models=("m",), arrival=0.0, deadline=1.0)
     except BadRequest as exc:
         return exc
 
