@@ -131,9 +131,8 @@ def test_excluded_and_blocked_engines_are_not_priced() -> None:
 def test_aggregate_paths_stay_inside_the_measured_region() -> None:
     both = [Priced(view("b0", "both"), Linear(0.0001, lo=16, hi=4096), Flat(0.01))]
     inside = quote_paths(both, prompt_tokens=4000, handoff_s=0.5)
-    assert [(q.engine, q.mode, q.ttft_s) for q in inside] == [
-        ("b0", "aggregate", pytest.approx(0.41))
-    ]
+    assert [(q.engine, q.mode) for q in inside] == [("b0", "aggregate")]
+    assert inside[0].ttft_s == pytest.approx(0.41)
     assert quote_paths(both, prompt_tokens=5000, handoff_s=0.0) == []
 
 
