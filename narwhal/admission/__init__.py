@@ -7,8 +7,11 @@ from ._pricing import (
     PathQuote as PathQuote,
     PrefillCurve as PrefillCurve,
     Priced as Priced,
+    ProfileSource as ProfileSource,
     Verdict as Verdict,
     judge as judge,
+    placement_policy as placement_policy,
+    price_fleet as price_fleet,
     quote_paths as quote_paths,
 )
 from ._retry import (

@@ -30,6 +30,7 @@ from typing import Protocol
 import attrs
 
 from ..fleet import EngineView
+from ..placement import Policy
 
 
 class PrefillCurve(Protocol):
@@ -231,3 +232,67 @@ class BacklogBook:
 
     def waits(self, now: float) -> Mapping[str, float]:
         return {engine_id: self.wait_s(engine_id, now) for engine_id in self.finish}
+
+
+class ProfileSource(Protocol):
+    """Where pricing gets each engine's curves (the profile store, adapted)."""
+
+    def prefill_curve(self, engine_id: str) -> PrefillCurve | None: ...
+
+    def decode_curve(self, engine_id: str) -> DecodeCurve | None: ...
+
+    def handoff_s(self, prompt_tokens: int) -> float: ...
+
+    def decode_correction(self, engine_id: str) -> float: ...
+
+
+def price_fleet(
+    views: Iterable[EngineView], source: ProfileSource, backlog: BacklogBook, now: float
+) -> dict[str, Priced]:
+    return {
+        view.id: Priced(
+            view,
+            source.prefill_curve(view.id),
+            source.decode_curve(view.id),
+            backlog.wait_s(view.id, now),
+            source.decode_correction(view.id),
+        )
+        for view in views
+    }
+
+
+def placement_policy(
+    priced: Mapping[str, Priced],
+    *,
+    prompt_tokens: int,
+    handoff_s: float,
+    ttft_budget_s: float,
+    tpot_target_s: float,
+) -> Policy:
+    """Placement's projected-SLO filters and costs (manual 5), from the same prices.
+
+    A prefill engine complies when its path's projected TTFT fits the budget; a decode
+    engine when its projected interval with this request added fits the TPOT target.
+    Costs are the projected seconds themselves, so the cheapest compliant engine wins.
+    """
+    first_step = min(
+        (p.first_step_s(prompt_tokens) for p in priced.values() if p.view.role == "decode"),
+        default=0.0,
+    )
+
+    def prefill_seconds(view: EngineView) -> float:
+        p = priced[view.id]
+        if p.prefill is None:
+            return math.inf
+        return p.backlog_s + max(0.0, p.prefill.prefill_s(prompt_tokens))
+
+    def decode_seconds(view: EngineView) -> float:
+        p = priced[view.id]
+        return math.inf if p.decode is None else p.first_step_s(prompt_tokens)
+
+    return Policy(
+        prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,
+        decode_ok=lambda v: decode_seconds(v) <= tpot_target_s,
+        prefill_cost=prefill_seconds,
+        decode_cost=decode_seconds,
+    )
