@@ -62,14 +62,16 @@ class LawProfiles:
         return 1.0
 
 
-async def predictive_stack(start_stack: StartStack, ttft_s: float, **serving: object) -> Stack:
+async def predictive_stack(
+    start_stack: StartStack, ttft_s: float, speed: float = SPEED, **serving: object
+) -> Stack:
     stack = await start_stack(
         ["prefill", "decode"],
-        speed=SPEED,
+        speed=speed,
         slo={"ttft_s": ttft_s, "tpot_s": 0.05},
         serving={"admission": "predictive", **serving},
     )
-    stack.ctx.profiles = LawProfiles()
+    stack.ctx.profiles = LawProfiles(speed=speed)
     return stack
 
 
@@ -102,9 +104,9 @@ async def test_a_prompt_that_cannot_meet_the_target_even_idle(start_stack: Start
 
 
 async def test_backlog_refusals_carry_a_plausible_retry_after(start_stack: StartStack) -> None:
-    # Each 8000-token prefill takes ~11 ms at speed 20; a burst of 40 builds ~0.4 s of
-    # backlog on the one prefill engine, far beyond a 60 ms budget.
-    stack = await predictive_stack(start_stack, ttft_s=0.06)
+    # Each 8000-token prefill takes ~0.12 s at speed 2; a burst of 40 would build ~5 s
+    # of backlog on the one prefill engine, far beyond a 0.6 s budget.
+    stack = await predictive_stack(start_stack, ttft_s=0.6, speed=2.0)
     responses: list[httpx.Response] = []
 
     async def one(client: httpx.AsyncClient) -> None:
