@@ -486,19 +486,19 @@ class Flow:
                 )
         except _HandoffExpired:
             age = trio.current_time() - prefill_started
-            raise EngineFailed(
-                f"kv handoff from {prefill.id} to {decode.id} expired after {age:.3f}s "
+            raise _failed(
+                decode,
+                "decode",
+                "handoff_expired",
+                f"kv handoff from {prefill.id} expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
                 status=503,
-                engine_id=decode.id,
-                phase="decode",
                 retryable=True,
-                counts_against_engine=False,
-                code="handoff_expired",
+                counts=False,
                 # The wait was for a decode slot, not an engine fault: the same decode
                 # engine may well have room by the time the fresh prefill is done.
-                exclude_on_retry=False,
+                exclude=False,
             ) from None
         finally:
             if not handed_over:
@@ -659,24 +659,10 @@ class Flow:
             ) as response:
                 yield response
         except ConnectError as exc:
-            raise EngineFailed(
-                f"{phase} engine {engine.id}: {exc}",
-                status=502,
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=True,
-                code="engine_unreachable",
-            ) from None
+            raise _failed(engine, phase, "engine_unreachable", str(exc), retryable=True) from None
         except RemoteProtocolError as exc:
-            raise EngineFailed(
-                f"{phase} engine {engine.id}: {exc}",
-                status=502,
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=True,
-                code="engine_connection_lost",
+            raise _failed(
+                engine, phase, "engine_connection_lost", str(exc), retryable=True
             ) from None
         except PoolTimeout as exc:
             # Local starvation is not the engine's fault and is not retried (manual 4.2).
@@ -728,27 +714,23 @@ class Flow:
                 try:
                     raw = await response.aread(limit)
                 except ResponseTooLarge:
-                    raise EngineFailed(
-                        f"{phase} engine {engine.id} response exceeds "
-                        f"serving.max_response_bytes={limit}",
-                        status=502,
-                        engine_id=engine.id,
-                        phase=phase,
-                        retryable=False,
-                        counts_against_engine=False,
-                        code="response_too_large",
+                    raise _failed(
+                        engine,
+                        phase,
+                        "response_too_large",
+                        f"response exceeds serving.max_response_bytes={limit}",
+                        counts=False,
                     ) from None
         if not timer.cancelled_caught:
             self.ctx.leg_observer.leg_ok(engine, phase, trio.current_time() - started)
             return raw
-        raise EngineFailed(
-            f"{phase} engine {engine.id} exceeded {timeout_setting}={timeout_s}",
+        raise _failed(
+            engine,
+            phase,
+            timeout_code,
+            f"exceeded {timeout_setting}={timeout_s}",
             status=504,
-            engine_id=engine.id,
-            phase=phase,
             retryable=True,
-            counts_against_engine=True,
-            code=timeout_code,
         )
 
     async def _decode_leg(
@@ -833,6 +815,7 @@ async def _relay(
                         phase,
                         "engine_stream_truncated",
                         "stream ended without the [DONE] terminator",
+                        retryable=True,
                     )
                 if first_at is not None:
                     timer.deadline = now + gap  # partial lines and metadata reset it too
@@ -893,6 +876,7 @@ async def _relay(
                 f"no first token within engine.first_token_timeout_s="
                 f"{config.engine.first_token_timeout_s}",
                 status=504,
+                retryable=True,
             )
         raise _failed(
             engine,
@@ -913,18 +897,27 @@ async def _relay(
 
 
 def _failed(
-    engine: EngineState, phase: LegPhase, code: str, detail: str, *, status: int = 502
+    engine: EngineState,
+    phase: LegPhase,
+    code: str,
+    detail: str,
+    *,
+    status: int = 502,
+    retryable: bool = False,
+    counts: bool = True,
+    exclude: bool = True,
 ) -> EngineFailed:
+    """An engine leg's failure. `retryable` means transient (manual 4.2); whether a retry
+    happens also depends on visible output, attempts and the budget (see _attempts)."""
     return EngineFailed(
         f"{phase} engine {engine.id}: {detail}",
         status=status,
         engine_id=engine.id,
         phase=phase,
-        # Raised once output may be visible; the attempt loop will not retry it anyway,
-        # but a timeout before any output is the engine's fault and transient.
-        retryable=code in ("first_token_timeout", "engine_stream_truncated"),
-        counts_against_engine=True,
+        retryable=retryable,
+        counts_against_engine=counts,
         code=code,
+        exclude_on_retry=exclude,
     )
 
 
@@ -968,14 +961,8 @@ def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
     try:
         return json.loads(raw)
     except ValueError:
-        raise EngineFailed(
-            f"{phase} engine {engine.id} returned a body that is not JSON",
-            status=502,
-            engine_id=engine.id,
-            phase=phase,
-            retryable=False,
-            counts_against_engine=True,
-            code="engine_bad_response",
+        raise _failed(
+            engine, phase, "engine_bad_response", "returned a body that is not JSON"
         ) from None
 
 

@@ -6,7 +6,8 @@ import attrs
 import pytest
 
 from narwhal.admission import BacklogBook, Priced, judge, quote_paths
-from narwhal.fleet import EngineView
+
+from ..support import engine_view
 
 
 @attrs.frozen
@@ -36,21 +37,7 @@ class Flat:
         return active <= self.max_active
 
 
-def view(engine_id: str, role: str, **kw: object) -> EngineView:
-    fields: dict[str, object] = {
-        "id": engine_id,
-        "role": role,
-        "prefill_blocked": None,
-        "decode_blocked": None,
-        "prefill_inflight": 0,
-        "prefill_tokens_inflight": 0,
-        "prefill_slots_free": float("inf"),
-        "decode_active": 0,
-        "decode_tokens": 0,
-        "decode_slots_free": float("inf"),
-    }
-    fields.update(kw)
-    return EngineView(**fields)  # type: ignore[arg-type]
+view = engine_view
 
 
 def fleet(backlog_p0: float = 0.0, backlog_p1: float = 0.0) -> list[Priced]:

@@ -5,25 +5,11 @@ from __future__ import annotations
 
 import attrs
 
-from narwhal.fleet import EngineView
 from narwhal.placement import NoPlacement, Placement, Policy, choose
 
+from ..support import engine_view
 
-def view(engine_id: str, role: str, **kw: object) -> EngineView:
-    fields: dict[str, object] = {
-        "id": engine_id,
-        "role": role,
-        "prefill_blocked": None,
-        "decode_blocked": None,
-        "prefill_inflight": 0,
-        "prefill_tokens_inflight": 0,
-        "prefill_slots_free": float("inf"),
-        "decode_active": 0,
-        "decode_tokens": 0,
-        "decode_slots_free": float("inf"),
-    }
-    fields.update(kw)
-    return EngineView(**fields)  # type: ignore[arg-type]
+view = engine_view
 
 
 FLEET = (

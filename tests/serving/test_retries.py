@@ -93,8 +93,8 @@ async def test_expired_handoff_is_redone_with_a_fresh_prefill(start_stack: Start
         ["prefill", "decode"],
         serving={**RETRYING, "decode_concurrency": 1, "handoff_timeout_s": 0.3},
     )
-    stack.fleet[1].set_faults(stall_after_tokens=1, stall_s=0.6, leg="decode", count=1)
-    # The first request holds the only decode slot for ~0.6 s; the second request's
+    stack.fleet[1].set_faults(stall_after_tokens=1, stall_s=0.45, leg="decode", count=1)
+    # The first request holds the only decode slot for ~0.45 s; the second request's
     # handoff waits for it past the 0.3 s cap, so it is redone instead of decoding
     # against possibly released blocks.
     async with trio.open_nursery() as nursery:
