@@ -113,8 +113,10 @@ class EngineFailed(NarwhalError):
         code: str | None = None,
         param: str | None = None,
         error_type: str | None = None,
+        exclude_on_retry: bool = True,
     ) -> None:
         super().__init__(message, code=code, param=param)
+        self.exclude_on_retry = exclude_on_retry
         self.status = status
         self.engine_id = engine_id
         self.phase = phase

@@ -11,6 +11,7 @@ import h11
 import httpx
 import trio
 
+from narwhal.fleet import EngineView
 from narwhal.sim import Fleet
 
 StartFleet = Callable[..., Awaitable[Fleet]]
@@ -145,3 +146,21 @@ async def send_raw_request(
     head.extend(f"{k}: {v}" for k, v in (headers or {"content-length": str(len(body))}).items())
     await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode() + body)
     return stream
+
+
+def engine_view(engine_id: str, role: str, **fields: object) -> EngineView:
+    """An idle, available engine view; keyword arguments override any field."""
+    values: dict[str, object] = {
+        "id": engine_id,
+        "role": role,
+        "prefill_blocked": None,
+        "decode_blocked": None,
+        "prefill_inflight": 0,
+        "prefill_tokens_inflight": 0,
+        "prefill_slots_free": float("inf"),
+        "decode_active": 0,
+        "decode_tokens": 0,
+        "decode_slots_free": float("inf"),
+    }
+    values.update(fields)
+    return EngineView(**values)  # type: ignore[arg-type]

@@ -1,6 +1,19 @@
 """Admission: the global gate and queue, retries, and (with profiles) TTFT pricing."""
 
 from ._gate import AdmissionGate as AdmissionGate, GateStatistics as GateStatistics
+from ._pricing import (
+    BacklogBook as BacklogBook,
+    DecodeCurve as DecodeCurve,
+    PathQuote as PathQuote,
+    PrefillCurve as PrefillCurve,
+    Priced as Priced,
+    ProfileSource as ProfileSource,
+    Verdict as Verdict,
+    judge as judge,
+    placement_policy as placement_policy,
+    price_fleet as price_fleet,
+    quote_paths as quote_paths,
+)
 from ._retry import (
     RetryBudget as RetryBudget,
     backoff_ceiling as backoff_ceiling,

@@ -196,8 +196,9 @@ def _agree_with_first(cfg: Config, field: str, because: str) -> list[str]:
 
 
 def _bootstrap_ports(cfg: Config) -> list[str]:
-    """`bootstrap_port` is set only on SGLang engines, and never to the engine's own HTTP
-    port. Left `null` on an SGLang engine, the router uses SGLang's default, 8998."""
+    """`bootstrap_port` is set only on SGLang engines. Left `null` on an SGLang engine, the
+    router uses SGLang's default, 8998. (It may equal the HTTP port: narwhal-sim serves its
+    bootstrap endpoints on the engine's own port.)"""
     out: list[str] = []
     for index, spec in enumerate(cfg.engines):
         if spec.bootstrap_port is None:
@@ -208,10 +209,6 @@ def _bootstrap_ports(cfg: Config) -> list[str]:
                 f"{where}: {spec.bootstrap_port} is only used by the sglang dialect "
                 f"(dialect is {spec.dialect!r})"
             )
-            continue
-        _, identity = _url_problem(spec.url)
-        if identity is not None and identity[2] == spec.bootstrap_port:
-            out.append(f"{where}: {spec.bootstrap_port} is the engine's own http port")
     return out
 
 

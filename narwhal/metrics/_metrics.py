@@ -71,6 +71,11 @@ class Metrics:
             ["code"],
             registry=registry,
         )
+        self.unserved_placements = Counter(
+            "narwhal_unserved_placements",
+            "Placements where every candidate missed its projected SLO (least-cost fallback).",
+            registry=registry,
+        )
         self.ttft = Histogram(
             "narwhal_ttft_seconds",
             "Time from ingress to the first generated token relayed to the client.",

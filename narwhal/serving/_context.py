@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from .._errors import EngineFailed, NarwhalError
-from ..admission import AdmissionGate, RetryBudget
+from ..admission import AdmissionGate, BacklogBook, ProfileSource, RetryBudget
 from ..config import Config
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
@@ -57,6 +57,25 @@ class RequestRecord:
     abort: NarwhalError | None = None
 
 
+@attrs.frozen
+class DemandEvent:
+    """One offered request once its admission was decided: the controller's demand input.
+
+    Refusals are offered demand too (manual 7.6), so they are recorded, not dropped.
+    """
+
+    at: float
+    prompt_tokens: int
+    max_tokens: int | None
+    admitted: bool
+    reason: str | None = None
+
+
+# Enough for the longest demand window at a few hundred requests per second; the monitor
+# drains it every pass, so this only bounds memory if the monitor stops.
+DEMAND_EVENTS_MAX = 100_000
+
+
 class ServingContext:
     def __init__(self, config: Config, *, seed: int | None = None) -> None:
         self.config = config
@@ -87,6 +106,12 @@ class ServingContext:
         # Other subsystems (controller, recovery) add sections to /narwhal/state.
         self.state_providers: list[tuple[str, Callable[[], object]]] = []
         self.leg_observer: LegObserver = _NoObserver()
+        # Predictive admission: the profile source (None until profiles are loaded) and
+        # the prefill work committed to each engine.
+        self.profiles: ProfileSource | None = None
+        self.backlog = BacklogBook()
+        self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
+        self.unserved_placements = 0
 
     @property
     def retained_ceiling(self) -> int:

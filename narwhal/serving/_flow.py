@@ -44,7 +44,7 @@ from .._errors import (
     Unavailable,
     client_status_for_engine_status,
 )
-from ..admission import full_jitter
+from ..admission import full_jitter, judge, placement_policy, price_fleet, quote_paths
 from ..config import Config
 from ..engines import (
     ENDPOINT_PATHS,
@@ -70,7 +70,7 @@ from ..engines._dialects import (
 )
 from ..engines._sse import SseOverflow
 from ..fleet import EngineState
-from ..placement import NoPlacement, Placement, choose
+from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
     ClientGone,
@@ -80,7 +80,7 @@ from ._client import (
     read_body,
     watch_disconnect,
 )
-from ._context import RequestRecord, ServingContext, log
+from ._context import DemandEvent, RequestRecord, ServingContext, log
 from ._request import ClientRequest, parse_body, request_id_from_header
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
@@ -253,11 +253,68 @@ class Flow:
         tokens, method = await self._count_tokens(request, config)
         record.prompt_tokens = tokens
         record.token_count_method = method
-        record.stage = "queued"
         serving = config.serving
-        async with ctx.gate.admitted(queue_timeout_s=serving.queue_timeout_s) as waited:
-            ctx.metrics.queue_wait.observe(waited)
-            await self._attempts(request, tokens, config, client, record)
+        if serving.admission == "predictive":
+            self._admit_predictively(request, tokens, config)
+        record.stage = "queued"
+        try:
+            async with ctx.gate.admitted(queue_timeout_s=serving.queue_timeout_s) as waited:
+                self._offered(request, tokens, admitted=True)
+                ctx.metrics.queue_wait.observe(waited)
+                await self._attempts(request, tokens, config, client, record)
+        except Refused as refusal:
+            if refusal.code in ("queue_full", "queue_timeout"):
+                self._offered(request, tokens, admitted=False, reason=refusal.code)
+            raise
+
+    def _offered(
+        self, request: ClientRequest, tokens: int, *, admitted: bool, reason: str | None = None
+    ) -> None:
+        self.ctx.demand_events.append(
+            DemandEvent(trio.current_time(), tokens, request.max_tokens, admitted, reason)
+        )
+
+    def _admit_predictively(self, request: ClientRequest, tokens: int, config: Config) -> None:
+        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget."""
+        ctx = self.ctx
+        if ctx.profiles is None:
+            raise Unavailable(
+                "serving.admission is predictive but no usable engine profile is loaded "
+                f"(profiles.path={config.profiles.path}); run narwhal-profile, or set "
+                "serving.admission to open",
+                code="no_profile",
+            )
+        now = trio.current_time()
+        priced = price_fleet(ctx.fleet.views(now), ctx.profiles, ctx.backlog, now)
+        quotes = quote_paths(
+            priced.values(), prompt_tokens=tokens, handoff_s=ctx.profiles.handoff_s(tokens)
+        )
+        verdict = judge(
+            quotes,
+            prompt_tokens=tokens,
+            ttft_target_s=config.slo.ttft_s,
+            margin=config.serving.admission_margin,
+        )
+        if verdict.admitted:
+            return
+        assert verdict.code is not None
+        self._offered(request, tokens, admitted=False, reason=verdict.code)
+        if verdict.code == "no_priced_path":
+            raise Unavailable(verdict.message, code=verdict.code)
+        raise Refused(verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s)
+
+    def _policy(self, tokens: int, config: Config) -> Policy:
+        ctx = self.ctx
+        if config.serving.admission != "predictive" or ctx.profiles is None:
+            return DEFAULT_POLICY
+        now = trio.current_time()
+        return placement_policy(
+            price_fleet(ctx.fleet.views(now), ctx.profiles, ctx.backlog, now),
+            prompt_tokens=tokens,
+            handoff_s=ctx.profiles.handoff_s(tokens),
+            ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
+            tpot_target_s=config.slo.tpot_s,
+        )
 
     async def _count_tokens(self, request: ClientRequest, config: Config) -> tuple[int, str]:
         """Exact prompt length from the engine's /tokenize, else the chars fallback."""
@@ -317,9 +374,17 @@ class Flow:
         while True:
             attempt += 1
             record.attempts = attempt
-            placement = choose(ctx.fleet.views(trio.current_time()), excluded=frozenset(excluded))
+            placement = choose(
+                ctx.fleet.views(trio.current_time()),
+                excluded=frozenset(excluded),
+                policy=self._policy(tokens, config),
+            )
             if isinstance(placement, NoPlacement):
                 raise Unavailable(placement.reason, code="no_engine_available")
+            if placement.unserved:
+                # Manual 5: every candidate misses its projected SLO; run on the cheapest.
+                ctx.unserved_placements += 1
+                ctx.metrics.unserved_placements.inc()
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
             try:
@@ -331,7 +396,8 @@ class Flow:
                 if not ctx.retry_budget.try_spend():
                     failure.message += " (retry budget exhausted)"
                     raise
-                excluded.add(failure.engine_id)
+                if failure.exclude_on_retry:
+                    excluded.add(failure.engine_id)
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
                 await trio.sleep(
@@ -421,16 +487,19 @@ class Flow:
                 )
         except _HandoffExpired:
             age = trio.current_time() - prefill_started
-            raise EngineFailed(
-                f"kv handoff from {prefill.id} to {decode.id} expired after {age:.3f}s "
+            raise _failed(
+                decode,
+                "decode",
+                "handoff_expired",
+                f"kv handoff from {prefill.id} expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
                 status=503,
-                engine_id=decode.id,
-                phase="decode",
                 retryable=True,
-                counts_against_engine=False,
-                code="handoff_expired",
+                counts=False,
+                # The wait was for a decode slot, not an engine fault: the same decode
+                # engine may well have room by the time the fresh prefill is done.
+                exclude=False,
             ) from None
         finally:
             if not handed_over:
@@ -545,8 +614,18 @@ class Flow:
         """Hold one of the engine's phase slots (serving.*_concurrency) and account load."""
         limiter = engine.prefill_limiter if phase == "prefill" else engine.decode_limiter
         borrower = object()
-        with trio.CancelScope(deadline=not_after) as wait:
-            await limiter.acquire_on_behalf_of(borrower)
+        backlog = self.ctx.backlog
+        curve = None if self.ctx.profiles is None else self.ctx.profiles.prefill_curve(engine.id)
+        if phase == "prefill" and curve is not None:
+            # Committed when the leg is placed, so later arrivals see it while it waits.
+            backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time())
+        try:
+            with trio.CancelScope(deadline=not_after) as wait:
+                await limiter.acquire_on_behalf_of(borrower)
+        except BaseException:
+            if phase == "prefill" and curve is not None:
+                backlog.release(engine.id, trio.current_time())
+            raise
         if wait.cancelled_caught or trio.current_time() > not_after:
             if not wait.cancelled_caught:
                 limiter.release_on_behalf_of(borrower)
@@ -563,6 +642,8 @@ class Flow:
             if phase == "prefill":
                 engine.prefill_inflight -= 1
                 engine.prefill_tokens_inflight -= tokens
+                if curve is not None:
+                    backlog.release(engine.id, trio.current_time())
             else:
                 engine.decode_active -= 1
                 engine.decode_tokens -= tokens
@@ -579,24 +660,10 @@ class Flow:
             ) as response:
                 yield response
         except ConnectError as exc:
-            raise EngineFailed(
-                f"{phase} engine {engine.id}: {exc}",
-                status=502,
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=True,
-                code="engine_unreachable",
-            ) from None
+            raise _failed(engine, phase, "engine_unreachable", str(exc), retryable=True) from None
         except RemoteProtocolError as exc:
-            raise EngineFailed(
-                f"{phase} engine {engine.id}: {exc}",
-                status=502,
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=True,
-                code="engine_connection_lost",
+            raise _failed(
+                engine, phase, "engine_connection_lost", str(exc), retryable=True
             ) from None
         except PoolTimeout as exc:
             # Local starvation is not the engine's fault and is not retried (manual 4.2).
@@ -648,27 +715,23 @@ class Flow:
                 try:
                     raw = await response.aread(limit)
                 except ResponseTooLarge:
-                    raise EngineFailed(
-                        f"{phase} engine {engine.id} response exceeds "
-                        f"serving.max_response_bytes={limit}",
-                        status=502,
-                        engine_id=engine.id,
-                        phase=phase,
-                        retryable=False,
-                        counts_against_engine=False,
-                        code="response_too_large",
+                    raise _failed(
+                        engine,
+                        phase,
+                        "response_too_large",
+                        f"response exceeds serving.max_response_bytes={limit}",
+                        counts=False,
                     ) from None
         if not timer.cancelled_caught:
             self.ctx.leg_observer.leg_ok(engine, phase, trio.current_time() - started)
             return raw
-        raise EngineFailed(
-            f"{phase} engine {engine.id} exceeded {timeout_setting}={timeout_s}",
+        raise _failed(
+            engine,
+            phase,
+            timeout_code,
+            f"exceeded {timeout_setting}={timeout_s}",
             status=504,
-            engine_id=engine.id,
-            phase=phase,
             retryable=True,
-            counts_against_engine=True,
-            code=timeout_code,
         )
 
     async def _decode_leg(
@@ -753,6 +816,7 @@ async def _relay(
                         phase,
                         "engine_stream_truncated",
                         "stream ended without the [DONE] terminator",
+                        retryable=True,
                     )
                 if first_at is not None:
                     timer.deadline = now + gap  # partial lines and metadata reset it too
@@ -813,6 +877,7 @@ async def _relay(
                 f"no first token within engine.first_token_timeout_s="
                 f"{config.engine.first_token_timeout_s}",
                 status=504,
+                retryable=True,
             )
         raise _failed(
             engine,
@@ -833,18 +898,27 @@ async def _relay(
 
 
 def _failed(
-    engine: EngineState, phase: LegPhase, code: str, detail: str, *, status: int = 502
+    engine: EngineState,
+    phase: LegPhase,
+    code: str,
+    detail: str,
+    *,
+    status: int = 502,
+    retryable: bool = False,
+    counts: bool = True,
+    exclude: bool = True,
 ) -> EngineFailed:
+    """An engine leg's failure. `retryable` means transient (manual 4.2); whether a retry
+    happens also depends on visible output, attempts and the budget (see _attempts)."""
     return EngineFailed(
         f"{phase} engine {engine.id}: {detail}",
         status=status,
         engine_id=engine.id,
         phase=phase,
-        # Raised once output may be visible; the attempt loop will not retry it anyway,
-        # but a timeout before any output is the engine's fault and transient.
-        retryable=code in ("first_token_timeout", "engine_stream_truncated"),
-        counts_against_engine=True,
+        retryable=retryable,
+        counts_against_engine=counts,
         code=code,
+        exclude_on_retry=exclude,
     )
 
 
@@ -888,14 +962,8 @@ def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
     try:
         return json.loads(raw)
     except ValueError:
-        raise EngineFailed(
-            f"{phase} engine {engine.id} returned a body that is not JSON",
-            status=502,
-            engine_id=engine.id,
-            phase=phase,
-            retryable=False,
-            counts_against_engine=True,
-            code="engine_bad_response",
+        raise _failed(
+            engine, phase, "engine_bad_response", "returned a body that is not JSON"
         ) from None
 
 

@@ -72,11 +72,18 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "mode": ctx.config.serving.admission,
             "retained": ctx.retained,
             "retained_ceiling": ctx.retained_ceiling,
+            "ttft_budget_s": ctx.config.slo.ttft_s * (1.0 + ctx.config.serving.admission_margin),
             "admitted": gate.admitted,
             "max_admitted": gate.max_admitted,
             "queue_depth": gate.waiting,
             "queue_capacity": gate.queue_capacity,
             "unsized_offers": ctx.unsized_offers,
+            "unserved_placements": ctx.unserved_placements,
+            "profiles_loaded": ctx.profiles is not None,
+            "prefill_backlog_s": {
+                engine_id: round(wait, 6)
+                for engine_id, wait in sorted(ctx.backlog.waits(now).items())
+            },
         },
         "retry_budget": {
             "level": round(budget.level, 3),

@@ -95,16 +95,6 @@ def test_bootstrap_port_is_for_sglang_only() -> None:
     ]
 
 
-def test_bootstrap_port_is_not_the_http_port() -> None:
-    engines = [
-        engine(0, "prefill", dialect="sglang", bootstrap_port=8100),
-        engine(1, "decode", dialect="sglang"),
-    ]
-    assert problems(document(engines=engines)) == [
-        "engines[0].bootstrap_port: 8100 is the engine's own http port"
-    ]
-
-
 def test_sglang_bootstrap_port_may_be_left_to_the_default() -> None:
     engines = [engine(0, "prefill", dialect="sglang"), engine(1, "decode", dialect="sglang")]
     config = load_config(document(engines=engines))

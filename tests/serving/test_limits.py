@@ -194,3 +194,31 @@ async def test_a_client_that_stops_reading_is_disconnected(start_stack: StartSta
     state = await settled(stack)
     assert state["requests"]["outcomes"] == {"client_disconnected": 1}
     await stream.aclose()
+
+
+async def test_phase_concurrency_caps_what_each_engine_holds(start_stack: StartStack) -> None:
+    stack = await start_stack(serving={"prefill_concurrency": 1, "decode_concurrency": 2})
+    stack.fleet[0].set_faults(stall_before_first_token_s=0.3, leg="prefill")
+    stack.fleet[1].set_faults(stall_after_tokens=1, stall_s=0.5, leg="decode")
+
+    async def one() -> None:
+        response = await post(stack, {"max_tokens": 3})
+        assert response.status_code == 200
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(one)
+        await wait_for(lambda: stack.ctx.retained == 4)
+        await wait_for(lambda: stack.fleet[0].state()["counters"]["requests"]["prefill"] == 1)
+        prefill = stack.ctx.fleet.get("p0")
+        assert prefill is not None
+        assert prefill.prefill_limiter.borrowed_tokens == 1
+        assert prefill.prefill_limiter.statistics().tasks_waiting == 3
+        await wait_for(
+            lambda: stack.fleet[1].state()["counters"]["requests"]["decode"] == 2, within_s=10
+        )
+        decode = stack.ctx.fleet.get("d1")
+        assert decode is not None
+        assert decode.decode_limiter.borrowed_tokens == 2
+        assert stack.fleet[1].state()["running"] + stack.fleet[1].state()["waiting"] <= 2
+    await settled(stack)

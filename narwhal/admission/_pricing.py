@@ -1,0 +1,298 @@
+"""Predictive admission: price every prefill path against the TTFT target (manual 4.1).
+
+Pure: a decision is a function of engine views, their profiles, the prefill backlog each
+engine already has, and the request's prompt length. No trio, no I/O.
+
+A prefill path's projected TTFT is
+
+    wait (prefill work already committed to the engine, drained at one second per second)
+  + prefill_s(prompt tokens) on that engine's profile
+  + the KV handoff estimate for the prompt (disaggregated paths)
+  + one decode step on the decode side (the first token after the KV lands)
+
+and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin).
+When it does not fit, the refusal says why: if even an idle engine would miss the target
+the prompt itself is the problem (shorten it or raise the target, no Retry-After, because
+waiting will not help); otherwise the backlog is, and Retry-After is the time until the
+cheapest path's backlog has drained enough to fit.
+
+Aggregate (single-engine) paths are only offered inside the region the profile measured:
+an aggregate engine mixes prefill chunks into its decode steps, so an extrapolated
+prediction there is not safe to admit on (manual 4.1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+import attrs
+
+from ..fleet import EngineView
+from ..placement import Policy
+
+
+class PrefillCurve(Protocol):
+    def prefill_s(self, n: int) -> float: ...
+
+    def in_domain(self, n: int) -> bool: ...
+
+
+class DecodeCurve(Protocol):
+    def interval_s(self, active: int, kv_tokens: int) -> float: ...
+
+    def in_domain(self, active: int, kv_tokens: int) -> bool: ...
+
+
+@attrs.frozen
+class Priced:
+    """One engine with what pricing needs to know about it."""
+
+    view: EngineView
+    prefill: PrefillCurve | None
+    decode: DecodeCurve | None
+    backlog_s: float = 0.0
+    # Bounded live/profile ratio of decode intervals (manual 7.1); 1.0 = as profiled.
+    decode_correction: float = 1.0
+
+    def first_step_s(self, prompt_tokens: int) -> float:
+        if self.decode is None:
+            return 0.0
+        view = self.view
+        interval = self.decode.interval_s(
+            view.decode_active + 1, view.decode_tokens + prompt_tokens
+        )
+        return max(0.0, interval) * self.decode_correction
+
+
+@attrs.frozen
+class PathQuote:
+    engine: str
+    mode: str  # "disaggregated" or "aggregate"
+    wait_s: float
+    ttft_s: float
+    idle_ttft_s: float
+    in_domain: bool
+
+
+@attrs.frozen
+class Verdict:
+    admitted: bool
+    quote: PathQuote | None
+    code: str | None = None
+    message: str = ""
+    retry_after_s: float | None = None
+
+
+def _usable(priced: Priced, excluded: frozenset[str], phase: str) -> bool:
+    view = priced.view
+    blocked = view.prefill_blocked if phase == "prefill" else view.blocked("aggregate")
+    return blocked is None and view.id not in excluded and priced.prefill is not None
+
+
+def quote_paths(
+    engines: Iterable[Priced],
+    *,
+    prompt_tokens: int,
+    handoff_s: float,
+    excluded: frozenset[str] = frozenset(),
+) -> list[PathQuote]:
+    """Every prefill path a request could take now, cheapest first (ties by engine id).
+
+    Disaggregated paths go through a prefill-role engine and add the handoff and the
+    cheapest decode engine's first step; aggregate paths are "both" engines inside their
+    measured region.
+    """
+    engines = list(engines)
+    decode_side = [
+        p
+        for p in engines
+        if p.view.role == "decode" and p.view.decode_blocked is None and p.view.id not in excluded
+    ]
+    first_step = min((p.first_step_s(prompt_tokens) for p in decode_side), default=math.inf)
+    quotes: list[PathQuote] = []
+    for priced in engines:
+        role = priced.view.role
+        if role == "prefill" and decode_side and _usable(priced, excluded, "prefill"):
+            assert priced.prefill is not None
+            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + handoff_s + first_step
+            quotes.append(
+                PathQuote(
+                    engine=priced.view.id,
+                    mode="disaggregated",
+                    wait_s=priced.backlog_s,
+                    ttft_s=priced.backlog_s + own,
+                    idle_ttft_s=own,
+                    in_domain=priced.prefill.in_domain(prompt_tokens),
+                )
+            )
+        elif role == "both" and _usable(priced, excluded, "aggregate"):
+            assert priced.prefill is not None
+            view = priced.view
+            in_domain = priced.prefill.in_domain(prompt_tokens) and (
+                priced.decode is not None
+                and priced.decode.in_domain(
+                    view.decode_active + 1, view.decode_tokens + prompt_tokens
+                )
+            )
+            if not in_domain:
+                continue
+            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + priced.first_step_s(
+                prompt_tokens
+            )
+            quotes.append(
+                PathQuote(
+                    engine=view.id,
+                    mode="aggregate",
+                    wait_s=priced.backlog_s,
+                    ttft_s=priced.backlog_s + own,
+                    idle_ttft_s=own,
+                    in_domain=True,
+                )
+            )
+    quotes.sort(key=lambda q: (q.ttft_s, q.engine))
+    return quotes
+
+
+def judge(
+    quotes: list[PathQuote],
+    *,
+    prompt_tokens: int,
+    ttft_target_s: float,
+    margin: float,
+) -> Verdict:
+    budget = ttft_target_s * (1.0 + margin)
+    if not quotes:
+        return Verdict(
+            False,
+            None,
+            code="no_priced_path",
+            message=(
+                f"no prefill path can be priced for a {prompt_tokens}-token prompt: every "
+                "available engine lacks a usable profile or (aggregate engines) the prompt "
+                "is outside the measured profile region"
+            ),
+        )
+    best = quotes[0]
+    if best.ttft_s <= budget:
+        return Verdict(True, best)
+    idle_best = min(q.idle_ttft_s for q in quotes)
+    if idle_best > budget:
+        return Verdict(
+            False,
+            best,
+            code="prompt_exceeds_ttft_target",
+            message=(
+                f"a {prompt_tokens}-token prompt is projected to take {idle_best:.3f}s to its "
+                f"first token even on an idle engine, above the TTFT budget {budget:.3f}s "
+                f"(slo.ttft_s={ttft_target_s} with serving.admission_margin={margin}); "
+                "shorten the prompt or raise the TTFT target"
+            ),
+        )
+    return Verdict(
+        False,
+        best,
+        code="ttft_budget",
+        message=(
+            f"projected time to first token {best.ttft_s:.3f}s exceeds the TTFT budget "
+            f"{budget:.3f}s (slo.ttft_s={ttft_target_s} with serving.admission_margin="
+            f"{margin}); {best.wait_s:.3f}s of it is backlog on the cheapest path"
+        ),
+        retry_after_s=best.ttft_s - budget,
+    )
+
+
+@attrs.define
+class BacklogBook:
+    """Prefill work committed to each engine, as a virtual finish time.
+
+    A committed prefill leg of predicted duration d moves the engine's finish time to
+    max(finish, now) + d: the engine works through its prefill backlog at one second per
+    second whether it batches or not, because prefill is compute bound. When the last leg
+    on an engine ends, any prediction error is forgotten by resetting the finish time to
+    now, so errors do not accumulate.
+    """
+
+    finish: dict[str, float] = attrs.Factory(dict)
+    committed: dict[str, int] = attrs.Factory(dict)
+
+    def wait_s(self, engine_id: str, now: float) -> float:
+        return max(0.0, self.finish.get(engine_id, now) - now)
+
+    def commit(self, engine_id: str, predicted_s: float, now: float) -> None:
+        self.finish[engine_id] = max(self.finish.get(engine_id, now), now) + max(0.0, predicted_s)
+        self.committed[engine_id] = self.committed.get(engine_id, 0) + 1
+
+    def release(self, engine_id: str, now: float) -> None:
+        left = self.committed.get(engine_id, 0) - 1
+        self.committed[engine_id] = max(0, left)
+        if left <= 0:
+            self.finish[engine_id] = now
+
+    def waits(self, now: float) -> Mapping[str, float]:
+        return {engine_id: self.wait_s(engine_id, now) for engine_id in self.finish}
+
+
+class ProfileSource(Protocol):
+    """Where pricing gets each engine's curves (the profile store, adapted)."""
+
+    def prefill_curve(self, engine_id: str) -> PrefillCurve | None: ...
+
+    def decode_curve(self, engine_id: str) -> DecodeCurve | None: ...
+
+    def handoff_s(self, prompt_tokens: int) -> float: ...
+
+    def decode_correction(self, engine_id: str) -> float: ...
+
+
+def price_fleet(
+    views: Iterable[EngineView], source: ProfileSource, backlog: BacklogBook, now: float
+) -> dict[str, Priced]:
+    return {
+        view.id: Priced(
+            view,
+            source.prefill_curve(view.id),
+            source.decode_curve(view.id),
+            backlog.wait_s(view.id, now),
+            source.decode_correction(view.id),
+        )
+        for view in views
+    }
+
+
+def placement_policy(
+    priced: Mapping[str, Priced],
+    *,
+    prompt_tokens: int,
+    handoff_s: float,
+    ttft_budget_s: float,
+    tpot_target_s: float,
+) -> Policy:
+    """Placement's projected-SLO filters and costs (manual 5), from the same prices.
+
+    A prefill engine complies when its path's projected TTFT fits the budget; a decode
+    engine when its projected interval with this request added fits the TPOT target.
+    Costs are the projected seconds themselves, so the cheapest compliant engine wins.
+    """
+    first_step = min(
+        (p.first_step_s(prompt_tokens) for p in priced.values() if p.view.role == "decode"),
+        default=0.0,
+    )
+
+    def prefill_seconds(view: EngineView) -> float:
+        p = priced[view.id]
+        if p.prefill is None:
+            return math.inf
+        return p.backlog_s + max(0.0, p.prefill.prefill_s(prompt_tokens))
+
+    def decode_seconds(view: EngineView) -> float:
+        p = priced[view.id]
+        return math.inf if p.decode is None else p.first_step_s(prompt_tokens)
+
+    return Policy(
+        prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,
+        decode_ok=lambda v: decode_seconds(v) <= tpot_target_s,
+        prefill_cost=prefill_seconds,
+        decode_cost=decode_seconds,
+    )

@@ -1,0 +1,145 @@
+"""Predictive admission pricing (manual 4.1), on hand-made latency curves."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from narwhal.admission import BacklogBook, Priced, judge, quote_paths
+
+from ..support import engine_view
+
+
+@attrs.frozen
+class Linear:
+    """prefill_s(n) = per_token·n; measured for n in [lo, hi]."""
+
+    per_token: float
+    lo: int = 1
+    hi: int = 8192
+
+    def prefill_s(self, n: int) -> float:
+        return self.per_token * n
+
+    def in_domain(self, n: int) -> bool:
+        return self.lo <= n <= self.hi
+
+
+@attrs.frozen
+class Flat:
+    interval: float
+    max_active: int = 256
+
+    def interval_s(self, active: int, kv_tokens: int) -> float:
+        return self.interval
+
+    def in_domain(self, active: int, kv_tokens: int) -> bool:
+        return active <= self.max_active
+
+
+view = engine_view
+
+
+def fleet(backlog_p0: float = 0.0, backlog_p1: float = 0.0) -> list[Priced]:
+    return [
+        Priced(view("p0", "prefill"), Linear(0.0001), Flat(0.01), backlog_p0),
+        Priced(view("p1", "prefill"), Linear(0.0002), Flat(0.01), backlog_p1),
+        Priced(view("d0", "decode"), Linear(0.0001), Flat(0.02)),
+        Priced(view("d1", "decode"), Linear(0.0001), Flat(0.01)),
+    ]
+
+
+def test_projected_ttft_adds_wait_prefill_handoff_and_the_first_decode_step() -> None:
+    quotes = quote_paths(fleet(backlog_p0=0.2), prompt_tokens=1000, handoff_s=0.005)
+    assert [(q.engine, q.mode) for q in quotes] == [
+        ("p1", "disaggregated"),
+        ("p0", "disaggregated"),
+    ]
+    p1, p0 = quotes
+    assert p0.ttft_s == pytest.approx(0.2 + 0.1 + 0.005 + 0.01)  # cheapest decode first step
+    assert p0.idle_ttft_s == pytest.approx(0.1 + 0.005 + 0.01)
+    assert p1.ttft_s == pytest.approx(0.2 + 0.005 + 0.01)
+
+
+def test_ties_break_by_engine_id() -> None:
+    engines = [
+        Priced(view("p1", "prefill"), Linear(0.0001), None),
+        Priced(view("p0", "prefill"), Linear(0.0001), None),
+        Priced(view("d0", "decode"), None, Flat(0.01)),
+    ]
+    assert [q.engine for q in quote_paths(engines, prompt_tokens=10, handoff_s=0)] == ["p0", "p1"]
+
+
+def test_admitted_when_the_cheapest_path_fits() -> None:
+    quotes = quote_paths(fleet(), prompt_tokens=1000, handoff_s=0.0)
+    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.2, margin=0.0)
+    assert verdict.admitted
+    assert verdict.quote is not None
+    assert verdict.quote.engine == "p0"
+
+
+def test_backlog_refusal_carries_the_projected_wait() -> None:
+    quotes = quote_paths(fleet(backlog_p0=1.0, backlog_p1=2.0), prompt_tokens=1000, handoff_s=0.0)
+    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.5, margin=0.0)
+    assert not verdict.admitted
+    assert verdict.code == "ttft_budget"
+    # p0: 1.0 wait + 0.1 prefill + 0.01 first step = 1.11 s; budget 0.5 s.
+    assert verdict.retry_after_s == pytest.approx(0.61)
+    assert "exceeds the TTFT budget 0.500s" in verdict.message
+
+
+def test_margin_widens_the_budget() -> None:
+    quotes = quote_paths(fleet(backlog_p0=0.4, backlog_p1=0.4), prompt_tokens=1000, handoff_s=0.0)
+    assert quotes[0].ttft_s == pytest.approx(0.51)
+    assert not judge(quotes, prompt_tokens=1000, ttft_target_s=0.45, margin=0.0).admitted
+    assert judge(quotes, prompt_tokens=1000, ttft_target_s=0.45, margin=0.2).admitted
+
+
+def test_a_prompt_too_long_for_the_target_at_zero_backlog() -> None:
+    quotes = quote_paths(fleet(backlog_p0=3.0), prompt_tokens=8000, handoff_s=0.0)
+    verdict = judge(quotes, prompt_tokens=8000, ttft_target_s=0.5, margin=0.0)
+    assert verdict.code == "prompt_exceeds_ttft_target"
+    assert verdict.retry_after_s is None
+    assert "shorten the prompt or raise the TTFT target" in verdict.message
+    assert "0.810s to its first token even on an idle engine" in verdict.message
+
+
+def test_excluded_and_blocked_engines_are_not_priced() -> None:
+    engines = fleet()
+    engines[0] = attrs.evolve(
+        engines[0], view=view("p0", "prefill", prefill_blocked="breaker open")
+    )
+    quotes = quote_paths(engines, prompt_tokens=10, handoff_s=0, excluded=frozenset({"p1"}))
+    assert quotes == []
+    verdict = judge(quotes, prompt_tokens=10, ttft_target_s=1.0, margin=0.0)
+    assert verdict.code == "no_priced_path"
+
+
+def test_aggregate_paths_stay_inside_the_measured_region() -> None:
+    both = [Priced(view("b0", "both"), Linear(0.0001, lo=16, hi=4096), Flat(0.01))]
+    inside = quote_paths(both, prompt_tokens=4000, handoff_s=0.5)
+    assert [(q.engine, q.mode) for q in inside] == [("b0", "aggregate")]
+    assert inside[0].ttft_s == pytest.approx(0.41)
+    assert quote_paths(both, prompt_tokens=5000, handoff_s=0.0) == []
+
+
+def test_engines_without_profiles_cannot_be_priced() -> None:
+    engines = [
+        Priced(view("p0", "prefill"), None, None),
+        Priced(view("d0", "decode"), None, Flat(0.01)),
+    ]
+    assert quote_paths(engines, prompt_tokens=10, handoff_s=0) == []
+
+
+def test_backlog_book_is_a_virtual_finish_time() -> None:
+    book = BacklogBook()
+    book.commit("p0", 1.0, now=10.0)
+    book.commit("p0", 0.5, now=10.2)
+    assert book.wait_s("p0", 10.4) == pytest.approx(1.1)
+    book.release("p0", now=11.0)
+    assert book.wait_s("p0", 11.0) == pytest.approx(0.5)
+    book.release("p0", now=11.2)  # the last leg ended early: the error is forgotten
+    assert book.wait_s("p0", 11.2) == 0.0
+    assert book.wait_s("unknown", 11.2) == 0.0
+    book.commit("p0", 0.3, now=20.0)
+    assert book.wait_s("p0", 20.0) == pytest.approx(0.3)

@@ -1,0 +1,135 @@
+"""Predictive admission through the real request path (manual 4.1).
+
+The profile source here is the simulator's own latency law (scaled by its speed), so
+these tests check the admission and placement mechanics; fitting real profiles from
+measurements is the profile tool's job and is tested with it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import httpx
+import trio
+
+from narwhal.sim import SimTiming
+from narwhal.sim._core import idle_prefill_s
+
+from .conftest import MODEL, Stack, StartStack
+from .test_failures import post, settled
+
+SPEED = 20.0
+
+
+@attrs.frozen
+class LawPrefill:
+    timing: SimTiming
+    speed: float
+
+    def prefill_s(self, n: int) -> float:
+        return idle_prefill_s(self.timing, n) / self.speed
+
+    def in_domain(self, n: int) -> bool:
+        return 1 <= n <= self.timing.max_model_len
+
+
+@attrs.frozen
+class LawDecode:
+    timing: SimTiming
+    speed: float
+
+    def interval_s(self, active: int, kv_tokens: int) -> float:
+        return self.timing.decode_step_s(kv_tokens, active) / self.speed
+
+    def in_domain(self, active: int, kv_tokens: int) -> bool:
+        return active <= 256
+
+
+@attrs.frozen
+class LawProfiles:
+    timing: SimTiming = attrs.field(factory=SimTiming)
+    speed: float = SPEED
+
+    def prefill_curve(self, engine_id: str) -> LawPrefill:
+        return LawPrefill(self.timing, self.speed)
+
+    def decode_curve(self, engine_id: str) -> LawDecode:
+        return LawDecode(self.timing, self.speed)
+
+    def handoff_s(self, prompt_tokens: int) -> float:
+        return self.timing.kv_transfer_s(prompt_tokens) / self.speed
+
+    def decode_correction(self, engine_id: str) -> float:
+        return 1.0
+
+
+async def predictive_stack(
+    start_stack: StartStack, ttft_s: float, speed: float = SPEED, **serving: object
+) -> Stack:
+    stack = await start_stack(
+        ["prefill", "decode"],
+        speed=speed,
+        slo={"ttft_s": ttft_s, "tpot_s": 0.05},
+        serving={"admission": "predictive", **serving},
+    )
+    stack.ctx.profiles = LawProfiles(speed=speed)
+    return stack
+
+
+async def test_without_profiles_predictive_admission_says_so(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"], serving={"admission": "predictive"})
+    response = await post(stack, {"max_tokens": 2})
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "no_profile"
+    assert "run narwhal-profile" in error["message"]
+
+
+async def test_a_prompt_that_cannot_meet_the_target_even_idle(start_stack: StartStack) -> None:
+    # 4000 tokens take ~110 ms at speed 1, ~5.5 ms at speed 20: above a 2 ms target.
+    stack = await predictive_stack(start_stack, ttft_s=0.002)
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": [1] * 4000, "max_tokens": 2},
+        )
+    assert response.status_code == 429
+    assert "retry-after" not in response.headers
+    error = response.json()["error"]
+    assert error["code"] == "prompt_exceeds_ttft_target"
+    assert "shorten the prompt or raise the TTFT target" in error["message"]
+    assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == 0
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"prompt_exceeds_ttft_target": 1}
+    assert [e.reason for e in stack.ctx.demand_events] == ["prompt_exceeds_ttft_target"]
+
+
+async def test_backlog_refusals_carry_a_plausible_retry_after(start_stack: StartStack) -> None:
+    # Each 8000-token prefill takes ~0.12 s at speed 2; a burst of 40 would build ~5 s
+    # of backlog on the one prefill engine, far beyond a 0.6 s budget.
+    stack = await predictive_stack(start_stack, ttft_s=0.6, speed=2.0)
+    responses: list[httpx.Response] = []
+
+    async def one(client: httpx.AsyncClient) -> None:
+        responses.append(
+            await client.post(
+                f"{stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": [7] * 8000, "max_tokens": 2},
+            )
+        )
+
+    async with httpx.AsyncClient(timeout=20) as client, trio.open_nursery() as nursery:
+        for _ in range(40):
+            nursery.start_soon(one, client)
+    refused = [r for r in responses if r.status_code == 429]
+    admitted = [r for r in responses if r.status_code == 200]
+    assert refused
+    assert admitted
+    assert len(refused) + len(admitted) == 40
+    for response in refused:
+        assert response.json()["error"]["code"] == "ttft_budget"
+        # Whole seconds, rounded up from a wait of well under a second.
+        assert response.headers["retry-after"] == "1"
+    state = await settled(stack)
+    assert state["requests"]["outcomes"]["ttft_budget"] == len(refused)
+    assert sum(not e.admitted for e in stack.ctx.demand_events) == len(refused)
+    assert state["admission"]["prefill_backlog_s"]["p0"] == 0.0

@@ -1,0 +1,72 @@
+"""The request parser turns any bytes into a ClientRequest or a BadRequest, nothing else."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings, strategies as st
+
+from narwhal._errors import BadRequest
+from narwhal.engines import EndpointKind
+from narwhal.serving._request import ClientRequest, parse_body, request_id_from_header
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+request_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.one_of(st.just("m"), json_values),
+        "prompt": st.one_of(
+            st.text(max_size=30), st.lists(st.integers(0, 100), max_size=5), json_values
+        ),
+        "messages": st.one_of(
+            st.lists(
+                st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=20)}),
+                max_size=3,
+            ),
+            json_values,
+        ),
+        "stream": st.one_of(st.booleans(), json_values),
+        "max_tokens": st.one_of(st.integers(-5, 100), json_values),
+        "n": st.one_of(st.integers(0, 3), json_values),
+    },
+)
+
+
+def parse(raw: bytes, kind: EndpointKind) -> ClientRequest | BadRequest:
+    try:
+        return parse_body(raw, kind=kind, request_id="r", models=("m",), arrival=0.0, deadline=1.0)
+    except BadRequest as exc:
+        return exc
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200), st.sampled_from(["completions", "chat"]))
+def test_arbitrary_bytes(raw: bytes, kind: EndpointKind) -> None:
+    result = parse(raw, kind)
+    assert isinstance(result, ClientRequest | BadRequest)
+    if isinstance(result, BadRequest):
+        assert result.status == 400
+        assert result.message
+
+
+@settings(max_examples=300)
+@given(request_like, st.sampled_from(["completions", "chat"]))
+def test_request_shaped_documents(document: dict[str, object], kind: EndpointKind) -> None:
+    result = parse(json.dumps(document).encode(), kind)
+    if isinstance(result, ClientRequest):
+        assert result.model == (document.get("model") or "m")
+        assert isinstance(result.stream, bool)
+        assert result.body == document
+
+
+@given(st.binary(max_size=200))
+def test_request_ids_are_kept_only_when_well_formed(raw: bytes) -> None:
+    value = request_id_from_header(raw)
+    assert 1 <= len(value) <= 128
+    assert all(c.isalnum() or c in "._:-" for c in value)

@@ -1,0 +1,107 @@
+"""Retries (manual 4.2): transient failures before visible output, a fresh prefill each
+time, the failed engine excluded, a budget that runs out, never after output."""
+
+from __future__ import annotations
+
+import trio
+
+from ..support import wait_for
+from .conftest import Stack, StartStack
+from .test_failures import post, settled, terminal_error
+
+RETRYING = {"max_attempts": 2, "handoff_timeout_s": 5.0, "retry_base_s": 0.01, "retry_cap_s": 0.05}
+PD4 = ["prefill", "prefill", "decode", "decode"]
+
+
+def requests(stack: Stack, index: int, phase: str) -> int:
+    """Legs of `phase` the engine saw, whatever their outcome (injected errors included)."""
+    return sum(1 for o in stack.fleet[index].state()["outcomes"] if o["phase"] == phase)
+
+
+async def test_prefill_failure_is_retried_on_another_prefill_engine(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[0].set_faults(error_status=503, leg="prefill")
+    response = await post(stack, {"max_tokens": 3, "stream": True})
+    assert response.status_code == 200
+    assert (requests(stack, 0, "prefill"), requests(stack, 1, "prefill")) == (1, 1)
+    state = await settled(stack)
+    assert state["retry_budget"]["spent_total"] == 1
+    assert state["requests"]["in_flight"] == []
+
+
+async def test_decode_failure_retries_the_pair_with_a_fresh_prefill(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[2].set_faults(error_status=500, leg="decode")
+    response = await post(stack, {"max_tokens": 3})  # non-streaming: nothing visible yet
+    assert response.status_code == 200
+    prefills = requests(stack, 0, "prefill") + requests(stack, 1, "prefill")
+    assert prefills == 2  # the retry did not reuse the first handoff
+    assert (requests(stack, 2, "decode"), requests(stack, 3, "decode")) == (1, 1)
+
+
+async def test_client_errors_are_not_retried(start_stack: StartStack) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[0].set_faults(error_status=400, leg="prefill")
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 400
+    assert requests(stack, 1, "prefill") == 0
+
+
+async def test_no_retry_after_the_stream_is_committed(start_stack: StartStack) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[2].set_faults(error_status=503, leg="decode")
+    response = await post(stack, {"max_tokens": 3, "stream": True})
+    assert terminal_error(response)["code"] == "engine_http_503"
+    assert requests(stack, 3, "decode") == 0
+    assert requests(stack, 0, "prefill") + requests(stack, 1, "prefill") == 1
+
+
+async def test_attempts_are_capped(start_stack: StartStack) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    for handle in stack.fleet:
+        handle.set_faults(error_status=503, leg="prefill")
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 503
+    assert requests(stack, 0, "prefill") + requests(stack, 1, "prefill") == 2
+
+
+async def test_an_exhausted_budget_stops_retries(start_stack: StartStack) -> None:
+    stack = await start_stack(PD4, serving={**RETRYING, "retry_budget": 1, "retry_replenish": 0.0})
+    stack.fleet[0].set_faults(error_status=503, leg="prefill")
+    stack.fleet[1].set_faults(error_status=503, leg="prefill")
+    first = await post(stack, {"max_tokens": 3})
+    second = await post(stack, {"max_tokens": 3})
+    assert first.status_code == second.status_code == 503
+    assert "retry budget exhausted" not in first.json()["error"]["message"]
+    assert second.json()["error"]["message"].endswith("(retry budget exhausted)")
+    assert requests(stack, 0, "prefill") + requests(stack, 1, "prefill") == 3
+    state = await settled(stack)
+    assert state["retry_budget"] == {
+        "level": 0.0,
+        "maximum": 1.0,
+        "spent_total": 1,
+        "denied_total": 1,
+    }
+
+
+async def test_expired_handoff_is_redone_with_a_fresh_prefill(start_stack: StartStack) -> None:
+    stack = await start_stack(
+        ["prefill", "decode"],
+        serving={**RETRYING, "decode_concurrency": 1, "handoff_timeout_s": 0.3},
+    )
+    stack.fleet[1].set_faults(stall_after_tokens=1, stall_s=0.45, leg="decode", count=1)
+    # The first request holds the only decode slot for ~0.45 s; the second request's
+    # handoff waits for it past the 0.3 s cap, so it is redone instead of decoding
+    # against possibly released blocks.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, stack, {"max_tokens": 3, "stream": True})
+        await wait_for(lambda: stack.ctx.fleet.get("d1").decode_active == 1)  # type: ignore[union-attr]
+        response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 200
+    assert requests(stack, 0, "prefill") == 3
+    metrics = stack.ctx.metrics.render().decode()
+    assert 'narwhal_retries_total{code="handoff_expired"} 1.0' in metrics
