@@ -216,11 +216,28 @@ async def test_quarantine_after_a_failure_expires(start_stack: StartStack) -> No
     ]
 
 
+async def test_sglang_prefill_breaker_opens_and_closes_through_a_paired_verification(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"], sglang=True)
+    stack.fleet[0].set_faults(error_status=500, leg="prefill", count=3)
+    for _ in range(3):
+        assert (await post(stack)).status_code == 502
+    await wait_for(lambda: recovery(stack, "p0").breakers["prefill"].opened_total == 1)
+    assert recovery(stack, "d1").breakers["decode"].failures_in_window(trio.current_time()) == 0
+    await wait_for(lambda: available(stack, "p0"))
+    verification = recovery(stack, "p0").last_verification
+    assert verification["detail"] == "prefill on p0, decode on d1 completed"
+    assert verification_legs(stack, 0) == [("prefill", "ok")]
+    assert verification_legs(stack, 1) == [("decode", "ok")]
+    assert (await post(stack, {"stream": True})).status_code == 200
+
+
 async def test_verification_pairs_in_both_dialects_and_their_failures(
     nursery: trio.Nursery,
 ) -> None:
-    # Built without the loader: the simulator pairs SGLang legs when the bootstrap port is
-    # its own HTTP port, which the config rules (rightly, for real engines) refuse.
+    # The prober alone, on engines built without a supervisor: both dialects, a failed
+    # leg, a leg over engine.first_token_timeout_s, and a local pair.
     prober = HttpProber()
     for dialect in ("vllm", "sglang"):
         fleet: Fleet = await nursery.start(
