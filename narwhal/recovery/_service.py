@@ -42,7 +42,7 @@ from prometheus_client import Counter
 
 from .._errors import EngineFailed
 from ..config import Config
-from ..fleet import EngineState
+from ..fleet import EngineState, Phase
 from ..serving import ServingContext
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
@@ -391,12 +391,17 @@ class Recovery:
             "outcome": result.outcome,
             "detail": result.detail,
         }
+        # Every failed probe of an engine in service is a warning; once it is ejected
+        # (which is logged with its reason) the repeats go to debug, so an engine that is
+        # down for hours does not flood the log. The state shows the last probe anyway.
+        level = logging.WARNING if record.health.verdict is Verdict.UP else logging.DEBUG
         if result.outcome == "inconclusive":
-            log.warning("probe of %s inconclusive: %s", engine.id, result.detail, extra=fields)
+            log.log(level, "probe of %s inconclusive: %s", engine.id, result.detail, extra=fields)
             return result
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
-            log.warning(
+            log.log(
+                level,
                 "probe of %s failed: %s",
                 engine.id,
                 result.detail,
@@ -519,7 +524,7 @@ class Recovery:
         available engine of the other role, or on the subject itself if there is none."""
         if phase not in PHASES or subject.role == "both":
             return VerifyPair(subject, phase, subject, subject, request_id)
-        other = "decode" if phase == "prefill" else "prefill"
+        other: Phase = "decode" if phase == "prefill" else "prefill"
         now = trio.current_time()
         candidates = [
             engine
@@ -527,8 +532,7 @@ class Recovery:
             if engine is not subject
             and engine.dialect is subject.dialect
             and engine.role in (other, "both")
-            and engine.unavailable_reason(now, "prefill" if other == "prefill" else "decode")
-            is None
+            and engine.unavailable_reason(now, other) is None
         ]
         if not candidates:
             return VerifyPair(subject, phase, subject, subject, request_id)
