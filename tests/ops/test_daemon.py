@@ -75,8 +75,9 @@ async def test_narwhalctl_drains_pins_and_reports_state_of_a_running_daemon(
     assert re.search(r"^p0\s+prefill\s+yes\s+closed/closed\s+up\s+0/0\s+-$", out, re.MULTILINE), out
     assert f"  {daemon.url}  accepting" in out.splitlines()[0]
 
-    # A stream resident on d1 (ties break by id) keeps going through the drain.
-    fleet[1].set_faults(stall_after_tokens=2, stall_s=1.0, leg="decode", count=1)
+    # A stream resident on d1 (ties break by id) keeps going through the drain; its 3 s
+    # pause leaves room for a slow narwhalctl start on a busy machine.
+    fleet[1].set_faults(stall_after_tokens=2, stall_s=3.0, leg="decode", count=1)
     async with open_sse(daemon.url, "/v1/completions", STREAM) as reader:
         assert await reader.event() is not None
         code, out, err = text(await daemon.ctl("drain", "d1"))
@@ -256,7 +257,7 @@ async def test_sigterm_drains_in_flight_streams_refuses_new_work_and_notifies(
     daemon = await launch(doc, env={"WATCHDOG_USEC": "200000"})
     assert daemon.messages[-1].split("\n")[0] == "READY=1"
     await daemon.message("WATCHDOG=1", within_s=2)
-    fleet[1].set_faults(stall_after_tokens=2, stall_s=1.0, leg="decode", count=1)
+    fleet[1].set_faults(stall_after_tokens=2, stall_s=2.5, leg="decode", count=1)
     async with open_sse(daemon.url, "/v1/completions", STREAM) as reader:
         assert await reader.event() is not None
         daemon.signal(signal.SIGTERM)

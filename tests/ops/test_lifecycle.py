@@ -37,7 +37,7 @@ async def test_shutdown_lets_a_stream_finish_and_refuses_new_requests(
     start_stack: StartStack,
 ) -> None:
     stack = await start_stack(recovery={"shutdown_grace_s": 10.0})
-    stack.fleet[1].set_faults(stall_after_tokens=2, stall_s=0.5, leg="decode", count=1)
+    stack.fleet[1].set_faults(stall_after_tokens=2, stall_s=1.0, leg="decode", count=1)
     async with open_sse(stack.url, "/v1/completions", BODY) as reader:
         assert reader.status == 200
         assert await reader.event() is not None
@@ -111,7 +111,7 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
         supervisor: Supervisor = await nursery.start(Supervisor(config, config_path=str(path)).run)
         ctx = supervisor.ctx
         assert isinstance(ctx, ServingContext)
-        fleet[1].set_faults(stall_after_tokens=2, stall_s=0.6, leg="decode", count=1)
+        fleet[1].set_faults(stall_after_tokens=2, stall_s=1.0, leg="decode", count=1)
         async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
             assert await reader.event() is not None  # resident on d1
             new = merge(base, {"serving": {"max_connections": 32, "request_timeout_s": 30.0}})
