@@ -91,6 +91,7 @@ Interpretations of the manual (each has a test named after it)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Literal, get_args
@@ -282,12 +283,24 @@ class _Pass:
             pending=pending,
             pending_kv_tokens=pending * prompt_mean,
         )
-        k, m = self.split.prefill, self.split.decode
-        self.current = self.project(k, m)
-        self.to_prefill = self.project(k + 1, m - 1) if m >= 1 else None
-        self.to_decode = self.project(k - 1, m + 1) if k >= 1 else None
 
     # -- derived inputs ----------------------------------------------------------------
+
+    # Projections are computed only by passes that evaluate: a pass waiting for the next
+    # step needs none of them.
+    @functools.cached_property
+    def current(self) -> SplitLoad | None:
+        return self.project(self.split.prefill, self.split.decode)
+
+    @functools.cached_property
+    def to_prefill(self) -> SplitLoad | None:
+        k, m = self.split.prefill, self.split.decode
+        return self.project(k + 1, m - 1) if m >= 1 else None
+
+    @functools.cached_property
+    def to_decode(self) -> SplitLoad | None:
+        k, m = self.split.prefill, self.split.decode
+        return self.project(k - 1, m + 1) if k >= 1 else None
 
     def _reset_evidence(self, state: ControllerState) -> ControllerState:
         if self.snap.first_token_timeouts or self.snap.p2d_recovery_moves:
@@ -387,7 +400,15 @@ class _Pass:
         urgent: bool = False,
         confirmations: int = 0,
         required: int = 0,
+        projected: bool = True,
     ) -> Decision:
+        loads = Loads(
+            self.current if projected else None,
+            self.to_prefill if projected else None,
+            self.to_decode if projected else None,
+            self.measured_prefill,
+            self.measured_decode,
+        )
         return Decision(
             now=self.now,
             caller=caller,
@@ -403,13 +424,7 @@ class _Pass:
             urgent=urgent,
             confirmations=confirmations,
             required=required,
-            loads=Loads(
-                self.current,
-                self.to_prefill,
-                self.to_decode,
-                self.measured_prefill,
-                self.measured_decode,
-            ),
+            loads=loads,
             floors=self.floors,
             evidence=self.evidence,
             demand_rising=self.rising,
@@ -831,6 +846,7 @@ def decide(snapshot: FleetSnapshot, state: ControllerState, now: float, config: 
         reason="between_steps",
         detail=f"next scheduled evaluation in {_fmt(wait)} s",
         state=state,
+        projected=False,
     )
 
 

@@ -196,6 +196,7 @@ class FluidFleet:
         self._rng = random.Random(seed)
         self.now = 0.0
         self._queue: deque[FluidRequest] = deque()
+        self._queued_work = 0.0  # profile-priced prefill work waiting in the queue
         self._prefilled: list[_Stream] = []
         self.outcomes: list[Outcome] = []
 
@@ -219,6 +220,7 @@ class FluidFleet:
 
     def submit(self, request: FluidRequest) -> None:
         self._queue.append(request)
+        self._queued_work += self.profile.prefill.prefill_s(request.prompt_tokens)
 
     def _prefill(self, until: float) -> None:
         scale = self.true_scale
@@ -232,7 +234,9 @@ class FluidFleet:
             if start >= until:
                 return
             self._queue.popleft()
-            service = self.profile.prefill.prefill_s(request.prompt_tokens) * scale * self._noise()
+            priced = self.profile.prefill.prefill_s(request.prompt_tokens)
+            self._queued_work = max(0.0, self._queued_work - priced) if self._queue else 0.0
+            service = priced * scale * self._noise()
             server.busy_until = start + service
             self._prefilled.append(_Stream(request, start + service, float(request.output_tokens)))
 
@@ -302,8 +306,7 @@ class FluidFleet:
     def engine_snapshots(self, now: float, state: ControllerState) -> tuple[EngineSnapshot, ...]:
         """Snapshots as `Controller.snapshot` would build them (consumes intervals)."""
         servers = [e for e in self.engines if e.role == "prefill" and not e.drained]
-        queued = sum(self.profile.prefill.prefill_s(r.prompt_tokens) for r in self._queue)
-        share = queued / len(servers) if servers else 0.0
+        share = self._queued_work / len(servers) if servers else 0.0
         correction = self.true_scale if self.report_correction else 1.0
         out: list[EngineSnapshot] = []
         for e in self.engines:
