@@ -58,6 +58,7 @@ from ._fluid import (
     Phase as Phase,
     QuadraticPrefill as QuadraticPrefill,
     StaticProfile as StaticProfile,
+    Step as Step,
     run_fluid as run_fluid,
     synthetic_trace as synthetic_trace,
 )

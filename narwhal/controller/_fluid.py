@@ -186,8 +186,12 @@ class FluidFleet:
         noise_sigma: float = 0.0,
         report_correction: bool = False,
         seed: int = 0,
+        ids: Sequence[str] | None = None,
     ) -> None:
-        self.engines = [FluidEngine(f"e{i}", role) for i, role in enumerate(roles)]
+        names = list(ids) if ids is not None else [f"e{i}" for i in range(len(roles))]
+        if len(names) != len(roles):
+            raise ValueError(f"{len(names)} engine ids for {len(roles)} roles")
+        self.engines = [FluidEngine(name, role) for name, role in zip(names, roles, strict=True)]
         self.profile = profile
         self.dt = dt
         self.true_scale = true_scale
