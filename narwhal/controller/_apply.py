@@ -145,6 +145,10 @@ class FlipHistory:
         self._records.append(record)
         self.total += 1
 
+    @property
+    def last(self) -> FlipRecord | None:
+        return self._records[-1] if self._records else None
+
     def __iter__(self) -> Iterator[FlipRecord]:
         return iter(self._records)
 

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from ..config import Config
 from ..fleet import EngineState
-from ._apply import FlipHistory, MoveRejected, apply_move, flip_record
+from ._apply import FlipHistory, FlipRecord, MoveRejected, apply_move, flip_record
 from ._decide import Decision, decide
 from ._demand import Arrival, DemandEstimator
 from ._expose import (
@@ -234,13 +234,39 @@ class Controller:
                     move.from_role,
                     move.to_role,
                     decision.reason,
-                    extra={"event": "role_change", "engine": move.engine},
+                    extra={
+                        "event": "role_change",
+                        "engine": move.engine,
+                        "from_role": move.from_role,
+                        "to_role": move.to_role,
+                        "caller": decision.caller,
+                        "reason": decision.reason,
+                        "resident_streams": record.resident_streams,
+                    },
                 )
         elif move is not None and decision.result == "advisory":
             engine = self._engines.get(move.engine)
             resident = engine.decode_active if engine is not None else 0
-            self.history.append(flip_record(decision, resident_streams=resident, applied=False))
+            record = flip_record(decision, resident_streams=resident, applied=False)
             self.counters.proposals[(move.direction, decision.caller)] += 1
+            # Advisory mode re-proposes the same move every time it is confirmed again,
+            # because nothing changes; the history keeps the first of a run of identical
+            # proposals (the counter counts them all).
+            if not _same_proposal(self.history.last, record):
+                self.history.append(record)
+                log.info(
+                    "advisory role change: %s %s -> %s (%s)",
+                    move.engine,
+                    move.from_role,
+                    move.to_role,
+                    decision.reason,
+                    extra={
+                        "event": "role_change_proposed",
+                        "engine": move.engine,
+                        "caller": decision.caller,
+                        "reason": decision.reason,
+                    },
+                )
         self.state = decision.state
         self.last_pass = decision
         self.last_snapshot = snap
@@ -257,6 +283,16 @@ class Controller:
         return decision
 
     # -- exposure ------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        d = self.last_evaluation
+        if d is None:
+            return "<Controller (no evaluation yet)>"
+        gate = f" ({d.gate})" if d.gate else ""
+        return (
+            f"<Controller {d.current.prefill}P:{d.current.decode}D proposed "
+            f"{d.proposed.prefill}P:{d.proposed.decode}D | {d.caller} {self.last_result}{gate}>"
+        )
 
     def exposure(self) -> Exposure:
         return Exposure(
@@ -281,6 +317,15 @@ class Controller:
     def collector(self) -> Collector:
         """For `metrics.registry.register(controller.collector())`: the counters."""
         return _Counters(self)
+
+
+def _same_proposal(last: FlipRecord | None, record: FlipRecord) -> bool:
+    return (
+        last is not None
+        and not last.applied
+        and (last.engine, last.from_role, last.before, last.after)
+        == (record.engine, record.from_role, record.before, record.after)
+    )
 
 
 class _Counters(Collector):

@@ -275,3 +275,24 @@ def test_disabled_controller_does_nothing() -> None:
         "advisory": False,
         "flips": {"total": 0, "retained": 0, "limit": 1000, "history": []},
     }
+
+
+def test_advisory_history_keeps_the_first_of_identical_proposals() -> None:
+    _, _, ctl = setup(advisory=True)
+    offer(ctl, DECODE_URGENT, 0.0, 200.0)
+    for t in (100.0, 105.0, 110.0):
+        ctl.step(t)
+    assert ctl.counters.proposals[("p2d", "scheduled")] == 3
+    (record,) = list(ctl.history)
+    assert record.time == 100.0
+    assert not record.applied
+
+
+def test_repr_names_split_proposal_and_gate() -> None:
+    _, _, ctl = setup()
+    assert repr(ctl) == "<Controller (no evaluation yet)>"
+    offer(ctl, DECODE_URGENT, 0.0, 100.0)
+    ctl.step(100.0)
+    assert repr(ctl) == "<Controller 4P:4D proposed 3P:5D | scheduled applied>"
+    ctl.step(105.0)
+    assert repr(ctl) == "<Controller 3P:5D proposed 2P:6D | scheduled blocked (cooldown)>"
