@@ -27,6 +27,9 @@ Synthetic phases are ``seconds:rate:prompt_tokens:output_tokens`` (Poisson arriv
 exponential lengths), comma-separated. The generated-token count of a recorded request
 stands in for its expected output tokens.
 
+Fleet: ``--engines N --prefill K`` (default N/2 prefill engines), or the engines and
+roles of ``--config`` (engines with role ``both`` take no work in the fluid model).
+
 Profiles: ``sim`` is the simulator's H100 Llama-3-8B law; ``scenario`` is the slower
 engine the controller's scenario tests use. A measured profile store can replace these
 once `narwhal.profiles` lands (any object with the `narwhal.controller.Profile` members).

@@ -147,3 +147,10 @@ def test_rising_decode_demand_pauses_d2p_consolidation() -> None:
     d = decide(snap, settled(NOW), NOW, config())
     assert d.demand_rising
     assert (d.result, d.gate) == ("blocked", "demand_rise")
+
+
+def test_mixed_pressure_d2p_moves_are_evidence_gated_too() -> None:
+    snap = snapshot(fleet("PPDDD"), (4.0, 400, 345), prefill_pressure=1.5)
+    d = decide(snap, opened_at(NOW - 10.0, snap.arrivals_total - 5), NOW, config())
+    assert d.proposed.prefill == 3
+    assert (d.result, d.gate) == ("blocked", "evidence")

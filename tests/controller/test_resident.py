@@ -137,3 +137,17 @@ def test_prefill_floor_recovery_skips_checks_without_a_profile() -> None:
     d = decide(snap, settled(NOW), NOW, config())
     assert (d.caller, d.result) == ("floor-recovery", "move")
     assert d.move == Move("d0", "d2p")
+
+
+def test_prefill_floor_recovery_is_not_blocked_by_flip_resident_guard() -> None:
+    busy = {"decode_active": 9}
+    engines = fleet(
+        "PDDD",
+        p0={"prefill_blocked": "drained", "decode_blocked": "drained"},
+        d0=busy,
+        d1={"decode_active": 7},
+        d2=busy,
+    )
+    d = decide(snapshot(engines, PREFILL_HEAVY), settled(NOW), NOW, config(flip_resident_guard=3))
+    assert (d.caller, d.result) == ("floor-recovery", "move")
+    assert d.move == Move("d1", "d2p")
