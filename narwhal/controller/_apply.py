@@ -1,0 +1,156 @@
+"""Applying a decision to the live fleet, and the bounded flip history.
+
+A role change is one assignment to `EngineState.role`. Placement reads the role for
+every new request, so the change steers new work at once; nothing here touches resident
+work (manual 5): a decode engine turned prefill keeps streaming the requests it holds
+until they finish or are cancelled, it simply stops receiving new decode legs. A prefill
+engine turned decode finishes its in-flight prefills and keeps serving the KV handoffs
+already waiting on it.
+
+No trio import: the live engine is anything with the `RoleTarget` members.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Literal, Protocol
+
+import attrs
+
+from ._decide import Caller, Decision, Move, Reason, Split
+
+
+class RoleTarget(Protocol):
+    """The members of `narwhal.fleet.EngineState` that a role change reads or writes."""
+
+    id: str
+    role: Literal["prefill", "decode", "both"]
+    pinned: bool
+    drained: bool
+    removed: bool
+    decode_active: int
+
+    def unavailable_reason(
+        self, now: float, phase: Literal["prefill", "decode", "aggregate"] | None = None
+    ) -> str | None: ...
+
+
+class MoveRejected(Exception):
+    """The live engine no longer allows the move the decision named."""
+
+
+@attrs.frozen(kw_only=True)
+class FlipRecord:
+    """One role change (or, in advisory mode, one proposed role change)."""
+
+    time: float
+    engine: str
+    from_role: str
+    to_role: str
+    caller: Caller
+    reason: Reason
+    detail: str
+    before: Split
+    after: Split
+    resident_streams: int  # decode streams left to finish on the engine where they are
+    applied: bool
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "time": round(self.time, 3),
+            "engine": self.engine,
+            "from": self.from_role,
+            "to": self.to_role,
+            "caller": self.caller,
+            "reason": self.reason,
+            "detail": self.detail,
+            "before": {"prefill": self.before.prefill, "decode": self.before.decode},
+            "after": {"prefill": self.after.prefill, "decode": self.after.decode},
+            "resident_streams": self.resident_streams,
+            "applied": self.applied,
+        }
+
+
+def check_move(engine: RoleTarget, move: Move, now: float) -> None:
+    """Raise MoveRejected unless the engine may change role now: it has the role the
+    move starts from and is not pinned, drained, removed, ejected, held or quarantined
+    (any availability reason, breakers included)."""
+    if engine.id != move.engine:
+        raise MoveRejected(f"move names engine {move.engine!r}, got {engine.id!r}")
+    if engine.role != move.from_role:
+        raise MoveRejected(
+            f"engine {engine.id!r} has role {engine.role!r}; the move starts from "
+            f"{move.from_role!r}"
+        )
+    if engine.pinned:
+        raise MoveRejected(f"engine {engine.id!r} is pinned")
+    reason = engine.unavailable_reason(now)
+    if reason is not None:
+        raise MoveRejected(f"engine {engine.id!r} is unavailable: {reason}")
+
+
+def apply_move(engine: RoleTarget, decision: Decision) -> FlipRecord:
+    """Change the role of the engine `decision.move` names and return the flip record.
+
+    Resident work stays where it is; only new placement sees the new role.
+    """
+    move = decision.move
+    if move is None:
+        raise MoveRejected("the decision names no move")
+    if decision.result != "move":
+        raise MoveRejected(f"the decision's result is {decision.result!r}, not 'move'")
+    check_move(engine, move, decision.now)
+    engine.role = move.to_role
+    return flip_record(decision, resident_streams=engine.decode_active, applied=True)
+
+
+def flip_record(decision: Decision, *, resident_streams: int, applied: bool) -> FlipRecord:
+    move = decision.move
+    assert move is not None
+    return FlipRecord(
+        time=decision.now,
+        engine=move.engine,
+        from_role=move.from_role,
+        to_role=move.to_role,
+        caller=decision.caller,
+        reason=decision.reason,
+        detail=decision.detail,
+        before=decision.current,
+        after=decision.proposed,
+        resident_streams=resident_streams,
+        applied=applied,
+    )
+
+
+class FlipHistory:
+    """The newest `controller.flip_history` records, ordinary and recovery alike."""
+
+    def __init__(self, limit: int) -> None:
+        self._records: deque[FlipRecord] = deque(maxlen=limit)
+        self.total = 0
+
+    @property
+    def limit(self) -> int:
+        maxlen = self._records.maxlen
+        assert maxlen is not None
+        return maxlen
+
+    def resize(self, limit: int) -> None:
+        """A reload changed `controller.flip_history`: keep the newest records."""
+        if limit != self.limit:
+            self._records = deque(self._records, maxlen=limit)
+
+    def append(self, record: FlipRecord) -> None:
+        self._records.append(record)
+        self.total += 1
+
+    @property
+    def last(self) -> FlipRecord | None:
+        return self._records[-1] if self._records else None
+
+    def __iter__(self) -> Iterator[FlipRecord]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)

@@ -1,0 +1,298 @@
+"""The live Controller: snapshot from EngineStates, decide, apply, history, exposure
+(/narwhal/state section and Prometheus families). Time is trio's MockClock."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from narwhal.config import Config, EngineSpec
+from narwhal.controller import Controller, Profile
+from narwhal.fleet import EngineState, Fleet
+from narwhal.metrics import Metrics
+
+from .helpers import DECODE_URGENT, PREFILL_HEAVY, PROFILE, config
+
+
+def setup(
+    spec: str = "PPPPDDDD", *, profiles: bool = True, **overrides: Any
+) -> tuple[Config, Fleet, Controller]:
+    roles = {"P": "prefill", "D": "decode", "B": "both"}
+    counts: dict[str, int] = {}
+    engines = []
+    for i, letter in enumerate(spec):
+        n = counts.get(letter, 0)
+        counts[letter] = n + 1
+        engines.append(
+            EngineSpec(
+                id=f"{letter.lower()}{n}",
+                url=f"http://127.0.0.1:{9100 + i}",
+                role=roles[letter],  # type: ignore[arg-type]
+            )
+        )
+    cfg = attrs.evolve(config(**overrides), engines=tuple(engines))
+    fleet = Fleet(cfg)
+    mean: Profile | None = PROFILE if profiles else None
+    ctl = Controller(
+        cfg,
+        fleet,
+        mean_profile=lambda: mean,
+        engine_profiles=lambda engine_id: mean,
+        started_at=0.0,
+    )
+    return cfg, fleet, ctl
+
+
+def offer(ctl: Controller, shape: tuple[float, int, int], start: float, end: float) -> None:
+    rate, prompt, output = shape
+    n = round((end - start) * rate)
+    for i in range(n):
+        ctl.record_arrival(start + i / rate, prompt, output)
+
+
+def get(fleet: Fleet, engine_id: str) -> EngineState:
+    engine = fleet.get(engine_id)
+    assert engine is not None
+    return engine
+
+
+async def test_on_pass_applies_the_move_and_records_the_flip(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    _, fleet, ctl = setup()
+    await trio.sleep(200.0)
+    offer(ctl, DECODE_URGENT, 80.0, 200.0)
+    d = await ctl.on_pass()
+    assert d is not None
+    assert d.result == "move"
+    assert d.move is not None
+    assert get(fleet, d.move.engine).role == "decode"
+    (record,) = list(ctl.history)
+    assert record.applied
+    assert record.caller == "scheduled"
+    assert record.time == 200.0
+    assert ctl.last_result == "applied"
+    assert ctl.counters.flips[("p2d", "scheduled")] == 1
+
+
+async def test_advisory_controller_keeps_roles_and_records_the_proposal(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    _, fleet, ctl = setup(advisory=True)
+    await trio.sleep(200.0)
+    offer(ctl, DECODE_URGENT, 80.0, 200.0)
+    d = await ctl.on_pass()
+    assert d is not None
+    assert d.result == "advisory"
+    assert [e.role for e in fleet] == ["prefill"] * 4 + ["decode"] * 4
+    (record,) = list(ctl.history)
+    assert not record.applied
+    assert ctl.counters.proposals[("p2d", "scheduled")] == 1
+    section = ctl.state_section()
+    assert section["advisory"] is True
+    assert section["result"] == "advisory"
+    assert section["split"] == {
+        "roles": {"prefill": 4, "decode": 4},
+        "current": {"prefill": 4, "decode": 4},
+        "proposed": {"prefill": 3, "decode": 5},
+    }
+
+
+def test_state_section_exposes_every_manual_field() -> None:
+    _, fleet, ctl = setup()
+    get(fleet, "d0").drained = True
+    offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
+    ctl.step(100.0)
+    section = ctl.state_section()
+    json.dumps(section, allow_nan=False)  # plain JSON: no inf/nan
+    for key in (
+        "enabled",
+        "advisory",
+        "split",
+        "caller",
+        "reason",
+        "detail",
+        "result",
+        "gate",
+        "confirmations",
+        "loads",
+        "demand",
+        "evidence",
+        "floors",
+        "cooldown",
+        "flips",
+        "last_pass",
+    ):
+        assert key in section, key
+    demand = section["demand"]
+    assert isinstance(demand, dict)
+    assert demand["short"]["horizon_s"] == 60.0
+    assert demand["long"]["horizon_s"] == 120.0
+    assert demand["long"]["arrivals"] == 400
+    evidence = section["evidence"]
+    assert isinstance(evidence, dict)
+    assert evidence["state"] in ("open", "closed")
+    floors = section["floors"]
+    assert isinstance(floors, dict)
+    assert floors["live_decode"] == 3
+
+
+def test_floor_recovery_is_recorded_in_flip_history() -> None:
+    _, fleet, ctl = setup("PPPD")
+    get(fleet, "d0").drained = True
+    d = ctl.step(1.0)
+    assert d is not None
+    assert d.caller == "floor-recovery"
+    (record,) = list(ctl.history)
+    assert record.caller == "floor-recovery"
+    assert record.reason == "floor_recovery_decode"
+    assert get(fleet, record.engine).role == "decode"
+    # the applied recovery recorded a dwell timestamp the next snapshot reports
+    snap = ctl.snapshot(31.0)
+    moved = snap.engine(record.engine)
+    assert moved is not None
+    assert moved.since_role_change_s == 30.0
+
+
+def test_flip_history_limit_applies_to_recovery_and_ordinary_changes() -> None:
+    _, fleet, ctl = setup("PPPPD", flip_history=2, min_decode=3, dwell_s=0.0)
+    get(fleet, "d0").drained = True
+    for t in (1.0, 2.0, 3.0):
+        ctl.step(t)
+    assert ctl.history.total == 3
+    assert len(ctl.history) == 2
+    assert [r.time for r in ctl.history] == [2.0, 3.0]
+    ctl.reconfigure(
+        attrs.evolve(ctl.config, controller=attrs.evolve(ctl.config.controller, flip_history=1))
+    )
+    assert [r.time for r in ctl.history] == [3.0]
+
+
+def test_metrics_families_render_on_the_router_registry() -> None:
+    _, _, ctl = setup()
+    offer(ctl, DECODE_URGENT, 0.0, 100.0)
+    ctl.step(100.0)
+    metrics = Metrics()
+    metrics.add_live_gauges(ctl.gauges)
+    metrics.registry.register(ctl.collector())
+    text = metrics.render().decode()
+    for line in (
+        'narwhal_controller_engines{kind="proposed",pool="decode"} 5.0',
+        'narwhal_controller_caller{caller="scheduled"} 1.0',
+        'narwhal_controller_result{result="applied"} 1.0',
+        'narwhal_controller_reason{reason="expand_decode"} 1.0',
+        'narwhal_controller_gate{gate="cooldown"} 0.0',
+        "narwhal_controller_evidence_closed 1.0",
+        'narwhal_controller_demand_requests_per_second{horizon="long"} 20.0',
+        'narwhal_controller_floor_breached{pool="decode"} 0.0',
+        'narwhal_controller_flips_total{caller="scheduled",direction="p2d"} 1.0',
+        "narwhal_controller_apply_failures_total 0.0",
+    ):
+        assert line in text, line
+
+
+def test_first_token_timeouts_reset_the_evidence_window_through_the_controller() -> None:
+    _, _, ctl = setup("PPDDDDDD")
+    offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
+    ctl.record_first_token_timeout()
+    d = ctl.step(200.0)
+    assert d is not None
+    assert d.gate == "evidence"
+    assert d.state.evidence.opened_at == 200.0
+    # consumed: the next pass does not reset again
+    d = ctl.step(206.0)
+    assert d is not None
+    assert d.state.evidence.opened_at == 200.0
+
+
+def test_ttft_breach_signal_allows_one_breach_step() -> None:
+    _, _, ctl = setup("PPDDDDDD")
+    offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
+    ctl.record_first_token_timeout()
+    ctl.step(200.0)  # scheduled; evidence reset keeps D-to-P blocked
+    ctl.signal_ttft_breach()
+    d = ctl.step(201.0)
+    assert d is not None
+    assert d.caller == "breach-step"
+    d = ctl.step(202.0)
+    assert d is not None
+    assert d.caller == "none"
+
+
+def test_decode_intervals_feed_the_measured_decode_load() -> None:
+    _, fleet, ctl = setup()
+    get(fleet, "d0").decode_active = 4
+    ctl.observe_decode_interval("d0", 0.02)
+    ctl.observe_decode_interval("d0", 0.04)  # mean 30 ms: load (0.03 - 0.01) / 0.04
+    d = ctl.step(1.0)
+    assert d is not None
+    assert d.loads.measured_decode == pytest.approx((0.5 + 0 + 0 + 0) / 4)
+
+
+def test_decode_correction_is_clamped_to_configured_bounds() -> None:
+    cfg, fleet, _ = setup()
+    ctl = Controller(
+        cfg,
+        fleet,
+        mean_profile=lambda: PROFILE,
+        decode_correction=lambda engine_id: 9.0,
+        started_at=0.0,
+    )
+    snap = ctl.snapshot(1.0)
+    assert {e.decode_correction for e in snap.engines} == {
+        cfg.controller.reactive.decode_correction_max
+    }
+
+
+def test_profile_reload_reprices_the_demand_window() -> None:
+    cfg, fleet, _ = setup()
+    current: list[Profile | None] = [None]
+    ctl = Controller(cfg, fleet, mean_profile=lambda: current[0], started_at=0.0)
+    offer(ctl, DECODE_URGENT, 0.0, 100.0)
+    d = ctl.step(100.0)
+    assert d is not None
+    assert d.gate == "no_profile"
+    current[0] = PROFILE
+    d = ctl.step(105.0)
+    assert d is not None
+    assert d.gate != "no_profile"
+    assert ctl.last_snapshot is not None
+    assert ctl.last_snapshot.long.priced
+
+
+def test_disabled_controller_does_nothing() -> None:
+    _, fleet, ctl = setup(enabled=False)
+    offer(ctl, DECODE_URGENT, 0.0, 100.0)
+    assert ctl.step(100.0) is None
+    assert [e.role for e in fleet] == ["prefill"] * 4 + ["decode"] * 4
+    assert ctl.state_section() == {
+        "enabled": False,
+        "advisory": False,
+        "flips": {"total": 0, "retained": 0, "limit": 1000, "history": []},
+    }
+
+
+def test_advisory_history_keeps_the_first_of_identical_proposals() -> None:
+    _, _, ctl = setup(advisory=True)
+    offer(ctl, DECODE_URGENT, 0.0, 200.0)
+    for t in (100.0, 105.0, 110.0):
+        ctl.step(t)
+    assert ctl.counters.proposals[("p2d", "scheduled")] == 3
+    (record,) = list(ctl.history)
+    assert record.time == 100.0
+    assert not record.applied
+
+
+def test_repr_names_split_proposal_and_gate() -> None:
+    _, _, ctl = setup()
+    assert repr(ctl) == "<Controller (no evaluation yet)>"
+    offer(ctl, DECODE_URGENT, 0.0, 100.0)
+    ctl.step(100.0)
+    assert repr(ctl) == "<Controller 4P:4D proposed 3P:5D | scheduled applied>"
+    ctl.step(105.0)
+    assert repr(ctl) == "<Controller 3P:5D proposed 2P:6D | scheduled blocked (cooldown)>"
