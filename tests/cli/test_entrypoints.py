@@ -8,8 +8,6 @@ import pytest
     ("module", "argv", "message"),
     [
         ("narwhal.cli.ctl", [], "narwhalctl: not implemented yet"),
-        ("narwhal.cli.profile", [], "narwhal-profile: not implemented yet"),
-        ("narwhal.cli.check", [], "narwhal-check: not implemented yet"),
     ],
 )
 def test_unbuilt_commands_say_so_and_exit_2(module: str, argv: list[str], message: str) -> None:

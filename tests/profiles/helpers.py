@@ -96,13 +96,19 @@ def store_for(urls: dict[str, str], *, build: str = BUILD) -> ProfileStore:
     )
 
 
-def config_for(
+def config_document(
     urls: dict[str, str], *, profiles: str = "runs/profiles.json", **sections: Any
-) -> Config:
+) -> dict[str, Any]:
     document: dict[str, Any] = {
         "engines": [{"id": e, "url": u, "model": MODEL} for e, u in urls.items()],
         "profiles": {"path": profiles},
     }
     for key, value in sections.items():
         document[key] = {**document.get(key, {}), **value}
-    return load_config(document)
+    return document
+
+
+def config_for(
+    urls: dict[str, str], *, profiles: str = "runs/profiles.json", **sections: Any
+) -> Config:
+    return load_config(config_document(urls, profiles=profiles, **sections))
