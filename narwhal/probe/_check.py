@@ -619,6 +619,15 @@ async def _handoff_wait(
                 results[p_id] = CheckRow(
                     "handoff-wait", target, "skip", "n/a", "serving.handoff_timeout_s=0", "no cap"
                 )
+            elif clients[p_id].spec.dialect == "sglang":
+                results[p_id] = CheckRow(
+                    "handoff-wait",
+                    target,
+                    "skip",
+                    "n/a",
+                    bound,
+                    "SGLang sends both legs at once; no handoff waits between them",
+                )
             elif p_id not in healthy or d_id not in healthy:
                 results[p_id] = CheckRow(
                     "handoff-wait", target, "fail", "not attempted", bound, "engine unhealthy"

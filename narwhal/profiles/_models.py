@@ -219,8 +219,8 @@ class HandoffBucket:
     ``p50_s``/``p99_s``: from the prefill response to the first decode token (KV transfer
     plus the first decode step plus HTTP); what a P/D path adds on top of the prefill.
     ``first_token_p50_s``/``p99_s``: from opening the decode request to its first token,
-    the span ``engine.first_token_timeout_s`` bounds. They are equal for vLLM, whose
-    decode leg starts after the prefill; for SGLang the legs run concurrently and the
+    the span ``engine.first_token_timeout_s`` bounds. They coincide for vLLM, whose
+    decode leg starts as soon as the prefill answers; for SGLang the legs run concurrently and the
     first-token span includes the prefill.
     """
 

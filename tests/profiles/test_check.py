@@ -9,7 +9,16 @@ import attrs
 import pytest
 
 from narwhal.config import Config
-from narwhal.probe import CheckPlan, CheckReport, CheckRow, EngineClient, format_table, run_check
+from narwhal.probe import (
+    CheckPlan,
+    CheckReport,
+    CheckRow,
+    EngineClient,
+    SweepPlan,
+    format_table,
+    profile_fleet,
+    run_check,
+)
 from narwhal.profiles import save_profiles
 from narwhal.sim import Fleet, SimTiming
 
@@ -216,3 +225,41 @@ async def test_profile_missing_or_stale(start_fleet: StartFleet, tmp_path: Path,
         )
     # Without a usable store the p99 still comes from the check's own handoffs.
     assert statuses(report, "first-token") == {"fleet": "pass"}
+
+
+async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_path: Path) -> None:
+    fleet = await start_fleet(engines=2, speed=4.0, dialect="sglang")
+    urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
+    config = config_for(
+        urls, profiles=str(tmp_path / "profiles.json"), serving={"handoff_timeout_s": 0.5}
+    )
+    # The simulator takes the bootstrap port to be the prefill engine's own HTTP port, which
+    # the config loader rejects for a real fleet; set it past the loader.
+    engines = tuple(
+        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port)
+        for spec, handle in zip(config.engines, fleet, strict=True)
+    )
+    config = attrs.evolve(config, engines=engines)
+    plan = attrs.evolve(
+        SweepPlan.fast(),
+        prefill_sizes=(16, 1024),
+        decode_active=(1, 4),
+        decode_contexts=(256,),
+        handoff_sizes=(64, 512),
+        handoff_repeats=1,
+    )
+    store = await profile_fleet(config, plan)
+    save_profiles(store, config.profiles.path)
+    assert store.chars_per_token.keys() == {"sglang"}
+    for profile in store.engines.values():
+        assert profile.build.startswith("sglang 0.5.9 [")
+        assert profile.kv_capacity_source == "sglang /get_server_info max_total_num_tokens"
+    for handoff in store.handoffs.values():
+        for bucket in handoff.buckets:
+            # Concurrent legs: the decode's first token waits for the prefill too.
+            assert bucket.first_token_p50_s >= bucket.p50_s
+    report = await run_check(config, PLAN)
+    assert not report.failed, format_table(report.rows)
+    assert statuses(report, "lease") == {"e0": "skip", "e1": "skip"}
+    assert statuses(report, "handoff-wait") == {"e0 -> e1": "skip", "e1 -> e0": "skip"}
+    assert statuses(report, "handoff") == {"e0 -> e1": "pass", "e1 -> e0": "pass"}
