@@ -22,6 +22,11 @@ from ._sweep import (
     SweepFailed as SweepFailed,
     SweepPlan as SweepPlan,
     carry_facts as carry_facts,
+    measure_chars_per_token as measure_chars_per_token,
+    measure_decode_point as measure_decode_point,
+    measure_prefill as measure_prefill,
     ordered_pairs as ordered_pairs,
     profile_fleet as profile_fleet,
+    wait_idle as wait_idle,
 )
+from ._texts import TextMaker as TextMaker

@@ -10,12 +10,13 @@ What is measured, and how (everything is wall-clock as a client of the engine se
 * chars/token: ``/tokenize`` on calibration texts of the sweep's own generator,
   Σ characters / Σ tokens (the engine's count, BOS included, as a prompt is charged).
 * Prefill: plain non-streaming completions with ``max_tokens: 1`` on an otherwise idle
-  engine, timed from sending the request to the end of the response; the prompt length is
-  the response's ``usage.prompt_tokens``. Plain requests (not the router's P leg with
-  ``kv_transfer_params.do_remote_decode``) because the compute is the same and a P leg
-  would leave its KV leased on the engine for the lease time, filling the cache and
-  skewing the decode sweep that follows. The sample therefore includes the engine's HTTP
-  and tokenisation overhead, as the router's prefill leg does.
+  engine (prompts up to 1024 tokens get three times the repeats: they are cheap and the
+  noisiest relative to their length), timed from sending the request to the end of the
+  response; the prompt length is the response's ``usage.prompt_tokens``. Plain requests
+  (not the router's P leg with ``kv_transfer_params.do_remote_decode``) because the
+  compute is the same and a P leg would leave its KV leased on the engine for the lease
+  time, filling the cache and skewing the decode sweep that follows. The sample therefore
+  includes the engine's HTTP and tokenisation overhead, as the router's prefill leg does.
 * Decode: for each (active requests B, context L) point, B−1 streamed "load" requests are
   opened and left unread, then one streamed probe request; once the probe's prefill is
   done every request is decoding, and the probe's inter-token gaps (SSE arrival times)
@@ -71,6 +72,7 @@ T = TypeVar("T")
 _MIN_GAPS = 4
 _IDLE_WAIT_S = 30.0
 _IDLE_POLL_S = 0.01
+_SHORT_PROMPT = 1024
 
 
 def _positive_ints(
@@ -285,7 +287,7 @@ async def _measure_engine(
             f"{capacity if capacity is not None else 'unknown'} tokens"
         )
         texts = TextMaker(f"{plan.seed}/{eid}")
-        cpt = await _chars_per_token(client, texts, plan)
+        cpt = await measure_chars_per_token(client, texts, plan)
         clock.say(f"{eid}: {cpt:.3f} chars/token (/tokenize)")
         warm = await _within(
             limit,
@@ -310,7 +312,8 @@ async def _measure_engine(
     return EngineMeasurement(identity, cpt, prefill, decode, capacity, source)
 
 
-async def _chars_per_token(client: EngineClient, texts: TextMaker, plan: SweepPlan) -> float:
+async def measure_chars_per_token(client: EngineClient, texts: TextMaker, plan: SweepPlan) -> float:
+    """Σ characters / Σ /tokenize counts over three texts of the sweep's generator."""
     chars = 0
     tokens = 0
     for size in (400, 2000, 8000):
@@ -325,7 +328,7 @@ async def _chars_per_token(client: EngineClient, texts: TextMaker, plan: SweepPl
     return chars / tokens
 
 
-async def _sized_completion(
+async def measure_prefill(
     client: EngineClient,
     texts: TextMaker,
     cpt: float,
@@ -375,8 +378,11 @@ async def _prefill_sweep(
     targets = plan.prefill_targets(identity.max_model_len)
     for i, target in enumerate(targets, 1):
         times = []
-        for _ in range(plan.prefill_repeats):
-            tokens, seconds, _ = await _sized_completion(client, texts, cpt, target, plan)
+        # Short prompts take milliseconds, where a busy host's scheduling noise is largest
+        # relative to the prefill; they are cheap, so they get three times the repeats.
+        repeats = plan.prefill_repeats * (3 if target <= _SHORT_PROMPT else 1)
+        for _ in range(repeats):
+            tokens, seconds, _ = await measure_prefill(client, texts, cpt, target, plan)
             samples.append((tokens, seconds))
             times.append(seconds)
         clock.say(
@@ -392,7 +398,7 @@ async def _prefill_sweep(
     return model
 
 
-async def _wait_idle(client: EngineClient, plan: SweepPlan) -> None:
+async def wait_idle(client: EngineClient, plan: SweepPlan) -> None:
     """Bounded wait until the engine runs and queues nothing (the previous point's
     cancelled loads are gone). There is no event to await on a remote engine, so this
     polls its gauges."""
@@ -405,7 +411,7 @@ async def _wait_idle(client: EngineClient, plan: SweepPlan) -> None:
     raise ProbeError(f"engine {client.id!r} did not become idle after a decode point")
 
 
-async def _decode_point(
+async def measure_decode_point(
     client: EngineClient,
     texts: TextMaker,
     cpt: float,
@@ -508,8 +514,10 @@ async def _decode_sweep(
                 f"KV tokens, over {plan.kv_budget:.0%} of capacity {capacity}"
             )
             continue
-        await _wait_idle(client, plan)
-        point, estimate = await _decode_point(client, texts, cpt, identity, active, context, plan)
+        await wait_idle(client, plan)
+        point, estimate = await measure_decode_point(
+            client, texts, cpt, identity, active, context, plan
+        )
         points.append(point)
         if estimate is not None:
             estimates.append(estimate)
@@ -519,7 +527,7 @@ async def _decode_sweep(
             f"{client.id}: decode {i}/{len(grid)}: {point.active} active, {point.kv_tokens} KV "
             f"tokens, median gap {1000 * point.interval_s:.2f} ms"
         )
-    await _wait_idle(client, plan)
+    await wait_idle(client, plan)
     model = fit_decode(points, idle_floor_s=idle_floor)
     clock.say(
         f"{client.id}: decode fit t0={model.t0_s * 1e3:.2f} ms "
