@@ -172,10 +172,13 @@ async def _run(
     healthy = await _health(clients, eng.health_timeout_s, rows)
     ratios = []
     for engine_id in clients:
-        if engine_id in healthy:
-            ratio = await _tokenize(clients[engine_id], eng.tokenize_timeout_s, plan, rows)
-            if ratio is not None:
-                ratios.append(ratio)
+        if engine_id not in healthy:
+            bound = f"exact count within {_s(eng.tokenize_timeout_s)} (engine.tokenize_timeout_s)"
+            rows.add(CheckRow("tokenize", engine_id, "fail", "not checked", bound, "unhealthy"))
+            continue
+        ratio = await _tokenize(clients[engine_id], eng.tokenize_timeout_s, plan, rows)
+        if ratio is not None:
+            ratios.append(ratio)
     # Prompt texts are sized with the most pessimistic ratio seen, so the longest handoff
     # prompt stays inside max_model_len.
     cpt = min(ratios) if ratios else 3.0
@@ -337,7 +340,9 @@ async def _profiles(
 
 
 def _handoff_sizes(plan: CheckPlan, max_model_len: int) -> list[int]:
-    top = max(1, int((max_model_len - 3) * 0.95))
+    # Texts are sized with a chars/token ratio measured on one short text; keep a margin
+    # so the longest prompt stays inside max_model_len on a tokenizer that disagrees.
+    top = max(1, int((max_model_len - 3) * 0.9))
     if plan.handoff_sizes is not None:
         return sorted({min(n, top) for n in plan.handoff_sizes})
     return sorted({min(64, top), top})

@@ -9,7 +9,7 @@ per-check limits).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -19,6 +19,7 @@ from ..engines import (
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
     ConnectionPool,
     Json,
+    PoolTimeout,
     SseKind,
     SseScanner,
     TransportError,
@@ -131,7 +132,7 @@ class EngineClient:
         try:
             async with self.pool.request(b"GET", path.encode()) as response:
                 return response.status, await response.aread(limit)
-        except TransportError as exc:
+        except (TransportError, PoolTimeout) as exc:
             raise ProbeError(f"engine {self.id!r} GET {path}: {exc}") from None
 
     async def post_json(self, path: str, body: Json, *, kind: str = "probe") -> tuple[int, object]:
@@ -140,7 +141,7 @@ class EngineClient:
             async with self.pool.request(b"POST", path.encode(), headers, encode(body)) as response:
                 raw = await response.aread(_BODY_LIMIT)
                 status = response.status
-        except TransportError as exc:
+        except (TransportError, PoolTimeout) as exc:
             raise ProbeError(f"engine {self.id!r} POST {path}: {exc}") from None
         if status != 200:
             info = parse_error_body(status, raw)
@@ -324,7 +325,7 @@ class EngineClient:
                         gaps.extend([(now - last_at) / count] * count)
                     tokens += count
                     last_at = now
-        except TransportError as exc:
+        except (TransportError, PoolTimeout) as exc:
             error = f"transport: {exc}"
         ok = done and error is None and first_at is not None
         if not done and error is None:
@@ -365,7 +366,7 @@ class EngineClient:
                     return
                 accepted()
                 await trio.sleep_forever()
-        except TransportError as exc:
+        except (TransportError, PoolTimeout) as exc:
             failed(f"engine {self.id!r}: load request failed: {exc}")
             accepted()
 
@@ -400,21 +401,11 @@ async def decode_leg(
 
 
 async def crossed_handoff(
-    p: EngineClient,
-    d: EngineClient,
-    prompt: str,
-    *,
-    max_tokens: int = 2,
-    wait: Callable[[float], Awaitable[None]] | None = None,
+    p: EngineClient, d: EngineClient, prompt: str, *, max_tokens: int = 2
 ) -> HandoffResult:
-    """Prefill on `p`, decode on `d`, as the router does; timed.
-
-    ``wait`` (vLLM only) runs between the two legs with the prefill's start time, to
-    delay the decode as a queued handoff would be.
-    """
+    """Prefill on `p`, decode on `d`, as the router does; timed."""
     if p.spec.dialect == "sglang":
         return await _sglang_handoff(p, d, prompt, max_tokens=max_tokens)
-    started = trio.current_time()
     prefill, params = await prefill_leg(p, prompt)
     if prefill.error is not None:
         return HandoffResult(
@@ -429,8 +420,6 @@ async def crossed_handoff(
             None,
             f"prefill on {p.id!r} returned no kv_transfer_params",
         )
-    if wait is not None:
-        await wait(started)
     ready = trio.current_time()
     decode = await decode_leg(d, prompt, params, max_tokens=max_tokens)
     if decode.first_token_at is None or not decode.ok:

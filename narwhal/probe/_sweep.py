@@ -84,6 +84,11 @@ def _positive_ints(
         raise ValueError(f"{attr.name} is {value!r}; must be positive integers")
 
 
+def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attr.name} is {value!r}; must be a positive number")
+
+
 def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} is {value!r}; must be >= 1")
@@ -105,10 +110,10 @@ class SweepPlan:
     handoff_repeats: int = attrs.field(default=4, validator=_at_least_one)
     # Engines measured at the same time (and disjoint pairs during the handoff sweep).
     parallel: int = attrs.field(default=1, validator=_at_least_one)
-    budget_s: float = 900.0
-    request_timeout_s: float = 120.0
+    budget_s: float = attrs.field(default=900.0, validator=_positive)
+    request_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     # A decode point may hold at most this fraction of the engine's KV capacity.
-    kv_budget: float = 0.5
+    kv_budget: float = attrs.field(default=0.5, validator=_positive)
     seed: int = 0
 
     @classmethod
@@ -181,7 +186,12 @@ async def profile_fleet(
 ) -> ProfileStore:
     """Measure every configured engine and pair; the store to write. Raises `SweepFailed`."""
     clock = _Clock(progress)
-    clients = {spec.id: EngineClient(spec, config.engine) for spec in config.engines}
+    # Every decode load holds a connection; leave room for the probe and the gauges.
+    connections = max(plan.decode_active) + 8
+    clients = {
+        spec.id: EngineClient(spec, config.engine, max_connections=connections)
+        for spec in config.engines
+    }
     try:
         with trio.fail_after(plan.budget_s):
             return await _profile(config, plan, clients, clock)
@@ -238,6 +248,7 @@ async def _profile(
     by_dialect: dict[str, list[float]] = {}
     for p in profiles.values():
         by_dialect.setdefault(p.dialect, []).append(p.chars_per_token)
+    max_len = min(m.identity.max_model_len for m in measured.values())
     duration = clock.elapsed()
     clock.say(f"done in {duration:.1f} s")
     return ProfileStore(
@@ -248,12 +259,13 @@ async def _profile(
         chars_per_token={d: round(statistics.fmean(v), 4) for d, v in by_dialect.items()},
         sweep={
             "duration_s": round(duration, 2),
-            "prefill_sizes": list(plan.prefill_sizes or []),
+            # The sizes actually used (derived from max_model_len unless given).
+            "prefill_sizes": plan.prefill_targets(max_len),
             "prefill_repeats": plan.prefill_repeats,
             "decode_active": list(plan.decode_active),
-            "decode_contexts": list(plan.decode_contexts or []),
+            "decode_contexts": plan.decode_contexts_for(max_len),
             "decode_gaps": plan.decode_gaps,
-            "handoff_sizes": list(plan.handoff_sizes or []),
+            "handoff_sizes": plan.handoff_targets(max_len),
             "handoff_repeats": plan.handoff_repeats,
             "parallel": plan.parallel,
             "seed": plan.seed,

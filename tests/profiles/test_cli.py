@@ -76,6 +76,7 @@ async def test_profile_then_check_and_record(
     assert check.store is not None
     assert check.store.facts is None
     assert check.store.sweep["prefill_sizes"] == [16, 1024, 4096]
+    assert check.store.sweep["decode_contexts"] == [256]
 
     report = tmp_path / "check.json"
     argv = ["--config", str(config_path), "--record", "--json", str(report), *CHECK_ARGS]
