@@ -88,8 +88,10 @@ async def test_profile_recovers_the_sim_law(start_fleet: StartFleet, tmp_path: P
         law = LAW.kv_transfer_s(large.tokens) + LAW.decode_step_s(large.tokens, 1)
         assert 0.9 * law <= large.p50_s <= law + 3 * OVERHEAD_S
         assert large.p99_s >= large.p50_s
-        # vLLM's decode leg opens right after the prefill answer: the spans coincide.
-        assert large.first_token_p99_s == pytest.approx(large.p99_s, abs=0.001)
+        # vLLM's decode leg opens right after the prefill answer: the first-token span is
+        # the handoff less the instant between the two.
+        assert large.first_token_p99_s <= large.p99_s
+        assert large.first_token_p50_s <= large.p50_s
     assert store.chars_per_token.keys() == {"vllm"}
 
     path = Path(config.profiles.path)
