@@ -8,6 +8,34 @@ configured engine without a profile, a profiled engine that is not configured, a
 engine whose url, model or dialect differs from the configuration. A build that changed
 while Narwhal runs is found by `verify_builds` (the build is read from the live engine).
 Stale or mismatched profiles are reported, never silently used.
+
+Schema version 1 (times in seconds, sizes in tokens; abridged)::
+
+    {"schema_version": 1, "created_at": "2026-12-03T13:40:00+00:00",
+     "tool": "narwhal-profile 0.1.0.dev0",
+     "chars_per_token": {"vllm": 4.72},
+     "engines": {"p0": {
+        "url": "http://127.0.0.1:8100", "dialect": "vllm", "model": "sim-llama-3-8b",
+        "build": "vllm 0.29.0 [narwhal-sim 0.1.0.dev0] model=sim-llama-3-8b max_model_len=8192",
+        "max_model_len": 8192, "kv_capacity_tokens": 450000,
+        "kv_capacity_source": "vllm:cache_config_info num_gpu_blocks x block_size",
+        "chars_per_token": 4.72,
+        "prefill": {"a_s": 0.0077, "b_s_per_token": 2.0e-05, "c_s_per_token2": 1.1e-09,
+                    "min_tokens": 3, "max_tokens": 7764, "samples": 66,
+                    "residual_p50": 0.026, "residual_p90": 0.09, "residual_max": 0.15},
+        "decode": {"t0_s": 0.0062, "kv_s_per_token": 4.0e-08, "active_s_per_request": 2.6e-05,
+                   "idle_floor_s": 0.0063, "min_active": 1, "max_active": 64,
+                   "min_kv_tokens": 289, "max_kv_tokens": 133314, "samples": 240,
+                   "residual_p50": 0.031, "residual_p90": 0.18, "residual_max": 1.4}}},
+     "handoffs": [{"prefill": "p0", "decode": "d0", "buckets": [
+        {"tokens": 64, "min_tokens": 62, "max_tokens": 66, "samples": 4,
+         "p50_s": 0.011, "p99_s": 0.013, "first_token_p50_s": 0.011,
+         "first_token_p99_s": 0.013}, ...]}],
+     "facts": {"measured_at": "...", "lease_s": 29.95, "lease_by_engine": {"p0": 29.96},
+               "crossed_handoff_p99_s": 0.045, "builds": {"p0": "vllm 0.29.0 [...] ..."}},
+     "sweep": {"duration_s": 64.4, "prefill_sizes": [2, 16, ...], ...}}
+
+``facts`` is null until ``narwhal-check --record``; ``sweep`` is informational.
 """
 
 from __future__ import annotations
@@ -520,6 +548,12 @@ class ProfileCheck:
             return None
         return self.store.profile(engine_id)
 
+    def handoff(self, prefill: str, decode: str) -> HandoffProfile | None:
+        """The pair's handoff profile if both engines are usable, else None."""
+        if self.store is None or prefill not in self.usable or decode not in self.usable:
+            return None
+        return self.store.handoff(prefill, decode)
+
     def mean_profile(self) -> EngineProfile | None:
         """The fleet mean over the usable configured engines (manual 7.7)."""
         if self.store is None:
@@ -587,6 +621,14 @@ def check_store(store: ProfileStore | None, problems: list[str], config: Config)
     messages.extend(
         f"engine {engine_id!r}: profiled in the store but not in the config (ignored)"
         for engine_id in sorted(set(store.engines) - set(configured))
+    )
+    pairs = [(p, d) for p in configured for d in configured if p != d] or [
+        (e, e) for e in configured
+    ]
+    messages.extend(
+        f"pair {p!r} -> {d!r}: no crossed-handoff profile in the store; run narwhal-profile"
+        for p, d in pairs
+        if p in usable and d in usable and store.handoff(p, d) is None
     )
     return ProfileCheck(store, frozenset(usable), tuple(messages), configured)
 

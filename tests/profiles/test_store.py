@@ -56,6 +56,7 @@ def test_round_trip_and_atomic_save(tmp_path: Path) -> None:
     assert check.store is not None
     assert check.store.facts == facts
     assert check.store.handoff("p0", "d0") == store.handoffs[("p0", "d0")]
+    assert check.handoff("p0", "d0") == store.handoffs[("p0", "d0")]
     assert check.store.handoff("d0", "d0") is None
 
 
@@ -246,3 +247,19 @@ def test_check_mean_profile_uses_only_usable_engines(tmp_path: Path) -> None:
     mean = check.mean_profile()
     assert mean is not None
     assert mean.prefill.a_s == pytest.approx(0.006)
+
+
+def test_missing_handoff_pair_is_reported(tmp_path: Path) -> None:
+    store = store_for(URLS)
+    path = tmp_path / "profiles.json"
+    save_profiles(attrs.evolve(store, handoffs={("p0", "d0"): store.handoffs[("p0", "d0")]}), path)
+    check = load_profiles(path, config_for(URLS))
+    assert check.usable == {"p0", "d0"}
+    assert check.messages == (
+        "pair 'd0' -> 'p0': no crossed-handoff profile in the store; run narwhal-profile",
+    )
+    assert not check.ok
+    assert check.handoff("d0", "p0") is None
+    single = tmp_path / "single.json"
+    save_profiles(store_for({"p0": URLS["p0"]}), single)
+    assert load_profiles(single, config_for({"p0": URLS["p0"]})).ok
