@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import random
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -387,21 +388,26 @@ async def _prefill_sweep(
     clock: _Clock,
 ) -> PrefillModel:
     samples: list[tuple[int, float]] = []
+    groups: list[int] = []
     targets = plan.prefill_targets(identity.max_model_len)
-    for i, target in enumerate(targets, 1):
-        times = []
-        # Short prompts take milliseconds, where a busy host's scheduling noise is largest
-        # relative to the prefill; they are cheap, so they get three times the repeats.
-        repeats = plan.prefill_repeats * (3 if target <= _SHORT_PROMPT else 1)
-        for _ in range(repeats):
-            tokens, seconds, _ = await measure_prefill(client, texts, cpt, target, plan)
-            samples.append((tokens, seconds))
-            times.append(seconds)
-        clock.say(
-            f"{client.id}: prefill {i}/{len(targets)}: ~{target} tokens, median "
-            f"{1000 * statistics.median(times):.1f} ms"
-        )
-    model = fit_prefill(samples)
+    # Short prompts take milliseconds, where a busy host's scheduling noise is largest
+    # relative to the prefill; they are cheap, so they get three times the repeats.
+    runs = [
+        target
+        for target in targets
+        for _ in range(plan.prefill_repeats * (3 if target <= _SHORT_PROMPT else 1))
+    ]
+    # Sizes in random order: a drift in the host's load during the sweep then spreads over
+    # every size instead of bending the curve.
+    random.Random(f"{plan.seed}/{client.id}/prefill").shuffle(runs)
+    step = max(1, len(runs) // 5)
+    for i, target in enumerate(runs, 1):
+        tokens, seconds, _ = await measure_prefill(client, texts, cpt, target, plan)
+        samples.append((tokens, seconds))
+        groups.append(target)
+        if i % step == 0 or i == len(runs):
+            clock.say(f"{client.id}: prefill {i}/{len(runs)} requests ({len(targets)} sizes)")
+    model = fit_prefill(samples, groups=groups)
     clock.say(
         f"{client.id}: prefill fit a={model.a_s * 1e3:.2f} ms b={model.b_s_per_token * 1e6:.3f} "
         f"us/token c={model.c_s_per_token2 * 1e12:.1f} ps/token^2, residual p50 "

@@ -67,21 +67,34 @@ class PrefillModel:
         return self.min_tokens <= n <= self.max_tokens
 
 
-def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillModel:
+def fit_prefill(
+    samples: Sequence[tuple[int, float]], *, groups: Sequence[object] | None = None
+) -> PrefillModel:
     """Fit `PrefillModel` to (prompt tokens, seconds) samples.
 
-    Samples of one prompt size are reduced to their median before fitting (a stray GC
-    pause or scheduler hiccup in one repeat must not bend the curve); the residual spread
-    is then taken over every individual sample.
+    The repeats of one size (``groups`` labels each sample, e.g. with the size the sweep
+    aimed at, since text prompts of one target land on slightly different token counts;
+    by default samples group by exact token count) are reduced to their median tokens and
+    median time before fitting, so a stray GC pause or scheduler hiccup in one repeat does
+    not bend the curve; the residual spread is then taken over every individual sample.
     """
-    clean = [(int(n), float(t)) for n, t in samples if n >= 0 and math.isfinite(t) and t > 0]
+    labels = list(groups) if groups is not None else [n for n, _ in samples]
+    if len(labels) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(labels)} group labels")
+    clean: list[tuple[int, float]] = []
+    by_group: dict[object, list[tuple[int, float]]] = {}
+    for (n, t), label in zip(samples, labels, strict=True):
+        if n >= 0 and math.isfinite(t) and t > 0:
+            clean.append((int(n), float(t)))
+            by_group.setdefault(label, []).append((int(n), float(t)))
     if not clean:
         raise FitError("no usable prefill samples")
-    by_size: dict[int, list[float]] = {}
-    for n, t in clean:
-        by_size.setdefault(n, []).append(t)
-    sizes = np.array(sorted(by_size), dtype=np.float64)
-    times = np.array([float(np.median(by_size[int(n)])) for n in sizes])
+    medians = sorted(
+        (float(np.median([n for n, _ in g])), float(np.median([t for _, t in g])))
+        for g in by_group.values()
+    )
+    sizes = np.array([n for n, _ in medians], dtype=np.float64)
+    times = np.array([t for _, t in medians], dtype=np.float64)
     design = np.column_stack([np.ones_like(sizes), sizes, sizes * sizes])
     # Fewer distinct sizes than coefficients would make the fit underdetermined; NNLS
     # still answers (it picks a support), which is the best the data allows.

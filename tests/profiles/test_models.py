@@ -228,3 +228,17 @@ def test_nonnegative_lstsq_is_exact_on_its_support() -> None:
     assert quantile([1.0, 2.0, 3.0], 0.99) == 3.0
     with pytest.raises(FitError):
         quantile([], 0.5)
+
+
+def test_prefill_fit_groups_repeats_by_target() -> None:
+    # Text prompts aimed at one size land on nearby token counts; the group's median
+    # still outvotes one stalled repeat.
+    law = [(n, 0.01 + 1e-5 * n) for n in (10, 100, 1000, 2000)]
+    samples = [*law, (1003, 1.0), (997, 0.01 + 1e-5 * 997)]
+    groups = [10, 100, 1000, 2000, 1000, 1000]
+    model = fit_prefill(samples, groups=groups)
+    assert model.prefill_s(1000) == pytest.approx(0.02, rel=1e-3)
+    assert model.samples == 6
+    assert (model.min_tokens, model.max_tokens) == (10, 2000)
+    with pytest.raises(ValueError, match="6 samples but 2 group labels"):
+        fit_prefill(samples, groups=[1, 2])
