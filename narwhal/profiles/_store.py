@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -488,8 +488,11 @@ def save_profiles(store: ProfileStore, path: str | os.PathLike[str]) -> None:
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
     os.makedirs(directory, exist_ok=True)
-    text = json.dumps(store_to_json(store), indent=2, sort_keys=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".profiles-", suffix=".tmp", dir=directory)
+    text = json.dumps(store_to_json(store), indent=2) + "\n"
+    # Not tempfile.mkstemp: its 0600 mode would survive the rename; a plain exclusive
+    # create gets the usual umask-derived mode, like any file the operator writes.
+    tmp = os.path.join(directory, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as stream:
             stream.write(text)

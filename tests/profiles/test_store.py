@@ -42,6 +42,9 @@ def test_round_trip_and_atomic_save(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "profiles.json"
     save_profiles(store, path)
     assert os.listdir(path.parent) == ["profiles.json"]  # no temp file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     document = json.loads(path.read_text())
     assert document["schema_version"] == SCHEMA_VERSION
     assert document["handoffs"][0]["buckets"][0]["tokens"] == 64
