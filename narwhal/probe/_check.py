@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import attrs
 import trio
@@ -47,6 +47,7 @@ from ._sweep import ordered_pairs
 from ._texts import TextMaker
 
 Status = Literal["pass", "fail", "warn", "skip"]
+T = TypeVar("T")
 Progress = Callable[[str], None]
 
 _VERIFY_PROMPT_TOKENS = 32
@@ -126,14 +127,22 @@ class _Rows:
         self._progress(f"{row.check} {row.target}: {row.status} {row.measured}")
 
 
-async def _bounded(seconds: float, call: Awaitable[object]) -> tuple[bool, object]:
-    """(finished in time, result or the ProbeError it raised)."""
+@attrs.frozen
+class _Outcome(Generic[T]):
+    """A bounded probe: its value, or why there is none (error or timeout)."""
+
+    value: T | None
+    why: str = ""
+    timed_out: bool = False
+
+
+async def _bounded(seconds: float, call: Awaitable[T]) -> _Outcome[T]:
     with trio.move_on_after(seconds):
         try:
-            return True, await call
+            return _Outcome(await call)
         except ProbeError as exc:
-            return True, exc
-    return False, None
+            return _Outcome(None, str(exc))
+    return _Outcome(None, f"no answer in {_s(seconds)}", timed_out=True)
 
 
 async def run_check(
@@ -197,15 +206,15 @@ async def _health(clients: dict[str, EngineClient], limit: float, rows: _Rows) -
 
     async def one(client: EngineClient) -> None:
         start = trio.current_time()
-        done, result = await _bounded(limit, client.health())
+        answer = await _bounded(limit, client.health())
         took = trio.current_time() - start
         bound = f"200 within {_s(limit)} (engine.health_timeout_s)"
-        if not done:
-            row = CheckRow("health", client.id, "fail", f"no answer in {_s(limit)}", bound)
-        elif isinstance(result, ProbeError):
-            row = CheckRow("health", client.id, "fail", "unreachable", bound, str(result))
-        elif result != 200:
-            row = CheckRow("health", client.id, "fail", f"HTTP {result}", bound, value=took)
+        if answer.timed_out:
+            row = CheckRow("health", client.id, "fail", answer.why, bound)
+        elif answer.value is None:
+            row = CheckRow("health", client.id, "fail", "unreachable", bound, answer.why)
+        elif answer.value != 200:
+            row = CheckRow("health", client.id, "fail", f"HTTP {answer.value}", bound, value=took)
         else:
             healthy.add(client.id)
             row = CheckRow("health", client.id, "pass", f"200 in {_ms(took)}", bound, value=took)
@@ -226,16 +235,13 @@ async def _tokenize(
     text = TextMaker(f"check/{plan.seed}/{client.id}").text(160)
     bound = f"exact count within {_s(limit)} (engine.tokenize_timeout_s)"
     start = trio.current_time()
-    done, result = await _bounded(limit, client.tokenize(text))
+    answer = await _bounded(limit, client.tokenize(text))
     took = trio.current_time() - start
-    if not done:
-        rows.add(CheckRow("tokenize", client.id, "fail", f"no answer in {_s(limit)}", bound))
+    if answer.value is None:
+        measured = answer.why if answer.timed_out else "error"
+        rows.add(CheckRow("tokenize", client.id, "fail", measured, bound, answer.why))
         return None
-    if isinstance(result, ProbeError):
-        rows.add(CheckRow("tokenize", client.id, "fail", "error", bound, str(result)))
-        return None
-    assert isinstance(result, tuple)
-    count, doc = result
+    count, doc = answer.value
     tokens = doc.get("tokens") if isinstance(doc, dict) else None
     if count is None:
         rows.add(CheckRow("tokenize", client.id, "fail", "no integer count", bound, repr(doc)))
@@ -251,10 +257,10 @@ async def _tokenize(
             )
         )
         return None
-    done, charged = await _bounded(
+    charged = await _bounded(
         plan.request_timeout_s, client.complete(client.completion_body(text, 1, stream=False))
     )
-    prompt_tokens = getattr(charged, "prompt_tokens", None) if done else None
+    prompt_tokens = charged.value.prompt_tokens if charged.value is not None else None
     if prompt_tokens != count:
         rows.add(
             CheckRow(
@@ -299,12 +305,12 @@ async def _profiles(
         if engine_id not in healthy:
             rows.add(CheckRow("profile", engine_id, "fail", "not checked", limit, "unhealthy"))
             continue
-        done, result = await _bounded(plan.request_timeout_s, client.identity())
-        if not done or isinstance(result, ProbeError):
-            why = str(result) if done else f"no answer in {_s(plan.request_timeout_s)}"
+        identity = await _bounded(plan.request_timeout_s, client.identity())
+        if identity.value is None:
+            why = identity.why
             rows.add(CheckRow("profile", engine_id, "fail", "identity unknown", limit, why))
             continue
-        build = getattr(result, "build_identity", "")
+        build = identity.value.build_identity
         builds[engine_id] = build
         own = [m for m in check.messages if f"engine {engine_id!r}" in m]
         if check.store is None:
@@ -419,30 +425,29 @@ async def _verify_pair(
     """(ok, measured, note) for one complete P leg + decode leg, each within `limit`."""
     if p.spec.dialect == "sglang":
         return await _verify_concurrent_pair(p, d, prompt, limit)
-    done, result = await _bounded(limit, prefill_leg(p, prompt))
-    if not done:
+    leg = await _bounded(limit, prefill_leg(p, prompt))
+    if leg.timed_out:
         return False, f"prefill > {_s(limit)}", f"prefill on {p.id} did not finish in time"
-    if isinstance(result, ProbeError):
-        return False, "prefill failed", str(result)
-    assert isinstance(result, tuple)
-    prefill, params = result
+    if leg.value is None:
+        return False, "prefill failed", leg.why
+    prefill, params = leg.value
     if prefill.error is not None:
         return False, "prefill failed", f"prefill on {p.id}: {prefill.error}"
     if params is None and p.spec.dialect == "vllm":
         return False, "no kv_transfer_params", f"prefill on {p.id} returned no kv_transfer_params"
     # The decode leg's budget is the first token; the second token and [DONE] follow it
     # within one decode step, so twice the limit bounds the leg without cutting it short.
-    done, stream = await _bounded(2 * limit, decode_leg(d, prompt, params, max_tokens=2))
+    decode = await _bounded(2 * limit, decode_leg(d, prompt, params, max_tokens=2))
     prefill_note = f"prefill {_ms(prefill.seconds)}"
-    if not done:
+    if decode.timed_out:
         return False, f"{prefill_note}, decode > {_s(limit)}", f"decode on {d.id} timed out"
-    if isinstance(stream, ProbeError):
-        return False, f"{prefill_note}, decode failed", str(stream)
-    first = getattr(stream, "first_token_s", None)
-    if not getattr(stream, "ok", False):
-        why = getattr(stream, "error", None) or "no token"
+    stream = decode.value
+    if stream is None:
+        return False, f"{prefill_note}, decode failed", decode.why
+    first = stream.first_token_s
+    if not stream.ok or first is None:
+        why = stream.error or "no token"
         return False, f"{prefill_note}, decode failed", f"decode on {d.id}: {why}"
-    assert isinstance(first, float)
     measured = f"{prefill_note}, first token {_ms(first)}"
     if prefill.seconds >= limit or first >= limit:
         return False, measured, "a leg exceeded engine.first_token_timeout_s"
@@ -454,16 +459,15 @@ async def _verify_concurrent_pair(
 ) -> tuple[bool, str, str]:
     """SGLang sends both legs at once; each must finish (prefill) or reach its first
     token (decode) within `limit`."""
-    done, result = await _bounded(2 * limit, crossed_handoff(p, d, prompt))
-    if not done:
+    outcome = await _bounded(2 * limit, crossed_handoff(p, d, prompt))
+    if outcome.timed_out:
         return False, f"no first token in {_s(limit)}", f"pair {p.id} -> {d.id} timed out"
-    if isinstance(result, ProbeError):
-        return False, "failed", str(result)
-    ok = getattr(result, "ok", False)
-    first = getattr(result, "first_token_s", None)
-    pre = getattr(result, "prefill_s", None)
-    if not ok or not isinstance(first, float) or not isinstance(pre, float):
-        return False, "failed", str(getattr(result, "error", "handoff failed"))
+    result = outcome.value
+    if result is None:
+        return False, "failed", outcome.why
+    first, pre = result.first_token_s, result.prefill_s
+    if not result.ok or first is None or pre is None:
+        return False, "failed", result.error or "handoff failed"
     measured = f"prefill {_ms(pre)}, first token {_ms(first)}"
     if pre >= limit or first >= limit:
         return False, measured, "a leg exceeded engine.first_token_timeout_s"
@@ -472,15 +476,13 @@ async def _verify_concurrent_pair(
 
 async def _sample(p: EngineClient, d: EngineClient, prompt: str, plan: CheckPlan) -> float | str:
     """One crossed handoff's decode-open→first-token seconds, or why it failed."""
-    done, result = await _bounded(plan.request_timeout_s, crossed_handoff(p, d, prompt))
-    if not done:
-        return f"handoff sample exceeded {_s(plan.request_timeout_s)}"
-    if isinstance(result, ProbeError):
-        return str(result)
-    first = getattr(result, "first_token_s", None)
-    if not getattr(result, "ok", False) or not isinstance(first, float):
-        return str(getattr(result, "error", "handoff failed"))
-    return first
+    outcome = await _bounded(plan.request_timeout_s, crossed_handoff(p, d, prompt))
+    result = outcome.value
+    if result is None:
+        return f"handoff sample: {outcome.why}"
+    if not result.ok or result.first_token_s is None:
+        return result.error or "handoff failed"
+    return result.first_token_s
 
 
 async def _leases(
@@ -535,8 +537,8 @@ async def _lease(
         )
     if not plan.measure_lease:
         return CheckRow("lease", client.id, "skip", "not measured", bound, "--no-lease")
-    done, before = await _bounded(plan.request_timeout_s, client.gauges())
-    counter = getattr(before, "kv_expired", None) if done else None
+    before = await _bounded(plan.request_timeout_s, client.gauges())
+    counter = before.value.kv_expired if before.value is not None else None
     if counter is None:
         return CheckRow(
             "lease",
@@ -547,10 +549,10 @@ async def _lease(
             "the engine exposes no vllm:nixl_num_kv_expired_reqs counter",
         )
     prompt = TextMaker(f"check/{plan.seed}/lease/{client.id}").text(_VERIFY_PROMPT_TOKENS * 4)
-    done, result = await _bounded(plan.request_timeout_s, prefill_leg(client, prompt))
-    if not done or isinstance(result, ProbeError) or not isinstance(result, tuple):
-        return CheckRow("lease", client.id, "fail", "prefill failed", bound, str(result))
-    prefill, params = result
+    leg = await _bounded(plan.request_timeout_s, prefill_leg(client, prompt))
+    if leg.value is None:
+        return CheckRow("lease", client.id, "fail", "prefill failed", bound, leg.why)
+    prefill, params = leg.value
     if prefill.error is not None or params is None:
         why = prefill.error or "no kv_transfer_params"
         return CheckRow("lease", client.id, "fail", "prefill failed", bound, why)
@@ -654,20 +656,21 @@ async def _wait_leg(
     bound = f"decode ok {_s(cap)} after prefill start (serving.handoff_timeout_s)"
     prompt = TextMaker(f"check/{plan.seed}/wait/{p.id}").text(_VERIFY_PROMPT_TOKENS * 4)
     started = trio.current_time()
-    done, result = await _bounded(plan.request_timeout_s, prefill_leg(p, prompt))
-    if not done or not isinstance(result, tuple):
-        return CheckRow("handoff-wait", target, "fail", "prefill failed", bound, str(result))
-    prefill, params = result
+    leg = await _bounded(plan.request_timeout_s, prefill_leg(p, prompt))
+    if leg.value is None:
+        return CheckRow("handoff-wait", target, "fail", "prefill failed", bound, leg.why)
+    prefill, params = leg.value
     if prefill.error is not None:
         return CheckRow("handoff-wait", target, "fail", "prefill failed", bound, prefill.error)
     # Decode at the cap: the oldest handoff the router would still send.
     await trio.sleep_until(started + cap)
     waited = trio.current_time() - started
-    done, stream = await _bounded(
+    decode = await _bounded(
         2 * first_token_s + plan.request_timeout_s, decode_leg(d, prompt, params)
     )
-    if not done or not getattr(stream, "ok", False):
-        why = getattr(stream, "error", None) if done else "decode timed out"
+    stream = decode.value
+    if stream is None or not stream.ok:
+        why = decode.why if stream is None else stream.error
         return CheckRow(
             "handoff-wait",
             target,
