@@ -35,6 +35,7 @@ from ..engines._dialects import (
     vllm_kv_params,
     vllm_prefill_body,
 )
+from ..profiles import build_identity
 from ._prom import Sample, first_labels, first_value, parse_metrics
 
 _BODY_LIMIT = 64 * 1024 * 1024
@@ -75,6 +76,7 @@ class StreamResult:
 
 @attrs.frozen
 class Identity:
+    dialect: str
     version: str
     build: str
     model: str
@@ -85,8 +87,12 @@ class Identity:
     @property
     def build_identity(self) -> str:
         """What makes a profile valid for this engine: engine build, model, context."""
-        return (
-            f"{self.version} [{self.build}] model={self.model} max_model_len={self.max_model_len}"
+        return build_identity(
+            dialect=self.dialect,
+            version=self.version,
+            build=self.build,
+            model=self.model,
+            max_model_len=self.max_model_len,
         )
 
 
@@ -187,7 +193,7 @@ class EngineClient:
         if status == 200:
             doc = _loads(raw)
             if isinstance(doc, dict):
-                version = f"{self.spec.dialect} {doc.get('version', 'unknown')}"
+                version = str(doc.get("version", "unknown"))
                 build = str(doc.get("build") or "")
         server_info: dict[str, object] = {}
         if self.spec.dialect == "sglang":
@@ -196,7 +202,7 @@ class EngineClient:
             if isinstance(doc, dict):
                 server_info = doc
                 if version == "unknown":
-                    version = f"sglang {doc.get('version', 'unknown')}"
+                    version = str(doc.get("version", "unknown"))
                 build = build or str(doc.get("build") or "")
         status, raw = await self.get("/v1/models")
         doc = _loads(raw) if status == 200 else None
@@ -229,6 +235,7 @@ class EngineClient:
         if capacity is None and isinstance(total, int) and not isinstance(total, bool):
             capacity, source = total, "sglang /get_server_info max_total_num_tokens"
         return Identity(
+            dialect=self.spec.dialect,
             version=version,
             build=build,
             model=self.spec.model,

@@ -15,6 +15,7 @@ from ._models import (
     HandoffSample as HandoffSample,
     PrefillModel as PrefillModel,
     Quantile as Quantile,
+    build_identity as build_identity,
     fit_decode as fit_decode,
     fit_prefill as fit_prefill,
     handoff_profile as handoff_profile,

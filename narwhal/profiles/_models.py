@@ -367,6 +367,19 @@ def handoff_profile(
     return HandoffProfile(prefill=prefill, decode=decode, buckets=tuple(merged))
 
 
+def build_identity(
+    *, dialect: str, version: str, build: str = "", model: str, max_model_len: int
+) -> str:
+    """An engine's build identity: what a profile is only valid for.
+
+    ``version`` is the engine's ``/version`` answer (SGLang: ``/get_server_info``), ``build``
+    any build string the engine reports beside it (empty for stock vLLM). Engines that
+    agree on all of these run the same code on the same model and context limit.
+    """
+    extra = f" [{build}]" if build else ""
+    return f"{dialect} {version}{extra} model={model} max_model_len={max_model_len}"
+
+
 @attrs.frozen(kw_only=True)
 class EngineProfile:
     """Everything measured about one engine.

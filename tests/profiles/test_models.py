@@ -13,6 +13,7 @@ from narwhal.profiles import (
     HandoffProfile,
     HandoffSample,
     PrefillModel,
+    build_identity,
     fit_decode,
     fit_prefill,
     handoff_profile,
@@ -242,3 +243,16 @@ def test_prefill_fit_groups_repeats_by_target() -> None:
     assert (model.min_tokens, model.max_tokens) == (10, 2000)
     with pytest.raises(ValueError, match="6 samples but 2 group labels"):
         fit_prefill(samples, groups=[1, 2])
+
+
+def test_build_identity() -> None:
+    assert (
+        build_identity(dialect="vllm", version="0.29.0", model="m", max_model_len=8192)
+        == "vllm 0.29.0 model=m max_model_len=8192"
+    )
+    assert (
+        build_identity(
+            dialect="vllm", version="0.29.0", build="narwhal-sim 1", model="m", max_model_len=4096
+        )
+        == "vllm 0.29.0 [narwhal-sim 1] model=m max_model_len=4096"
+    )
