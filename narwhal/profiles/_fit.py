@@ -11,6 +11,15 @@ optimum is the ordinary least-squares solution on its support (the set of coeffi
 that are not pinned at zero), so solving every support and keeping the best feasible one
 is exact and needs nothing beyond numpy.
 
+`robust_lstsq` adds outlier rejection. On a busy host a whole measurement window can be
+disturbed (another process holds the CPU for a few hundred ms; a simulator that falls
+behind its timeline then runs its next steps short to catch up), so one operating
+point's median can sit 20 % off while every other point is within a few percent. A point
+that the other points predict worse than both 10 % and three times the median
+leave-one-out error is dropped, one at a time, at most a quarter of the points, always
+keeping more points than coefficients; sets of fewer than 2k+1 points (k coefficients)
+are fitted as they are.
+
 Rows are weighted by 1/observation: the router cares about relative error (an admission
 decision on a 10 ms prefill is as sensitive to 10 % as one on a 300 ms prefill), and an
 unweighted fit would spend all its freedom on the longest prompts.
@@ -25,6 +34,10 @@ import numpy as np
 import numpy.typing as npt
 
 Matrix = npt.NDArray[np.float64]
+
+
+_OUTLIER_MIN = 0.10
+_OUTLIER_FACTOR = 3.0
 
 
 class FitError(ValueError):
@@ -62,6 +75,34 @@ def nonnegative_lstsq(design: Matrix, observed: Matrix, *, relative: bool = True
         # Only reachable if every column is useless; the all-zero model is then optimal.
         best = np.zeros(cols)
     return best
+
+
+def robust_lstsq(design: Matrix, observed: Matrix) -> Matrix:
+    """`nonnegative_lstsq` (relative) after dropping disturbed points.
+
+    A disturbed point is judged by how badly the *other* points predict it (leave-one-out):
+    an in-sample residual cannot see a point with leverage, since the fit bends to it (one
+    bad 64-request point simply zeroes the per-request term).
+    """
+    rows, cols = design.shape
+    keep = np.ones(rows, dtype=bool)
+    if rows < 2 * cols + 1:
+        # Too few points to tell a disturbed one from a real bend in the curve.
+        return nonnegative_lstsq(design, observed)
+    for _ in range(rows // 4):
+        idx = np.flatnonzero(keep)
+        if len(idx) <= cols + 1:
+            break
+        errors = np.empty(len(idx))
+        for j, i in enumerate(idx):
+            rest = idx[idx != i]
+            coeffs = nonnegative_lstsq(design[rest], observed[rest])
+            errors[j] = abs(float(design[i] @ coeffs) - observed[i]) / observed[i]
+        worst = int(np.argmax(errors))
+        if errors[worst] <= max(_OUTLIER_MIN, _OUTLIER_FACTOR * float(np.median(errors))):
+            break
+        keep[idx[worst]] = False
+    return nonnegative_lstsq(design[keep], observed[keep])
 
 
 def relative_residuals(predicted: Sequence[float], observed: Sequence[float]) -> Matrix:

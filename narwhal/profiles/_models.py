@@ -16,7 +16,7 @@ from typing import Literal
 import attrs
 import numpy as np
 
-from ._fit import FitError, nonnegative_lstsq, quantile, relative_residuals
+from ._fit import FitError, quantile, relative_residuals, robust_lstsq
 
 Quantile = Literal["p50", "p99"]
 
@@ -98,7 +98,7 @@ def fit_prefill(
     design = np.column_stack([np.ones_like(sizes), sizes, sizes * sizes])
     # Fewer distinct sizes than coefficients would make the fit underdetermined; NNLS
     # still answers (it picks a support), which is the best the data allows.
-    a, b, c = (float(v) for v in nonnegative_lstsq(design, times))
+    a, b, c = (float(v) for v in robust_lstsq(design, times))
     model = PrefillModel(
         a_s=a,
         b_s_per_token=b,
@@ -192,7 +192,7 @@ def fit_decode(points: Sequence[DecodePoint], *, idle_floor_s: float | None = No
     kv = np.array([p.kv_tokens for p in usable], dtype=np.float64)
     observed = np.array([p.interval_s for p in usable], dtype=np.float64)
     design = np.column_stack([np.ones_like(kv), kv, active])
-    t0, alpha, beta = (float(v) for v in nonnegative_lstsq(design, observed))
+    t0, alpha, beta = (float(v) for v in robust_lstsq(design, observed))
     min_kv = int(kv.min())
     floor = idle_floor_s
     if floor is None or not (math.isfinite(floor) and floor > 0):

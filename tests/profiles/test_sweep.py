@@ -20,7 +20,9 @@ from .helpers import BUILD, config_for, store_for
 # (44 ns/token, 30 us/request against 6 ms); scaled up they are identifiable with the small
 # sweep a test can afford. Prefill keeps the default law.
 LAW = SimTiming(decode_kv_token_s=2e-7, decode_seq_s=2e-4)
-PLAN = attrs.evolve(SweepPlan.fast(), decode_gaps=24, decode_contexts=(128, 2048))
+PLAN = attrs.evolve(
+    SweepPlan.fast(), decode_gaps=24, decode_contexts=(128, 2048), handoff_repeats=3
+)
 # What a client observes on top of the engine's own time: the HTTP exchange and the
 # simulator's tokenisation, in this one process, on a machine that may be busy with other
 # work. Measured: 2-4 ms on a quiet machine, up to ~9 ms when the cores are contended.
