@@ -29,6 +29,7 @@ from ._pricing import (
     projected_interval_s as projected_interval_s,
     projected_ttft_s as projected_ttft_s,
 )
+from ._source import FleetProfiles as FleetProfiles
 from ._store import (
     SCHEMA_VERSION as SCHEMA_VERSION,
     MeasuredFacts as MeasuredFacts,

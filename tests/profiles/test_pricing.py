@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import attrs
 import pytest
 
 from narwhal.config import Reactive
 from narwhal.profiles import (
     DecodeCorrection,
+    FleetProfiles,
     backlog_s,
     corrected_idle_floor_s,
     decode_load,
+    load_profiles,
     projected_interval_s,
     projected_ttft_s,
+    save_profiles,
 )
 
-from .helpers import decode, engine, handoff
+from .helpers import config_for, decode, engine, handoff, store_for
 
 PROFILE = engine("p0", "http://127.0.0.1:8100")
 HANDOFF = handoff("p0", "d0")
@@ -152,3 +157,45 @@ def test_decode_load() -> None:
     assert decode_load(0.06, 0.05, 0.05) == pytest.approx(1.2)
     with pytest.raises(ValueError, match="tpot_s"):
         decode_load(0.01, 0.01, 0.0)
+
+
+def test_fleet_profiles_serves_only_usable_profiles(tmp_path: Path) -> None:
+    urls = {"p0": "http://127.0.0.1:8100", "d0": "http://127.0.0.1:8101", "d1": "http://x:1"}
+    store = store_for(urls)
+    engines = dict(store.engines)
+    engines["d1"] = attrs.evolve(engines["d1"], model="another")
+    path = tmp_path / "profiles.json"
+    save_profiles(attrs.evolve(store, engines=engines), path)
+    fleet = FleetProfiles(load_profiles(path, config_for(urls)), quantile="p99")
+    assert fleet.prefill_curve("p0") == store.engines["p0"].prefill
+    assert fleet.decode_curve("d0") == store.engines["d0"].decode
+    assert fleet.prefill_curve("d1") is None
+    assert fleet.decode_curve("nope") is None
+    assert fleet.profile("d1") is None
+    mean = fleet.mean_profile()
+    assert mean is not None
+    assert mean.build.endswith("p0, d0")
+    # Mean of the pairs between usable engines only (p0 -> d0 and d0 -> p0).
+    usable_pairs = [store.handoffs[("p0", "d0")], store.handoffs[("d0", "p0")]]
+    expected = sum(h.p99_s(1000) for h in usable_pairs) / 2
+    assert fleet.handoff_s(1000) == pytest.approx(expected)
+    assert "2/3 usable" in repr(fleet)
+
+
+def test_fleet_profiles_tracks_a_correction_per_engine(tmp_path: Path) -> None:
+    urls = {"p0": "http://127.0.0.1:8100"}
+    path = tmp_path / "profiles.json"
+    save_profiles(store_for(urls), path)
+    template = DecodeCorrection(alpha=0.5, min_samples=2)
+    fleet = FleetProfiles(load_profiles(path, config_for(urls)), correction=template)
+    assert fleet.decode_correction("p0") == 1.0
+    updated = fleet.observe_decode("p0", [0.02, 0.02], 0.01)
+    assert updated.value == pytest.approx(1.5)
+    assert fleet.decode_correction("p0") == pytest.approx(1.5)
+    assert fleet.decode_correction("other") == 1.0
+    floor = fleet.corrected_idle_floor_s("p0")
+    assert floor == pytest.approx(1.5 * store_for(urls).engines["p0"].decode.idle_floor_s)
+    assert fleet.corrected_idle_floor_s("other") is None
+    empty = FleetProfiles(load_profiles(tmp_path / "none.json", config_for(urls)))
+    assert empty.handoff_s(100) == 0.0
+    assert empty.mean_profile() is None
