@@ -123,7 +123,8 @@ class DecodeModel:
     ``kv_tokens`` is the KV resident in the decode batch and ``active`` the number of
     requests decoding: two separate inputs, because a batch of many short requests and one
     of few long ones cost differently. ``idle_floor_s`` is the measured zero-contention
-    interval (one request, the shortest context of the sweep).
+    interval (one request, the shortest context of the sweep). The residual spread is
+    |gap − predicted| / predicted over every measured gap.
 
     The measured domain is the box ``1 <= active <= max_active``, ``0 <= kv <= max_kv``:
     the low corner is anchored by the idle-floor measurement, so only the upper edges are
@@ -214,7 +215,9 @@ def fit_decode(points: Sequence[DecodePoint], *, idle_floor_s: float | None = No
         gaps = p.gaps or (p.interval_s,)
         predicted.extend(model.interval_s(p.active, p.kv_tokens) for _ in gaps)
         seen.extend(gaps)
-    residuals = relative_residuals(predicted, seen)
+    # Relative to the prediction, not the gap: when a client reads two token events in one
+    # go the second gap is near zero, and dividing by it would say nothing about the model.
+    residuals = relative_residuals(seen, predicted)
     if residuals.size == 0:
         return model
     return attrs.evolve(

@@ -157,7 +157,8 @@ def test_decode_residuals_cover_every_gap() -> None:
     point = DecodePoint(1, 100, 0.010, gaps=(0.009, 0.010, 0.011, 0.020))
     model = fit_decode([point, DecodePoint(8, 800, 0.012)])
     assert model.samples == 5
-    assert model.residual_max == pytest.approx(0.5)  # |0.010 - 0.020| / 0.020
+    prediction = model.interval_s(1, 100)
+    assert model.residual_max == pytest.approx(abs(0.020 - prediction) / prediction)
 
 
 def bucket(tokens: int, p50: float, p99: float) -> HandoffBucket:
