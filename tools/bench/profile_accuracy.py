@@ -234,9 +234,10 @@ def summary(
     decode_apes = [ape(s["predicted_s"], s["observed_median_s"]) for s in decode]
     prefill_mape = mean(prefill_apes)
     decode_mape = mean(decode_apes)
-    by_size: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    by_size: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
     for sample in prefill:
-        by_size.setdefault((sample["engine"], sample["size"]), []).append(sample)
+        key = (sample.get("round", 0), sample["engine"], sample["size"])
+        by_size.setdefault(key, []).append(sample)
     median_apes = [
         ape(
             statistics.median(s["predicted_s"] for s in group),
@@ -300,6 +301,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     handoffs += await held_out_handoffs({f"e{i}": client}, store, plan)
                 finally:
                     await client.aclose()
+            for sample in prefill:
+                sample["round"] = round_index
             rounds.append(
                 {
                     "round": round_index,
