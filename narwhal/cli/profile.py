@@ -1,12 +1,140 @@
+"""narwhal-profile: measure every configured engine directly and write the profile store.
+
+    narwhal-profile --config FILE [--out PATH] [--fast] [sweep options]
+
+The sweep (see `narwhal.probe._sweep` for exactly what is measured) is bounded in count
+and time; progress goes to stderr. The store is written atomically to ``--out`` (default:
+the config's ``profiles.path``) and read back against the config before the command
+succeeds. Facts recorded by ``narwhal-check --record`` in an existing store are kept when
+every engine still runs the build they were measured on.
+"""
+
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
+from functools import partial
 
-from ._common import not_implemented
+import attrs
+import trio
+
+from ..config import Config, ConfigError, load_config_file
+from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
+from ..profiles import check_store, read_store, save_profiles
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        message = f"{text!r} is not a comma-separated list of integers"
+        raise argparse.ArgumentTypeError(message) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive integers")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="narwhal-profile",
+        description="Measure engine latency profiles (prefill, decode, crossed handoff, "
+        "KV capacity, chars/token) by driving every configured engine directly.",
+    )
+    p.add_argument("--config", required=True, help="path to the JSON config file")
+    p.add_argument("--out", help="where to write the store (default: the config's profiles.path)")
+    p.add_argument(
+        "--fast", action="store_true", help="a small sweep (tests, smoke runs); options override"
+    )
+    p.add_argument("--prefill-sizes", type=_sizes, help="prompt sizes in tokens, e.g. 16,256,4096")
+    p.add_argument("--prefill-repeats", type=int, help="requests per prefill size (default 3)")
+    p.add_argument("--decode-active", type=_sizes, help="concurrent decodes (default 1,4,16,64)")
+    p.add_argument(
+        "--decode-contexts", type=_sizes, help="decode context sizes in tokens (default 256,2048)"
+    )
+    p.add_argument("--decode-gaps", type=int, help="measured gaps per decode point (default 24)")
+    p.add_argument("--handoff-sizes", type=_sizes, help="handoff prompt sizes in tokens")
+    p.add_argument("--handoff-repeats", type=int, help="handoffs per pair and size (default 4)")
+    p.add_argument("--parallel", type=int, help="engines measured at once (default 1)")
+    p.add_argument("--budget-s", type=float, help="time budget of the whole sweep (default 900)")
+    p.add_argument(
+        "--request-timeout-s", type=float, help="bound on any single probe (default 120)"
+    )
+    p.add_argument("--seed", type=int, help="prompt text seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+_OVERRIDES = {
+    "prefill_sizes": "prefill_sizes",
+    "prefill_repeats": "prefill_repeats",
+    "decode_active": "decode_active",
+    "decode_contexts": "decode_contexts",
+    "decode_gaps": "decode_gaps",
+    "handoff_sizes": "handoff_sizes",
+    "handoff_repeats": "handoff_repeats",
+    "parallel": "parallel",
+    "budget_s": "budget_s",
+    "request_timeout_s": "request_timeout_s",
+    "seed": "seed",
+}
+
+
+def plan_from_args(args: argparse.Namespace) -> SweepPlan:
+    plan = SweepPlan.fast() if args.fast else SweepPlan()
+    changes = {
+        field: getattr(args, option)
+        for option, field in _OVERRIDES.items()
+        if getattr(args, option) is not None
+    }
+    return attrs.evolve(plan, **changes)
+
+
+def _err(message: str) -> None:
+    print(f"narwhal-profile: {message}", file=sys.stderr, flush=True)
+
+
+async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False) -> int:
+    progress = (lambda _: None) if quiet else _err
+    try:
+        store = await profile_fleet(config, plan, progress=progress)
+    except SweepFailed as exc:
+        _err(f"{exc}; nothing was written")
+        return 1
+    old, _ = await trio.to_thread.run_sync(read_store, out)
+    store, dropped = carry_facts(store, old)
+    if dropped:
+        _err(dropped)
+    await trio.to_thread.run_sync(partial(save_profiles, store, out))
+    reread, problems = await trio.to_thread.run_sync(read_store, out)
+    check = check_store(reread, problems, config)
+    for message in check.messages:
+        _err(message)
+    if not check.ok:
+        return 1
+    print(
+        f"wrote {out}: {len(store.engines)} engine profile(s), {len(store.handoffs)} "
+        f"handoff pair(s) in {store.sweep.get('duration_s')} s"
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return not_implemented("narwhal-profile", 4)
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config_file(args.config)
+    except ConfigError as exc:
+        _err(f"{len(exc.messages)} problem(s) in {args.config}:")
+        for message in exc.messages:
+            print(message, file=sys.stderr)
+        return 2
+    try:
+        plan = plan_from_args(args)
+    except (TypeError, ValueError) as exc:
+        _err(str(exc))
+        return 2
+    out = args.out or config.profiles.path
+    return trio.run(partial(run, config, plan, out, quiet=args.quiet))
 
 
 if __name__ == "__main__":

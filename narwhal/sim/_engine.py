@@ -71,8 +71,21 @@ class SimEngine:
         self.tokenizer = Tokenizer()
         self.counters = Counters()
         self.metrics = EngineMetrics()
+        timing = spec.timing
         self.registry = make_registry(
-            self.metrics, self._gauges, dialect=spec.dialect, model=spec.model, engine=self.label
+            self.metrics,
+            self._gauges,
+            dialect=spec.dialect,
+            model=spec.model,
+            engine=self.label,
+            cache_info={
+                "block_size": str(timing.block_size),
+                "cache_dtype": "auto",
+                "enable_prefix_caching": "False",
+                "gpu_memory_utilization": "0.9",
+                "num_cpu_blocks": "None",
+                "num_gpu_blocks": str(timing.total_blocks),
+            },
         )
         self.outcomes: deque[dict[str, Any]] = deque(maxlen=spec.outcome_ring)
         self.expired_leases: deque[str] = deque(maxlen=_EXPIRED_RING)

@@ -144,12 +144,14 @@ class _Collector:
         dialect: str,
         model: str,
         engine: str,
+        cache_info: dict[str, str] | None = None,
     ) -> None:
         self._m = metrics
         self._gauges = gauges
         self._sglang = dialect == "sglang"
         self._model = model
         self._engine = engine
+        self._cache_info = dict(cache_info or {})
 
     def collect(self) -> Iterator[Any]:
         m = self._m
@@ -184,6 +186,17 @@ class _Collector:
                 "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage
             )
             yield counter("num_preemptions", "Cumulative number of preemptions.", g.preemptions)
+            if self._cache_info:
+                # vLLM publishes its cache config as an info-style gauge whose labels carry
+                # the values; capacity = num_gpu_blocks x block_size tokens.
+                keys = sorted(self._cache_info)
+                info = GaugeMetricFamily(
+                    p + "cache_config_info",
+                    "Information of the LLMEngine CacheConfig",
+                    labels=[*keys, "engine"],
+                )
+                info.add_metric([*(self._cache_info[k] for k in keys), self._engine], 1.0)
+                yield info
         yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
         yield counter(
             "generation_tokens", "Number of generation tokens processed.", m.generation_tokens
@@ -218,9 +231,14 @@ def make_registry(
     dialect: str,
     model: str,
     engine: str,
+    cache_info: dict[str, str] | None = None,
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics, gauges, dialect=dialect, model=model, engine=engine))
+    registry.register(
+        _Collector(
+            metrics, gauges, dialect=dialect, model=model, engine=engine, cache_info=cache_info
+        )
+    )
     return registry
 
 

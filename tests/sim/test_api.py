@@ -277,6 +277,11 @@ async def test_health_models_version_metrics(
     assert 'engine="1"' in metrics
     assert 'vllm:request_success_total{engine="1",finished_reason="length"' in metrics
     assert "vllm:time_to_first_token_seconds_count" in metrics
+    # Real vLLM's cache config gauge: capacity = num_gpu_blocks x block_size.
+    assert (
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="False",'
+        'engine="1",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="28125"} 1.0'
+    ) in metrics
     assert json.loads((await client.get(f"{url}/_sim/state")).text)["engine"] == "1"
 
 

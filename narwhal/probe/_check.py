@@ -1,0 +1,720 @@
+"""narwhal-check's preflight: verify a configured fleet before serving.
+
+Checks, in order (each row names the check, the engine or ordered pair, pass/fail, the
+measured number and the limit it was held to):
+
+* ``health``: ``/health`` answers 200 within ``engine.health_timeout_s``.
+* ``tokenize``: ``/tokenize`` answers with an exact integer count within
+  ``engine.tokenize_timeout_s``, equal to the ``usage.prompt_tokens`` the engine charges
+  for the same prompt.
+* ``profile``: the profile store has a usable profile for the engine (url, model,
+  dialect as configured) measured on the engine's current build.
+* ``handoff``: a complete prefill and decode verification leg on every crossed pair
+  (every ordered pair of distinct engines; the self pair for one engine), each leg within
+  ``engine.first_token_timeout_s`` (prefill: the whole leg; decode: to the first token).
+* ``lease``: the producer's KV lease, measured: a prefill whose KV is never pulled, then
+  the time until the producer's ``vllm:nixl_num_kv_expired_reqs`` counter shows the
+  release. The verified lease is a lower bound (from the prefill response to the last
+  poll before the release was seen); ``serving.handoff_timeout_s`` must be below it.
+* ``handoff-wait``: a decode sent ``serving.handoff_timeout_s`` after its prefill started
+  still succeeds (the cap is safe in practice, not only on paper).
+* ``first-token``: ``engine.first_token_timeout_s`` is above the crossed-handoff p99
+  (decode request to first token) measured here and, when present, in the profile store.
+
+Engines that fail ``health`` are left out of the later checks; their rows say so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Awaitable, Callable
+from typing import Generic, Literal, TypeVar
+
+import attrs
+import trio
+
+from ..config import Config
+from ..profiles import MeasuredFacts, ProfileStore, check_store, read_store
+from ._client import (
+    EngineClient,
+    ProbeError,
+    crossed_handoff,
+    decode_leg,
+    prefill_leg,
+)
+from ._sweep import ordered_pairs
+from ._texts import TextMaker
+
+Status = Literal["pass", "fail", "warn", "skip"]
+T = TypeVar("T")
+Progress = Callable[[str], None]
+
+_VERIFY_PROMPT_TOKENS = 32
+
+
+@attrs.frozen
+class CheckRow:
+    check: str
+    target: str
+    status: Status
+    measured: str
+    limit: str
+    note: str = ""
+    # The measured number in seconds (or a count), for machine use.
+    value: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CheckPlan:
+    # Extra crossed handoffs per pair and context size, for the first-token p99.
+    handoff_samples: int = 2
+    # Prompt sizes of those handoffs; None: a short prompt and the longest the engines take.
+    handoff_sizes: tuple[int, ...] | None = None
+    # Longest wait for a producer to release an abandoned handoff.
+    lease_max_s: float = 120.0
+    lease_poll_s: float = 0.05
+    measure_lease: bool = True
+    # Bound on every other probe request (identity, metrics, handoff samples).
+    request_timeout_s: float = 60.0
+    seed: int = 0
+
+
+@attrs.frozen
+class CheckReport:
+    rows: tuple[CheckRow, ...]
+    lease_by_engine: dict[str, float]
+    crossed_p99_s: float | None
+    builds: dict[str, str]
+
+    @property
+    def failed(self) -> bool:
+        return any(row.status == "fail" for row in self.rows)
+
+    @property
+    def lease_s(self) -> float | None:
+        return min(self.lease_by_engine.values()) if self.lease_by_engine else None
+
+    def facts(self) -> MeasuredFacts:
+        return MeasuredFacts(
+            measured_at=_now(),
+            lease_s=self.lease_s,
+            lease_by_engine=dict(self.lease_by_engine),
+            crossed_handoff_p99_s=self.crossed_p99_s,
+            builds=dict(self.builds),
+        )
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:g} s"
+
+
+class _Rows:
+    def __init__(self, progress: Progress) -> None:
+        self.rows: list[CheckRow] = []
+        self._progress = progress
+
+    def add(self, row: CheckRow) -> None:
+        self.rows.append(row)
+        self._progress(f"{row.check} {row.target}: {row.status} {row.measured}")
+
+
+@attrs.frozen
+class _Outcome(Generic[T]):
+    """A bounded probe: its value, or why there is none (error or timeout)."""
+
+    value: T | None
+    why: str = ""
+    timed_out: bool = False
+
+
+async def _bounded(seconds: float, call: Awaitable[T]) -> _Outcome[T]:
+    with trio.move_on_after(seconds):
+        try:
+            return _Outcome(await call)
+        except ProbeError as exc:
+            return _Outcome(None, str(exc))
+    return _Outcome(None, f"no answer in {_s(seconds)}", timed_out=True)
+
+
+async def run_check(
+    config: Config,
+    plan: CheckPlan,
+    *,
+    store: ProfileStore | None = None,
+    store_problems: list[str] | None = None,
+    progress: Progress = lambda _: None,
+) -> CheckReport:
+    """Run every check; the report (never raises on a failing engine).
+
+    ``store``/``store_problems`` are the parsed profile store (`read_store`); by default
+    it is read from ``config.profiles.path``.
+    """
+    if store is None and store_problems is None:
+        store, store_problems = await trio.to_thread.run_sync(read_store, config.profiles.path)
+    rows = _Rows(progress)
+    clients = {spec.id: EngineClient(spec, config.engine) for spec in config.engines}
+    try:
+        return await _run(config, plan, clients, store, store_problems or [], rows)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+async def _run(
+    config: Config,
+    plan: CheckPlan,
+    clients: dict[str, EngineClient],
+    store: ProfileStore | None,
+    store_problems: list[str],
+    rows: _Rows,
+) -> CheckReport:
+    eng = config.engine
+    healthy = await _health(clients, eng.health_timeout_s, rows)
+    ratios = []
+    for engine_id in clients:
+        if engine_id not in healthy:
+            bound = f"exact count within {_s(eng.tokenize_timeout_s)} (engine.tokenize_timeout_s)"
+            rows.add(CheckRow("tokenize", engine_id, "fail", "not checked", bound, "unhealthy"))
+            continue
+        ratio = await _tokenize(clients[engine_id], eng.tokenize_timeout_s, plan, rows)
+        if ratio is not None:
+            ratios.append(ratio)
+    # Prompt texts are sized with the most pessimistic ratio seen, so the longest handoff
+    # prompt stays inside max_model_len.
+    cpt = min(ratios) if ratios else 3.0
+    builds = await _profiles(config, clients, healthy, store, store_problems, plan, rows)
+    samples = await _pairs(config, clients, healthy, builds, cpt, plan, rows)
+    p99 = max(samples) if samples else None
+    leases = await _leases(config, clients, healthy, plan, rows)
+    await _handoff_wait(config, clients, healthy, leases, plan, rows)
+    _first_token(config, p99, store, rows)
+    return CheckReport(tuple(rows.rows), leases, p99, builds)
+
+
+async def _health(clients: dict[str, EngineClient], limit: float, rows: _Rows) -> set[str]:
+    healthy: set[str] = set()
+    results: dict[str, CheckRow] = {}
+
+    async def one(client: EngineClient) -> None:
+        start = trio.current_time()
+        answer = await _bounded(limit, client.health())
+        took = trio.current_time() - start
+        bound = f"200 within {_s(limit)} (engine.health_timeout_s)"
+        if answer.timed_out:
+            row = CheckRow("health", client.id, "fail", answer.why, bound)
+        elif answer.value is None:
+            row = CheckRow("health", client.id, "fail", "unreachable", bound, answer.why)
+        elif answer.value != 200:
+            row = CheckRow("health", client.id, "fail", f"HTTP {answer.value}", bound, value=took)
+        else:
+            healthy.add(client.id)
+            row = CheckRow("health", client.id, "pass", f"200 in {_ms(took)}", bound, value=took)
+        results[client.id] = row
+
+    async with trio.open_nursery() as nursery:
+        for client in clients.values():
+            nursery.start_soon(one, client)
+    for engine_id in clients:
+        rows.add(results[engine_id])
+    return healthy
+
+
+async def _tokenize(
+    client: EngineClient, limit: float, plan: CheckPlan, rows: _Rows
+) -> float | None:
+    """The tokenisation check; the text's measured chars per token when it passed."""
+    text = TextMaker(f"check/{plan.seed}/{client.id}").text(160)
+    bound = f"exact count within {_s(limit)} (engine.tokenize_timeout_s)"
+    start = trio.current_time()
+    answer = await _bounded(limit, client.tokenize(text))
+    took = trio.current_time() - start
+    if answer.value is None:
+        measured = answer.why if answer.timed_out else "error"
+        rows.add(CheckRow("tokenize", client.id, "fail", measured, bound, answer.why))
+        return None
+    count, doc = answer.value
+    tokens = doc.get("tokens") if isinstance(doc, dict) else None
+    if count is None:
+        rows.add(CheckRow("tokenize", client.id, "fail", "no integer count", bound, repr(doc)))
+        return None
+    if isinstance(tokens, list) and len(tokens) != count:
+        rows.add(
+            CheckRow(
+                "tokenize",
+                client.id,
+                "fail",
+                f"count {count} but {len(tokens)} token ids",
+                bound,
+            )
+        )
+        return None
+    charged = await _bounded(
+        plan.request_timeout_s, client.complete(client.completion_body(text, 1, stream=False))
+    )
+    prompt_tokens = charged.value.prompt_tokens if charged.value is not None else None
+    if prompt_tokens != count:
+        rows.add(
+            CheckRow(
+                "tokenize",
+                client.id,
+                "fail",
+                f"{count} tokens",
+                bound,
+                f"the engine charged usage.prompt_tokens={prompt_tokens} for the same prompt",
+            )
+        )
+        return None
+    rows.add(
+        CheckRow(
+            "tokenize",
+            client.id,
+            "pass",
+            f"{count} tokens in {_ms(took)}",
+            bound,
+            f"= usage.prompt_tokens {prompt_tokens}",
+            value=took,
+        )
+    )
+    return len(text) / count if count > 0 else None
+
+
+async def _profiles(
+    config: Config,
+    clients: dict[str, EngineClient],
+    healthy: set[str],
+    store: ProfileStore | None,
+    store_problems: list[str],
+    plan: CheckPlan,
+    rows: _Rows,
+) -> dict[str, str]:
+    """Profile present and matching each engine (url/model/dialect and build)."""
+    check = check_store(store, store_problems, config)
+    builds: dict[str, str] = {}
+    source = config.profiles.path
+    for engine_id, client in clients.items():
+        limit = f"usable profile in {source}"
+        if engine_id not in healthy:
+            rows.add(CheckRow("profile", engine_id, "fail", "not checked", limit, "unhealthy"))
+            continue
+        identity = await _bounded(plan.request_timeout_s, client.identity())
+        if identity.value is None:
+            why = identity.why
+            rows.add(CheckRow("profile", engine_id, "fail", "identity unknown", limit, why))
+            continue
+        build = identity.value.build_identity
+        builds[engine_id] = build
+        own = [m for m in check.messages if f"engine {engine_id!r}" in m]
+        if check.store is None:
+            note = "; ".join(check.messages) or "no profile store"
+            rows.add(CheckRow("profile", engine_id, "fail", "no store", limit, note))
+            continue
+        if engine_id not in check.usable:
+            note = "; ".join(own) or "not usable"
+            rows.add(CheckRow("profile", engine_id, "fail", "mismatch", limit, note))
+            continue
+        profile = check.store.profile(engine_id)
+        assert profile is not None
+        if profile.build != build:
+            rows.add(
+                CheckRow(
+                    "profile",
+                    engine_id,
+                    "fail",
+                    "stale",
+                    limit,
+                    f"engine build is {build!r}, profiled on {profile.build!r}; "
+                    "run narwhal-profile again",
+                )
+            )
+            continue
+        rows.add(CheckRow("profile", engine_id, "pass", "build matches", limit, build))
+    # Problems that name no configured engine (schema, unknown store engines) still show.
+    others = [m for m in check.messages if not any(f"engine {e!r}" in m for e in clients)]
+    if check.store is not None:
+        for message in others:
+            rows.add(CheckRow("profile", "store", "warn", "note", "", message))
+    return builds
+
+
+def _handoff_sizes(plan: CheckPlan, max_model_len: int) -> list[int]:
+    # Texts are sized with a chars/token ratio measured on one short text; keep a margin
+    # so the longest prompt stays inside max_model_len on a tokenizer that disagrees.
+    top = max(1, int((max_model_len - 3) * 0.9))
+    if plan.handoff_sizes is not None:
+        return sorted({min(n, top) for n in plan.handoff_sizes})
+    return sorted({min(64, top), top})
+
+
+async def _pairs(
+    config: Config,
+    clients: dict[str, EngineClient],
+    healthy: set[str],
+    builds: dict[str, str],
+    cpt: float,
+    plan: CheckPlan,
+    rows: _Rows,
+) -> list[float]:
+    """Verification legs and first-token samples on every crossed pair (sequentially, so
+    pairs do not load each other's engines)."""
+    limit = config.engine.first_token_timeout_s
+    bound = f"each leg < {_s(limit)} (engine.first_token_timeout_s)"
+    firsts: list[float] = []
+    max_len = _max_model_len(builds)
+    texts = TextMaker(f"check/{plan.seed}/pairs")
+    for p_id, d_id in ordered_pairs(list(clients)):
+        target = f"{p_id} -> {d_id}"
+        down = [e for e in (p_id, d_id) if e not in healthy]
+        if down:
+            rows.add(
+                CheckRow("handoff", target, "fail", "not attempted", bound, f"{down[0]} unhealthy")
+            )
+            continue
+        p, d = clients[p_id], clients[d_id]
+        ok, measured, note = await _verify_pair(p, d, texts.text(_VERIFY_PROMPT_TOKENS * 4), limit)
+        if not ok:
+            rows.add(CheckRow("handoff", target, "fail", measured, bound, note))
+            continue
+        pair_firsts: list[float] = []
+        failure = None
+        for size in _handoff_sizes(plan, max_len):
+            for _ in range(plan.handoff_samples):
+                sample = await _sample(p, d, texts.text(max(1, round(size * cpt))), plan)
+                if isinstance(sample, str):
+                    failure = sample
+                    break
+                pair_firsts.append(sample)
+            if failure:
+                break
+        if failure:
+            rows.add(CheckRow("handoff", target, "fail", measured, bound, failure))
+            continue
+        firsts.extend(pair_firsts)
+        worst = max(pair_firsts) if pair_firsts else None
+        extra = (
+            f"first token up to {_ms(worst)} over {len(pair_firsts)} samples to "
+            f"{max(_handoff_sizes(plan, max_len))} tokens"
+            if worst is not None
+            else ""
+        )
+        note = "; ".join(part for part in (note, extra) if part)
+        rows.add(CheckRow("handoff", target, "pass", measured, bound, note, worst))
+    return firsts
+
+
+def _max_model_len(builds: dict[str, str]) -> int:
+    lengths = []
+    for build in builds.values():
+        _, _, tail = build.rpartition("max_model_len=")
+        if tail.isdigit():
+            lengths.append(int(tail))
+    return min(lengths) if lengths else 2048
+
+
+async def _verify_pair(
+    p: EngineClient, d: EngineClient, prompt: str, limit: float
+) -> tuple[bool, str, str]:
+    """(ok, measured, note) for one complete P leg + decode leg, each within `limit`."""
+    if p.spec.dialect == "sglang":
+        return await _verify_concurrent_pair(p, d, prompt, limit)
+    leg = await _bounded(limit, prefill_leg(p, prompt))
+    if leg.timed_out:
+        return False, f"prefill > {_s(limit)}", f"prefill on {p.id} did not finish in time"
+    if leg.value is None:
+        return False, "prefill failed", leg.why
+    prefill, params = leg.value
+    if prefill.error is not None:
+        return False, "prefill failed", f"prefill on {p.id}: {prefill.error}"
+    if params is None and p.spec.dialect == "vllm":
+        return False, "no kv_transfer_params", f"prefill on {p.id} returned no kv_transfer_params"
+    # The decode leg's budget is the first token; the second token and [DONE] follow it
+    # within one decode step, so twice the limit bounds the leg without cutting it short.
+    decode = await _bounded(2 * limit, decode_leg(d, prompt, params, max_tokens=2))
+    prefill_note = f"prefill {_ms(prefill.seconds)}"
+    if decode.timed_out:
+        return False, f"{prefill_note}, decode > {_s(limit)}", f"decode on {d.id} timed out"
+    stream = decode.value
+    if stream is None:
+        return False, f"{prefill_note}, decode failed", decode.why
+    first = stream.first_token_s
+    if not stream.ok or first is None:
+        why = stream.error or "no token"
+        return False, f"{prefill_note}, decode failed", f"decode on {d.id}: {why}"
+    measured = f"{prefill_note}, first token {_ms(first)}"
+    if prefill.seconds >= limit or first >= limit:
+        return False, measured, "a leg exceeded engine.first_token_timeout_s"
+    return True, measured, ""
+
+
+async def _verify_concurrent_pair(
+    p: EngineClient, d: EngineClient, prompt: str, limit: float
+) -> tuple[bool, str, str]:
+    """SGLang sends both legs at once; each must finish (prefill) or reach its first
+    token (decode) within `limit`."""
+    outcome = await _bounded(2 * limit, crossed_handoff(p, d, prompt))
+    if outcome.timed_out:
+        return False, f"no first token in {_s(limit)}", f"pair {p.id} -> {d.id} timed out"
+    result = outcome.value
+    if result is None:
+        return False, "failed", outcome.why
+    first, pre = result.first_token_s, result.prefill_s
+    if not result.ok or first is None or pre is None:
+        return False, "failed", result.error or "handoff failed"
+    measured = f"prefill {_ms(pre)}, first token {_ms(first)}"
+    if pre >= limit or first >= limit:
+        return False, measured, "a leg exceeded engine.first_token_timeout_s"
+    return True, measured, ""
+
+
+async def _sample(p: EngineClient, d: EngineClient, prompt: str, plan: CheckPlan) -> float | str:
+    """One crossed handoff's decode-open→first-token seconds, or why it failed."""
+    outcome = await _bounded(plan.request_timeout_s, crossed_handoff(p, d, prompt))
+    result = outcome.value
+    if result is None:
+        return f"handoff sample: {outcome.why}"
+    if not result.ok or result.first_token_s is None:
+        return result.error or "handoff failed"
+    return result.first_token_s
+
+
+async def _leases(
+    config: Config,
+    clients: dict[str, EngineClient],
+    healthy: set[str],
+    plan: CheckPlan,
+    rows: _Rows,
+) -> dict[str, float]:
+    cap = config.serving.handoff_timeout_s
+    leases: dict[str, float] = {}
+    found: dict[str, CheckRow] = {}
+
+    async def one(client: EngineClient) -> None:
+        found[client.id] = await _lease(client, config, plan, leases)
+
+    async with trio.open_nursery() as nursery:
+        for engine_id, client in clients.items():
+            if engine_id in healthy:
+                nursery.start_soon(one, client)
+    for engine_id in clients:
+        if engine_id in found:
+            rows.add(found[engine_id])
+        else:
+            rows.add(
+                CheckRow(
+                    "lease",
+                    engine_id,
+                    "fail",
+                    "not measured",
+                    f"> {_s(cap)} (serving.handoff_timeout_s)",
+                    "unhealthy",
+                )
+            )
+    return leases
+
+
+async def _lease(
+    client: EngineClient, config: Config, plan: CheckPlan, leases: dict[str, float]
+) -> CheckRow:
+    serving = config.serving
+    cap = serving.handoff_timeout_s
+    bound = f"> {_s(cap)} (serving.handoff_timeout_s)"
+    if client.spec.dialect != "vllm":
+        return CheckRow(
+            "lease",
+            client.id,
+            "skip",
+            "n/a",
+            bound,
+            "SGLang keeps no producer lease; bootstrap timeouts bound a handoff instead",
+        )
+    if not plan.measure_lease:
+        return CheckRow("lease", client.id, "skip", "not measured", bound, "--no-lease")
+    before = await _bounded(plan.request_timeout_s, client.gauges())
+    counter = before.value.kv_expired if before.value is not None else None
+    if counter is None:
+        return CheckRow(
+            "lease",
+            client.id,
+            "fail",
+            "not verifiable",
+            bound,
+            "the engine exposes no vllm:nixl_num_kv_expired_reqs counter",
+        )
+    prompt = TextMaker(f"check/{plan.seed}/lease/{client.id}").text(_VERIFY_PROMPT_TOKENS * 4)
+    leg = await _bounded(plan.request_timeout_s, prefill_leg(client, prompt))
+    if leg.value is None:
+        return CheckRow("lease", client.id, "fail", "prefill failed", bound, leg.why)
+    prefill, params = leg.value
+    if prefill.error is not None or params is None:
+        why = prefill.error or "no kv_transfer_params"
+        return CheckRow("lease", client.id, "fail", "prefill failed", bound, why)
+    answered = trio.current_time()
+    last_unchanged = answered
+    released_at = None
+    with trio.move_on_after(plan.lease_max_s):
+        # No event crosses the engine boundary: polling the producer's counter is the only
+        # way to see the release, and the poll period is the measurement's resolution.
+        while True:
+            await trio.sleep(plan.lease_poll_s)
+            polled = trio.current_time()
+            gauges = await client.gauges()
+            if gauges.kv_expired is not None and gauges.kv_expired > counter:
+                released_at = trio.current_time()
+                break
+            last_unchanged = polled
+    if released_at is None:
+        return CheckRow(
+            "lease",
+            client.id,
+            "fail",
+            f"no release in {_s(plan.lease_max_s)}",
+            bound,
+            "the producer did not release an abandoned handoff within --lease-max-s",
+        )
+    lease = max(0.0, last_unchanged - answered)
+    leases[client.id] = lease
+    seen = f"verified >= {_ms(lease)} (release seen at {_ms(released_at - answered)})"
+    if cap > 0:
+        status: Status = "pass" if cap < lease else "fail"
+        note = "" if status == "pass" else "set serving.handoff_timeout_s below the lease"
+        return CheckRow("lease", client.id, status, seen, bound, note, lease)
+    deadline = serving.request_timeout_s
+    bound = f"> {_s(deadline)} (serving.request_timeout_s caps handoffs at handoff_timeout_s=0)"
+    if deadline < lease:
+        return CheckRow("lease", client.id, "pass", seen, bound, "", lease)
+    return CheckRow(
+        "lease",
+        client.id,
+        "warn",
+        seen,
+        bound,
+        "no positive serving.handoff_timeout_s: a handoff may outlive the lease; set one "
+        "below the lease before enabling queueing or retries",
+        lease,
+    )
+
+
+async def _handoff_wait(
+    config: Config,
+    clients: dict[str, EngineClient],
+    healthy: set[str],
+    leases: dict[str, float],
+    plan: CheckPlan,
+    rows: _Rows,
+) -> None:
+    cap = config.serving.handoff_timeout_s
+    ids = list(clients)
+    results: dict[str, CheckRow] = {}
+
+    async def one(p: EngineClient, d: EngineClient) -> None:
+        results[p.id] = await _wait_leg(p, d, cap, config.engine.first_token_timeout_s, plan)
+
+    async with trio.open_nursery() as nursery:
+        for i, p_id in enumerate(ids):
+            d_id = ids[(i + 1) % len(ids)]
+            target = f"{p_id} -> {d_id}"
+            bound = f"decode ok {_s(cap)} after prefill start (serving.handoff_timeout_s)"
+            if cap <= 0:
+                results[p_id] = CheckRow(
+                    "handoff-wait", target, "skip", "n/a", "serving.handoff_timeout_s=0", "no cap"
+                )
+            elif clients[p_id].spec.dialect == "sglang":
+                results[p_id] = CheckRow(
+                    "handoff-wait",
+                    target,
+                    "skip",
+                    "n/a",
+                    bound,
+                    "SGLang sends both legs at once; no handoff waits between them",
+                )
+            elif p_id not in healthy or d_id not in healthy:
+                results[p_id] = CheckRow(
+                    "handoff-wait", target, "fail", "not attempted", bound, "engine unhealthy"
+                )
+            elif p_id in leases and cap >= leases[p_id]:
+                results[p_id] = CheckRow(
+                    "handoff-wait", target, "skip", "not attempted", bound, "cap above the lease"
+                )
+            else:
+                nursery.start_soon(one, clients[p_id], clients[d_id])
+    for p_id in ids:
+        rows.add(results[p_id])
+
+
+async def _wait_leg(
+    p: EngineClient, d: EngineClient, cap: float, first_token_s: float, plan: CheckPlan
+) -> CheckRow:
+    target = f"{p.id} -> {d.id}"
+    bound = f"decode ok {_s(cap)} after prefill start (serving.handoff_timeout_s)"
+    prompt = TextMaker(f"check/{plan.seed}/wait/{p.id}").text(_VERIFY_PROMPT_TOKENS * 4)
+    started = trio.current_time()
+    leg = await _bounded(plan.request_timeout_s, prefill_leg(p, prompt))
+    if leg.value is None:
+        return CheckRow("handoff-wait", target, "fail", "prefill failed", bound, leg.why)
+    prefill, params = leg.value
+    if prefill.error is not None:
+        return CheckRow("handoff-wait", target, "fail", "prefill failed", bound, prefill.error)
+    # Decode at the cap: the oldest handoff the router would still send.
+    await trio.sleep_until(started + cap)
+    waited = trio.current_time() - started
+    decode = await _bounded(
+        2 * first_token_s + plan.request_timeout_s, decode_leg(d, prompt, params)
+    )
+    stream = decode.value
+    if stream is None or not stream.ok:
+        why = decode.why if stream is None else stream.error
+        return CheckRow(
+            "handoff-wait",
+            target,
+            "fail",
+            f"decode failed after {_ms(waited)}",
+            bound,
+            f"decode on {d.id}: {why} (the KV did not survive the cap)",
+        )
+    return CheckRow("handoff-wait", target, "pass", f"decode ok after {_ms(waited)}", bound)
+
+
+def _first_token(
+    config: Config, p99: float | None, store: ProfileStore | None, rows: _Rows
+) -> None:
+    limit = config.engine.first_token_timeout_s
+    bound = f"< {_s(limit)} (engine.first_token_timeout_s)"
+    profiled = store.max_handoff_p99_s() if store is not None else None
+    values = [v for v in (p99, profiled) if v is not None and math.isfinite(v)]
+    if not values:
+        rows.add(
+            CheckRow("first-token", "fleet", "fail", "no measurement", bound, "no crossed pair")
+        )
+        return
+    worst = max(values)
+    sources = []
+    if p99 is not None:
+        sources.append(f"check {_ms(p99)}")
+    if profiled is not None:
+        sources.append(f"profile {_ms(profiled)}")
+    status: Status = "pass" if worst < limit else "fail"
+    note = "crossed-handoff p99 from " + " and ".join(sources)
+    if status == "fail":
+        note += "; raise engine.first_token_timeout_s above it"
+    rows.add(CheckRow("first-token", "fleet", status, f"p99 {_ms(worst)}", bound, note, worst))
+
+
+def format_table(rows: tuple[CheckRow, ...] | list[CheckRow]) -> str:
+    header = ("check", "engine/pair", "result", "measured", "limit", "note")
+    table = [header] + [
+        (r.check, r.target, r.status.upper(), r.measured, r.limit, r.note) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    lines = []
+    for row in table:
+        cells = [row[i].ljust(widths[i]) for i in range(5)]
+        lines.append("  ".join(cells) + ("  " + row[5] if row[5] else ""))
+    return "\n".join(line.rstrip() for line in lines)

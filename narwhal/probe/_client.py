@@ -1,0 +1,519 @@
+"""Direct, instrumented requests to one engine (not through the router).
+
+Built on the router's own transport (`ConnectionPool`) and dialect helpers, so a probe
+sends exactly the legs the router sends. Every call here is unbounded in time by design:
+deadlines belong to the caller (narwhal-profile's sweep budget, narwhal-check's
+per-check limits).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ..config import Engine, EngineSpec
+from ..engines import (
+    SGLANG_DEFAULT_BOOTSTRAP_PORT,
+    ConnectionPool,
+    Json,
+    PoolTimeout,
+    SseKind,
+    SseScanner,
+    TransportError,
+    dialect_for,
+    parse_error_body,
+)
+from ..engines._dialects import (
+    encode,
+    new_bootstrap_room,
+    sglang_pd_body,
+    tokenize_count,
+    vllm_decode_body,
+    vllm_kv_params,
+    vllm_prefill_body,
+)
+from ..profiles import build_identity
+from ._prom import Sample, first_labels, first_value, parse_metrics
+
+_BODY_LIMIT = 64 * 1024 * 1024
+_JSON = (b"content-type", b"application/json")
+
+
+class ProbeError(Exception):
+    """A probe request failed; the message names the engine and what happened."""
+
+
+@attrs.frozen
+class Completion:
+    status: int
+    seconds: float
+    prompt_tokens: int | None
+    document: object
+    error: str | None = None
+
+
+@attrs.frozen
+class StreamResult:
+    """A streamed completion timed from the moment its request was sent."""
+
+    status: int
+    ok: bool
+    # Seconds from sending the request to the first generated token (None: no token).
+    first_token_s: float | None
+    # Absolute trio times of the first token and of each later token (see `token_times`).
+    first_token_at: float | None
+    # Per-token intervals after the first token: a read that brings k token events
+    # contributes k gaps of (elapsed since the previous read)/k.
+    gaps: tuple[float, ...]
+    tokens: int
+    error: str | None = None
+    # usage.prompt_tokens of the final usage chunk, when the engine sent one.
+    prompt_tokens: int | None = None
+
+
+@attrs.frozen
+class Identity:
+    dialect: str
+    version: str
+    build: str
+    model: str
+    max_model_len: int
+    kv_capacity_tokens: int | None
+    kv_capacity_source: str
+
+    @property
+    def build_identity(self) -> str:
+        """What makes a profile valid for this engine: engine build, model, context."""
+        return build_identity(
+            dialect=self.dialect,
+            version=self.version,
+            build=self.build,
+            model=self.model,
+            max_model_len=self.max_model_len,
+        )
+
+
+@attrs.frozen
+class Gauges:
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    kv_expired: float | None
+
+
+class EngineClient:
+    """One configured engine, probed directly."""
+
+    def __init__(self, spec: EngineSpec, engine: Engine, *, max_connections: int = 128) -> None:
+        self.spec = spec
+        self.id = spec.id
+        self.dialect = dialect_for(spec.dialect)
+        host, port = spec.origin()
+        self.host = host
+        self.port = port
+        self.pool = ConnectionPool(
+            host,
+            port,
+            max_connections=max_connections,
+            connect_timeout_s=engine.connect_timeout_s,
+            pool_timeout_s=engine.pool_timeout_s,
+        )
+        self.serial = 0
+
+    def __repr__(self) -> str:
+        return f"<EngineClient {self.id} {self.spec.url}>"
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    def _request_id(self, kind: str) -> bytes:
+        self.serial += 1
+        return f"narwhal-probe-{self.id}-{kind}-{self.serial}".encode()
+
+    # -- plain requests --------------------------------------------------------------------
+    async def get(self, path: str, *, limit: int = _BODY_LIMIT) -> tuple[int, bytes]:
+        try:
+            async with self.pool.request(b"GET", path.encode()) as response:
+                return response.status, await response.aread(limit)
+        except (TransportError, PoolTimeout) as exc:
+            raise ProbeError(f"engine {self.id!r} GET {path}: {exc}") from None
+
+    async def post_json(self, path: str, body: Json, *, kind: str = "probe") -> tuple[int, object]:
+        headers = [_JSON, (b"x-request-id", self._request_id(kind))]
+        try:
+            async with self.pool.request(b"POST", path.encode(), headers, encode(body)) as response:
+                raw = await response.aread(_BODY_LIMIT)
+                status = response.status
+        except (TransportError, PoolTimeout) as exc:
+            raise ProbeError(f"engine {self.id!r} POST {path}: {exc}") from None
+        if status != 200:
+            info = parse_error_body(status, raw)
+            return status, info.message
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            raise ProbeError(f"engine {self.id!r} POST {path}: answer is not JSON") from None
+
+    async def health(self) -> int:
+        status, _ = await self.get(self.dialect.health_path.decode(), limit=65536)
+        return status
+
+    async def tokenize(self, text: str) -> tuple[int | None, object]:
+        """(exact count or None, the whole answer) for a completion-style prompt."""
+        body: Json = {"model": self.spec.model, "prompt": text}
+        status, doc = await self.post_json(self.dialect.tokenize_path.decode(), body)
+        if status != 200:
+            raise ProbeError(f"engine {self.id!r} /tokenize answered {status}: {doc}")
+        return tokenize_count(doc), doc
+
+    async def metrics(self) -> list[Sample]:
+        status, raw = await self.get("/metrics")
+        if status != 200:
+            raise ProbeError(f"engine {self.id!r} /metrics answered {status}")
+        return parse_metrics(raw.decode("utf-8", "replace"))
+
+    async def gauges(self) -> Gauges:
+        samples = await self.metrics()
+        return Gauges(
+            running=first_value(samples, "vllm:num_requests_running", "sglang:num_running_reqs"),
+            waiting=first_value(samples, "vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+            kv_usage=first_value(samples, "vllm:kv_cache_usage_perc", "sglang:token_usage"),
+            kv_expired=first_value(
+                samples, "vllm:nixl_num_kv_expired_reqs_total", "vllm:nixl_num_kv_expired_reqs"
+            ),
+        )
+
+    async def identity(self) -> Identity:
+        """Engine version/build, served model, context limit and KV capacity."""
+        version, build = "unknown", ""
+        status, raw = await self.get("/version", limit=65536)
+        if status == 200:
+            doc = _loads(raw)
+            if isinstance(doc, dict):
+                version = str(doc.get("version", "unknown"))
+                build = str(doc.get("build") or "")
+        server_info: dict[str, object] = {}
+        if self.spec.dialect == "sglang":
+            status, raw = await self.get("/get_server_info")
+            doc = _loads(raw) if status == 200 else None
+            if isinstance(doc, dict):
+                server_info = doc
+                if version == "unknown":
+                    version = str(doc.get("version", "unknown"))
+                build = build or str(doc.get("build") or "")
+        status, raw = await self.get("/v1/models")
+        doc = _loads(raw) if status == 200 else None
+        cards = doc.get("data") if isinstance(doc, dict) else None
+        models = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+        card = next((c for c in models if c.get("id") == self.spec.model), None)
+        if card is None:
+            served = ", ".join(str(c.get("id")) for c in models) or "none"
+            raise ProbeError(
+                f"engine {self.id!r} does not serve model {self.spec.model!r} "
+                f"(the config's engines[].model); /v1/models lists: {served}"
+            )
+        max_len = card.get("max_model_len")
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
+            _, tok = await self.tokenize("x")
+            max_len = tok.get("max_model_len") if isinstance(tok, dict) else None
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
+            raise ProbeError(
+                f"engine {self.id!r}: neither /v1/models nor /tokenize reports max_model_len"
+            )
+        capacity, source = None, ""
+        info = first_labels(await self.metrics(), "vllm:cache_config_info")
+        if info is not None:
+            try:
+                capacity = int(info["num_gpu_blocks"]) * int(info["block_size"])
+                source = "vllm:cache_config_info num_gpu_blocks x block_size"
+            except (KeyError, ValueError):
+                capacity = None
+        total = server_info.get("max_total_num_tokens")
+        if capacity is None and isinstance(total, int) and not isinstance(total, bool):
+            capacity, source = total, "sglang /get_server_info max_total_num_tokens"
+        return Identity(
+            dialect=self.spec.dialect,
+            version=version,
+            build=build,
+            model=self.spec.model,
+            max_model_len=max_len,
+            kv_capacity_tokens=capacity,
+            kv_capacity_source=source,
+        )
+
+    # -- generation --------------------------------------------------------------------------
+    def completion_body(self, prompt: str, max_tokens: int, *, stream: bool) -> Json:
+        body: Json = {
+            "model": self.spec.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def complete(self, body: Json, *, kind: str = "probe") -> Completion:
+        """A non-streaming completion, timed from sending to the last body byte."""
+        start = trio.current_time()
+        status, doc = await self.post_json("/v1/completions", body, kind=kind)
+        seconds = trio.current_time() - start
+        if status != 200:
+            return Completion(status, seconds, None, None, f"HTTP {status}: {doc}")
+        usage = doc.get("usage") if isinstance(doc, dict) else None
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            tokens = None
+        return Completion(status, seconds, tokens, doc)
+
+    async def stream(
+        self,
+        body: Json,
+        *,
+        kind: str = "probe",
+        on_head: Callable[[], None] | None = None,
+        request_id: bytes | None = None,
+    ) -> StreamResult:
+        """A streamed completion: time to first token and the inter-token gaps."""
+        headers = [_JSON, (b"x-request-id", request_id or self._request_id(kind))]
+        start = trio.current_time()
+        scanner = SseScanner()
+        first_at: float | None = None
+        last_at = start
+        gaps: list[float] = []
+        tokens = 0
+        done = False
+        error: str | None = None
+        status = 0
+        prompt_tokens: int | None = None
+        try:
+            async with self.pool.request(
+                b"POST", b"/v1/completions", headers, encode(body)
+            ) as response:
+                status = response.status
+                if on_head is not None:
+                    on_head()
+                if response.status != 200:
+                    raw = await response.aread(65536)
+                    info = parse_error_body(response.status, raw)
+                    return StreamResult(
+                        response.status,
+                        False,
+                        None,
+                        None,
+                        (),
+                        0,
+                        f"HTTP {info.status}: {info.message}",
+                    )
+                async for chunk in response:
+                    now = trio.current_time()
+                    count = 0
+                    for event in scanner.feed(chunk):
+                        if event.kind is SseKind.DONE:
+                            done = True
+                        elif event.kind is SseKind.ERROR:
+                            error = str((event.error or {}).get("message", "error event"))
+                        elif event.kind is SseKind.DATA:
+                            if _has_text(event.payload):
+                                count += 1
+                            else:
+                                prompt_tokens = _usage_prompt_tokens(event.payload)
+                    if count == 0:
+                        continue
+                    if first_at is None:
+                        first_at = now
+                        count -= 1
+                        tokens += 1
+                    elif count:
+                        gaps.extend([(now - last_at) / count] * count)
+                    tokens += count
+                    last_at = now
+        except (TransportError, PoolTimeout) as exc:
+            error = f"transport: {exc}"
+        ok = done and error is None and first_at is not None
+        if not done and error is None:
+            error = "stream ended without [DONE]"
+        return StreamResult(
+            status,
+            ok,
+            None if first_at is None else first_at - start,
+            first_at,
+            tuple(gaps),
+            tokens,
+            error,
+            prompt_tokens,
+        )
+
+    async def hold_stream(
+        self,
+        body: Json,
+        *,
+        accepted: Callable[[], None],
+        failed: Callable[[str], None],
+    ) -> None:
+        """Open a streamed request and keep it open, unread, until cancelled: load for a
+        decode measurement. `accepted` runs once the response head arrived (the engine
+        has the request), or after `failed` reported why it never will."""
+        headers = [_JSON, (b"x-request-id", self._request_id("load"))]
+        try:
+            async with self.pool.request(
+                b"POST", b"/v1/completions", headers, encode(body)
+            ) as response:
+                if response.status != 200:
+                    raw = await response.aread(65536)
+                    info = parse_error_body(response.status, raw)
+                    failed(
+                        f"engine {self.id!r}: load request answered {info.status}: {info.message}"
+                    )
+                    accepted()
+                    return
+                accepted()
+                await trio.sleep_forever()
+        except (TransportError, PoolTimeout) as exc:
+            failed(f"engine {self.id!r}: load request failed: {exc}")
+            accepted()
+
+
+@attrs.frozen
+class HandoffResult:
+    """One crossed P/D handoff, timed."""
+
+    ok: bool
+    prompt_tokens: int | None
+    prefill_s: float | None
+    # Prefill response -> first decode token.
+    handoff_s: float | None
+    # Decode request sent -> first decode token.
+    first_token_s: float | None
+    error: str | None = None
+    kv_params: Json | None = None
+
+
+async def prefill_leg(p: EngineClient, prompt: str) -> tuple[Completion, Json | None]:
+    """The router's P leg (vLLM): one token, KV kept for a remote decoder."""
+    body = vllm_prefill_body(p.completion_body(prompt, 1, stream=False))
+    result = await p.complete(body, kind="prefill")
+    return result, vllm_kv_params(result.document)
+
+
+async def decode_leg(
+    d: EngineClient, prompt: str, kv_params: Json | None, *, max_tokens: int = 2
+) -> StreamResult:
+    body = vllm_decode_body(d.completion_body(prompt, max_tokens, stream=True), kv_params)
+    return await d.stream(body, kind="decode")
+
+
+async def crossed_handoff(
+    p: EngineClient, d: EngineClient, prompt: str, *, max_tokens: int = 2
+) -> HandoffResult:
+    """Prefill on `p`, decode on `d`, as the router does; timed."""
+    if p.spec.dialect == "sglang":
+        return await _sglang_handoff(p, d, prompt, max_tokens=max_tokens)
+    prefill, params = await prefill_leg(p, prompt)
+    if prefill.error is not None:
+        return HandoffResult(
+            False, None, prefill.seconds, None, None, f"prefill on {p.id!r}: {prefill.error}"
+        )
+    if params is None:
+        return HandoffResult(
+            False,
+            prefill.prompt_tokens,
+            prefill.seconds,
+            None,
+            None,
+            f"prefill on {p.id!r} returned no kv_transfer_params",
+        )
+    ready = trio.current_time()
+    decode = await decode_leg(d, prompt, params, max_tokens=max_tokens)
+    if decode.first_token_at is None or not decode.ok:
+        return HandoffResult(
+            False,
+            prefill.prompt_tokens,
+            prefill.seconds,
+            None,
+            decode.first_token_s,
+            f"decode on {d.id!r}: {decode.error or 'no token'}",
+            params,
+        )
+    return HandoffResult(
+        True,
+        prefill.prompt_tokens,
+        prefill.seconds,
+        decode.first_token_at - ready,
+        decode.first_token_s,
+        None,
+        params,
+    )
+
+
+async def _sglang_handoff(
+    p: EngineClient, d: EngineClient, prompt: str, *, max_tokens: int
+) -> HandoffResult:
+    room = new_bootstrap_room()
+    port = p.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+    base = p.completion_body(prompt, max_tokens, stream=False)
+    p_body = sglang_pd_body(base, host=p.host, port=port, room=room)
+    d_body = sglang_pd_body(
+        d.completion_body(prompt, max_tokens, stream=True), host=p.host, port=port, room=room
+    )
+    results: dict[str, object] = {}
+
+    async def run_p() -> None:
+        results["p"] = await p.complete(p_body, kind="prefill")
+        results["p_done"] = trio.current_time()
+
+    async def run_d() -> None:
+        results["d"] = await d.stream(d_body, kind="decode")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_p)
+        nursery.start_soon(run_d)
+    pre = results["p"]
+    dec = results["d"]
+    p_done = results["p_done"]
+    assert isinstance(pre, Completion)
+    assert isinstance(dec, StreamResult)
+    assert isinstance(p_done, float)
+    if pre.error is not None:
+        return HandoffResult(
+            False, None, pre.seconds, None, None, f"prefill on {p.id!r}: {pre.error}"
+        )
+    if dec.first_token_at is None or not dec.ok:
+        return HandoffResult(
+            False,
+            pre.prompt_tokens,
+            pre.seconds,
+            None,
+            dec.first_token_s,
+            f"decode on {d.id!r}: {dec.error or 'no token'}",
+        )
+    return HandoffResult(
+        True,
+        pre.prompt_tokens,
+        pre.seconds,
+        max(0.0, dec.first_token_at - p_done),
+        dec.first_token_s,
+    )
+
+
+def _loads(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _usage_prompt_tokens(payload: bytes) -> int | None:
+    doc = _loads(payload)
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _has_text(payload: bytes) -> bool:
+    """A token event (not the usage-only chunk that ends a vLLM stream)."""
+    return b'"choices":[]' not in payload and b'"choices": []' not in payload

@@ -1,0 +1,672 @@
+"""narwhal-profile's measurement sweep: drive every engine directly and fit its models.
+
+What is measured, and how (everything is wall-clock as a client of the engine sees it):
+
+* Identity: ``/version`` (engine version and build), ``/v1/models`` (served model,
+  ``max_model_len``; ``/tokenize`` when the card lacks it), KV capacity from
+  ``vllm:cache_config_info`` (num_gpu_blocks × block_size) or SGLang's
+  ``/get_server_info`` (max_total_num_tokens); failing both, estimated from
+  ``kv_cache_usage_perc`` while the decode sweep holds a known number of tokens.
+* chars/token: ``/tokenize`` on calibration texts of the sweep's own generator,
+  Σ characters / Σ tokens (the engine's count, BOS included, as a prompt is charged).
+* Prefill: plain non-streaming completions with ``max_tokens: 1`` on an otherwise idle
+  engine (prompts up to 1024 tokens get three times the repeats: they are cheap and the
+  noisiest relative to their length), timed from sending the request to the end of the
+  response; the prompt length is the response's ``usage.prompt_tokens``. Plain requests
+  (not the router's P leg with ``kv_transfer_params.do_remote_decode``) because the
+  compute is the same and a P leg would leave its KV leased on the engine for the lease
+  time, filling the cache and skewing the decode sweep that follows. The sample therefore
+  includes the engine's HTTP and tokenisation overhead, as the router's prefill leg does.
+* Decode: for each (active requests B, context L) point, B−1 streamed "load" requests are
+  opened and left unread, then one streamed probe request; once the probe's prefill is
+  done every request is decoding, and the probe's inter-token gaps (SSE arrival times)
+  are the engine's decode step at that batch. Active requests and resident KV are read
+  from ``/metrics`` right after the window (running requests, KV usage × capacity).
+  Loads are cancelled (connection closed, so the engine aborts them) and the engine is
+  waited on until idle before the next point.
+* Crossed handoff: for every ordered pair (i, j), i ≠ j (every pair when there is one
+  engine: (i, i)), the router's P leg on i and its decode leg on j, across context sizes
+  up to max_model_len; timed from the prefill response to the first decode token, and
+  from opening the decode request to the first token.
+
+Every loop is bounded in count; the whole sweep is bounded by ``SweepPlan.budget_s`` and
+every request by ``SweepPlan.request_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import random
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from .. import __version__
+from ..config import Config
+from ..profiles import (
+    DecodeModel,
+    DecodePoint,
+    EngineProfile,
+    FitError,
+    HandoffProfile,
+    HandoffSample,
+    MeasuredFacts,
+    PrefillModel,
+    ProfileStore,
+    fit_decode,
+    fit_prefill,
+    handoff_profile,
+)
+from ._client import EngineClient, Identity, ProbeError, crossed_handoff
+from ._texts import TextMaker
+
+Progress = Callable[[str], None]
+T = TypeVar("T")
+
+# Gaps of a decode point that must at least be measured for its median to count.
+_MIN_GAPS = 4
+_IDLE_WAIT_S = 30.0
+_IDLE_POLL_S = 0.01
+_SHORT_PROMPT = 1024
+
+
+def _positive_ints(
+    _inst: object, attr: attrs.Attribute[Any], value: tuple[int, ...] | None
+) -> None:
+    if value is None:
+        return
+    if not value or any(not isinstance(v, int) or v < 1 for v in value):
+        raise ValueError(f"{attr.name} is {value!r}; must be positive integers")
+
+
+def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attr.name} is {value!r}; must be a positive number")
+
+
+def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attr.name} is {value!r}; must be >= 1")
+
+
+@attrs.frozen(kw_only=True)
+class SweepPlan:
+    """Sizes and counts of the sweep. ``None`` sizes derive from each engine's
+    max_model_len (see `prefill_targets`, `decode_contexts`, `handoff_targets`)."""
+
+    prefill_sizes: tuple[int, ...] | None = attrs.field(default=None, validator=_positive_ints)
+    prefill_repeats: int = attrs.field(default=3, validator=_at_least_one)
+    decode_active: tuple[int, ...] = attrs.field(default=(1, 4, 16, 64), validator=_positive_ints)
+    decode_contexts: tuple[int, ...] | None = attrs.field(default=None, validator=_positive_ints)
+    decode_gaps: int = attrs.field(default=24, validator=_at_least_one)
+    # Gaps after the probe's first token that are not measured (the batch settles).
+    decode_skip: int = 2
+    handoff_sizes: tuple[int, ...] | None = attrs.field(default=None, validator=_positive_ints)
+    handoff_repeats: int = attrs.field(default=4, validator=_at_least_one)
+    # Engines measured at the same time (and disjoint pairs during the handoff sweep).
+    parallel: int = attrs.field(default=1, validator=_at_least_one)
+    budget_s: float = attrs.field(default=900.0, validator=_positive)
+    request_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    # A decode point may hold at most this fraction of the engine's KV capacity.
+    kv_budget: float = attrs.field(default=0.5, validator=_positive)
+    seed: int = 0
+
+    @classmethod
+    def fast(cls) -> SweepPlan:
+        """A small sweep for tests and smoke runs."""
+        return cls(
+            prefill_repeats=2,
+            decode_active=(1, 4, 12),
+            decode_contexts=(128, 1024),
+            decode_gaps=12,
+            handoff_sizes=(64, 1024),
+            handoff_repeats=2,
+            budget_s=120.0,
+        )
+
+    def prefill_targets(self, max_model_len: int) -> list[int]:
+        top = _largest_prompt(max_model_len, 1)
+        if self.prefill_sizes is not None:
+            return sorted({min(n, top) for n in self.prefill_sizes})
+        small = [2, 16, 64, 256, 512, 1024]
+        large = [round(top * f) for f in (0.25, 0.5, 0.75, 1.0)]
+        return sorted({n for n in small + large if 1 <= n <= top})
+
+    def decode_contexts_for(self, max_model_len: int) -> list[int]:
+        if self.decode_contexts is not None:
+            return sorted({min(n, max_model_len // 2) for n in self.decode_contexts})
+        return sorted({min(256, max_model_len // 8), min(2048, max_model_len // 4)} - {0})
+
+    def handoff_targets(self, max_model_len: int) -> list[int]:
+        top = _largest_prompt(max_model_len, 2)
+        if self.handoff_sizes is not None:
+            return sorted({min(n, top) for n in self.handoff_sizes})
+        return sorted({min(64, top), top // 4, top // 2, top} - {0})
+
+
+def _largest_prompt(max_model_len: int, max_tokens: int) -> int:
+    # Token counts of generated text vary by a few percent around the target, and the
+    # engine rejects prompt + max_tokens > max_model_len; aim a little below the limit.
+    return max(1, int((max_model_len - max_tokens - 1) * 0.95))
+
+
+@attrs.frozen
+class EngineMeasurement:
+    identity: Identity
+    chars_per_token: float
+    prefill: PrefillModel
+    decode: DecodeModel
+    kv_capacity_tokens: int
+    kv_capacity_source: str
+
+
+class SweepFailed(Exception):
+    """The sweep could not finish; the message names the engine and the step."""
+
+
+class _Clock:
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._start = trio.current_time()
+
+    def elapsed(self) -> float:
+        return trio.current_time() - self._start
+
+    def say(self, message: str) -> None:
+        self._progress(f"[{self.elapsed():6.1f}s] {message}")
+
+
+async def profile_fleet(
+    config: Config, plan: SweepPlan, *, progress: Progress = lambda _: None
+) -> ProfileStore:
+    """Measure every configured engine and pair; the store to write. Raises `SweepFailed`."""
+    clock = _Clock(progress)
+    # Every decode load holds a connection; leave room for the probe and the gauges.
+    connections = max(plan.decode_active) + 8
+    clients = {
+        spec.id: EngineClient(spec, config.engine, max_connections=connections)
+        for spec in config.engines
+    }
+    try:
+        with trio.fail_after(plan.budget_s):
+            return await _profile(config, plan, clients, clock)
+    except trio.TooSlowError:
+        raise SweepFailed(
+            f"the sweep exceeded its time budget of {plan.budget_s} s (--budget-s)"
+        ) from None
+    except BaseExceptionGroup as group:
+        failure = first_exception(group, SweepFailed)
+        if failure is None:
+            raise
+        raise failure from None
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+async def _profile(
+    config: Config, plan: SweepPlan, clients: dict[str, EngineClient], clock: _Clock
+) -> ProfileStore:
+    engine_ids = list(clients)
+    clock.say(f"profiling {len(engine_ids)} engine(s): {', '.join(engine_ids)}")
+    measured: dict[str, EngineMeasurement] = {}
+    limiter = trio.CapacityLimiter(plan.parallel)
+
+    async def one(engine_id: str) -> None:
+        async with limiter:
+            measured[engine_id] = await _measure_engine(clients[engine_id], plan, clock)
+
+    if plan.parallel == 1:
+        for engine_id in engine_ids:
+            await one(engine_id)
+    else:
+        async with trio.open_nursery() as nursery:
+            for engine_id in engine_ids:
+                nursery.start_soon(one, engine_id)
+    handoffs = await _handoffs(clients, measured, plan, clock)
+    profiles = {
+        engine_id: EngineProfile(
+            id=engine_id,
+            url=clients[engine_id].spec.url,
+            dialect=clients[engine_id].spec.dialect,
+            model=clients[engine_id].spec.model,
+            build=m.identity.build_identity,
+            max_model_len=m.identity.max_model_len,
+            kv_capacity_tokens=m.kv_capacity_tokens,
+            kv_capacity_source=m.kv_capacity_source,
+            prefill=m.prefill,
+            decode=m.decode,
+            chars_per_token=m.chars_per_token,
+        )
+        for engine_id, m in measured.items()
+    }
+    by_dialect: dict[str, list[float]] = {}
+    for p in profiles.values():
+        by_dialect.setdefault(p.dialect, []).append(p.chars_per_token)
+    max_len = min(m.identity.max_model_len for m in measured.values())
+    duration = clock.elapsed()
+    clock.say(f"done in {duration:.1f} s")
+    return ProfileStore(
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        tool=f"narwhal-profile {__version__}",
+        engines=profiles,
+        handoffs=handoffs,
+        chars_per_token={d: round(statistics.fmean(v), 4) for d, v in by_dialect.items()},
+        sweep={
+            "duration_s": round(duration, 2),
+            # The sizes actually used (derived from max_model_len unless given).
+            "prefill_sizes": plan.prefill_targets(max_len),
+            "prefill_repeats": plan.prefill_repeats,
+            "decode_active": list(plan.decode_active),
+            "decode_contexts": plan.decode_contexts_for(max_len),
+            "decode_gaps": plan.decode_gaps,
+            "handoff_sizes": plan.handoff_targets(max_len),
+            "handoff_repeats": plan.handoff_repeats,
+            "parallel": plan.parallel,
+            "seed": plan.seed,
+            "prefill_measures": "plain max_tokens=1 completions on an idle engine, "
+            "request sent to response end",
+            "handoff_measures": "prefill response to first decode token",
+        },
+    )
+
+
+async def _within(seconds: float, what: str, call: Awaitable[T]) -> T:
+    """Await `call`, bounded: a probe that hangs is a failure that names what hung."""
+    with trio.move_on_after(seconds):
+        return await call
+    raise ProbeError(f"{what} took longer than {seconds} s (--request-timeout-s)")
+
+
+async def _measure_engine(
+    client: EngineClient, plan: SweepPlan, clock: _Clock
+) -> EngineMeasurement:
+    eid = client.id
+    limit = plan.request_timeout_s
+    try:
+        identity = await _within(limit, f"engine {eid!r} identity probes", client.identity())
+        health = await _within(limit, f"engine {eid!r} /health", client.health())
+        if health != 200:
+            raise ProbeError(f"engine {eid!r}: /health answered {health}")
+        capacity = identity.kv_capacity_tokens
+        clock.say(
+            f"{eid}: {identity.build_identity}; KV capacity "
+            f"{capacity if capacity is not None else 'unknown'} tokens"
+        )
+        texts = TextMaker(f"{plan.seed}/{eid}")
+        cpt = await measure_chars_per_token(client, texts, plan)
+        clock.say(f"{eid}: {cpt:.3f} chars/token (/tokenize)")
+        warm = await _within(
+            limit,
+            f"engine {eid!r} warm-up",
+            client.complete(client.completion_body("Hello", 1, stream=False)),
+        )
+        if warm.error is not None:
+            raise ProbeError(f"engine {eid!r}: warm-up request failed: {warm.error}")
+        prefill = await _prefill_sweep(client, texts, cpt, identity, plan, clock)
+        decode, estimate = await _decode_sweep(client, texts, cpt, identity, plan, clock)
+    except ProbeError as exc:
+        raise SweepFailed(str(exc)) from None
+    except FitError as exc:
+        raise SweepFailed(f"engine {eid!r}: {exc}") from None
+    source = identity.kv_capacity_source
+    if capacity is None:
+        if estimate is not None:
+            capacity = estimate
+            source = "estimated: resident tokens / kv_cache_usage_perc during the decode sweep"
+        else:
+            capacity, source = 0, "unknown: no cache config and no KV usage metric"
+    return EngineMeasurement(identity, cpt, prefill, decode, capacity, source)
+
+
+async def measure_chars_per_token(client: EngineClient, texts: TextMaker, plan: SweepPlan) -> float:
+    """Σ characters / Σ /tokenize counts over three texts of the sweep's generator."""
+    chars = 0
+    tokens = 0
+    for size in (400, 2000, 8000):
+        text = texts.text(size)
+        count, _ = await _within(
+            plan.request_timeout_s, f"engine {client.id!r} /tokenize", client.tokenize(text)
+        )
+        if count is None or count <= 0:
+            raise ProbeError(f"engine {client.id!r}: /tokenize gave no token count")
+        chars += len(text)
+        tokens += count
+    return chars / tokens
+
+
+async def measure_prefill(
+    client: EngineClient,
+    texts: TextMaker,
+    cpt: float,
+    target: int,
+    plan: SweepPlan,
+) -> tuple[int, float, str]:
+    """A one-token completion of about `target` prompt tokens: (tokens, seconds, text).
+
+    Generated text only approximates a token count, so a prompt the engine rejects as too
+    long (400) is shortened by 10 % and retried, at most three times.
+    """
+    chars = max(1, round(target * cpt))
+    for _ in range(4):
+        text = texts.text(chars)
+        body = client.completion_body(text, 1, stream=False)
+        result = await _within(
+            plan.request_timeout_s,
+            f"engine {client.id!r} prefill of ~{target} tokens",
+            client.complete(body),
+        )
+        if result.status == 400 and chars > 1:
+            chars = max(1, int(chars * 0.9))
+            continue
+        if result.error is not None:
+            raise ProbeError(f"engine {client.id!r}: prefill of ~{target} tokens: {result.error}")
+        tokens = result.prompt_tokens
+        if tokens is None:
+            count, _ = await client.tokenize(text)
+            if count is None:
+                raise ProbeError(f"engine {client.id!r}: no prompt token count for a prefill")
+            tokens = count
+        return tokens, result.seconds, text
+    raise ProbeError(
+        f"engine {client.id!r}: a prompt of ~{target} tokens stays too long for the engine"
+    )
+
+
+async def _prefill_sweep(
+    client: EngineClient,
+    texts: TextMaker,
+    cpt: float,
+    identity: Identity,
+    plan: SweepPlan,
+    clock: _Clock,
+) -> PrefillModel:
+    samples: list[tuple[int, float]] = []
+    groups: list[int] = []
+    targets = plan.prefill_targets(identity.max_model_len)
+    # Short prompts take milliseconds, where a busy host's scheduling noise is largest
+    # relative to the prefill; they are cheap, so they get three times the repeats.
+    runs = [
+        target
+        for target in targets
+        for _ in range(plan.prefill_repeats * (3 if target <= _SHORT_PROMPT else 1))
+    ]
+    # Sizes in random order: a drift in the host's load during the sweep then spreads over
+    # every size instead of bending the curve.
+    random.Random(f"{plan.seed}/{client.id}/prefill").shuffle(runs)
+    step = max(1, len(runs) // 5)
+    for i, target in enumerate(runs, 1):
+        tokens, seconds, _ = await measure_prefill(client, texts, cpt, target, plan)
+        samples.append((tokens, seconds))
+        groups.append(target)
+        if i % step == 0 or i == len(runs):
+            clock.say(f"{client.id}: prefill {i}/{len(runs)} requests ({len(targets)} sizes)")
+    model = fit_prefill(samples, groups=groups)
+    clock.say(
+        f"{client.id}: prefill fit a={model.a_s * 1e3:.2f} ms b={model.b_s_per_token * 1e6:.3f} "
+        f"us/token c={model.c_s_per_token2 * 1e12:.1f} ps/token^2, residual p50 "
+        f"{100 * model.residual_p50:.1f}% p90 {100 * model.residual_p90:.1f}%"
+    )
+    return model
+
+
+async def wait_idle(client: EngineClient, plan: SweepPlan) -> None:
+    """Bounded wait until the engine runs and queues nothing (the previous point's
+    cancelled loads are gone). There is no event to await on a remote engine, so this
+    polls its gauges."""
+    with trio.move_on_after(min(_IDLE_WAIT_S, plan.request_timeout_s)):
+        while True:
+            gauges = await client.gauges()
+            if gauges.running is None or (gauges.running == 0 and not gauges.waiting):
+                return
+            await trio.sleep(_IDLE_POLL_S)
+    raise ProbeError(f"engine {client.id!r} did not become idle after a decode point")
+
+
+async def measure_decode_point(
+    client: EngineClient,
+    texts: TextMaker,
+    cpt: float,
+    identity: Identity,
+    active: int,
+    context: int,
+    plan: SweepPlan,
+) -> tuple[DecodePoint, float | None]:
+    """Measure one (active, context) point; (point, KV-capacity estimate or None)."""
+    # A lone request is cheap to measure and its median is the idle floor, which every
+    # decode-load computation subtracts: measure it over twice the window.
+    count = plan.decode_gaps * (2 if active == 1 else 1)
+    window = plan.decode_skip + count
+    # Loads must outlast the probe: they start decoding while the others still prefill.
+    load_tokens = min(
+        identity.max_model_len - context - 2,
+        active + math.ceil(active * context / 256) + window + 32,
+    )
+    probe_tokens = min(identity.max_model_len - context - 2, window + 1)
+    chars = max(1, round(context * cpt))
+    limit = plan.request_timeout_s
+    result = None
+    gauges = None
+    errors: list[str] = []
+    async with trio.open_nursery() as nursery:
+        accepted = trio.Semaphore(0)
+        for _ in range(active - 1):
+            body = client.completion_body(texts.text(chars), load_tokens, stream=True)
+            nursery.start_soon(
+                partial(client.hold_stream, body, accepted=accepted.release, failed=errors.append)
+            )
+        # Errors stay out of the nursery body, so they are not wrapped in a group.
+        try:
+            with trio.move_on_after(limit) as wait:
+                for _ in range(active - 1):
+                    await accepted.acquire()
+            if wait.cancelled_caught:
+                raise ProbeError(f"engine {client.id!r}: decode loads not accepted in {limit} s")
+            if not errors:
+                body = client.completion_body(texts.text(chars), probe_tokens, stream=True)
+                probe = client.stream(body)
+                result = await _within(limit, f"engine {client.id!r} decode probe", probe)
+                gauges = await _within(limit, f"engine {client.id!r} /metrics", client.gauges())
+        except ProbeError as exc:
+            errors.append(str(exc))
+        nursery.cancel_scope.cancel()
+    if errors or result is None or gauges is None:
+        raise ProbeError(errors[0] if errors else f"engine {client.id!r}: decode point failed")
+    if not result.ok:
+        raise ProbeError(f"engine {client.id!r}: decode probe failed: {result.error}")
+    gaps = result.gaps[plan.decode_skip : plan.decode_skip + count]
+    if len(gaps) < min(_MIN_GAPS, count):
+        raise ProbeError(
+            f"engine {client.id!r}: decode probe gave {len(gaps)} gaps; need {_MIN_GAPS}"
+        )
+    probe_prompt = result.prompt_tokens or context
+    probe_kv = probe_prompt + result.tokens
+    # The gauges were read just after the window ended (the probe had finished and freed
+    # its KV); the window's middle had about half a window less KV per request.
+    half = len(gaps) / 2
+    measured_active = active
+    kv = active * (probe_prompt + plan.decode_skip + half)
+    estimate: float | None = None
+    capacity = identity.kv_capacity_tokens
+    if gauges.running is not None:
+        measured_active = max(1, round(gauges.running) + 1)
+    if gauges.kv_usage is not None and gauges.kv_usage > 0:
+        if capacity:
+            kv = gauges.kv_usage * capacity + probe_kv - measured_active * half
+        else:
+            estimate = (kv + measured_active * half - probe_kv) / gauges.kv_usage
+    point = DecodePoint(
+        active=measured_active,
+        kv_tokens=max(0, round(kv)),
+        interval_s=statistics.median(gaps),
+        gaps=tuple(gaps),
+    )
+    return point, estimate
+
+
+async def _decode_sweep(
+    client: EngineClient,
+    texts: TextMaker,
+    cpt: float,
+    identity: Identity,
+    plan: SweepPlan,
+    clock: _Clock,
+) -> tuple[DecodeModel, int | None]:
+    contexts = plan.decode_contexts_for(identity.max_model_len)
+    capacity = identity.kv_capacity_tokens
+    points: list[DecodePoint] = []
+    estimates: list[float] = []
+    grid = [(b, ctx) for ctx in contexts for b in sorted(set(plan.decode_active))]
+    idle_floor: float | None = None
+    for i, (active, context) in enumerate(grid, 1):
+        need = active * (context + plan.decode_skip + plan.decode_gaps + 64)
+        if capacity and need > plan.kv_budget * capacity:
+            clock.say(
+                f"{client.id}: decode point {active} x {context} tokens skipped: needs {need} "
+                f"KV tokens, over {plan.kv_budget:.0%} of capacity {capacity}"
+            )
+            continue
+        await wait_idle(client, plan)
+        point, estimate = await measure_decode_point(
+            client, texts, cpt, identity, active, context, plan
+        )
+        points.append(point)
+        if estimate is not None:
+            estimates.append(estimate)
+        if point.active == 1 and idle_floor is None:
+            idle_floor = point.interval_s
+        clock.say(
+            f"{client.id}: decode {i}/{len(grid)}: {point.active} active, {point.kv_tokens} KV "
+            f"tokens, median gap {1000 * point.interval_s:.2f} ms"
+        )
+    await wait_idle(client, plan)
+    model = fit_decode(points, idle_floor_s=idle_floor)
+    clock.say(
+        f"{client.id}: decode fit t0={model.t0_s * 1e3:.2f} ms "
+        f"kv={model.kv_s_per_token * 1e9:.1f} ns/token "
+        f"active={model.active_s_per_request * 1e6:.1f} us/request, idle floor "
+        f"{model.idle_floor_s * 1e3:.2f} ms, residual p50 {100 * model.residual_p50:.1f}% "
+        f"p90 {100 * model.residual_p90:.1f}%"
+    )
+    estimate = round(statistics.median(estimates)) if estimates else None
+    return model, estimate
+
+
+def ordered_pairs(engine_ids: Sequence[str]) -> list[tuple[str, str]]:
+    """Every ordered pair of distinct engines; the self pair for a one-engine fleet."""
+    if len(engine_ids) == 1:
+        return [(engine_ids[0], engine_ids[0])]
+    return [(p, d) for p in engine_ids for d in engine_ids if p != d]
+
+
+async def _handoffs(
+    clients: dict[str, EngineClient],
+    measured: dict[str, EngineMeasurement],
+    plan: SweepPlan,
+    clock: _Clock,
+) -> dict[tuple[str, str], HandoffProfile]:
+    pairs = ordered_pairs(list(clients))
+    out: dict[tuple[str, str], HandoffProfile] = {}
+    limiter = trio.CapacityLimiter(plan.parallel)
+    locks = {engine_id: trio.Lock() for engine_id in clients}
+    order = {engine_id: i for i, engine_id in enumerate(clients)}
+    done = 0
+
+    async def one(p: str, d: str) -> None:
+        nonlocal done
+        # Both engines of a pair are held, always in config order, so pairs measured at
+        # the same time are disjoint and cannot deadlock.
+        async with limiter, contextlib.AsyncExitStack() as stack:
+            for engine_id in sorted({p, d}, key=order.__getitem__):
+                await stack.enter_async_context(locks[engine_id])
+            try:
+                out[(p, d)] = await _pair(clients[p], clients[d], measured, plan)
+            except (ProbeError, FitError) as exc:
+                raise SweepFailed(f"handoff {p!r} -> {d!r}: {exc}") from None
+        done += 1
+        worst = out[(p, d)].max_first_token_p99_s
+        clock.say(
+            f"handoff {done}/{len(pairs)}: {p} -> {d}, first-token p99 up to {1000 * worst:.1f} ms"
+        )
+
+    if plan.parallel == 1:
+        for p, d in pairs:
+            await one(p, d)
+    else:
+        async with trio.open_nursery() as nursery:
+            for p, d in pairs:
+                nursery.start_soon(one, p, d)
+    return out
+
+
+async def _pair(
+    p: EngineClient,
+    d: EngineClient,
+    measured: dict[str, EngineMeasurement],
+    plan: SweepPlan,
+) -> HandoffProfile:
+    max_len = min(measured[p.id].identity.max_model_len, measured[d.id].identity.max_model_len)
+    cpt = measured[p.id].chars_per_token
+    texts = TextMaker(f"{plan.seed}/{p.id}/{d.id}")
+    groups: list[list[HandoffSample]] = []
+    for target in plan.handoff_targets(max_len):
+        group: list[HandoffSample] = []
+        for _ in range(plan.handoff_repeats):
+            text = texts.text(max(1, round(target * cpt)))
+            result = await _within(
+                plan.request_timeout_s,
+                f"handoff {p.id} -> {d.id}",
+                crossed_handoff(p, d, text),
+            )
+            if not result.ok or result.handoff_s is None or result.first_token_s is None:
+                raise SweepFailed(f"handoff {p.id!r} -> {d.id!r} failed: {result.error}")
+            group.append(
+                HandoffSample(
+                    tokens=result.prompt_tokens or target,
+                    handoff_s=result.handoff_s,
+                    first_token_s=result.first_token_s,
+                )
+            )
+        groups.append(group)
+    return handoff_profile(p.id, d.id, groups)
+
+
+def carry_facts(new: ProfileStore, old: ProfileStore | None) -> tuple[ProfileStore, str | None]:
+    """Keep narwhal-check's recorded facts when every engine they were measured on still
+    has the same build; otherwise drop them (and say why)."""
+    if old is None or old.facts is None:
+        return new, None
+    facts: MeasuredFacts = old.facts
+    changed = sorted(
+        engine_id
+        for engine_id, build in facts.builds.items()
+        if engine_id not in new.engines or new.engines[engine_id].build != build
+    )
+    if changed:
+        return new, (
+            "dropped the recorded narwhal-check facts: measured on other builds of "
+            + ", ".join(changed)
+            + "; run narwhal-check --record again"
+        )
+    return attrs.evolve(new, facts=facts), None
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def first_exception(group: BaseExceptionGroup[BaseException], kind: type[E]) -> E | None:
+    """The first `kind` leaf of a (nested) exception group, if any."""
+    for exc in group.exceptions:
+        if isinstance(exc, kind):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = first_exception(exc, kind)
+            if found is not None:
+                return found
+    return None

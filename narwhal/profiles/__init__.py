@@ -1,0 +1,45 @@
+"""Engine profiles: the measured latency models every prediction in Narwhal prices with.
+
+Pure: no trio and no I/O, except `load_profiles`/`save_profiles` (blocking file access).
+`narwhal-profile` measures and writes the store; `narwhal-check` verifies the fleet and
+may record measured facts (verified KV lease, crossed-handoff p99) into it.
+"""
+
+from ._fit import FitError as FitError
+from ._models import (
+    DecodeModel as DecodeModel,
+    DecodePoint as DecodePoint,
+    EngineProfile as EngineProfile,
+    HandoffBucket as HandoffBucket,
+    HandoffProfile as HandoffProfile,
+    HandoffSample as HandoffSample,
+    PrefillModel as PrefillModel,
+    Quantile as Quantile,
+    build_identity as build_identity,
+    fit_decode as fit_decode,
+    fit_prefill as fit_prefill,
+    handoff_profile as handoff_profile,
+)
+from ._pricing import (
+    DecodeCorrection as DecodeCorrection,
+    Projection as Projection,
+    backlog_s as backlog_s,
+    corrected_idle_floor_s as corrected_idle_floor_s,
+    decode_load as decode_load,
+    projected_interval_s as projected_interval_s,
+    projected_ttft_s as projected_ttft_s,
+)
+from ._source import FleetProfiles as FleetProfiles
+from ._store import (
+    SCHEMA_VERSION as SCHEMA_VERSION,
+    MeasuredFacts as MeasuredFacts,
+    ProfileCheck as ProfileCheck,
+    ProfileStore as ProfileStore,
+    check_store as check_store,
+    load_profiles as load_profiles,
+    read_store as read_store,
+    save_profiles as save_profiles,
+    store_from_json as store_from_json,
+    store_to_json as store_to_json,
+    verify_builds as verify_builds,
+)

@@ -1,0 +1,88 @@
+"""The loaded profiles as the router prices with them.
+
+`FleetProfiles` wraps a `ProfileCheck` (only usable profiles are ever returned) plus the
+live decode corrections. Its members match, structurally, what predictive admission
+(`prefill_curve`, `decode_curve`, `handoff_s`, `decode_correction`) and the role
+controller (`profile`, `mean_profile`) read, so neither needs to import this package.
+No trio and no I/O; the corrections are replaced, never mutated, on each update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._models import DecodeModel, EngineProfile, PrefillModel, Quantile
+from ._pricing import DecodeCorrection
+from ._store import ProfileCheck
+
+
+class FleetProfiles:
+    def __init__(
+        self,
+        check: ProfileCheck,
+        *,
+        correction: DecodeCorrection | None = None,
+        quantile: Quantile = "p50",
+    ) -> None:
+        self.check = check
+        self.quantile: Quantile = quantile
+        self._template = correction or DecodeCorrection()
+        self._corrections: dict[str, DecodeCorrection] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"<FleetProfiles {len(self.check.usable)}/{len(self.check.configured)} usable, "
+            f"{len(self.check.messages)} problem(s)>"
+        )
+
+    # -- per engine ------------------------------------------------------------------------
+    def profile(self, engine_id: str) -> EngineProfile | None:
+        return self.check.profile(engine_id)
+
+    def mean_profile(self) -> EngineProfile | None:
+        return self.check.mean_profile()
+
+    def prefill_curve(self, engine_id: str) -> PrefillModel | None:
+        profile = self.check.profile(engine_id)
+        return profile.prefill if profile is not None else None
+
+    def decode_curve(self, engine_id: str) -> DecodeModel | None:
+        profile = self.check.profile(engine_id)
+        return profile.decode if profile is not None else None
+
+    # -- handoff ---------------------------------------------------------------------------
+    def handoff_s(self, prompt_tokens: int) -> float:
+        """The fleet's crossed-handoff estimate for a prompt: the mean, over every pair of
+        usable engines, of the pair's `quantile` (pricing happens before the decode engine
+        is chosen). 0 when no pair was measured."""
+        store = self.check.store
+        if store is None:
+            return 0.0
+        usable = self.check.usable
+        values = [
+            handoff.quantile_s(prompt_tokens, self.quantile)
+            for (p, d), handoff in store.handoffs.items()
+            if p in usable and d in usable
+        ]
+        return sum(values) / len(values) if values else 0.0
+
+    # -- live decode correction (manual 7.1, 7.7) ------------------------------------------
+    def decode_correction(self, engine_id: str) -> float:
+        return self.correction(engine_id).value
+
+    def correction(self, engine_id: str) -> DecodeCorrection:
+        return self._corrections.get(engine_id, self._template)
+
+    def observe_decode(
+        self, engine_id: str, gaps: Sequence[float], predicted_s: float | Sequence[float]
+    ) -> DecodeCorrection:
+        """Apply one observation window of the engine's decode gaps (see `DecodeCorrection`)."""
+        updated = self.correction(engine_id).update(gaps, predicted_s)
+        self._corrections[engine_id] = updated
+        return updated
+
+    def corrected_idle_floor_s(self, engine_id: str) -> float | None:
+        decode = self.decode_curve(engine_id)
+        if decode is None:
+            return None
+        return decode.idle_floor_s * self.decode_correction(engine_id)
