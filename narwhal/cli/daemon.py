@@ -13,7 +13,7 @@ import trio
 from .. import _logging
 from ..config import Config, ConfigError, config_to_dict, load_config_file
 from ..ctl import ControlSocketError
-from ..supervisor import Notifier, Supervisor
+from ..supervisor import Notifier, ProfilesUnavailable, Supervisor
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,7 +77,7 @@ def _run_serve(path: str) -> int:
     problems: list[str] = []
     try:
         trio.run(_serve, config, path)
-    except* ControlSocketError as group:
+    except* (ControlSocketError, ProfilesUnavailable) as group:
         problems.extend(str(exc) for exc in _leaves(group))
     except* OSError as group:
         # Binding the listen address happens inside the supervisor's nursery.

@@ -29,6 +29,30 @@ class LegObserver(Protocol):
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
 
 
+class ServingSignals(Protocol):
+    """What the request path tells the role controller and the decode correction.
+
+    Called on the request path, so implementations must be quick and must not block.
+    """
+
+    def first_token_timeout(self, engine: EngineState) -> None: ...
+
+    def ttft_breach(self) -> None: ...
+
+    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None: ...
+
+
+class _NoSignals:
+    def first_token_timeout(self, engine: EngineState) -> None:
+        pass
+
+    def ttft_breach(self) -> None:
+        pass
+
+    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+        pass
+
+
 class _NoObserver:
     def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None:
         pass
@@ -106,6 +130,7 @@ class ServingContext:
         # Other subsystems (controller, recovery) add sections to /narwhal/state.
         self.state_providers: list[tuple[str, Callable[[], object]]] = []
         self.leg_observer: LegObserver = _NoObserver()
+        self.signals: ServingSignals = _NoSignals()
         # Predictive admission: the profile source (None until profiles are loaded) and
         # the prefill work committed to each engine.
         self.profiles: ProfileSource | None = None

@@ -85,6 +85,9 @@ from ._request import ClientRequest, parse_body, request_id_from_header
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
 _ERROR_BODY_LIMIT = 65536
+# Gaps kept per stream for the decode correction; a window this size is plenty for a
+# median, and it bounds the memory of very long generations.
+_MAX_GAPS = 256
 
 
 class _HandoffExpired(Exception):
@@ -299,6 +302,9 @@ class Flow:
             return
         assert verdict.code is not None
         self._offered(request, tokens, admitted=False, reason=verdict.code)
+        if verdict.code == "ttft_budget":
+            # Manual 7.7: a projected TTFT breach allows one guarded D-to-P evaluation.
+            ctx.signals.ttft_breach()
         if verdict.code == "no_priced_path":
             raise Unavailable(verdict.message, code=verdict.code)
         raise Refused(verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s)
@@ -796,6 +802,7 @@ async def _relay(
     limit = config.serving.max_response_bytes
     gap = config.engine.decode_read_timeout_s or math.inf
     scanner = SseScanner()
+    gaps: list[float] = []  # decode token intervals, for the live decode correction
     held: list[bytes] = []
     held_bytes = 0
     first_at: float | None = None
@@ -843,6 +850,8 @@ async def _relay(
                             timer.deadline = now + gap
                             ctx.metrics.ttft.labels(phase).observe(now - request.arrival)
                         if first_at is not None:
+                            if tokens and len(gaps) < _MAX_GAPS:
+                                gaps.append(now - last_at)
                             tokens += 1
                             last_at = now
                     if first_at is None:
@@ -868,8 +877,11 @@ async def _relay(
                     await client.send_chunk(b"".join(out))
                 elif out:
                     held.extend(out)  # SGLang: the prefill leg has not answered yet
+    if gaps:
+        ctx.signals.decode_gaps(engine, gaps)
     if timer.cancelled_caught:
         if first_at is None:
+            ctx.signals.first_token_timeout(engine)
             raise _failed(
                 engine,
                 phase,

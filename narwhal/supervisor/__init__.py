@@ -1,5 +1,6 @@
 """Everything that runs beside the requests, under one nursery."""
 
+from ._control import ProfilesUnavailable as ProfilesUnavailable
 from ._notify import Notifier as Notifier
 from ._operations import Operations as Operations
 from ._reload import ReloadResult as ReloadResult, apply_config as apply_config

@@ -33,11 +33,14 @@ import trio
 from prometheus_client import Counter
 
 from .._errors import Unavailable
+from ..admission import ProfileSource
 from ..config import Config, ConfigError, diff, load_config_file
 from ..ctl import ControlServer
 from ..fleet import EngineState
+from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
+from ._control import ControlLink, load_fleet_profiles, require_profiles
 from ._notify import Notifier
 from ._operations import Operations
 from ._reload import ReloadResult, apply_config
@@ -63,6 +66,7 @@ class Supervisor:
         prober: Prober | None = None,
         predictor: Predictor | None = None,
         pass_handlers: Sequence[tuple[str, PassHandler]] = (),
+        profiles: ProfileSource | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -71,6 +75,10 @@ class Supervisor:
         self.prober: Prober = prober or HttpProber()
         self.predictor = predictor
         self.pass_handlers = list(pass_handlers)
+        # Injected profiles (tests) replace loading profiles.path, at start and on reload.
+        self.injected_profiles = profiles
+        self.profile_problems: list[str] = []
+        self.link: ControlLink | None = None
         self.ctx: ServingContext | None = None
         self.recovery: Recovery | None = None
         self.monitor: Monitor | None = None
@@ -101,10 +109,22 @@ class Supervisor:
         config = self.config
         ctx = ServingContext(config)
         self.ctx = ctx
+        if self.injected_profiles is not None:
+            ctx.profiles = self.injected_profiles
+        else:
+            ctx.profiles, self.profile_problems = await load_fleet_profiles(config)
+        link = ControlLink(ctx)
+        self.link = link
+        ctx.signals = link
         recovery = Recovery(ctx, prober=self.prober, predictor=self.predictor)
         self.recovery = recovery
         ctx.leg_observer = recovery
         monitor = Monitor(ctx, recovery, self.prober, on_degraded=self._degraded_changed)
+        if link.controller is not None:
+            monitor.add_handler("controller", link.on_pass)
+            ctx.state_providers.append(("controller", link.controller.state_section))
+            ctx.metrics.add_live_gauges(link.controller.gauges)
+            ctx.metrics.registry.register(link.controller.collector())
         for name, handler in self.pass_handlers:
             monitor.add_handler(name, handler)
         self.monitor = monitor
@@ -113,6 +133,7 @@ class Supervisor:
                 ("supervisor", self._state),
                 ("recovery", recovery.state),
                 ("monitor", monitor.state),
+                ("profiles", self._profiles_state),
             ]
         )
         self._m_reloads = Counter(
@@ -129,6 +150,7 @@ class Supervisor:
                 if self.serve_ctl:
                     server = ControlServer(config.ctl.socket, Operations(self))
                     await nursery.start(server.run)
+                require_profiles(config, ctx.profiles, self.profile_problems)
                 await nursery.start(recovery.run)
                 await nursery.start(monitor.run)
                 self.bound = await nursery.start(
@@ -263,6 +285,9 @@ class Supervisor:
             return ReloadResult(False, path, tuple(exc.messages), trigger=trigger)
         plan = diff(ctx.config, new)
         self.config = await apply_config(ctx, recovery, new, plan, self._retire)
+        await self._reload_profiles(new)
+        if self.link is not None:
+            self.link.reconfigure(new)
         for change in plan.restart_required:
             log.warning(
                 "%s needs a restart; the running value stays in force",
@@ -276,6 +301,41 @@ class Supervisor:
             extra={**extra, "outcome": "applied", "changes": plan.summary()},
         )
         return ReloadResult(True, path, plan=plan, trigger=trigger)
+
+    async def _reload_profiles(self, config: Config) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if self.injected_profiles is not None:
+            return
+        profiles, problems = await load_fleet_profiles(config)
+        if profiles is None and config.serving.admission == "predictive":
+            # Keep pricing with what we have rather than refuse every request.
+            log.error(
+                "reloaded profiles are unusable; keeping the previous ones",
+                extra={"event": "profiles_reload", "outcome": "kept", "problems": problems},
+            )
+            self.profile_problems = problems
+            return
+        ctx.profiles = profiles
+        self.profile_problems = problems
+
+    def _profiles_state(self) -> dict[str, object]:
+        ctx = self.ctx
+        source = None if ctx is None else ctx.profiles
+        usable: list[str] = []
+        corrections: dict[str, float] = {}
+        if isinstance(source, FleetProfiles):
+            usable = sorted(source.check.usable)
+        if ctx is not None and source is not None:
+            corrections = {e.id: round(source.decode_correction(e.id), 4) for e in ctx.fleet}
+        return {
+            "path": self.config.profiles.path,
+            "loaded": source is not None,
+            "source": "injected" if self.injected_profiles is not None else "profiles.path",
+            "usable_engines": usable,
+            "problems": self.profile_problems,
+            "decode_correction": corrections,
+        }
 
     def _retire(self, engine: EngineState) -> None:
         assert self._nursery is not None

@@ -48,6 +48,9 @@ def document(fleet: Fleet, roles: list[str], **sections: Any) -> dict[str, Any]:
         "listen": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
         "recovery": {"health": {"interval_s": 0.2}},
+        # Operator actions are what these tests watch; the role controller would
+        # (rightly) restore a drained decode floor underneath them.
+        "controller": {"enabled": False},
     }
     doc.update(sections)
     return doc

@@ -49,6 +49,9 @@ def fleet_config(fleet: Fleet, roles: list[str], **sections: Any) -> dict[str, A
         "engines": engines,
         "listen": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
+        # The role controller is tested on its own; here it would move engines under
+        # tests that place requests on purpose. Tests that want it pass controller=...
+        "controller": {"enabled": False},
     }
     for key, value in sections.items():
         document[key] = {**document.get(key, {}), **value}
@@ -67,6 +70,7 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
         *,
         speed: float = 20.0,
         sim: dict[str, Any] | None = None,
+        profiles: Any = None,
         **sections: Any,
     ) -> Stack:
         roles = roles or ["prefill", "decode"]
@@ -74,7 +78,7 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
             partial(serve_fleet, engines=len(roles), speed=speed, model=MODEL, **(sim or {}))
         )
         config = load_config(fleet_config(fleet, roles, **sections))
-        supervisor: Supervisor = await nursery.start(Supervisor(config).run)
+        supervisor: Supervisor = await nursery.start(Supervisor(config, profiles=profiles).run)
         return Stack(fleet, supervisor, config)
 
     return start

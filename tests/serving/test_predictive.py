@@ -7,15 +7,20 @@ measurements is the profile tool's job and is tested with it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 import httpx
+import pytest
 import trio
 
+from narwhal.config import load_config
 from narwhal.sim import SimTiming
 from narwhal.sim._core import idle_prefill_s
+from narwhal.supervisor import ProfilesUnavailable, Supervisor
 
 from .conftest import MODEL, Stack, StartStack
-from .test_failures import post, settled
+from .test_failures import settled
 
 SPEED = 20.0
 
@@ -70,18 +75,29 @@ async def predictive_stack(
         speed=speed,
         slo={"ttft_s": ttft_s, "tpot_s": 0.05},
         serving={"admission": "predictive", **serving},
+        controller={"enabled": True},
+        profiles=LawProfiles(speed=speed),
     )
-    stack.ctx.profiles = LawProfiles(speed=speed)
     return stack
 
 
-async def test_without_profiles_predictive_admission_says_so(start_stack: StartStack) -> None:
-    stack = await start_stack(["prefill", "decode"], serving={"admission": "predictive"})
-    response = await post(stack, {"max_tokens": 2})
-    assert response.status_code == 503
-    error = response.json()["error"]
-    assert error["code"] == "no_profile"
-    assert "run narwhal-profile" in error["message"]
+async def test_predictive_admission_needs_a_usable_profile_to_start(tmp_path: Path) -> None:
+    document = {
+        "engines": [
+            {"id": "p0", "url": "http://127.0.0.1:1", "role": "prefill", "model": MODEL},
+            {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode", "model": MODEL},
+        ],
+        "listen": {"port": 0},
+        "serving": {"admission": "predictive"},
+        "profiles": {"path": str(tmp_path / "missing.json")},
+    }
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(
+            ProfilesUnavailable, match=r"run narwhal-profile, or set serving.admission to open$"
+        ),
+        flatten_subgroups=True,
+    ):
+        await Supervisor(load_config(document)).run()
 
 
 async def test_a_prompt_that_cannot_meet_the_target_even_idle(start_stack: StartStack) -> None:
@@ -131,5 +147,10 @@ async def test_backlog_refusals_carry_a_plausible_retry_after(start_stack: Start
         assert response.headers["retry-after"] == "1"
     state = await settled(stack)
     assert state["requests"]["outcomes"]["ttft_budget"] == len(refused)
-    assert sum(not e.admitted for e in stack.ctx.demand_events) == len(refused)
+    # Refusals are offered demand for the role controller (manual 7.6).
+    link = stack.supervisor.link
+    assert link is not None
+    assert link.controller is not None
+    pending = sum(not e.admitted for e in stack.ctx.demand_events)
+    assert link.controller.demand.refused_total + pending == len(refused)
     assert state["admission"]["prefill_backlog_s"]["p0"] == 0.0

@@ -1,0 +1,141 @@
+"""Linking the request path to the profiles and the role controller.
+
+- Profiles: loaded from profiles.path at start and on every reload. Problems (missing
+  file, stale build, an engine without a profile) are logged one per line and shown in
+  /narwhal/state; they are never silently ignored. Predictive admission without a single
+  usable profile cannot price anything, so the daemon refuses to start (or, on reload,
+  keeps the profiles it has).
+- The role controller runs as a monitor pass handler: each pass hands it the demand
+  events the request path recorded since the last pass, then lets it decide.
+- Signals from the request path (first-token timeouts, TTFT breaches, decode token gaps)
+  go to the controller and to the live decode correction.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+import trio
+
+from ..admission import ProfileSource
+from ..config import Config
+from ..controller import Controller
+from ..fleet import EngineState
+from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
+from ..recovery import MonitorPass
+from ..serving import ServingContext
+
+log = logging.getLogger("narwhal.control")
+
+# Expected output tokens of a request that did not say (no max_tokens): demand pricing
+# needs a number, and this is the order of a chat answer (Azure conversation p50 ~130,
+# mean ~210).
+DEFAULT_EXPECTED_OUTPUT = 256
+
+
+class ProfilesUnavailable(Exception):
+    """Predictive admission is configured but no engine has a usable profile."""
+
+
+async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, list[str]]:
+    check = await trio.to_thread.run_sync(load_profiles, config.profiles.path, config)
+    for message in check.messages:
+        log.warning("profile: %s", message, extra={"event": "profile_problem", "problem": message})
+    if not check.usable:
+        return None, list(check.messages)
+    profiles = FleetProfiles(
+        check, correction=DecodeCorrection.from_config(config.controller.reactive)
+    )
+    log.info(
+        "profiles loaded from %s: %d/%d engines usable",
+        config.profiles.path,
+        len(check.usable),
+        len(check.configured),
+        extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
+    )
+    return profiles, list(check.messages)
+
+
+def require_profiles(config: Config, profiles: ProfileSource | None, problems: list[str]) -> None:
+    if config.serving.admission == "predictive" and profiles is None:
+        detail = "; ".join(problems) or "no engine has a usable profile"
+        raise ProfilesUnavailable(
+            f"serving.admission is predictive but profiles.path={config.profiles.path!r} "
+            f"gives no usable profile ({detail}); run narwhal-profile, or set "
+            "serving.admission to open"
+        )
+
+
+class ControlLink:
+    """The controller's pass handler and the serving signals, over `ctx.profiles`."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.controller: Controller | None = None
+        if ctx.config.controller.enabled:
+            self.controller = Controller(
+                ctx.config,
+                ctx.fleet,
+                mean_profile=self._mean_profile,
+                engine_profiles=self._engine_profile,
+                decode_correction=self._correction,
+            )
+
+    # Profiles are whatever the context holds now (reloads replace them); a test may
+    # install a source that only prices, without the controller's profile members.
+    def _member(self, name: str) -> Any:
+        return getattr(self.ctx.profiles, name, None)
+
+    def _mean_profile(self) -> Any:
+        mean = self._member("mean_profile")
+        return mean() if mean is not None else None
+
+    def _engine_profile(self, engine_id: str) -> Any:
+        profile = self._member("profile")
+        return profile(engine_id) if profile is not None else None
+
+    def _correction(self, engine_id: str) -> float:
+        source = self.ctx.profiles
+        return 1.0 if source is None else source.decode_correction(engine_id)
+
+    def reconfigure(self, config: Config) -> None:
+        if self.controller is not None:
+            self.controller.reconfigure(config)
+
+    async def on_pass(self, monitor_pass: MonitorPass) -> None:
+        controller = self.controller
+        events = self.ctx.demand_events
+        if controller is None:
+            events.clear()
+            return
+        while events:
+            event = events.popleft()
+            controller.record_arrival(
+                event.at,
+                event.prompt_tokens,
+                event.max_tokens or DEFAULT_EXPECTED_OUTPUT,
+                admitted=event.admitted,
+            )
+        await controller.on_pass()
+
+    # -- ServingSignals ----------------------------------------------------------------
+    def first_token_timeout(self, engine: EngineState) -> None:
+        if self.controller is not None:
+            self.controller.record_first_token_timeout()
+
+    def ttft_breach(self) -> None:
+        if self.controller is not None:
+            self.controller.signal_ttft_breach()
+
+    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+        source = self.ctx.profiles
+        if isinstance(source, FleetProfiles):
+            curve = source.decode_curve(engine.id)
+            if curve is not None:
+                # The engine's load as the stream ended approximates its load during it.
+                predicted = curve.interval_s(max(1, engine.decode_active), engine.decode_tokens)
+                source.observe_decode(engine.id, gaps, predicted)
+        if self.controller is not None:
+            self.controller.observe_decode_interval(engine.id, statistics.median(gaps))
