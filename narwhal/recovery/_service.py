@@ -69,6 +69,7 @@ class LegObservation:
     phase: str
     duration_s: float
     at: float
+    prompt_tokens: int
     prefill_inflight: int
     prefill_tokens_inflight: int
     decode_active: int
@@ -250,7 +251,9 @@ class Recovery:
 
     # ------------------------------------------------------------------ LegObserver
 
-    def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None:
+    def leg_ok(
+        self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
+    ) -> None:
         if self.predictor is None:
             return
         record = self._record_for(engine)
@@ -261,6 +264,7 @@ class Recovery:
             phase=phase,
             duration_s=duration_s,
             at=trio.current_time(),
+            prompt_tokens=prompt_tokens,
             prefill_inflight=engine.prefill_inflight,
             prefill_tokens_inflight=engine.prefill_tokens_inflight,
             decode_active=engine.decode_active,

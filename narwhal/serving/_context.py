@@ -24,7 +24,9 @@ class LegObserver(Protocol):
     """Told the outcome of every engine leg; recovery implements it (breakers,
     quarantine, latency residuals). Must not block: it runs on the request path."""
 
-    def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None: ...
+    def leg_ok(
+        self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
+    ) -> None: ...
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
 
@@ -54,7 +56,9 @@ class _NoSignals:
 
 
 class _NoObserver:
-    def leg_ok(self, engine: EngineState, phase: str, duration_s: float) -> None:
+    def leg_ok(
+        self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
+    ) -> None:
         pass
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:

@@ -469,6 +469,7 @@ class Flow:
                 timeout_s=serving.prefill_timeout_s,
                 timeout_code="prefill_timeout",
                 timeout_setting="serving.prefill_timeout_s",
+                prompt_tokens=tokens,
             )
         kv_params = vllm_kv_params(_loads(raw, prefill, "prefill"))
         record.stage = "handoff"
@@ -552,6 +553,7 @@ class Flow:
                     timeout_s=serving.prefill_timeout_s,
                     timeout_code="prefill_timeout",
                     timeout_setting="serving.prefill_timeout_s",
+                    prompt_tokens=tokens,
                 )
             record.stage = "decode"
             timer.deadline = min(
@@ -709,6 +711,7 @@ class Flow:
         timeout_s: float,
         timeout_code: str,
         timeout_setting: str,
+        prompt_tokens: int = 0,
     ) -> bytes:
         """A non-streaming leg; the body is retained up to serving.max_response_bytes."""
         limit = config.serving.max_response_bytes
@@ -729,7 +732,9 @@ class Flow:
                         counts=False,
                     ) from None
         if not timer.cancelled_caught:
-            self.ctx.leg_observer.leg_ok(engine, phase, trio.current_time() - started)
+            self.ctx.leg_observer.leg_ok(
+                engine, phase, trio.current_time() - started, prompt_tokens=prompt_tokens
+            )
             return raw
         raise _failed(
             engine,
@@ -765,6 +770,7 @@ class Flow:
                 timeout_s=math.inf,
                 timeout_code="decode_timeout",
                 timeout_setting="",
+                prompt_tokens=record.prompt_tokens or 0,
             )
             if hold_until is not None:
                 await hold_until.wait()
@@ -905,7 +911,9 @@ async def _relay(
         await client.send_chunk(b"".join(held))
     if tokens > 1 and first_at is not None:
         ctx.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
-    ctx.leg_observer.leg_ok(engine, phase, trio.current_time() - started)
+    ctx.leg_observer.leg_ok(
+        engine, phase, trio.current_time() - started, prompt_tokens=record.prompt_tokens or 0
+    )
     await client.end_stream()
 
 

@@ -24,7 +24,7 @@ from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
 from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
-from ..recovery import MonitorPass
+from ..recovery import LegObservation, MonitorPass, Predictor
 from ..serving import ServingContext
 
 log = logging.getLogger("narwhal.control")
@@ -139,3 +139,27 @@ class ControlLink:
                 source.observe_decode(engine.id, gaps, predicted)
         if self.controller is not None:
             self.controller.observe_decode_interval(engine.id, statistics.median(gaps))
+
+
+def profile_predictor(ctx: ServingContext) -> Predictor:
+    """Predicted latency of a finished leg, for health ejection by latency residual.
+
+    Only uncontended prefill legs are predicted: with other prefills in flight on the
+    engine, the leg's duration includes queueing that the profile does not model, and a
+    loaded engine must not look like a sick one. Prompts outside the measured domain are
+    not predicted either.
+    """
+
+    def predict(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        source = ctx.profiles
+        tokens = observation.prompt_tokens
+        if source is None or phase != "prefill" or tokens <= 0:
+            return None
+        if observation.prefill_inflight > 1:
+            return None
+        curve = source.prefill_curve(engine.id)
+        if curve is None or not curve.in_domain(tokens):
+            return None
+        return curve.prefill_s(tokens)
+
+    return predict

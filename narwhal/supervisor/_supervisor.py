@@ -40,7 +40,7 @@ from ..fleet import EngineState
 from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
-from ._control import ControlLink, load_fleet_profiles, require_profiles
+from ._control import ControlLink, load_fleet_profiles, profile_predictor, require_profiles
 from ._notify import Notifier
 from ._operations import Operations
 from ._reload import ReloadResult, apply_config
@@ -116,7 +116,9 @@ class Supervisor:
         link = ControlLink(ctx)
         self.link = link
         ctx.signals = link
-        recovery = Recovery(ctx, prober=self.prober, predictor=self.predictor)
+        recovery = Recovery(
+            ctx, prober=self.prober, predictor=self.predictor or profile_predictor(ctx)
+        )
         self.recovery = recovery
         ctx.leg_observer = recovery
         monitor = Monitor(ctx, recovery, self.prober, on_degraded=self._degraded_changed)

@@ -19,8 +19,9 @@ from narwhal.sim import SimTiming
 from narwhal.sim._core import idle_prefill_s
 from narwhal.supervisor import ProfilesUnavailable, Supervisor
 
+from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
-from .test_failures import settled
+from .test_failures import post, settled
 
 SPEED = 20.0
 
@@ -154,3 +155,33 @@ async def test_backlog_refusals_carry_a_plausible_retry_after(start_stack: Start
     pending = sum(not e.admitted for e in stack.ctx.demand_events)
     assert link.controller.demand.refused_total + pending == len(refused)
     assert state["admission"]["prefill_backlog_s"]["p0"] == 0.0
+
+
+async def test_an_engine_much_slower_than_its_profile_is_ejected(start_stack: StartStack) -> None:
+    stack = await start_stack(
+        ["prefill", "prefill", "decode"],
+        speed=SPEED,
+        profiles=LawProfiles(),
+        controller={"monitor_interval_s": 0.05},
+        recovery={"health": {"window_s": 2.0, "min_samples": 4, "eject_ratio": 3.0}},
+    )
+    # p0 answers its prefills ~0.1 s late: tens of times its profiled prefill time.
+    stack.fleet[0].set_faults(slow_first_token_s=0.1, leg="prefill")
+    p0 = stack.ctx.fleet.get("p0")
+    monitor = stack.supervisor.monitor
+    assert p0 is not None
+    assert monitor is not None
+    with trio.fail_after(20):
+        while p0.ejected is None:
+            # One at a time, so each prefill is uncontended (contended legs are not judged),
+            # and each goes to p0 while it is placeable (ties break by id).
+            response = await post(stack, {"max_tokens": 1})
+            assert response.status_code == 200
+            # A monitor pass takes at most one residual per engine: wait for the next one.
+            passes = monitor.passes
+            await wait_for(lambda passes=passes: monitor.passes > passes)  # type: ignore[misc]
+    assert "latency" in p0.ejected
+    # Nothing new goes to p0 now; p1 serves.
+    before = stack.fleet[0].state()["counters"]["requests"]["prefill"]
+    assert (await post(stack, {"max_tokens": 1})).status_code == 200
+    assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == before
