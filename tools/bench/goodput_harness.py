@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +37,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def system_busy_seconds() -> float:
+    """CPU seconds all processes on the machine have used (every core), from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        fields = fh.readline().split()[1:]
+    # user nice system idle iowait irq softirq steal ...: busy is everything but idle+iowait.
+    values = [int(v) for v in fields]
+    return (sum(values) - values[3] - values[4]) / TICKS
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -47,8 +56,9 @@ def free_port() -> int:
 class Procs:
     """Child processes of one run, stopped in reverse order by `stop_all`."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, niceness: int = 0) -> None:
         self.logs = logs
+        self.niceness = niceness
         self.started: list[tuple[str, trio.Process]] = []
 
     async def start(
@@ -66,6 +76,12 @@ class Procs:
         finally:
             log.close()
         self.started.append((name, proc))
+        if self.niceness:
+            # Ahead of unrelated work on a shared box (needs root for < 0; best effort).
+            try:
+                os.setpriority(os.PRIO_PROCESS, proc.pid, self.niceness)
+            except OSError:
+                pass
         return proc
 
     def cpu(self) -> dict[str, float | None]:
@@ -349,3 +365,25 @@ class Sampler:
                             "preemptions": doc["counters"].get("preemptions", 0),
                         }
                     )
+
+
+async def run_guarded(main: Callable[[], Awaitable[int]]) -> int:
+    """Run `main`; SIGINT or SIGTERM cancels it, so every `finally` stops its processes.
+
+    (A benchmark started in the background has SIGINT ignored; the receiver handles it
+    anyway.)
+    """
+    code = 130
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    print(f"signal {signum}: stopping every process started", file=sys.stderr)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch)
+        code = await main()
+        nursery.cancel_scope.cancel()
+    return code

@@ -47,23 +47,56 @@ _READ = 65536
 
 
 class Pool:
-    """Idle keep-alive connections, most recently used first."""
+    """Idle keep-alive connections, most recently used first.
 
-    def __init__(self, host: str, port: int) -> None:
+    A connection idle for longer than `max_idle_s` is closed instead of reused: servers close
+    idle keep-alive connections (hypercorn after 5 s), and a request sent on one that the
+    server is closing would fail for the client's sake, not the server's.
+    """
+
+    def __init__(self, host: str, port: int, max_idle_s: float = 2.0) -> None:
         self.host = host
         self.port = port
-        self.idle: list[tuple[trio.SocketStream, h11.Connection]] = []
+        self.max_idle_s = max_idle_s
+        self.idle: list[tuple[trio.SocketStream, h11.Connection, float]] = []
         self.opened = 0
+        self.stale_retries = 0
 
-    async def get(self) -> tuple[trio.SocketStream, h11.Connection]:
-        if self.idle:
-            return self.idle.pop()
+    async def get(self) -> tuple[trio.SocketStream, h11.Connection, bool]:
+        """(stream, connection, reused)."""
+        now = trio.current_time()
+        while self.idle:
+            stream, conn, since = self.idle.pop()
+            if now - since <= self.max_idle_s:
+                return stream, conn, True
+            with trio.move_on_after(1.0, shield=True):
+                await stream.aclose()
         stream = await trio.open_tcp_stream(self.host, self.port)
         self.opened += 1
-        return stream, h11.Connection(h11.CLIENT)
+        return stream, h11.Connection(h11.CLIENT), False
 
     def put(self, stream: trio.SocketStream, conn: h11.Connection) -> None:
-        self.idle.append((stream, conn))
+        self.idle.append((stream, conn, trio.current_time()))
+
+    async def aclose(self) -> None:
+        for stream, _, _ in self.idle:
+            with trio.move_on_after(1.0, shield=True):
+                await stream.aclose()
+        self.idle.clear()
+
+
+class Exchange:
+    """What one request's response showed so far."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.outcome = "conn_error"
+        self.first: float | None = None
+        self.last = 0.0
+        self.tokens = 0
+        self.done = False
+        self.got_bytes = False
+        self.reusable = False
 
 
 class Replay:
@@ -107,110 +140,126 @@ class Replay:
         await trio.sleep_until(scheduled)
         sent = trio.current_time()
         body = self.body(prompt, output)
-        status = 0
-        outcome = "conn_error"
-        first: float | None = None
-        last = 0.0
-        tokens = 0
-        done = False
-        stream: trio.SocketStream | None = None
-        reusable = False
+        ex = Exchange()
         with trio.CancelScope(deadline=sent + self.ttft_timeout) as scope:
-            try:
-                stream, conn = await self.pool.get()
-                head = [*self.head, ("content-length", str(len(body)))]
-                out = conn.send(h11.Request(method="POST", target="/v1/completions", headers=head))
-                out = (out or b"") + (conn.send(h11.Data(data=body)) or b"")
-                out += conn.send(h11.EndOfMessage()) or b""
-                await stream.send_all(out)
-                tail = b""
-                error_body = b""
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        data = await stream.receive_some(_READ)
-                        if not data:
-                            # Peer closed: h11 reports the truncation as a ProtocolError or
-                            # a ConnectionClosed; either way the stream is unfinished.
-                            conn.receive_data(b"")
-                            continue
-                        conn.receive_data(data)
-                        continue
-                    if isinstance(event, h11.Response):
-                        status = event.status_code
-                        continue
-                    if isinstance(event, h11.Data):
-                        data = bytes(event.data)
-                        if status != 200:
-                            error_body = (error_body + data)[-4096:]
-                            continue
-                        self.events += 1
-                        window = tail + data
-                        if _TEXT in window:
-                            now = trio.current_time()
-                            if first is None and window.count(_TEXT) > window.count(_EMPTY_TEXT):
-                                first = now
-                                scope.deadline = sent + self.total_timeout
-                            last = now
-                        if _DONE in window:
-                            done = True
-                        if b'"usage"' in window:
-                            m = _USAGE.search(window)
-                            if m is not None:
-                                tokens = int(m.group(1))
-                        if _ERROR in data:
-                            outcome = "stream_error"
-                        tail = window[-_TAIL:]
-                        continue
-                    if isinstance(event, h11.EndOfMessage):
-                        if status == 429:
-                            outcome = "refused"
-                        elif status != 200:
-                            outcome = f"http_{status}"
-                        elif outcome != "stream_error":
-                            outcome = "ok" if done and first is not None else "truncated"
-                        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-                            conn.start_next_cycle()
-                            reusable = True
-                        break
-                    if isinstance(event, h11.ConnectionClosed):
-                        outcome = f"http_{status}" if status not in (0, 200) else "truncated"
-                        break
-            except (OSError, h11.ProtocolError, trio.BrokenResourceError):
-                if status == 200:
-                    outcome = "truncated"
-                elif status:
-                    outcome = "refused" if status == 429 else f"http_{status}"
-                else:
-                    outcome = "conn_error"
+            # A second attempt only when a reused keep-alive connection failed before the
+            # server said anything (it was closing it): the request never reached the router.
+            for _ in range(2):
+                ex = Exchange()
+                stream: trio.SocketStream | None = None
+                reused = False
+                try:
+                    stream, conn, reused = await self.pool.get()
+                    await self.exchange(stream, conn, body, ex, scope, sent)
+                except (OSError, h11.ProtocolError, trio.BrokenResourceError):
+                    if ex.status == 200:
+                        ex.outcome = "truncated"
+                    elif ex.status:
+                        ex.outcome = "refused" if ex.status == 429 else f"http_{ex.status}"
+                    else:
+                        ex.outcome = "conn_error"
+                finally:
+                    if stream is not None:
+                        if ex.reusable and not scope.cancel_called:
+                            self.pool.put(stream, conn)
+                        else:
+                            with trio.move_on_after(1.0, shield=True):
+                                await stream.aclose()
+                if ex.outcome == "conn_error" and reused and not ex.got_bytes:
+                    self.pool.stale_retries += 1
+                    continue
+                break
         if scope.cancelled_caught:
-            outcome = "timeout"
-            reusable = False
-        if stream is not None:
-            if reusable:
-                self.pool.put(stream, conn)
-            else:
-                with trio.move_on_after(1.0, shield=True):
-                    await stream.aclose()
+            ex.outcome = "timeout"
         end = trio.current_time()
-        if outcome == "ok" and tokens == 0:
+        tokens = ex.tokens
+        if ex.outcome == "ok" and tokens == 0:
             tokens = output
-        ttft = None if first is None else round(first - sent, 6)
+        ttft = None if ex.first is None else round(ex.first - sent, 6)
         tpot = None
-        if first is not None and tokens > 1:
-            tpot = round((last - first) / (tokens - 1), 7)
+        if ex.first is not None and tokens > 1:
+            tpot = round((ex.last - ex.first) / (tokens - 1), 7)
         self.results.append(
             [
                 index,
                 round(sent - scheduled, 6),
-                status,
-                outcome,
+                ex.status,
+                ex.outcome,
                 ttft,
                 tpot,
                 tokens,
                 round(end - self.t0, 6),
             ]
         )
+
+    async def exchange(
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        body: bytes,
+        ex: Exchange,
+        scope: trio.CancelScope,
+        sent: float,
+    ) -> None:
+        head = [*self.head, ("content-length", str(len(body)))]
+        out = conn.send(h11.Request(method="POST", target="/v1/completions", headers=head))
+        out = (out or b"") + (conn.send(h11.Data(data=body)) or b"")
+        out += conn.send(h11.EndOfMessage()) or b""
+        await stream.send_all(out)
+        tail = b""
+        error_body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(_READ)
+                if data:
+                    ex.got_bytes = True
+                # b"" tells h11 the peer closed: it then reports ConnectionClosed, or a
+                # ProtocolError for a message cut short.
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Response):
+                ex.status = event.status_code
+                continue
+            if isinstance(event, h11.Data):
+                data = bytes(event.data)
+                if ex.status != 200:
+                    error_body = (error_body + data)[-4096:]
+                    continue
+                self.events += 1
+                window = tail + data
+                if _TEXT in window:
+                    now = trio.current_time()
+                    if ex.first is None and window.count(_TEXT) > window.count(_EMPTY_TEXT):
+                        ex.first = now
+                        scope.deadline = sent + self.total_timeout
+                    ex.last = now
+                if _DONE in window:
+                    ex.done = True
+                if b'"usage"' in window:
+                    m = _USAGE.search(window)
+                    if m is not None:
+                        ex.tokens = int(m.group(1))
+                if _ERROR in data:
+                    ex.outcome = "stream_error"
+                tail = window[-_TAIL:]
+                continue
+            if isinstance(event, h11.EndOfMessage):
+                if ex.status == 429:
+                    ex.outcome = "refused"
+                elif ex.status != 200:
+                    ex.outcome = f"http_{ex.status}"
+                elif ex.outcome != "stream_error":
+                    ex.outcome = "ok" if ex.done and ex.first is not None else "truncated"
+                if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                    conn.start_next_cycle()
+                    ex.reusable = True
+                return
+            if isinstance(event, h11.ConnectionClosed):
+                ex.outcome = f"http_{ex.status}" if ex.status not in (0, 200) else "truncated"
+                if ex.status == 0:
+                    ex.outcome = "conn_error"
+                return
 
     async def run(self, requests: list[list[Any]], start_delay_s: float) -> float:
         self.t0 = trio.current_time() + start_delay_s
@@ -220,9 +269,7 @@ class Replay:
                 # hold thousands of sleeping tasks at once.
                 await trio.sleep_until(self.t0 + at / self.speed - 1.0)
                 nursery.start_soon(self.one, index, at, prompt, output)
-        for stream, _ in self.pool.idle:
-            with trio.move_on_after(1.0, shield=True):
-                await stream.aclose()
+        await self.pool.aclose()
         return trio.current_time() - self.t0
 
 
@@ -262,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_us_per_chunk": round(1e6 * cpu / max(replay.events, 1), 1),
         "chunks": replay.events,
         "connections_opened": replay.pool.opened,
+        "stale_connection_retries": replay.pool.stale_retries,
         "lateness_s": {
             "p50": late[len(late) // 2] if late else None,
             "p99": late[int(len(late) * 0.99)] if late else None,

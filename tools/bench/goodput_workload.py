@@ -68,6 +68,8 @@ class Trace:
 
     def subset(self, mask: npt.NDArray[np.bool_], name: str) -> Trace:
         t = self.t[mask]
+        if len(t) < 2:
+            raise TraceError(f"{self.name}: fewer than 2 requests qualify for {name!r}")
         return Trace(name, t - t[0], self.prompt[mask], self.output[mask])
 
 
