@@ -88,3 +88,29 @@ def test_summary_finds_the_bar_and_the_per_phase_oracle() -> None:
     assert s["per_phase_oracle_passing"] == 90 + 80
     assert s["goodput_vs_best_static"]["vllm-router-best"]["all"] == 0.75
     assert "narwhal-full" not in s["goodput_vs_best_static"]
+
+
+def test_role_changes_count_engine_flips() -> None:
+    samples = [
+        {"roles": ["prefill", "decode", "decode"]},
+        {"roles": ["prefill", "decode", "decode"]},
+        {"roles": ["prefill", "prefill", "decode"]},
+        {"roles": ["decode", "decode", "decode"]},
+    ]
+    assert goodput.role_changes(samples) == 3
+    assert goodput.role_changes(samples[:1]) == 0
+
+
+def test_pool_series_sums_each_pool() -> None:
+    samples = [
+        {
+            "t": 1.0,
+            "roles": ["prefill", "decode", "decode"],
+            "engines": [[2, 5, 0.1], [30, 0, 0.4], None],
+        }
+    ]
+    series = goodput.pool_series(samples)
+    assert series["prefill_engines"] == [1]
+    assert series["prefill_waiting"] == [5]
+    assert series["decode_running"] == [30]
+    assert series["decode_kv_usage"] == [0.4]

@@ -187,3 +187,15 @@ def test_warp_keeps_the_trace_shape_at_a_constant_rate() -> None:
     out = gw._warp(trace_t, trace_rate=0.5, rate=np.full(1000, 2.0), dt_s=0.01)
     # Four times the trace's rate: every gap shrinks by 4, order kept.
     assert out == pytest.approx(trace_t / 4.0, abs=0.011)
+
+
+def test_streams_superpose_independent_runs(traces: dict[gw.Source, gw.Trace]) -> None:
+    phase = gw.Phase("p", 30.0, 0.5, (("code", 1.0),))
+    one, caps = _build(traces, 1, [phase])
+    many, _ = gw.build([phase], traces, timing=SimTiming(), seed=1, streams=4)
+    expected = 0.5 * caps[0].capacity * 30.0
+    assert len(one) == pytest.approx(expected, rel=0.02)
+    assert len(many) == pytest.approx(expected, rel=0.02)
+    assert one != many
+    with pytest.raises(ValueError, match=r"^streams is 0; must be >= 1$"):
+        gw.build([phase], traces, timing=SimTiming(), streams=0)

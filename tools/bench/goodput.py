@@ -21,12 +21,13 @@ with ``"status": "skipped"`` until `FEATURES` says the feature is there (or
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -51,6 +52,9 @@ DEFAULT_SPLIT = 4  # prefill engines of the "default" split: even, what an opera
 FEATURES: dict[str, bool] = {"predictive_admission": False, "controller": False}
 
 
+Prepare = Callable[[list[str], list[str], Path], Awaitable[dict[str, dict[str, Any]]]]
+
+
 @attrs.frozen
 class Configuration:
     name: str
@@ -65,6 +69,10 @@ class Configuration:
     note: str = ""
     # Extra Narwhal config sections merged into the generated file (the lead's knobs).
     narwhal_extra: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    # THE LEAD'S HOOK for per-run preparation on the fresh fleet, before the router starts
+    # (e.g. run narwhal-profile against these engines at this speed): called with the
+    # engine URLs, their roles and the run directory; returns more config sections.
+    prepare: Prepare | None = None
 
 
 def _static(p: int) -> Configuration:
@@ -240,6 +248,9 @@ async def run_one(
         port = harness.free_port()
         narwhal_url: str | None = None
         if cfg.router == "narwhal":
+            extra = dict(cfg.narwhal_extra)
+            if cfg.prepare is not None:
+                extra.update(await cfg.prepare(urls, roles, run_dir))
             config = harness.narwhal_config(
                 urls,
                 roles,
@@ -250,7 +261,7 @@ async def run_one(
                 ttft_slo_s=settings.slo.ttft_s,
                 tpot_slo_s=settings.slo.tpot_s,
                 socket_path=str(run_dir / "narwhal.sock"),
-                extra=cfg.narwhal_extra,
+                extra=extra,
             )
             url = await harness.start_narwhal(procs, config, run_dir)
             narwhal_url = url
@@ -332,6 +343,7 @@ async def run_one(
         "phases": gm.phase_table(samples, bounds, slo.ttft_s, slo.tpot_s),
         "over_time": gm.windows(samples, duration, settings.window_s, slo.ttft_s, slo.tpot_s),
         "pools": pool_series(sampler.samples),
+        "role_changes": role_changes(sampler.samples),
         "faithfulness": {
             # Steps on which a sim process fell > 20 ms (wall) behind the latency law.
             "sim_steps": steps,
@@ -347,6 +359,10 @@ async def run_one(
             "other_cpu_share": round(max(0.0, busy - ours) / wall, 3),
             "sampler_errors": sampler.errors,
         },
+        "engines": [
+            {"role": role, "legs": e["requests"], "preemptions": e["preemptions"]}
+            for role, e in zip(roles, sampler.final_engines, strict=False)
+        ],
         "loadgen": {
             k: loadgen_stats[k]
             for k in ("cpu_ms_per_request", "cpu_us_per_chunk", "cpu_share", "chunks")
@@ -366,6 +382,14 @@ def modelled_fit(prefill: int, capacities: Sequence[gw.MixCapacity]) -> float:
         cap = gw.PoolCapacity(c.prefill_per_engine, c.decode_per_engine, c.decode_batch, 0.0)
         fits.append(gw.split_capacity(cap, prefill, ENGINES - prefill) / c.capacity)
     return max(fits, default=1.0)
+
+
+def role_changes(samples: Sequence[Json]) -> int:
+    """Engines whose role differs from the previous sample, summed (the controller's flips)."""
+    flips = 0
+    for before, after in itertools.pairwise(samples):
+        flips += sum(a != b for a, b in zip(before["roles"], after["roles"], strict=False))
+    return flips
 
 
 def pool_series(samples: Sequence[Json]) -> Json:
@@ -433,6 +457,35 @@ def summary(results: dict[str, Json], phases: Sequence[str]) -> Json:
         "best_static_passing": bar["all"]["passing"],
         "goodput_vs_best_static": rel,
     }
+
+
+# ------------------------------------------------------------------------------ table
+
+
+def markdown(doc: Json) -> str:
+    """Per-phase attainment (goodput req/s) of every configuration, as a Markdown table."""
+    phases = [b[0] for b in doc["workload"]["phase_bounds"]]
+    best = doc["summary"].get("best_static")
+    lines = [
+        "| configuration | split | " + " | ".join(phases) + " | all | p90 TTFT / TPOT ms |",
+        "|---|---|" + "---|" * (len(phases) + 2),
+    ]
+    for name, res in doc["configurations"].items():
+        if res.get("status") != "ran":
+            reason = res.get("reason", res.get("status", ""))
+            lines.append(f"| {name} | {res.get('split', '')} | {reason} |" + " |" * len(phases))
+            continue
+        cells = []
+        for p in [*phases, "all"]:
+            r = res["phases"][p]
+            att = r["attainment"]
+            cells.append("–" if att is None else f"{att:.0%} ({r['goodput_per_s']:.0f})")
+        whole = res["phases"]["all"]
+        lat = f"{whole['ttft_ms'].get('p90', '–')} / {whole['tpot_ms'].get('p90', '–')}"
+        label = f"**{name}**" if name == best else name
+        alias = f" (= {res['alias_of']})" if res.get("alias_of") else ""
+        lines.append(f"| {label}{alias} | {res['split']} | " + " | ".join(cells) + f" | {lat} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------- plot
@@ -532,6 +585,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="independent runs of each trace superposed (1: the trace's own bursts, time-"
+        "compressed; more: a bigger population of independent users, smoother)",
+    )
+    p.add_argument(
         "--niceness",
         type=int,
         default=-5,
@@ -552,6 +612,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=harness.REPO / "runs" / "bench" / "goodput.json")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
+    p.add_argument("--table", action="store_true", help="print --out's results as Markdown")
     return p.parse_args(argv)
 
 
@@ -583,7 +644,13 @@ async def run_all(args: argparse.Namespace) -> int:
             raise SystemExit(f"goodput: no phase among {wanted}")
     timing = SimTiming()
     requests, capacities = gw.build(
-        phases, traces, timing=timing, engines=ENGINES, slo=slo, seed=args.seed
+        phases,
+        traces,
+        timing=timing,
+        engines=ENGINES,
+        slo=slo,
+        seed=args.seed,
+        streams=args.streams,
     )
     bounds = gw.phase_bounds(phases)
     window_s = args.window_s or (3.0 if args.quick else 10.0)
@@ -692,6 +759,7 @@ async def run_all(args: argparse.Namespace) -> int:
         },
         "workload": {
             "traces": str(args.traces),
+            "streams": args.streams,
             "requests": len(requests),
             "phases": [attrs.asdict(p) for p in phases],
             "phase_bounds": bounds,
@@ -713,8 +781,12 @@ async def run_all(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.replot:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+    if args.replot or args.table:
+        doc = json.loads(args.out.read_text())
+        if args.replot:
+            plot(doc, args.out.with_suffix(".png"))
+        if args.table:
+            print(markdown(doc))
         return 0
     return trio.run(harness.run_guarded, partial(run_all, args))
 

@@ -363,6 +363,8 @@ class Sampler:
                             "step_lag_resets": doc["step_lag"]["resets"],
                             "max_step_lag_s": round(doc["step_lag"]["max_s"], 4),
                             "preemptions": doc["counters"].get("preemptions", 0),
+                            # Legs served per phase: shows how evenly a router spreads load.
+                            "requests": doc["counters"].get("requests", {}),
                         }
                     )
 

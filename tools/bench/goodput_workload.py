@@ -253,29 +253,34 @@ def standard_phases(*, scale: float = 1.0, overload: float = 1.75) -> list[Phase
     """The benchmark's phases (controllers-and-traces.md §4.4, adapted to the Azure traces).
 
     decode_heavy  conv alone (in/out ~5) at 0.7 C
-    prefill_heavy code 75 % + long-prompt conv 25 % at 0.7 C
+    prefill_heavy code 75 % + long-prompt conv 25 % at 0.5 C
     overload      the prefill-heavy mix at `overload` x C
-    drift         conv -> code linearly, rate 0.6 C x (1 ± 0.4 sin)
-    stationary    code alone at 0.7 C: the drift's end point held still, so a controller
+    drift         conv -> code linearly, rate 0.5 C x (1 ± 0.4 sin)
+    stationary    code alone at 0.5 C: the drift's end point held still, so a controller
                   that has converged must not move (the no-harm control).
 
-    Durations are model seconds x `scale` (the full workload is 23 min; --quick is 0.1).
+    C is the best static split's saturation capacity for the mix (`pool_capacity`). The
+    code trace's bursts (its per-second prefill demand reaches 4x its mean at the replay's
+    time compression) put code-heavy phases past the TTFT SLO well below saturation, so
+    they run at 0.5 C; conversation is smooth enough for 0.7 C.
+
+    Durations are model seconds x `scale` (the full workload is 23 min; --quick is 0.05).
     """
     long_mix: tuple[tuple[Source, float], ...] = (("code", 0.75), ("conv", 0.25))
     return [
         Phase("decode_heavy", 300.0 * scale, 0.7, (("conv", 1.0),)),
-        Phase("prefill_heavy", 300.0 * scale, 0.7, long_mix, long_conv=True),
+        Phase("prefill_heavy", 300.0 * scale, 0.5, long_mix, long_conv=True),
         Phase("overload", 120.0 * scale, overload, long_mix, long_conv=True),
         Phase(
             "drift",
             360.0 * scale,
-            0.6,
+            0.5,
             (("conv", 1.0), ("code", 0.0)),
             mix_end=(("conv", 0.0), ("code", 1.0)),
             swing=0.4,
             period_s=120.0 * scale,
         ),
-        Phase("stationary", 300.0 * scale, 0.7, (("code", 1.0),)),
+        Phase("stationary", 300.0 * scale, 0.5, (("code", 1.0),)),
     ]
 
 
@@ -353,8 +358,15 @@ def build(
     slo: Slo | None = None,
     limits: Limits | None = None,
     seed: int = 0,
+    streams: int = 1,
 ) -> tuple[list[Request], list[MixCapacity]]:
-    """The requests of a whole workload (sorted by time) and each phase's capacity."""
+    """The requests of a whole workload (sorted by time) and each phase's capacity.
+
+    `streams` independent runs of each trace are superposed (1: one run, time-compressed
+    by the whole factor, which keeps the trace's burst shape at the compressed scale).
+    """
+    if streams < 1:
+        raise ValueError(f"streams is {streams}; must be >= 1")
     slo = slo or Slo()
     limits = limits or Limits()
     rng = np.random.default_rng(seed)
@@ -386,30 +398,34 @@ def build(
             if not share.any():
                 continue
             trace = arrays[source]
-            # The phase's request count for this source, taken as a run of consecutive
-            # trace requests from a seeded start; the run's own clock is stretched so its
-            # mean rate matches the target, which keeps its bursts and lulls in place.
-            count = round(float(np.sum(rate * share) * dt_s))
-            if count < 1:
-                continue
-            if count + 1 >= len(trace.t):
-                trace = tile(trace, math.ceil((count + 2) / len(trace.t)) + 1)
-            lo = int(rng.integers(0, len(trace.t) - count - 1))
-            window = trace.t[lo : lo + count + 1] - trace.t[lo]
-            span = float(window[-1])
-            local_rate = count / span if span > 0 else float(count)
-            at = _warp(window[:count], local_rate, rate * share, dt_s)
-            requests.extend(
-                Request(
-                    t=round(start + float(a), 6),
-                    phase=phase.name,
-                    source=trace.name,
-                    prompt=int(trace.prompt[lo + k]),
-                    output=int(trace.output[lo + k]),
+            # The phase's request count for this source, as `streams` runs of consecutive
+            # trace requests, each from its own seeded start: a fleet this much bigger than
+            # the one traced serves many such streams at once. Each run's own clock is
+            # stretched so its mean rate matches its share of the target, which keeps its
+            # bursts and lulls in place.
+            total = round(float(np.sum(rate * share) * dt_s))
+            counts = [total // streams + (1 if i < total % streams else 0) for i in range(streams)]
+            for count in counts:
+                if count < 1:
+                    continue
+                if count + 1 >= len(trace.t):
+                    trace = tile(trace, math.ceil((count + 2) / len(trace.t)) + 1)
+                lo = int(rng.integers(0, len(trace.t) - count - 1))
+                window = trace.t[lo : lo + count + 1] - trace.t[lo]
+                span = float(window[-1])
+                local_rate = count / span if span > 0 else float(count)
+                at = _warp(window[:count], local_rate, rate * share * count / total, dt_s)
+                requests.extend(
+                    Request(
+                        t=round(start + float(a), 6),
+                        phase=phase.name,
+                        source=trace.name,
+                        prompt=int(trace.prompt[lo + k]),
+                        output=int(trace.output[lo + k]),
+                    )
+                    for k, a in enumerate(at)
+                    if float(a) < phase.duration_s
                 )
-                for k, a in enumerate(at)
-                if float(a) < phase.duration_s
-            )
         _, c0, pc = first
         capacities.append(
             MixCapacity(
