@@ -16,8 +16,8 @@ and lateness (actual send time minus scheduled time) go to the stats file.
 
 Per request, one JSON array per line:
 ``[index, lateness_s, status, outcome, ttft_s, tpot_s, tokens, end_s]`` (wall seconds;
-``end_s`` from the replay's start). Outcomes: ok, refused (429), http_<status>,
-stream_error (an error event inside a 200 stream), truncated (stream ended without
+``end_s`` from the replay's start). Outcomes: ok, refused (429), http_<status>[:<error code>],
+stream_error[:<error code>] (an error event inside a 200 stream), truncated (stream ended without
 [DONE]), timeout (the client gave up: no first token within --ttft-timeout-s, or not
 finished within --total-timeout-s, both model seconds), conn_error.
 TPOT is ``(last token time - first token time) / (tokens - 1)``.
@@ -42,6 +42,7 @@ _TEXT = b'"text":"'
 _EMPTY_TEXT = b'"text":""'
 _USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
 _ERROR = b'"error"'
+_CODE = re.compile(rb'"code":\s*"([A-Za-z0-9_.:-]{1,64})"')
 _TAIL = 32
 _READ = 65536
 
@@ -241,15 +242,19 @@ class Replay:
                     if m is not None:
                         ex.tokens = int(m.group(1))
                 if _ERROR in data:
-                    ex.outcome = "stream_error"
+                    code = _CODE.search(window)
+                    ex.outcome = "stream_error" + (f":{code.group(1).decode()}" if code else "")
                 tail = window[-_TAIL:]
                 continue
             if isinstance(event, h11.EndOfMessage):
                 if ex.status == 429:
                     ex.outcome = "refused"
                 elif ex.status != 200:
-                    ex.outcome = f"http_{ex.status}"
-                elif ex.outcome != "stream_error":
+                    code = _CODE.search(error_body)
+                    ex.outcome = f"http_{ex.status}" + (
+                        f":{code.group(1).decode()}" if code else ""
+                    )
+                elif not ex.outcome.startswith("stream_error"):
                     ex.outcome = "ok" if ex.done and ex.first is not None else "truncated"
                 if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
                     conn.start_next_cycle()
