@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -164,8 +165,6 @@ def _cpu_model() -> str | None:
 
 
 def machine() -> Json:
-    import os
-
     return {
         "platform": platform.platform(),
         "cpu": _cpu_model(),
