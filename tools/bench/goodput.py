@@ -1,0 +1,794 @@
+"""The goodput benchmark (issue 8 part 1): one phased Azure-trace workload, replayed open
+loop against each router configuration on a fresh simulated fleet of 8 Llama-3-8B-class
+engines; SLO attainment and goodput over OFFERED requests, per phase and over time.
+
+    .venv/bin/python tools/bench/goodput.py --quick            # ~1 min of model time per run
+    .venv/bin/python tools/bench/goodput.py                    # the full workload
+    .venv/bin/python tools/bench/goodput.py --quick --configs narwhal-static-4p4d,vllm-router-4p4d
+
+Writes runs/bench/goodput.json and runs/bench/goodput.png; logs and raw per-request rows
+go to runs/tmp/goodput/<run>/ (not committed). See tools/bench/README.md, "Goodput".
+
+Configurations (`CONFIGURATIONS`): Narwhal at every static split 1P7D..7P1D with the
+controller disabled and `admission: open` (the best of them in hindsight is the bar);
+Narwhal with open admission at the default split (4P4D); vllm-router 0.1.x in vLLM P/D mode
+(round robin) at the best static split and at 4P4D; and Narwhal with predictive admission
+and/or the role controller, which need features that are not on main yet: they are listed
+with ``"status": "skipped"`` until `FEATURES` says the feature is there (or
+``--assume-feature NAME`` forces them to run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import attrs
+import goodput_harness as harness
+import goodput_metrics as gm
+import goodput_workload as gw
+import trio
+
+from narwhal.sim import SimTiming
+
+Json = Any
+ENGINES = 8
+DEFAULT_SPLIT = 4  # prefill engines of the "default" split: even, what an operator starts with
+
+# Features that some configurations need and that are being built on other branches.
+# THE LEAD'S HOOK: set a feature to True once it is on main (or pass --assume-feature).
+#   predictive_admission: `serving.admission: "predictive"` prices requests (issue 5)
+#   controller:           `controller.enabled: true` moves engines between roles (issue 7)
+FEATURES: dict[str, bool] = {"predictive_admission": False, "controller": False}
+
+
+Prepare = Callable[[list[str], list[str], Path], Awaitable[dict[str, dict[str, Any]]]]
+
+
+@attrs.frozen
+class Configuration:
+    name: str
+    router: harness.Router
+    # Prefill engines of the (initial) split; "best" = the hindsight-best static split.
+    split: int | str
+    admission: str = "open"
+    controller: bool = False
+    requires: tuple[str, ...] = ()
+    # Reuse another configuration's run when it would be the identical experiment.
+    alias_of: str | None = None
+    note: str = ""
+    # Extra Narwhal config sections merged into the generated file (the lead's knobs).
+    narwhal_extra: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    # THE LEAD'S HOOK for per-run preparation on the fresh fleet, before the router starts
+    # (e.g. run narwhal-profile against these engines at this speed): called with the
+    # engine URLs, their roles and the run directory; returns more config sections.
+    prepare: Prepare | None = None
+
+
+def _static(p: int) -> Configuration:
+    return Configuration(
+        f"narwhal-static-{p}p{ENGINES - p}d",
+        "narwhal",
+        p,
+        note="controller disabled, admission open",
+    )
+
+
+CONFIGURATIONS: list[Configuration] = [
+    *(_static(p) for p in range(1, ENGINES)),
+    Configuration(
+        "narwhal-open",
+        "narwhal",
+        DEFAULT_SPLIT,
+        alias_of=f"narwhal-static-{DEFAULT_SPLIT}p{ENGINES - DEFAULT_SPLIT}d",
+        note="open admission at the default split; without the controller this is the "
+        "same experiment as the static split (run it again with --rerun-aliases to see "
+        "run-to-run noise)",
+    ),
+    Configuration(
+        "vllm-router-best",
+        "vllm-router",
+        "best",
+        note="vllm-router round robin at the hindsight-best static split",
+    ),
+    Configuration("vllm-router-4p4d", "vllm-router", 4, note="vllm-router round robin, naive 4P4D"),
+    # Placeholders until the features land (the lead enables them through FEATURES).
+    Configuration(
+        "narwhal-full",
+        "narwhal",
+        DEFAULT_SPLIT,
+        admission="predictive",
+        controller=True,
+        requires=("predictive_admission", "controller"),
+        note="predictive admission + role controller, starting at the default split",
+    ),
+    Configuration(
+        "narwhal-predictive",
+        "narwhal",
+        DEFAULT_SPLIT,
+        admission="predictive",
+        requires=("predictive_admission",),
+        note="predictive admission only, static default split",
+    ),
+    Configuration(
+        "narwhal-controller",
+        "narwhal",
+        DEFAULT_SPLIT,
+        controller=True,
+        requires=("controller",),
+        note="role controller only (open admission), starting at the default split",
+    ),
+]
+STATIC_NAMES = [c.name for c in CONFIGURATIONS if c.name.startswith("narwhal-static-")]
+
+
+# ------------------------------------------------------------------------------ facts
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=harness.REPO, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def machine() -> Json:
+    return {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def versions(vllm_router_venv: Path) -> Json:
+    vr = None
+    pip = vllm_router_venv / "bin" / "python"
+    if pip.exists():
+        out = subprocess.run(
+            [str(pip), "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        vr = out.stdout.strip() or None
+    return {
+        "narwhal": _version("narwhal"),
+        "narwhal_commit": _git("rev-parse", "HEAD"),
+        "narwhal_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "vllm_router": vr,
+        **{d: _version(d) for d in ("trio", "h11", "httpx", "hypercorn", "numpy")},
+    }
+
+
+# -------------------------------------------------------------------------------- runs
+
+
+@attrs.frozen
+class Settings:
+    speed: float
+    sim_procs: int
+    seed: int
+    slo: gw.Slo
+    window_s: float
+    sample_every_s: float
+    ttft_timeout_s: float
+    total_timeout_s: float
+    vllm_router_venv: Path
+    out_dir: Path  # per-run logs and raw rows
+    niceness: int = 0  # of every process started (negative: ahead of other work)
+
+
+def split_label(p: int) -> str:
+    return f"{p}P{ENGINES - p}D"
+
+
+async def run_one(
+    cfg: Configuration,
+    prefill: int,
+    requests: Sequence[gw.Request],
+    bounds: Sequence[tuple[str, float, float]],
+    settings: Settings,
+) -> Json:
+    """One configuration on a fresh fleet: returns its result document."""
+    run_dir = settings.out_dir / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    workload_file = run_dir / "workload.json"
+    workload_file.write_text(
+        json.dumps({"requests": [[r.t, r.prompt, r.output] for r in requests]})
+    )
+    rows_file = run_dir / "results.jsonl"
+    stats_file = run_dir / "loadgen.json"
+    procs = harness.Procs(run_dir, settings.niceness)
+    speed = settings.speed
+    duration = bounds[-1][2]
+    started = time.monotonic()
+    try:
+        groups = await harness.start_fleet(
+            procs,
+            engines=ENGINES,
+            sim_procs=settings.sim_procs,
+            speed=speed,
+            seed=settings.seed,
+        )
+        urls, roles = harness.assign_roles(groups, prefill)
+        port = harness.free_port()
+        narwhal_url: str | None = None
+        if cfg.router == "narwhal":
+            extra = dict(cfg.narwhal_extra)
+            if cfg.prepare is not None:
+                extra.update(await cfg.prepare(urls, roles, run_dir))
+            config = harness.narwhal_config(
+                urls,
+                roles,
+                port=port,
+                speed=speed,
+                admission=cfg.admission,
+                controller=cfg.controller,
+                ttft_slo_s=settings.slo.ttft_s,
+                tpot_slo_s=settings.slo.tpot_s,
+                socket_path=str(run_dir / "narwhal.sock"),
+                extra=extra,
+            )
+            url = await harness.start_narwhal(procs, config, run_dir)
+            narwhal_url = url
+        else:
+            exe = harness.vllm_router_binary(settings.vllm_router_venv)
+            if exe is None:
+                raise RuntimeError(
+                    f"vllm-router is not installed in {settings.vllm_router_venv}; "
+                    "run: bash tools/bench/install_vllm_router.sh"
+                )
+            url = await harness.start_vllm_router(procs, exe, urls, roles, port=port, speed=speed)
+        warm = await harness.warm_up(url)
+        if any(s != 200 for s in warm):
+            raise RuntimeError(f"warm-up requests through {url} answered {warm}")
+        sampler = harness.Sampler(urls, roles, narwhal_url, speed, settings.sample_every_s)
+        loadgen_argv = [
+            sys.executable,
+            str(harness.HERE / "goodput_loadgen.py"),
+            "--url",
+            url,
+            "--workload",
+            str(workload_file),
+            "--speed",
+            str(speed),
+            "--model",
+            harness.MODEL,
+            "--out",
+            str(rows_file),
+            "--stats",
+            str(stats_file),
+            "--ttft-timeout-s",
+            str(settings.ttft_timeout_s),
+            "--total-timeout-s",
+            str(settings.total_timeout_s),
+        ]
+        # The replay cannot outlive its last arrival plus the client timeout.
+        hard_limit = (duration + settings.total_timeout_s) / speed + 60.0
+        cpu0 = procs.cpu()
+        busy0 = harness.system_busy_seconds()
+        wall0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sampler.run, wall0 + 0.5)
+            loadgen = await procs.start("loadgen", loadgen_argv)
+            with trio.move_on_after(hard_limit) as limit:
+                await loadgen.wait()
+            nursery.cancel_scope.cancel()
+        if limit.cancelled_caught:
+            raise RuntimeError(f"the load generator ran past its {hard_limit:.0f} s limit")
+        if loadgen.returncode != 0:
+            raise RuntimeError(f"the load generator exited with {loadgen.returncode}")
+        wall = trio.current_time() - wall0
+        cpu1 = procs.cpu()
+        busy = harness.system_busy_seconds() - busy0
+        await sampler.final()
+    finally:
+        await procs.stop_all()
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line]
+    samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], rows, speed)
+    slo = settings.slo
+    cpu_share = {
+        name: round((cpu1[name] or 0.0) - (cpu0.get(name) or 0.0), 2) / wall
+        for name in cpu1
+        if cpu1[name] is not None
+    }
+    steps = sum(e["steps"] for e in sampler.final_engines)
+    resets = sum(e["step_lag_resets"] for e in sampler.final_engines)
+    loadgen_stats = json.loads(stats_file.read_text())
+    ours = loadgen_stats["cpu_s"] + sum(
+        (cpu1[name] or 0.0) - (cpu0.get(name) or 0.0) for name in cpu1 if cpu1[name] is not None
+    )
+    return {
+        "status": "ran",
+        "router": cfg.router,
+        "split": split_label(prefill),
+        "admission": cfg.admission,
+        "controller": cfg.controller,
+        "note": cfg.note,
+        "wall_s": round(time.monotonic() - started, 1),
+        "phases": gm.phase_table(samples, bounds, slo.ttft_s, slo.tpot_s),
+        "over_time": gm.windows(samples, duration, settings.window_s, slo.ttft_s, slo.tpot_s),
+        "pools": pool_series(sampler.samples),
+        "role_changes": role_changes(sampler.samples),
+        "faithfulness": {
+            # Steps on which a sim process fell > 20 ms (wall) behind the latency law.
+            "sim_steps": steps,
+            "sim_step_lag_resets": resets,
+            "sim_lagged_step_fraction": round(resets / steps, 5) if steps else None,
+            "sim_max_step_lag_ms_wall": max(
+                (e["max_step_lag_s"] * 1000 for e in sampler.final_engines), default=None
+            ),
+            "loadgen_lateness_s_wall": loadgen_stats["lateness_s"],
+            "cpu_share": {k: round(v, 3) for k, v in cpu_share.items()},
+            # Cores used meanwhile by everything else on the machine (this driver included):
+            # other sessions' work on a shared box shows up here.
+            "other_cpu_share": round(max(0.0, busy - ours) / wall, 3),
+            "sampler_errors": sampler.errors,
+        },
+        "engines": [
+            {"role": role, "legs": e["requests"], "preemptions": e["preemptions"]}
+            for role, e in zip(roles, sampler.final_engines, strict=False)
+        ],
+        "loadgen": {
+            k: loadgen_stats[k]
+            for k in ("cpu_ms_per_request", "cpu_us_per_chunk", "cpu_share", "chunks")
+        },
+    }
+
+
+PRUNE_BELOW = 0.6
+QUICK_SCALE = 0.05
+
+
+def modelled_fit(prefill: int, capacities: Sequence[gw.MixCapacity]) -> float:
+    """The best, over phases, of this split's modelled capacity relative to the phase's
+    best split (1.0: it is the best split for some phase)."""
+    fits = []
+    for c in capacities:
+        cap = gw.PoolCapacity(c.prefill_per_engine, c.decode_per_engine, c.decode_batch, 0.0)
+        fits.append(gw.split_capacity(cap, prefill, ENGINES - prefill) / c.capacity)
+    return max(fits, default=1.0)
+
+
+def role_changes(samples: Sequence[Json]) -> int:
+    """Engines whose role differs from the previous sample, summed (the controller's flips)."""
+    flips = 0
+    for before, after in itertools.pairwise(samples):
+        flips += sum(a != b for a, b in zip(before["roles"], after["roles"], strict=False))
+    return flips
+
+
+def pool_series(samples: Sequence[Json]) -> Json:
+    """Split and pool loads over time (sum over each pool's engines)."""
+    out: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "t",
+            "prefill_engines",
+            "prefill_running",
+            "prefill_waiting",
+            "decode_running",
+            "decode_waiting",
+            "decode_kv_usage",
+        )
+    }
+    for s in samples:
+        roles = s["roles"]
+        pre = [e for e, r in zip(s["engines"], roles, strict=False) if r == "prefill" and e]
+        dec = [e for e, r in zip(s["engines"], roles, strict=False) if r == "decode" and e]
+        out["t"].append(s["t"])
+        out["prefill_engines"].append(sum(r == "prefill" for r in roles))
+        out["prefill_running"].append(sum(e[0] for e in pre))
+        out["prefill_waiting"].append(sum(e[1] for e in pre))
+        out["decode_running"].append(sum(e[0] for e in dec))
+        out["decode_waiting"].append(sum(e[1] for e in dec))
+        out["decode_kv_usage"].append(round(sum(e[2] for e in dec) / len(dec), 3) if dec else None)
+    return out
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def summary(results: dict[str, Json], phases: Sequence[str]) -> Json:
+    """The bar (best static split in hindsight, overall and per phase) and every run's
+    goodput relative to it."""
+    ran = [n for n in STATIC_NAMES if results.get(n, {}).get("status") == "ran"]
+    if not ran:
+        return {"best_static": None}
+    phase_results = {n: results[n]["phases"] for n in ran}
+    per_phase = {p: gm.hindsight_best(phase_results, ran, key=p) for p in phases}
+    best = gm.hindsight_best(phase_results, ran)
+    if best is None:
+        return {"best_static": None}
+    bar = results[best]["phases"]
+    rel: dict[str, Json] = {}
+    for name, res in results.items():
+        if res.get("status") != "ran":
+            continue
+        row = {}
+        for p in [*phases, "all"]:
+            ours = res["phases"][p]["goodput_per_s"]
+            ref = bar[p]["goodput_per_s"]
+            row[p] = round(ours / ref, 3) if ref else None
+        rel[name] = row
+    oracle = sum(
+        phase_results[winner][p]["passing"] for p in phases if (winner := per_phase[p]) is not None
+    )
+    return {
+        "best_static": best,
+        "best_static_per_phase": per_phase,
+        # Upper bound for a controller: the best static split of each phase, switched
+        # instantly and for free at phase boundaries (§4.5 baseline 3).
+        "per_phase_oracle_passing": oracle,
+        "best_static_passing": bar["all"]["passing"],
+        "goodput_vs_best_static": rel,
+    }
+
+
+# ------------------------------------------------------------------------------ table
+
+
+def markdown(doc: Json) -> str:
+    """Per-phase attainment (goodput req/s) of every configuration, as a Markdown table."""
+    phases = [b[0] for b in doc["workload"]["phase_bounds"]]
+    best = doc["summary"].get("best_static")
+    lines = [
+        "| configuration | split | " + " | ".join(phases) + " | all | p90 TTFT / TPOT ms |",
+        "|---|---|" + "---|" * (len(phases) + 2),
+    ]
+    for name, res in doc["configurations"].items():
+        if res.get("status") != "ran":
+            reason = res.get("reason", res.get("status", ""))
+            lines.append(f"| {name} | {res.get('split', '')} | {reason} |" + " |" * len(phases))
+            continue
+        cells = []
+        for p in [*phases, "all"]:
+            r = res["phases"][p]
+            att = r["attainment"]
+            cells.append("–" if att is None else f"{att:.0%} ({r['goodput_per_s']:.0f})")
+        whole = res["phases"]["all"]
+        lat = f"{whole['ttft_ms'].get('p90', '–')} / {whole['tpot_ms'].get('p90', '–')}"
+        label = f"**{name}**" if name == best else name
+        alias = f" (= {res['alias_of']})" if res.get("alias_of") else ""
+        lines.append(f"| {label}{alias} | {res['split']} | " + " | ".join(cells) + f" | {lat} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- plot
+
+
+def plot(doc: Json, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["configurations"]
+    bounds = doc["workload"]["phase_bounds"]
+    best = doc["summary"].get("best_static")
+    end_t = bounds[-1][2] if bounds else 0.0
+    fig, (ax1, ax2, ax3) = plt.subplots(
+        3, 1, figsize=(12, 10), sharex=True, gridspec_kw={"height_ratios": [3, 1.3, 1.3]}
+    )
+    for name, res in results.items():
+        if res.get("status") != "ran":
+            continue
+        ot = res["over_time"]
+        static = name.startswith("narwhal-static-")
+        style: dict[str, Any] = {"linewidth": 1.0, "alpha": 0.45, "linestyle": ":"}
+        if not static or name == best:
+            style = {"linewidth": 2.0, "alpha": 0.95}
+        label = name + (" (best static)" if name == best else "")
+        ys = [a if a is not None else float("nan") for a in ot["attainment"]]
+        ax1.plot(
+            [*ot["t"], end_t],
+            [*ys, ys[-1] if ys else float("nan")],
+            label=label,
+            drawstyle="steps-post",
+            **style,
+        )
+        pools = res["pools"]
+        if pools["t"] and (not static or name == best):
+            ax2.plot(pools["t"], pools["prefill_engines"], drawstyle="steps-post", label=name)
+    first = next((r for r in results.values() if r.get("status") == "ran"), None)
+    if first is not None:
+        ot = first["over_time"]
+        ax3.bar(
+            ot["t"],
+            [o / ot["window_s"] for o in ot["offered"]],
+            width=ot["window_s"],
+            align="edge",
+            color="0.6",
+        )
+    for ax in (ax1, ax2, ax3):
+        for _name, start, _end in bounds:
+            ax.axvline(start, color="0.5", linewidth=0.6)
+    for name, start, end in bounds:
+        ax1.text((start + end) / 2, 1.03, name, ha="center", fontsize=8)
+    slo = doc["config"]["slo"]
+    ax1.axhline(0.9, color="k", linewidth=0.6, linestyle="--")
+    ax1.set_ylim(0, 1.08)
+    ax1.set_ylabel("SLO attainment\n(over offered)")
+    ax1.set_title(
+        f"Goodput benchmark: TTFT ≤ {slo['ttft_s'] * 1000:.0f} ms and TPOT ≤ "
+        f"{slo['tpot_s'] * 1000:.0f} ms, {doc['config']['window_s']:.0f} s windows "
+        f"(model time; sim speed {doc['config']['speed']})",
+        fontsize=10,
+        pad=18,
+    )
+    ax1.legend(fontsize=7, ncol=3, loc="lower left")
+    ax2.set_ylabel("prefill engines\n(controller split)")
+    ax2.set_ylim(0, ENGINES)
+    ax2.legend(fontsize=7, ncol=3, loc="upper left")
+    ax3.set_ylabel("offered req/s")
+    ax3.set_xlabel("model time (s)")
+    ax3.set_xlim(0, end_t * 1.01)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"phases x {QUICK_SCALE} and hopeless static splits pruned",
+    )
+    p.add_argument("--scale", type=float, default=None, help="phase length factor (overrides)")
+    p.add_argument("--phases", default="all", help="comma-separated phase names, or 'all'")
+    p.add_argument(
+        "--traces",
+        type=Path,
+        default=harness.REPO.parent / "shared" / "traces" / "azure2023",
+        help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
+    )
+    p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
+    p.add_argument("--speed", type=float, default=0.25, help="simulator speed (slow motion)")
+    p.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="independent runs of each trace superposed (1: the trace's own bursts, time-"
+        "compressed; more: a bigger population of independent users, smoother)",
+    )
+    p.add_argument(
+        "--niceness",
+        type=int,
+        default=-5,
+        help="nice value of the fleet, router and load generator (default -5: ahead of "
+        "other work on a shared machine)",
+    )
+    p.add_argument("--ttft-slo-s", type=float, default=0.5)
+    p.add_argument("--tpot-slo-s", type=float, default=0.05)
+    p.add_argument("--overload", type=float, default=1.75, help="overload phase x capacity")
+    p.add_argument("--window-s", type=float, default=None, help="attainment window (model s)")
+    p.add_argument("--assume-feature", action="append", default=[], choices=sorted(FEATURES))
+    p.add_argument("--rerun-aliases", action="store_true")
+    p.add_argument(
+        "--all-splits", action="store_true", help="with --quick, also run the pruned splits"
+    )
+    p.add_argument(
+        "--vllm-router-venv", type=Path, default=harness.REPO / "runs" / "tmp" / "venv-vllm-router"
+    )
+    p.add_argument("--out", type=Path, default=harness.REPO / "runs" / "bench" / "goodput.json")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
+    p.add_argument("--table", action="store_true", help="print --out's results as Markdown")
+    return p.parse_args(argv)
+
+
+def select(spec: str) -> list[Configuration]:
+    if spec == "all":
+        return list(CONFIGURATIONS)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    known = {c.name: c for c in CONFIGURATIONS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"goodput: unknown configuration(s) {unknown}; known: {sorted(known)}")
+    return [known[n] for n in names]
+
+
+async def run_all(args: argparse.Namespace) -> int:
+    try:
+        sources: tuple[gw.Source, ...] = ("conv", "code")
+        traces = {s: gw.load_trace(args.traces, s) for s in sources}
+    except gw.TraceError as exc:
+        print(f"goodput: {exc}", file=sys.stderr)
+        return 2
+    slo = gw.Slo(args.ttft_slo_s, args.tpot_slo_s)
+    scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
+    phases = gw.standard_phases(scale=scale, overload=args.overload)
+    if args.phases != "all":
+        wanted = args.phases.split(",")
+        phases = [p for p in phases if p.name in wanted]
+        if not phases:
+            raise SystemExit(f"goodput: no phase among {wanted}")
+    timing = SimTiming()
+    requests, capacities = gw.build(
+        phases,
+        traces,
+        timing=timing,
+        engines=ENGINES,
+        slo=slo,
+        seed=args.seed,
+        streams=args.streams,
+    )
+    bounds = gw.phase_bounds(phases)
+    window_s = args.window_s or (3.0 if args.quick else 10.0)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    settings = Settings(
+        speed=args.speed,
+        sim_procs=args.sim_procs,
+        seed=args.seed,
+        slo=slo,
+        window_s=window_s,
+        sample_every_s=2.0,
+        ttft_timeout_s=15.0,
+        total_timeout_s=90.0,
+        vllm_router_venv=args.vllm_router_venv,
+        out_dir=harness.REPO / "runs" / "tmp" / "goodput" / stamp,
+        niceness=args.niceness,
+    )
+    features = {k: v or k in args.assume_feature for k, v in FEATURES.items()}
+    prune = args.quick and not args.all_splits
+    chosen = select(args.configs)
+    # vllm-router-best needs the static runs' verdict: run it after them.
+    chosen.sort(key=lambda c: c.split == "best")
+    results: dict[str, Json] = {}
+    started = time.monotonic()
+    for cfg in chosen:
+        missing = [f for f in cfg.requires if not features[f]]
+        if missing:
+            results[cfg.name] = {
+                "status": "skipped",
+                "reason": f"not available yet: {', '.join(missing)} (enable in "
+                f"tools/bench/goodput.py FEATURES or pass --assume-feature)",
+                "note": cfg.note,
+            }
+            print(f"goodput: {cfg.name}: skipped (not available yet: {missing})", flush=True)
+            continue
+        if prune and cfg.name in STATIC_NAMES:
+            fit = modelled_fit(int(cfg.split), capacities)
+            if fit < PRUNE_BELOW:
+                results[cfg.name] = {
+                    "status": "skipped",
+                    "reason": f"pruned in --quick: the capacity model gives this split at "
+                    f"most {fit:.0%} of the best split's capacity in every phase "
+                    f"(< {PRUNE_BELOW:.0%}); --all-splits runs it",
+                    "split": split_label(int(cfg.split)),
+                }
+                print(f"goodput: {cfg.name}: pruned (modelled fit {fit:.0%})", flush=True)
+                continue
+        alias = cfg.alias_of
+        if (
+            alias is not None
+            and not args.rerun_aliases
+            and results.get(alias, {}).get("status") == "ran"
+        ):
+            results[cfg.name] = {**results[alias], "alias_of": alias, "note": cfg.note}
+            print(f"goodput: {cfg.name}: same run as {alias}", flush=True)
+            continue
+        if cfg.split == "best":
+            best = summary(results, [b[0] for b in bounds]).get("best_static")
+            if best is not None:
+                prefill = int(results[best]["split"].split("P")[0])
+            else:
+                # No static runs in this invocation: the capacity model's pick for the
+                # whole workload's mean mix stands in.
+                prefill = max(
+                    ((c.best_prefill, c.capacity) for c in capacities), key=lambda x: x[1]
+                )[0]
+        else:
+            prefill = int(cfg.split)
+        print(f"goodput: {cfg.name}: {split_label(prefill)} ...", flush=True)
+        try:
+            results[cfg.name] = await run_one(cfg, prefill, requests, bounds, settings)
+        except Exception as exc:
+            results[cfg.name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+            print(f"goodput: {cfg.name}: FAILED: {exc}", file=sys.stderr, flush=True)
+            continue
+        r = results[cfg.name]
+        print(
+            f"goodput: {cfg.name}: attainment {r['phases']['all']['attainment']} "
+            f"goodput {r['phases']['all']['goodput_per_s']}/s "
+            f"(wall {r['wall_s']} s, lagged steps "
+            f"{r['faithfulness']['sim_lagged_step_fraction']})",
+            flush=True,
+        )
+    doc = {
+        "benchmark": "goodput",
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine": machine(),
+        "versions": versions(args.vllm_router_venv),
+        "config": {
+            "quick": args.quick,
+            "scale": scale,
+            "engines": ENGINES,
+            "speed": args.speed,
+            "sim_procs": args.sim_procs,
+            "niceness": args.niceness,
+            "seed": args.seed,
+            "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": 0.9},
+            "window_s": window_s,
+            "client_timeouts_s": {
+                "ttft": settings.ttft_timeout_s,
+                "total": settings.total_timeout_s,
+            },
+            "features": features,
+            "timing": attrs.asdict(timing),
+        },
+        "workload": {
+            "traces": str(args.traces),
+            "streams": args.streams,
+            "requests": len(requests),
+            "phases": [attrs.asdict(p) for p in phases],
+            "phase_bounds": bounds,
+            "capacity_model": [attrs.asdict(c) for c in capacities],
+            "offered_tokens": {
+                "prompt": sum(r.prompt for r in requests),
+                "output": sum(r.output for r in requests),
+            },
+        },
+        "configurations": results,
+        "summary": summary(results, [b[0] for b in bounds]),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc, args.out.with_suffix(".png"))
+    print(f"goodput: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot or args.table:
+        doc = json.loads(args.out.read_text())
+        if args.replot:
+            plot(doc, args.out.with_suffix(".png"))
+        if args.table:
+            print(markdown(doc))
+        return 0
+    return trio.run(harness.run_guarded, partial(run_all, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
