@@ -105,6 +105,11 @@ class EngineState:
         self.decode_active = 0
         self.decode_tokens = 0
         self.handoffs_pending = 0
+        # Placed but not started: prefills waiting for a slot, decodes whose prefill
+        # has not finished. Placement sees them as load; resident counts do not.
+        self.prefill_queued_tokens = 0
+        self.decode_pending = 0
+        self.decode_pending_tokens = 0
 
     def __repr__(self) -> str:
         return (
@@ -129,9 +134,11 @@ class EngineState:
 
     @property
     def resident_work(self) -> int:
-        """Requests that still need this engine: legs in flight, KV handoffs waiting for
-        their decode, and connections (a tokenize call holds one without a phase slot)."""
+        """Requests that still need this engine: legs in flight or placed on it, KV
+        handoffs waiting for their decode, and connections (a tokenize call holds one
+        without a phase slot)."""
         legs = self.prefill_inflight + self.decode_active + self.handoffs_pending
+        legs += self.decode_pending + (1 if self.prefill_queued_tokens else 0)
         return max(legs, self.serving_pool.statistics().in_use)
 
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
@@ -160,10 +167,10 @@ class EngineState:
             prefill_blocked=self.unavailable_reason(now, "prefill"),
             decode_blocked=self.unavailable_reason(now, "decode"),
             prefill_inflight=self.prefill_inflight,
-            prefill_tokens_inflight=self.prefill_tokens_inflight,
+            prefill_tokens_inflight=self.prefill_tokens_inflight + self.prefill_queued_tokens,
             prefill_slots_free=self.prefill_limiter.available_tokens,
-            decode_active=self.decode_active,
-            decode_tokens=self.decode_tokens,
+            decode_active=self.decode_active + self.decode_pending,
+            decode_tokens=self.decode_tokens + self.decode_pending_tokens,
             decode_slots_free=self.decode_limiter.available_tokens,
             handoffs_pending=self.handoffs_pending,
         )

@@ -94,6 +94,30 @@ class _HandoffExpired(Exception):
     pass
 
 
+class _DecodePending:
+    """The decode engine's load from a request placed on it but not decoding yet.
+
+    The decode engine is chosen when the request is placed, a whole prefill before its
+    decode leg starts. Without this, every request placed in that window sees the same
+    decode load and the tie-break sends them all to the same engine.
+    """
+
+    __slots__ = ("engine", "held", "tokens")
+
+    def __init__(self, engine: EngineState, tokens: int) -> None:
+        self.engine = engine
+        self.tokens = tokens
+        self.held = True
+        engine.decode_pending += 1
+        engine.decode_pending_tokens += tokens
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.engine.decode_pending -= 1
+            self.engine.decode_pending_tokens -= self.tokens
+
+
 class Flow:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -433,15 +457,23 @@ class Flow:
         fleet = self.ctx.fleet
         decode = fleet.get(placement.decode)
         assert decode is not None
-        if placement.prefill is None:
-            await self._aggregate(request, tokens, decode, config, client, record)
-            return
-        prefill = fleet.get(placement.prefill)
-        assert prefill is not None
-        if prefill.dialect.concurrent_legs:
-            await self._sglang_pair(request, tokens, prefill, decode, config, client, record)
-        else:
-            await self._vllm_pair(request, tokens, prefill, decode, config, client, record)
+        pending = _DecodePending(decode, tokens)
+        try:
+            if placement.prefill is None:
+                await self._aggregate(request, tokens, decode, config, client, record, pending)
+                return
+            prefill = fleet.get(placement.prefill)
+            assert prefill is not None
+            if prefill.dialect.concurrent_legs:
+                await self._sglang_pair(
+                    request, tokens, prefill, decode, config, client, record, pending
+                )
+            else:
+                await self._vllm_pair(
+                    request, tokens, prefill, decode, config, client, record, pending
+                )
+        finally:
+            pending.release()
 
     # ------------------------------------------------------------------ dialects
 
@@ -454,6 +486,7 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
+        pending: _DecodePending,
     ) -> None:
         serving = config.serving
         record.stage = "prefill"
@@ -478,7 +511,7 @@ class Flow:
         handed_over = False
         try:
             async with self._phase_slot(
-                decode, "decode", tokens, not_after=prefill_started + handoff_cap
+                decode, "decode", tokens, not_after=prefill_started + handoff_cap, pending=pending
             ):
                 prefill.handoffs_pending -= 1
                 handed_over = True
@@ -521,6 +554,7 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
+        pending: _DecodePending,
     ) -> None:
         """Both legs at once with the same body; the engines pair by bootstrap room.
 
@@ -564,7 +598,7 @@ class Flow:
             prefill_done.set()
 
         async def run_decode() -> None:
-            async with self._phase_slot(decode, "decode", tokens):
+            async with self._phase_slot(decode, "decode", tokens, pending=pending):
                 await self._decode_leg(
                     decode,
                     "decode",
@@ -592,10 +626,11 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
+        pending: _DecodePending,
     ) -> None:
         """One engine does both phases: its first token includes the prefill."""
         record.stage = "decode"
-        async with self._phase_slot(engine, "decode", tokens):
+        async with self._phase_slot(engine, "decode", tokens, pending=pending):
             await self._decode_leg(
                 engine,
                 "aggregate",
@@ -618,8 +653,13 @@ class Flow:
         tokens: int,
         *,
         not_after: float = math.inf,
+        pending: _DecodePending | None = None,
     ) -> AsyncIterator[None]:
-        """Hold one of the engine's phase slots (serving.*_concurrency) and account load."""
+        """Hold one of the engine's phase slots (serving.*_concurrency) and account load.
+
+        A prefill waiting for its slot counts as queued prefill work on the engine from
+        the moment it is placed; a decode's load moves from pending to active here.
+        """
         limiter = engine.prefill_limiter if phase == "prefill" else engine.decode_limiter
         borrower = object()
         backlog = self.ctx.backlog
@@ -627,6 +667,8 @@ class Flow:
         if phase == "prefill" and curve is not None:
             # Committed when the leg is placed, so later arrivals see it while it waits.
             backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time())
+        if phase == "prefill":
+            engine.prefill_queued_tokens += tokens
         try:
             with trio.CancelScope(deadline=not_after) as wait:
                 await limiter.acquire_on_behalf_of(borrower)
@@ -634,10 +676,15 @@ class Flow:
             if phase == "prefill" and curve is not None:
                 backlog.release(engine.id, trio.current_time())
             raise
+        finally:
+            if phase == "prefill":
+                engine.prefill_queued_tokens -= tokens
         if wait.cancelled_caught or trio.current_time() > not_after:
             if not wait.cancelled_caught:
                 limiter.release_on_behalf_of(borrower)
             raise _HandoffExpired
+        if pending is not None:
+            pending.release()
         if phase == "prefill":
             engine.prefill_inflight += 1
             engine.prefill_tokens_inflight += tokens

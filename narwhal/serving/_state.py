@@ -39,12 +39,15 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
         "prefill": {
             "inflight": engine.prefill_inflight,
             "tokens_inflight": engine.prefill_tokens_inflight,
+            "queued_tokens": engine.prefill_queued_tokens,
             "limit": _limit(engine.prefill_limiter.total_tokens),
             "slots_in_use": engine.prefill_limiter.borrowed_tokens,
         },
         "decode": {
             "active": engine.decode_active,
             "tokens": engine.decode_tokens,
+            "pending": engine.decode_pending,
+            "pending_tokens": engine.decode_pending_tokens,
             "limit": _limit(engine.decode_limiter.total_tokens),
             "slots_in_use": engine.decode_limiter.borrowed_tokens,
         },

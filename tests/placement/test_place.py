@@ -82,3 +82,30 @@ def test_live_role_change_affects_the_next_placement() -> None:
         "every available prefill engine already failed this request"
     )
     assert choose(moved) == Placement("disaggregated", "p0", "d0")
+
+
+def test_placed_but_not_started_decodes_count_as_load() -> None:
+    """A burst placed during one prefill must not all land on the lowest-id decode engine."""
+    from narwhal.config import load_config
+    from narwhal.fleet import Fleet
+
+    config = load_config(
+        {
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode"},
+                {"id": "d1", "url": "http://127.0.0.1:3", "role": "decode"},
+            ]
+        }
+    )
+    fleet = Fleet(config)
+    chosen = []
+    for _ in range(4):
+        placement = choose(fleet.views(0.0))
+        assert isinstance(placement, Placement)
+        chosen.append(placement.decode)
+        engine = fleet.get(placement.decode)
+        assert engine is not None
+        engine.decode_pending += 1  # what the request path does at placement
+        engine.decode_pending_tokens += 100
+    assert chosen == ["d0", "d1", "d0", "d1"]

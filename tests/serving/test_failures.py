@@ -56,6 +56,8 @@ async def settled(stack: Stack) -> dict[str, Any]:
     for engine in state["engines"]:
         assert engine["prefill"]["inflight"] == 0, engine
         assert engine["decode"]["active"] == 0, engine
+        assert engine["decode"]["pending"] == engine["decode"]["pending_tokens"] == 0, engine
+        assert engine["prefill"]["queued_tokens"] == 0, engine
         assert engine["handoffs_pending"] == 0, engine
         assert engine["pools"]["serving"]["in_use"] == 0, engine
     return state

@@ -222,3 +222,16 @@ async def test_phase_concurrency_caps_what_each_engine_holds(start_stack: StartS
         assert decode.decode_limiter.borrowed_tokens == 2
         assert stack.fleet[1].state()["running"] + stack.fleet[1].state()["waiting"] <= 2
     await settled(stack)
+
+
+async def test_a_burst_spreads_over_decode_engines(start_stack: StartStack) -> None:
+    """Decode engines are chosen at placement, a prefill before their decode leg starts;
+    requests placed in that window must see each other's load, not all tie on d1."""
+    stack = await start_stack(["prefill", "decode", "decode"])
+    stack.fleet[0].set_faults(stall_before_first_token_s=0.2, leg="prefill")
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(post, stack, {"max_tokens": 2})
+    legs = [len([o for o in h.state()["outcomes"] if o["phase"] == "decode"]) for h in stack.fleet]
+    assert legs == [0, 2, 2]
+    await settled(stack)
