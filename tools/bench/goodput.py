@@ -50,7 +50,7 @@ DEFAULT_SPLIT = 4  # prefill engines of the "default" split: even, what an opera
 # THE LEAD'S HOOK: set a feature to True once it is on main (or pass --assume-feature).
 #   predictive_admission: `serving.admission: "predictive"` prices requests (issue 5)
 #   controller:           `controller.enabled: true` moves engines between roles (issue 7)
-FEATURES: dict[str, bool] = {"predictive_admission": False, "controller": False}
+FEATURES: dict[str, bool] = {"predictive_admission": True, "controller": True}
 
 
 Prepare = Callable[[list[str], list[str], Path], Awaitable[dict[str, dict[str, Any]]]]
@@ -74,6 +74,66 @@ class Configuration:
     # (e.g. run narwhal-profile against these engines at this speed): called with the
     # engine URLs, their roles and the run directory; returns more config sections.
     prepare: Prepare | None = None
+
+
+async def profile_fleet(
+    urls: list[str], roles: list[str], run_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """Profile this run's fresh fleet with narwhal-profile, at the run's speed.
+
+    Predictions must describe the engines as they run here (slow motion included), so
+    each run measures its own fleet, as an operator would after deploying it. The sweep
+    is bounded (a few prompt sizes, engines four at a time) and its log is kept.
+    """
+    config = harness.narwhal_config(
+        urls,
+        roles,
+        port=0,
+        speed=1.0,
+        admission="open",
+        controller=False,
+        ttft_slo_s=1.0,
+        tpot_slo_s=1.0,
+        socket_path=str(run_dir / "profile.sock"),
+    )
+    config_path = run_dir / "profile-config.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    out = run_dir / "profiles.json"
+    argv = [
+        sys.executable, "-m", "narwhal.cli.profile", "--config", str(config_path),
+        "--out", str(out), "--parallel", "4", "--prefill-sizes", "64,512,1024,2048,4096,7000",
+        "--prefill-repeats", "2", "--decode-active", "1,8,32,96", "--decode-contexts",
+        "512,2048", "--decode-gaps", "16", "--handoff-sizes", "256,2048,6000",
+        "--handoff-repeats", "2", "--budget-s", "900", "--quiet",
+    ]  # fmt: skip
+    with (run_dir / "profile.log").open("wb") as log:
+        await trio.run_process(argv, stdout=log, stderr=subprocess.STDOUT)
+    return {"profiles": {"path": str(out)}}
+
+
+def controller_timing(phase_model_s: float, speed: float) -> dict[str, Any]:
+    """The controller's clocks scaled to the workload's phases.
+
+    The benchmark compresses hours of traffic into phases of `phase_model_s`; the
+    controller's windows (defaults sized for minutes-long phases: a 120 s demand window,
+    a 60 s evidence span) are compressed by the same factor, relative to a 300 s phase,
+    then converted to wall time like every other duration. Documented in the results.
+    """
+    k = phase_model_s / 300.0
+
+    def wall(model_s: float) -> float:
+        return round(model_s * k / speed, 6)
+
+    return {
+        "monitor_interval_s": wall(1.0),
+        "thresholds": {"cooldown_s": wall(10.0)},
+        "reactive": {
+            "window_s": wall(120.0),
+            "step_s": wall(5.0),
+            "evidence_span_s": wall(60.0),
+            "evidence_max_span_s": wall(120.0),
+        },
+    }
 
 
 def _static(p: int) -> Configuration:
@@ -112,6 +172,7 @@ CONFIGURATIONS: list[Configuration] = [
         controller=True,
         requires=("predictive_admission", "controller"),
         note="predictive admission + role controller, starting at the default split",
+        prepare=profile_fleet,
     ),
     Configuration(
         "narwhal-predictive",
@@ -120,6 +181,7 @@ CONFIGURATIONS: list[Configuration] = [
         admission="predictive",
         requires=("predictive_admission",),
         note="predictive admission only, static default split",
+        prepare=profile_fleet,
     ),
     Configuration(
         "narwhal-controller",
@@ -652,6 +714,7 @@ async def run_all(args: argparse.Namespace) -> int:
         streams=args.streams,
     )
     bounds = gw.phase_bounds(phases)
+    phase_model_s = min(end - start for _, start, end in bounds)
     window_s = args.window_s or (3.0 if args.quick else 10.0)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     settings = Settings(
@@ -706,6 +769,12 @@ async def run_all(args: argparse.Namespace) -> int:
             results[cfg.name] = {**results[alias], "alias_of": alias, "note": cfg.note}
             print(f"goodput: {cfg.name}: same run as {alias}", flush=True)
             continue
+        if cfg.controller:
+            extra = {
+                **cfg.narwhal_extra,
+                "controller": {"enabled": True, **controller_timing(phase_model_s, args.speed)},
+            }
+            cfg = attrs.evolve(cfg, narwhal_extra=extra)
         if cfg.split == "best":
             best = summary(results, [b[0] for b in bounds]).get("best_static")
             if best is not None:
