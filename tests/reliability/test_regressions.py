@@ -1,0 +1,44 @@
+"""Regression tests for bugs the reliability campaigns found (one per fix)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from functools import partial
+
+import h11
+import pytest
+import trio
+
+from narwhal.sim import Fleet, serve_fleet
+from narwhal.sim._http import request
+
+
+async def resetting_peer(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Accepts, reads the request, then resets the connection (an engine restarting
+    or going down mid-exchange)."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listener:
+        task_status.started(listener.socket.getsockname()[1])
+        while True:
+            stream = await listener.accept()
+            await stream.receive_some(65536)
+            linger = struct.pack("ii", 1, 0)
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            stream.socket.close()
+
+
+async def test_sim_side_channel_reports_a_reset_as_a_protocol_error(
+    nursery: trio.Nursery,
+) -> None:
+    """The simulator's engine-to-engine client raised trio.BrokenResourceError on a
+    connection reset, which its callers (KV pull, heartbeats, release) did not expect:
+    a heartbeat to a producer that was restarting crashed the whole simulated fleet.
+    Found by test_faults.py::test_engine_restarts_under_load[long]."""
+    port = await nursery.start(resetting_peer)
+    with pytest.raises(h11.RemoteProtocolError):
+        await request("127.0.0.1", port, "POST", "/_sim/nixl/heartbeat", {"x": 1})
+    fleet: Fleet = await nursery.start(partial(serve_fleet, engines=1))
+    engine = fleet[0].engine
+    await engine._send_heartbeat("127.0.0.1", port, "producer", ["r1"])
+    assert engine.counters.heartbeats_failed == 1
