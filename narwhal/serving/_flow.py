@@ -772,6 +772,7 @@ class Flow:
                 timeout_setting="",
                 prompt_tokens=record.prompt_tokens or 0,
             )
+            _loads(raw, engine, phase)  # relayed as application/json: it must be JSON
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 from functools import partial
@@ -12,6 +13,9 @@ import trio
 
 from narwhal.sim import Fleet, serve_fleet
 from narwhal.sim._http import request
+
+from . import hostile
+from .campaign import StartCampaign
 
 
 async def resetting_peer(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -42,3 +46,27 @@ async def test_sim_side_channel_reports_a_reset_as_a_protocol_error(
     engine = fleet[0].engine
     await engine._send_heartbeat("127.0.0.1", port, "producer", ["r1"])
     assert engine.counters.heartbeats_failed == 1
+
+
+async def test_a_non_json_200_from_a_decode_engine_is_not_relayed_as_json(
+    start: StartCampaign, nursery: trio.Nursery
+) -> None:
+    """A non-streaming decode answer was relayed verbatim with 200 and
+    content-type application/json, whatever it was: an HTML page from a proxy in front
+    of the engine reached the client as a successful completion. Found by
+    test_hostile.py::test_hostile_engine[decode-not_json_body-json]."""
+    engine = hostile.HostileEngine()
+    await nursery.start(engine.serve)
+    engine.behaviours["decode"] = hostile.not_json_body
+    c = await start(
+        "nonjson",
+        ["prefill"],
+        sim={"lease_s": 4.0},
+        extra_engines=[{"id": "h", "url": engine.url, "role": "decode"}],
+        serving={"max_attempts": 1},
+    )
+    ex = await c.send(0, c.body(stream=False, max_tokens=4))
+    assert ex.status == 502
+    error = json.loads(ex.body)["error"]
+    assert error["code"] == "engine_bad_response"
+    assert error["message"] == "decode engine h: returned a body that is not JSON"
