@@ -52,6 +52,8 @@ def parse_body(
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise BadRequest("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):

@@ -16,6 +16,7 @@ from narwhal.sim._http import request
 
 from . import hostile
 from .campaign import StartCampaign
+from .client import exchange
 
 
 async def resetting_peer(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -70,3 +71,20 @@ async def test_a_non_json_200_from_a_decode_engine_is_not_relayed_as_json(
     error = json.loads(ex.body)["error"]
     assert error["code"] == "engine_bad_response"
     assert error["message"] == "decode engine h: returned a body that is not JSON"
+
+
+async def test_a_deeply_nested_body_is_a_bad_request(start: StartCampaign) -> None:
+    """A body of nested arrays (400 KB, well under serving.max_request_bytes) made
+    json.loads raise RecursionError, which the parser did not catch: the client got a
+    500 internal_error and the router logged a traceback per request. Found by
+    test_bad_input.py::test_malformed_and_wrongly_typed_bodies."""
+    c = await start("nested", ["prefill", "decode"])
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 50_000 + b"]}"):
+        ex = await exchange(c.stack.url, raw, request_id=c.request_id(0))
+        assert ex.status == 400
+        assert json.loads(ex.body)["error"] == {
+            "message": "request body is nested too deeply",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_json",
+        }
