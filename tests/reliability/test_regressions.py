@@ -88,3 +88,22 @@ async def test_a_deeply_nested_body_is_a_bad_request(start: StartCampaign) -> No
             "param": None,
             "code": "invalid_json",
         }
+
+
+async def test_an_unpaired_surrogate_escape_is_a_bad_request(start: StartCampaign) -> None:
+    """`"\\ud800"` is valid JSON but decodes to a lone surrogate, which cannot be
+    encoded again as UTF-8: building the engine request raised UnicodeEncodeError and
+    the client got a 500 internal_error. Found by
+    test_bad_input.py::test_malformed_and_wrongly_typed_bodies."""
+    c = await start("surrogate", ["prefill", "decode"])
+    raw = b'{"prompt": "abc \\ud800 def", "max_tokens": 2}'
+    ex = await exchange(c.stack.url, raw, request_id=c.request_id(0))
+    assert ex.status == 400
+    error = json.loads(ex.body)["error"]
+    assert error["code"] == "invalid_json"
+    assert error["message"].startswith("request body contains an unpaired surrogate escape")
+    # A proper pair (an emoji, escaped) is fine.
+    ex = await exchange(
+        c.stack.url, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', request_id="pair"
+    )
+    assert ex.status == 200
