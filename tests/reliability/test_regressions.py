@@ -11,6 +11,8 @@ import h11
 import pytest
 import trio
 
+from narwhal.ctl import CtlError
+from narwhal.ctl._protocol import parse_request
 from narwhal.sim import Fleet, serve_fleet
 from narwhal.sim._http import request
 
@@ -107,3 +109,15 @@ async def test_an_unpaired_surrogate_escape_is_a_bad_request(start: StartCampaig
         c.stack.url, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', request_id="pair"
     )
     assert ex.status == 200
+
+
+def test_a_deeply_nested_control_request_is_a_bad_request() -> None:
+    """A control line of nested arrays (well under the 64 KiB line limit) made the
+    protocol parser raise RecursionError: the daemon answered internal_error and
+    logged a traceback. Found by test_ctl_security.py::test_malformed_lines_never_crash_the_handler."""
+    with pytest.raises(CtlError) as caught:
+        parse_request(b"[" * 30_000 + b"]" * 30_000)
+    assert (caught.value.code, caught.value.message) == (
+        "bad_request",
+        "request is not JSON: nested too deeply",
+    )
