@@ -112,6 +112,7 @@ async def exchange(
     content_length: bool = True,
     body_pieces: int = 1,
     body_pause_s: float = 0.0,
+    stall_body: bool = False,
     hang_up: HangUp | None = None,
     read: bool = True,
     receive_buffer: int | None = None,
@@ -120,7 +121,8 @@ async def exchange(
 ) -> Exchange:
     """POST `body` and record the response.
 
-    `body_pieces`/`body_pause_s` trickle the body (a slow uploader). Without
+    `body_pieces`/`body_pause_s` trickle the body (a slow uploader); `stall_body`
+    sends half of it and then nothing, without ever ending the request. Without
     `content_length` the body goes chunked. `read=False` with a small `receive_buffer`
     is a client that stops reading (the router must disconnect it); it needs a
     `hang_up` to end. Network errors never escape: they are what the exchange records.
@@ -158,7 +160,12 @@ async def exchange(
 
                 if hang_up is not None:
                     nursery.start_soon(hang_up_task, hang_up)
-                await _send_request(sock, conn, path, head, raw, body_pieces, body_pause_s, ex)
+                if stall_body:
+                    out = conn.send(h11.Request(method="POST", target=path, headers=head)) or b""
+                    out += conn.send(h11.Data(data=raw[: len(raw) // 2])) or b""
+                    await sock.send_all(out)
+                else:
+                    await _send_request(sock, conn, path, head, raw, body_pieces, body_pause_s, ex)
                 if read:
                     await _read_response(sock, conn, ex)
                     nursery.cancel_scope.cancel()
@@ -265,6 +272,6 @@ def _has_output(ex: Exchange) -> bool:
 def is_error_event(payload: str) -> bool:
     try:
         document = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(document, dict) and "error" in document

@@ -385,3 +385,34 @@ async def html_500(leg: Leg, wire: Wire) -> None:
 async def json_for_a_stream(leg: Leg, wire: Wire) -> None:
     """An engine that ignores stream=true and answers one JSON document."""
     await wire.send(json_response(prefill_document()))
+
+
+NESTED = b"[" * 10_000 + b"]" * 10_000
+
+
+async def nested_json_body(leg: Leg, wire: Wire) -> None:
+    """A 200 body of deeply nested arrays (a JSON parser's recursion limit)."""
+    body = b'{"choices": ' + NESTED + b"}"
+    await wire.send(
+        head(200, [("content-type", "application/json"), ("content-length", str(len(body)))]) + body
+    )
+
+
+async def nested_event(leg: Leg, wire: Wire) -> None:
+    """A stream whose first event is deeply nested, then a proper end."""
+    await wire.send(SSE_HEAD + chunk(b"data: " + NESTED + b"\n\n" + token_event()))
+    await wire.send(chunk(b"data: [DONE]\n\n") + LAST_CHUNK)
+
+
+async def nested_error_event(leg: Leg, wire: Wire) -> None:
+    """A token, then an error event whose body is deeply nested."""
+    await wire.send(SSE_HEAD + chunk(token_event()))
+    await wire.send(chunk(b'data: {"error": ' + NESTED + b"}\n\n") + LAST_CHUNK)
+
+
+async def nested_error_status(leg: Leg, wire: Wire) -> None:
+    """A 503 whose error body is deeply nested."""
+    body = b'{"error": ' + NESTED + b"}"
+    await wire.send(
+        head(503, [("content-type", "application/json"), ("content-length", str(len(body)))]) + body
+    )

@@ -163,7 +163,7 @@ def verdict(ex: Exchange) -> Verdict:
     if ex.status != 200:
         try:
             document = json.loads(ex.body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return Verdict("malformed", why=f"HTTP {ex.status} body is not JSON: {ex.body[:80]!r}")
         code = _envelope_code(document)
         if code is None or not content_type.startswith("application/json"):
@@ -172,7 +172,7 @@ def verdict(ex: Exchange) -> Verdict:
     if not ex.stream:
         try:
             document = json.loads(ex.body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return Verdict("malformed", why=f"200 body is not JSON: {ex.body[:80]!r}")
         if not isinstance(document, dict) or not isinstance(document.get("choices"), list):
             return Verdict("malformed", why=f"200 body without choices: {ex.body[:120]!r}")
@@ -205,7 +205,7 @@ def verdict(ex: Exchange) -> Verdict:
 def _loads(text: str) -> object:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
