@@ -361,7 +361,14 @@ class Flow:
                     if response.status != 200:
                         return None
                     return tokenize_count(json.loads(raw))
-            except (ConnectError, RemoteProtocolError, PoolTimeout, ResponseTooLarge, ValueError):
+            except (
+                ConnectError,
+                RemoteProtocolError,
+                PoolTimeout,
+                ResponseTooLarge,
+                ValueError,
+                RecursionError,  # json.loads of deeply nested input
+            ):
                 return None
         return None
 
@@ -958,7 +965,7 @@ def _has_token(payload: bytes) -> bool:
     """Whether a chunk carries generated output (not just chat's role announcement)."""
     try:
         document = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return True  # not ours to judge: the engine sent something, count it
     if not isinstance(document, dict):
         return True
@@ -982,7 +989,7 @@ def _has_token(payload: bytes) -> bool:
 def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _failed(
             engine, phase, "engine_bad_response", "returned a body that is not JSON"
         ) from None

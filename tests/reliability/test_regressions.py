@@ -121,3 +121,42 @@ def test_a_deeply_nested_control_request_is_a_bad_request() -> None:
         "bad_request",
         "request is not JSON: nested too deeply",
     )
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "stream", "status", "code"),
+    [
+        (hostile.nested_json_body, False, 502, "engine_bad_response"),
+        (hostile.nested_event, True, 200, None),
+        (hostile.nested_error_status, False, 503, "engine_http_503"),
+    ],
+)
+async def test_deeply_nested_json_from_an_engine_is_not_an_internal_error(
+    start: StartCampaign,
+    nursery: trio.Nursery,
+    behaviour: hostile.Behaviour,
+    stream: bool,
+    status: int,
+    code: str | None,
+) -> None:
+    """Every place that parses an engine's JSON (the response body, an SSE event
+    checked for a token or an error, an error body) caught only ValueError, so deeply
+    nested JSON from an engine raised RecursionError through the request path: the
+    client got internal_error and the router logged a traceback. Found by
+    test_hostile.py (the nested_* behaviours)."""
+    engine = hostile.HostileEngine()
+    await nursery.start(engine.serve)
+    engine.behaviours["decode"] = behaviour
+    c = await start(
+        "nested-engine",
+        ["prefill"],
+        sim={"lease_s": 4.0},
+        extra_engines=[{"id": "h", "url": engine.url, "role": "decode"}],
+        serving={"max_attempts": 1},
+    )
+    ex = await c.send(0, c.body(stream=stream, max_tokens=4))
+    assert ex.status == status
+    if code is None:
+        assert ex.events()[-1] == "[DONE]"
+    else:
+        assert json.loads(ex.body)["error"]["code"] == code
