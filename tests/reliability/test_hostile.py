@@ -52,6 +52,10 @@ DECODE_CASES = [
     (h.html_500, False, "error:engine_http_500", "done"),
     (h.html_500, True, "stream_error:engine_http_500", "done"),
     (h.json_for_a_stream, True, "stream_error:engine_stream_truncated", "done"),
+    (h.nested_json_body, False, "error:engine_bad_response", "done"),
+    (h.nested_event, True, "ok", "done"),
+    (h.nested_error_event, True, "stream_error:engine_stream_truncated", "done"),
+    (h.nested_error_status, False, "error:engine_http_503", "done"),
 ]
 PREFILL_CASES = [
     (h.sane, True, "ok", "done"),  # no kv_transfer_params: the decode computes the prompt
@@ -64,6 +68,8 @@ PREFILL_CASES = [
     (h.not_http_then_close, False, "error:engine_connection_lost", "done"),
     (h.short_body, True, "error:engine_connection_lost", "done"),
     (h.html_500, False, "error:engine_http_500", "done"),
+    (h.nested_json_body, False, "error:engine_bad_response", "done"),
+    (h.nested_error_status, True, "error:engine_http_503", "done"),
 ]
 CASES = [
     pytest.param("decode", *case, id=f"decode-{case[0].__name__}-{'sse' if case[1] else 'json'}")
