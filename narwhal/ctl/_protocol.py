@@ -67,6 +67,8 @@ def parse_request(line: bytes) -> CtlRequest:
         document = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CtlError("bad_request", f"request is not JSON: {exc}") from None
+    except RecursionError:
+        raise CtlError("bad_request", "request is not JSON: nested too deeply") from None
     if not isinstance(document, dict):
         raise CtlError("bad_request", "request must be a JSON object")
     command = document.get("command")

@@ -23,7 +23,7 @@ class EngineErrorInfo:
 def parse_error_body(status: int, body: bytes) -> EngineErrorInfo:
     try:
         document = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         document = None
     if isinstance(document, dict):
         inner = document.get("error")

@@ -88,7 +88,7 @@ def _classify(block: bytes, raw: bytes) -> SseEvent:
     if payload.lstrip().startswith(b'{"error"'):
         try:
             parsed = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed = None
         if isinstance(parsed, dict) and "error" in parsed:
             return SseEvent(SseKind.ERROR, payload, raw, _error_fields(parsed["error"]))

@@ -385,7 +385,14 @@ class Flow:
                     if response.status != 200:
                         return None
                     return tokenize_count(json.loads(raw))
-            except (ConnectError, RemoteProtocolError, PoolTimeout, ResponseTooLarge, ValueError):
+            except (
+                ConnectError,
+                RemoteProtocolError,
+                PoolTimeout,
+                ResponseTooLarge,
+                ValueError,
+                RecursionError,  # json.loads of deeply nested input
+            ):
                 return None
         return None
 
@@ -819,6 +826,7 @@ class Flow:
                 timeout_setting="",
                 prompt_tokens=record.prompt_tokens or 0,
             )
+            _loads(raw, engine, phase)  # relayed as application/json: it must be JSON
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"
@@ -1004,7 +1012,7 @@ def _has_token(payload: bytes) -> bool:
     """Whether a chunk carries generated output (not just chat's role announcement)."""
     try:
         document = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return True  # not ours to judge: the engine sent something, count it
     if not isinstance(document, dict):
         return True
@@ -1028,7 +1036,7 @@ def _has_token(payload: bytes) -> bool:
 def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _failed(
             engine, phase, "engine_bad_response", "returned a body that is not JSON"
         ) from None

@@ -12,6 +12,7 @@ from .._errors import BadRequest
 from ..engines import EndpointKind, Json
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @attrs.frozen
@@ -52,8 +53,20 @@ def parse_body(
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise BadRequest("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if _ESCAPED_SURROGATE.search(raw) is not None:
+        # JSON may escape half of a UTF-16 surrogate pair; such a string cannot be
+        # encoded again for the engines, so it is refused here, not failed later.
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "request body contains an unpaired surrogate escape (\\ud800-\\udfff)",
+                code="invalid_json",
+            ) from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     stream = body.get("stream", False)

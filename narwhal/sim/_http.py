@@ -340,14 +340,21 @@ async def request(
         if payload:
             out += conn.send(h11.Data(data=payload)) or b""
         out += conn.send(h11.EndOfMessage()) or b""
-        await stream.send_all(out)
+        try:
+            await stream.send_all(out)
+        except trio.BrokenResourceError as exc:
+            raise h11.RemoteProtocolError(f"connection broken: {exc}") from None
         status = 0
         resp_headers: dict[str, str] = {}
         data = bytearray()
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(_READ))
+                try:
+                    conn.receive_data(await stream.receive_some(_READ))
+                except trio.BrokenResourceError as exc:
+                    # A reset (the peer restarting, say) is a broken reply too.
+                    raise h11.RemoteProtocolError(f"connection broken: {exc}") from None
                 continue
             if isinstance(event, h11.Response):
                 status = event.status_code

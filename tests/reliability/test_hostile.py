@@ -1,0 +1,119 @@
+"""A hostile engine (hostile.py) on either side of a P/D pair: whatever it sends, the
+client gets a success or a well-formed error within its deadline, the router hangs up
+on every leg it gives up on, and nothing stays held."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from ..support import wait_for
+from . import hostile as h
+from .campaign import StartCampaign
+
+TIMEOUT_S = 1.5
+SETTINGS: dict[str, Any] = {
+    "serving": {
+        "request_timeout_s": TIMEOUT_S,
+        "prefill_timeout_s": 0.5,
+        "max_attempts": 1,
+        "handoff_timeout_s": 1.0,
+        "max_response_bytes": 65536,
+    },
+    "engine": {"first_token_timeout_s": 0.5, "decode_read_timeout_s": 0.3},
+    # Keep the hostile engine in placement however often it fails.
+    "recovery": {"breaker": {"failure_threshold": 100_000}},
+}
+
+# (behaviour, stream, what the client must see, how the hostile leg must end)
+DECODE_CASES = [
+    (h.endless_tokens, True, "stream_error:expired", "aborted"),
+    (h.endless_pings, True, "stream_error:first_token_timeout", "aborted"),
+    (h.fat_role_chunks, True, "stream_error:response_too_large", "aborted"),
+    (h.garbage_lines, True, "ok", "done"),
+    (h.oversized_event, True, "stream_error:engine_bad_stream", "aborted"),
+    (h.oversized_first_event, True, "stream_error:response_too_large", "aborted"),
+    (h.no_terminator, True, "stream_error:engine_stream_truncated", "done"),
+    (h.cut_mid_stream, True, "stream_error:engine_connection_lost", "done"),
+    (h.garbage_headers, True, "stream_error:engine_connection_lost", "aborted"),
+    (h.oversized_headers, True, "stream_error:engine_connection_lost", "aborted"),
+    # Not HTTP, but no complete head either: only the timer ends the wait.
+    (h.not_http, True, "stream_error:first_token_timeout", "aborted"),
+    (h.not_http_then_close, True, "stream_error:engine_connection_lost", "done"),
+    (h.silent, True, "stream_error:first_token_timeout", "aborted"),
+    (h.silent, False, "error:expired", "aborted"),
+    (h.drip, True, "stream_error:first_token_timeout", "aborted"),
+    (h.token_then_drip, True, "stream_error:expired", "aborted"),
+    (h.endless_json_body, False, "error:response_too_large", "aborted"),
+    (h.not_json_body, False, "error:engine_bad_response", "done"),
+    (h.short_body, False, "error:engine_connection_lost", "done"),
+    (h.html_500, False, "error:engine_http_500", "done"),
+    (h.html_500, True, "stream_error:engine_http_500", "done"),
+    (h.json_for_a_stream, True, "stream_error:engine_stream_truncated", "done"),
+    (h.nested_json_body, False, "error:engine_bad_response", "done"),
+    (h.nested_event, True, "ok", "done"),
+    (h.nested_error_event, True, "stream_error:engine_stream_truncated", "done"),
+    (h.nested_error_status, False, "error:engine_http_503", "done"),
+]
+PREFILL_CASES = [
+    (h.sane, True, "ok", "done"),  # no kv_transfer_params: the decode computes the prompt
+    (h.not_json_body, True, "error:engine_bad_response", "done"),
+    (h.endless_json_body, False, "error:response_too_large", "aborted"),
+    (h.silent, True, "error:prefill_timeout", "aborted"),
+    (h.garbage_headers, False, "error:engine_connection_lost", "aborted"),
+    (h.oversized_headers, True, "error:engine_connection_lost", "aborted"),
+    (h.not_http, False, "error:prefill_timeout", "aborted"),
+    (h.not_http_then_close, False, "error:engine_connection_lost", "done"),
+    (h.short_body, True, "error:engine_connection_lost", "done"),
+    (h.html_500, False, "error:engine_http_500", "done"),
+    (h.nested_json_body, False, "error:engine_bad_response", "done"),
+    (h.nested_error_status, True, "error:engine_http_503", "done"),
+]
+CASES = [
+    pytest.param("decode", *case, id=f"decode-{case[0].__name__}-{'sse' if case[1] else 'json'}")
+    for case in DECODE_CASES
+] + [
+    pytest.param("prefill", *case, id=f"prefill-{case[0].__name__}-{'sse' if case[1] else 'json'}")
+    for case in PREFILL_CASES
+]
+
+
+@pytest.mark.parametrize(("side", "behaviour", "stream", "expect", "leg_end"), CASES)
+async def test_hostile_engine(
+    start: StartCampaign,
+    nursery: trio.Nursery,
+    side: str,
+    behaviour: h.Behaviour,
+    stream: bool,
+    expect: str,
+    leg_end: str,
+) -> None:
+    engine = h.HostileEngine()
+    await nursery.start(engine.serve)
+    engine.behaviours[side] = behaviour
+    sim_role = "prefill" if side == "decode" else "decode"
+    c = await start(
+        f"hostile-{side}",
+        [sim_role],
+        # Short KV leases: a prefill whose decode went to the hostile engine is never
+        # pulled, and the check waits for its lease to expire.
+        sim={"lease_s": 4.0},
+        extra_engines=[{"id": "h", "url": engine.url, "role": side}],
+        **SETTINGS,
+    )
+
+    async def plan(i: int) -> None:
+        await c.send(i, c.body(stream=stream, max_tokens=4))
+
+    await c.run(2, plan, concurrency=1, within_s=30)
+    # An endless writer notices the router hung up at its next write.
+    await wait_for(lambda: engine.open_legs == 0, within_s=5)
+    report = await c.check(other_legs=[engine.ring()])
+    report.assert_ok()
+    assert [c.label_of(ex) for ex in c.exchanges] == [expect] * 2
+    legs = [leg for leg in engine.legs if leg.leg == side]
+    assert [leg.ended for leg in legs] == [leg_end] * 2, legs
+    if expect.endswith(":expired"):
+        assert all(TIMEOUT_S <= ex.duration < TIMEOUT_S + 1.0 for ex in c.exchanges)

@@ -1,0 +1,502 @@
+"""Reliability soak: many requests through the real daemon with random faults and
+config reloads, then every invariant of tests/reliability/invariants.py.
+
+    .venv/bin/python tools/bench/reliability.py [--requests 20000] [--fault-rate 0.03]
+        [--speed 20] [--concurrency 32] [--reload-every 3] [--out runs/bench/reliability.json]
+
+Three processes on loopback: a simulated fleet (2 prefill + 2 decode engines, this
+script re-run as `--serve-sim`, with an outcome ring large enough for every leg),
+`narwhal serve` on a config file, and this load generator. Each request may get a
+random fault first (at --fault-rate: crash, stall before or after the first token,
+engine 5xx/429, slow first token, mid-stream error event, short KV lease, failed KV
+pull, an engine going down for a moment) and a few clients hang up part-way. Every
+--reload-every seconds the config file is rewritten with another valid variant (or,
+one time in five, an invalid one that must be rejected) and the daemon gets SIGHUP.
+Once the load has drained the router and the engines must be idle and every invariant
+must hold; the result goes to --out as JSON. Bounded: the load stops after --max-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import h11
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from narwhal.sim import Fleet, SimEngineSpec, serve_fleet  # noqa: E402
+from narwhal.sim._http import request as sim_request  # noqa: E402
+from tests.reliability.client import Exchange, after_events, exchange  # noqa: E402
+from tests.reliability.invariants import check_all, verdict  # noqa: E402
+
+MODEL = "sim-llama-3-8b"
+ROLES = ("prefill", "prefill", "decode", "decode")
+SLACK_S = 1.0
+
+BASE: dict[str, Any] = {
+    "listen": {"host": "127.0.0.1", "port": 0},
+    "serving": {
+        "admission": "open",
+        "request_timeout_s": 4.0,
+        "prefill_timeout_s": 1.0,
+        "max_attempts": 3,
+        "handoff_timeout_s": 1.0,
+        "retry_base_s": 0.005,
+        "retry_cap_s": 0.05,
+        "retry_budget": 200,
+        "retry_replenish": 0.5,
+        "client_stall_s": 0.5,
+    },
+    "engine": {
+        "first_token_timeout_s": 1.0,
+        "decode_read_timeout_s": 0.5,
+        "tokenize_timeout_s": 0.5,
+        "health_timeout_s": 0.5,
+        "connect_timeout_s": 0.5,
+    },
+    "recovery": {
+        "restart_hold_s": 0.2,
+        "health": {"interval_s": 0.1, "failure_threshold": 2, "readmit_successes": 2},
+        "breaker": {"failure_threshold": 5, "window_s": 5.0, "open_s": 0.3},
+        "shutdown_grace_s": 2.0,
+    },
+    "controller": {"enabled": False},
+}
+# Valid variants cycled through by the reloads: limits resized in place, timers and
+# retry settings for new requests. request_timeout_s stays at its maximum in BASE.
+VARIANTS: list[dict[str, Any]] = [
+    {},
+    {
+        "serving": {"max_attempts": 2, "retry_budget": 50, "prefill_concurrency": 16},
+        "engine": {"decode_read_timeout_s": 0.4},
+    },
+    {
+        "serving": {"decode_concurrency": 24, "request_timeout_s": 3.0},
+        "engine": {"first_token_timeout_s": 0.8},
+    },
+]
+INVALID: dict[str, Any] = {"serving": {"max_attempts": 9}}
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ------------------------------------------------------------------------------ the fleet
+
+
+async def serve_sim(speed: float) -> None:
+    """Child process: the simulated fleet; prints its engine URLs as one JSON line."""
+    spec = SimEngineSpec(outcome_ring=400_000)
+
+    async with trio.open_nursery() as nursery:
+        fleet: Fleet = await nursery.start(
+            partial(serve_fleet, engines=len(ROLES), speed=speed, model=MODEL, spec=spec)
+        )
+        print(json.dumps(fleet.urls), flush=True)
+
+
+async def sim_call(url: str, method: str, path: str, body: Any = None) -> Any:
+    host, port = url.split("://", 1)[1].split(":")
+    with trio.fail_after(30):
+        response = await sim_request(host, int(port), method, path, body, max_body=1 << 30)
+    return response.json()
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+def random_fault(rng: random.Random) -> tuple[int, dict[str, Any]]:
+    """(engine index, fault) for one request; engine faults apply to the next leg."""
+    kind = rng.choice(
+        (
+            "crash",
+            "stall_first",
+            "stall_after",
+            "status",
+            "slow_first",
+            "sse_error",
+            "lease",
+            "pull",
+            "down",
+        )
+    )
+    prefill, decode = rng.choice((0, 1)), rng.choice((2, 3))
+    if kind == "crash":
+        return decode, {"crash_after_tokens": rng.randint(0, 4), "leg": "decode", "count": 1}
+    if kind == "stall_first":
+        index = rng.choice((prefill, decode))
+        leg = "prefill" if index < 2 else "decode"
+        return index, {"stall_before_first_token_s": 30.0, "leg": leg, "count": 1}
+    if kind == "stall_after":
+        return decode, {"stall_after_tokens": rng.randint(1, 3), "leg": "decode", "count": 1}
+    if kind == "status":
+        index = rng.choice((prefill, decode))
+        leg = "prefill" if index < 2 else "decode"
+        status = rng.choice((500, 502, 503, 504, 429))
+        return index, {"error_status": status, "leg": leg, "count": rng.randint(1, 3)}
+    if kind == "slow_first":
+        return decode, {"slow_first_token_s": rng.uniform(0.1, 1.5), "leg": "decode", "count": 1}
+    if kind == "sse_error":
+        return decode, {"sse_error_after_tokens": rng.randint(0, 3), "leg": "decode", "count": 1}
+    if kind == "lease":
+        return prefill, {"lease_s": 0.0001, "leg": "prefill", "count": 1}
+    if kind == "pull":
+        return decode, {"kv_pull_fail": True, "leg": "decode", "count": 1}
+    return rng.randrange(4), {"down_s": rng.uniform(0.05, 0.3)}
+
+
+# ------------------------------------------------------------------------------ the daemon
+
+
+class Daemon:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.config_path = directory / "narwhal.json"
+        self.notify_path = directory / "notify.sock"
+        self.process: trio.Process | None = None
+        self.notify = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
+        self.url = ""
+
+    def write(self, document: dict[str, Any]) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(document))
+        tmp.replace(self.config_path)
+
+    async def start(self, document: dict[str, Any]) -> None:
+        await self.notify.bind(str(self.notify_path))
+        self.write(document)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
+        env["NOTIFY_SOCKET"] = str(self.notify_path)
+        log = (self.directory / "daemon.log").open("wb")
+        self.process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "narwhal", "serve", "--config", str(self.config_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+        with trio.fail_after(60):
+            while True:
+                text = (await self.notify.recv(65536)).decode()
+                match = re.search(r"listening on (http://[0-9.]+:[0-9]+)", text)
+                if "READY=1" in text.split("\n") and match is not None:
+                    self.url = match.group(1)
+                    return
+
+    async def get(self, path: str) -> Any:
+        host, port = self.url.split("://", 1)[1].split(":")
+        with trio.fail_after(30):
+            response = await sim_request(host, int(port), "GET", path, max_body=1 << 28)
+        if path == "/metrics":
+            return response.body.decode()
+        return response.json()
+
+    async def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        self.process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(15):
+            return await self.process.wait()
+        self.process.kill()
+        return await self.process.wait()
+
+
+def reload_counts(metrics: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in metrics.splitlines():
+        if line.startswith("narwhal_reloads_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+# ------------------------------------------------------------------------------ the load
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    started_wall = time.time()
+    directory = Path(tempfile.mkdtemp(prefix="nw-soak-"))
+    sim = await trio.lowlevel.open_process(
+        [sys.executable, __file__, "--serve-sim", "--speed", str(args.speed)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+    )
+    daemon = Daemon(directory)
+    try:
+        assert sim.stdout is not None
+        line = b""
+        with trio.fail_after(60):
+            while not line.endswith(b"\n"):
+                line += await sim.stdout.receive_some(65536)
+        urls: list[str] = json.loads(line)
+        engines = [
+            {"id": f"{role[0]}{i}", "url": url, "role": role, "model": MODEL}
+            for i, (url, role) in enumerate(zip(urls, ROLES, strict=True))
+        ]
+        ctl = {"socket": str(directory / "ctl.sock")}
+        profiles = {"path": str(directory / "no-profiles.json")}
+        documents = [
+            merge(merge(BASE, variant), {"engines": engines, "ctl": ctl, "profiles": profiles})
+            for variant in VARIANTS
+        ]
+        invalid = merge(documents[0], INVALID)
+        await daemon.start(documents[0])
+        timeout_s = max(d["serving"]["request_timeout_s"] for d in documents)
+        exchanges: list[Exchange] = []
+        injected: dict[str, int] = {}
+        reloads_sent = {"valid": 0, "invalid": 0}
+        hang_ups = 0
+        next_index = 0
+        load_started = trio.current_time()
+        stop_at = load_started + args.max_s
+
+        async def one(index: int) -> None:
+            nonlocal hang_ups
+            if rng.random() < args.fault_rate:
+                engine, fault = random_fault(rng)
+                name = next(k for k in fault if k not in ("leg", "count"))
+                try:
+                    await sim_call(urls[engine], "POST", "/_sim/faults", fault)
+                except (OSError, h11.ProtocolError):
+                    name = "not_set_engine_down"  # it is down for a moment already
+                injected[name] = injected.get(name, 0) + 1
+            stream = rng.random() < 0.7
+            chat = rng.random() < 0.2
+            prompt = " ".join(rng.choice(("alpha", "beta", "gamma")) for _ in range(16))
+            body: dict[str, Any] = {
+                "model": MODEL,
+                "max_tokens": rng.randint(4, 24),
+                "stream": stream,
+            }
+            if chat:
+                body["messages"] = [{"role": "user", "content": prompt}]
+            else:
+                body["prompt"] = prompt
+            hang_up = None
+            if stream and rng.random() < 0.01:
+                hang_ups += 1
+                hang_up = after_events(rng.randint(1, 3))
+            await exchange(
+                daemon.url,
+                body,
+                request_id=f"soak-{index}",
+                path="/v1/chat/completions" if chat else "/v1/completions",
+                hang_up=hang_up,
+                give_up_s=timeout_s + 15.0,
+                on_start=exchanges.append,
+            )
+
+        async def worker() -> None:
+            nonlocal next_index
+            while next_index < args.requests and trio.current_time() < stop_at:
+                index = next_index
+                next_index += 1
+                await one(index)
+
+        async def reloader(done: trio.Event) -> None:
+            turn = 0
+            while not done.is_set():
+                with trio.move_on_after(args.reload_every):
+                    await done.wait()
+                if done.is_set():
+                    return
+                turn += 1
+                if turn % 5 == 0:
+                    daemon.write(invalid)
+                    reloads_sent["invalid"] += 1
+                else:
+                    daemon.write(documents[turn % len(documents)])
+                    reloads_sent["valid"] += 1
+                assert daemon.process is not None
+                daemon.process.send_signal(signal.SIGHUP)
+
+        async def progress(done: trio.Event) -> None:
+            while not done.is_set():
+                with trio.move_on_after(10):
+                    await done.wait()
+                elapsed = trio.current_time() - load_started
+                print(f"  {len(exchanges)} requests in {elapsed:.0f}s", file=sys.stderr)
+
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reloader, done)
+            nursery.start_soon(progress, done)
+            async with trio.open_nursery() as workers:
+                for _ in range(args.concurrency):
+                    workers.start_soon(worker)
+            done.set()
+        load_s = trio.current_time() - load_started
+        # Back to a known-good config, faults off, then wait for everything to drain.
+        daemon.write(documents[0])
+        assert daemon.process is not None
+        daemon.process.send_signal(signal.SIGHUP)
+        for url in urls:
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        await sim_call(url, "DELETE", "/_sim/faults")
+                        break
+                    except (OSError, h11.ProtocolError):
+                        await trio.sleep(0.1)  # down for a moment (down_s); try again
+        settle_started = trio.current_time()
+        router_state, engine_states = await settle(daemon, urls)
+        settle_s = trio.current_time() - settle_started
+        report = check_all(
+            exchanges,
+            request_timeout_s=timeout_s,
+            slack_s=SLACK_S,
+            engine_states=engine_states,
+            router_state=router_state,
+            outcomes_before={},
+        )
+        metrics = await daemon.get("/metrics")
+        reloads = reload_counts(metrics)
+        code = await daemon.stop()
+        visible = sum(1 for ex in exchanges if verdict(ex).visible_output)
+        counters = _sum_counters(engine_states)
+        return {
+            "tool": "tools/bench/reliability.py",
+            "measured_at": datetime.fromtimestamp(started_wall, UTC).isoformat(timespec="seconds"),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            },
+            "versions": {
+                name: metadata.version(name)
+                for name in ("narwhal", "trio", "h11", "hypercorn", "httpx", "attrs")
+            },
+            "run": {
+                "requests": len(exchanges),
+                "requested": args.requests,
+                "concurrency": args.concurrency,
+                "fault_rate": args.fault_rate,
+                "sim_speed": args.speed,
+                "seed": args.seed,
+                "reload_every_s": args.reload_every,
+                "load_s": round(load_s, 1),
+                "settle_s": round(settle_s, 1),
+                "requests_per_s": round(len(exchanges) / load_s, 1),
+                "daemon_exit_code": code,
+            },
+            "config": {"base": BASE, "variants": VARIANTS, "invalid_variant": INVALID},
+            "outcomes": dict(sorted(report.outcomes.items())),
+            "streams_with_visible_output": visible,
+            "client_hang_ups": hang_ups,
+            "faults_injected": dict(sorted(injected.items())),
+            "engine_counters": counters,
+            "reloads": {"sent": reloads_sent, "daemon": reloads},
+            "router_outcomes": router_state["requests"]["outcomes"],
+            "retry_budget": router_state["retry_budget"],
+            "invariants": report.to_json(),
+        }
+    finally:
+        if daemon.process is not None and daemon.process.returncode is None:
+            daemon.process.kill()
+        sim.send_signal(signal.SIGTERM)
+        with trio.move_on_after(10):
+            await sim.wait()
+        if sim.returncode is None:
+            sim.kill()
+        daemon.notify.close()
+
+
+def _sum_counters(states: list[dict[str, Any]]) -> dict[str, int]:
+    keys = (
+        "crashes_injected",
+        "stalls_injected",
+        "errors_injected",
+        "sse_errors_injected",
+        "slow_first_tokens_injected",
+        "kv_pull_failures_injected",
+        "kv_expired",
+        "downs_injected",
+    )
+    out = {key: sum(int(s["counters"][key]) for s in states) for key in keys}
+    for key in ("requests", "completed", "aborted", "errors"):
+        out[f"legs_{key}"] = sum(sum(s["counters"][key].values()) for s in states)
+    return out
+
+
+async def settle(daemon: Daemon, urls: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Wait (bounded) until the router is idle and every engine is available, idle and
+    has released or expired every KV lease; then read the final state of both."""
+    with trio.fail_after(120):
+        while True:
+            state = await daemon.get("/narwhal/state")
+            available = all(e["available"] for e in state["engines"])
+            if state["admission"]["retained"] == 0 and available:
+                engines = [await sim_call(url, "GET", "/_sim/state?outcomes=0") for url in urls]
+                if all(_idle(e) for e in engines):
+                    break
+            await trio.sleep(0.2)
+    router_state = await daemon.get("/narwhal/state")
+    engine_states = [await sim_call(url, "GET", "/_sim/state") for url in urls]
+    return router_state, engine_states
+
+
+def _idle(state: dict[str, Any]) -> bool:
+    counters = state["counters"]
+    accepted = sum(counters["requests"].values())
+    refused = counters["errors_injected"] + counters["rejected_queue_full"]
+    ended = sum(sum(counters[k].values()) for k in ("completed", "aborted", "errors"))
+    busy = state["running"] or state["waiting"] or state["pulling"] or state["leases"]["held"]
+    return not busy and ended >= accepted + refused
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--fault-rate", type=float, default=0.03)
+    parser.add_argument("--speed", type=float, default=20.0)
+    parser.add_argument("--reload-every", type=float, default=3.0)
+    parser.add_argument("--max-s", type=float, default=900.0, help="stop starting requests")
+    parser.add_argument("--seed", type=int, default=9)
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "reliability.json"))
+    parser.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_sim:
+        trio.run(serve_sim, args.speed)
+        return 0
+    if not 0.01 <= args.fault_rate <= 0.05:
+        print("note: the soak is specified at a 1-5% fault rate", file=sys.stderr)
+    result = trio.run(soak, args)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    invariants = result["invariants"]
+    print(json.dumps({"outcomes": result["outcomes"], "passed": invariants["passed"]}))
+    for name, check in invariants["checks"].items():
+        print(f"  {name}: {'ok' if check['passed'] else 'FAILED'} ({check['checked']} checked)")
+        for example in check["examples"]:
+            print(f"      {example}")
+    return 0 if invariants["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
