@@ -329,6 +329,15 @@ class Breaker:
         5, AtLeast(1), doc="Counted failures within `window_s` that open the breaker."
     )
     window_s: float = _f(30.0, Positive(), doc="Window in which failures are counted.")
+    failure_ratio: float = _f(
+        0.5,
+        Between(0.0, 1.0, low_open=True),
+        doc=(
+            "Share of the phase's legs within `window_s` that must have failed, besides "
+            "`failure_threshold` of them, before the breaker opens: a busy engine with "
+            "rare faults reaches any count, so a count alone would open healthy engines."
+        ),
+    )
     open_s: float = _f(10.0, Positive(), doc="Time open before a half-open verification.")
 
 

@@ -20,10 +20,13 @@ What counts
   breaker of the pair's decode engine (a peer router opens both). An aggregate leg ran
   both phases on one engine and is charged to both of that engine's breakers.
 
-Counting is by window, not by streak: recovery.breaker.failure_threshold counted
-failures within recovery.breaker.window_s open the breaker, however many successes lie
-between them. Only the last `failure_threshold` failure times are kept, which is all
-the rule needs, so memory stays bounded under any failure rate.
+Counting is by window, not by streak: the breaker opens when, within
+recovery.breaker.window_s, at least recovery.breaker.failure_threshold counted failures
+happened AND they are at least recovery.breaker.failure_ratio of the phase's legs there.
+The ratio matters at volume: an engine serving a hundred legs a second with one fault
+in a thousand reaches any count in a window, and must stay in service. Failure times
+are kept only up to the threshold, and legs are counted in ten buckets per window, so
+memory stays bounded under any rate.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class BreakerState(enum.Enum):
 
 class BreakerEvent(enum.Enum):
     FAILURE = "failure"  # a counted leg failure on the request path
+    SUCCESS = "success"  # a leg of that phase finished well (only counted, never a move)
     OPEN_ELAPSED = "open_elapsed"  # the driver's timer: opened_at + open_s reached
     VERIFY_OK = "verify_ok"
     VERIFY_FAILED = "verify_failed"
@@ -57,10 +61,11 @@ class BreakerSettings:
     failure_threshold: int
     window_s: float
     open_s: float
+    failure_ratio: float = 0.0
 
     @classmethod
     def from_config(cls, config: BreakerConfig) -> BreakerSettings:
-        return cls(config.failure_threshold, config.window_s, config.open_s)
+        return cls(config.failure_threshold, config.window_s, config.open_s, config.failure_ratio)
 
 
 @attrs.frozen
@@ -82,7 +87,10 @@ Guard = Callable[["Breaker", float], bool]
 def _threshold_reached(breaker: Breaker, now: float) -> bool:
     failures = breaker.failures
     settings = breaker.settings
-    return len(failures) >= settings.failure_threshold and now - failures[0] <= settings.window_s
+    if len(failures) < settings.failure_threshold or now - failures[0] > settings.window_s:
+        return False
+    failed, total = breaker.legs_in_window(now)
+    return total > 0 and failed / total >= settings.failure_ratio
 
 
 def _below_threshold(breaker: Breaker, now: float) -> bool:
@@ -120,6 +128,7 @@ TRANSITIONS: Mapping[tuple[BreakerState, BreakerEvent], tuple[Row, ...]] = {
 # Where a failure is remembered for the window before the guards run. Only while
 # closed: failures of requests placed before the breaker opened say nothing new.
 RECORDED: frozenset[tuple[BreakerState, BreakerEvent]] = frozenset({(_C, _E.FAILURE)})
+_BUCKETS = 10
 
 
 class Breaker:
@@ -131,6 +140,8 @@ class Breaker:
         self.settings = settings
         self.state = BreakerState.CLOSED
         self.failures: deque[float] = deque(maxlen=settings.failure_threshold)
+        # [bucket start, failed legs, all legs], oldest first; at most _BUCKETS + 1.
+        self._legs: deque[list[float]] = deque()
         self.opened_at = -1.0
         self.last_reason = ""
         self.opened_total = 0
@@ -159,11 +170,36 @@ class Breaker:
     def failures_in_window(self, now: float) -> int:
         return sum(1 for at in self.failures if now - at <= self.settings.window_s)
 
+    def _count_leg(self, now: float, failed: bool) -> None:
+        width = self.settings.window_s / _BUCKETS
+        legs = self._legs
+        if not legs or now >= legs[-1][0] + width:
+            legs.append([now, 0.0, 0.0])
+        legs[-1][1] += failed
+        legs[-1][2] += 1
+        while legs and legs[0][0] + width < now - self.settings.window_s:
+            legs.popleft()
+
+    def legs_in_window(self, now: float) -> tuple[float, float]:
+        """(failed, all) legs of this phase within about the last window_s."""
+        horizon = now - self.settings.window_s - self.settings.window_s / _BUCKETS
+        failed = total = 0.0
+        for start, bucket_failed, bucket_total in self._legs:
+            if start >= horizon:
+                failed += bucket_failed
+                total += bucket_total
+        return failed, total
+
     def handle(self, event: BreakerEvent, now: float, detail: str = "") -> Transition | None:
         """Apply one event; returns the transition when the state changed."""
         key = (self.state, event)
+        if event is BreakerEvent.SUCCESS:
+            if self.state is BreakerState.CLOSED:
+                self._count_leg(now, failed=False)
+            return None
         if key in RECORDED:
             self.failures.append(now)
+            self._count_leg(now, failed=True)
         for row in TRANSITIONS.get(key, ()):
             if row.guard is None or row.guard(self, now):
                 return self._enter(row.to, event, now, detail)
@@ -183,6 +219,7 @@ class Breaker:
             self.opened_total += 1
         if new is BreakerState.CLOSED:
             self.failures.clear()
+            self._legs.clear()
         return Transition(self.engine_id, self.phase, old, new, event, reason, now)
 
     def _reason(self, event: BreakerEvent, detail: str) -> str:
@@ -190,7 +227,8 @@ class Breaker:
         suffix = f" (last: {detail})" if detail else ""
         if event is BreakerEvent.FAILURE:
             return (
-                f"{s.failure_threshold} counted {self.phase} failures within "
+                f"{s.failure_threshold} counted {self.phase} failures, at least "
+                f"recovery.breaker.failure_ratio={s.failure_ratio} of its legs, within "
                 f"recovery.breaker.window_s={s.window_s}{suffix}"
             )
         if event is BreakerEvent.OPEN_ELAPSED:

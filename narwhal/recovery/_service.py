@@ -254,10 +254,14 @@ class Recovery:
     def leg_ok(
         self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
     ) -> None:
-        if self.predictor is None:
-            return
         record = self._record_for(engine)
         if record is None:
+            return
+        now = trio.current_time()
+        phases = PHASES if phase == "aggregate" else (phase,) if phase in PHASES else ()
+        for name in phases:
+            record.breakers[name].handle(BreakerEvent.SUCCESS, now)
+        if self.predictor is None:
             return
         record.pending = LegObservation(
             engine_id=engine.id,

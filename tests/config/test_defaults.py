@@ -109,6 +109,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "recovery.health.readmit_successes": (2, ">= 1"),
     "recovery.breaker.failure_threshold": (5, ">= 1"),
     "recovery.breaker.window_s": (30.0, "> 0"),
+    "recovery.breaker.failure_ratio": (0.5, "(0.0, 1.0]"),
     "recovery.breaker.open_s": (10.0, "> 0"),
     # manual 6
     "profiles.path": ("runs/profiles.json", ""),

@@ -111,6 +111,10 @@ def test_every_state_event_pair_is_in_the_table_or_deliberately_absent() -> None
         (OPEN, BAD),
         (OPEN, UNSURE),
         (H, ELAPSED),
+        # Successes are only counted (for failure_ratio), never a move.
+        (C, BreakerEvent.SUCCESS),
+        (OPEN, BreakerEvent.SUCCESS),
+        (H, BreakerEvent.SUCCESS),
     }
 
 
@@ -133,7 +137,8 @@ def test_reasons_name_the_setting_and_the_value() -> None:
     transition = breaker.handle(F, 0, "prefill engine p0 returned HTTP 500")
     assert transition is not None
     assert transition.reason == (
-        "3 counted prefill failures within recovery.breaker.window_s=10.0 "
+        "3 counted prefill failures, at least recovery.breaker.failure_ratio=0.0 of its "
+        "legs, within recovery.breaker.window_s=10.0 "
         "(last: prefill engine p0 returned HTTP 500)"
     )
     transition = breaker.handle(ELAPSED, 5)
@@ -158,3 +163,26 @@ def test_reconfigure_keeps_state_and_recent_failures() -> None:
     breaker.handle(F, 2, "x")
     assert breaker.state is OPEN
     assert breaker.due() == 3.0
+
+
+def test_a_busy_engine_with_rare_failures_stays_closed() -> None:
+    settings = BreakerSettings(failure_threshold=3, window_s=10.0, open_s=5.0, failure_ratio=0.5)
+    breaker = Breaker("d0", "decode", settings)
+    for i in range(1000):  # 100 legs a second, one in fifty failing
+        now = i / 100
+        breaker.handle(F if i % 50 == 0 else BreakerEvent.SUCCESS, now, "x")
+    assert breaker.state is C
+    assert breaker.failures_in_window(10.0) == 3  # the count alone would have opened it
+    assert len(breaker._legs) <= 12  # ten buckets per window, bounded at any rate
+
+
+def test_failing_most_legs_opens_it_once_the_count_is_reached() -> None:
+    settings = BreakerSettings(failure_threshold=3, window_s=10.0, open_s=5.0, failure_ratio=0.5)
+    breaker = Breaker("d0", "decode", settings)
+    breaker.handle(BreakerEvent.SUCCESS, 0.0)
+    breaker.handle(F, 1.0, "x")
+    breaker.handle(F, 2.0, "x")
+    assert breaker.state is C  # 2 of 3 failed, but the count is not reached
+    transition = breaker.handle(F, 3.0, "x")
+    assert transition is not None
+    assert breaker.state is OPEN  # 3 of 4 legs failed: 0.75 >= 0.5
