@@ -1,0 +1,39 @@
+"""The load generator against an in-process simulated P/D pair, with short windows."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import h11load
+import trio
+
+from narwhal.sim import DEFAULT_MODEL, SimTiming, serve_fleet
+
+
+async def test_direct_mode_runs_both_legs_and_times_the_first_token(
+    nursery: trio.Nursery,
+) -> None:
+    fleet = await nursery.start(partial(serve_fleet, engines=2, timing=SimTiming.zero()))
+    prefill, decode = (h.url.removeprefix("http://").rsplit(":", 1) for h in fleet)
+    spec = h11load.Spec(
+        {
+            "mode": "direct",
+            "concurrency": 2,
+            "prefill": [prefill[0], int(prefill[1])],
+            "decode": [decode[0], int(decode[1])],
+            "body": {"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 4, "stream": True},
+            "warmup_s": 0.1,
+            "window_s": 0.4,
+            "drain_s": 2.0,
+        }
+    )
+    result = await h11load.run(spec)
+    assert result["errors"] == 0, result["error_samples"]
+    assert result["completed"] > 0
+    assert result["ttft_ms"]["n"] == result["completed"]
+    assert result["ttft_ms"]["p50"] <= result["latency_ms"]["p50"]
+    # One SSE data event per token at most, at least one per stream.
+    assert result["completed"] <= result["events"] <= 4 * result["completed"]
+    assert set(result["cpu_s"]) == {"loadgen", "machine", "machine_irq"}
+    prefill_state = fleet[0].state()
+    assert prefill_state["counters"]["requests"]["prefill"] >= result["completed"]
