@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +43,16 @@ from benchkit import (
     RUNS,
     Json,
     Processes,
+    disturbance,
     free_port,
     git_revision,
     load_average,
     machine,
+    measure_guarded,
     median,
     read_lines,
     rounded,
     versions,
-    wait_quiet,
     wait_ready,
     write_json,
 )
@@ -70,8 +72,9 @@ GOAL_ADDED_TTFT_P50_MS = 1.0
 GOAL_ADDED_TTFT_AT = 64
 # "Flat" CPU per request from 64 to 512 streams: at most 25% more per request at 512.
 GOAL_FLAT_RATIO = 1.25
-# Before each cell, wait (bounded) until the box is this quiet: other sessions share it.
-QUIET_CORES = 0.3
+# Other sessions share this box. Before each cell, wait (bounded) until it is this quiet;
+# a cell during which other processes used more than this is re-run (plan.attempts).
+GUARD_CORES = 0.35
 
 
 @attrs.frozen
@@ -90,6 +93,7 @@ class Plan:
     max_tokens: Mapping[str, int]
     settle_s: float
     quiet_give_up_s: float
+    attempts: int
     quick: bool
 
     def to_json(self) -> dict[str, Json]:
@@ -103,8 +107,9 @@ class Plan:
             },
             "max_tokens": dict(self.max_tokens),
             "settle_s": self.settle_s,
-            "quiet_below_cores": QUIET_CORES,
+            "guard_max_other_cores": GUARD_CORES,
             "quiet_give_up_s": self.quiet_give_up_s,
+            "attempts_per_cell": self.attempts,
             "quick": self.quick,
         }
 
@@ -131,7 +136,8 @@ def make_plan(*, quick: bool, reps: int | None, targets: Sequence[str]) -> Plan:
         timing=timing,
         max_tokens={"non-stream": 4, "stream": 32},
         settle_s=0.5,
-        quiet_give_up_s=5.0 if quick else 15.0,
+        quiet_give_up_s=5.0 if quick else 60.0,
+        attempts=2 if quick else 3,
         quick=quick,
     )
 
@@ -444,6 +450,13 @@ def run_cell(
     return result
 
 
+def cell_once(
+    procs: Processes, plan: Plan, endpoints: Endpoints, target: str, mode: str, conc: int
+) -> dict[str, Json]:
+    raw = run_cell(procs, plan, endpoints, target, mode, conc)
+    return cell_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+
+
 def start_fleet(procs: Processes, logs: Path) -> Endpoints:
     err = open(logs / "sim.log", "wb")  # noqa: SIM115 - lives as long as the process
     sim = procs.start(
@@ -563,14 +576,12 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
                             flush=True,
                         )
                         time.sleep(plan.settle_s)
-                        waited, busy = wait_quiet(
-                            max_busy_cores=QUIET_CORES, give_up_s=plan.quiet_give_up_s
+                        cell = measure_guarded(
+                            partial(cell_once, procs, plan, endpoints, target, mode, conc),
+                            attempts=plan.attempts,
+                            max_other_cores=GUARD_CORES,
+                            quiet_give_up_s=plan.quiet_give_up_s,
                         )
-                        raw = run_cell(procs, plan, endpoints, target, mode, conc)
-                        cell = cell_metrics(
-                            raw, stream=mode == "stream", tokens=plan.max_tokens[mode]
-                        )
-                        cell["before"] = {"quiet_wait_s": waited, "busy_cores": busy}
                         group[target] = cell
                         print(_progress(cell), flush=True)
                     cells.setdefault((mode, conc), []).append(group)
@@ -588,6 +599,7 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     document["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
     document["summary"] = summary
     document["goals"] = evaluate_goals(summary)
+    document["disturbance"] = disturbance([c for rep in detail for c in rep["reps"]])
     document["repetitions"] = detail
     write_json(RUNS / f"{out_stem}.json", document)
     plot(summary, RUNS / f"{out_stem}.png", title=_title(document))

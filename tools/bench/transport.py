@@ -46,16 +46,17 @@ from benchkit import (
     Json,
     Processes,
     cpu_seconds,
+    disturbance,
     git_revision,
     load_average,
     machine,
     machine_cpu_seconds,
+    measure_guarded,
     median,
     read_lines,
     rounded,
     summarize,
     versions,
-    wait_quiet,
     write_json,
 )
 
@@ -72,7 +73,8 @@ BODY = json.dumps(
     {"model": DEFAULT_MODEL, "prompt": "Hello there, engine.", "max_tokens": 1}
 ).encode()
 HEADERS = [(b"content-type", b"application/json")]
-QUIET_CORES = 0.3
+# Other sessions share this box: see overhead.GUARD_CORES.
+GUARD_CORES = 0.35
 
 # ---------------------------------------------------------------------------- worker
 
@@ -203,6 +205,7 @@ class Plan:
     window_s: float
     settle_s: float
     quiet_give_up_s: float
+    attempts: int
     quick: bool
 
     def to_json(self) -> dict[str, Json]:
@@ -213,8 +216,9 @@ class Plan:
             "warmup_s": self.warmup_s,
             "window_s": self.window_s,
             "settle_s": self.settle_s,
-            "quiet_below_cores": QUIET_CORES,
+            "guard_max_other_cores": GUARD_CORES,
             "quiet_give_up_s": self.quiet_give_up_s,
+            "attempts_per_cell": self.attempts,
             "quick": self.quick,
             "max_connections": MAX_CONNECTIONS,
             "shard_connections": SHARD_CONNECTIONS,
@@ -231,7 +235,8 @@ def make_plan(*, quick: bool, reps: int | None) -> Plan:
         warmup_s=1.0 if quick else 2.0,
         window_s=2.0 if quick else 5.0,
         settle_s=0.5,
-        quiet_give_up_s=5.0 if quick else 15.0,
+        quiet_give_up_s=5.0 if quick else 60.0,
+        attempts=2 if quick else 3,
         quick=quick,
     )
 
@@ -299,6 +304,43 @@ def flatness(summary: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
     return out
 
 
+def cell_once(
+    procs: Processes,
+    plan: Plan,
+    client: str,
+    host: str,
+    port: str,
+    inflight: int,
+    sim_pid: int,
+) -> dict[str, Json]:
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        client,
+        "--host",
+        host,
+        "--port",
+        port,
+        "--inflight",
+        str(inflight),
+        "--warmup",
+        str(plan.warmup_s),
+        "--window",
+        str(plan.window_s),
+        "--sim-pid",
+        str(sim_pid),
+    ]
+    worker = procs.start("client", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, errout = worker.communicate(timeout=plan.warmup_s + plan.window_s + 120)
+    finally:
+        procs.stop(worker)
+    if worker.returncode != 0:
+        raise RuntimeError(f"client worker failed ({worker.returncode}): {errout.decode()[-2000:]}")
+    return cell_metrics(json.loads(out))
+
+
 def rotated(items: Sequence[str], k: int) -> list[str]:
     k %= max(1, len(items))
     return [*items[k:], *items[:k]]
@@ -332,47 +374,17 @@ def run(plan: Plan, stem: str) -> dict[str, Json]:
             for inflight in plan.inflight:
                 for client in rotated(plan.clients, rep):
                     time.sleep(plan.settle_s)
-                    waited, busy = wait_quiet(
-                        max_busy_cores=QUIET_CORES, give_up_s=plan.quiet_give_up_s
-                    )
                     print(
                         f"rep {rep + 1}/{plan.reps} inflight={inflight:<3} {client:13}",
                         end=" ",
                         flush=True,
                     )
-                    argv = [
-                        sys.executable,
-                        str(Path(__file__).resolve()),
-                        "--worker",
-                        client,
-                        "--host",
-                        host,
-                        "--port",
-                        port,
-                        "--inflight",
-                        str(inflight),
-                        "--warmup",
-                        str(plan.warmup_s),
-                        "--window",
-                        str(plan.window_s),
-                        "--sim-pid",
-                        str(sim.pid),
-                    ]
-                    worker = procs.start(
-                        "client", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                    cell = measure_guarded(
+                        partial(cell_once, procs, plan, client, host, port, inflight, sim.pid),
+                        attempts=plan.attempts,
+                        max_other_cores=GUARD_CORES,
+                        quiet_give_up_s=plan.quiet_give_up_s,
                     )
-                    try:
-                        out, errout = worker.communicate(
-                            timeout=plan.warmup_s + plan.window_s + 120
-                        )
-                    finally:
-                        procs.stop(worker)
-                    if worker.returncode != 0:
-                        raise RuntimeError(
-                            f"client worker failed ({worker.returncode}): {errout.decode()[-2000:]}"
-                        )
-                    cell = cell_metrics(json.loads(out))
-                    cell["before"] = {"quiet_wait_s": waited, "busy_cores": busy}
                     cells.setdefault((client, inflight), []).append(cell)
                     print(
                         f"{cell['requests_per_s']:8.1f} req/s, "
@@ -389,6 +401,7 @@ def run(plan: Plan, stem: str) -> dict[str, Json]:
         summary.append(row)
     document["summary"] = summary
     document["flatness"] = flatness(summary)
+    document["disturbance"] = disturbance([c for reps in cells.values() for c in reps])
     document["repetitions"] = [
         {"client": c, "inflight": i, "reps": reps} for (c, i), reps in cells.items()
     ]
