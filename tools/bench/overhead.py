@@ -136,8 +136,8 @@ def make_plan(*, quick: bool, reps: int | None, targets: Sequence[str]) -> Plan:
         timing=timing,
         max_tokens={"non-stream": 4, "stream": 32},
         settle_s=0.5,
-        quiet_give_up_s=5.0 if quick else 60.0,
-        attempts=2 if quick else 3,
+        quiet_give_up_s=5.0 if quick else 10.0,
+        attempts=2,
         quick=quick,
     )
 

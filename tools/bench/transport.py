@@ -235,8 +235,8 @@ def make_plan(*, quick: bool, reps: int | None) -> Plan:
         warmup_s=1.0 if quick else 2.0,
         window_s=2.0 if quick else 5.0,
         settle_s=0.5,
-        quiet_give_up_s=5.0 if quick else 60.0,
-        attempts=2 if quick else 3,
+        quiet_give_up_s=5.0 if quick else 10.0,
+        attempts=2,
         quick=quick,
     )
 
