@@ -37,3 +37,23 @@ async def test_direct_mode_runs_both_legs_and_times_the_first_token(
     assert set(result["cpu_s"]) == {"loadgen", "machine", "machine_irq"}
     prefill_state = fleet[0].state()
     assert prefill_state["counters"]["requests"]["prefill"] >= result["completed"]
+
+
+def _stream_result(*chunks: bytes) -> h11load.Result:
+    result = h11load.Result()
+    result.status = 200
+    for t, data in enumerate(chunks):
+        result.feed_stream(data, now=float(t + 1))
+    return result
+
+
+def test_a_stream_succeeds_only_with_done_and_no_error_event() -> None:
+    ok = _stream_result(b'data: {"choices":[]}\n\n', b"data: [DO", b"NE]\n\n")
+    assert ok.stream_failure() is None
+    assert (ok.events, ok.first_token_at) == (1, 1.0)
+    failed = _stream_result(b'data: {"choices":[]}\n\n', b'data: {"error":{"code":"expired"}}\n\n')
+    assert failed.stream_failure() == (
+        'error event in a 200 stream: b\'data: {"error":{"code":"expired"}}\\n\\n\''
+    )
+    cut = _stream_result(b'data: {"choices":[]}\n\n')
+    assert (cut.stream_failure() or "").startswith("stream ended without [DONE]")

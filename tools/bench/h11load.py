@@ -43,16 +43,22 @@ _PREFILL_KV = {
     "remote_port": None,
 }
 _MAX_ERROR_SAMPLES = 5
+# Servers close idle keep-alive connections (the simulator, like uvicorn, after 5 s); a
+# request sent on one just as it closes is lost, so idle connections are replaced first.
+_IDLE_REUSE_S = 2.0
+_DONE = b"data: [DONE]"
+_ERROR_EVENT = b'data: {"error"'
 
 
 class _Conn:
-    __slots__ = ("h11", "host", "port", "stream")
+    __slots__ = ("h11", "host", "last_used", "port", "stream")
 
     def __init__(self, host: str, port: int, stream: trio.SocketStream) -> None:
         self.host = host
         self.port = port
         self.stream = stream
         self.h11 = h11.Connection(our_role=h11.CLIENT)
+        self.last_used = trio.current_time()
 
 
 class _Broken(Exception):
@@ -60,20 +66,53 @@ class _Broken(Exception):
 
 
 class Result:
-    """One reply: status, body (non-streaming or error), first-token time, SSE events."""
+    """One reply: status, body (non-streaming or error), first-token time, SSE events.
 
-    __slots__ = ("body", "events", "first_token_at", "status")
+    A stream succeeded only if it ended with `data: [DONE]` and carried no error event:
+    routers report failures after the 200 as a terminal `data: {"error": ...}` event.
+    """
+
+    __slots__ = ("body", "events", "first_token_at", "status", "stream_error", "tail")
 
     def __init__(self) -> None:
         self.status = 0
         self.body = bytearray()
         self.events = 0
         self.first_token_at = 0.0
+        self.tail = b""
+        self.stream_error = b""
+
+    def feed_stream(self, data: bytes, now: float) -> None:
+        """Account one piece of a 200 SSE body: events, first token, error, [DONE]."""
+        if not self.first_token_at and b"data: {" in data:
+            self.first_token_at = now
+        self.events += data.count(b"data: {")
+        # Joined with the previous tail so that a marker split across reads is seen.
+        seen = self.tail + data
+        if not self.stream_error and _ERROR_EVENT in seen:
+            self.stream_error = seen[seen.index(_ERROR_EVENT) :]
+        self.tail = seen[-64:]
+
+    def stream_failure(self) -> str | None:
+        if self.stream_error:
+            return f"error event in a 200 stream: {self.stream_error[:200]!r}"
+        if _DONE not in self.tail:
+            return f"stream ended without [DONE]: {self.tail!r}"
+        return None
 
 
 async def _connect(host: str, port: int) -> _Conn:
     stream = await trio.open_tcp_stream(host, port)
     return _Conn(host, port, stream)
+
+
+async def _fresh(conn: _Conn | None, host: str, port: int) -> _Conn:
+    """`conn` if it was used recently, else a new connection (the old one is closed)."""
+    if conn is not None:
+        if trio.current_time() - conn.last_used < _IDLE_REUSE_S:
+            return conn
+        conn.stream.socket.close()
+    return await _connect(host, port)
 
 
 async def exchange(conn: _Conn, path: bytes, body: bytes, *, stream: bool) -> Result:
@@ -100,9 +139,7 @@ async def exchange(conn: _Conn, path: bytes, body: bytes, *, stream: bool) -> Re
             if kind is h11.Data:
                 data = event.data  # type: ignore[union-attr]
                 if stream and result.status == 200:
-                    if not result.first_token_at and b"data: {" in data:
-                        result.first_token_at = trio.current_time()
-                    result.events += data.count(b"data: {")
+                    result.feed_stream(bytes(data), trio.current_time())
                 else:
                     result.body += data
             elif kind is h11.Response:
@@ -112,6 +149,7 @@ async def exchange(conn: _Conn, path: bytes, body: bytes, *, stream: bool) -> Re
             elif kind is h11.ConnectionClosed:
                 raise _Broken("connection closed before the response ended")
         h.start_next_cycle()
+        conn.last_used = trio.current_time()
     except (h11.ProtocolError, trio.BrokenResourceError, OSError) as exc:
         raise _Broken(f"{type(exc).__name__}: {exc}") from None
     return result
@@ -162,8 +200,7 @@ async def _router_worker(spec: Spec, stats: Stats, stop_at: float) -> None:
     while trio.current_time() < stop_at:
         started = trio.current_time()
         try:
-            if conn is None:
-                conn = await _connect(*spec.target)
+            conn = await _fresh(conn, *spec.target)
             result = await exchange(conn, spec.path, body, stream=spec.stream)
         except (_Broken, OSError) as exc:
             if conn is not None:
@@ -172,7 +209,7 @@ async def _router_worker(spec: Spec, stats: Stats, stop_at: float) -> None:
             stats.error(trio.current_time(), str(exc))
             await trio.sleep(0.01)
             continue
-        _record(stats, result, started, trio.current_time())
+        _record(stats, result, started, trio.current_time(), spec.stream)
     if conn is not None:
         await conn.stream.aclose()
 
@@ -188,13 +225,11 @@ async def _direct_worker(spec: Spec, stats: Stats, stop_at: float) -> None:
     while trio.current_time() < stop_at:
         started = trio.current_time()
         try:
-            if pconn is None:
-                pconn = await _connect(*spec.prefill)
-            if dconn is None:
-                dconn = await _connect(*spec.decode)
+            pconn = await _fresh(pconn, *spec.prefill)
+            dconn = await _fresh(dconn, *spec.decode)
             first = await exchange(pconn, spec.path, prefill_body, stream=False)
             if first.status != 200:
-                _record(stats, first, started, trio.current_time())
+                _record(stats, first, started, trio.current_time(), False)
                 continue
             params = json.loads(first.body).get("kv_transfer_params")
             decode_doc = dict(base)
@@ -210,15 +245,19 @@ async def _direct_worker(spec: Spec, stats: Stats, stop_at: float) -> None:
             stats.error(trio.current_time(), str(exc))
             await trio.sleep(0.01)
             continue
-        _record(stats, result, started, trio.current_time())
+        _record(stats, result, started, trio.current_time(), spec.stream)
     for conn in (pconn, dconn):
         if conn is not None:
             await conn.stream.aclose()
 
 
-def _record(stats: Stats, result: Result, started: float, ended: float) -> None:
+def _record(stats: Stats, result: Result, started: float, ended: float, stream: bool) -> None:
     if result.status != 200:
         stats.error(ended, f"HTTP {result.status}: {bytes(result.body[:200])!r}")
+        return
+    failure = result.stream_failure() if stream else None
+    if failure is not None:
+        stats.error(ended, failure)
         return
     if not stats.in_window(ended):
         return

@@ -158,7 +158,11 @@ def narwhal_config(prefill_url: str, decode_url: str, port: int) -> dict[str, Js
       zero-latency simulator does not have; open is the no-admission path;
     - max_connections 1024: the default 512 is also the retained-request ceiling, and a
       512-client closed loop can briefly hold 513 when a client's next request arrives
-      before the previous handler has unwound; that would measure refusals instead.
+      before the previous handler has unwound; that would measure refusals instead;
+    - first_token_timeout_s 60: at 512 zero-latency streams this 2-core box is saturated
+      and TTFT reaches seconds (CPU queueing, not engine time); the default 2.5 s would
+      end those streams with first_token_timeout error events, which is not the path
+      being measured (vllm-router has no such deadline by default).
     Everything else (tokenisation via /tokenize, per-request logging at info, metrics)
     is Narwhal's default behaviour and is part of what is measured.
     """
@@ -170,6 +174,7 @@ def narwhal_config(prefill_url: str, decode_url: str, port: int) -> dict[str, Js
         "listen": {"host": "127.0.0.1", "port": port},
         "ctl": {"socket": str(LOGS / "narwhal.sock")},
         "serving": {"admission": "open", "max_connections": 1024},
+        "engine": {"first_token_timeout_s": 60.0},
     }
 
 
