@@ -57,3 +57,30 @@ def test_a_stream_succeeds_only_with_done_and_no_error_event() -> None:
     )
     cut = _stream_result(b'data: {"choices":[]}\n\n')
     assert (cut.stream_failure() or "").startswith("stream ended without [DONE]")
+
+
+async def test_alternating_mode_shares_the_window_between_targets(
+    nursery: trio.Nursery,
+) -> None:
+    fleet = await nursery.start(partial(serve_fleet, engines=2, timing=SimTiming.zero()))
+    prefill, decode = ([h.url.removeprefix("http://").rsplit(":", 1)] for h in fleet)
+    pair = {
+        "prefill": [prefill[0][0], int(prefill[0][1])],
+        "decode": [decode[0][0], int(decode[0][1])],
+    }
+    spec = h11load.Spec(
+        {
+            "mode": "alternate",
+            "body": {"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2, "stream": False},
+            "warmup_s": 0.1,
+            "window_s": 0.6,
+            "slice_s": 0.1,
+            "targets": {"a": pair, "b": pair},
+        }
+    )
+    result = await h11load.run_alternating(spec)
+    a, b = result["targets"]["a"], result["targets"]["b"]
+    assert a["errors"] == b["errors"] == 0
+    assert a["completed"] > 0
+    assert b["completed"] > 0
+    assert 0.2 <= a["active_s"] + b["active_s"] <= 0.8

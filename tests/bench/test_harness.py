@@ -168,3 +168,36 @@ def test_guard_stops_at_the_first_quiet_attempt(monkeypatch: pytest.MonkeyPatch)
 
     benchkit.measure_guarded(once, attempts=3, max_other_cores=0.35, quiet_give_up_s=1)
     assert len(calls) == 1
+
+
+def test_alternating_probe_metrics_per_target() -> None:
+    raw = {
+        "window_s": 10.0,
+        "cpu_s": {"sim": 2.0, "narwhal": 1.0, "machine": 4.0, "machine_irq": 0.5},
+        "targets": {
+            "direct": {
+                "completed": 100,
+                "errors": 0,
+                "active_s": 5.0,
+                "events": 3000,
+                "latency_ms": {"p50": 40.0, "p99": 50.0},
+                "ttft_ms": {"p50": 6.0, "p99": 9.0},
+            },
+            "narwhal": {
+                "completed": 80,
+                "errors": 0,
+                "active_s": 5.0,
+                "events": 2400,
+                "latency_ms": {"p50": 45.0, "p99": 60.0},
+                "ttft_ms": {"p50": 8.5, "p99": 15.0},
+            },
+        },
+    }
+    probe = overhead.alternating_metrics(raw, stream=True, tokens=32)
+    assert probe["other_cpu_share"] == 0.05  # (4.0 - 0.5 - 3.0) / 10 s
+    narwhal = probe["narwhal"]
+    assert narwhal["router_cpu_ms_per_request"] == 12.5
+    assert narwhal["router_cpu_us_per_chunk"] == pytest.approx(416.7)
+    assert narwhal["added_ttft_ms"] == {"p50": 2.5, "p99": 6.0}
+    assert narwhal["requests_per_s"] == 16.0
+    assert "added_ttft_ms" not in probe["direct"]

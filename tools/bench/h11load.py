@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import h11
@@ -179,76 +180,117 @@ class Stats:
 class Spec:
     def __init__(self, raw: dict[str, Any]) -> None:
         self.mode: str = raw["mode"]
-        self.concurrency: int = raw["concurrency"]
+        self.concurrency: int = raw.get("concurrency", 1)
         self.path: bytes = raw.get("path", "/v1/completions").encode()
         self.body: dict[str, Any] = raw["body"]
         self.stream: bool = bool(self.body.get("stream"))
         self.warmup_s: float = raw["warmup_s"]
         self.window_s: float = raw["window_s"]
         self.drain_s: float = raw.get("drain_s", 10.0)
+        self.slice_s: float = raw.get("slice_s", 0.5)
         self.watch: dict[str, int] = raw.get("watch", {})
-        if self.mode == "router":
-            self.target: tuple[str, int] = (raw["target"][0], int(raw["target"][1]))
-        else:
-            self.prefill: tuple[str, int] = (raw["prefill"][0], int(raw["prefill"][1]))
-            self.decode: tuple[str, int] = (raw["decode"][0], int(raw["decode"][1]))
+        # "router" and "direct": one target given at top level; "alternate": named ones.
+        self.targets: dict[str, dict[str, Any]] = raw.get("targets") or {"only": raw}
 
 
-async def _router_worker(spec: Spec, stats: Stats, stop_at: float) -> None:
-    body = json.dumps(spec.body).encode()
-    conn: _Conn | None = None
-    while trio.current_time() < stop_at:
-        started = trio.current_time()
-        try:
-            conn = await _fresh(conn, *spec.target)
-            result = await exchange(conn, spec.path, body, stream=spec.stream)
-        except (_Broken, OSError) as exc:
+def _address(value: Sequence[Any]) -> tuple[str, int]:
+    return str(value[0]), int(value[1])
+
+
+class Target:
+    """One way to send a request: to a router, or the P/D legs straight to the engines."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.path = spec.path
+        self.stream = spec.stream
+
+    async def once(self) -> Result:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Drop the connections after a failure; the next request opens new ones."""
+
+    async def aclose(self) -> None:
+        self.reset()
+        await trio.lowlevel.checkpoint()
+
+
+class RouterTarget(Target):
+    def __init__(self, spec: Spec, address: tuple[str, int]) -> None:
+        super().__init__(spec)
+        self.address = address
+        self.body = json.dumps(spec.body).encode()
+        self.conn: _Conn | None = None
+
+    async def once(self) -> Result:
+        self.conn = await _fresh(self.conn, *self.address)
+        return await exchange(self.conn, self.path, self.body, stream=self.stream)
+
+    def reset(self) -> None:
+        if self.conn is not None:
+            self.conn.stream.socket.close()
+        self.conn = None
+
+
+class DirectTarget(Target):
+    """The vLLM P/D protocol run by the client itself, as a router would run it."""
+
+    def __init__(self, spec: Spec, prefill: tuple[str, int], decode: tuple[str, int]) -> None:
+        super().__init__(spec)
+        self.prefill = prefill
+        self.decode = decode
+        self.base = spec.body
+        prefill_doc = dict(spec.body)
+        prefill_doc.update(kv_transfer_params=dict(_PREFILL_KV), stream=False, max_tokens=1)
+        prefill_doc.pop("stream_options", None)
+        self.prefill_body = json.dumps(prefill_doc).encode()
+        self.pconn: _Conn | None = None
+        self.dconn: _Conn | None = None
+
+    async def once(self) -> Result:
+        self.pconn = await _fresh(self.pconn, *self.prefill)
+        self.dconn = await _fresh(self.dconn, *self.decode)
+        first = await exchange(self.pconn, self.path, self.prefill_body, stream=False)
+        if first.status != 200:
+            return first
+        decode_doc = dict(self.base)
+        decode_doc["kv_transfer_params"] = json.loads(first.body).get("kv_transfer_params")
+        body = json.dumps(decode_doc).encode()
+        return await exchange(self.dconn, self.path, body, stream=self.stream)
+
+    def reset(self) -> None:
+        for conn in (self.pconn, self.dconn):
             if conn is not None:
                 conn.stream.socket.close()
-            conn = None
-            stats.error(trio.current_time(), str(exc))
-            await trio.sleep(0.01)
-            continue
-        _record(stats, result, started, trio.current_time(), spec.stream)
-    if conn is not None:
-        await conn.stream.aclose()
+        self.pconn = self.dconn = None
 
 
-async def _direct_worker(spec: Spec, stats: Stats, stop_at: float) -> None:
-    base = spec.body
-    prefill_doc = dict(base)
-    prefill_doc.update(kv_transfer_params=dict(_PREFILL_KV), stream=False, max_tokens=1)
-    prefill_doc.pop("stream_options", None)
-    prefill_body = json.dumps(prefill_doc).encode()
-    pconn: _Conn | None = None
-    dconn: _Conn | None = None
-    while trio.current_time() < stop_at:
-        started = trio.current_time()
-        try:
-            pconn = await _fresh(pconn, *spec.prefill)
-            dconn = await _fresh(dconn, *spec.decode)
-            first = await exchange(pconn, spec.path, prefill_body, stream=False)
-            if first.status != 200:
-                _record(stats, first, started, trio.current_time(), False)
-                continue
-            params = json.loads(first.body).get("kv_transfer_params")
-            decode_doc = dict(base)
-            decode_doc["kv_transfer_params"] = params
-            result = await exchange(
-                dconn, spec.path, json.dumps(decode_doc).encode(), stream=spec.stream
-            )
-        except (_Broken, OSError, ValueError) as exc:
-            for conn in (pconn, dconn):
-                if conn is not None:
-                    conn.stream.socket.close()
-            pconn = dconn = None
-            stats.error(trio.current_time(), str(exc))
-            await trio.sleep(0.01)
-            continue
-        _record(stats, result, started, trio.current_time(), spec.stream)
-    for conn in (pconn, dconn):
-        if conn is not None:
-            await conn.stream.aclose()
+def make_target(spec: Spec, raw: dict[str, Any]) -> Target:
+    if "target" in raw:
+        return RouterTarget(spec, _address(raw["target"]))
+    return DirectTarget(spec, _address(raw["prefill"]), _address(raw["decode"]))
+
+
+async def _request(target: Target, stats: Stats, stream: bool) -> None:
+    """One request, recorded in `stats`; failures reset the target's connections."""
+    started = trio.current_time()
+    try:
+        result = await target.once()
+    except (_Broken, OSError, ValueError) as exc:
+        target.reset()
+        stats.error(trio.current_time(), str(exc))
+        await trio.sleep(0.01)
+        return
+    _record(stats, result, started, trio.current_time(), stream)
+
+
+async def _worker(spec: Spec, stats: Stats, stop_at: float) -> None:
+    target = make_target(spec, spec.targets["only"])
+    try:
+        while trio.current_time() < stop_at:
+            await _request(target, stats, spec.stream)
+    finally:
+        await target.aclose()
 
 
 def _record(stats: Stats, result: Result, started: float, ended: float, stream: bool) -> None:
@@ -283,7 +325,6 @@ async def run(spec: Spec) -> dict[str, Json]:
     stop_at = start + spec.window_s
     stats.window = (start, stop_at)
     cpu: dict[str, dict[str, float]] = {}
-    worker = _router_worker if spec.mode == "router" else _direct_worker
 
     async def sample_cpu() -> None:
         await trio.sleep_until(start)
@@ -295,7 +336,7 @@ async def run(spec: Spec) -> dict[str, Json]:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sample_cpu)
             for _ in range(spec.concurrency):
-                nursery.start_soon(worker, spec, stats, stop_at)
+                nursery.start_soon(_worker, spec, stats, stop_at)
     window = spec.window_s
     cpu_s = {name: cpu["stop"][name] - cpu["start"][name] for name in cpu["stop"]}
     return {
@@ -315,9 +356,65 @@ async def run(spec: Spec) -> dict[str, Json]:
     }
 
 
+async def run_alternating(spec: Spec) -> dict[str, Json]:
+    """One client that switches target every `slice_s`, round-robin, so that every target
+    sees the same disturbance from the rest of the machine (concurrency 1 only: at higher
+    concurrency each switch would need its own warm-up). Idle routers use no CPU, so a
+    router's CPU over the whole window divided by its own requests is its cost."""
+    targets = {name: make_target(spec, raw) for name, raw in spec.targets.items()}
+    names = list(targets)
+    stats = {name: Stats() for name in names}
+    active = dict.fromkeys(names, 0.0)
+    start = trio.current_time() + spec.warmup_s
+    stop = start + spec.window_s
+    for s in stats.values():
+        s.window = (stop, stop)  # nothing counts during the warm-up
+    cpu: dict[str, dict[str, float]] = {}
+    turn = 0
+    try:
+        while (now := trio.current_time()) < stop:
+            if "start" not in cpu and now >= start:
+                # The window opens at the first slice boundary after the warm-up.
+                cpu["start"] = _cpu(spec.watch)
+                for s in stats.values():
+                    s.window = (now, stop)
+            name = names[turn % len(names)]
+            turn += 1
+            slice_end = min(now + spec.slice_s, stop) if now >= start else now + spec.slice_s
+            while trio.current_time() < slice_end:
+                await _request(targets[name], stats[name], spec.stream)
+            if now >= start:
+                active[name] += trio.current_time() - now
+        cpu["stop"] = _cpu(spec.watch)
+    finally:
+        for target in targets.values():
+            await target.aclose()
+    cpu.setdefault("start", cpu["stop"])
+    cpu_s = {name: round(cpu["stop"][name] - cpu["start"][name], 3) for name in cpu["stop"]}
+    return {
+        "mode": "alternate",
+        "stream": spec.stream,
+        "window_s": spec.window_s,
+        "slice_s": spec.slice_s,
+        "cpu_s": cpu_s,
+        "targets": {
+            name: {
+                "active_s": round(active[name], 3),
+                "completed": stats[name].completed,
+                "errors": stats[name].errors,
+                "error_samples": list(stats[name].error_samples),
+                "events": stats[name].events,
+                "latency_ms": summarize(stats[name].latency_ms),
+                "ttft_ms": summarize(stats[name].ttft_ms),
+            }
+            for name in names
+        },
+    }
+
+
 def main() -> None:
     spec = Spec(json.loads(sys.argv[1]))
-    result = trio.run(run, spec)
+    result = trio.run(run_alternating if spec.mode == "alternate" else run, spec)
     print(json.dumps(result), flush=True)
 
 

@@ -92,6 +92,8 @@ class Plan:
     timing: Mapping[int, Timing]
     max_tokens: Mapping[str, int]
     settle_s: float
+    probe_window_s: float
+    probe_slice_s: float
     quiet_give_up_s: float
     attempts: int
     quick: bool
@@ -107,6 +109,8 @@ class Plan:
             },
             "max_tokens": dict(self.max_tokens),
             "settle_s": self.settle_s,
+            "alternating_c1_window_s": self.probe_window_s,
+            "alternating_c1_slice_s": self.probe_slice_s,
             "guard_max_other_cores": GUARD_CORES,
             "quiet_give_up_s": self.quiet_give_up_s,
             "attempts_per_cell": self.attempts,
@@ -136,6 +140,8 @@ def make_plan(*, quick: bool, reps: int | None, targets: Sequence[str]) -> Plan:
         timing=timing,
         max_tokens={"non-stream": 4, "stream": 32},
         settle_s=0.5,
+        probe_window_s=8.0 if quick else 24.0,
+        probe_slice_s=0.5,
         quiet_give_up_s=5.0 if quick else 10.0,
         attempts=2,
         quick=quick,
@@ -438,21 +444,8 @@ def run_cell(
         spec.update(mode="router", target=[host, port])
         watch["router"] = proc.pid
     spec["watch"] = watch
-    loadgen = procs.start(
-        "loadgen",
-        [sys.executable, str(HERE / "h11load.py"), json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
     limit = timing.warmup_s + timing.window_s + timing.drain_s + 60
-    try:
-        out, err = loadgen.communicate(timeout=limit)
-    finally:
-        procs.stop(loadgen)
-    if loadgen.returncode != 0:
-        raise RuntimeError(f"load generator failed ({loadgen.returncode}): {err.decode()[-2000:]}")
-    result: dict[str, Any] = json.loads(out)
-    return result
+    return _loadgen(procs, spec, timeout_s=limit)
 
 
 def cell_once(
@@ -460,6 +453,97 @@ def cell_once(
 ) -> dict[str, Json]:
     raw = run_cell(procs, plan, endpoints, target, mode, conc)
     return cell_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+
+
+def alternating_once(
+    procs: Processes, plan: Plan, endpoints: Endpoints, targets: Sequence[str], mode: str
+) -> dict[str, Json]:
+    """Concurrency 1, all targets alternating in short slices within one window."""
+    spec: dict[str, Json] = {
+        "mode": "alternate",
+        "body": request_body(mode, plan),
+        "warmup_s": 1.0,
+        "window_s": plan.probe_window_s,
+        "slice_s": plan.probe_slice_s,
+        "targets": {},
+        "watch": {"sim": endpoints.sim_pid},
+    }
+    for target in targets:
+        if target == "direct":
+            spec["targets"]["direct"] = {
+                "prefill": list(endpoints.prefill),
+                "decode": list(endpoints.decode),
+            }
+        else:
+            (host, port), proc = endpoints.routers[target]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{target} (pid {proc.pid}) exited with {proc.returncode}")
+            spec["targets"][target] = {"target": [host, port]}
+            spec["watch"][target] = proc.pid
+    raw = _loadgen(procs, spec, timeout_s=plan.probe_window_s + 60)
+    return alternating_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+
+
+def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[str, Json]:
+    """Per target metrics of one alternating probe, plus its disturbance."""
+    cpu = raw["cpu_s"]
+    window = float(raw["window_s"])
+    ours = sum(float(v) for k, v in cpu.items() if not k.startswith("machine"))
+    out: dict[str, Json] = {
+        "cpu_s": dict(cpu),
+        "other_cpu_share": round(
+            max(0.0, float(cpu["machine"]) - float(cpu["machine_irq"]) - ours) / window, 3
+        ),
+        "irq_cpu_share": round(float(cpu["machine_irq"]) / window, 3),
+    }
+    direct = raw["targets"].get("direct")
+    for name, t in raw["targets"].items():
+        completed = int(t["completed"])
+        cell: dict[str, Json] = {
+            "completed": completed,
+            "errors": int(t["errors"]),
+            "active_s": t["active_s"],
+            "requests_per_s": round(completed / t["active_s"], 2) if t["active_s"] else None,
+            "latency_ms": t["latency_ms"],
+            "ttft_ms": t["ttft_ms"] if stream else None,
+            "chunks_per_stream": round(t["events"] / completed, 2)
+            if stream and completed
+            else None,
+            "router_cpu_ms_per_request": None,
+            "router_cpu_us_per_chunk": None,
+            "router_cpu_us_per_token": None,
+        }
+        if name in cpu and completed:
+            cell["router_cpu_ms_per_request"] = rounded(1000 * cpu[name] / completed)
+            if stream and t["events"]:
+                cell["router_cpu_us_per_chunk"] = rounded(1e6 * cpu[name] / t["events"], 1)
+                cell["router_cpu_us_per_token"] = rounded(1e6 * cpu[name] / (completed * tokens), 1)
+        if t.get("error_samples"):
+            cell["error_samples"] = t["error_samples"]
+        if direct is not None and name != "direct":
+            metric = "ttft_ms" if stream else "latency_ms"
+            cell["added_" + metric] = {
+                q: rounded(_diff(_p(t[metric], q), _p(direct[metric], q))) for q in ("p50", "p99")
+            }
+        out[name] = cell
+    return out
+
+
+def _loadgen(procs: Processes, spec: Mapping[str, Json], *, timeout_s: float) -> dict[str, Any]:
+    loadgen = procs.start(
+        "loadgen",
+        [sys.executable, str(HERE / "h11load.py"), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = loadgen.communicate(timeout=timeout_s)
+    finally:
+        procs.stop(loadgen)
+    if loadgen.returncode != 0:
+        raise RuntimeError(f"load generator failed ({loadgen.returncode}): {err.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(out)
+    return result
 
 
 def start_fleet(procs: Processes, logs: Path) -> Endpoints:
@@ -545,6 +629,7 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
         "load_average_before": load_average(),
     }
     cells: dict[tuple[str, int], list[dict[str, dict[str, Json]]]] = {}
+    probes: dict[str, list[dict[str, Json]]] = {}
     with Processes() as procs:
         endpoints = start_fleet(procs, LOGS)
         narwhal_cfg = start_narwhal(procs, endpoints, LOGS) if "narwhal" in targets else None
@@ -590,6 +675,16 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
                         group[target] = cell
                         print(_progress(cell), flush=True)
                     cells.setdefault((mode, conc), []).append(group)
+            for mode in MODES:
+                print(f"rep {rep + 1}/{plan.reps} {mode:10} c=1 alternating", end=" ", flush=True)
+                probe = measure_guarded(
+                    partial(alternating_once, procs, plan, endpoints, targets, mode),
+                    attempts=plan.attempts,
+                    max_other_cores=GUARD_CORES,
+                    quiet_give_up_s=plan.quiet_give_up_s,
+                )
+                probes.setdefault(mode, []).append(probe)
+                print(_probe_progress(probe), flush=True)
         document["load_average_after"] = load_average()
     summary: list[dict[str, Json]] = []
     detail: list[dict[str, Json]] = []
@@ -604,7 +699,20 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     document["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
     document["summary"] = summary
     document["goals"] = evaluate_goals(summary)
-    document["disturbance"] = disturbance([c for rep in detail for c in rep["reps"]])
+    document["alternating_c1"] = {
+        "method": "one client at concurrency 1 switching target every "
+        f"{plan.probe_slice_s}s round-robin for {plan.probe_window_s}s, so every target "
+        "sees the same disturbance; median over repetitions",
+        "summary": [
+            {"mode": mode, "target": target, **median_of([p[target] for p in reps])}
+            for mode, reps in probes.items()
+            for target in targets
+        ],
+        "repetitions": [{"mode": mode, "reps": reps} for mode, reps in probes.items()],
+    }
+    document["disturbance"] = disturbance(
+        [c for rep in detail for c in rep["reps"]] + [p for reps in probes.values() for p in reps]
+    )
     document["repetitions"] = detail
     write_json(RUNS / f"{out_stem}.json", document)
     plot(summary, RUNS / f"{out_stem}.png", title=_title(document))
@@ -625,6 +733,18 @@ def _progress(cell: Mapping[str, Json]) -> str:
         parts.append(f"lat p50 {lat['p50']:.2f} ms")
     if cell.get("errors"):
         parts.append(f"errors {cell['errors']}")
+    return ", ".join(parts)
+
+
+def _probe_progress(probe: Mapping[str, Json]) -> str:
+    parts = []
+    for name, cell in probe.items():
+        if not isinstance(cell, dict) or "completed" not in cell:
+            continue
+        metric = cell.get("ttft_ms") or cell.get("latency_ms")
+        p50 = metric.get("p50") if isinstance(metric, dict) else None
+        parts.append(f"{name} p50 {p50} ms n={cell['completed']}")
+    parts.append(f"other {probe.get('other_cpu_share')}")
     return ", ".join(parts)
 
 
