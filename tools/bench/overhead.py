@@ -344,6 +344,9 @@ def median_of(cells: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
             values = [_p(c.get(metric), q) for c in cells]
             out[f"{metric.removesuffix('_ms')}_{q}_ms"] = rounded(median(values))
     out["errors"] = sum(int(c["errors"]) for c in cells if isinstance(c.get("errors"), int))
+    out["completed_total"] = sum(
+        int(c["completed"]) for c in cells if isinstance(c.get("completed"), int)
+    )
     for share in ("router", "sim", "loadgen"):
         values = [_share(c, share) for c in cells]
         out[f"{share}_cpu_share"] = rounded(median(values))
@@ -715,7 +718,12 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     )
     document["repetitions"] = detail
     write_json(RUNS / f"{out_stem}.json", document)
-    plot(summary, RUNS / f"{out_stem}.png", title=_title(document))
+    plot(
+        summary,
+        RUNS / f"{out_stem}.png",
+        title=_title(document),
+        alternating=document["alternating_c1"]["summary"],
+    )
     return document
 
 
@@ -760,7 +768,13 @@ def _title(document: Mapping[str, Json]) -> str:
 _COLORS = {"direct": "#7f7f7f", "narwhal": "#1f77b4", "vllm-router": "#ff7f0e"}
 
 
-def plot(summary: Sequence[Mapping[str, Json]], path: Path, *, title: str) -> None:
+def plot(
+    summary: Sequence[Mapping[str, Json]],
+    path: Path,
+    *,
+    title: str,
+    alternating: Sequence[Mapping[str, Json]] = (),
+) -> None:
     import importlib
 
     matplotlib = importlib.import_module("matplotlib")
@@ -827,6 +841,18 @@ def plot(summary: Sequence[Mapping[str, Json]], path: Path, *, title: str) -> No
         bars = ax.bar(xs, p50, 0.35, label=f"{target} p50", color=color)
         ax.bar_label(bars, fmt="%.3g", fontsize=7)
         ax.scatter(xs, p99, marker="_", s=300, color=color, label=f"{target} p99")
+        probe = next(
+            (r for r in alternating if r["mode"] == "stream" and r["target"] == target), None
+        )
+        value = probe.get("added_ttft_p50_ms") if probe else None
+        if isinstance(value, int | float) and 1 in concs:
+            x = xs[concs.index(1)]
+            ax.scatter([x], [value], marker="*", s=120, color="black", zorder=3)
+            ax.annotate(
+                f"{value:.2f}", (x, value), textcoords="offset points", xytext=(6, -3), fontsize=7
+            )
+    if alternating:
+        ax.scatter([], [], marker="*", color="black", label="c=1 alternating probe p50")
     ax.axhline(GOAL_ADDED_TTFT_P50_MS, color="green", linestyle="--", linewidth=1)
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_yscale("symlog", linthresh=1.0)

@@ -62,6 +62,28 @@ def overhead_tables(doc: dict[str, Any]) -> str:
             f"| {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} "
             f"| {_fmt(r['added_ttft_p50_ms'])} | {_fmt(r['added_ttft_p99_ms'])} |"
         )
+    probe = doc.get("alternating_c1")
+    if probe:
+        lines += [
+            "",
+            "Concurrency 1, targets alternating every "
+            f"{doc['config']['plan'].get('alternating_c1_slice_s')} s within one window "
+            "(same disturbance for all; added = router minus direct):",
+            "",
+            "| mode | target | n | router CPU ms/req | µs/chunk | latency p50 ms | TTFT p50 ms "
+            "| p99 ms | added p50 ms | added p99 ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in probe["summary"]:
+            stream = r["mode"] == "stream"
+            added = "added_ttft" if stream else "added_latency"
+            lines.append(
+                f"| {r['mode']} | {r['target']} | {_fmt(r.get('completed_total'))} "
+                f"| {_fmt(r['router_cpu_ms_per_request'], 3)} "
+                f"| {_fmt(r['router_cpu_us_per_chunk'], 0)} | {_fmt(r['latency_p50_ms'])} "
+                f"| {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} "
+                f"| {_fmt(r[added + '_p50_ms'])} | {_fmt(r[added + '_p99_ms'])} |"
+            )
     lines += ["", "Goals (issue 8 part 2):", ""]
     for target, g in doc["goals"].items():
         flat = g["flat_cpu"]
