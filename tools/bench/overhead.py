@@ -1,0 +1,897 @@
+"""Router overhead: direct-to-engine vs through Narwhal vs through vllm-router.
+
+    .venv/bin/python tools/bench/overhead.py [--quick] [--reps N] [--targets ...]
+
+Writes runs/bench/overhead.json and runs/bench/overhead.png (--quick: *-quick.*).
+
+Setup, all on loopback, each part in its own process:
+- fleet: `python -m narwhal.sim --engines 2 --zero` (engine 0 prefill, engine 1 decode,
+  vLLM dialect; zero latency law, every scheduler step still takes 1 ms);
+- Narwhal: `python -m narwhal serve` with the two engines in P/D roles;
+- vllm-router (PyPI `vllm-router`, installed by this script into its own venv under
+  runs/bench/, never committed): `--vllm-pd-disaggregation --policy round_robin` in
+  front of the same two engines. If it cannot be installed or started, its cells are
+  skipped and the JSON says why;
+- load: tools/bench/h11load.py (raw h11 + trio sockets), one process per cell. "direct"
+  means the load generator runs the same vLLM P/D protocol itself (prefill leg, then the
+  decode leg with the prefill's kv_transfer_params), so router minus direct is exactly
+  what the router adds.
+
+Cells: {non-streaming, streaming} x {1, 64, 512 concurrent closed-loop clients} x
+targets, repeated --reps times; targets are interleaved inside every (mode, concurrency)
+group and their order rotates with each repetition, so slow drifts of this shared box
+hit every target alike. Each statistic is the median over repetitions. CPU is the
+utime+stime delta of /proc/<pid>/stat over the measurement window, all threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+from benchkit import (
+    RUNS,
+    Json,
+    Processes,
+    disturbance,
+    free_port,
+    git_revision,
+    load_average,
+    machine,
+    measure_guarded,
+    median,
+    read_lines,
+    rounded,
+    versions,
+    wait_ready,
+    write_json,
+)
+
+HERE = Path(__file__).resolve().parent
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the simulator's default model name
+PROMPT = "Summarise the plot of a short story about a lighthouse keeper and a whale."
+VLLM_ROUTER_REQUIREMENT = "vllm-router>=0.1,<0.2"
+VLLM_ROUTER_VENV = RUNS / ".venv-vllm-router"
+LOGS = RUNS / "logs"
+ROUTERS = ("narwhal", "vllm-router")
+ALL_TARGETS = ("direct", "narwhal", "vllm-router")
+MODES = ("non-stream", "stream")
+
+# Goals from issue 8 part 2; the thresholds are fixed here, before any measurement.
+GOAL_ADDED_TTFT_P50_MS = 1.0
+GOAL_ADDED_TTFT_AT = 64
+# "Flat" CPU per request from 64 to 512 streams: at most 25% more per request at 512.
+GOAL_FLAT_RATIO = 1.25
+# Other sessions share this box. Before each cell, wait (bounded) until it is this quiet;
+# a cell during which other processes used more than this is re-run (plan.attempts).
+GUARD_CORES = 0.35
+
+
+@attrs.frozen
+class Timing:
+    warmup_s: float
+    window_s: float
+    drain_s: float
+
+
+@attrs.frozen
+class Plan:
+    reps: int
+    concurrency: tuple[int, ...]
+    targets: tuple[str, ...]
+    timing: Mapping[int, Timing]
+    max_tokens: Mapping[str, int]
+    settle_s: float
+    probe_window_s: float
+    probe_slice_s: float
+    quiet_give_up_s: float
+    attempts: int
+    quick: bool
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "reps": self.reps,
+            "concurrency": list(self.concurrency),
+            "targets": list(self.targets),
+            "timing": {
+                str(c): {"warmup_s": t.warmup_s, "window_s": t.window_s, "drain_s": t.drain_s}
+                for c, t in self.timing.items()
+            },
+            "max_tokens": dict(self.max_tokens),
+            "settle_s": self.settle_s,
+            "alternating_c1_window_s": self.probe_window_s,
+            "alternating_c1_slice_s": self.probe_slice_s,
+            "guard_max_other_cores": GUARD_CORES,
+            "quiet_give_up_s": self.quiet_give_up_s,
+            "attempts_per_cell": self.attempts,
+            "quick": self.quick,
+        }
+
+
+def make_plan(*, quick: bool, reps: int | None, targets: Sequence[str]) -> Plan:
+    if quick:
+        timing = {
+            1: Timing(0.5, 2.0, 5.0),
+            64: Timing(1.0, 3.0, 10.0),
+            512: Timing(3.0, 5.0, 20.0),
+        }
+    else:
+        # At 512 streams one stream takes seconds on this box, so the warm-up must
+        # cover a few rounds before the closed loop is in a steady state.
+        timing = {
+            1: Timing(1.0, 5.0, 5.0),
+            64: Timing(2.0, 6.0, 10.0),
+            512: Timing(6.0, 10.0, 30.0),
+        }
+    return Plan(
+        reps=reps if reps is not None else (1 if quick else 3),
+        concurrency=(1, 64, 512),
+        targets=tuple(targets),
+        timing=timing,
+        max_tokens={"non-stream": 4, "stream": 32},
+        settle_s=0.5,
+        probe_window_s=8.0 if quick else 24.0,
+        probe_slice_s=0.5,
+        quiet_give_up_s=5.0 if quick else 10.0,
+        attempts=2,
+        quick=quick,
+    )
+
+
+def request_body(mode: str, plan: Plan) -> dict[str, Json]:
+    return {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": plan.max_tokens[mode],
+        "stream": mode == "stream",
+    }
+
+
+def narwhal_config(prefill_url: str, decode_url: str, port: int) -> dict[str, Json]:
+    """Defaults except what a benchmark on a bare loopback fleet needs.
+
+    - admission "open": predictive admission prices against measured profiles, which a
+      zero-latency simulator does not have; open is the no-admission path;
+    - max_connections 1024: the default 512 is also the retained-request ceiling, and a
+      512-client closed loop can briefly hold 513 when a client's next request arrives
+      before the previous handler has unwound; that would measure refusals instead;
+    - first_token_timeout_s 60: at 512 zero-latency streams this 2-core box is saturated
+      and TTFT reaches seconds (CPU queueing, not engine time); the default 2.5 s would
+      end those streams with first_token_timeout error events, which is not the path
+      being measured (vllm-router has no such deadline by default).
+    Everything else (tokenisation via /tokenize, per-request logging at info, metrics)
+    is Narwhal's default behaviour and is part of what is measured.
+    """
+    return {
+        "engines": [
+            {"id": "p0", "url": prefill_url, "role": "prefill", "model": MODEL},
+            {"id": "d0", "url": decode_url, "role": "decode", "model": MODEL},
+        ],
+        "listen": {"host": "127.0.0.1", "port": port},
+        "ctl": {"socket": str(LOGS / "narwhal.sock")},
+        "serving": {"admission": "open", "max_connections": 1024},
+        "engine": {"first_token_timeout_s": 60.0},
+    }
+
+
+# ---------------------------------------------------------------------------- vllm-router
+
+
+@attrs.define
+class PeerStatus:
+    status: str  # "ok" | "skipped"
+    version: str | None = None
+    note: str | None = None
+    install_s: float | None = None
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "status": self.status,
+            "requirement": VLLM_ROUTER_REQUIREMENT,
+            "version": self.version,
+            "venv": str(VLLM_ROUTER_VENV.relative_to(RUNS.parents[1])),
+            "note": self.note,
+            "install_s": self.install_s,
+        }
+
+
+def ensure_vllm_router() -> PeerStatus:
+    """Install vllm-router into its own venv (reused when it is already there)."""
+    venv_python = VLLM_ROUTER_VENV / "bin" / "python"
+    started = time.monotonic()
+    try:
+        if not (VLLM_ROUTER_VENV / "bin" / "vllm-router").exists():
+            if VLLM_ROUTER_VENV.exists():
+                shutil.rmtree(VLLM_ROUTER_VENV)
+            subprocess.run(
+                [sys.executable, "-m", "venv", str(VLLM_ROUTER_VENV)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            subprocess.run(
+                [str(venv_python), "-m", "pip", "install", "--quiet", VLLM_ROUTER_REQUIREMENT],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+        version = subprocess.run(
+            [
+                str(venv_python),
+                "-c",
+                "import importlib.metadata as m; print(m.version('vllm-router'))",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = ""
+        if isinstance(exc, subprocess.CalledProcessError):
+            stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
+            detail = ": " + stderr.strip()[-500:]
+        return PeerStatus("skipped", note=f"vllm-router could not be installed ({exc}){detail}")
+    return PeerStatus("ok", version=version, install_s=round(time.monotonic() - started, 1))
+
+
+# ---------------------------------------------------------------------------- aggregation
+
+
+def cell_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[str, Json]:
+    """Derived numbers of one cell (one target, mode, concurrency and repetition).
+
+    `tokens` is max_tokens: every stream delivers exactly that many (no stop strings),
+    so CPU per token is comparable across targets even when an engine that is written
+    to slowly packs several tokens into one SSE chunk.
+    """
+    completed = int(raw["completed"])
+    cpu = raw["cpu_s"]
+    window = float(raw["window_s"])
+    ours = sum(float(cpu.get(k, 0.0)) for k in ("router", "sim", "loadgen"))
+    machine = float(cpu.get("machine", ours))
+    interrupts = float(cpu.get("machine_irq", 0.0))
+    out: dict[str, Json] = {
+        "completed": completed,
+        "errors": int(raw["errors"]),
+        "requests_per_s": round(completed / window, 2),
+        "latency_ms": raw["latency_ms"],
+        "ttft_ms": raw["ttft_ms"] if stream else None,
+        "chunks": int(raw["events"]) if stream else None,
+        "chunks_per_stream": round(raw["events"] / completed, 2) if stream and completed else None,
+        "cpu_s": dict(cpu),
+        "cpu_share": {k: round(float(v) / window, 3) for k, v in cpu.items()},
+        # Cores used by processes that are not part of this benchmark (other users of
+        # the box), and by interrupt handling (loopback TCP), during the window.
+        "other_cpu_share": round(max(0.0, machine - interrupts - ours) / window, 3),
+        "irq_cpu_share": round(interrupts / window, 3),
+        "sim_cpu_ms_per_request": rounded(1000 * cpu["sim"] / completed) if completed else None,
+        "router_cpu_ms_per_request": None,
+        "router_cpu_us_per_chunk": None,
+        "router_cpu_us_per_token": None,
+    }
+    if "router" in cpu and completed:
+        out["router_cpu_ms_per_request"] = rounded(1000 * cpu["router"] / completed)
+        if stream and raw["events"]:
+            out["router_cpu_us_per_chunk"] = rounded(1e6 * cpu["router"] / raw["events"], 1)
+            out["router_cpu_us_per_token"] = rounded(1e6 * cpu["router"] / (completed * tokens), 1)
+    if raw.get("error_samples"):
+        out["error_samples"] = list(raw["error_samples"])
+    if raw.get("drain_cut"):
+        out["drain_cut"] = True
+    return out
+
+
+def _p(summary: Json, key: str) -> float | None:
+    if isinstance(summary, dict):
+        value = summary.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def add_differences(reps: Sequence[Mapping[str, dict[str, Json]]], stream: bool) -> None:
+    """Per repetition: router minus direct at the same concurrency (TTFT for streams,
+    latency for non-streaming requests), p50 and p99. Mutates the router cells."""
+    for rep in reps:
+        direct = rep.get("direct")
+        if direct is None:
+            continue
+        metric = "ttft_ms" if stream else "latency_ms"
+        for target, cell in rep.items():
+            if target == "direct":
+                continue
+            cell["added_" + metric] = {
+                q: rounded(_diff(_p(cell[metric], q), _p(direct[metric], q)))
+                for q in ("p50", "p99")
+            }
+
+
+_MEDIAN_KEYS = (
+    "requests_per_s",
+    "router_cpu_ms_per_request",
+    "router_cpu_us_per_chunk",
+    "router_cpu_us_per_token",
+    "sim_cpu_ms_per_request",
+    "chunks_per_stream",
+    "other_cpu_share",
+    "irq_cpu_share",
+)
+
+
+def median_of(cells: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
+    """Median over repetitions of each headline number of one (mode, concurrency, target)."""
+    out: dict[str, Json] = {"reps": len(cells)}
+    for key in _MEDIAN_KEYS:
+        values = [c.get(key) for c in cells]
+        out[key] = rounded(median([v if isinstance(v, int | float) else None for v in values]))
+    for metric in ("latency_ms", "ttft_ms", "added_latency_ms", "added_ttft_ms"):
+        for q in ("p50", "p99"):
+            values = [_p(c.get(metric), q) for c in cells]
+            out[f"{metric.removesuffix('_ms')}_{q}_ms"] = rounded(median(values))
+    out["errors"] = sum(int(c["errors"]) for c in cells if isinstance(c.get("errors"), int))
+    out["completed_total"] = sum(
+        int(c["completed"]) for c in cells if isinstance(c.get("completed"), int)
+    )
+    for share in ("router", "sim", "loadgen"):
+        values = [_share(c, share) for c in cells]
+        out[f"{share}_cpu_share"] = rounded(median(values))
+    return out
+
+
+def _share(cell: Mapping[str, Json], name: str) -> float | None:
+    shares = cell.get("cpu_share")
+    if isinstance(shares, dict):
+        value = shares.get(name)
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+def evaluate_goals(summary: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
+    def row(mode: str, conc: int, target: str) -> Mapping[str, Json] | None:
+        for r in summary:
+            if r["mode"] == mode and r["concurrency"] == conc and r["target"] == target:
+                return r
+        return None
+
+    goals: dict[str, Json] = {}
+    for target in ROUTERS:
+        stream = row("stream", GOAL_ADDED_TTFT_AT, target)
+        added = stream.get("added_ttft_p50_ms") if stream else None
+        flat: dict[str, Json] = {}
+        for mode, key in (
+            ("non-stream", "router_cpu_ms_per_request"),
+            ("stream", "router_cpu_ms_per_request"),
+        ):
+            lo, hi = row(mode, 64, target), row(mode, 512, target)
+            a = lo.get(key) if lo else None
+            b = hi.get(key) if hi else None
+            ratio = (
+                round(b / a, 3)
+                if isinstance(a, int | float) and isinstance(b, int | float) and a
+                else None
+            )
+            flat[mode] = {
+                "at_64": a,
+                "at_512": b,
+                "ratio_512_over_64": ratio,
+                "met": None if ratio is None else ratio <= GOAL_FLAT_RATIO,
+            }
+        goals[target] = {
+            "added_ttft_p50_ms_at_64": added,
+            "added_ttft_goal_ms": GOAL_ADDED_TTFT_P50_MS,
+            "added_ttft_met": (added < GOAL_ADDED_TTFT_P50_MS)
+            if isinstance(added, int | float)
+            else None,
+            "flat_cpu_goal_max_ratio": GOAL_FLAT_RATIO,
+            "flat_cpu": flat,
+        }
+    return goals
+
+
+# ---------------------------------------------------------------------------- running
+
+
+@attrs.define
+class Endpoints:
+    prefill: tuple[str, int]
+    decode: tuple[str, int]
+    sim_pid: int
+    routers: dict[str, tuple[tuple[str, int], subprocess.Popen[bytes]]] = attrs.Factory(dict)
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    hostport = url.removeprefix("http://").rstrip("/")
+    host, port = hostport.rsplit(":", 1)
+    return host, int(port)
+
+
+def run_cell(
+    procs: Processes,
+    plan: Plan,
+    endpoints: Endpoints,
+    target: str,
+    mode: str,
+    conc: int,
+) -> dict[str, Any]:
+    timing = plan.timing[conc]
+    spec: dict[str, Json] = {
+        "concurrency": conc,
+        "body": request_body(mode, plan),
+        "warmup_s": timing.warmup_s,
+        "window_s": timing.window_s,
+        "drain_s": timing.drain_s,
+    }
+    watch: dict[str, Json] = {"sim": endpoints.sim_pid}
+    if target == "direct":
+        spec.update(mode="direct", prefill=list(endpoints.prefill), decode=list(endpoints.decode))
+    else:
+        (host, port), proc = endpoints.routers[target]
+        if proc.poll() is not None:
+            raise RuntimeError(f"{target} (pid {proc.pid}) exited with {proc.returncode}")
+        spec.update(mode="router", target=[host, port])
+        watch["router"] = proc.pid
+    spec["watch"] = watch
+    limit = timing.warmup_s + timing.window_s + timing.drain_s + 60
+    return _loadgen(procs, spec, timeout_s=limit)
+
+
+def cell_once(
+    procs: Processes, plan: Plan, endpoints: Endpoints, target: str, mode: str, conc: int
+) -> dict[str, Json]:
+    raw = run_cell(procs, plan, endpoints, target, mode, conc)
+    return cell_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+
+
+def alternating_once(
+    procs: Processes, plan: Plan, endpoints: Endpoints, targets: Sequence[str], mode: str
+) -> dict[str, Json]:
+    """Concurrency 1, all targets alternating in short slices within one window."""
+    spec: dict[str, Json] = {
+        "mode": "alternate",
+        "body": request_body(mode, plan),
+        "warmup_s": 1.0,
+        "window_s": plan.probe_window_s,
+        "slice_s": plan.probe_slice_s,
+        "targets": {},
+        "watch": {"sim": endpoints.sim_pid},
+    }
+    for target in targets:
+        if target == "direct":
+            spec["targets"]["direct"] = {
+                "prefill": list(endpoints.prefill),
+                "decode": list(endpoints.decode),
+            }
+        else:
+            (host, port), proc = endpoints.routers[target]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{target} (pid {proc.pid}) exited with {proc.returncode}")
+            spec["targets"][target] = {"target": [host, port]}
+            spec["watch"][target] = proc.pid
+    raw = _loadgen(procs, spec, timeout_s=plan.probe_window_s + 60)
+    return alternating_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+
+
+def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[str, Json]:
+    """Per target metrics of one alternating probe, plus its disturbance."""
+    cpu = raw["cpu_s"]
+    window = float(raw["window_s"])
+    ours = sum(float(v) for k, v in cpu.items() if not k.startswith("machine"))
+    out: dict[str, Json] = {
+        "cpu_s": dict(cpu),
+        "other_cpu_share": round(
+            max(0.0, float(cpu["machine"]) - float(cpu["machine_irq"]) - ours) / window, 3
+        ),
+        "irq_cpu_share": round(float(cpu["machine_irq"]) / window, 3),
+    }
+    direct = raw["targets"].get("direct")
+    for name, t in raw["targets"].items():
+        completed = int(t["completed"])
+        cell: dict[str, Json] = {
+            "completed": completed,
+            "errors": int(t["errors"]),
+            "active_s": t["active_s"],
+            "requests_per_s": round(completed / t["active_s"], 2) if t["active_s"] else None,
+            "latency_ms": t["latency_ms"],
+            "ttft_ms": t["ttft_ms"] if stream else None,
+            "chunks_per_stream": round(t["events"] / completed, 2)
+            if stream and completed
+            else None,
+            "router_cpu_ms_per_request": None,
+            "router_cpu_us_per_chunk": None,
+            "router_cpu_us_per_token": None,
+        }
+        if name in cpu and completed:
+            cell["router_cpu_ms_per_request"] = rounded(1000 * cpu[name] / completed)
+            if stream and t["events"]:
+                cell["router_cpu_us_per_chunk"] = rounded(1e6 * cpu[name] / t["events"], 1)
+                cell["router_cpu_us_per_token"] = rounded(1e6 * cpu[name] / (completed * tokens), 1)
+        if t.get("error_samples"):
+            cell["error_samples"] = t["error_samples"]
+        if direct is not None and name != "direct":
+            metric = "ttft_ms" if stream else "latency_ms"
+            cell["added_" + metric] = {
+                q: rounded(_diff(_p(t[metric], q), _p(direct[metric], q))) for q in ("p50", "p99")
+            }
+        out[name] = cell
+    return out
+
+
+def _loadgen(procs: Processes, spec: Mapping[str, Json], *, timeout_s: float) -> dict[str, Any]:
+    loadgen = procs.start(
+        "loadgen",
+        [sys.executable, str(HERE / "h11load.py"), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = loadgen.communicate(timeout=timeout_s)
+    finally:
+        procs.stop(loadgen)
+    if loadgen.returncode != 0:
+        raise RuntimeError(f"load generator failed ({loadgen.returncode}): {err.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def start_fleet(procs: Processes, logs: Path) -> Endpoints:
+    err = open(logs / "sim.log", "wb")  # noqa: SIM115 - lives as long as the process
+    sim = procs.start(
+        "sim",
+        [sys.executable, "-m", "narwhal.sim", "--port", "0", "--engines", "2", "--zero"],
+        stdout=subprocess.PIPE,
+        stderr=err,
+    )
+    urls = read_lines(sim, 2, timeout_s=30)
+    return Endpoints(prefill=_host_port(urls[0]), decode=_host_port(urls[1]), sim_pid=sim.pid)
+
+
+def start_narwhal(procs: Processes, endpoints: Endpoints, logs: Path) -> dict[str, Json]:
+    port = free_port()
+    config = narwhal_config(
+        f"http://{endpoints.prefill[0]}:{endpoints.prefill[1]}",
+        f"http://{endpoints.decode[0]}:{endpoints.decode[1]}",
+        port,
+    )
+    path = logs / "narwhal.json"
+    path.write_text(json.dumps(config, indent=2))
+    err = open(logs / "narwhal.log", "wb")  # noqa: SIM115
+    proc = procs.start(
+        "narwhal",
+        [sys.executable, "-m", "narwhal", "serve", "--config", str(path)],
+        stderr=err,
+    )
+    wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=60)
+    endpoints.routers["narwhal"] = (("127.0.0.1", port), proc)
+    return config
+
+
+def vllm_router_argv(endpoints: Endpoints, port: int, metrics_port: int) -> list[str]:
+    return [
+        str(VLLM_ROUTER_VENV / "bin" / "vllm-router"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        f"http://{endpoints.prefill[0]}:{endpoints.prefill[1]}",
+        "--decode",
+        f"http://{endpoints.decode[0]}:{endpoints.decode[1]}",
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+    ]
+
+
+def start_vllm_router(procs: Processes, endpoints: Endpoints, logs: Path) -> list[str]:
+    port = free_port()
+    argv = vllm_router_argv(endpoints, port, free_port())
+    out = open(logs / "vllm-router.log", "wb")  # noqa: SIM115
+    proc = procs.start("vllm-router", argv, stdout=out, stderr=subprocess.STDOUT)
+    wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=120)
+    endpoints.routers["vllm-router"] = (("127.0.0.1", port), proc)
+    return argv
+
+
+def rotated(items: Sequence[str], k: int) -> list[str]:
+    k %= max(1, len(items))
+    return [*items[k:], *items[:k]]
+
+
+def run(plan: Plan, out_stem: str) -> dict[str, Json]:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC)
+    peer = ensure_vllm_router() if "vllm-router" in plan.targets else None
+    targets = [t for t in plan.targets if t != "vllm-router" or (peer and peer.status == "ok")]
+    document: dict[str, Json] = {
+        "benchmark": "overhead",
+        "started": started.isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine(),
+        "versions": versions(["narwhal", "trio", "h11", "hypercorn", "httpx", "numpy"]),
+        "git": git_revision(),
+        "load_average_before": load_average(),
+    }
+    cells: dict[tuple[str, int], list[dict[str, dict[str, Json]]]] = {}
+    probes: dict[str, list[dict[str, Json]]] = {}
+    with Processes() as procs:
+        endpoints = start_fleet(procs, LOGS)
+        narwhal_cfg = start_narwhal(procs, endpoints, LOGS) if "narwhal" in targets else None
+        vllm_argv: list[str] | None = None
+        if "vllm-router" in targets and peer is not None:
+            try:
+                vllm_argv = start_vllm_router(procs, endpoints, LOGS)
+            except RuntimeError as exc:
+                peer.status = "skipped"
+                peer.note = f"vllm-router did not start: {exc} (see runs/bench/logs)"
+                targets.remove("vllm-router")
+        if peer is not None:
+            document["vllm_router"] = peer.to_json()
+            if peer.version:
+                assert isinstance(document["versions"], dict)
+                document["versions"]["vllm-router"] = peer.version
+        document["config"] = {
+            "plan": plan.to_json(),
+            "targets_run": list(targets),
+            "fleet": "python -m narwhal.sim --port 0 --engines 2 --zero "
+            "(engine 0 prefill, engine 1 decode, vLLM dialect)",
+            "request_bodies": {m: request_body(m, plan) for m in MODES},
+            "narwhal_config": narwhal_cfg,
+            "vllm_router_argv": ([Path(vllm_argv[0]).name, *vllm_argv[1:]] if vllm_argv else None),
+        }
+        for rep in range(plan.reps):
+            for mode in MODES:
+                for conc in plan.concurrency:
+                    group: dict[str, dict[str, Json]] = {}
+                    for target in rotated(targets, rep):
+                        print(
+                            f"rep {rep + 1}/{plan.reps} {mode:10} c={conc:<3} {target:11}",
+                            end=" ",
+                            flush=True,
+                        )
+                        time.sleep(plan.settle_s)
+                        cell = measure_guarded(
+                            partial(cell_once, procs, plan, endpoints, target, mode, conc),
+                            attempts=plan.attempts,
+                            max_other_cores=GUARD_CORES,
+                            quiet_give_up_s=plan.quiet_give_up_s,
+                        )
+                        group[target] = cell
+                        print(_progress(cell), flush=True)
+                    cells.setdefault((mode, conc), []).append(group)
+            for mode in MODES:
+                print(f"rep {rep + 1}/{plan.reps} {mode:10} c=1 alternating", end=" ", flush=True)
+                probe = measure_guarded(
+                    partial(alternating_once, procs, plan, endpoints, targets, mode),
+                    attempts=plan.attempts,
+                    max_other_cores=GUARD_CORES,
+                    quiet_give_up_s=plan.quiet_give_up_s,
+                )
+                probes.setdefault(mode, []).append(probe)
+                print(_probe_progress(probe), flush=True)
+        document["load_average_after"] = load_average()
+    summary: list[dict[str, Json]] = []
+    detail: list[dict[str, Json]] = []
+    for (mode, conc), reps in cells.items():
+        add_differences(reps, mode == "stream")
+        for target in targets:
+            per_rep = [rep[target] for rep in reps if target in rep]
+            row: dict[str, Json] = {"mode": mode, "concurrency": conc, "target": target}
+            row.update(median_of(per_rep))
+            summary.append(row)
+            detail.append({"mode": mode, "concurrency": conc, "target": target, "reps": per_rep})
+    document["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+    document["summary"] = summary
+    document["goals"] = evaluate_goals(summary)
+    document["alternating_c1"] = {
+        "method": "one client at concurrency 1 switching target every "
+        f"{plan.probe_slice_s}s round-robin for {plan.probe_window_s}s, so every target "
+        "sees the same disturbance; median over repetitions",
+        "summary": [
+            {"mode": mode, "target": target, **median_of([p[target] for p in reps])}
+            for mode, reps in probes.items()
+            for target in targets
+        ],
+        "repetitions": [{"mode": mode, "reps": reps} for mode, reps in probes.items()],
+    }
+    document["disturbance"] = disturbance(
+        [c for rep in detail for c in rep["reps"]] + [p for reps in probes.values() for p in reps]
+    )
+    document["repetitions"] = detail
+    write_json(RUNS / f"{out_stem}.json", document)
+    plot(
+        summary,
+        RUNS / f"{out_stem}.png",
+        title=_title(document),
+        alternating=document["alternating_c1"]["summary"],
+    )
+    return document
+
+
+def _progress(cell: Mapping[str, Json]) -> str:
+    parts = [f"{cell['requests_per_s']:8.1f} req/s"]
+    if cell.get("router_cpu_ms_per_request") is not None:
+        parts.append(f"router {cell['router_cpu_ms_per_request']:.3f} ms/req")
+    if cell.get("router_cpu_us_per_chunk") is not None:
+        parts.append(f"{cell['router_cpu_us_per_chunk']:.0f} us/chunk")
+    ttft = cell.get("ttft_ms")
+    if isinstance(ttft, dict) and ttft.get("p50") is not None:
+        parts.append(f"ttft p50 {ttft['p50']:.2f} ms")
+    lat = cell.get("latency_ms")
+    if isinstance(lat, dict) and lat.get("p50") is not None:
+        parts.append(f"lat p50 {lat['p50']:.2f} ms")
+    if cell.get("errors"):
+        parts.append(f"errors {cell['errors']}")
+    return ", ".join(parts)
+
+
+def _probe_progress(probe: Mapping[str, Json]) -> str:
+    parts = []
+    for name, cell in probe.items():
+        if not isinstance(cell, dict) or "completed" not in cell:
+            continue
+        metric = cell.get("ttft_ms") or cell.get("latency_ms")
+        p50 = metric.get("p50") if isinstance(metric, dict) else None
+        parts.append(f"{name} p50 {p50} ms n={cell['completed']}")
+    parts.append(f"other {probe.get('other_cpu_share')}")
+    return ", ".join(parts)
+
+
+def _title(document: Mapping[str, Json]) -> str:
+    m = document["machine"]
+    assert isinstance(m, dict)
+    return f"Router overhead, zero-latency sim, 1P+1D ({m['cpu_model']}, {m['cores']} cores)"
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+_COLORS = {"direct": "#7f7f7f", "narwhal": "#1f77b4", "vllm-router": "#ff7f0e"}
+
+
+def plot(
+    summary: Sequence[Mapping[str, Json]],
+    path: Path,
+    *,
+    title: str,
+    alternating: Sequence[Mapping[str, Json]] = (),
+) -> None:
+    import importlib
+
+    matplotlib = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    plt = importlib.import_module("matplotlib.pyplot")
+
+    concs = sorted({int(r["concurrency"]) for r in summary})
+    targets = [t for t in ALL_TARGETS if any(r["target"] == t for r in summary)]
+
+    def values(mode: str, target: str, key: str) -> list[float]:
+        out = []
+        for c in concs:
+            v = next(
+                (
+                    r.get(key)
+                    for r in summary
+                    if r["mode"] == mode and r["concurrency"] == c and r["target"] == target
+                ),
+                None,
+            )
+            out.append(float(v) if isinstance(v, int | float) else float("nan"))
+        return out
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    panels = [
+        (axes[0][0], "non-stream", "requests_per_s", targets, "non-streaming requests/s", False),
+        (
+            axes[0][1],
+            "non-stream",
+            "router_cpu_ms_per_request",
+            [t for t in targets if t != "direct"],
+            "router CPU ms per request (non-streaming)",
+            False,
+        ),
+        (
+            axes[1][0],
+            "stream",
+            "router_cpu_us_per_chunk",
+            [t for t in targets if t != "direct"],
+            "router CPU µs per streamed chunk",
+            False,
+        ),
+    ]
+    width = 0.8 / max(1, len(targets))
+    for ax, mode, key, shown, label, log in panels:
+        for i, target in enumerate(shown):
+            xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(concs))]
+            ys = values(mode, target, key)
+            bars = ax.bar(xs, ys, width, label=target, color=_COLORS.get(target))
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(concs)), [str(c) for c in concs])
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(label, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    ax = axes[1][1]
+    routers = [t for t in targets if t != "direct"]
+    for i, target in enumerate(routers):
+        xs = [j + (i - (len(routers) - 1) / 2) * 0.35 for j in range(len(concs))]
+        p50 = values("stream", target, "added_ttft_p50_ms")
+        p99 = values("stream", target, "added_ttft_p99_ms")
+        color = _COLORS.get(target)
+        bars = ax.bar(xs, p50, 0.35, label=f"{target} p50", color=color)
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.scatter(xs, p99, marker="_", s=300, color=color, label=f"{target} p99")
+        probe = next(
+            (r for r in alternating if r["mode"] == "stream" and r["target"] == target), None
+        )
+        value = probe.get("added_ttft_p50_ms") if probe else None
+        if isinstance(value, int | float) and 1 in concs:
+            x = xs[concs.index(1)]
+            ax.scatter([x], [value], marker="*", s=120, color="black", zorder=3)
+            ax.annotate(
+                f"{value:.2f}", (x, value), textcoords="offset points", xytext=(6, -3), fontsize=7
+            )
+    if alternating:
+        ax.scatter([], [], marker="*", color="black", label="c=1 alternating probe p50")
+    ax.axhline(GOAL_ADDED_TTFT_P50_MS, color="green", linestyle="--", linewidth=1)
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xticks(range(len(concs)), [str(c) for c in concs])
+    ax.set_xlabel("concurrent streams")
+    ax.set_title("added TTFT vs direct, ms (bar p50, tick p99; dashed: 1 ms goal)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle(title + "\nmedian of repetitions", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="short windows, one repetition")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    p.add_argument(
+        "--targets",
+        default=",".join(ALL_TARGETS),
+        help="comma-separated subset of: " + ", ".join(ALL_TARGETS),
+    )
+    p.add_argument("--out", default=None, help="output stem under runs/bench/")
+    args = p.parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = sorted(set(targets) - set(ALL_TARGETS))
+    if unknown:
+        p.error(f"unknown target(s): {', '.join(unknown)}")
+    plan = make_plan(quick=args.quick, reps=args.reps, targets=targets)
+    stem = args.out or ("overhead-quick" if args.quick else "overhead")
+    document = run(plan, stem)
+    print(json.dumps({"summary": document["summary"], "goals": document["goals"]}, indent=1))
+    print(f"wrote {RUNS / (stem + '.json')} and {RUNS / (stem + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
