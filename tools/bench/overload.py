@@ -44,6 +44,7 @@ CONFIGURATIONS = [
         admission="predictive",
         requires=("predictive_admission",),
         note="serving.admission predictive, controller disabled",
+        prepare=goodput.profile_fleet,
     ),
     goodput.Configuration(
         "open", "narwhal", "model", note="serving.admission open, controller disabled"
@@ -76,6 +77,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--vllm-router-venv", type=Path, default=harness.REPO / "runs" / "tmp" / "venv-vllm-router"
+    )
+    p.add_argument(
+        "--profiles",
+        type=Path,
+        default=None,
+        help="a profile store measured on an identical fleet (same --speed) to reuse "
+        "instead of profiling the predictive run's fleet (see goodput.py --profiles)",
     )
     p.add_argument("--out", type=Path, default=harness.REPO / "runs" / "bench" / "overload.json")
     return p.parse_args(argv)
@@ -126,6 +134,8 @@ async def run_all(args: argparse.Namespace) -> int:
         out_dir=harness.REPO / "runs" / "tmp" / "overload" / time.strftime("%Y%m%d-%H%M%S"),
         niceness=args.niceness,
     )
+    if args.profiles is not None:
+        goodput.use_profiles(args.profiles)
     features = {k: v or k in args.assume_feature for k, v in goodput.FEATURES.items()}
     results: dict[str, Json] = {}
     started = time.monotonic()
@@ -168,6 +178,9 @@ async def run_all(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
             "admitted_ttft_goal": ADMITTED_TTFT_GOAL,
+            "profiles": str(args.profiles)
+            if args.profiles is not None
+            else "measured on the predictive run's fleet",
             "client_timeouts_s": {
                 "ttft": settings.ttft_timeout_s,
                 "total": settings.total_timeout_s,
