@@ -102,6 +102,9 @@ class EngineState:
         # Load the router itself put on the engine.
         self.prefill_inflight = 0
         self.prefill_tokens_inflight = 0
+        # Every leg ever started here (any phase): a leg that sees it unchanged at its end
+        # ran without another leg starting beside it (latency residuals need that).
+        self.legs_started = 0
         self.decode_active = 0
         self.decode_tokens = 0
         self.handoffs_pending = 0

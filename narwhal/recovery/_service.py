@@ -74,6 +74,7 @@ class LegObservation:
     prefill_tokens_inflight: int
     decode_active: int
     decode_tokens: int
+    contended: bool = False  # another leg shared the engine during this one
 
 
 # (engine, phase, observation) -> the latency the engine's profile predicts for that
@@ -252,7 +253,13 @@ class Recovery:
     # ------------------------------------------------------------------ LegObserver
 
     def leg_ok(
-        self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
+        self,
+        engine: EngineState,
+        phase: str,
+        duration_s: float,
+        *,
+        prompt_tokens: int = 0,
+        contended: bool = False,
     ) -> None:
         record = self._record_for(engine)
         if record is None:
@@ -270,6 +277,7 @@ class Recovery:
             at=trio.current_time(),
             prompt_tokens=prompt_tokens,
             prefill_inflight=engine.prefill_inflight,
+            contended=contended,
             prefill_tokens_inflight=engine.prefill_tokens_inflight,
             decode_active=engine.decode_active,
             decode_tokens=engine.decode_tokens,

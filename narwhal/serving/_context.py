@@ -22,10 +22,19 @@ log = logging.getLogger("narwhal.request")
 
 class LegObserver(Protocol):
     """Told the outcome of every engine leg; recovery implements it (breakers,
-    quarantine, latency residuals). Must not block: it runs on the request path."""
+    quarantine, latency residuals). Must not block: it runs on the request path.
+
+    `contended` is true when another leg shared the engine at any moment of this one:
+    its duration then includes work the profile does not price."""
 
     def leg_ok(
-        self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
+        self,
+        engine: EngineState,
+        phase: str,
+        duration_s: float,
+        *,
+        prompt_tokens: int = 0,
+        contended: bool = False,
     ) -> None: ...
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
@@ -57,7 +66,13 @@ class _NoSignals:
 
 class _NoObserver:
     def leg_ok(
-        self, engine: EngineState, phase: str, duration_s: float, *, prompt_tokens: int = 0
+        self,
+        engine: EngineState,
+        phase: str,
+        duration_s: float,
+        *,
+        prompt_tokens: int = 0,
+        contended: bool = False,
     ) -> None:
         pass
 

@@ -692,6 +692,7 @@ class Flow:
             raise _HandoffExpired
         if pending is not None:
             pending.release()
+        engine.legs_started += 1
         if phase == "prefill":
             engine.prefill_inflight += 1
             engine.prefill_tokens_inflight += tokens
@@ -771,6 +772,7 @@ class Flow:
         limit = config.serving.max_response_bytes
         path = ENDPOINT_PATHS[request.kind]
         started = trio.current_time()
+        alone = _alone(engine)
         with trio.move_on_after(timeout_s) as timer:
             async with self._engine_request(engine, phase, path, body, request) as response:
                 if response.status != 200:
@@ -787,7 +789,11 @@ class Flow:
                     ) from None
         if not timer.cancelled_caught:
             self.ctx.leg_observer.leg_ok(
-                engine, phase, trio.current_time() - started, prompt_tokens=prompt_tokens
+                engine,
+                phase,
+                trio.current_time() - started,
+                prompt_tokens=prompt_tokens,
+                contended=alone is None or engine.legs_started != alone,
             )
             return raw
         raise _failed(
@@ -860,6 +866,7 @@ async def _relay(
     """
     ctx = flow.ctx
     started = trio.current_time()
+    alone = _alone(engine)
     limit = config.serving.max_response_bytes
     gap = config.engine.decode_read_timeout_s or math.inf
     scanner = SseScanner()
@@ -967,9 +974,22 @@ async def _relay(
     if tokens > 1 and first_at is not None:
         ctx.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
     ctx.leg_observer.leg_ok(
-        engine, phase, trio.current_time() - started, prompt_tokens=record.prompt_tokens or 0
+        engine,
+        phase,
+        trio.current_time() - started,
+        prompt_tokens=record.prompt_tokens or 0,
+        contended=alone is None or engine.legs_started != alone,
     )
     await client.end_stream()
+
+
+def _alone(engine: EngineState) -> int | None:
+    """Called inside a leg's reservation: the engine's leg count if this leg is the only
+    one on it right now, else None. The leg was uncontended throughout when the count is
+    unchanged at its end."""
+    if engine.prefill_inflight + engine.decode_active > 1:
+        return None
+    return engine.legs_started
 
 
 def _failed(

@@ -144,10 +144,10 @@ class ControlLink:
 def profile_predictor(ctx: ServingContext) -> Predictor:
     """Predicted latency of a finished leg, for health ejection by latency residual.
 
-    Only uncontended prefill legs are predicted: with other prefills in flight on the
-    engine, the leg's duration includes queueing that the profile does not model, and a
-    loaded engine must not look like a sick one. Prompts outside the measured domain are
-    not predicted either.
+    Only uncontended prefill legs are predicted: when another leg shared the engine at
+    any moment of this one (not merely at its end), the leg's duration includes batching
+    and queueing that the profile does not model, and a loaded engine must not look like
+    a sick one. Prompts outside the measured domain are not predicted either.
     """
 
     def predict(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
@@ -155,7 +155,7 @@ def profile_predictor(ctx: ServingContext) -> Predictor:
         tokens = observation.prompt_tokens
         if source is None or phase != "prefill" or tokens <= 0:
             return None
-        if observation.prefill_inflight > 1:
+        if observation.contended or observation.prefill_inflight > 1:
             return None
         curve = source.prefill_curve(engine.id)
         if curve is None or not curve.in_domain(tokens):

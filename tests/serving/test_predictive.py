@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from narwhal.config import load_config
+from narwhal.fleet import EngineState
 from narwhal.sim import SimTiming
 from narwhal.sim._core import idle_prefill_s
 from narwhal.supervisor import ProfilesUnavailable, Supervisor
@@ -185,3 +186,48 @@ async def test_an_engine_much_slower_than_its_profile_is_ejected(start_stack: St
     before = stack.fleet[0].state()["counters"]["requests"]["prefill"]
     assert (await post(stack, {"max_tokens": 1})).status_code == 200
     assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == before
+
+
+async def test_a_prefill_leg_that_shared_its_engine_is_not_judged(
+    start_stack: StartStack,
+) -> None:
+    """A leg alone on the engine at its end but not at its start (another leg ran beside
+    it, then finished) includes batching the profile does not price: no residual. Only
+    judging legs that were alone throughout keeps a busy engine from looking sick."""
+    stack = await start_stack(
+        ["prefill", "decode"],
+        speed=SPEED,
+        profiles=LawProfiles(),
+        controller={"monitor_interval_s": 0.05},
+        recovery={"health": {"window_s": 5.0, "min_samples": 2, "eject_ratio": 3.0}},
+    )
+    stack.fleet[0].set_faults(slow_first_token_s=0.1, leg="prefill")
+    p0 = stack.ctx.fleet.get("p0")
+    monitor = stack.supervisor.monitor
+    assert p0 is not None
+    assert monitor is not None
+    for _ in range(6):
+        # Two at once on the only prefill engine: each leg overlaps the other.
+        statuses: list[int] = []
+
+        async def one(into: list[int]) -> None:
+            into.append((await post(stack, {"max_tokens": 1})).status_code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, statuses)
+            nursery.start_soon(one, statuses)
+        assert statuses == [200, 200]
+        passes = monitor.passes
+        await wait_for(lambda passes=passes: monitor.passes > passes)  # type: ignore[misc]
+    assert p0.ejected is None
+    # The same slowness on legs that run alone is judged: min_samples of them eject p0.
+    for _ in range(2):
+        assert (await post(stack, {"max_tokens": 1})).status_code == 200
+        passes = monitor.passes
+        await wait_for(lambda passes=passes: monitor.passes > passes)  # type: ignore[misc]
+    await wait_for(lambda: _ejected(p0))
+    assert "latency" in (p0.ejected or "")
+
+
+def _ejected(engine: EngineState) -> bool:
+    return engine.ejected is not None
