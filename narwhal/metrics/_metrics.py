@@ -21,6 +21,11 @@ TOKEN_BUCKETS = (
     0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 )  # fmt: skip
 
+# (projected - observed) / observed: -0.5 means the prediction was half the observed TTFT.
+PREDICTION_ERROR_BUCKETS = (
+    -0.9, -0.75, -0.5, -0.3, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+)  # fmt: skip
+
 # A gauge family produced at scrape time: (name, help, labels, samples[(labelvalues, value)]).
 GaugeSource = Callable[[], Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]]
 
@@ -81,6 +86,13 @@ class Metrics:
             "Time from ingress to the first generated token relayed to the client.",
             ["mode"],
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_prediction_error = Histogram(
+            "narwhal_ttft_prediction_error_ratio",
+            "Relative error of predictive admission's projected TTFT, (projected - observed)"
+            " / observed, per admitted streaming request that produced a first token.",
+            buckets=PREDICTION_ERROR_BUCKETS,
             registry=registry,
         )
         self.tpot = Histogram(

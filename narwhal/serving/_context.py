@@ -94,10 +94,23 @@ class RequestRecord:
     attempts: int = 0
     prompt_tokens: int | None = None
     token_count_method: str | None = None
+    # Predictive admission's projected TTFT for the prefill path the first attempt took
+    # (as priced at admission), and whether that path's profile measured this prompt size.
+    projected_ttft_s: float | None = None
+    projected_in_domain: bool | None = None
+    # When the first generated token became visible to the client (streaming only: a
+    # non-streaming response shows nothing until its whole body is ready).
+    first_output_at: float | None = None
     # The request's deadline scope, and the error to report if something other than the
     # deadline cancels it (the supervisor, when recovery.shutdown_grace_s runs out).
     scope: trio.CancelScope | None = None
     abort: NarwhalError | None = None
+
+    @property
+    def observed_ttft_s(self) -> float | None:
+        if self.first_output_at is None:
+            return None
+        return self.first_output_at - self.arrival
 
 
 @attrs.frozen

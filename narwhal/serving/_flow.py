@@ -44,7 +44,14 @@ from .._errors import (
     Unavailable,
     client_status_for_engine_status,
 )
-from ..admission import full_jitter, judge, placement_policy, price_fleet, quote_paths
+from ..admission import (
+    PathQuote,
+    full_jitter,
+    judge,
+    placement_policy,
+    price_fleet,
+    quote_paths,
+)
 from ..config import Config
 from ..engines import (
     ENDPOINT_PATHS,
@@ -179,6 +186,10 @@ class Flow:
             ctx.outcomes[outcome] += 1
             ctx.metrics.requests.labels(endpoint, outcome).inc()
             ctx.metrics.request_duration.labels(endpoint).observe(trio.current_time() - arrival)
+            projected = record.projected_ttft_s
+            observed = record.observed_ttft_s
+            if projected is not None and observed is not None and observed > 0:
+                ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
             log.info(
                 "request finished",
                 extra={
@@ -190,7 +201,11 @@ class Flow:
                     "prefill_engine": record.prefill_engine,
                     "decode_engine": record.decode_engine,
                     "attempts": record.attempts,
+                    "prompt_tokens": record.prompt_tokens,
                     "duration_s": round(trio.current_time() - arrival, 6),
+                    "projected_ttft_s": _round(projected),
+                    "observed_ttft_s": _round(observed),
+                    "projected_in_domain": record.projected_in_domain,
                 },
             )
 
@@ -281,14 +296,15 @@ class Flow:
         record.prompt_tokens = tokens
         record.token_count_method = method
         serving = config.serving
+        quotes: list[PathQuote] = []
         if serving.admission == "predictive":
-            self._admit_predictively(request, tokens, config)
+            quotes = self._admit_predictively(request, tokens, config)
         record.stage = "queued"
         try:
             async with ctx.gate.admitted(queue_timeout_s=serving.queue_timeout_s) as waited:
                 self._offered(request, tokens, admitted=True)
                 ctx.metrics.queue_wait.observe(waited)
-                await self._attempts(request, tokens, config, client, record)
+                await self._attempts(request, tokens, config, client, record, quotes)
         except Refused as refusal:
             if refusal.code in ("queue_full", "queue_timeout"):
                 self._offered(request, tokens, admitted=False, reason=refusal.code)
@@ -301,8 +317,14 @@ class Flow:
             DemandEvent(trio.current_time(), tokens, request.max_tokens, admitted, reason)
         )
 
-    def _admit_predictively(self, request: ClientRequest, tokens: int, config: Config) -> None:
-        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget."""
+    def _admit_predictively(
+        self, request: ClientRequest, tokens: int, config: Config
+    ) -> list[PathQuote]:
+        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget.
+
+        Returns every path's quote, so the projection of the path placement picks can be
+        recorded and compared with the TTFT the client saw.
+        """
         ctx = self.ctx
         if ctx.profiles is None:
             raise Unavailable(
@@ -323,7 +345,7 @@ class Flow:
             margin=config.serving.admission_margin,
         )
         if verdict.admitted:
-            return
+            return quotes
         assert verdict.code is not None
         self._offered(request, tokens, admitted=False, reason=verdict.code)
         if verdict.code == "ttft_budget":
@@ -403,6 +425,7 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
+        quotes: list[PathQuote],
     ) -> None:
         ctx = self.ctx
         serving = config.serving
@@ -424,6 +447,8 @@ class Flow:
                 ctx.metrics.unserved_placements.inc()
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
+            if attempt == 1:
+                _record_projection(record, placement, quotes)
             try:
                 await self._attempt(request, tokens, placement, config, client, record)
             except EngineFailed as failure:
@@ -916,6 +941,8 @@ async def _relay(
                         if first_at is None and _has_token(event.payload):
                             first_at = now
                             timer.deadline = now + gap
+                            if hold_until is None or hold_until.is_set():
+                                record.first_output_at = now
                             ctx.metrics.ttft.labels(phase).observe(now - request.arrival)
                         if first_at is not None:
                             if tokens and len(gaps) < _MAX_GAPS:
@@ -941,6 +968,8 @@ async def _relay(
                         out = [*held, *out]
                         held = []
                         held_bytes = 0
+                        if first_at is not None and record.first_output_at is None:
+                            record.first_output_at = now  # SGLang: held until the prefill
                     record.stage = "streaming"
                     await client.send_chunk(b"".join(out))
                 elif out:
@@ -970,6 +999,8 @@ async def _relay(
     if held:
         if hold_until is not None:
             await hold_until.wait()
+        if first_at is not None and record.first_output_at is None:
+            record.first_output_at = trio.current_time()
         await client.send_chunk(b"".join(held))
     if tokens > 1 and first_at is not None:
         ctx.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
@@ -990,6 +1021,23 @@ def _alone(engine: EngineState) -> int | None:
     if engine.prefill_inflight + engine.decode_active > 1:
         return None
     return engine.legs_started
+
+
+def _record_projection(
+    record: RequestRecord, placement: Placement, quotes: list[PathQuote]
+) -> None:
+    """The admission quote of the prefill path placement chose (aggregate: the engine)."""
+    engine = placement.prefill if placement.prefill is not None else placement.decode
+    mode = "disaggregated" if placement.prefill is not None else "aggregate"
+    for quote in quotes:
+        if quote.engine == engine and quote.mode == mode:
+            record.projected_ttft_s = quote.ttft_s
+            record.projected_in_domain = quote.in_domain
+            return
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 def _failed(
