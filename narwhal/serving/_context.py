@@ -101,6 +101,9 @@ class RequestRecord:
     # When the first generated token became visible to the client (streaming only: a
     # non-streaming response shows nothing until its whole body is ready).
     first_output_at: float | None = None
+    # When the last prefill leg answered: splits an observed TTFT into prefill and the
+    # handoff plus first decode step after it.
+    prefilled_at: float | None = None
     # The request's deadline scope, and the error to report if something other than the
     # deadline cancels it (the supervisor, when recovery.shutdown_grace_s runs out).
     scope: trio.CancelScope | None = None
@@ -111,6 +114,12 @@ class RequestRecord:
         if self.first_output_at is None:
             return None
         return self.first_output_at - self.arrival
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.prefilled_at is None:
+            return None
+        return self.prefilled_at - self.arrival
 
 
 @attrs.frozen

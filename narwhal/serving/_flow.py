@@ -205,6 +205,7 @@ class Flow:
                     "duration_s": round(trio.current_time() - arrival, 6),
                     "projected_ttft_s": _round(projected),
                     "observed_ttft_s": _round(observed),
+                    "prefill_s": _round(record.prefill_s),
                     "projected_in_domain": record.projected_in_domain,
                 },
             )
@@ -537,6 +538,7 @@ class Flow:
                 prompt_tokens=tokens,
             )
         kv_params = vllm_kv_params(_loads(raw, prefill, "prefill"))
+        record.prefilled_at = trio.current_time()
         record.stage = "handoff"
         # Until the decode request is sent, the producer holds KV blocks for us.
         prefill.handoffs_pending += 1
@@ -621,6 +623,7 @@ class Flow:
                     timeout_setting="serving.prefill_timeout_s",
                     prompt_tokens=tokens,
                 )
+            record.prefilled_at = trio.current_time()
             record.stage = "decode"
             timer.deadline = min(
                 timer.deadline, trio.current_time() + config.engine.first_token_timeout_s

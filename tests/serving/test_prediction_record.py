@@ -74,7 +74,7 @@ async def test_a_served_stream_records_its_projected_and_observed_ttft(
     assert line["projected_ttft_s"] == pytest.approx(expected, abs=1e-6)
     assert line["projected_in_domain"] is True
     # The simulator sleeps at least the law's prefill before the first token.
-    assert prefill_s <= line["observed_ttft_s"] <= line["duration_s"]
+    assert prefill_s <= line["prefill_s"] <= line["observed_ttft_s"] <= line["duration_s"]
     assert error_sample_count(await metrics_text(stack.url)) == 1
 
 
@@ -104,6 +104,7 @@ async def test_a_refused_request_has_neither(
     assert line["projected_ttft_s"] is None
     assert line["observed_ttft_s"] is None
     assert line["projected_in_domain"] is None
+    assert line["prefill_s"] is None
 
 
 async def test_open_admission_observes_without_projecting(

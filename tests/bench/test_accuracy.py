@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+
+import accuracy
+import pytest
+
+
+def _line(**fields: object) -> str:
+    entry = {
+        "ts": 100.0,
+        "level": "info",
+        "logger": "narwhal.request",
+        "message": "request finished",
+        "event": "request",
+        "outcome": "ok",
+        "attempts": 1,
+        "duration_s": 2.0,
+        "prompt_tokens": 100,
+        "projected_ttft_s": 0.2,
+        "observed_ttft_s": 0.25,
+        "projected_in_domain": True,
+    }
+    entry.update(fields)
+    return json.dumps(entry)
+
+
+def test_request_lines_keep_only_request_events() -> None:
+    lines = [
+        "not json at all",
+        '{"broken": ',
+        json.dumps({"event": "verdict", "ts": 1.0}),
+        _line(),
+        "[1, 2]",
+    ]
+    assert [e["event"] for e in accuracy.request_lines(lines)] == ["request"]
+
+
+def test_predictions_need_both_times_and_sort_by_arrival() -> None:
+    entries = accuracy.request_lines(
+        [
+            _line(ts=10.0, duration_s=1.0),
+            _line(ts=5.0, duration_s=3.0, projected_in_domain=False, attempts=2),
+            _line(projected_ttft_s=None, outcome="ttft_budget"),
+            _line(observed_ttft_s=None),
+        ]
+    )
+    preds = accuracy.predictions(entries)
+    assert [p.arrival for p in preds] == [2.0, 9.0]
+    assert preds[0].in_domain is False
+    assert preds[0].attempts == 2
+    assert preds[1].projected_s == 0.2
+    assert preds[1].observed_s == 0.25
+
+
+def test_error_stats() -> None:
+    # Errors: +0.1 on 0.5 (20 %), -0.1 on 1.0 (10 %), 0 on 0.2, +0.2 on 0.4 (50 %).
+    stats = accuracy.error_stats([0.6, 0.9, 0.2, 0.6], [0.5, 1.0, 0.2, 0.4])
+    assert stats["n"] == 4
+    assert stats["mape"] == pytest.approx((0.2 + 0.1 + 0.0 + 0.5) / 4)
+    assert stats["bias_ms"] == pytest.approx((100 - 100 + 0 + 200) / 4)
+    assert stats["abs_error_ms"]["p50"] == pytest.approx(100.0)
+    assert stats["rel_error_p90"] == pytest.approx(0.41)  # between 20 % and 50 %
+    assert stats["observed_ms"]["n"] == 4
+    assert accuracy.error_stats([], []) == {"n": 0}
+
+
+def test_levels_by_arrival_in_model_time() -> None:
+    bounds = [("load_0.3", 0.0, 10.0), ("load_0.6", 10.0, 20.0)]
+    preds = [
+        accuracy.Prediction(1000.0 + wall, 0.1, 0.1, True, 10, 1)
+        for wall in (-1.0, 0.0, 19.9, 20.0, 39.9, 40.0)
+    ]
+    # Speed 0.5: 20 wall seconds are 10 model seconds.
+    grouped = accuracy.by_level(preds, bounds, t0_wall=1000.0, speed=0.5)
+    assert [p.arrival - 1000.0 for p in grouped["load_0.3"]] == pytest.approx([0.0, 19.9])
+    assert [p.arrival - 1000.0 for p in grouped["load_0.6"]] == pytest.approx([20.0, 39.9])
+
+
+def test_summarize_level_splits_by_domain_and_attempt_in_model_time() -> None:
+    preds = [
+        accuracy.Prediction(0.0, 0.2, 0.4, True, 10, 1, prefill_s=0.3),
+        accuracy.Prediction(0.0, 0.2, 0.2, False, 9000, 1),
+        accuracy.Prediction(0.0, 0.2, 0.8, True, 10, 2),
+    ]
+    out = accuracy.summarize_level(preds, speed=0.5)
+    assert [out[k]["n"] for k in ("all", "first_attempt", "in_domain", "out_of_domain")] == [
+        3,
+        2,
+        2,
+        1,
+    ]
+    # Wall 0.2 s at speed 0.5 is 100 ms of model time.
+    assert out["out_of_domain"]["projected_ms"]["p50"] == 100.0
+    assert out["observed_prefill_ms"]["mean"] == 150.0
+    assert out["observed_after_prefill_ms"]["mean"] == 50.0
+
+
+def test_parse_mix() -> None:
+    assert accuracy.parse_mix("code:0.75,conv:0.25") == (("code", 0.75), ("conv", 0.25))
+    with pytest.raises(ValueError, match=r"unknown trace 'chat'"):
+        accuracy.parse_mix("chat:1")

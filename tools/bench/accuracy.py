@@ -1,0 +1,484 @@
+"""Prediction accuracy (issue 8 part 3): predictive admission's projected TTFT against the
+TTFT each admitted request then had, at a few offered loads.
+
+    .venv/bin/python tools/bench/accuracy.py                 # ~4-5 min on a quiet 2-core box
+    .venv/bin/python tools/bench/accuracy.py --replot        # redraw the PNG from the JSON
+
+One run: a fresh simulated fleet (4 engines by default, the capacity model's best split for
+the mix), profiled with narwhal-profile exactly as the goodput benchmark profiles its fleets
+(`goodput.profile_fleet`), then Narwhal with `serving.admission: predictive` (controller
+off) in front of it, and an open-loop replay of Azure 2023 trace requests
+(`goodput_workload.build`: real arrival gaps and lengths) at each load level in turn
+(default 0.3, 0.6, 0.9 of the best split's capacity), through the goodput load generator.
+
+Narwhal logs, per request, the projected TTFT of the path its first attempt took (as priced
+at admission) and the TTFT it observed (arrival to the first token relayed to the client);
+this script reads those log lines and summarises the admitted, served requests per level:
+n, MAPE, absolute error p50/p90/p99, relative error p90, bias (mean of projected - observed),
+split into prompts inside and outside the profile's measured domain.
+
+Times are model time (the simulator's clock at speed 1: wall x speed), in ms. Writes
+runs/bench/accuracy.json and runs/bench/accuracy.png; logs, the generated configs and the
+profile go to runs/tmp/accuracy/<timestamp>/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import benchkit
+import goodput
+import goodput_harness as harness
+import goodput_metrics as gm
+import goodput_workload as gw
+import numpy as np
+import trio
+
+from narwhal.sim import SimTiming
+
+Json = Any
+OUT = benchkit.RUNS / "accuracy.json"
+
+
+# ------------------------------------------------------------------------- log analysis
+
+
+@attrs.frozen
+class Prediction:
+    """One admitted, served request: its projection and what it got (wall seconds)."""
+
+    arrival: float  # wall clock (epoch s): the log line's time minus the request's duration
+    projected_s: float
+    observed_s: float
+    in_domain: bool | None
+    prompt_tokens: int | None
+    attempts: int
+    prefill_s: float | None = None  # arrival to the prefill leg's answer
+
+
+def request_lines(lines: Iterable[str]) -> list[dict[str, Json]]:
+    """The "request finished" entries of a Narwhal JSON log; other lines are skipped."""
+    out = []
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "request":
+            out.append(entry)
+    return out
+
+
+def predictions(entries: Iterable[dict[str, Json]]) -> list[Prediction]:
+    """Requests with both a projection and an observed first token, by arrival."""
+    out = []
+    for e in entries:
+        projected, observed = e.get("projected_ttft_s"), e.get("observed_ttft_s")
+        if projected is None or observed is None:
+            continue
+        out.append(
+            Prediction(
+                arrival=float(e["ts"]) - float(e["duration_s"]),
+                projected_s=float(projected),
+                observed_s=float(observed),
+                in_domain=e.get("projected_in_domain"),
+                prompt_tokens=e.get("prompt_tokens"),
+                attempts=int(e.get("attempts") or 1),
+                prefill_s=e.get("prefill_s"),
+            )
+        )
+    out.sort(key=lambda p: p.arrival)
+    return out
+
+
+def error_stats(projected: Sequence[float], observed: Sequence[float]) -> dict[str, Json]:
+    """Accuracy of projections against observations (same unit in, ms out).
+
+    MAPE = mean |projected - observed| / observed; the absolute error's p50/p90/p99; the
+    p90 of the relative error |projected - observed| / observed; bias = mean signed error
+    projected - observed (positive: the prediction was pessimistic).
+    """
+    if not projected:
+        return {"n": 0}
+    p = np.asarray(projected, dtype=float)
+    o = np.asarray(observed, dtype=float)
+    signed = p - o
+    absolute = np.abs(signed)
+    relative = absolute / o
+    a50, a90, a99 = np.percentile(absolute, [50, 90, 99]) * 1000
+    return {
+        "n": len(p),
+        "mape": round(float(relative.mean()), 4),
+        "abs_error_ms": {"p50": round(a50, 2), "p90": round(a90, 2), "p99": round(a99, 2)},
+        "rel_error_p90": round(float(np.percentile(relative, 90)), 4),
+        "bias_ms": round(float(signed.mean()) * 1000, 2),
+        "bias_rel": round(float((signed / o).mean()), 4),
+        "projected_ms": benchkit.summarize(list(p * 1000), digits=2),
+        "observed_ms": benchkit.summarize(list(o * 1000), digits=2),
+    }
+
+
+def level_of(t: float, bounds: Sequence[tuple[str, float, float]]) -> str | None:
+    for name, start, end in bounds:
+        if start <= t < end:
+            return name
+    return None
+
+
+def by_level(
+    preds: Sequence[Prediction],
+    bounds: Sequence[tuple[str, float, float]],
+    *,
+    t0_wall: float,
+    speed: float,
+) -> dict[str, list[Prediction]]:
+    """Each prediction in the level its arrival fell in, in model time from `t0_wall`."""
+    out: dict[str, list[Prediction]] = {name: [] for name, _, _ in bounds}
+    for p in preds:
+        level = level_of((p.arrival - t0_wall) * speed, bounds)
+        if level is not None:
+            out[level].append(p)
+    return out
+
+
+def summarize_level(preds: Sequence[Prediction], speed: float) -> dict[str, Json]:
+    """Error statistics in model time, overall, first attempts only, and by domain."""
+
+    def stats(sel: Sequence[Prediction]) -> dict[str, Json]:
+        return error_stats(
+            [p.projected_s * speed for p in sel], [p.observed_s * speed for p in sel]
+        )
+
+    split = [p for p in preds if p.prefill_s is not None]
+    return {
+        "all": stats(preds),
+        "first_attempt": stats([p for p in preds if p.attempts == 1]),
+        "in_domain": stats([p for p in preds if p.in_domain is True]),
+        "out_of_domain": stats([p for p in preds if p.in_domain is False]),
+        # Where the observed time went: until the prefill leg answered (queueing in the
+        # router and on the engine included), and after it (handoff, first decode step,
+        # relay), which the projection prices as the handoff estimate plus one step.
+        "observed_prefill_ms": benchkit.summarize(
+            [p.prefill_s * speed * 1000 for p in split if p.prefill_s is not None], digits=2
+        ),
+        "observed_after_prefill_ms": benchkit.summarize(
+            [(p.observed_s - p.prefill_s) * speed * 1000 for p in split if p.prefill_s is not None],
+            digits=2,
+        ),
+    }
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--levels", default="0.3,0.6,0.9", help="offered load, x capacity")
+    p.add_argument("--level-s", type=float, default=20.0, help="model seconds per level")
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--speed", type=float, default=0.5, help="simulator speed (slow motion)")
+    p.add_argument("--sim-procs", type=int, default=1)
+    p.add_argument("--mix", default="code:0.75,conv:0.25", help="trace shares, source:share")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--niceness", type=int, default=5)
+    p.add_argument("--ttft-slo-s", type=float, default=0.5)
+    p.add_argument("--tpot-slo-s", type=float, default=0.05)
+    p.add_argument(
+        "--traces",
+        type=Path,
+        default=harness.REPO.parent / "shared" / "traces" / "azure2023",
+        help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
+    )
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from --out")
+    return p.parse_args(argv)
+
+
+def parse_mix(text: str) -> tuple[tuple[gw.Source, float], ...]:
+    mix: list[tuple[gw.Source, float]] = []
+    for part in text.split(","):
+        name, _, share = part.partition(":")
+        if name not in gw.TRACE_FILES:
+            raise ValueError(f"--mix: unknown trace {name!r}; one of {sorted(gw.TRACE_FILES)}")
+        mix.append((name, float(share)))
+    return tuple(mix)
+
+
+def level_name(load: float) -> str:
+    return f"load_{load:g}"
+
+
+async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
+    sources: tuple[gw.Source, ...] = ("conv", "code")
+    traces = {s: gw.load_trace(args.traces, s) for s in sources}
+    slo = gw.Slo(args.ttft_slo_s, args.tpot_slo_s)
+    mix = parse_mix(args.mix)
+    loads = [float(x) for x in args.levels.split(",")]
+    phases = [gw.Phase(level_name(x), args.level_s, x, mix) for x in loads]
+    requests, capacities = gw.build(
+        phases, traces, timing=SimTiming(), engines=args.engines, slo=slo, seed=args.seed
+    )
+    bounds = gw.phase_bounds(phases)
+    prefill = capacities[0].best_prefill
+    speed = args.speed
+    workload_file = run_dir / "workload.json"
+    workload_file.write_text(
+        json.dumps({"requests": [[r.t, r.prompt, r.output] for r in requests]})
+    )
+    rows_file = run_dir / "results.jsonl"
+    stats_file = run_dir / "loadgen.json"
+    procs = harness.Procs(run_dir, args.niceness)
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    try:
+        groups = await harness.start_fleet(
+            procs, engines=args.engines, sim_procs=args.sim_procs, speed=speed, seed=args.seed
+        )
+        urls, roles = harness.assign_roles(groups, prefill)
+        extra = await goodput.profile_fleet(urls, roles, run_dir)
+        timings["profile_s"] = round(time.monotonic() - started, 1)
+        extra["log"] = {"level": "info"}  # the per-request lines are the measurement
+        config = harness.narwhal_config(
+            urls,
+            roles,
+            port=harness.free_port(),
+            speed=speed,
+            admission="predictive",
+            controller=False,
+            ttft_slo_s=slo.ttft_s,
+            tpot_slo_s=slo.tpot_s,
+            socket_path=str(run_dir / "narwhal.sock"),
+            extra=extra,
+        )
+        url = await harness.start_narwhal(procs, config, run_dir)
+        warm = await harness.warm_up(url)
+        if any(s != 200 for s in warm):
+            raise RuntimeError(f"warm-up requests through {url} answered {warm}")
+        sampler = harness.Sampler(urls, roles, url, speed, 2.0)
+        flags = {
+            "url": url,
+            "workload": workload_file,
+            "speed": speed,
+            "model": harness.MODEL,
+            "out": rows_file,
+            "stats": stats_file,
+            "ttft-timeout-s": 15.0,
+            "total-timeout-s": 90.0,
+        }
+        argv = [sys.executable, str(harness.HERE / "goodput_loadgen.py")]
+        argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+        hard_limit = (bounds[-1][2] + 90.0) / speed + 60.0
+        cpu0, busy0, wall0 = procs.cpu(), harness.system_busy_seconds(), trio.current_time()
+        launched = time.time()  # every request line after this is the workload's
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sampler.run, wall0 + 0.5)
+            loadgen = await procs.start("loadgen", argv)
+            with trio.move_on_after(hard_limit) as limit:
+                await loadgen.wait()
+            nursery.cancel_scope.cancel()
+        if limit.cancelled_caught or loadgen.returncode != 0:
+            raise RuntimeError(f"the load generator failed (exit {loadgen.returncode})")
+        wall = trio.current_time() - wall0
+        cpu1, busy = procs.cpu(), harness.system_busy_seconds() - busy0
+        await sampler.final()
+    finally:
+        await procs.stop_all()
+    timings["total_s"] = round(time.monotonic() - started, 1)
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line]
+    loadgen_stats = json.loads(stats_file.read_text())
+    entries = request_lines((run_dir / "narwhal.log").read_text().splitlines())
+    workload_entries = [e for e in entries if float(e["ts"]) - float(e["duration_s"]) >= launched]
+    preds = predictions(workload_entries)
+    # The load generator's clock starts with its first request; Narwhal's arrivals are on
+    # the wall clock. The earliest workload arrival anchors one to the other.
+    first = min((float(e["ts"]) - float(e["duration_s"]) for e in workload_entries), default=0.0)
+    t0_wall = first - requests[0].t / speed
+    grouped = by_level(preds, bounds, t0_wall=t0_wall, speed=speed)
+    samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], rows, speed)
+    ours = loadgen_stats["cpu_s"] + sum(
+        (cpu1[k] or 0.0) - (cpu0.get(k) or 0.0) for k in cpu1 if cpu1[k] is not None
+    )
+    steps = sum(e["steps"] for e in sampler.final_engines)
+    resets = sum(e["step_lag_resets"] for e in sampler.final_engines)
+    levels = []
+    for (name, start, end), load, cap in zip(bounds, loads, capacities, strict=True):
+        sel = [s for s in samples if s.phase == name]
+        outcomes: dict[str, int] = {}
+        for s in sel:
+            outcomes[s.outcome] = outcomes.get(s.outcome, 0) + 1
+        levels.append(
+            {
+                "level": name,
+                "load": load,
+                "offered_per_s": round(len(sel) / (end - start), 2),
+                "capacity_per_s": cap.capacity,
+                "offered": len(sel),
+                "client_outcomes": outcomes,
+                "client_ttft_ms": benchkit.summarize(
+                    [s.ttft * 1000 for s in sel if s.outcome == "ok" and s.ttft is not None],
+                    digits=1,
+                ),
+                "accuracy": summarize_level(grouped[name], speed),
+                # The raw pairs for the plot, in model ms (bounded: a few thousand at most).
+                "pairs_ms": [
+                    [round(p.projected_s * speed * 1000, 2), round(p.observed_s * speed * 1000, 2)]
+                    for p in grouped[name]
+                ],
+            }
+        )
+    return {
+        "split": f"{prefill}P{args.engines - prefill}D",
+        "timings": timings,
+        "levels": levels,
+        "unmatched_predictions": len(preds) - sum(len(v) for v in grouped.values()),
+        "narwhal_request_lines": len(workload_entries),
+        "faithfulness": {
+            "sim_lagged_step_fraction": round(resets / steps, 5) if steps else None,
+            "sim_max_step_lag_ms_wall": max(
+                (e["max_step_lag_s"] * 1000 for e in sampler.final_engines), default=None
+            ),
+            "loadgen_lateness_s_wall": loadgen_stats["lateness_s"],
+            "cpu_share": {
+                k: round(((cpu1[k] or 0.0) - (cpu0.get(k) or 0.0)) / wall, 3)
+                for k in cpu1
+                if cpu1[k] is not None
+            },
+            "loadgen_cpu_share": loadgen_stats["cpu_share"],
+            # Cores used meanwhile by everything else on the machine (this driver included).
+            "other_cpu_share": round(max(0.0, busy - ours) / wall, 3),
+        },
+        "workload": {
+            "traces": str(args.traces),
+            "mix": [list(m) for m in mix],
+            "requests": len(requests),
+            "phase_bounds": bounds,
+            "capacity_model": [attrs.asdict(c) for c in capacities],
+        },
+    }
+
+
+def table(doc: Json) -> str:
+    """The README table."""
+    lines = [
+        "| load | offered req/s | served | MAPE | abs err p50 / p90 / p99 ms | rel err p90 "
+        "| bias ms | observed TTFT p50 / p90 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in doc["result"]["levels"]:
+        a = lv["accuracy"]["all"]
+        if not a["n"]:
+            lines.append(f"| {lv['load']} | {lv['offered_per_s']} | 0 | | | | | |")
+            continue
+        err = a["abs_error_ms"]
+        lines.append(
+            f"| {lv['load']} | {lv['offered_per_s']} | {a['n']} | {a['mape'] * 100:.1f} % "
+            f"| {err['p50']} / {err['p90']} / {err['p99']} | {a['rel_error_p90'] * 100:.1f} % "
+            f"| {a['bias_ms']:+} | {a['observed_ms']['p50']} / {a['observed_ms']['p90']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(doc: Json, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = doc["result"]["levels"]
+    fig, axes = plt.subplots(1, len(levels) + 1, figsize=(4.2 * (len(levels) + 1), 4.2))
+    top = max(
+        (max(max(pair) for pair in lv["pairs_ms"]) for lv in levels if lv["pairs_ms"]), default=1.0
+    )
+    for ax, lv in zip(axes, levels, strict=False):
+        pairs = np.asarray(lv["pairs_ms"] or [[np.nan, np.nan]])
+        ax.scatter(pairs[:, 0], pairs[:, 1], s=5, alpha=0.4)
+        ax.plot([1, top], [1, top], color="k", linewidth=0.7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        a = lv["accuracy"]["all"]
+        mape = f"MAPE {a['mape'] * 100:.0f} %" if a["n"] else "no samples"
+        ax.set_title(f"{lv['load']} x capacity: n={a['n']}, {mape}", fontsize=9)
+        ax.set_xlabel("projected TTFT (ms, model time)")
+        ax.set_ylabel("observed TTFT (ms)")
+    cdf = axes[-1]
+    for lv in levels:
+        pairs = np.asarray(lv["pairs_ms"] or [[1.0, 1.0]])
+        rel = np.sort(np.abs(pairs[:, 0] - pairs[:, 1]) / pairs[:, 1])
+        cdf.plot(rel, np.arange(1, len(rel) + 1) / len(rel), label=f"{lv['load']} x C")
+    cdf.set_xscale("symlog", linthresh=0.1)
+    cdf.set_xlabel("|projected - observed| / observed")
+    cdf.set_ylabel("fraction of served requests")
+    cdf.set_title("relative error CDF", fontsize=9)
+    cdf.legend(fontsize=8)
+    fig.suptitle(
+        f"Predictive admission: projected vs observed TTFT ({doc['result']['split']}, "
+        f"sim speed {doc['config']['speed']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def run(args: argparse.Namespace) -> int:
+    run_dir = harness.REPO / "runs" / "tmp" / "accuracy" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = await measure(args, run_dir)
+    except gw.TraceError as exc:
+        print(f"accuracy: {exc}", file=sys.stderr)
+        return 2
+    doc = {
+        "benchmark": "accuracy",
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": benchkit.machine(),
+        "versions": benchkit.versions(["narwhal", "trio", "h11", "hypercorn", "numpy"]),
+        "git": benchkit.git_revision(),
+        "load_average": benchkit.load_average(),
+        "config": {
+            "engines": args.engines,
+            "speed": args.speed,
+            "sim_procs": args.sim_procs,
+            "levels": args.levels,
+            "level_model_s": args.level_s,
+            "mix": args.mix,
+            "seed": args.seed,
+            "niceness": args.niceness,
+            "slo": {"ttft_s": args.ttft_slo_s, "tpot_s": args.tpot_slo_s},
+            "admission": "predictive",
+            "controller": False,
+            "profile": "goodput.profile_fleet (narwhal-profile on this run's fleet)",
+            "logs": str(run_dir.relative_to(harness.REPO)),
+            "units": "model time (wall x speed), ms",
+        },
+        "result": result,
+    }
+    benchkit.write_json(args.out, doc)
+    plot(doc, args.out.with_suffix(".png"))
+    print(table(doc))
+    print(f"accuracy: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        doc = json.loads(args.out.read_text())
+        plot(doc, args.out.with_suffix(".png"))
+        print(table(doc))
+        return 0
+    return trio.run(harness.run_guarded, partial(run, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
