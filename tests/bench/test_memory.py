@@ -69,3 +69,22 @@ def test_flood_summary_of_nothing() -> None:
 )
 def test_flood_outcomes_name_the_error_code(status: int, body: bytes, outcome: str) -> None:
     assert memory_flood.outcome_of(status, body) == outcome
+
+
+def test_a_later_round_starts_from_the_previous_idle() -> None:
+    assert memory.phase_names(1) == ("idle_before", "flood", "drain", "idle_after")
+    assert memory.phase_names(2) == ("idle_after", "flood_2", "drain_2", "idle_after_2")
+    assert memory.phase_names(3)[0] == "idle_after_2"
+    samples = [
+        _s(0.0, "idle_before", 50 * 1024, 0),
+        _s(0.1, "flood", 80 * 1024, 512),
+        _s(0.2, "idle_after", 80 * 1024, 0),
+        _s(0.3, "flood_2", 82 * 1024, 512),
+        _s(0.4, "drain_2", 81 * 1024, 10),
+        _s(0.5, "idle_after_2", 81 * 1024, 0),
+    ]
+    second = memory.flood_summary(samples, ceiling=512, round_=2)
+    assert second["rss_idle_before_mib"] == 80.0
+    assert second["rss_peak_mib"] == 82.0
+    assert second["rss_after_drain_mib"] == 81.0
+    assert second["rss_growth_after_vs_before_mib"] == 1.0

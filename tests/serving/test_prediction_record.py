@@ -16,51 +16,47 @@ import pytest
 from narwhal.sim import SimTiming
 from narwhal.sim._core import idle_prefill_s
 
-from .conftest import MODEL, StartStack
+from .conftest import MODEL, Stack, StartStack
 from .test_failures import settled
 from .test_predictive import SPEED, predictive_stack
 
 PROMPT_TOKENS = 2000
 
 
-def finished(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
+async def served_line(
+    stack: Stack, caplog: pytest.LogCaptureFixture, status: int, **body: Any
+) -> dict[str, Any]:
+    """Send one completion, wait until it has left the router, return its log line."""
+    with caplog.at_level(logging.INFO, logger="narwhal.request"):
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(
+                f"{stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": [5] * PROMPT_TOKENS, "max_tokens": 4, **body},
+            )
+        assert response.status_code == status
+        await settled(stack)
+    (line,) = [
         r.__dict__
         for r in caplog.records
         if r.name == "narwhal.request" and r.__dict__.get("event") == "request"
     ]
+    return line
 
 
-async def complete(url: str, *, tokens: int = PROMPT_TOKENS, **body: Any) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=30) as client:
-        return await client.post(
-            f"{url}/v1/completions",
-            json={"model": MODEL, "prompt": [5] * tokens, "max_tokens": 4, **body},
-        )
-
-
-def error_sample_count(text: str) -> float:
+async def error_samples(stack: Stack) -> float:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{stack.url}/metrics")).text
     for line in text.splitlines():
         if line.startswith("narwhal_ttft_prediction_error_ratio_count"):
             return float(line.split()[-1])
     raise AssertionError("no narwhal_ttft_prediction_error_ratio_count in /metrics")
 
 
-async def metrics_text(url: str) -> str:
-    async with httpx.AsyncClient(timeout=10) as client:
-        return (await client.get(f"{url}/metrics")).text
-
-
 async def test_a_served_stream_records_its_projected_and_observed_ttft(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
     stack = await predictive_stack(start_stack, ttft_s=2.0)
-    with caplog.at_level(logging.INFO, logger="narwhal.request"):
-        response = await complete(stack.url, stream=True)
-        assert response.status_code == 200
-        assert response.text.endswith("data: [DONE]\n\n")
-        await settled(stack)
-    (line,) = finished(caplog)
+    line = await served_line(stack, caplog, 200, stream=True)
     assert line["outcome"] == "ok"
     assert line["prompt_tokens"] == PROMPT_TOKENS
     # The quote of an idle fleet is the profile itself: prefill + handoff + first step.
@@ -75,45 +71,35 @@ async def test_a_served_stream_records_its_projected_and_observed_ttft(
     assert line["projected_in_domain"] is True
     # The simulator sleeps at least the law's prefill before the first token.
     assert prefill_s <= line["prefill_s"] <= line["observed_ttft_s"] <= line["duration_s"]
-    assert error_sample_count(await metrics_text(stack.url)) == 1
+    assert await error_samples(stack) == 1
 
 
 async def test_a_non_streaming_response_has_no_observable_first_token(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
     stack = await predictive_stack(start_stack, ttft_s=2.0)
-    with caplog.at_level(logging.INFO, logger="narwhal.request"):
-        assert (await complete(stack.url)).status_code == 200
-        await settled(stack)
-    (line,) = finished(caplog)
+    line = await served_line(stack, caplog, 200)
     assert line["projected_ttft_s"] > 0
     assert line["observed_ttft_s"] is None
-    assert error_sample_count(await metrics_text(stack.url)) == 0
+    assert await error_samples(stack) == 0
 
 
 async def test_a_refused_request_has_neither(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stack = await predictive_stack(start_stack, ttft_s=0.002)
-    with caplog.at_level(logging.INFO, logger="narwhal.request"):
-        response = await complete(stack.url, tokens=4000, stream=True)
-        assert response.status_code == 429
-        await settled(stack)
-    (line,) = finished(caplog)
+    # 2000 tokens take ~50 ms at speed 1, ~2.5 ms at speed 20: above a 2 ms target.
+    line = await served_line(
+        await predictive_stack(start_stack, ttft_s=0.002), caplog, 429, stream=True
+    )
     assert line["outcome"] == "prompt_exceeds_ttft_target"
-    assert line["projected_ttft_s"] is None
-    assert line["observed_ttft_s"] is None
-    assert line["projected_in_domain"] is None
-    assert line["prefill_s"] is None
+    for key in ("projected_ttft_s", "observed_ttft_s", "projected_in_domain", "prefill_s"):
+        assert line[key] is None, key
 
 
 async def test_open_admission_observes_without_projecting(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
     stack = await start_stack(speed=SPEED)
-    with caplog.at_level(logging.INFO, logger="narwhal.request"):
-        assert (await complete(stack.url, stream=True)).status_code == 200
-        await settled(stack)
-    (line,) = finished(caplog)
+    line = await served_line(stack, caplog, 200, stream=True)
     assert line["projected_ttft_s"] is None
     assert line["observed_ttft_s"] > 0

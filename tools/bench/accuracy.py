@@ -1,7 +1,7 @@
 """Prediction accuracy (issue 8 part 3): predictive admission's projected TTFT against the
 TTFT each admitted request then had, at a few offered loads.
 
-    .venv/bin/python tools/bench/accuracy.py                 # ~4-5 min on a quiet 2-core box
+    .venv/bin/python tools/bench/accuracy.py                 # ~5 min on a shared 2-core box
     .venv/bin/python tools/bench/accuracy.py --replot        # redraw the PNG from the JSON
 
 One run: a fresh simulated fleet (4 engines by default, the capacity model's best split for
@@ -184,9 +184,9 @@ def summarize_level(preds: Sequence[Prediction], speed: float) -> dict[str, Json
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="0.3,0.6,0.9", help="offered load, x capacity")
-    p.add_argument("--level-s", type=float, default=20.0, help="model seconds per level")
+    p.add_argument("--level-s", type=float, default=15.0, help="model seconds per level")
     p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--speed", type=float, default=0.5, help="simulator speed (slow motion)")
+    p.add_argument("--speed", type=float, default=0.25, help="simulator speed (slow motion)")
     p.add_argument("--sim-procs", type=int, default=1)
     p.add_argument("--mix", default="code:0.75,conv:0.25", help="trace shares, source:share")
     p.add_argument("--seed", type=int, default=1)
@@ -231,12 +231,11 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
     bounds = gw.phase_bounds(phases)
     prefill = capacities[0].best_prefill
     speed = args.speed
-    workload_file = run_dir / "workload.json"
-    workload_file.write_text(
-        json.dumps({"requests": [[r.t, r.prompt, r.output] for r in requests]})
+    # The load generator's input and outputs (goodput_loadgen.py's formats).
+    workload_file, rows_file, stats_file = (
+        run_dir / name for name in ("workload.json", "results.jsonl", "loadgen.json")
     )
-    rows_file = run_dir / "results.jsonl"
-    stats_file = run_dir / "loadgen.json"
+    benchkit.write_json(workload_file, {"requests": [[r.t, r.prompt, r.output] for r in requests]})
     procs = harness.Procs(run_dir, args.niceness)
     timings: dict[str, float] = {}
     started = time.monotonic()
@@ -283,11 +282,13 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sampler.run, wall0 + 0.5)
             loadgen = await procs.start("loadgen", argv)
-            with trio.move_on_after(hard_limit) as limit:
-                await loadgen.wait()
-            nursery.cancel_scope.cancel()
-        if limit.cancelled_caught or loadgen.returncode != 0:
-            raise RuntimeError(f"the load generator failed (exit {loadgen.returncode})")
+            try:
+                with trio.fail_after(hard_limit):  # the replay's own timeouts bound it
+                    await loadgen.wait()
+            finally:
+                nursery.cancel_scope.cancel()
+        if loadgen.returncode != 0:
+            raise RuntimeError(f"the load generator exited with {loadgen.returncode}")
         wall = trio.current_time() - wall0
         cpu1, busy = procs.cpu(), harness.system_busy_seconds() - busy0
         await sampler.final()
@@ -370,22 +371,30 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
 def table(doc: Json) -> str:
     """The README table."""
     lines = [
-        "| load | offered req/s | served | MAPE | abs err p50 / p90 / p99 ms | rel err p90 "
-        "| bias ms | observed TTFT p50 / p90 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| load | offered req/s | offered / refused / measured | MAPE | abs err p50 / p90 / p99 ms "
+        "| rel err p90 | bias ms | MAPE in / out of domain (n out) | observed TTFT p50 / p90 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in doc["result"]["levels"]:
-        a = lv["accuracy"]["all"]
+        acc = lv["accuracy"]
+        a = acc["all"]
+        counts = f"{lv['offered']} / {lv['client_outcomes'].get('refused', 0)} / {a['n']}"
         if not a["n"]:
-            lines.append(f"| {lv['load']} | {lv['offered_per_s']} | 0 | | | | | |")
+            lines.append(f"| {lv['load']} | {lv['offered_per_s']} | {counts} | | | | | | |")
             continue
         err = a["abs_error_ms"]
+        inside, outside = acc["in_domain"], acc["out_of_domain"]
         lines.append(
-            f"| {lv['load']} | {lv['offered_per_s']} | {a['n']} | {a['mape'] * 100:.1f} % "
-            f"| {err['p50']} / {err['p90']} / {err['p99']} | {a['rel_error_p90'] * 100:.1f} % "
-            f"| {a['bias_ms']:+} | {a['observed_ms']['p50']} / {a['observed_ms']['p90']} |"
+            f"| {lv['load']} | {lv['offered_per_s']} | {counts} | {_pct(a['mape'])} "
+            f"| {err['p50']} / {err['p90']} / {err['p99']} | {_pct(a['rel_error_p90'])} "
+            f"| {a['bias_ms']:+} | {_pct(inside.get('mape'))} / {_pct(outside.get('mape'))} "
+            f"({outside['n']}) | {a['observed_ms']['p50']} / {a['observed_ms']['p90']} |"
         )
     return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.1f} %"
 
 
 def plot(doc: Json, path: Path) -> None:
@@ -463,21 +472,17 @@ async def run(args: argparse.Namespace) -> int:
         },
         "result": result,
     }
-    benchkit.write_json(args.out, doc)
-    plot(doc, args.out.with_suffix(".png"))
-    print(table(doc))
-    print(f"accuracy: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    benchkit.publish(args.out, doc, plot=plot, table=table)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.replot:
-        doc = json.loads(args.out.read_text())
-        plot(doc, args.out.with_suffix(".png"))
-        print(table(doc))
-        return 0
-    return trio.run(harness.run_guarded, partial(run, args))
+    if not args.replot and not args.traces.is_dir():
+        print(f"accuracy: {args.traces} is not a directory; pass --traces DIR", file=sys.stderr)
+        return 2
+    measure_all = partial(trio.run, harness.run_guarded, partial(run, args))
+    return benchkit.replot_or_run(args.out, args.replot, measure_all, plot=plot, table=table)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,40 @@ def write_json(path: Path, document: Mapping[str, Json]) -> None:
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
+def publish(
+    path: Path,
+    document: Mapping[str, Json] | None,
+    *,
+    plot: Callable[[Json, Path], None],
+    table: Callable[[Json], str],
+) -> None:
+    """Write a result (None: re-read it from `path`), draw its PNG beside it, print its
+    README table. With None this is a benchmark's `--replot`."""
+    if document is None:
+        document = json.loads(path.read_text())
+    else:
+        write_json(path, document)
+    png = path.with_suffix(".png")
+    plot(document, png)
+    print(table(document))
+    print(f"wrote {path} and {png}", flush=True)
+
+
+def replot_or_run(
+    path: Path,
+    replot: bool,
+    run: Callable[[], int],
+    *,
+    plot: Callable[[Json, Path], None],
+    table: Callable[[Json], str],
+) -> int:
+    """A benchmark's main: `--replot` redraws the PNG from the JSON at `path`; else run."""
+    if replot:
+        publish(path, None, plot=plot, table=table)
+        return 0
+    return run()
+
+
 # ---------------------------------------------------------------------------- processes
 
 

@@ -2,7 +2,7 @@
 retained-request ceiling (serving.max_connections + serving.queue_capacity), however many
 requests are offered.
 
-    .venv/bin/python tools/bench/memory.py              # floods of 2,000 and 10,000; ~3 min
+    .venv/bin/python tools/bench/memory.py              # 2 x 2,000 and 2 x 10,000; ~4 min
     .venv/bin/python tools/bench/memory.py --replot     # redraw the PNG from the JSON
 
 For each flood size, on a fresh fleet and a fresh router: 4 simulated engines (2P2D) in slow
@@ -48,6 +48,7 @@ SERVING: dict[str, int | float] = {
     "max_connections": 256,
     "queue_capacity": 256,
     "queue_timeout_s": 2.0,
+    "handoff_timeout_s": 30.0,
     "prefill_concurrency": 64,
     "decode_concurrency": 128,
 }
@@ -82,15 +83,28 @@ def mib(kib: float) -> float:
     return round(kib / 1024, 1)
 
 
-def flood_summary(samples: Sequence[Sample], ceiling: int) -> dict[str, Json]:
-    """RSS and retained figures of one flood's samples."""
+def phase_names(round_: int) -> tuple[str, str, str, str]:
+    """(idle before, flood, drain, idle after) of a round; a round's idle before is the
+    previous round's idle after."""
+
+    def name(phase: str, r: int) -> str:
+        return phase if r == 1 else f"{phase}_{r}"
+
+    before = "idle_before" if round_ == 1 else name("idle_after", round_ - 1)
+    return before, name("flood", round_), name("drain", round_), name("idle_after", round_)
+
+
+def flood_summary(samples: Sequence[Sample], ceiling: int, round_: int = 1) -> dict[str, Json]:
+    """RSS and retained figures of one flood round's samples."""
 
     def of(phase: str) -> list[Sample]:
         return [s for s in samples if s.phase == phase]
 
-    before = [s.rss_kib for s in of("idle_before")]
-    after = [s.rss_kib for s in of("idle_after")]
-    busy = of("flood") + of("drain")
+    idle_before, flood, drain, idle_after = phase_names(round_)
+    before = [s.rss_kib for s in of(idle_before)]
+    after = [s.rss_kib for s in of(idle_after)]
+    busy = of(flood) + of(drain)
+    window = of(idle_before) + busy + of(idle_after)
     peak = max(busy, key=lambda s: s.rss_kib, default=None)
     retained = [s.retained for s in busy if s.retained is not None]
     idle = float(np.median(before)) if before else None
@@ -101,7 +115,8 @@ def flood_summary(samples: Sequence[Sample], ceiling: int) -> dict[str, Json]:
     return {
         "rss_idle_before_mib": None if idle is None else mib(idle),
         "rss_peak_mib": None if peak is None else mib(peak.rss_kib),
-        "hwm_mib": mib(max(s.hwm_kib for s in samples)) if samples else None,
+        # VmHWM only rises: its value at the end of the round.
+        "hwm_mib": mib(max(s.hwm_kib for s in window)) if window else None,
         "rss_after_drain_mib": mib(float(np.median(after))) if after else None,
         "rss_growth_after_vs_before_mib": (
             mib(float(np.median(after)) - idle) if after and idle is not None else None
@@ -164,11 +179,13 @@ class Watch:
                     self.queued = int(admission["queue_depth"])
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     self.state_errors += 1
-                if self.phase == "drain" and self.retained == 0:
+                if self.phase.startswith("drain") and self.retained == 0:
                     self._drained.set()
                 await trio.sleep_until(now + SAMPLE_EVERY_S)
 
-    async def wait_drained(self, within_s: float) -> bool:
+    async def wait_drained(self, phase: str, within_s: float) -> bool:
+        self._drained = trio.Event()
+        self.phase = phase
         with trio.move_on_after(within_s):
             await self._drained.wait()
             return True
@@ -213,18 +230,20 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
         argv = [sys.executable, str(harness.HERE / "memory_flood.py"), json.dumps(spec)]
         busy0 = harness.system_busy_seconds()
         cpu0 = procs.cpu()
+        rounds: list[dict[str, Json]] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch.rss_loop)
             nursery.start_soon(watch.state_loop)
             await trio.sleep(args.idle_s)
-            watch.phase = "flood"
-            client = await procs.start("flood", argv, stdout_pipe=True)
-            lines = await harness.read_lines(client, 1, args.flood_limit_s + 30.0)
-            flood = json.loads(lines[0])
-            watch.phase = "drain"
-            drained = await watch.wait_drained(args.drain_limit_s)
-            watch.phase = "idle_after"
-            await trio.sleep(args.idle_s)
+            for r in range(1, args.rounds + 1):
+                _, flood, drain, idle_after = phase_names(r)
+                watch.phase = flood
+                client = await procs.start(flood, argv, stdout_pipe=True)
+                lines = await harness.read_lines(client, 1, args.flood_limit_s + 30.0)
+                drained = await watch.wait_drained(drain, args.drain_limit_s)
+                rounds.append({"round": r, "client": json.loads(lines[0]), "drained": drained})
+                watch.phase = idle_after
+                await trio.sleep(args.idle_s)
             nursery.cancel_scope.cancel()
         wall = time.monotonic() - started
         cpu1 = procs.cpu()
@@ -232,16 +251,16 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
     finally:
         await procs.stop_all()
     span = watch.samples[-1].t if watch.samples else 0.0
-    ours = flood["cpu_s"] + sum(
+    ours = sum(r["client"]["cpu_s"] for r in rounds) + sum(
         (cpu1[k] or 0.0) - (cpu0.get(k) or 0.0) for k in cpu1 if cpu1[k] is not None
     )
     ceiling = int(SERVING["max_connections"] + SERVING["queue_capacity"])
     return {
         "requests": requests,
         "wall_s": round(wall, 1),
-        "drained": drained,
-        "client": flood,
-        "memory": flood_summary(watch.samples, ceiling),
+        "rounds": [
+            {**r, "memory": flood_summary(watch.samples, ceiling, r["round"])} for r in rounds
+        ],
         "state_errors": watch.state_errors,
         "disturbance": {
             "other_cpu_share": round(max(0.0, busy - ours) / span, 3) if span else None,
@@ -258,12 +277,13 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--floods", default="2000,10000", help="requests per flood")
+    p.add_argument("--rounds", type=int, default=2, help="floods per router process")
     p.add_argument("--concurrency", type=int, default=1500, help="client sockets")
     p.add_argument("--speed", type=float, default=0.1, help="simulator speed (slow fleet)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--idle-s", type=float, default=3.0, help="idle sampling before and after")
-    p.add_argument("--flood-limit-s", type=float, default=90.0)
+    p.add_argument("--flood-limit-s", type=float, default=200.0)
     p.add_argument("--drain-limit-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--niceness", type=int, default=5)
@@ -275,16 +295,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def table(doc: Json) -> str:
     lines = [
         "| flood | sockets | offered req/s | ok | refused (429) | other | max retained / ceiling "
-        "| RSS idle MiB | RSS peak MiB | VmHWM MiB | RSS after drain MiB |",
+        "| RSS before MiB | RSS peak MiB | VmHWM MiB | RSS after drain MiB |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for f in doc["floods"]:
-        m, c = f["memory"], f["client"]
+    for f, r in ((fl, r) for fl in doc["floods"] for r in fl["rounds"]):
+        m, c = r["memory"], r["client"]
         outcomes = c["outcomes"]
         ok = outcomes.get("ok", 0)
         refused = sum(v for k, v in outcomes.items() if k.startswith("429"))
+        flood = f"{f['requests']}" + ("" if r["round"] == 1 else f" (round {r['round']})")
         lines.append(
-            f"| {f['requests']} | {doc['config']['concurrency']} | {c['offered_per_s']} | {ok} "
+            f"| {flood} | {doc['config']['concurrency']} | {c['offered_per_s']} | {ok} "
             f"| {refused} | {c['answered'] - ok - refused} "
             f"| {m['max_retained']} / {m['retained_ceiling']} | {m['rss_idle_before_mib']} "
             f"| {m['rss_peak_mib']} | {m['hwm_mib']} | {m['rss_after_drain_mib']} |"
@@ -310,16 +331,17 @@ def plot(doc: Json, path: Path) -> None:
         right = ax.twinx()
         retained = [np.nan if v is None else v for v in s["retained"]]
         right.plot(s["t"], retained, color="C1", label="retained")
-        right.axhline(f["memory"]["retained_ceiling"], color="C1", linestyle=":", linewidth=0.8)
-        right.set_ylim(0, f["memory"]["retained_ceiling"] * 1.15)
+        ceiling = f["rounds"][0]["memory"]["retained_ceiling"]
+        right.axhline(ceiling, color="C1", linestyle=":", linewidth=0.8)
+        right.set_ylim(0, ceiling * 1.15)
         right.set_ylabel("retained requests", color="C1")
-        for phase in ("flood", "drain", "idle_after"):
-            if phase in s["phase"]:
-                ax.axvline(s["t"][s["phase"].index(phase)], color="0.6", linewidth=0.7)
-        ok = f["client"]["outcomes"].get("ok", 0)
+        for i, phase in enumerate(s["phase"]):
+            if i and phase != s["phase"][i - 1]:
+                ax.axvline(s["t"][i], color="0.6", linewidth=0.7)
+        peaks = " / ".join(str(r["memory"]["rss_peak_mib"]) for r in f["rounds"])
         ax.set_title(
-            f"{f['requests']} requests, {doc['config']['concurrency']} sockets: "
-            f"{ok} ok, peak {f['memory']['rss_peak_mib']} MiB",
+            f"{len(f['rounds'])} x {f['requests']} requests, {doc['config']['concurrency']} "
+            f"sockets: peak {peaks} MiB",
             fontsize=9,
         )
     fig.suptitle("Narwhal RSS under a flood (retained ceiling dotted)", fontsize=10)
@@ -347,6 +369,7 @@ async def run(args: argparse.Namespace) -> int:
             "serving": SERVING,
             "admission": "open",
             "concurrency": args.concurrency,
+            "rounds": args.rounds,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
             "idle_s": args.idle_s,
@@ -356,21 +379,17 @@ async def run(args: argparse.Namespace) -> int:
         },
         "floods": floods,
     }
-    benchkit.write_json(args.out, doc)
-    plot(doc, args.out.with_suffix(".png"))
-    print(table(doc))
-    print(f"memory: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    benchkit.publish(args.out, doc, plot=plot, table=table)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.replot:
-        doc = json.loads(args.out.read_text())
-        plot(doc, args.out.with_suffix(".png"))
-        print(table(doc))
-        return 0
-    return trio.run(harness.run_guarded, partial(run, args))
+    if args.concurrency < 1 or args.rounds < 1 or any(int(n) < 1 for n in args.floods.split(",")):
+        print("memory: --floods, --rounds and --concurrency must be positive", file=sys.stderr)
+        return 2
+    measure_all = partial(trio.run, harness.run_guarded, partial(run, args))
+    return benchkit.replot_or_run(args.out, args.replot, measure_all, plot=plot, table=table)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Markdown tables of the latest benchmark results, for tools/bench/README.md.
 
-.venv/bin/python tools/bench/report.py [overhead|transport ...]
+.venv/bin/python tools/bench/report.py [overhead|transport|accuracy|memory ...]
 """
 
 from __future__ import annotations
@@ -147,15 +147,29 @@ def transport_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def table_for(name: str, doc: dict[str, Any]) -> str:
+    if name.startswith("overhead"):
+        return overhead_tables(doc)
+    if name.startswith("accuracy"):
+        import accuracy
+
+        return accuracy.table(doc)
+    if name.startswith("memory"):
+        import memory
+
+        return memory.table(doc)
+    return transport_table(doc)
+
+
 def main(argv: Sequence[str]) -> int:
-    which = list(argv) or ["overhead", "transport"]
+    which = list(argv) or ["overhead", "transport", "accuracy", "memory"]
     for name in which:
         path = RUNS / f"{name}.json"
         if not path.exists():
             print(f"({path} does not exist)\n")
             continue
         doc = json.loads(path.read_text())
-        print(overhead_tables(doc) if name.startswith("overhead") else transport_table(doc))
+        print(table_for(name, doc))
         print()
     return 0
 
