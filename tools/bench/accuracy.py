@@ -199,6 +199,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=harness.REPO.parent / "shared" / "traces" / "azure2023",
         help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
     )
+    p.add_argument(
+        "--profiles",
+        type=Path,
+        help="reuse this profile store (measured on an identical fleet: same engines, speed)"
+        " instead of profiling the fresh fleet",
+    )
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out")
     return p.parse_args(argv)
@@ -237,6 +243,8 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
     )
     benchkit.write_json(workload_file, {"requests": [[r.t, r.prompt, r.output] for r in requests]})
     procs = harness.Procs(run_dir, args.niceness)
+    if args.profiles is not None:
+        goodput.use_profiles(args.profiles)
     timings: dict[str, float] = {}
     started = time.monotonic()
     try:
@@ -466,7 +474,9 @@ async def run(args: argparse.Namespace) -> int:
             "slo": {"ttft_s": args.ttft_slo_s, "tpot_s": args.tpot_slo_s},
             "admission": "predictive",
             "controller": False,
-            "profile": "goodput.profile_fleet (narwhal-profile on this run's fleet)",
+            "profile": str(args.profiles)
+            if args.profiles is not None
+            else "goodput.profile_fleet (narwhal-profile on this run's fleet)",
             "logs": str(run_dir.relative_to(harness.REPO)),
             "units": "model time (wall x speed), ms",
         },
