@@ -2,7 +2,7 @@
 retained-request ceiling (serving.max_connections + serving.queue_capacity), however many
 requests are offered.
 
-    .venv/bin/python tools/bench/memory.py              # 2 x 2,000 and 2 x 10,000; ~4 min
+    .venv/bin/python tools/bench/memory.py              # 2 x 2,000 and 2 x 10,000; ~2.5 min
     .venv/bin/python tools/bench/memory.py --replot     # redraw the PNG from the JSON
 
 For each flood size, on a fresh fleet and a fresh router: 4 simulated engines (2P2D) in slow
@@ -14,10 +14,13 @@ Phases: idle (before), flood, drain (until nothing is retained), idle (after). E
 ~100 ms the driver reads the router's VmRSS and VmHWM from /proc/PID/status, and a second
 task polls /narwhal/state for the retained and queued counts.
 
-Reported per flood: RSS idle before, peak (max sampled VmRSS and the kernel's VmHWM), RSS
-after the drain, the most retained requests seen against the ceiling, RSS above idle per
-retained request at the peak, and the client's outcome counts. The bound holds when the
-10,000-request flood peaks about where the 2,000-request one does.
+Each flood runs `--rounds` times against the same router (drain and idle in between), so
+a second round shows whether a flood's memory is reused or added to. Reported per round:
+RSS before (idle), peak (max sampled VmRSS and the kernel's VmHWM), RSS after the drain, the
+most retained requests seen against the ceiling, RSS above the idle level per retained
+request at the peak, and the client's outcome counts. Bounded memory means the 10,000-request
+floods peak about where the 2,000-request ones do and later rounds add nothing; see
+tools/bench/README.md for what the latest run showed.
 
 Writes runs/bench/memory.json and runs/bench/memory.png; logs go to
 runs/tmp/memory/<timestamp>/ (git-ignored).
