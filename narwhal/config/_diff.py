@@ -6,8 +6,9 @@ The plan sorts every difference into what the supervisor does with it:
   admission gate, phase limiters, connection pools, the retry budget), recovery and
   monitor settings are read afresh, and request timeouts apply to requests that arrive
   after the reload, because each request snapshots the config at ingress;
-- settings that need a restart (`restart_required`): the HTTP listen address and the
-  control socket path. The running values stay in force and the plan says so;
+- settings that need a restart (`restart_required`): the HTTP listen address, the
+  control socket path and `controller.enabled` (the controller and its demand history
+  are built at start). The running values stay in force and the plan says so;
 - engines, matched by id: `engines_added` get a first health probe and then placement;
   `engines_removed` leave placement at once and keep their resident requests until
   those finish, then their pools close; `engines_replaced` changed `url` or `dialect`,
@@ -26,7 +27,7 @@ import attrs
 from ._load import config_to_dict
 from ._model import Config
 
-RESTART_REQUIRED = ("listen.host", "listen.port", "ctl.socket")
+RESTART_REQUIRED = ("listen.host", "listen.port", "ctl.socket", "controller.enabled")
 # An engine whose endpoint or wire format changed is a different engine to talk to.
 _REPLACING_FIELDS = ("url", "dialect")
 _SHOW_LIMIT = 60

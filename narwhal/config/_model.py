@@ -485,7 +485,10 @@ class Reactive:
 class Controller:
     """Role control (manual 7)."""
 
-    enabled: bool = _f(True, doc="Run the role controller; `false` keeps the configured roles.")
+    enabled: bool = _f(
+        True,
+        doc="Run the role controller; `false` keeps the configured roles. Needs a restart.",
+    )
     advisory: bool = _f(
         False,
         doc="Record proposed role splits and reasons while retaining the current roles.",

@@ -122,8 +122,9 @@ class Supervisor:
         self.recovery = recovery
         ctx.leg_observer = recovery
         monitor = Monitor(ctx, recovery, self.prober, on_degraded=self._degraded_changed)
+        # Always: without a controller the pass still drains the demand events.
+        monitor.add_handler("controller", link.on_pass)
         if link.controller is not None:
-            monitor.add_handler("controller", link.on_pass)
             ctx.state_providers.append(("controller", link.controller.state_section))
             ctx.metrics.add_live_gauges(link.controller.gauges)
             ctx.metrics.registry.register(link.controller.collector())

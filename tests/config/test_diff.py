@@ -39,6 +39,12 @@ def test_settings_apply_in_place_with_dotted_paths() -> None:
     assert not plan.engines_removed
 
 
+def test_turning_the_controller_on_or_off_needs_a_restart() -> None:
+    plan = diff(config(), config(controller={"enabled": False}))
+    assert [c.path for c in plan.restart_required] == ["controller.enabled"]
+    assert plan.changes == ()
+
+
 def test_listen_and_ctl_socket_need_a_restart() -> None:
     plan = diff(config(), config(listen={"port": 9999}, ctl={"socket": "/run/n.sock"}))
     assert [c.path for c in plan.restart_required] == ["listen.port", "ctl.socket"]

@@ -231,3 +231,17 @@ async def test_a_prefill_leg_that_shared_its_engine_is_not_judged(
 
 def _ejected(engine: EngineState) -> bool:
     return engine.ejected is not None
+
+
+async def test_without_a_controller_demand_events_do_not_pile_up(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"], speed=SPEED)  # controller disabled
+    for _ in range(3):
+        assert (await post(stack, {"max_tokens": 1})).status_code == 200
+    monitor = stack.supervisor.monitor
+    assert monitor is not None
+    passes = monitor.passes
+    # `passes` counts passes begun; the one after next has finished this one's handlers.
+    await wait_for(lambda: monitor.passes > passes + 1)
+    assert len(stack.ctx.demand_events) == 0
