@@ -79,11 +79,12 @@ class _Connection:
 class Response:
     """A response whose body is read incrementally; valid inside `ConnectionPool.request`."""
 
-    __slots__ = ("_conn", "_done", "headers", "status")
+    __slots__ = ("_conn", "_done", "_error", "headers", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._conn = conn
         self._done = False
+        self._error: RemoteProtocolError | None = None
         self.status = status
         self.headers = headers
 
@@ -94,17 +95,55 @@ class Response:
         return None
 
     async def receive_some(self) -> bytes:
-        """The next body bytes as they arrive; b"" once the body is complete."""
+        """The next body bytes as they arrive; b"" once the body is complete.
+
+        Returns everything already received, not one HTTP chunk: an engine that writes
+        faster than we read packs several SSE chunks into one socket read, and relaying
+        them in one go costs one pass through the relay instead of one per chunk.
+        """
+        if self._error is not None:
+            raise self._error
         while not self._done:
             event = await _next_event(self._conn)
             if isinstance(event, h11.Data):
                 if event.data:
-                    return bytes(event.data)
+                    return self._buffered(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 self._done = True
             else:
                 raise RemoteProtocolError(f"unexpected {type(event).__name__} in response body")
         return b""
+
+    def _buffered(self, data: bytes) -> bytes:
+        """`data` plus the body events h11 already holds, without reading the socket.
+
+        Seeing the end of the message here, in the read that brought it, also lets a
+        caller that stops at the stream's own terminator (SSE `[DONE]`) hand a complete,
+        reusable connection back to the pool. A protocol error found here is raised by
+        the next call, after the data before it was delivered, as it would be unbatched.
+        """
+        parts: list[bytes] | None = None
+        while True:
+            try:
+                event = self._conn.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._error = RemoteProtocolError(f"invalid or truncated HTTP from engine: {exc}")
+                break
+            if isinstance(event, h11.Data):
+                if parts is None:
+                    parts = [data]
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                self._done = True
+                break
+            elif event is h11.NEED_DATA:
+                break
+            else:
+                self._error = RemoteProtocolError(
+                    f"unexpected {type(event).__name__} in response body"
+                )
+                break
+        return data if parts is None else b"".join(parts)
 
     async def aread(self, limit: int) -> bytes:
         """The whole body, refusing to retain more than `limit` bytes."""
