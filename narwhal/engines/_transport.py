@@ -253,13 +253,18 @@ class ConnectionPool:
         if self._closed:
             raise ConnectError(f"pool for {self.host}:{self.port} is closed")
         borrower = object()
-        with trio.move_on_after(self.pool_timeout_s) as wait:
-            await self._limiter.acquire_on_behalf_of(borrower)
-        if wait.cancelled_caught:
-            raise PoolTimeout(
-                f"no connection to {self.host}:{self.port} within "
-                f"engine.pool_timeout_s={self.pool_timeout_s}"
-            )
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            # A free slot is the common case; the timeout scope is only needed to wait.
+            self._limiter.acquire_on_behalf_of_nowait(borrower)
+        except trio.WouldBlock:
+            with trio.move_on_after(self.pool_timeout_s) as wait:
+                await self._limiter.acquire_on_behalf_of(borrower)
+            if wait.cancelled_caught:
+                raise PoolTimeout(
+                    f"no connection to {self.host}:{self.port} within "
+                    f"engine.pool_timeout_s={self.pool_timeout_s}"
+                ) from None
         self._in_use += 1
         conn: _Connection | None = None
         reusable = False

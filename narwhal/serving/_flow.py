@@ -677,8 +677,14 @@ class Flow:
         if phase == "prefill":
             engine.prefill_queued_tokens += tokens
         try:
-            with trio.CancelScope(deadline=not_after) as wait:
-                await limiter.acquire_on_behalf_of(borrower)
+            await trio.lowlevel.checkpoint_if_cancelled()
+            # A free slot is the common case; the handoff scope is only needed to wait.
+            if trio.current_time() < not_after and _acquire_nowait(limiter, borrower):
+                expired = False
+            else:
+                with trio.CancelScope(deadline=not_after) as wait:
+                    await limiter.acquire_on_behalf_of(borrower)
+                expired = wait.cancelled_caught
         except BaseException:
             if phase == "prefill" and curve is not None:
                 backlog.release(engine.id, trio.current_time())
@@ -686,8 +692,8 @@ class Flow:
         finally:
             if phase == "prefill":
                 engine.prefill_queued_tokens -= tokens
-        if wait.cancelled_caught or trio.current_time() > not_after:
-            if not wait.cancelled_caught:
+        if expired or trio.current_time() > not_after:
+            if not expired:
                 limiter.release_on_behalf_of(borrower)
             raise _HandoffExpired
         if pending is not None:
@@ -1006,6 +1012,14 @@ async def _first_failure_cancels(
     except NarwhalError as exc:
         failures.append(exc)
         scope.cancel()
+
+
+def _acquire_nowait(limiter: trio.CapacityLimiter, borrower: object) -> bool:
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except trio.WouldBlock:
+        return False
+    return True
 
 
 def _has_token(payload: bytes) -> bool:
