@@ -177,8 +177,8 @@ class Flow:
             ctx.retained -= 1
             del ctx.records[id(record)]
             ctx.outcomes[outcome] += 1
-            ctx.metrics.requests.labels(endpoint, outcome).inc()
-            ctx.metrics.request_duration.labels(endpoint).observe(trio.current_time() - arrival)
+            ctx.metrics.requests_by(endpoint, outcome).inc()
+            ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
             log.info(
                 "request finished",
                 extra={
@@ -358,10 +358,10 @@ class Flow:
                 count = await self._tokenize(engine, request, config)
                 if count is not None:
                     ctx.token_methods["exact"] += 1
-                    ctx.metrics.token_counts.labels("exact").inc()
+                    ctx.metrics.token_counts_by("exact").inc()
                     return count, "exact"
         ctx.token_methods["fallback"] += 1
-        ctx.metrics.token_counts.labels("fallback").inc()
+        ctx.metrics.token_counts_by("fallback").inc()
         return fallback, "fallback"
 
     def _tokenizer_engine(self) -> EngineState | None:
@@ -915,7 +915,7 @@ async def _relay(
                         if first_at is None and _has_token(event.payload):
                             first_at = now
                             timer.deadline = now + gap
-                            ctx.metrics.ttft.labels(phase).observe(now - request.arrival)
+                            ctx.metrics.ttft_by(phase).observe(now - request.arrival)
                         if first_at is not None:
                             if tokens and len(gaps) < _MAX_GAPS:
                                 gaps.append(now - last_at)
