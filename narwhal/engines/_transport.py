@@ -231,6 +231,11 @@ class ConnectionPool:
             reused_total=self._reused_total,
         )
 
+    @property
+    def in_use(self) -> int:
+        """`statistics().in_use` without building the statistics (asked per request)."""
+        return self._in_use
+
     def resize(self, max_connections: int) -> None:
         """Applied in place on reload; requests in flight keep their connections."""
         self._limiter.total_tokens = max_connections

@@ -370,7 +370,7 @@ class Flow:
         if not candidates:
             return None
         # The least busy engine by router-side accounting; ties by config order.
-        return min(candidates, key=lambda e: e.serving_pool.statistics().in_use)
+        return min(candidates, key=lambda e: e.serving_pool.in_use)
 
     async def _tokenize(
         self, engine: EngineState, request: ClientRequest, config: Config
