@@ -79,12 +79,13 @@ class _Connection:
 class Response:
     """A response whose body is read incrementally; valid inside `ConnectionPool.request`."""
 
-    __slots__ = ("_conn", "_done", "_error", "headers", "status")
+    __slots__ = ("_conn", "_done", "_error", "_starved", "headers", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._conn = conn
         self._done = False
         self._error: RemoteProtocolError | None = None
+        self._starved = False
         self.status = status
         self.headers = headers
 
@@ -104,6 +105,10 @@ class Response:
         if self._error is not None:
             raise self._error
         while not self._done:
+            if self._starved:
+                # _buffered already saw h11 ask for data; asking again would redo its parse.
+                self._starved = False
+                await _receive(self._conn)
             event = await _next_event(self._conn)
             if isinstance(event, h11.Data):
                 if event.data:
@@ -137,6 +142,7 @@ class Response:
                 self._done = True
                 break
             elif event is h11.NEED_DATA:
+                self._starved = True
                 break
             else:
                 self._error = RemoteProtocolError(
@@ -176,12 +182,16 @@ async def _next_event(conn: _Connection) -> h11.Event:
             return event
         if event is h11.PAUSED:
             raise RemoteProtocolError("engine sent data after the response ended")
-        try:
-            data = await conn.stream.receive_some(_RECEIVE_BYTES)
-        except (trio.BrokenResourceError, OSError) as exc:
-            raise RemoteProtocolError(f"connection broken while reading: {exc}") from None
-        # b"" tells h11 about EOF; it then reports a truncated message as an error.
-        conn.h11.receive_data(data)
+        await _receive(conn)
+
+
+async def _receive(conn: _Connection) -> None:
+    try:
+        data = await conn.stream.receive_some(_RECEIVE_BYTES)
+    except (trio.BrokenResourceError, OSError) as exc:
+        raise RemoteProtocolError(f"connection broken while reading: {exc}") from None
+    # b"" tells h11 about EOF; it then reports a truncated message as an error.
+    conn.h11.receive_data(data)
 
 
 class ConnectionPool:
