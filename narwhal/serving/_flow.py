@@ -882,7 +882,7 @@ async def _relay(
             if response.status != 200:
                 raise await flow._status_failure(engine, phase, response)
             while not done:
-                chunk = await response.receive_some()
+                chunk = await response.receive_available()
                 now = trio.current_time()
                 if not chunk:
                     raise _failed(
