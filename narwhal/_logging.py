@@ -12,10 +12,23 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 
 
 class JsonFormatter(logging.Formatter):
+    # Every request logs a line, so the formatter is on the request path: the encoder
+    # is built once (json.dumps with default= builds one per call) and the timestamp
+    # text is reused within its second.
+    def __init__(self) -> None:
+        super().__init__()
+        self._encoder = json.JSONEncoder(default=str)
+        self._second = -1
+        self._time = ""
+
     def format(self, record: logging.LogRecord) -> str:
+        second = int(record.created)
+        if second != self._second:
+            self._time = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = second
         entry: dict[str, object] = {
             "ts": round(record.created, 6),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "time": self._time,
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -27,7 +40,7 @@ class JsonFormatter(logging.Formatter):
         )
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return self._encoder.encode(entry)
 
 
 def configure(level: str) -> None:

@@ -77,10 +77,15 @@ def _find_separator(buffer: bytes, start: int) -> tuple[int, int]:
 
 
 def _classify(block: bytes, raw: bytes) -> SseEvent:
-    data_lines = [line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:")]
-    if not data_lines:
-        return SseEvent(SseKind.OTHER, block, raw)
-    payload = b"\n".join(data_lines)
+    if block.startswith(b"data:") and b"\n" not in block and b"\r" not in block:
+        payload = block[5:].lstrip(b" ")  # the usual one-line event, without splitting
+    else:
+        data_lines = [
+            line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:")
+        ]
+        if not data_lines:
+            return SseEvent(SseKind.OTHER, block, raw)
+        payload = b"\n".join(data_lines)
     if payload.strip() == b"[DONE]":
         return SseEvent(SseKind.DONE, payload, raw)
     # Error events start with the "error" key in both engines' encoders; a token chunk

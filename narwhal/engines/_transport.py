@@ -79,11 +79,13 @@ class _Connection:
 class Response:
     """A response whose body is read incrementally; valid inside `ConnectionPool.request`."""
 
-    __slots__ = ("_conn", "_done", "headers", "status")
+    __slots__ = ("_conn", "_done", "_error", "_starved", "headers", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._conn = conn
         self._done = False
+        self._error: RemoteProtocolError | None = None
+        self._starved = False
         self.status = status
         self.headers = headers
 
@@ -94,17 +96,71 @@ class Response:
         return None
 
     async def receive_some(self) -> bytes:
-        """The next body bytes as they arrive; b"" once the body is complete."""
+        """The next body bytes as they arrive, one HTTP chunk at a time; b"" at the end.
+
+        One chunk per call is part of what callers measure: the profiler's decode probe
+        times each read, so chunks that arrived together must still come one by one.
+        """
+        return await self._read(batch=False)
+
+    async def receive_available(self) -> bytes:
+        """Like receive_some, but everything already received at once.
+
+        An engine that writes faster than we read packs several SSE chunks into one
+        socket read; the relay passes them on in one go (one pass through the relay and
+        one client write instead of one per chunk).
+        """
+        return await self._read(batch=True)
+
+    async def _read(self, *, batch: bool) -> bytes:
+        if self._error is not None:
+            raise self._error
         while not self._done:
+            if self._starved:
+                # _buffered already saw h11 ask for data; asking again would redo its parse.
+                self._starved = False
+                await _receive(self._conn)
             event = await _next_event(self._conn)
             if isinstance(event, h11.Data):
                 if event.data:
-                    return bytes(event.data)
+                    return self._buffered(bytes(event.data)) if batch else bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 self._done = True
             else:
                 raise RemoteProtocolError(f"unexpected {type(event).__name__} in response body")
         return b""
+
+    def _buffered(self, data: bytes) -> bytes:
+        """`data` plus the body events h11 already holds, without reading the socket.
+
+        Seeing the end of the message here, in the read that brought it, also lets a
+        caller that stops at the stream's own terminator (SSE `[DONE]`) hand a complete,
+        reusable connection back to the pool. A protocol error found here is raised by
+        the next call, after the data before it was delivered, as it would be unbatched.
+        """
+        parts: list[bytes] | None = None
+        while True:
+            try:
+                event = self._conn.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._error = RemoteProtocolError(f"invalid or truncated HTTP from engine: {exc}")
+                break
+            if isinstance(event, h11.Data):
+                if parts is None:
+                    parts = [data]
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                self._done = True
+                break
+            elif event is h11.NEED_DATA:
+                self._starved = True
+                break
+            else:
+                self._error = RemoteProtocolError(
+                    f"unexpected {type(event).__name__} in response body"
+                )
+                break
+        return data if parts is None else b"".join(parts)
 
     async def aread(self, limit: int) -> bytes:
         """The whole body, refusing to retain more than `limit` bytes."""
@@ -137,12 +193,16 @@ async def _next_event(conn: _Connection) -> h11.Event:
             return event
         if event is h11.PAUSED:
             raise RemoteProtocolError("engine sent data after the response ended")
-        try:
-            data = await conn.stream.receive_some(_RECEIVE_BYTES)
-        except (trio.BrokenResourceError, OSError) as exc:
-            raise RemoteProtocolError(f"connection broken while reading: {exc}") from None
-        # b"" tells h11 about EOF; it then reports a truncated message as an error.
-        conn.h11.receive_data(data)
+        await _receive(conn)
+
+
+async def _receive(conn: _Connection) -> None:
+    try:
+        data = await conn.stream.receive_some(_RECEIVE_BYTES)
+    except (trio.BrokenResourceError, OSError) as exc:
+        raise RemoteProtocolError(f"connection broken while reading: {exc}") from None
+    # b"" tells h11 about EOF; it then reports a truncated message as an error.
+    conn.h11.receive_data(data)
 
 
 class ConnectionPool:
@@ -192,6 +252,11 @@ class ConnectionPool:
             reused_total=self._reused_total,
         )
 
+    @property
+    def in_use(self) -> int:
+        """`statistics().in_use` without building the statistics (asked per request)."""
+        return self._in_use
+
     def resize(self, max_connections: int) -> None:
         """Applied in place on reload; requests in flight keep their connections."""
         self._limiter.total_tokens = max_connections
@@ -214,13 +279,18 @@ class ConnectionPool:
         if self._closed:
             raise ConnectError(f"pool for {self.host}:{self.port} is closed")
         borrower = object()
-        with trio.move_on_after(self.pool_timeout_s) as wait:
-            await self._limiter.acquire_on_behalf_of(borrower)
-        if wait.cancelled_caught:
-            raise PoolTimeout(
-                f"no connection to {self.host}:{self.port} within "
-                f"engine.pool_timeout_s={self.pool_timeout_s}"
-            )
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            # A free slot is the common case; the timeout scope is only needed to wait.
+            self._limiter.acquire_on_behalf_of_nowait(borrower)
+        except trio.WouldBlock:
+            with trio.move_on_after(self.pool_timeout_s) as wait:
+                await self._limiter.acquire_on_behalf_of(borrower)
+            if wait.cancelled_caught:
+                raise PoolTimeout(
+                    f"no connection to {self.host}:{self.port} within "
+                    f"engine.pool_timeout_s={self.pool_timeout_s}"
+                ) from None
         self._in_use += 1
         conn: _Connection | None = None
         reusable = False

@@ -142,7 +142,7 @@ class EngineState:
         without a phase slot)."""
         legs = self.prefill_inflight + self.decode_active + self.handoffs_pending
         legs += self.decode_pending + (1 if self.prefill_queued_tokens else 0)
-        return max(legs, self.serving_pool.statistics().in_use)
+        return max(legs, self.serving_pool.in_use)
 
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""

@@ -8,6 +8,7 @@ kept in sync.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -28,6 +29,30 @@ PREDICTION_ERROR_BUCKETS = (
 
 # A gauge family produced at scrape time: (name, help, labels, samples[(labelvalues, value)]).
 GaugeSource = Callable[[], Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]]
+
+
+M = TypeVar("M", Counter, Histogram)
+
+
+class Children(Generic[M]):
+    """`metric.labels(*values)` for the request path, remembered per label tuple.
+
+    prometheus_client's labels() validates and stringifies the values and takes a lock
+    on every call (several µs, a few times per request); children are never removed, so
+    the first one returned for a tuple stays the one to update.
+    """
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._cache: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
 
 
 class _LiveGauges(Collector):
@@ -114,6 +139,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+
+        self.requests_by = Children(self.requests)
+        self.token_counts_by = Children(self.token_counts)
+        self.ttft_by = Children(self.ttft)
+        self.request_duration_by = Children(self.request_duration)
 
     def add_live_gauges(self, source: GaugeSource) -> None:
         self.registry.register(_LiveGauges(source))

@@ -184,8 +184,8 @@ class Flow:
             ctx.retained -= 1
             del ctx.records[id(record)]
             ctx.outcomes[outcome] += 1
-            ctx.metrics.requests.labels(endpoint, outcome).inc()
-            ctx.metrics.request_duration.labels(endpoint).observe(trio.current_time() - arrival)
+            ctx.metrics.requests_by(endpoint, outcome).inc()
+            ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
             projected = record.projected_ttft_s
             observed = record.observed_ttft_s
             if projected is not None and observed is not None and observed > 0:
@@ -381,10 +381,10 @@ class Flow:
                 count = await self._tokenize(engine, request, config)
                 if count is not None:
                     ctx.token_methods["exact"] += 1
-                    ctx.metrics.token_counts.labels("exact").inc()
+                    ctx.metrics.token_counts_by("exact").inc()
                     return count, "exact"
         ctx.token_methods["fallback"] += 1
-        ctx.metrics.token_counts.labels("fallback").inc()
+        ctx.metrics.token_counts_by("fallback").inc()
         return fallback, "fallback"
 
     def _tokenizer_engine(self) -> EngineState | None:
@@ -393,7 +393,7 @@ class Flow:
         if not candidates:
             return None
         # The least busy engine by router-side accounting; ties by config order.
-        return min(candidates, key=lambda e: e.serving_pool.statistics().in_use)
+        return min(candidates, key=lambda e: e.serving_pool.in_use)
 
     async def _tokenize(
         self, engine: EngineState, request: ClientRequest, config: Config
@@ -705,8 +705,14 @@ class Flow:
         if phase == "prefill":
             engine.prefill_queued_tokens += tokens
         try:
-            with trio.CancelScope(deadline=not_after) as wait:
-                await limiter.acquire_on_behalf_of(borrower)
+            await trio.lowlevel.checkpoint_if_cancelled()
+            # A free slot is the common case; the handoff scope is only needed to wait.
+            if trio.current_time() < not_after and _acquire_nowait(limiter, borrower):
+                expired = False
+            else:
+                with trio.CancelScope(deadline=not_after) as wait:
+                    await limiter.acquire_on_behalf_of(borrower)
+                expired = wait.cancelled_caught
         except BaseException:
             if phase == "prefill" and curve is not None:
                 backlog.release(engine.id, trio.current_time())
@@ -714,8 +720,8 @@ class Flow:
         finally:
             if phase == "prefill":
                 engine.prefill_queued_tokens -= tokens
-        if wait.cancelled_caught or trio.current_time() > not_after:
-            if not wait.cancelled_caught:
+        if expired or trio.current_time() > not_after:
+            if not expired:
                 limiter.release_on_behalf_of(borrower)
             raise _HandoffExpired
         if pending is not None:
@@ -911,7 +917,7 @@ async def _relay(
             if response.status != 200:
                 raise await flow._status_failure(engine, phase, response)
             while not done:
-                chunk = await response.receive_some()
+                chunk = await response.receive_available()
                 now = trio.current_time()
                 if not chunk:
                     raise _failed(
@@ -946,7 +952,7 @@ async def _relay(
                             timer.deadline = now + gap
                             if hold_until is None or hold_until.is_set():
                                 record.first_output_at = now
-                            ctx.metrics.ttft.labels(phase).observe(now - request.arrival)
+                            ctx.metrics.ttft_by(phase).observe(now - request.arrival)
                         if first_at is not None:
                             if tokens and len(gaps) < _MAX_GAPS:
                                 gaps.append(now - last_at)
@@ -1077,6 +1083,14 @@ async def _first_failure_cancels(
     except NarwhalError as exc:
         failures.append(exc)
         scope.cancel()
+
+
+def _acquire_nowait(limiter: trio.CapacityLimiter, borrower: object) -> bool:
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except trio.WouldBlock:
+        return False
+    return True
 
 
 def _has_token(payload: bytes) -> bool:

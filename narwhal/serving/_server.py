@@ -8,12 +8,18 @@ so the connection class below bounds each write by serving.client_stall_s and ab
 the connection when it cannot complete. A write interrupted after some bytes went out
 also aborts the connection, because the HTTP stream is no longer well formed.
 
-This relies on hypercorn's TCPServer/WorkerContext classes, which are not documented
-API; tests/serving/test_server.py fails if a hypercorn upgrade changes them.
+The same class also trims hypercorn's per-request and per-chunk scheduling costs (a
+synchronous first write attempt, a cheaper keep-alive idle timer, no read scope when
+there is no read timeout); behaviour is hypercorn's.
+
+This relies on hypercorn's TCPServer/WorkerContext classes (and TCPServer's _read_data
+and idle_task), which are not documented API; tests/serving/test_server.py fails if a
+hypercorn upgrade changes them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
 from typing import Any, cast
@@ -22,7 +28,8 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
 
@@ -32,16 +39,87 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+class _IdleTask:
+    """hypercorn's TrioSingleTask (the keep-alive idle timer) at a lower cost per request.
+
+    hypercorn restarts the idle timer whenever a connection finishes a response and stops
+    it when the next request arrives. TrioSingleTask does that under a trio.Lock with
+    `nursery.start`, which waits for the new task to run: a few scheduler passes and a
+    temporary nursery per request. Neither is needed: restart and stop never await, so
+    they cannot interleave, and the scope the timer runs in can be made before its task
+    starts (cancelling it first means the timer never runs).
+    """
+
+    __slots__ = ("_scope",)
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+        self._scope = trio.CancelScope()
+        task_group.spawn(_run_in, self._scope, action)
+
+    async def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+        self._scope = None
+
+
+async def _run_in(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await action()
+
+
 class _StallBoundTCPServer(TCPServer):
     stall_s: float = 0.5
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.idle_task = _IdleTask()  # type: ignore[assignment]
+
+    async def _read_data(self) -> None:
+        if self.config.read_timeout is not None:
+            await super()._read_data()
+            return
+        # hypercorn's loop without its per-read `fail_after(inf)` scope.
+        while True:
+            try:
+                data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await self.protocol.handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
             await super().protocol_send(event)
             return
-        async with self.send_lock:
-            sent = 0
-            data = memoryview(event.data)
+        data = memoryview(event.data)
+        if not data:
+            return  # h11's end of a Content-Length body: nothing to write
+        sent = 0
+        if self.send_lock.locked():
+            await self.send_lock.acquire()
+        else:
+            # Nearly every write fits the socket buffer at once. Trying it synchronously
+            # first skips the lock's and the stall scope's scheduler round trips (tens of
+            # µs per SSE chunk); the relay loop still yields at its next engine read.
+            try:
+                sent = os.write(self.stream.socket.fileno(), data)
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.stream.socket.close()
+                await self.protocol.handle(Closed())
+                return
+            if sent == len(data):
+                return
+            self.send_lock.acquire_nowait()  # still free: nothing was awaited since
+        try:
             aborted = False
             try:
                 with trio.move_on_after(self.stall_s) as stall:
@@ -57,6 +135,8 @@ class _StallBoundTCPServer(TCPServer):
             if aborted:
                 self.stream.socket.close()
                 await self.protocol.handle(Closed())
+        finally:
+            self.send_lock.release()
 
 
 async def serve_app(

@@ -7,7 +7,9 @@ Starts the overhead benchmark's setup (zero-latency P/D simulator pair, Narwhal 
 same config) once per variant, then runs the overhead load generator against each
 variant in turn, interleaved and repeated, printing Narwhal's CPU per request, per
 chunk and per token, and TTFT. `default` (the overhead config) is always a variant;
-`--variant notok=engine.tokenize=false` adds one with that setting changed.
+`--variant notok=engine.tokenize=false` adds one with that setting changed;
+`--code base=DIR` adds one that runs the narwhal package found in DIR (say an extracted
+`git archive REV narwhal`) with the default config, to compare code revisions the same way.
 
 With --py-spy, py-spy (`pip install py-spy` into .venv) samples the router while it
 holds the GIL during the first repetition, and the samples are grouped by where the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -114,6 +117,13 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, patch
 
 
+def parse_code(text: str) -> tuple[str, Path]:
+    name, _, directory = text.partition("=")
+    if not name or not (Path(directory) / "narwhal" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR/narwhal/, got {text!r}")
+    return name, Path(directory).resolve()
+
+
 def _value(text: str) -> Any:
     """A JSON literal (false, 2.5, "x") or, failing that, the text as a string."""
     try:
@@ -128,10 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, choices=(1, 64, 512), default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variant", type=parse_variant, action="append", default=[])
+    p.add_argument("--code", type=parse_code, action="append", default=[])
     p.add_argument("--py-spy", action="store_true", help="sample the router in repetition 1")
     args = p.parse_args(argv)
     variants: dict[str, dict[str, Any]] = {"default": {}}
     variants.update(args.variant)
+    sources: dict[str, Path] = dict(args.code)
+    variants.update((name, {}) for name in sources)
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if args.py_spy and spy is None:
         p.error("py-spy is not installed in this venv: .venv/bin/pip install py-spy")
@@ -157,9 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = logs / f"profile-{name}.json"
             path.write_text(json.dumps(config, indent=2))
             err = open(logs / f"profile-{name}.log", "wb")  # noqa: SIM115
-            proc = procs.start(
-                name, [sys.executable, "-m", "narwhal", "serve", "--config", str(path)], stderr=err
-            )
+            argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(path)]
+            env = None
+            if name in sources:
+                # -P: the benchmark's cwd (this checkout) must not shadow PYTHONPATH.
+                argv[1:1] = ["-P"]
+                env = {**os.environ, "PYTHONPATH": str(sources[name])}
+            proc = procs.start(name, argv, stderr=err, env=env)
             wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=60)
             routers[name] = (("127.0.0.1", port), proc)
         for rep in range(args.reps):
