@@ -4,6 +4,7 @@ from ._gate import AdmissionGate as AdmissionGate, GateStatistics as GateStatist
 from ._pricing import (
     BacklogBook as BacklogBook,
     DecodeCurve as DecodeCurve,
+    FirstTokenLag as FirstTokenLag,
     PathQuote as PathQuote,
     PrefillCurve as PrefillCurve,
     Priced as Priced,

@@ -10,6 +10,11 @@ A prefill path's projected TTFT is
   + the KV handoff estimate for the prompt (disaggregated paths)
   + one decode step on the decode side (the first token after the KV lands)
 
+and, when the decode side has lately been slower than that model (a full decode batch
+makes new requests wait for a slot, which no profile prices), the decode engine's recent
+first-token lag instead of handoff + step, counted as wait: it comes from load, so it
+drains, and it never makes a prompt look too long for the target (`FirstTokenLag`).
+
 and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin).
 When it does not fit, the refusal says why: if even an idle engine would miss the target
 the prompt itself is the problem (shorten it or raise the target, no Retry-After, because
@@ -56,6 +61,9 @@ class Priced:
     # Bounded live/profile ratio of decode intervals (manual 7.1); 1.0 = as profiled.
     decode_correction: float = 1.0
 
+    # Recent decode-side first-token latency observed on this engine, decayed.
+    first_token_lag_s: float = 0.0
+
     def first_step_s(self, prompt_tokens: int) -> float:
         if self.decode is None:
             return 0.0
@@ -64,6 +72,12 @@ class Priced:
             view.decode_active + 1, view.decode_tokens + prompt_tokens
         )
         return max(0.0, interval) * self.decode_correction
+
+    def decode_side_s(self, prompt_tokens: int, handoff_s: float) -> tuple[float, float]:
+        """(modelled, extra): handoff + first step from the profile, and how much longer
+        the decode side has lately taken to produce a first token."""
+        modelled = handoff_s + self.first_step_s(prompt_tokens)
+        return modelled, max(0.0, self.first_token_lag_s - modelled)
 
 
 @attrs.frozen
@@ -110,19 +124,24 @@ def quote_paths(
         for p in engines
         if p.view.role == "decode" and p.view.decode_blocked is None and p.view.id not in excluded
     ]
-    first_step = min((p.first_step_s(prompt_tokens) for p in decode_side), default=math.inf)
+    modelled, extra = min(
+        (p.decode_side_s(prompt_tokens, handoff_s) for p in decode_side),
+        key=sum,
+        default=(math.inf, 0.0),
+    )
     quotes: list[PathQuote] = []
     for priced in engines:
         role = priced.view.role
         if role == "prefill" and decode_side and _usable(priced, excluded, "prefill"):
             assert priced.prefill is not None
-            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + handoff_s + first_step
+            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + modelled
+            wait = priced.backlog_s + extra
             quotes.append(
                 PathQuote(
                     engine=priced.view.id,
                     mode="disaggregated",
-                    wait_s=priced.backlog_s,
-                    ttft_s=priced.backlog_s + own,
+                    wait_s=wait,
+                    ttft_s=wait + own,
                     idle_ttft_s=own,
                     in_domain=priced.prefill.in_domain(prompt_tokens),
                 )
@@ -234,6 +253,42 @@ class BacklogBook:
         return {engine_id: self.wait_s(engine_id, now) for engine_id in self.finish}
 
 
+@attrs.define
+class FirstTokenLag:
+    """Recent decode-side first-token latency per engine: from the decode request to its
+    first token (KV pull, a slot in the batch, the first step), for P/D decode legs that
+    start after their prefill answered.
+
+    An exponentially weighted mean of the observations (weight `alpha` for the newest),
+    decaying towards zero with time constant `tau_s` since the last one: a decode engine
+    that stops being slow, or stops being chosen, is forgotten within a few `tau_s`.
+    """
+
+    tau_s: float = 1.0
+    alpha: float = 0.3
+    value: dict[str, float] = attrs.Factory(dict)
+    at: dict[str, float] = attrs.Factory(dict)
+
+    def lag_s(self, engine_id: str, now: float) -> float:
+        value = self.value.get(engine_id)
+        if value is None:
+            return 0.0
+        age = max(0.0, now - self.at[engine_id])
+        return value * math.exp(-age / self.tau_s)
+
+    def observe(self, engine_id: str, lag_s: float, now: float) -> None:
+        lag_s = max(0.0, lag_s)
+        if engine_id in self.value:
+            current = self.lag_s(engine_id, now)
+            self.value[engine_id] = current + self.alpha * (lag_s - current)
+        else:
+            self.value[engine_id] = lag_s
+        self.at[engine_id] = now
+
+    def lags(self, now: float) -> Mapping[str, float]:
+        return {engine_id: self.lag_s(engine_id, now) for engine_id in self.value}
+
+
 class ProfileSource(Protocol):
     """Where pricing gets each engine's curves (the profile store, adapted)."""
 
@@ -247,7 +302,11 @@ class ProfileSource(Protocol):
 
 
 def price_fleet(
-    views: Iterable[EngineView], source: ProfileSource, backlog: BacklogBook, now: float
+    views: Iterable[EngineView],
+    source: ProfileSource,
+    backlog: BacklogBook,
+    now: float,
+    lags: FirstTokenLag | None = None,
 ) -> dict[str, Priced]:
     return {
         view.id: Priced(
@@ -256,6 +315,7 @@ def price_fleet(
             source.decode_curve(view.id),
             backlog.wait_s(view.id, now),
             source.decode_correction(view.id),
+            lags.lag_s(view.id, now) if lags is not None else 0.0,
         )
         for view in views
     }
@@ -290,9 +350,14 @@ def placement_policy(
         p = priced[view.id]
         return math.inf if p.decode is None else p.first_step_s(prompt_tokens)
 
+    def decode_cost(view: EngineView) -> float:
+        # A decode engine that has lately been slow to a first token costs that delay.
+        p = priced[view.id]
+        return decode_seconds(view) + p.decode_side_s(prompt_tokens, handoff_s)[1]
+
     return Policy(
         prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,
         decode_ok=lambda v: decode_seconds(v) <= tpot_target_s,
         prefill_cost=prefill_seconds,
-        decode_cost=decode_seconds,
+        decode_cost=decode_cost,
     )

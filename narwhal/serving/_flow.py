@@ -335,7 +335,9 @@ class Flow:
                 code="no_profile",
             )
         now = trio.current_time()
-        priced = price_fleet(ctx.fleet.views(now), ctx.profiles, ctx.backlog, now)
+        priced = price_fleet(
+            ctx.fleet.views(now), ctx.profiles, ctx.backlog, now, ctx.first_token_lags
+        )
         quotes = quote_paths(
             priced.values(), prompt_tokens=tokens, handoff_s=ctx.profiles.handoff_s(tokens)
         )
@@ -362,7 +364,7 @@ class Flow:
             return DEFAULT_POLICY
         now = trio.current_time()
         return placement_policy(
-            price_fleet(ctx.fleet.views(now), ctx.profiles, ctx.backlog, now),
+            price_fleet(ctx.fleet.views(now), ctx.profiles, ctx.backlog, now, ctx.first_token_lags),
             prompt_tokens=tokens,
             handoff_s=ctx.profiles.handoff_s(tokens),
             ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
@@ -953,6 +955,12 @@ async def _relay(
                             if hold_until is None or hold_until.is_set():
                                 record.first_output_at = now
                             ctx.metrics.ttft_by(phase).observe(now - request.arrival)
+                            if phase == "decode" and not engine.dialect.concurrent_legs:
+                                # The decode request went out after its prefill answered,
+                                # so this is the decode side's whole share of the TTFT.
+                                lags = ctx.first_token_lags
+                                lags.tau_s = config.slo.ttft_s
+                                lags.observe(engine.id, now - started, now)
                         if first_at is not None:
                             if tokens and len(gaps) < _MAX_GAPS:
                                 gaps.append(now - last_at)

@@ -87,6 +87,10 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 engine_id: round(wait, 6)
                 for engine_id, wait in sorted(ctx.backlog.waits(now).items())
             },
+            "decode_first_token_lag_s": {
+                engine_id: round(lag, 6)
+                for engine_id, lag in sorted(ctx.first_token_lags.lags(now).items())
+            },
         },
         "retry_budget": {
             "level": round(budget.level, 3),

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 
-from narwhal.admission import BacklogBook, Priced, judge, quote_paths
+from narwhal.admission import (
+    BacklogBook,
+    FirstTokenLag,
+    Priced,
+    judge,
+    placement_policy,
+    quote_paths,
+)
 
 from ..support import engine_view
 
@@ -143,3 +152,58 @@ def test_backlog_book_is_a_virtual_finish_time() -> None:
     assert book.wait_s("unknown", 11.2) == 0.0
     book.commit("p0", 0.3, now=20.0)
     assert book.wait_s("p0", 20.0) == pytest.approx(0.3)
+
+
+def lagging_fleet(lag_d0: float, lag_d1: float) -> list[Priced]:
+    return [
+        Priced(view("p0", "prefill"), Linear(0.0001), Flat(0.01)),
+        Priced(view("d0", "decode"), None, Flat(0.01), first_token_lag_s=lag_d0),
+        Priced(view("d1", "decode"), None, Flat(0.01), first_token_lag_s=lag_d1),
+    ]
+
+
+def test_a_slow_decode_side_is_priced_as_wait_on_the_least_lagging_engine() -> None:
+    # Modelled decode side: 0.005 handoff + 0.01 first step = 0.015 s. d0 lately took
+    # 0.6 s to a first token, d1 0.3 s: the path is priced on d1, 0.285 s over the model.
+    quotes = quote_paths(lagging_fleet(0.6, 0.3), prompt_tokens=1000, handoff_s=0.005)
+    (p0,) = quotes
+    assert p0.idle_ttft_s == pytest.approx(0.1 + 0.015)
+    assert p0.wait_s == pytest.approx(0.285)
+    assert p0.ttft_s == pytest.approx(0.1 + 0.3)
+    # A lag below the model changes nothing.
+    (fast,) = quote_paths(lagging_fleet(0.01, 0.01), prompt_tokens=1000, handoff_s=0.005)
+    assert fast.wait_s == 0.0
+    assert fast.ttft_s == pytest.approx(0.115)
+
+
+def test_a_decode_lag_refusal_is_a_backlog_refusal_not_a_prompt_too_long() -> None:
+    quotes = quote_paths(lagging_fleet(0.8, 0.9), prompt_tokens=1000, handoff_s=0.0)
+    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.5, margin=0.0)
+    assert not verdict.admitted
+    assert verdict.code == "ttft_budget"
+    assert verdict.retry_after_s is not None
+    assert verdict.retry_after_s > 0
+
+
+def test_placement_steers_decode_away_from_a_lagging_engine() -> None:
+    priced = {p.view.id: p for p in lagging_fleet(0.5, 0.0)}
+    policy = placement_policy(
+        priced, prompt_tokens=100, handoff_s=0.0, ttft_budget_s=1.0, tpot_target_s=0.05
+    )
+    d0, d1 = priced["d0"].view, priced["d1"].view
+    assert policy.decode_cost(d0) > policy.decode_cost(d1)
+    assert policy.decode_ok(d0)  # the lag is a TTFT matter, not a TPOT one
+
+
+def test_first_token_lag_is_a_decaying_weighted_mean() -> None:
+    lags = FirstTokenLag(tau_s=2.0, alpha=0.5)
+    assert lags.lag_s("d0", 0.0) == 0.0
+    lags.observe("d0", 1.0, now=10.0)
+    assert lags.lag_s("d0", 10.0) == pytest.approx(1.0)
+    lags.observe("d0", 0.0, now=10.0)
+    assert lags.lag_s("d0", 10.0) == pytest.approx(0.5)
+    # Forgotten with time constant tau_s when nothing new is seen.
+    assert lags.lag_s("d0", 12.0) == pytest.approx(0.5 * math.exp(-1.0))
+    lags.observe("d0", -3.0, now=12.0)  # a negative observation counts as zero
+    assert lags.lag_s("d0", 12.0) == pytest.approx(0.5 * math.exp(-1.0) * 0.5)
+    assert set(lags.lags(12.0)) == {"d0"}

@@ -245,3 +245,20 @@ async def test_without_a_controller_demand_events_do_not_pile_up(
     # `passes` counts passes begun; the one after next has finished this one's handlers.
     await wait_for(lambda: monitor.passes > passes + 1)
     assert len(stack.ctx.demand_events) == 0
+
+
+async def test_a_slow_decode_side_is_seen_and_priced(start_stack: StartStack) -> None:
+    # The decode engine answers its first token 1 s late (a full batch, say): the next
+    # request is refused as a backlog miss, with Retry-After, until the lag has decayed.
+    stack = await predictive_stack(start_stack, ttft_s=0.05)
+    stack.fleet[1].set_faults(slow_first_token_s=1.0, leg="decode")
+    first = await post(stack, {"max_tokens": 2, "stream": True})
+    assert first.status_code == 200
+    second = await post(stack, {"max_tokens": 2, "stream": True})
+    assert second.status_code == 429
+    assert second.json()["error"]["code"] == "ttft_budget"
+    assert "retry-after" in second.headers
+    state = await settled(stack)
+    lag = state["admission"]["decode_first_token_lag_s"]
+    assert set(lag) == {"d1"}  # engine ids follow the roles' positions: p0, d1
+    assert 0.0 < lag["d1"] < 1.2
