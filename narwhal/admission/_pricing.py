@@ -315,7 +315,9 @@ def price_fleet(
             source.decode_curve(view.id),
             backlog.wait_s(view.id, now),
             source.decode_correction(view.id),
-            lags.lag_s(view.id, now) if lags is not None else 0.0,
+            # A first token already overdue is a lower bound on the lag, seen before
+            # the token arrives: a decode batch that fills shows here first.
+            max(view.first_token_wait_s, lags.lag_s(view.id, now) if lags else 0.0),
         )
         for view in views
     }

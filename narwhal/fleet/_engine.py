@@ -7,8 +7,9 @@ stay pure functions of a snapshot and a clock value.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal, Protocol
 
 import attrs
@@ -42,6 +43,8 @@ class EngineView:
     decode_tokens: int
     decode_slots_free: float
     handoffs_pending: int = 0
+    # How long the oldest decode leg still waiting for its first token has waited.
+    first_token_wait_s: float = 0.0
 
     @property
     def available(self) -> bool:
@@ -105,6 +108,9 @@ class EngineState:
         # Every leg ever started here (any phase): a leg that sees it unchanged at its end
         # ran without another leg starting beside it (latency residuals need that).
         self.legs_started = 0
+        # Decode legs sent after their prefill and still waiting for a first token, by
+        # start time; insertion order is start order, so the first value is the oldest.
+        self._awaiting_first_token: dict[object, float] = {}
         self.decode_active = 0
         self.decode_tokens = 0
         self.handoffs_pending = 0
@@ -163,6 +169,26 @@ class EngineState:
                 return reason
         return None
 
+    @contextlib.contextmanager
+    def first_token_watch(self, since: float) -> Iterator[Callable[[], None]]:
+        """Count a decode leg as waiting for its first token until the yielded callable
+        is called (the token came) or the leg ends."""
+        key = object()
+        self._awaiting_first_token[key] = since
+
+        def seen() -> None:
+            self._awaiting_first_token.pop(key, None)
+
+        try:
+            yield seen
+        finally:
+            seen()
+
+    def first_token_wait_s(self, now: float) -> float:
+        for since in self._awaiting_first_token.values():
+            return max(0.0, now - since)
+        return 0.0
+
     def view(self, now: float) -> EngineView:
         return EngineView(
             id=self.id,
@@ -176,6 +202,7 @@ class EngineState:
             decode_tokens=self.decode_tokens + self.decode_pending_tokens,
             decode_slots_free=self.decode_limiter.available_tokens,
             handoffs_pending=self.handoffs_pending,
+            first_token_wait_s=self.first_token_wait_s(now),
         )
 
     async def aclose(self) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -878,7 +878,16 @@ class Flow:
             await client.start_stream()  # manual 4.3: commit 200 before decode starts
         if timer is None:
             timer = trio.CancelScope(deadline=trio.current_time() + first_token_budget)
-        await _relay(self, engine, phase, body, request, config, client, record, timer, hold_until)
+        if phase == "decode" and not engine.dialect.concurrent_legs:
+            with engine.first_token_watch(trio.current_time()) as seen:
+                await _relay(
+                    self, engine, phase, body, request, config, client, record, timer, hold_until,
+                    first_token_seen=seen,
+                )  # fmt: skip
+        else:
+            await _relay(
+                self, engine, phase, body, request, config, client, record, timer, hold_until
+            )
 
 
 async def _relay(
@@ -892,6 +901,7 @@ async def _relay(
     record: RequestRecord,
     timer: trio.CancelScope,
     hold_until: trio.Event | None,
+    first_token_seen: Callable[[], None] | None = None,
 ) -> None:
     """Relay an engine SSE stream to the client, event by event.
 
@@ -955,7 +965,8 @@ async def _relay(
                             if hold_until is None or hold_until.is_set():
                                 record.first_output_at = now
                             ctx.metrics.ttft_by(phase).observe(now - request.arrival)
-                            if phase == "decode" and not engine.dialect.concurrent_legs:
+                            if first_token_seen is not None:
+                                first_token_seen()
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
                                 lags = ctx.first_token_lags

@@ -1,0 +1,55 @@
+"""An overdue first token on a decode engine is seen before it arrives."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.admission import BacklogBook, FirstTokenLag, price_fleet
+from narwhal.config import Config, EngineSpec
+from narwhal.fleet import EngineState
+
+from ..support import engine_view
+from .test_pricing import Flat, Linear
+
+
+class Source:
+    def prefill_curve(self, engine_id: str) -> Linear:
+        return Linear(0.0001)
+
+    def decode_curve(self, engine_id: str) -> Flat:
+        return Flat(0.01)
+
+    def handoff_s(self, prompt_tokens: int) -> float:
+        return 0.0
+
+    def decode_correction(self, engine_id: str) -> float:
+        return 1.0
+
+
+async def test_the_oldest_waiting_decode_leg_sets_the_wait() -> None:
+    spec = EngineSpec(id="d0", url="http://127.0.0.1:9", role="decode")
+    engine = EngineState(spec, Config(engines=(spec,)))
+    assert engine.first_token_wait_s(5.0) == 0.0
+    with engine.first_token_watch(1.0) as first_seen:
+        with engine.first_token_watch(2.0):
+            assert engine.view(5.0).first_token_wait_s == pytest.approx(4.0)
+            first_seen()  # the older leg got its token: the younger one is the oldest now
+            assert engine.first_token_wait_s(5.0) == pytest.approx(3.0)
+        assert engine.first_token_wait_s(5.0) == 0.0  # a leg that ends stops waiting
+    assert engine.first_token_wait_s(5.0) == 0.0
+    await engine.aclose()
+
+
+def test_pricing_takes_the_overdue_wait_as_a_lower_bound_on_the_lag() -> None:
+    lags = FirstTokenLag(tau_s=1.0)
+    lags.observe("d0", 0.2, now=0.0)
+    views = [
+        engine_view("d0", "decode", first_token_wait_s=0.5),
+        engine_view("d1", "decode"),
+    ]
+    priced = price_fleet(views, Source(), BacklogBook(), 0.0, lags)
+    assert priced["d0"].first_token_lag_s == pytest.approx(0.5)
+    assert priced["d1"].first_token_lag_s == 0.0
+    lags.observe("d1", 0.3, now=0.0)
+    priced = price_fleet(views, Source(), BacklogBook(), 0.0, lags)
+    assert priced["d1"].first_token_lag_s == pytest.approx(0.3)
