@@ -442,9 +442,7 @@ def plot(doc: Json, path: Path) -> None:
         f"sim speed {doc['config']['speed']})",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    benchkit.save_figure(fig, path)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -210,6 +210,16 @@ def load_average() -> list[Json]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (110 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt  # the bench extra; only plotting needs it
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_json(path: Path, document: Mapping[str, Json]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n")

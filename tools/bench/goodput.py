@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import benchkit
 import goodput_harness as harness
 import goodput_metrics as gm
 import goodput_workload as gw
@@ -648,9 +649,7 @@ def plot(doc: Json, path: Path) -> None:
     ax3.set_ylabel("offered req/s")
     ax3.set_xlabel("model time (s)")
     ax3.set_xlim(0, end_t * 1.01)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    benchkit.save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------- main

@@ -348,9 +348,7 @@ def plot(doc: Json, path: Path) -> None:
             fontsize=9,
         )
     fig.suptitle("Narwhal RSS under a flood (retained ceiling dotted)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    benchkit.save_figure(fig, path)
 
 
 async def run(args: argparse.Namespace) -> int:

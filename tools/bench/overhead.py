@@ -52,6 +52,7 @@ from benchkit import (
     median,
     read_lines,
     rounded,
+    save_figure,
     versions,
     wait_ready,
     write_json,
@@ -861,10 +862,7 @@ def plot(
     ax.set_title("added TTFT vs direct, ms (bar p50, tick p99; dashed: 1 ms goal)", fontsize=10)
     ax.legend(fontsize=8)
     fig.suptitle(title + "\nmedian of repetitions", fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------- main

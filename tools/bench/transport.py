@@ -55,6 +55,7 @@ from benchkit import (
     median,
     read_lines,
     rounded,
+    save_figure,
     summarize,
     versions,
     write_json,
@@ -448,10 +449,7 @@ def plot(summary: Sequence[Mapping[str, Json]], path: Path, *, machine_info: Jso
         f"({machine_info['cpu_model']}, {machine_info['cores']} cores)",
         fontsize=11,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
