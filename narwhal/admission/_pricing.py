@@ -73,11 +73,15 @@ class Priced:
         )
         return max(0.0, interval) * self.decode_correction
 
+    def lag_extra_s(self, modelled_s: float) -> float:
+        """How much longer than `modelled_s` the decode side has lately taken to produce
+        a first token."""
+        return max(0.0, self.first_token_lag_s - modelled_s)
+
     def decode_side_s(self, prompt_tokens: int, handoff_s: float) -> tuple[float, float]:
-        """(modelled, extra): handoff + first step from the profile, and how much longer
-        the decode side has lately taken to produce a first token."""
+        """(modelled, extra): handoff + first step from the profile, and the lag beyond."""
         modelled = handoff_s + self.first_step_s(prompt_tokens)
-        return modelled, max(0.0, self.first_token_lag_s - modelled)
+        return modelled, self.lag_extra_s(modelled)
 
 
 @attrs.frozen
@@ -354,8 +358,8 @@ def placement_policy(
 
     def decode_cost(view: EngineView) -> float:
         # A decode engine that has lately been slow to a first token costs that delay.
-        p = priced[view.id]
-        return decode_seconds(view) + p.decode_side_s(prompt_tokens, handoff_s)[1]
+        first = decode_seconds(view)
+        return first + priced[view.id].lag_extra_s(handoff_s + first)
 
     return Policy(
         prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,

@@ -114,3 +114,13 @@ def test_pool_series_sums_each_pool() -> None:
     assert series["prefill_waiting"] == [5]
     assert series["decode_running"] == [30]
     assert series["decode_kv_usage"] == [0.4]
+
+
+def test_a_configuration_needing_a_disabled_feature_is_skipped_with_its_reason() -> None:
+    full = goodput.select("narwhal-full")[0]
+    off = dict.fromkeys(goodput.FEATURES, False)
+    skipped = goodput.unavailable(full, off, "goodput")
+    assert skipped is not None
+    assert skipped["status"] == "skipped"
+    assert "predictive_admission, controller" in skipped["reason"]
+    assert goodput.unavailable(full, dict.fromkeys(goodput.FEATURES, True), "goodput") is None

@@ -713,6 +713,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def unavailable(cfg: Configuration, features: dict[str, bool], tool: str) -> Json | None:
+    """The skipped result of a configuration that needs a feature not enabled, after
+    saying so on stdout; None when it can run."""
+    missing = [f for f in cfg.requires if not features[f]]
+    if not missing:
+        return None
+    print(f"{tool}: {cfg.name}: skipped (not available yet: {missing})", flush=True)
+    return {
+        "status": "skipped",
+        "reason": f"not available yet: {', '.join(missing)} (enable in "
+        f"tools/bench/goodput.py FEATURES or pass --assume-feature)",
+        "note": cfg.note,
+    }
+
+
 def select(spec: str) -> list[Configuration]:
     if spec == "all":
         return list(CONFIGURATIONS)
@@ -776,15 +791,9 @@ async def run_all(args: argparse.Namespace) -> int:
     results: dict[str, Json] = {}
     started = time.monotonic()
     for cfg in chosen:
-        missing = [f for f in cfg.requires if not features[f]]
-        if missing:
-            results[cfg.name] = {
-                "status": "skipped",
-                "reason": f"not available yet: {', '.join(missing)} (enable in "
-                f"tools/bench/goodput.py FEATURES or pass --assume-feature)",
-                "note": cfg.note,
-            }
-            print(f"goodput: {cfg.name}: skipped (not available yet: {missing})", flush=True)
+        skipped = unavailable(cfg, features, "goodput")
+        if skipped is not None:
+            results[cfg.name] = skipped
             continue
         if prune and cfg.name in STATIC_NAMES:
             fit = modelled_fit(int(cfg.split), capacities)

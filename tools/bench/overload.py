@@ -140,15 +140,9 @@ async def run_all(args: argparse.Namespace) -> int:
     results: dict[str, Json] = {}
     started = time.monotonic()
     for cfg in CONFIGURATIONS:
-        missing = [f for f in cfg.requires if not features[f]]
-        if missing:
-            results[cfg.name] = {
-                "status": "skipped",
-                "reason": f"not available yet: {', '.join(missing)} (enable in "
-                f"tools/bench/goodput.py FEATURES or pass --assume-feature)",
-                "note": cfg.note,
-            }
-            print(f"overload: {cfg.name}: skipped (not available yet: {missing})", flush=True)
+        skipped = goodput.unavailable(cfg, features, "overload")
+        if skipped is not None:
+            results[cfg.name] = skipped
             continue
         print(f"overload: {cfg.name}: {goodput.split_label(prefill)} ...", flush=True)
         try:
