@@ -302,6 +302,9 @@ class Settings:
     vllm_router_venv: Path
     out_dir: Path  # per-run logs and raw rows
     niceness: int = 0  # of every process started (negative: ahead of other work)
+    # Keep Narwhal's per-request log lines (projected vs observed TTFT, engines, attempts)
+    # in the run directory: diagnosis, at some router CPU.
+    request_log: bool = False
 
 
 def split_label(p: int) -> str:
@@ -343,6 +346,8 @@ async def run_one(
             extra = dict(cfg.narwhal_extra)
             if cfg.prepare is not None:
                 extra.update(await cfg.prepare(urls, roles, run_dir))
+            if settings.request_log:
+                extra["log"] = {"level": "info"}
             config = harness.narwhal_config(
                 urls,
                 roles,

@@ -85,6 +85,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a profile store measured on an identical fleet (same --speed) to reuse "
         "instead of profiling the predictive run's fleet (see goodput.py --profiles)",
     )
+    p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
+    p.add_argument(
+        "--request-log",
+        action="store_true",
+        help="keep Narwhal's per-request log lines in the run directory (diagnosis)",
+    )
     p.add_argument("--out", type=Path, default=harness.REPO / "runs" / "bench" / "overload.json")
     return p.parse_args(argv)
 
@@ -133,13 +139,21 @@ async def run_all(args: argparse.Namespace) -> int:
         vllm_router_venv=args.vllm_router_venv,
         out_dir=harness.REPO / "runs" / "tmp" / "overload" / time.strftime("%Y%m%d-%H%M%S"),
         niceness=args.niceness,
+        request_log=args.request_log,
     )
     if args.profiles is not None:
         goodput.use_profiles(args.profiles)
     features = {k: v or k in args.assume_feature for k, v in goodput.FEATURES.items()}
     results: dict[str, Json] = {}
     started = time.monotonic()
+    wanted = None if args.configs == "all" else set(args.configs.split(","))
+    unknown = (wanted or set()) - {c.name for c in CONFIGURATIONS}
+    if unknown:
+        print(f"overload: unknown --configs {sorted(unknown)}", file=sys.stderr)
+        return 2
     for cfg in CONFIGURATIONS:
+        if wanted is not None and cfg.name not in wanted:
+            continue
         skipped = goodput.unavailable(cfg, features, "overload")
         if skipped is not None:
             results[cfg.name] = skipped
