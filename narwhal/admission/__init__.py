@@ -4,7 +4,9 @@ from ._gate import AdmissionGate as AdmissionGate, GateStatistics as GateStatist
 from ._pricing import (
     BacklogBook as BacklogBook,
     DecodeCurve as DecodeCurve,
+    DecodeSide as DecodeSide,
     FirstTokenLag as FirstTokenLag,
+    KvTurnover as KvTurnover,
     PathQuote as PathQuote,
     PrefillCurve as PrefillCurve,
     Priced as Priced,

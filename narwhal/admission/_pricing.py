@@ -15,6 +15,14 @@ makes new requests wait for a slot, which no profile prices), the decode engine'
 first-token lag instead of handoff + step, counted as wait: it comes from load, so it
 drains, and it never makes a prompt look too long for the target (`FirstTokenLag`).
 
+The decode engine also needs free KV for the prompt when the handoff lands: an engine
+whose KV cache is committed (resident prompts and generated tokens, plus prompts placed
+on it and still in their prefill) admits nothing new until finishing requests free
+enough of it. That wait is the overflow divided by the rate at which the engine has
+lately released KV (`KvTurnover`), less the prefill time it overlaps with; it is also
+load, counted as wait, and the larger of it and the lag is used (both measure the same
+queue, seen from the past and from the future).
+
 and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin).
 When it does not fit, the refusal says why: if even an idle engine would miss the target
 the prompt itself is the problem (shorten it or raise the target, no Retry-After, because
@@ -63,6 +71,20 @@ class Priced:
 
     # Recent decode-side first-token latency observed on this engine, decayed.
     first_token_lag_s: float = 0.0
+    # The engine's KV cache size (profile) and the tokens/s it has lately freed.
+    kv_capacity_tokens: int | None = None
+    kv_release_per_s: float = 0.0
+
+    def kv_ready_s(self, prompt_tokens: int) -> float:
+        """Seconds from now until the engine's KV has room for `prompt_tokens` more."""
+        capacity = self.kv_capacity_tokens
+        if not capacity:
+            return 0.0
+        overflow = self.view.decode_tokens + prompt_tokens - capacity * (1.0 - KV_RESERVE)
+        if overflow <= 0:
+            return 0.0
+        rate = max(self.kv_release_per_s, capacity / KV_TURNOVER_CEILING_S)
+        return overflow / rate
 
     def first_step_s(self, prompt_tokens: int) -> float:
         if self.decode is None:
@@ -78,10 +100,37 @@ class Priced:
         a first token."""
         return max(0.0, self.first_token_lag_s - modelled_s)
 
-    def decode_side_s(self, prompt_tokens: int, handoff_s: float) -> tuple[float, float]:
-        """(modelled, extra): handoff + first step from the profile, and the lag beyond."""
+    def decode_side(self, prompt_tokens: int, handoff_s: float) -> DecodeSide:
         modelled = handoff_s + self.first_step_s(prompt_tokens)
-        return modelled, self.lag_extra_s(modelled)
+        return DecodeSide(modelled, self.lag_extra_s(modelled), self.kv_ready_s(prompt_tokens))
+
+
+@attrs.frozen
+class DecodeSide:
+    """A decode engine's share of a projected TTFT: `modelled_s` (handoff + first step
+    from the profile), `lag_s` (how much slower than that it has lately been) and
+    `kv_ready_s` (when its KV cache has room for the prompt, from now)."""
+
+    modelled_s: float
+    lag_s: float
+    kv_ready_s: float
+
+    def delay_s(self, prefill_done_s: float = 0.0) -> float:
+        """Load delay beyond the model for a prompt whose prefill ends `prefill_done_s`
+        from now: the KV wait overlaps the prefill, the lag does not."""
+        return max(self.lag_s, self.kv_ready_s - prefill_done_s)
+
+    @property
+    def cost_s(self) -> float:
+        return self.modelled_s + self.delay_s()
+
+
+# Headroom kept out of the KV capacity: vLLM's free-block watermark (1 %) plus the
+# partly filled last block of each resident sequence.
+KV_RESERVE = 0.02
+# With no recent release observed, assume the whole cache turns over in this long: a
+# KV-full engine is priced as a finite (refusable, Retry-After-able) wait.
+KV_TURNOVER_CEILING_S = 60.0
 
 
 @attrs.frozen
@@ -128,18 +177,19 @@ def quote_paths(
         for p in engines
         if p.view.role == "decode" and p.view.decode_blocked is None and p.view.id not in excluded
     ]
-    modelled, extra = min(
-        (p.decode_side_s(prompt_tokens, handoff_s) for p in decode_side),
-        key=sum,
-        default=(math.inf, 0.0),
+    side = min(
+        (p.decode_side(prompt_tokens, handoff_s) for p in decode_side),
+        key=lambda d: d.cost_s,
+        default=None,
     )
     quotes: list[PathQuote] = []
     for priced in engines:
         role = priced.view.role
-        if role == "prefill" and decode_side and _usable(priced, excluded, "prefill"):
+        if role == "prefill" and side is not None and _usable(priced, excluded, "prefill"):
             assert priced.prefill is not None
-            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + modelled
-            wait = priced.backlog_s + extra
+            prefill_s = max(0.0, priced.prefill.prefill_s(prompt_tokens))
+            own = prefill_s + side.modelled_s
+            wait = priced.backlog_s + side.delay_s(priced.backlog_s + prefill_s)
             quotes.append(
                 PathQuote(
                     engine=priced.view.id,
@@ -293,6 +343,34 @@ class FirstTokenLag:
         return {engine_id: self.lag_s(engine_id, now) for engine_id in self.value}
 
 
+@attrs.define
+class KvTurnover:
+    """KV tokens each engine has lately freed per second (decode legs ending, with their
+    prompt and generated tokens): an exponentially decayed sum over time constant
+    `tau_s`, divided by `tau_s`, so a burst of releases and a quiet spell both fade in
+    a few `tau_s`."""
+
+    tau_s: float = 1.0
+    total: dict[str, float] = attrs.Factory(dict)
+    at: dict[str, float] = attrs.Factory(dict)
+
+    def _decayed(self, engine_id: str, now: float) -> float:
+        total = self.total.get(engine_id)
+        if total is None:
+            return 0.0
+        return total * math.exp(-max(0.0, now - self.at[engine_id]) / self.tau_s)
+
+    def observe(self, engine_id: str, tokens: int, now: float) -> None:
+        self.total[engine_id] = self._decayed(engine_id, now) + max(0, tokens)
+        self.at[engine_id] = now
+
+    def rate_per_s(self, engine_id: str, now: float) -> float:
+        return self._decayed(engine_id, now) / self.tau_s
+
+    def rates(self, now: float) -> Mapping[str, float]:
+        return {engine_id: self.rate_per_s(engine_id, now) for engine_id in self.total}
+
+
 class ProfileSource(Protocol):
     """Where pricing gets each engine's curves (the profile store, adapted)."""
 
@@ -304,6 +382,8 @@ class ProfileSource(Protocol):
 
     def decode_correction(self, engine_id: str) -> float: ...
 
+    def kv_capacity_tokens(self, engine_id: str) -> int | None: ...
+
 
 def price_fleet(
     views: Iterable[EngineView],
@@ -311,6 +391,7 @@ def price_fleet(
     backlog: BacklogBook,
     now: float,
     lags: FirstTokenLag | None = None,
+    kv: KvTurnover | None = None,
 ) -> dict[str, Priced]:
     return {
         view.id: Priced(
@@ -322,6 +403,8 @@ def price_fleet(
             # A first token already overdue is a lower bound on the lag, seen before
             # the token arrives: a decode batch that fills shows here first.
             max(view.first_token_wait_s, lags.lag_s(view.id, now) if lags else 0.0),
+            source.kv_capacity_tokens(view.id),
+            kv.rate_per_s(view.id, now) if kv else 0.0,
         )
         for view in views
     }
@@ -357,9 +440,12 @@ def placement_policy(
         return math.inf if p.decode is None else p.first_step_s(prompt_tokens)
 
     def decode_cost(view: EngineView) -> float:
-        # A decode engine that has lately been slow to a first token costs that delay.
-        first = decode_seconds(view)
-        return first + priced[view.id].lag_extra_s(handoff_s + first)
+        # A decode engine that has lately been slow to a first token, or has no KV room
+        # for the prompt, costs that delay.
+        p = priced[view.id]
+        if p.decode is None:
+            return math.inf
+        return p.decode_side(prompt_tokens, handoff_s).cost_s - handoff_s
 
     return Policy(
         prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,

@@ -2,8 +2,9 @@
 
 `FleetProfiles` wraps a `ProfileCheck` (only usable profiles are ever returned) plus the
 live decode corrections. Its members match, structurally, what predictive admission
-(`prefill_curve`, `decode_curve`, `handoff_s`, `decode_correction`) and the role
-controller (`profile`, `mean_profile`) read, so neither needs to import this package.
+(`prefill_curve`, `decode_curve`, `handoff_s`, `decode_correction`,
+`kv_capacity_tokens`) and the role controller (`profile`, `mean_profile`) read, so
+neither needs to import this package.
 No trio and no I/O; the corrections are replaced, never mutated, on each update.
 """
 
@@ -49,6 +50,11 @@ class FleetProfiles:
     def decode_curve(self, engine_id: str) -> DecodeModel | None:
         profile = self.check.profile(engine_id)
         return profile.decode if profile is not None else None
+
+    def kv_capacity_tokens(self, engine_id: str) -> int | None:
+        """The engine's KV cache in tokens, as its profile read it; None if unknown."""
+        profile = self.check.profile(engine_id)
+        return profile.kv_capacity_tokens or None if profile is not None else None
 
     # -- handoff ---------------------------------------------------------------------------
     def handoff_s(self, prompt_tokens: int) -> float:

@@ -12,7 +12,14 @@ import attrs
 import trio
 
 from .._errors import EngineFailed, NarwhalError
-from ..admission import AdmissionGate, BacklogBook, FirstTokenLag, ProfileSource, RetryBudget
+from ..admission import (
+    AdmissionGate,
+    BacklogBook,
+    FirstTokenLag,
+    KvTurnover,
+    ProfileSource,
+    RetryBudget,
+)
 from ..config import Config
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
@@ -177,6 +184,7 @@ class ServingContext:
         self.profiles: ProfileSource | None = None
         self.backlog = BacklogBook()
         self.first_token_lags = FirstTokenLag(tau_s=config.slo.ttft_s)
+        self.kv_turnover = KvTurnover(tau_s=config.slo.ttft_s)
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Literal
 
 import trio
@@ -123,6 +123,34 @@ class _DecodePending:
             self.held = False
             self.engine.decode_pending -= 1
             self.engine.decode_pending_tokens -= self.tokens
+
+
+def _release_kv(ctx: ServingContext, engine: EngineState, tokens: int) -> None:
+    engine.decode_tokens -= tokens
+    ctx.kv_turnover.observe(engine.id, tokens, trio.current_time())
+
+
+class _KvGrowth:
+    """A streamed decode leg's generated tokens, counted into its engine's resident KV
+    (`decode_tokens`, the prompt's share being held by the phase slot) while the leg
+    runs: pricing reads it as the KV the engine has committed."""
+
+    __slots__ = ("ctx", "engine", "tokens")
+
+    def __init__(self, ctx: ServingContext, engine: EngineState) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.tokens = 0
+
+    def add(self) -> None:
+        self.tokens += 1
+        self.engine.decode_tokens += 1
+
+    def __enter__(self) -> _KvGrowth:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _release_kv(self.ctx, self.engine, self.tokens)
 
 
 class Flow:
@@ -336,7 +364,12 @@ class Flow:
             )
         now = trio.current_time()
         priced = price_fleet(
-            ctx.fleet.views(now), ctx.profiles, ctx.backlog, now, ctx.first_token_lags
+            ctx.fleet.views(now),
+            ctx.profiles,
+            ctx.backlog,
+            now,
+            ctx.first_token_lags,
+            ctx.kv_turnover,
         )
         quotes = quote_paths(
             priced.values(), prompt_tokens=tokens, handoff_s=ctx.profiles.handoff_s(tokens)
@@ -364,7 +397,14 @@ class Flow:
             return DEFAULT_POLICY
         now = trio.current_time()
         return placement_policy(
-            price_fleet(ctx.fleet.views(now), ctx.profiles, ctx.backlog, now, ctx.first_token_lags),
+            price_fleet(
+                ctx.fleet.views(now),
+                ctx.profiles,
+                ctx.backlog,
+                now,
+                ctx.first_token_lags,
+                ctx.kv_turnover,
+            ),
             prompt_tokens=tokens,
             handoff_s=ctx.profiles.handoff_s(tokens),
             ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
@@ -745,7 +785,7 @@ class Flow:
                     backlog.release(engine.id, trio.current_time())
             else:
                 engine.decode_active -= 1
-                engine.decode_tokens -= tokens
+                _release_kv(self.ctx, engine, tokens)
             limiter.release_on_behalf_of(borrower)
 
     @asynccontextmanager
@@ -924,7 +964,8 @@ async def _relay(
     tokens = 0
     done = False
     path = ENDPOINT_PATHS[request.kind]
-    with timer:
+    growth = None if phase == "prefill" else _KvGrowth(ctx, engine)
+    with timer, growth or nullcontext():
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:
                 raise await flow._status_failure(engine, phase, response)
@@ -969,14 +1010,14 @@ async def _relay(
                                 first_token_seen()
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
-                                lags = ctx.first_token_lags
-                                lags.tau_s = config.slo.ttft_s
-                                lags.observe(engine.id, now - started, now)
+                                ctx.first_token_lags.observe(engine.id, now - started, now)
                         if first_at is not None:
                             if tokens and len(gaps) < _MAX_GAPS:
                                 gaps.append(now - last_at)
                             tokens += 1
                             last_at = now
+                            if growth is not None:
+                                growth.add()
                     if first_at is None:
                         held.append(raw)
                         held_bytes += len(raw)

@@ -82,6 +82,9 @@ async def apply_config(
     ctx.retry_budget.reconfigure(
         maximum=float(serving.retry_budget), replenish=serving.retry_replenish
     )
+    # Load signals are averaged over the TTFT target's timescale.
+    ctx.first_token_lags.tau_s = effective.slo.ttft_s
+    ctx.kv_turnover.tau_s = effective.slo.ttft_s
 
     for engine_id in (*plan.engines_removed, *plan.engines_replaced):
         retired = ctx.fleet.retire(engine_id)

@@ -25,6 +25,9 @@ class Source:
     def decode_correction(self, engine_id: str) -> float:
         return 1.0
 
+    def kv_capacity_tokens(self, engine_id: str) -> int | None:
+        return None
+
 
 async def test_the_oldest_waiting_decode_leg_sets_the_wait() -> None:
     spec = EngineSpec(id="d0", url="http://127.0.0.1:9", role="decode")

@@ -10,6 +10,7 @@ import pytest
 from narwhal.admission import (
     BacklogBook,
     FirstTokenLag,
+    KvTurnover,
     Priced,
     judge,
     placement_policy,
@@ -207,3 +208,95 @@ def test_first_token_lag_is_a_decaying_weighted_mean() -> None:
     lags.observe("d0", -3.0, now=12.0)  # a negative observation counts as zero
     assert lags.lag_s("d0", 12.0) == pytest.approx(0.5 * math.exp(-1.0) * 0.5)
     assert set(lags.lags(12.0)) == {"d0"}
+
+
+def kv_fleet(committed: int, rate: float, *, prefill_per_token: float = 0.0001) -> list[Priced]:
+    """One prefill engine and one decode engine with a 100,000-token KV cache holding
+    `committed` tokens and lately freeing `rate` tokens/s."""
+    return [
+        Priced(view("p0", "prefill"), Linear(prefill_per_token), None),
+        Priced(
+            view("d0", "decode", decode_tokens=committed),
+            None,
+            Flat(0.01),
+            kv_capacity_tokens=100_000,
+            kv_release_per_s=rate,
+        ),
+    ]
+
+
+def test_a_decode_engine_with_kv_room_adds_no_wait() -> None:
+    # 90,000 committed + 1,000 prompt fits under 98 % of 100,000.
+    (quote,) = quote_paths(kv_fleet(90_000, 10_000.0), prompt_tokens=1000, handoff_s=0.0)
+    assert quote.wait_s == 0.0
+    assert quote.ttft_s == pytest.approx(0.1 + 0.01)
+
+
+def test_a_kv_full_decode_engine_is_priced_as_the_time_to_free_the_overflow() -> None:
+    # 99,000 + 1,000 - 98,000 = 2,000 tokens over; freed at 10,000 tokens/s: the decode
+    # side is ready 0.2 s from now. The 0.1 s prefill overlaps it, so 0.1 s is wait.
+    (quote,) = quote_paths(kv_fleet(99_000, 10_000.0), prompt_tokens=1000, handoff_s=0.0)
+    assert quote.wait_s == pytest.approx(0.1)
+    assert quote.ttft_s == pytest.approx(0.2 + 0.01)
+    assert quote.idle_ttft_s == pytest.approx(0.1 + 0.01)
+    # A prefill longer than the KV wait hides it entirely.
+    (slow,) = quote_paths(
+        kv_fleet(99_000, 10_000.0, prefill_per_token=0.001), prompt_tokens=1000, handoff_s=0.0
+    )
+    assert slow.wait_s == 0.0
+
+
+def test_a_kv_full_refusal_is_a_backlog_refusal_with_a_finite_retry_after() -> None:
+    # Nothing released lately: the whole cache is assumed to turn over in 60 s, so the
+    # 2,000-token overflow takes 1.2 s, and the refusal still names a finite wait.
+    quotes = quote_paths(kv_fleet(99_000, 0.0), prompt_tokens=1000, handoff_s=0.0)
+    assert quotes[0].ttft_s == pytest.approx(1.2 + 0.01)
+    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.5, margin=0.0)
+    assert verdict.code == "ttft_budget"
+    assert verdict.retry_after_s == pytest.approx(0.71)
+
+
+def test_kv_wait_and_first_token_lag_are_not_added_together() -> None:
+    # Both describe the same decode queue: the larger one counts.
+    engines = kv_fleet(99_000, 10_000.0)
+    lagging = attrs.evolve(engines[1], first_token_lag_s=0.5)
+    (quote,) = quote_paths([engines[0], lagging], prompt_tokens=1000, handoff_s=0.0)
+    assert quote.ttft_s == pytest.approx(0.1 + 0.5)
+
+
+def test_placement_prefers_the_decode_engine_with_kv_room() -> None:
+    full = Priced(
+        view("d0", "decode", decode_tokens=99_500),
+        None,
+        Flat(0.01),
+        kv_capacity_tokens=100_000,
+        kv_release_per_s=10_000.0,
+    )
+    roomy = Priced(
+        view("d1", "decode", decode_tokens=10_000),
+        None,
+        Flat(0.02),
+        kv_capacity_tokens=100_000,
+        kv_release_per_s=10_000.0,
+    )
+    priced = {p.view.id: p for p in (full, roomy)}
+    policy = placement_policy(
+        priced, prompt_tokens=1000, handoff_s=0.0, ttft_budget_s=1.0, tpot_target_s=0.05
+    )
+    assert policy.decode_cost(roomy.view) == pytest.approx(0.02)
+    assert policy.decode_cost(full.view) == pytest.approx(0.01 + 0.25)
+
+
+def test_kv_turnover_is_a_decayed_release_rate() -> None:
+    kv = KvTurnover(tau_s=2.0)
+    assert kv.rate_per_s("d0", 0.0) == 0.0
+    kv.observe("d0", 4000, now=10.0)
+    assert kv.rate_per_s("d0", 10.0) == pytest.approx(2000.0)
+    kv.observe("d0", 2000, now=12.0)
+    assert kv.rate_per_s("d0", 12.0) == pytest.approx((4000 * math.exp(-1.0) + 2000) / 2.0)
+    assert kv.rate_per_s("d0", 14.0) == pytest.approx(
+        (4000 * math.exp(-1.0) + 2000) * math.exp(-1.0) / 2.0
+    )
+    kv.observe("d0", -5, now=14.0)  # nothing negative is ever released
+    assert set(kv.rates(14.0)) == {"d0"}
+    assert kv.rate_per_s("d0", 14.0) > 0

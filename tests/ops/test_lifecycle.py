@@ -114,7 +114,13 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
         fleet[1].set_faults(stall_after_tokens=2, stall_s=1.0, leg="decode", count=1)
         async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
             assert await reader.event() is not None  # resident on d1
-            new = merge(base, {"serving": {"max_connections": 32, "request_timeout_s": 30.0}})
+            new = merge(
+                base,
+                {
+                    "serving": {"max_connections": 32, "request_timeout_s": 30.0},
+                    "slo": {"ttft_s": 0.75},
+                },
+            )
             new["engines"] = [
                 base["engines"][0],
                 {"id": "d2", "url": fleet[2].url, "role": "decode", "model": MODEL},
@@ -131,6 +137,8 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             assert [e.id for e in ctx.fleet.retiring] == ["d1"]
             assert ctx.gate.statistics().max_admitted == 32
             assert ctx.config.serving.request_timeout_s == 30.0
+            # Decode-side load signals average over the new TTFT target's timescale.
+            assert ctx.first_token_lags.tau_s == ctx.kv_turnover.tau_s == 0.75
             assert ctx.config.listen.port == 0  # kept: it needs a restart
             async with httpx.AsyncClient(timeout=10) as client:
                 response = await client.post(

@@ -68,6 +68,9 @@ class LawProfiles:
     def decode_correction(self, engine_id: str) -> float:
         return 1.0
 
+    def kv_capacity_tokens(self, engine_id: str) -> int:
+        return self.timing.kv_capacity_tokens
+
 
 async def predictive_stack(
     start_stack: StartStack, ttft_s: float, speed: float = SPEED, **serving: object
@@ -262,3 +265,32 @@ async def test_a_slow_decode_side_is_seen_and_priced(start_stack: StartStack) ->
     lag = state["admission"]["decode_first_token_lag_s"]
     assert set(lag) == {"d1"}  # engine ids follow the roles' positions: p0, d1
     assert 0.0 < lag["d1"] < 1.2
+
+
+async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv(
+    start_stack: StartStack,
+) -> None:
+    # Pricing reads decode_tokens as the KV the engine has committed: the prompt from
+    # the slot, one more per streamed token, all of it released (and counted as KV
+    # turnover) when the leg ends.
+    stack = await predictive_stack(start_stack, ttft_s=5.0, speed=1.0)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    async with httpx.AsyncClient(timeout=30) as client:
+        body = {"model": MODEL, "prompt": [5] * 500, "max_tokens": 200, "stream": True}
+        async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            seen = [
+                decode.decode_tokens
+                async for line in response.aiter_lines()
+                if line.startswith("data: {")
+            ]
+    # The router counts a token when it relays it; the client reads it a little later.
+    assert len(seen) == 200
+    assert any(500 < tokens <= 700 for tokens in seen)
+    assert max(seen) <= 700
+    state = await settled(stack)
+    assert decode.decode_tokens == 0
+    released = state["admission"]["decode_kv_release_tokens_per_s"]
+    assert set(released) == {"d1"}
+    assert released["d1"] > 0
