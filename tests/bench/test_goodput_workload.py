@@ -155,6 +155,10 @@ def test_build_rates_follow_capacity_and_phases(traces: dict[gw.Source, gw.Trace
     assert by_name["stationary"].best_prefill > by_name["decode_heavy"].best_prefill
     assert {r.source for r in requests if r.phase == "prefill_heavy"} == {"code", "conv_long"}
     assert all(r.prompt >= gw.LONG_PROMPT for r in requests if r.source == "conv_long")
+    # The decode-heavy phase is conversations with long answers only.
+    decode_heavy = [r for r in requests if r.phase == "decode_heavy"]
+    assert {r.source for r in decode_heavy} == {"conv_long_output"}
+    assert all(r.output >= gw.LONG_OUTPUT for r in decode_heavy)
 
 
 def test_drift_moves_from_conv_to_code(traces: dict[gw.Source, gw.Trace]) -> None:

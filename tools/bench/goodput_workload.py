@@ -40,6 +40,9 @@ TRACE_FILES: dict[Source, str] = {
 }
 # Conversation prompts at least this long make the "long-prompt conv" part of a mix.
 LONG_PROMPT = 2048
+# Conversation answers at least this long make the "long-answer conv" part of a mix (a
+# third of the conversation trace).
+LONG_OUTPUT = 256
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -221,7 +224,8 @@ class Phase:
     its end (linear drift between them; None: constant). ``load`` is the mean offered rate
     as a fraction of the best static split's capacity for the current mix; with
     ``swing`` > 0 the rate follows ``load·(1 + swing·sin(2πt/period_s))``.
-    ``long_conv`` replaces the conv part by conv requests with prompts >= LONG_PROMPT.
+    ``long_conv`` replaces the conv part by conv requests with prompts >= LONG_PROMPT,
+    ``long_output`` by conv requests with answers >= LONG_OUTPUT.
     """
 
     name: str
@@ -232,6 +236,7 @@ class Phase:
     swing: float = 0.0
     period_s: float = 60.0
     long_conv: bool = False
+    long_output: bool = False
 
     def share(self, source: Source, frac: float) -> float:
         start = dict(self.mix).get(source, 0.0)
@@ -252,7 +257,7 @@ class Request:
 def standard_phases(*, scale: float = 1.0, overload: float = 1.75) -> list[Phase]:
     """The benchmark's phases (controllers-and-traces.md §4.4, adapted to the Azure traces).
 
-    decode_heavy  conv alone (in/out ~5) at 0.7 C
+    decode_heavy  long-answer conv alone (answers >= LONG_OUTPUT; in/out ~2.5) at 0.7 C
     prefill_heavy code 75 % + long-prompt conv 25 % at 0.5 C
     overload      the prefill-heavy mix at `overload` x C
     drift         conv -> code linearly, rate 0.5 C x (1 ± 0.4 sin)
@@ -268,7 +273,7 @@ def standard_phases(*, scale: float = 1.0, overload: float = 1.75) -> list[Phase
     """
     long_mix: tuple[tuple[Source, float], ...] = (("code", 0.75), ("conv", 0.25))
     return [
-        Phase("decode_heavy", 300.0 * scale, 0.7, (("conv", 1.0),)),
+        Phase("decode_heavy", 300.0 * scale, 0.7, (("conv", 1.0),), long_output=True),
         Phase("prefill_heavy", 300.0 * scale, 0.5, long_mix, long_conv=True),
         Phase("overload", 120.0 * scale, overload, long_mix, long_conv=True),
         Phase(
@@ -307,11 +312,13 @@ class MixCapacity:
 
 
 def _source_arrays(
-    traces: dict[Source, Trace], source: Source, long_conv: bool, limits: Limits
+    traces: dict[Source, Trace], source: Source, phase: Phase, limits: Limits
 ) -> Trace:
     trace = traces[source]
-    if source == "conv" and long_conv:
+    if source == "conv" and phase.long_conv:
         trace = trace.subset(trace.prompt >= LONG_PROMPT, "conv_long")
+    if source == "conv" and phase.long_output:
+        trace = trace.subset(trace.output >= LONG_OUTPUT, "conv_long_output")
     inp, out = clip_lengths(trace.prompt, trace.output, limits)
     return Trace(trace.name, trace.t, inp, out)
 
@@ -376,7 +383,7 @@ def build(
     dt_s = 0.01
     for phase in phases:
         sources = sorted({s for s, _ in phase.mix} | {s for s, _ in (phase.mix_end or ())})
-        arrays = {s: _source_arrays(traces, s, phase.long_conv, limits) for s in sources}
+        arrays = {s: _source_arrays(traces, s, phase, limits) for s in sources}
         grid = np.arange(0.0, phase.duration_s, dt_s)
         frac = grid / phase.duration_s
         # Capacity along the phase: the mix moves linearly, so sample it at 11 points.
