@@ -34,15 +34,9 @@ import h11
 import trio
 from benchkit import Json, cpu_seconds, machine_cpu_seconds, summarize
 
+from narwhal.engines._dialects import vllm_decode_body, vllm_kv_params, vllm_prefill_body
+
 _RECEIVE = 65536
-_PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 _MAX_ERROR_SAMPLES = 5
 # Servers close idle keep-alive connections (the simulator, like uvicorn, after 5 s); a
 # request sent on one just as it closes is lost, so idle connections are replaced first.
@@ -240,10 +234,8 @@ class DirectTarget(Target):
         self.prefill = prefill
         self.decode = decode
         self.base = spec.body
-        prefill_doc = dict(spec.body)
-        prefill_doc.update(kv_transfer_params=dict(_PREFILL_KV), stream=False, max_tokens=1)
-        prefill_doc.pop("stream_options", None)
-        self.prefill_body = json.dumps(prefill_doc).encode()
+        # The legs exactly as Narwhal builds them, so the comparison is transport only.
+        self.prefill_body = json.dumps(vllm_prefill_body(spec.body)).encode()
         self.pconn: _Conn | None = None
         self.dconn: _Conn | None = None
 
@@ -253,9 +245,8 @@ class DirectTarget(Target):
         first = await exchange(self.pconn, self.path, self.prefill_body, stream=False)
         if first.status != 200:
             return first
-        decode_doc = dict(self.base)
-        decode_doc["kv_transfer_params"] = json.loads(first.body).get("kv_transfer_params")
-        body = json.dumps(decode_doc).encode()
+        params = vllm_kv_params(json.loads(first.body))
+        body = json.dumps(vllm_decode_body(self.base, params)).encode()
         return await exchange(self.dconn, self.path, body, stream=self.stream)
 
     def reset(self) -> None:
