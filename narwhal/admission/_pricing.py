@@ -95,14 +95,16 @@ class Priced:
         )
         return max(0.0, interval) * self.decode_correction
 
-    def lag_extra_s(self, modelled_s: float) -> float:
-        """How much longer than `modelled_s` the decode side has lately taken to produce
-        a first token."""
-        return max(0.0, self.first_token_lag_s - modelled_s)
-
-    def decode_side(self, prompt_tokens: int, handoff_s: float) -> DecodeSide:
-        modelled = handoff_s + self.first_step_s(prompt_tokens)
-        return DecodeSide(modelled, self.lag_extra_s(modelled), self.kv_ready_s(prompt_tokens))
+    def decode_side(
+        self, prompt_tokens: int, handoff_s: float, first_step_s: float | None = None
+    ) -> DecodeSide:
+        """This engine's share of a TTFT; `first_step_s` if the caller already has it."""
+        if first_step_s is None:
+            first_step_s = self.first_step_s(prompt_tokens)
+        modelled = handoff_s + first_step_s
+        # How much longer than the model the decode side has lately taken to a first token.
+        lag = max(0.0, self.first_token_lag_s - modelled)
+        return DecodeSide(modelled, lag, self.kv_ready_s(prompt_tokens))
 
 
 @attrs.frozen
@@ -308,7 +310,27 @@ class BacklogBook:
 
 
 @attrs.define
-class FirstTokenLag:
+class _Decaying:
+    """A value per engine that decays towards zero with time constant `tau_s` since it
+    was last set."""
+
+    tau_s: float = 1.0
+    value: dict[str, float] = attrs.Factory(dict)
+    at: dict[str, float] = attrs.Factory(dict)
+
+    def current(self, engine_id: str, now: float) -> float:
+        value = self.value.get(engine_id)
+        if value is None:
+            return 0.0
+        return value * math.exp(-max(0.0, now - self.at[engine_id]) / self.tau_s)
+
+    def _set(self, engine_id: str, value: float, now: float) -> None:
+        self.value[engine_id] = value
+        self.at[engine_id] = now
+
+
+@attrs.define
+class FirstTokenLag(_Decaying):
     """Recent decode-side first-token latency per engine: from the decode request to its
     first token (KV pull, a slot in the batch, the first step), for P/D decode legs that
     start after their prefill answered.
@@ -318,57 +340,37 @@ class FirstTokenLag:
     that stops being slow, or stops being chosen, is forgotten within a few `tau_s`.
     """
 
-    tau_s: float = 1.0
     alpha: float = 0.3
-    value: dict[str, float] = attrs.Factory(dict)
-    at: dict[str, float] = attrs.Factory(dict)
 
     def lag_s(self, engine_id: str, now: float) -> float:
-        value = self.value.get(engine_id)
-        if value is None:
-            return 0.0
-        age = max(0.0, now - self.at[engine_id])
-        return value * math.exp(-age / self.tau_s)
+        return self.current(engine_id, now)
 
     def observe(self, engine_id: str, lag_s: float, now: float) -> None:
         lag_s = max(0.0, lag_s)
         if engine_id in self.value:
-            current = self.lag_s(engine_id, now)
-            self.value[engine_id] = current + self.alpha * (lag_s - current)
-        else:
-            self.value[engine_id] = lag_s
-        self.at[engine_id] = now
+            current = self.current(engine_id, now)
+            lag_s = current + self.alpha * (lag_s - current)
+        self._set(engine_id, lag_s, now)
 
     def lags(self, now: float) -> Mapping[str, float]:
-        return {engine_id: self.lag_s(engine_id, now) for engine_id in self.value}
+        return {engine_id: self.current(engine_id, now) for engine_id in self.value}
 
 
 @attrs.define
-class KvTurnover:
+class KvTurnover(_Decaying):
     """KV tokens each engine has lately freed per second (decode legs ending, with their
     prompt and generated tokens): an exponentially decayed sum over time constant
     `tau_s`, divided by `tau_s`, so a burst of releases and a quiet spell both fade in
     a few `tau_s`."""
 
-    tau_s: float = 1.0
-    total: dict[str, float] = attrs.Factory(dict)
-    at: dict[str, float] = attrs.Factory(dict)
-
-    def _decayed(self, engine_id: str, now: float) -> float:
-        total = self.total.get(engine_id)
-        if total is None:
-            return 0.0
-        return total * math.exp(-max(0.0, now - self.at[engine_id]) / self.tau_s)
-
     def observe(self, engine_id: str, tokens: int, now: float) -> None:
-        self.total[engine_id] = self._decayed(engine_id, now) + max(0, tokens)
-        self.at[engine_id] = now
+        self._set(engine_id, self.current(engine_id, now) + max(0, tokens), now)
 
     def rate_per_s(self, engine_id: str, now: float) -> float:
-        return self._decayed(engine_id, now) / self.tau_s
+        return self.current(engine_id, now) / self.tau_s
 
     def rates(self, now: float) -> Mapping[str, float]:
-        return {engine_id: self.rate_per_s(engine_id, now) for engine_id in self.total}
+        return {engine_id: self.rate_per_s(engine_id, now) for engine_id in self.value}
 
 
 class ProfileSource(Protocol):
@@ -442,10 +444,10 @@ def placement_policy(
     def decode_cost(view: EngineView) -> float:
         # A decode engine that has lately been slow to a first token, or has no KV room
         # for the prompt, costs that delay.
-        p = priced[view.id]
-        if p.decode is None:
-            return math.inf
-        return p.decode_side(prompt_tokens, handoff_s).cost_s - handoff_s
+        first = decode_seconds(view)
+        if math.isinf(first):
+            return first
+        return first + priced[view.id].decode_side(prompt_tokens, handoff_s, first).delay_s()
 
     return Policy(
         prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,

@@ -46,6 +46,8 @@ from .._errors import (
 )
 from ..admission import (
     PathQuote,
+    Priced,
+    ProfileSource,
     full_jitter,
     judge,
     placement_policy,
@@ -362,17 +364,10 @@ class Flow:
                 "serving.admission to open",
                 code="no_profile",
             )
-        now = trio.current_time()
-        priced = price_fleet(
-            ctx.fleet.views(now),
-            ctx.profiles,
-            ctx.backlog,
-            now,
-            ctx.first_token_lags,
-            ctx.kv_turnover,
-        )
         quotes = quote_paths(
-            priced.values(), prompt_tokens=tokens, handoff_s=ctx.profiles.handoff_s(tokens)
+            self._priced(ctx.profiles).values(),
+            prompt_tokens=tokens,
+            handoff_s=ctx.profiles.handoff_s(tokens),
         )
         verdict = judge(
             quotes,
@@ -391,20 +386,25 @@ class Flow:
             raise Unavailable(verdict.message, code=verdict.code)
         raise Refused(verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s)
 
+    def _priced(self, profiles: ProfileSource) -> dict[str, Priced]:
+        """Every engine as pricing sees it now: profile, backlog and decode-side load."""
+        ctx = self.ctx
+        now = trio.current_time()
+        return price_fleet(
+            ctx.fleet.views(now),
+            profiles,
+            ctx.backlog,
+            now,
+            ctx.first_token_lags,
+            ctx.kv_turnover,
+        )
+
     def _policy(self, tokens: int, config: Config) -> Policy:
         ctx = self.ctx
         if config.serving.admission != "predictive" or ctx.profiles is None:
             return DEFAULT_POLICY
-        now = trio.current_time()
         return placement_policy(
-            price_fleet(
-                ctx.fleet.views(now),
-                ctx.profiles,
-                ctx.backlog,
-                now,
-                ctx.first_token_lags,
-                ctx.kv_turnover,
-            ),
+            self._priced(ctx.profiles),
             prompt_tokens=tokens,
             handoff_s=ctx.profiles.handoff_s(tokens),
             ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),

@@ -210,18 +210,25 @@ def test_first_token_lag_is_a_decaying_weighted_mean() -> None:
     assert set(lags.lags(12.0)) == {"d0"}
 
 
+def kv_decode(
+    engine_id: str, committed: int, rate: float = 10_000.0, interval: float = 0.01
+) -> Priced:
+    """A decode engine with a 100,000-token KV cache holding `committed` tokens and lately
+    freeing `rate` tokens/s."""
+    return Priced(
+        view(engine_id, "decode", decode_tokens=committed),
+        None,
+        Flat(interval),
+        kv_capacity_tokens=100_000,
+        kv_release_per_s=rate,
+    )
+
+
 def kv_fleet(committed: int, rate: float, *, prefill_per_token: float = 0.0001) -> list[Priced]:
-    """One prefill engine and one decode engine with a 100,000-token KV cache holding
-    `committed` tokens and lately freeing `rate` tokens/s."""
+    """One prefill engine and `kv_decode`."""
     return [
         Priced(view("p0", "prefill"), Linear(prefill_per_token), None),
-        Priced(
-            view("d0", "decode", decode_tokens=committed),
-            None,
-            Flat(0.01),
-            kv_capacity_tokens=100_000,
-            kv_release_per_s=rate,
-        ),
+        kv_decode("d0", committed, rate),
     ]
 
 
@@ -265,20 +272,8 @@ def test_kv_wait_and_first_token_lag_are_not_added_together() -> None:
 
 
 def test_placement_prefers_the_decode_engine_with_kv_room() -> None:
-    full = Priced(
-        view("d0", "decode", decode_tokens=99_500),
-        None,
-        Flat(0.01),
-        kv_capacity_tokens=100_000,
-        kv_release_per_s=10_000.0,
-    )
-    roomy = Priced(
-        view("d1", "decode", decode_tokens=10_000),
-        None,
-        Flat(0.02),
-        kv_capacity_tokens=100_000,
-        kv_release_per_s=10_000.0,
-    )
+    full = kv_decode("d0", 99_500)
+    roomy = kv_decode("d1", 10_000, interval=0.02)
     priced = {p.view.id: p for p in (full, roomy)}
     policy = placement_policy(
         priced, prompt_tokens=1000, handoff_s=0.0, ttft_budget_s=1.0, tpot_target_s=0.05
