@@ -180,7 +180,10 @@ async def test_malformed_requests_are_400(
 
 
 async def test_a_client_that_stops_reading_is_disconnected(start_stack: StartStack) -> None:
-    stack = await start_stack(sim={"timing": None}, speed=1000.0, serving={"client_stall_s": 0.2})
+    # 8000 tokens take the engine ~2.4 s at speed 20, ten times the stall window: it is
+    # still generating when the router gives up. (At speed 1000 it could finish into the
+    # loopback socket buffers first, and then its leg ends "done", not "aborted".)
+    stack = await start_stack(sim={"timing": None}, speed=20.0, serving={"client_stall_s": 0.2})
     body = json.dumps({**BODY, "max_tokens": 8000, "prompt": "a"}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
