@@ -102,8 +102,11 @@ class RequestRecord:
     prompt_tokens: int | None = None
     token_count_method: str | None = None
     # Predictive admission's projected TTFT for the prefill path the first attempt took
-    # (as priced at admission), and whether that path's profile measured this prompt size.
+    # (as priced at admission), the part of it that was load (backlog, decode lag, KV
+    # wait) rather than the engine's own work, and whether that path's profile measured
+    # this prompt size.
     projected_ttft_s: float | None = None
+    projected_wait_s: float | None = None
     projected_in_domain: bool | None = None
     # When the first generated token became visible to the client (streaming only: a
     # non-streaming response shows nothing until its whole body is ready).

@@ -234,6 +234,7 @@ class Flow:
                     "prompt_tokens": record.prompt_tokens,
                     "duration_s": round(trio.current_time() - arrival, 6),
                     "projected_ttft_s": _round(projected),
+                    "projected_wait_s": _round(record.projected_wait_s),
                     "observed_ttft_s": _round(observed),
                     "prefill_s": _round(record.prefill_s),
                     "projected_in_domain": record.projected_in_domain,
@@ -1101,6 +1102,7 @@ def _record_projection(
     for quote in quotes:
         if quote.engine == engine and quote.mode == mode:
             record.projected_ttft_s = quote.ttft_s
+            record.projected_wait_s = quote.wait_s
             record.projected_in_domain = quote.in_domain
             return
 
