@@ -287,6 +287,12 @@ class BacklogBook:
     second whether it batches or not, because prefill is compute bound. When the last leg
     on an engine ends, any prediction error is forgotten by resetting the finish time to
     now, so errors do not accumulate.
+
+    A prompt committed while the engine still has backlog shares its steps: chunked
+    prefill packs queued prompts into the same step, so the prompt adds its per-token
+    work but not another per-request overhead (`overhead_s`, the profile's zero-token
+    cost). Charging every queued prompt the whole overhead made a deep queue of short
+    prompts look several times longer than the engine took to clear it.
     """
 
     finish: dict[str, float] = attrs.Factory(dict)
@@ -295,8 +301,13 @@ class BacklogBook:
     def wait_s(self, engine_id: str, now: float) -> float:
         return max(0.0, self.finish.get(engine_id, now) - now)
 
-    def commit(self, engine_id: str, predicted_s: float, now: float) -> None:
-        self.finish[engine_id] = max(self.finish.get(engine_id, now), now) + max(0.0, predicted_s)
+    def commit(
+        self, engine_id: str, predicted_s: float, now: float, overhead_s: float = 0.0
+    ) -> None:
+        finish = self.finish.get(engine_id, now)
+        if finish > now:
+            predicted_s -= min(max(0.0, overhead_s), predicted_s)
+        self.finish[engine_id] = max(finish, now) + max(0.0, predicted_s)
         self.committed[engine_id] = self.committed.get(engine_id, 0) + 1
 
     def release(self, engine_id: str, now: float) -> None:

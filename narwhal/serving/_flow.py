@@ -744,7 +744,9 @@ class Flow:
         curve = None if self.ctx.profiles is None else self.ctx.profiles.prefill_curve(engine.id)
         if phase == "prefill" and curve is not None:
             # Committed when the leg is placed, so later arrivals see it while it waits.
-            backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time())
+            backlog.commit(
+                engine.id, curve.prefill_s(tokens), trio.current_time(), curve.prefill_s(0)
+            )
         if phase == "prefill":
             engine.prefill_queued_tokens += tokens
         try:

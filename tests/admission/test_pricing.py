@@ -155,6 +155,22 @@ def test_backlog_book_is_a_virtual_finish_time() -> None:
     assert book.wait_s("p0", 20.0) == pytest.approx(0.3)
 
 
+def test_a_prompt_queued_behind_backlog_shares_the_per_request_overhead() -> None:
+    book = BacklogBook()
+    # Idle engine: the whole prediction, overhead included.
+    book.commit("p0", 0.010, now=0.0, overhead_s=0.006)
+    assert book.wait_s("p0", 0.0) == pytest.approx(0.010)
+    # Behind it, packed into the same steps: only the per-token part.
+    book.commit("p0", 0.010, now=0.001, overhead_s=0.006)
+    assert book.wait_s("p0", 0.001) == pytest.approx(0.009 + 0.004)
+    # An overhead larger than the prediction adds nothing, never negative work.
+    book.commit("p0", 0.002, now=0.001, overhead_s=0.006)
+    assert book.wait_s("p0", 0.001) == pytest.approx(0.013)
+    # Once the backlog has drained the engine is idle again: overhead charged.
+    book.commit("p0", 0.010, now=1.0, overhead_s=0.006)
+    assert book.wait_s("p0", 1.0) == pytest.approx(0.010)
+
+
 def lagging_fleet(lag_d0: float, lag_d1: float) -> list[Priced]:
     return [
         Priced(view("p0", "prefill"), Linear(0.0001), Flat(0.01)),
