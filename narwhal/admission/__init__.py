@@ -16,6 +16,7 @@ from ._pricing import (
     placement_policy as placement_policy,
     price_fleet as price_fleet,
     quote_paths as quote_paths,
+    shared_overhead_s as shared_overhead_s,
 )
 from ._retry import (
     RetryBudget as RetryBudget,

@@ -278,6 +278,14 @@ def judge(
     )
 
 
+def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) -> float:
+    """The part of a prompt's per-request overhead (`overhead_s`, its profile's zero-token
+    cost: about one scheduler step) it does not pay when packed into steps of
+    `chunk_tokens` with other queued prompts: a prompt filling a fraction f of a step
+    pays f of the step's fixed cost; one of a chunk or more fills its own steps."""
+    return max(0.0, overhead_s) * max(0.0, 1.0 - prompt_tokens / chunk_tokens)
+
+
 @attrs.define
 class BacklogBook:
     """Prefill work committed to each engine, as a virtual finish time.
@@ -289,10 +297,11 @@ class BacklogBook:
     now, so errors do not accumulate.
 
     A prompt committed while the engine still has backlog shares its steps: chunked
-    prefill packs queued prompts into the same step, so the prompt adds its per-token
-    work but not another per-request overhead (`overhead_s`, the profile's zero-token
-    cost). Charging every queued prompt the whole overhead made a deep queue of short
-    prompts look several times longer than the engine took to clear it.
+    prefill packs queued prompts into the same step, so of the step's fixed cost the
+    prompt pays only its share of the step's tokens; `shared_s` is the part of its
+    predicted duration it then does not pay (`shared_overhead_s`). Charging every queued
+    prompt a whole step made a deep queue of short prompts look several times longer
+    than the engine took to clear it.
     """
 
     finish: dict[str, float] = attrs.Factory(dict)
@@ -302,11 +311,11 @@ class BacklogBook:
         return max(0.0, self.finish.get(engine_id, now) - now)
 
     def commit(
-        self, engine_id: str, predicted_s: float, now: float, overhead_s: float = 0.0
+        self, engine_id: str, predicted_s: float, now: float, shared_s: float = 0.0
     ) -> None:
         finish = self.finish.get(engine_id, now)
         if finish > now:
-            predicted_s -= min(max(0.0, overhead_s), predicted_s)
+            predicted_s -= min(max(0.0, shared_s), predicted_s)
         self.finish[engine_id] = max(finish, now) + max(0.0, predicted_s)
         self.committed[engine_id] = self.committed.get(engine_id, 0) + 1
 

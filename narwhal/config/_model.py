@@ -268,6 +268,15 @@ class Engine:
         Positive(),
         doc="Character-to-token fallback ratio for the quadratic prefill estimate.",
     )
+    prefill_chunk_tokens: int = _f(
+        2048,
+        AtLeast(1),
+        doc=(
+            "Prompt tokens an engine prefills per scheduler step (vLLM "
+            "`--max-num-batched-tokens`, SGLang `--chunked-prefill-size`). Queued prompts "
+            "share a step's fixed cost in this proportion when pricing prefill backlog."
+        ),
+    )
     pool_timeout_s: float = _f(
         5.0,
         Positive(),

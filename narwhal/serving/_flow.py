@@ -53,6 +53,7 @@ from ..admission import (
     placement_policy,
     price_fleet,
     quote_paths,
+    shared_overhead_s,
 )
 from ..config import Config
 from ..engines import (
@@ -744,9 +745,10 @@ class Flow:
         curve = None if self.ctx.profiles is None else self.ctx.profiles.prefill_curve(engine.id)
         if phase == "prefill" and curve is not None:
             # Committed when the leg is placed, so later arrivals see it while it waits.
-            backlog.commit(
-                engine.id, curve.prefill_s(tokens), trio.current_time(), curve.prefill_s(0)
+            shared = shared_overhead_s(
+                curve.prefill_s(0), tokens, self.ctx.config.engine.prefill_chunk_tokens
             )
+            backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time(), shared)
         if phase == "prefill":
             engine.prefill_queued_tokens += tokens
         try:

@@ -15,6 +15,7 @@ from narwhal.admission import (
     judge,
     placement_policy,
     quote_paths,
+    shared_overhead_s,
 )
 
 from ..support import engine_view
@@ -158,17 +159,26 @@ def test_backlog_book_is_a_virtual_finish_time() -> None:
 def test_a_prompt_queued_behind_backlog_shares_the_per_request_overhead() -> None:
     book = BacklogBook()
     # Idle engine: the whole prediction, overhead included.
-    book.commit("p0", 0.010, now=0.0, overhead_s=0.006)
+    book.commit("p0", 0.010, now=0.0, shared_s=0.006)
     assert book.wait_s("p0", 0.0) == pytest.approx(0.010)
-    # Behind it, packed into the same steps: only the per-token part.
-    book.commit("p0", 0.010, now=0.001, overhead_s=0.006)
+    # Behind it, packed into the same steps: without the shared part.
+    book.commit("p0", 0.010, now=0.001, shared_s=0.006)
     assert book.wait_s("p0", 0.001) == pytest.approx(0.009 + 0.004)
-    # An overhead larger than the prediction adds nothing, never negative work.
-    book.commit("p0", 0.002, now=0.001, overhead_s=0.006)
+    # A shared part larger than the prediction adds nothing, never negative work.
+    book.commit("p0", 0.002, now=0.001, shared_s=0.006)
     assert book.wait_s("p0", 0.001) == pytest.approx(0.013)
-    # Once the backlog has drained the engine is idle again: overhead charged.
-    book.commit("p0", 0.010, now=1.0, overhead_s=0.006)
+    # Once the backlog has drained the engine is idle again: all of it is charged.
+    book.commit("p0", 0.010, now=1.0, shared_s=0.006)
     assert book.wait_s("p0", 1.0) == pytest.approx(0.010)
+
+
+def test_a_prompt_pays_the_share_of_a_step_its_tokens_fill() -> None:
+    # A quarter of a 2048-token step shares three quarters of the step's fixed cost.
+    assert shared_overhead_s(0.008, 512, 2048) == pytest.approx(0.006)
+    assert shared_overhead_s(0.008, 1, 2048) == pytest.approx(0.008 * 2047 / 2048)
+    # A chunk or more fills its own steps: nothing shared.
+    assert shared_overhead_s(0.008, 2048, 2048) == 0.0
+    assert shared_overhead_s(0.008, 9000, 2048) == 0.0
 
 
 def lagging_fleet(lag_d0: float, lag_d1: float) -> list[Priced]:

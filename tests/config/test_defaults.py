@@ -63,6 +63,8 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engine.tokenize": (True, "true, false"),
     "engine.tokenize_timeout_s": (2.0, "> 0"),
     "engine.chars_per_token": (3.8, "> 0"),
+    # (model) prefill backlog pricing
+    "engine.prefill_chunk_tokens": (2048, ">= 1"),
     "engine.pool_timeout_s": (5.0, "> 0"),
     "engine.connect_timeout_s": (10.0, "> 0"),
     "engine.health_timeout_s": (5.0, "> 0"),
