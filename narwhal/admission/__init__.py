@@ -11,6 +11,7 @@ from ._pricing import (
     PrefillCurve as PrefillCurve,
     Priced as Priced,
     ProfileSource as ProfileSource,
+    ProjectionErrors as ProjectionErrors,
     Verdict as Verdict,
     judge as judge,
     placement_policy as placement_policy,

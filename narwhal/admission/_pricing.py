@@ -37,6 +37,7 @@ prediction there is not safe to admit on (manual 4.1).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -236,7 +237,11 @@ def judge(
     prompt_tokens: int,
     ttft_target_s: float,
     margin: float,
+    error_factor: float = 1.0,
 ) -> Verdict:
+    """Admit when the cheapest path's projection, scaled by `error_factor` (how far
+    recent first tokens ran over their projections, `ProjectionErrors`), fits the budget.
+    Whether the prompt itself is too long is judged on the unscaled idle projection."""
     budget = ttft_target_s * (1.0 + margin)
     if not quotes:
         return Verdict(
@@ -250,7 +255,8 @@ def judge(
             ),
         )
     best = quotes[0]
-    if best.ttft_s <= budget:
+    expected = best.ttft_s * error_factor
+    if expected <= budget:
         return Verdict(True, best)
     idle_best = min(q.idle_ttft_s for q in quotes)
     if idle_best > budget:
@@ -270,12 +276,62 @@ def judge(
         best,
         code="ttft_budget",
         message=(
-            f"projected time to first token {best.ttft_s:.3f}s exceeds the TTFT budget "
-            f"{budget:.3f}s (slo.ttft_s={ttft_target_s} with serving.admission_margin="
-            f"{margin}); {best.wait_s:.3f}s of it is backlog on the cheapest path"
+            f"projected time to first token {best.ttft_s:.3f}s"
+            + (
+                f" ({expected:.3f}s allowing for recent projection error x{error_factor:.2f})"
+                if error_factor != 1.0
+                else ""
+            )
+            + f" exceeds the TTFT budget {budget:.3f}s (slo.ttft_s={ttft_target_s} with "
+            f"serving.admission_margin={margin}); {best.wait_s:.3f}s of it is backlog on "
+            "the cheapest path"
         ),
-        retry_after_s=best.ttft_s - budget,
+        retry_after_s=expected - budget,
     )
+
+
+# Served streams whose observed/projected TTFT ratio admission remembers, the fewest it
+# needs before trusting their quantile, and the largest factor it applies (a projection
+# off by more than that is a broken profile, for health and the operator, not a margin).
+ERROR_WINDOW = 256
+ERROR_MIN_SAMPLES = 32
+ERROR_FACTOR_MAX = 2.0
+
+
+@attrs.define
+class ProjectionErrors:
+    """How far first tokens have lately run over their projections.
+
+    An unbiased projection admits requests right up to the TTFT budget, and about half
+    of those at the edge then miss it: under overload nearly every admitted request is
+    at the edge. So admission scales each projection by the `quantile` (slo.percentile)
+    of observed/projected over the last ERROR_WINDOW served streams: a request is
+    admitted when it would fit even if its projection is as wrong as that share of
+    recent ones were. The factor only tightens (at least 1: a pessimistic projection is
+    not loosened) and is capped at ERROR_FACTOR_MAX.
+    """
+
+    quantile: float = 0.9
+    ratios: deque[float] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
+    factor: float = 1.0
+
+    def observe(self, projected_s: float, observed_s: float) -> None:
+        if projected_s <= 0 or observed_s <= 0:
+            return
+        self.ratios.append(observed_s / projected_s)
+        self._update()
+
+    def reconfigure(self, quantile: float) -> None:
+        self.quantile = quantile
+        self._update()
+
+    def _update(self) -> None:
+        if len(self.ratios) < ERROR_MIN_SAMPLES:
+            self.factor = 1.0
+            return
+        ordered = sorted(self.ratios)
+        at = ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)]
+        self.factor = min(ERROR_FACTOR_MAX, max(1.0, at))
 
 
 def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) -> float:
@@ -310,9 +366,7 @@ class BacklogBook:
     def wait_s(self, engine_id: str, now: float) -> float:
         return max(0.0, self.finish.get(engine_id, now) - now)
 
-    def commit(
-        self, engine_id: str, predicted_s: float, now: float, shared_s: float = 0.0
-    ) -> None:
+    def commit(self, engine_id: str, predicted_s: float, now: float, shared_s: float = 0.0) -> None:
         finish = self.finish.get(engine_id, now)
         if finish > now:
             predicted_s -= min(max(0.0, shared_s), predicted_s)

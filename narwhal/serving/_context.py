@@ -18,6 +18,7 @@ from ..admission import (
     FirstTokenLag,
     KvTurnover,
     ProfileSource,
+    ProjectionErrors,
     RetryBudget,
 )
 from ..config import Config
@@ -188,6 +189,7 @@ class ServingContext:
         self.backlog = BacklogBook()
         self.first_token_lags = FirstTokenLag(tau_s=config.slo.ttft_s)
         self.kv_turnover = KvTurnover(tau_s=config.slo.ttft_s)
+        self.projection_errors = ProjectionErrors(quantile=config.slo.percentile)
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
 

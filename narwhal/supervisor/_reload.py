@@ -85,6 +85,7 @@ async def apply_config(
     # Load signals are averaged over the TTFT target's timescale.
     ctx.first_token_lags.tau_s = effective.slo.ttft_s
     ctx.kv_turnover.tau_s = effective.slo.ttft_s
+    ctx.projection_errors.reconfigure(effective.slo.percentile)
 
     for engine_id in (*plan.engines_removed, *plan.engines_replaced):
         retired = ctx.fleet.retire(engine_id)

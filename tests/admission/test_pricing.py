@@ -11,12 +11,15 @@ from narwhal.admission import (
     BacklogBook,
     FirstTokenLag,
     KvTurnover,
+    PathQuote,
     Priced,
+    ProjectionErrors,
     judge,
     placement_policy,
     quote_paths,
     shared_overhead_s,
 )
+from narwhal.admission._pricing import ERROR_MIN_SAMPLES, ERROR_WINDOW
 
 from ..support import engine_view
 
@@ -321,3 +324,42 @@ def test_kv_turnover_is_a_decayed_release_rate() -> None:
     kv.observe("d0", -5, now=14.0)  # nothing negative is ever released
     assert set(kv.rates(14.0)) == {"d0"}
     assert kv.rate_per_s("d0", 14.0) > 0
+
+
+def test_projection_errors_scale_admission_by_the_recent_overrun_quantile() -> None:
+    errors = ProjectionErrors(quantile=0.9)
+    for _ in range(ERROR_MIN_SAMPLES - 1):
+        errors.observe(0.1, 0.2)
+    assert errors.factor == 1.0  # too few samples to trust
+    errors.observe(0.1, 0.2)
+    assert errors.factor == pytest.approx(2.0)
+    # 95 % of recent first tokens came within 1.25x of their projection, 5 % at 3x.
+    for k in range(ERROR_WINDOW):
+        errors.observe(0.1, 0.125 if k % 20 else 0.3)
+    assert errors.factor == pytest.approx(1.25)
+    errors.reconfigure(0.95)
+    assert errors.factor == pytest.approx(2.0)  # 3x, capped at ERROR_FACTOR_MAX
+    # Pessimistic projections never loosen admission.
+    for _ in range(ERROR_WINDOW):
+        errors.observe(0.2, 0.1)
+    assert errors.factor == 1.0
+    errors.observe(0.0, 0.1)  # nothing to compare
+    assert len(errors.ratios) == ERROR_WINDOW
+
+
+def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> None:
+    quote = PathQuote(
+        "p0", "disaggregated", wait_s=0.2, ttft_s=0.4, idle_ttft_s=0.2, in_domain=True
+    )
+    assert judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0).admitted
+    verdict = judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=1.5)
+    assert not verdict.admitted
+    assert verdict.code == "ttft_budget"
+    assert "0.600s allowing for recent projection error x1.50" in verdict.message
+    assert verdict.retry_after_s == pytest.approx(0.1)
+    # An idle projection inside the budget is not the prompt's fault, whatever the factor.
+    idle = PathQuote(
+        "p0", "disaggregated", wait_s=0.0, ttft_s=0.45, idle_ttft_s=0.45, in_domain=True
+    )
+    verdict = judge([idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=2.0)
+    assert verdict.code == "ttft_budget"
