@@ -290,10 +290,12 @@ def judge(
     )
 
 
-# Served streams whose observed/projected TTFT ratio admission remembers, the fewest it
-# needs before trusting their quantile, and the largest factor it applies (a projection
-# off by more than that is a broken profile, for health and the operator, not a margin).
+# Served streams whose observed/projected TTFT ratio admission remembers, and for how
+# long; the fewest it needs before trusting their quantile; the largest factor it applies
+# (a projection off by more than that is a broken profile, for health and the operator,
+# not a margin).
 ERROR_WINDOW = 256
+ERROR_WINDOW_S = 60.0
 ERROR_MIN_SAMPLES = 32
 ERROR_FACTOR_MAX = 2.0
 
@@ -305,33 +307,48 @@ class ProjectionErrors:
     An unbiased projection admits requests right up to the TTFT budget, and about half
     of those at the edge then miss it: under overload nearly every admitted request is
     at the edge. So admission scales each projection by the `quantile` (slo.percentile)
-    of observed/projected over the last ERROR_WINDOW served streams: a request is
-    admitted when it would fit even if its projection is as wrong as that share of
-    recent ones were. The factor only tightens (at least 1: a pessimistic projection is
-    not loosened) and is capped at ERROR_FACTOR_MAX.
+    of observed/projected over the last ERROR_WINDOW served streams of the last
+    ERROR_WINDOW_S seconds: a request is admitted when it would fit even if its
+    projection is as wrong as that share of recent ones were. The factor only tightens
+    (at least 1: a pessimistic projection is not loosened) and is capped at
+    ERROR_FACTOR_MAX. The time bound keeps one bad burst on a quiet service from
+    tightening admission for long after it.
     """
 
     quantile: float = 0.9
-    ratios: deque[float] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
-    factor: float = 1.0
+    samples: deque[tuple[float, float]] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
+    _factor: float = 1.0
 
-    def observe(self, projected_s: float, observed_s: float) -> None:
+    def observe(self, projected_s: float, observed_s: float, now: float) -> None:
         if projected_s <= 0 or observed_s <= 0:
             return
-        self.ratios.append(observed_s / projected_s)
+        self.samples.append((now, observed_s / projected_s))
+        self._expire(now)
         self._update()
+
+    def factor(self, now: float) -> float:
+        if self.samples and self._expire(now):
+            self._update()
+        return self._factor
 
     def reconfigure(self, quantile: float) -> None:
         self.quantile = quantile
         self._update()
 
+    def _expire(self, now: float) -> bool:
+        expired = False
+        while self.samples and now - self.samples[0][0] > ERROR_WINDOW_S:
+            self.samples.popleft()
+            expired = True
+        return expired
+
     def _update(self) -> None:
-        if len(self.ratios) < ERROR_MIN_SAMPLES:
-            self.factor = 1.0
+        if len(self.samples) < ERROR_MIN_SAMPLES:
+            self._factor = 1.0
             return
-        ordered = sorted(self.ratios)
+        ordered = sorted(ratio for _, ratio in self.samples)
         at = ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)]
-        self.factor = min(ERROR_FACTOR_MAX, max(1.0, at))
+        self._factor = min(ERROR_FACTOR_MAX, max(1.0, at))
 
 
 def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) -> float:

@@ -221,7 +221,7 @@ class Flow:
             observed = record.observed_ttft_s
             if projected is not None and observed is not None and observed > 0:
                 ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-                ctx.projection_errors.observe(projected, observed)
+                ctx.projection_errors.observe(projected, observed, trio.current_time())
             log.info(
                 "request finished",
                 extra={
@@ -377,7 +377,7 @@ class Flow:
             prompt_tokens=tokens,
             ttft_target_s=config.slo.ttft_s,
             margin=config.serving.admission_margin,
-            error_factor=ctx.projection_errors.factor,
+            error_factor=ctx.projection_errors.factor(trio.current_time()),
         )
         if verdict.admitted:
             return quotes

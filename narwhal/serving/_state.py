@@ -91,7 +91,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 engine_id: round(lag, 6)
                 for engine_id, lag in sorted(ctx.first_token_lags.lags(now).items())
             },
-            "projection_error_factor": round(ctx.projection_errors.factor, 4),
+            "projection_error_factor": round(ctx.projection_errors.factor(now), 4),
             "decode_kv_release_tokens_per_s": {
                 engine_id: round(rate, 1)
                 for engine_id, rate in sorted(ctx.kv_turnover.rates(now).items())

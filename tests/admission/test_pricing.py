@@ -19,7 +19,7 @@ from narwhal.admission import (
     quote_paths,
     shared_overhead_s,
 )
-from narwhal.admission._pricing import ERROR_MIN_SAMPLES, ERROR_WINDOW
+from narwhal.admission._pricing import ERROR_MIN_SAMPLES, ERROR_WINDOW, ERROR_WINDOW_S
 
 from ..support import engine_view
 
@@ -329,22 +329,32 @@ def test_kv_turnover_is_a_decayed_release_rate() -> None:
 def test_projection_errors_scale_admission_by_the_recent_overrun_quantile() -> None:
     errors = ProjectionErrors(quantile=0.9)
     for _ in range(ERROR_MIN_SAMPLES - 1):
-        errors.observe(0.1, 0.2)
-    assert errors.factor == 1.0  # too few samples to trust
-    errors.observe(0.1, 0.2)
-    assert errors.factor == pytest.approx(2.0)
+        errors.observe(0.1, 0.2, now=0.0)
+    assert errors.factor(0.0) == 1.0  # too few samples to trust
+    errors.observe(0.1, 0.2, now=0.0)
+    assert errors.factor(0.0) == pytest.approx(2.0)
     # 95 % of recent first tokens came within 1.25x of their projection, 5 % at 3x.
     for k in range(ERROR_WINDOW):
-        errors.observe(0.1, 0.125 if k % 20 else 0.3)
-    assert errors.factor == pytest.approx(1.25)
+        errors.observe(0.1, 0.125 if k % 20 else 0.3, now=1.0)
+    assert errors.factor(1.0) == pytest.approx(1.25)
     errors.reconfigure(0.95)
-    assert errors.factor == pytest.approx(2.0)  # 3x, capped at ERROR_FACTOR_MAX
+    assert errors.factor(1.0) == pytest.approx(2.0)  # 3x, capped at ERROR_FACTOR_MAX
     # Pessimistic projections never loosen admission.
     for _ in range(ERROR_WINDOW):
-        errors.observe(0.2, 0.1)
-    assert errors.factor == 1.0
-    errors.observe(0.0, 0.1)  # nothing to compare
-    assert len(errors.ratios) == ERROR_WINDOW
+        errors.observe(0.2, 0.1, now=2.0)
+    assert errors.factor(2.0) == 1.0
+    errors.observe(0.0, 0.1, now=2.0)  # nothing to compare
+    assert len(errors.samples) == ERROR_WINDOW
+
+
+def test_a_burst_of_errors_is_forgotten_after_the_window() -> None:
+    errors = ProjectionErrors(quantile=0.9)
+    for _ in range(ERROR_MIN_SAMPLES):
+        errors.observe(0.1, 0.18, now=10.0)
+    assert errors.factor(10.0 + ERROR_WINDOW_S) == pytest.approx(1.8)
+    # A quiet service: no new streams, the burst ages out and admission loosens again.
+    assert errors.factor(10.1 + ERROR_WINDOW_S) == 1.0
+    assert not errors.samples
 
 
 def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> None:

