@@ -7,6 +7,7 @@ measurements is the profile tool's job and is tested with it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
@@ -280,11 +281,14 @@ async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv
         body = {"model": MODEL, "prompt": [5] * 500, "max_tokens": 200, "stream": True}
         async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
             assert response.status_code == 200
-            seen = [
-                decode.decode_tokens
+            events = [
+                (json.loads(line[len("data: ") :]), decode.decode_tokens)
                 async for line in response.aiter_lines()
                 if line.startswith("data: {")
             ]
+    seen = [tokens for _, tokens in events]
+    # Every generated token reached the client (the simulator's text is one word a token).
+    assert sum(len(event["choices"][0]["text"].split()) for event, _ in events) == 200
     # The router counts a token when it relays it; the client reads it a little later.
     # An engine that falls behind sends two tokens in one event (vLLM's detokenizer does
     # too, and so does the simulator on a busy box): the router counts events, so a few
