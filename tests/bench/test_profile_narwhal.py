@@ -26,7 +26,7 @@ def test_samples_go_to_the_nearest_categorised_frame() -> None:
     assert result["samples"] == 10
     assert result["percent_by_category"] == {
         profile_narwhal.SCHEDULER: 40.0,
-        "engine transport (ConnectionPool, h11 client)": 30.0,
+        "engine transport (ConnectionPool, HTTP/1.1 client)": 30.0,
         "logging": 20.0,
         "json encode/decode": 10.0,
     }

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -299,3 +300,186 @@ async def test_resize_in_place_applies_to_waiters(
     await trio.testing.wait_all_tasks_blocked()
     assert pool.statistics().in_use == 2
     release.set()
+
+
+class RawServer:
+    """Answers each request on a connection with the next scripted reply, byte for byte.
+
+    A reply ending in `CLOSE` is followed by closing the connection.
+    """
+
+    CLOSE = b"<close>"
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.replies = list(replies)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.port = 0
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(trio.serve_listeners, self._connection, listeners))
+            task_status.started()
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        pending = b""
+        async with stream:
+            while self.replies:
+                while b"\r\n\r\n" not in pending:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    pending += data
+                head, _, pending = pending.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                while len(pending) < length:
+                    pending += await stream.receive_some(65536)
+                self.requests.append(head + b"\r\n\r\n" + pending[:length])
+                pending = pending[length:]
+                reply = self.replies.pop(0)
+                await stream.send_all(reply.removesuffix(self.CLOSE))
+                if reply.endswith(self.CLOSE):
+                    return
+            await trio.sleep_forever()
+
+
+async def raw_pool(nursery: trio.Nursery, replies: list[bytes]) -> tuple[RawServer, ConnectionPool]:
+    server = RawServer(replies)
+    await nursery.start(server.serve)
+    pool = ConnectionPool(
+        "127.0.0.1", server.port, max_connections=4, connect_timeout_s=1.0, pool_timeout_s=1.0
+    )
+    return server, pool
+
+
+async def test_parser_reads_every_framing_and_keeps_the_connection(nursery: trio.Nursery) -> None:
+    server, pool = await raw_pool(
+        nursery,
+        [
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello",
+            # Bare LF line ends, a chunk extension, upper-case hex and a trailer.
+            b"HTTP/1.1 201 Created\ntransfer-encoding: chunked\n\n3;ext=1\nabc\nA\n0123456789\n"
+            b"0\nx-trailer: 1\n\n",
+            b"HTTP/1.1 204 No Content\r\n\r\n",
+            b"HTTP/1.1 200\r\ncontent-length: 0\r\n\r\n",  # no reason phrase
+        ],
+    )
+    async with pool:
+        async with pool.request(b"POST", b"/a", [(b"x-request-id", b"r1")], b"{}") as response:
+            assert response.status == 200
+            assert response.header(b"content-type") == b"text/plain"
+            assert await response.aread(100) == b"hello"
+        async with pool.request(b"GET", b"/b") as response:
+            assert response.status == 201
+            assert await response.receive_some() == b"abc"
+            assert await response.receive_some() == b"0123456789"
+            assert await response.receive_some() == b""
+        for status in (204, 200):
+            async with pool.request(b"GET", b"/c") as response:
+                assert response.status == status
+                assert await response.aread(10) == b""
+        stats = pool.statistics()
+    assert (stats.opened_total, stats.reused_total) == (1, 3)
+    assert server.requests[0] == (
+        b"POST /a HTTP/1.1\r\nhost: 127.0.0.1:%d\r\nx-request-id: r1\r\n"
+        b"content-length: 2\r\n\r\n{}" % server.port
+    )
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\n\r\nuntil the end" + RawServer.CLOSE,
+        b"HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n",  # extra bytes
+    ],
+    ids=["until-close", "connection-close", "http-1.0", "bytes-after-the-end"],
+)
+async def test_connection_is_not_reused_when_the_response_says_so(
+    nursery: trio.Nursery, reply: bytes
+) -> None:
+    _, pool = await raw_pool(nursery, [reply])
+    async with pool, pool.request(b"GET", b"/") as response:
+        body = await response.aread(100)
+    assert body in (b"ok", b"until the end")
+    assert pool.statistics().idle == 0
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (b"HTTP/2 200 OK\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 20 OK\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\ncontent-type : x\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 200 OK\r\na: b\r\n folded\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 200 OK\r\na: b\x01c\r\n\r\n", "malformed header line"),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n",
+            "both Transfer-Encoding and Content-Length",
+        ),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n", "unsupported transfer-encoding"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n", "content-length"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", "content-length"),
+        (b"HTTP/1.1 101 Switching\r\n\r\n", "switched protocols"),
+        (b"HTTP/1.1 200 OK\r\ncontent-le" + RawServer.CLOSE, "before the response head ended"),
+        (b"HTTP/1.1 200 OK\r\n" + b"x: " + b"y" * 70_000, "exceeds 65536 bytes"),
+    ],
+)
+async def test_bad_heads_are_protocol_errors(
+    nursery: trio.Nursery, reply: bytes, message: str
+) -> None:
+    _, pool = await raw_pool(nursery, [reply])
+    with pytest.raises(RemoteProtocolError, match=message):
+        async with pool.request(b"GET", b"/"):
+            pass
+    assert pool.statistics().idle == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"zz\r\n", "invalid chunk size line"),
+        (b"3\r\nabcX\r\n", "not followed by CRLF"),
+        (b"3\r\nab" + RawServer.CLOSE, "truncated"),
+        (b"3\r\nabc\r\n0\r\nnot a trailer\r\n\r\n", "invalid or oversized trailer"),
+    ],
+)
+async def test_a_bad_chunked_body_fails_after_the_data_before_it(
+    nursery: trio.Nursery, body: bytes, message: str
+) -> None:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    _, pool = await raw_pool(nursery, [head + b"2\r\nok\r\n" + body])
+    async with pool.request(b"GET", b"/") as response:
+        received = b""
+        failure: RemoteProtocolError | None = None
+        for _ in range(5):
+            try:
+                received += await response.receive_available()
+            except RemoteProtocolError as exc:
+                failure = exc
+                break
+        assert received.startswith(b"ok")
+        assert failure is not None
+        assert re.search(message, str(failure))
+    assert pool.statistics().idle == 0
+
+
+async def test_header_injection_is_refused_before_anything_is_sent(
+    nursery: trio.Nursery,
+) -> None:
+    server, pool = await raw_pool(nursery, [b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"])
+    with pytest.raises(ValueError, match="refusing to send header"):
+        async with pool.request(b"GET", b"/", [(b"x-request-id", b"a\r\nx-evil: 1")]):
+            pass
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.requests == []
+    assert pool.statistics().in_use == 0

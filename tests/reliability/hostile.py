@@ -328,6 +328,12 @@ async def not_http(leg: Leg, wire: Wire) -> None:
     await wire.until_closed()
 
 
+async def not_http_unterminated(leg: Leg, wire: Wire) -> None:
+    """A first line that can no longer become a status line, and no end of line."""
+    await wire.send(b"SSH-2.0-OpenSSH_9.6")
+    await wire.until_closed()
+
+
 async def not_http_then_close(leg: Leg, wire: Wire) -> None:
     await wire.send(b"SSH-2.0-OpenSSH_9.6\r\n")
 

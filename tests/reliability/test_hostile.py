@@ -39,8 +39,9 @@ DECODE_CASES = [
     (h.cut_mid_stream, True, "stream_error:engine_connection_lost", "done"),
     (h.garbage_headers, True, "stream_error:engine_connection_lost", "aborted"),
     (h.oversized_headers, True, "stream_error:engine_connection_lost", "aborted"),
-    # Not HTTP, but no complete head either: only the timer ends the wait.
-    (h.not_http, True, "stream_error:first_token_timeout", "aborted"),
+    # Not HTTP: refused at its first line, not left to the timer.
+    (h.not_http, True, "stream_error:engine_connection_lost", "aborted"),
+    (h.not_http_unterminated, True, "stream_error:engine_connection_lost", "aborted"),
     (h.not_http_then_close, True, "stream_error:engine_connection_lost", "done"),
     (h.silent, True, "stream_error:first_token_timeout", "aborted"),
     (h.silent, False, "error:expired", "aborted"),
@@ -64,7 +65,8 @@ PREFILL_CASES = [
     (h.silent, True, "error:prefill_timeout", "aborted"),
     (h.garbage_headers, False, "error:engine_connection_lost", "aborted"),
     (h.oversized_headers, True, "error:engine_connection_lost", "aborted"),
-    (h.not_http, False, "error:prefill_timeout", "aborted"),
+    (h.not_http, False, "error:engine_connection_lost", "aborted"),
+    (h.not_http_unterminated, False, "error:engine_connection_lost", "aborted"),
     (h.not_http_then_close, False, "error:engine_connection_lost", "done"),
     (h.short_body, True, "error:engine_connection_lost", "done"),
     (h.html_500, False, "error:engine_http_500", "done"),

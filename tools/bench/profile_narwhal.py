@@ -46,7 +46,7 @@ CATEGORIES: list[tuple[str, Callable[[str], bool]]] = [
         lambda p: p.startswith(("prometheus_client/", "narwhal/metrics/")),
     ),
     ("json encode/decode", lambda p: p.startswith("json/")),
-    ("engine transport (ConnectionPool, h11 client)", lambda p: p.endswith("_transport.py")),
+    ("engine transport (ConnectionPool, HTTP/1.1 client)", lambda p: p.endswith("_transport.py")),
     ("SSE scanning", lambda p: p.endswith("narwhal/engines/_sse.py")),
     (
         "hypercorn (HTTP server, h11 server side, ASGI)",
