@@ -13,9 +13,12 @@ The socket is the daemon's operator interface, so who can reach it matters:
   (and root) may send commands;
 - on exit the socket file is removed, if it is still the one we created.
 
-Each connection is bounded: at most MAX_CONNECTIONS at once (the next is answered
-`busy`), IDLE_S to send each request line, MAX_REQUESTS per connection, and request
-lines of at most MAX_REQUEST_BYTES.
+Each connection is bounded: at most MAX_CONNECTIONS at once, IDLE_S to send each request
+line, MAX_REQUESTS per connection, and request lines of at most MAX_REQUEST_BYTES. When
+every slot is taken, a new connection evicts the one that has waited longest for its next
+request line (it is told `evicted`): an operator's `narwhalctl drain` during an incident
+must not wait out IDLE_S behind clients that connected and said nothing. Only when every
+slot is busy running a command is the newcomer answered `busy`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ MAX_CONNECTIONS = 16
 MAX_REQUESTS = 1000
 IDLE_S = 30.0
 _WRITE_S = 10.0
+# How long a newcomer waits for an evicted connection to give its slot back.
+_EVICT_WAIT_S = 1.0
 
 Handler = Callable[[CtlRequest], Awaitable[object]]
 
@@ -141,6 +146,8 @@ class ControlServer:
         self.path = path
         self.handler = handler
         self._slots = trio.CapacityLimiter(MAX_CONNECTIONS)
+        # Connections waiting for a request line, oldest first (dicts keep insertion order).
+        self._waiting: dict[object, trio.CancelScope] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         raw, inode = await trio.to_thread.run_sync(create_socket, self.path)
@@ -159,16 +166,31 @@ class ControlServer:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         async with stream:
-            try:
-                self._slots.acquire_nowait()
-            except trio.WouldBlock:
-                error = CtlError("busy", f"more than {MAX_CONNECTIONS} control connections")
+            if not await self._acquire():
+                error = CtlError(
+                    "busy", f"all {MAX_CONNECTIONS} control connections are running commands"
+                )
                 await self._send(stream, error_response(None, error))
                 return
             try:
                 await self._serve(stream)
             finally:
                 self._slots.release()
+
+    async def _acquire(self) -> bool:
+        try:
+            self._slots.acquire_nowait()
+            return True
+        except trio.WouldBlock:
+            pass
+        if not self._waiting:
+            return False
+        oldest = next(iter(self._waiting))
+        self._waiting.pop(oldest).cancel()
+        with trio.move_on_after(_EVICT_WAIT_S):
+            await self._slots.acquire()
+            return True
+        return False
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         uid = _peer_uid(stream.socket)
@@ -190,15 +212,28 @@ class ControlServer:
     async def _next_line(
         self, stream: trio.SocketStream, buffer: LineBuffer, lines: list[bytes]
     ) -> bytes | None:
-        """The next non-blank request line; None at EOF or after IDLE_S without one."""
-        with trio.move_on_after(IDLE_S):
-            while not lines:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return None
-                lines.extend(line for line in buffer.feed(data) if line.strip())
-            return lines.pop(0)
-        return None
+        """The next non-blank request line; None at EOF or after IDLE_S without one.
+
+        Raises CtlError("evicted") when a newcomer needed this connection's slot."""
+        key = object()
+        with trio.CancelScope() as evictable:
+            with trio.move_on_after(IDLE_S):
+                while not lines:
+                    self._waiting[key] = evictable
+                    try:
+                        data = await stream.receive_some(65536)
+                    finally:
+                        self._waiting.pop(key, None)
+                    if not data:
+                        return None
+                    lines.extend(line for line in buffer.feed(data) if line.strip())
+                return lines.pop(0)
+            return None
+        raise CtlError(
+            "evicted",
+            f"idle while all {MAX_CONNECTIONS} control connections were taken and another "
+            "client needed one",
+        )
 
     async def _dispatch(self, line: bytes) -> bytes:
         command: str | None = None

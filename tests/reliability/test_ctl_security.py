@@ -118,31 +118,62 @@ async def test_another_user_is_kept_out_by_the_mode_then_by_peer_credentials(
     }
 
 
-async def test_connection_flood_is_bounded_and_recovers(
+async def test_silent_connections_cannot_lock_out_an_operator(
     nursery: trio.Nursery, short_tmp: Path
 ) -> None:
     path = short_tmp / "ctl.sock"
     await serve(nursery, path)
-    idle = [await trio.open_unix_socket(str(path)) for _ in range(MAX_CONNECTIONS)]
-    # Every slot is held by a connection that says nothing: the next one is told so.
-    extra = await trio.open_unix_socket(str(path))
+    idle = []
+    for _ in range(MAX_CONNECTIONS):
+        idle.append(await trio.open_unix_socket(str(path)))
+        await trio.sleep(0.01)  # connection order is eviction order
+    # Every slot is held by a connection that says nothing: the newcomer takes the slot of
+    # the one that has waited longest, which is told why, and is served at once.
     with trio.fail_after(5):
-        line = await extra.receive_some(65536)
-    assert json.loads(line)["error"]["code"] == "busy"
-    await extra.aclose()
-    await idle.pop().aclose()
-    with trio.fail_after(5):
-        while True:  # the freed slot is released when the server sees the close
-            stream = await trio.open_unix_socket(str(path))
-            await stream.send_all(b'{"command": "state"}\n')
-            response = json.loads(await stream.receive_some(65536))
-            await stream.aclose()
-            if response["ok"]:
-                break
-            assert response["error"]["code"] == "busy"
-            await trio.sleep(0.01)
+        operator = await trio.open_unix_socket(str(path))
+        await operator.send_all(b'{"command": "state"}\n')
+        assert json.loads(await operator.receive_some(65536))["ok"] is True
+        evicted = json.loads(await idle[0].receive_some(65536))
+        assert evicted["error"]["code"] == "evicted"
+        assert await idle[0].receive_some(65536) == b""
+    await operator.aclose()
     for stream in idle:
         await stream.aclose()
+
+
+async def test_busy_only_when_every_connection_is_running_a_command(
+    nursery: trio.Nursery, short_tmp: Path
+) -> None:
+    path = short_tmp / "ctl.sock"
+    release = trio.Event()
+    all_running = trio.Event()
+    running = 0
+
+    async def slow(request: CtlRequest) -> object:
+        nonlocal running
+        running += 1
+        if running == MAX_CONNECTIONS:
+            all_running.set()
+        await release.wait()
+        return {"command": request.command}
+
+    await nursery.start(ControlServer(str(path), slow).run)
+    streams = []
+    for _ in range(MAX_CONNECTIONS):
+        stream = await trio.open_unix_socket(str(path))
+        await stream.send_all(b'{"command": "state"}\n')
+        streams.append(stream)
+    with trio.fail_after(5):
+        await all_running.wait()
+        extra = await trio.open_unix_socket(str(path))
+        answer = json.loads(await extra.receive_some(65536))
+    assert answer["error"]["code"] == "busy"
+    await extra.aclose()
+    release.set()
+    with trio.fail_after(5):
+        for stream in streams:
+            assert json.loads(await stream.receive_some(65536))["ok"] is True
+            await stream.aclose()
 
 
 async def test_malformed_lines_never_crash_the_handler(
