@@ -124,3 +124,29 @@ def test_a_configuration_needing_a_disabled_feature_is_skipped_with_its_reason()
     assert skipped["status"] == "skipped"
     assert "predictive_admission, controller" in skipped["reason"]
     assert goodput.unavailable(full, dict.fromkeys(goodput.FEATURES, True), "goodput") is None
+
+
+def test_sampler_keeps_the_controllers_verdicts_only_when_they_change() -> None:
+    sampler = harness.Sampler([], [], "http://127.0.0.1:1", speed=0.25, every_s=2.0)
+
+    def section(reason: str, gate: str | None, proposed: dict[str, int]) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "caller": "monitor",
+            "reason": reason,
+            "result": "held" if gate else "moved",
+            "gate": gate,
+            "rule": "prefill_queue",
+            "split": {"current": {"prefill": 4, "decode": 4}, "proposed": proposed},
+            "loads": {"measured": {"prefill": 0.9}},  # not part of a verdict
+        }
+
+    sampler._decision(0.0, {"enabled": True})  # no pass yet: nothing to record
+    sampler._decision(4.0, section("grow prefill", "evidence_open", {"prefill": 5, "decode": 3}))
+    sampler._decision(8.0, section("grow prefill", "evidence_open", {"prefill": 5, "decode": 3}))
+    sampler._decision(12.0, section("grow prefill", None, {"prefill": 5, "decode": 3}))
+    assert [(d["t"], d["gate"], d["result"]) for d in sampler.decisions] == [
+        (1.0, "evidence_open", "held"),
+        (3.0, None, "moved"),
+    ]
+    assert sampler.decisions[0]["proposed"] == {"prefill": 5, "decode": 3}

@@ -441,6 +441,8 @@ async def run_one(
         "over_time": gm.windows(samples, duration, settings.window_s, slo.ttft_s, slo.tpot_s),
         "pools": pool_series(sampler.samples),
         "role_changes": role_changes(sampler.samples),
+        "controller_decisions": sampler.decisions,
+        "final_controller": sampler.final_controller,
         "faithfulness": {
             # Steps on which a sim process fell > 20 ms (wall) behind the latency law.
             "sim_steps": steps,

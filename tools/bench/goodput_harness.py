@@ -322,6 +322,10 @@ class Sampler:
         self.every_s = every_s
         self.samples: list[dict[str, Any]] = []
         self.final_engines: list[dict[str, Any]] = []
+        # The controller's verdicts as they changed (why a move happened or was held),
+        # and its whole /narwhal/state section at the end.
+        self.decisions: list[dict[str, Any]] = []
+        self.final_controller: dict[str, Any] | None = None
         self.errors = 0
 
     async def _engine(self, client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
@@ -341,6 +345,7 @@ class Sampler:
                     try:
                         doc = (await client.get(self.narwhal_url + "/narwhal/state")).json()
                         roles = [e["role"] for e in doc["engines"]]
+                        self._decision(now - t0, doc.get("controller"))
                     except (httpx.HTTPError, ValueError, KeyError, TypeError):
                         self.errors += 1
                 engines = [await self._engine(client, u) for u in self.engine_urls]
@@ -358,8 +363,24 @@ class Sampler:
                 )
                 await trio.sleep_until(now + self.every_s)
 
+    def _decision(self, wall_s: float, section: Any) -> None:
+        if not isinstance(section, dict) or "reason" not in section:
+            return
+        split = section.get("split") or {}
+        verdict = {key: section.get(key) for key in ("caller", "reason", "result", "gate", "rule")}
+        verdict["current"] = split.get("current")
+        verdict["proposed"] = split.get("proposed")
+        if not self.decisions or {k: self.decisions[-1][k] for k in verdict} != verdict:
+            self.decisions.append({"t": round(wall_s * self.speed, 3), **verdict})
+
     async def final(self) -> None:
         async with httpx.AsyncClient(timeout=5.0) as client:
+            if self.narwhal_url is not None:
+                try:
+                    doc = (await client.get(self.narwhal_url + "/narwhal/state")).json()
+                    self.final_controller = doc.get("controller")
+                except (httpx.HTTPError, ValueError):
+                    self.errors += 1
             for url in self.engine_urls:
                 doc = await self._engine(client, url)
                 if doc is not None:
