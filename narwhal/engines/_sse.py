@@ -56,24 +56,25 @@ class SseScanner:
         buffer = self._pending + data if self._pending else data
         events: list[SseEvent] = []
         start = 0
-        while True:
-            end, sep_len = _find_separator(buffer, start)
-            if end < 0:
-                break
-            events.append(_classify(buffer[start:end], buffer[start : end + sep_len]))
-            start = end + sep_len
+        # Each separator kind is searched again only once the one found was consumed: a
+        # batch of many events with no CRLF framing must not rescan the buffer per event.
+        lf = buffer.find(b"\n\n")
+        crlf = buffer.find(b"\r\n\r\n")
+        while lf >= 0 or crlf >= 0:
+            if crlf >= 0 and (lf < 0 or crlf < lf):
+                end, stop = crlf, crlf + 4
+            else:
+                end, stop = lf, lf + 2
+            events.append(_classify(buffer[start:end], buffer[start:stop]))
+            start = stop
+            if 0 <= lf < start:
+                lf = buffer.find(b"\n\n", start)
+            if 0 <= crlf < start:
+                crlf = buffer.find(b"\r\n\r\n", start)
         self._pending = buffer[start:]
         if len(self._pending) > _MAX_PENDING:
             raise SseOverflow(f"engine sent an SSE event larger than {_MAX_PENDING} bytes")
         return events
-
-
-def _find_separator(buffer: bytes, start: int) -> tuple[int, int]:
-    lf = buffer.find(b"\n\n", start)
-    crlf = buffer.find(b"\r\n\r\n", start)
-    if crlf >= 0 and (lf < 0 or crlf < lf):
-        return crlf, 4
-    return lf, 2
 
 
 def _classify(block: bytes, raw: bytes) -> SseEvent:
