@@ -20,7 +20,23 @@ from narwhal.engines._transport import (
 Handler = Callable[[trio.SocketStream, h11.Connection, h11.Request, bytes], Awaitable[None]]
 
 
-class TinyServer:
+class LoopbackServer:
+    """Listens on 127.0.0.1 (an ephemeral port) and runs `_connection` per connection."""
+
+    port = 0
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(trio.serve_listeners, self._connection, listeners))
+            task_status.started()
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        raise NotImplementedError
+
+
+class TinyServer(LoopbackServer):
     """A raw h11 server whose per-request behaviour each test scripts."""
 
     def __init__(self, handler: Handler) -> None:
@@ -29,13 +45,6 @@ class TinyServer:
         self.disconnects = 0
         self.disconnected = trio.Event()
         self.port = 0
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.port = listeners[0].socket.getsockname()[1]
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(trio.serve_listeners, self._connection, listeners))
-            task_status.started()
 
     def _disconnect(self) -> None:
         self.disconnects += 1
@@ -302,7 +311,7 @@ async def test_resize_in_place_applies_to_waiters(
     release.set()
 
 
-class RawServer:
+class RawServer(LoopbackServer):
     """Answers each request on a connection with the next scripted reply, byte for byte.
 
     A reply ending in `CLOSE` is followed by closing the connection.
@@ -315,13 +324,6 @@ class RawServer:
         self.requests: list[bytes] = []
         self.connections = 0
         self.port = 0
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.port = listeners[0].socket.getsockname()[1]
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(trio.serve_listeners, self._connection, listeners))
-            task_status.started()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
