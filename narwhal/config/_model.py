@@ -266,7 +266,10 @@ class Engine:
     chars_per_token: float = _f(
         3.8,
         Positive(),
-        doc="Character-to-token fallback ratio for the quadratic prefill estimate.",
+        doc=(
+            "Character-to-token ratio for counting a prompt without /tokenize, used when "
+            "the loaded profile store has no ratio measured on the fleet's dialect."
+        ),
     )
     prefill_chunk_tokens: int = _f(
         2048,

@@ -51,6 +51,11 @@ class FleetProfiles:
         profile = self.check.profile(engine_id)
         return profile.decode if profile is not None else None
 
+    def chars_per_token(self, dialect: str) -> float | None:
+        """Characters per token the sweep measured on engines of this dialect, if any."""
+        store = self.check.store
+        return None if store is None else store.chars_per_token.get(dialect)
+
     def kv_capacity_tokens(self, engine_id: str) -> int | None:
         """The engine's KV cache in tokens, as its profile read it; None if unknown."""
         profile = self.check.profile(engine_id)

@@ -186,6 +186,10 @@ class ServingContext:
         # Predictive admission: the profile source (None until profiles are loaded) and
         # the prefill work committed to each engine.
         self.profiles: ProfileSource | None = None
+        # Characters per token the profile sweep measured on this fleet's dialect; the
+        # token-count fallback prefers it to engine.chars_per_token (a guess for the
+        # tokenizer). None without a loaded store that has one.
+        self.measured_chars_per_token: float | None = None
         self.backlog = BacklogBook()
         self.first_token_lags = FirstTokenLag(tau_s=config.slo.ttft_s)
         self.kv_turnover = KvTurnover(tau_s=config.slo.ttft_s)
@@ -197,6 +201,12 @@ class ServingContext:
     def retained_ceiling(self) -> int:
         serving = self.config.serving
         return serving.max_connections + serving.queue_capacity
+
+    def chars_per_token(self, config: Config) -> tuple[float, str]:
+        """The token-count fallback's ratio and where it comes from."""
+        if self.measured_chars_per_token is not None:
+            return self.measured_chars_per_token, "profile"
+        return config.engine.chars_per_token, "engine.chars_per_token"
 
     @property
     def retained(self) -> int:

@@ -420,7 +420,8 @@ class Flow:
         ctx = self.ctx
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids, "token_ids"
-        fallback = max(1, math.ceil(request.prompt_chars / config.engine.chars_per_token))
+        ratio, _ = ctx.chars_per_token(config)
+        fallback = max(1, math.ceil(request.prompt_chars / ratio))
         if config.engine.tokenize:
             engine = self._tokenizer_engine()
             if engine is not None:

@@ -64,6 +64,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
     gate = ctx.gate.statistics()
     budget = ctx.retry_budget
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
+    ratio, ratio_source = ctx.chars_per_token(ctx.config)
     document: dict[str, object] = {
         "narwhal": {
             "version": __version__,
@@ -106,6 +107,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
         "requests": {
             "outcomes": dict(sorted(ctx.outcomes.items())),
             "token_counts": dict(sorted(ctx.token_methods.items())),
+            "fallback_chars_per_token": {"value": round(ratio, 3), "source": ratio_source},
             "in_flight": [
                 {
                     "id": r.id,

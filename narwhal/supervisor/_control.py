@@ -58,6 +58,26 @@ async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, lis
     return profiles, list(check.messages)
 
 
+def install_profiles(ctx: ServingContext, profiles: ProfileSource | None, config: Config) -> None:
+    """Price with `profiles` from now on, and count tokens with their measured
+    chars/token when they have one for the fleet's dialect."""
+    ctx.profiles = profiles
+    measured = None
+    if isinstance(profiles, FleetProfiles) and config.engines:
+        measured = profiles.chars_per_token(config.engines[0].dialect)
+    if measured is not None and measured != ctx.measured_chars_per_token:
+        configured = config.engine.chars_per_token
+        log.info(
+            "token-count fallback uses the profiled %.3f chars/token (engine.chars_per_token "
+            "is %.3f, %+.0f%%)",
+            measured,
+            configured,
+            100 * (measured / configured - 1),
+            extra={"event": "chars_per_token", "measured": measured, "configured": configured},
+        )
+    ctx.measured_chars_per_token = measured
+
+
 def require_profiles(config: Config, profiles: ProfileSource | None, problems: list[str]) -> None:
     if config.serving.admission == "predictive" and profiles is None:
         detail = "; ".join(problems) or "no engine has a usable profile"

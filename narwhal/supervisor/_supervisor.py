@@ -40,7 +40,13 @@ from ..fleet import EngineState
 from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
-from ._control import ControlLink, load_fleet_profiles, profile_predictor, require_profiles
+from ._control import (
+    ControlLink,
+    install_profiles,
+    load_fleet_profiles,
+    profile_predictor,
+    require_profiles,
+)
 from ._notify import Notifier
 from ._operations import Operations
 from ._reload import ReloadResult, apply_config
@@ -110,9 +116,10 @@ class Supervisor:
         ctx = ServingContext(config)
         self.ctx = ctx
         if self.injected_profiles is not None:
-            ctx.profiles = self.injected_profiles
+            install_profiles(ctx, self.injected_profiles, config)
         else:
-            ctx.profiles, self.profile_problems = await load_fleet_profiles(config)
+            profiles, self.profile_problems = await load_fleet_profiles(config)
+            install_profiles(ctx, profiles, config)
         link = ControlLink(ctx)
         self.link = link
         ctx.signals = link
@@ -319,7 +326,7 @@ class Supervisor:
             )
             self.profile_problems = problems
             return
-        ctx.profiles = profiles
+        install_profiles(ctx, profiles, config)
         self.profile_problems = problems
 
     def _profiles_state(self) -> dict[str, object]:

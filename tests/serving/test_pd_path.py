@@ -8,6 +8,9 @@ import httpx
 import openai
 import trio
 
+from narwhal.profiles import FleetProfiles, ProfileCheck
+
+from ..profiles.helpers import store_for
 from ..support import sse_json, wait_for
 from .conftest import MODEL, StartStack
 
@@ -174,4 +177,51 @@ async def test_unknown_model_is_404_with_envelope(start_stack: StartStack) -> No
             "param": "model",
             "code": "not_found",
         }
+    }
+
+
+async def test_tokenize_fallback_uses_the_profiled_chars_per_token(
+    start_stack: StartStack,
+) -> None:
+    # The sweep measured 4.5 chars/token on this dialect; engine.chars_per_token (3.8)
+    # is only a guess, so the fallback count of a 450-char prompt is 100, not 119.
+    urls = {"p0": "http://127.0.0.1:9", "d1": "http://127.0.0.1:9"}
+    check = ProfileCheck(
+        store=store_for(urls), usable=frozenset(urls), messages=(), configured=tuple(urls)
+    )
+    stack = await start_stack(
+        ["prefill", "decode"], engine={"tokenize": False}, profiles=FleetProfiles(check)
+    )
+    state = await stack.state()
+    assert state["requests"]["fallback_chars_per_token"] == {"value": 4.5, "source": "profile"}
+    seen: list[int] = []
+
+    async def send() -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await client.post(
+                f"{stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": "x" * 450, "max_tokens": 200},
+            )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+
+        def counted() -> bool:
+            seen.extend(
+                r.prompt_tokens for r in stack.ctx.records.values() if r.prompt_tokens is not None
+            )
+            return bool(seen)
+
+        await wait_for(counted)
+    assert seen[0] == 100
+
+
+async def test_tokenize_fallback_without_a_profile_uses_the_config(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"], engine={"tokenize": False})
+    state = await stack.state()
+    assert state["requests"]["fallback_chars_per_token"] == {
+        "value": 3.8,
+        "source": "engine.chars_per_token",
     }
