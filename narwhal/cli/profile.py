@@ -48,9 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill-sizes", type=_sizes, help="prompt sizes in tokens, e.g. 16,256,4096")
     p.add_argument("--prefill-repeats", type=int, help="requests per prefill size (default 3)")
-    p.add_argument("--decode-active", type=_sizes, help="concurrent decodes (default 1,4,16,64)")
+    p.add_argument(
+        "--decode-active",
+        type=_sizes,
+        help="concurrent decodes (default 1,4,16,64); the controller only "
+        "moves to splits whose decode batches lie inside the measured range, so extend it "
+        "towards the engine's max_num_seqs for a busy fleet",
+    )
     p.add_argument(
         "--decode-contexts", type=_sizes, help="decode context sizes in tokens (default 256,2048)"
+    )
+    p.add_argument(
+        "--kv-budget",
+        type=float,
+        help="largest share of an engine's KV cache one decode point may fill (default 0.5)",
     )
     p.add_argument("--decode-gaps", type=int, help="measured gaps per decode point (default 24)")
     p.add_argument("--handoff-sizes", type=_sizes, help="handoff prompt sizes in tokens")
@@ -71,6 +82,7 @@ _OVERRIDES = {
     "decode_active": "decode_active",
     "decode_contexts": "decode_contexts",
     "decode_gaps": "decode_gaps",
+    "kv_budget": "kv_budget",
     "handoff_sizes": "handoff_sizes",
     "handoff_repeats": "handoff_repeats",
     "parallel": "parallel",

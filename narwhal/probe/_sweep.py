@@ -73,6 +73,7 @@ T = TypeVar("T")
 _MIN_GAPS = 4
 _IDLE_WAIT_S = 30.0
 _IDLE_POLL_S = 0.01
+_CAP_POLL_S = 0.05
 _SHORT_PROMPT = 1024
 
 
@@ -88,6 +89,11 @@ def _positive_ints(
 def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{attr.name} is {value!r}; must be a positive number")
+
+
+def _fraction(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not (isinstance(value, int | float) and 0 < value <= 1):
+        raise ValueError(f"{attr.name} is {value!r}; must be in (0, 1]")
 
 
 def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -114,7 +120,12 @@ class SweepPlan:
     budget_s: float = attrs.field(default=900.0, validator=_positive)
     request_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     # A decode point may hold at most this fraction of the engine's KV capacity.
-    kv_budget: float = attrs.field(default=0.5, validator=_positive)
+    kv_budget: float = attrs.field(default=0.5, validator=_fraction)
+    # A decode point's loads have all been admitted once the engine queues none of them.
+    # While some still wait, the running count grows as their prefills proceed (at least
+    # one per scheduler step); if it stays put this long, the engine's own cap (its
+    # max_num_seqs, or a full KV cache) is below the point and the point is skipped.
+    decode_cap_stall_s: float = attrs.field(default=2.0, validator=_positive)
     seed: int = 0
 
     @classmethod
@@ -168,6 +179,15 @@ class EngineMeasurement:
 
 class SweepFailed(Exception):
     """The sweep could not finish; the message names the engine and the step."""
+
+
+class DecodePointTooLarge(ProbeError):
+    """The engine would not run a decode point's requests at once; `running` is the
+    number it settled at while the rest waited."""
+
+    def __init__(self, message: str, *, running: int) -> None:
+        super().__init__(message)
+        self.running = running
 
 
 class _Clock:
@@ -268,6 +288,7 @@ async def _profile(
             "decode_active": list(plan.decode_active),
             "decode_contexts": plan.decode_contexts_for(max_len),
             "decode_gaps": plan.decode_gaps,
+            "kv_budget": plan.kv_budget,
             "handoff_sizes": plan.handoff_targets(max_len),
             "handoff_repeats": plan.handoff_repeats,
             "parallel": plan.parallel,
@@ -431,6 +452,30 @@ async def wait_idle(client: EngineClient, plan: SweepPlan) -> None:
     raise ProbeError(f"engine {client.id!r} did not become idle after a decode point")
 
 
+async def engine_cap(client: EngineClient, loads: int, plan: SweepPlan) -> int | None:
+    """Wait until the engine runs all `loads` requests it was sent; None then, or when
+    its gauges cannot tell. Otherwise the running count it stayed at for
+    `plan.decode_cap_stall_s` while the rest waited. Polls: a remote engine has no event
+    to await."""
+    if loads < 1:
+        return None
+    best, since = -1.0, trio.current_time()
+    with trio.move_on_after(plan.request_timeout_s):
+        while True:
+            gauges = await client.gauges()
+            if gauges.running is None or gauges.waiting is None:
+                return None
+            if gauges.running >= loads or not gauges.waiting:
+                return None
+            now = trio.current_time()
+            if gauges.running > best:
+                best, since = gauges.running, now
+            elif now - since >= plan.decode_cap_stall_s:
+                return round(gauges.running)
+            await trio.sleep(_CAP_POLL_S)
+    return None
+
+
 async def measure_decode_point(
     client: EngineClient,
     texts: TextMaker,
@@ -455,6 +500,7 @@ async def measure_decode_point(
     limit = plan.request_timeout_s
     result = None
     gauges = None
+    capped: int | None = None
     errors: list[str] = []
     async with trio.open_nursery() as nursery:
         accepted = trio.Semaphore(0)
@@ -471,6 +517,8 @@ async def measure_decode_point(
             if wait.cancelled_caught:
                 raise ProbeError(f"engine {client.id!r}: decode loads not accepted in {limit} s")
             if not errors:
+                capped = await engine_cap(client, active - 1, plan)
+            if not errors and capped is None:
                 body = client.completion_body(texts.text(chars), probe_tokens, stream=True)
                 probe = client.stream(body)
                 result = await _within(limit, f"engine {client.id!r} decode probe", probe)
@@ -478,6 +526,13 @@ async def measure_decode_point(
         except ProbeError as exc:
             errors.append(str(exc))
         nursery.cancel_scope.cancel()
+    if capped is not None and not errors:
+        # The probe would queue behind loads that decode for a long while (and time out).
+        raise DecodePointTooLarge(
+            f"engine {client.id!r} runs {capped} of the point's {active - 1} load requests "
+            "at once and queues the rest (its max_num_seqs or KV cache is smaller)",
+            running=capped,
+        )
     if errors or result is None or gauges is None:
         raise ProbeError(errors[0] if errors else f"engine {client.id!r}: decode point failed")
     if not result.ok:
@@ -526,7 +581,15 @@ async def _decode_sweep(
     estimates: list[float] = []
     grid = [(b, ctx) for ctx in contexts for b in sorted(set(plan.decode_active))]
     idle_floor: float | None = None
+    # Loads the engine was seen to run at once, when a point asked for more.
+    cap: int | None = None
     for i, (active, context) in enumerate(grid, 1):
+        if cap is not None and active - 1 > cap:
+            clock.say(
+                f"{client.id}: decode point {active} x {context} tokens skipped: the engine "
+                f"ran only {cap} requests at once"
+            )
+            continue
         need = active * (context + plan.decode_skip + plan.decode_gaps + 64)
         if capacity and need > plan.kv_budget * capacity:
             clock.say(
@@ -535,9 +598,14 @@ async def _decode_sweep(
             )
             continue
         await wait_idle(client, plan)
-        point, estimate = await measure_decode_point(
-            client, texts, cpt, identity, active, context, plan
-        )
+        try:
+            point, estimate = await measure_decode_point(
+                client, texts, cpt, identity, active, context, plan
+            )
+        except DecodePointTooLarge as exc:
+            cap = exc.running if cap is None else min(cap, exc.running)
+            clock.say(f"{client.id}: decode point {active} x {context} tokens skipped: {exc}")
+            continue
         points.append(point)
         if estimate is not None:
             estimates.append(estimate)

@@ -31,6 +31,8 @@ PROFILE_ARGS = [
     "256",
     "--decode-gaps",
     "8",
+    "--kv-budget",
+    "0.6",
     "--handoff-sizes",
     "64,1024",
     "--handoff-repeats",
@@ -77,6 +79,7 @@ async def test_profile_then_check_and_record(
     assert check.store.facts is None
     assert check.store.sweep["prefill_sizes"] == [16, 1024, 4096]
     assert check.store.sweep["decode_contexts"] == [256]
+    assert check.store.sweep["kv_budget"] == 0.6
 
     report = tmp_path / "check.json"
     argv = ["--config", str(config_path), "--record", "--json", str(report), *CHECK_ARGS]
@@ -143,6 +146,16 @@ async def test_check_exit_codes(
     assert "engine 'd0' GET /version: connect to" in err
     assert err.rstrip().endswith("nothing was written")
     assert not (tmp_path / "none.json").exists()
+
+
+@pytest.mark.parametrize("budget", ["0", "1.5", "-0.2"])
+def test_profile_rejects_a_kv_budget_outside_0_1(
+    budget: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = tmp_path / "narwhal.json"
+    config_path.write_text(json.dumps(config_document({"p0": "http://127.0.0.1:9"})))
+    assert profile_cli.main(["--config", str(config_path), "--kv-budget", budget]) == 2
+    assert f"kv_budget is {float(budget)!r}; must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_profile_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:

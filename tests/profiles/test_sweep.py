@@ -161,3 +161,32 @@ async def test_sweep_is_bounded_by_its_budget(start_fleet: StartFleet) -> None:
     with pytest.raises(SweepFailed, match=r"^the sweep exceeded its time budget of 0\.3 s"):
         await profile_fleet(config, attrs.evolve(PLAN, budget_s=0.3))
     assert trio.current_time() - start < 1.0
+
+
+async def test_decode_points_beyond_the_engines_batch_cap_are_skipped(
+    start_fleet: StartFleet,
+) -> None:
+    # The engine runs at most 6 requests at once: a point of 12 would leave its probe
+    # queued behind loads that decode for a long while. The sweep sees the running count
+    # settle below the loads, skips that point and every larger one, and fits the rest;
+    # the profile's domain stops where it measured. Slow steps (20 ms of wall time) make
+    # the loads outlast the stall window 4x over.
+    law = SimTiming(max_num_seqs=6, step_base_s=0.1)
+    fleet = await start_fleet(engines=1, speed=5.0, timing=law)
+    config = config_for({"e0": fleet[0].url})
+    plan = attrs.evolve(
+        PLAN,
+        decode_active=(1, 4, 12, 16),
+        decode_contexts=(128,),
+        decode_gaps=8,
+        decode_cap_stall_s=0.3,
+        handoff_sizes=(64,),
+    )
+    lines: list[str] = []
+    store = await profile_fleet(config, plan, progress=lines.append)
+    skipped = [line for line in lines if "skipped" in line]
+    assert len(skipped) == 2, lines
+    first = "e0: decode point 12 x 128 tokens skipped: engine 'e0' runs 6 of the point's 11"
+    assert first in skipped[0]
+    assert "e0: decode point 16 x 128 tokens skipped: the engine ran only 6" in skipped[1]
+    assert store.engines["e0"].decode.max_active == 4
