@@ -51,9 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--decode-active",
         type=_sizes,
-        help="concurrent decodes (default 1,4,16,64); the controller only "
-        "moves to splits whose decode batches lie inside the measured range, so extend it "
-        "towards the engine's max_num_seqs for a busy fleet",
+        help="concurrent decodes (default 1,4,16,64,128,256; points the engine will not "
+        "run at once are skipped): the controller only moves to splits whose decode "
+        "batches lie inside the measured range",
     )
     p.add_argument(
         "--decode-contexts", type=_sizes, help="decode context sizes in tokens (default 256,2048)"

@@ -23,7 +23,12 @@ What is measured, and how (everything is wall-clock as a client of the engine se
   are the engine's decode step at that batch. Active requests and resident KV are read
   from ``/metrics`` right after the window (running requests, KV usage × capacity).
   Loads are cancelled (connection closed, so the engine aborts them) and the engine is
-  waited on until idle before the next point.
+  waited on until idle before the next point. A point whose KV would pass
+  ``SweepPlan.kv_budget`` of the cache is skipped, and so is one the engine will not run
+  at once (its ``max_num_seqs`` or free KV below the point: the running count settles
+  while loads still wait, for ``SweepPlan.decode_cap_stall_s``), with every larger one.
+  The default batches reach 256, vLLM's usual ``max_num_seqs``: the role controller only
+  moves to a split whose decode batches lie inside the measured domain.
 * Crossed handoff: for every ordered pair (i, j), i ≠ j (every pair when there is one
   engine: (i, i)), the router's P leg on i and its decode leg on j, across context sizes
   up to max_model_len; timed from the prefill response to the first decode token, and
@@ -108,7 +113,9 @@ class SweepPlan:
 
     prefill_sizes: tuple[int, ...] | None = attrs.field(default=None, validator=_positive_ints)
     prefill_repeats: int = attrs.field(default=3, validator=_at_least_one)
-    decode_active: tuple[int, ...] = attrs.field(default=(1, 4, 16, 64), validator=_positive_ints)
+    decode_active: tuple[int, ...] = attrs.field(
+        default=(1, 4, 16, 64, 128, 256), validator=_positive_ints
+    )
     decode_contexts: tuple[int, ...] | None = attrs.field(default=None, validator=_positive_ints)
     decode_gaps: int = attrs.field(default=24, validator=_at_least_one)
     # Gaps after the probe's first token that are not measured (the batch settles).
