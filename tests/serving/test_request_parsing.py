@@ -60,7 +60,10 @@ def test_arbitrary_bytes(raw: bytes, kind: EndpointKind) -> None:
 def test_request_shaped_documents(document: dict[str, object], kind: EndpointKind) -> None:
     result = parse(json.dumps(document).encode(), kind)
     if isinstance(result, ClientRequest):
-        assert result.model == (document.get("model") or "m")
+        # Absent or null means the one served model; any string (even "") is kept, and
+        # the request path answers 404 for a model it does not serve.
+        model = document.get("model")
+        assert result.model == ("m" if model is None else model)
         assert isinstance(result.stream, bool)
         assert result.body == document
 
