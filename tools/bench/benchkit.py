@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from types import FrameType
@@ -276,8 +277,13 @@ class Processes:
     SIGHUP sent to the benchmark itself become SystemExit, so the cleanup runs for them too.
     """
 
-    def __init__(self, *, grace_s: float = 5.0) -> None:
+    def __init__(
+        self, *, grace_s: float = 5.0, affinity: Mapping[str, Sequence[int]] | None = None
+    ) -> None:
         self.grace_s = grace_s
+        # CPUs per process name: a child started under a listed name runs only there (set
+        # before exec, so every thread it starts inherits it).
+        self.affinity = {name: tuple(cpus) for name, cpus in (affinity or {}).items()}
         self._children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._previous: dict[int, object] = {}
 
@@ -302,6 +308,7 @@ class Processes:
         stderr: int | IO[bytes] | None = subprocess.DEVNULL,
         env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
+        cpus = self.affinity.get(name)
         proc = subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
@@ -309,6 +316,7 @@ class Processes:
             stderr=stderr,
             env=dict(env) if env is not None else None,
             cwd=REPO,
+            preexec_fn=partial(os.sched_setaffinity, 0, cpus) if cpus is not None else None,
         )
         self._children.append((name, proc))
         return proc

@@ -1,8 +1,25 @@
 """Router overhead: direct-to-engine vs through Narwhal vs through vllm-router.
 
-    .venv/bin/python tools/bench/overhead.py [--quick] [--reps N] [--targets ...]
+    .venv/bin/python tools/bench/overhead.py [--quick] [--pin] [--reps N] [--targets ...]
 
-Writes runs/bench/overhead.json and runs/bench/overhead.png (--quick: *-quick.*).
+Writes runs/bench/overhead.json and runs/bench/overhead.png (--pin: overhead-pinned.*,
+--quick: *-quick.*).
+
+By default every process may run on every CPU, so on a small box a router's CPU competes
+with the simulator's and the load generator's, and added latency includes that contention.
+With --pin the routers get the last CPU to themselves and everything else shares the
+others (the same CPUs for every target), as in production, where a router never shares
+cores with its engines.
+
+What "added TTFT" at 64 and 512 streams measures: the zero-latency fleet is CPU-bound
+there, and in a closed loop whose bottleneck is the fleet, latency is concurrency / fleet
+throughput (Little's law). A router that leaves the fleet's throughput alone adds almost
+nothing (pinned), one that takes CPU from the fleet adds latency in proportion (default),
+and one that is itself the bottleneck adds the rest (pinned, 512 streams). The
+alternating concurrency-1 probe is the one cell where nothing is saturated; it shows the
+time a request spends in the router. Pinned, "direct" is slightly handicapped: its load
+generator runs the P/D protocol itself (two requests per stream) on the fleet's CPUs,
+where through a router it sends one, so a router can come out slightly negative.
 
 Setup, all on loopback, each part in its own process:
 - fleet: `python -m narwhal.sim --engines 2 --zero` (engine 0 prefill, engine 1 decode,
@@ -28,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -98,6 +116,8 @@ class Plan:
     quiet_give_up_s: float
     attempts: int
     quick: bool
+    # CPUs per process name (--pin), or None: every process may run on every CPU.
+    pinning: Mapping[str, tuple[int, ...]] | None = None
 
     def to_json(self) -> dict[str, Json]:
         return {
@@ -116,10 +136,38 @@ class Plan:
             "quiet_give_up_s": self.quiet_give_up_s,
             "attempts_per_cell": self.attempts,
             "quick": self.quick,
+            "pinning": (
+                {name: list(cpus) for name, cpus in self.pinning.items()}
+                if self.pinning is not None
+                else None
+            ),
         }
 
 
-def make_plan(*, quick: bool, reps: int | None, targets: Sequence[str]) -> Plan:
+def pinning_for(cpus: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The routers on the last CPU alone; the fleet, the load generator and this driver
+    share the others. Every target then gets the same CPUs for the engines and the load,
+    and a router gets a CPU of its own, as it would in production."""
+    ordered = sorted(set(cpus))
+    if len(ordered) < 2:
+        raise ValueError(f"--pin needs at least 2 CPUs; this process may use {ordered}")
+    router, rest = (ordered[-1],), tuple(ordered[:-1])
+    return {
+        "narwhal": router,
+        "vllm-router": router,
+        "sim": rest,
+        "loadgen": rest,
+        "driver": rest,
+    }
+
+
+def make_plan(
+    *,
+    quick: bool,
+    reps: int | None,
+    targets: Sequence[str],
+    pinning: Mapping[str, tuple[int, ...]] | None = None,
+) -> Plan:
     if quick:
         timing = {
             1: Timing(0.5, 2.0, 5.0),
@@ -146,6 +194,7 @@ def make_plan(*, quick: bool, reps: int | None, targets: Sequence[str]) -> Plan:
         quiet_give_up_s=5.0 if quick else 10.0,
         attempts=2,
         quick=quick,
+        pinning=pinning,
     )
 
 
@@ -634,7 +683,9 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     }
     cells: dict[tuple[str, int], list[dict[str, dict[str, Json]]]] = {}
     probes: dict[str, list[dict[str, Json]]] = {}
-    with Processes() as procs:
+    if plan.pinning is not None:
+        os.sched_setaffinity(0, plan.pinning["driver"])
+    with Processes(affinity=plan.pinning) as procs:
         endpoints = start_fleet(procs, LOGS)
         narwhal_cfg = start_narwhal(procs, endpoints, LOGS) if "narwhal" in targets else None
         vllm_argv: list[str] | None = None
@@ -760,7 +811,11 @@ def _probe_progress(probe: Mapping[str, Json]) -> str:
 def _title(document: Mapping[str, Json]) -> str:
     m = document["machine"]
     assert isinstance(m, dict)
-    return f"Router overhead, zero-latency sim, 1P+1D ({m['cpu_model']}, {m['cores']} cores)"
+    config = document.get("config")
+    plan = config.get("plan") if isinstance(config, dict) else None
+    pinned = isinstance(plan, dict) and plan.get("pinning") is not None
+    where = ", router on its own CPU" if pinned else ""
+    return f"Router overhead, zero-latency sim, 1P+1D{where} ({m['cpu_model']}, {m['cores']} cores)"
 
 
 # ---------------------------------------------------------------------------- plot
@@ -877,14 +932,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(ALL_TARGETS),
         help="comma-separated subset of: " + ", ".join(ALL_TARGETS),
     )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="run the routers on a CPU of their own (the last one), the fleet and the load "
+        "on the others; default output stem overhead-pinned",
+    )
     p.add_argument("--out", default=None, help="output stem under runs/bench/")
     args = p.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
     unknown = sorted(set(targets) - set(ALL_TARGETS))
     if unknown:
         p.error(f"unknown target(s): {', '.join(unknown)}")
-    plan = make_plan(quick=args.quick, reps=args.reps, targets=targets)
-    stem = args.out or ("overhead-quick" if args.quick else "overhead")
+    try:
+        pinning = pinning_for(sorted(os.sched_getaffinity(0))) if args.pin else None
+    except ValueError as exc:
+        p.error(str(exc))
+    plan = make_plan(quick=args.quick, reps=args.reps, targets=targets, pinning=pinning)
+    suffix = ("-pinned" if args.pin else "") + ("-quick" if args.quick else "")
+    stem = args.out or f"overhead{suffix}"
     document = run(plan, stem)
     print(json.dumps({"summary": document["summary"], "goals": document["goals"]}, indent=1))
     print(f"wrote {RUNS / (stem + '.json')} and {RUNS / (stem + '.png')}")
