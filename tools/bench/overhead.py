@@ -13,13 +13,13 @@ cores with its engines.
 
 What "added TTFT" at 64 and 512 streams measures: the zero-latency fleet is CPU-bound
 there, and in a closed loop whose bottleneck is the fleet, latency is concurrency / fleet
-throughput (Little's law). A router that leaves the fleet's throughput alone adds almost
-nothing (pinned), one that takes CPU from the fleet adds latency in proportion (default),
-and one that is itself the bottleneck adds the rest (pinned, 512 streams). The
-alternating concurrency-1 probe is the one cell where nothing is saturated; it shows the
-time a request spends in the router. Pinned, "direct" is slightly handicapped: its load
-generator runs the P/D protocol itself (two requests per stream) on the fleet's CPUs,
-where through a router it sends one, so a router can come out slightly negative.
+throughput (Little's law), so the difference mixes the router's own time with what its CPU
+use costs the fleet. Pinning takes the second part out but changes the box: the fleet and
+the load generator share the other CPUs (one, on a 2-CPU box, so everything is slower), and
+both routers' CPU per chunk rose when pinned (tools/bench/README.md). Pinned, "direct" is
+also slightly handicapped: its load generator runs the P/D protocol itself (two requests
+per stream) on the fleet's CPU, where through a router it sends one. The alternating
+concurrency-1 probe is the one cell where nothing is saturated.
 
 Setup, all on loopback, each part in its own process:
 - fleet: `python -m narwhal.sim --engines 2 --zero` (engine 0 prefill, engine 1 decode,
