@@ -18,6 +18,7 @@ from ._pricing import (
     price_fleet as price_fleet,
     quote_paths as quote_paths,
     shared_overhead_s as shared_overhead_s,
+    unstreamed_tokens as unstreamed_tokens,
 )
 from ._retry import (
     RetryBudget as RetryBudget,

@@ -16,9 +16,10 @@ first-token lag instead of handoff + step, counted as wait: it comes from load, 
 drains, and it never makes a prompt look too long for the target (`FirstTokenLag`).
 
 The decode engine also needs free KV for the prompt when the handoff lands: an engine
-whose KV cache is committed (resident prompts and generated tokens, plus prompts placed
-on it and still in their prefill) admits nothing new until finishing requests free
-enough of it. That wait is the overflow divided by the rate at which the engine has
+whose KV cache is committed (resident prompts and generated tokens, those of
+non-streaming legs estimated from their age since none is seen before the body, plus
+prompts placed on it and still in their prefill) admits nothing new until finishing
+requests free enough of it. That wait is the overflow divided by the rate at which the engine has
 lately released KV (`KvTurnover`), less the prefill time it overlaps with; it is also
 load, counted as wait, and the larger of it and the lag is used (both measure the same
 queue, seen from the past and from the future).
@@ -76,12 +77,20 @@ class Priced:
     kv_capacity_tokens: int | None = None
     kv_release_per_s: float = 0.0
 
+    @property
+    def decode_tokens(self) -> float:
+        """The KV the engine holds for its decode work: what the router counted (prompts,
+        streamed tokens) and what its non-streaming decode legs have made unseen."""
+        return self.view.decode_tokens + unstreamed_tokens(
+            self.view, self.decode, self.decode_correction
+        )
+
     def kv_ready_s(self, prompt_tokens: int) -> float:
         """Seconds from now until the engine's KV has room for `prompt_tokens` more."""
         capacity = self.kv_capacity_tokens
         if not capacity:
             return 0.0
-        overflow = self.view.decode_tokens + prompt_tokens - capacity * (1.0 - KV_RESERVE)
+        overflow = self.decode_tokens + prompt_tokens - capacity * (1.0 - KV_RESERVE)
         if overflow <= 0:
             return 0.0
         rate = max(self.kv_release_per_s, capacity / KV_TURNOVER_CEILING_S)
@@ -92,7 +101,7 @@ class Priced:
             return 0.0
         view = self.view
         interval = self.decode.interval_s(
-            view.decode_active + 1, view.decode_tokens + prompt_tokens
+            view.decode_active + 1, round(self.decode_tokens) + prompt_tokens
         )
         return max(0.0, interval) * self.decode_correction
 
@@ -209,7 +218,7 @@ def quote_paths(
             in_domain = priced.prefill.in_domain(prompt_tokens) and (
                 priced.decode is not None
                 and priced.decode.in_domain(
-                    view.decode_active + 1, view.decode_tokens + prompt_tokens
+                    view.decode_active + 1, round(priced.decode_tokens) + prompt_tokens
                 )
             )
             if not in_domain:
@@ -476,6 +485,16 @@ class ProfileSource(Protocol):
     def decode_correction(self, engine_id: str) -> float: ...
 
     def kv_capacity_tokens(self, engine_id: str) -> int | None: ...
+
+
+def unstreamed_tokens(view: EngineView, decode: DecodeCurve | None, correction: float) -> float:
+    """`EngineView.unstreamed_tokens` at the engine's decode step: the profile's interval
+    at its load, corrected like every decode interval (0 without a decode profile, which
+    also leaves no KV capacity to price against)."""
+    if not view.unstreamed_age_s or decode is None:
+        return 0.0
+    step = decode.interval_s(max(1, view.decode_active), view.decode_tokens) * correction
+    return view.unstreamed_tokens(step)
 
 
 def price_fleet(

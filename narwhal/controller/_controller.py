@@ -20,6 +20,7 @@ import trio
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from ..admission import unstreamed_tokens
 from ..config import Config
 from ..fleet import EngineState
 from ._apply import FlipHistory, FlipRecord, MoveRejected, apply_move, flip_record
@@ -162,6 +163,10 @@ class Controller:
                 rx.decode_correction_max,
                 max(rx.decode_correction_min, self._decode_correction(engine.id)),
             )
+            unseen = 0  # KV made by non-streaming decode legs, as admission estimates it
+            if engine.unstreamed_legs and profile is not None:
+                view = engine.view(now)
+                unseen = round(unstreamed_tokens(view, profile.decode, correction))
             engines.append(
                 EngineSnapshot(
                     id=engine.id,
@@ -171,7 +176,7 @@ class Controller:
                     pinned=engine.pinned,
                     since_role_change_s=self.state.since_role_change(engine.id, now),
                     decode_active=engine.decode_active,
-                    decode_tokens=engine.decode_tokens,
+                    decode_tokens=engine.decode_tokens + unseen,
                     prefill_inflight=engine.prefill_inflight,
                     prefill_tokens_inflight=engine.prefill_tokens_inflight,
                     prefill_work_s=prefill_work_s(

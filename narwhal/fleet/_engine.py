@@ -45,10 +45,28 @@ class EngineView:
     handoffs_pending: int = 0
     # How long the oldest decode leg still waiting for its first token has waited.
     first_token_wait_s: float = 0.0
+    # Non-streaming decode legs, whose tokens the router cannot count as they are made:
+    # the seconds they have run (summed over the legs) and the most tokens they may
+    # still generate (their max_tokens summed; inf when one has no bound).
+    unstreamed_age_s: float = 0.0
+    unstreamed_cap: float = 0.0
 
     @property
     def available(self) -> bool:
         return self.prefill_blocked is None and self.decode_blocked is None
+
+    def unstreamed_tokens(self, step_s: float) -> float:
+        """Tokens the engine's non-streaming decode legs have made by now, estimated.
+
+        The router sees none of them until a leg's body arrives, so they are taken as one
+        per decode step of `step_s` for as long as the legs have run, up to their
+        max_tokens. Summed over the legs, the bound is a little loose: one leg past its
+        own bound lets the others' growth run on; such a leg is about to end anyway.
+        0 without legs, or without a step to count by.
+        """
+        if not self.unstreamed_age_s or not step_s > 0:
+            return 0.0
+        return min(self.unstreamed_cap, self.unstreamed_age_s / step_s)
 
     def blocked(self, phase: Phase) -> str | None:
         if phase == "prefill":
@@ -119,6 +137,12 @@ class EngineState:
         self.prefill_queued_tokens = 0
         self.decode_pending = 0
         self.decode_pending_tokens = 0
+        # Non-streaming decode legs running here (`unstreamed_decode`): count, sum of
+        # start times, sum of bounded max_tokens, count of unbounded ones.
+        self.unstreamed_legs = 0
+        self._unstreamed_since = 0.0
+        self._unstreamed_cap = 0
+        self._unstreamed_unbounded = 0
 
     def __repr__(self) -> str:
         return (
@@ -184,6 +208,28 @@ class EngineState:
         finally:
             seen()
 
+    @contextlib.contextmanager
+    def unstreamed_decode(self, max_new_tokens: int | None, since: float) -> Iterator[None]:
+        """Count a non-streaming decode leg while it runs: pricing estimates the KV it
+        generates from its age (`EngineView.unstreamed_age_s`), since no token is seen
+        until the whole body arrives."""
+        self.unstreamed_legs += 1
+        self._unstreamed_since += since
+        if max_new_tokens is None:
+            self._unstreamed_unbounded += 1
+        else:
+            self._unstreamed_cap += max_new_tokens
+        try:
+            yield
+        finally:
+            self.unstreamed_legs -= 1
+            # Reset rather than subtract at zero: float sums of clock values drift.
+            self._unstreamed_since = self._unstreamed_since - since if self.unstreamed_legs else 0.0
+            if max_new_tokens is None:
+                self._unstreamed_unbounded -= 1
+            else:
+                self._unstreamed_cap -= max_new_tokens
+
     def first_token_wait_s(self, now: float) -> float:
         for since in self._awaiting_first_token.values():
             return max(0.0, now - since)
@@ -203,6 +249,12 @@ class EngineState:
             decode_slots_free=self.decode_limiter.available_tokens,
             handoffs_pending=self.handoffs_pending,
             first_token_wait_s=self.first_token_wait_s(now),
+            unstreamed_age_s=(
+                max(0.0, self.unstreamed_legs * now - self._unstreamed_since)
+                if self.unstreamed_legs
+                else 0.0
+            ),
+            unstreamed_cap=math.inf if self._unstreamed_unbounded else float(self._unstreamed_cap),
         )
 
     async def aclose(self) -> None:

@@ -905,18 +905,22 @@ class Flow:
     ) -> None:
         record.stage = "decode"
         if not request.stream:
-            raw = await self._json_leg(
-                engine,
-                phase,
-                body,
-                request,
-                config,
-                timeout_s=math.inf,
-                timeout_code="decode_timeout",
-                timeout_setting="",
-                prompt_tokens=record.prompt_tokens or 0,
-            )
-            _loads(raw, engine, phase)  # relayed as application/json: it must be JSON
+            with engine.unstreamed_decode(request.max_tokens, trio.current_time()):
+                raw = await self._json_leg(
+                    engine,
+                    phase,
+                    body,
+                    request,
+                    config,
+                    timeout_s=math.inf,
+                    timeout_code="decode_timeout",
+                    timeout_setting="",
+                    prompt_tokens=record.prompt_tokens or 0,
+                )
+            document = _loads(raw, engine, phase)  # relayed as application/json: JSON
+            if generated := _completion_tokens(document):
+                # The KV its output held is freed now too (the slot frees the prompt's).
+                self.ctx.kv_turnover.observe(engine.id, generated, trio.current_time())
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"
@@ -1185,6 +1189,18 @@ def _has_token(payload: bytes) -> bool:
         ):
             return True
     return False
+
+
+def _completion_tokens(document: object) -> int:
+    """usage.completion_tokens of a non-streaming answer (vLLM and SGLang both send it),
+    0 when absent or malformed."""
+    if isinstance(document, dict):
+        usage = document.get("usage")
+        if isinstance(usage, dict):
+            count = usage.get("completion_tokens")
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                return count
+    return 0
 
 
 def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:

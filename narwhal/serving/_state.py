@@ -48,6 +48,7 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
             "tokens": engine.decode_tokens,
             "pending": engine.decode_pending,
             "pending_tokens": engine.decode_pending_tokens,
+            "unstreamed_legs": engine.unstreamed_legs,
             "limit": _limit(engine.decode_limiter.total_tokens),
             "slots_in_use": engine.decode_limiter.borrowed_tokens,
         },

@@ -19,7 +19,12 @@ from narwhal.admission import (
     quote_paths,
     shared_overhead_s,
 )
-from narwhal.admission._pricing import ERROR_MIN_SAMPLES, ERROR_WINDOW, ERROR_WINDOW_S
+from narwhal.admission._pricing import (
+    ERROR_MIN_SAMPLES,
+    ERROR_WINDOW,
+    ERROR_WINDOW_S,
+    unstreamed_tokens,
+)
 
 from ..support import engine_view
 
@@ -298,6 +303,44 @@ def test_kv_wait_and_first_token_lag_are_not_added_together() -> None:
     lagging = attrs.evolve(engines[1], first_token_lag_s=0.5)
     (quote,) = quote_paths([engines[0], lagging], prompt_tokens=1000, handoff_s=0.0)
     assert quote.ttft_s == pytest.approx(0.1 + 0.5)
+
+
+def unstreamed(committed: int, age_s: float, cap: float, *, interval: float = 0.01) -> Priced:
+    """`kv_decode` with non-streaming decode legs that have run `age_s` seconds in all."""
+    engine = kv_decode("d0", committed, interval=interval)
+    return attrs.evolve(
+        engine, view=attrs.evolve(engine.view, unstreamed_age_s=age_s, unstreamed_cap=cap)
+    )
+
+
+def test_non_streaming_legs_are_taken_to_make_one_token_per_decode_step() -> None:
+    # 3 s of non-streaming decode at 10 ms a step: 300 tokens nobody has seen yet.
+    assert unstreamed(1_000, 3.0, math.inf).decode_tokens == pytest.approx(1_300)
+    # ... but never more than the legs' max_tokens allow.
+    assert unstreamed(1_000, 3.0, 120.0).decode_tokens == pytest.approx(1_120)
+    # A decode engine running slower than profiled makes fewer.
+    slow = attrs.evolve(unstreamed(1_000, 3.0, math.inf), decode_correction=2.0)
+    assert slow.decode_tokens == pytest.approx(1_150)
+    # No legs, or no profile to count steps by: only what the router counted.
+    assert unstreamed(1_000, 0.0, math.inf).decode_tokens == 1_000
+    blind = unstreamed(1_000, 3.0, math.inf)
+    assert unstreamed_tokens(blind.view, None, 1.0) == 0.0
+    assert unstreamed_tokens(blind.view, Flat(0.0), 1.0) == 0.0
+
+
+def test_kv_made_by_non_streaming_legs_is_priced_like_counted_kv() -> None:
+    # 96,000 counted + 1,000 prompt fit under 98,000; 20 s of unseen decode at 10 ms a
+    # step adds 2,000 tokens: 1,000 over, freed at 10,000 tokens/s, so the decode side
+    # is ready 0.1 s from now, as if the router had counted those tokens itself.
+    engines = kv_fleet(96_000, 10_000.0, prefill_per_token=0.00001)
+    (roomy,) = quote_paths(engines, prompt_tokens=1000, handoff_s=0.0)
+    assert roomy.wait_s == 0.0
+    busy = attrs.evolve(unstreamed(96_000, 20.0, math.inf), kv_release_per_s=10_000.0)
+    (quote,) = quote_paths([engines[0], busy], prompt_tokens=1000, handoff_s=0.0)
+    counted = kv_decode("d0", 98_000)
+    (same,) = quote_paths([engines[0], counted], prompt_tokens=1000, handoff_s=0.0)
+    assert quote.wait_s == pytest.approx(same.wait_s)
+    assert quote.wait_s == pytest.approx(0.1 - 0.01)
 
 
 def test_placement_prefers_the_decode_engine_with_kv_room() -> None:

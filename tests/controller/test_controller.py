@@ -249,6 +249,20 @@ def test_decode_correction_is_clamped_to_configured_bounds() -> None:
     }
 
 
+def test_snapshots_count_the_kv_non_streaming_decode_legs_have_made() -> None:
+    _, fleet, ctl = setup()
+    d0 = get(fleet, "d0")
+    d0.decode_active, d0.decode_tokens = 1, 1_000
+    with d0.unstreamed_decode(10_000, since=0.0):
+        snap = ctl.snapshot(10.0)
+        step = PROFILE.decode.interval_s(1, 1_000)  # correction 1: nothing observed yet
+        (seen,) = [e for e in snap.engines if e.id == "d0"]
+        assert seen.decode_tokens == 1_000 + round(10.0 / step)
+        assert seen.decode_tokens > 1_000
+    (after,) = [e for e in ctl.snapshot(10.0).engines if e.id == "d0"]
+    assert after.decode_tokens == 1_000
+
+
 def test_profile_reload_reprices_the_demand_window() -> None:
     cfg, fleet, _ = setup()
     current: list[Profile | None] = [None]

@@ -301,3 +301,34 @@ async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv
     released = state["admission"]["decode_kv_release_tokens_per_s"]
     assert set(released) == {"d1"}
     assert released["d1"] > 0
+
+
+async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_output(
+    start_stack: StartStack,
+) -> None:
+    # No token of a non-streaming leg is seen before its body: while it runs, pricing
+    # estimates its KV from its age; when it ends, usage.completion_tokens counts as
+    # KV freed along with the prompt.
+    stack = await predictive_stack(start_stack, ttft_s=5.0, speed=1.0)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    answers: list[httpx.Response] = []
+
+    async def ask() -> None:
+        answers.append(await post(stack, {"prompt": [5] * 500, "max_tokens": 200}))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask)
+        await wait_for(lambda: decode.unstreamed_legs == 1, within_s=10.0)
+        view = decode.view(trio.current_time())
+        assert view.decode_tokens == 500  # the prompt, counted by the slot
+        assert view.unstreamed_age_s > 0.0
+        assert view.unstreamed_cap == 200
+    (answer,) = answers
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["completion_tokens"] == 200
+    assert decode.unstreamed_legs == 0
+    assert decode.view(trio.current_time()).unstreamed_age_s == 0.0
+    # 500 prompt + 200 generated tokens freed, decayed over slo.ttft_s = 5 s since.
+    freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
+    assert 650 < freed <= 700
