@@ -391,7 +391,7 @@ def check_router(report: Report, state: Mapping[str, Any]) -> None:
         where = f"engine {engine['id']}"
         for phase, keys in (
             ("prefill", ("inflight", "tokens_inflight", "slots_in_use")),
-            ("decode", ("active", "tokens", "slots_in_use")),
+            ("decode", ("active", "tokens", "unstreamed_legs", "slots_in_use")),
         ):
             for key in keys:
                 if engine[phase][key]:
@@ -433,6 +433,8 @@ def check_context(report: Report, ctx: ServingContext) -> None:
                 idle.fail(f"ctx: engine {engine.id} {name} pool {pool_stats}")
         if engine.prefill_inflight or engine.decode_active or engine.handoffs_pending:
             idle.fail(f"ctx: {engine!r} handoffs_pending={engine.handoffs_pending}")
+        if engine.unstreamed_legs or engine.view(trio.current_time()).unstreamed_cap:
+            idle.fail(f"ctx: {engine!r} unstreamed_legs={engine.unstreamed_legs}")
 
 
 def check_accounting(
