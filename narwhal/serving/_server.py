@@ -12,6 +12,12 @@ The same class also trims hypercorn's per-request and per-chunk scheduling costs
 synchronous first write attempt, a cheaper keep-alive idle timer, no read scope when
 there is no read timeout); behaviour is hypercorn's.
 
+Connections are accepted in bursts (`accept_pending`): trio's serve_listeners accepts one
+connection per pass of the scheduler, so while the router is busy (a flood of requests on
+established connections, each pass taking hundreds of ms) new connections wait in the
+kernel's backlog for seconds before their first byte is read. One readiness wake-up now
+accepts everything pending, up to `ACCEPT_BURST`.
+
 This relies on hypercorn's TCPServer/WorkerContext classes (and TCPServer's _read_data
 and idle_task), which are not documented API; tests/serving/test_server.py fails if a
 hypercorn upgrade changes them.
@@ -19,7 +25,10 @@ hypercorn upgrade changes them.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
 from typing import Any, cast
@@ -37,6 +46,78 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
+Handler = Callable[[trio.SocketStream], Awaitable[object]]
+
+log = logging.getLogger("narwhal.server")
+
+# Connections accepted per readiness wake-up of a listening socket: enough to empty a
+# backlog in a few scheduler passes, bounded so one listener cannot hold the loop.
+ACCEPT_BURST = 256
+# accept() errors that mean "out of file descriptors or memory": wait, then retry.
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# accept() errors about one connection that died in the backlog: skip it.
+_ACCEPT_SKIP_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
+_ACCEPT_CAPACITY_PAUSE_S = 0.1
+
+
+def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStream]:
+    """Every connection waiting on a non-blocking listening socket, up to `limit`,
+    without yielding. Raises OSError for resource exhaustion (caller pauses)."""
+    streams: list[trio.SocketStream] = []
+    while len(streams) < limit:
+        try:
+            conn, _ = listening.accept()
+        except BlockingIOError:
+            break
+        except OSError as exc:
+            if exc.errno in _ACCEPT_SKIP_ERRNOS:
+                continue
+            if streams and exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                break  # serve what was accepted; the next call raises it again
+            raise
+        streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
+    return streams
+
+
+async def _serve_connection(handler: Handler, stream: trio.SocketStream) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _accept_loop(
+    listener: trio.SocketListener, handler: Handler, connections: trio.Nursery
+) -> None:
+    # A second descriptor for the same listening socket: the stdlib object accepts
+    # synchronously (the socket is already non-blocking), trio's wakes us when ready.
+    # Both close when accepting stops, so connections then get refused, not stranded.
+    async with listener:
+        with socket.socket(fileno=os.dup(listener.socket.fileno())) as listening:
+            listening.setblocking(False)
+            await _accept_until_cancelled(listening, handler, connections)
+
+
+async def _accept_until_cancelled(
+    listening: socket.socket, handler: Handler, connections: trio.Nursery
+) -> None:
+    while True:
+        await trio.lowlevel.wait_readable(listening)
+        try:
+            streams = accept_pending(listening, ACCEPT_BURST)
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                raise
+            log.error(
+                "accept failed: %s; retrying in %s s",
+                os.strerror(exc.errno),
+                _ACCEPT_CAPACITY_PAUSE_S,
+                extra={"event": "accept_failed", "errno": errno.errorcode[exc.errno]},
+            )
+            await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
+            continue
+        for stream in streams:
+            connections.start_soon(_serve_connection, handler, stream)
 
 
 class _IdleTask:
@@ -163,16 +244,11 @@ async def serve_app(
         for listener in listeners
     ]
     server_class = type("NarwhalTCPServer", (_StallBoundTCPServer,), {"stall_s": client_stall_s})
+    handler = cast(Handler, partial(server_class, wrapped, config, context, ConnectionState({})))
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
-            await accepting.start(
-                partial(
-                    trio.serve_listeners,
-                    partial(server_class, wrapped, config, context, ConnectionState({})),
-                    listeners,
-                    handler_nursery=connections,
-                )
-            )
+            for listener in listeners:
+                accepting.start_soon(_accept_loop, listener, handler, connections)
             task_status.started(bound)
             await shutdown.wait()
             accepting.cancel_scope.cancel()
