@@ -122,5 +122,13 @@ def tokenize_count(response: object) -> int | None:
     return None
 
 
+def usage_tokens(response: object, key: str) -> int | None:
+    """An integer count from a completion's `usage` object (`prompt_tokens`,
+    `completion_tokens`), or None when the answer has none."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def encode(document: Json) -> bytes:
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()

@@ -31,6 +31,7 @@ from ..engines._dialects import (
     new_bootstrap_room,
     sglang_pd_body,
     tokenize_count,
+    usage_tokens,
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
@@ -264,11 +265,7 @@ class EngineClient:
         seconds = trio.current_time() - start
         if status != 200:
             return Completion(status, seconds, None, None, f"HTTP {status}: {doc}")
-        usage = doc.get("usage") if isinstance(doc, dict) else None
-        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        if not isinstance(tokens, int) or isinstance(tokens, bool):
-            tokens = None
-        return Completion(status, seconds, tokens, doc)
+        return Completion(status, seconds, usage_tokens(doc, "prompt_tokens"), doc)
 
     async def stream(
         self,
@@ -508,10 +505,7 @@ def _loads(raw: bytes) -> object:
 
 
 def _usage_prompt_tokens(payload: bytes) -> int | None:
-    doc = _loads(payload)
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return usage_tokens(_loads(payload), "prompt_tokens")
 
 
 def _has_text(payload: bytes) -> bool:

@@ -74,6 +74,7 @@ from ..engines._dialects import (
     sglang_pd_body,
     tokenize_body,
     tokenize_count,
+    usage_tokens,
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
@@ -918,8 +919,10 @@ class Flow:
                     prompt_tokens=record.prompt_tokens or 0,
                 )
             document = _loads(raw, engine, phase)  # relayed as application/json: JSON
-            if generated := _completion_tokens(document):
-                # The KV its output held is freed now too (the slot frees the prompt's).
+            # The KV its output held is freed now too (the slot frees the prompt's); vLLM
+            # and SGLang both report it.
+            generated = usage_tokens(document, "completion_tokens") or 0
+            if generated > 0:
                 self.ctx.kv_turnover.observe(engine.id, generated, trio.current_time())
             if hold_until is not None:
                 await hold_until.wait()
@@ -1189,18 +1192,6 @@ def _has_token(payload: bytes) -> bool:
         ):
             return True
     return False
-
-
-def _completion_tokens(document: object) -> int:
-    """usage.completion_tokens of a non-streaming answer (vLLM and SGLang both send it),
-    0 when absent or malformed."""
-    if isinstance(document, dict):
-        usage = document.get("usage")
-        if isinstance(usage, dict):
-            count = usage.get("completion_tokens")
-            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
-                return count
-    return 0
 
 
 def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:

@@ -11,6 +11,7 @@ from narwhal.engines._dialects import (
     sglang_pd_body,
     tokenize_body,
     tokenize_count,
+    usage_tokens,
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
@@ -154,3 +155,13 @@ def test_tokenize_request_and_response() -> None:
     assert tokenize_count(json.loads('{"count":3,"max_model_len":8192,"tokens":[1,2,3]}')) == 3
     assert tokenize_count({"count": True}) is None
     assert tokenize_count({"count": [3, 4]}) is None
+
+
+def test_usage_counts_are_read_from_the_usage_object_only() -> None:
+    answer = json.loads('{"choices":[],"usage":{"prompt_tokens":15,"completion_tokens":2}}')
+    assert usage_tokens(answer, "prompt_tokens") == 15
+    assert usage_tokens(answer, "completion_tokens") == 2
+    assert usage_tokens({"usage": {"completion_tokens": True}}, "completion_tokens") is None
+    assert usage_tokens({"usage": None}, "prompt_tokens") is None
+    assert usage_tokens({"completion_tokens": 3}, "completion_tokens") is None
+    assert usage_tokens([1, 2], "prompt_tokens") is None
