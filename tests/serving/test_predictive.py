@@ -268,15 +268,21 @@ async def test_a_slow_decode_side_is_seen_and_priced(start_stack: StartStack) ->
     assert 0.0 < lag["d1"] < 1.2
 
 
+async def kv_stack(start_stack: StartStack) -> tuple[Stack, EngineState]:
+    """A P/D pair at real speed with a loose TTFT target, and its decode engine."""
+    stack = await predictive_stack(start_stack, ttft_s=5.0, speed=1.0)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    return stack, decode
+
+
 async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv(
     start_stack: StartStack,
 ) -> None:
     # Pricing reads decode_tokens as the KV the engine has committed: the prompt from
     # the slot, one more per streamed token, all of it released (and counted as KV
     # turnover) when the leg ends.
-    stack = await predictive_stack(start_stack, ttft_s=5.0, speed=1.0)
-    decode = stack.ctx.fleet.get("d1")
-    assert decode is not None
+    stack, decode = await kv_stack(start_stack)
     async with httpx.AsyncClient(timeout=30) as client:
         body = {"model": MODEL, "prompt": [5] * 500, "max_tokens": 200, "stream": True}
         async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
@@ -309,9 +315,7 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
     # No token of a non-streaming leg is seen before its body: while it runs, pricing
     # estimates its KV from its age; when it ends, usage.completion_tokens counts as
     # KV freed along with the prompt.
-    stack = await predictive_stack(start_stack, ttft_s=5.0, speed=1.0)
-    decode = stack.ctx.fleet.get("d1")
-    assert decode is not None
+    stack, decode = await kv_stack(start_stack)
     answers: list[httpx.Response] = []
 
     async def ask() -> None:
