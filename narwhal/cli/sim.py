@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         help="vLLM admission limit on waiting+running requests (503 beyond)",
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="generated tokens per streamed event (SGLang --stream-interval)",
+    )
+    p.add_argument(
         "--zero",
         action="store_true",
         help="instant engines (SimTiming.zero) for router-overhead measurements",
@@ -110,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": args.seed,
             "timing": timing,
             "max_num_queued": args.max_num_queued,
+            "stream_interval": args.stream_interval,
         }
         if args.build:
             fields["build"] = args.build

@@ -791,7 +791,13 @@ class _Run:
                 await trio.sleep(f.stall_s)
                 continue
             generated = min(core.generated, max_tokens)
-            if generated > sent:
+            if generated > sent and (
+                generated - sent >= e.spec.stream_interval
+                or sent == 0  # the first token goes out at once
+                or generated == max_tokens
+                or state is ReqState.FINISHED
+                or not stream
+            ):
                 if sent == 0 and stall_first:
                     e.counters.stalls_injected += 1
                     await trio.sleep(stall_first)

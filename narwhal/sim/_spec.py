@@ -51,6 +51,10 @@ class SimEngineSpec:
     # SGLang SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / WAITING_TIMEOUT (§5.3).
     bootstrap_timeout_s: float = attrs.field(default=300.0, validator=_positive)
     waiting_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    # Generated tokens per streamed event (SGLang --stream-interval). vLLM packs tokens the
+    # same way when its API server falls behind the engine (v1 RequestOutputCollector merges
+    # deltas) or speculative decoding accepts several tokens in one step.
+    stream_interval: int = attrs.field(default=1, validator=_optional_positive_int)
     # Bound on the per-request outcome ring kept for /_sim/state.
     outcome_ring: int = attrs.field(default=10_000, validator=_positive)
 

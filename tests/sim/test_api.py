@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from narwhal.sim import DEFAULT_MODEL, SimTiming
+from narwhal.sim import DEFAULT_MODEL, SimEngineSpec, SimTiming
 
 from ..support import StartFleet, post_stream, sse_json, sse_payloads
 
@@ -294,3 +294,27 @@ async def test_unknown_path_and_method(start_fleet: StartFleet, client: httpx.As
 async def test_sse_payloads_helper_rejects_bad_framing() -> None:
     with pytest.raises(AssertionError):
         sse_payloads(b"data: x\n")
+
+
+async def test_stream_interval_packs_tokens_into_events(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang --stream-interval, and vLLM when its API server falls behind: one event
+    # carries several tokens. The first token still goes out on its own.
+    fleet = await start_fleet(engines=1, spec=SimEngineSpec(stream_interval=3), speed=5.0)
+    _, _, raw = await post_stream(
+        client,
+        f"{fleet[0].url}/v1/completions",
+        {"prompt": "Hello", "max_tokens": 10, "stream": True, "stream_options": {}},
+    )
+    *tokens, usage = sse_json(raw)
+    first, *middle, last = [c["choices"][0]["text"].count(" ") for c in tokens]
+    # At least 3 per event between the first and the last; more when the emitter itself
+    # falls behind the steps (then the first may carry two).
+    assert middle
+    assert min(middle) >= 3
+    assert first + sum(middle) + last == 10
+    assert len(tokens) <= 4
+    assert usage["usage"]["completion_tokens"] == 10
+    with pytest.raises(ValueError, match="stream_interval"):
+        SimEngineSpec(stream_interval=0)
