@@ -101,6 +101,35 @@ def new_bootstrap_room() -> int:
     return secrets.randbits(63)
 
 
+def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
+    """A streamed leg's body, asking the engine for its final usage chunk, and whether
+    that chunk is the router's alone (the client did not ask for it, so it is not relayed).
+
+    The router needs `usage.completion_tokens` because an event can carry several tokens:
+    vLLM merges deltas when its API server falls behind the engine, speculative decoding
+    accepts several tokens per step, and SGLang batches them by --stream-interval. Counting
+    events would under-count resident KV and over-state the token interval.
+
+    `include_usage` defaults to true in vLLM once `stream_options` is present and to false
+    in SGLang (engine-protocols notes §4.4, §5). `continuous_usage_stats` is left out when
+    the router adds the chunk, or the client would see usage in every chunk. A
+    `stream_options` that is neither an object nor null is left for the engine to refuse.
+    """
+    options = body.get("stream_options")
+    if options is None:
+        added: Json = {"include_usage": True}
+    elif isinstance(options, dict):
+        if options.get("include_usage", dialect.name == "vllm"):
+            return body, False
+        added = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
+        added["include_usage"] = True
+    else:
+        return body, False
+    leg = dict(body)
+    leg["stream_options"] = added
+    return leg, True
+
+
 def tokenize_body(kind: EndpointKind, body: Json) -> Json:
     """The /tokenize request for a client body (same shape on vLLM and newer SGLang)."""
     request: Json = {}

@@ -82,6 +82,13 @@ class PhaseGate(Protocol):
     def blocked(self, now: float) -> str | None: ...
 
 
+# observe_packing: streams shorter than this are skipped; the weight of one stream; the
+# largest ratio believed (speculative decoding rarely accepts more than a few per step).
+PACKING_MIN_EVENTS = 4
+PACKING_ALPHA = 0.2
+PACKING_MAX = 16.0
+
+
 class EngineState:
     """One engine as the router sees it; created from config, mutated in place on reload."""
 
@@ -137,6 +144,9 @@ class EngineState:
         self.prefill_queued_tokens = 0
         self.decode_pending = 0
         self.decode_pending_tokens = 0
+        # Generated tokens per streamed event, learnt from the engines' usage reports
+        # (`observe_packing`): streamed legs grow resident KV by this much per event.
+        self.tokens_per_event = 1.0
         # Non-streaming decode legs running here (`unstreamed_decode`): count, sum of
         # start times, sum of bounded max_tokens, count of unbounded ones.
         self.unstreamed_legs = 0
@@ -229,6 +239,19 @@ class EngineState:
                 self._unstreamed_unbounded -= 1
             else:
                 self._unstreamed_cap -= max_new_tokens
+
+    def observe_packing(self, events: int, tokens: int) -> None:
+        """A finished stream's token events and the generated tokens its engine reported.
+
+        vLLM merges deltas when its API server falls behind, speculative decoding accepts
+        several tokens a step, SGLang packs --stream-interval tokens: under load an event
+        carries more than one token. A bounded moving average of the recent ratio
+        estimates running streams' KV. Streams of few events say little and are skipped.
+        """
+        if events < PACKING_MIN_EVENTS or tokens < 0:
+            return
+        ratio = min(PACKING_MAX, max(1.0, tokens / events))
+        self.tokens_per_event += PACKING_ALPHA * (ratio - self.tokens_per_event)
 
     def first_token_wait_s(self, now: float) -> float:
         for since in self._awaiting_first_token.values():

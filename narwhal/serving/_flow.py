@@ -60,6 +60,7 @@ from ..engines import (
     ENDPOINT_PATHS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
     ConnectError,
+    Json,
     PoolTimeout,
     RemoteProtocolError,
     Response,
@@ -78,6 +79,7 @@ from ..engines._dialects import (
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
+    with_usage_report,
 )
 from ..engines._sse import SseOverflow
 from ..fleet import EngineState
@@ -129,9 +131,13 @@ class _DecodePending:
             self.engine.decode_pending_tokens -= self.tokens
 
 
-def _release_kv(ctx: ServingContext, engine: EngineState, tokens: int) -> None:
+def _release_kv(
+    ctx: ServingContext, engine: EngineState, tokens: int, freed: int | None = None
+) -> None:
+    """Take `tokens` back out of the engine's resident count; `freed` (what the engine
+    reported, when it did) is the KV turnover, else `tokens`."""
     engine.decode_tokens -= tokens
-    ctx.kv_turnover.observe(engine.id, tokens, trio.current_time())
+    ctx.kv_turnover.observe(engine.id, tokens if freed is None else freed, trio.current_time())
 
 
 class _KvGrowth:
@@ -139,22 +145,29 @@ class _KvGrowth:
     (`decode_tokens`, the prompt's share being held by the phase slot) while the leg
     runs: pricing reads it as the KV the engine has committed."""
 
-    __slots__ = ("ctx", "engine", "tokens")
+    __slots__ = ("ctx", "engine", "estimate", "reported", "tokens")
 
     def __init__(self, ctx: ServingContext, engine: EngineState) -> None:
         self.ctx = ctx
         self.engine = engine
-        self.tokens = 0
+        self.tokens = 0  # counted into engine.decode_tokens
+        self.estimate = 0.0
+        self.reported: int | None = None  # usage.completion_tokens, once the engine sent it
 
-    def add(self) -> None:
-        self.tokens += 1
-        self.engine.decode_tokens += 1
+    def add(self, events: int) -> None:
+        """`events` more token events: each carries the engine's recent tokens per event
+        (`EngineState.tokens_per_event`), not one token."""
+        self.estimate += events * self.engine.tokens_per_event
+        grown = int(self.estimate) - self.tokens
+        if grown > 0:
+            self.tokens += grown
+            self.engine.decode_tokens += grown
 
     def __enter__(self) -> _KvGrowth:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _release_kv(self.ctx, self.engine, self.tokens)
+        _release_kv(self.ctx, self.engine, self.tokens, self.reported)
 
 
 class Flow:
@@ -597,15 +610,17 @@ class Flow:
             ):
                 prefill.handoffs_pending -= 1
                 handed_over = True
+                body, own_usage = _streamed_body(request, decode)
                 await self._decode_leg(
                     decode,
                     "decode",
-                    encode(vllm_decode_body(request.body, kv_params)),
+                    encode(vllm_decode_body(body, kv_params)),
                     request,
                     config,
                     client,
                     record,
                     first_token_budget=config.engine.first_token_timeout_s,
+                    own_usage=own_usage,
                 )
         except _HandoffExpired:
             age = trio.current_time() - prefill_started
@@ -646,8 +661,11 @@ class Flow:
         """
         serving = config.serving
         port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+        # Both legs take the same body, so the prefill leg is asked for usage too; its
+        # answer is not relayed.
+        shared, own_usage = _streamed_body(request, decode)
         body = encode(
-            sglang_pd_body(request.body, host=prefill.host, port=port, room=new_bootstrap_room())
+            sglang_pd_body(shared, host=prefill.host, port=port, room=new_bootstrap_room())
         )
         prefill_done = trio.Event()
         first_failure: list[BaseException] = []
@@ -693,6 +711,7 @@ class Flow:
                     first_token_budget=math.inf,
                     timer=timer,
                     hold_until=prefill_done,
+                    own_usage=own_usage,
                 )
 
         async with trio.open_nursery() as legs:
@@ -713,17 +732,19 @@ class Flow:
     ) -> None:
         """One engine does both phases: its first token includes the prefill."""
         record.stage = "decode"
+        body, own_usage = _streamed_body(request, engine)
         async with self._phase_slot(engine, "decode", tokens, pending=pending):
             await self._decode_leg(
                 engine,
                 "aggregate",
-                encode(request.body),
+                encode(body),
                 request,
                 config,
                 client,
                 record,
                 first_token_budget=config.serving.prefill_timeout_s
                 + config.engine.first_token_timeout_s,
+                own_usage=own_usage,
             )
 
     # ------------------------------------------------------------------ legs
@@ -903,6 +924,7 @@ class Flow:
         first_token_budget: float,
         timer: trio.CancelScope | None = None,
         hold_until: trio.Event | None = None,
+        own_usage: bool = False,
     ) -> None:
         record.stage = "decode"
         if not request.stream:
@@ -937,12 +959,13 @@ class Flow:
             with engine.first_token_watch(trio.current_time()) as seen:
                 await _relay(
                     self, engine, phase, body, request, config, client, record, timer, hold_until,
-                    first_token_seen=seen,
+                    own_usage, first_token_seen=seen,
                 )  # fmt: skip
         else:
             await _relay(
-                self, engine, phase, body, request, config, client, record, timer, hold_until
-            )
+                self, engine, phase, body, request, config, client, record, timer, hold_until,
+                own_usage,
+            )  # fmt: skip
 
 
 async def _relay(
@@ -956,6 +979,7 @@ async def _relay(
     record: RequestRecord,
     timer: trio.CancelScope,
     hold_until: trio.Event | None,
+    own_usage: bool,
     first_token_seen: Callable[[], None] | None = None,
 ) -> None:
     """Relay an engine SSE stream to the client, event by event.
@@ -964,6 +988,12 @@ async def _relay(
     glued onto half an engine line. Events before the first generated token (chat's
     role chunk, say) are held in a buffer bounded by serving.max_response_bytes and
     sent with the first token.
+
+    Token accounting: an event may carry several tokens (see `with_usage_report`), and
+    one read may bring several events when the router fell behind. A read's events share
+    the time since the previous read as their intervals, and the engine's final
+    `usage.completion_tokens` rescales the leg's intervals and its TPOT to tokens. That
+    usage chunk is not relayed when only the router asked for it (`own_usage`).
     """
     ctx = flow.ctx
     started = trio.current_time()
@@ -976,7 +1006,8 @@ async def _relay(
     held_bytes = 0
     first_at: float | None = None
     last_at = 0.0
-    tokens = 0
+    tokens = 0  # token events from the first token on
+    reported: int | None = None
     done = False
     path = ENDPOINT_PATHS[request.kind]
     growth = None if phase == "prefill" else _KvGrowth(ctx, engine)
@@ -1002,6 +1033,7 @@ async def _relay(
                 except SseOverflow as exc:
                     raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
                 out: list[bytes] = []
+                read_tokens = 0
                 for event in events:
                     if event.kind is SseKind.ERROR:
                         message = (event.error or {}).get("message", "engine error")
@@ -1015,7 +1047,16 @@ async def _relay(
                     if event.kind is SseKind.DONE:
                         done = True
                     elif event.kind is SseKind.DATA:
-                        if first_at is None and _has_token(event.payload):
+                        usage_only = False
+                        if b'"usage"' in event.payload:
+                            usage = _usage_report(event.payload)
+                            if usage is not None:
+                                reported, usage_only = usage
+                                if growth is not None:
+                                    growth.reported = reported
+                                if usage_only and own_usage:
+                                    continue  # the router asked for it, not the client
+                        if first_at is None and not usage_only and _has_token(event.payload):
                             first_at = now
                             timer.deadline = now + gap
                             if hold_until is None or hold_until.is_set():
@@ -1026,13 +1067,8 @@ async def _relay(
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
                                 ctx.first_token_lags.observe(engine.id, now - started, now)
-                        if first_at is not None:
-                            if tokens and len(gaps) < _MAX_GAPS:
-                                gaps.append(now - last_at)
-                            tokens += 1
-                            last_at = now
-                            if growth is not None:
-                                growth.add()
+                        if first_at is not None and not usage_only:
+                            read_tokens += 1
                     if first_at is None:
                         held.append(raw)
                         held_bytes += len(raw)
@@ -1040,6 +1076,14 @@ async def _relay(
                         out.append(raw)
                     if done:
                         break
+                if read_tokens:
+                    if tokens:
+                        share = (now - last_at) / read_tokens
+                        gaps.extend([share] * min(read_tokens, _MAX_GAPS - len(gaps)))
+                    tokens += read_tokens
+                    last_at = now
+                    if growth is not None:
+                        growth.add(read_tokens)
                 if first_at is None and held_bytes + scanner.pending > limit:
                     raise _failed(
                         engine,
@@ -1058,6 +1102,13 @@ async def _relay(
                     await client.send_chunk(b"".join(out))
                 elif out:
                     held.extend(out)  # SGLang: the prefill leg has not answered yet
+    generated = tokens
+    if reported is not None:
+        engine.observe_packing(tokens, reported)
+        if reported > tokens > 1:  # events carried several tokens each
+            scale = (tokens - 1) / (reported - 1)
+            gaps = [gap * scale for gap in gaps]
+            generated = reported
     if gaps:
         ctx.signals.decode_gaps(engine, gaps)
     if timer.cancelled_caught:
@@ -1086,8 +1137,8 @@ async def _relay(
         if first_at is not None and record.first_output_at is None:
             record.first_output_at = trio.current_time()
         await client.send_chunk(b"".join(held))
-    if tokens > 1 and first_at is not None:
-        ctx.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
+    if generated > 1 and first_at is not None:
+        ctx.metrics.tpot.observe((last_at - first_at) / (generated - 1))
     ctx.leg_observer.leg_ok(
         engine,
         phase,
@@ -1096,6 +1147,13 @@ async def _relay(
         contended=alone is None or engine.legs_started != alone,
     )
     await client.end_stream()
+
+
+def _streamed_body(request: ClientRequest, engine: EngineState) -> tuple[Json, bool]:
+    """The body a decode (or aggregate) leg sends, and whether its usage chunk is ours."""
+    if not request.stream:
+        return request.body, False
+    return with_usage_report(request.body, engine.dialect)
 
 
 def _alone(engine: EngineState) -> int | None:
@@ -1192,6 +1250,25 @@ def _has_token(payload: bytes) -> bool:
         ):
             return True
     return False
+
+
+def _usage_report(payload: bytes) -> tuple[int, bool] | None:
+    """The `usage.completion_tokens` of an event that carries a usage object, and whether
+    the event is the usage-only chunk (`choices: []`); None otherwise. Completions chunks
+    carry `"usage": null`, so the value is looked at before anything is parsed."""
+    at = payload.rfind(b'"usage"')
+    rest = payload[at + 7 :].lstrip()
+    if not rest.startswith(b":") or not rest[1:].lstrip().startswith(b"{"):
+        return None
+    try:
+        document = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    count = usage_tokens(document, "completion_tokens")
+    if count is None or count < 0:
+        return None
+    assert isinstance(document, dict)  # usage_tokens found a count in it
+    return count, document.get("choices") == []
 
 
 def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:

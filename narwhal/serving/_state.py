@@ -49,6 +49,7 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
             "pending": engine.decode_pending,
             "pending_tokens": engine.decode_pending_tokens,
             "unstreamed_legs": engine.unstreamed_legs,
+            "tokens_per_event": round(engine.tokens_per_event, 3),
             "limit": _limit(engine.decode_limiter.total_tokens),
             "slots_in_use": engine.decode_limiter.borrowed_tokens,
         },

@@ -6,7 +6,7 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from narwhal.engines import SseKind, SseScanner, parse_error_body
+from narwhal.engines import SGLANG, VLLM, Dialect, SseKind, SseScanner, parse_error_body
 from narwhal.engines._dialects import (
     sglang_pd_body,
     tokenize_body,
@@ -15,6 +15,7 @@ from narwhal.engines._dialects import (
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
+    with_usage_report,
 )
 
 VLLM_STREAM = (
@@ -165,3 +166,39 @@ def test_usage_counts_are_read_from_the_usage_object_only() -> None:
     assert usage_tokens({"usage": None}, "prompt_tokens") is None
     assert usage_tokens({"completion_tokens": 3}, "completion_tokens") is None
     assert usage_tokens([1, 2], "prompt_tokens") is None
+
+
+@pytest.mark.parametrize(
+    ("options", "dialect", "sent", "ours"),
+    [
+        # Absent (or null): neither engine would send usage; the router asks, and keeps it.
+        (None, VLLM, {"include_usage": True}, True),
+        (None, SGLANG, {"include_usage": True}, True),
+        # Present and empty: vLLM sends usage (include_usage defaults on), SGLang does not.
+        ({}, VLLM, {}, False),
+        ({}, SGLANG, {"include_usage": True}, True),
+        ({"include_usage": True}, SGLANG, {"include_usage": True}, False),
+        # Asked not to: ask anyway, without continuous stats the client did not get.
+        (
+            {"include_usage": False, "continuous_usage_stats": True},
+            VLLM,
+            {"include_usage": True},
+            True,
+        ),
+        ({"include_usage": True, "continuous_usage_stats": True}, VLLM, None, False),
+        # Not an object: the engine's to refuse, untouched.
+        ("yes", VLLM, "yes", False),
+    ],
+)
+def test_streamed_legs_ask_for_the_usage_chunk(
+    options: object, dialect: Dialect, sent: object, ours: bool
+) -> None:
+    body: dict[str, object] = {"prompt": "x", "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    before = json.dumps(body)
+    leg, own = with_usage_report(body, dialect)
+    assert json.dumps(body) == before  # the client's body is not touched
+    assert own is ours
+    assert leg["stream_options"] == (options if sent is None else sent)
+    assert leg["prompt"] == "x"

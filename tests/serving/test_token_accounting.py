@@ -1,0 +1,172 @@
+"""Streamed legs are accounted in tokens, not SSE events.
+
+An engine event can carry several tokens (vLLM merges deltas when its API server falls
+behind, speculative decoding accepts several a step, SGLang packs --stream-interval), and
+one read can bring several events when the router falls behind. The router asks the
+engine for its final usage chunk, keeps it from clients that did not ask for it, and uses
+the reported count for the decode intervals, TPOT, KV turnover and the engine's
+tokens-per-event estimate that running streams' KV grows by.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.fleet import EngineState
+from narwhal.fleet._engine import PACKING_MAX
+from narwhal.serving._flow import _usage_report
+from narwhal.sim import SimEngineSpec
+
+from .conftest import MODEL, Stack, StartStack
+from .test_failures import settled
+from .test_predictive import predictive_stack
+
+INTERVAL = 4
+
+
+class GapRecorder:
+    """ServingSignals that keeps the decode gaps each stream reports."""
+
+    def __init__(self) -> None:
+        self.gaps: list[list[float]] = []
+
+    def first_token_timeout(self, engine: EngineState) -> None:
+        pass
+
+    def ttft_breach(self) -> None:
+        pass
+
+    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+        self.gaps.append(list(gaps))
+
+
+async def packing_stack(start_stack: StartStack, interval: int = INTERVAL) -> Stack:
+    """A P/D pair at real speed whose decode engine sends `interval` tokens an event."""
+    return await start_stack(
+        ["prefill", "decode"],
+        speed=1.0,
+        sim={"spec": SimEngineSpec(stream_interval=interval)},
+        slo={"ttft_s": 5.0},  # the KV turnover window: long enough to read it back whole
+    )
+
+
+async def stream(stack: Stack, **extra: object) -> list[dict[str, Any]]:
+    body = {"model": MODEL, "prompt": [5] * 500, "max_tokens": 100, "stream": True, **extra}
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", f"{stack.url}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = [line async for line in response.aiter_lines()]
+    assert lines[-2:] == ["data: [DONE]", ""]
+    return [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {")]
+
+
+async def test_the_usage_chunk_reaches_only_clients_that_asked_for_it(
+    start_stack: StartStack,
+) -> None:
+    stack = await packing_stack(start_stack)
+    # No stream_options: the router asked for usage, so it keeps the chunk to itself.
+    chunks = await stream(stack)
+    assert all(chunk["choices"] for chunk in chunks)
+    assert sum(len(c["choices"][0]["text"].split()) for c in chunks) == 100
+    # vLLM's default: stream_options present means include_usage; relayed once, intact.
+    chunks = await stream(stack, stream_options={})
+    *tokens, usage = chunks
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 500, "total_tokens": 600, "completion_tokens": 100}
+    assert all(chunk["choices"] for chunk in tokens)
+    # Asked not to: nothing, and no continuous usage either.
+    chunks = await stream(
+        stack, stream_options={"include_usage": False, "continuous_usage_stats": True}
+    )
+    assert all(chunk["choices"] and chunk["usage"] is None for chunk in chunks)
+
+
+async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> None:
+    stack = await packing_stack(start_stack)
+    recorder = GapRecorder()
+    stack.ctx.signals = recorder
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    chunks = await stream(stack)
+    assert len(chunks) < 40  # about 100 / 4 events
+    # Intervals are per token: the simulator's step at one active stream (6 ms, 5 %
+    # noise), not the 24 ms between 4-token events.
+    (gaps,) = recorder.gaps
+    assert 0.0045 < statistics.median(gaps) < 0.009
+    # The engine's tokens per event moved towards 4 (one stream, weight 0.2).
+    assert 1.4 < decode.tokens_per_event < 1.7
+    state = await settled(stack)
+    assert state["engines"][1]["decode"]["tokens_per_event"] == round(decode.tokens_per_event, 3)
+    # The turnover counts the 100 generated tokens the engine reported, not the ~26
+    # events, plus the prompt.
+    freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
+    assert 570 < freed <= 600
+
+
+async def test_a_learnt_packing_ratio_grows_running_streams_kv(start_stack: StartStack) -> None:
+    stack = await packing_stack(start_stack)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    decode.tokens_per_event = float(INTERVAL)  # as learnt from earlier streams
+    body = {"model": MODEL, "prompt": [5] * 500, "max_tokens": 100, "stream": True}
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", f"{stack.url}/v1/completions", json=body) as response,
+    ):
+        seen = [
+            decode.decode_tokens
+            async for line in response.aiter_lines()
+            if line.startswith("data: {")
+        ]
+    # Counting events would have reached about 525; the estimate follows the tokens.
+    assert max(seen) > 570
+    assert decode.decode_tokens == 0
+
+
+async def test_without_packing_the_estimate_stays_at_one(start_stack: StartStack) -> None:
+    stack = await packing_stack(start_stack, interval=1)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    await stream(stack)
+    assert 1.0 <= decode.tokens_per_event < 1.1
+
+
+async def test_predictive_admission_still_relays_usage_unchanged(
+    start_stack: StartStack,
+) -> None:
+    stack = await predictive_stack(start_stack, ttft_s=5.0)
+    *_, usage = await stream(stack, stream_options={"include_usage": True})
+    assert usage["usage"]["completion_tokens"] == 100
+
+
+def test_usage_report_reads_only_usage_objects() -> None:
+    assert _usage_report(b'{"choices":[{"text":"a"}],"usage":null}') is None
+    assert _usage_report(b'{"choices":[],"usage":{"completion_tokens":7}}') == (7, True)
+    # Continuous usage stats: every chunk reports the running count.
+    chunk = b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": 3}}'
+    assert _usage_report(chunk) == (3, False)
+    assert _usage_report(b'{"choices":[],"usage":{"completion_tokens":-1}}') is None
+    assert _usage_report(b'{"choices":[],"usage":{"prompt_tokens":4}}') is None
+    assert _usage_report(b'{"usage":{"completion_tokens":') is None  # cut short
+
+
+def test_packing_ratio_is_a_bounded_moving_average() -> None:
+    engine = EngineState.__new__(EngineState)
+    engine.tokens_per_event = 1.0
+    engine.observe_packing(3, 30)  # too few events to say anything
+    assert engine.tokens_per_event == 1.0
+    engine.observe_packing(10, 30)
+    assert engine.tokens_per_event == pytest.approx(1.4)
+    engine.observe_packing(10, 5)  # a finish-only event: never under one token
+    assert engine.tokens_per_event == pytest.approx(1.32)
+    for _ in range(100):
+        engine.observe_packing(10, 10_000)
+    assert engine.tokens_per_event == pytest.approx(PACKING_MAX)
