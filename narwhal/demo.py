@@ -155,7 +155,8 @@ async def _run_job(client: httpx.AsyncClient, url: str, job: Job, model: str, se
 async def _read_stream(response: httpx.Response, started: float, result: Result) -> str:
     first: float | None = None
     last = 0.0
-    tokens = 0
+    tokens = 0  # events with output
+    reported = 0  # usage.completion_tokens, when the stream reports it
     outcome = "truncated"
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
@@ -168,6 +169,10 @@ async def _read_stream(response: httpx.Response, started: float, result: Result)
         if "error" in event:
             outcome = str(event["error"].get("code", "stream_error"))
             continue
+        usage = event.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            # An event can carry several tokens (an engine that falls behind packs them).
+            reported = usage["completion_tokens"]
         choices = event.get("choices") or []
         if any((c.get("delta") or {}).get("content") or c.get("text") for c in choices):
             now = trio.current_time()
@@ -177,6 +182,7 @@ async def _read_stream(response: httpx.Response, started: float, result: Result)
             tokens += 1
     if first is not None:
         result.ttft_s = first - started
+        tokens = max(tokens, reported)
         if tokens > 1:
             result.tpot_s = (last - first) / (tokens - 1)
     return outcome
