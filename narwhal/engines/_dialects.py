@@ -114,6 +114,8 @@ def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
     in SGLang (engine-protocols notes §4.4, §5). `continuous_usage_stats` is left out when
     the router adds the chunk, or the client would see usage in every chunk. A
     `stream_options` that is neither an object nor null is left for the engine to refuse.
+    A vLLM run with --enable-force-include-usage sends usage to every stream; through the
+    router, clients get it only when they ask.
     """
     options = body.get("stream_options")
     if options is None:
