@@ -11,7 +11,7 @@ import h11
 import httpx
 import trio
 
-from narwhal.fleet import EngineView
+from narwhal.fleet import EngineState, EngineView
 from narwhal.sim import Fleet
 
 StartFleet = Callable[..., Awaitable[Fleet]]
@@ -164,3 +164,24 @@ def engine_view(engine_id: str, role: str, **fields: object) -> EngineView:
     }
     values.update(fields)
     return EngineView(**values)  # type: ignore[arg-type]
+
+
+class GapRecorder:
+    """ServingSignals that keeps the decode intervals each stream reports, one list per
+    stream (install it as `ctx.signals`)."""
+
+    def __init__(self) -> None:
+        self.streams: list[list[float]] = []
+
+    @property
+    def gaps(self) -> list[float]:
+        return [gap for stream in self.streams for gap in stream]
+
+    def first_token_timeout(self, engine: EngineState) -> None:
+        pass
+
+    def ttft_breach(self) -> None:
+        pass
+
+    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+        self.streams.append(list(gaps))

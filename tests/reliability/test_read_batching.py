@@ -12,28 +12,13 @@ import statistics
 
 import trio
 
-from narwhal.fleet import EngineState
-
+from ..support import GapRecorder
 from . import hostile
 from .campaign import StartCampaign
 
 PACE_S = 0.03
 PER_READ = 3
 READS = 6
-
-
-class GapRecorder:
-    def __init__(self) -> None:
-        self.gaps: list[float] = []
-
-    def first_token_timeout(self, engine: EngineState) -> None:
-        pass
-
-    def ttft_breach(self) -> None:
-        pass
-
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
-        self.gaps.extend(gaps)
 
 
 async def batched_tokens(leg: hostile.Leg, wire: hostile.Wire) -> None:

@@ -23,27 +23,12 @@ from narwhal.fleet._engine import PACKING_MAX
 from narwhal.serving._flow import _usage_report
 from narwhal.sim import SimEngineSpec
 
+from ..support import GapRecorder
 from .conftest import MODEL, Stack, StartStack
 from .test_failures import settled
 from .test_predictive import predictive_stack
 
 INTERVAL = 4
-
-
-class GapRecorder:
-    """ServingSignals that keeps the decode gaps each stream reports."""
-
-    def __init__(self) -> None:
-        self.gaps: list[list[float]] = []
-
-    def first_token_timeout(self, engine: EngineState) -> None:
-        pass
-
-    def ttft_breach(self) -> None:
-        pass
-
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
-        self.gaps.append(list(gaps))
 
 
 async def packing_stack(start_stack: StartStack, interval: int = INTERVAL) -> Stack:
@@ -99,7 +84,7 @@ async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> N
     assert len(chunks) < 40  # about 100 / 4 events
     # Intervals are per token: the simulator's step at one active stream (6 ms, 5 %
     # noise), not the 24 ms between 4-token events.
-    (gaps,) = recorder.gaps
+    (gaps,) = recorder.streams
     assert 0.0045 < statistics.median(gaps) < 0.009
     # The engine's tokens per event moved towards 4 (one stream, weight 0.2).
     assert 1.4 < decode.tokens_per_event < 1.7
