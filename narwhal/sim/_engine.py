@@ -451,6 +451,9 @@ class SimEngine:
                 "status": status,
                 "tokens": tokens,
                 "at": trio.current_time(),
+                # Wall clock, comparable with other processes on the host (trio's clock
+                # is per process): the reliability soak orders legs against its clients.
+                "wall": time.time(),
             }
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ class Exchange:
     label: str = ""
     started: float = 0.0
     ended: float = 0.0
+    ended_wall: float = 0.0  # time.time() at `ended`, comparable with other processes
     status: int | None = None
     headers: dict[str, str] = attrs.Factory(dict)
     body: bytes = b""
@@ -173,6 +175,7 @@ async def exchange(
             ex.timed_out = True
     finally:
         ex.ended = trio.current_time()
+        ex.ended_wall = time.time()
         if sock is not None:
             with trio.move_on_after(1.0, shield=True):
                 await trio.aclose_forcefully(sock)

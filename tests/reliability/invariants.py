@@ -25,8 +25,10 @@ no_retry_after_output
                   than one.
 aborts_seen       every leg the router had to cancel (the client left mid-leg, a
                   prefill/first-token/gap/request deadline fired on a stalled engine)
-                  ended `aborted` at the engine; the expected and seen counts are
-                  reported.
+                  ended `aborted` at the engine, or ended by the engine's own doing (an
+                  error, or done) no later than the router's answer to the client
+                  (wall clocks, RACE_SLACK_S): a race in which nothing outlived the
+                  request. The expected, seen and engine-first counts are reported.
 engines_settled   no leg is left running or waiting on any engine, every leg an
                   engine accepted has exactly one outcome, the counters balance, and
                   (when asked) every KV lease of a live instance was released or
@@ -222,6 +224,7 @@ class Leg:
     tokens: int
     at: float
     accepted: bool  # the engine admitted it (an injected error or a refusal is not)
+    wall: float | None = None  # time.time() when the engine recorded it, if it says
 
 
 def legs_by_request(states: Iterable[Mapping[str, Any]]) -> dict[str, list[Leg]]:
@@ -238,6 +241,7 @@ def legs_by_request(states: Iterable[Mapping[str, Any]]) -> dict[str, list[Leg]]
                 tokens=entry["tokens"],
                 at=entry["at"],
                 accepted=entry["internal_id"] is not None,
+                wall=entry.get("wall"),
             )
             out.setdefault(leg.request_id, []).append(leg)
     for legs in out.values():
@@ -308,7 +312,7 @@ def check_legs(
 ) -> None:
     retry = report.check("no_retry_after_output")
     aborts = report.check("aborts_seen")
-    expected = seen = 0
+    expected = seen = engine_first = 0
     for ex in exchanges:
         v = verdicts[ex.request_id]
         mine = legs.get(ex.request_id, [])
@@ -335,14 +339,30 @@ def check_legs(
             )
             continue
         last = candidates[-1]
-        if last.outcome != "aborted":
+        if last.outcome != "aborted" and ended_first(last, ex):
+            engine_first += 1
+        elif last.outcome != "aborted":
             aborts.fail(
                 f"{ex.request_id} ({v.label}, {ex.label}): the router cancelled its "
                 f"{phase} leg but engine {last.engine} recorded {last.outcome!r}"
             )
         else:
             seen += 1
-    aborts.notes.update(expected=expected, seen=seen)
+    aborts.notes.update(expected=expected, seen=seen, engine_first=engine_first)
+
+
+# How much later than the client's end an engine may record a leg and still count as
+# having ended it before the router's close reached it: the router closes the leg before
+# it ends the client's response, so only the two processes' scheduling lies between.
+RACE_SLACK_S = 0.05
+
+
+def ended_first(leg: Leg, ex: Exchange) -> bool:
+    """Whether the engine ended a leg the router cancelled on its own (an error, or done)
+    before the router's close could reach it: nothing outlived the request."""
+    if leg.wall is None or not ex.ended_wall:
+        return False
+    return leg.outcome != "aborted" and leg.wall <= ex.ended_wall + RACE_SLACK_S
 
 
 def check_engines(
