@@ -57,6 +57,26 @@ async def test_streaming_pair(nursery: trio.Nursery) -> None:
     await settled(stack)
 
 
+async def test_usage_reaches_the_client_as_sglang_would_send_it(nursery: trio.Nursery) -> None:
+    # SGLang's include_usage defaults to false even with stream_options present (unlike
+    # vLLM): the router asks for the chunk for its own accounting and keeps it.
+    stack = await sglang_stack(nursery)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+    async with httpx.AsyncClient(timeout=20) as client:
+        quiet = await client.post(
+            f"{stack.url}/v1/completions", json={**body, "stream_options": {}}
+        )
+        asked = await client.post(
+            f"{stack.url}/v1/completions",
+            json={**body, "stream_options": {"include_usage": True}},
+        )
+    assert all(event["choices"] for event in sse_json(quiet.content))
+    *_, usage = sse_json(asked.content)
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 4
+    await settled(stack)
+
+
 async def test_prefill_failure_cancels_the_decode_leg_at_once(nursery: trio.Nursery) -> None:
     stack = await sglang_stack(nursery)
     stack.fleet[0].set_faults(error_status=503, leg="prefill")
