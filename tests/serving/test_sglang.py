@@ -9,7 +9,7 @@ import httpx
 import trio
 
 from narwhal.config import load_config
-from narwhal.sim import Fleet, serve_fleet
+from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
 from narwhal.supervisor import Supervisor
 
 from ..support import sse_json
@@ -17,9 +17,11 @@ from .conftest import MODEL, Stack, fleet_config
 from .test_failures import settled, terminal_error
 
 
-async def sglang_stack(nursery: trio.Nursery, **serving: Any) -> Stack:
+async def sglang_stack(
+    nursery: trio.Nursery, spec: SimEngineSpec | None = None, **serving: Any
+) -> Stack:
     fleet: Fleet = await nursery.start(
-        partial(serve_fleet, engines=2, speed=20.0, model=MODEL, dialect="sglang")
+        partial(serve_fleet, engines=2, speed=20.0, model=MODEL, dialect="sglang", spec=spec)
     )
     document = fleet_config(fleet, ["prefill", "decode"], serving=serving)
     for entry, handle in zip(document["engines"], fleet, strict=True):
@@ -59,9 +61,10 @@ async def test_streaming_pair(nursery: trio.Nursery) -> None:
 
 async def test_usage_reaches_the_client_as_sglang_would_send_it(nursery: trio.Nursery) -> None:
     # SGLang's include_usage defaults to false even with stream_options present (unlike
-    # vLLM): the router asks for the chunk for its own accounting and keeps it.
-    stack = await sglang_stack(nursery)
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+    # vLLM): the router asks for the chunk for its own accounting and keeps it. Its
+    # engines pack 4 tokens an event here, which only the usage count reveals.
+    stack = await sglang_stack(nursery, spec=SimEngineSpec(stream_interval=4))
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 32, "stream": True}
     async with httpx.AsyncClient(timeout=20) as client:
         quiet = await client.post(
             f"{stack.url}/v1/completions", json={**body, "stream_options": {}}
@@ -73,7 +76,11 @@ async def test_usage_reaches_the_client_as_sglang_would_send_it(nursery: trio.Nu
     assert all(event["choices"] for event in sse_json(quiet.content))
     *_, usage = sse_json(asked.content)
     assert usage["choices"] == []
-    assert usage["usage"]["completion_tokens"] == 4
+    assert usage["usage"]["completion_tokens"] == 32
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    # Both streams reported their tokens to the router: two moves towards ~3.5 per event.
+    assert decode.tokens_per_event > 1.6
     await settled(stack)
 
 
