@@ -145,11 +145,12 @@ class _KvGrowth:
     (`decode_tokens`, the prompt's share being held by the phase slot) while the leg
     runs: pricing reads it as the KV the engine has committed."""
 
-    __slots__ = ("ctx", "engine", "estimate", "reported", "tokens")
+    __slots__ = ("cap", "ctx", "engine", "estimate", "reported", "tokens")
 
-    def __init__(self, ctx: ServingContext, engine: EngineState) -> None:
+    def __init__(self, ctx: ServingContext, engine: EngineState, cap: int | None) -> None:
         self.ctx = ctx
         self.engine = engine
+        self.cap = math.inf if cap is None else cap  # the request's max_tokens
         self.tokens = 0  # counted into engine.decode_tokens
         self.estimate = 0.0
         self.reported: int | None = None  # usage.completion_tokens, once the engine sent it
@@ -157,7 +158,7 @@ class _KvGrowth:
     def add(self, events: int) -> None:
         """`events` more token events: each carries the engine's recent tokens per event
         (`EngineState.tokens_per_event`), not one token."""
-        self.estimate += events * self.engine.tokens_per_event
+        self.estimate = min(self.cap, self.estimate + events * self.engine.tokens_per_event)
         grown = int(self.estimate) - self.tokens
         if grown > 0:
             self.tokens += grown
@@ -1010,7 +1011,7 @@ async def _relay(
     reported: int | None = None
     done = False
     path = ENDPOINT_PATHS[request.kind]
-    growth = None if phase == "prefill" else _KvGrowth(ctx, engine)
+    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, request.max_tokens)
     with timer, growth or nullcontext():
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:

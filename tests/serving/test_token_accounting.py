@@ -20,7 +20,7 @@ import trio
 
 from narwhal.fleet import EngineState
 from narwhal.fleet._engine import PACKING_MAX
-from narwhal.serving._flow import _usage_report
+from narwhal.serving._flow import _KvGrowth, _usage_report
 from narwhal.sim import SimEngineSpec
 
 from ..support import GapRecorder
@@ -155,3 +155,18 @@ def test_packing_ratio_is_a_bounded_moving_average() -> None:
     for _ in range(100):
         engine.observe_packing(10, 10_000)
     assert engine.tokens_per_event == pytest.approx(PACKING_MAX)
+
+
+def test_running_growth_never_passes_max_tokens() -> None:
+    engine = EngineState.__new__(EngineState)
+    engine.tokens_per_event = 4.0
+    engine.decode_tokens = 0
+    growth = _KvGrowth(None, engine, cap=10)  # type: ignore[arg-type]  # no ctx until exit
+    growth.add(2)
+    assert engine.decode_tokens == 8
+    growth.add(1)  # 12 by the ratio, but the request asked for at most 10
+    assert (engine.decode_tokens, growth.tokens) == (10, 10)
+    engine.tokens_per_event = 1.5
+    unbounded = _KvGrowth(None, engine, cap=None)  # type: ignore[arg-type]
+    unbounded.add(3)
+    assert unbounded.tokens == 4  # 4.5 so far: whole tokens only
