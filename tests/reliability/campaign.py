@@ -23,6 +23,7 @@ from narwhal.supervisor import Supervisor
 from ..serving.conftest import MODEL, Stack, fleet_config
 from ..support import wait_for
 from .client import Exchange, HangUp, exchange
+from .hostile import Behaviour, HostileEngine
 from .invariants import Report, check_all, verdict
 
 # Tight, test-sized settings: every timer fires within a second or two, retries are on
@@ -289,3 +290,23 @@ async def start_campaign(
     campaign = Campaign(name, stack, random.Random(seed))
     campaign.outcomes_before = dict(stack.ctx.outcomes)
     return campaign
+
+
+async def start_beside_hostile(
+    start: StartCampaign,
+    nursery: trio.Nursery,
+    name: str,
+    side: str,
+    behaviour: Behaviour,
+    **kw: Any,
+) -> tuple[Campaign, HostileEngine]:
+    """A campaign whose `side` engine ("prefill" or "decode", id "h") is a hostile engine
+    running `behaviour`, beside one simulated engine of the other role."""
+    engine = HostileEngine()
+    await nursery.start(engine.serve)
+    engine.behaviours[side] = behaviour
+    sim_role = "prefill" if side == "decode" else "decode"
+    campaign = await start(
+        name, [sim_role], extra_engines=[{"id": "h", "url": engine.url, "role": side}], **kw
+    )
+    return campaign, engine

@@ -11,7 +11,7 @@ import trio
 
 from ..support import wait_for
 from . import hostile as h
-from .campaign import StartCampaign
+from .campaign import StartCampaign, start_beside_hostile
 
 TIMEOUT_S = 1.5
 SETTINGS: dict[str, Any] = {
@@ -92,17 +92,15 @@ async def test_hostile_engine(
     expect: str,
     leg_end: str,
 ) -> None:
-    engine = h.HostileEngine()
-    await nursery.start(engine.serve)
-    engine.behaviours[side] = behaviour
-    sim_role = "prefill" if side == "decode" else "decode"
-    c = await start(
+    c, engine = await start_beside_hostile(
+        start,
+        nursery,
         f"hostile-{side}",
-        [sim_role],
+        side,
+        behaviour,
         # Short KV leases: a prefill whose decode went to the hostile engine is never
         # pulled, and the check waits for its lease to expire.
         sim={"lease_s": 4.0},
-        extra_engines=[{"id": "h", "url": engine.url, "role": side}],
         **SETTINGS,
     )
 

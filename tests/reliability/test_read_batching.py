@@ -14,7 +14,7 @@ import trio
 
 from ..support import GapRecorder
 from . import hostile
-from .campaign import StartCampaign
+from .campaign import StartCampaign, start_beside_hostile
 
 PACE_S = 0.03
 PER_READ = 3
@@ -34,14 +34,7 @@ async def batched_tokens(leg: hostile.Leg, wire: hostile.Wire) -> None:
 async def test_events_of_one_read_share_its_interval(
     start: StartCampaign, nursery: trio.Nursery
 ) -> None:
-    engine = hostile.HostileEngine()
-    await nursery.start(engine.serve)
-    engine.behaviours["decode"] = batched_tokens
-    c = await start(
-        "batched",
-        ["prefill"],
-        extra_engines=[{"id": "h", "url": engine.url, "role": "decode"}],
-    )
+    c, engine = await start_beside_hostile(start, nursery, "batched", "decode", batched_tokens)
     recorder = GapRecorder()
     assert c.stack.supervisor.ctx is not None
     c.stack.supervisor.ctx.signals = recorder

@@ -17,7 +17,7 @@ from narwhal.sim import Fleet, serve_fleet
 from narwhal.sim._http import request
 
 from . import hostile
-from .campaign import StartCampaign
+from .campaign import StartCampaign, start_beside_hostile
 from .client import exchange
 
 
@@ -58,14 +58,13 @@ async def test_a_non_json_200_from_a_decode_engine_is_not_relayed_as_json(
     content-type application/json, whatever it was: an HTML page from a proxy in front
     of the engine reached the client as a successful completion. Found by
     test_hostile.py::test_hostile_engine[decode-not_json_body-json]."""
-    engine = hostile.HostileEngine()
-    await nursery.start(engine.serve)
-    engine.behaviours["decode"] = hostile.not_json_body
-    c = await start(
+    c, _ = await start_beside_hostile(
+        start,
+        nursery,
         "nonjson",
-        ["prefill"],
+        "decode",
+        hostile.not_json_body,
         sim={"lease_s": 4.0},
-        extra_engines=[{"id": "h", "url": engine.url, "role": "decode"}],
         serving={"max_attempts": 1},
     )
     ex = await c.send(0, c.body(stream=False, max_tokens=4))
@@ -144,14 +143,13 @@ async def test_deeply_nested_json_from_an_engine_is_not_an_internal_error(
     nested JSON from an engine raised RecursionError through the request path: the
     client got internal_error and the router logged a traceback. Found by
     test_hostile.py (the nested_* behaviours)."""
-    engine = hostile.HostileEngine()
-    await nursery.start(engine.serve)
-    engine.behaviours["decode"] = behaviour
-    c = await start(
+    c, _ = await start_beside_hostile(
+        start,
+        nursery,
         "nested-engine",
-        ["prefill"],
+        "decode",
+        behaviour,
         sim={"lease_s": 4.0},
-        extra_engines=[{"id": "h", "url": engine.url, "role": "decode"}],
         serving={"max_attempts": 1},
     )
     ex = await c.send(0, c.body(stream=stream, max_tokens=4))
