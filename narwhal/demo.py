@@ -26,6 +26,7 @@ import numpy as np
 import trio
 
 from .config import Config, ConfigError, load_config_file
+from .engines._dialects import usage_tokens
 
 _WORDS = [
     "model",
@@ -169,10 +170,10 @@ async def _read_stream(response: httpx.Response, started: float, result: Result)
         if "error" in event:
             outcome = str(event["error"].get("code", "stream_error"))
             continue
-        usage = event.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        count = usage_tokens(event, "completion_tokens")
+        if count is not None:
             # An event can carry several tokens (an engine that falls behind packs them).
-            reported = usage["completion_tokens"]
+            reported = count
         choices = event.get("choices") or []
         if any((c.get("delta") or {}).get("content") or c.get("text") for c in choices):
             now = trio.current_time()
