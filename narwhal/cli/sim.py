@@ -16,7 +16,7 @@ import trio
 from narwhal.sim import DEFAULT_MODEL, SimEngineSpec, SimTiming, serve_fleet
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="narwhal-sim",
         description="Serve N simulated vLLM/SGLang engines on consecutive ports.",
@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--build", default=None, help="build identity reported by /version")
+    p.add_argument(
+        "--stock-version",
+        action="store_true",
+        help="answer /version with the version alone, as stock vLLM and SGLang do",
+    )
     p.add_argument(
         "--max-num-queued",
         type=int,
@@ -98,29 +103,35 @@ async def _run(spec: SimEngineSpec, *, engines: int, host: str, port: int) -> No
                 break
 
 
+def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
+    """The engine spec the command line asks for; ValueError names a bad option."""
+    if args.engines < 1:
+        raise ValueError(f"--engines is {args.engines}; must be >= 1")
+    if args.port and not 0 < args.port + args.engines - 1 <= 65535:
+        raise ValueError("--port + --engines exceeds 65535")
+    timing = load_profile(args.profile) if args.profile else SimTiming()
+    if args.zero:
+        timing = SimTiming.zero()
+    fields: dict[str, Any] = {
+        "dialect": args.dialect,
+        "speed": args.speed,
+        "lease_s": args.lease_s,
+        "model": args.model,
+        "seed": args.seed,
+        "timing": timing,
+        "max_num_queued": args.max_num_queued,
+        "stream_interval": args.stream_interval,
+        "stock_version": args.stock_version,
+    }
+    if args.build:
+        fields["build"] = args.build
+    return SimEngineSpec(**fields)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        if args.engines < 1:
-            raise ValueError(f"--engines is {args.engines}; must be >= 1")
-        if args.port and not 0 < args.port + args.engines - 1 <= 65535:
-            raise ValueError("--port + --engines exceeds 65535")
-        timing = load_profile(args.profile) if args.profile else SimTiming()
-        if args.zero:
-            timing = SimTiming.zero()
-        fields: dict[str, Any] = {
-            "dialect": args.dialect,
-            "speed": args.speed,
-            "lease_s": args.lease_s,
-            "model": args.model,
-            "seed": args.seed,
-            "timing": timing,
-            "max_num_queued": args.max_num_queued,
-            "stream_interval": args.stream_interval,
-        }
-        if args.build:
-            fields["build"] = args.build
-        spec = SimEngineSpec(**fields)
+        spec = spec_from_args(args)
     except (OSError, ValueError, TypeError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2

@@ -481,6 +481,9 @@ class Api:
     async def server_info(self, req: HttpRequest, resp: Responder) -> None:
         e = self.e
         t = e.spec.timing
+        identity = (
+            {} if e.spec.stock_version else {"build": e.spec.build, "instance_id": e.instance_id}
+        )
         await resp.send_json(
             200,
             {
@@ -505,8 +508,7 @@ class Api:
                     }
                 ],
                 "version": ENGINE_VERSION["sglang"],
-                "build": e.spec.build,
-                "instance_id": e.instance_id,
+                **identity,
             },
         )
 

@@ -71,6 +71,7 @@ class SimEngine:
         self.tokenizer = Tokenizer()
         self.counters = Counters()
         self.metrics = EngineMetrics()
+        self.started_at = time.time()
         timing = spec.timing
         self.registry = make_registry(
             self.metrics,
@@ -86,6 +87,7 @@ class SimEngine:
                 "num_cpu_blocks": "None",
                 "num_gpu_blocks": str(timing.total_blocks),
             },
+            started_at=self.started_at,
         )
         self.outcomes: deque[dict[str, Any]] = deque(maxlen=spec.outcome_ring)
         self.expired_leases: deque[str] = deque(maxlen=_EXPIRED_RING)
@@ -103,7 +105,6 @@ class SimEngine:
         self._fault_set_at = 0.0
         self.http_stats = _http.ServerStats()
         self.up = False
-        self.started_at = time.time()
         # How far the step loop fell behind its own timeline (CPU saturation).
         self.step_lag_resets = 0
         self.max_step_lag_s = 0.0
@@ -576,14 +577,10 @@ class SimEngine:
         await resp.send(200 if healthy else 503, b"")
 
     async def _version(self, req: HttpRequest, resp: Responder) -> None:
-        await resp.send_json(
-            200,
-            {
-                "version": ENGINE_VERSION[self.spec.dialect],
-                "build": self.spec.build,
-                "instance_id": self.instance_id,
-            },
-        )
+        document = {"version": ENGINE_VERSION[self.spec.dialect]}
+        if not self.spec.stock_version:
+            document.update(build=self.spec.build, instance_id=self.instance_id)
+        await resp.send_json(200, document)
 
     async def _metrics(self, req: HttpRequest, resp: Responder) -> None:
         await resp.send(

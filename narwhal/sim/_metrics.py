@@ -145,9 +145,11 @@ class _Collector:
         model: str,
         engine: str,
         cache_info: dict[str, str] | None = None,
+        started_at: float | None = None,
     ) -> None:
         self._m = metrics
         self._gauges = gauges
+        self._started_at = started_at
         self._sglang = dialect == "sglang"
         self._model = model
         self._engine = engine
@@ -222,6 +224,15 @@ class _Collector:
                 "nixl_num_failed_transfers", "Failed NIXL KV transfers.", m.failed_transfers
             )
             yield hist("nixl_xfer_time_seconds", "KV transfer time in seconds.", m.xfer)
+            if self._started_at is not None:
+                # vLLM with one API server serves prometheus_client's default registry,
+                # whose process collector adds this (unprefixed, unlabelled). SGLang and
+                # multi-API-server vLLM use multiprocess mode, which has no process metrics.
+                yield GaugeMetricFamily(
+                    "process_start_time_seconds",
+                    "Start time of the process since unix epoch in seconds.",
+                    value=self._started_at,
+                )
 
 
 def make_registry(
@@ -232,11 +243,18 @@ def make_registry(
     model: str,
     engine: str,
     cache_info: dict[str, str] | None = None,
+    started_at: float | None = None,
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
         _Collector(
-            metrics, gauges, dialect=dialect, model=model, engine=engine, cache_info=cache_info
+            metrics,
+            gauges,
+            dialect=dialect,
+            model=model,
+            engine=engine,
+            cache_info=cache_info,
+            started_at=started_at,
         )
     )
     return registry

@@ -43,6 +43,9 @@ class SimEngineSpec:
     lease_s: float = attrs.field(default=30.0, validator=_positive)
     seed: int = 0
     build: str = f"narwhal-sim {__version__}"
+    # /version as stock vLLM and SGLang answer it: the version alone, no build or instance
+    # id, so a restart shows only in /metrics (vLLM) or as an unreachable period.
+    stock_version: bool = False
     # vLLM --max-num-queued-reqs (waiting + running); None means unbounded, as vLLM's default.
     max_num_queued: int | None = attrs.field(default=None, validator=_optional_positive_int)
     timing: SimTiming = attrs.Factory(SimTiming)

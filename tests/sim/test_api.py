@@ -7,7 +7,9 @@ import json
 import httpx
 import pytest
 
+from narwhal.recovery import parse_load
 from narwhal.sim import DEFAULT_MODEL, SimEngineSpec, SimTiming
+from narwhal.sim._spec import ENGINE_VERSION
 
 from ..support import StartFleet, post_stream, sse_json, sse_payloads
 
@@ -283,6 +285,27 @@ async def test_health_models_version_metrics(
         'engine="1",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="28125"} 1.0'
     ) in metrics
     assert json.loads((await client.get(f"{url}/_sim/state")).text)["engine"] == "1"
+    # prometheus_client's process collector, as vLLM's default registry serves it.
+    assert parse_load(metrics.encode(), "vllm").started_at == fleet[1].engine.started_at
+
+
+async def test_stock_version_names_no_instance_and_sglang_has_no_process_metrics(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    for dialect in ("vllm", "sglang"):
+        spec = SimEngineSpec(dialect=dialect, stock_version=True)
+        fleet = await start_fleet(engines=1, spec=spec, **FAST)
+        url = fleet[0].url
+        version = (await client.get(f"{url}/version")).json()
+        assert version == {"version": ENGINE_VERSION[dialect]}
+        metrics = (await client.get(f"{url}/metrics")).content
+        started = parse_load(metrics, dialect).started_at
+        # SGLang serves prometheus multiprocess mode: no process collector.
+        assert started == (fleet[0].engine.started_at if dialect == "vllm" else None)
+    info = (await client.get(f"{url}/get_server_info")).json()
+    assert info["version"] == ENGINE_VERSION["sglang"]
+    assert "instance_id" not in info
+    assert "build" not in info
 
 
 async def test_unknown_path_and_method(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:

@@ -10,7 +10,10 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
+
+from narwhal.cli import sim as sim_cli
 
 
 async def _read_lines(proc: trio.Process, n: int) -> list[str]:
@@ -78,3 +81,19 @@ def test_cli_rejects_bad_profile(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "unknown timing field(s): nonsense" in proc.stderr
+
+
+def test_cli_options_reach_the_engine_spec() -> None:
+    args = sim_cli.parser().parse_args(
+        ["--stock-version", "--stream-interval", "4", "--build", "b-7", "--dialect", "sglang"]
+    )
+    spec = sim_cli.spec_from_args(args)
+    assert (spec.stock_version, spec.stream_interval, spec.build, spec.dialect) == (
+        True,
+        4,
+        "b-7",
+        "sglang",
+    )
+    assert not sim_cli.spec_from_args(sim_cli.parser().parse_args([])).stock_version
+    with pytest.raises(ValueError, match="--engines is 0; must be >= 1"):
+        sim_cli.spec_from_args(sim_cli.parser().parse_args(["--engines", "0"]))
