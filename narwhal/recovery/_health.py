@@ -22,10 +22,18 @@ Latency residuals (`ResidualWindow`)
   behind a long prompt must not eject a healthy engine.
 
 Restart holds (`RestartHold`, `IdentityTracker`)
-  An engine whose identity changed (GET /version reports another instance id, build or
-  version) or that answers again after being unreachable has restarted: its KV and any
-  handoff in flight are gone and its warm-up state is unknown. It is held out of
-  placement for recovery.restart_hold_s and then until a verification pair passes.
+  An engine has restarted when any of these shows it: GET /version reports another
+  instance id, build or version; it answers again after being unreachable; or its
+  /metrics reports another `process_start_time_seconds`. Its KV and any handoff in flight
+  are gone and its warm-up state is unknown. It is held out of placement for
+  recovery.restart_hold_s and then until a verification pair passes.
+
+  Stock vLLM and SGLang report only their version on /version, so a restart quicker than
+  the health probe interval leaves no trace there. vLLM with one API server (its
+  default) serves prometheus_client's process collector, whose
+  `process_start_time_seconds` is fixed for the life of a process: the monitor reads it
+  every pass. vLLM with several API servers and SGLang use prometheus multiprocess mode,
+  which has no process metrics; there only /version and reachability tell.
 """
 
 from __future__ import annotations
@@ -218,11 +226,15 @@ class RestartHold:
 
 
 class IdentityTracker:
-    """Notices restarts from /version identity changes and unreachable periods."""
+    """Notices restarts from /version identity changes, unreachable periods and
+    /metrics process start times."""
 
     def __init__(self) -> None:
         self.identity: Identity | None = None
         self.unreachable = False
+        self.start_time: float | None = None
+        # A restart was detected: the next identity seen is the new instance's baseline.
+        self._identity_stale = False
 
     def observe(self, reachable: bool | None, identity: Identity | None) -> str | None:
         """Record one probe; returns why the engine is considered restarted, or None.
@@ -237,16 +249,36 @@ class IdentityTracker:
             self.unreachable = False
             reason = "answered again after being unreachable"
         if identity is not None:
-            if self.identity is not None and identity != self.identity:
+            stale, self._identity_stale = self._identity_stale, False
+            if self.identity is not None and identity != self.identity and not stale:
                 changed = _describe_change(self.identity, identity)
                 reason = f"identity changed ({changed})" if reason is None else reason
             self.identity = identity
         return reason
 
+    def observe_start_time(self, value: float | None) -> str | None:
+        """Record one /metrics `process_start_time_seconds` (None: the engine does not
+        report it); returns why the engine is considered restarted, or None."""
+        if value is None:
+            return None
+        known, self.start_time = self.start_time, value
+        if known is not None and value != known:
+            return f"process_start_time_seconds changed ({known!r} -> {value!r})"
+        return None
+
+    def new_instance(self) -> None:
+        """A restart was detected (by any signal): what the other signals remember
+        describes the old instance, so the next thing each sees is the new instance's
+        baseline, not a second restart."""
+        self.unreachable = False
+        self.start_time = None
+        self._identity_stale = True
+
     def snapshot(self) -> dict[str, object]:
         return {
             "identity": dict(self.identity) if self.identity is not None else None,
             "unreachable": self.unreachable,
+            "process_start_time_seconds": self.start_time,
         }
 
 

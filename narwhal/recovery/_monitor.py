@@ -6,7 +6,8 @@ A pass has four stages:
 1. load: GET /metrics of every engine that is not being removed, concurrently on the
    control pools, each bounded by engine.health_timeout_s; running and waiting
    requests and KV-cache usage (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
-   `vllm:kv_cache_usage_perc`, or SGLang's equivalents);
+   `vllm:kv_cache_usage_perc`, or SGLang's equivalents). A changed
+   `process_start_time_seconds` is handed to recovery as a restart (`_health`);
 2. residuals: at most one latency residual per engine (recovery's residual stage);
 3. verdicts: each engine's availability and health verdict, frozen into `MonitorPass`;
 4. handlers: every registered handler is awaited with the pass, each bounded by
@@ -171,7 +172,8 @@ class Monitor:
         failures: list[str],
     ) -> None:
         try:
-            loads[engine.id] = await self.prober.scrape(engine, self.ctx.config)
+            loads[engine.id] = sample = await self.prober.scrape(engine, self.ctx.config)
+            self.recovery.observe_start_time(engine, sample.started_at)
         except ScrapeError as exc:
             errors[engine.id] = str(exc)
         except Exception as exc:

@@ -79,6 +79,8 @@ class LoadSample:
     running: float
     waiting: float
     kv_usage: float | None
+    # prometheus_client's process collector (vLLM with one API server); None when absent.
+    started_at: float | None = None
 
 
 class ScrapeError(Exception):
@@ -370,15 +372,17 @@ _LOAD_NAMES: dict[str, tuple[str, str, str]] = {
 }
 # Older vLLM builds only have the deprecated name.
 _KV_FALLBACK = {"vllm": "vllm:gpu_cache_usage_perc"}
+_START_TIME = "process_start_time_seconds"
 
 
 def parse_load(raw: bytes, dialect: str) -> LoadSample:
-    """Running and waiting requests (summed over data-parallel ranks) and KV usage (the
-    fullest rank), from Prometheus text. Only the wanted lines are parsed: a vLLM
-    /metrics page is ~100 KB and is read every monitor pass."""
+    """Running and waiting requests (summed over data-parallel ranks), KV usage (the
+    fullest rank) and, when reported, the process start time, from Prometheus text. Only
+    the wanted lines are parsed: a vLLM /metrics page is ~100 KB and is read every
+    monitor pass."""
     running_name, waiting_name, kv_name = _LOAD_NAMES.get(dialect, _LOAD_NAMES["vllm"])
     kv_fallback = _KV_FALLBACK.get(dialect)
-    wanted = {running_name, waiting_name, kv_name}
+    wanted = {running_name, waiting_name, kv_name, _START_TIME}
     if kv_fallback:
         wanted.add(kv_fallback)
     found: dict[str, list[float]] = {}
@@ -411,8 +415,10 @@ def parse_load(raw: bytes, dialect: str) -> LoadSample:
         missing = [n for n in (running_name, waiting_name) if n not in found]
         raise ScrapeError(f"GET /metrics lacks {', '.join(missing)}")
     kv_values = found.get(kv_name) or (found.get(kv_fallback) if kv_fallback else None)
+    started = found.get(_START_TIME)
     return LoadSample(
         running=sum(found[running_name]),
         waiting=sum(found[waiting_name]),
         kv_usage=max(kv_values) if kv_values else None,
+        started_at=max(started) if started else None,
     )

@@ -437,10 +437,20 @@ class Recovery:
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
 
+    def observe_start_time(self, engine: EngineState, value: float | None) -> None:
+        """The monitor's scrape of `engine` reported this process start time."""
+        record = self._record_for(engine)
+        if record is None:
+            return
+        restarted = record.identity.observe_start_time(value)
+        if restarted is not None:
+            self._start_hold(record, restarted)
+
     def _start_hold(self, record: EngineRecovery, reason: str) -> None:
         now = trio.current_time()
         hold_s = self.ctx.config.recovery.restart_hold_s
         fresh = record.hold.start(now, reason, hold_s)
+        record.identity.new_instance()
         record.engine.held_until = math.inf
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()

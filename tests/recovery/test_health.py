@@ -104,6 +104,39 @@ def test_identity_change_and_coming_back_are_restarts() -> None:
     assert tracker.observe(True, None) is None
 
 
+def test_a_new_process_start_time_is_a_restart() -> None:
+    tracker = IdentityTracker()
+    assert tracker.observe_start_time(None) is None  # not reported: no evidence
+    assert tracker.observe_start_time(1700000000.25) is None  # the first one seen
+    assert tracker.observe_start_time(1700000000.25) is None
+    assert tracker.observe_start_time(None) is None  # a page without it changes nothing
+    assert tracker.observe_start_time(1700000042.5) == (
+        "process_start_time_seconds changed (1700000000.25 -> 1700000042.5)"
+    )
+    assert tracker.observe_start_time(1700000042.5) is None
+    # A restart seen another way: the next value is the new process's, not a second one.
+    tracker.new_instance()
+    assert tracker.snapshot()["process_start_time_seconds"] is None
+    assert tracker.observe_start_time(1700000099.0) is None
+    assert tracker.snapshot()["process_start_time_seconds"] == 1700000099.0
+
+
+def test_after_a_detected_restart_every_signal_starts_from_the_new_instance() -> None:
+    tracker = IdentityTracker()
+    old = (("instance_id", "a"),)
+    assert tracker.observe(True, old) is None
+    assert tracker.observe_start_time(1000.0) is None
+    assert tracker.observe(False, None) is None  # the probe saw it down...
+    assert tracker.observe_start_time(1003.0) is not None  # ...the monitor saw it back
+    tracker.new_instance()
+    # The probe's view of the old instance (down, id a) is not a second restart.
+    assert tracker.observe(True, (("instance_id", "b"),)) is None
+    assert tracker.identity == (("instance_id", "b"),)
+    assert tracker.observe_start_time(1003.0) is None
+    # A later restart is seen again.
+    assert tracker.observe(True, (("instance_id", "c"),)) == "identity changed (instance_id b -> c)"
+
+
 def test_restart_hold_restarts_its_clock_on_a_second_restart() -> None:
     hold = RestartHold()
     assert hold.start(10.0, "x", 5.0)
@@ -129,6 +162,18 @@ vllm:num_requests_running_total 99
 def test_parse_load_sums_ranks_and_takes_the_fullest_kv() -> None:
     sample = parse_load(VLLM_METRICS, "vllm")
     assert (sample.running, sample.waiting, sample.kv_usage) == (5.0, 4.0, 0.5)
+
+
+def test_parse_load_reads_the_process_start_time_when_there_is_one() -> None:
+    assert parse_load(VLLM_METRICS, "vllm").started_at is None
+    page = VLLM_METRICS + (
+        b"# HELP process_start_time_seconds Start time of the process since unix epoch.\n"
+        b"# TYPE process_start_time_seconds gauge\n"
+        b"process_start_time_seconds 1.70000004225e+09\n"
+    )
+    assert parse_load(page, "vllm").started_at == 1700000042.25
+    sglang = b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\nprocess_start_time_seconds 7\n"
+    assert parse_load(sglang, "sglang").started_at == 7.0
 
 
 def test_parse_load_sglang_names_and_missing_gauges() -> None:

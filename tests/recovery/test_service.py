@@ -425,6 +425,59 @@ async def test_one_engine_down_is_not_a_monitor_failure(
     assert [e.id for e in last.observed] == ["p0"]
 
 
+async def test_a_new_process_start_time_on_metrics_is_a_restart_held_until_verified(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Stock vLLM's /version names no instance, so only /metrics shows a quick restart.
+    cfg = config(controller={"monitor_interval_s": 1.0})
+    rig = await start(nursery, cfg)
+    rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
+    await start_monitor(nursery, rig)
+    await rig.at(2.5)
+    assert rig.reason("d0") is None
+    rig.prober.load_of["d0"] = LoadSample(0.0, 0.0, 0.0, started_at=1003.0)
+    await rig.at(3.0)
+    assert rig.reason("d0") == "restart hold"
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.hold.reason == "process_start_time_seconds changed (1000.0 -> 1003.0)"
+    await rig.at(7.9)  # the same start time every pass since: one hold, not one per pass
+    assert record.hold.holds_total == 1
+    assert rig.reason("d0") == "restart hold"
+    await rig.at(8.0)  # recovery.restart_hold_s=5 after +3, then the verification
+    assert rig.reason("d0") is None
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [8.0]
+    assert changes(rig, "hold") == [
+        ("d0", None, "released", "held"),
+        ("d0", None, "held", "released"),
+    ]
+
+
+async def test_a_restart_seen_by_the_probe_is_not_seen_again_on_metrics(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = config(controller={"monitor_interval_s": 1.0})
+    rig = await start(nursery, cfg)
+    rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
+    await start_monitor(nursery, rig)
+    await rig.at(1.5)
+    rig.prober.health_of["d0"] = REFUSED
+    rig.prober.load_of["d0"] = ScrapeError("GET /metrics: connect failed: connection refused")
+    await rig.at(2.5)
+    rig.prober.health_of["d0"] = HEALTHY
+    await rig.at(3.0)  # the probe at +3 sees it answer again and starts the hold
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.hold.reason == "answered again after being unreachable"
+    rig.prober.load_of["d0"] = LoadSample(0.0, 0.0, 0.0, started_at=1002.0)
+    await rig.at(7.9)  # passes at +4..+7 saw the new start time
+    assert record.identity.start_time == 1002.0
+    assert record.hold.reason == "answered again after being unreachable"
+    await rig.at(8.0)  # the hold's clock was never restarted by the new value
+    assert rig.reason("d0") is None
+    assert record.hold.holds_total == 1
+
+
 async def test_a_raising_or_hanging_pass_handler_is_a_monitoring_stage_failure(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -18,7 +18,8 @@ import trio
 from narwhal.config import Config, Engine, EngineSpec
 from narwhal.fleet import EngineState, Role
 from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
-from narwhal.sim import Fleet, serve_fleet
+from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
+from narwhal.sim._spec import ENGINE_VERSION
 
 from ..serving.conftest import MODEL, Stack
 from ..support import wait_for
@@ -121,9 +122,37 @@ async def test_restarted_engine_is_held_until_verified(start_stack: StartStack) 
     assert stack.fleet[1].instance_id != old_instance
     await wait_for(lambda: recovery(stack, "d1").hold.holds_total == 1)
     hold_reason = recovery(stack, "d1").hold.reason
-    assert hold_reason.startswith(("identity changed (instance_id ", "answered again"))
+    # Whichever of the three signals sees it first; one hold.
+    assert hold_reason.startswith(
+        ("identity changed (instance_id ", "answered again", "process_start_time_seconds changed")
+    )
     await wait_for(lambda: available(stack, "d1"))
     assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert (await post(stack, {"stream": True})).status_code == 200
+
+
+async def test_a_quick_restart_of_a_stock_vllm_is_seen_on_its_metrics(
+    start_stack: StartStack,
+) -> None:
+    # Stock /version is the version alone, and with probes 30 s apart none sees the
+    # engine down: only the monitor's /metrics scrape can tell.
+    stack = await start_stack(
+        ["prefill", "decode"],
+        sim={"spec": SimEngineSpec(stock_version=True)},
+        recovery={"health": {"interval_s": 30.0}},
+    )
+    assert recovery(stack, "d1").identity.identity == (("version", ENGINE_VERSION["vllm"]),)
+    before = stack.fleet[1].engine.started_at
+    await wait_for(lambda: recovery(stack, "d1").identity.start_time == before)
+    await stack.fleet[1].restart()
+    await wait_for(lambda: recovery(stack, "d1").hold.holds_total == 1)
+    after = stack.fleet[1].engine.started_at
+    assert recovery(stack, "d1").hold.reason == (
+        f"process_start_time_seconds changed ({before!r} -> {after!r})"
+    )
+    await wait_for(lambda: available(stack, "d1"))
+    assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert recovery(stack, "d1").hold.holds_total == 1
     assert (await post(stack, {"stream": True})).status_code == 200
 
 
