@@ -23,17 +23,20 @@ Latency residuals (`ResidualWindow`)
 
 Restart holds (`RestartHold`, `IdentityTracker`)
   An engine has restarted when any of these shows it: GET /version reports another
-  instance id, build or version; it answers again after being unreachable; or its
-  /metrics reports another `process_start_time_seconds`. Its KV and any handoff in flight
-  are gone and its warm-up state is unknown. It is held out of placement for
-  recovery.restart_hold_s and then until a verification pair passes.
+  instance id, build or version; it answers again after being unreachable; its /metrics
+  reports another `process_start_time_seconds`; or its prompt-token counter
+  (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards. Its KV and
+  any handoff in flight are gone and its warm-up state is unknown. It is held out of
+  placement for recovery.restart_hold_s and then until a verification pair passes.
 
   Stock vLLM and SGLang report only their version on /version, so a restart quicker than
-  the health probe interval leaves no trace there. vLLM with one API server (its
-  default) serves prometheus_client's process collector, whose
-  `process_start_time_seconds` is fixed for the life of a process: the monitor reads it
-  every pass. vLLM with several API servers and SGLang use prometheus multiprocess mode,
-  which has no process metrics; there only /version and reachability tell.
+  the health probe interval leaves no trace there; the monitor reads /metrics every pass.
+  vLLM with one API server (its default) serves prometheus_client's process collector,
+  whose `process_start_time_seconds` is fixed for the life of a process. vLLM with
+  several API servers and SGLang use prometheus multiprocess mode, which has no process
+  metrics, but a counter restarts from zero with its process (Prometheus reads a decrease
+  as a reset the same way): an engine that had prefilled anything is seen restarting by
+  its first scrape, which comes before it has prefilled as much again.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import deque
+from collections.abc import Iterable
 
 import attrs
 
@@ -226,13 +230,14 @@ class RestartHold:
 
 
 class IdentityTracker:
-    """Notices restarts from /version identity changes, unreachable periods and
-    /metrics process start times."""
+    """Notices restarts from /version identity changes, unreachable periods, and
+    /metrics process start times and counter resets."""
 
     def __init__(self) -> None:
         self.identity: Identity | None = None
         self.unreachable = False
         self.start_time: float | None = None
+        self.prompt_tokens: dict[str, float] | None = None
         # A restart was detected: the next identity seen is the new instance's baseline.
         self._identity_stale = False
 
@@ -256,15 +261,27 @@ class IdentityTracker:
             self.identity = identity
         return reason
 
-    def observe_start_time(self, value: float | None) -> str | None:
-        """Record one /metrics `process_start_time_seconds` (None: the engine does not
-        report it); returns why the engine is considered restarted, or None."""
-        if value is None:
-            return None
-        known, self.start_time = self.start_time, value
-        if known is not None and value != known:
-            return f"process_start_time_seconds changed ({known!r} -> {value!r})"
-        return None
+    def observe_metrics(
+        self, start_time: float | None, prompt_tokens: Iterable[tuple[str, float]] | None
+    ) -> str | None:
+        """Record one /metrics scrape: `process_start_time_seconds` and the prompt-token
+        counter per series (label text, value), each None when the engine does not report
+        it; returns why the engine is considered restarted, or None.
+
+        Only a series seen in both scrapes is compared, so a rank whose series appears or
+        disappears is not a reset."""
+        reason: str | None = None
+        if start_time is not None:
+            known, self.start_time = self.start_time, start_time
+            if known is not None and start_time != known:
+                reason = f"process_start_time_seconds changed ({known!r} -> {start_time!r})"
+        if prompt_tokens is not None:
+            before, self.prompt_tokens = self.prompt_tokens, dict(prompt_tokens)
+            for series, value in self.prompt_tokens.items():
+                old = (before or {}).get(series)
+                if old is not None and value < old and reason is None:
+                    reason = f"prompt_tokens_total{series} went backwards ({old:g} -> {value:g})"
+        return reason
 
     def new_instance(self) -> None:
         """A restart was detected (by any signal): what the other signals remember
@@ -272,6 +289,7 @@ class IdentityTracker:
         baseline, not a second restart."""
         self.unreachable = False
         self.start_time = None
+        self.prompt_tokens = None
         self._identity_stale = True
 
     def snapshot(self) -> dict[str, object]:
@@ -279,6 +297,9 @@ class IdentityTracker:
             "identity": dict(self.identity) if self.identity is not None else None,
             "unreachable": self.unreachable,
             "process_start_time_seconds": self.start_time,
+            "prompt_tokens_total": None
+            if self.prompt_tokens is None
+            else sum(self.prompt_tokens.values()),
         }
 
 

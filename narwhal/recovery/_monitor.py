@@ -6,8 +6,9 @@ A pass has four stages:
 1. load: GET /metrics of every engine that is not being removed, concurrently on the
    control pools, each bounded by engine.health_timeout_s; running and waiting
    requests and KV-cache usage (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
-   `vllm:kv_cache_usage_perc`, or SGLang's equivalents). A changed
-   `process_start_time_seconds` is handed to recovery as a restart (`_health`);
+   `vllm:kv_cache_usage_perc`, or SGLang's equivalents). Recovery reads a changed
+   `process_start_time_seconds` or a prompt-token counter that went backwards as a
+   restart (`_health`);
 2. residuals: at most one latency residual per engine (recovery's residual stage);
 3. verdicts: each engine's availability and health verdict, frozen into `MonitorPass`;
 4. handlers: every registered handler is awaited with the pass, each bounded by
@@ -173,7 +174,7 @@ class Monitor:
     ) -> None:
         try:
             loads[engine.id] = sample = await self.prober.scrape(engine, self.ctx.config)
-            self.recovery.observe_start_time(engine, sample.started_at)
+            self.recovery.observe_metrics(engine, sample)
         except ScrapeError as exc:
             errors[engine.id] = str(exc)
         except Exception as exc:

@@ -81,6 +81,9 @@ class LoadSample:
     kv_usage: float | None
     # prometheus_client's process collector (vLLM with one API server); None when absent.
     started_at: float | None = None
+    # The prompt-token counter per series (its label text, one per rank): it restarts
+    # from zero with the engine. None when absent.
+    prompt_tokens: tuple[tuple[str, float], ...] | None = None
 
 
 class ScrapeError(Exception):
@@ -370,6 +373,7 @@ _LOAD_NAMES: dict[str, tuple[str, str, str]] = {
     "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
     "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
 }
+_PROMPT_COUNTER = {"vllm": "vllm:prompt_tokens_total", "sglang": "sglang:prompt_tokens_total"}
 # Older vLLM builds only have the deprecated name.
 _KV_FALLBACK = {"vllm": "vllm:gpu_cache_usage_perc"}
 _START_TIME = "process_start_time_seconds"
@@ -377,15 +381,19 @@ _START_TIME = "process_start_time_seconds"
 
 def parse_load(raw: bytes, dialect: str) -> LoadSample:
     """Running and waiting requests (summed over data-parallel ranks), KV usage (the
-    fullest rank) and, when reported, the process start time, from Prometheus text. Only
-    the wanted lines are parsed: a vLLM /metrics page is ~100 KB and is read every
-    monitor pass."""
+    fullest rank) and, when reported, the process start time and the prompt-token counter
+    of each rank, from Prometheus text. Only the wanted lines are parsed: a vLLM /metrics
+    page is ~100 KB and is read every monitor pass. The last two only feed restart
+    detection, so a malformed value there is skipped rather than failing the scrape."""
     running_name, waiting_name, kv_name = _LOAD_NAMES.get(dialect, _LOAD_NAMES["vllm"])
     kv_fallback = _KV_FALLBACK.get(dialect)
-    wanted = {running_name, waiting_name, kv_name, _START_TIME}
+    prompt_name = _PROMPT_COUNTER.get(dialect, _PROMPT_COUNTER["vllm"])
+    optional = {_START_TIME, prompt_name}
+    wanted = {running_name, waiting_name, kv_name, *optional}
     if kv_fallback:
         wanted.add(kv_fallback)
     found: dict[str, list[float]] = {}
+    prompt: list[tuple[str, float]] = []
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -401,16 +409,23 @@ def parse_load(raw: bytes, dialect: str) -> LoadSample:
         name = line[:end]
         if name not in wanted:
             continue
-        rest = line[line.rindex("}") + 1 :] if "{" in line[end : end + 1] else line[end:]
-        fields = rest.split()
-        if not fields:
-            raise ScrapeError(f"GET /metrics: no value for {name}")
-        try:
-            value = float(fields[0])
-        except ValueError:
-            raise ScrapeError(f"GET /metrics: bad value for {name}: {fields[0]!r}") from None
+        labels_end = line.rindex("}") + 1 if "{" in line[end : end + 1] else end
+        fields = line[labels_end:].split()
+        value = math.nan
+        problem = None if fields else f"no value for {name}"
+        if fields:
+            try:
+                value = float(fields[0])
+            except ValueError:
+                problem = f"bad value for {name}: {fields[0]!r}"
+        if problem is not None:
+            if name in optional:
+                continue
+            raise ScrapeError(f"GET /metrics: {problem}")
         if math.isfinite(value):
             found.setdefault(name, []).append(value)
+            if name == prompt_name:
+                prompt.append((line[end:labels_end], value))
     if running_name not in found or waiting_name not in found:
         missing = [n for n in (running_name, waiting_name) if n not in found]
         raise ScrapeError(f"GET /metrics lacks {', '.join(missing)}")
@@ -421,4 +436,5 @@ def parse_load(raw: bytes, dialect: str) -> LoadSample:
         waiting=sum(found[waiting_name]),
         kv_usage=max(kv_values) if kv_values else None,
         started_at=max(started) if started else None,
+        prompt_tokens=tuple(prompt) if prompt else None,
     )

@@ -53,7 +53,7 @@ from ._health import (
     Verdict,
     VerdictChange,
 )
-from ._probe import HttpProber, Prober, ProbeResult, VerifyPair, VerifyResult
+from ._probe import HttpProber, LoadSample, Prober, ProbeResult, VerifyPair, VerifyResult
 
 log = logging.getLogger("narwhal.recovery")
 
@@ -437,12 +437,12 @@ class Recovery:
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
 
-    def observe_start_time(self, engine: EngineState, value: float | None) -> None:
-        """The monitor's scrape of `engine` reported this process start time."""
+    def observe_metrics(self, engine: EngineState, sample: LoadSample) -> None:
+        """The monitor scraped `engine`'s /metrics: a restart may show there."""
         record = self._record_for(engine)
         if record is None:
             return
-        restarted = record.identity.observe_start_time(value)
+        restarted = record.identity.observe_metrics(sample.started_at, sample.prompt_tokens)
         if restarted is not None:
             self._start_hold(record, restarted)
 

@@ -106,33 +106,55 @@ def test_identity_change_and_coming_back_are_restarts() -> None:
 
 def test_a_new_process_start_time_is_a_restart() -> None:
     tracker = IdentityTracker()
-    assert tracker.observe_start_time(None) is None  # not reported: no evidence
-    assert tracker.observe_start_time(1700000000.25) is None  # the first one seen
-    assert tracker.observe_start_time(1700000000.25) is None
-    assert tracker.observe_start_time(None) is None  # a page without it changes nothing
-    assert tracker.observe_start_time(1700000042.5) == (
+    assert tracker.observe_metrics(None, None) is None  # not reported: no evidence
+    assert tracker.observe_metrics(1700000000.25, None) is None  # the first one seen
+    assert tracker.observe_metrics(1700000000.25, None) is None
+    assert tracker.observe_metrics(None, None) is None  # a page without it changes nothing
+    assert tracker.observe_metrics(1700000042.5, None) == (
         "process_start_time_seconds changed (1700000000.25 -> 1700000042.5)"
     )
-    assert tracker.observe_start_time(1700000042.5) is None
+    assert tracker.observe_metrics(1700000042.5, None) is None
     # A restart seen another way: the next value is the new process's, not a second one.
     tracker.new_instance()
     assert tracker.snapshot()["process_start_time_seconds"] is None
-    assert tracker.observe_start_time(1700000099.0) is None
+    assert tracker.observe_metrics(1700000099.0, None) is None
     assert tracker.snapshot()["process_start_time_seconds"] == 1700000099.0
+
+
+def test_a_prompt_token_counter_going_backwards_is_a_restart() -> None:
+    # SGLang and multi-API-server vLLM have no process metrics; their counters reset.
+    tracker = IdentityTracker()
+    r0, r1 = '{engine="0"}', '{engine="1"}'
+    assert tracker.observe_metrics(None, [(r0, 500.0), (r1, 700.0)]) is None
+    assert tracker.observe_metrics(None, [(r0, 900.0), (r1, 700.0)]) is None
+    assert tracker.observe_metrics(None, None) is None  # not on this page: no evidence
+    # A rank's series that disappears (or appears) is not a reset; the others still count.
+    assert tracker.observe_metrics(None, [(r0, 950.0)]) is None
+    assert tracker.observe_metrics(None, [(r0, 950.0), (r1, 10.0)]) is None
+    assert tracker.observe_metrics(None, [(r0, 12.0), (r1, 10.0)]) == (
+        'prompt_tokens_total{engine="0"} went backwards (950 -> 12)'
+    )
+    assert tracker.snapshot()["prompt_tokens_total"] == 22.0
+    # With both signals, the start time names the restart.
+    assert tracker.observe_metrics(5.0, [(r0, 40.0)]) is None
+    assert tracker.observe_metrics(6.0, [(r0, 0.0)]) == (
+        "process_start_time_seconds changed (5.0 -> 6.0)"
+    )
 
 
 def test_after_a_detected_restart_every_signal_starts_from_the_new_instance() -> None:
     tracker = IdentityTracker()
     old = (("instance_id", "a"),)
     assert tracker.observe(True, old) is None
-    assert tracker.observe_start_time(1000.0) is None
+    assert tracker.observe_metrics(1000.0, [("", 5000.0)]) is None
     assert tracker.observe(False, None) is None  # the probe saw it down...
-    assert tracker.observe_start_time(1003.0) is not None  # ...the monitor saw it back
+    assert tracker.observe_metrics(1003.0, None) is not None  # ...the monitor saw it back
     tracker.new_instance()
     # The probe's view of the old instance (down, id a) is not a second restart.
     assert tracker.observe(True, (("instance_id", "b"),)) is None
     assert tracker.identity == (("instance_id", "b"),)
-    assert tracker.observe_start_time(1003.0) is None
+    assert tracker.observe_metrics(None, [("", 3.0)]) is None  # the new counter's baseline
+    assert tracker.observe_metrics(1003.0, None) is None
     # A later restart is seen again.
     assert tracker.observe(True, (("instance_id", "c"),)) == "identity changed (instance_id b -> c)"
 
@@ -174,6 +196,25 @@ def test_parse_load_reads_the_process_start_time_when_there_is_one() -> None:
     assert parse_load(page, "vllm").started_at == 1700000042.25
     sglang = b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\nprocess_start_time_seconds 7\n"
     assert parse_load(sglang, "sglang").started_at == 7.0
+
+
+def test_parse_load_reads_the_prompt_counter_per_series_and_skips_bad_optional_values() -> None:
+    page = VLLM_METRICS + (
+        b'vllm:prompt_tokens_total{engine="0",model_name="m x"} 1234.0\n'
+        b'vllm:prompt_tokens_total{engine="1",model_name="m x"} 10.0\n'
+        b"vllm:prompt_tokens_created 1.7e9\n"
+        b'sglang:prompt_tokens_total{tp_rank="0"} 99\n'
+    )
+    assert parse_load(page, "vllm").prompt_tokens == (
+        ('{engine="0",model_name="m x"}', 1234.0),
+        ('{engine="1",model_name="m x"}', 10.0),
+    )
+    sglang = b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\nsglang:prompt_tokens_total 5\n"
+    assert parse_load(sglang, "sglang").prompt_tokens == (("", 5.0),)
+    # Restart detection is best effort: a malformed value there does not lose the load.
+    odd = VLLM_METRICS + b"process_start_time_seconds soon\nvllm:prompt_tokens_total\n"
+    sample = parse_load(odd, "vllm")
+    assert (sample.running, sample.started_at, sample.prompt_tokens) == (5.0, None, None)
 
 
 def test_parse_load_sglang_names_and_missing_gauges() -> None:

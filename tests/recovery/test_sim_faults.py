@@ -8,6 +8,7 @@ the verification legs the router sent.
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from typing import Any
 
@@ -154,6 +155,30 @@ async def test_a_quick_restart_of_a_stock_vllm_is_seen_on_its_metrics(
     assert recovery(stack, "d1").last_verification["outcome"] == "ok"
     assert recovery(stack, "d1").hold.holds_total == 1
     assert (await post(stack, {"stream": True})).status_code == 200
+
+
+async def test_a_quick_restart_of_a_stock_sglang_is_seen_by_its_counter_going_back(
+    start_stack: StartStack,
+) -> None:
+    # SGLang has no process metrics (multiprocess mode); its counters restart from zero.
+    stack = await start_stack(
+        ["prefill", "decode"],
+        sglang=True,
+        sim={"spec": SimEngineSpec(dialect="sglang", stock_version=True)},
+        recovery={"health": {"interval_s": 30.0}},
+    )
+    assert (await post(stack)).status_code == 200
+    await wait_for(lambda: sum((recovery(stack, "p0").identity.prompt_tokens or {}).values()) > 0)
+    assert recovery(stack, "p0").identity.start_time is None
+    await stack.fleet[0].restart()
+    await wait_for(lambda: recovery(stack, "p0").hold.holds_total == 1)
+    assert re.fullmatch(
+        r'prompt_tokens_total\{engine="0",model_name="[^"]+"\} went backwards \(\d+ -> \d+\)',
+        recovery(stack, "p0").hold.reason,
+    )
+    await wait_for(lambda: available(stack, "p0"))
+    assert recovery(stack, "p0").hold.holds_total == 1
+    assert (await post(stack)).status_code == 200
 
 
 async def test_flapping_health_ejects_and_readmits(start_stack: StartStack) -> None:
