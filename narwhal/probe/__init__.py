@@ -9,6 +9,7 @@ from ._check import (
     CheckReport as CheckReport,
     CheckRow as CheckRow,
     format_table as format_table,
+    metrics_row as metrics_row,
     run_check as run_check,
 )
 from ._client import (

@@ -7,6 +7,12 @@ measured number and the limit it was held to):
 * ``tokenize``: ``/tokenize`` answers with an exact integer count within
   ``engine.tokenize_timeout_s``, equal to the ``usage.prompt_tokens`` the engine charges
   for the same prompt.
+* ``metrics``: ``/metrics`` answers within ``engine.health_timeout_s`` with the load gauges
+  the monitor reads every pass (running and waiting requests), parsed as the monitor
+  parses them. The note names the restart signals found there
+  (``process_start_time_seconds``, the prompt-token counter). An engine the monitor cannot
+  observe is reported missing every pass, and a fleet of them puts Narwhal in the degraded
+  state after ``controller.monitor_failure_limit`` passes.
 * ``profile``: the profile store has a usable profile for the engine (url, model,
   dialect as configured) measured on the engine's current build.
 * ``handoff``: a complete prefill and decode verification leg on every crossed pair
@@ -36,6 +42,7 @@ import trio
 
 from ..config import Config
 from ..profiles import MeasuredFacts, ProfileStore, check_store, read_store
+from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
 from ._client import (
     EngineClient,
     ProbeError,
@@ -188,6 +195,12 @@ async def _run(
         ratio = await _tokenize(clients[engine_id], eng.tokenize_timeout_s, plan, rows)
         if ratio is not None:
             ratios.append(ratio)
+    for engine_id, client in clients.items():
+        rows.add(
+            await _metrics(client, eng.health_timeout_s)
+            if engine_id in healthy
+            else CheckRow("metrics", engine_id, "fail", "not checked", _METRICS_BOUND, "unhealthy")
+        )
     # Prompt texts are sized with the most pessimistic ratio seen, so the longest handoff
     # prompt stays inside max_model_len.
     cpt = min(ratios) if ratios else 3.0
@@ -285,6 +298,50 @@ async def _tokenize(
         )
     )
     return len(text) / count if count > 0 else None
+
+
+_METRICS_BOUND = "load gauges within engine.health_timeout_s (the monitor's scrape)"
+
+
+async def _metrics(client: EngineClient, limit: float) -> CheckRow:
+    answer = await _bounded(limit, client.get("/metrics", limit=METRICS_BODY_LIMIT))
+    if answer.value is None:
+        measured = answer.why if answer.timed_out else "error"
+        return CheckRow("metrics", client.id, "fail", measured, _METRICS_BOUND, answer.why)
+    return metrics_row(client.id, client.spec.dialect, *answer.value)
+
+
+def metrics_row(engine_id: str, dialect: str, status: int, raw: bytes) -> CheckRow:
+    """The ``metrics`` row for one /metrics answer, read by the monitor's own parser."""
+    unobserved = "the monitor would report this engine missing every pass"
+    if status != 200:
+        return CheckRow("metrics", engine_id, "fail", f"HTTP {status}", _METRICS_BOUND, unobserved)
+    try:
+        sample = parse_load(raw, dialect)
+    except ScrapeError as exc:
+        hint = {
+            "vllm": "vLLM publishes them unless started with --disable-log-stats",
+            "sglang": "SGLang publishes them when started with --enable-metrics",
+        }.get(dialect, "")
+        note = f"{exc}; {unobserved}" + (f" ({hint})" if hint else "")
+        return CheckRow("metrics", engine_id, "fail", "no load gauges", _METRICS_BOUND, note)
+    signals = [
+        name
+        for name, present in (
+            ("process_start_time_seconds", sample.started_at is not None),
+            ("prompt_tokens_total", sample.prompt_tokens is not None),
+        )
+        if present
+    ]
+    measured = f"running {sample.running:g}, waiting {sample.waiting:g}"
+    if not signals:
+        note = (
+            "no restart signal: a restart quicker than recovery.health.interval_s shows only "
+            "if /version names the instance"
+        )
+        return CheckRow("metrics", engine_id, "warn", measured, _METRICS_BOUND, note)
+    note = f"restart signals: {', '.join(signals)}"
+    return CheckRow("metrics", engine_id, "pass", measured, _METRICS_BOUND, note)
 
 
 async def _profiles(

@@ -25,6 +25,7 @@ from ._monitor import (
     PassHandler as PassHandler,
 )
 from ._probe import (
+    METRICS_BODY_LIMIT as METRICS_BODY_LIMIT,
     HttpProber as HttpProber,
     LoadSample as LoadSample,
     Prober as Prober,

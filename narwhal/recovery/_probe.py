@@ -58,7 +58,8 @@ from ._health import Identity
 Outcome = Literal["ok", "failed", "inconclusive"]
 
 _SMALL_BODY = 64 * 1024
-_METRICS_BODY = 8 * 1024 * 1024
+# A vLLM /metrics page is ~100 KB; the bound is for a broken or hostile engine.
+METRICS_BODY_LIMIT = 8 * 1024 * 1024
 _VERIFY_PROMPT = "Narwhal verification."
 _IDENTITY_KEYS = ("version", "build", "instance_id")
 
@@ -222,7 +223,7 @@ class HttpProber:
         with trio.move_on_after(timeout):
             try:
                 async with engine.control_pool.request(b"GET", b"/metrics", _headers()) as response:
-                    raw = await response.aread(_METRICS_BODY)
+                    raw = await response.aread(METRICS_BODY_LIMIT)
                     if response.status != 200:
                         raise ScrapeError(f"GET /metrics returned HTTP {response.status}")
             except (ConnectError, RemoteProtocolError, ResponseTooLarge, PoolTimeout) as exc:

@@ -16,6 +16,7 @@ from narwhal.probe import (
     EngineClient,
     SweepPlan,
     format_table,
+    metrics_row,
     profile_fleet,
     run_check,
 )
@@ -67,6 +68,8 @@ async def test_healthy_fleet_passes(start_fleet: StartFleet, tmp_path: Path) -> 
         ("health", "e1"),
         ("tokenize", "e0"),
         ("tokenize", "e1"),
+        ("metrics", "e0"),
+        ("metrics", "e1"),
         ("profile", "e0"),
         ("profile", "e1"),
         ("handoff", "e0 -> e1"),
@@ -87,6 +90,9 @@ async def test_healthy_fleet_passes(start_fleet: StartFleet, tmp_path: Path) -> 
     assert rows(report, "handoff-wait")["e0 -> e1"].measured.startswith("decode ok after 2")
     tokenize = rows(report, "tokenize")["e0"]
     assert tokenize.note.startswith("= usage.prompt_tokens ")
+    metrics = rows(report, "metrics")["e0"]
+    assert metrics.measured == "running 0, waiting 0"
+    assert metrics.note == "restart signals: process_start_time_seconds, prompt_tokens_total"
     assert report.crossed_p99_s is not None
     assert report.crossed_p99_s < 0.2
     first = rows(report, "first-token")["fleet"]
@@ -196,6 +202,8 @@ async def test_engine_down(start_fleet: StartFleet, tmp_path: Path) -> None:
     assert health["e1"].measured == "unreachable"
     assert "connection refused" in health["e1"].note
     assert statuses(report, "tokenize") == {"e0": "pass", "e1": "fail"}
+    assert statuses(report, "metrics") == {"e0": "pass", "e1": "fail"}
+    assert rows(report, "metrics")["e1"].note == "unhealthy"
     assert statuses(report, "handoff") == {"e0 -> e1": "fail", "e1 -> e0": "fail"}
     assert rows(report, "handoff")["e0 -> e1"].note == "e1 unhealthy"
     assert statuses(report, "lease") == {"e0": "pass", "e1": "fail"}
@@ -260,6 +268,27 @@ async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_pat
             assert bucket.first_token_p50_s >= bucket.p50_s
     report = await run_check(config, PLAN)
     assert not report.failed, format_table(report.rows)
+    # SGLang serves prometheus multiprocess mode: no process metrics, a counter only.
+    assert rows(report, "metrics")["e0"].note == "restart signals: prompt_tokens_total"
     assert statuses(report, "lease") == {"e0": "skip", "e1": "skip"}
     assert statuses(report, "handoff-wait") == {"e0 -> e1": "skip", "e1 -> e0": "skip"}
     assert statuses(report, "handoff") == {"e0 -> e1": "pass", "e1 -> e0": "pass"}
+
+
+def test_metrics_row_names_what_the_monitor_could_not_read() -> None:
+    gauges = b"vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+    plain = metrics_row("e0", "vllm", 200, gauges)
+    assert (plain.status, plain.measured) == ("warn", "running 2, waiting 1")
+    assert plain.note.startswith("no restart signal: a restart quicker than ")
+    stats_off = metrics_row("e0", "vllm", 200, b"process_start_time_seconds 1.7e9\n")
+    assert (stats_off.status, stats_off.measured) == ("fail", "no load gauges")
+    assert stats_off.note == (
+        "GET /metrics lacks vllm:num_requests_running, vllm:num_requests_waiting; the monitor "
+        "would report this engine missing every pass (vLLM publishes them unless started "
+        "with --disable-log-stats)"
+    )
+    sglang = metrics_row("e1", "sglang", 200, b"")
+    assert sglang.status == "fail"
+    assert sglang.note.endswith("(SGLang publishes them when started with --enable-metrics)")
+    missing = metrics_row("e0", "vllm", 404, b"not found")
+    assert (missing.status, missing.measured) == ("fail", "HTTP 404")

@@ -92,6 +92,7 @@ async def test_profile_then_check_and_record(
     assert {row["check"] for row in rows["rows"]} == {
         "health",
         "tokenize",
+        "metrics",
         "profile",
         "handoff",
         "lease",
