@@ -313,17 +313,19 @@ async def _metrics(client: EngineClient, limit: float) -> CheckRow:
 
 def metrics_row(engine_id: str, dialect: str, status: int, raw: bytes) -> CheckRow:
     """The ``metrics`` row for one /metrics answer, read by the monitor's own parser."""
-    unobserved = "the monitor would report this engine missing every pass"
+    hint = {
+        "vllm": "vLLM publishes them unless started with --disable-log-stats",
+        "sglang": "SGLang publishes them when started with --enable-metrics",
+    }.get(dialect)
+    unobserved = "the monitor would report this engine missing every pass" + (
+        f" ({hint})" if hint else ""
+    )
     if status != 200:
         return CheckRow("metrics", engine_id, "fail", f"HTTP {status}", _METRICS_BOUND, unobserved)
     try:
         sample = parse_load(raw, dialect)
     except ScrapeError as exc:
-        hint = {
-            "vllm": "vLLM publishes them unless started with --disable-log-stats",
-            "sglang": "SGLang publishes them when started with --enable-metrics",
-        }.get(dialect, "")
-        note = f"{exc}; {unobserved}" + (f" ({hint})" if hint else "")
+        note = f"{exc}; {unobserved}"
         return CheckRow("metrics", engine_id, "fail", "no load gauges", _METRICS_BOUND, note)
     signals = [
         name

@@ -290,5 +290,9 @@ def test_metrics_row_names_what_the_monitor_could_not_read() -> None:
     sglang = metrics_row("e1", "sglang", 200, b"")
     assert sglang.status == "fail"
     assert sglang.note.endswith("(SGLang publishes them when started with --enable-metrics)")
-    missing = metrics_row("e0", "vllm", 404, b"not found")
+    missing = metrics_row("e0", "sglang", 404, b"not found")
     assert (missing.status, missing.measured) == ("fail", "HTTP 404")
+    assert missing.note == (
+        "the monitor would report this engine missing every pass (SGLang publishes them when "
+        "started with --enable-metrics)"
+    )
