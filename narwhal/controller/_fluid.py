@@ -79,7 +79,8 @@ class AffineDecode:
         return self.t0 + self.per_kv * kv_tokens + self.per_seq * active
 
     def in_domain(self, active: int, kv_tokens: int) -> bool:
-        return 0 <= active <= self.max_active and 0 <= kv_tokens <= self.max_kv_tokens
+        # As `DecodeModel.in_domain`, which real profiles use: measured from one request.
+        return 1 <= active <= self.max_active and 0 <= kv_tokens <= self.max_kv_tokens
 
 
 @attrs.frozen

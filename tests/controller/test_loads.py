@@ -25,6 +25,7 @@ from narwhal.controller import (
     project_prefill,
 )
 from narwhal.controller._load import interval_on_ray
+from narwhal.profiles import DecodeModel
 
 from .helpers import PROFILE, engine
 
@@ -144,6 +145,38 @@ def test_projected_decode_load_applies_correction_and_utilization() -> None:
     # correction 1.2: r = 500, t = 1.2 (0.01 + 0.001 B), B = r t  =>  t = 0.012 / 0.4 = 0.03
     assert slower.interval_s == pytest.approx(0.03)
     assert slower.load == pytest.approx((0.03 - 0.012) / (0.05 - 0.012))
+
+
+def test_no_demand_and_nothing_resident_is_the_idle_point_inside_the_domain() -> None:
+    idle = DecodeDemand(rate=0.0, output_tokens_mean=0.0, kv_per_stream=0.0, prompt_tokens_mean=0)
+    kw: dict[str, Any] = {
+        "correction": 1.0,
+        "utilization": 1.0,
+        "tpot_s": 0.05,
+        "kv_capacity_tokens": 10**6,
+    }
+    p = project_decode(idle, 3, ResidentWork(), PROFILE.decode, **kw)
+    assert (p.active, p.kv_tokens, p.load) == (0.0, 0.0, 0.0)
+    assert p.in_domain  # the idle floor is measured; the box proper starts at one request
+    assert not PROFILE.decode.in_domain(0, 0)
+
+
+def test_the_test_profiles_domain_is_the_real_profiles_domain() -> None:
+    # The controller's tests price with AffineDecode; production with the fitted model.
+    # A difference in the box once hid a gate that blocked every idle D->P candidate.
+    real = DecodeModel(
+        t0_s=0.01,
+        kv_s_per_token=1e-7,
+        active_s_per_request=1e-4,
+        idle_floor_s=0.01,
+        min_active=1,
+        max_active=192,
+        min_kv_tokens=512,
+        max_kv_tokens=300_000,
+    )
+    double = AffineDecode(max_active=192, max_kv_tokens=300_000)
+    for active, kv in itertools.product((0, 1, 2, 192, 193), (0, 1, 512, 300_000, 300_001)):
+        assert double.in_domain(active, kv) == real.in_domain(active, kv), (active, kv)
 
 
 def test_projected_decode_includes_resident_and_pending_work() -> None:
