@@ -423,10 +423,12 @@ def parse_load(raw: bytes, dialect: str) -> LoadSample:
             if name in optional:
                 continue
             raise ScrapeError(f"GET /metrics: {problem}")
-        if math.isfinite(value):
+        if not math.isfinite(value):
+            continue
+        if name == prompt_name:
+            prompt.append((line[end:labels_end], value))
+        else:
             found.setdefault(name, []).append(value)
-            if name == prompt_name:
-                prompt.append((line[end:labels_end], value))
     if running_name not in found or waiting_name not in found:
         missing = [n for n in (running_name, waiting_name) if n not in found]
         raise ScrapeError(f"GET /metrics lacks {', '.join(missing)}")

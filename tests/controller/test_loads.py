@@ -109,6 +109,15 @@ def test_projected_prefill_load_falls_with_engines_and_ranks_overload() -> None:
     assert project_prefill(d, 0, utilization=1.0, ttft_s=1.0) == NO_CAPACITY
 
 
+# No correction, full utilization, a 50 ms TPOT and room for any batch.
+PLAIN: dict[str, Any] = {
+    "correction": 1.0,
+    "utilization": 1.0,
+    "tpot_s": 0.05,
+    "kv_capacity_tokens": 10**6,
+}
+
+
 def test_projected_decode_load_solves_littles_law_fixed_point() -> None:
     d = DecodeDemand(rate=20.0, output_tokens_mean=100.0, kv_per_stream=70.0, prompt_tokens_mean=20)
     p = project_decode(
@@ -149,13 +158,7 @@ def test_projected_decode_load_applies_correction_and_utilization() -> None:
 
 def test_no_demand_and_nothing_resident_is_the_idle_point_inside_the_domain() -> None:
     idle = DecodeDemand(rate=0.0, output_tokens_mean=0.0, kv_per_stream=0.0, prompt_tokens_mean=0)
-    kw: dict[str, Any] = {
-        "correction": 1.0,
-        "utilization": 1.0,
-        "tpot_s": 0.05,
-        "kv_capacity_tokens": 10**6,
-    }
-    p = project_decode(idle, 3, ResidentWork(), PROFILE.decode, **kw)
+    p = project_decode(idle, 3, ResidentWork(), PROFILE.decode, **PLAIN)
     assert (p.active, p.kv_tokens, p.load) == (0.0, 0.0, 0.0)
     assert p.in_domain  # the idle floor is measured; the box proper starts at one request
     assert not PROFILE.decode.in_domain(0, 0)
@@ -181,14 +184,8 @@ def test_the_test_profiles_domain_is_the_real_profiles_domain() -> None:
 
 def test_projected_decode_includes_resident_and_pending_work() -> None:
     d = DecodeDemand(rate=0.5, output_tokens_mean=10.0, kv_per_stream=100.0, prompt_tokens_mean=50)
-    kw: dict[str, Any] = {
-        "correction": 1.0,
-        "utilization": 1.0,
-        "tpot_s": 0.05,
-        "kv_capacity_tokens": 10**6,
-    }
-    idle = project_decode(d, 2, ResidentWork(), PROFILE.decode, **kw)
-    busy = project_decode(d, 2, ResidentWork(streams=30, pending=10), PROFILE.decode, **kw)
+    idle = project_decode(d, 2, ResidentWork(), PROFILE.decode, **PLAIN)
+    busy = project_decode(d, 2, ResidentWork(streams=30, pending=10), PROFILE.decode, **PLAIN)
     assert busy.active == pytest.approx(20.0)
     assert busy.load == pytest.approx((0.001 * 20) / 0.04)
     assert busy.load > idle.load

@@ -425,14 +425,19 @@ async def test_one_engine_down_is_not_a_monitor_failure(
     assert [e.id for e in last.observed] == ["p0"]
 
 
+async def start_scraped(nursery: trio.Nursery) -> Rig:
+    """A rig with a monitor passing every second; d0's /metrics reports a start time."""
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
+    await start_monitor(nursery, rig)
+    return rig
+
+
 async def test_a_new_process_start_time_on_metrics_is_a_restart_held_until_verified(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     # Stock vLLM's /version names no instance, so only /metrics shows a quick restart.
-    cfg = config(controller={"monitor_interval_s": 1.0})
-    rig = await start(nursery, cfg)
-    rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
-    await start_monitor(nursery, rig)
+    rig = await start_scraped(nursery)
     await rig.at(2.5)
     assert rig.reason("d0") is None
     rig.prober.load_of["d0"] = LoadSample(0.0, 0.0, 0.0, started_at=1003.0)
@@ -456,10 +461,7 @@ async def test_a_new_process_start_time_on_metrics_is_a_restart_held_until_verif
 async def test_a_restart_seen_by_the_probe_is_not_seen_again_on_metrics(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    cfg = config(controller={"monitor_interval_s": 1.0})
-    rig = await start(nursery, cfg)
-    rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
-    await start_monitor(nursery, rig)
+    rig = await start_scraped(nursery)
     await rig.at(1.5)
     rig.prober.health_of["d0"] = REFUSED
     rig.prober.load_of["d0"] = ScrapeError("GET /metrics: connect failed: connection refused")
