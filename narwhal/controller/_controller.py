@@ -186,6 +186,7 @@ class Controller:
                     profile=profile,
                     decode_interval_s=total / count if count else None,
                     decode_correction=correction,
+                    decode_slots=engine.decode_limiter.total_tokens,
                 )
             )
         short, long = self.demand.estimates(now)

@@ -201,6 +201,7 @@ class Loads:
     to_decode: SplitLoad | None  # one prefill engine moved to decode
     measured_prefill: float
     measured_decode: float
+    decode_slots: float = math.inf  # the per-engine stream cap the projections used
 
 
 @attrs.frozen(kw_only=True)
@@ -275,6 +276,10 @@ class _Pass:
         live_decoders = [e for e in engines if e.role == "decode" and e.live_for("decode")]
         corrections = [e.decode_correction for e in live_decoders]
         self.correction = sum(corrections) / len(corrections) if corrections else 1.0
+        # Per-engine decode slots, like the mean profile: the mean cap over the engines a
+        # split counts; no bound when any of them is uncapped.
+        slots = [e.decode_slots for e in engines if e.role in ("prefill", "decode")]
+        self.decode_slots = sum(slots) / len(slots) if slots else math.inf
         pending = sum(e.handoffs_pending for e in engines)
         prompt_mean = self.decode_demand.prompt_tokens_mean if self.decode_demand else 0.0
         self.resident = ResidentWork(
@@ -362,6 +367,7 @@ class _Pass:
                 utilization=rx.utilization,
                 tpot_s=self.slo.tpot_s,
                 kv_capacity_tokens=profile.kv_capacity_tokens,
+                slots=self.decode_slots,
             ),
         )
 
@@ -408,6 +414,7 @@ class _Pass:
             self.to_decode if projected else None,
             self.measured_prefill,
             self.measured_decode,
+            self.decode_slots,
         )
         return Decision(
             now=self.now,

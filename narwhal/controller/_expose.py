@@ -151,6 +151,9 @@ def state_section(x: Exposure) -> dict[str, object]:
                     "to_prefill": _load(d.loads.to_prefill),
                     "to_decode": _load(d.loads.to_decode),
                 },
+                # serving.decode_concurrency as the projections bound each engine's
+                # batch by it (null: no cap)
+                "decode_slots_per_engine": _num(d.loads.decode_slots),
             },
             "evidence": {
                 "state": "closed" if d.evidence.closed else "open",

@@ -50,7 +50,9 @@ the token-weighted mean KV a decoding stream holds, κ = Σ oᵢ(pᵢ + oᵢ/2) 
   point is ``B' = max(B, (resident + pending)/m)`` and
   ``K' = max(κ·B, (resident KV + pending KV)/m)``, and the load is the 7.1 formula at
   ``t = correction · interval_s(B', K')``. No fixed point below the KV capacity
-  (``B·κ ≤ kv_capacity``) means overload: the load at capacity scaled by r·t/B.
+  (``B·κ ≤ kv_capacity``), or below the decode slots per engine when the router caps
+  them (``serving.decode_concurrency``: streams beyond it wait for a slot, so a batch
+  that needs more is not reached), means overload: the load at the bound scaled by r·t/B.
   ``m = 0`` has load `NO_CAPACITY`.
 * The worst projected SLO ratio of a split is ``max(prefill load, decode load)``.
 
@@ -224,12 +226,15 @@ def project_decode(
     utilization: float,
     tpot_s: float,
     kv_capacity_tokens: int,
+    slots: float = math.inf,
 ) -> DecodeProjection:
-    """Projected decode load of `engines` live decode engines (module docstring)."""
+    """Projected decode load of `engines` live decode engines (module docstring);
+    `slots` is the router's cap on resident streams per engine."""
     if engines <= 0:
         return DecodeProjection(NO_CAPACITY, 0.0, 0.0, 0.0, feasible=False, in_domain=False)
     kappa = max(0.0, demand.kv_per_stream)
     bound = min(_MAX_ACTIVE, kv_capacity_tokens / kappa) if kappa > 0 else _MAX_ACTIVE
+    bound = min(bound, max(1.0, slots))
     rate = demand.token_rate / (engines * utilization)
     active, factor = _steady_batch(rate, kappa, decode, correction, bound)
     eff_active = max(active, (resident.streams + resident.pending) / engines)

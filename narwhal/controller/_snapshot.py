@@ -45,6 +45,9 @@ class EngineSnapshot:
     # and the engine's bounded live/profile decode correction.
     decode_interval_s: float | None = None
     decode_correction: float = 1.0
+    # The router's cap on resident decode streams (`serving.decode_concurrency` or the
+    # engine's override); math.inf when none is set.
+    decode_slots: float = math.inf
 
     @property
     def has_profile(self) -> bool:

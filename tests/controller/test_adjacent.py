@@ -141,6 +141,29 @@ def test_urgent_ordinary_proposal_with_complete_demand_moves_on_first_evaluation
     assert d.move == Move("p0", "p2d")
 
 
+def test_decode_slots_the_router_enforces_bound_the_projected_batch() -> None:
+    # 3 decode engines need a steady batch of 20 streams each (load 0.5: not urgent).
+    # With serving.decode_concurrency 8 that batch is never reached: the pool is
+    # overloaded (1.5 at its 8 slots), so expanding decode is urgent and moves at once.
+    free = decide(snapshot(fleet("PPPPPDDD"), DECODE_HEAVY), settled(NOW), NOW, config())
+    assert free.loads.current is not None
+    assert free.loads.current.decode_projection.active == pytest.approx(20.0)
+    assert (free.result, free.urgent) == ("confirming", False)
+    slots = {
+        f"{role}{i}": {"decode_slots": 8} for role, n in (("p", 5), ("d", 3)) for i in range(n)
+    }
+    capped = decide(snapshot(fleet("PPPPPDDD", **slots), DECODE_HEAVY), settled(NOW), NOW, config())
+    assert capped.loads.decode_slots == 8
+    assert capped.loads.current is not None
+    assert capped.loads.current.decode_load == pytest.approx(2000 / 3 * 0.018 / 8)
+    assert (capped.result, capped.reason, capped.urgent) == ("move", "expand_decode", True)
+    # One uncapped engine leaves every split uncapped (slots are averaged like profiles).
+    slots["p0"] = {}
+    mixed = decide(snapshot(fleet("PPPPPDDD", **slots), DECODE_HEAVY), settled(NOW), NOW, config())
+    assert mixed.loads.decode_slots == float("inf")
+    assert mixed.result == "confirming"
+
+
 def test_incomplete_demand_proposals_need_confirmations() -> None:
     snap = snapshot(fleet("PPPPDDDD"), DECODE_URGENT)
     state = opened_at(NOW - 1.0, snap.arrivals_total)

@@ -249,6 +249,34 @@ def test_decode_correction_is_clamped_to_configured_bounds() -> None:
     }
 
 
+def test_snapshots_carry_the_routers_decode_slots_and_the_state_shows_them() -> None:
+    cfg, _, _ = setup("PPDD")
+    engines = (*cfg.engines[:3], attrs.evolve(cfg.engines[3], decode_concurrency=4))
+    cfg = attrs.evolve(
+        cfg, serving=attrs.evolve(cfg.serving, decode_concurrency=8), engines=engines
+    )
+    ctl = Controller(
+        cfg,
+        Fleet(cfg),
+        mean_profile=lambda: PROFILE,
+        engine_profiles=lambda engine_id: PROFILE,
+        started_at=0.0,
+    )
+    assert [e.decode_slots for e in ctl.snapshot(1.0).engines] == [8, 8, 8, 4]
+    offer(ctl, DECODE_URGENT, 0.0, 100.0)
+    ctl.step(100.0)
+    loads = ctl.state_section()["loads"]
+    assert isinstance(loads, dict)
+    assert loads["decode_slots_per_engine"] == 7.0
+    # Without serving.decode_concurrency nothing bounds the batch, and the state says so.
+    _, _, free = setup("PPDD")
+    offer(free, DECODE_URGENT, 0.0, 100.0)
+    free.step(100.0)
+    loads = free.state_section()["loads"]
+    assert isinstance(loads, dict)
+    assert loads["decode_slots_per_engine"] is None
+
+
 def test_snapshots_count_the_kv_non_streaming_decode_legs_have_made() -> None:
     _, fleet, ctl = setup()
     d0 = get(fleet, "d0")

@@ -213,6 +213,21 @@ def test_projected_decode_overload_and_kv_capacity() -> None:
     assert none.load == NO_CAPACITY
 
 
+def test_projected_decode_batch_is_bounded_by_the_routers_decode_slots() -> None:
+    d = DecodeDemand(rate=20.0, output_tokens_mean=100.0, kv_per_stream=70.0, prompt_tokens_mean=20)
+    free = project_decode(d, 4, ResidentWork(), PROFILE.decode, **PLAIN)
+    roomy = project_decode(d, 4, ResidentWork(), PROFILE.decode, slots=20, **PLAIN)
+    capped = project_decode(d, 4, ResidentWork(), PROFILE.decode, slots=4, **PLAIN)
+    assert free.active == pytest.approx(10.0)  # the steady batch needs 10 streams
+    assert roomy == free
+    # Four slots: streams beyond them wait, so the steady batch is not reached. At the
+    # cap t = 14 ms, so the engine serves 4 / 0.014 tokens/s of the 500 it is offered.
+    assert not capped.feasible
+    assert capped.active == pytest.approx(4.0)
+    assert capped.load == pytest.approx(500 * 0.014 / 4)
+    assert not capped.in_domain
+
+
 def test_projection_outside_profile_domain_is_flagged() -> None:
     small = AffineDecode(t0=0.01, per_kv=0.0, per_seq=1e-4, max_active=4)
     d = DecodeDemand(rate=20.0, output_tokens_mean=100.0, kv_per_stream=70.0, prompt_tokens_mean=20)
