@@ -506,6 +506,9 @@ def pool_series(samples: Sequence[Json]) -> Json:
             "decode_running",
             "decode_waiting",
             "decode_kv_usage",
+            "projected_worst",
+            "projected_decode_load",
+            "projected_decode_batch",
         )
     }
     for s in samples:
@@ -519,6 +522,13 @@ def pool_series(samples: Sequence[Json]) -> Json:
         out["decode_running"].append(sum(e[0] for e in dec))
         out["decode_waiting"].append(sum(e[1] for e in dec))
         out["decode_kv_usage"].append(round(sum(e[2] for e in dec) / len(dec), 3) if dec else None)
+        projected = s.get("projected") or [None, None, None]
+        for key, value in zip(
+            ("projected_worst", "projected_decode_load", "projected_decode_batch"),
+            projected,
+            strict=True,
+        ):
+            out[key].append(value)
     return out
 
 

@@ -341,11 +341,13 @@ class Sampler:
             while True:
                 now = trio.current_time()
                 roles = self.static_roles
+                projected = None
                 if self.narwhal_url is not None:
                     try:
                         doc = (await client.get(self.narwhal_url + "/narwhal/state")).json()
                         roles = [e["role"] for e in doc["engines"]]
                         self._decision(now - t0, doc.get("controller"))
+                        projected = _projected(doc.get("controller"))
                     except (httpx.HTTPError, ValueError, KeyError, TypeError):
                         self.errors += 1
                 engines = [await self._engine(client, u) for u in self.engine_urls]
@@ -353,6 +355,7 @@ class Sampler:
                     {
                         "t": round((now - t0) * self.speed, 3),
                         "roles": roles,
+                        "projected": projected,
                         "engines": [
                             None
                             if e is None
@@ -395,6 +398,18 @@ class Sampler:
                             "requests": doc["counters"].get("requests", {}),
                         }
                     )
+
+
+def _projected(section: Any) -> list[float | None] | None:
+    """The controller's projection of the current split at this sample: its worst SLO
+    ratio, decode load and per-engine decode batch (why it held or moved)."""
+    try:
+        current = section["loads"]["projected"]["current"]
+    except (KeyError, TypeError):
+        return None
+    if not isinstance(current, dict):
+        return None
+    return [current.get(k) for k in ("worst", "decode_load", "decode_batch")]
 
 
 async def run_guarded(main: Callable[[], Awaitable[int]]) -> int:
