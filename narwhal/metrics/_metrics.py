@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -71,6 +77,9 @@ class Metrics:
     def __init__(self) -> None:
         registry = CollectorRegistry(auto_describe=True)
         self.registry = registry
+        # process_cpu_seconds_total and friends (Linux): one process, one event loop, so
+        # its CPU is the capacity to watch (README, Sizing).
+        ProcessCollector(registry=registry)
         self.requests = Counter(
             "narwhal_requests",
             "Completion requests by endpoint and final outcome (ok or an error code).",

@@ -1,0 +1,71 @@
+"""The event-loop lag probe, and the process metrics beside it on /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry
+
+from narwhal.supervisor._loop import LAG_PROBE_S, LAG_WINDOW, LoopLag
+
+from .conftest import StartStack
+
+
+def lag_count(registry: CollectorRegistry) -> float | None:
+    return registry.get_sample_value("narwhal_event_loop_lag_seconds_count")
+
+
+async def test_the_probe_records_how_late_the_loop_woke_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    registry = CollectorRegistry()
+    lag = LoopLag(registry)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lag.run)
+        await trio.sleep(4 * LAG_PROBE_S + 0.1)
+        state = lag.state()
+        assert (state["samples"], state["lag_max_s"]) == (4, 0.0)  # an idle loop: on time
+        # This task holds the loop while 0.5 s pass (as a CPU-bound batch would): the
+        # probe, due 0.15 s later, runs only when the task yields.
+        autojump_clock.jump(0.5)
+        await trio.sleep(0.01)
+        state = lag.state()
+        assert state["samples"] == 5
+        assert state["lag_max_s"] == pytest.approx(0.5 - (LAG_PROBE_S - 0.1))
+        assert state["lag_p50_s"] == 0.0
+        assert lag_count(registry) == 5
+        # Probes are timed from the late wakeup, not queued up behind it.
+        await trio.sleep(LAG_PROBE_S)
+        assert lag.state()["samples"] == 6
+        nursery.cancel_scope.cancel()
+
+
+def test_the_state_keeps_only_the_last_minute_of_probes() -> None:
+    registry = CollectorRegistry()
+    lag = LoopLag(registry)
+    lag.observe(3.0)
+    for _ in range(LAG_WINDOW):
+        lag.observe(0.001)
+    lag.observe(-0.5)  # a clock read before the deadline is on time, not early
+    state = lag.state()
+    assert state["samples"] == LAG_WINDOW
+    assert (state["lag_max_s"], state["lag_p50_s"]) == (0.001, 0.001)
+    assert lag_count(registry) == LAG_WINDOW + 2  # the histogram keeps everything
+    assert LoopLag(CollectorRegistry()).state()["lag_p99_s"] is None
+
+
+async def test_a_running_router_reports_loop_lag_and_process_metrics(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack()
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"{stack.url}/metrics")).text
+        state = (await client.get(f"{stack.url}/narwhal/state")).json()
+    assert "narwhal_event_loop_lag_seconds_bucket" in metrics
+    assert "process_cpu_seconds_total" in metrics
+    loop = state["supervisor"]["loop"]
+    assert loop["probe_interval_s"] == LAG_PROBE_S
+    assert isinstance(loop["samples"], int)
+    assert set(loop) == {"probe_interval_s", "samples", "lag_p50_s", "lag_p99_s", "lag_max_s"}
