@@ -241,7 +241,8 @@ def project_decode(
     eff_kv = max(kappa * active, (resident.kv_tokens + resident.pending_kv_tokens) / engines)
     interval = correction * interval_on_ray(decode, eff_active, eff_kv)
     load = decode_load(interval, decode.idle_floor_s, correction, tpot_s)
-    feasible = factor <= 1.0 and eff_kv <= kv_capacity_tokens
+    # Handoffs waiting for a decode slot can push the operating point past the slots.
+    feasible = factor <= 1.0 and eff_kv <= kv_capacity_tokens and eff_active <= slots
     if factor > 1.0:
         load = max(load, 1.0) * factor
     # No demand and nothing resident is the idle point, which the profile's idle floor

@@ -226,6 +226,13 @@ def test_projected_decode_batch_is_bounded_by_the_routers_decode_slots() -> None
     assert capped.active == pytest.approx(4.0)
     assert capped.load == pytest.approx(500 * 0.014 / 4)
     assert not capped.in_domain
+    # Demand the slots hold, but resident streams and waiting handoffs they do not.
+    light = DecodeDemand(
+        rate=1.0, output_tokens_mean=10.0, kv_per_stream=70.0, prompt_tokens_mean=20
+    )
+    queued = ResidentWork(streams=16, pending=8)
+    assert project_decode(light, 4, queued, PROFILE.decode, slots=5, **PLAIN).feasible is False
+    assert project_decode(light, 4, queued, PROFILE.decode, slots=8, **PLAIN).feasible is True
 
 
 def test_projection_outside_profile_domain_is_flagged() -> None:
