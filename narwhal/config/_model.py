@@ -169,7 +169,8 @@ class Serving:
         NonNegative(),
         doc=(
             "Resident decode requests per engine; `0` sets no limit. Queueing requires a "
-            "positive measured value. At most `serving.max_connections`."
+            "positive measured value. At most `serving.max_connections`. The role "
+            "controller's projections bound each engine's decode batch by it."
         ),
     )
     handoff_timeout_s: float = _f(
