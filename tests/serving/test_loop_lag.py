@@ -17,7 +17,7 @@ def lag_count(registry: CollectorRegistry) -> float | None:
     return registry.get_sample_value("narwhal_event_loop_lag_seconds_count")
 
 
-async def test_the_probe_records_how_late_the_loop_woke_it(
+async def test_the_probe_records_how_long_a_runnable_task_waits_for_the_loop(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     registry = CollectorRegistry()
@@ -26,19 +26,26 @@ async def test_the_probe_records_how_late_the_loop_woke_it(
         await nursery.start(lag.run)
         await trio.sleep(4 * LAG_PROBE_S + 0.1)
         state = lag.state()
-        assert (state["samples"], state["lag_max_s"]) == (4, 0.0)  # an idle loop: on time
-        # This task holds the loop while 0.5 s pass (as a CPU-bound batch would): the
-        # probe, due 0.15 s later, runs only when the task yields.
-        autojump_clock.jump(0.5)
-        await trio.sleep(0.01)
+        assert (state["samples"], state["lag_max_s"]) == (4, 0.0)  # an idle loop
+
+        async def cpu_bound() -> None:
+            # Holds the loop for 10 ms each time it runs, as a busy router's batch does.
+            while True:
+                autojump_clock.jump(0.01)
+                await trio.lowlevel.checkpoint()
+
+        nursery.start_soon(cpu_bound)
+        await trio.sleep(40 * LAG_PROBE_S)
         state = lag.state()
-        assert state["samples"] == 5
-        assert state["lag_max_s"] == pytest.approx(0.5 - (LAG_PROBE_S - 0.1))
-        assert state["lag_p50_s"] == 0.0
-        assert lag_count(registry) == 5
-        # Probes are timed from the late wakeup, not queued up behind it.
-        await trio.sleep(LAG_PROBE_S)
-        assert lag.state()["samples"] == 6
+        # Each probe waits out the neighbour's turns between its yield and its next run:
+        # none, one or two of them, by where trio puts each in its batch.
+        assert isinstance(state["samples"], int)
+        assert state["samples"] >= 40
+        samples = list(lag._recent)[4:]
+        assert all(s in (0.0, pytest.approx(0.01), pytest.approx(0.02)) for s in samples)
+        assert max(samples) >= 0.01
+        assert sum(samples) >= 0.01 * len(samples) / 4
+        assert lag_count(registry) == state["samples"]
         nursery.cancel_scope.cancel()
 
 
