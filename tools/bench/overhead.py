@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 from benchkit import (
     RUNS,
     Json,
@@ -380,6 +381,7 @@ _MEDIAN_KEYS = (
     "chunks_per_stream",
     "other_cpu_share",
     "irq_cpu_share",
+    "router_loop_lag_mean_ms",
 )
 
 
@@ -504,8 +506,39 @@ def run_cell(
 def cell_once(
     procs: Processes, plan: Plan, endpoints: Endpoints, target: str, mode: str, conc: int
 ) -> dict[str, Json]:
+    lag_before = loop_lag(endpoints, target)
     raw = run_cell(procs, plan, endpoints, target, mode, conc)
-    return cell_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+    cell = cell_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
+    lag_after = loop_lag(endpoints, target)
+    if lag_before is not None and lag_after is not None and lag_after[1] > lag_before[1]:
+        # Mean lag of Narwhal's event-loop probes over the cell (warm-up, window, drain):
+        # how long each await on a request's path waited for the loop.
+        mean = (lag_after[0] - lag_before[0]) / (lag_after[1] - lag_before[1])
+        cell["router_loop_lag_mean_ms"] = rounded(1000 * mean, 3)
+    return cell
+
+
+def loop_lag(endpoints: Endpoints, target: str) -> tuple[float, float] | None:
+    """(sum, count) of Narwhal's narwhal_event_loop_lag_seconds; None for other targets
+    or when the scrape fails."""
+    if target != "narwhal" or target not in endpoints.routers:
+        return None
+    (host, port), _ = endpoints.routers[target]
+    try:
+        with httpx.Client(timeout=5.0) as client:
+            text = client.get(f"http://{host}:{port}/metrics").text
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("narwhal_event_loop_lag_seconds_sum", "narwhal_event_loop_lag_seconds_count"):
+            values[name] = float(value)
+    if len(values) != 2:
+        return None
+    return values["narwhal_event_loop_lag_seconds_sum"], values[
+        "narwhal_event_loop_lag_seconds_count"
+    ]
 
 
 def alternating_once(
