@@ -506,9 +506,7 @@ def pool_series(samples: Sequence[Json]) -> Json:
             "decode_running",
             "decode_waiting",
             "decode_kv_usage",
-            "projected_worst",
-            "projected_decode_load",
-            "projected_decode_batch",
+            *(f"projected_{k}" for k in harness.PROJECTED),
         )
     }
     for s in samples:
@@ -522,13 +520,9 @@ def pool_series(samples: Sequence[Json]) -> Json:
         out["decode_running"].append(sum(e[0] for e in dec))
         out["decode_waiting"].append(sum(e[1] for e in dec))
         out["decode_kv_usage"].append(round(sum(e[2] for e in dec) / len(dec), 3) if dec else None)
-        projected = s.get("projected") or [None, None, None]
-        for key, value in zip(
-            ("projected_worst", "projected_decode_load", "projected_decode_batch"),
-            projected,
-            strict=True,
-        ):
-            out[key].append(value)
+        projected = s.get("projected") or [None] * len(harness.PROJECTED)
+        for key, value in zip(harness.PROJECTED, projected, strict=True):
+            out[f"projected_{key}"].append(value)
     return out
 
 

@@ -400,16 +400,20 @@ class Sampler:
                     )
 
 
+# What the sampler keeps of the controller's projection of the current split: its worst
+# SLO ratio, decode load and per-engine decode batch (why it held or moved).
+PROJECTED = ("worst", "decode_load", "decode_batch")
+
+
 def _projected(section: Any) -> list[float | None] | None:
-    """The controller's projection of the current split at this sample: its worst SLO
-    ratio, decode load and per-engine decode batch (why it held or moved)."""
+    """The `PROJECTED` fields of the controller's current-split projection, in order."""
     try:
         current = section["loads"]["projected"]["current"]
     except (KeyError, TypeError):
         return None
     if not isinstance(current, dict):
         return None
-    return [current.get(k) for k in ("worst", "decode_load", "decode_batch")]
+    return [current.get(k) for k in PROJECTED]
 
 
 async def run_guarded(main: Callable[[], Awaitable[int]]) -> int:

@@ -76,6 +76,7 @@ from benchkit import (
     wait_ready,
     write_json,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 HERE = Path(__file__).resolve().parent
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the simulator's default model name
@@ -529,16 +530,11 @@ def loop_lag(endpoints: Endpoints, target: str) -> tuple[float, float] | None:
             text = client.get(f"http://{host}:{port}/metrics").text
     except httpx.HTTPError:
         return None
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("narwhal_event_loop_lag_seconds_sum", "narwhal_event_loop_lag_seconds_count"):
-            values[name] = float(value)
-    if len(values) != 2:
-        return None
-    return values["narwhal_event_loop_lag_seconds_sum"], values[
-        "narwhal_event_loop_lag_seconds_count"
-    ]
+    for family in text_string_to_metric_families(text):
+        if family.name == "narwhal_event_loop_lag_seconds":
+            values = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples}
+            return values["sum"], values["count"]
+    return None
 
 
 def alternating_once(
