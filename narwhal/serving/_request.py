@@ -11,7 +11,7 @@ import attrs
 from .._errors import BadRequest
 from ..engines import EndpointKind, Json
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -34,7 +34,7 @@ def request_id_from_header(value: bytes | None) -> str:
     """Keep a well-formed client X-Request-Id (both legs and the logs carry it)."""
     if value is not None:
         text = value.decode("latin-1")
-        if _REQUEST_ID.match(text):
+        if _REQUEST_ID.fullmatch(text):
             return text
     return uuid.uuid4().hex
 
