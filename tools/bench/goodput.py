@@ -167,6 +167,18 @@ def controller_timing(phase_model_s: float, speed: float) -> dict[str, Any]:
     }
 
 
+def with_controller_timing(cfg: Configuration, phase_model_s: float, speed: float) -> Configuration:
+    """`cfg` with its controller enabled on `controller_timing`'s clocks (unchanged when
+    the configuration has no controller)."""
+    if not cfg.controller:
+        return cfg
+    extra = {
+        **cfg.narwhal_extra,
+        "controller": {"enabled": True, **controller_timing(phase_model_s, speed)},
+    }
+    return attrs.evolve(cfg, narwhal_extra=extra)
+
+
 def _static(p: int) -> Configuration:
     # The bar for the controller: everything Narwhal-full does except moving roles, so
     # the comparison isolates the controller (open admission has its own row).
@@ -669,22 +681,20 @@ def plot(doc: Json, path: Path) -> None:
 # ------------------------------------------------------------------------------- main
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
+    """The options goodput.py shares with goodput_rate.py (workload, fleet, SLOs, output)."""
     p.add_argument(
         "--quick",
         action="store_true",
         help=f"phases x {QUICK_SCALE} and hopeless static splits pruned",
     )
     p.add_argument("--scale", type=float, default=None, help="phase length factor (overrides)")
-    p.add_argument("--phases", default="all", help="comma-separated phase names, or 'all'")
     p.add_argument(
         "--traces",
         type=Path,
         default=harness.REPO.parent / "shared" / "traces" / "azure2023",
         help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
     )
-    p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
     p.add_argument("--speed", type=float, default=0.25, help="simulator speed (slow motion)")
     p.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
     p.add_argument("--seed", type=int, default=1)
@@ -707,10 +717,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--overload", type=float, default=1.75, help="overload phase x capacity")
     p.add_argument("--window-s", type=float, default=None, help="attainment window (model s)")
     p.add_argument("--assume-feature", action="append", default=[], choices=sorted(FEATURES))
-    p.add_argument("--rerun-aliases", action="store_true")
-    p.add_argument(
-        "--all-splits", action="store_true", help="with --quick, also run the pruned splits"
-    )
+    p.add_argument("--all-splits", action="store_true", help="also run the pruned static splits")
     p.add_argument(
         "--vllm-router-venv", type=Path, default=harness.REPO / "runs" / "tmp" / "venv-vllm-router"
     )
@@ -721,10 +728,105 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a profile store measured on an identical fleet (same --speed) to reuse "
         "instead of profiling the first predictive run's fleet",
     )
-    p.add_argument("--out", type=Path, default=harness.REPO / "runs" / "bench" / "goodput.json")
+    p.add_argument("--out", type=Path, default=out)
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
     p.add_argument("--table", action="store_true", help="print --out's results as Markdown")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(p, out=harness.REPO / "runs" / "bench" / "goodput.json")
+    p.add_argument("--phases", default="all", help="comma-separated phase names, or 'all'")
+    p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
+    p.add_argument("--rerun-aliases", action="store_true")
     return p.parse_args(argv)
+
+
+def phases_from(args: argparse.Namespace, spec: str) -> tuple[list[gw.Phase], float]:
+    """The standard phases named by `spec` ('all' or comma-separated), at the scale the
+    arguments ask for, and that scale."""
+    scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
+    phases = gw.standard_phases(scale=scale, overload=args.overload)
+    if spec != "all":
+        wanted = spec.split(",")
+        unknown = sorted(set(wanted) - {p.name for p in phases})
+        if unknown:
+            raise SystemExit(f"goodput: unknown phase(s) {unknown}")
+        phases = [p for p in phases if p.name in wanted]
+    return phases, scale
+
+
+def settings_from(args: argparse.Namespace, slo: gw.Slo, window_s: float, kind: str) -> Settings:
+    """Run settings from the common arguments; logs go to runs/tmp/<kind>/<stamp>/."""
+    if args.profiles is not None:
+        use_profiles(args.profiles)
+    return Settings(
+        speed=args.speed,
+        sim_procs=args.sim_procs,
+        seed=args.seed,
+        slo=slo,
+        window_s=window_s,
+        sample_every_s=2.0,
+        ttft_timeout_s=15.0,
+        total_timeout_s=90.0,
+        vllm_router_venv=args.vllm_router_venv,
+        out_dir=harness.REPO / "runs" / "tmp" / kind / time.strftime("%Y%m%d-%H%M%S"),
+        niceness=args.niceness,
+    )
+
+
+def config_facts(args: argparse.Namespace, settings: Settings, scale: float) -> Json:
+    """The `config` section of a result document."""
+    return {
+        "quick": args.quick,
+        "scale": scale,
+        "engines": ENGINES,
+        "speed": args.speed,
+        "sim_procs": args.sim_procs,
+        "niceness": args.niceness,
+        "seed": args.seed,
+        "slo": {"ttft_s": settings.slo.ttft_s, "tpot_s": settings.slo.tpot_s, "percentile": 0.9},
+        "window_s": settings.window_s,
+        "client_timeouts_s": {
+            "ttft": settings.ttft_timeout_s,
+            "total": settings.total_timeout_s,
+        },
+        "features": features_from(args),
+        "profiles": str(args.profiles)
+        if args.profiles is not None
+        else "measured on the first predictive run's fleet, reused by the later ones",
+        "timing": attrs.asdict(SimTiming()),
+    }
+
+
+def load_traces(directory: Path) -> dict[gw.Source, gw.Trace]:
+    sources: tuple[gw.Source, ...] = ("conv", "code")
+    return {s: gw.load_trace(directory, s) for s in sources}
+
+
+def workload_facts(
+    args: argparse.Namespace,
+    requests: Sequence[gw.Request],
+    phases: Sequence[gw.Phase],
+    capacities: Sequence[gw.MixCapacity],
+) -> Json:
+    """The `workload` section of a result document."""
+    return {
+        "traces": str(args.traces),
+        "streams": args.streams,
+        "requests": len(requests),
+        "phases": [attrs.asdict(p) for p in phases],
+        "phase_bounds": gw.phase_bounds(phases),
+        "capacity_model": [attrs.asdict(c) for c in capacities],
+        "offered_tokens": {
+            "prompt": sum(r.prompt for r in requests),
+            "output": sum(r.output for r in requests),
+        },
+    }
+
+
+def features_from(args: argparse.Namespace) -> dict[str, bool]:
+    return {k: v or k in args.assume_feature for k, v in FEATURES.items()}
 
 
 def unavailable(cfg: Configuration, features: dict[str, bool], tool: str) -> Json | None:
@@ -755,24 +857,16 @@ def select(spec: str) -> list[Configuration]:
 
 async def run_all(args: argparse.Namespace) -> int:
     try:
-        sources: tuple[gw.Source, ...] = ("conv", "code")
-        traces = {s: gw.load_trace(args.traces, s) for s in sources}
+        traces = load_traces(args.traces)
     except gw.TraceError as exc:
         print(f"goodput: {exc}", file=sys.stderr)
         return 2
     slo = gw.Slo(args.ttft_slo_s, args.tpot_slo_s)
-    scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
-    phases = gw.standard_phases(scale=scale, overload=args.overload)
-    if args.phases != "all":
-        wanted = args.phases.split(",")
-        phases = [p for p in phases if p.name in wanted]
-        if not phases:
-            raise SystemExit(f"goodput: no phase among {wanted}")
-    timing = SimTiming()
+    phases, scale = phases_from(args, args.phases)
     requests, capacities = gw.build(
         phases,
         traces,
-        timing=timing,
+        timing=SimTiming(),
         engines=ENGINES,
         slo=slo,
         seed=args.seed,
@@ -781,23 +875,8 @@ async def run_all(args: argparse.Namespace) -> int:
     bounds = gw.phase_bounds(phases)
     phase_model_s = min(end - start for _, start, end in bounds)
     window_s = args.window_s or (3.0 if args.quick else 10.0)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    settings = Settings(
-        speed=args.speed,
-        sim_procs=args.sim_procs,
-        seed=args.seed,
-        slo=slo,
-        window_s=window_s,
-        sample_every_s=2.0,
-        ttft_timeout_s=15.0,
-        total_timeout_s=90.0,
-        vllm_router_venv=args.vllm_router_venv,
-        out_dir=harness.REPO / "runs" / "tmp" / "goodput" / stamp,
-        niceness=args.niceness,
-    )
-    if args.profiles is not None:
-        use_profiles(args.profiles)
-    features = {k: v or k in args.assume_feature for k, v in FEATURES.items()}
+    settings = settings_from(args, slo, window_s, "goodput")
+    features = features_from(args)
     prune = args.quick and not args.all_splits
     chosen = select(args.configs)
     # vllm-router-best needs the static runs' verdict: run it after them.
@@ -830,12 +909,7 @@ async def run_all(args: argparse.Namespace) -> int:
             results[cfg.name] = {**results[alias], "alias_of": alias, "note": cfg.note}
             print(f"goodput: {cfg.name}: same run as {alias}", flush=True)
             continue
-        if cfg.controller:
-            extra = {
-                **cfg.narwhal_extra,
-                "controller": {"enabled": True, **controller_timing(phase_model_s, args.speed)},
-            }
-            cfg = attrs.evolve(cfg, narwhal_extra=extra)
+        cfg = with_controller_timing(cfg, phase_model_s, args.speed)
         if cfg.split == "best":
             best = summary(results, [b[0] for b in bounds]).get("best_static")
             if best is not None:
@@ -869,38 +943,8 @@ async def run_all(args: argparse.Namespace) -> int:
         "wall_s": round(time.monotonic() - started, 1),
         "machine": machine(),
         "versions": versions(args.vllm_router_venv),
-        "config": {
-            "quick": args.quick,
-            "scale": scale,
-            "engines": ENGINES,
-            "speed": args.speed,
-            "sim_procs": args.sim_procs,
-            "niceness": args.niceness,
-            "seed": args.seed,
-            "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": 0.9},
-            "window_s": window_s,
-            "client_timeouts_s": {
-                "ttft": settings.ttft_timeout_s,
-                "total": settings.total_timeout_s,
-            },
-            "features": features,
-            "profiles": str(args.profiles)
-            if args.profiles is not None
-            else "measured on the first predictive run's fleet, reused by the later ones",
-            "timing": attrs.asdict(timing),
-        },
-        "workload": {
-            "traces": str(args.traces),
-            "streams": args.streams,
-            "requests": len(requests),
-            "phases": [attrs.asdict(p) for p in phases],
-            "phase_bounds": bounds,
-            "capacity_model": [attrs.asdict(c) for c in capacities],
-            "offered_tokens": {
-                "prompt": sum(r.prompt for r in requests),
-                "output": sum(r.output for r in requests),
-            },
-        },
+        "config": config_facts(args, settings, scale),
+        "workload": workload_facts(args, requests, phases, capacities),
         "configurations": results,
         "summary": summary(results, [b[0] for b in bounds]),
     }

@@ -1,0 +1,406 @@
+"""Goodput as DistServe defines it (issue 8 part 1): the highest request rate at which a
+router still meets the SLO attainment target, here 90 % of OFFERED requests passing.
+
+    .venv/bin/python tools/bench/goodput_rate.py --quick          # the shifting phases
+    .venv/bin/python tools/bench/goodput_rate.py --quick --phases stationary \\
+        --out runs/bench/goodput-rate-stationary.json
+
+goodput.py replays the workload at one offered load and reports passing / offered. That
+ratio cannot show a router serving more traffic than another: at a load every split can
+carry, all of them pass nearly everything. This benchmark replays the same phases with
+every phase's load multiplied by each of `--rates` in turn (ascending), runs each
+configuration until its attainment over the selected phases first falls below the
+target, and interpolates linearly between the last rate that met it and that one
+(DistServe §5: "the maximum request rate that can be served adhering to the SLO
+attainment goal"). The ratio of Narwhal-full's goodput to the best static split's is the
+issue's "goodput of the best static split" comparison.
+
+The default phases are the shifting ones (decode_heavy, prefill_heavy, drift): the
+overload phase is past capacity by construction and has no rate to find, and the
+stationary control is a separate sweep (`--phases stationary`). Configurations default
+to narwhal-full and the static splits whose capacity-model goodput is within
+KEEP_WITHIN of the best static split's (`--all-splits` runs every split).
+
+Writes runs/bench/goodput-rate.json and .png; logs and raw rows go to
+runs/tmp/goodput-rate/<stamp>/x<rate>/<configuration>/ (not committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import benchkit
+import goodput
+import goodput_harness as harness
+import goodput_workload as gw
+import trio
+
+from narwhal.sim import SimTiming
+
+Json = Any
+DEFAULT_PHASES = "decode_heavy,prefill_heavy,drift"
+DEFAULT_RATES = "1.0,1.25,1.5,1.75,2.0"
+TARGET = 0.9
+# Static splits whose modelled goodput is at least this fraction of the best split's run.
+KEEP_WITHIN = 0.75
+CONTROLLED = "narwhal-full"
+
+
+# ------------------------------------------------------------------------- pure pieces
+
+
+def scaled(phases: Sequence[gw.Phase], rate: float) -> list[gw.Phase]:
+    """The phases with every offered load multiplied by `rate`."""
+    return [attrs.evolve(p, load=p.load * rate) for p in phases]
+
+
+def modelled_attainment(
+    prefill: int, phases: Sequence[gw.Phase], capacities: Sequence[gw.MixCapacity], rate: float
+) -> float:
+    """The capacity model's fluid attainment of a static split at `rate`: each phase
+    serves what it is offered up to the split's capacity for the phase's (start) mix."""
+    offered = served = 0.0
+    for phase, c in zip(phases, capacities, strict=True):
+        cap = gw.PoolCapacity(c.prefill_per_engine, c.decode_per_engine, c.decode_batch, 0.0)
+        split = gw.split_capacity(cap, prefill, goodput.ENGINES - prefill)
+        want = rate * phase.load * c.capacity * phase.duration_s
+        offered += want
+        served += min(want, split * phase.duration_s)
+    return served / offered if offered > 0 else 1.0
+
+
+def modelled_goodput(
+    prefill: int,
+    phases: Sequence[gw.Phase],
+    capacities: Sequence[gw.MixCapacity],
+    target: float = TARGET,
+) -> float:
+    """The largest rate multiplier at which the fluid model meets `target` (bisection:
+    fluid attainment only falls as the rate rises)."""
+    lo, hi = 0.0, 16.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if mid > 0 and modelled_attainment(prefill, phases, capacities, mid) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def kept_splits(
+    phases: Sequence[gw.Phase], capacities: Sequence[gw.MixCapacity], within: float
+) -> list[int]:
+    """Static splits (prefill engines) whose modelled goodput is within `within` of the
+    best split's."""
+    rates = {p: modelled_goodput(p, phases, capacities) for p in range(1, goodput.ENGINES)}
+    best = max(rates.values())
+    return [p for p, r in rates.items() if r >= within * best]
+
+
+def crossing(points: Sequence[Sequence[float]], target: float = TARGET) -> Json:
+    """DistServe's goodput from a sweep of (rate multiplier, attainment, offered req/s)
+    points: where attainment falls through `target`, linearly interpolated between the
+    last rate that meets it and the first that does not.
+
+    `kind` says how far to trust it: "interpolated"; "at_least" (every rate run met the
+    target: the goodput is the highest rate or more); "below" (even the lowest rate
+    missed it: the goodput is under that rate); None without points.
+    """
+    pts = sorted((float(p[0]), float(p[1]), float(p[2])) for p in points)
+    if not pts:
+        return {"rate": None, "per_s": None, "kind": None}
+    if pts[0][1] < target:
+        return {"rate": pts[0][0], "per_s": pts[0][2], "kind": "below"}
+    for (r0, a0, s0), (r1, a1, s1) in itertools.pairwise(pts):
+        if a1 < target:
+            f = (a0 - target) / (a0 - a1)
+            return {
+                "rate": round(r0 + f * (r1 - r0), 4),
+                "per_s": round(s0 + f * (s1 - s0), 2),
+                "kind": "interpolated",
+            }
+    return {"rate": pts[-1][0], "per_s": pts[-1][2], "kind": "at_least"}
+
+
+def compare(ours: Json, bar: Json) -> Json:
+    """Our goodput over the bar's, and whether that is exact or a bound."""
+    if ours["rate"] is None or bar["rate"] is None:
+        return {"ratio": None, "kind": None}
+    ratio = round(ours["rate"] / bar["rate"], 3)
+    kinds = (ours["kind"], bar["kind"])
+    if kinds == ("interpolated", "interpolated"):
+        kind = "estimate"
+    elif ours["kind"] == "at_least" and bar["kind"] != "at_least":
+        kind = "at_least"  # ours is a floor, the bar's is exact or an upper bound
+    elif bar["kind"] == "at_least" and ours["kind"] != "at_least":
+        kind = "at_most"
+    else:
+        kind = "unknown"
+    return {"ratio": ratio, "kind": kind}
+
+
+def summary(sweeps: dict[str, Json], target: float) -> Json:
+    """Each configuration's goodput, the best static split's, and narwhal-full against it."""
+    goodputs = {
+        name: crossing(
+            [
+                (r["rate"], r["attainment"], r["offered_per_s"])
+                for r in sweep
+                if r["status"] == "ran"
+            ],
+            target,
+        )
+        for name, sweep in sweeps.items()
+    }
+    statics = {
+        n: g for n, g in goodputs.items() if n in goodput.STATIC_NAMES and g["rate"] is not None
+    }
+    best = max(statics, key=lambda n: statics[n]["rate"], default=None)
+    out: Json = {"target": target, "goodput": goodputs, "best_static": best}
+    if best is not None and CONTROLLED in goodputs:
+        out["narwhal_full_vs_best_static"] = compare(goodputs[CONTROLLED], goodputs[best])
+    return out
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def compact(rate: float, result: Json, bounds: Sequence[tuple[str, float, float]]) -> Json:
+    """What the sweep keeps of one run (goodput.py's document, minus the big series)."""
+    if result.get("status") != "ran":
+        return {"rate": rate, "status": result.get("status"), "reason": result.get("reason")}
+    whole = result["phases"]["all"]
+    return {
+        "rate": rate,
+        "status": "ran",
+        "split": result["split"],
+        "attainment": whole["attainment"],
+        "offered": whole["offered"],
+        "offered_per_s": whole["offered_per_s"],
+        "passing": whole["passing"],
+        "refused": whole["refused"],
+        "phases": {
+            name: {k: result["phases"][name][k] for k in ("offered", "passing", "attainment")}
+            for name, _, _ in bounds
+        },
+        "ttft_ms_p90": whole["ttft_ms"].get("p90"),
+        "tpot_ms_p90": whole["tpot_ms"].get("p90"),
+        "role_changes": result["role_changes"],
+        "split_over_time": {
+            "t": result["pools"]["t"],
+            "prefill_engines": result["pools"]["prefill_engines"],
+        },
+        "over_time": result["over_time"],
+        "wall_s": result["wall_s"],
+        "faithfulness": result["faithfulness"],
+    }
+
+
+async def sweep_all(args: argparse.Namespace) -> int:
+    try:
+        traces = goodput.load_traces(args.traces)
+    except gw.TraceError as exc:
+        print(f"goodput-rate: {exc}", file=sys.stderr)
+        return 2
+    slo = gw.Slo(args.ttft_slo_s, args.tpot_slo_s)
+    base, scale = goodput.phases_from(args, args.phases)
+    rates = sorted({float(r) for r in args.rates.split(",")})
+    if not rates or rates[0] <= 0:
+        raise SystemExit(f"goodput-rate: --rates must be positive, got {args.rates!r}")
+    bounds = gw.phase_bounds(base)
+    phase_model_s = min(end - start for _, start, end in bounds)
+    window_s = args.window_s or (3.0 if args.quick else 10.0)
+    settings = goodput.settings_from(args, slo, window_s, "goodput-rate")
+    features = goodput.features_from(args)
+
+    def build(rate: float) -> tuple[list[gw.Request], list[gw.MixCapacity]]:
+        return gw.build(
+            scaled(base, rate),
+            traces,
+            timing=SimTiming(),
+            engines=goodput.ENGINES,
+            slo=slo,
+            seed=args.seed,
+            streams=args.streams,
+        )
+
+    base_requests, capacities = build(1.0)
+    if args.configs != "auto":
+        chosen = goodput.select(args.configs)
+    else:
+        splits = list(range(1, goodput.ENGINES))
+        if not args.all_splits:
+            splits = kept_splits(base, capacities, KEEP_WITHIN)
+        names = [f"narwhal-static-{p}p{goodput.ENGINES - p}d" for p in splits]
+        chosen = goodput.select(",".join([CONTROLLED, *names]))
+    for cfg in chosen:
+        if goodput.unavailable(cfg, features, "goodput-rate") is not None or cfg.split == "best":
+            raise SystemExit(f"goodput-rate: {cfg.name} cannot be swept here")
+    modelled = {
+        p: round(modelled_goodput(p, base, capacities, args.target), 3)
+        for p in range(1, goodput.ENGINES)
+    }
+    print(f"goodput-rate: modelled goodput (rate multiplier) per split: {modelled}", flush=True)
+    sweeps: dict[str, list[Json]] = {cfg.name: [] for cfg in chosen}
+    climbing = list(chosen)
+    started = time.monotonic()
+    for rate in rates:
+        if not climbing:
+            break
+        requests, _ = build(rate)
+        at = attrs.evolve(settings, out_dir=settings.out_dir / f"x{rate:g}")
+        for cfg in climbing:
+            print(f"goodput-rate: x{rate:g} {cfg.name} ({len(requests)} requests) ...", flush=True)
+            run_cfg = goodput.with_controller_timing(cfg, phase_model_s, args.speed)
+            try:
+                result = await goodput.run_one(run_cfg, int(cfg.split), requests, bounds, at)
+            except Exception as exc:
+                result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+                print(f"goodput-rate: {cfg.name}: FAILED: {exc}", file=sys.stderr, flush=True)
+            row = compact(rate, result, bounds)
+            sweeps[cfg.name].append(row)
+            print(
+                f"goodput-rate: x{rate:g} {cfg.name}: attainment {row.get('attainment')} "
+                f"(wall {row.get('wall_s')} s)",
+                flush=True,
+            )
+        # A configuration below the target has its crossing; higher rates only fall.
+        climbing = [
+            c
+            for c in climbing
+            if sweeps[c.name][-1]["status"] == "ran"
+            and sweeps[c.name][-1]["attainment"] >= args.target
+        ]
+    doc = {
+        "benchmark": "goodput-rate",
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine": goodput.machine(),
+        "versions": goodput.versions(args.vllm_router_venv),
+        "config": {
+            **goodput.config_facts(args, settings, scale),
+            "rates": rates,
+            "target": args.target,
+        },
+        "workload": goodput.workload_facts(args, base_requests, base, capacities),
+        "modelled_goodput": modelled,
+        "sweeps": sweeps,
+        "summary": summary(sweeps, args.target),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc, args.out.with_suffix(".png"))
+    print(f"goodput-rate: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------ table, plot
+
+
+def markdown(doc: Json) -> str:
+    """Attainment at each rate and the goodput of every configuration, as Markdown."""
+    rates = doc["config"]["rates"]
+    s = doc["summary"]
+    lines = [
+        "| configuration | "
+        + " | ".join(f"x{r:g}" for r in rates)
+        + " | goodput (x rate) | goodput req/s |",
+        "|---|" + "---:|" * (len(rates) + 2),
+    ]
+    for name, sweep in doc["sweeps"].items():
+        by_rate = {r["rate"]: r for r in sweep}
+        cells = []
+        for r in rates:
+            row = by_rate.get(r)
+            if row is None:
+                cells.append("")
+            elif row["status"] != "ran":
+                cells.append(str(row["status"]))
+            else:
+                cells.append(f"{row['attainment']:.1%}")
+        g = s["goodput"][name]
+        mark = {"at_least": ">= ", "below": "< "}.get(g["kind"] or "", "")
+        label = f"**{name}**" if name == s["best_static"] else name
+        rate = "–" if g["rate"] is None else f"{mark}{g['rate']:.2f}"
+        per_s = "–" if g["per_s"] is None else f"{mark}{g['per_s']:.1f}"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {rate} | {per_s} |")
+    return "\n".join(lines)
+
+
+def plot(doc: Json, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    s = doc["summary"]
+    for name, sweep in doc["sweeps"].items():
+        ran = [r for r in sweep if r["status"] == "ran"]
+        if not ran:
+            continue
+        strong = name == CONTROLLED or name == s["best_static"]
+        ax.plot(
+            [r["offered_per_s"] for r in ran],
+            [r["attainment"] for r in ran],
+            marker="o",
+            linewidth=2.0 if strong else 1.0,
+            alpha=0.95 if strong else 0.5,
+            label=name + (" (best static)" if name == s["best_static"] else ""),
+        )
+        g = s["goodput"][name]
+        if g["kind"] == "interpolated":
+            ax.axvline(g["per_s"], linewidth=0.6, alpha=0.6, color=ax.lines[-1].get_color())
+    ax.axhline(doc["config"]["target"], color="k", linewidth=0.6, linestyle="--")
+    slo = doc["config"]["slo"]
+    phases = ", ".join(p["name"] for p in doc["workload"]["phases"])
+    ax.set_title(
+        f"Goodput (DistServe): attainment vs offered rate; {phases}; TTFT ≤ "
+        f"{slo['ttft_s'] * 1000:.0f} ms, TPOT ≤ {slo['tpot_s'] * 1000:.0f} ms",
+        fontsize=9,
+    )
+    ax.set_xlabel("offered requests/s (model time)")
+    ax.set_ylabel("SLO attainment over offered")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    benchkit.save_figure(fig, path)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    goodput.common_arguments(p, out=harness.REPO / "runs" / "bench" / "goodput-rate.json")
+    p.add_argument("--phases", default=DEFAULT_PHASES, help="comma-separated phase names")
+    p.add_argument(
+        "--configs",
+        default="auto",
+        help="comma-separated names, or 'auto': narwhal-full and the static splits the "
+        "capacity model keeps",
+    )
+    p.add_argument("--rates", default=DEFAULT_RATES, help="load multipliers to sweep")
+    p.add_argument("--target", type=float, default=TARGET, help="attainment target")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot or args.table:
+        doc = json.loads(args.out.read_text())
+        if args.replot:
+            plot(doc, args.out.with_suffix(".png"))
+        if args.table:
+            print(markdown(doc))
+        return 0
+    return trio.run(harness.run_guarded, partial(sweep_all, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
