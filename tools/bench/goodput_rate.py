@@ -161,11 +161,34 @@ def summary(sweeps: dict[str, Json], target: float) -> Json:
         )
         for name, sweep in sweeps.items()
     }
+    # The same crossing phase by phase (a phase's attainment at each rate of the whole
+    # sweep; a phase that still met the target when the whole run fell below it has
+    # only a floor: "at_least").
+    per_phase: dict[str, Json] = {}
+    for name, sweep in sweeps.items():
+        ran = [r for r in sweep if r["status"] == "ran"]
+        phases = ran[0]["phases"] if ran else {}
+        per_phase[name] = {
+            p: crossing(
+                [
+                    (r["rate"], r["phases"][p]["attainment"], r["phases"][p]["offered_per_s"])
+                    for r in ran
+                    if r["phases"][p]["attainment"] is not None
+                ],
+                target,
+            )
+            for p in phases
+        }
     statics = {
         n: g for n, g in goodputs.items() if n in goodput.STATIC_NAMES and g["rate"] is not None
     }
     best = max(statics, key=lambda n: statics[n]["rate"], default=None)
-    out: Json = {"target": target, "goodput": goodputs, "best_static": best}
+    out: Json = {
+        "target": target,
+        "goodput": goodputs,
+        "goodput_per_phase": per_phase,
+        "best_static": best,
+    }
     if best is not None and CONTROLLED in goodputs:
         out["narwhal_full_vs_best_static"] = compare(goodputs[CONTROLLED], goodputs[best])
     return out
@@ -189,7 +212,10 @@ def compact(rate: float, result: Json, bounds: Sequence[tuple[str, float, float]
         "passing": whole["passing"],
         "refused": whole["refused"],
         "phases": {
-            name: {k: result["phases"][name][k] for k in ("offered", "passing", "attainment")}
+            name: {
+                k: result["phases"][name][k]
+                for k in ("offered", "offered_per_s", "passing", "attainment")
+            }
             for name, _, _ in bounds
         },
         "ttft_ms_p90": whole["ttft_ms"].get("p90"),
