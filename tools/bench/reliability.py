@@ -37,6 +37,7 @@ from typing import Any
 
 import h11
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -226,12 +227,13 @@ class Daemon:
 
 
 def reload_counts(metrics: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in metrics.splitlines():
-        if line.startswith("narwhal_reloads_total{"):
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            out[outcome] = int(float(line.rsplit(" ", 1)[1]))
-    return out
+    """narwhal_reloads_total by outcome, from a /metrics page."""
+    return {
+        sample.labels["outcome"]: int(sample.value)
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "narwhal_reloads_total"
+    }
 
 
 # ------------------------------------------------------------------------------ the load
