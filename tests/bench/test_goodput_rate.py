@@ -122,3 +122,31 @@ def test_markdown_shows_attainment_per_rate_and_the_goodput() -> None:
     table = gr.markdown(doc)
     assert "| narwhal-full | 99.0% | 95.0% | >= 1.50 | >= 150.0 |" in table
     assert "| **narwhal-static-4p4d** | 95.0% | 85.0% | 1.25 | 125.0 |" in table
+
+
+GRID = [0.5, 0.75, 1.0, 1.25, 1.5]
+
+
+def test_the_sweep_walks_up_after_a_pass_and_down_after_a_miss() -> None:
+    assert gr.next_rate(GRID, [], 1.0) == 1.0
+    assert gr.next_rate(GRID, [(1.0, True)], 1.0) == 1.25
+    assert gr.next_rate(GRID, [(1.0, True), (1.25, True)], 1.0) == 1.5
+    assert gr.next_rate(GRID, [(1.0, False)], 1.0) == 0.75
+    assert gr.next_rate(GRID, [(1.0, False), (0.75, False)], 1.0) == 0.5
+
+
+def test_the_sweep_stops_when_bracketed_at_a_grid_end_or_after_a_failed_run() -> None:
+    assert gr.next_rate(GRID, [(1.0, True), (1.25, False)], 1.0) is None
+    assert gr.next_rate(GRID, [(1.0, False), (0.75, True)], 1.0) is None
+    assert gr.next_rate(GRID, [(1.0, True), (1.25, True), (1.5, True)], 1.0) is None
+    assert gr.next_rate(GRID, [(1.0, False), (0.75, False), (0.5, False)], 1.0) is None
+    assert gr.next_rate(GRID, [(1.0, None)], 1.0) is None
+
+
+def test_outcomes_judge_each_run_against_the_target() -> None:
+    sweep = [
+        {"rate": 1.0, "status": "ran", "attainment": 0.9},
+        {"rate": 1.25, "status": "ran", "attainment": 0.89},
+        {"rate": 1.5, "status": "failed", "reason": "x"},
+    ]
+    assert gr.outcomes(sweep, 0.9) == [(1.0, True), (1.25, False), (1.5, None)]

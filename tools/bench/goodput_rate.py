@@ -8,12 +8,13 @@ router still meets the SLO attainment target, here 90 % of OFFERED requests pass
 goodput.py replays the workload at one offered load and reports passing / offered. That
 ratio cannot show a router serving more traffic than another: at a load every split can
 carry, all of them pass nearly everything. This benchmark replays the same phases with
-every phase's load multiplied by each of `--rates` in turn (ascending), runs each
-configuration until its attainment over the selected phases first falls below the
-target, and interpolates linearly between the last rate that met it and that one
-(DistServe §5: "the maximum request rate that can be served adhering to the SLO
-attainment goal"). The ratio of Narwhal-full's goodput to the best static split's is the
-issue's "goodput of the best static split" comparison.
+every phase's load multiplied by a rate from the `--rates` grid. Each configuration
+starts at `--start` (x1, the goodput workload's own loads) and walks the grid, up after
+a run whose attainment over the selected phases met the target and down after one that
+missed it, until a met and a missed rate are adjacent; its goodput is interpolated
+linearly between the two (DistServe §5: "the maximum request rate that can be served
+adhering to the SLO attainment goal"). The ratio of Narwhal-full's goodput to the best
+static split's is the issue's "goodput of the best static split" comparison.
 
 The default phases are the shifting ones (decode_heavy, prefill_heavy, drift): the
 overload phase is past capacity by construction and has no rate to find, and the
@@ -48,7 +49,7 @@ from narwhal.sim import SimTiming
 
 Json = Any
 DEFAULT_PHASES = "decode_heavy,prefill_heavy,drift"
-DEFAULT_RATES = "1.0,1.25,1.5,1.75,2.0"
+DEFAULT_RATES = "0.5,0.75,1.0,1.25,1.5,1.75,2.0,2.5"
 TARGET = 0.9
 # Static splits whose modelled goodput is at least this fraction of the best split's run.
 KEEP_WITHIN = 0.75
@@ -129,6 +130,30 @@ def crossing(points: Sequence[Sequence[float]], target: float = TARGET) -> Json:
                 "kind": "interpolated",
             }
     return {"rate": pts[-1][0], "per_s": pts[-1][2], "kind": "at_least"}
+
+
+def outcomes(sweep: Sequence[Json], target: float) -> list[tuple[float, bool | None]]:
+    """(rate, met the target) of each run so far, in run order; None: the run failed."""
+    return [(r["rate"], r["attainment"] >= target if r["status"] == "ran" else None) for r in sweep]
+
+
+def next_rate(
+    rates: Sequence[float], runs: Sequence[tuple[float, bool | None]], start: float
+) -> float | None:
+    """The next rate of one configuration's sweep, or None when it is done.
+
+    It starts at `start` and walks the grid one step at a time: up after a run that met
+    the target, down after one that missed, so it stops once a met and a missed rate are
+    adjacent (attainment falls as the rate rises), at either end of the grid, or after a
+    run that failed outright (no point: the reason is in the results).
+    """
+    if not runs:
+        return start
+    met = [ok for _, ok in runs]
+    if None in met or (True in met and False in met):
+        return None
+    i = list(rates).index(runs[-1][0]) + (1 if met[-1] else -1)
+    return rates[i] if 0 <= i < len(rates) else None
 
 
 def compare(ours: Json, bar: Json) -> Json:
@@ -242,6 +267,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
     rates = sorted({float(r) for r in args.rates.split(",")})
     if not rates or rates[0] <= 0:
         raise SystemExit(f"goodput-rate: --rates must be positive, got {args.rates!r}")
+    start = min(rates, key=lambda r: abs(r - args.start))
     bounds = gw.phase_bounds(base)
     phase_model_s = min(end - start for _, start, end in bounds)
     window_s = args.window_s or (3.0 if args.quick else 10.0)
@@ -277,14 +303,45 @@ async def sweep_all(args: argparse.Namespace) -> int:
     }
     print(f"goodput-rate: modelled goodput (rate multiplier) per split: {modelled}", flush=True)
     sweeps: dict[str, list[Json]] = {cfg.name: [] for cfg in chosen}
-    climbing = list(chosen)
     started = time.monotonic()
-    for rate in rates:
-        if not climbing:
+    builds: dict[float, list[gw.Request]] = {1.0: base_requests}
+
+    def document() -> Json:
+        return {
+            "benchmark": "goodput-rate",
+            "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "wall_s": round(time.monotonic() - started, 1),
+            "machine": goodput.machine(),
+            "versions": goodput.versions(args.vllm_router_venv),
+            "config": {
+                **goodput.config_facts(args, settings, scale),
+                "rates": rates,
+                "start": start,
+                "target": args.target,
+            },
+            "workload": goodput.workload_facts(args, base_requests, base, capacities),
+            "modelled_goodput": modelled,
+            "sweeps": sweeps,
+            "summary": summary(sweeps, args.target),
+        }
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    # Rounds: every unfinished configuration runs its next rate, so the configurations
+    # share the box's conditions as the sweep goes on.
+    while True:
+        plan = [
+            (cfg, rate)
+            for cfg in chosen
+            if (rate := next_rate(rates, outcomes(sweeps[cfg.name], args.target), start))
+            is not None
+        ]
+        if not plan:
             break
-        requests, _ = build(rate)
-        at = attrs.evolve(settings, out_dir=settings.out_dir / f"x{rate:g}")
-        for cfg in climbing:
+        for cfg, rate in plan:
+            if rate not in builds:
+                builds[rate] = build(rate)[0]
+            requests = builds[rate]
+            at = attrs.evolve(settings, out_dir=settings.out_dir / f"x{rate:g}")
             print(f"goodput-rate: x{rate:g} {cfg.name} ({len(requests)} requests) ...", flush=True)
             run_cfg = goodput.with_controller_timing(cfg, phase_model_s, args.speed)
             try:
@@ -299,29 +356,9 @@ async def sweep_all(args: argparse.Namespace) -> int:
                 f"(wall {row.get('wall_s')} s)",
                 flush=True,
             )
-        # A configuration below the target has its crossing; higher rates only fall.
-        climbing = [
-            c
-            for c in climbing
-            if sweeps[c.name][-1]["status"] == "ran"
-            and sweeps[c.name][-1]["attainment"] >= args.target
-        ]
-    doc = {
-        "benchmark": "goodput-rate",
-        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": round(time.monotonic() - started, 1),
-        "machine": goodput.machine(),
-        "versions": goodput.versions(args.vllm_router_venv),
-        "config": {
-            **goodput.config_facts(args, settings, scale),
-            "rates": rates,
-            "target": args.target,
-        },
-        "workload": goodput.workload_facts(args, base_requests, base, capacities),
-        "modelled_goodput": modelled,
-        "sweeps": sweeps,
-        "summary": summary(sweeps, args.target),
-    }
+            # Written after every run, so an interrupted sweep keeps what it measured.
+            args.out.write_text(json.dumps(document(), indent=1) + "\n")
+    doc = document()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc, args.out.with_suffix(".png"))
@@ -412,6 +449,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "capacity model keeps",
     )
     p.add_argument("--rates", default=DEFAULT_RATES, help="load multipliers to sweep")
+    p.add_argument(
+        "--start", type=float, default=1.0, help="first rate of every sweep (nearest in --rates)"
+    )
     p.add_argument("--target", type=float, default=TARGET, help="attainment target")
     return p.parse_args(argv)
 
