@@ -20,7 +20,8 @@ The default phases are the shifting ones (decode_heavy, prefill_heavy, drift): t
 overload phase is past capacity by construction and has no rate to find, and the
 stationary control is a separate sweep (`--phases stationary`). Configurations default
 to narwhal-full and the static splits whose capacity-model goodput is within
-KEEP_WITHIN of the best static split's (`--all-splits` runs every split).
+KEEP_WITHIN of the best static split's (`--all-splits` runs every split);
+`vllm-router-best` runs at the split with the best capacity-model goodput.
 
 Writes runs/bench/goodput-rate.json and .png; logs and raw rows go to
 runs/tmp/goodput-rate/<stamp>/x<rate>/<configuration>/ (not committed).
@@ -295,13 +296,19 @@ async def sweep_all(args: argparse.Namespace) -> int:
         names = [f"narwhal-static-{p}p{goodput.ENGINES - p}d" for p in splits]
         chosen = goodput.select(",".join([CONTROLLED, *names]))
     for cfg in chosen:
-        if goodput.unavailable(cfg, features, "goodput-rate") is not None or cfg.split == "best":
-            raise SystemExit(f"goodput-rate: {cfg.name} cannot be swept here")
+        if goodput.unavailable(cfg, features, "goodput-rate") is not None:
+            raise SystemExit(f"goodput-rate: {cfg.name} cannot run here")
     modelled = {
         p: round(modelled_goodput(p, base, capacities, args.target), 3)
         for p in range(1, goodput.ENGINES)
     }
     print(f"goodput-rate: modelled goodput (rate multiplier) per split: {modelled}", flush=True)
+    # A "best" split (vllm-router-best) is the capacity model's: the sweep has no hindsight
+    # until it ends, and each configuration's rates depend on its own outcomes.
+    modelled_best = max(modelled, key=lambda p: modelled[p])
+    prefills = {
+        cfg.name: modelled_best if cfg.split == "best" else int(cfg.split) for cfg in chosen
+    }
     sweeps: dict[str, list[Json]] = {cfg.name: [] for cfg in chosen}
     started = time.monotonic()
     builds: dict[float, list[gw.Request]] = {1.0: base_requests}
@@ -345,7 +352,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
             print(f"goodput-rate: x{rate:g} {cfg.name} ({len(requests)} requests) ...", flush=True)
             run_cfg = goodput.with_controller_timing(cfg, phase_model_s, args.speed)
             try:
-                result = await goodput.run_one(run_cfg, int(cfg.split), requests, bounds, at)
+                result = await goodput.run_one(run_cfg, prefills[cfg.name], requests, bounds, at)
             except Exception as exc:
                 result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
                 print(f"goodput-rate: {cfg.name}: FAILED: {exc}", file=sys.stderr, flush=True)
