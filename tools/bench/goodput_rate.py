@@ -414,10 +414,12 @@ def plot(doc: Json, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     s = doc["summary"]
+    lowest = 1.0
     for name, sweep in doc["sweeps"].items():
-        ran = [r for r in sweep if r["status"] == "ran"]
+        ran = sorted((r for r in sweep if r["status"] == "ran"), key=lambda r: r["rate"])
         if not ran:
             continue
+        lowest = min(lowest, *(r["attainment"] for r in ran))
         strong = name == CONTROLLED or name == s["best_static"]
         ax.plot(
             [r["offered_per_s"] for r in ran],
@@ -440,7 +442,7 @@ def plot(doc: Json, path: Path) -> None:
     )
     ax.set_xlabel("offered requests/s (model time)")
     ax.set_ylabel("SLO attainment over offered")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(max(0.0, lowest - 0.1), 1.02)
     ax.legend(fontsize=8)
     benchkit.save_figure(fig, path)
 
