@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import goodput
 import goodput_rate as gr
 import goodput_workload as gw
 import pytest
@@ -150,3 +151,15 @@ def test_outcomes_judge_each_run_against_the_target() -> None:
         {"rate": 1.5, "status": "failed", "reason": "x"},
     ]
     assert gr.outcomes(sweep, 0.9) == [(1.0, True), (1.25, False), (1.5, None)]
+
+
+def test_initial_splits_resolve_best_and_start_a_converged_controller_there() -> None:
+    chosen = goodput.select("narwhal-full,narwhal-static-4p4d,vllm-router-best")
+    modelled = {3: 0.9, 6: 1.4, 7: 1.2}
+    assert gr.initial_splits(chosen, modelled, converged=False) == {
+        "narwhal-full": 4,
+        "narwhal-static-4p4d": 4,
+        "vllm-router-best": 6,
+    }
+    assert gr.initial_splits(chosen, modelled, converged=True)["narwhal-full"] == 6
+    assert gr.initial_splits(chosen, modelled, converged=True)["narwhal-static-4p4d"] == 4

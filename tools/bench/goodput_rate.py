@@ -2,7 +2,7 @@
 router still meets the SLO attainment target, here 90 % of OFFERED requests passing.
 
     .venv/bin/python tools/bench/goodput_rate.py --quick          # the shifting phases
-    .venv/bin/python tools/bench/goodput_rate.py --quick --phases stationary \\
+    .venv/bin/python tools/bench/goodput_rate.py --quick --phases stationary --converged \\
         --out runs/bench/goodput-rate-stationary.json
 
 goodput.py replays the workload at one offered load and reports passing / offered. That
@@ -18,9 +18,10 @@ static split's is the issue's "goodput of the best static split" comparison.
 
 The default phases are the shifting ones (decode_heavy, prefill_heavy, drift): the
 overload phase is past capacity by construction and has no rate to find, and the
-stationary control is a separate sweep (`--phases stationary`). Configurations default
-to narwhal-full and the static splits whose capacity-model goodput is within
-KEEP_WITHIN of the best static split's (`--all-splits` runs every split);
+stationary control is a separate sweep (`--phases stationary --converged`: narwhal-full
+starts at the phase's best split, as after converging in the drift before it).
+Configurations default to narwhal-full and the static splits whose capacity-model
+goodput is within KEEP_WITHIN of the best static split's (`--all-splits` runs every split);
 `vllm-router-best` runs at the split with the best capacity-model goodput.
 
 Writes runs/bench/goodput-rate.json and .png; logs and raw rows go to
@@ -155,6 +156,24 @@ def next_rate(
         return None
     i = list(rates).index(runs[-1][0]) + (1 if met[-1] else -1)
     return rates[i] if 0 <= i < len(rates) else None
+
+
+def initial_splits(
+    chosen: Sequence[goodput.Configuration], modelled: dict[int, float], *, converged: bool
+) -> dict[str, int]:
+    """Each configuration's (initial) prefill engines.
+
+    A "best" split (vllm-router-best) is the one with the best modelled goodput: the sweep
+    has no hindsight until it ends, and each configuration's rates depend on its own
+    outcomes. With `converged`, a configuration with a controller starts there too, as a
+    controller that has settled would be: the stationary control judges whether it then
+    holds still, not how fast it gets there from the default split.
+    """
+    best = max(modelled, key=lambda p: modelled[p])
+    return {
+        cfg.name: best if cfg.split == "best" or (converged and cfg.controller) else int(cfg.split)
+        for cfg in chosen
+    }
 
 
 def compare(ours: Json, bar: Json) -> Json:
@@ -303,12 +322,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
         for p in range(1, goodput.ENGINES)
     }
     print(f"goodput-rate: modelled goodput (rate multiplier) per split: {modelled}", flush=True)
-    # A "best" split (vllm-router-best) is the capacity model's: the sweep has no hindsight
-    # until it ends, and each configuration's rates depend on its own outcomes.
-    modelled_best = max(modelled, key=lambda p: modelled[p])
-    prefills = {
-        cfg.name: modelled_best if cfg.split == "best" else int(cfg.split) for cfg in chosen
-    }
+    prefills = initial_splits(chosen, modelled, converged=args.converged)
     sweeps: dict[str, list[Json]] = {cfg.name: [] for cfg in chosen}
     started = time.monotonic()
     builds: dict[float, list[gw.Request]] = {1.0: base_requests}
@@ -325,6 +339,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
                 "rates": rates,
                 "start": start,
                 "target": args.target,
+                "converged": args.converged,
             },
             "workload": goodput.workload_facts(args, base_requests, base, capacities),
             "modelled_goodput": modelled,
@@ -462,6 +477,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--start", type=float, default=1.0, help="first rate of every sweep (nearest in --rates)"
     )
     p.add_argument("--target", type=float, default=TARGET, help="attainment target")
+    p.add_argument(
+        "--converged",
+        action="store_true",
+        help="start controller configurations at the capacity model's best split (the "
+        "stationary control: does a settled controller hold still?)",
+    )
     return p.parse_args(argv)
 
 
