@@ -757,7 +757,8 @@ def phases_from(args: argparse.Namespace, spec: str) -> tuple[list[gw.Phase], fl
 
 
 def settings_from(args: argparse.Namespace, slo: gw.Slo, window_s: float, kind: str) -> Settings:
-    """Run settings from the common arguments; logs go to runs/tmp/<kind>/<stamp>/."""
+    """Run settings from the common arguments; logs go to runs/tmp/<kind>/<stamp>/.
+    Also registers `--profiles` for reuse by every predictive run (`use_profiles`)."""
     if args.profiles is not None:
         use_profiles(args.profiles)
     return Settings(
@@ -823,6 +824,35 @@ def workload_facts(
             "output": sum(r.output for r in requests),
         },
     }
+
+
+def result_head(benchmark: str, started: float, vllm_router_venv: Path) -> Json:
+    """The first fields of every trace benchmark's result document (`started`: the
+    time.monotonic() when its runs began)."""
+    return {
+        "benchmark": benchmark,
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine": machine(),
+        "versions": versions(vllm_router_venv),
+    }
+
+
+def show_or_run(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], Awaitable[int]],
+    plot: Callable[[Json, Path], None],
+    markdown: Callable[[Json], str],
+) -> int:
+    """--replot / --table from --out's JSON, else the benchmark itself."""
+    if args.replot or args.table:
+        doc = json.loads(args.out.read_text())
+        if args.replot:
+            plot(doc, args.out.with_suffix(".png"))
+        if args.table:
+            print(markdown(doc))
+        return 0
+    return trio.run(harness.run_guarded, partial(run, args))
 
 
 def features_from(args: argparse.Namespace) -> dict[str, bool]:
@@ -938,11 +968,7 @@ async def run_all(args: argparse.Namespace) -> int:
             flush=True,
         )
     doc = {
-        "benchmark": "goodput",
-        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": round(time.monotonic() - started, 1),
-        "machine": machine(),
-        "versions": versions(args.vllm_router_venv),
+        **result_head("goodput", started, args.vllm_router_venv),
         "config": config_facts(args, settings, scale),
         "workload": workload_facts(args, requests, phases, capacities),
         "configurations": results,
@@ -956,15 +982,7 @@ async def run_all(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.replot or args.table:
-        doc = json.loads(args.out.read_text())
-        if args.replot:
-            plot(doc, args.out.with_suffix(".png"))
-        if args.table:
-            print(markdown(doc))
-        return 0
-    return trio.run(harness.run_guarded, partial(run_all, args))
+    return show_or_run(parse_args(argv), run_all, plot, markdown)
 
 
 if __name__ == "__main__":

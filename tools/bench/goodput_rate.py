@@ -36,7 +36,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,6 @@ import benchkit
 import goodput
 import goodput_harness as harness
 import goodput_workload as gw
-import trio
 
 from narwhal.sim import SimTiming
 
@@ -329,11 +327,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
 
     def document() -> Json:
         return {
-            "benchmark": "goodput-rate",
-            "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "wall_s": round(time.monotonic() - started, 1),
-            "machine": goodput.machine(),
-            "versions": goodput.versions(args.vllm_router_venv),
+            **goodput.result_head("goodput-rate", started, args.vllm_router_venv),
             "config": {
                 **goodput.config_facts(args, settings, scale),
                 "rates": rates,
@@ -487,15 +481,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.replot or args.table:
-        doc = json.loads(args.out.read_text())
-        if args.replot:
-            plot(doc, args.out.with_suffix(".png"))
-        if args.table:
-            print(markdown(doc))
-        return 0
-    return trio.run(harness.run_guarded, partial(sweep_all, args))
+    return goodput.show_or_run(parse_args(argv), sweep_all, plot, markdown)
 
 
 if __name__ == "__main__":

@@ -113,8 +113,7 @@ def verdict(res: Json) -> Json:
 
 async def run_all(args: argparse.Namespace) -> int:
     try:
-        sources: tuple[gw.Source, ...] = ("conv", "code")
-        traces = {s: gw.load_trace(args.traces, s) for s in sources}
+        traces = goodput.load_traces(args.traces)
     except gw.TraceError as exc:
         print(f"overload: {exc}", file=sys.stderr)
         return 2
@@ -127,23 +126,11 @@ async def run_all(args: argparse.Namespace) -> int:
     )
     bounds = gw.phase_bounds(phases)
     prefill = capacities[-1].best_prefill
-    settings = goodput.Settings(
-        speed=args.speed,
-        sim_procs=args.sim_procs,
-        seed=args.seed,
-        slo=slo,
-        window_s=3.0 if args.quick else 10.0,
-        sample_every_s=2.0,
-        ttft_timeout_s=15.0,
-        total_timeout_s=90.0,
-        vllm_router_venv=args.vllm_router_venv,
-        out_dir=harness.REPO / "runs" / "tmp" / "overload" / time.strftime("%Y%m%d-%H%M%S"),
-        niceness=args.niceness,
-        request_log=args.request_log,
+    window_s = 3.0 if args.quick else 10.0
+    settings = attrs.evolve(
+        goodput.settings_from(args, slo, window_s, "overload"), request_log=args.request_log
     )
-    if args.profiles is not None:
-        goodput.use_profiles(args.profiles)
-    features = {k: v or k in args.assume_feature for k, v in goodput.FEATURES.items()}
+    features = goodput.features_from(args)
     results: dict[str, Json] = {}
     started = time.monotonic()
     wanted = None if args.configs == "all" else set(args.configs.split(","))
@@ -169,11 +156,7 @@ async def run_all(args: argparse.Namespace) -> int:
         results[cfg.name] = res
         print(f"overload: {cfg.name}: {json.dumps(res['verdict'])}", flush=True)
     doc = {
-        "benchmark": "overload",
-        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": round(time.monotonic() - started, 1),
-        "machine": goodput.machine(),
-        "versions": goodput.versions(args.vllm_router_venv),
+        **goodput.result_head("overload", started, args.vllm_router_venv),
         "config": {
             "quick": args.quick,
             "scale": scale,
