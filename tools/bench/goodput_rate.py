@@ -97,14 +97,11 @@ def modelled_goodput(
     return lo
 
 
-def kept_splits(
-    phases: Sequence[gw.Phase], capacities: Sequence[gw.MixCapacity], within: float
-) -> list[int]:
-    """Static splits (prefill engines) whose modelled goodput is within `within` of the
-    best split's."""
-    rates = {p: modelled_goodput(p, phases, capacities) for p in range(1, goodput.ENGINES)}
-    best = max(rates.values())
-    return [p for p, r in rates.items() if r >= within * best]
+def kept_splits(modelled: dict[int, float], within: float) -> list[int]:
+    """Static splits (prefill engines) whose modelled goodput (`modelled_goodput` per
+    split) is within `within` of the best split's."""
+    best = max(modelled.values())
+    return [p for p, r in modelled.items() if r >= within * best]
 
 
 def crossing(points: Sequence[Sequence[float]], target: float = TARGET) -> Json:
@@ -193,23 +190,16 @@ def compare(ours: Json, bar: Json) -> Json:
 
 def summary(sweeps: dict[str, Json], target: float) -> Json:
     """Each configuration's goodput, the best static split's, and narwhal-full against it."""
-    goodputs = {
-        name: crossing(
-            [
-                (r["rate"], r["attainment"], r["offered_per_s"])
-                for r in sweep
-                if r["status"] == "ran"
-            ],
-            target,
-        )
-        for name, sweep in sweeps.items()
-    }
+    goodputs: dict[str, Json] = {}
     # The same crossing phase by phase (a phase's attainment at each rate of the whole
     # sweep; a phase that still met the target when the whole run fell below it has
     # only a floor: "at_least").
     per_phase: dict[str, Json] = {}
     for name, sweep in sweeps.items():
         ran = [r for r in sweep if r["status"] == "ran"]
+        goodputs[name] = crossing(
+            [(r["rate"], r["attainment"], r["offered_per_s"]) for r in ran], target
+        )
         phases = ran[0]["phases"] if ran else {}
         per_phase[name] = {
             p: crossing(
@@ -304,21 +294,19 @@ async def sweep_all(args: argparse.Namespace) -> int:
         )
 
     base_requests, capacities = build(1.0)
+    fluid = {
+        p: modelled_goodput(p, base, capacities, args.target) for p in range(1, goodput.ENGINES)
+    }
+    modelled = {p: round(r, 3) for p, r in fluid.items()}
     if args.configs != "auto":
         chosen = goodput.select(args.configs)
     else:
-        splits = list(range(1, goodput.ENGINES))
-        if not args.all_splits:
-            splits = kept_splits(base, capacities, KEEP_WITHIN)
+        splits = list(fluid) if args.all_splits else kept_splits(fluid, KEEP_WITHIN)
         names = [f"narwhal-static-{p}p{goodput.ENGINES - p}d" for p in splits]
         chosen = goodput.select(",".join([CONTROLLED, *names]))
     for cfg in chosen:
         if goodput.unavailable(cfg, features, "goodput-rate") is not None:
             raise SystemExit(f"goodput-rate: {cfg.name} cannot run here")
-    modelled = {
-        p: round(modelled_goodput(p, base, capacities, args.target), 3)
-        for p in range(1, goodput.ENGINES)
-    }
     print(f"goodput-rate: modelled goodput (rate multiplier) per split: {modelled}", flush=True)
     prefills = initial_splits(chosen, modelled, converged=args.converged)
     sweeps: dict[str, list[Json]] = {cfg.name: [] for cfg in chosen}
