@@ -35,7 +35,13 @@ from ._expose import (
     state_section,
 )
 from ._profile import EngineProfiles, MeanProfile, Profile
-from ._snapshot import EngineSnapshot, FleetSnapshot, measured_prefill_pressure, prefill_work_s
+from ._snapshot import (
+    EngineSnapshot,
+    FleetSnapshot,
+    decode_slots,
+    measured_prefill_pressure,
+    prefill_work_s,
+)
 from ._state import ControllerState, initial_state
 
 log = logging.getLogger("narwhal.controller")
@@ -186,7 +192,7 @@ class Controller:
                     profile=profile,
                     decode_interval_s=total / count if count else None,
                     decode_correction=correction,
-                    decode_slots=engine.decode_limiter.total_tokens,
+                    decode_slots=decode_slots(engine.decode_limiter.total_tokens, profile),
                 )
             )
         short, long = self.demand.estimates(now)

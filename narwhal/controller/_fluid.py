@@ -91,6 +91,7 @@ class StaticProfile:
     decode: AffineDecode = attrs.field(factory=AffineDecode)
     kv_capacity_tokens: int = 450_000
     max_model_len: int = 32768
+    max_num_seqs: int = 0  # unknown: the engine's cap does not bound a projection
 
 
 # --- traces ---------------------------------------------------------------------------

@@ -59,6 +59,11 @@ class Profile(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests the engine runs at once; 0 when unknown."""
+        ...
+
 
 # `ProfileStore.mean_profile` and `ProfileStore.profile` fit these directly; a store that
 # raises when it holds no profile should be wrapped to return None instead.

@@ -45,8 +45,9 @@ class EngineSnapshot:
     # and the engine's bounded live/profile decode correction.
     decode_interval_s: float | None = None
     decode_correction: float = 1.0
-    # The router's cap on resident decode streams (`serving.decode_concurrency` or the
-    # engine's override); math.inf when none is set.
+    # The cap on the engine's resident decode streams: the router's
+    # (`serving.decode_concurrency` or the engine's override) or the engine's own
+    # (`max_num_seqs` in its profile), whichever is smaller; math.inf when neither is known.
     decode_slots: float = math.inf
 
     @property
@@ -138,6 +139,14 @@ def measured_decode_load(
         if e.live_for("decode") and (load := engine_decode_load(e, mean, tpot_s)) is not None
     ]
     return sum(loads) / len(loads) if loads else 0.0
+
+
+def decode_slots(router_slots: float, profile: Profile | None) -> float:
+    """An engine's cap on resident decode streams: the router's limiter total (math.inf
+    when unbounded) or the engine's measured `max_num_seqs`, whichever is smaller. The
+    engine queues streams beyond its own cap however many the router lets through."""
+    engine_cap = profile.max_num_seqs if profile is not None else 0
+    return min(router_slots, engine_cap) if engine_cap > 0 else router_slots
 
 
 def prefill_work_s(profile: Profile | None, inflight: int, tokens_inflight: int) -> float:

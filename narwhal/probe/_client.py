@@ -84,6 +84,9 @@ class Identity:
     max_model_len: int
     kv_capacity_tokens: int | None
     kv_capacity_source: str
+    # Requests the engine runs at once, when it says (SGLang's max_running_requests).
+    max_num_seqs: int | None = None
+    max_num_seqs_source: str = ""
 
     @property
     def build_identity(self) -> str:
@@ -235,6 +238,11 @@ class EngineClient:
         total = server_info.get("max_total_num_tokens")
         if capacity is None and isinstance(total, int) and not isinstance(total, bool):
             capacity, source = total, "sglang /get_server_info max_total_num_tokens"
+        # vLLM publishes no max_num_seqs; SGLang's server args carry max_running_requests
+        # when it was set (None when SGLang derives it from memory at start-up).
+        seqs = server_info.get("max_running_requests")
+        if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs <= 0:
+            seqs = None
         return Identity(
             dialect=self.spec.dialect,
             version=version,
@@ -243,6 +251,8 @@ class EngineClient:
             max_model_len=max_len,
             kv_capacity_tokens=capacity,
             kv_capacity_source=source,
+            max_num_seqs=seqs,
+            max_num_seqs_source="sglang /get_server_info max_running_requests" if seqs else "",
         )
 
     # -- generation --------------------------------------------------------------------------

@@ -27,6 +27,9 @@ What is measured, and how (everything is wall-clock as a client of the engine se
   ``SweepPlan.kv_budget`` of the cache is skipped, and so is one the engine will not run
   at once (its ``max_num_seqs`` or free KV below the point: the running count settles
   while loads still wait, for ``SweepPlan.decode_cap_stall_s``), with every larger one.
+  With the KV capacity known (so the point fit the KV budget), that running count is
+  the engine's ``max_num_seqs`` and the profile records it, unless the engine published
+  its own (SGLang's ``/get_server_info`` ``max_running_requests``).
   The default batches reach 256, vLLM's usual ``max_num_seqs``: the role controller only
   moves to a split whose decode batches lie inside the measured domain.
 * Crossed handoff: for every ordered pair (i, j), i ≠ j (every pair when there is one
@@ -182,6 +185,8 @@ class EngineMeasurement:
     decode: DecodeModel
     kv_capacity_tokens: int
     kv_capacity_source: str
+    max_num_seqs: int = 0  # 0: unknown
+    max_num_seqs_source: str = ""
 
 
 class SweepFailed(Exception):
@@ -267,6 +272,8 @@ async def _profile(
             max_model_len=m.identity.max_model_len,
             kv_capacity_tokens=m.kv_capacity_tokens,
             kv_capacity_source=m.kv_capacity_source,
+            max_num_seqs=m.max_num_seqs,
+            max_num_seqs_source=m.max_num_seqs_source,
             prefill=m.prefill,
             decode=m.decode,
             chars_per_token=m.chars_per_token,
@@ -327,7 +334,8 @@ async def _measure_engine(
         capacity = identity.kv_capacity_tokens
         clock.say(
             f"{eid}: {identity.build_identity}; KV capacity "
-            f"{capacity if capacity is not None else 'unknown'} tokens"
+            f"{capacity if capacity is not None else 'unknown'} tokens; runs "
+            f"{identity.max_num_seqs or 'an unpublished number of'} requests at once"
         )
         texts = TextMaker(f"{plan.seed}/{eid}")
         cpt = await measure_chars_per_token(client, texts, plan)
@@ -340,7 +348,7 @@ async def _measure_engine(
         if warm.error is not None:
             raise ProbeError(f"engine {eid!r}: warm-up request failed: {warm.error}")
         prefill = await _prefill_sweep(client, texts, cpt, identity, plan, clock)
-        decode, estimate = await _decode_sweep(client, texts, cpt, identity, plan, clock)
+        decode, estimate, cap = await _decode_sweep(client, texts, cpt, identity, plan, clock)
     except ProbeError as exc:
         raise SweepFailed(str(exc)) from None
     except FitError as exc:
@@ -352,7 +360,12 @@ async def _measure_engine(
             source = "estimated: resident tokens / kv_cache_usage_perc during the decode sweep"
         else:
             capacity, source = 0, "unknown: no cache config and no KV usage metric"
-    return EngineMeasurement(identity, cpt, prefill, decode, capacity, source)
+    seqs, seqs_source = identity.max_num_seqs, identity.max_num_seqs_source
+    if seqs is None and cap is not None:
+        seqs, seqs_source = cap, "observed: the most requests it ran at once in the decode sweep"
+    return EngineMeasurement(
+        identity, cpt, prefill, decode, capacity, source, seqs or 0, seqs_source
+    )
 
 
 async def measure_chars_per_token(client: EngineClient, texts: TextMaker, plan: SweepPlan) -> float:
@@ -581,7 +594,10 @@ async def _decode_sweep(
     identity: Identity,
     plan: SweepPlan,
     clock: _Clock,
-) -> tuple[DecodeModel, int | None]:
+) -> tuple[DecodeModel, int | None, int | None]:
+    """The decode fit, a KV-capacity estimate (None: no KV usage metric) and the number
+    of requests the engine was seen to run at once when a point asked for more (None:
+    every point ran whole, or the KV capacity is unknown, so the cap may be KV)."""
     contexts = plan.decode_contexts_for(identity.max_model_len)
     capacity = identity.kv_capacity_tokens
     points: list[DecodePoint] = []
@@ -632,7 +648,9 @@ async def _decode_sweep(
         f"p90 {100 * model.residual_p90:.1f}%"
     )
     estimate = round(statistics.median(estimates)) if estimates else None
-    return model, estimate
+    # Points over the KV budget were skipped, so with a known capacity a point the engine
+    # would not run whole met its max_num_seqs, not its KV cache.
+    return model, estimate, cap if capacity else None
 
 
 def ordered_pairs(engine_ids: Sequence[str]) -> list[tuple[str, str]]:

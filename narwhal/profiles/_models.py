@@ -403,3 +403,8 @@ class EngineProfile:
     chars_per_token: float = attrs.field(validator=_positive_finite)
     # Where kv_capacity_tokens came from, e.g. "vllm:cache_config_info".
     kv_capacity_source: str = ""
+    # Requests the engine runs at once (vLLM --max-num-seqs, SGLang
+    # --max-running-requests); 0 when unknown. The role controller bounds a decode
+    # engine's projected batch by it, as by serving.decode_concurrency.
+    max_num_seqs: int = attrs.field(default=0, validator=_nonnegative_int)
+    max_num_seqs_source: str = ""

@@ -19,6 +19,7 @@ Schema version 1 (times in seconds, sizes in tokens; abridged)::
         "build": "vllm 0.29.0 [narwhal-sim 0.1.0.dev0] model=sim-llama-3-8b max_model_len=8192",
         "max_model_len": 8192, "kv_capacity_tokens": 450000,
         "kv_capacity_source": "vllm:cache_config_info num_gpu_blocks x block_size",
+        "max_num_seqs": 0, "max_num_seqs_source": "",
         "chars_per_token": 4.72,
         "prefill": {"a_s": 0.0077, "b_s_per_token": 2.0e-05, "c_s_per_token2": 1.1e-09,
                     "min_tokens": 3, "max_tokens": 7764, "samples": 66,
@@ -36,6 +37,8 @@ Schema version 1 (times in seconds, sizes in tokens; abridged)::
      "sweep": {"duration_s": 64.4, "prefill_sizes": [2, 16, ...], ...}}
 
 ``facts`` is null until ``narwhal-check --record``; ``sweep`` is informational.
+``max_num_seqs`` (0: unknown) and its source are optional: stores written before they
+existed load with the engine's cap unknown.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ def _mean(profiles: list[EngineProfile]) -> EngineProfile:
     )
     min_active = max(m.min_active for m in dec)
     min_kv = max(m.min_kv_tokens for m in dec)
+    seqs = [p.max_num_seqs for p in profiles]
     decode = DecodeModel(
         t0_s=_avg(m.t0_s for m in dec),
         kv_s_per_token=_avg(m.kv_s_per_token for m in dec),
@@ -172,6 +176,9 @@ def _mean(profiles: list[EngineProfile]) -> EngineProfile:
         decode=decode,
         chars_per_token=_avg(p.chars_per_token for p in profiles),
         kv_capacity_source="mean",
+        # Like the controller's decode slots: no bound when any engine's is unknown.
+        max_num_seqs=0 if not all(seqs) else round(_avg(seqs)),
+        max_num_seqs_source="mean" if all(seqs) else "",
     )
 
 
@@ -189,6 +196,8 @@ def store_to_json(store: ProfileStore) -> dict[str, object]:
             "max_model_len": p.max_model_len,
             "kv_capacity_tokens": p.kv_capacity_tokens,
             "kv_capacity_source": p.kv_capacity_source,
+            "max_num_seqs": p.max_num_seqs,
+            "max_num_seqs_source": p.max_num_seqs_source,
             "chars_per_token": p.chars_per_token,
             "prefill": attrs.asdict(p.prefill),
             "decode": attrs.asdict(p.decode),
@@ -303,6 +312,7 @@ _ENGINE_SCALARS: dict[str, type] = {
     "kv_capacity_source": str,
     "chars_per_token": float,
 }
+_ENGINE_OPTIONAL: dict[str, type] = {"max_num_seqs": int, "max_num_seqs_source": str}
 
 
 def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile | None:
@@ -328,7 +338,19 @@ def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile |
             bad = True
             continue
         values[name] = float(value) if kind is float else value  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(_ENGINE_SCALARS) - {"prefill", "decode"})
+    for name, kind in _ENGINE_OPTIONAL.items():
+        # Stores written before the field existed lack it; its default applies.
+        if name not in raw:
+            continue
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            problems.add(f"{where}.{name}: expected {kind.__name__}, got {value!r}")
+            bad = True
+            continue
+        values[name] = value
+    unknown = sorted(
+        set(raw) - set(_ENGINE_SCALARS) - set(_ENGINE_OPTIONAL) - {"prefill", "decode"}
+    )
     if unknown:
         problems.add(f"{where}: unknown field(s) {', '.join(unknown)}")
         bad = True

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attrs
@@ -275,6 +276,28 @@ def test_snapshots_carry_the_routers_decode_slots_and_the_state_shows_them() -> 
     loads = free.state_section()["loads"]
     assert isinstance(loads, dict)
     assert loads["decode_slots_per_engine"] is None
+
+
+def test_an_engines_own_max_num_seqs_bounds_its_decode_slots() -> None:
+    # The engine queues streams beyond its own cap however many the router lets through:
+    # the smaller cap is the one the projections use.
+    cfg, _, _ = setup("PPDD")
+    cfg = attrs.evolve(cfg, serving=attrs.evolve(cfg.serving, decode_concurrency=8))
+    caps = {"p0": 6, "p1": 0, "d0": 16, "d1": 6}
+
+    def profiles(engine_id: str) -> Profile:
+        return attrs.evolve(PROFILE, max_num_seqs=caps[engine_id])
+
+    ctl = Controller(
+        cfg, Fleet(cfg), mean_profile=lambda: PROFILE, engine_profiles=profiles, started_at=0.0
+    )
+    assert [e.decode_slots for e in ctl.snapshot(1.0).engines] == [6, 8, 8, 6]
+    # With the router unbounded, the engine's cap alone binds; an unknown cap (0) does not.
+    plain, _, _ = setup("PPDD")
+    free = Controller(
+        plain, Fleet(plain), mean_profile=lambda: PROFILE, engine_profiles=profiles, started_at=0.0
+    )
+    assert [e.decode_slots for e in free.snapshot(1.0).engines] == [6, math.inf, 16, 6]
 
 
 def test_snapshots_count_the_kv_non_streaming_decode_legs_have_made() -> None:

@@ -262,6 +262,8 @@ async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_pat
     for profile in store.engines.values():
         assert profile.build.startswith("sglang 0.5.9 [")
         assert profile.kv_capacity_source == "sglang /get_server_info max_total_num_tokens"
+        assert profile.max_num_seqs == SimTiming().max_num_seqs
+        assert profile.max_num_seqs_source == "sglang /get_server_info max_running_requests"
     for handoff in store.handoffs.values():
         for bucket in handoff.buckets:
             # Concurrent legs: the decode's first token waits for the prefill too.

@@ -240,6 +240,56 @@ def test_mean_profile_averages_coefficients_over_the_common_domain() -> None:
     assert ProfileStore(handoffs={}).max_handoff_p99_s() is None
 
 
+def test_engine_cap_round_trips_and_stores_without_it_load_as_unknown() -> None:
+    store = store_for(URLS)
+    capped = attrs.evolve(
+        store.engines["p0"], max_num_seqs=128, max_num_seqs_source="observed: test"
+    )
+    store = attrs.evolve(store, engines={**store.engines, "p0": capped})
+    document: Any = store_to_json(store)
+    parsed, problems = store_from_json(document)
+    assert problems == []
+    assert parsed == store
+    assert parsed is not None
+    assert parsed.engines["p0"].max_num_seqs == 128
+    # A store written before the fields existed.
+    for fields in document["engines"].values():
+        del fields["max_num_seqs"], fields["max_num_seqs_source"]
+    old, problems = store_from_json(document)
+    assert problems == []
+    assert old is not None
+    assert {p.max_num_seqs for p in old.engines.values()} == {0}
+    # The mean has a cap only when every engine's is known.
+    one_unknown = store.mean_profile()
+    assert one_unknown is not None
+    assert one_unknown.max_num_seqs == 0
+    both = attrs.evolve(
+        store,
+        engines={
+            "p0": capped,
+            "d0": attrs.evolve(store.engines["d0"], max_num_seqs=64),
+        },
+    )
+    mean = both.mean_profile()
+    assert mean is not None
+    assert mean.max_num_seqs == 96
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-1, "engines.p0: max_num_seqs is -1; must be >= 0"),
+        ("256", "engines.p0.max_num_seqs: expected int, got '256'"),
+        (True, "engines.p0.max_num_seqs: expected int, got True"),
+    ],
+)
+def test_bad_engine_cap_is_reported(value: object, message: str) -> None:
+    document: Any = store_to_json(store_for(URLS))
+    document["engines"]["p0"]["max_num_seqs"] = value
+    _, problems = store_from_json(document)
+    assert any(message in problem for problem in problems), problems
+
+
 def test_check_mean_profile_uses_only_usable_engines(tmp_path: Path) -> None:
     store = store_for(URLS)
     engines = dict(store.engines)

@@ -46,6 +46,8 @@ async def test_profile_recovers_the_sim_law(start_fleet: StartFleet, tmp_path: P
         assert profile.max_model_len == 8192
         assert profile.kv_capacity_tokens == LAW.kv_capacity_tokens
         assert profile.kv_capacity_source.startswith("vllm:cache_config_info")
+        # vLLM does not publish max_num_seqs and no point reached the engine's.
+        assert (profile.max_num_seqs, profile.max_num_seqs_source) == (0, "")
         assert 4.0 < profile.chars_per_token < 5.5
 
         pre = profile.prefill
@@ -190,3 +192,6 @@ async def test_decode_points_beyond_the_engines_batch_cap_are_skipped(
     assert first in skipped[0]
     assert "e0: decode point 16 x 128 tokens skipped: the engine ran only 6" in skipped[1]
     assert store.engines["e0"].decode.max_active == 4
+    # vLLM does not publish max_num_seqs; what the sweep saw is recorded in its place.
+    assert store.engines["e0"].max_num_seqs == 6
+    assert store.engines["e0"].max_num_seqs_source.startswith("observed")
