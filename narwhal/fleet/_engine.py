@@ -248,7 +248,7 @@ class EngineState:
         carries more than one token. A bounded moving average of the recent ratio
         estimates running streams' KV. Streams of few events say little and are skipped.
         """
-        if events < PACKING_MIN_EVENTS or tokens < 0:
+        if events < PACKING_MIN_EVENTS:
             return
         ratio = min(PACKING_MAX, max(1.0, tokens / events))
         self.tokens_per_event += PACKING_ALPHA * (ratio - self.tokens_per_event)
