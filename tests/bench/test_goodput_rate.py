@@ -164,3 +164,34 @@ def test_initial_splits_resolve_best_and_start_a_converged_controller_there() ->
     }
     assert gr.initial_splits(chosen, modelled, converged=True)["narwhal-full"] == 6
     assert gr.initial_splits(chosen, modelled, converged=True)["narwhal-static-4p4d"] == 4
+
+
+def test_compact_keeps_the_verdicts_and_the_split_but_not_the_big_series() -> None:
+    phase = {"offered": 10, "offered_per_s": 1.0, "passing": 9, "attainment": 0.9}
+    decisions = [{"t": 1.0, "result": "move", "gate": None}, {"t": 2.0, "result": "hold"}]
+    result: dict[str, Any] = {
+        "status": "ran",
+        "split": "4P4D",
+        "phases": {
+            "all": {
+                **phase,
+                "refused": 1,
+                "ttft_ms": {"p90": 120.0},
+                "tpot_ms": {"p90": 30.0},
+            },
+            "decode_heavy": {**phase, "ttft_ms": {}},
+        },
+        "role_changes": 1,
+        "pools": {"t": [0.0, 1.0], "prefill_engines": [4, 5], "decode_running": [3, 4]},
+        "over_time": {"t": [0.0]},
+        "controller_decisions": decisions,
+        "wall_s": 10.0,
+        "faithfulness": {},
+    }
+    kept = gr.compact(1.25, result, [("decode_heavy", 0.0, 10.0)])
+    assert kept["controller_decisions"] == decisions
+    assert kept["split_over_time"] == {"t": [0.0, 1.0], "prefill_engines": [4, 5]}
+    assert kept["phases"] == {"decode_heavy": phase}
+    assert (kept["rate"], kept["attainment"], kept["refused"]) == (1.25, 0.9, 1)
+    failed = gr.compact(1.5, {"status": "failed", "reason": "fleet"}, [])
+    assert failed == {"rate": 1.5, "status": "failed", "reason": "fleet"}

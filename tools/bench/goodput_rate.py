@@ -259,6 +259,9 @@ def compact(rate: float, result: Json, bounds: Sequence[tuple[str, float, float]
             "prefill_engines": result["pools"]["prefill_engines"],
         },
         "over_time": result["over_time"],
+        # Each change of the controller's verdict (why it moved, or which gate held it):
+        # what explains a controller's goodput.
+        "controller_decisions": result["controller_decisions"],
         "wall_s": result["wall_s"],
         "faithfulness": result["faithfulness"],
     }
