@@ -153,6 +153,9 @@ class PathQuote:
     ttft_s: float
     idle_ttft_s: float
     in_domain: bool
+    # The prefill engine's share of ttft_s: its backlog and this prompt's prefill, without
+    # the handoff and the decode side (the role controller's prefill load of the offer).
+    prefill_work_s: float
 
 
 @attrs.frozen
@@ -210,6 +213,7 @@ def quote_paths(
                     ttft_s=wait + own,
                     idle_ttft_s=own,
                     in_domain=priced.prefill.in_domain(prompt_tokens),
+                    prefill_work_s=priced.backlog_s + prefill_s,
                 )
             )
         elif role == "both" and _usable(priced, excluded, "aggregate"):
@@ -223,9 +227,8 @@ def quote_paths(
             )
             if not in_domain:
                 continue
-            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + priced.first_step_s(
-                prompt_tokens
-            )
+            prefill_s = max(0.0, priced.prefill.prefill_s(prompt_tokens))
+            own = prefill_s + priced.first_step_s(prompt_tokens)
             quotes.append(
                 PathQuote(
                     engine=view.id,
@@ -234,6 +237,7 @@ def quote_paths(
                     ttft_s=priced.backlog_s + own,
                     idle_ttft_s=own,
                     in_domain=True,
+                    prefill_work_s=priced.backlog_s + prefill_s,
                 )
             )
     quotes.sort(key=lambda q: (q.ttft_s, q.engine))

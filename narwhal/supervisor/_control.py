@@ -145,9 +145,9 @@ class ControlLink:
         if self.controller is not None:
             self.controller.record_first_token_timeout()
 
-    def ttft_breach(self) -> None:
+    def ttft_breach(self, prefill_load: float) -> None:
         if self.controller is not None:
-            self.controller.signal_ttft_breach()
+            self.controller.signal_ttft_breach(prefill_load)
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
         source = self.ctx.profiles
