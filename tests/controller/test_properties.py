@@ -193,7 +193,6 @@ def test_floors_are_never_violated_by_a_controller_move(
         prefill_pressure=data.draw(st.floats(0.0, 3.0)),
         first_token_timeouts=data.draw(st.sampled_from([0, 0, 1])),
         ttft_breach=data.draw(st.booleans()),
-        refused_prefill_load=data.draw(st.sampled_from([0.0, 0.0, 0.4, 1.3, 5.0])),
     )
     d = decide(snap, data.draw(states(now)), now, cfg)
     check_move(snap, d, cfg)
