@@ -180,7 +180,7 @@ class GapRecorder:
     def first_token_timeout(self, engine: EngineState) -> None:
         pass
 
-    def ttft_breach(self, prefill_load: float) -> None:
+    def ttft_breach(self) -> None:
         pass
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:

@@ -153,9 +153,6 @@ class PathQuote:
     ttft_s: float
     idle_ttft_s: float
     in_domain: bool
-    # The prefill engine's share of ttft_s: its backlog and this prompt's prefill, without
-    # the handoff and the decode side (the role controller's prefill load of the offer).
-    prefill_work_s: float
 
 
 @attrs.frozen
@@ -213,7 +210,6 @@ def quote_paths(
                     ttft_s=wait + own,
                     idle_ttft_s=own,
                     in_domain=priced.prefill.in_domain(prompt_tokens),
-                    prefill_work_s=priced.backlog_s + prefill_s,
                 )
             )
         elif role == "both" and _usable(priced, excluded, "aggregate"):
@@ -227,8 +223,9 @@ def quote_paths(
             )
             if not in_domain:
                 continue
-            prefill_s = max(0.0, priced.prefill.prefill_s(prompt_tokens))
-            own = prefill_s + priced.first_step_s(prompt_tokens)
+            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + priced.first_step_s(
+                prompt_tokens
+            )
             quotes.append(
                 PathQuote(
                     engine=view.id,
@@ -237,7 +234,6 @@ def quote_paths(
                     ttft_s=priced.backlog_s + own,
                     idle_ttft_s=own,
                     in_domain=True,
-                    prefill_work_s=priced.backlog_s + prefill_s,
                 )
             )
     quotes.sort(key=lambda q: (q.ttft_s, q.engine))

@@ -107,7 +107,6 @@ class Controller:
         self._first_token_timeouts = 0
         self._p2d_recovery_moves = 0
         self._ttft_breach = False
-        self._refused_prefill_load = 0.0
         self._intervals: dict[str, tuple[float, int]] = {}
 
     # -- inputs from the request path and recovery ---------------------------------------
@@ -127,14 +126,10 @@ class Controller:
         """A prefill-to-decode recovery move made outside this controller."""
         self._p2d_recovery_moves += 1
 
-    def signal_ttft_breach(self, prefill_load: float) -> None:
+    def signal_ttft_breach(self) -> None:
         """Admission priced a request above the TTFT target: allows one guarded D-to-P
-        evaluation before the next scheduled one. `prefill_load` is the refused offer's
-        cheapest prefill side over the TTFT target; the pass sees the largest since the
-        last."""
+        evaluation before the next scheduled one."""
         self._ttft_breach = True
-        if prefill_load > self._refused_prefill_load:  # NaN never passes
-            self._refused_prefill_load = prefill_load
 
     def observe_decode_interval(self, engine_id: str, interval_s: float) -> None:
         """A measured decode token interval on an engine (e.g. one stream's mean gap
@@ -211,12 +206,10 @@ class Controller:
             first_token_timeouts=self._first_token_timeouts,
             p2d_recovery_moves=self._p2d_recovery_moves,
             ttft_breach=self._ttft_breach,
-            refused_prefill_load=self._refused_prefill_load,
         )
         self._first_token_timeouts = 0
         self._p2d_recovery_moves = 0
         self._ttft_breach = False
-        self._refused_prefill_load = 0.0
         self._intervals.clear()
         return snap
 

@@ -71,15 +71,6 @@ Interpretations of the manual (each has a test named after it)
   ignores the cooldown. Nothing else is bypassed.
 * Projected TTFT breach: signalled by admission (`FleetSnapshot.ttft_breach`) or the
   measured prefill pressure above 1.0 (the predicted work queued exceeds the target).
-* Measured prefill pressure includes refused offers. Predictive admission refuses what
-  would queue past the TTFT budget, so the queued work alone stays below the target
-  however much is refused, and the mixed-pressure rule (measured prefill pressure at
-  `expand`) could never fire while admission works. A refusal for the TTFT budget
-  reports its cheapest prefill side, the prefill engine's backlog plus the prompt's own
-  prefill, over the TTFT target (`FleetSnapshot.refused_prefill_load`, the largest since
-  the last pass), and the measured pressure is the larger of that and the queued work's.
-  The handoff and the decode side are left out: a refusal the decode side caused is not
-  prefill pressure (it would hold the P-to-D move that relieves it).
 * Resident-work checks (7.3) run before every D-to-P move, floor recovery included,
   because they protect resident requests: (a) the projected decode operating point of
   the proposed split is inside the mean profile's decode domain; (b) every decode
@@ -273,9 +264,7 @@ class _Pass:
             reactive=self.rx,
         )
         self.rising = demand_rising(snap.short, snap.long, self.rx)
-        # Measured prefill pressure counts the offers admission refused for the TTFT
-        # budget (manual 7.6: refusals count toward offered demand).
-        self.measured_prefill = max(snap.prefill_pressure, snap.refused_prefill_load)
+        self.measured_prefill = snap.prefill_pressure
         self.measured_decode = measured_decode_load(engines, snap.mean_profile, self.slo.tpot_s)
         self.floors = self._floors()
         self.priceable = snap.mean_profile is not None and snap.long.priced

@@ -95,11 +95,6 @@ class FleetSnapshot:
     # A projected prefill TTFT breach was signalled (admission priced a request above
     # the TTFT target) since the last pass.
     ttft_breach: bool = False
-    # The largest prefill load of an offer admission refused for the TTFT budget since
-    # the last pass: its cheapest prefill side (backlog and own prefill) / TTFT target.
-    # Under predictive admission the queues never hold more than the budget, so this is
-    # where the demand beyond it shows.
-    refused_prefill_load: float = 0.0
 
     def engine(self, engine_id: str) -> EngineSnapshot | None:
         for engine in self.engines:

@@ -56,10 +56,7 @@ class ServingSignals(Protocol):
 
     def first_token_timeout(self, engine: EngineState) -> None: ...
 
-    def ttft_breach(self, prefill_load: float) -> None:
-        """Admission refused an offer for the TTFT budget; `prefill_load` is its
-        cheapest prefill side (backlog and own prefill) over the TTFT target."""
-        ...
+    def ttft_breach(self) -> None: ...
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None: ...
 
@@ -68,7 +65,7 @@ class _NoSignals:
     def first_token_timeout(self, engine: EngineState) -> None:
         pass
 
-    def ttft_breach(self, prefill_load: float) -> None:
+    def ttft_breach(self) -> None:
         pass
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:

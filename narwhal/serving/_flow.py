@@ -400,10 +400,7 @@ class Flow:
         self._offered(request, tokens, admitted=False, reason=verdict.code)
         if verdict.code == "ttft_budget":
             # Manual 7.7: a projected TTFT breach allows one guarded D-to-P evaluation.
-            # The refused offer's prefill side also tells the controller how loaded the
-            # prefill pool is with the demand admission kept out of its queues.
-            cheapest = min(q.prefill_work_s for q in quotes)
-            ctx.signals.ttft_breach(cheapest / config.slo.ttft_s)
+            ctx.signals.ttft_breach()
         if verdict.code == "no_priced_path":
             raise Unavailable(verdict.message, code=verdict.code)
         raise Refused(verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s)

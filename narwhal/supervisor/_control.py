@@ -145,9 +145,9 @@ class ControlLink:
         if self.controller is not None:
             self.controller.record_first_token_timeout()
 
-    def ttft_breach(self, prefill_load: float) -> None:
+    def ttft_breach(self) -> None:
         if self.controller is not None:
-            self.controller.signal_ttft_breach(prefill_load)
+            self.controller.signal_ttft_breach()
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
         source = self.ctx.profiles

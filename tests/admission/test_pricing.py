@@ -78,9 +78,6 @@ def test_projected_ttft_adds_wait_prefill_handoff_and_the_first_decode_step() ->
     assert p0.ttft_s == pytest.approx(0.2 + 0.1 + 0.005 + 0.01)  # cheapest decode first step
     assert p0.idle_ttft_s == pytest.approx(0.1 + 0.005 + 0.01)
     assert p1.ttft_s == pytest.approx(0.2 + 0.005 + 0.01)
-    # The prefill engine's share alone: its backlog and the prompt's prefill.
-    assert p0.prefill_work_s == pytest.approx(0.2 + 0.1)
-    assert p1.prefill_work_s == pytest.approx(0.2)
 
 
 def test_ties_break_by_engine_id() -> None:
@@ -142,7 +139,6 @@ def test_aggregate_paths_stay_inside_the_measured_region() -> None:
     inside = quote_paths(both, prompt_tokens=4000, handoff_s=0.5)
     assert [(q.engine, q.mode) for q in inside] == [("b0", "aggregate")]
     assert inside[0].ttft_s == pytest.approx(0.41)
-    assert inside[0].prefill_work_s == pytest.approx(0.4)
     assert quote_paths(both, prompt_tokens=5000, handoff_s=0.0) == []
 
 
@@ -406,13 +402,7 @@ def test_a_burst_of_errors_is_forgotten_after_the_window() -> None:
 
 def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> None:
     quote = PathQuote(
-        "p0",
-        "disaggregated",
-        wait_s=0.2,
-        ttft_s=0.4,
-        idle_ttft_s=0.2,
-        in_domain=True,
-        prefill_work_s=0.3,
+        "p0", "disaggregated", wait_s=0.2, ttft_s=0.4, idle_ttft_s=0.2, in_domain=True
     )
     assert judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0).admitted
     verdict = judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=1.5)
@@ -422,13 +412,7 @@ def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> No
     assert verdict.retry_after_s == pytest.approx(0.1)
     # An idle projection inside the budget is not the prompt's fault, whatever the factor.
     idle = PathQuote(
-        "p0",
-        "disaggregated",
-        wait_s=0.0,
-        ttft_s=0.45,
-        idle_ttft_s=0.45,
-        in_domain=True,
-        prefill_work_s=0.4,
+        "p0", "disaggregated", wait_s=0.0, ttft_s=0.45, idle_ttft_s=0.45, in_domain=True
     )
     verdict = judge([idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=2.0)
     assert verdict.code == "ttft_budget"

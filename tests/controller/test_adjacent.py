@@ -69,23 +69,6 @@ def test_mixed_pressure_rule_needs_measured_prefill_pressure_at_expand() -> None
     assert "< expand" in d.detail
 
 
-def test_measured_prefill_pressure_includes_refused_offers() -> None:
-    # Predictive admission keeps the queued work under the TTFT budget (0.9 here) and
-    # refuses the rest: the refused offers' prefill load is the pressure the pool is under.
-    queued = snapshot(fleet("PPDDD"), MIXED, prefill_pressure=0.9)
-    assert decide(queued, settled(NOW), NOW, config()).gate == "shrink"
-    refused = attrs.evolve(queued, ttft_breach=True, refused_prefill_load=1.3)
-    d = decide(refused, settled(NOW), NOW, config())
-    assert d.loads.measured_prefill == pytest.approx(1.3)
-    assert (d.result, d.rule) == ("confirming", "mixed-pressure")
-    # A refusal whose prefill side was not at expand (the decode side or the handoff
-    # made the offer miss the budget) leaves the rule where the queues put it.
-    decode_side = attrs.evolve(queued, ttft_breach=True, refused_prefill_load=0.6)
-    d = decide(decode_side, settled(NOW), NOW, config())
-    assert d.loads.measured_prefill == pytest.approx(0.9)
-    assert d.gate == "shrink"
-
-
 def test_mixed_pressure_rule_requires_every_engine_to_have_a_profile() -> None:
     snap = snapshot(fleet("PPDDD", p1={"profile": None}), MIXED, prefill_pressure=1.5)
     d = decide(snap, settled(NOW), NOW, config())

@@ -216,25 +216,13 @@ def test_ttft_breach_signal_allows_one_breach_step() -> None:
     offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
     ctl.record_first_token_timeout()
     ctl.step(200.0)  # scheduled; evidence reset keeps D-to-P blocked
-    ctl.signal_ttft_breach(0.8)
+    ctl.signal_ttft_breach()
     d = ctl.step(201.0)
     assert d is not None
     assert d.caller == "breach-step"
     d = ctl.step(202.0)
     assert d is not None
     assert d.caller == "none"
-
-
-def test_a_snapshot_carries_the_largest_refused_prefill_load_since_the_last() -> None:
-    _, _, ctl = setup("PPDDDDDD")
-    for load in (1.2, 1.7, float("nan"), 0.4):
-        ctl.signal_ttft_breach(load)
-    snap = ctl.snapshot(1.0)
-    assert snap.ttft_breach
-    assert snap.refused_prefill_load == pytest.approx(1.7)
-    after = ctl.snapshot(2.0)
-    assert not after.ttft_breach
-    assert after.refused_prefill_load == 0.0
 
 
 def test_decode_intervals_feed_the_measured_decode_load() -> None:
