@@ -339,8 +339,14 @@ class Supervisor:
         source = None if ctx is None else ctx.profiles
         usable: list[str] = []
         corrections: dict[str, float] = {}
+        # Each engine's own request cap, which bounds the controller's decode projection
+        # (None: the profile does not know it).
+        caps: dict[str, int | None] = {}
         if isinstance(source, FleetProfiles):
             usable = sorted(source.check.usable)
+            for engine_id in usable:
+                profile = source.profile(engine_id)
+                caps[engine_id] = (profile.max_num_seqs or None) if profile is not None else None
         if ctx is not None and source is not None:
             corrections = {e.id: round(source.decode_correction(e.id), 4) for e in ctx.fleet}
         return {
@@ -350,6 +356,7 @@ class Supervisor:
             "usable_engines": usable,
             "problems": self.profile_problems,
             "decode_correction": corrections,
+            "max_num_seqs": caps,
         }
 
     def _retire(self, engine: EngineState) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import httpx
 import openai
 import trio
@@ -180,6 +181,19 @@ async def test_unknown_model_is_404_with_envelope(start_stack: StartStack) -> No
     }
 
 
+async def test_the_state_shows_each_engines_profiled_request_cap(
+    start_stack: StartStack,
+) -> None:
+    urls = {"p0": "http://127.0.0.1:9", "d1": "http://127.0.0.1:9"}
+    store = store_for(urls)
+    capped = attrs.evolve(store.engines["d1"], max_num_seqs=128)
+    store = attrs.evolve(store, engines={**store.engines, "d1": capped})
+    check = ProfileCheck(store=store, usable=frozenset(urls), messages=(), configured=tuple(urls))
+    stack = await start_stack(["prefill", "decode"], profiles=FleetProfiles(check))
+    state = await stack.state()
+    assert state["profiles"]["max_num_seqs"] == {"d1": 128, "p0": None}
+
+
 async def test_tokenize_fallback_uses_the_profiled_chars_per_token(
     start_stack: StartStack,
 ) -> None:
@@ -194,6 +208,7 @@ async def test_tokenize_fallback_uses_the_profiled_chars_per_token(
     )
     state = await stack.state()
     assert state["requests"]["fallback_chars_per_token"] == {"value": 4.5, "source": "profile"}
+    assert state["profiles"]["max_num_seqs"] == {"p0": None, "d1": None}
     seen: list[int] = []
 
     async def send() -> None:
