@@ -312,7 +312,9 @@ _ENGINE_SCALARS: dict[str, type] = {
     "kv_capacity_source": str,
     "chars_per_token": float,
 }
+# Fields later versions of the sweep added; a store without them is still read.
 _ENGINE_OPTIONAL: dict[str, type] = {"max_num_seqs": int, "max_num_seqs_source": str}
+_ENGINE_FIELDS = {**_ENGINE_SCALARS, **_ENGINE_OPTIONAL}
 
 
 def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile | None:
@@ -322,7 +324,9 @@ def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile |
         return None
     values: dict[str, object] = {}
     bad = False
-    for name, kind in _ENGINE_SCALARS.items():
+    for name, kind in _ENGINE_FIELDS.items():
+        if name in _ENGINE_OPTIONAL and name not in raw:
+            continue  # a store written before the field existed: its default applies
         value = raw.get(name)
         if name == "kv_capacity_source" and value is None:
             value = ""
@@ -338,19 +342,7 @@ def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile |
             bad = True
             continue
         values[name] = float(value) if kind is float else value  # type: ignore[arg-type]
-    for name, kind in _ENGINE_OPTIONAL.items():
-        # Stores written before the field existed lack it; its default applies.
-        if name not in raw:
-            continue
-        value = raw[name]
-        if isinstance(value, bool) or not isinstance(value, kind):
-            problems.add(f"{where}.{name}: expected {kind.__name__}, got {value!r}")
-            bad = True
-            continue
-        values[name] = value
-    unknown = sorted(
-        set(raw) - set(_ENGINE_SCALARS) - set(_ENGINE_OPTIONAL) - {"prefill", "decode"}
-    )
+    unknown = sorted(set(raw) - set(_ENGINE_FIELDS) - {"prefill", "decode"})
     if unknown:
         problems.add(f"{where}: unknown field(s) {', '.join(unknown)}")
         bad = True
