@@ -364,7 +364,14 @@ async def _measure_engine(
     if seqs is None and cap is not None:
         seqs, seqs_source = cap, "observed: the most requests it ran at once in the decode sweep"
     return EngineMeasurement(
-        identity, cpt, prefill, decode, capacity, source, seqs or 0, seqs_source
+        identity=identity,
+        chars_per_token=cpt,
+        prefill=prefill,
+        decode=decode,
+        kv_capacity_tokens=capacity,
+        kv_capacity_source=source,
+        max_num_seqs=seqs or 0,
+        max_num_seqs_source=seqs_source,
     )
 
 
