@@ -7,7 +7,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from .._errors import NarwhalError, NotFound
-from ._client import ClientChannel, Receive, Send, json_bytes
+from ._client import ClientChannel, Receive, Send, has_body, json_bytes
 from ._context import ServingContext
 from ._flow import Flow
 from ._request import request_id_from_header
@@ -51,7 +51,9 @@ class App:
             else:
                 raise NotFound(f"no route for {method} {path}")
         except NarwhalError as exc:
-            await ClientChannel(send, request_id).send_error(exc)
+            # Only routes that never read a body get here (the flow answers its own errors).
+            channel = ClientChannel(send, request_id, body_unread=has_body(headers))
+            await channel.send_error(exc)
 
     async def _health(self, send: Send, request_id: str) -> None:
         ctx = self.ctx

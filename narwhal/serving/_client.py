@@ -23,13 +23,21 @@ def json_bytes(document: object) -> bytes:
 
 
 class ClientChannel:
-    """One response. `started` means the status line is out: no more HTTP errors."""
+    """One response. `started` means the status line is out: no more HTTP errors.
 
-    __slots__ = ("_request_id", "_send", "finished", "started", "status")
+    `body_unread` is true while the request may still have body bytes the app has not
+    received. A response sent then says `connection: close`: hypercorn cannot reuse a
+    connection whose request it has not read to the end, and closes it after the
+    response; without the header a pooling client (httpx, the OpenAI SDKs) sends its next
+    request on that connection and sees "server disconnected without a response".
+    """
 
-    def __init__(self, send: Send, request_id: str) -> None:
+    __slots__ = ("_request_id", "_send", "body_unread", "finished", "started", "status")
+
+    def __init__(self, send: Send, request_id: str, *, body_unread: bool = False) -> None:
         self._send = send
         self._request_id = request_id.encode()
+        self.body_unread = body_unread
         self.started = False
         self.finished = False
         self.status = 0
@@ -37,11 +45,12 @@ class ClientChannel:
     async def _start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
+        closing = [(b"connection", b"close")] if self.body_unread else []
         await self._send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*headers, (b"x-request-id", self._request_id)],
+                "headers": [*headers, *closing, (b"x-request-id", self._request_id)],
             }
         )
 
@@ -91,6 +100,19 @@ class ClientChannel:
                 "more_body": False,
             }
         )
+
+
+def has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """Whether the request announces body bytes (RFC 9112 6.3: a length or chunked)."""
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            try:
+                return int(value) > 0
+            except ValueError:
+                return True  # refused as a bad request, with its bytes unread
+    return False
 
 
 async def read_body(receive: Receive, content_length: int | None, limit: int) -> bytes:

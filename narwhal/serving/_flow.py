@@ -90,6 +90,7 @@ from ._client import (
     Receive,
     Send,
     content_length,
+    has_body,
     read_body,
     watch_disconnect,
 )
@@ -190,7 +191,7 @@ class Flow:
         headers = scope.get("headers", [])
         assert isinstance(headers, list)
         request_id = request_id_from_header(_header(headers, b"x-request-id"))
-        client = ClientChannel(send, request_id)
+        client = ClientChannel(send, request_id, body_unread=has_body(headers))
         if not ctx.accepting:
             await self._refuse(
                 client, endpoint, Unavailable("narwhal is shutting down", code="shutting_down")
@@ -281,6 +282,7 @@ class Flow:
             record.scope = deadline_scope  # the supervisor cancels it past the shutdown grace
             try:
                 raw = await read_body(receive, content_length(headers), serving.max_request_bytes)
+                client.body_unread = False
                 request = parse_body(
                     raw,
                     kind=endpoint,

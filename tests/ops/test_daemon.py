@@ -260,9 +260,7 @@ async def test_sigterm_drains_in_flight_streams_refuses_new_work_and_notifies(
     daemon = await launch(doc, env={"WATCHDOG_USEC": "200000"})
     assert daemon.messages[-1].split("\n")[0] == "READY=1"
     await daemon.message("WATCHDOG=1", within_s=2)
-    # The stalled stream holds the drain open while the test sends new work. A 2.5 s stall
-    # once closed it first on a cold CI start: the daemon finished draining and exited under
-    # the test's /health request.
+    # The stalled stream holds the drain open while the test sends new work.
     fleet[1].set_faults(stall_after_tokens=2, stall_s=6.0, leg="decode", count=1)
     async with open_sse(daemon.url, "/v1/completions", STREAM) as reader:
         assert await reader.event() is not None
@@ -274,6 +272,8 @@ async def test_sigterm_drains_in_flight_streams_refuses_new_work_and_notifies(
             health = await client.get(f"{daemon.url}/health")
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
+        # Refused unread, so not reusable: the /health below takes a new connection.
+        assert refused.headers["connection"] == "close"
         assert health.json() == {"status": "unavailable", "reason": "shutting down"}
         events = await read_all(reader)
     assert events[-1] == "[DONE]"

@@ -109,6 +109,61 @@ async def test_retained_ceiling_refuses_before_parsing(start_stack: StartStack) 
     assert state["admission"]["unsized_offers"] == 1
 
 
+async def read_reply(sock: trio.SocketStream) -> tuple[bytes, dict[bytes, bytes]]:
+    """One HTTP/1.1 response's status line and headers; its body is read and dropped."""
+    data = b""
+    with trio.fail_after(5):
+        while b"\r\n\r\n" not in data:
+            data += await sock.receive_some(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        status, *lines = head.split(b"\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}
+        while len(body) < int(headers[b"content-length"]):
+            body += await sock.receive_some(65536)
+    return status, headers
+
+
+async def test_a_refusal_sent_before_the_body_is_read_closes_the_connection(
+    start_stack: StartStack,
+) -> None:
+    # The regression: hypercorn drops a connection whose request body it has not read,
+    # and a client that was not told so reuses it for its next request.
+    stack = await start_stack(serving={"max_connections": 1})
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as first:
+        assert await first.event() is not None
+        sock = await send_raw_request(
+            stack.url, "/v1/completions", b"", headers={"content-length": "100"}
+        )
+        status, headers = await read_reply(sock)
+        assert status.startswith(b"HTTP/1.1 429")
+        assert headers[b"connection"] == b"close"
+        with trio.fail_after(5):
+            assert await sock.receive_some(65536) == b""  # closed, as announced
+        await sock.aclose()
+    await settled(stack)
+
+
+async def test_a_refusal_after_the_body_was_read_keeps_the_connection(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack()
+    sock = await send_raw_request(stack.url, "/v1/completions", b"not json")
+    status, headers = await read_reply(sock)
+    assert status.startswith(b"HTTP/1.1 400")
+    assert b"connection" not in headers
+    await sock.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, headers = await read_reply(sock)
+    assert status.startswith(b"HTTP/1.1 200")
+    await sock.aclose()
+    # A route that never reads a body answers with its body unread.
+    sock = await send_raw_request(stack.url, "/v1/embeddings", b"", headers={"content-length": "9"})
+    status, headers = await read_reply(sock)
+    assert status.startswith(b"HTTP/1.1 404")
+    assert headers[b"connection"] == b"close"
+    await sock.aclose()
+
+
 async def test_queue_timeout(start_stack: StartStack) -> None:
     stack = await start_stack(serving=QUEUEING)
     stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
