@@ -522,11 +522,8 @@ def resident_work_check(
         extra = 0.0 if e is candidate else share
         active = e.decode_active + extra
         kv = e.decode_tokens + extra * prompt_mean
-        if active <= 0:
-            # Nothing resident, nothing to price. The profile's domain starts at one
-            # request (`DecodeModel.in_domain`), so asking it would block every move whose
-            # candidate, the least busy decode engine, is idle.
-            continue
+        # An idle engine is the idle point, inside the domain: the least busy decode
+        # engine, the usual candidate, must not block its own move.
         if not profile.decode.in_domain(math.ceil(active), math.ceil(kv)):
             return _Blocked(
                 "resident_batches",

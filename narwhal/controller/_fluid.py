@@ -79,7 +79,10 @@ class AffineDecode:
         return self.t0 + self.per_kv * kv_tokens + self.per_seq * active
 
     def in_domain(self, active: int, kv_tokens: int) -> bool:
-        # As `DecodeModel.in_domain`, which real profiles use: measured from one request.
+        # As `DecodeModel.in_domain`, which real profiles use: the idle point, or one
+        # request and up.
+        if active <= 0 and kv_tokens <= 0:
+            return True
         return 1 <= active <= self.max_active and 0 <= kv_tokens <= self.max_kv_tokens
 
 

@@ -245,10 +245,7 @@ def project_decode(
     feasible = factor <= 1.0 and eff_kv <= kv_capacity_tokens and eff_active <= slots
     if factor > 1.0:
         load = max(load, 1.0) * factor
-    # No demand and nothing resident is the idle point, which the profile's idle floor
-    # measures; the domain check proper starts at one request.
-    idle = eff_active <= 0 and eff_kv <= 0
-    in_domain = feasible and (idle or decode.in_domain(math.ceil(eff_active), math.ceil(eff_kv)))
+    in_domain = feasible and decode.in_domain(math.ceil(eff_active), math.ceil(eff_kv))
     return DecodeProjection(load, eff_active, eff_kv, interval, feasible, in_domain)
 
 

@@ -41,7 +41,9 @@ class DecodeCost(Protocol):
 
     def interval_s(self, active: int, kv_tokens: int) -> float: ...
 
-    def in_domain(self, active: int, kv_tokens: int) -> bool: ...
+    def in_domain(self, active: int, kv_tokens: int) -> bool:
+        """Measured batches, plus the idle point (0, 0) that the idle floor measures."""
+        ...
 
 
 class Profile(Protocol):

@@ -162,6 +162,10 @@ class DecodeModel:
         return self.t0_s + self.kv_s_per_token * kv_tokens + self.active_s_per_request * active
 
     def in_domain(self, active: float, kv_tokens: float) -> bool:
+        """Inside the measured batches (from one request), or the idle point (nothing
+        resident), which the idle floor measures."""
+        if active <= 0 and kv_tokens <= 0:
+            return True
         return 1 <= active <= self.max_active and 0 <= kv_tokens <= self.max_kv_tokens
 
 

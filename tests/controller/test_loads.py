@@ -160,8 +160,9 @@ def test_no_demand_and_nothing_resident_is_the_idle_point_inside_the_domain() ->
     idle = DecodeDemand(rate=0.0, output_tokens_mean=0.0, kv_per_stream=0.0, prompt_tokens_mean=0)
     p = project_decode(idle, 3, ResidentWork(), PROFILE.decode, **PLAIN)
     assert (p.active, p.kv_tokens, p.load) == (0.0, 0.0, 0.0)
-    assert p.in_domain  # the idle floor is measured; the box proper starts at one request
-    assert not PROFILE.decode.in_domain(0, 0)
+    assert p.in_domain  # the idle floor measures it
+    assert PROFILE.decode.in_domain(0, 0)
+    assert not PROFILE.decode.in_domain(0, 1)  # KV with no request is no operating point
 
 
 def test_the_test_profiles_domain_is_the_real_profiles_domain() -> None:

@@ -76,11 +76,10 @@ def test_candidate_kv_must_hold_its_resident_work_and_a_prompt() -> None:
 
 
 def test_an_idle_decode_engine_is_a_d2p_candidate() -> None:
-    # Nothing resident is inside any domain; the profile's box starts at one request, so
-    # asking it about an empty batch held every move from an idle engine (seen in the
-    # goodput run: D->P held for 90 s of a prefill-heavy phase by `resident_batches`).
+    # Nothing resident is the idle point, inside every domain. When the profile's box
+    # started at one request, an empty batch held every move from an idle engine (seen in
+    # the goodput run: D->P held for 90 s of a prefill-heavy phase by `resident_batches`).
     engines = fleet("PPDDDDDD", d1={"decode_active": 2, "decode_tokens": 800})
-    assert not PROFILE.decode.in_domain(0, 0)
     d = decide(snapshot(engines, PREFILL_HEAVY), settled(NOW), NOW, config())
     assert d.move == Move("d0", "d2p")
     assert d.gate is None

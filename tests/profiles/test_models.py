@@ -132,6 +132,7 @@ def test_decode_domain_is_the_box_up_to_the_measured_maxima() -> None:
     assert model.in_domain(1, 0)
     assert model.in_domain(64, 131000)
     assert not model.in_domain(0, 100)  # no request decoding: no interval to predict
+    assert model.in_domain(0, 0)  # the idle point, which the idle floor measures
     assert not model.in_domain(65, 100)
     assert not model.in_domain(8, 131001)
     assert model.interval_s(-3, -100) == model.t0_s
