@@ -52,7 +52,7 @@ class App:
                 raise NotFound(f"no route for {method} {path}")
         except NarwhalError as exc:
             # Only routes that never read a body get here (the flow answers its own errors).
-            channel = ClientChannel(send, request_id, body_unread=has_body(headers))
+            channel = ClientChannel(send, request_id, close_connection=has_body(headers))
             await channel.send_error(exc)
 
     async def _health(self, send: Send, request_id: str) -> None:

@@ -25,19 +25,19 @@ def json_bytes(document: object) -> bytes:
 class ClientChannel:
     """One response. `started` means the status line is out: no more HTTP errors.
 
-    `body_unread` is true while the request may still have body bytes the app has not
-    received. A response sent then says `connection: close`: hypercorn cannot reuse a
-    connection whose request it has not read to the end, and closes it after the
-    response; without the header a pooling client (httpx, the OpenAI SDKs) sends its next
-    request on that connection and sees "server disconnected without a response".
+    With `close_connection` the response says `connection: close`. Callers set it while
+    the request's body may be unread: hypercorn cannot reuse a
+    connection whose request it has not read to the end and closes it after the response,
+    and a pooling client (httpx, the OpenAI SDKs) that was not told so sends its next
+    request on it and sees "server disconnected without sending a response".
     """
 
-    __slots__ = ("_request_id", "_send", "body_unread", "finished", "started", "status")
+    __slots__ = ("_request_id", "_send", "close_connection", "finished", "started", "status")
 
-    def __init__(self, send: Send, request_id: str, *, body_unread: bool = False) -> None:
+    def __init__(self, send: Send, request_id: str, *, close_connection: bool = False) -> None:
         self._send = send
         self._request_id = request_id.encode()
-        self.body_unread = body_unread
+        self.close_connection = close_connection
         self.started = False
         self.finished = False
         self.status = 0
@@ -45,7 +45,7 @@ class ClientChannel:
     async def _start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
-        closing = [(b"connection", b"close")] if self.body_unread else []
+        closing = [(b"connection", b"close")] if self.close_connection else []
         await self._send(
             {
                 "type": "http.response.start",
@@ -134,6 +134,29 @@ async def read_body(receive: Receive, content_length: int | None, limit: int) ->
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
+
+
+async def discard_body(
+    receive: Receive, content_length: int | None, limit: int, within_s: float
+) -> bool:
+    """Read and drop the body of a request that will not be served, so that its connection
+    stays reusable. False when it cannot be done cheaply: a body over `limit` bytes, one
+    that has not ended within `within_s`, or a client that left; the response then closes
+    the connection (`ClientChannel.close_connection`)."""
+    if content_length is not None and content_length > limit:
+        return False
+    size = 0
+    with trio.move_on_after(within_s):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return False
+            size += len(message.get("body", b""))
+            if size > limit:
+                return False
+            if not message.get("more_body", False):
+                return True
+    return False
 
 
 def content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:

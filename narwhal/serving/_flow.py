@@ -90,6 +90,7 @@ from ._client import (
     Receive,
     Send,
     content_length,
+    discard_body,
     has_body,
     read_body,
     watch_disconnect,
@@ -191,14 +192,20 @@ class Flow:
         headers = scope.get("headers", [])
         assert isinstance(headers, list)
         request_id = request_id_from_header(_header(headers, b"x-request-id"))
-        client = ClientChannel(send, request_id, body_unread=has_body(headers))
+        client = ClientChannel(send, request_id, close_connection=has_body(headers))
         if not ctx.accepting:
             await self._refuse(
-                client, endpoint, Unavailable("narwhal is shutting down", code="shutting_down")
+                client,
+                endpoint,
+                Unavailable("narwhal is shutting down", code="shutting_down"),
+                receive,
+                headers,
+                # No connection to a daemon that is going away is worth keeping.
+                keep_connection=False,
             )
             return
         if ctx.retained >= ctx.retained_ceiling:
-            # Manual 4.2: past the ceiling, refuse before reading or parsing the body.
+            # Manual 4.2: past the ceiling, refuse before parsing the body.
             ctx.unsized_offers += 1
             await self._refuse(
                 client,
@@ -209,6 +216,8 @@ class Flow:
                     code="retained_ceiling",
                     retry_after_s=1.0,
                 ),
+                receive,
+                headers,
             )
             return
         record = RequestRecord(id=request_id, endpoint=endpoint, arrival=arrival)
@@ -259,7 +268,29 @@ class Flow:
                 },
             )
 
-    async def _refuse(self, client: ClientChannel, endpoint: str, error: NarwhalError) -> None:
+    async def _refuse(
+        self,
+        client: ClientChannel,
+        endpoint: str,
+        error: NarwhalError,
+        receive: Receive,
+        headers: list[tuple[bytes, bytes]],
+        *,
+        keep_connection: bool = True,
+    ) -> None:
+        """Refuse a request whose body is not parsed (manual 4.2: before body parsing).
+
+        The body is still read and dropped when that is cheap, so that a client's pooled
+        connection survives the refusal: a flood of 429s does not become a flood of new
+        connections. A body that is large or slow to come is left unread, and the answer
+        closes the connection instead, as it does unless `keep_connection`."""
+        serving = self.ctx.config.serving
+        if not keep_connection:
+            client.close_connection = True
+        elif client.close_connection and await discard_body(
+            receive, content_length(headers), serving.max_request_bytes, serving.client_stall_s
+        ):
+            client.close_connection = False
         self.ctx.outcomes[error.code] += 1
         self.ctx.metrics.requests.labels(endpoint, error.code).inc()
         self.ctx.metrics.refusals.labels(error.code).inc()
@@ -282,7 +313,7 @@ class Flow:
             record.scope = deadline_scope  # the supervisor cancels it past the shutdown grace
             try:
                 raw = await read_body(receive, content_length(headers), serving.max_request_bytes)
-                client.body_unread = False
+                client.close_connection = False
                 request = parse_body(
                     raw,
                     kind=endpoint,

@@ -123,23 +123,53 @@ async def read_reply(sock: trio.SocketStream) -> tuple[bytes, dict[bytes, bytes]
     return status, headers
 
 
-async def test_a_refusal_sent_before_the_body_is_read_closes_the_connection(
+async def test_a_refusal_before_parsing_keeps_the_connection_when_the_body_came(
     start_stack: StartStack,
 ) -> None:
+    # Past the ceiling the body is read and dropped, not parsed: the client's pooled
+    # connection survives the 429 (a flood of refusals is not a flood of new connections).
+    stack = await start_stack(serving={"max_connections": 1, "client_stall_s": 0.3})
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    async with open_sse(stack.url, "/v1/completions", BODY) as first:
+        assert await first.event() is not None
+        sock = await send_raw_request(stack.url, "/v1/completions", b"x" * 100)
+        status, headers = await read_reply(sock)
+        assert status.startswith(b"HTTP/1.1 429")
+        assert b"connection" not in headers
+        await sock.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers = await read_reply(sock)
+        assert status.startswith(b"HTTP/1.1 200")
+        await sock.aclose()
+    await settled(stack)
+
+
+@pytest.mark.parametrize(
+    ("declared", "sent"),
+    [
+        (100, b""),  # the body never comes: given up after serving.client_stall_s
+        (5000, b"x" * 5000),  # over serving.max_request_bytes: not read at all
+    ],
+)
+async def test_a_refusal_with_the_body_unread_closes_the_connection(
+    start_stack: StartStack, declared: int, sent: bytes
+) -> None:
     # The regression: hypercorn drops a connection whose request body it has not read,
-    # and a client that was not told so reuses it for its next request.
-    stack = await start_stack(serving={"max_connections": 1})
+    # and a client that was not told so reused it and got "server disconnected".
+    stack = await start_stack(
+        serving={"max_connections": 1, "client_stall_s": 0.3, "max_request_bytes": 1000}
+    )
     stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
     async with open_sse(stack.url, "/v1/completions", BODY) as first:
         assert await first.event() is not None
         sock = await send_raw_request(
-            stack.url, "/v1/completions", b"", headers={"content-length": "100"}
+            stack.url, "/v1/completions", sent, headers={"content-length": str(declared)}
         )
         status, headers = await read_reply(sock)
         assert status.startswith(b"HTTP/1.1 429")
         assert headers[b"connection"] == b"close"
         with trio.fail_after(5):
-            assert await sock.receive_some(65536) == b""  # closed, as announced
+            while await sock.receive_some(65536):  # closed, as announced
+                pass
         await sock.aclose()
     await settled(stack)
 
