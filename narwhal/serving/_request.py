@@ -12,6 +12,11 @@ from .._errors import BadRequest
 from ..engines import EndpointKind, Json
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# The fields an engine pair uses to find each other (vLLM's KV handoff, SGLang's
+# bootstrap pairing). The router sets them per leg; from a client they would steer an
+# engine: make it hold KV for a handoff nobody takes, or connect to a host of the
+# client's choosing (vLLM's remote_host/remote_port).
+_ROUTER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -79,6 +84,12 @@ def parse_body(
         model = models[0]
     elif not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
+    for key in _ROUTER_FIELDS:
+        if key in body:
+            raise BadRequest(
+                f"'{key}' is set by the router for each engine leg; clients may not send it",
+                param=key,
+            )
     n = body.get("n", 1)
     if n != 1:
         # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.

@@ -249,6 +249,22 @@ async def test_queue_wait_is_capped_by_the_request_deadline(start_stack: StartSt
             "only n=1 is supported",
             "n",
         ),
+        # Engine pairing fields: from a client they would make an engine hold KV for a
+        # handoff nobody takes, or connect to a host of the client's choosing.
+        *(
+            (
+                json.dumps({"model": MODEL, "prompt": "x", key: value}).encode(),
+                f"'{key}' is set by the router for each engine leg",
+                key,
+            )
+            for key, value in [
+                ("kv_transfer_params", {"do_remote_prefill": True, "remote_host": "10.0.0.1"}),
+                ("kv_transfer_params", None),
+                ("bootstrap_host", "10.0.0.1"),
+                ("bootstrap_port", 8998),
+                ("bootstrap_room", 7),
+            ]
+        ),
     ],
 )
 async def test_malformed_requests_are_400(
