@@ -618,9 +618,11 @@ class Flow:
     ) -> None:
         serving = config.serving
         record.stage = "prefill"
-        prefill_started = trio.current_time()
         handoff_cap = serving.handoff_timeout_s or math.inf  # 0: the deadline is the cap
         async with self._phase_slot(prefill, "prefill", tokens):
+            # Manual 4.2: the handoff's age counts from the prefill HTTP request, not from
+            # the wait for a prefill slot before it (no KV exists yet during that wait).
+            prefill_started = trio.current_time()
             raw = await self._json_leg(
                 prefill,
                 "prefill",

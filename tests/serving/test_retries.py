@@ -105,3 +105,26 @@ async def test_expired_handoff_is_redone_with_a_fresh_prefill(start_stack: Start
     assert requests(stack, 0, "prefill") == 3
     metrics = stack.ctx.metrics.render().decode()
     assert 'narwhal_retries_total{code="handoff_expired"} 1.0' in metrics
+
+
+async def test_the_wait_for_a_prefill_slot_is_not_handoff_age(start_stack: StartStack) -> None:
+    # Manual 4.2: the handoff's age counts from the prefill HTTP request. Three requests
+    # share one prefill slot, each prefill takes 0.35 s of a 0.5 s cap and decode slots
+    # are free: the third waits 0.7 s for its slot, which no KV existed during. Counted
+    # from arrival, two handoffs "expired" and each redo added prefill load.
+    stack = await start_stack(
+        ["prefill", "decode"],
+        serving={"prefill_concurrency": 1, "decode_concurrency": 8, "handoff_timeout_s": 0.5},
+    )
+    stack.fleet[0].set_faults(stall_before_first_token_s=0.35, leg="prefill")
+    statuses: list[int] = []
+
+    async def one() -> None:
+        statuses.append((await post(stack, {"max_tokens": 3})).status_code)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(one)
+    assert statuses == [200, 200, 200]
+    assert requests(stack, 0, "prefill") == 3
+    assert "handoff_expired" not in stack.ctx.metrics.render().decode()
