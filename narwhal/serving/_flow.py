@@ -691,9 +691,16 @@ class Flow:
     ) -> None:
         """Both legs at once with the same body; the engines pair by bootstrap room.
 
+        Both phase slots are held before either leg is sent: a prefill sent while its
+        decode waits for a slot would wait in the prefill engine's bootstrap queue, run
+        into serving.prefill_timeout_s and be charged to a healthy prefill engine. The
+        prefill slot is taken first, as on every path, so no two pairs can each hold the
+        slot the other waits for.
+
         Either leg failing cancels the other at once (peers hang here until a bootstrap
         timeout). The decode stream's output is held until the prefill leg succeeds, so
-        a prefill failure is still an HTTP error the client can retry.
+        a prefill failure, an error event in its stream included, is still an HTTP error
+        the client can retry.
         """
         serving = config.serving
         port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
@@ -704,16 +711,16 @@ class Flow:
             sglang_pd_body(shared, host=prefill.host, port=port, room=new_bootstrap_room())
         )
         prefill_done = trio.Event()
+        prefill_slot = trio.Event()
+        both_slots = trio.Event()
         first_failure: list[BaseException] = []
         record.stage = "prefill"
-        timer = trio.CancelScope(
-            deadline=trio.current_time()
-            + serving.prefill_timeout_s
-            + config.engine.first_token_timeout_s
-        )
+        timer = trio.CancelScope()  # its deadline starts once both legs are sent
 
         async def run_prefill() -> None:
             async with self._phase_slot(prefill, "prefill", tokens):
+                prefill_slot.set()
+                await both_slots.wait()
                 await self._json_leg(
                     prefill,
                     "prefill",
@@ -724,6 +731,7 @@ class Flow:
                     timeout_code="prefill_timeout",
                     timeout_setting="serving.prefill_timeout_s",
                     prompt_tokens=tokens,
+                    sse=request.stream,
                 )
             record.prefilled_at = trio.current_time()
             record.stage = "decode"
@@ -735,7 +743,14 @@ class Flow:
             prefill_done.set()
 
         async def run_decode() -> None:
+            await prefill_slot.wait()
             async with self._phase_slot(decode, "decode", tokens, pending=pending):
+                timer.deadline = (
+                    trio.current_time()
+                    + serving.prefill_timeout_s
+                    + config.engine.first_token_timeout_s
+                )
+                both_slots.set()
                 await self._decode_leg(
                     decode,
                     "decode",
@@ -909,8 +924,12 @@ class Flow:
         timeout_code: str,
         timeout_setting: str,
         prompt_tokens: int = 0,
+        sse: bool = False,
     ) -> bytes:
-        """A non-streaming leg; the body is retained up to serving.max_response_bytes."""
+        """A leg read whole; the body is retained up to serving.max_response_bytes.
+
+        `sse`: the body is an event stream (SGLang's prefill leg shares the client's
+        streamed body), and an error event inside its 200 fails the leg."""
         limit = config.serving.max_response_bytes
         path = ENDPOINT_PATHS[request.kind]
         started = trio.current_time()
@@ -929,6 +948,8 @@ class Flow:
                         f"response exceeds serving.max_response_bytes={limit}",
                         counts=False,
                     ) from None
+                if sse:
+                    _raise_stream_error(engine, phase, raw)
         if not timer.cancelled_caught:
             self.ctx.leg_observer.leg_ok(
                 engine,
@@ -1242,6 +1263,25 @@ def _failed(
         code=code,
         exclude_on_retry=exclude,
     )
+
+
+def _raise_stream_error(engine: EngineState, phase: LegPhase, raw: bytes) -> None:
+    """Fail a leg whose whole event stream holds an error event (manual 4.3: engines
+    report late errors inside a 200). Nothing of it reached the client: retryable."""
+    try:
+        events = SseScanner().feed(raw)
+    except SseOverflow as exc:
+        raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
+    for event in events:
+        if event.kind is SseKind.ERROR:
+            message = (event.error or {}).get("message", "engine error")
+            raise _failed(
+                engine,
+                phase,
+                "engine_stream_error",
+                f"engine reported an error in its stream: {message}",
+                retryable=True,
+            )
 
 
 async def _first_failure_cancels(
