@@ -100,6 +100,9 @@ from ._request import ClientRequest, parse_body, request_id_from_header
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
 _ERROR_BODY_LIMIT = 65536
+# Retry-After of a refusal at saturation (the retained ceiling, a full or timed-out
+# admission queue): slots free as requests finish, which no prediction here prices.
+_SATURATED_RETRY_AFTER_S = 1.0
 # Gaps kept per stream for the decode correction; a window this size is plenty for a
 # median, and it bounds the memory of very long generations.
 _MAX_GAPS = 256
@@ -214,7 +217,7 @@ class Flow:
                     f"narwhal retains at most serving.max_connections + serving.queue_capacity"
                     f" = {ctx.retained_ceiling} requests",
                     code="retained_ceiling",
-                    retry_after_s=1.0,
+                    retry_after_s=_SATURATED_RETRY_AFTER_S,
                 ),
                 receive,
                 headers,
@@ -383,7 +386,9 @@ class Flow:
             quotes = self._admit_predictively(request, tokens, config)
         record.stage = "queued"
         try:
-            async with ctx.gate.admitted(queue_timeout_s=serving.queue_timeout_s) as waited:
+            async with ctx.gate.admitted(
+                queue_timeout_s=serving.queue_timeout_s, retry_after_s=_SATURATED_RETRY_AFTER_S
+            ) as waited:
                 self._offered(request, tokens, admitted=True)
                 ctx.metrics.queue_wait.observe(waited)
                 await self._attempts(request, tokens, config, client, record, quotes)

@@ -204,6 +204,7 @@ async def test_queue_timeout(start_stack: StartStack) -> None:
         elapsed = trio.current_time() - started
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "queue_timeout"
+    assert response.headers["retry-after"] == "1"
     assert 0.3 <= elapsed < 1.3
 
 
