@@ -9,6 +9,7 @@ drops or adds what shapes the prompt shows up here as a count that differs.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import httpx
@@ -201,3 +202,20 @@ async def test_an_estimate_in_flight_shows_its_reason(nursery: trio.Nursery) -> 
     assert listed["token_count_method"] == "fallback"
     assert listed["token_count_fallback"] == "unsupported"
 
+
+async def test_an_sglang_chat_estimate_includes_its_tool_schemas(nursery: trio.Nursery) -> None:
+    stack = await sglang_stack(nursery)
+    plain = await priced_and_charged(
+        stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
+    )
+    with_tools = await priced_and_charged(
+        stack, "/v1/chat/completions", {"messages": QUESTION, "tools": TOOLS, "max_tokens": 2}
+    )
+    assert (await stack.state())["requests"]["token_count_fallbacks"] == {"unsupported": 2}
+    chars = len(QUESTION[0]["content"])
+    assert plain[0] == math.ceil(chars / 3.8)
+    # Still an estimate at engine.chars_per_token, but of the schemas too, which are
+    # most of this prompt (JSON is denser in tokens than prose, so it stays low).
+    assert with_tools[0] == math.ceil((chars + len(json.dumps(TOOLS))) / 3.8)
+    assert with_tools[0] > 5 * plain[0]
+    assert with_tools[1] > with_tools[0]
