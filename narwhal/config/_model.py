@@ -261,7 +261,12 @@ class Engine:
         ),
     )
     tokenize: bool = _f(
-        True, doc="Request the exact input length from the dialect's tokenisation endpoint."
+        True,
+        doc=(
+            "Request the exact input length from the dialect's tokenisation endpoint. SGLang's "
+            "takes no chat messages, so chat requests on SGLang are always estimated "
+            '(`narwhal_token_count_fallbacks_total{reason="unsupported"}`).'
+        ),
     )
     tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")
     chars_per_token: float = _f(

@@ -43,12 +43,30 @@ SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 class Dialect:
     name: Literal["vllm", "sglang"]
     concurrent_legs: bool
+    # Whether /tokenize renders chat messages with the engine's template. SGLang's takes
+    # only `prompt` (a string or a list of strings) and answers 400 "Invalid prompt type"
+    # to anything else (engine-protocols notes §5.4).
+    tokenizes_chat: bool
     health_path: bytes = b"/health"
     tokenize_path: bytes = b"/tokenize"
 
 
-VLLM = Dialect("vllm", concurrent_legs=False)
-SGLANG = Dialect("sglang", concurrent_legs=True)
+VLLM = Dialect("vllm", concurrent_legs=False, tokenizes_chat=True)
+SGLANG = Dialect("sglang", concurrent_legs=True, tokenizes_chat=False)
+
+# The chat completion fields vLLM's chat /tokenize also takes that change the rendered
+# prompt (TokenizeChatRequest, notes §3.1): tool schemas go into the template and can
+# outweigh the messages. A field the client left out is left out here too, so the engine
+# applies the same default to both requests (add_generation_prompt true,
+# continue_final_message and add_special_tokens false).
+_CHAT_TOKENIZE_FIELDS = (
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+)
 
 
 def dialect_for(name: str) -> Dialect:
@@ -132,20 +150,33 @@ def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
     return leg, True
 
 
-def tokenize_body(kind: EndpointKind, body: Json) -> Json:
-    """The /tokenize request for a client body (same shape on vLLM and newer SGLang)."""
+def tokenize_body(dialect: Dialect, kind: EndpointKind, body: Json) -> Json | None:
+    """The /tokenize request that counts a client body's prompt as the engine will, or
+    None when the dialect's /tokenize cannot (a chat body on SGLang)."""
     request: Json = {}
     if "model" in body:
         request["model"] = body["model"]
     if kind == "chat":
+        if not dialect.tokenizes_chat:
+            return None
         request["messages"] = body.get("messages")
-        request["add_generation_prompt"] = True
-    else:
-        request["prompt"] = body.get("prompt")
+        for key in _CHAT_TOKENIZE_FIELDS:
+            if key in body:
+                request[key] = body[key]
+        return request
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        # A one-prompt list is that prompt to either engine's completions. vLLM's
+        # /tokenize takes only a string, and SGLang's answers a list with a list of
+        # counts, which is not one prompt's integer count.
+        prompt = prompt[0]
+    request["prompt"] = prompt
     return request
 
 
 def tokenize_count(response: object) -> int | None:
+    """The integer `count` of a /tokenize answer for one prompt (vLLM, and SGLang given
+    a string); a list of counts answers a batch and is not read."""
     if isinstance(response, dict):
         count = response.get("count")
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:

@@ -104,6 +104,15 @@ class Metrics:
             ["method"],
             registry=registry,
         )
+        self.token_fallbacks = Counter(
+            "narwhal_token_count_fallbacks",
+            "Fallback prompt length estimates by why the count is not exact: disabled "
+            "(engine.tokenize false), no_engine, unsupported (the dialect's /tokenize cannot "
+            "count this request: chat on SGLang), timeout, engine_error (a non-200 answer), "
+            "unreachable, bad_answer (no integer count).",
+            ["reason"],
+            registry=registry,
+        )
         self.retries = Counter(
             "narwhal_retries",
             "Retries started, by the failure code that caused them.",
@@ -151,6 +160,7 @@ class Metrics:
 
         self.requests_by = Children(self.requests)
         self.token_counts_by = Children(self.token_counts)
+        self.token_fallbacks_by = Children(self.token_fallbacks)
         self.ttft_by = Children(self.ttft)
         self.request_duration_by = Children(self.request_duration)
 

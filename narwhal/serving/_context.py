@@ -102,6 +102,8 @@ class RequestRecord:
     attempts: int = 0
     prompt_tokens: int | None = None
     token_count_method: str | None = None
+    # Why the count is an estimate, when token_count_method is "fallback".
+    token_count_fallback: str | None = None
     # Predictive admission's projected TTFT for the prefill path the first attempt took
     # (as priced at admission), the part of it that was load (backlog, decode lag, KV
     # wait) rather than the engine's own work, and whether that path's profile measured
@@ -173,6 +175,7 @@ class ServingContext:
         self.outcomes: Counter[str] = Counter()
         self.unsized_offers = 0
         self.token_methods: Counter[str] = Counter()
+        self.token_fallbacks: Counter[str] = Counter()
         self.models = tuple(sorted({spec.model for spec in config.engines}))
         self.started_at = trio.current_time()
         # Set by the supervisor when Narwhal cannot make sound decisions (manual 7:

@@ -377,7 +377,7 @@ class Flow:
         if ctx.degraded_reason is not None:
             raise Unavailable(f"narwhal is degraded: {ctx.degraded_reason}", code="degraded")
         record.stage = "tokenizing"
-        tokens, method = await self._count_tokens(request, config)
+        tokens, method = await self._count_tokens(request, config, record)
         record.prompt_tokens = tokens
         record.token_count_method = method
         serving = config.serving
@@ -468,23 +468,36 @@ class Flow:
             tpot_target_s=config.slo.tpot_s,
         )
 
-    async def _count_tokens(self, request: ClientRequest, config: Config) -> tuple[int, str]:
-        """Exact prompt length from the engine's /tokenize, else the chars fallback."""
+    async def _count_tokens(
+        self, request: ClientRequest, config: Config, record: RequestRecord
+    ) -> tuple[int, str]:
+        """Exact prompt length from the engine's /tokenize, else the chars fallback, with
+        the reason for it counted and kept on the record: an estimate moves admission,
+        placement and KV accounting, so an operator needs to see why there is one."""
         ctx = self.ctx
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids, "token_ids"
         ratio, _ = ctx.chars_per_token(config)
         fallback = max(1, math.ceil(request.prompt_chars / ratio))
-        if config.engine.tokenize:
-            engine = self._tokenizer_engine()
-            if engine is not None:
-                count = await self._tokenize(engine, request, config)
-                if count is not None:
-                    ctx.token_methods["exact"] += 1
-                    ctx.metrics.token_counts_by("exact").inc()
-                    return count, "exact"
+        if not config.engine.tokenize:
+            reason = "disabled"
+        elif (engine := self._tokenizer_engine()) is None:
+            reason = "no_engine"
+        elif (body := tokenize_body(engine.dialect, request.kind, request.body)) is None:
+            # Asking would cost a round trip for a certain 400.
+            reason = "unsupported"
+        else:
+            answer = await self._tokenize(engine, request.id, body, config)
+            if isinstance(answer, int):
+                ctx.token_methods["exact"] += 1
+                ctx.metrics.token_counts_by("exact").inc()
+                return answer, "exact"
+            reason = answer
         ctx.token_methods["fallback"] += 1
         ctx.metrics.token_counts_by("fallback").inc()
+        ctx.token_fallbacks[reason] += 1
+        ctx.metrics.token_fallbacks_by(reason).inc()
+        record.token_count_fallback = reason
         return fallback, "fallback"
 
     def _tokenizer_engine(self) -> EngineState | None:
@@ -496,28 +509,28 @@ class Flow:
         return min(candidates, key=lambda e: e.serving_pool.in_use)
 
     async def _tokenize(
-        self, engine: EngineState, request: ClientRequest, config: Config
-    ) -> int | None:
-        body = encode(tokenize_body(request.kind, request.body))
+        self, engine: EngineState, request_id: str, body: Json, config: Config
+    ) -> int | str:
+        """The engine's count, or why there is none."""
         with trio.move_on_after(config.engine.tokenize_timeout_s):
             try:
                 async with engine.serving_pool.request(
-                    b"POST", engine.dialect.tokenize_path, _json_headers(request.id), body
+                    b"POST", engine.dialect.tokenize_path, _json_headers(request_id), encode(body)
                 ) as response:
                     raw = await response.aread(_ERROR_BODY_LIMIT)
                     if response.status != 200:
-                        return None
-                    return tokenize_count(json.loads(raw))
+                        return "engine_error"
+                    count = tokenize_count(json.loads(raw))
+                    return "bad_answer" if count is None else count
+            except (ConnectError, RemoteProtocolError, PoolTimeout):
+                return "unreachable"
             except (
-                ConnectError,
-                RemoteProtocolError,
-                PoolTimeout,
                 ResponseTooLarge,
                 ValueError,
                 RecursionError,  # json.loads of deeply nested input
             ):
-                return None
-        return None
+                return "bad_answer"
+        return "timeout"
 
     async def _attempts(
         self,

@@ -158,4 +158,9 @@ def _chat_chars(body: Json) -> int:
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     total += len(part["text"])
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        # Chat templates render the schemas into the prompt as JSON, often thousands of
+        # tokens: an estimate from the messages alone would miss most of the prompt.
+        total += len(json.dumps(tools, ensure_ascii=False))
     return total

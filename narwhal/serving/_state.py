@@ -109,6 +109,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
         "requests": {
             "outcomes": dict(sorted(ctx.outcomes.items())),
             "token_counts": dict(sorted(ctx.token_methods.items())),
+            "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
             "fallback_chars_per_token": {"value": round(ratio, 3), "source": ratio_source},
             "in_flight": [
                 {
@@ -122,6 +123,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                     "decode_engine": r.decode_engine,
                     "prompt_tokens": r.prompt_tokens,
                     "token_count_method": r.token_count_method,
+                    "token_count_fallback": r.token_count_fallback,
                 }
                 for r in records[:_LISTED_REQUESTS]
             ],

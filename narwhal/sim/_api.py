@@ -343,13 +343,9 @@ class Api:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
-            try:
-                text = render_chat(
-                    messages, add_generation_prompt=body.get("add_generation_prompt", True)
-                )
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
-            return tok.count(text), text
+            text = self._chat_text(messages, body)
+            special = 1 if body.get("add_special_tokens", False) else 0
+            return tok.count(text) + special, text
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
@@ -388,35 +384,17 @@ class Api:
             )
             return
         limit = e.spec.timing.max_model_len
-        if "messages" in body:
-            messages = body["messages"]
-            if body.get("add_generation_prompt", True) and body.get("continue_final_message"):
-                await self.send_error(
-                    resp,
-                    ApiError(
-                        400,
-                        "Cannot set both `continue_final_message` and `add_generation_prompt` "
-                        "to True.",
-                    ),
-                )
-                return
-            try:
-                if not isinstance(messages, list):
-                    raise ValueError("messages must be a list")
-                text = render_chat(
-                    messages, add_generation_prompt=body.get("add_generation_prompt", True)
-                )
-            except ValueError as exc:
-                await self.send_error(resp, ApiError(400, str(exc), param="messages"))
-                return
-            # The template carries its own BOS; vLLM defaults add_special_tokens to False here.
-            pieces = e.tokenizer.pieces(text)
-            if body.get("add_special_tokens", False):
-                pieces.insert(0, BOS)
-        else:
+        if self.sglang:
+            # SGLang's /tokenize takes only `prompt`, a string or a list of strings; no
+            # messages, no template (engine-protocols notes §5.4, serving_tokenize.py).
             prompt = body.get("prompt")
-            if self.sglang and isinstance(prompt, list):
-                many = [self._pieces(p, body) for p in prompt if isinstance(p, str)]
+            if isinstance(prompt, list):
+                if not all(isinstance(p, str) for p in prompt):
+                    await self.send_error(
+                        resp, ApiError(400, "prompt must be a list of strings", param="prompt")
+                    )
+                    return
+                many = [self._pieces(p, body) for p in prompt]
                 await resp.send_json(
                     200,
                     {
@@ -426,6 +404,32 @@ class Api:
                     },
                 )
                 return
+            if not isinstance(prompt, str):
+                await self.send_error(
+                    resp,
+                    ApiError(
+                        400,
+                        f"Invalid prompt type: <class '{type(prompt).__name__}'>. "
+                        "Expected str or List[str].",
+                    ),
+                )
+                return
+            pieces = self._pieces(prompt, body)
+        elif "messages" in body:
+            messages = body["messages"]
+            try:
+                if not isinstance(messages, list):
+                    raise ApiError(400, "messages must be a list", param="messages")
+                text = self._chat_text(messages, body)
+            except ApiError as err:
+                await self.send_error(resp, err)
+                return
+            # The template carries its own BOS; vLLM defaults add_special_tokens to False here.
+            pieces = e.tokenizer.pieces(text)
+            if body.get("add_special_tokens", False):
+                pieces.insert(0, BOS)
+        else:
+            prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 await self.send_error(
                     resp, ApiError(400, "prompt must be a string", param="prompt")
@@ -440,6 +444,22 @@ class Api:
         await resp.send_json(
             200, {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
         )
+
+    def _chat_text(self, messages: list[Any], body: dict[str, Any]) -> str:
+        """The prompt vLLM renders for a chat body, the same for /tokenize and the
+        completion so that the count the router asks for is the one it is charged."""
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, "tools must be a list", param="tools")
+        try:
+            return render_chat(
+                messages,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                tools=tools,
+            )
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
 
     def _pieces(self, prompt: str, body: dict[str, Any]) -> list[str]:
         pieces = self.e.tokenizer.pieces(prompt)

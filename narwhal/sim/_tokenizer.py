@@ -9,6 +9,7 @@ a real engine. Ids are a CRC of the piece folded into a Llama-3-sized vocabulary
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from collections import OrderedDict
@@ -85,10 +86,35 @@ def piece_id(piece: str) -> int:
     return 256 + zlib.crc32(piece.encode()) % (128_000 - 256)
 
 
-def render_chat(messages: Sequence[Any], *, add_generation_prompt: bool = True) -> str:
-    """Llama-3-style template: 5 tokens of framing per message, 4 for the generation prompt."""
+def render_chat(
+    messages: Sequence[Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: Sequence[Any] | None = None,
+) -> str:
+    """Llama-3-style template: 5 tokens of framing per message (for a role of up to eight
+    letters) and 5 for the generation prompt ("assistant" is two pieces).
+
+    Tool schemas go into a system block as indented JSON, as Llama 3.1's and Qwen's
+    templates put them, so tools cost prompt tokens the messages' text does not show.
+    `continue_final_message` leaves the last message open for the model to continue.
+    """
+    if continue_final_message and add_generation_prompt:
+        # vLLM's message; the template cannot both close and continue the last turn.
+        raise ValueError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
     parts = [BOS]
-    for msg in messages:
+    if tools:
+        if not all(isinstance(tool, dict) for tool in tools):
+            raise ValueError("each tool must be an object")
+        schemas = "\n\n".join(json.dumps(tool, indent=4) for tool in tools)
+        parts.append(
+            "<|start_header_id|>system<|end_header_id|>\n\n"
+            f"You may call these functions:\n\n{schemas}<|eot_id|>"
+        )
+    for index, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError("each message must be an object")
         role = msg.get("role")
@@ -96,7 +122,8 @@ def render_chat(messages: Sequence[Any], *, add_generation_prompt: bool = True) 
             raise ValueError("each message needs a string 'role'")
         parts.append(f"<|start_header_id|>{role}<|end_header_id|>\n\n")
         parts.append(message_text(msg.get("content")))
-        parts.append("<|eot_id|>")
+        if not (continue_final_message and index == len(messages) - 1):
+            parts.append("<|eot_id|>")
     if add_generation_prompt:
         parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
     return "".join(parts)

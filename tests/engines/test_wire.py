@@ -144,17 +144,57 @@ def test_sglang_legs_carry_the_bootstrap_triple() -> None:
     }
 
 
-def test_tokenize_request_and_response() -> None:
-    assert tokenize_body(
-        "chat", {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    ) == {
+MESSAGES = [{"role": "user", "content": "x"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_vllm_chat_tokenize_takes_what_shapes_the_prompt() -> None:
+    assert tokenize_body(VLLM, "chat", {"model": "m", "messages": MESSAGES}) == {
         "model": "m",
-        "messages": [{"role": "user", "content": "x"}],
-        "add_generation_prompt": True,
+        "messages": MESSAGES,
     }
-    assert tokenize_body("completions", {"prompt": "x"}) == {"prompt": "x"}
+    shaping = {
+        "tools": TOOLS,
+        "chat_template": "{{ messages }}",
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "add_special_tokens": True,
+    }
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        **shaping,
+        "max_tokens": 9,
+        "stream": True,
+        "tool_choice": "auto",
+        "temperature": 0.5,
+    }
+    assert tokenize_body(VLLM, "chat", body) == {"model": "m", "messages": MESSAGES, **shaping}
+
+
+def test_sglang_tokenize_has_no_chat_form() -> None:
+    assert tokenize_body(SGLANG, "chat", {"model": "m", "messages": MESSAGES}) is None
+    assert tokenize_body(SGLANG, "completions", {"prompt": "x"}) == {"prompt": "x"}
+
+
+@pytest.mark.parametrize("dialect", [VLLM, SGLANG], ids=["vllm", "sglang"])
+def test_completion_tokenize_sends_one_prompt_as_a_string(dialect: Dialect) -> None:
+    assert tokenize_body(dialect, "completions", {"model": "m", "prompt": ["x y"]}) == {
+        "model": "m",
+        "prompt": "x y",
+    }
+    # The vLLM completions body is the prompt alone, as before: no special-token flag.
+    assert tokenize_body(dialect, "completions", {"prompt": "x", "add_special_tokens": False}) == {
+        "prompt": "x"
+    }
+
+
+def test_tokenize_count_reads_one_integer() -> None:
     assert tokenize_count(json.loads('{"count":3,"max_model_len":8192,"tokens":[1,2,3]}')) == 3
     assert tokenize_count({"count": True}) is None
+    # SGLang's answer to a list prompt: one count per prompt, not a prompt's count.
+    assert tokenize_count({"count": [3]}) is None
     assert tokenize_count({"count": [3, 4]}) is None
 
 

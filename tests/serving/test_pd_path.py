@@ -114,6 +114,7 @@ async def test_tokenize_fallback_is_recorded(start_stack: StartStack) -> None:
     assert response.status_code == 200
     state = await stack.state()
     assert state["requests"]["token_counts"] == {"fallback": 1}
+    assert state["requests"]["token_count_fallbacks"] == {"disabled": 1}
 
 
 async def test_exact_count_differs_from_the_chars_estimate(start_stack: StartStack) -> None:

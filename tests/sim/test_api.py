@@ -245,6 +245,45 @@ async def test_tokenize_counts_differ_from_chars_estimate(
     assert strs["token_strs"] == ["<|begin_of_text|>", "Hi", " there"]
 
 
+async def test_chat_tokenize_renders_what_the_completion_renders(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, **FAST)
+    url = fleet[0].url
+    msgs = [{"role": "user", "content": "Is it raining in Tromso?"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+
+    async def counted(**extra: object) -> int:
+        body = {"messages": msgs, **extra}
+        tok = (await client.post(f"{url}/tokenize", json=body)).json()["count"]
+        chat = await client.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert chat.json()["usage"]["prompt_tokens"] == tok
+        return int(tok)
+
+    plain = await counted()
+    # The tool schemas go into the prompt, as a real template puts them.
+    assert await counted(tools=tools) > plain + 20
+    # The assistant header is 5 tokens; continuing the last message also drops its <|eot_id|>.
+    assert await counted(add_generation_prompt=False) == plain - 5
+    assert await counted(add_generation_prompt=False, continue_final_message=True) == plain - 6
+    assert await counted(add_special_tokens=True) == plain + 1
+    both = await client.post(
+        f"{url}/tokenize", json={"messages": msgs, "continue_final_message": True}
+    )
+    assert both.status_code == 400
+    assert both.json()["error"]["message"] == (
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    )
+
+
 async def test_health_models_version_metrics(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:

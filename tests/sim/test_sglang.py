@@ -189,3 +189,26 @@ async def test_sglang_endpoints(start_fleet: StartFleet, client: httpx.AsyncClie
     metrics = (await client.get(f"{url}/metrics")).text
     assert "sglang:num_running_reqs" in metrics
     assert (await client.post(f"{url}/flush_cache")).text.startswith("Cache flushed.")
+
+
+async def test_sglang_tokenize_takes_prompts_only(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = fleet[0].url
+    messages = [{"role": "user", "content": "Hello world"}]
+    refused = await client.post(f"{url}/tokenize", json={"messages": messages})
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "object": "error",
+        "message": "Invalid prompt type: <class 'NoneType'>. Expected str or List[str].",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    # A list gets a list of counts, one per prompt; special tokens are added to each.
+    many = (await client.post(f"{url}/tokenize", json={"prompt": ["Hello world", "Hi"]})).json()
+    assert many["count"] == [3, 2]
+    assert [len(ids) for ids in many["tokens"]] == [3, 2]
+    bare = {"prompt": ["Hello world"], "add_special_tokens": False}
+    assert (await client.post(f"{url}/tokenize", json=bare)).json()["count"] == [2]

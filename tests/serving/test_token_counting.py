@@ -1,0 +1,221 @@
+"""Prompt lengths from /tokenize: the count the router prices a request at is the one the
+engine charges it (`usage.prompt_tokens`), and an estimate says why it is one.
+
+The simulator renders tool schemas and the generation prompt into a chat prompt as a real
+template does, and its SGLang /tokenize refuses `messages` as SGLang's does, so a body that
+drops or adds what shapes the prompt shows up here as a count that differs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.sim import EngineHandle
+
+from ..support import wait_for
+from .conftest import MODEL, Stack, StartStack
+from .test_sglang import sglang_stack
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather at a place, in the unit the user prefers.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "location": {"type": "string", "description": "City and country"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["location"],
+            },
+        },
+    }
+]
+QUESTION = [{"role": "user", "content": "Is it raining in Tromso right now?"}]
+
+
+def tokenize_bodies(handle: EngineHandle) -> list[dict[str, Any]]:
+    """Record the /tokenize bodies this engine receives (it still answers them)."""
+    bodies: list[dict[str, Any]] = []
+    route = handle.engine._routes[("POST", "/tokenize")]
+
+    async def recording(req: Any, resp: Any) -> None:
+        bodies.append(json.loads(req.body))
+        await route(req, resp)
+
+    handle.engine._routes[("POST", "/tokenize")] = recording
+    return bodies
+
+
+async def priced_and_charged(stack: Stack, path: str, body: dict[str, Any]) -> tuple[int, int]:
+    """(the prompt length Narwhal priced the request at, the engine's usage.prompt_tokens)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(f"{stack.url}{path}", json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    charged = response.json()["usage"]["prompt_tokens"]
+    return stack.ctx.demand_events[-1].prompt_tokens, charged
+
+
+async def test_a_chat_with_tools_is_counted_with_its_tool_schemas(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    plain = await priced_and_charged(
+        stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
+    )
+    with_tools = await priced_and_charged(
+        stack,
+        "/v1/chat/completions",
+        {"messages": QUESTION, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 2},
+    )
+    assert plain[0] == plain[1]
+    assert with_tools[0] == with_tools[1]
+    # The schemas outweigh the question: a count without them would be far off.
+    assert with_tools[0] > 3 * plain[0]
+    assert (await stack.state())["requests"]["token_counts"] == {"exact": 2}
+
+
+async def test_a_chat_continuing_its_last_message_is_counted_as_rendered(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    bodies = tokenize_bodies(stack.fleet[0])
+    bodies += tokenize_bodies(stack.fleet[1])
+    messages = [*QUESTION, {"role": "assistant", "content": "Let me check: it is"}]
+    priced, charged = await priced_and_charged(
+        stack,
+        "/v1/chat/completions",
+        {
+            "messages": messages,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "max_tokens": 2,
+        },
+    )
+    assert priced == charged
+    assert bodies == [
+        {
+            "model": MODEL,
+            "messages": messages,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    ]
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_one_prompt_list_is_counted_exactly(
+    start_stack: StartStack, nursery: trio.Nursery, dialect: str
+) -> None:
+    if dialect == "sglang":
+        stack = await sglang_stack(nursery)
+    else:
+        stack = await start_stack(["prefill", "decode"])
+    prompt = "tokenisation of ordinary english prose " * 10
+    priced, charged = await priced_and_charged(
+        stack, "/v1/completions", {"prompt": [prompt], "max_tokens": 2}
+    )
+    assert priced == charged
+    assert (await stack.state())["requests"]["token_counts"] == {"exact": 1}
+
+
+async def test_an_sglang_chat_is_estimated_without_asking(nursery: trio.Nursery) -> None:
+    stack = await sglang_stack(nursery)
+    bodies = [tokenize_bodies(handle) for handle in stack.fleet]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(f"{stack.url}/v1/chat/completions", json=body)
+        await client.post(
+            f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        )
+        metrics = (await client.get(f"{stack.url}/metrics")).text
+    assert response.status_code == 200
+    # SGLang's /tokenize would answer 400 to messages: no round trip is made for it.
+    assert [b for per_engine in bodies for b in per_engine] == [{"model": MODEL, "prompt": "hi"}]
+    requests = (await stack.state())["requests"]
+    assert requests["token_counts"] == {"exact": 1, "fallback": 1}
+    assert requests["token_count_fallbacks"] == {"unsupported": 1}
+    assert 'narwhal_token_count_fallbacks_total{reason="unsupported"} 1.0' in metrics
+    assert 'narwhal_token_counts_total{method="fallback"} 1.0' in metrics
+
+
+async def test_a_fallback_names_a_failed_tokenize(start_stack: StartStack) -> None:
+    stack = await start_stack(["prefill", "decode"], engine={"tokenize_timeout_s": 0.2})
+    held = trio.Event()
+
+    async def failing(req: Any, resp: Any) -> None:
+        await resp.send_json(500, {"error": {"message": "boom", "code": 500}})
+
+    async def hanging(req: Any, resp: Any) -> None:
+        await held.wait()
+
+    async def ask() -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            response = await client.post(
+                f"{stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": "x" * 38, "max_tokens": 1},
+            )
+        assert response.status_code == 200
+
+    for route in (failing, hanging):
+        for handle in stack.fleet:
+            handle.engine._routes[("POST", "/tokenize")] = route
+        await ask()
+    held.set()
+    requests = (await stack.state())["requests"]
+    assert requests["token_counts"] == {"fallback": 2}
+    assert requests["token_count_fallbacks"] == {"engine_error": 1, "timeout": 1}
+    assert stack.ctx.demand_events[-1].prompt_tokens == 10  # 38 chars at 3.8 a token
+
+
+async def test_an_estimate_in_flight_shows_its_reason(nursery: trio.Nursery) -> None:
+    stack = await sglang_stack(nursery)
+    for handle in stack.fleet:
+        handle.set_faults(stall_before_first_token_s=30)
+
+    async def ask() -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await client.post(
+                f"{stack.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": QUESTION, "max_tokens": 2},
+            )
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(ask)
+        await wait_for(
+            lambda: any(
+                r.stage not in ("reading", "tokenizing") for r in stack.ctx.records.values()
+            )
+        )
+        (listed,) = (await stack.state())["requests"]["in_flight"]
+        inner.cancel_scope.cancel()
+    assert listed["token_count_method"] == "fallback"
+    assert listed["token_count_fallback"] == "unsupported"
+
+
+async def test_an_sglang_chat_estimate_includes_its_tool_schemas(nursery: trio.Nursery) -> None:
+    stack = await sglang_stack(nursery)
+    plain = await priced_and_charged(
+        stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
+    )
+    with_tools = await priced_and_charged(
+        stack, "/v1/chat/completions", {"messages": QUESTION, "tools": TOOLS, "max_tokens": 2}
+    )
+    assert (await stack.state())["requests"]["token_count_fallbacks"] == {"unsupported": 2}
+    chars = len(QUESTION[0]["content"])
+    assert plain[0] == math.ceil(chars / 3.8)
+    # Still an estimate at engine.chars_per_token, but of the schemas too, which are
+    # most of this prompt (JSON is denser in tokens than prose, so it stays low).
+    assert with_tools[0] == math.ceil((chars + len(json.dumps(TOOLS))) / 3.8)
+    assert with_tools[0] > 5 * plain[0]
+    assert with_tools[1] > with_tools[0]
