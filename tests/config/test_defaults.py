@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from narwhal.config import Config, config_to_dict, describe_fields, load_config
 from narwhal.config._load import field_problems
+from narwhal.fleet import control_share
 
 from .helpers import document
 
@@ -155,3 +158,30 @@ def test_every_default_satisfies_its_own_rule() -> None:
 def test_every_field_has_a_meaning() -> None:
     undocumented = [field.path for field in describe_fields() if not field.doc.strip()]
     assert undocumented == []
+
+
+@pytest.mark.parametrize(
+    ("engines", "configured", "total", "each"),
+    [
+        (1, 0, 4, 4),  # two per engine, with a minimum of four
+        (2, 0, 4, 2),
+        (3, 0, 6, 2),
+        (8, 0, 16, 2),
+        (3, 5, 5, 2),  # an explicit pool is split, rounded up
+    ],
+)
+def test_control_connections_zero_derives_two_per_engine_with_a_minimum_of_four(
+    engines: int, configured: int, total: int, each: int
+) -> None:
+    roles = ["prefill", "decode", *["decode"] * (engines - 2)] if engines > 1 else ["both"]
+    config = load_config(
+        {
+            "engines": [
+                {"id": f"e{i}", "url": f"http://127.0.0.1:{8100 + i}", "role": role}
+                for i, role in enumerate(roles)
+            ],
+            "engine": {"control_connections": configured},
+        }
+    )
+    assert config.engine.control_pool_size(engines) == total
+    assert control_share(config) == each

@@ -3,6 +3,8 @@ rule, confirmations and their resets, and P-to-D rules."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 
@@ -51,6 +53,18 @@ def test_ordinary_consolidation_requires_projected_source_at_or_below_shrink() -
     # with shrink above the projected source load the same move is ordinary
     d = decide(snapshot(fleet("PPDDD"), MIXED), settled(NOW), NOW, config(shrink=0.6))
     assert (d.result, d.rule) == ("move", "ordinary")
+
+
+def test_ordinary_consolidation_at_exactly_shrink_is_allowed() -> None:
+    # "at or below": the boundary itself passes, the next float below it does not.
+    probe = decide(snapshot(fleet("PPDDD"), MIXED), settled(NOW), NOW, config())
+    assert probe.loads.to_prefill is not None
+    at = probe.loads.to_prefill.decode_load
+    d = decide(snapshot(fleet("PPDDD"), MIXED), settled(NOW), NOW, config(shrink=at))
+    assert (d.result, d.rule) == ("move", "ordinary")
+    below = math.nextafter(at, 0.0)
+    d = decide(snapshot(fleet("PPDDD"), MIXED), settled(NOW), NOW, config(shrink=below))
+    assert (d.result, d.gate) == ("blocked", "shrink")
 
 
 def test_mixed_pressure_rule_moves_decode_to_prefill_above_shrink() -> None:

@@ -3,7 +3,10 @@ time, the failed engine excluded, a budget that runs out, never after output."""
 
 from __future__ import annotations
 
+import pytest
 import trio
+
+from narwhal._errors import RETRYABLE_ENGINE_STATUSES, client_status_for_engine_status
 
 from ..support import wait_for
 from .conftest import Stack, StartStack
@@ -128,3 +131,42 @@ async def test_the_wait_for_a_prefill_slot_is_not_handoff_age(start_stack: Start
     assert statuses == [200, 200, 200]
     assert requests(stack, 0, "prefill") == 3
     assert "handoff_expired" not in stack.ctx.metrics.render().decode()
+
+
+@pytest.mark.parametrize("status", sorted(RETRYABLE_ENGINE_STATUSES))
+async def test_each_transient_engine_status_is_retried(
+    start_stack: StartStack, status: int
+) -> None:
+    # Manual 4.2's list: 408, 429, 500, 502, 503, 504.
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[0].set_faults(error_status=status, leg="prefill")
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 200
+    assert (requests(stack, 0, "prefill"), requests(stack, 1, "prefill")) == (1, 1)
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 409, 422, 501])
+async def test_other_engine_statuses_are_not_retried(start_stack: StartStack, status: int) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[0].set_faults(error_status=status, leg="prefill")
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == client_status_for_engine_status(status)
+    assert requests(stack, 1, "prefill") == 0
+
+
+async def test_an_unreachable_engine_is_retried(start_stack: StartStack) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[0].set_faults(down_s=30.0)
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 200
+    assert requests(stack, 1, "prefill") == 1
+    assert 'code="engine_unreachable"' in stack.ctx.metrics.render().decode()
+
+
+async def test_a_connection_lost_mid_leg_is_retried(start_stack: StartStack) -> None:
+    stack = await start_stack(PD4, serving=RETRYING)
+    stack.fleet[2].set_faults(crash_after_tokens=1, leg="decode")
+    response = await post(stack, {"max_tokens": 3})  # non-streaming: nothing visible yet
+    assert response.status_code == 200
+    assert (requests(stack, 2, "decode"), requests(stack, 3, "decode")) == (1, 1)
+    assert 'code="engine_connection_lost"' in stack.ctx.metrics.render().decode()

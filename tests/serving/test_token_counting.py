@@ -159,19 +159,24 @@ async def test_a_fallback_names_a_failed_tokenize(start_stack: StartStack) -> No
     async def hanging(req: Any, resp: Any) -> None:
         await held.wait()
 
-    async def ask() -> None:
+    async def ask() -> float:
+        started = trio.current_time()
         async with httpx.AsyncClient(timeout=10) as client:
             response = await client.post(
                 f"{stack.url}/v1/completions",
                 json={"model": MODEL, "prompt": "x" * 38, "max_tokens": 1},
             )
         assert response.status_code == 200
+        return trio.current_time() - started
 
+    elapsed = {}
     for route in (failing, hanging):
         for handle in stack.fleet:
             handle.engine._routes[("POST", "/tokenize")] = route
-        await ask()
+        elapsed[route] = await ask()
     held.set()
+    # engine.tokenize_timeout_s bounds the wait for a hanging /tokenize.
+    assert 0.2 <= elapsed[hanging] < 2.0
     requests = (await stack.state())["requests"]
     assert requests["token_counts"] == {"fallback": 2}
     assert requests["token_count_fallbacks"] == {"engine_error": 1, "timeout": 1}
