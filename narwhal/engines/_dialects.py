@@ -8,7 +8,9 @@ passed through verbatim because its keys change between vLLM versions. Both legs
 the same X-Request-Id.
 
 SGLang (§5): both legs get the same body with `bootstrap_host/port/room` and are sent
-concurrently; the engines pair by room.
+concurrently; the engines pair by room. Unlike vLLM, an SGLang server's role is fixed when
+it is launched (`--disaggregation-mode prefill|decode`, or none for an aggregate server),
+and a disaggregated one refuses any generation request without `bootstrap_room` (400).
 """
 
 from __future__ import annotations
@@ -43,12 +45,22 @@ SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 class Dialect:
     name: Literal["vllm", "sglang"]
     concurrent_legs: bool
+    # Why an engine of this dialect cannot change role at run time, or None when it can.
+    fixed_role: str | None = None
     health_path: bytes = b"/health"
     tokenize_path: bytes = b"/tokenize"
 
 
 VLLM = Dialect("vllm", concurrent_legs=False)
-SGLANG = Dialect("sglang", concurrent_legs=True)
+SGLANG = Dialect(
+    "sglang",
+    concurrent_legs=True,
+    fixed_role=(
+        "an sglang server's role is fixed when it is launched (--disaggregation-mode "
+        "prefill|decode, or none for aggregate), and a disaggregated one refuses requests "
+        "without bootstrap_room"
+    ),
+)
 
 
 def dialect_for(name: str) -> Dialect:

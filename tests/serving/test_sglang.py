@@ -18,10 +18,20 @@ from .test_failures import settled, terminal_error
 
 
 async def sglang_stack(
-    nursery: trio.Nursery, spec: SimEngineSpec | None = None, **serving: Any
+    nursery: trio.Nursery,
+    spec: SimEngineSpec | None = None,
+    **serving: Any,
 ) -> Stack:
     fleet: Fleet = await nursery.start(
-        partial(serve_fleet, engines=2, speed=20.0, model=MODEL, dialect="sglang", spec=spec)
+        partial(
+            serve_fleet,
+            engines=2,
+            speed=20.0,
+            model=MODEL,
+            dialect="sglang",
+            spec=spec,
+            disaggregation_modes=("prefill", "decode"),
+        )
     )
     document = fleet_config(fleet, ["prefill", "decode"], serving=serving)
     for entry, handle in zip(document["engines"], fleet, strict=True):
