@@ -8,12 +8,19 @@ import signal
 import sys
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import trio
 
-from narwhal.sim import DEFAULT_MODEL, SimEngineSpec, SimTiming, serve_fleet
+from narwhal.sim import (
+    DEFAULT_MODEL,
+    DISAGGREGATION_MODES,
+    DisaggregationMode,
+    SimEngineSpec,
+    SimTiming,
+    serve_fleet,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,6 +37,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, default=1, help="number of engines (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm")
+    p.add_argument(
+        "--disaggregation-mode",
+        metavar="MODE[,MODE...]",
+        default=None,
+        help="SGLang launch mode, null (aggregate, the default), prefill or decode: one "
+        "for every engine, or one per engine (e.g. prefill,decode,decode)",
+    )
     p.add_argument(
         "--speed",
         type=float,
@@ -90,11 +104,25 @@ def load_profile(path: str) -> SimTiming:
     return SimTiming(**data)
 
 
-async def _run(spec: SimEngineSpec, *, engines: int, host: str, port: int) -> None:
+async def _run(
+    spec: SimEngineSpec,
+    *,
+    engines: int,
+    host: str,
+    port: int,
+    modes: Sequence[DisaggregationMode] | None = None,
+) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             fleet = await nursery.start(
-                partial(serve_fleet, engines=engines, host=host, port=port, spec=spec)
+                partial(
+                    serve_fleet,
+                    engines=engines,
+                    host=host,
+                    port=port,
+                    spec=spec,
+                    disaggregation_modes=modes,
+                )
             )
             for handle in fleet:
                 print(handle.url, flush=True)
@@ -128,15 +156,43 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
     return SimEngineSpec(**fields)
 
 
+def modes_from_args(args: argparse.Namespace) -> tuple[DisaggregationMode, ...] | None:
+    """Each engine's --disaggregation-mode, or None when not given; ValueError names a
+    bad value."""
+    if args.disaggregation_mode is None:
+        return None
+    modes: list[DisaggregationMode] = []
+    for raw in args.disaggregation_mode.split(","):
+        mode = raw.strip()
+        if mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"--disaggregation-mode {mode!r} is not one of {', '.join(DISAGGREGATION_MODES)}"
+            )
+        modes.append(cast(DisaggregationMode, mode))
+    if len(modes) == 1:
+        modes *= args.engines
+    if len(modes) != args.engines:
+        raise ValueError(
+            f"--disaggregation-mode gives {len(modes)} modes for {args.engines} engines; "
+            "give one, or one per engine"
+        )
+    if args.dialect != "sglang" and any(mode != "null" for mode in modes):
+        raise ValueError("--disaggregation-mode prefill|decode needs --dialect sglang")
+    return tuple(modes)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         spec = spec_from_args(args)
+        modes = modes_from_args(args)
     except (OSError, ValueError, TypeError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(partial(_run, spec, engines=args.engines, host=args.host, port=args.port))
+        trio.run(
+            partial(_run, spec, engines=args.engines, host=args.host, port=args.port, modes=modes)
+        )
     except BaseExceptionGroup as group:
         # Binding happens inside the fleet's nursery, so a busy port arrives in a group.
         matched, rest = group.split(OSError)

@@ -53,7 +53,10 @@ class EngineSpec:
     role: Role = attrs.field(
         default="both",
         metadata=_meta(
-            doc="Initial role. The controller may change it at run time unless it is disabled."
+            doc="Initial role. The controller may change it at run time unless it is disabled; "
+            "for an SGLang engine it is the server's launch mode (`--disaggregation-mode "
+            "prefill|decode`, none for `both`), which neither the controller nor `narwhalctl "
+            "pin` changes."
         ),
     )
     model: str = _f(

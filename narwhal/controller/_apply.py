@@ -31,6 +31,9 @@ class RoleTarget(Protocol):
     removed: bool
     decode_active: int
 
+    @property
+    def fixed_role(self) -> str | None: ...
+
     def unavailable_reason(
         self, now: float, phase: Literal["prefill", "decode", "aggregate"] | None = None
     ) -> str | None: ...
@@ -74,8 +77,8 @@ class FlipRecord:
 
 def check_move(engine: RoleTarget, move: Move, now: float) -> None:
     """Raise MoveRejected unless the engine may change role now: it has the role the
-    move starts from and is not pinned, drained, removed, ejected, held or quarantined
-    (any availability reason, breakers included)."""
+    move starts from, its dialect lets its role change, and it is not pinned, drained,
+    removed, ejected, held or quarantined (any availability reason, breakers included)."""
     if engine.id != move.engine:
         raise MoveRejected(f"move names engine {move.engine!r}, got {engine.id!r}")
     if engine.role != move.from_role:
@@ -83,6 +86,8 @@ def check_move(engine: RoleTarget, move: Move, now: float) -> None:
             f"engine {engine.id!r} has role {engine.role!r}; the move starts from "
             f"{move.from_role!r}"
         )
+    if engine.fixed_role is not None:
+        raise MoveRejected(f"engine {engine.id!r} cannot change role: {engine.fixed_role}")
     if engine.pinned:
         raise MoveRejected(f"engine {engine.id!r} is pinned")
     reason = engine.unavailable_reason(now)

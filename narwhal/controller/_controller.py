@@ -180,6 +180,7 @@ class Controller:
                     prefill_blocked=engine.unavailable_reason(now, "prefill"),
                     decode_blocked=engine.unavailable_reason(now, "decode"),
                     pinned=engine.pinned,
+                    fixed_role=engine.fixed_role,
                     since_role_change_s=self.state.since_role_change(engine.id, now),
                     decode_active=engine.decode_active,
                     decode_tokens=engine.decode_tokens + unseen,

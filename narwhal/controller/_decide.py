@@ -43,8 +43,14 @@ Interpretations of the manual (each has a test named after it)
   Floors count engines with role ``both`` for both phases, as the configuration rules
   do; the split the controller projects and moves counts only ``prefill`` and
   ``decode`` engines, and engines with role ``both`` (aggregate serving) are never moved.
-* Movable: role prefill or decode, not pinned, and no phase blocked. A breaker that
-  blocks either phase makes the engine unmovable, like a drain.
+* Movable: role prefill or decode, not pinned, no phase blocked, and a dialect that
+  lets the role change. A breaker that blocks either phase makes the engine unmovable,
+  like a drain. SGLang engines are never movable: an SGLang server's role is fixed by
+  its launch flags and a disaggregated one refuses requests without a bootstrap room, so
+  a flipped engine would only fail the legs sent to it. When every engine of the pool a
+  move would take from is fixed, the gate is ``fixed_role`` (not ``no_movable_engine``):
+  nothing but a relaunch and a config reload changes such a split. Floor recovery
+  treats them the same way: it reports the breach with that gate and keeps the split.
 * Movement margin: an absolute reduction of the worst projected SLO ratio (loads are
   already SLO-relative: 1.0 is the target), not a relative one.
 * Urgent: the move expands a pool whose pressure, max(projected current load, measured
@@ -117,6 +123,7 @@ Result = Literal["move", "advisory", "hold", "blocked", "confirming", "waiting",
 Gate = Literal[
     "floor",
     "no_movable_engine",
+    "fixed_role",
     "dwell",
     "cooldown",
     "shrink",
@@ -459,6 +466,24 @@ def _movable(p: _Pass, role: Pool) -> list[EngineSnapshot]:
     return [e for e in p.snap.engines if e.role == role and e.movable]
 
 
+def _none_movable(p: _Pass, role: Pool) -> _Blocked:
+    """The gate when no engine of `role` may move. `fixed_role` when every one of them
+    has a role its dialect fixes at launch: no pin, drain or wait would free one, and the
+    operator has to relaunch an engine to change the split."""
+    engines = [e for e in p.snap.engines if e.role == role]
+    fixed = [e for e in engines if e.fixed_role is not None]
+    if fixed and len(fixed) == len(engines):
+        return _Blocked(
+            "fixed_role",
+            f"no {role} engine can change role ({', '.join(e.id for e in fixed)}): "
+            f"{fixed[0].fixed_role}",
+        )
+    return _Blocked(
+        "no_movable_engine",
+        f"no {role} engine is movable (pinned, unavailable or with a fixed role)",
+    )
+
+
 def _d2p_order(e: EngineSnapshot) -> tuple[int, int, str]:
     return (e.decode_active, e.decode_tokens, e.id)
 
@@ -600,9 +625,8 @@ def _floor_recovery(p: _Pass) -> Decision:
             return blocked("floor", "moving a prefill engine would breach the prefill floor")
         movable = _movable(p, "prefill")
         if not movable:
-            return blocked(
-                "no_movable_engine", "no prefill engine is movable (pinned or unavailable)"
-            )
+            none = _none_movable(p, "prefill")
+            return blocked(none.gate, none.detail)
         ready = [e for e in movable if e.since_role_change_s >= dwell]
         if not ready:
             return blocked("dwell", f"every movable prefill engine changed role within {dwell:g} s")
@@ -617,7 +641,8 @@ def _floor_recovery(p: _Pass) -> Decision:
         return blocked("floor", "moving a decode engine would breach the decode floor")
     movable = sorted(_movable(p, "decode"), key=_d2p_order)
     if not movable:
-        return blocked("no_movable_engine", "no decode engine is movable (pinned or unavailable)")
+        none = _none_movable(p, "decode")
+        return blocked(none.gate, none.detail)
     target = p.to_prefill if p.enough_arrivals else None
     failures: list[_Blocked] = []
     for engine in movable:
@@ -668,7 +693,7 @@ def _check_d2p(p: _Pass, target: SplitLoad) -> _Eligible | _Blocked:
         )
     movable = _movable(p, "decode")
     if not movable:
-        return _Blocked("no_movable_engine", "no decode engine is movable (pinned or unavailable)")
+        return _none_movable(p, "decode")
     ready = [e for e in movable if e.since_role_change_s >= th.dwell_s]
     if not ready:
         return _Blocked(
@@ -705,7 +730,7 @@ def _check_p2d(p: _Pass, target: SplitLoad, state: ControllerState) -> _Eligible
         )
     movable = _movable(p, "prefill")
     if not movable:
-        return _Blocked("no_movable_engine", "no prefill engine is movable (pinned or unavailable)")
+        return _none_movable(p, "prefill")
     ready = [e for e in movable if e.since_role_change_s >= th.dwell_s]
     if not ready:
         return _Blocked(

@@ -31,6 +31,8 @@ class EngineSnapshot:
     prefill_blocked: str | None = None
     decode_blocked: str | None = None
     pinned: bool = False
+    # Why the engine's role cannot change at all (SGLang fixes it at launch), or None.
+    fixed_role: str | None = None
     # Seconds since the engine last changed role (math.inf when it never has); the
     # builder derives it from the controller's dwell timestamps.
     since_role_change_s: float = math.inf
@@ -61,9 +63,15 @@ class EngineSnapshot:
 
     @property
     def movable(self) -> bool:
-        """A role change may touch it: a prefill or decode engine, fully available and not
-        pinned. Engines with role `both` serve aggregate inference and are never moved."""
-        return self.role != "both" and not self.pinned and self.unavailable is None
+        """A role change may touch it: a prefill or decode engine whose dialect lets its
+        role change, fully available and not pinned. Engines with role `both` serve
+        aggregate inference and are never moved."""
+        return (
+            self.role != "both"
+            and self.fixed_role is None
+            and not self.pinned
+            and self.unavailable is None
+        )
 
     def live_for(self, phase: Literal["prefill", "decode"]) -> bool:
         """Serves `phase` now: its role covers the phase and that phase is not blocked."""

@@ -8,7 +8,9 @@ passed through verbatim because its keys change between vLLM versions. Both legs
 the same X-Request-Id.
 
 SGLang (§5): both legs get the same body with `bootstrap_host/port/room` and are sent
-concurrently; the engines pair by room.
+concurrently; the engines pair by room. Unlike vLLM, an SGLang server's role is fixed when
+it is launched (`--disaggregation-mode prefill|decode`, or none for an aggregate server),
+and a disaggregated one refuses any generation request without `bootstrap_room` (400).
 """
 
 from __future__ import annotations
@@ -47,12 +49,23 @@ class Dialect:
     # only `prompt` (a string or a list of strings) and answers 400 "Invalid prompt type"
     # to anything else (engine-protocols notes §5.4).
     tokenizes_chat: bool
+    # Why an engine of this dialect cannot change role at run time, or None when it can.
+    fixed_role: str | None = None
     health_path: bytes = b"/health"
     tokenize_path: bytes = b"/tokenize"
 
 
 VLLM = Dialect("vllm", concurrent_legs=False, tokenizes_chat=True)
-SGLANG = Dialect("sglang", concurrent_legs=True, tokenizes_chat=False)
+SGLANG = Dialect(
+    "sglang",
+    concurrent_legs=True,
+    tokenizes_chat=False,
+    fixed_role=(
+        "an sglang server's role is fixed when it is launched (--disaggregation-mode "
+        "prefill|decode, or none for aggregate), and a disaggregated one refuses requests "
+        "without bootstrap_room"
+    ),
+)
 
 # The chat completion fields vLLM's chat /tokenize also takes that change the rendered
 # prompt (TokenizeChatRequest, notes §3.1): tool schemas go into the template and can

@@ -184,6 +184,12 @@ class EngineState:
         legs += self.decode_pending + (1 if self.prefill_queued_tokens else 0)
         return max(legs, self.serving_pool.in_use)
 
+    @property
+    def fixed_role(self) -> str | None:
+        """Why nothing may change this engine's role at run time, or None. Only the
+        configuration, which records how the engine was launched, sets it then."""
+        return self.dialect.fixed_role
+
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""
         if self.removed:

@@ -18,7 +18,11 @@ engine.first_token_timeout_s (manual 6), in the engine's dialect:
 - SGLang: both legs at once with one bootstrap room, as the request path does.
 - An engine with role `both`, or one with no available partner of the other role, is
   verified with a local pair on itself: a one-token non-streaming completion (prefill)
-  and a one-token streamed completion (decode).
+  and a one-token streamed completion (decode). Not an SGLang prefill or decode
+  server: its role is fixed at launch and it answers a request without bootstrap_room
+  with 400 (engine-protocols notes §5.2), so a local pair would fail a healthy engine.
+  Recovery never builds one (it pairs such an engine with a server of the other role,
+  or skips); a local pair handed here for one is reported inconclusive, unsent.
 
 The decode leg must deliver at least one generated event and the `[DONE]` terminator.
 """
@@ -233,6 +237,13 @@ class HttpProber:
 
     async def verify(self, pair: VerifyPair, config: Config) -> VerifyResult:
         limit = config.engine.first_token_timeout_s
+        subject = pair.subject
+        if pair.local and subject.role != "both" and subject.fixed_role is not None:
+            return VerifyResult(
+                "inconclusive",
+                f"{pair.describe()} not sent: {subject.id} is a {subject.role} server of "
+                f"dialect {subject.dialect.name}; {subject.fixed_role}",
+            )
         try:
             _check_free(pair.prefill)
             _check_free(pair.decode)

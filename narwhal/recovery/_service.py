@@ -513,7 +513,10 @@ class Recovery:
         request_id = f"narwhal-verify-{subject.id}-{self._verify_seq}"
         pair = self._pair(subject, phase, request_id)
         started = trio.current_time()
-        result = await self.prober.verify(pair, self.ctx.config)
+        if isinstance(pair, VerifyResult):
+            result = pair  # skipped: there is no pair the engine would accept
+        else:
+            result = await self.prober.verify(pair, self.ctx.config)
         duration = trio.current_time() - started
         self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
         record.last_verification = {
@@ -545,21 +548,40 @@ class Recovery:
         )
         return result
 
-    def _pair(self, subject: EngineState, phase: str, request_id: str) -> VerifyPair:
+    def _pair(self, subject: EngineState, phase: str, request_id: str) -> VerifyPair | VerifyResult:
         """The subject runs the leg under test; the other leg runs on the least busy
-        available engine of the other role, or on the subject itself if there is none."""
+        available engine of the other role, or on the subject itself if there is none.
+
+        An SGLang prefill or decode server (a fixed role) accepts only its own leg of a
+        bootstrap pair: a local pair's plain requests are refused with 400, and an
+        aggregate server never joins a bootstrap room. So its partner is a disaggregated
+        server of the other role; failing an available one, one that answers its health
+        probe but waits for readmission itself (a fleet that restarted as a whole would
+        otherwise never readmit anything); failing that, the verification is skipped as
+        inconclusive, which keeps the engine out until a partner is back.
+        """
         if phase not in PHASES or subject.role == "both":
             return VerifyPair(subject, phase, subject, subject, request_id)
+        fixed = subject.fixed_role is not None
+        if fixed:
+            phase = subject.role  # the only leg it serves, whichever breaker asked
         other: Phase = "decode" if phase == "prefill" else "prefill"
+        roles = (other,) if fixed else (other, "both")
         now = trio.current_time()
-        candidates = [
+        peers = [
             engine
             for engine in self.ctx.fleet
-            if engine is not subject
-            and engine.dialect is subject.dialect
-            and engine.role in (other, "both")
-            and engine.unavailable_reason(now, other) is None
+            if engine is not subject and engine.dialect is subject.dialect and engine.role in roles
         ]
+        candidates = [e for e in peers if e.unavailable_reason(now, other) is None]
+        if not candidates and fixed:
+            candidates = [e for e in peers if self._standby(e)]
+            if not candidates:
+                return VerifyResult(
+                    "inconclusive",
+                    f"skipped: no {other} engine answers its health probe to pair with "
+                    f"{subject.id} ({subject.dialect.fixed_role})",
+                )
         if not candidates:
             return VerifyPair(subject, phase, subject, subject, request_id)
         partner = min(
@@ -573,6 +595,15 @@ class Recovery:
         if phase == "prefill":
             return VerifyPair(subject, phase, subject, partner, request_id)
         return VerifyPair(subject, phase, partner, subject, request_id)
+
+    def _standby(self, engine: EngineState) -> bool:
+        """Up but not yet readmitted: its last health probe passed, and only recovery
+        keeps it out (the operator's drain and reload's removal are respected)."""
+        if engine.drained or engine.removed:
+            return False
+        record = self._records.get(engine.id)
+        probe = None if record is None else record.last_probe
+        return probe is not None and probe.outcome == "ok"
 
     # ------------------------------------------------------------------ residuals
 

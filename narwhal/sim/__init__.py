@@ -22,8 +22,17 @@ In-process use (stable API)::
 
 `serve_fleet(*, engines, host="127.0.0.1", port=0, spec=None, dialect=None, speed=None,
 lease_s=None, model=None, seed=None, build=None, max_num_queued=None, timing=None,
-task_status)` serves until cancelled. ``port=0`` gives each engine its own ephemeral port;
-a base port gives consecutive ports. Keyword options override fields of `SimEngineSpec`.
+disaggregation_modes=None, task_status)` serves until cancelled. ``port=0`` gives each
+engine its own ephemeral port; a base port gives consecutive ports. Keyword options
+override fields of `SimEngineSpec`.
+
+SGLang roles are fixed at launch, as in SGLang (engine-protocols notes §5.1): each engine
+has a ``disaggregation_mode`` (``disaggregation_modes=["prefill", "decode"]``, CLI
+``--disaggregation-mode prefill,decode``). A ``"null"`` engine (the default) is an
+aggregate server and ignores bootstrap fields; a prefill or decode one serves only its
+own leg of a bootstrap pair and answers a request without ``bootstrap_room`` with 400 in
+SGLang's flat error shape. The simulator has no API that changes a role. vLLM engines
+take the leg each request's ``kv_transfer_params`` names.
 
 `SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
 H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,
@@ -69,7 +78,9 @@ from ._faults import (
 from ._fleet import EngineHandle as EngineHandle, Fleet as Fleet, serve_fleet as serve_fleet
 from ._spec import (
     DEFAULT_MODEL as DEFAULT_MODEL,
+    DISAGGREGATION_MODES as DISAGGREGATION_MODES,
     Dialect as Dialect,
+    DisaggregationMode as DisaggregationMode,
     SimEngineSpec as SimEngineSpec,
 )
 from ._timing import SimTiming as SimTiming

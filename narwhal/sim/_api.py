@@ -183,13 +183,13 @@ class Api:
 
     def _fail_room(self, req: HttpRequest, reason: str) -> None:
         """An SGLang prefill request that never starts must still fail its decoder's wait."""
-        if not self.sglang:
+        if self.e.spec.disaggregation_mode != "prefill":
             return
         try:
             body = json.loads(req.body)
         except ValueError:
             return
-        if isinstance(body, dict) and body.get("bootstrap_port") == self.e.port:
+        if isinstance(body, dict):
             room = body.get("bootstrap_room")
             if isinstance(room, int) and not isinstance(room, bool):
                 self.e.room(room).fail(reason)
@@ -294,20 +294,22 @@ class Api:
         """(leg, remote KV, bootstrap room, hold KV after finishing)."""
         e = self.e
         if self.sglang:
+            # The leg is the server's launch mode (§5.1), whatever the body says: an
+            # aggregate server ignores bootstrap fields, a disaggregated one needs them.
+            mode = e.spec.disaggregation_mode
+            if mode == "null":
+                return "aggregate", None, None, False
             host = body.get("bootstrap_host")
             port = body.get("bootstrap_port")
             room = body.get("bootstrap_room")
-            if host is None and port is None and room is None:
-                return "aggregate", None, None, False
             if room is None:
+                # SGLang's spelling (§5.2).
                 raise ApiError(
                     400, "Invalid request: Disaggregated request received without boostrap room id"
                 )
             if not isinstance(room, int) or isinstance(room, bool):
                 raise ApiError(400, "bootstrap_room must be an integer (batches are not simulated)")
-            # Every sim engine can take either role; it is the prefill server of a pair
-            # exactly when the router names its own port as the bootstrap port.
-            if port == e.port:
+            if mode == "prefill":
                 return "prefill", None, room, True
             if not isinstance(host, str) or not isinstance(port, int):
                 raise ApiError(
@@ -517,7 +519,7 @@ class Api:
                 "page_size": t.block_size,
                 "max_running_requests": t.max_num_seqs,
                 "max_total_num_tokens": t.kv_capacity_tokens,
-                "disaggregation_mode": "null",
+                "disaggregation_mode": e.spec.disaggregation_mode,
                 "disaggregation_bootstrap_port": e.port,
                 "disaggregation_transfer_backend": "fake",
                 "internal_states": [

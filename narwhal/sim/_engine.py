@@ -487,6 +487,7 @@ class SimEngine:
             "up": self.up,
             "healthy": self.healthy(),
             "dialect": self.spec.dialect,
+            "disaggregation_mode": self.spec.disaggregation_mode,
             "model": self.spec.model,
             "build": self.spec.build,
             "speed": self.spec.speed,
@@ -727,6 +728,14 @@ class SimEngine:
     async def _bootstrap_transfer(self, req: HttpRequest, resp: Responder) -> None:
         body = await self._side_body(req, resp)
         if body is None:
+            return
+        if self.spec.disaggregation_mode != "prefill":
+            # Only a prefill server runs a bootstrap server; a decoder pointed anywhere
+            # else finds nothing to pair with.
+            await resp.send_json(
+                404,
+                {"error": "no bootstrap server: not launched with --disaggregation-mode prefill"},
+            )
             return
         room_id = body.get("room")
         if not isinstance(room_id, int):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -10,7 +10,7 @@ import trio
 
 from ._engine import SimEngine
 from ._faults import FaultSpec, parse_faults
-from ._spec import Dialect, SimEngineSpec
+from ._spec import Dialect, DisaggregationMode, SimEngineSpec
 from ._timing import SimTiming
 
 
@@ -78,9 +78,15 @@ class EngineHandle:
 class Fleet:
     """The engines served by `serve_fleet`; index it or iterate it."""
 
-    def __init__(self, spec: SimEngineSpec, host: str) -> None:
+    def __init__(
+        self,
+        spec: SimEngineSpec,
+        host: str,
+        modes: Sequence[DisaggregationMode] | None = None,
+    ) -> None:
         self.spec = spec
         self.host = host
+        self.modes = tuple(modes) if modes is not None else None
         self.engines: list[EngineHandle] = []
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[int, trio.CancelScope] = {}
@@ -101,6 +107,9 @@ class Fleet:
 
     def _new_engine(self, index: int, port: int, generation: int) -> SimEngine:
         spec = attrs.evolve(self.spec, seed=self.spec.seed + index)
+        if self.modes is not None:
+            # A restart relaunches the engine in the same mode, as a supervisor would.
+            spec = attrs.evolve(spec, disaggregation_mode=self.modes[index])
         return SimEngine(
             spec,
             index=index,
@@ -153,16 +162,24 @@ async def serve_fleet(
     build: str | None = None,
     max_num_queued: int | None = None,
     timing: SimTiming | None = None,
+    disaggregation_modes: Sequence[DisaggregationMode] | None = None,
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `engines` simulated engines until cancelled; `started()` gives the Fleet.
 
     ``port=0`` gives every engine its own ephemeral port (safe for parallel tests); a base
     port gives consecutive ports. Keyword options override fields of ``spec``; engine i runs
-    with seed ``seed + i`` so their noise differs.
+    with seed ``seed + i`` so their noise differs. ``disaggregation_modes`` gives each
+    SGLang engine its launch mode (one per engine); without it every engine has the
+    spec's ``disaggregation_mode``.
     """
     if engines < 1:
         raise ValueError(f"engines is {engines}; must be >= 1")
+    if disaggregation_modes is not None and len(disaggregation_modes) != engines:
+        raise ValueError(
+            f"{len(disaggregation_modes)} disaggregation modes for {engines} engines; "
+            "give one per engine"
+        )
     base = spec or SimEngineSpec()
     overrides: dict[str, Any] = {
         k: v
@@ -178,7 +195,11 @@ async def serve_fleet(
         }.items()
         if v is not None
     }
-    fleet = Fleet(attrs.evolve(base, **overrides), host)
+    shared = attrs.evolve(base, **overrides)
+    for mode in disaggregation_modes or ():
+        # Raises here, not in the nursery, when a mode does not suit the dialect.
+        attrs.evolve(shared, disaggregation_mode=mode)
+    fleet = Fleet(shared, host, disaggregation_modes)
     async with trio.open_nursery() as nursery:
         fleet._nursery = nursery
         for i in range(engines):

@@ -10,6 +10,9 @@ from .. import __version__
 from ._timing import SimTiming
 
 Dialect = Literal["vllm", "sglang"]
+# SGLang's --disaggregation-mode; "null" (its default) is an ordinary aggregate server.
+DisaggregationMode = Literal["null", "prefill", "decode"]
+DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "decode")
 
 # The engine versions whose wire behaviour the simulator follows (engine-protocols.md).
 ENGINE_VERSION = {"vllm": "0.29.0", "sglang": "0.5.9"}
@@ -37,6 +40,13 @@ class SimEngineSpec:
     dialect: Dialect = attrs.field(
         default="vllm", validator=attrs.validators.in_(("vllm", "sglang"))
     )
+    # SGLang --disaggregation-mode, fixed for the engine's life (§5.1): a prefill or
+    # decode server takes only its own leg of a bootstrap pair and answers a request
+    # without bootstrap_room with 400; "null" serves every request as aggregate. vLLM has
+    # no launch role (each request names its leg, §1.1), so it must stay "null".
+    disaggregation_mode: DisaggregationMode = attrs.field(
+        default="null", validator=attrs.validators.in_(DISAGGREGATION_MODES)
+    )
     model: str = DEFAULT_MODEL
     speed: float = attrs.field(default=1.0, validator=_positive)
     # vLLM kv_lease_duration (NIXL lease on produced KV, §2.2).
@@ -60,6 +70,13 @@ class SimEngineSpec:
     stream_interval: int = attrs.field(default=1, validator=_optional_positive_int)
     # Bound on the per-request outcome ring kept for /_sim/state.
     outcome_ring: int = attrs.field(default=10_000, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dialect != "sglang" and self.disaggregation_mode != "null":
+            raise ValueError(
+                f"disaggregation_mode is {self.disaggregation_mode!r}; only sglang engines "
+                "have a launch role (vllm takes the leg each request names)"
+            )
 
     def scaled(self, seconds: float) -> float:
         """Wall-clock seconds for a model duration."""

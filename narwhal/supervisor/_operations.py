@@ -6,7 +6,10 @@
 - `pin ENGINE prefill|decode`: sets the engine's role now and marks it pinned: the role
   controller must not move it and a reload's configured role change waits for `unpin`.
   Resident requests keep their engine (manual 5: a live role change affects new
-  placement only). `unpin` clears the mark and keeps the current role.
+  placement only). `unpin` clears the mark and keeps the current role. An engine whose
+  dialect fixes its role at launch (SGLang) may be pinned only to the role it has: the
+  router cannot make an SGLang prefill server decode, it can only send it requests that
+  fail, so any other role is refused (`role_fixed`) and nothing changes.
 - `state`: the /narwhal/state document.
 - `reload`: the same as SIGHUP; an invalid file is refused with every problem listed.
 
@@ -64,6 +67,14 @@ class Operations:
             return self._flag(engine, "drained", False)
         if command == "pin":
             assert request.role is not None
+            if engine.fixed_role is not None and request.role != engine.role:
+                raise CtlError(
+                    "role_fixed",
+                    f"pin: engine {engine.id!r} (dialect {engine.dialect.name}) has role "
+                    f"{engine.role!r} and cannot be pinned as {request.role!r}: "
+                    f"{engine.fixed_role}; relaunch it in the other mode and change its "
+                    "role in the configuration instead",
+                )
             old_role = engine.role
             engine.role = cast(Role, request.role)
             if old_role != engine.role:

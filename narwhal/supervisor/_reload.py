@@ -15,7 +15,8 @@ The order matters for requests arriving during the reload:
    finish on them, then their pools close (the supervisor's retire task);
 5. new instances join, every live engine's pools and phase limiters are resized in
    place (the control pool share depends on the engine count), configured role changes
-   apply unless the engine is pinned, and recovery picks up new breaker settings.
+   apply unless the engine is pinned (an SGLang engine's always apply: its role is the
+   mode it was relaunched in), and recovery picks up new breaker settings.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ async def apply_config(
             # Operator intent survives a new url: a drained or pinned engine stays so.
             replacement.drained = retired.drained
             replacement.pinned = retired.pinned
-            if retired.pinned:
+            if retired.pinned and replacement.fixed_role is None:
                 replacement.role = retired.role
         retire(retired)
     for engine in fresh.values():
@@ -112,7 +113,9 @@ async def apply_config(
         live = ctx.fleet.get(engine_id)
         if live is None or engine_id in fresh:
             continue
-        if live.pinned:
+        # A fixed role is how the engine was launched, and only the configuration
+        # records that: the relaunched engine has the new role, pinned or not.
+        if live.pinned and live.fixed_role is None:
             log.warning(
                 "engine %s is pinned as %s; the configured role change %s -> %s waits for unpin",
                 engine_id,

@@ -106,6 +106,19 @@ def test_apply_never_moves_a_pinned_or_unavailable_engine(make_unmovable: object
     assert d0.role == "decode"
 
 
+def test_apply_never_moves_an_sglang_engine() -> None:
+    # Even a decision made without the gate (a stale or hand-built one) is refused: an
+    # SGLang server's role is its launch mode.
+    engines = tuple(attrs.evolve(e.spec, dialect="sglang") for e in live_fleet())
+    f = Fleet(Config(engines=engines))
+    d0 = engine(f, "d0")
+    with pytest.raises(
+        MoveRejected, match=r"^engine 'd0' cannot change role: an sglang server's role is fixed"
+    ):
+        apply_move(d0, d2p_decision())
+    assert d0.role == "decode"
+
+
 def test_apply_refuses_a_stale_role_or_a_non_move() -> None:
     f = live_fleet()
     d0 = engine(f, "d0")

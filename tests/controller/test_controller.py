@@ -361,3 +361,59 @@ def test_repr_names_split_proposal_and_gate() -> None:
     assert repr(ctl) == "<Controller 4P:4D proposed 3P:5D | scheduled applied>"
     ctl.step(105.0)
     assert repr(ctl) == "<Controller 3P:5D proposed 2P:6D | scheduled blocked (cooldown)>"
+
+
+def sglang_setup(spec: str) -> tuple[Fleet, Controller]:
+    cfg, _, _ = setup(spec)
+    engines = tuple(attrs.evolve(e, dialect="sglang") for e in cfg.engines)
+    cfg = attrs.evolve(cfg, engines=engines)
+    fleet = Fleet(cfg)
+    ctl = Controller(
+        cfg,
+        fleet,
+        mean_profile=lambda: PROFILE,
+        engine_profiles=lambda engine_id: PROFILE,
+        started_at=0.0,
+    )
+    return fleet, ctl
+
+
+async def test_an_sglang_fleet_keeps_its_launch_roles_and_says_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The demand that moves a vLLM prefill engine to decode (the first test) is held on
+    # an SGLang fleet at the fixed_role gate, with the proposal still reported.
+    fleet, ctl = sglang_setup("PPPPDDDD")
+    await trio.sleep(200.0)
+    offer(ctl, DECODE_URGENT, 80.0, 200.0)
+    d = await ctl.on_pass()
+    assert d is not None
+    assert (d.result, d.gate, d.move) == ("blocked", "fixed_role", None)
+    assert (d.proposed.prefill, d.proposed.decode) == (3, 5)
+    assert d.detail.startswith(
+        "no prefill engine can change role (p0, p1, p2, p3): an sglang server's role is "
+        "fixed when it is launched (--disaggregation-mode prefill|decode"
+    )
+    assert [e.role for e in fleet] == ["prefill"] * 4 + ["decode"] * 4
+    assert not list(ctl.history)
+    section = ctl.state_section()
+    assert section["gate"] == "fixed_role"
+    assert section["result"] == "blocked"
+    assert all(not e.movable for e in ctl.snapshot(201.0).engines)
+
+
+def test_floor_recovery_never_flips_an_sglang_engine() -> None:
+    fleet, ctl = sglang_setup("PPPD")
+    get(fleet, "d0").drained = True
+    d = ctl.step(1.0)
+    assert d is not None
+    assert (d.caller, d.result, d.reason, d.gate) == (
+        "floor-recovery",
+        "breach",
+        "floor_breach",
+        "fixed_role",
+    )
+    (breach,) = d.floors.breaches
+    assert (breach.pool, breach.live, breach.reachable) == ("decode", 0, 0)
+    assert [e.role for e in fleet] == ["prefill"] * 3 + ["decode"]
+    assert not list(ctl.history)

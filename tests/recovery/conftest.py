@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from narwhal.config import load_config
-from narwhal.sim import Fleet, serve_fleet
+from narwhal.sim import DisaggregationMode, Fleet, serve_fleet
 from narwhal.supervisor import Supervisor
 
 from ..serving.conftest import MODEL, Stack, fleet_config
@@ -43,6 +43,13 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
         **sections: Any,
     ) -> Stack:
         roles = roles or ["prefill", "decode"]
+        # An SGLang server's role is its launch mode; role `both` is an aggregate server.
+        launch: dict[str, DisaggregationMode] = {
+            "prefill": "prefill",
+            "decode": "decode",
+            "both": "null",
+        }
+        modes = [launch[role] for role in roles] if sglang else None
         fleet: Fleet = await nursery.start(
             partial(
                 serve_fleet,
@@ -50,6 +57,7 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
                 speed=speed,
                 model=MODEL,
                 dialect="sglang" if sglang else "vllm",
+                disaggregation_modes=modes,
                 **(sim or {}),
             )
         )
@@ -57,8 +65,7 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
             await fleet[index].go_down()
         document = merge(fleet_config(fleet, roles), merge(FAST, sections))
         if sglang:
-            # The simulator is the prefill side of a pair exactly when the router names
-            # its own HTTP port as the bootstrap port.
+            # narwhal-sim serves a prefill server's bootstrap endpoints on its HTTP port.
             for spec, handle in zip(document["engines"], fleet, strict=True):
                 spec.update(dialect="sglang", bootstrap_port=handle.port)
         config = load_config(document)

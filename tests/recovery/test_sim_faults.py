@@ -19,7 +19,7 @@ import trio
 from narwhal.config import Config, Engine, EngineSpec
 from narwhal.fleet import EngineState, Role
 from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
-from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
+from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet
 from narwhal.sim._spec import ENGINE_VERSION
 
 from ..serving.conftest import MODEL, Stack
@@ -287,6 +287,55 @@ async def test_sglang_prefill_breaker_opens_and_closes_through_a_paired_verifica
     assert (await post(stack, {"stream": True})).status_code == 200
 
 
+async def test_an_sglang_fleet_down_at_startup_is_readmitted_through_real_pairs(
+    start_stack: StartStack,
+) -> None:
+    # Each disaggregated engine can only be verified with a partner, and at startup no
+    # partner is available: a standby partner (up, awaiting its own readmission) is used.
+    stack = await start_stack(["prefill", "decode"], sglang=True, down_at_start=(0, 1))
+    assert not available(stack, "p0")
+    assert not available(stack, "d1")
+    await stack.fleet[0].come_up()
+    await stack.fleet[1].come_up()
+    await wait_for(lambda: available(stack, "p0") and available(stack, "d1"))
+    # Only bootstrap pairs were sent: a plain request would have been refused with 400.
+    assert set(verification_legs(stack, 0)) == {("prefill", "ok")}
+    assert set(verification_legs(stack, 1)) == {("decode", "ok")}
+    for engine_id in ("p0", "d1"):
+        assert recovery(stack, engine_id).last_verification["detail"] == (
+            "prefill on p0, decode on d1 completed"
+        )
+    assert (await post(stack)).status_code == 200
+
+
+async def test_an_sglang_engine_without_a_partner_is_not_verified_and_stays_out(
+    start_stack: StartStack,
+) -> None:
+    # The decode server is drained (operator), so p0 has no partner; the aggregate
+    # server never joins a bootstrap room, so it cannot stand in.
+    stack = await start_stack(["prefill", "decode", "both"], sglang=True)
+    d1 = stack.ctx.fleet.get("d1")
+    assert d1 is not None
+    d1.drained = True
+    stack.fleet[0].set_faults(unhealthy=True)
+    await wait_for(lambda: not available(stack, "p0"))
+    stack.fleet[0].clear_faults()
+    await wait_for(lambda: recovery(stack, "p0").last_verification is not None)
+    verification = recovery(stack, "p0").last_verification
+    assert verification["outcome"] == "inconclusive"
+    assert verification["detail"].startswith(
+        "skipped: no decode engine answers its health probe to pair with p0 (an sglang "
+        "server's role is fixed when it is launched"
+    )
+    assert not available(stack, "p0")
+    assert verification_legs(stack, 0) == []
+    assert verification_legs(stack, 2) == []
+    d1.drained = False
+    await wait_for(lambda: available(stack, "p0"))
+    assert verification_legs(stack, 0) == [("prefill", "ok")]
+    assert verification_legs(stack, 1) == [("decode", "ok")]
+
+
 async def test_verification_pairs_in_both_dialects_and_their_failures(
     nursery: trio.Nursery,
 ) -> None:
@@ -294,8 +343,18 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
     # leg, a leg over engine.first_token_timeout_s, and a local pair.
     prober = HttpProber()
     for dialect in ("vllm", "sglang"):
+        modes: tuple[DisaggregationMode, ...] | None = (
+            ("prefill", "decode") if dialect == "sglang" else None
+        )
         fleet: Fleet = await nursery.start(
-            partial(serve_fleet, engines=2, speed=20.0, model=MODEL, dialect=dialect)
+            partial(
+                serve_fleet,
+                engines=2,
+                speed=20.0,
+                model=MODEL,
+                dialect=dialect,
+                disaggregation_modes=modes,
+            )
         )
         specs = tuple(
             EngineSpec(
@@ -330,7 +389,18 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
         )
         fleet[1].clear_faults()
         local = VerifyPair(p0, "aggregate", p0, p0, "narwhal-verify-local")
-        assert (await prober.verify(local, config)).outcome == "ok"
+        sent = len(fleet[0].state()["outcomes"])
+        result = await prober.verify(local, config)
+        if dialect == "vllm":
+            assert result.outcome == "ok"
+        else:
+            # A real SGLang prefill server refuses plain requests (400): not sent at all.
+            assert result.outcome == "inconclusive"
+            assert result.detail.startswith(
+                "local pair on p0 not sent: p0 is a prefill server of dialect sglang; an "
+                "sglang server's role is fixed when it is launched"
+            )
+            assert len(fleet[0].state()["outcomes"]) == sent
         for engine in (p0, d0):
             await engine.aclose()
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from narwhal.config import load_config
+from narwhal.ctl import CtlError, CtlRequest
 from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
 from narwhal.supervisor import Supervisor
+from narwhal.supervisor._operations import Operations
 
 from ..support import sse_json, wait_for
 from .conftest import MODEL, Stack, fleet_config
@@ -18,19 +23,79 @@ from .test_failures import settled, terminal_error
 
 
 async def sglang_stack(
-    nursery: trio.Nursery, spec: SimEngineSpec | None = None, **serving: Any
+    nursery: trio.Nursery,
+    spec: SimEngineSpec | None = None,
+    config_path: Path | None = None,
+    **serving: Any,
 ) -> Stack:
     fleet: Fleet = await nursery.start(
-        partial(serve_fleet, engines=2, speed=20.0, model=MODEL, dialect="sglang", spec=spec)
+        partial(
+            serve_fleet,
+            engines=2,
+            speed=20.0,
+            model=MODEL,
+            dialect="sglang",
+            spec=spec,
+            disaggregation_modes=("prefill", "decode"),
+        )
     )
     document = fleet_config(fleet, ["prefill", "decode"], serving=serving)
     for entry, handle in zip(document["engines"], fleet, strict=True):
         entry["dialect"] = "sglang"
         # narwhal-sim serves the bootstrap endpoints on the engine's HTTP port.
         entry["bootstrap_port"] = handle.port
+    if config_path is not None:
+        await trio.Path(config_path).write_text(json.dumps(document))
     config = load_config(document)
-    supervisor: Supervisor = await nursery.start(Supervisor(config).run)
+    supervisor: Supervisor = await nursery.start(
+        Supervisor(config, config_path=None if config_path is None else str(config_path)).run
+    )
     return Stack(fleet, supervisor, config)
+
+
+async def test_pin_refuses_another_role_for_an_sglang_engine(nursery: trio.Nursery) -> None:
+    stack = await sglang_stack(nursery)
+    operations = Operations(stack.supervisor)
+    with pytest.raises(CtlError) as refused:
+        await operations(CtlRequest("pin", "p0", "decode"))
+    assert refused.value.code == "role_fixed"
+    assert refused.value.message.startswith(
+        "pin: engine 'p0' (dialect sglang) has role 'prefill' and cannot be pinned as "
+        "'decode': an sglang server's role is fixed when it is launched"
+    )
+    p0 = stack.ctx.fleet.get("p0")
+    assert p0 is not None
+    assert (p0.role, p0.pinned) == ("prefill", False)
+    # Pinning it to the role it has only keeps the controller off it.
+    result = await operations(CtlRequest("pin", "p0", "prefill"))
+    assert isinstance(result, dict)
+    assert (result["role"], result["previous_role"], result["pinned"]) == (
+        "prefill",
+        "prefill",
+        True,
+    )
+    assert (p0.role, p0.pinned) == ("prefill", True)
+
+
+async def test_a_reload_applies_an_sglang_engines_new_launch_role_even_when_pinned(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The operator relaunched both servers in the other mode and says so in the
+    # configuration; keeping d1's pinned old role would send it legs it refuses.
+    path = trio.Path(tmp_path / "narwhal.json")
+    stack = await sglang_stack(nursery, config_path=Path(path))
+    await Operations(stack.supervisor)(CtlRequest("pin", "d1", "decode"))
+    document = json.loads(await path.read_text())
+    document["engines"][0]["role"] = "decode"
+    document["engines"][1]["role"] = "prefill"
+    await path.write_text(json.dumps(document))
+    result = await stack.supervisor.reload()
+    assert result.applied
+    p0, d1 = stack.ctx.fleet.get("p0"), stack.ctx.fleet.get("d1")
+    assert p0 is not None
+    assert d1 is not None
+    assert (p0.role, p0.pinned) == ("decode", False)
+    assert (d1.role, d1.pinned) == ("prefill", True)
 
 
 async def test_streaming_pair(nursery: trio.Nursery) -> None:

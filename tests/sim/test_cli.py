@@ -97,3 +97,23 @@ def test_cli_options_reach_the_engine_spec() -> None:
     assert not sim_cli.spec_from_args(sim_cli.parser().parse_args([])).stock_version
     with pytest.raises(ValueError, match="--engines is 0; must be >= 1"):
         sim_cli.spec_from_args(sim_cli.parser().parse_args(["--engines", "0"]))
+
+
+def test_cli_gives_each_sglang_engine_its_launch_mode() -> None:
+    def modes(*argv: str) -> object:
+        return sim_cli.modes_from_args(sim_cli.parser().parse_args(list(argv)))
+
+    sglang = ("--dialect", "sglang", "--engines", "3")
+    assert modes(*sglang) is None
+    assert modes(*sglang, "--disaggregation-mode", "prefill,decode,null") == (
+        "prefill",
+        "decode",
+        "null",
+    )
+    assert modes(*sglang, "--disaggregation-mode", "decode") == ("decode",) * 3
+    with pytest.raises(ValueError, match=r"^--disaggregation-mode gives 2 modes for 3 engines"):
+        modes(*sglang, "--disaggregation-mode", "prefill,decode")
+    with pytest.raises(ValueError, match=r"^--disaggregation-mode 'both' is not one of"):
+        modes(*sglang, "--disaggregation-mode", "both")
+    with pytest.raises(ValueError, match=r"needs --dialect sglang$"):
+        modes("--disaggregation-mode", "prefill")

@@ -1,15 +1,20 @@
-"""SGLang dialect: bootstrap pairing, P failure -> D 500, flat errors, endpoints."""
+"""SGLang dialect: bootstrap pairing, P failure -> D 500, launch roles, flat errors,
+endpoints."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
-from narwhal.sim import EngineHandle
+from narwhal.sim import EngineHandle, SimEngineSpec
 
 from ..support import StartFleet, post_stream, sse_json, sse_payloads, wait_for
+
+# Engine 0 launched with --disaggregation-mode prefill, engine 1 with decode.
+PD = ("prefill", "decode")
 
 
 def pd_body(p: EngineHandle, room: int, **extra: Any) -> dict[str, Any]:
@@ -24,7 +29,7 @@ def pd_body(p: EngineHandle, room: int, **extra: Any) -> dict[str, Any]:
 
 
 async def test_pairing_by_room(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
-    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0)
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
     p, d = fleet[0], fleet[1]
     body = pd_body(p, 4611686018427387904, stream=True)
     results: dict[str, Any] = {}
@@ -57,7 +62,7 @@ async def test_pairing_by_room(start_fleet: StartFleet, client: httpx.AsyncClien
 async def test_decoder_first_then_prefill(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0)
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
     p, d = fleet[0], fleet[1]
     body = pd_body(p, 7)
     results: dict[str, httpx.Response] = {}
@@ -77,7 +82,7 @@ async def test_decoder_first_then_prefill(
 async def test_prefill_failure_fails_the_decode(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0)
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
     p, d = fleet[0], fleet[1]
     p.set_faults(error_status=500, leg="prefill")
     results: dict[str, tuple[int, dict[str, str], bytes]] = {}
@@ -119,7 +124,7 @@ async def test_prefill_failure_fails_the_decode(
 async def test_prefill_abort_fails_the_decode(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=2, dialect="sglang", speed=1.0)
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=1.0, disaggregation_modes=PD)
     p, d = fleet[0], fleet[1]
     body = pd_body(p, 5, messages=[{"role": "user", "content": "word " * 7000}], max_tokens=4)
     results: dict[str, httpx.Response] = {}
@@ -145,30 +150,79 @@ async def test_prefill_abort_fails_the_decode(
 async def test_missing_room_and_flat_errors(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=1, dialect="sglang", speed=20.0)
-    e = fleet[0]
-    body = pd_body(e, 1)
-    del body["bootstrap_room"]
-    r = await client.post(f"{e.url}/v1/chat/completions", json=body)
-    assert r.status_code == 400
-    assert r.json() == {
+    fleet = await start_fleet(
+        engines=3, dialect="sglang", speed=20.0, disaggregation_modes=("prefill", "decode", "null")
+    )
+    refusal = {
         "object": "error",
         "message": "Invalid request: Disaggregated request received without boostrap room id",
         "type": "BadRequestError",
         "param": None,
         "code": 400,
     }
-    r = await client.post(f"{e.url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    plain = {"prompt": "x", "max_tokens": 3}
+    for engine in (fleet[0], fleet[1]):
+        # A disaggregated server refuses a plain request, streamed or not, and one that
+        # names a bootstrap server but no room; nothing is scheduled.
+        body = pd_body(fleet[0], 1)
+        del body["bootstrap_room"]
+        for request in (body, plain, {**plain, "stream": True}):
+            r = await client.post(f"{engine.url}/v1/completions", json=request)
+            assert (r.status_code, r.json()) == (400, refusal)
+        assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 0}
+    r = await client.post(f"{fleet[0].url}/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404
     assert r.json()["object"] == "error"
-    # Plain requests (no bootstrap fields) run aggregated; stream_options default no usage.
+    # An aggregate server (no --disaggregation-mode) runs plain requests; stream_options
+    # default to no usage.
+    aggregate = fleet[2]
     status, _, raw = await post_stream(
         client,
-        f"{e.url}/v1/completions",
-        {"prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {}},
+        f"{aggregate.url}/v1/completions",
+        {**plain, "stream": True, "stream_options": {}},
     )
     assert status == 200
     assert all(c["choices"] for c in sse_json(raw))
+    assert aggregate.state()["counters"]["requests"]["aggregate"] == 1
+
+
+async def test_an_engine_serves_only_the_leg_it_was_launched_for(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(
+        engines=3, dialect="sglang", speed=20.0, disaggregation_modes=("decode", "decode", "null")
+    )
+    d0, d1, aggregate = fleet[0], fleet[1], fleet[2]
+    # Naming a decode server as the bootstrap server does not make it a prefill server:
+    # it has no bootstrap server, so the pull fails as against a dead prefill instance.
+    r = await client.post(f"{d1.url}/v1/chat/completions", json=pd_body(d0, 11))
+    assert r.status_code == 500
+    assert "KVTransferError(bootstrap_room=11)" in r.json()["message"]
+    assert d0.state()["counters"]["requests"]["prefill"] == 0
+    # An aggregate server ignores bootstrap fields and answers the whole request.
+    r = await client.post(f"{aggregate.url}/v1/chat/completions", json=pd_body(aggregate, 12))
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert aggregate.state()["counters"]["requests"]["aggregate"] == 1
+    info = (await client.get(f"{d0.url}/get_server_info")).json()
+    assert info["disaggregation_mode"] == "decode"
+    assert d0.state()["disaggregation_mode"] == "decode"
+    # A restart relaunches the engine in the mode it had.
+    await d0.restart()
+    assert d0.state()["disaggregation_mode"] == "decode"
+
+
+def test_only_sglang_engines_have_a_launch_mode() -> None:
+    with pytest.raises(ValueError, match=r"^disaggregation_mode is 'prefill'; only sglang"):
+        SimEngineSpec(dialect="vllm", disaggregation_mode="prefill")
+    assert SimEngineSpec(dialect="sglang", disaggregation_mode="decode").disaggregation_mode == (
+        "decode"
+    )
+
+
+async def test_modes_are_one_per_engine(start_fleet: StartFleet) -> None:
+    with pytest.raises(ValueError, match=r"^1 disaggregation modes for 2 engines"):
+        await start_fleet(engines=2, dialect="sglang", disaggregation_modes=("prefill",))
 
 
 async def test_sglang_endpoints(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
