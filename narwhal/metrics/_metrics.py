@@ -113,6 +113,15 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.slo_requests = Counter(
+            "narwhal_slo_requests",
+            "Offered completion requests by how they count for SLO attainment: met (TTFT "
+            "and TPOT within slo.*), missed (late, or failed on the service's side), "
+            "refused (counted as a miss, manual 7.6), unmeasured (served, no first token "
+            "seen). Requests that failed through the client's own fault are not offered.",
+            ["result"],
+            registry=registry,
+        )
         self.retries = Counter(
             "narwhal_retries",
             "Retries started, by the failure code that caused them.",

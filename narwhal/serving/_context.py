@@ -24,6 +24,7 @@ from ..admission import (
 from ..config import Config
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
+from ._slo import SloTally, slo_result
 
 log = logging.getLogger("narwhal.request")
 
@@ -114,6 +115,8 @@ class RequestRecord:
     # When the first generated token became visible to the client (streaming only: a
     # non-streaming response shows nothing until its whole body is ready).
     first_output_at: float | None = None
+    # The request's mean time per output token after its first, when it had two or more.
+    observed_tpot_s: float | None = None
     # When the last prefill leg answered: splits an observed TTFT into prefill and the
     # handoff plus first decode step after it.
     prefilled_at: float | None = None
@@ -173,6 +176,7 @@ class ServingContext:
         self._idle.set()
         self.records: dict[int, RequestRecord] = {}
         self.outcomes: Counter[str] = Counter()
+        self.slo = SloTally(window_s=config.controller.reactive.window_s)
         self.unsized_offers = 0
         self.token_methods: Counter[str] = Counter()
         self.token_fallbacks: Counter[str] = Counter()
@@ -199,6 +203,21 @@ class ServingContext:
         self.projection_errors = ProjectionErrors(quantile=config.slo.percentile)
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
+
+    def finished(self, outcome: str, record: RequestRecord | None = None) -> None:
+        """Count a request's final outcome, and how it counts for SLO attainment."""
+        self.outcomes[outcome] += 1
+        slo = self.config.slo
+        result = slo_result(
+            outcome,
+            ttft_s=None if record is None else record.observed_ttft_s,
+            tpot_s=None if record is None else record.observed_tpot_s,
+            ttft_target_s=slo.ttft_s,
+            tpot_target_s=slo.tpot_s,
+        )
+        if result is not None:
+            self.slo.record(result, trio.current_time())
+            self.metrics.slo_requests.labels(result).inc()
 
     @property
     def retained_ceiling(self) -> int:

@@ -242,7 +242,7 @@ class Flow:
         finally:
             ctx.retained -= 1
             del ctx.records[id(record)]
-            ctx.outcomes[outcome] += 1
+            ctx.finished(outcome, record)
             ctx.metrics.requests_by(endpoint, outcome).inc()
             ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
             projected = record.projected_ttft_s
@@ -294,7 +294,7 @@ class Flow:
             receive, content_length(headers), serving.max_request_bytes, serving.client_stall_s
         ):
             client.close_connection = False
-        self.ctx.outcomes[error.code] += 1
+        self.ctx.finished(error.code)
         self.ctx.metrics.requests.labels(endpoint, error.code).inc()
         self.ctx.metrics.refusals.labels(error.code).inc()
         await client.send_error(error)
@@ -1213,7 +1213,8 @@ async def _relay(
             record.first_output_at = trio.current_time()
         await client.send_chunk(b"".join(held))
     if generated > 1 and first_at is not None:
-        ctx.metrics.tpot.observe((last_at - first_at) / (generated - 1))
+        record.observed_tpot_s = (last_at - first_at) / (generated - 1)
+        ctx.metrics.tpot.observe(record.observed_tpot_s)
     ctx.leg_observer.leg_ok(
         engine,
         phase,

@@ -61,6 +61,22 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
     }
 
 
+def slo_state(ctx: ServingContext, now: float) -> dict[str, object]:
+    """SLO attainment over the last controller.reactive.window_s (`SloTally`)."""
+    slo = ctx.config.slo
+    attainment = ctx.slo.attainment(now)
+    return {
+        "ttft_s": slo.ttft_s,
+        "tpot_s": slo.tpot_s,
+        "percentile": slo.percentile,
+        "window_s": ctx.slo.window_s,
+        "counts": ctx.slo.counts(now),
+        "attainment": None if attainment is None else round(attainment, 4),
+        # The service meets its SLO when at least `percentile` of offered requests did.
+        "meets_percentile": None if attainment is None else attainment >= slo.percentile,
+    }
+
+
 def state_document(ctx: ServingContext) -> dict[str, object]:
     now = trio.current_time()
     gate = ctx.gate.statistics()
@@ -106,6 +122,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "spent_total": budget.spent_total,
             "denied_total": budget.denied_total,
         },
+        "slo": slo_state(ctx, now),
         "requests": {
             "outcomes": dict(sorted(ctx.outcomes.items())),
             "token_counts": dict(sorted(ctx.token_methods.items())),
@@ -149,6 +166,14 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
     )
     yield "narwhal_queue_depth", "Requests waiting for admission.", [], [([], gate.waiting)]
     yield "narwhal_retry_budget", "Retry credits available.", [], [([], ctx.retry_budget.level)]
+    attainment = ctx.slo.attainment(trio.current_time())
+    yield (
+        "narwhal_slo_attainment",
+        "Share of offered requests served within both SLO targets over the last "
+        "controller.reactive.window_s, refusals counted as misses (absent when none).",
+        [],
+        [] if attainment is None else [([], attainment)],
+    )
     now = trio.current_time()
     engines = list(ctx.fleet)
     yield (

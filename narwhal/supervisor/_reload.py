@@ -87,6 +87,7 @@ async def apply_config(
     ctx.first_token_lags.tau_s = effective.slo.ttft_s
     ctx.kv_turnover.tau_s = effective.slo.ttft_s
     ctx.projection_errors.reconfigure(effective.slo.percentile)
+    ctx.slo.window_s = effective.controller.reactive.window_s
 
     for engine_id in (*plan.engines_removed, *plan.engines_replaced):
         retired = ctx.fleet.retire(engine_id)

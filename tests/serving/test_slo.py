@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from narwhal.serving._slo import SloTally, slo_result
+
+from ..support import open_sse
+from .conftest import MODEL, StartStack
+from .test_failures import post, settled
+
+BODY = {"model": MODEL, "prompt": "hello there"}
 
 TARGETS = {"ttft_target_s": 0.5, "tpot_target_s": 0.05}
 
@@ -62,3 +69,32 @@ def test_the_tally_memory_is_bounded_by_the_window() -> None:
     assert len(tally._buckets) <= 6
     # Whole one-second buckets: seconds 94..99, a little over the 5 s window.
     assert tally.counts(99.99)["met"] == 600
+
+
+async def test_the_daemon_reports_slo_attainment_with_refusals_as_misses(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(serving={"max_connections": 1}, slo={"ttft_s": 0.3})
+    body = {"max_tokens": 8, "stream": True}
+    for _ in range(3):
+        assert (await post(stack, body)).status_code == 200  # met
+    stack.fleet[1].set_faults(stall_before_first_token_s=0.5, leg="decode", count=1)
+    assert (await post(stack, body)).status_code == 200  # missed: TTFT over 0.3 s
+    stack.fleet[1].set_faults(stall_after_tokens=1, stall_s=1.0, leg="decode", count=1)
+    async with open_sse(stack.url, "/v1/completions", {**BODY, **body}) as held:
+        assert await held.event() is not None
+        refused = await post(stack, body)
+        assert refused.json()["error"]["code"] == "retained_ceiling"  # refused
+        while await held.event() is not None:  # missed: a 1 s gap, TPOT over 50 ms
+            pass
+    async with httpx.AsyncClient(timeout=10) as client:
+        bad = await client.post(f"{stack.url}/v1/completions", content=b"{")
+    assert bad.status_code == 400  # the client's doing: not offered
+
+    slo = (await settled(stack))["slo"]
+    assert slo["counts"] == {"met": 3, "missed": 2, "refused": 1, "unmeasured": 0}
+    assert (slo["attainment"], slo["meets_percentile"]) == (0.5, False)
+    assert (slo["ttft_s"], slo["percentile"], slo["window_s"]) == (0.3, 0.9, 120.0)
+    metrics = stack.ctx.metrics.render().decode()
+    assert 'narwhal_slo_requests_total{result="refused"} 1.0' in metrics
+    assert "narwhal_slo_attainment 0.5" in metrics
