@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pytest
@@ -323,7 +323,12 @@ def test_missing_handoff_pair_is_reported(tmp_path: Path) -> None:
 def test_sglang_prefill_decode_servers_pair_only_prefill_to_decode() -> None:
     urls = {e: f"http://127.0.0.1:{8100 + i}" for i, e in enumerate(("p0", "d0", "d1", "a0"))}
     config = config_for(urls)
-    roles = {"p0": "prefill", "d0": "decode", "d1": "decode", "a0": "both"}
+    roles: dict[str, Literal["prefill", "decode", "both"]] = {
+        "p0": "prefill",
+        "d0": "decode",
+        "d1": "decode",
+        "a0": "both",
+    }
     sglang = attrs.evolve(
         config,
         engines=tuple(
