@@ -32,8 +32,8 @@ from .profile import _sizes
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="narwhal-check",
-        description="Preflight: health, tokenisation, crossed handoffs, profiles, KV lease "
-        "and timeouts of every configured engine.",
+        description="Preflight: health, SGLang launch modes, tokenisation, crossed handoffs, "
+        "profiles, KV lease and timeouts of every configured engine.",
     )
     p.add_argument("--config", required=True, help="path to the JSON config file")
     p.add_argument(

@@ -66,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-gaps", type=int, help="measured gaps per decode point (default 24)")
     p.add_argument("--handoff-sizes", type=_sizes, help="handoff prompt sizes in tokens")
     p.add_argument("--handoff-repeats", type=int, help="handoffs per pair and size (default 4)")
-    p.add_argument("--parallel", type=int, help="engines measured at once (default 1)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        help="engines measured at once (default 1; SGLang prefill/decode servers: always 1)",
+    )
     p.add_argument("--budget-s", type=float, help="time budget of the whole sweep (default 900)")
     p.add_argument(
         "--request-timeout-s", type=float, help="bound on any single probe (default 120)"

@@ -4,6 +4,11 @@ Checks, in order (each row names the check, the engine or ordered pair, pass/fai
 measured number and the limit it was held to):
 
 * ``health``: ``/health`` answers 200 within ``engine.health_timeout_s``.
+* ``launch-mode`` (SGLang): the ``disaggregation_mode`` ``/get_server_info`` reports is
+  the configured role (``prefill``/``decode``; ``null`` for ``both``). An SGLang prefill
+  or decode server answers only bootstrap pairs, so every generation request below that
+  targets one is its leg of a pair with the first healthy engine of the other role whose
+  launch mode checked out (`EngineClient.partner`).
 * ``tokenize``: ``/tokenize`` answers with an exact integer count within
   ``engine.tokenize_timeout_s``, equal to the ``usage.prompt_tokens`` the engine charges
   for the same prompt.
@@ -16,7 +21,8 @@ measured number and the limit it was held to):
 * ``profile``: the profile store has a usable profile for the engine (url, model,
   dialect as configured) measured on the engine's current build.
 * ``handoff``: a complete prefill and decode verification leg on every crossed pair
-  (every ordered pair of distinct engines; the self pair for one engine), each leg within
+  (`crossed_pairs`: every ordered pair of distinct engines, the self pair for one engine;
+  for SGLang prefill/decode servers only prefill -> decode), each leg within
   ``engine.first_token_timeout_s`` (prefill: the whole leg; decode: to the first token).
 * ``lease``: the producer's KV lease, measured: a prefill whose KV is never pulled, then
   the time until the producer's ``vllm:nixl_num_kv_expired_reqs`` counter shows the
@@ -41,16 +47,16 @@ import attrs
 import trio
 
 from ..config import Config
-from ..profiles import MeasuredFacts, ProfileStore, check_store, read_store
+from ..profiles import MeasuredFacts, ProfileStore, check_store, crossed_pairs, read_store
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
 from ._client import (
     EngineClient,
     ProbeError,
     crossed_handoff,
     decode_leg,
+    mode_mismatch,
     prefill_leg,
 )
-from ._sweep import ordered_pairs
 from ._texts import TextMaker
 
 Status = Literal["pass", "fail", "warn", "skip"]
@@ -186,6 +192,13 @@ async def _run(
 ) -> CheckReport:
     eng = config.engine
     healthy = await _health(clients, eng.health_timeout_s, rows)
+    launched = await _launch_modes(clients, healthy, plan, rows)
+    for client in clients.values():
+        if client.pd_role is not None:
+            other = "decode" if client.pd_role == "prefill" else "prefill"
+            client.partner = next(
+                (c for c in clients.values() if c.pd_role == other and c.id in launched), None
+            )
     ratios = []
     for engine_id in clients:
         if engine_id not in healthy:
@@ -239,6 +252,37 @@ async def _health(clients: dict[str, EngineClient], limit: float, rows: _Rows) -
     for engine_id in clients:
         rows.add(results[engine_id])
     return healthy
+
+
+_MODE_BOUND = "disaggregation_mode = engines[].role (null for both)"
+
+
+async def _launch_modes(
+    clients: dict[str, EngineClient], healthy: set[str], plan: CheckPlan, rows: _Rows
+) -> set[str]:
+    """The ``launch-mode`` rows of the SGLang engines; the healthy ones that passed."""
+    passed: set[str] = set()
+    for engine_id, client in clients.items():
+        if client.spec.dialect != "sglang":
+            continue
+        if engine_id not in healthy:
+            rows.add(
+                CheckRow("launch-mode", engine_id, "fail", "not checked", _MODE_BOUND, "unhealthy")
+            )
+            continue
+        answer = await _bounded(plan.request_timeout_s, client.launch_mode())
+        if answer.value is None:
+            why = answer.why or "/get_server_info names no disaggregation_mode"
+            rows.add(CheckRow("launch-mode", engine_id, "fail", "unknown", _MODE_BOUND, why))
+            continue
+        mismatch = mode_mismatch(client.spec, answer.value)
+        status: Status = "fail" if mismatch else "pass"
+        rows.add(
+            CheckRow("launch-mode", engine_id, status, answer.value, _MODE_BOUND, mismatch or "")
+        )
+        if mismatch is None:
+            passed.add(engine_id)
+    return passed
 
 
 async def _tokenize(
@@ -429,7 +473,19 @@ async def _pairs(
     firsts: list[float] = []
     max_len = _max_model_len(builds)
     texts = TextMaker(f"check/{plan.seed}/pairs")
-    for p_id, d_id in ordered_pairs(list(clients)):
+    pairs = crossed_pairs(config.engines)
+    if not pairs:
+        rows.add(
+            CheckRow(
+                "handoff",
+                "fleet",
+                "fail",
+                "no pair",
+                bound,
+                "SGLang prefill and decode servers pair only with a server of the other role",
+            )
+        )
+    for p_id, d_id in pairs:
         target = f"{p_id} -> {d_id}"
         down = [e for e in (p_id, d_id) if e not in healthy]
         if down:

@@ -1,15 +1,20 @@
 """Direct, instrumented requests to one engine (not through the router).
 
 Built on the router's own transport (`ConnectionPool`) and dialect helpers, so a probe
-sends exactly the legs the router sends. Every call here is unbounded in time by design:
-deadlines belong to the caller (narwhal-profile's sweep budget, narwhal-check's
-per-check limits).
+sends exactly the legs the router sends. An SGLang server launched as prefill or decode
+answers a generation request only as one leg of a bootstrap pair (400 otherwise, notes
+5.2), so such an engine's `complete`, `stream` and `hold_stream` send each request as
+its leg of a pair with `EngineClient.partner`, a server of the other launched role.
+
+Every call here is unbounded in time by design: deadlines belong to the caller
+(narwhal-profile's sweep budget, narwhal-check's per-check limits).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import attrs
 import trio
@@ -36,8 +41,10 @@ from ..engines._dialects import (
     vllm_kv_params,
     vllm_prefill_body,
 )
-from ..profiles import build_identity
+from ..profiles import build_identity, pd_server
 from ._prom import Sample, first_labels, first_value, parse_metrics
+
+R = TypeVar("R", "Completion", "StreamResult")
 
 _BODY_LIMIT = 64 * 1024 * 1024
 _JSON = (b"content-type", b"application/json")
@@ -87,6 +94,9 @@ class Identity:
     # Requests the engine runs at once, when it says (SGLang's max_running_requests).
     max_num_seqs: int | None = None
     max_num_seqs_source: str = ""
+    # SGLang's launch mode from /get_server_info ("prefill", "decode" or "null" for an
+    # aggregate server); None when the engine does not say (vLLM).
+    disaggregation_mode: str | None = None
 
     @property
     def build_identity(self) -> str:
@@ -126,6 +136,12 @@ class EngineClient:
             pool_timeout_s=engine.pool_timeout_s,
         )
         self.serial = 0
+        # "prefill"/"decode" for an SGLang server launched in that mode (its configured
+        # role), None when plain requests are fine.
+        self.pd_role = pd_server(spec)
+        # The server of the other launched role every generation request pairs with;
+        # chosen by the sweep or the check.
+        self.partner: EngineClient | None = None
 
     def __repr__(self) -> str:
         return f"<EngineClient {self.id} {self.spec.url}>"
@@ -253,7 +269,16 @@ class EngineClient:
             kv_capacity_source=source,
             max_num_seqs=seqs,
             max_num_seqs_source="sglang /get_server_info max_running_requests" if seqs else "",
+            disaggregation_mode=_mode(server_info.get("disaggregation_mode")),
         )
+
+    async def launch_mode(self) -> str | None:
+        """The disaggregation mode SGLang's /get_server_info reports (None: not said)."""
+        status, raw = await self.get("/get_server_info")
+        if status != 200:
+            raise ProbeError(f"engine {self.id!r} GET /get_server_info answered {status}")
+        doc = _loads(raw)
+        return _mode(doc.get("disaggregation_mode")) if isinstance(doc, dict) else None
 
     # -- generation --------------------------------------------------------------------------
     def completion_body(self, prompt: str, max_tokens: int, *, stream: bool) -> Json:
@@ -268,8 +293,87 @@ class EngineClient:
             body["stream_options"] = {"include_usage": True}
         return body
 
+    # -- bootstrap pairs (SGLang prefill/decode servers) ---------------------------------------
+    def _paired(self, body: Json) -> bool:
+        return self.pd_role is not None and "bootstrap_room" not in body
+
+    def _partner_legs(self, body: Json) -> tuple[EngineClient, Json, Json]:
+        """(partner, this engine's leg, the partner's leg) of one bootstrap pair that
+        carries `body`'s prompt. The prefill leg is non-streaming and the decode leg
+        streamed, as the router sends them."""
+        partner = self.partner
+        if partner is None:
+            other = "decode" if self.pd_role == "prefill" else "prefill"
+            raise ProbeError(
+                f"engine {self.id!r} is an SGLang {self.pd_role} server, which answers only "
+                f"requests paired with a server of the other role, and no SGLang {other} "
+                "engine is available to pair it with"
+            )
+        p = self if self.pd_role == "prefill" else partner
+        port = p.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+        room = new_bootstrap_room()
+        prompt = body.get("prompt")
+        max_tokens = body.get("max_tokens")
+        partner_body = partner.completion_body(
+            prompt if isinstance(prompt, str) else "",
+            max_tokens if isinstance(max_tokens, int) else 1,
+            stream=partner.pd_role == "decode",
+        )
+        return (
+            partner,
+            sglang_pd_body(body, host=p.host, port=port, room=room),
+            sglang_pd_body(partner_body, host=p.host, port=port, room=room),
+        )
+
+    async def _with_partner(
+        self, partner: EngineClient, other: Json, own: Callable[[], Awaitable[R]]
+    ) -> tuple[R | None, str | None]:
+        """This engine's leg and the partner's at once: (this leg's result, None if it was
+        cancelled; why the partner's leg failed). The first leg to fail cancels the other,
+        which would otherwise wait for its peer until SGLang's bootstrap timeout."""
+        results: list[R] = []
+        failures: list[str] = []
+        legs = trio.CancelScope()
+
+        async def partner_leg() -> None:
+            failure = await partner._partner_leg(other)
+            if failure is not None:
+                failures.append(f"partner {partner.id!r} {partner.pd_role} leg: {failure}")
+                legs.cancel()
+
+        async def own_leg() -> None:
+            results.append(await own())
+            if _failure(results[0]) is not None:
+                legs.cancel()
+
+        with legs:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partner_leg)
+                nursery.start_soon(own_leg)
+        return (results[0] if results else None), (failures[0] if failures else None)
+
+    async def _partner_leg(self, body: Json) -> str | None:
+        """This engine's leg of a pair another engine is measured through; why it failed."""
+        if self.pd_role == "decode":
+            return _failure(await self._stream(body, kind="partner"))
+        return _failure(await self._complete(body, kind="partner"))
+
     async def complete(self, body: Json, *, kind: str = "probe") -> Completion:
-        """A non-streaming completion, timed from sending to the last body byte."""
+        """A non-streaming completion, timed from sending to the last body byte (of this
+        engine's answer: a partner's leg is not part of the time)."""
+        if not self._paired(body):
+            return await self._complete(body, kind=kind)
+        partner, own, other = self._partner_legs(body)
+        result, failure = await self._with_partner(
+            partner, other, lambda: self._complete(own, kind=kind)
+        )
+        if result is None:
+            return Completion(0, 0.0, None, None, failure)
+        if failure is not None and result.error is None:
+            return attrs.evolve(result, error=failure)
+        return result
+
+    async def _complete(self, body: Json, *, kind: str = "probe") -> Completion:
         start = trio.current_time()
         status, doc = await self.post_json("/v1/completions", body, kind=kind)
         seconds = trio.current_time() - start
@@ -286,6 +390,28 @@ class EngineClient:
         request_id: bytes | None = None,
     ) -> StreamResult:
         """A streamed completion: time to first token and the inter-token gaps."""
+        if not self._paired(body):
+            return await self._stream(body, kind=kind, on_head=on_head, request_id=request_id)
+        partner, own, other = self._partner_legs(body)
+        result, failure = await self._with_partner(
+            partner,
+            other,
+            lambda: self._stream(own, kind=kind, on_head=on_head, request_id=request_id),
+        )
+        if result is None:
+            return StreamResult(0, False, None, None, (), 0, failure)
+        if failure is not None and result.ok:
+            return attrs.evolve(result, ok=False, error=failure)
+        return result
+
+    async def _stream(
+        self,
+        body: Json,
+        *,
+        kind: str = "probe",
+        on_head: Callable[[], None] | None = None,
+        request_id: bytes | None = None,
+    ) -> StreamResult:
         headers = [_JSON, (b"x-request-id", request_id or self._request_id(kind))]
         start = trio.current_time()
         scanner = SseScanner()
@@ -365,6 +491,38 @@ class EngineClient:
         """Open a streamed request and keep it open, unread, until cancelled: load for a
         decode measurement. `accepted` runs once the response head arrived (the engine
         has the request), or after `failed` reported why it never will."""
+        if not self._paired(body):
+            await self._hold(body, accepted=accepted, failed=failed)
+            return
+        partner, own, other = self._partner_legs(body)
+        told = False
+
+        def tell() -> None:
+            nonlocal told
+            if not told:
+                told = True
+                accepted()
+
+        async def partner_leg() -> None:
+            failure = await partner._partner_leg(other)
+            if failure is not None:
+                failed(f"engine {self.id!r}: a load request's partner {partner.id!r}: {failure}")
+                tell()
+                legs.cancel_scope.cancel()
+
+        async with trio.open_nursery() as legs:
+            legs.start_soon(partner_leg)
+            await self._hold(own, accepted=tell, failed=failed)
+            # A held leg returns only when it failed; its partner would wait for its peer.
+            legs.cancel_scope.cancel()
+
+    async def _hold(
+        self,
+        body: Json,
+        *,
+        accepted: Callable[[], None],
+        failed: Callable[[str], None],
+    ) -> None:
         headers = [_JSON, (b"x-request-id", self._request_id("load"))]
         try:
             async with self.pool.request(
@@ -505,6 +663,35 @@ async def _sglang_handoff(
         max(0.0, dec.first_token_at - p_done),
         dec.first_token_s,
     )
+
+
+def mode_mismatch(spec: EngineSpec, reported: str | None) -> str | None:
+    """Why an SGLang engine's launch mode (/get_server_info ``disaggregation_mode``)
+    contradicts its configured role, or None when they agree or it is not reported."""
+    if spec.dialect != "sglang" or reported is None:
+        return None
+    expected = "null" if spec.role == "both" else spec.role
+    if reported == expected:
+        return None
+    return (
+        f"engine {spec.id!r} has role {spec.role!r} in the config but reports "
+        f"disaggregation_mode={reported!r}; launch it with {_launch_flag(expected)} or "
+        "change its role"
+    )
+
+
+def _launch_flag(mode: str) -> str:
+    return "no --disaggregation-mode" if mode == "null" else f"--disaggregation-mode {mode}"
+
+
+def _failure(result: Completion | StreamResult) -> str | None:
+    if isinstance(result, Completion):
+        return result.error
+    return None if result.ok else (result.error or "no token")
+
+
+def _mode(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _loads(raw: bytes) -> object:

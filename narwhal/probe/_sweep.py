@@ -37,6 +37,18 @@ What is measured, and how (everything is wall-clock as a client of the engine se
   up to max_model_len; timed from the prefill response to the first decode token, and
   from opening the decode request to the first token.
 
+SGLang servers launched as prefill or decode (configured role ``prefill``/``decode``)
+answer only bootstrap pairs, each request paired with the first engine of the other role
+(`EngineClient.partner`), and are measured one at a time whatever ``--parallel`` says, as
+a pair loads two engines. A prefill server's curve is its leg's round trip, which includes
+the bootstrap handshake and the KV transfer to the decode partner: it is stored as
+measured, and says so in ``prefill_source``. Its decode model cannot be measured (a
+prefill server never decodes): it is the partner's, and ``decode_source`` says so. A
+decode server's decode points are its own steps (the gaps after the first token); its
+prefill model is its prefill partner's (a decode server computes no prompt). Crossed
+pairs are only prefill -> decode (`crossed_pairs`). An engine whose reported
+``disaggregation_mode`` is not its configured role fails the sweep.
+
 Every loop is bounded in count; the whole sweep is bounded by ``SweepPlan.budget_s`` and
 every request by ``SweepPlan.request_timeout_s``.
 """
@@ -67,11 +79,12 @@ from ..profiles import (
     MeasuredFacts,
     PrefillModel,
     ProfileStore,
+    crossed_pairs,
     fit_decode,
     fit_prefill,
     handoff_profile,
 )
-from ._client import EngineClient, Identity, ProbeError, crossed_handoff
+from ._client import EngineClient, Identity, ProbeError, crossed_handoff, mode_mismatch
 from ._texts import TextMaker
 
 Progress = Callable[[str], None]
@@ -181,8 +194,10 @@ def _largest_prompt(max_model_len: int, max_tokens: int) -> int:
 class EngineMeasurement:
     identity: Identity
     chars_per_token: float
-    prefill: PrefillModel
-    decode: DecodeModel
+    # None: not measurable on this engine (an SGLang prefill server's decode, a decode
+    # server's prefill); the partner's model is stored with a source that says so.
+    prefill: PrefillModel | None
+    decode: DecodeModel | None
     kv_capacity_tokens: int
     kv_capacity_source: str
     max_num_seqs: int = 0  # 0: unknown
@@ -248,36 +263,27 @@ async def _profile(
     engine_ids = list(clients)
     clock.say(f"profiling {len(engine_ids)} engine(s): {', '.join(engine_ids)}")
     measured: dict[str, EngineMeasurement] = {}
-    limiter = trio.CapacityLimiter(plan.parallel)
+    paired = _assign_partners(clients)
+    # A pair loads its partner too: measured at once, two pairs would skew each other.
+    parallel = 1 if paired else plan.parallel
+    if paired and plan.parallel > 1:
+        clock.say("SGLang prefill/decode servers are measured one at a time (--parallel ignored)")
+    limiter = trio.CapacityLimiter(parallel)
 
     async def one(engine_id: str) -> None:
         async with limiter:
             measured[engine_id] = await _measure_engine(clients[engine_id], plan, clock)
 
-    if plan.parallel == 1:
+    if parallel == 1:
         for engine_id in engine_ids:
             await one(engine_id)
     else:
         async with trio.open_nursery() as nursery:
             for engine_id in engine_ids:
                 nursery.start_soon(one, engine_id)
-    handoffs = await _handoffs(clients, measured, plan, clock)
+    handoffs = await _handoffs(clients, crossed_pairs(config.engines), measured, plan, clock)
     profiles = {
-        engine_id: EngineProfile(
-            id=engine_id,
-            url=clients[engine_id].spec.url,
-            dialect=clients[engine_id].spec.dialect,
-            model=clients[engine_id].spec.model,
-            build=m.identity.build_identity,
-            max_model_len=m.identity.max_model_len,
-            kv_capacity_tokens=m.kv_capacity_tokens,
-            kv_capacity_source=m.kv_capacity_source,
-            max_num_seqs=m.max_num_seqs,
-            max_num_seqs_source=m.max_num_seqs_source,
-            prefill=m.prefill,
-            decode=m.decode,
-            chars_per_token=m.chars_per_token,
-        )
+        engine_id: _engine_profile(clients[engine_id], m, measured)
         for engine_id, m in measured.items()
     }
     by_dialect: dict[str, list[float]] = {}
@@ -310,7 +316,73 @@ async def _profile(
             "prefill_measures": "plain max_tokens=1 completions on an idle engine, "
             "request sent to response end",
             "handoff_measures": "prefill response to first decode token",
+            **(
+                {
+                    "sglang_pd": "prefill/decode servers measured in bootstrap pairs; see "
+                    "each engine's prefill_source and decode_source"
+                }
+                if paired
+                else {}
+            ),
         },
+    )
+
+
+def _assign_partners(clients: dict[str, EngineClient]) -> bool:
+    """Pair every SGLang prefill/decode server with the first engine of the other role
+    (config order); whether there are any. One without is left unpaired, and its first
+    generation request fails naming it."""
+    for client in clients.values():
+        if client.pd_role is not None:
+            other = "decode" if client.pd_role == "prefill" else "prefill"
+            client.partner = next((c for c in clients.values() if c.pd_role == other), None)
+    return any(c.pd_role is not None for c in clients.values())
+
+
+def _engine_profile(
+    client: EngineClient, m: EngineMeasurement, measured: dict[str, EngineMeasurement]
+) -> EngineProfile:
+    prefill, decode = m.prefill, m.decode
+    prefill_source = decode_source = ""
+    partner = client.partner
+    if client.pd_role == "prefill" and partner is not None:
+        prefill_source = (
+            f"bootstrap pairs with decode partner {partner.id!r}: sent to the end of the "
+            "prefill response, which includes the bootstrap handshake and the KV transfer "
+            "(an SGLang prefill server answers no plain request)"
+        )
+        decode = measured[partner.id].decode
+        decode_source = (
+            f"decode partner {partner.id!r}'s model: an SGLang prefill server never decodes"
+        )
+    elif client.pd_role == "decode" and partner is not None:
+        prefill = measured[partner.id].prefill
+        prefill_source = (
+            f"prefill partner {partner.id!r}'s model (with its bootstrap and KV transfer): "
+            "an SGLang decode server computes no prompt"
+        )
+        decode_source = (
+            f"bootstrap pairs with prefill partner {partner.id!r}: the gaps after the first "
+            "token are this server's own decode steps"
+        )
+    assert prefill is not None
+    assert decode is not None
+    return EngineProfile(
+        id=client.id,
+        url=client.spec.url,
+        dialect=client.spec.dialect,
+        model=client.spec.model,
+        build=m.identity.build_identity,
+        max_model_len=m.identity.max_model_len,
+        kv_capacity_tokens=m.kv_capacity_tokens,
+        kv_capacity_source=m.kv_capacity_source,
+        max_num_seqs=m.max_num_seqs,
+        max_num_seqs_source=m.max_num_seqs_source,
+        prefill=prefill,
+        decode=decode,
+        chars_per_token=m.chars_per_token,
+        prefill_source=prefill_source,
+        decode_source=decode_source,
     )
 
 
@@ -331,6 +403,9 @@ async def _measure_engine(
         health = await _within(limit, f"engine {eid!r} /health", client.health())
         if health != 200:
             raise ProbeError(f"engine {eid!r}: /health answered {health}")
+        mismatch = mode_mismatch(client.spec, identity.disaggregation_mode)
+        if mismatch is not None:
+            raise ProbeError(mismatch)
         capacity = identity.kv_capacity_tokens
         clock.say(
             f"{eid}: {identity.build_identity}; KV capacity "
@@ -347,8 +422,17 @@ async def _measure_engine(
         )
         if warm.error is not None:
             raise ProbeError(f"engine {eid!r}: warm-up request failed: {warm.error}")
-        prefill = await _prefill_sweep(client, texts, cpt, identity, plan, clock)
-        decode, estimate, cap = await _decode_sweep(client, texts, cpt, identity, plan, clock)
+        prefill: PrefillModel | None = None
+        decode: DecodeModel | None = None
+        estimate = cap = None
+        if client.pd_role == "decode":
+            clock.say(f"{eid}: prefill not measured: an SGLang decode server computes no prompt")
+        else:
+            prefill = await _prefill_sweep(client, texts, cpt, identity, plan, clock)
+        if client.pd_role == "prefill":
+            clock.say(f"{eid}: decode not measured: an SGLang prefill server never decodes")
+        else:
+            decode, estimate, cap = await _decode_sweep(client, texts, cpt, identity, plan, clock)
     except ProbeError as exc:
         raise SweepFailed(str(exc)) from None
     except FitError as exc:
@@ -669,11 +753,11 @@ def ordered_pairs(engine_ids: Sequence[str]) -> list[tuple[str, str]]:
 
 async def _handoffs(
     clients: dict[str, EngineClient],
+    pairs: list[tuple[str, str]],
     measured: dict[str, EngineMeasurement],
     plan: SweepPlan,
     clock: _Clock,
 ) -> dict[tuple[str, str], HandoffProfile]:
-    pairs = ordered_pairs(list(clients))
     out: dict[tuple[str, str], HandoffProfile] = {}
     limiter = trio.CapacityLimiter(plan.parallel)
     locks = {engine_id: trio.Lock() for engine_id in clients}

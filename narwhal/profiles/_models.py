@@ -412,3 +412,9 @@ class EngineProfile:
     # engine's projected batch by it, as by serving.decode_concurrency.
     max_num_seqs: int = attrs.field(default=0, validator=_nonnegative_int)
     max_num_seqs_source: str = ""
+    # How the prefill and decode models were obtained when not the usual way (an idle
+    # engine's own plain requests); "" for that usual way. An SGLang prefill or decode
+    # server only serves requests in bootstrap pairs, so one of its models includes its
+    # partner's work or is its partner's (see narwhal.probe's sweep).
+    prefill_source: str = ""
+    decode_source: str = ""

@@ -38,7 +38,11 @@ Schema version 1 (times in seconds, sizes in tokens; abridged)::
 
 ``facts`` is null until ``narwhal-check --record``; ``sweep`` is informational.
 ``max_num_seqs`` (0: unknown) and its source are optional: stores written before they
-existed load with the engine's cap unknown.
+existed load with the engine's cap unknown. So are ``prefill_source``/``decode_source``
+("" for a model measured on the idle engine itself; otherwise how it was obtained, for an
+SGLang prefill or decode server that serves requests only in bootstrap pairs).
+
+Handoff profiles exist for the `crossed_pairs` of the configuration.
 """
 
 from __future__ import annotations
@@ -47,12 +51,12 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import attrs
 
-from ..config import Config
+from ..config import Config, EngineSpec
 from ._models import (
     DecodeModel,
     EngineProfile,
@@ -198,6 +202,8 @@ def store_to_json(store: ProfileStore) -> dict[str, object]:
             "kv_capacity_source": p.kv_capacity_source,
             "max_num_seqs": p.max_num_seqs,
             "max_num_seqs_source": p.max_num_seqs_source,
+            "prefill_source": p.prefill_source,
+            "decode_source": p.decode_source,
             "chars_per_token": p.chars_per_token,
             "prefill": attrs.asdict(p.prefill),
             "decode": attrs.asdict(p.decode),
@@ -313,7 +319,12 @@ _ENGINE_SCALARS: dict[str, type] = {
     "chars_per_token": float,
 }
 # Fields later versions of the sweep added; a store without them is still read.
-_ENGINE_OPTIONAL: dict[str, type] = {"max_num_seqs": int, "max_num_seqs_source": str}
+_ENGINE_OPTIONAL: dict[str, type] = {
+    "max_num_seqs": int,
+    "max_num_seqs_source": str,
+    "prefill_source": str,
+    "decode_source": str,
+}
 _ENGINE_FIELDS = {**_ENGINE_SCALARS, **_ENGINE_OPTIONAL}
 
 
@@ -639,15 +650,43 @@ def check_store(store: ProfileStore | None, problems: list[str], config: Config)
         f"engine {engine_id!r}: profiled in the store but not in the config (ignored)"
         for engine_id in sorted(set(store.engines) - set(configured))
     )
-    pairs = [(p, d) for p in configured for d in configured if p != d] or [
-        (e, e) for e in configured
-    ]
+    pairs = crossed_pairs(config.engines)
     messages.extend(
         f"pair {p!r} -> {d!r}: no crossed-handoff profile in the store; run narwhal-profile"
         for p, d in pairs
         if p in usable and d in usable and store.handoff(p, d) is None
     )
     return ProfileCheck(store, frozenset(usable), tuple(messages), configured)
+
+
+def pd_server(spec: EngineSpec) -> str | None:
+    """ "prefill" or "decode" for an SGLang engine launched in that disaggregation mode
+    (its configured role, notes 5.1); None for an aggregate SGLang server and for vLLM,
+    whose role is only a request shape."""
+    if spec.dialect == "sglang" and spec.role != "both":
+        return spec.role
+    return None
+
+
+def crossed_pairs(engines: Sequence[EngineSpec]) -> list[tuple[str, str]]:
+    """The ordered (prefill, decode) pairs a handoff can be measured on and the router
+    can place: every pair of distinct engines (the self pair for a one-engine fleet),
+    except that an SGLang prefill or decode server joins only bootstrap pairs in its
+    launched role, opposite a server of the other role. An aggregate SGLang server never
+    joins a bootstrap room, so it pairs only with another aggregate one."""
+    if len(engines) == 1:
+        return [] if pd_server(engines[0]) else [(engines[0].id, engines[0].id)]
+    return [
+        (p.id, d.id)
+        for p in engines
+        for d in engines
+        if p.id != d.id
+        and (
+            (pd_server(p), pd_server(d)) == ("prefill", "decode")
+            if pd_server(p) or pd_server(d)
+            else True
+        )
+    ]
 
 
 def load_profiles(path: str | os.PathLike[str] | None, config: Config) -> ProfileCheck:

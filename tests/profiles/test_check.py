@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pytest
+import trio
 
 from narwhal.config import Config
 from narwhal.probe import (
@@ -14,18 +15,20 @@ from narwhal.probe import (
     CheckReport,
     CheckRow,
     EngineClient,
+    SweepFailed,
     SweepPlan,
     format_table,
     metrics_row,
     profile_fleet,
     run_check,
 )
-from narwhal.profiles import save_profiles
+from narwhal.profiles import read_store, save_profiles
 from narwhal.sim import Fleet, SimTiming
 
 from ..support import StartFleet
 from .helpers import config_for, store_for
 
+Role = Literal["prefill", "decode", "both"]
 PLAN = CheckPlan(handoff_samples=1, handoff_sizes=(64, 2048), lease_max_s=5.0, lease_poll_s=0.01)
 
 
@@ -298,3 +301,85 @@ def test_metrics_row_names_what_the_monitor_could_not_read() -> None:
         "the monitor would report this engine missing every pass (SGLang publishes them when "
         "started with --enable-metrics)"
     )
+
+
+def sglang_config(fleet: Fleet, tmp_path: Path, roles: list[Role]) -> Config:
+    urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
+    config = config_for(
+        urls, profiles=str(tmp_path / "profiles.json"), serving={"handoff_timeout_s": 0.5}
+    )
+    # The simulator's bootstrap port is the prefill engine's own HTTP port, which the
+    # config loader rejects for a real fleet; set it past the loader.
+    engines = tuple(
+        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port, role=role)
+        for spec, handle, role in zip(config.engines, fleet, roles, strict=True)
+    )
+    return attrs.evolve(config, engines=engines)
+
+
+SGLANG_PLAN = attrs.evolve(
+    SweepPlan.fast(),
+    prefill_sizes=(16, 1024),
+    decode_active=(1, 4),
+    decode_contexts=(256,),
+    handoff_sizes=(64, 512),
+    handoff_repeats=1,
+)
+
+
+async def test_sglang_pd_fleet_profiles_and_checks_in_bootstrap_pairs(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    modes: list[Role] = ["prefill", "decode", "decode"]
+    fleet = await start_fleet(engines=3, speed=4.0, dialect="sglang", disaggregation_modes=modes)
+    config = sglang_config(fleet, tmp_path, modes)
+    lines: list[str] = []
+    store = await profile_fleet(config, SGLANG_PLAN, progress=lines.append)
+    save_profiles(store, config.profiles.path)
+    # Only prefill -> decode pairs exist on a P/D fleet.
+    assert set(store.handoffs) == {("e0", "e1"), ("e0", "e2")}
+    p0, d1, d2 = (store.engines[e] for e in ("e0", "e1", "e2"))
+    assert p0.prefill_source.startswith("bootstrap pairs with decode partner 'e1': ")
+    assert "includes the bootstrap handshake and the KV transfer" in p0.prefill_source
+    # A prefill server never decodes: its decode model is its partner's, and says so.
+    assert p0.decode == d1.decode
+    assert p0.decode_source == "decode partner 'e1''s model: an SGLang prefill server never decodes"
+    for d in (d1, d2):
+        assert d.prefill == p0.prefill
+        assert d.prefill_source.startswith("prefill partner 'e0''s model")
+        assert d.decode_source.startswith("bootstrap pairs with prefill partner 'e0': ")
+        assert d.decode.samples > 0
+    said = [line.split("] ", 1)[1] for line in lines]
+    assert "e1: prefill not measured: an SGLang decode server computes no prompt" in said
+    assert "e0: decode not measured: an SGLang prefill server never decodes" in said
+    # The sources survive the store's JSON.
+    reread = await trio.to_thread.run_sync(read_store, config.profiles.path)
+    assert reread[0] is not None
+    assert reread[0].engines["e0"].decode_source == p0.decode_source
+    report = await run_check(config, PLAN)
+    assert not report.failed, format_table(report.rows)
+    assert statuses(report, "launch-mode") == {"e0": "pass", "e1": "pass", "e2": "pass"}
+    assert rows(report, "launch-mode")["e1"].measured == "decode"
+    assert statuses(report, "tokenize") == {"e0": "pass", "e1": "pass", "e2": "pass"}
+    assert statuses(report, "handoff") == {"e0 -> e1": "pass", "e0 -> e2": "pass"}
+    # The simulator served no plain generation request: every one came in a pair.
+    refused = [o for h in fleet for o in h.state()["outcomes"] if o["status"] == 400]
+    assert refused == []
+
+
+async def test_sglang_engine_launched_in_another_mode_fails_the_check(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    fleet = await start_fleet(
+        engines=3, speed=4.0, dialect="sglang", disaggregation_modes=["prefill", "decode", "null"]
+    )
+    config = sglang_config(fleet, tmp_path, ["prefill", "decode", "decode"])
+    report = await run_check(config, attrs.evolve(PLAN, handoff_samples=0))
+    assert report.failed
+    assert statuses(report, "launch-mode") == {"e0": "pass", "e1": "pass", "e2": "fail"}
+    assert rows(report, "launch-mode")["e2"].note == (
+        "engine 'e2' has role 'decode' in the config but reports disaggregation_mode='null'; "
+        "launch it with --disaggregation-mode decode or change its role"
+    )
+    with pytest.raises(SweepFailed, match=r"^engine 'e2' has role 'decode' in the config but "):
+        await profile_fleet(config, SGLANG_PLAN)

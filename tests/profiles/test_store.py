@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pytest
@@ -14,6 +14,8 @@ from narwhal.profiles import (
     SCHEMA_VERSION,
     MeasuredFacts,
     ProfileStore,
+    check_store,
+    crossed_pairs,
     load_profiles,
     save_profiles,
     store_from_json,
@@ -316,3 +318,41 @@ def test_missing_handoff_pair_is_reported(tmp_path: Path) -> None:
     single = tmp_path / "single.json"
     save_profiles(store_for({"p0": URLS["p0"]}), single)
     assert load_profiles(single, config_for({"p0": URLS["p0"]})).ok
+
+
+def test_sglang_prefill_decode_servers_pair_only_prefill_to_decode() -> None:
+    urls = {e: f"http://127.0.0.1:{8100 + i}" for i, e in enumerate(("p0", "d0", "d1", "a0"))}
+    config = config_for(urls)
+    roles: dict[str, Literal["prefill", "decode", "both"]] = {
+        "p0": "prefill",
+        "d0": "decode",
+        "d1": "decode",
+        "a0": "both",
+    }
+    sglang = attrs.evolve(
+        config,
+        engines=tuple(
+            attrs.evolve(spec, dialect="sglang", role=roles[spec.id]) for spec in config.engines
+        ),
+    )
+    # The aggregate server joins no bootstrap room, and no pair runs decode -> prefill.
+    assert crossed_pairs(sglang.engines) == [("p0", "d0"), ("p0", "d1")]
+    # vLLM roles are request shapes only: every ordered pair, as before.
+    vllm = attrs.evolve(
+        config,
+        engines=tuple(attrs.evolve(spec, role=roles[spec.id]) for spec in config.engines),
+    )
+    assert len(crossed_pairs(vllm.engines)) == 12
+    lone = attrs.evolve(sglang, engines=sglang.engines[:1])
+    assert crossed_pairs(lone.engines) == []
+    # A store with exactly those pairs is complete: no decode -> prefill pair is asked for.
+    store = store_for({e: urls[e] for e in ("p0", "d0", "d1")})
+    store = attrs.evolve(
+        store,
+        engines={e: attrs.evolve(p, dialect="sglang") for e, p in store.engines.items()},
+        handoffs={k: v for k, v in store.handoffs.items() if k[0] == "p0"},
+    )
+    three = attrs.evolve(sglang, engines=sglang.engines[:3])
+    check = check_store(store, [], three)
+    assert check.messages == ()
+    assert check.usable == {"p0", "d0", "d1"}
