@@ -193,17 +193,23 @@ async def _run(
     eng = config.engine
     healthy = await _health(clients, eng.health_timeout_s, rows)
     launched = await _launch_modes(clients, healthy, plan, rows)
+    # An SGLang engine launched in another mode than its role joins no pair as configured:
+    # its partner would wait out SGLang's bootstrap timeout. It is not exercised further.
+    misfits = {
+        e for e, c in clients.items() if c.spec.dialect == "sglang" and e in healthy
+    } - launched
     for client in clients.values():
-        if client.pd_role is not None:
+        if client.pd_role is not None and client.id not in misfits:
             other = "decode" if client.pd_role == "prefill" else "prefill"
             client.partner = next(
                 (c for c in clients.values() if c.pd_role == other and c.id in launched), None
             )
     ratios = []
     for engine_id in clients:
-        if engine_id not in healthy:
+        if engine_id not in healthy or engine_id in misfits:
             bound = f"exact count within {_s(eng.tokenize_timeout_s)} (engine.tokenize_timeout_s)"
-            rows.add(CheckRow("tokenize", engine_id, "fail", "not checked", bound, "unhealthy"))
+            why = "unhealthy" if engine_id not in healthy else "failed its launch-mode check"
+            rows.add(CheckRow("tokenize", engine_id, "fail", "not checked", bound, why))
             continue
         ratio = await _tokenize(clients[engine_id], eng.tokenize_timeout_s, plan, rows)
         if ratio is not None:
@@ -218,7 +224,7 @@ async def _run(
     # prompt stays inside max_model_len.
     cpt = min(ratios) if ratios else 3.0
     builds = await _profiles(config, clients, healthy, store, store_problems, plan, rows)
-    samples = await _pairs(config, clients, healthy, builds, cpt, plan, rows)
+    samples = await _pairs(config, clients, healthy, launched, builds, cpt, plan, rows)
     p99 = max(samples) if samples else None
     leases = await _leases(config, clients, healthy, plan, rows)
     await _handoff_wait(config, clients, healthy, leases, plan, rows)
@@ -461,6 +467,7 @@ async def _pairs(
     config: Config,
     clients: dict[str, EngineClient],
     healthy: set[str],
+    launched: set[str],
     builds: dict[str, str],
     cpt: float,
     plan: CheckPlan,
@@ -492,6 +499,15 @@ async def _pairs(
             rows.add(
                 CheckRow("handoff", target, "fail", "not attempted", bound, f"{down[0]} unhealthy")
             )
+            continue
+        # An SGLang server launched in another mode than its role would not join the pair:
+        # its partner would wait out the bootstrap timeout. The launch-mode row says why.
+        misfit = [
+            e for e in (p_id, d_id) if clients[e].spec.dialect == "sglang" and e not in launched
+        ]
+        if misfit:
+            note = f"{misfit[0]} failed its launch-mode check"
+            rows.add(CheckRow("handoff", target, "fail", "not attempted", bound, note))
             continue
         p, d = clients[p_id], clients[d_id]
         ok, measured, note = await _verify_pair(p, d, texts.text(_VERIFY_PROMPT_TOKENS * 4), limit)

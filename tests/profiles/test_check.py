@@ -377,6 +377,9 @@ async def test_sglang_engine_launched_in_another_mode_fails_the_check(
     report = await run_check(config, attrs.evolve(PLAN, handoff_samples=0))
     assert report.failed
     assert statuses(report, "launch-mode") == {"e0": "pass", "e1": "pass", "e2": "fail"}
+    # Not paired: e2 would not join the bootstrap room, and e0 would wait out its timeout.
+    assert rows(report, "handoff")["e0 -> e2"].note == "e2 failed its launch-mode check"
+    assert rows(report, "tokenize")["e2"].note == "failed its launch-mode check"
     assert rows(report, "launch-mode")["e2"].note == (
         "engine 'e2' has role 'decode' in the config but reports disaggregation_mode='null'; "
         "launch it with --disaggregation-mode decode or change its role"
