@@ -122,6 +122,14 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.unstreamed_legs = Counter(
+            "narwhal_unstreamed_decode_legs",
+            "Decode legs of non-streaming requests sent as non-streaming engine requests "
+            "(without first-token and decode-gap timers), by why the answer cannot be "
+            "assembled from a stream: prompt_logprobs, echo, beam_search, stream_options.",
+            ["reason"],
+            registry=registry,
+        )
         self.retries = Counter(
             "narwhal_retries",
             "Retries started, by the failure code that caused them.",
@@ -170,6 +178,7 @@ class Metrics:
         self.requests_by = Children(self.requests)
         self.token_counts_by = Children(self.token_counts)
         self.token_fallbacks_by = Children(self.token_fallbacks)
+        self.unstreamed_legs_by = Children(self.unstreamed_legs)
         self.ttft_by = Children(self.ttft)
         self.request_duration_by = Children(self.request_duration)
 

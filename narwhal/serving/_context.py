@@ -180,6 +180,9 @@ class ServingContext:
         self.unsized_offers = 0
         self.token_methods: Counter[str] = Counter()
         self.token_fallbacks: Counter[str] = Counter()
+        # Non-streaming decode legs sent to the engine as non-streaming requests, by why
+        # their answer could not be assembled from a stream (engines.unassemblable_reason).
+        self.unstreamed_legs: Counter[str] = Counter()
         self.models = tuple(sorted({spec.model for spec in config.engines}))
         self.started_at = trio.current_time()
         # Set by the supervisor when Narwhal cannot make sound decisions (manual 7:

@@ -30,7 +30,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, nullcontext
-from typing import Literal
+from typing import Literal, Protocol
 
 import trio
 
@@ -69,6 +69,7 @@ from ..engines import (
     SseScanner,
     parse_error_body,
 )
+from ..engines._assemble import ResponseAssembler, streamed_leg_body, unassemblable_reason
 from ..engines._dialects import (
     encode,
     new_bootstrap_room,
@@ -664,7 +665,7 @@ class Flow:
             ):
                 prefill.handoffs_pending -= 1
                 handed_over = True
-                body, own_usage = _streamed_body(request, decode)
+                body, own_usage, unstreamed = _leg_body(request, decode)
                 await self._decode_leg(
                     decode,
                     "decode",
@@ -675,6 +676,7 @@ class Flow:
                     record,
                     first_token_budget=config.engine.first_token_timeout_s,
                     own_usage=own_usage,
+                    unstreamed=unstreamed,
                 )
         except _HandoffExpired:
             age = trio.current_time() - prefill_started
@@ -724,7 +726,7 @@ class Flow:
         port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
         # Both legs take the same body, so the prefill leg is asked for usage too; its
         # answer is not relayed.
-        shared, own_usage = _streamed_body(request, decode)
+        shared, own_usage, unstreamed = _leg_body(request, decode)
         body = encode(
             sglang_pd_body(shared, host=prefill.host, port=port, room=new_bootstrap_room())
         )
@@ -749,7 +751,7 @@ class Flow:
                     timeout_code="prefill_timeout",
                     timeout_setting="serving.prefill_timeout_s",
                     prompt_tokens=tokens,
-                    sse=request.stream,
+                    sse=unstreamed is None,
                 )
             record.prefilled_at = trio.current_time()
             record.stage = "decode"
@@ -781,6 +783,7 @@ class Flow:
                     timer=timer,
                     hold_until=prefill_done,
                     own_usage=own_usage,
+                    unstreamed=unstreamed,
                 )
 
         async with trio.open_nursery() as legs:
@@ -801,7 +804,7 @@ class Flow:
     ) -> None:
         """One engine does both phases: its first token includes the prefill."""
         record.stage = "decode"
-        body, own_usage = _streamed_body(request, engine)
+        body, own_usage, unstreamed = _leg_body(request, engine)
         async with self._phase_slot(engine, "decode", tokens, pending=pending):
             await self._decode_leg(
                 engine,
@@ -814,6 +817,7 @@ class Flow:
                 first_token_budget=config.serving.prefill_timeout_s
                 + config.engine.first_token_timeout_s,
                 own_usage=own_usage,
+                unstreamed=unstreamed,
             )
 
     # ------------------------------------------------------------------ legs
@@ -1000,9 +1004,22 @@ class Flow:
         timer: trio.CancelScope | None = None,
         hold_until: trio.Event | None = None,
         own_usage: bool = False,
+        unstreamed: str | None = None,
     ) -> None:
+        """Run the leg that produces the client's output.
+
+        A non-streaming client request's leg is a stream too (`_leg_body`), read through
+        the same relay, so the first-token and gap timers, the first-token signal and
+        the TTFT/TPOT observations all apply to it; its events are collected instead of
+        sent, and the client gets the assembled document once the stream has ended with
+        [DONE]. Until then nothing is visible, so a failure is an HTTP error and may be
+        retried. `unstreamed` names why a leg was sent non-streaming instead (see
+        `unassemblable_reason`): it is read whole, with only the request deadline.
+        """
         record.stage = "decode"
-        if not request.stream:
+        if unstreamed is not None:
+            self.ctx.unstreamed_legs[unstreamed] += 1
+            self.ctx.metrics.unstreamed_legs_by(unstreamed).inc()
             with engine.unstreamed_decode(request.max_tokens, trio.current_time()):
                 raw = await self._json_leg(
                     engine,
@@ -1026,21 +1043,31 @@ class Flow:
             record.stage = "writing"
             await client.send_json(200, raw)
             return
-        if hold_until is None:
+        sink: _Sink = client
+        collector = None
+        if not request.stream:
+            sink = collector = _Collector(engine, phase, request, config.serving.max_response_bytes)
+        elif hold_until is None:
             await client.start_stream()  # manual 4.3: commit 200 before decode starts
         if timer is None:
             timer = trio.CancelScope(deadline=trio.current_time() + first_token_budget)
         if phase == "decode" and not engine.dialect.concurrent_legs:
             with engine.first_token_watch(trio.current_time()) as seen:
                 await _relay(
-                    self, engine, phase, body, request, config, client, record, timer, hold_until,
+                    self, engine, phase, body, request, config, sink, record, timer, hold_until,
                     own_usage, first_token_seen=seen,
                 )  # fmt: skip
         else:
             await _relay(
-                self, engine, phase, body, request, config, client, record, timer, hold_until,
+                self, engine, phase, body, request, config, sink, record, timer, hold_until,
                 own_usage,
             )  # fmt: skip
+        if collector is not None:
+            document = encode(collector.result())
+            if hold_until is not None:
+                await hold_until.wait()
+            record.stage = "writing"
+            await client.send_json(200, document)
 
 
 async def _relay(
@@ -1050,14 +1077,14 @@ async def _relay(
     body: bytes,
     request: ClientRequest,
     config: Config,
-    client: ClientChannel,
+    client: _Sink,
     record: RequestRecord,
     timer: trio.CancelScope,
     hold_until: trio.Event | None,
     own_usage: bool,
     first_token_seen: Callable[[], None] | None = None,
 ) -> None:
-    """Relay an engine SSE stream to the client, event by event.
+    """Relay an engine SSE stream to the client (or to a `_Collector`), event by event.
 
     Only complete events are forwarded, so a terminal error event we add can never be
     glued onto half an engine line. Events before the first generated token (chat's
@@ -1112,11 +1139,15 @@ async def _relay(
                 for event in events:
                     if event.kind is SseKind.ERROR:
                         message = (event.error or {}).get("message", "engine error")
+                        # Transient like the HTTP 500 the engine sends when not
+                        # streaming (a KV load failure, say); _attempts retries it only
+                        # while nothing reached the client.
                         raise _failed(
                             engine,
                             phase,
                             "engine_stream_error",
                             f"engine reported an error mid-stream: {message}",
+                            retryable=True,
                         )
                     raw = event.raw
                     if event.kind is SseKind.DONE:
@@ -1225,11 +1256,76 @@ async def _relay(
     await client.end_stream()
 
 
-def _streamed_body(request: ClientRequest, engine: EngineState) -> tuple[Json, bool]:
-    """The body a decode (or aggregate) leg sends, and whether its usage chunk is ours."""
-    if not request.stream:
-        return request.body, False
-    return with_usage_report(request.body, engine.dialect)
+def _leg_body(request: ClientRequest, engine: EngineState) -> tuple[Json, bool, str | None]:
+    """The body a decode (or aggregate) leg sends, whether its usage chunk is the
+    router's alone (not relayed), and, for a leg sent without streaming, why."""
+    if request.stream:
+        body, own_usage = with_usage_report(request.body, engine.dialect)
+        return body, own_usage, None
+    reason = unassemblable_reason(request.kind, request.body)
+    if reason is not None:
+        return request.body, False, reason
+    # The collector needs the usage chunk: a non-streaming answer always has usage.
+    return streamed_leg_body(request.body), False, None
+
+
+class _Sink(Protocol):
+    async def send_chunk(self, data: bytes) -> None: ...
+    async def end_stream(self) -> None: ...
+
+
+class _Collector:
+    """Where `_relay` writes a non-streaming request's stream: complete events, kept
+    until [DONE] and assembled into the engine's non-streaming answer.
+
+    The answer is retained whole, as a non-streaming engine answer was, so it is bounded
+    by serving.max_response_bytes."""
+
+    __slots__ = ("_assembler", "_engine", "_limit", "_phase", "_scanner", "_size")
+
+    def __init__(
+        self, engine: EngineState, phase: LegPhase, request: ClientRequest, limit: int
+    ) -> None:
+        self._engine = engine
+        self._phase = phase
+        self._limit = limit
+        self._size = 0
+        self._scanner = SseScanner()
+        self._assembler = ResponseAssembler(request.kind, engine.dialect.name)
+
+    async def send_chunk(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._limit:
+            raise _failed(
+                self._engine,
+                self._phase,
+                "response_too_large",
+                f"response exceeds serving.max_response_bytes={self._limit}",
+                counts=False,
+            )
+        # _relay hands over whole events only, and has already failed the leg on an
+        # error event.
+        for event in self._scanner.feed(data):
+            if event.kind is not SseKind.DATA:
+                continue
+            try:
+                chunk = json.loads(event.payload)
+            except (ValueError, RecursionError):
+                chunk = None
+            if not isinstance(chunk, dict):
+                raise _failed(
+                    self._engine,
+                    self._phase,
+                    "engine_bad_stream",
+                    "sent an event that is not a JSON object",
+                )
+            self._assembler.add(chunk)
+
+    async def end_stream(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def result(self) -> Json:
+        return self._assembler.result()
 
 
 def _alone(engine: EngineState) -> int | None:

@@ -127,6 +127,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "outcomes": dict(sorted(ctx.outcomes.items())),
             "token_counts": dict(sorted(ctx.token_methods.items())),
             "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
+            "unstreamed_decode_legs": dict(sorted(ctx.unstreamed_legs.items())),
             "fallback_chars_per_token": {"value": round(ratio, 3), "source": ratio_source},
             "in_flight": [
                 {

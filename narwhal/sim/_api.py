@@ -929,7 +929,11 @@ class _Run:
         else:
             choice["stop_reason"] = None
             if not self.plan.chat:
-                choice["prompt_logprobs"] = None
+                # CompletionResponseChoice dumps every field; the streamed choices carry
+                # the same token_ids/prompt_token_ids keys (§4.2).
+                choice.update(
+                    {"token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
+                )
         out["choices"] = [choice]
         if not sg:
             out["service_tier"] = None

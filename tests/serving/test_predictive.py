@@ -314,12 +314,14 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
 ) -> None:
     # No token of a non-streaming leg is seen before its body: while it runs, pricing
     # estimates its KV from its age; when it ends, usage.completion_tokens counts as
-    # KV freed along with the prompt.
+    # KV freed along with the prompt. Only a request whose answer cannot be assembled
+    # from a stream (prompt_logprobs here) still has such a leg.
     stack, decode = await kv_stack(start_stack)
     answers: list[httpx.Response] = []
 
     async def ask() -> None:
-        answers.append(await post(stack, {"prompt": [5] * 500, "max_tokens": 200}))
+        body = {"prompt": [5] * 500, "max_tokens": 200, "prompt_logprobs": 0}
+        answers.append(await post(stack, body))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ask)
@@ -333,6 +335,7 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
     assert answer.json()["usage"]["completion_tokens"] == 200
     assert decode.unstreamed_legs == 0
     assert decode.view(trio.current_time()).unstreamed_age_s == 0.0
+    assert stack.ctx.unstreamed_legs == {"prompt_logprobs": 1}
     # 500 prompt + 200 generated tokens freed, decayed over slo.ttft_s = 5 s since.
     freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
     assert 650 < freed <= 700

@@ -1,0 +1,292 @@
+"""Rebuilding an engine's non-streaming answer from its event stream, without I/O.
+
+The router sends a non-streaming client request's decode leg as a stream, so that the
+first-token and decode-gap timers see it, and answers the client with the document the
+engine would have sent had it been asked without streaming (engine-protocols notes §4).
+
+vLLM and SGLang build both forms from the same generation state: a streamed choice's
+text, logprobs and token ids are slices of the final ones, and the finishing chunk
+carries finish_reason and stop_reason (vLLM) or matched_stop (SGLang). Chat deltas add
+role, content, reasoning and tool-call fragments; a tool call's id, type and name come
+once, its arguments in pieces, all keyed by the call's index. The non-streaming
+response has fields no chunk carries (vLLM: service_tier, system_fingerprint,
+kv_transfer_params, the message's refusal/annotations/audio...); they are null (or the
+empty tool_calls list) for a request that streams, and are filled in here per dialect
+so a client sees the same keys either way.
+
+Some requests have a non-streaming answer a stream cannot give: see
+`unassemblable_reason`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from ._dialects import EndpointKind, Json
+
+# What a non-streaming response holds that its chunks do not. A key the chunks did
+# carry keeps the chunks' value.
+_VLLM_TOP: Json = {"service_tier": None, "system_fingerprint": None, "kv_transfer_params": None}
+_VLLM_COMPLETION_CHOICE: Json = {
+    "logprobs": None,
+    "finish_reason": None,
+    "stop_reason": None,
+    "token_ids": None,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+}
+_VLLM_CHAT_CHOICE: Json = {"logprobs": None, "finish_reason": None, "stop_reason": None}
+_VLLM_MESSAGE: Json = {
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "reasoning_content": None,
+}
+_SGLANG_COMPLETION_CHOICE: Json = {"logprobs": None, "finish_reason": None, "matched_stop": None}
+_SGLANG_CHAT_CHOICE: Json = _SGLANG_COMPLETION_CHOICE
+_SGLANG_MESSAGE: Json = {"reasoning_content": None, "tool_calls": None}
+
+# Delta fields whose pieces are concatenated; any other delta field keeps its last
+# non-null value.
+_TEXT_DELTAS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+def unassemblable_reason(kind: EndpointKind, body: Json) -> str | None:
+    """Why a non-streaming request's answer cannot be rebuilt from a stream, or None.
+
+    - prompt_logprobs (vLLM): only the non-streaming response carries them.
+    - echo (completions): the prompt is prepended to the first chunk's text, but the
+      streamed logprobs offsets of an echoed prompt have not been checked against the
+      non-streaming ones; kept non-streaming until they are.
+    - use_beam_search (vLLM): beam search picks its output at the end.
+    - stream_options: vLLM refuses it without `stream: true` (400); streaming the leg
+      would hide that answer from the client.
+    """
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    if kind == "completions" and body.get("echo"):
+        return "echo"
+    if body.get("use_beam_search"):
+        return "beam_search"
+    if body.get("stream_options") is not None:
+        return "stream_options"
+    return None
+
+
+def streamed_leg_body(body: Json) -> Json:
+    """A non-streaming request's body, asked as a stream with its final usage chunk
+    (a non-streaming response always reports usage)."""
+    leg = dict(body)
+    leg["stream"] = True
+    leg["stream_options"] = {"include_usage": True}
+    return leg
+
+
+class ResponseAssembler:
+    """Feed each stream chunk's JSON document; `result()` is the whole response."""
+
+    __slots__ = ("_choices", "_dialect", "_kind", "_top", "_usage")
+
+    def __init__(self, kind: EndpointKind, dialect: Literal["vllm", "sglang"]) -> None:
+        self._kind = kind
+        self._dialect = dialect
+        self._top: Json = {}
+        self._choices: dict[int, Json] = {}
+        self._usage: object = None
+
+    def add(self, chunk: Json) -> None:
+        for key, value in chunk.items():
+            if key == "choices":
+                continue
+            if key == "usage":
+                if isinstance(value, dict):
+                    self._usage = value  # continuous usage: the last one is the total
+                continue
+            _keep(self._top, key, value)
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            if not isinstance(index, int):
+                index = 0
+            merged = self._choices.setdefault(index, {"index": index})
+            if self._kind == "chat":
+                _merge_chat(merged, choice)
+            else:
+                _merge_completion(merged, choice)
+
+    def result(self) -> Json:
+        out: Json = {}
+        for key in ("id", "object", "created", "model"):
+            if key in self._top:
+                out[key] = self._top[key]
+        if out.get("object") == "chat.completion.chunk" or self._kind == "chat":
+            out["object"] = "chat.completion"
+        else:
+            out["object"] = "text_completion"
+        out.update({k: v for k, v in self._top.items() if k not in out})
+        out["choices"] = [self._choice(self._choices[i]) for i in sorted(self._choices)]
+        vllm = self._dialect == "vllm"
+        if vllm:
+            _defaults(out, _VLLM_TOP)
+            if self._kind == "chat":
+                _defaults(out, {"prompt_logprobs": None})
+        if isinstance(self._usage, dict):
+            usage = dict(self._usage)
+            usage.setdefault("prompt_tokens_details", None)
+            out["usage"] = usage
+        return out
+
+    def _choice(self, merged: Json) -> Json:
+        vllm = self._dialect == "vllm"
+        if self._kind != "chat":
+            choice = dict(merged)
+            choice.setdefault("text", "")
+            _defaults(choice, _VLLM_COMPLETION_CHOICE if vllm else _SGLANG_COMPLETION_CHOICE)
+            return choice
+        choice = {k: v for k, v in merged.items() if k not in ("delta", "calls")}
+        delta = merged.get("delta")
+        message: Json = dict(delta) if isinstance(delta, dict) else {}
+        message.setdefault("role", "assistant")
+        message.setdefault("content", None)
+        calls = merged.get("calls")
+        if isinstance(calls, dict) and calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        elif vllm:
+            message["tool_calls"] = []
+        _defaults(message, _VLLM_MESSAGE if vllm else _SGLANG_MESSAGE)
+        ordered: Json = {"index": choice.pop("index"), "message": message}
+        ordered.update(choice)
+        _defaults(ordered, _VLLM_CHAT_CHOICE if vllm else _SGLANG_CHAT_CHOICE)
+        return ordered
+
+
+def _keep(target: Json, key: str, value: object) -> None:
+    """The last non-null value of a field, or null if it never had one."""
+    if value is not None or key not in target:
+        target[key] = value
+
+
+def _defaults(target: Json, defaults: Json) -> None:
+    for key, value in defaults.items():
+        target.setdefault(key, value)
+
+
+def _merge_completion(merged: Json, choice: Json) -> None:
+    for key, value in choice.items():
+        if key == "index":
+            continue
+        if key == "text":
+            if isinstance(value, str):
+                merged["text"] = _str(merged.get("text")) + value
+            continue
+        if key == "token_ids":
+            _extend_list(merged, key, value)
+            continue
+        if key == "logprobs" and isinstance(value, dict):
+            # CompletionLogProbs: parallel lists, one entry per token.
+            logprobs = merged.get("logprobs")
+            if not isinstance(logprobs, dict):
+                logprobs = merged["logprobs"] = {}
+            for name, part in value.items():
+                _extend_list(logprobs, name, part)
+            continue
+        _keep(merged, key, value)
+
+
+def _merge_chat(merged: Json, choice: Json) -> None:
+    for key, value in choice.items():
+        if key == "index":
+            continue
+        if key == "delta":
+            if isinstance(value, dict):
+                _merge_delta(merged, value)
+            continue
+        if key == "logprobs" and isinstance(value, dict):
+            # ChatCompletionLogProbs: `content` (and `refusal`) lists of token entries.
+            logprobs = merged.get("logprobs")
+            if not isinstance(logprobs, dict):
+                logprobs = merged["logprobs"] = {}
+            for name, part in value.items():
+                _extend_list(logprobs, name, part)
+            continue
+        _keep(merged, key, value)
+
+
+def _merge_delta(merged: Json, delta: Json) -> None:
+    message = merged.get("delta")
+    if not isinstance(message, dict):
+        message = merged["delta"] = {}
+    for key, value in delta.items():
+        if key in _TEXT_DELTAS:
+            if isinstance(value, str):
+                message[key] = _str(message.get(key)) + value
+            else:
+                message.setdefault(key, None)
+        elif key == "role":
+            if value is not None and message.get("role") is None:
+                message["role"] = value
+        elif key == "tool_calls":
+            if isinstance(value, list):
+                calls = merged.get("calls")
+                if not isinstance(calls, dict):
+                    calls = merged["calls"] = {}
+                for part in value:
+                    if isinstance(part, dict):
+                        _merge_tool_call(calls, part)
+        elif key == "function_call":
+            if isinstance(value, dict):
+                current = message.get("function_call")
+                if not isinstance(current, dict):
+                    current = message["function_call"] = {}
+                _merge_function(current, value)
+        else:
+            _keep(message, key, value)
+
+
+def _merge_tool_call(calls: dict[int, Json], part: Json) -> None:
+    index = part.get("index", len(calls))
+    if not isinstance(index, int):
+        index = len(calls)
+    call = calls.get(index)
+    if call is None:
+        call = calls[index] = {"id": None, "type": "function", "function": {}}
+    if part.get("id") is not None and call["id"] is None:
+        call["id"] = part["id"]
+    if part.get("type") is not None:
+        call["type"] = part["type"]
+    function = part.get("function")
+    if isinstance(function, dict):
+        target = call["function"]
+        assert isinstance(target, dict)
+        _merge_function(target, function)
+
+
+def _merge_function(target: Json, part: Json) -> None:
+    name = part.get("name")
+    if name is not None and target.get("name") is None:
+        target["name"] = name
+    arguments = part.get("arguments")
+    if isinstance(arguments, str):
+        target["arguments"] = _str(target.get("arguments")) + arguments
+    for key, value in part.items():
+        if key not in ("name", "arguments"):
+            _keep(target, key, value)
+    target.setdefault("name", None)
+    target.setdefault("arguments", "")
+
+
+def _extend_list(target: Json, key: str, value: object) -> None:
+    if isinstance(value, list):
+        current = target.get(key)
+        target[key] = [*current, *value] if isinstance(current, list) else list(value)
+    else:
+        target.setdefault(key, value)
+
+
+def _str(value: object) -> str:
+    return value if isinstance(value, str) else ""

@@ -1,0 +1,214 @@
+"""Rebuilding a non-streaming answer from recorded vLLM and SGLang chunk shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal.engines._assemble import ResponseAssembler, unassemblable_reason
+
+HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 17, "model": "m"}
+CHEAD = {"id": "cmpl-1", "object": "text_completion", "created": 17, "model": "m"}
+
+
+def assemble(kind: Any, dialect: Any, chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    assembler = ResponseAssembler(kind, dialect)
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.result()
+
+
+def delta(d: dict[str, Any], **choice: Any) -> dict[str, Any]:
+    return {**HEAD, "choices": [{"index": 0, "delta": d, "logprobs": None, **choice}]}
+
+
+def test_vllm_chat_tool_call_is_merged_by_index() -> None:
+    call = {"index": 0, "id": "chatcmpl-tool-a", "type": "function"}
+    chunks = [
+        delta({"role": "assistant", "content": ""}, finish_reason=None),
+        delta({"reasoning_content": "need "}),
+        delta({"reasoning_content": "weather"}),
+        delta({"tool_calls": [{**call, "function": {"name": "get_weather"}}]}),
+        delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+        delta(
+            {
+                "tool_calls": [
+                    {
+                        "index": 1,
+                        "id": "chatcmpl-tool-b",
+                        "type": "function",
+                        "function": {"name": "now", "arguments": "{}"},
+                    }
+                ]
+            }
+        ),
+        delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+        delta({}, finish_reason="tool_calls", stop_reason=None),
+        {
+            **HEAD,
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "total_tokens": 9, "completion_tokens": 4},
+        },
+    ]
+    assert assemble("chat", "vllm", chunks) == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 17,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": "need weather",
+                    "tool_calls": [
+                        {
+                            "id": "chatcmpl-tool-a",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        },
+                        {
+                            "id": "chatcmpl-tool-b",
+                            "type": "function",
+                            "function": {"name": "now", "arguments": "{}"},
+                        },
+                    ],
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                },
+                "logprobs": None,
+                "finish_reason": "tool_calls",
+                "stop_reason": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "kv_transfer_params": None,
+        "prompt_logprobs": None,
+        "usage": {
+            "prompt_tokens": 5,
+            "total_tokens": 9,
+            "completion_tokens": 4,
+            "prompt_tokens_details": None,
+        },
+    }
+
+
+def test_vllm_chat_logprobs_content_is_concatenated() -> None:
+    first = {"token": "Par", "logprob": -0.1, "bytes": [80], "top_logprobs": []}
+    second = {"token": "is", "logprob": -0.2, "bytes": [105], "top_logprobs": []}
+    chunks = [
+        delta({"role": "assistant", "content": ""}),
+        delta({"content": "Par"}, logprobs={"content": [first]}),
+        delta(
+            {"content": "is"}, logprobs={"content": [second]}, finish_reason="stop", stop_reason=13
+        ),
+    ]
+    choice = assemble("chat", "vllm", chunks)["choices"][0]
+    assert choice["message"]["content"] == "Paris"
+    assert choice["logprobs"] == {"content": [first, second]}
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 13)
+
+
+def test_vllm_completion_text_logprobs_and_token_ids_are_concatenated() -> None:
+    def chunk(text: str, n: int, finish: str | None = None) -> dict[str, Any]:
+        logprobs = {
+            "text_offset": [n],
+            "token_logprobs": [-n / 10],
+            "tokens": [text],
+            "top_logprobs": [{text: -n / 10}],
+        }
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "prompt_token_ids": None,
+            "token_ids": [n],
+        }
+        return {**CHEAD, "choices": [choice], "usage": None}
+
+    usage = {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}
+    document = assemble(
+        "completions",
+        "vllm",
+        [chunk(" a", 1), chunk(" b", 2, "length"), {**CHEAD, "choices": [], "usage": usage}],
+    )
+    assert document["object"] == "text_completion"
+    (choice,) = document["choices"]
+    assert choice == {
+        "index": 0,
+        "text": " a b",
+        "logprobs": {
+            "text_offset": [1, 2],
+            "token_logprobs": [-0.1, -0.2],
+            "tokens": [" a", " b"],
+            "top_logprobs": [{" a": -0.1}, {" b": -0.2}],
+        },
+        "finish_reason": "length",
+        "stop_reason": None,
+        "prompt_token_ids": None,
+        "token_ids": [1, 2],
+        "prompt_logprobs": None,
+    }
+    assert document["usage"] == {**usage, "prompt_tokens_details": None}
+
+
+def test_sglang_chat_keeps_matched_stop_and_its_own_message_fields() -> None:
+    head = {**HEAD, "usage": None}
+    chunks = [
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "matched_stop": None,
+                }
+            ],
+        },
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "hi"},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "matched_stop": 2,
+                }
+            ],
+        },
+    ]
+    document = assemble("chat", "sglang", chunks)
+    assert document["choices"] == [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "hi",
+                "reasoning_content": None,
+                "tool_calls": None,
+            },
+            "logprobs": None,
+            "finish_reason": "stop",
+            "matched_stop": 2,
+        }
+    ]
+    assert "service_tier" not in document
+    assert "usage" not in document  # none was streamed
+
+
+def test_requests_a_stream_cannot_answer() -> None:
+    assert unassemblable_reason("completions", {"prompt": "x"}) is None
+    assert unassemblable_reason("chat", {"messages": [], "logprobs": True}) is None
+    assert unassemblable_reason("completions", {"prompt_logprobs": 0}) == "prompt_logprobs"
+    assert unassemblable_reason("completions", {"echo": True}) == "echo"
+    assert unassemblable_reason("chat", {"echo": True}) is None
+    assert unassemblable_reason("chat", {"use_beam_search": True}) == "beam_search"
+    assert unassemblable_reason("chat", {"stream_options": {}}) == "stream_options"
