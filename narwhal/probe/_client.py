@@ -124,6 +124,7 @@ class EngineClient:
             max_connections=max_connections,
             connect_timeout_s=engine.connect_timeout_s,
             pool_timeout_s=engine.pool_timeout_s,
+            api_key=spec.api_key_text(),
         )
         self.serial = 0
 
