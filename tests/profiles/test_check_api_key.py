@@ -1,0 +1,63 @@
+"""narwhal-check against engines started with --api-key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from narwhal.probe import format_table, run_check
+
+from ..support import StartFleet
+from .test_check import PLAN, rows, setup, statuses
+
+KEY = "sk-check-key"
+
+
+def key_file(tmp_path: Path, key: str) -> str:
+    path = tmp_path / "engine-api-key"
+    path.write_text(key + "\n")
+    return str(path)
+
+
+async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_path: Path) -> None:
+    fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5, api_key=KEY)
+    config = await setup(
+        fleet,
+        tmp_path,
+        serving={"handoff_timeout_s": 0.2},
+        engine={"api_key_file": key_file(tmp_path, KEY)},
+    )
+    report = await run_check(config, PLAN)
+    assert not report.failed, format_table(report.rows)
+    assert {row.status for row in report.rows} == {"pass"}
+
+
+@pytest.mark.parametrize(
+    ("configured", "note"),
+    [
+        (
+            "wrong-key",
+            "the engine refused the API key from engine.api_key_file (check its --api-key)",
+        ),
+        (None, "the engine requires an API key (--api-key); set engine.api_key_file"),
+    ],
+)
+async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
+    start_fleet: StartFleet, tmp_path: Path, configured: str | None, note: str
+) -> None:
+    fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5)
+    engine = {} if configured is None else {"api_key_file": key_file(tmp_path, configured)}
+    config = await setup(fleet, tmp_path, serving={"handoff_timeout_s": 0.2}, engine=engine)
+    for handle in fleet:
+        handle.set_api_key(KEY)
+    report = await run_check(config, PLAN)
+    assert report.failed
+    health = rows(report, "health")
+    assert statuses(report, "health") == {"e0": "fail", "e1": "fail"}
+    assert (health["e0"].measured, health["e0"].note) == ("API key refused (HTTP 401)", note)
+    # The engines are left out of the checks that need them, rather than failing each.
+    assert rows(report, "tokenize")["e0"].note == "unhealthy"
+    table = format_table(report.rows)
+    assert note in table
+    assert KEY not in table
