@@ -49,6 +49,7 @@ from ._client import (
     ProbeError,
     crossed_handoff,
     decode_leg,
+    key_refusal,
     prefill_leg,
 )
 from ._sweep import ordered_pairs
@@ -254,12 +255,8 @@ async def _key_refused(client: EngineClient, limit: float) -> tuple[str, str] | 
     answer = await _bounded(limit, client.get("/v1/models", limit=_MODELS_LIMIT))
     if answer.value is None or answer.value[0] not in ENGINE_AUTH_STATUSES:
         return None
-    status = answer.value[0]
-    if client.pool.sends_api_key:
-        note = "the engine refused the API key from engine.api_key_file (check its --api-key)"
-    else:
-        note = "the engine requires an API key (--api-key); set engine.api_key_file"
-    return f"API key refused (HTTP {status})", note
+    note = key_refusal(sends_key=client.pool.sends_api_key)
+    return f"API key refused (HTTP {answer.value[0]})", note
 
 
 async def _tokenize(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from .._errors import ENGINE_AUTH_STATUSES
 from ..config import Engine, EngineSpec
 from ..engines import (
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -106,6 +107,13 @@ class Gauges:
     waiting: float | None
     kv_usage: float | None
     kv_expired: float | None
+
+
+def key_refusal(*, sends_key: bool) -> str:
+    """Why an engine answered 401/403: Narwhal's key is wrong, or it sent none."""
+    if sends_key:
+        return "the engine refused the API key from engine.api_key_file (check its --api-key)"
+    return "the engine requires an API key (--api-key); set engine.api_key_file"
 
 
 class EngineClient:
@@ -210,6 +218,12 @@ class EngineClient:
                     version = str(doc.get("version", "unknown"))
                 build = build or str(doc.get("build") or "")
         status, raw = await self.get("/v1/models")
+        if status in ENGINE_AUTH_STATUSES:
+            # Guarded by both engines under --api-key; "serves no model" would mislead.
+            raise ProbeError(
+                f"engine {self.id!r} GET /v1/models answered {status}: "
+                f"{key_refusal(sends_key=self.pool.sends_api_key)}"
+            )
         doc = _loads(raw) if status == 200 else None
         cards = doc.get("data") if isinstance(doc, dict) else None
         models = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []

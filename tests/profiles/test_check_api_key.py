@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 
-from narwhal.probe import format_table, run_check
+from narwhal.probe import SweepFailed, SweepPlan, format_table, profile_fleet, run_check
 
 from ..support import StartFleet
+from .helpers import config_for
 from .test_check import PLAN, rows, setup, statuses
 
 KEY = "sk-check-key"
@@ -61,3 +63,40 @@ async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
     table = format_table(report.rows)
     assert note in table
     assert KEY not in table
+
+
+async def test_narwhal_profile_sweeps_a_keyed_sglang_fleet(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    # SGLang guards /version, /get_server_info and /tokenize too: the sweep reads them all.
+    fleet = await start_fleet(engines=2, speed=4.0, dialect="sglang", api_key=KEY)
+    urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
+    config = config_for(
+        urls,
+        profiles=str(tmp_path / "profiles.json"),
+        engine={"api_key_file": key_file(tmp_path, KEY)},
+    )
+    engines = tuple(
+        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port)
+        for spec, handle in zip(config.engines, fleet, strict=True)
+    )
+    config = attrs.evolve(config, engines=engines)
+    plan = attrs.evolve(
+        SweepPlan.fast(),
+        prefill_sizes=(16, 1024),
+        decode_active=(1, 4),
+        decode_contexts=(256,),
+        handoff_sizes=(64,),
+        handoff_repeats=1,
+    )
+    store = await profile_fleet(config, plan)
+    assert store.engines.keys() == {"e0", "e1"}
+    for profile in store.engines.values():
+        assert profile.kv_capacity_source == "sglang /get_server_info max_total_num_tokens"
+    fleet[0].set_api_key("another-key")
+    refused = (
+        r"^engine 'e0' GET /v1/models answered 401: the engine refused the API key from "
+        r"engine\.api_key_file \(check its --api-key\)$"
+    )
+    with pytest.raises(SweepFailed, match=refused):
+        await profile_fleet(config, plan)
