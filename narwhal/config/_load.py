@@ -66,12 +66,13 @@ class ConfigError(Exception):
         return "\n".join(self.messages)
 
 
-def load_config(document: object, *, source: str = "<config>") -> Config:
+def load_config(document: object, *, source: str = "<config>", api_keys: bool = True) -> Config:
     """Structure and check an already-parsed JSON value.
 
     Raises ConfigError listing every problem, each message starting with the dotted path
     of the offending value (`source` stands for the whole document). Blocking: it reads
-    the API key files the document names.
+    the API key files the document names, unless `api_keys` is false (a caller that only
+    needs other settings, run by a user who may not read the key); engines then have none.
     """
     converter = _make_converter()
     try:
@@ -89,15 +90,16 @@ def load_config(document: object, *, source: str = "<config>") -> Config:
     for rule in cross_rules():
         if broken.isdisjoint(rule.reads):
             messages.extend(rule.check(config))
-    config, key_problems = _with_api_keys(config)
-    messages.extend(key_problems)
+    if api_keys:
+        config, key_problems = _with_api_keys(config)
+        messages.extend(key_problems)
     if messages:
         raise ConfigError(messages, source=source)
     return config
 
 
-def load_config_file(path: str | os.PathLike[str]) -> Config:
-    """Read, parse and check a JSON configuration file.
+def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> Config:
+    """Read, parse and check a JSON configuration file (`api_keys`: see `load_config`).
 
     Blocking: from async code call it through `trio.to_thread.run_sync`.
     """
@@ -117,7 +119,7 @@ def load_config_file(path: str | os.PathLike[str]) -> Config:
 
     document, duplicates = _parse_json(text, source)
     try:
-        config = load_config(document, source=source)
+        config = load_config(document, source=source, api_keys=api_keys)
     except ConfigError as exc:
         raise ConfigError(duplicates + exc.messages, source=source) from None
     if duplicates:

@@ -219,3 +219,19 @@ def test_load_config_file_reads_the_key(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "narwhal.json"
     path.write_text(json.dumps(document(engine={"api_key_file": key_path})))
     assert load_config_file(path).engines[1].api_key_text() == KEY
+
+
+def test_narwhalctl_finds_the_socket_without_reading_the_key(tmp_path: pathlib.Path) -> None:
+    # An operator's narwhalctl may not read the service's credential; it needs no key.
+    from narwhal.cli import ctl
+
+    path = tmp_path / "narwhal.json"
+    doc = document(engine={"api_key_file": str(tmp_path / "unreadable-by-operator")})
+    doc["ctl"] = {"socket": str(tmp_path / "n.sock")}
+    path.write_text(json.dumps(doc))
+    args = ctl._parser().parse_args(["--config", str(path), "state"])
+    assert ctl._socket_path(args) == str(tmp_path / "n.sock")
+    config = load_config_file(path, api_keys=False)
+    assert [spec.api_key for spec in config.engines] == [None, None]
+    with pytest.raises(ConfigError):
+        load_config_file(path)
