@@ -127,6 +127,9 @@ class EngineFailed(NarwhalError):
 
 
 RETRYABLE_ENGINE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# What vLLM and SGLang answer when `--api-key` is set and Narwhal's key is missing or
+# wrong (SGLang's admin routes answer 403): a router configuration error.
+ENGINE_AUTH_STATUSES = frozenset({401, 403})
 
 
 def client_status_for_engine_status(status: int) -> int:
@@ -134,9 +137,13 @@ def client_status_for_engine_status(status: int) -> int:
 
     Client errors keep their status (the engine judged the request). Overload keeps its
     meaning: an engine 429 stays 429 and 503 stays 503 (peers turn 429 into 500, which
-    tells clients the wrong thing). Other engine failures are the gateway's upstream
-    failing: 502, or 504 when the engine itself timed out.
+    tells clients the wrong thing). An engine's 401/403 refused Narwhal's API key, not
+    the client's: passed on, it would tell the client to fix its own credentials, so it is
+    the upstream failing, 502. Other engine failures are the gateway's upstream failing:
+    502, or 504 when the engine itself timed out.
     """
+    if status in ENGINE_AUTH_STATUSES:
+        return 502
     if status in (429, 503):
         return status
     if status in (408, 504):

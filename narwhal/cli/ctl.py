@@ -71,7 +71,9 @@ def _socket_path(args: argparse.Namespace) -> str:
         from ..config import ConfigError, load_config_file
 
         try:
-            return load_config_file(args.config).ctl.socket
+            # Only the socket path is wanted: an operator need not be able to read the
+            # engines' API key file (under systemd it is the service's credential).
+            return load_config_file(args.config, api_keys=False).ctl.socket
         except ConfigError as exc:
             print(f"narwhalctl: cannot use --config {args.config}:", file=sys.stderr)
             for message in exc.messages:

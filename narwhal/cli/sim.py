@@ -83,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
         help="generated tokens per streamed event (SGLang --stream-interval)",
     )
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on the routes the real engine guards "
+        "(vLLM: /v1/*; SGLang: all but /health* and /metrics*)",
+    )
+    p.add_argument(
         "--zero",
         action="store_true",
         help="instant engines (SimTiming.zero) for router-overhead measurements",
@@ -150,6 +156,7 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
         "max_num_queued": args.max_num_queued,
         "stream_interval": args.stream_interval,
         "stock_version": args.stock_version,
+        "api_key": args.api_key,
     }
     if args.build:
         fields["build"] = args.build

@@ -26,6 +26,7 @@ from ._model import (
     Profiles as Profiles,
     Reactive as Reactive,
     Recovery as Recovery,
+    Secret as Secret,
     Serving as Serving,
     Slo as Slo,
     Thresholds as Thresholds,

@@ -10,7 +10,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import attrs
 
-from ._model import Config
+from ._model import RESOLVED, Config
 
 _TYPE_NAMES: dict[object, str] = {int: "integer", float: "number", bool: "boolean", str: "string"}
 
@@ -40,6 +40,8 @@ def _describe(cls: type[Any], section: str) -> Iterator[FieldDoc]:
     section_doc = inspect.getdoc(cls) or ""
     prefix = f"{section}." if section else ""
     for field in attrs.fields(cls):
+        if field.metadata.get(RESOLVED):
+            continue
         tp = hints[field.name]
         path = prefix + field.name
         if attrs.has(tp):

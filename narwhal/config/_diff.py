@@ -15,7 +15,8 @@ The plan sorts every difference into what the supervisor does with it:
   so the old instance retires like a removed one and a new one takes its id;
   `engines_reconfigured` changed other fields, applied to the live engine in place.
   A changed configured `role` is listed in `role_changes`: the live role follows it
-  unless an operator pinned the engine.
+  unless an operator pinned the engine. A changed engine API key (its file now holds
+  another key) reconfigures the engine; its change reads `<redacted> -> <redacted>`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import attrs
 
 from ._load import config_to_dict
-from ._model import Config
+from ._model import Config, Secret
 
 RESTART_REQUIRED = ("listen.host", "listen.port", "ctl.socket", "controller.enabled")
 # An engine whose endpoint or wire format changed is a different engine to talk to.
@@ -36,6 +37,10 @@ _SHOW_LIMIT = 60
 def _show(value: object) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= _SHOW_LIMIT else text[: _SHOW_LIMIT - 3] + "..."
+
+
+def _redacted(secret: Secret | None) -> str | None:
+    return None if secret is None else str(secret)
 
 
 @attrs.frozen
@@ -113,12 +118,22 @@ def diff(old: Config, new: Config) -> ReloadPlan:
     engine_changes.extend(
         Change(f"engines[{engine_id}]", "present", "removed") for engine_id in removed
     )
+    old_keys = {spec.id: spec.api_key for spec in old.engines}
+    new_keys = {spec.id: spec.api_key for spec in new.engines}
     for engine_id, spec in new_engines.items():
         previous = old_engines.get(engine_id)
-        if previous is None or previous == spec:
+        if previous is None:
             continue
         fields: list[Change] = []
         _walk(previous, spec, f"engines[{engine_id}]", fields)
+        before_key, after_key = old_keys[engine_id], new_keys[engine_id]
+        if before_key != after_key:
+            # Keys are left out of the dicts, which get printed; compared here, redacted.
+            fields.append(
+                Change(f"engines[{engine_id}].api_key", _redacted(before_key), _redacted(after_key))
+            )
+        if not fields:
+            continue
         engine_changes.extend(fields)
         names = {change.path.rsplit(".", 1)[-1] for change in fields}
         if names & set(_REPLACING_FIELDS):

@@ -34,10 +34,10 @@ from cattrs.errors import (
     IterableValidationError,
     IterableValidationNote,
 )
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from ._cross import cross_rules
-from ._model import Config
+from ._model import RESOLVED, Config, Secret
 from ._paths import Path, field_pattern, format_path
 
 _INT64 = 2**63
@@ -45,6 +45,13 @@ _SHOW_LIMIT = 40
 # Repairing a document can expose a deeper problem (a replaced engine now lacks its
 # required keys); the schema is three levels deep, so a few rounds always suffice.
 _REPAIR_ROUNDS = 4
+# An API key is one short token; a bigger file is the wrong file.
+_KEY_FILE_LIMIT = 4096
+# What vLLM and SGLang compare after "Bearer ": visible ASCII. Spaces and other
+# whitespace would be trimmed or split by HTTP parsers on the way, control characters
+# and line breaks would inject headers, and non-ASCII text is decoded differently by
+# the two ends.
+_KEY_CHARS = frozenset(range(0x21, 0x7F))
 
 
 class ConfigError(Exception):
@@ -59,11 +66,13 @@ class ConfigError(Exception):
         return "\n".join(self.messages)
 
 
-def load_config(document: object, *, source: str = "<config>") -> Config:
+def load_config(document: object, *, source: str = "<config>", api_keys: bool = True) -> Config:
     """Structure and check an already-parsed JSON value.
 
     Raises ConfigError listing every problem, each message starting with the dotted path
-    of the offending value (`source` stands for the whole document).
+    of the offending value (`source` stands for the whole document). Blocking: it reads
+    the API key files the document names, unless `api_keys` is false (a caller that only
+    needs other settings, run by a user who may not read the key); engines then have none.
     """
     converter = _make_converter()
     try:
@@ -81,13 +90,16 @@ def load_config(document: object, *, source: str = "<config>") -> Config:
     for rule in cross_rules():
         if broken.isdisjoint(rule.reads):
             messages.extend(rule.check(config))
+    if api_keys:
+        config, key_problems = _with_api_keys(config)
+        messages.extend(key_problems)
     if messages:
         raise ConfigError(messages, source=source)
     return config
 
 
-def load_config_file(path: str | os.PathLike[str]) -> Config:
-    """Read, parse and check a JSON configuration file.
+def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> Config:
+    """Read, parse and check a JSON configuration file (`api_keys`: see `load_config`).
 
     Blocking: from async code call it through `trio.to_thread.run_sync`.
     """
@@ -107,7 +119,7 @@ def load_config_file(path: str | os.PathLike[str]) -> Config:
 
     document, duplicates = _parse_json(text, source)
     try:
-        config = load_config(document, source=source)
+        config = load_config(document, source=source, api_keys=api_keys)
     except ConfigError as exc:
         raise ConfigError(duplicates + exc.messages, source=source) from None
     if duplicates:
@@ -119,6 +131,61 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     """The JSON-ready form of `config`, every default filled in."""
     unstructured: dict[str, Any] = _make_converter().unstructure(config)
     return unstructured
+
+
+# --- engine API keys ----------------------------------------------------------------------
+
+
+def _with_api_keys(config: Config) -> tuple[Config, list[str]]:
+    """`config` with each engine's key read from its effective `api_key_file`.
+
+    Read on every load, so a reload picks up a rotated key. Messages name the file but
+    never its content.
+    """
+    problems: list[str] = []
+    shared: Secret | None = None
+    if config.engine.api_key_file is not None:
+        shared, problem = read_api_key(config.engine.api_key_file)
+        if problem is not None:
+            problems.append(f"engine.api_key_file: {problem}")
+    engines = []
+    for index, spec in enumerate(config.engines):
+        key = shared
+        if spec.api_key_file is not None:
+            key, problem = read_api_key(spec.api_key_file)
+            if problem is not None:
+                problems.append(f"engines[{index}].api_key_file: {problem}")
+        engines.append(attrs.evolve(spec, api_key=key))
+    return attrs.evolve(config, engines=tuple(engines)), problems
+
+
+def read_api_key(path: str) -> tuple[Secret | None, str | None]:
+    """The key in the file at `path`, or why it cannot be used (a message without it)."""
+    shown = json.dumps(path)
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read(_KEY_FILE_LIMIT + 1)
+    except FileNotFoundError:
+        return None, f"{shown}: no such file"
+    except OSError as exc:
+        reason = (exc.strerror or type(exc).__name__).lower()
+        return None, f"{shown}: cannot read file: {reason}"
+    if len(raw) > _KEY_FILE_LIMIT:
+        return None, f"{shown}: larger than {_KEY_FILE_LIMIT} bytes; expected one line, the key"
+    # Editors and `echo` end the file with a newline; the key is the line before it.
+    if raw.endswith(b"\r\n"):
+        raw = raw[:-2]
+    elif raw.endswith(b"\n"):
+        raw = raw[:-1]
+    if not raw:
+        return None, f"{shown}: the file is empty; expected the engines' API key"
+    if not _KEY_CHARS.issuperset(raw):
+        return None, (
+            f"{shown}: the key holds a character that cannot be sent in an HTTP header "
+            "(space, line break, control or non-ASCII character); expected one line of "
+            "printable ASCII"
+        )
+    return Secret(raw.decode("ascii")), None
 
 
 @attrs.frozen
@@ -137,6 +204,8 @@ def field_problems(config: Config) -> list[Problem]:
 
 def _walk(node: attrs.AttrsInstance, path: Path, out: list[Problem]) -> None:
     for field in attrs.fields(type(node)):
+        if field.metadata.get(RESOLVED):
+            continue
         value = getattr(node, field.name)
         here = (*path, field.name)
         if attrs.has(type(value)):
@@ -190,7 +259,21 @@ def _make_converter() -> cattrs.Converter:
         _is_homogeneous_tuple, lambda tp: _tuple_hook(converter, tp)
     )
     converter.register_structure_hook_factory(attrs.has, lambda cl: _object_hook(converter, cl))
+    converter.register_unstructure_hook_factory(
+        attrs.has,
+        lambda cl: make_dict_unstructure_fn(cl, converter, **_resolved_omitted(cl)),
+    )
     return converter
+
+
+def _resolved_omitted(cl: type[Any]) -> dict[str, Any]:
+    # Resolved fields are filled in by the loader, not read from or written to documents:
+    # the document has no such key, and the API key must never be printed.
+    return {
+        field.name: override(omit=True)
+        for field in attrs.fields(cl)
+        if field.metadata.get(RESOLVED)
+    }
 
 
 def _structure_int(value: object, _: object) -> int:
@@ -301,7 +384,9 @@ def _tuple_hook(
 
 
 def _object_hook(converter: cattrs.Converter, cl: type[Any]) -> Callable[[object, object], Any]:
-    structure_fields = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True)
+    structure_fields = make_dict_structure_fn(
+        cl, converter, _cattrs_forbid_extra_keys=True, **_resolved_omitted(cl)
+    )
 
     def structure(value: object, _: object) -> Any:
         # The generated function indexes its input: a list or string would raise
@@ -353,7 +438,7 @@ def _structure_problems(exc: BaseException, path: Path) -> list[Problem]:
 
 
 def _unknown_keys(exc: ForbiddenExtraKeysError, path: Path) -> list[Problem]:
-    known = [field.name for field in attrs.fields(exc.cl)]
+    known = [field.name for field in attrs.fields(exc.cl) if not field.metadata.get(RESOLVED)]
     return [
         Problem((*path, key), "unknown key" + _did_you_mean(key, known), "unknown")
         for key in sorted(exc.extra_fields)

@@ -21,6 +21,26 @@ Admission = Literal["predictive", "open"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 T = TypeVar("T")
 
+# Marks a field the loader fills in from elsewhere (a file the document names): it is
+# not a key of the document, not in `config_to_dict`, and not in the reference.
+RESOLVED = "resolved"
+
+
+@attrs.frozen(repr=False)
+class Secret:
+    """A credential read from a file. Only `reveal()` gives the text, for the wire; every
+    other rendering (repr, str, logs, state, reload changes) shows it redacted."""
+
+    _value: str = attrs.field(alias="value")
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+    __str__ = __repr__
+
 
 def _meta(*rules: Rule, doc: str) -> dict[str, object]:
     return {"rules": rules, "doc": doc}
@@ -81,6 +101,24 @@ class EngineSpec:
         NonNegative(),
         doc="Override of `serving.decode_concurrency` for this engine; `null` inherits it.",
     )
+    api_key_file: str | None = _f(
+        None,
+        doc=(
+            "Override of `engine.api_key_file` for this engine (an engine started with its "
+            "own `--api-key`); `null` inherits it."
+        ),
+    )
+    api_key: Secret | None = attrs.field(
+        default=None,
+        metadata={
+            RESOLVED: True,
+            "doc": "The key read from the effective `api_key_file`; never in the document.",
+        },
+    )
+
+    def api_key_text(self) -> str | None:
+        """The key to send, for the transport only; None when none is configured."""
+        return None if self.api_key is None else self.api_key.reveal()
 
     def origin(self) -> tuple[str, int]:
         """(host, port) of a url the loader accepted."""
@@ -299,6 +337,17 @@ class Engine:
         5.0,
         Positive(),
         doc="Deadline for preflight, breaker and readmission health probes.",
+    )
+    api_key_file: str | None = _f(
+        None,
+        doc=(
+            "File holding the key engines were started with (`--api-key`), sent as "
+            "`Authorization: Bearer` on every engine request; `null` sends none. One line "
+            "of printable ASCII without spaces (one trailing newline is ignored). The key "
+            "itself never goes in the configuration; the file is re-read on reload, so a "
+            "rotated key takes effect then. A relative path is taken from the working "
+            "directory; under systemd, `LoadCredential=` provides the file."
+        ),
     )
 
     def control_pool_size(self, engine_count: int) -> int:

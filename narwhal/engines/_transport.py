@@ -366,10 +366,13 @@ class ConnectionPool:
         connect_timeout_s: float,
         pool_timeout_s: float,
         idle_ttl_s: float = 4.0,
+        api_key: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self._host_header = f"{host}:{port}".encode()
+        self._auth = b""
+        self.set_api_key(api_key)
         self._limiter = trio.CapacityLimiter(max_connections)
         self._idle: list[_Connection] = []
         self._in_use = 0
@@ -414,6 +417,24 @@ class ConnectionPool:
     def configure(self, *, connect_timeout_s: float, pool_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.pool_timeout_s = pool_timeout_s
+
+    def set_api_key(self, api_key: str | None) -> None:
+        """Send `authorization: Bearer <api_key>` on every request from now on (None: no
+        credential). Requests already sent keep the header they went out with; on reload
+        this is how a rotated key takes effect."""
+        if api_key is None:
+            self._auth = b""
+            return
+        value = b"Bearer " + api_key.encode("ascii", "replace")
+        # The loader admits only printable ASCII; checked again because a bad key here
+        # would inject headers. The message must not contain the key.
+        if _UNSAFE_VALUE.search(value) or not api_key.isascii():
+            raise ValueError("refusing an API key that cannot be sent in an HTTP header")
+        self._auth = b"authorization: %s\r\n" % value
+
+    @property
+    def sends_api_key(self) -> bool:
+        return bool(self._auth)
 
     @asynccontextmanager
     async def request(
@@ -485,7 +506,9 @@ class ConnectionPool:
     async def _send(
         self, conn: _Connection, method: bytes, target: bytes, headers: Headers, body: bytes
     ) -> Response:
-        lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method, target, self._host_header)]
+        lines = [
+            b"%s %s HTTP/1.1\r\nhost: %s\r\n%s" % (method, target, self._host_header, self._auth)
+        ]
         for name, value in headers:
             # Values may carry client-chosen text (a request id); no header injection.
             if _UNSAFE_VALUE.search(value) or _FIELD.fullmatch(name + b":") is None:

@@ -106,6 +106,7 @@ class EngineState:
             max_connections=config.serving.max_connections,
             connect_timeout_s=engine_cfg.connect_timeout_s,
             pool_timeout_s=engine_cfg.pool_timeout_s,
+            api_key=spec.api_key_text(),
         )
         self.control_pool = ConnectionPool(
             self.host,
@@ -113,6 +114,7 @@ class EngineState:
             max_connections=control_share(config),
             connect_timeout_s=engine_cfg.connect_timeout_s,
             pool_timeout_s=engine_cfg.pool_timeout_s,
+            api_key=spec.api_key_text(),
         )
         self.role: Role = spec.role
         self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
@@ -172,6 +174,7 @@ class EngineState:
                 connect_timeout_s=engine_cfg.connect_timeout_s,
                 pool_timeout_s=engine_cfg.pool_timeout_s,
             )
+            pool.set_api_key(spec.api_key_text())
         self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
         self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
 

@@ -46,6 +46,7 @@ from typing import Generic, Literal, TypeVar
 import attrs
 import trio
 
+from .._errors import ENGINE_AUTH_STATUSES
 from ..config import Config
 from ..profiles import MeasuredFacts, ProfileStore, check_store, crossed_pairs, read_store
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
@@ -54,6 +55,7 @@ from ._client import (
     ProbeError,
     crossed_handoff,
     decode_leg,
+    key_refusal,
     mode_mismatch,
     prefill_leg,
 )
@@ -64,6 +66,8 @@ T = TypeVar("T")
 Progress = Callable[[str], None]
 
 _VERIFY_PROMPT_TOKENS = 32
+# A /v1/models answer lists the served models; the bound is for a broken engine.
+_MODELS_LIMIT = 1024 * 1024
 
 
 @attrs.frozen
@@ -247,6 +251,8 @@ async def _health(clients: dict[str, EngineClient], limit: float, rows: _Rows) -
             row = CheckRow("health", client.id, "fail", "unreachable", bound, answer.why)
         elif answer.value != 200:
             row = CheckRow("health", client.id, "fail", f"HTTP {answer.value}", bound, value=took)
+        elif (refused := await _key_refused(client, limit)) is not None:
+            row = CheckRow("health", client.id, "fail", refused[0], bound, refused[1], took)
         else:
             healthy.add(client.id)
             row = CheckRow("health", client.id, "pass", f"200 in {_ms(took)}", bound, value=took)
@@ -289,6 +295,18 @@ async def _launch_modes(
         if mismatch is None:
             passed.add(engine_id)
     return passed
+
+
+async def _key_refused(client: EngineClient, limit: float) -> tuple[str, str] | None:
+    """(measured, note) when the engine refuses Narwhal's API key, or wants one and none
+    is configured. Health routes are open on engines started with --api-key (vLLM and
+    SGLang alike), so a healthy engine can still refuse every request; /v1/models is
+    guarded by both."""
+    answer = await _bounded(limit, client.get("/v1/models", limit=_MODELS_LIMIT))
+    if answer.value is None or answer.value[0] not in ENGINE_AUTH_STATUSES:
+        return None
+    note = key_refusal(sends_key=client.pool.sends_api_key)
+    return f"API key refused (HTTP {answer.value[0]})", note
 
 
 async def _tokenize(

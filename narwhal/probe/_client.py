@@ -19,6 +19,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from .._errors import ENGINE_AUTH_STATUSES
 from ..config import Engine, EngineSpec
 from ..engines import (
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -118,6 +119,13 @@ class Gauges:
     kv_expired: float | None
 
 
+def key_refusal(*, sends_key: bool) -> str:
+    """Why an engine answered 401/403: Narwhal's key is wrong, or it sent none."""
+    if sends_key:
+        return "the engine refused the API key from engine.api_key_file (check its --api-key)"
+    return "the engine requires an API key (--api-key); set engine.api_key_file"
+
+
 class EngineClient:
     """One configured engine, probed directly."""
 
@@ -134,6 +142,7 @@ class EngineClient:
             max_connections=max_connections,
             connect_timeout_s=engine.connect_timeout_s,
             pool_timeout_s=engine.pool_timeout_s,
+            api_key=spec.api_key_text(),
         )
         self.serial = 0
         # "prefill"/"decode" for an SGLang server launched in that mode (its configured
@@ -225,6 +234,12 @@ class EngineClient:
                     version = str(doc.get("version", "unknown"))
                 build = build or str(doc.get("build") or "")
         status, raw = await self.get("/v1/models")
+        if status in ENGINE_AUTH_STATUSES:
+            # Guarded by both engines under --api-key; "serves no model" would mislead.
+            raise ProbeError(
+                f"engine {self.id!r} GET /v1/models answered {status}: "
+                f"{key_refusal(sends_key=self.pool.sends_api_key)}"
+            )
         doc = _loads(raw) if status == 200 else None
         cards = doc.get("data") if isinstance(doc, dict) else None
         models = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []

@@ -36,6 +36,7 @@ from typing import Literal, Protocol
 import attrs
 import trio
 
+from .._errors import ENGINE_AUTH_STATUSES
 from ..config import Config
 from ..engines import (
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -160,6 +161,15 @@ def _headers(request_id: str | None = None) -> list[tuple[bytes, bytes]]:
     if request_id is not None:
         headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
     return headers
+
+
+def _status_detail(where: str, status: int) -> str:
+    if status in ENGINE_AUTH_STATUSES:
+        return (
+            f"{where} returned HTTP {status}: the engine refused narwhal's API key "
+            "(engine.api_key_file)"
+        )
+    return f"{where} returned HTTP {status}"
 
 
 class HttpProber:
@@ -334,7 +344,7 @@ async def _json_leg(
             ) as response:
                 raw = await response.aread(_SMALL_BODY)
                 if response.status != 200:
-                    raise _LegFailed(f"{where} returned HTTP {response.status}")
+                    raise _LegFailed(_status_detail(where, response.status))
                 return raw
         except PoolTimeout as exc:
             raise _Exhausted(str(exc)) from None
@@ -356,7 +366,7 @@ async def _stream_leg(
             ) as response:
                 if response.status != 200:
                     await response.aread(_SMALL_BODY)
-                    raise _LegFailed(f"{where} returned HTTP {response.status}")
+                    raise _LegFailed(_status_detail(where, response.status))
                 data_events = 0
                 while chunk := await response.receive_some():
                     received += len(chunk)

@@ -35,6 +35,7 @@ from typing import Literal, Protocol
 import trio
 
 from .._errors import (
+    ENGINE_AUTH_STATUSES,
     RETRYABLE_ENGINE_STATUSES,
     EngineFailed,
     Expired,
@@ -920,6 +921,30 @@ class Flow:
             raw = b""
         info = parse_error_body(response.status, raw)
         status = response.status
+        if status in ENGINE_AUTH_STATUSES:
+            # The engine refused Narwhal's key, not the client's request: passing the 401
+            # on would tell the client its own credentials are wrong. Retrying elsewhere
+            # would not fix a configuration error, and the engine itself is healthy.
+            if engine.serving_pool.sends_api_key:
+                why = (
+                    f"refused narwhal's API key (HTTP {status}: {info.message}); "
+                    "check engine.api_key_file against the engine's --api-key"
+                )
+            else:
+                why = (
+                    f"requires an API key and narwhal sends none (HTTP {status}: "
+                    f"{info.message}); set engine.api_key_file to the key of the engine's "
+                    "--api-key"
+                )
+            return EngineFailed(
+                f"{phase} engine {engine.id} {why}",
+                status=client_status_for_engine_status(status),
+                engine_id=engine.id,
+                phase=phase,
+                retryable=False,
+                counts_against_engine=False,
+                code="engine_auth_failed",
+            )
         client_error = 400 <= status < 500 and status not in (408, 429)
         return EngineFailed(
             f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",

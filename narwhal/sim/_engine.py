@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import secrets
 import sys
 import time
 import traceback
@@ -58,6 +59,8 @@ class SimEngine:
         on_restart: Callable[[], None] | None = None,
     ) -> None:
         self.spec = spec
+        # Mutable so a test can rotate one engine's key (EngineHandle.set_api_key).
+        self.api_key = spec.api_key
         self.index = index
         self.host = host
         self.port = port
@@ -555,6 +558,15 @@ class SimEngine:
         return routes
 
     async def _dispatch(self, req: HttpRequest, resp: Responder) -> None:
+        key = self.api_key
+        if key is not None and requires_api_key(self.spec.dialect, req.method, req.path):
+            scheme, _, token = req.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.encode(), key.encode()
+            ):
+                # Both engines answer before routing, so an unknown path gets 401 too.
+                await resp.send_json(401, {"error": "Unauthorized"})
+                return
         route = self._routes.get((req.method, req.path))
         if route is None:
             if any(path == req.path for _, path in self._routes):
@@ -768,3 +780,19 @@ def _flatten(block_ids: Any) -> list[int]:
 
 
 __all__ = ["PHASES", "Counters", "Lease", "RemoteKV", "ReqCtx", "Room", "SimEngine"]
+
+
+def requires_api_key(dialect: str, method: str, path: str) -> bool:
+    """Whether an engine started with --api-key demands the key for this request.
+
+    As the engines do it: vLLM's AuthenticationMiddleware guards only paths under /v1
+    (/tokenize, /health, /metrics and /version stay open); SGLang's guards every path
+    but /health* and /metrics*, so its /tokenize, /version and /get_server_info need the
+    key. Neither guards OPTIONS. The simulator's own /_sim/ routes (control and the KV
+    transfer between simulated engines) stand in for no engine route and stay open.
+    """
+    if method == "OPTIONS" or path.startswith("/_sim/"):
+        return False
+    if dialect == "vllm":
+        return path.startswith("/v1")
+    return not path.startswith(("/health", "/metrics"))

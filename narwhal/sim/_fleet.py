@@ -55,6 +55,12 @@ class EngineHandle:
             spec = parse_faults({**(spec or {}), **fields})
         self.engine.set_faults(spec)
 
+    def set_api_key(self, api_key: str | None) -> None:
+        """Restart-free key change (an engine relaunched with another --api-key, without
+        the wait); it lasts across `restart()`."""
+        self._fleet.api_keys[self.index] = api_key
+        self.engine.api_key = api_key
+
     def clear_faults(self) -> None:
         self.engine.set_faults(None)
 
@@ -88,6 +94,8 @@ class Fleet:
         self.host = host
         self.modes = tuple(modes) if modes is not None else None
         self.engines: list[EngineHandle] = []
+        # Per-engine keys set by EngineHandle.set_api_key, over the spec's.
+        self.api_keys: dict[int, str | None] = {}
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[int, trio.CancelScope] = {}
         self._stopped: dict[int, trio.Event] = {}
@@ -110,6 +118,8 @@ class Fleet:
         if self.modes is not None:
             # A restart relaunches the engine in the same mode, as a supervisor would.
             spec = attrs.evolve(spec, disaggregation_mode=self.modes[index])
+        if index in self.api_keys:
+            spec = attrs.evolve(spec, api_key=self.api_keys[index])
         return SimEngine(
             spec,
             index=index,
@@ -163,6 +173,7 @@ async def serve_fleet(
     max_num_queued: int | None = None,
     timing: SimTiming | None = None,
     disaggregation_modes: Sequence[DisaggregationMode] | None = None,
+    api_key: str | None = None,
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `engines` simulated engines until cancelled; `started()` gives the Fleet.
@@ -192,6 +203,7 @@ async def serve_fleet(
             "build": build,
             "max_num_queued": max_num_queued,
             "timing": timing,
+            "api_key": api_key,
         }.items()
         if v is not None
     }

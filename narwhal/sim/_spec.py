@@ -68,6 +68,9 @@ class SimEngineSpec:
     # same way when its API server falls behind the engine (v1 RequestOutputCollector merges
     # deltas) or speculative decoding accepts several tokens in one step.
     stream_interval: int = attrs.field(default=1, validator=_optional_positive_int)
+    # The engine's --api-key: requests to the routes the real engine guards must carry
+    # `Authorization: Bearer <api_key>` or get its 401 (see `_engine.requires_api_key`).
+    api_key: str | None = None
     # Bound on the per-request outcome ring kept for /_sim/state.
     outcome_ring: int = attrs.field(default=10_000, validator=_positive)
 

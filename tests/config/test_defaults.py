@@ -29,6 +29,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engines[].bootstrap_port": (None, "1..65535"),
     "engines[].prefill_concurrency": (None, ">= 0"),
     "engines[].decode_concurrency": (None, ">= 0"),
+    "engines[].api_key_file": (None, ""),
     # (model)
     "slo.ttft_s": (0.5, "> 0"),
     "slo.tpot_s": (0.05, "> 0"),
@@ -71,6 +72,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engine.pool_timeout_s": (5.0, "> 0"),
     "engine.connect_timeout_s": (10.0, "> 0"),
     "engine.health_timeout_s": (5.0, "> 0"),
+    "engine.api_key_file": (None, ""),  # (model) engines started with --api-key
     # manual 7 ((model): enabled)
     "controller.enabled": (True, "true, false"),
     "controller.advisory": (False, "true, false"),

@@ -485,3 +485,53 @@ async def test_header_injection_is_refused_before_anything_is_sent(
     await trio.testing.wait_all_tasks_blocked()
     assert server.requests == []
     assert pool.statistics().in_use == 0
+
+
+async def test_the_api_key_goes_on_every_request_and_follows_set_api_key(
+    nursery: trio.Nursery,
+) -> None:
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def record(
+        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+    ) -> None:
+        seen.append([(name, value) for name, value in req.headers if name == b"authorization"])
+        await respond(stream, conn, 200, [b"ok"])
+
+    server = await start(nursery, record)
+    pool = ConnectionPool(
+        "127.0.0.1",
+        server.port,
+        max_connections=2,
+        connect_timeout_s=1.0,
+        pool_timeout_s=1.0,
+        api_key="first-key",
+    )
+    async with pool:
+        for method in (b"GET", b"POST"):
+            async with pool.request(method, b"/v1/x", [(b"x-request-id", b"r")]) as response:
+                await response.aread(100)
+        pool.set_api_key("rotated-key")
+        async with pool.request(b"GET", b"/health") as response:
+            await response.aread(100)
+        pool.set_api_key(None)
+        assert not pool.sends_api_key
+        async with pool.request(b"GET", b"/health") as response:
+            await response.aread(100)
+    assert seen == [
+        [(b"authorization", b"Bearer first-key")],
+        [(b"authorization", b"Bearer first-key")],
+        [(b"authorization", b"Bearer rotated-key")],
+        [],
+    ]
+
+
+@pytest.mark.parametrize("key", ["a\r\nx-evil: 1", "a\nb", "clé", "a\x00"])
+def test_a_key_that_would_inject_headers_is_refused_without_being_shown(key: str) -> None:
+    pool = ConnectionPool(
+        "127.0.0.1", 9, max_connections=1, connect_timeout_s=1.0, pool_timeout_s=1.0
+    )
+    with pytest.raises(ValueError) as refused:
+        pool.set_api_key(key)
+    assert str(refused.value) == "refusing an API key that cannot be sent in an HTTP header"
+    assert not pool.sends_api_key

@@ -1,0 +1,102 @@
+"""narwhal-check against engines started with --api-key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from narwhal.probe import SweepFailed, SweepPlan, format_table, profile_fleet, run_check
+
+from ..support import StartFleet
+from .helpers import config_for
+from .test_check import PLAN, rows, setup, statuses
+
+KEY = "sk-check-key"
+
+
+def key_file(tmp_path: Path, key: str) -> str:
+    path = tmp_path / "engine-api-key"
+    path.write_text(key + "\n")
+    return str(path)
+
+
+async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_path: Path) -> None:
+    fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5, api_key=KEY)
+    config = await setup(
+        fleet,
+        tmp_path,
+        serving={"handoff_timeout_s": 0.2},
+        engine={"api_key_file": key_file(tmp_path, KEY)},
+    )
+    report = await run_check(config, PLAN)
+    assert not report.failed, format_table(report.rows)
+    assert {row.status for row in report.rows} == {"pass"}
+
+
+@pytest.mark.parametrize(
+    ("configured", "note"),
+    [
+        (
+            "wrong-key",
+            "the engine refused the API key from engine.api_key_file (check its --api-key)",
+        ),
+        (None, "the engine requires an API key (--api-key); set engine.api_key_file"),
+    ],
+)
+async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
+    start_fleet: StartFleet, tmp_path: Path, configured: str | None, note: str
+) -> None:
+    fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5)
+    engine = {} if configured is None else {"api_key_file": key_file(tmp_path, configured)}
+    config = await setup(fleet, tmp_path, serving={"handoff_timeout_s": 0.2}, engine=engine)
+    for handle in fleet:
+        handle.set_api_key(KEY)
+    report = await run_check(config, PLAN)
+    assert report.failed
+    health = rows(report, "health")
+    assert statuses(report, "health") == {"e0": "fail", "e1": "fail"}
+    assert (health["e0"].measured, health["e0"].note) == ("API key refused (HTTP 401)", note)
+    # The engines are left out of the checks that need them, rather than failing each.
+    assert rows(report, "tokenize")["e0"].note == "unhealthy"
+    table = format_table(report.rows)
+    assert note in table
+    assert KEY not in table
+
+
+async def test_narwhal_profile_sweeps_a_keyed_sglang_fleet(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    # SGLang guards /version, /get_server_info and /tokenize too: the sweep reads them all.
+    fleet = await start_fleet(engines=2, speed=4.0, dialect="sglang", api_key=KEY)
+    urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
+    config = config_for(
+        urls,
+        profiles=str(tmp_path / "profiles.json"),
+        engine={"api_key_file": key_file(tmp_path, KEY)},
+    )
+    engines = tuple(
+        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port)
+        for spec, handle in zip(config.engines, fleet, strict=True)
+    )
+    config = attrs.evolve(config, engines=engines)
+    plan = attrs.evolve(
+        SweepPlan.fast(),
+        prefill_sizes=(16, 1024),
+        decode_active=(1, 4),
+        decode_contexts=(256,),
+        handoff_sizes=(64,),
+        handoff_repeats=1,
+    )
+    store = await profile_fleet(config, plan)
+    assert store.engines.keys() == {"e0", "e1"}
+    for profile in store.engines.values():
+        assert profile.kv_capacity_source == "sglang /get_server_info max_total_num_tokens"
+    fleet[0].set_api_key("another-key")
+    refused = (
+        r"^engine 'e0' GET /v1/models answered 401: the engine refused the API key from "
+        r"engine\.api_key_file \(check its --api-key\)$"
+    )
+    with pytest.raises(SweepFailed, match=refused):
+        await profile_fleet(config, plan)

@@ -1,0 +1,193 @@
+"""A fleet of engines started with --api-key, end to end through Narwhal."""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.config import load_config
+from narwhal.sim import Fleet, serve_fleet
+from narwhal.supervisor import Supervisor
+
+from ..support import sse_json
+from .conftest import MODEL, Stack, StartStack, fleet_config
+from .test_failures import settled
+from .test_retries import RETRYING, requests
+
+KEY = "sk-engine-key-0123456789"
+ROTATED = "sk-engine-key-rotated-9876"
+PROMPT = "tokenisation of ordinary english prose " * 4
+
+
+def key_file(tmp_path: Path, key: str = KEY) -> str:
+    path = tmp_path / "engine-api-key"
+    path.write_text(key + "\n")
+    return str(path)
+
+
+async def keyed_stack(
+    start_stack: StartStack, tmp_path: Path, roles: list[str] | None = None, **sections: Any
+) -> Stack:
+    return await start_stack(
+        roles,
+        sim={"api_key": KEY},
+        engine={"api_key_file": key_file(tmp_path), **sections.pop("engine", {})},
+        **sections,
+    )
+
+
+async def complete(stack: Stack, **body: Any) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, **body},
+        )
+
+
+async def test_a_keyed_pd_fleet_serves_streaming_and_non_streaming(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await keyed_stack(start_stack, tmp_path)
+    plain = await complete(stack)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["choices"][0]["finish_reason"] == "length"
+    streamed = await complete(stack, stream=True)
+    assert streamed.status_code == 200, streamed.text
+    assert sse_json(streamed.content)[-1]["choices"][0]["finish_reason"] == "length"
+    async with httpx.AsyncClient(timeout=30) as client:
+        chat = await client.post(
+            f"{stack.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+    assert chat.status_code == 200, chat.text
+    # Both legs ran disaggregated, and each prompt was counted by the engine's /tokenize.
+    assert (requests(stack, 0, "prefill"), requests(stack, 1, "decode")) == (3, 3)
+    state = await settled(stack)
+    assert state["requests"]["token_counts"] == {"exact": 3}
+    # The startup preflight (health and a verification pair over the control pool) passed.
+    assert all(e["available"] for e in state["engines"]), state["engines"]
+
+
+async def test_a_keyed_sglang_fleet_serves_and_counts_tokens(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # SGLang guards /tokenize, /version and /get_server_info too.
+    fleet: Fleet = await nursery.start(
+        partial(
+            serve_fleet,
+            engines=2,
+            speed=20.0,
+            model=MODEL,
+            dialect="sglang",
+            disaggregation_modes=("prefill", "decode"),
+            api_key=KEY,
+        )
+    )
+    document = fleet_config(
+        fleet, ["prefill", "decode"], engine={"api_key_file": key_file(tmp_path)}
+    )
+    for entry, handle in zip(document["engines"], fleet, strict=True):
+        entry["dialect"] = "sglang"
+        entry["bootstrap_port"] = handle.port
+    config = load_config(document)
+    supervisor: Supervisor = await nursery.start(Supervisor(config).run)
+    stack = Stack(fleet, supervisor, config)
+    assert (await complete(stack)).status_code == 200
+    streamed = await complete(stack, stream=True)
+    assert sse_json(streamed.content)[-1]["choices"][0]["finish_reason"] == "length"
+    state = await settled(stack)
+    assert state["requests"]["token_counts"] == {"exact": 2}
+
+
+async def test_an_engine_refusing_the_key_is_a_clear_502_not_retried_nor_counted(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await keyed_stack(
+        start_stack, tmp_path, ["prefill", "prefill", "decode", "decode"], serving=RETRYING
+    )
+    stack.fleet[0].set_api_key(ROTATED)  # relaunched with another key; Narwhal not told
+    response = await complete(stack)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "engine_auth_failed"
+    assert error["type"] == "server_error"
+    assert error["message"] == (
+        "prefill engine p0 refused narwhal's API key (HTTP 401: Unauthorized); "
+        "check engine.api_key_file against the engine's --api-key"
+    )
+    # A configuration error: another engine would not fix it, and p0 is not faulty.
+    assert requests(stack, 1, "prefill") == 0
+    state = await settled(stack)
+    assert state["recovery"]["engines"]["p0"]["breakers"]["prefill"]["failures_in_window"] == 0
+    assert KEY not in json.dumps(state)
+    assert ROTATED not in json.dumps(state)
+
+
+async def test_a_secured_fleet_without_a_configured_key_says_so(start_stack: StartStack) -> None:
+    # The engines' health routes are open, so they look healthy; their /v1 routes are not.
+    stack = await start_stack(sim={"api_key": KEY})
+    for stream in (False, True):
+        response = await complete(stack, stream=stream)
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["code"] == "engine_auth_failed"
+        assert error["message"] == (
+            "prefill engine p0 requires an API key and narwhal sends none (HTTP 401: "
+            "Unauthorized); set engine.api_key_file to the key of the engine's --api-key"
+        )
+    state = await settled(stack)
+    assert state["recovery"]["engines"]["p0"]["breakers"]["prefill"]["failures_in_window"] == 0
+
+
+async def test_a_rotated_key_takes_effect_on_reload_and_never_shows(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="narwhal")
+    fleet: Fleet = await nursery.start(
+        partial(serve_fleet, engines=2, speed=20.0, model=MODEL, api_key=KEY)
+    )
+    path = tmp_path / "narwhal.json"
+    key_path = key_file(tmp_path)
+    document = fleet_config(fleet, ["prefill", "decode"], engine={"api_key_file": key_path})
+    path.write_text(json.dumps(document))
+    config = load_config(document)
+    supervisor: Supervisor = await nursery.start(Supervisor(config, config_path=str(path)).run)
+    stack = Stack(fleet, supervisor, config)
+    assert (await complete(stack)).status_code == 200
+
+    for handle in fleet:
+        handle.set_api_key(ROTATED)
+    assert (await complete(stack)).json()["error"]["code"] == "engine_auth_failed"
+
+    await trio.Path(key_path).write_text(ROTATED + "\n")
+    result = await supervisor.reload()
+    assert result.applied
+    assert result.plan is not None
+    assert result.plan.summary() == [
+        'engines[p0].api_key: "<redacted>" -> "<redacted>"',
+        'engines[d1].api_key: "<redacted>" -> "<redacted>"',
+    ]
+    assert (await complete(stack)).status_code == 200
+    assert (await complete(stack, stream=True)).status_code == 200
+
+    # A reload that cannot read the key keeps the running key, and says why.
+    await trio.Path(key_path).write_text("")
+    refused = await supervisor.reload()
+    assert not refused.applied
+    assert refused.errors == (
+        f"engine.api_key_file: {json.dumps(key_path)}: the file is empty; expected the engines' API key",
+    )
+    assert (await complete(stack)).status_code == 200
+
+    state = await stack.state()
+    shown = json.dumps(state) + caplog.text + json.dumps(supervisor.reloads)
+    assert "<redacted>" in shown
+    assert KEY not in shown
+    assert ROTATED not in shown
