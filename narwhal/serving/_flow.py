@@ -1261,6 +1261,9 @@ async def _relay(
             f"engine was silent for engine.decode_read_timeout_s="
             f"{config.engine.decode_read_timeout_s}",
             status=504,
+            # A timeout is transient (manual 4.2). A stream's client has seen its first
+            # token by now, so only a non-streaming request, with nothing shown, retries.
+            retryable=True,
         )
     if held:
         if hold_until is not None:

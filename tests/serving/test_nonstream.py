@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from narwhal.fleet import EngineState
@@ -17,7 +18,8 @@ from narwhal.serving._context import ServingSignals
 
 from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
-from .test_failures import PROMPT, phases, post, settled
+from .test_failures import PROMPT, phases, post, settled, terminal_error
+from .test_retries import requests as requests_on
 from .test_sglang import sglang_stack
 
 
@@ -116,6 +118,27 @@ async def test_a_failure_before_the_answer_is_retried(start_stack: StartStack) -
     assert response.json()["usage"]["completion_tokens"] == 3
     assert phases(stack, 1, "aborted") == ["decode"]
     assert stack.ctx.metrics.retries.labels("first_token_timeout")._value.get() == 1
+    await settled(stack)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_stall_is_retried_only_while_nothing_is_visible(
+    start_stack: StartStack, stream: bool
+) -> None:
+    stack = await start_stack(
+        ["prefill", "decode", "decode"],
+        engine={"decode_read_timeout_s": 0.3},
+        serving={"max_attempts": 2, "handoff_timeout_s": 2.0, "request_timeout_s": 5.0},
+    )
+    stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
+    response = await post(stack, {"max_tokens": 20, "stream": stream})
+    if stream:  # two tokens were relayed: a retry would repeat them
+        assert terminal_error(response)["code"] == "decode_stalled"
+        assert requests_on(stack, 2, "decode") == 0
+    else:
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 20
+        assert stack.ctx.metrics.retries.labels("decode_stalled")._value.get() == 1
     await settled(stack)
 
 
