@@ -123,6 +123,9 @@ class EngineState:
         # the role changes (manual 5).
         self.removed = False  # reload dropped it from the config; resident work finishes
         self.drained = False  # operator (narwhalctl drain)
+        # Why the engine refuses Narwhal's API key (HTTP 401/403), until a reload, which
+        # re-reads the key, gives it another chance.
+        self.auth_refused: str | None = None
         self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
         self.held_until = -math.inf  # restart hold, set by recovery
         self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
@@ -175,6 +178,7 @@ class EngineState:
                 pool_timeout_s=engine_cfg.pool_timeout_s,
             )
             pool.set_api_key(spec.api_key_text())
+        self.auth_refused = None
         self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
         self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
 
@@ -199,6 +203,8 @@ class EngineState:
             return "removed"
         if self.drained:
             return "drained"
+        if self.auth_refused is not None:
+            return f"auth refused: {self.auth_refused}"
         if self.ejected is not None:
             return f"ejected: {self.ejected}"
         if now < self.held_until:

@@ -923,25 +923,31 @@ class Flow:
         status = response.status
         if status in ENGINE_AUTH_STATUSES:
             # The engine refused Narwhal's key, not the client's request: passing the 401
-            # on would tell the client its own credentials are wrong. Retrying elsewhere
-            # would not fix a configuration error, and the engine itself is healthy.
+            # on would tell the client its own credentials are wrong. Nor is the engine
+            # faulty (no breaker count), but it will refuse every request until the keys
+            # agree: it leaves placement until a reload re-reads the key, and the request
+            # may be retried on an engine that takes the key.
             if engine.serving_pool.sends_api_key:
-                why = (
-                    f"refused narwhal's API key (HTTP {status}: {info.message}); "
-                    "check engine.api_key_file against the engine's --api-key"
-                )
+                refusal = "refused narwhal's API key"
+                fix = "check engine.api_key_file against the engine's --api-key"
             else:
-                why = (
-                    f"requires an API key and narwhal sends none (HTTP {status}: "
-                    f"{info.message}); set engine.api_key_file to the key of the engine's "
-                    "--api-key"
+                refusal = "requires an API key and narwhal sends none"
+                fix = "set engine.api_key_file to the key of the engine's --api-key"
+            why = f"{refusal} (HTTP {status}: {info.message}); {fix}"
+            if engine.auth_refused is None:
+                log.error(
+                    "engine %s %s; it takes no new work until a reload",
+                    engine.id,
+                    why,
+                    extra={"event": "engine_auth_refused", "engine": engine.id},
                 )
+            engine.auth_refused = f"{refusal} (HTTP {status})"
             return EngineFailed(
                 f"{phase} engine {engine.id} {why}",
                 status=client_status_for_engine_status(status),
                 engine_id=engine.id,
                 phase=phase,
-                retryable=False,
+                retryable=True,
                 counts_against_engine=False,
                 code="engine_auth_failed",
             )

@@ -106,25 +106,31 @@ async def test_a_keyed_sglang_fleet_serves_and_counts_tokens(
     assert state["requests"]["token_counts"] == {"exact": 2}
 
 
-async def test_an_engine_refusing_the_key_is_a_clear_502_not_retried_nor_counted(
-    start_stack: StartStack, tmp_path: Path
+async def test_an_engine_refusing_the_key_leaves_placement_and_the_request_is_retried(
+    start_stack: StartStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     stack = await keyed_stack(
         start_stack, tmp_path, ["prefill", "prefill", "decode", "decode"], serving=RETRYING
     )
     stack.fleet[0].set_api_key(ROTATED)  # relaunched with another key; Narwhal not told
     response = await complete(stack)
-    assert response.status_code == 502
-    error = response.json()["error"]
-    assert error["code"] == "engine_auth_failed"
-    assert error["type"] == "server_error"
-    assert error["message"] == (
-        "prefill engine p0 refused narwhal's API key (HTTP 401: Unauthorized); "
-        "check engine.api_key_file against the engine's --api-key"
-    )
-    # A configuration error: another engine would not fix it, and p0 is not faulty.
-    assert requests(stack, 1, "prefill") == 0
+    # Not the request's fault: retried on an engine that takes the key.
+    assert response.status_code == 200
+    assert requests(stack, 1, "prefill") == 1  # (the refusal precedes p0's own books)
+    assert stack.ctx.metrics.retries.labels("engine_auth_failed")._value.get() == 1
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check "
+        "engine.api_key_file against the engine's --api-key; it takes no new work until a "
+        "reload"
+    ]
+    # p0 would refuse every request: it takes no new work, and says why.
+    assert (await complete(stack)).status_code == 200
+    assert requests(stack, 1, "prefill") == 2
+    assert stack.ctx.metrics.retries.labels("engine_auth_failed")._value.get() == 1
     state = await settled(stack)
+    p0 = next(e for e in state["engines"] if e["id"] == "p0")
+    assert p0["unavailable_reason"] == "auth refused: refused narwhal's API key (HTTP 401)"
+    # Not faulty either: its breaker counts nothing.
     assert state["recovery"]["engines"]["p0"]["breakers"]["prefill"]["failures_in_window"] == 0
     assert KEY not in json.dumps(state)
     assert ROTATED not in json.dumps(state)
@@ -133,15 +139,21 @@ async def test_an_engine_refusing_the_key_is_a_clear_502_not_retried_nor_counted
 async def test_a_secured_fleet_without_a_configured_key_says_so(start_stack: StartStack) -> None:
     # The engines' health routes are open, so they look healthy; their /v1 routes are not.
     stack = await start_stack(sim={"api_key": KEY})
-    for stream in (False, True):
-        response = await complete(stack, stream=stream)
-        assert response.status_code == 502
-        error = response.json()["error"]
-        assert error["code"] == "engine_auth_failed"
-        assert error["message"] == (
-            "prefill engine p0 requires an API key and narwhal sends none (HTTP 401: "
-            "Unauthorized); set engine.api_key_file to the key of the engine's --api-key"
-        )
+    response = await complete(stack)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "engine_auth_failed"
+    assert error["message"] == (
+        "prefill engine p0 requires an API key and narwhal sends none (HTTP 401: "
+        "Unauthorized); set engine.api_key_file to the key of the engine's --api-key"
+    )
+    # The only prefill engine is out of placement now, and the answer says why.
+    response = await complete(stack, stream=True)
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == (
+        "no prefill engine is available (p0: auth refused: requires an API key and narwhal "
+        "sends none (HTTP 401))"
+    )
     state = await settled(stack)
     assert state["recovery"]["engines"]["p0"]["breakers"]["prefill"]["failures_in_window"] == 0
 
