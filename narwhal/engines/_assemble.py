@@ -129,7 +129,7 @@ class ResponseAssembler:
         else:
             out["object"] = "text_completion"
         out.update({k: v for k, v in self._top.items() if k not in out})
-        out["choices"] = [self._choice(self._choices[i]) for i in sorted(self._choices)]
+        out["choices"] = [_joined(self._choice(self._choices[i])) for i in sorted(self._choices)]
         vllm = self._dialect == "vllm"
         if vllm:
             _defaults(out, _VLLM_TOP)
@@ -182,7 +182,7 @@ def _merge_completion(merged: Json, choice: Json) -> None:
             continue
         if key == "text":
             if isinstance(value, str):
-                merged["text"] = _str(merged.get("text")) + value
+                _append_text(merged, "text", value)
             continue
         if key == "token_ids":
             _extend_list(merged, key, value)
@@ -224,7 +224,7 @@ def _merge_delta(merged: Json, delta: Json) -> None:
     for key, value in delta.items():
         if key in _TEXT_DELTAS:
             if isinstance(value, str):
-                message[key] = _str(message.get(key)) + value
+                _append_text(message, key, value)
             else:
                 message.setdefault(key, None)
         elif key == "role":
@@ -272,7 +272,7 @@ def _merge_function(target: Json, part: Json) -> None:
         target["name"] = name
     arguments = part.get("arguments")
     if isinstance(arguments, str):
-        target["arguments"] = _str(target.get("arguments")) + arguments
+        _append_text(target, "arguments", arguments)
     for key, value in part.items():
         if key not in ("name", "arguments"):
             _keep(target, key, value)
@@ -281,12 +281,37 @@ def _merge_function(target: Json, part: Json) -> None:
 
 
 def _extend_list(target: Json, key: str, value: object) -> None:
+    # In place: copying the list per chunk would make a long answer quadratic. The
+    # first piece is copied, so no chunk's own list is ever extended.
     if isinstance(value, list):
         current = target.get(key)
-        target[key] = [*current, *value] if isinstance(current, list) else list(value)
+        if isinstance(current, list):
+            current.extend(value)
+        else:
+            target[key] = list(value)
     else:
         target.setdefault(key, value)
 
 
-def _str(value: object) -> str:
-    return value if isinstance(value, str) else ""
+class _Text(list[str]):
+    """A text field's pieces, joined once in `result()`: concatenating per chunk would
+    copy the text so far on every token."""
+
+
+def _append_text(target: Json, key: str, piece: str) -> None:
+    current = target.get(key)
+    if isinstance(current, _Text):
+        current.append(piece)
+    else:
+        target[key] = _Text([current, piece] if isinstance(current, str) else [piece])
+
+
+def _joined(value: object) -> object:
+    """`value` with every `_Text` joined into its string."""
+    if isinstance(value, _Text):
+        return "".join(value)
+    if isinstance(value, dict):
+        return {k: _joined(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_joined(v) for v in value]
+    return value

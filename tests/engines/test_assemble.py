@@ -212,3 +212,35 @@ def test_requests_a_stream_cannot_answer() -> None:
     assert unassemblable_reason("chat", {"echo": True}) is None
     assert unassemblable_reason("chat", {"use_beam_search": True}) == "beam_search"
     assert unassemblable_reason("chat", {"stream_options": {}}) == "stream_options"
+
+
+def test_a_long_answer_is_assembled_whole_and_no_chunk_is_changed() -> None:
+    # Pieces are joined once at the end (per-chunk concatenation was quadratic), and the
+    # lists are extended in place: the chunks' own lists must stay as they were sent.
+    assembler = ResponseAssembler("completions", "vllm")
+    chunks = [
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": f"t{i} ",
+                    "token_ids": [i],
+                    "logprobs": {"tokens": [f"t{i}"], "token_logprobs": [-0.5]},
+                    "finish_reason": "length" if i == 19_999 else None,
+                }
+            ],
+        }
+        for i in range(20_000)
+    ]
+    for chunk in chunks:
+        assembler.add(chunk)
+    choice = assembler.result()["choices"][0]
+    assert choice["text"] == "".join(f"t{i} " for i in range(20_000))
+    assert choice["token_ids"] == list(range(20_000))
+    assert choice["logprobs"]["tokens"][-1] == "t19999"
+    assert len(choice["logprobs"]["token_logprobs"]) == 20_000
+    assert choice["finish_reason"] == "length"
+    assert chunks[0]["choices"][0]["token_ids"] == [0]
+    assert chunks[0]["choices"][0]["logprobs"]["tokens"] == ["t0"]
