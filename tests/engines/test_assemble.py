@@ -218,7 +218,7 @@ def test_a_long_answer_is_assembled_whole_and_no_chunk_is_changed() -> None:
     # Pieces are joined once at the end (per-chunk concatenation was quadratic), and the
     # lists are extended in place: the chunks' own lists must stay as they were sent.
     assembler = ResponseAssembler("completions", "vllm")
-    chunks = [
+    chunks: list[dict[str, Any]] = [
         {
             "id": "cmpl-1",
             "object": "text_completion",
@@ -236,7 +236,9 @@ def test_a_long_answer_is_assembled_whole_and_no_chunk_is_changed() -> None:
     ]
     for chunk in chunks:
         assembler.add(chunk)
-    choice = assembler.result()["choices"][0]
+    choices = assembler.result()["choices"]
+    assert isinstance(choices, list)
+    choice = choices[0]
     assert choice["text"] == "".join(f"t{i} " for i in range(20_000))
     assert choice["token_ids"] == list(range(20_000))
     assert choice["logprobs"]["tokens"][-1] == "t19999"
