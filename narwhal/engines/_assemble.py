@@ -188,12 +188,7 @@ def _merge_completion(merged: Json, choice: Json) -> None:
             _extend_list(merged, key, value)
             continue
         if key == "logprobs" and isinstance(value, dict):
-            # CompletionLogProbs: parallel lists, one entry per token.
-            logprobs = merged.get("logprobs")
-            if not isinstance(logprobs, dict):
-                logprobs = merged["logprobs"] = {}
-            for name, part in value.items():
-                _extend_list(logprobs, name, part)
+            _merge_logprobs(merged, value)
             continue
         _keep(merged, key, value)
 
@@ -207,14 +202,20 @@ def _merge_chat(merged: Json, choice: Json) -> None:
                 _merge_delta(merged, value)
             continue
         if key == "logprobs" and isinstance(value, dict):
-            # ChatCompletionLogProbs: `content` (and `refusal`) lists of token entries.
-            logprobs = merged.get("logprobs")
-            if not isinstance(logprobs, dict):
-                logprobs = merged["logprobs"] = {}
-            for name, part in value.items():
-                _extend_list(logprobs, name, part)
+            _merge_logprobs(merged, value)
             continue
         _keep(merged, key, value)
+
+
+def _merge_logprobs(merged: Json, part: Json) -> None:
+    """Both logprobs shapes are lists per key, concatenated chunk by chunk: completions'
+    parallel lists (tokens, token_logprobs, top_logprobs, text_offset), chat's `content`
+    (and `refusal`) lists of token entries."""
+    logprobs = merged.get("logprobs")
+    if not isinstance(logprobs, dict):
+        logprobs = merged["logprobs"] = {}
+    for name, value in part.items():
+        _extend_list(logprobs, name, value)
 
 
 def _merge_delta(merged: Json, delta: Json) -> None:

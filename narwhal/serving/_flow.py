@@ -66,6 +66,7 @@ from ..engines import (
     RemoteProtocolError,
     Response,
     ResponseTooLarge,
+    SseEvent,
     SseKind,
     SseScanner,
     parse_error_body,
@@ -1169,17 +1170,7 @@ async def _relay(
                 read_tokens = 0
                 for event in events:
                     if event.kind is SseKind.ERROR:
-                        message = (event.error or {}).get("message", "engine error")
-                        # Transient like the HTTP 500 the engine sends when not
-                        # streaming (a KV load failure, say); _attempts retries it only
-                        # while nothing reached the client.
-                        raise _failed(
-                            engine,
-                            phase,
-                            "engine_stream_error",
-                            f"engine reported an error mid-stream: {message}",
-                            retryable=True,
-                        )
+                        raise _stream_error(engine, phase, event)
                     raw = event.raw
                     if event.kind is SseKind.DONE:
                         done = True
@@ -1414,23 +1405,29 @@ def _failed(
     )
 
 
+def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
+    """An error event inside a 200 stream (manual 4.3: engines report late errors so).
+    Transient like the HTTP 500 the engine sends when not streaming (a KV load failure,
+    say): _attempts retries it only while nothing reached the client."""
+    message = (event.error or {}).get("message", "engine error")
+    return _failed(
+        engine,
+        phase,
+        "engine_stream_error",
+        f"engine reported an error mid-stream: {message}",
+        retryable=True,
+    )
+
+
 def _raise_stream_error(engine: EngineState, phase: LegPhase, raw: bytes) -> None:
-    """Fail a leg whose whole event stream holds an error event (manual 4.3: engines
-    report late errors inside a 200). Nothing of it reached the client: retryable."""
+    """Fail a leg whose whole event stream, read at once, holds an error event."""
     try:
         events = SseScanner().feed(raw)
     except SseOverflow as exc:
         raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
     for event in events:
         if event.kind is SseKind.ERROR:
-            message = (event.error or {}).get("message", "engine error")
-            raise _failed(
-                engine,
-                phase,
-                "engine_stream_error",
-                f"engine reported an error in its stream: {message}",
-                retryable=True,
-            )
+            raise _stream_error(engine, phase, event)
 
 
 async def _first_failure_cancels(
