@@ -16,17 +16,54 @@ import attrs
 import httpx
 import trio
 
-from narwhal.config import Config, Engine, EngineSpec
+from narwhal.config import Config, Engine, EngineSpec, Secret
 from narwhal.fleet import EngineState, Role
 from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
 from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet
-from narwhal.sim._spec import ENGINE_VERSION
+from narwhal.sim._spec import ENGINE_VERSION, Dialect
 
 from ..serving.conftest import MODEL, Stack
 from ..support import wait_for
 from .conftest import StartStack
 
 ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+
+async def prober_pair(
+    nursery: trio.Nursery, dialect: Dialect, api_key: str | None = None
+) -> tuple[Fleet, Config, EngineState, EngineState]:
+    """A 1P1D simulated fleet (SGLang's launched in those modes; `api_key`: started with
+    --api-key, and configured with it) and its engines, built without a supervisor, for
+    the prober alone."""
+    modes: tuple[DisaggregationMode, ...] | None = (
+        ("prefill", "decode") if dialect == "sglang" else None
+    )
+    fleet: Fleet = await nursery.start(
+        partial(
+            serve_fleet,
+            engines=2,
+            speed=20.0,
+            model=MODEL,
+            dialect=dialect,
+            disaggregation_modes=modes,
+            api_key=api_key,
+        )
+    )
+    specs = tuple(
+        EngineSpec(
+            id=f"{role[0]}0",
+            url=handle.url,
+            dialect=dialect,
+            role=role,
+            model=MODEL,
+            bootstrap_port=handle.port if dialect == "sglang" else None,
+            api_key=None if api_key is None else Secret(api_key),
+        )
+        for handle, role in zip(fleet, ROLES, strict=True)
+    )
+    config = Config(engines=specs)
+    p0, d0 = (EngineState(spec, config) for spec in specs)
+    return fleet, config, p0, d0
 
 
 async def post(stack: Stack, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
@@ -342,33 +379,9 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
     # The prober alone, on engines built without a supervisor: both dialects, a failed
     # leg, a leg over engine.first_token_timeout_s, and a local pair.
     prober = HttpProber()
-    for dialect in ("vllm", "sglang"):
-        modes: tuple[DisaggregationMode, ...] | None = (
-            ("prefill", "decode") if dialect == "sglang" else None
-        )
-        fleet: Fleet = await nursery.start(
-            partial(
-                serve_fleet,
-                engines=2,
-                speed=20.0,
-                model=MODEL,
-                dialect=dialect,
-                disaggregation_modes=modes,
-            )
-        )
-        specs = tuple(
-            EngineSpec(
-                id=f"{role[0]}0",
-                url=handle.url,
-                dialect=dialect,
-                role=role,
-                model=MODEL,
-                bootstrap_port=handle.port if dialect == "sglang" else None,
-            )
-            for handle, role in zip(fleet, ROLES, strict=True)
-        )
-        config = Config(engines=specs)
-        p0, d0 = (EngineState(spec, config) for spec in specs)
+    dialects: tuple[Dialect, ...] = ("vllm", "sglang")
+    for dialect in dialects:
+        fleet, config, p0, d0 = await prober_pair(nursery, dialect)
         pair = VerifyPair(d0, "decode", p0, d0, f"narwhal-verify-{dialect}")
         result = await prober.verify(pair, config)
         assert result == VerifyResult("ok", "prefill on p0, decode on d0 completed"), dialect

@@ -20,6 +20,7 @@ from ..support import sse_json
 from .conftest import MODEL, Stack, StartStack, fleet_config
 from .test_failures import settled
 from .test_retries import RETRYING, requests
+from .test_sglang import sglang_stack
 
 KEY = "sk-engine-key-0123456789"
 ROTATED = "sk-engine-key-rotated-9876"
@@ -79,26 +80,7 @@ async def test_a_keyed_sglang_fleet_serves_and_counts_tokens(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     # SGLang guards /tokenize, /version and /get_server_info too.
-    fleet: Fleet = await nursery.start(
-        partial(
-            serve_fleet,
-            engines=2,
-            speed=20.0,
-            model=MODEL,
-            dialect="sglang",
-            disaggregation_modes=("prefill", "decode"),
-            api_key=KEY,
-        )
-    )
-    document = fleet_config(
-        fleet, ["prefill", "decode"], engine={"api_key_file": key_file(tmp_path)}
-    )
-    for entry, handle in zip(document["engines"], fleet, strict=True):
-        entry["dialect"] = "sglang"
-        entry["bootstrap_port"] = handle.port
-    config = load_config(document)
-    supervisor: Supervisor = await nursery.start(Supervisor(config).run)
-    stack = Stack(fleet, supervisor, config)
+    stack = await sglang_stack(nursery, api_key=KEY, engine={"api_key_file": key_file(tmp_path)})
     assert (await complete(stack)).status_code == 200
     streamed = await complete(stack, stream=True)
     assert sse_json(streamed.content)[-1]["choices"][0]["finish_reason"] == "length"

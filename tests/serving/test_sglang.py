@@ -26,8 +26,12 @@ async def sglang_stack(
     nursery: trio.Nursery,
     spec: SimEngineSpec | None = None,
     config_path: Path | None = None,
+    api_key: str | None = None,
+    engine: dict[str, Any] | None = None,
     **serving: Any,
 ) -> Stack:
+    """A 1P1D SGLang fleet (launched in those modes; `api_key`: started with --api-key)
+    and a Narwhal in front of it; `engine` is the config's engine section."""
     fleet: Fleet = await nursery.start(
         partial(
             serve_fleet,
@@ -37,9 +41,10 @@ async def sglang_stack(
             dialect="sglang",
             spec=spec,
             disaggregation_modes=("prefill", "decode"),
+            api_key=api_key,
         )
     )
-    document = fleet_config(fleet, ["prefill", "decode"], serving=serving)
+    document = fleet_config(fleet, ["prefill", "decode"], serving=serving, engine=engine or {})
     for entry, handle in zip(document["engines"], fleet, strict=True):
         entry["dialect"] = "sglang"
         # narwhal-sim serves the bootstrap endpoints on the engine's HTTP port.
