@@ -58,6 +58,15 @@ async def sglang_stack(
     return Stack(fleet, supervisor, config)
 
 
+async def stream(stack: Stack, max_tokens: int) -> httpx.Response:
+    """One streamed completion through the stack, read whole."""
+    async with httpx.AsyncClient(timeout=20) as client:
+        return await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True},
+        )
+
+
 async def test_pin_refuses_another_role_for_an_sglang_engine(nursery: trio.Nursery) -> None:
     stack = await sglang_stack(nursery)
     operations = Operations(stack.supervisor)
@@ -154,49 +163,29 @@ async def test_usage_reaches_the_client_as_sglang_would_send_it(nursery: trio.Nu
     await settled(stack)
 
 
-async def test_prefill_failure_cancels_the_decode_leg_at_once(nursery: trio.Nursery) -> None:
-    stack = await sglang_stack(nursery)
-    stack.fleet[0].set_faults(error_status=503, leg="prefill")
-    started = trio.current_time()
-    async with httpx.AsyncClient(timeout=20) as client:
-        response = await client.post(
-            f"{stack.url}/v1/completions",
-            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True},
-        )
-    # A prefill failure is still an HTTP error (the stream was not committed yet), and
-    # the decode leg does not hang on its bootstrap wait.
-    assert response.status_code == 503
-    assert trio.current_time() - started < 2.0
-    await settled(stack)
-
-
 async def test_decode_failure_after_commit(nursery: trio.Nursery) -> None:
     stack = await sglang_stack(nursery)
     stack.fleet[1].set_faults(crash_after_tokens=2, leg="decode")
-    async with httpx.AsyncClient(timeout=20) as client:
-        response = await client.post(
-            f"{stack.url}/v1/completions",
-            json={"model": MODEL, "prompt": "hello", "max_tokens": 20, "stream": True},
-        )
+    response = await stream(stack, 20)
     assert terminal_error(response)["code"] == "engine_connection_lost"
     await settled(stack)
 
 
-async def test_a_decode_failure_cancels_the_prefill_leg_at_once(nursery: trio.Nursery) -> None:
-    # The prefill would otherwise sit in its bootstrap queue until SGLang's timeout (peer
-    # routers hang here: sglang #9726). Only the router's cancel ends it.
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+async def test_a_failing_leg_cancels_the_other_at_once(nursery: trio.Nursery, failing: str) -> None:
+    # A failure before the stream is committed is still an HTTP error. The other leg
+    # would otherwise sit in its bootstrap wait until SGLang's timeout (peer routers hang
+    # here: sglang #9726); after a prefill failure the simulator ends the decode itself,
+    # after a decode failure only the router's cancel ends the prefill.
     stack = await sglang_stack(nursery)
-    stack.fleet[1].set_faults(error_status=503, leg="decode")
+    stack.fleet[0 if failing == "prefill" else 1].set_faults(error_status=503, leg=failing)
     started = trio.current_time()
-    async with httpx.AsyncClient(timeout=20) as client:
-        response = await client.post(
-            f"{stack.url}/v1/completions",
-            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True},
-        )
+    response = await stream(stack, 4)
     assert response.status_code == 503
     assert trio.current_time() - started < 2.0
     await settled(stack)
-    assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == 1
+    if failing == "decode":
+        assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == 1
 
 
 async def test_an_error_event_in_the_prefill_stream_fails_the_prefill(
@@ -207,11 +196,7 @@ async def test_an_error_event_in_the_prefill_stream_fails_the_prefill(
     # an error blamed on the decode engine, with no retry.
     stack = await sglang_stack(nursery)
     stack.fleet[0].set_faults(sse_error_after_tokens=0, leg="prefill")
-    async with httpx.AsyncClient(timeout=20) as client:
-        response = await client.post(
-            f"{stack.url}/v1/completions",
-            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True},
-        )
+    response = await stream(stack, 4)
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "engine_stream_error"
     assert "prefill engine p0" in response.json()["error"]["message"]
