@@ -182,17 +182,22 @@ def test_adding_a_key_file_is_a_change_too(tmp_path: pathlib.Path) -> None:
     assert KEY not in json.dumps(plan.to_json())
 
 
-def test_validate_prints_the_file_but_not_the_key(tmp_path: pathlib.Path) -> None:
-    key_path = _key_file(tmp_path, KEY + "\n")
+def _validate(tmp_path: pathlib.Path, key_path: str) -> subprocess.CompletedProcess[str]:
+    """`narwhal validate` on a config whose engine.api_key_file is `key_path`."""
     path = tmp_path / "narwhal.json"
     path.write_text(json.dumps(document(engine={"api_key_file": key_path})))
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "narwhal", "validate", "--config", str(path)],
         capture_output=True,
         text=True,
         check=False,
         cwd=REPO,
     )
+
+
+def test_validate_prints_the_file_but_not_the_key(tmp_path: pathlib.Path) -> None:
+    key_path = _key_file(tmp_path, KEY + "\n")
+    proc = _validate(tmp_path, key_path)
     assert proc.returncode == 0, proc.stderr
     assert KEY not in proc.stdout + proc.stderr
     assert json.loads(proc.stdout)["engine"]["api_key_file"] == key_path
@@ -200,15 +205,7 @@ def test_validate_prints_the_file_but_not_the_key(tmp_path: pathlib.Path) -> Non
 
 def test_validate_refuses_a_bad_key_file_without_showing_it(tmp_path: pathlib.Path) -> None:
     key_path = _key_file(tmp_path, KEY + "\nsecond line")
-    path = tmp_path / "narwhal.json"
-    path.write_text(json.dumps(document(engine={"api_key_file": key_path})))
-    proc = subprocess.run(
-        [sys.executable, "-m", "narwhal", "validate", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=REPO,
-    )
+    proc = _validate(tmp_path, key_path)
     assert proc.returncode == 1
     assert f"engine.api_key_file: {json.dumps(key_path)}: the key holds" in proc.stderr
     assert KEY not in proc.stdout + proc.stderr
