@@ -238,28 +238,45 @@ async def test_profile_missing_or_stale(start_fleet: StartFleet, tmp_path: Path,
     assert statuses(report, "first-token") == {"fleet": "pass"}
 
 
-async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_path: Path) -> None:
-    fleet = await start_fleet(engines=2, speed=4.0, dialect="sglang")
+def sglang_config(
+    fleet: Fleet, tmp_path: Path, roles: list[Role] | None = None, **sections: Any
+) -> Config:
+    """The config of an SGLang fleet; `roles` None keeps config_for's."""
     urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
     config = config_for(
-        urls, profiles=str(tmp_path / "profiles.json"), serving={"handoff_timeout_s": 0.5}
+        urls,
+        profiles=str(tmp_path / "profiles.json"),
+        serving={"handoff_timeout_s": 0.5},
+        **sections,
     )
-    # The simulator takes the bootstrap port to be the prefill engine's own HTTP port, which
-    # the config loader rejects for a real fleet; set it past the loader.
+    # The simulator's bootstrap port is the prefill engine's own HTTP port, which the
+    # config loader rejects for a real fleet; set it past the loader.
     engines = tuple(
-        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port)
-        for spec, handle in zip(config.engines, fleet, strict=True)
+        attrs.evolve(
+            spec,
+            dialect="sglang",
+            bootstrap_port=handle.port,
+            role=spec.role if roles is None else roles[i],
+        )
+        for i, (spec, handle) in enumerate(zip(config.engines, fleet, strict=True))
     )
-    config = attrs.evolve(config, engines=engines)
-    plan = attrs.evolve(
-        SweepPlan.fast(),
-        prefill_sizes=(16, 1024),
-        decode_active=(1, 4),
-        decode_contexts=(256,),
-        handoff_sizes=(64, 512),
-        handoff_repeats=1,
-    )
-    store = await profile_fleet(config, plan)
+    return attrs.evolve(config, engines=engines)
+
+
+SGLANG_PLAN = attrs.evolve(
+    SweepPlan.fast(),
+    prefill_sizes=(16, 1024),
+    decode_active=(1, 4),
+    decode_contexts=(256,),
+    handoff_sizes=(64, 512),
+    handoff_repeats=1,
+)
+
+
+async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_path: Path) -> None:
+    fleet = await start_fleet(engines=2, speed=4.0, dialect="sglang")
+    config = sglang_config(fleet, tmp_path)
+    store = await profile_fleet(config, SGLANG_PLAN)
     save_profiles(store, config.profiles.path)
     assert store.chars_per_token.keys() == {"sglang"}
     for profile in store.engines.values():
@@ -301,30 +318,6 @@ def test_metrics_row_names_what_the_monitor_could_not_read() -> None:
         "the monitor would report this engine missing every pass (SGLang publishes them when "
         "started with --enable-metrics)"
     )
-
-
-def sglang_config(fleet: Fleet, tmp_path: Path, roles: list[Role]) -> Config:
-    urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
-    config = config_for(
-        urls, profiles=str(tmp_path / "profiles.json"), serving={"handoff_timeout_s": 0.5}
-    )
-    # The simulator's bootstrap port is the prefill engine's own HTTP port, which the
-    # config loader rejects for a real fleet; set it past the loader.
-    engines = tuple(
-        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port, role=role)
-        for spec, handle, role in zip(config.engines, fleet, roles, strict=True)
-    )
-    return attrs.evolve(config, engines=engines)
-
-
-SGLANG_PLAN = attrs.evolve(
-    SweepPlan.fast(),
-    prefill_sizes=(16, 1024),
-    decode_active=(1, 4),
-    decode_contexts=(256,),
-    handoff_sizes=(64, 512),
-    handoff_repeats=1,
-)
 
 
 async def test_sglang_pd_fleet_profiles_and_checks_in_bootstrap_pairs(

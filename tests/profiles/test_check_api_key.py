@@ -7,11 +7,10 @@ from pathlib import Path
 import attrs
 import pytest
 
-from narwhal.probe import SweepFailed, SweepPlan, format_table, profile_fleet, run_check
+from narwhal.probe import SweepFailed, format_table, profile_fleet, run_check
 
 from ..support import StartFleet
-from .helpers import config_for
-from .test_check import PLAN, rows, setup, statuses
+from .test_check import PLAN, SGLANG_PLAN, rows, setup, sglang_config, statuses
 
 KEY = "sk-check-key"
 
@@ -70,25 +69,8 @@ async def test_narwhal_profile_sweeps_a_keyed_sglang_fleet(
 ) -> None:
     # SGLang guards /version, /get_server_info and /tokenize too: the sweep reads them all.
     fleet = await start_fleet(engines=2, speed=4.0, dialect="sglang", api_key=KEY)
-    urls = {f"e{i}": handle.url for i, handle in enumerate(fleet)}
-    config = config_for(
-        urls,
-        profiles=str(tmp_path / "profiles.json"),
-        engine={"api_key_file": key_file(tmp_path, KEY)},
-    )
-    engines = tuple(
-        attrs.evolve(spec, dialect="sglang", bootstrap_port=handle.port)
-        for spec, handle in zip(config.engines, fleet, strict=True)
-    )
-    config = attrs.evolve(config, engines=engines)
-    plan = attrs.evolve(
-        SweepPlan.fast(),
-        prefill_sizes=(16, 1024),
-        decode_active=(1, 4),
-        decode_contexts=(256,),
-        handoff_sizes=(64,),
-        handoff_repeats=1,
-    )
+    config = sglang_config(fleet, tmp_path, engine={"api_key_file": key_file(tmp_path, KEY)})
+    plan = attrs.evolve(SGLANG_PLAN, handoff_sizes=(64,))
     store = await profile_fleet(config, plan)
     assert store.engines.keys() == {"e0", "e1"}
     for profile in store.engines.values():
