@@ -75,6 +75,12 @@ def slo_result(
     return "met"
 
 
+def attainment(counts: dict[SloResult, int]) -> float | None:
+    """met / (met + missed + refused); None when nothing counted."""
+    judged = counts["met"] + counts["missed"] + counts["refused"]
+    return counts["met"] / judged if judged else None
+
+
 @attrs.define
 class SloTally:
     window_s: float
@@ -97,10 +103,7 @@ class SloTally:
         return dict(zip(RESULTS, totals, strict=True))
 
     def attainment(self, now: float) -> float | None:
-        """met / (met + missed + refused) over the window; None when nothing counted."""
-        c = self.counts(now)
-        judged = c["met"] + c["missed"] + c["refused"]
-        return c["met"] / judged if judged else None
+        return attainment(self.counts(now))
 
     def _expire(self, now: float) -> None:
         oldest = math.floor(now - self.window_s)

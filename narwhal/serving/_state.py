@@ -12,6 +12,7 @@ from .. import __version__
 from ..engines import PoolStatistics
 from ..fleet import EngineState
 from ._context import ServingContext
+from ._slo import attainment
 
 _LISTED_REQUESTS = 200
 
@@ -64,16 +65,17 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
 def slo_state(ctx: ServingContext, now: float) -> dict[str, object]:
     """SLO attainment over the last controller.reactive.window_s (`SloTally`)."""
     slo = ctx.config.slo
-    attainment = ctx.slo.attainment(now)
+    counts = ctx.slo.counts(now)
+    share = attainment(counts)
     return {
         "ttft_s": slo.ttft_s,
         "tpot_s": slo.tpot_s,
         "percentile": slo.percentile,
         "window_s": ctx.slo.window_s,
-        "counts": ctx.slo.counts(now),
-        "attainment": None if attainment is None else round(attainment, 4),
+        "counts": counts,
+        "attainment": None if share is None else round(share, 4),
         # The service meets its SLO when at least `percentile` of offered requests did.
-        "meets_percentile": None if attainment is None else attainment >= slo.percentile,
+        "meets_percentile": None if share is None else share >= slo.percentile,
     }
 
 
@@ -167,13 +169,13 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
     )
     yield "narwhal_queue_depth", "Requests waiting for admission.", [], [([], gate.waiting)]
     yield "narwhal_retry_budget", "Retry credits available.", [], [([], ctx.retry_budget.level)]
-    attainment = ctx.slo.attainment(trio.current_time())
+    share = ctx.slo.attainment(trio.current_time())
     yield (
         "narwhal_slo_attainment",
         "Share of offered requests served within both SLO targets over the last "
         "controller.reactive.window_s, refusals counted as misses (absent when none).",
         [],
-        [] if attainment is None else [([], attainment)],
+        [] if share is None else [([], share)],
     )
     now = trio.current_time()
     engines = list(ctx.fleet)
