@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import pathlib
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -19,6 +21,17 @@ _SEGMENT = r'(?:\[(?:\d+|"(?:[^"\\]|\\.)*")\])'
 PATH_PREFIX = re.compile(
     rf"^(?:<config>|(?:[A-Za-z_]\w*|{_SEGMENT})(?:\.[A-Za-z_]\w*|{_SEGMENT})*): \S", re.ASCII
 )
+
+
+def run_validate(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """`narwhal validate --config PATH` as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "narwhal", "validate", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+    )
 
 
 def engine(index: int, role: str = "both", **fields: Any) -> dict[str, Any]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
 from narwhal.config import ConfigError, config_to_dict, diff, load_config, load_config_file
 
-from .helpers import REPO, document, engine
+from .helpers import document, engine, run_validate
 
 KEY = "sk-narwhal-0123456789abcdef"
 
@@ -186,13 +185,7 @@ def _validate(tmp_path: pathlib.Path, key_path: str) -> subprocess.CompletedProc
     """`narwhal validate` on a config whose engine.api_key_file is `key_path`."""
     path = tmp_path / "narwhal.json"
     path.write_text(json.dumps(document(engine={"api_key_file": key_path})))
-    return subprocess.run(
-        [sys.executable, "-m", "narwhal", "validate", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=REPO,
-    )
+    return run_validate(path)
 
 
 def test_validate_prints_the_file_but_not_the_key(tmp_path: pathlib.Path) -> None:

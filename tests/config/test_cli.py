@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from .helpers import REPO
-
-
-def _validate(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "narwhal", "validate", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=REPO,
-    )
+from .helpers import REPO, run_validate
 
 
 @pytest.mark.parametrize("name", ["narwhal.json", "demo.json"])
 def test_valid_config_prints_the_effective_config(name: str) -> None:
-    proc = _validate(REPO / "conf" / name)
+    proc = run_validate(REPO / "conf" / name)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     effective = json.loads(proc.stdout)
@@ -45,7 +33,7 @@ def test_invalid_config_lists_every_problem(tmp_path: pathlib.Path) -> None:
             }
         )
     )
-    proc = _validate(path)
+    proc = run_validate(path)
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
@@ -58,7 +46,7 @@ def test_invalid_config_lists_every_problem(tmp_path: pathlib.Path) -> None:
 
 def test_missing_config_file(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "nope.json"
-    proc = _validate(path)
+    proc = run_validate(path)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         f"narwhal: 1 problem(s) in {path}:",
