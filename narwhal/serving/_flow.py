@@ -1149,6 +1149,15 @@ async def _relay(
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:
                 raise await flow._status_failure(engine, phase, response)
+            kind = response.header(b"content-type") or b""
+            if kind.split(b";")[0].strip().lower() == b"application/json":
+                # Read as a stream, it would only end "without [DONE]": say what it is.
+                raise _failed(
+                    engine,
+                    phase,
+                    "engine_bad_response",
+                    "answered a streaming request with application/json, not an event stream",
+                )
             while not done:
                 chunk = await response.receive_available()
                 now = trio.current_time()

@@ -393,6 +393,12 @@ async def json_for_a_stream(leg: Leg, wire: Wire) -> None:
     await wire.send(json_response(prefill_document()))
 
 
+async def untyped_json_for_a_stream(leg: Leg, wire: Wire) -> None:
+    """The same, with no content type."""
+    body = json.dumps(prefill_document()).encode()
+    await wire.send(head(200, [("content-length", str(len(body)))]) + body)
+
+
 NESTED = b"[" * 10_000 + b"]" * 10_000
 
 

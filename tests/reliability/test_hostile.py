@@ -48,14 +48,17 @@ DECODE_CASES = [
     (h.silent, False, "error:first_token_timeout", "aborted"),
     (h.drip, True, "stream_error:first_token_timeout", "aborted"),
     (h.token_then_drip, True, "stream_error:expired", "aborted"),
-    (h.endless_json_body, False, "error:response_too_large", "aborted"),
-    # A body that is not an event stream never ends with [DONE].
-    (h.not_json_body, False, "error:engine_stream_truncated", "done"),
-    (h.short_body, False, "error:engine_connection_lost", "done"),
+    # A JSON answer to a streamed leg is named for what it is, from its head.
+    (h.endless_json_body, False, "error:engine_bad_response", "aborted"),
+    (h.not_json_body, False, "error:engine_bad_response", "done"),
+    (h.short_body, False, "error:engine_bad_response", "done"),
     (h.html_500, False, "error:engine_http_500", "done"),
     (h.html_500, True, "stream_error:engine_http_500", "done"),
-    (h.json_for_a_stream, True, "stream_error:engine_stream_truncated", "done"),
-    (h.nested_json_body, False, "error:engine_stream_truncated", "done"),
+    (h.json_for_a_stream, True, "stream_error:engine_bad_response", "done"),
+    # Without a content type saying so, a body that is not an event stream never ends
+    # with [DONE].
+    (h.untyped_json_for_a_stream, True, "stream_error:engine_stream_truncated", "done"),
+    (h.nested_json_body, False, "error:engine_bad_response", "done"),
     (h.nested_event, True, "ok", "done"),
     (h.nested_error_event, True, "stream_error:engine_stream_truncated", "done"),
     (h.nested_error_status, False, "error:engine_http_503", "done"),

@@ -70,10 +70,12 @@ async def test_a_non_json_200_from_a_decode_engine_is_not_relayed_as_json(
     ex = await c.send(0, c.body(stream=False, max_tokens=4))
     assert ex.status == 502
     error = json.loads(ex.body)["error"]
-    # The leg is asked as a stream (manual 6), and a body that is not one never ends
-    # with [DONE].
-    assert error["code"] == "engine_stream_truncated"
-    assert error["message"] == "decode engine h: stream ended without the [DONE] terminator"
+    # The leg is asked as a stream (manual 6); a JSON answer is named for what it is.
+    assert error["code"] == "engine_bad_response"
+    assert error["message"] == (
+        "decode engine h: answered a streaming request with application/json, "
+        "not an event stream"
+    )
 
 
 async def test_a_deeply_nested_body_is_a_bad_request(start: StartCampaign) -> None:
@@ -127,8 +129,8 @@ def test_a_deeply_nested_control_request_is_a_bad_request() -> None:
 @pytest.mark.parametrize(
     ("behaviour", "stream", "status", "code"),
     [
-        # A non-streaming request's decode leg is a stream: a JSON body never ends it.
-        (hostile.nested_json_body, False, 502, "engine_stream_truncated"),
+        # A non-streaming request's decode leg is a stream: a JSON body is refused unread.
+        (hostile.nested_json_body, False, 502, "engine_bad_response"),
         (hostile.nested_event, True, 200, None),
         (hostile.nested_error_status, False, 503, "engine_http_503"),
     ],
