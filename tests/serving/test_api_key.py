@@ -25,6 +25,12 @@ from .test_sglang import sglang_stack
 KEY = "sk-engine-key-0123456789"
 ROTATED = "sk-engine-key-rotated-9876"
 PROMPT = "tokenisation of ordinary english prose " * 4
+# What Narwhal logs, once, when p0 first refuses its key (default recovery settings).
+REFUSED_LOG = (
+    "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check engine.api_key_file "
+    "against the engine's --api-key; it takes no new work until it accepts the key again "
+    "(checked with each health probe, recovery.health.interval_s=2.0) or a reload"
+)
 
 
 def key_file(tmp_path: Path, key: str = KEY) -> str:
@@ -100,11 +106,7 @@ async def test_an_engine_refusing_the_key_leaves_placement_and_the_request_is_re
     assert response.status_code == 200
     assert requests(stack, 1, "prefill") == 1  # (the refusal precedes p0's own books)
     assert stack.ctx.metrics.retries.labels("engine_auth_failed")._value.get() == 1
-    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
-        "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check "
-        "engine.api_key_file against the engine's --api-key; it takes no new work until a "
-        "reload"
-    ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [REFUSED_LOG]
     # p0 would refuse every request: it takes no new work, and says why.
     assert (await complete(stack)).status_code == 200
     assert requests(stack, 1, "prefill") == 2
@@ -130,11 +132,7 @@ async def test_a_refused_tokenize_takes_the_engine_out_like_a_refused_leg(
     assert response.json()["error"]["message"] == (
         "no prefill engine is available (p0: auth refused: refused narwhal's API key (HTTP 401))"
     )
-    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
-        "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check "
-        "engine.api_key_file against the engine's --api-key; it takes no new work until a "
-        "reload"
-    ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [REFUSED_LOG]
     state = await settled(stack)
     assert state["requests"]["token_count_fallbacks"] == {"engine_auth": 1}
     metrics = stack.ctx.metrics.registry
