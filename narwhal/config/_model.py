@@ -371,7 +371,15 @@ class Profiles:
 class Health:
     """Health probing and latency-residual ejection."""
 
-    interval_s: float = _f(2.0, Positive(), doc="Health probe period per engine.")
+    interval_s: float = _f(
+        2.0,
+        Positive(),
+        doc=(
+            "Health probe period per engine. An engine out of placement for refusing "
+            "Narwhal's API key also gets a key check (`GET /v1/models`) after each good "
+            "probe, and comes back when the key is accepted."
+        ),
+    )
     window_s: float = _f(30.0, Positive(), doc="Latency-residual window for ejection.")
     min_samples: int = _f(
         5,

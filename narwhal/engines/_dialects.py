@@ -53,6 +53,10 @@ class Dialect:
     fixed_role: str | None = None
     health_path: bytes = b"/health"
     tokenize_path: bytes = b"/tokenize"
+    # A cheap GET the engine guards when started with --api-key, unlike its health route:
+    # vLLM's middleware guards /v1 only, SGLang's every path but /health* and /metrics*
+    # (newer SGLang: every route of the normal auth level, which /v1/models is).
+    key_check_path: bytes = b"/v1/models"
 
 
 VLLM = Dialect("vllm", concurrent_legs=False, tokenizes_chat=True)

@@ -108,8 +108,9 @@ class Metrics:
             "narwhal_token_count_fallbacks",
             "Fallback prompt length estimates by why the count is not exact: disabled "
             "(engine.tokenize false), no_engine, unsupported (the dialect's /tokenize cannot "
-            "count this request: chat on SGLang), timeout, engine_error (a non-200 answer), "
-            "unreachable, bad_answer (no integer count).",
+            "count this request: chat on SGLang), timeout, engine_auth (401/403: the engine "
+            "refused narwhal's API key), engine_error (another non-200 answer), unreachable, "
+            "bad_answer (no integer count).",
             ["reason"],
             registry=registry,
         )

@@ -27,6 +27,7 @@ from ._monitor import (
 from ._probe import (
     METRICS_BODY_LIMIT as METRICS_BODY_LIMIT,
     HttpProber as HttpProber,
+    KeyCheck as KeyCheck,
     LoadSample as LoadSample,
     Prober as Prober,
     ProbeResult as ProbeResult,

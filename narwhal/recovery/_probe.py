@@ -7,7 +7,8 @@ probe does not wait for one: it reports `inconclusive`, which leaves the verdict
 was (manual 4.1: probe exhaustion leaves the engine verdict unchanged).
 
 Deadlines: a health probe (GET /health, then GET /version for the engine's identity)
-gets engine.health_timeout_s in total, as does a /metrics scrape. A verification pair
+gets engine.health_timeout_s in total, as do a /metrics scrape and a key check (GET
+/v1/models, which the engine guards with its --api-key). A verification pair
 runs a complete prefill leg and a complete decode leg, each bounded on its own by
 engine.first_token_timeout_s (manual 6), in the engine's dialect:
 
@@ -61,6 +62,7 @@ from ..fleet import EngineState
 from ._health import Identity
 
 Outcome = Literal["ok", "failed", "inconclusive"]
+KeyOutcome = Literal["accepted", "refused", "failed", "inconclusive"]
 
 _SMALL_BODY = 64 * 1024
 # A vLLM /metrics page is ~100 KB; the bound is for a broken or hostile engine.
@@ -94,6 +96,15 @@ class LoadSample:
 
 class ScrapeError(Exception):
     """This engine's load could not be observed in this pass."""
+
+
+@attrs.frozen
+class KeyCheck:
+    """Whether an engine takes Narwhal's API key: accepted (HTTP 200), refused (401/403),
+    failed (any other answer, or none) or inconclusive (no free control connection)."""
+
+    outcome: KeyOutcome
+    detail: str
 
 
 @attrs.frozen
@@ -131,6 +142,8 @@ class Prober(Protocol):
 
     async def verify(self, pair: VerifyPair, config: Config) -> VerifyResult: ...
 
+    async def check_key(self, engine: EngineState, config: Config) -> KeyCheck: ...
+
 
 class _Exhausted(Exception):
     pass
@@ -156,6 +169,23 @@ def _check_free(engine: EngineState) -> None:
         )
 
 
+async def _get(engine: EngineState, path: bytes) -> int | ProbeResult:
+    """GET `path` on the control pool, its body read and dropped: the status, or the
+    failed or inconclusive probe result when there is none."""
+    where = f"GET {path.decode()}"
+    try:
+        _check_free(engine)
+        async with engine.control_pool.request(b"GET", path, _headers()) as response:
+            await response.aread(_SMALL_BODY)
+            return response.status
+    except (_Exhausted, PoolTimeout) as exc:
+        return ProbeResult("inconclusive", str(exc), None)
+    except ConnectError as exc:
+        return ProbeResult("failed", f"{where}: {exc}", False)
+    except (RemoteProtocolError, ResponseTooLarge) as exc:
+        return ProbeResult("failed", f"{where}: {exc}", True)
+
+
 def _headers(request_id: str | None = None) -> list[tuple[bytes, bytes]]:
     headers = [(b"accept", b"*/*")]
     if request_id is not None:
@@ -178,31 +208,35 @@ class HttpProber:
     async def health(self, engine: EngineState, config: Config) -> ProbeResult:
         timeout = config.engine.health_timeout_s
         path = engine.dialect.health_path.decode()
-        try:
-            _check_free(engine)
-        except _Exhausted as exc:
-            return ProbeResult("inconclusive", str(exc), None)
-        with trio.move_on_after(timeout) as timer:
-            try:
-                async with engine.control_pool.request(
-                    b"GET", engine.dialect.health_path, _headers()
-                ) as response:
-                    await response.aread(_SMALL_BODY)
-                    status = response.status
-            except ConnectError as exc:
-                return ProbeResult("failed", f"GET {path}: {exc}", False)
-            except (RemoteProtocolError, ResponseTooLarge) as exc:
-                return ProbeResult("failed", f"GET {path}: {exc}", True)
-            except PoolTimeout as exc:
-                return ProbeResult("inconclusive", str(exc), None)
+        with trio.move_on_after(timeout):
+            status = await _get(engine, engine.dialect.health_path)
+            if isinstance(status, ProbeResult):
+                return status
             if status != 200:
                 return ProbeResult("failed", f"GET {path} returned HTTP {status}", True)
             identity = await self._identity(engine)
             return ProbeResult("ok", f"GET {path} returned HTTP 200", True, identity)
-        assert timer.cancelled_caught
         return ProbeResult(
             "failed", f"GET {path}: no answer within engine.health_timeout_s={timeout}", None
         )
+
+    async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
+        """GET the dialect's key_check_path, which the engine guards with its --api-key,
+        within engine.health_timeout_s."""
+        timeout = config.engine.health_timeout_s
+        path = engine.dialect.key_check_path
+        where = f"GET {path.decode()}"
+        with trio.move_on_after(timeout):
+            status = await _get(engine, path)
+            if isinstance(status, ProbeResult):
+                unknown = status.outcome == "inconclusive"
+                return KeyCheck("inconclusive" if unknown else "failed", status.detail)
+            if status == 200:
+                return KeyCheck("accepted", f"{where} returned HTTP 200")
+            if status in ENGINE_AUTH_STATUSES:
+                return KeyCheck("refused", _status_detail(where, status))
+            return KeyCheck("failed", f"{where} returned HTTP {status}")
+        return KeyCheck("failed", f"{where}: no answer within engine.health_timeout_s={timeout}")
 
     async def _identity(self, engine: EngineState) -> Identity | None:
         """(key, value) pairs of /version that name the running instance, if any."""

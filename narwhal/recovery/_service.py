@@ -10,7 +10,12 @@ Inputs
   start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
   kept as the engine's latest latency observation for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
-  every recovery.health.interval_s on the control pool.
+  every recovery.health.interval_s on the control pool. While the engine refuses
+  Narwhal's API key (`EngineState.auth_refused`, set by the request path on a 401/403),
+  each good probe is followed by a key check: GET /v1/models, which the engine guards
+  with its --api-key where it leaves its health route open. HTTP 200 clears the refusal
+  and the engine takes work again (one `engine_auth_recovered` log line); a refusal
+  keeps it out, and any other failure too, the health probes judging the engine itself.
 - The monitor's residual stage (`residual_pass`), at most once per engine per pass.
 
 When something is due (an open breaker's open_s, a quarantine's end, a restart hold's
@@ -53,7 +58,15 @@ from ._health import (
     Verdict,
     VerdictChange,
 )
-from ._probe import HttpProber, LoadSample, Prober, ProbeResult, VerifyPair, VerifyResult
+from ._probe import (
+    HttpProber,
+    KeyCheck,
+    LoadSample,
+    Prober,
+    ProbeResult,
+    VerifyPair,
+    VerifyResult,
+)
 
 log = logging.getLogger("narwhal.recovery")
 
@@ -100,6 +113,8 @@ class EngineRecovery:
         self.quarantine_active = False
         self.last_probe: ProbeResult | None = None
         self.last_probe_at: float | None = None
+        self.last_key_check: KeyCheck | None = None
+        self.last_key_check_at: float | None = None
         self.last_verification: dict[str, object] | None = None
         engine.phase_gates.update(self.breakers)
 
@@ -128,18 +143,15 @@ class EngineRecovery:
 
     def snapshot(self, now: float) -> dict[str, object]:
         engine = self.engine
-        probe = self.last_probe
         return {
             "breakers": {phase: b.snapshot(now) for phase, b in self.breakers.items()},
             "health": {
                 **self.health.snapshot(),
-                "last_probe": None
-                if probe is None
-                else {
-                    "outcome": probe.outcome,
-                    "detail": probe.detail,
-                    "age_s": round(now - (self.last_probe_at or now), 3),
-                },
+                "last_probe": _last(self.last_probe, self.last_probe_at, now),
+            },
+            "auth": {
+                "refused": engine.auth_refused,
+                "last_check": _last(self.last_key_check, self.last_key_check_at, now),
             },
             "ejected": engine.ejected,
             "hold": self.hold.snapshot(now),
@@ -155,6 +167,18 @@ class EngineRecovery:
             "drained": engine.drained,
             "pinned": engine.pinned,
         }
+
+
+def _last(
+    result: ProbeResult | KeyCheck | None, at: float | None, now: float
+) -> dict[str, object] | None:
+    if result is None:
+        return None
+    return {
+        "outcome": result.outcome,
+        "detail": result.detail,
+        "age_s": round(now - (at or now), 3),
+    }
 
 
 class Recovery:
@@ -192,6 +216,13 @@ class Recovery:
             "narwhal_verifications",
             "Verification leg pairs by engine, purpose (breaker, readmission) and outcome.",
             ["engine", "purpose", "outcome"],
+            registry=registry,
+        )
+        self._m_key_checks = Counter(
+            "narwhal_auth_checks",
+            "API key checks of engines that refused narwhal's key, by engine and outcome "
+            "(accepted, refused, failed, inconclusive).",
+            ["engine", "outcome"],
             registry=registry,
         )
         self._m_counted = Counter(
@@ -434,8 +465,43 @@ class Recovery:
         health = self.ctx.config.recovery.health
         if result.outcome == "ok":
             self._health_changed(record, record.health.probe_ok(health))
+            if record.engine.auth_refused is not None:
+                await self._check_key(record)
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
+
+    async def _check_key(self, record: EngineRecovery) -> None:
+        """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
+        key clears the refusal; nothing here sets one (the request path does)."""
+        engine = record.engine
+        result = await self.prober.check_key(engine, self.ctx.config)
+        record.last_key_check = result
+        record.last_key_check_at = trio.current_time()
+        self._m_key_checks.labels(engine.id, result.outcome).inc()
+        fields = {
+            "engine": engine.id,
+            "outcome": result.outcome,
+            "detail": result.detail,
+        }
+        refused = engine.auth_refused
+        if result.outcome != "accepted" or refused is None:
+            log.debug(
+                "key check of %s: %s: %s",
+                engine.id,
+                result.outcome,
+                result.detail,
+                extra={"event": "auth_check", **fields},
+            )
+            return
+        engine.auth_refused = None
+        log.info(
+            "engine %s accepts narwhal's requests again (%s) and takes new work; it was "
+            "out with auth refused: %s",
+            engine.id,
+            result.detail,
+            refused,
+            extra={"event": "engine_auth_recovered", **fields},
+        )
 
     def observe_metrics(self, engine: EngineState, sample: LoadSample) -> None:
         """The monitor scraped `engine`'s /metrics: a restart may show there."""

@@ -521,7 +521,13 @@ class Flow:
                     b"POST", engine.dialect.tokenize_path, _json_headers(request_id), encode(body)
                 ) as response:
                     raw = await response.aread(_ERROR_BODY_LIMIT)
-                    if response.status != 200:
+                    status = response.status
+                    if status in ENGINE_AUTH_STATUSES:
+                        # SGLang guards /tokenize with --api-key (vLLM leaves it open):
+                        # the engine would refuse the request's legs too.
+                        _key_refused(engine, status, parse_error_body(status, raw).message, config)
+                        return "engine_auth"
+                    if status != 200:
                         return "engine_error"
                     count = tokenize_count(json.loads(raw))
                     return "bad_answer" if count is None else count
@@ -925,24 +931,9 @@ class Flow:
         if status in ENGINE_AUTH_STATUSES:
             # The engine refused Narwhal's key, not the client's request: passing the 401
             # on would tell the client its own credentials are wrong. Nor is the engine
-            # faulty (no breaker count), but it will refuse every request until the keys
-            # agree: it leaves placement until a reload re-reads the key, and the request
-            # may be retried on an engine that takes the key.
-            if engine.serving_pool.sends_api_key:
-                refusal = "refused narwhal's API key"
-                fix = "check engine.api_key_file against the engine's --api-key"
-            else:
-                refusal = "requires an API key and narwhal sends none"
-                fix = "set engine.api_key_file to the key of the engine's --api-key"
-            why = f"{refusal} (HTTP {status}: {info.message}); {fix}"
-            if engine.auth_refused is None:
-                log.error(
-                    "engine %s %s; it takes no new work until a reload",
-                    engine.id,
-                    why,
-                    extra={"event": "engine_auth_refused", "engine": engine.id},
-                )
-            engine.auth_refused = f"{refusal} (HTTP {status})"
+            # faulty (no breaker count); the request may be retried on an engine that
+            # takes the key.
+            why = _key_refused(engine, status, info.message, self.ctx.config)
             return EngineFailed(
                 f"{phase} engine {engine.id} {why}",
                 status=client_status_for_engine_status(status),
@@ -1412,6 +1403,31 @@ def _failed(
         code=code,
         exclude_on_retry=exclude,
     )
+
+
+def _key_refused(engine: EngineState, status: int, message: str, config: Config) -> str:
+    """Mark `engine` as refusing Narwhal's API key: it answered 401/403 to a leg or to
+    /tokenize, and will refuse every request until the keys agree. It leaves placement
+    until recovery's key check sees the key accepted again, or a reload re-reads it.
+    Logged once per refusal; returns why, for the caller's error."""
+    if engine.serving_pool.sends_api_key:
+        refusal = "refused narwhal's API key"
+        fix = "check engine.api_key_file against the engine's --api-key"
+    else:
+        refusal = "requires an API key and narwhal sends none"
+        fix = "set engine.api_key_file to the key of the engine's --api-key"
+    why = f"{refusal} (HTTP {status}: {message}); {fix}"
+    if engine.auth_refused is None:
+        log.error(
+            "engine %s %s; it takes no new work until it accepts the key again (checked "
+            "with each health probe, recovery.health.interval_s=%s) or a reload",
+            engine.id,
+            why,
+            config.recovery.health.interval_s,
+            extra={"event": "engine_auth_refused", "engine": engine.id},
+        )
+    engine.auth_refused = f"{refusal} (HTTP {status})"
+    return why
 
 
 def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:

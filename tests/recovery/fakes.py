@@ -10,13 +10,25 @@ import trio
 from narwhal._errors import EngineFailed
 from narwhal.config import Config, load_config
 from narwhal.fleet import EngineState
-from narwhal.recovery import LoadSample, ProbeResult, ScrapeError, VerifyPair, VerifyResult
+from narwhal.recovery import (
+    KeyCheck,
+    LoadSample,
+    ProbeResult,
+    ScrapeError,
+    VerifyPair,
+    VerifyResult,
+)
 
 HEALTHY = ProbeResult("ok", "GET /health returned HTTP 200", True, (("instance_id", "a"),))
 UNHEALTHY = ProbeResult("failed", "GET /health returned HTTP 503", True)
 REFUSED = ProbeResult("failed", "GET /health: connect failed: connection refused", False)
 EXHAUSTED = ProbeResult("inconclusive", "control pool of d0 exhausted (2/2 in use)", None)
 VERIFIED = VerifyResult("ok", "completed")
+KEY_ACCEPTED = KeyCheck("accepted", "GET /v1/models returned HTTP 200")
+KEY_REFUSED = KeyCheck(
+    "refused",
+    "GET /v1/models returned HTTP 401: the engine refused narwhal's API key (engine.api_key_file)",
+)
 
 
 @attrs.define
@@ -32,9 +44,11 @@ class FakeProber:
     def __init__(self) -> None:
         self.health_of: dict[str, ProbeResult] = {}
         self.verify_of: dict[str, VerifyResult] = {}
+        self.key_of: dict[str, KeyCheck] = {}
         self.load_of: dict[str, LoadSample | Exception] = {}
         self.probes: list[tuple[str, float]] = []
         self.verifications: list[Verification] = []
+        self.key_checks: list[tuple[str, float]] = []
 
     async def health(self, engine: EngineState, config: Config) -> ProbeResult:
         await trio.lowlevel.checkpoint()
@@ -56,6 +70,11 @@ class FakeProber:
             )
         )
         return self.verify_of.get(pair.subject.id, VERIFIED)
+
+    async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
+        await trio.lowlevel.checkpoint()
+        self.key_checks.append((engine.id, trio.current_time()))
+        return self.key_of.get(engine.id, KEY_ACCEPTED)
 
 
 def config(**sections: Any) -> Config:

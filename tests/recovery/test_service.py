@@ -19,6 +19,7 @@ from narwhal.config import Config
 from narwhal.fleet import EngineState
 from narwhal.recovery import (
     BreakerState,
+    KeyCheck,
     LegObservation,
     LoadSample,
     Monitor,
@@ -32,6 +33,8 @@ from narwhal.serving import ServingContext
 from .fakes import (
     EXHAUSTED,
     HEALTHY,
+    KEY_ACCEPTED,
+    KEY_REFUSED,
     REFUSED,
     UNHEALTHY,
     FakeProber,
@@ -329,6 +332,67 @@ async def test_quarantine_zero_disables_it(
     rig = await start(nursery, config())
     rig.recovery.leg_failed(rig.engine("p0"), "prefill", failure("p0", "prefill"))
     assert rig.reason("p0") is None
+
+
+# ---------------------------------------------------------------- API key
+
+AUTH_REFUSED = "refused narwhal's API key (HTTP 401)"
+
+
+def key_checks(rig: Rig, engine_id: str, outcome: str) -> float | None:
+    return rig.ctx.metrics.registry.get_sample_value(
+        "narwhal_auth_checks_total", {"engine": engine_id, "outcome": outcome}
+    )
+
+
+async def test_a_refused_key_is_checked_with_each_good_probe_until_it_is_accepted(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, config())
+    rig.engine("d0").auth_refused = AUTH_REFUSED  # as the request path sets it
+    rig.prober.key_of["d0"] = KEY_REFUSED
+    await rig.at(2.5)
+    # Only the refused engine is checked, right after each probe (recovery.health.interval_s).
+    assert rig.prober.key_checks == [("d0", rig.t0 + 1.0), ("d0", rig.t0 + 2.0)]
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.snapshot(trio.current_time())["auth"] == {
+        "refused": AUTH_REFUSED,
+        "last_check": {"outcome": "refused", "detail": KEY_REFUSED.detail, "age_s": 0.5},
+    }
+    rig.prober.key_of["d0"] = KEY_ACCEPTED  # the engine was relaunched with narwhal's key
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        await rig.at(3.0)
+        assert rig.reason("d0") is None
+        await rig.at(5.0)
+    assert len(rig.prober.key_checks) == 3  # not checked once it takes the key
+    (logged,) = [r for r in caplog.records if r.__dict__.get("event") == "engine_auth_recovered"]
+    assert logged.getMessage() == (
+        "engine d0 accepts narwhal's requests again (GET /v1/models returned HTTP 200) and "
+        f"takes new work; it was out with auth refused: {AUTH_REFUSED}"
+    )
+    assert (key_checks(rig, "d0", "refused"), key_checks(rig, "d0", "accepted")) == (2.0, 1.0)
+    assert key_checks(rig, "p0", "refused") is None
+
+
+async def test_a_key_check_waits_for_a_good_probe_and_only_200_clears_the_refusal(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    rig.engine("d0").auth_refused = AUTH_REFUSED
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(2.0)
+    assert rig.prober.key_checks == []  # the health probes judge an engine that is down
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.key_of["d0"] = KeyCheck("failed", "GET /v1/models returned HTTP 503")
+    await rig.at(3.0)
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    rig.prober.key_of["d0"] = KeyCheck("inconclusive", EXHAUSTED.detail)
+    await rig.at(4.0)
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [3.0, 4.0]
+    assert key_checks(rig, "d0", "failed") == key_checks(rig, "d0", "inconclusive") == 1.0
 
 
 # ---------------------------------------------------------------- residuals

@@ -473,6 +473,7 @@ async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> Non
     assert set(engine) == {
         "breakers",
         "health",
+        "auth",
         "ejected",
         "hold",
         "quarantine",
@@ -484,4 +485,5 @@ async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> Non
     }
     assert engine["identity"]["identity"]["instance_id"] == stack.fleet[1].instance_id
     assert engine["health"]["verdict"] == "up"
+    assert engine["auth"] == {"refused": None, "last_check": None}
     assert json.dumps(state)  # all of it is JSON

@@ -25,6 +25,12 @@ from .test_sglang import sglang_stack
 KEY = "sk-engine-key-0123456789"
 ROTATED = "sk-engine-key-rotated-9876"
 PROMPT = "tokenisation of ordinary english prose " * 4
+# What Narwhal logs, once, when p0 first refuses its key (default recovery settings).
+REFUSED_LOG = (
+    "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check engine.api_key_file "
+    "against the engine's --api-key; it takes no new work until it accepts the key again "
+    "(checked with each health probe, recovery.health.interval_s=2.0) or a reload"
+)
 
 
 def key_file(tmp_path: Path, key: str = KEY) -> str:
@@ -100,11 +106,7 @@ async def test_an_engine_refusing_the_key_leaves_placement_and_the_request_is_re
     assert response.status_code == 200
     assert requests(stack, 1, "prefill") == 1  # (the refusal precedes p0's own books)
     assert stack.ctx.metrics.retries.labels("engine_auth_failed")._value.get() == 1
-    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
-        "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check "
-        "engine.api_key_file against the engine's --api-key; it takes no new work until a "
-        "reload"
-    ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [REFUSED_LOG]
     # p0 would refuse every request: it takes no new work, and says why.
     assert (await complete(stack)).status_code == 200
     assert requests(stack, 1, "prefill") == 2
@@ -116,6 +118,47 @@ async def test_an_engine_refusing_the_key_leaves_placement_and_the_request_is_re
     assert state["recovery"]["engines"]["p0"]["breakers"]["prefill"]["failures_in_window"] == 0
     assert KEY not in json.dumps(state)
     assert ROTATED not in json.dumps(state)
+
+
+async def test_a_refused_tokenize_takes_the_engine_out_like_a_refused_leg(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SGLang guards /tokenize; p0, first in config order, counts the prompt.
+    stack = await sglang_stack(nursery, api_key=KEY, engine={"api_key_file": key_file(tmp_path)})
+    stack.fleet[0].set_api_key(ROTATED)
+    response = await complete(stack)
+    # The estimate stands in for the count, and the only prefill engine is out.
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == (
+        "no prefill engine is available (p0: auth refused: refused narwhal's API key (HTTP 401))"
+    )
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [REFUSED_LOG]
+    state = await settled(stack)
+    assert state["requests"]["token_count_fallbacks"] == {"engine_auth": 1}
+    metrics = stack.ctx.metrics.registry
+    assert (
+        metrics.get_sample_value("narwhal_token_count_fallbacks_total", {"reason": "engine_auth"})
+        == 1
+    )
+
+
+async def test_a_proxy_refusing_vllm_tokenize_fails_the_request_over(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    # Stock vLLM leaves /tokenize open; a proxy in front of it guarding every route may not.
+    stack = await keyed_stack(start_stack, tmp_path, ["prefill", "prefill", "decode", "decode"])
+
+    async def forbidden(req: Any, resp: Any) -> None:
+        await resp.send_json(403, {"error": {"message": "Forbidden", "code": 403}})
+
+    stack.fleet[0].engine._routes[("POST", "/tokenize")] = forbidden
+    stack.fleet[0].set_api_key(ROTATED)
+    assert (await complete(stack)).status_code == 200
+    assert (requests(stack, 0, "prefill"), requests(stack, 1, "prefill")) == (0, 1)
+    state = await settled(stack)
+    assert state["requests"]["token_count_fallbacks"] == {"engine_auth": 1}
+    p0 = next(e for e in state["engines"] if e["id"] == "p0")
+    assert p0["unavailable_reason"] == "auth refused: refused narwhal's API key (HTTP 403)"
 
 
 async def test_a_secured_fleet_without_a_configured_key_says_so(start_stack: StartStack) -> None:
