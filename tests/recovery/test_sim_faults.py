@@ -376,8 +376,9 @@ async def test_an_sglang_engine_without_a_partner_is_not_verified_and_stays_out(
 async def test_verification_pairs_in_both_dialects_and_their_failures(
     nursery: trio.Nursery,
 ) -> None:
-    # The prober alone, on engines built without a supervisor: both dialects, a failed
-    # leg, a leg over engine.first_token_timeout_s, and a local pair.
+    # The prober alone, on engines built without a supervisor: both dialects, failed
+    # legs and the engine each failure is certainly due to, a leg over
+    # engine.first_token_timeout_s, and a local pair.
     prober = HttpProber()
     dialects: tuple[Dialect, ...] = ("vllm", "sglang")
     for dialect in dialects:
@@ -387,11 +388,30 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
         assert result == VerifyResult("ok", "prefill on p0, decode on d0 completed"), dialect
         assert [o["phase"] for o in fleet[0].state()["outcomes"]] == ["prefill"]
         assert [o["phase"] for o in fleet[1].state()["outcomes"]] == ["decode"]
+        standby = attrs.evolve(pair, standby=True)
+        assert (await prober.verify(standby, config)).detail == (
+            "prefill on p0, decode on d0 (standby partner: itself out of service) completed"
+        )
+        # An error the decode answered may be its partner's doing (a failed KV transfer):
+        # no culprit.
         fleet[1].set_faults(error_status=500, leg="decode")
         result = await prober.verify(pair, config)
         assert result == VerifyResult(
             "failed", "prefill on p0, decode on d0: decode leg on d0 returned HTTP 500"
         )
+        # How an engine answered (here a dropped connection) is its own doing.
+        fleet[1].set_faults(crash_after_tokens=0, leg="decode")
+        result = await prober.verify(pair, config)
+        assert (result.outcome, result.culprit) == ("failed", "d0"), dialect
+        assert result.detail.startswith("prefill on p0, decode on d0: decode leg on d0: ")
+        # An error a vLLM prefill answered is its own: its leg depends on no other engine.
+        # An SGLang prefill's leg waits for its decode in the bootstrap room.
+        fleet[1].clear_faults()
+        fleet[0].set_faults(error_status=500, leg="prefill")
+        result = await prober.verify(pair, config)
+        assert result.outcome == "failed"
+        assert result.culprit == ("p0" if dialect == "vllm" else None), result
+        fleet[0].clear_faults()
         fleet[1].set_faults(stall_before_first_token_s=5.0, leg="decode")
         slow = attrs.evolve(config, engine=attrs.evolve(config.engine, first_token_timeout_s=0.2))
         result = await prober.verify(pair, slow)
