@@ -29,7 +29,9 @@ measured number and the limit it was held to):
   release. The verified lease is a lower bound (from the prefill response to the last
   poll before the release was seen); ``serving.handoff_timeout_s`` must be below it.
 * ``handoff-wait``: a decode sent ``serving.handoff_timeout_s`` after its prefill started
-  still succeeds (the cap is safe in practice, not only on paper).
+  still succeeds (the cap is safe in practice, not only on paper), once per engine as the
+  producer, with the next engine in the config as the consumer. SGLang sends both legs at
+  once, so nothing waits: each engine's row is a skip and names the engine alone.
 * ``first-token``: ``engine.first_token_timeout_s`` is above the crossed-handoff p99
   (decode request to first token) measured here and, when present, in the profile store.
 
@@ -771,18 +773,21 @@ async def _handoff_wait(
             d_id = ids[(i + 1) % len(ids)]
             target = f"{p_id} -> {d_id}"
             bound = f"decode ok {_s(cap)} after prefill start (serving.handoff_timeout_s)"
-            if cap <= 0:
-                results[p_id] = CheckRow(
-                    "handoff-wait", target, "skip", "n/a", "serving.handoff_timeout_s=0", "no cap"
-                )
-            elif clients[p_id].spec.dialect == "sglang":
+            if clients[p_id].spec.dialect == "sglang":
+                # The rotated pair would put a decode server first and a prefill server
+                # after it, and no pair of any order waits here: one row per engine, as
+                # the lease rows.
                 results[p_id] = CheckRow(
                     "handoff-wait",
-                    target,
+                    p_id,
                     "skip",
                     "n/a",
-                    bound,
+                    bound if cap > 0 else "serving.handoff_timeout_s=0",
                     "SGLang sends both legs at once; no handoff waits between them",
+                )
+            elif cap <= 0:
+                results[p_id] = CheckRow(
+                    "handoff-wait", target, "skip", "n/a", "serving.handoff_timeout_s=0", "no cap"
                 )
             elif p_id not in healthy or d_id not in healthy:
                 results[p_id] = CheckRow(

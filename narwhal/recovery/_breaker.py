@@ -52,7 +52,8 @@ class BreakerEvent(enum.Enum):
     OPEN_ELAPSED = "open_elapsed"  # the driver's timer: opened_at + open_s reached
     VERIFY_OK = "verify_ok"
     VERIFY_FAILED = "verify_failed"
-    # The control pool had no free connection: the verdict stays as it was (manual 4.1).
+    # No evidence either way, so the verdict stays as it was: the control pool had no free
+    # connection (manual 4.1), or a standby partner may have failed the pair.
     VERIFY_INCONCLUSIVE = "verify_inconclusive"
 
 

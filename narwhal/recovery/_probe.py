@@ -26,6 +26,15 @@ engine.first_token_timeout_s (manual 6), in the engine's dialect:
   or skips); a local pair handed here for one is reported inconclusive, unsent.
 
 The decode leg must deliver at least one generated event and the `[DONE]` terminator.
+
+A failed pair names the engine it is certainly due to (`VerifyResult.culprit`), if any.
+How an engine answered is its own doing: a refused or dropped connection, an oversized
+or cut-off answer, a refused API key. What it answered (an error status or event, no
+token, no answer in time) is its own only when its leg depends on no other engine: a
+vLLM prefill leg and both legs of a local pair. Otherwise the partner may have caused
+it: an SGLang leg waits for the other one in the bootstrap room (a prefill that never
+joins leaves the decode waiting, then failing its KV transfer with 500; a decode that
+never joins leaves the prefill waiting), and a vLLM decode leg pulls the prefill's KV.
 """
 
 from __future__ import annotations
@@ -111,26 +120,42 @@ class KeyCheck:
 class VerifyResult:
     outcome: Outcome
     detail: str
+    # "failed" only: the engine the failure is certainly due to; None when the other
+    # engine of the pair may have caused it (see the module docstring).
+    culprit: str | None = None
 
 
 @attrs.frozen(eq=False)
 class VerifyPair:
-    """Which engine runs which verification leg; `subject` is the one being judged."""
+    """Which engine runs which verification leg; `subject` is the one being judged.
+
+    `standby`: the partner is out of service itself (it answers its health probe but has
+    not passed a verification), so it is no known-good reference for the subject."""
 
     subject: EngineState
     phase: str
     prefill: EngineState
     decode: EngineState
     request_id: str
+    standby: bool = False
 
     @property
     def local(self) -> bool:
         return self.prefill is self.decode
 
+    @property
+    def partner(self) -> EngineState | None:
+        if self.local:
+            return None
+        return self.decode if self.prefill is self.subject else self.prefill
+
     def describe(self) -> str:
         if self.local:
             return f"local pair on {self.subject.id}"
-        return f"prefill on {self.prefill.id}, decode on {self.decode.id}"
+        text = f"prefill on {self.prefill.id}, decode on {self.decode.id}"
+        if self.standby:
+            text += " (standby partner: itself out of service)"
+        return text
 
 
 class Prober(Protocol):
@@ -150,7 +175,12 @@ class _Exhausted(Exception):
 
 
 class _LegFailed(Exception):
-    pass
+    """A leg on `engine` failed; `own`: certainly through that engine's own fault."""
+
+    def __init__(self, message: str, engine: EngineState, *, own: bool) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.own = own
 
 
 def _free(pool: ConnectionPool) -> bool:
@@ -300,7 +330,8 @@ class HttpProber:
         except _Exhausted as exc:
             return VerifyResult("inconclusive", str(exc))
         except _LegFailed as exc:
-            return VerifyResult("failed", f"{pair.describe()}: {exc}")
+            culprit = exc.engine.id if exc.own else None
+            return VerifyResult("failed", f"{pair.describe()}: {exc}", culprit)
         return VerifyResult("ok", f"{pair.describe()} completed")
 
 
@@ -316,8 +347,9 @@ def _body(engine: EngineState, *, stream: bool) -> dict[str, object]:
 
 async def _local_pair(pair: VerifyPair, limit: float) -> None:
     engine = pair.subject
-    await _json_leg(engine, "prefill", encode(_body(engine, stream=False)), pair, limit)
-    await _stream_leg(engine, "decode", encode(_body(engine, stream=True)), pair, limit)
+    prefill, decode = encode(_body(engine, stream=False)), encode(_body(engine, stream=True))
+    await _json_leg(engine, "prefill", prefill, pair, limit, paired=False)
+    await _stream_leg(engine, "decode", decode, pair, limit, paired=False)
 
 
 async def _vllm_pair(pair: VerifyPair, limit: float) -> None:
@@ -327,35 +359,38 @@ async def _vllm_pair(pair: VerifyPair, limit: float) -> None:
         encode(vllm_prefill_body(_body(pair.prefill, stream=False))),
         pair,
         limit,
+        paired=False,
     )
     try:
         kv_params = vllm_kv_params(json.loads(raw))
     except ValueError:
         raise _LegFailed(
-            f"prefill leg on {pair.prefill.id} returned a body that is not JSON"
+            f"prefill leg on {pair.prefill.id} returned a body that is not JSON",
+            pair.prefill,
+            own=True,
         ) from None
     body = vllm_decode_body(_body(pair.decode, stream=True), kv_params)
-    await _stream_leg(pair.decode, "decode", encode(body), pair, limit)
+    await _stream_leg(pair.decode, "decode", encode(body), pair, limit, paired=True)
 
 
 async def _sglang_pair(pair: VerifyPair, limit: float) -> None:
     prefill = pair.prefill
     port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
     room = new_bootstrap_room()
-    prefill_body = sglang_pd_body(
-        _body(prefill, stream=False), host=prefill.host, port=port, room=room
+    prefill_body = encode(
+        sglang_pd_body(_body(prefill, stream=False), host=prefill.host, port=port, room=room)
     )
-    decode_body = sglang_pd_body(
-        _body(pair.decode, stream=True), host=prefill.host, port=port, room=room
+    decode_body = encode(
+        sglang_pd_body(_body(pair.decode, stream=True), host=prefill.host, port=port, room=room)
     )
     failures: list[_LegFailed] = []
 
     async def leg(kind: str) -> None:
         try:
             if kind == "prefill":
-                await _json_leg(prefill, "prefill", encode(prefill_body), pair, limit)
+                await _json_leg(prefill, "prefill", prefill_body, pair, limit, paired=True)
             else:
-                await _stream_leg(pair.decode, "decode", encode(decode_body), pair, limit)
+                await _stream_leg(pair.decode, "decode", decode_body, pair, limit, paired=True)
         except _LegFailed as exc:
             failures.append(exc)
             legs.cancel_scope.cancel()
@@ -367,10 +402,37 @@ async def _sglang_pair(pair: VerifyPair, limit: float) -> None:
         raise failures[0]
 
 
+class _Leg:
+    """Raises one leg's failures, each charged to the leg's engine or not (`paired`: what
+    the engine answers depends on its partner; see the module docstring)."""
+
+    def __init__(self, engine: EngineState, leg: str, *, paired: bool) -> None:
+        self.engine = engine
+        self.where = f"{leg} leg on {engine.id}"
+        self.paired = paired
+
+    def broken(self, detail: str) -> _LegFailed:
+        """How the engine answered: its own fault whatever the partner did."""
+        return _LegFailed(detail, self.engine, own=True)
+
+    def answered(self, detail: str) -> _LegFailed:
+        """What the engine answered: its own fault unless the partner had a part in it."""
+        return _LegFailed(detail, self.engine, own=not self.paired)
+
+    def status(self, status: int) -> _LegFailed:
+        detail = _status_detail(self.where, status)
+        return self.broken(detail) if status in ENGINE_AUTH_STATUSES else self.answered(detail)
+
+    def late(self, limit: float) -> _LegFailed:
+        return self.answered(
+            f"{self.where} did not complete within engine.first_token_timeout_s={limit}"
+        )
+
+
 async def _json_leg(
-    engine: EngineState, leg: str, body: bytes, pair: VerifyPair, limit: float
+    engine: EngineState, leg: str, body: bytes, pair: VerifyPair, limit: float, *, paired: bool
 ) -> bytes:
-    where = f"{leg} leg on {engine.id}"
+    fail = _Leg(engine, leg, paired=paired)
     with trio.move_on_after(limit):
         try:
             async with engine.control_pool.request(
@@ -378,19 +440,20 @@ async def _json_leg(
             ) as response:
                 raw = await response.aread(_SMALL_BODY)
                 if response.status != 200:
-                    raise _LegFailed(_status_detail(where, response.status))
+                    raise fail.status(response.status)
                 return raw
         except PoolTimeout as exc:
             raise _Exhausted(str(exc)) from None
         except (ConnectError, RemoteProtocolError, ResponseTooLarge) as exc:
-            raise _LegFailed(f"{where}: {exc}") from None
-    raise _LegFailed(f"{where} did not complete within engine.first_token_timeout_s={limit}")
+            raise fail.broken(f"{fail.where}: {exc}") from None
+    raise fail.late(limit)
 
 
 async def _stream_leg(
-    engine: EngineState, leg: str, body: bytes, pair: VerifyPair, limit: float
+    engine: EngineState, leg: str, body: bytes, pair: VerifyPair, limit: float, *, paired: bool
 ) -> None:
-    where = f"{leg} leg on {engine.id}"
+    fail = _Leg(engine, leg, paired=paired)
+    where = fail.where
     scanner = SseScanner()
     received = 0
     with trio.move_on_after(limit):
@@ -400,28 +463,30 @@ async def _stream_leg(
             ) as response:
                 if response.status != 200:
                     await response.aread(_SMALL_BODY)
-                    raise _LegFailed(_status_detail(where, response.status))
+                    raise fail.status(response.status)
                 data_events = 0
                 while chunk := await response.receive_some():
                     received += len(chunk)
                     if received > _SMALL_BODY:
-                        raise _LegFailed(f"{where} sent more than {_SMALL_BODY} bytes")
+                        raise fail.broken(f"{where} sent more than {_SMALL_BODY} bytes")
                     for event in scanner.feed(chunk):
                         if event.kind is SseKind.ERROR:
                             message = (event.error or {}).get("message", "error event")
-                            raise _LegFailed(f"{where} reported an error: {message}")
+                            raise fail.answered(f"{where} reported an error: {message}")
                         if event.kind is SseKind.DATA:
                             data_events += 1
                         if event.kind is SseKind.DONE:
                             if data_events == 0:
-                                raise _LegFailed(f"{where} ended without generating a token")
+                                raise fail.answered(f"{where} ended without generating a token")
                             return
-                raise _LegFailed(f"{where} ended without the [DONE] terminator")
+                # Engines end even a failed stream with [DONE]: a stream cut short is
+                # the engine's (or its connection's) own breakage.
+                raise fail.broken(f"{where} ended without the [DONE] terminator")
         except PoolTimeout as exc:
             raise _Exhausted(str(exc)) from None
         except (ConnectError, RemoteProtocolError, ResponseTooLarge, SseOverflow) as exc:
-            raise _LegFailed(f"{where}: {exc}") from None
-    raise _LegFailed(f"{where} did not complete within engine.first_token_timeout_s={limit}")
+            raise fail.broken(f"{where}: {exc}") from None
+    raise fail.late(limit)
 
 
 # vLLM and SGLang name the same three gauges differently.

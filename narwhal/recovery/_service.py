@@ -95,6 +95,30 @@ class LegObservation:
 Predictor = Callable[[EngineState, str, LegObservation], float | None]
 
 
+def _attribute(pair: VerifyPair, result: VerifyResult) -> VerifyResult:
+    """A failed pair with a standby partner is a failed verification of the subject only
+    when the failure is certainly the subject's own (`VerifyResult.culprit`).
+
+    The standby partner has not passed a verification itself, and in a bootstrap pair a
+    fault of either engine can fail either leg. Blaming the subject for what may be its
+    partner's fault would eject it again (or reopen its breaker) and restart its
+    readmission streak, all logged and shown as its failure. Inconclusive instead keeps
+    it out, as when there is no partner at all, and it is verified again a probe interval
+    later. An available partner is in service, so presumed sound: with one, any failure
+    counts against the subject."""
+    partner = pair.partner
+    if not pair.standby or partner is None or result.outcome != "failed":
+        return result
+    subject = pair.subject.id
+    if result.culprit == subject:
+        return result
+    if result.culprit == partner.id:
+        why = f"the failure is {partner.id}'s own"
+    else:
+        why = f"either engine may have caused it, and {partner.id} is unverified itself"
+    return VerifyResult("inconclusive", f"{result.detail}; not counted against {subject}: {why}")
+
+
 class EngineRecovery:
     """Recovery's bookkeeping for one `EngineState` instance."""
 
@@ -579,20 +603,26 @@ class Recovery:
         request_id = f"narwhal-verify-{subject.id}-{self._verify_seq}"
         pair = self._pair(subject, phase, request_id)
         started = trio.current_time()
+        partner: EngineState | None = None
+        standby = False
         if isinstance(pair, VerifyResult):
             result = pair  # skipped: there is no pair the engine would accept
         else:
-            result = await self.prober.verify(pair, self.ctx.config)
+            partner, standby = pair.partner, pair.standby
+            result = _attribute(pair, await self.prober.verify(pair, self.ctx.config))
         duration = trio.current_time() - started
         self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
-        record.last_verification = {
+        verification: dict[str, object] = {
             "request_id": request_id,
             "purpose": purpose,
             "phase": phase,
+            "partner": None if partner is None else partner.id,
+            "standby": standby,
             "outcome": result.outcome,
             "detail": result.detail,
             "duration_s": round(duration, 6),
         }
+        record.last_verification = verification
         log.log(
             logging.INFO if result.outcome == "ok" else logging.WARNING,
             "%s verification of %s (%s): %s: %s",
@@ -601,16 +631,7 @@ class Recovery:
             phase,
             result.outcome,
             result.detail,
-            extra={
-                "event": "verification",
-                "engine": subject.id,
-                "phase": phase,
-                "purpose": purpose,
-                "request_id": request_id,
-                "outcome": result.outcome,
-                "detail": result.detail,
-                "duration_s": round(duration, 6),
-            },
+            extra={"event": "verification", "engine": subject.id, **verification},
         )
         return result
 
@@ -624,7 +645,10 @@ class Recovery:
         server of the other role; failing an available one, one that answers its health
         probe but waits for readmission itself (a fleet that restarted as a whole would
         otherwise never readmit anything); failing that, the verification is skipped as
-        inconclusive, which keeps the engine out until a partner is back.
+        inconclusive, which keeps the engine out until a partner is back. A standby
+        partner is no known-good reference, so only a failure certainly the subject's
+        counts against it (`_attribute`); a pair that passes readmits the subject alone,
+        the partner waits for its own verification.
         """
         if phase not in PHASES or subject.role == "both":
             return VerifyPair(subject, phase, subject, subject, request_id)
@@ -640,8 +664,10 @@ class Recovery:
             if engine is not subject and engine.dialect is subject.dialect and engine.role in roles
         ]
         candidates = [e for e in peers if e.unavailable_reason(now, other) is None]
+        standby = False
         if not candidates and fixed:
             candidates = [e for e in peers if self._standby(e)]
+            standby = True
             if not candidates:
                 return VerifyResult(
                     "inconclusive",
@@ -659,8 +685,8 @@ class Recovery:
             ),
         )
         if phase == "prefill":
-            return VerifyPair(subject, phase, subject, partner, request_id)
-        return VerifyPair(subject, phase, partner, subject, request_id)
+            return VerifyPair(subject, phase, subject, partner, request_id, standby)
+        return VerifyPair(subject, phase, partner, subject, request_id, standby)
 
     def _standby(self, engine: EngineState) -> bool:
         """Up but not yet readmitted: its last health probe passed, and only recovery

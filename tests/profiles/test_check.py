@@ -293,7 +293,7 @@ async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_pat
     # SGLang serves prometheus multiprocess mode: no process metrics, a counter only.
     assert rows(report, "metrics")["e0"].note == "restart signals: prompt_tokens_total"
     assert statuses(report, "lease") == {"e0": "skip", "e1": "skip"}
-    assert statuses(report, "handoff-wait") == {"e0 -> e1": "skip", "e1 -> e0": "skip"}
+    assert statuses(report, "handoff-wait") == {"e0": "skip", "e1": "skip"}
     assert statuses(report, "handoff") == {"e0 -> e1": "pass", "e1 -> e0": "pass"}
 
 
@@ -355,6 +355,12 @@ async def test_sglang_pd_fleet_profiles_and_checks_in_bootstrap_pairs(
     assert rows(report, "launch-mode")["e1"].measured == "decode"
     assert statuses(report, "tokenize") == {"e0": "pass", "e1": "pass", "e2": "pass"}
     assert statuses(report, "handoff") == {"e0 -> e1": "pass", "e0 -> e2": "pass"}
+    # Nothing waits between SGLang's legs: no pair to name, least of all a decode server
+    # first (the rotation would give e1 -> e2 and e2 -> e0).
+    wait = rows(report, "handoff-wait")
+    assert statuses(report, "handoff-wait") == {"e0": "skip", "e1": "skip", "e2": "skip"}
+    assert wait["e1"].note == "SGLang sends both legs at once; no handoff waits between them"
+    assert wait["e1"].limit == "decode ok 0.5 s after prefill start (serving.handoff_timeout_s)"
     # The simulator served no plain generation request: every one came in a pair.
     refused = [o for h in fleet for o in h.state()["outcomes"] if o["status"] == 400]
     assert refused == []
@@ -367,9 +373,19 @@ async def test_sglang_engine_launched_in_another_mode_fails_the_check(
         engines=3, speed=4.0, dialect="sglang", disaggregation_modes=["prefill", "decode", "null"]
     )
     config = sglang_config(fleet, tmp_path, ["prefill", "decode", "decode"])
-    report = await run_check(config, attrs.evolve(PLAN, handoff_samples=0))
+    uncapped = attrs.evolve(config.serving, handoff_timeout_s=0.0)
+    report = await run_check(
+        attrs.evolve(config, serving=uncapped), attrs.evolve(PLAN, handoff_samples=0)
+    )
     assert report.failed
     assert statuses(report, "launch-mode") == {"e0": "pass", "e1": "pass", "e2": "fail"}
+    # Without a cap the rows still say why SGLang has nothing to wait for.
+    skipped = (
+        "serving.handoff_timeout_s=0",
+        "SGLang sends both legs at once; no handoff waits between them",
+    )
+    wait = {r.target: (r.limit, r.note) for r in report.rows if r.check == "handoff-wait"}
+    assert wait == dict.fromkeys(("e0", "e1", "e2"), skipped)
     # Not paired: e2 would not join the bootstrap room, and e0 would wait out its timeout.
     assert rows(report, "handoff")["e0 -> e2"].note == "e2 failed its launch-mode check"
     assert rows(report, "tokenize")["e2"].note == "failed its launch-mode check"

@@ -39,10 +39,12 @@ async def test_probes_carry_the_key_and_a_refused_key_is_named(
     # Health routes stay open on both engines; the verification legs and the key check
     # are refused.
     assert (await prober.health(d0, config)).outcome == "ok"
+    # A refused key is d0's own doing, whatever its partner did.
     assert await prober.verify(pair, config) == VerifyResult(
         "failed",
         "prefill on p0, decode on d0: decode leg on d0 returned HTTP 401: the engine "
         "refused narwhal's API key (engine.api_key_file)",
+        culprit="d0",
     )
     assert await prober.check_key(d0, config) == KeyCheck(
         "refused",

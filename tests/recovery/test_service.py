@@ -304,6 +304,140 @@ async def test_aggregate_failures_count_on_both_breakers_and_verify_locally(
     assert rig.reason("a0") is None
 
 
+# ---------------------------------------------------------------- standby partners
+
+
+def sglang_pd() -> Config:
+    """1P1D SGLang: each engine's only partner is the other, so when both are out each
+    is verified with the other on standby."""
+    return config(
+        engines=[
+            {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill", "dialect": "sglang"},
+            {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode", "dialect": "sglang"},
+        ]
+    )
+
+
+def verified(rig: Rig, engine_id: str) -> tuple[list[float], dict[str, object]]:
+    """When `engine_id` was verified, and its last verification as the state shows it."""
+    record = rig.recovery.record(engine_id)
+    assert record is not None
+    assert record.last_verification is not None
+    times = [v.at - rig.t0 for v in rig.prober.verifications if v.subject == engine_id]
+    return times, record.last_verification
+
+
+def health_changes(rig: Rig, engine_id: str) -> list[tuple[str, str]]:
+    return [(old, new) for engine, _, old, new in changes(rig, "health") if engine == engine_id]
+
+
+async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, sglang_pd())
+    for engine_id in ("p0", "d0"):
+        rig.prober.health_of[engine_id] = UNHEALTHY
+    await rig.at(3.0)  # both ejected
+    rig.prober.health_of.clear()
+    # Two good probes (+4, +5), then each is verified with the other on standby. The
+    # decode leg's 500 may be the prefill's doing (a KV transfer that failed), so it
+    # proves nothing about p0; the dropped connection is d0's own.
+    rig.prober.verify_of["p0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    rig.prober.verify_of["d0"] = VerifyResult(
+        "failed", "decode leg on d0: server disconnected", culprit="d0"
+    )
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        await rig.at(5.0)
+    times, last = verified(rig, "p0")
+    assert (times, last["partner"], last["standby"], last["outcome"]) == (
+        [5.0],
+        "d0",
+        True,
+        "inconclusive",
+    )
+    assert last["detail"] == (
+        "decode leg on d0 returned HTTP 500; not counted against p0: either engine may have "
+        "caused it, and d0 is unverified itself"
+    )
+    # Not a failed verification: no ejection, no new readmission streak, still verifying.
+    assert health_changes(rig, "p0") == [("up", "ejected"), ("ejected", "verifying")]
+    assert rig.reason("p0") == (
+        "ejected: 2 good probes (recovery.health.readmit_successes=2); verifying before readmission"
+    )
+    registry = rig.ctx.metrics.registry
+    counted = {
+        outcome: registry.get_sample_value(
+            "narwhal_verifications_total",
+            {"engine": "p0", "purpose": "readmission", "outcome": outcome},
+        )
+        for outcome in ("failed", "inconclusive")
+    }
+    assert counted == {"failed": None, "inconclusive": 1.0}
+    (logged,) = [
+        r
+        for r in caplog.records
+        if getattr(r, "event", None) == "verification" and r.__dict__["engine"] == "p0"
+    ]
+    assert (logged.__dict__["partner"], logged.__dict__["standby"]) == ("d0", True)
+    # d0's own failure still counts against it.
+    assert verified(rig, "d0")[1]["outcome"] == "failed"
+    assert health_changes(rig, "d0")[-1] == ("verifying", "ejected")
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0: server disconnected"
+
+    # p0 is tried again a probe interval later, not after a new streak of good probes.
+    del rig.prober.verify_of["p0"]
+    await rig.at(6.0)
+    times, last = verified(rig, "p0")
+    assert (times, last["standby"], last["outcome"]) == ([5.0, 6.0], True, "ok")
+    assert rig.reason("p0") is None
+    # p0's pair passing readmits p0 alone: d0 waits for a verification of its own.
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0: server disconnected"
+
+    # With p0 in service, d0's partner is no longer on standby: any failure counts.
+    rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    await rig.at(7.0)  # good probes at +6 and +7
+    times, last = verified(rig, "d0")
+    assert (times, last["partner"], last["standby"], last["outcome"]) == (
+        [5.0, 7.0],
+        "p0",
+        False,
+        "failed",
+    )
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+
+
+async def test_a_half_open_breaker_is_not_reopened_by_its_standby_partner(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_pd())
+    for engine_id, phase in (("p0", "prefill"), ("d0", "decode")):
+        for _ in range(3):
+            rig.recovery.leg_failed(rig.engine(engine_id), phase, failure(engine_id, phase))
+    # At +4 both breakers are half-open: each engine's partner is out, on standby.
+    refused = VerifyResult("failed", "decode leg on d0: connection refused", culprit="d0")
+    rig.prober.verify_of.update(p0=refused, d0=refused)
+    await rig.at(4.0)
+    _, last = verified(rig, "p0")
+    assert last["detail"] == (
+        "decode leg on d0: connection refused; not counted against p0: the failure is d0's own"
+    )
+    assert rig.breaker("p0", "prefill") is BreakerState.HALF_OPEN
+    assert rig.breaker("d0", "decode") is BreakerState.OPEN
+    record = rig.recovery.record("p0")
+    assert record is not None
+    assert record.breakers["prefill"].opened_total == 1
+    del rig.prober.verify_of["p0"]
+    await rig.at(5.0)  # p0 again a probe interval later; d0 reopened for open_s=4
+    assert verified(rig, "p0")[0] == [4.0, 5.0]
+    assert rig.breaker("p0", "prefill") is BreakerState.CLOSED
+    assert rig.breaker("d0", "decode") is BreakerState.OPEN
+    assert [c for c in changes(rig, "breaker") if c[0] == "p0"] == [
+        ("p0", "prefill", "closed", "open"),
+        ("p0", "prefill", "open", "half_open"),
+        ("p0", "prefill", "half_open", "closed"),
+    ]
+
+
 # ---------------------------------------------------------------- quarantine
 
 

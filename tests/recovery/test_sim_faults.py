@@ -338,10 +338,58 @@ async def test_an_sglang_fleet_down_at_startup_is_readmitted_through_real_pairs(
     # Only bootstrap pairs were sent: a plain request would have been refused with 400.
     assert set(verification_legs(stack, 0)) == {("prefill", "ok")}
     assert set(verification_legs(stack, 1)) == {("decode", "ok")}
-    for engine_id in ("p0", "d1"):
-        assert recovery(stack, engine_id).last_verification["detail"] == (
-            "prefill on p0, decode on d1 completed"
+    # The first one readmitted had its partner on standby; the other may have found it
+    # back in service by then.
+    last = [recovery(stack, engine_id).last_verification for engine_id in ("p0", "d1")]
+    assert any(v["standby"] for v in last)
+    for verification in last:
+        assert verification["detail"] == (
+            "prefill on p0, decode on d1"
+            + (" (standby partner: itself out of service)" if verification["standby"] else "")
+            + " completed"
         )
+    assert (await post(stack)).status_code == 200
+
+
+async def test_an_sglang_standby_partner_that_fails_its_own_leg_fails_only_itself(
+    start_stack: StartStack,
+) -> None:
+    # The fleet comes up as a whole with d1 dropping every decode connection: p0's pair
+    # with d1 on standby fails on d1's leg. That is d1's failure, not p0's.
+    stack = await start_stack(["prefill", "decode"], sglang=True, down_at_start=(0, 1))
+    stack.fleet[1].set_faults(crash_after_tokens=0, leg="decode")
+    await stack.fleet[0].come_up()
+    await stack.fleet[1].come_up()
+    registry = stack.ctx.metrics.registry
+
+    def verifications(engine_id: str, outcome: str) -> float:
+        labels = {"engine": engine_id, "purpose": "readmission", "outcome": outcome}
+        return registry.get_sample_value("narwhal_verifications_total", labels) or 0.0
+
+    await wait_for(
+        lambda: verifications("p0", "inconclusive") >= 3 and verifications("d1", "failed") >= 1
+    )
+    assert verifications("p0", "failed") == 0
+    p0 = recovery(stack, "p0")
+    assert p0.last_verification["partner"] == "d1"
+    assert p0.last_verification["standby"] is True
+    assert re.fullmatch(
+        r"prefill on p0, decode on d1 \(standby partner: itself out of service\): decode leg "
+        r"on d1: .+; not counted against p0: the failure is d1's own",
+        p0.last_verification["detail"],
+    ), p0.last_verification["detail"]
+    # Never ejected again, so it kept its place in line: verifying, not a new streak.
+    assert transitions(stack, "p0", "health") == [("up", "ejected"), ("ejected", "verifying")]
+    assert p0.health.ejected_total == 1
+    assert recovery(stack, "d1").health.ejected_total >= 2
+    assert ("verifying", "ejected") in transitions(stack, "d1", "health")
+    # p0's prefill legs completed, or were cut short when d1's leg had already failed.
+    assert ("prefill", "ok") in verification_legs(stack, 0)
+    assert {outcome for _, outcome in verification_legs(stack, 0)} <= {"ok", "aborted"}
+    assert not available(stack, "p0")
+    assert not available(stack, "d1")
+    stack.fleet[1].clear_faults()
+    await wait_for(lambda: available(stack, "p0") and available(stack, "d1"))
     assert (await post(stack)).status_code == 200
 
 
@@ -376,8 +424,9 @@ async def test_an_sglang_engine_without_a_partner_is_not_verified_and_stays_out(
 async def test_verification_pairs_in_both_dialects_and_their_failures(
     nursery: trio.Nursery,
 ) -> None:
-    # The prober alone, on engines built without a supervisor: both dialects, a failed
-    # leg, a leg over engine.first_token_timeout_s, and a local pair.
+    # The prober alone, on engines built without a supervisor: both dialects, failed
+    # legs and the engine each failure is certainly due to, a leg over
+    # engine.first_token_timeout_s, and a local pair.
     prober = HttpProber()
     dialects: tuple[Dialect, ...] = ("vllm", "sglang")
     for dialect in dialects:
@@ -387,11 +436,30 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
         assert result == VerifyResult("ok", "prefill on p0, decode on d0 completed"), dialect
         assert [o["phase"] for o in fleet[0].state()["outcomes"]] == ["prefill"]
         assert [o["phase"] for o in fleet[1].state()["outcomes"]] == ["decode"]
+        standby = attrs.evolve(pair, standby=True)
+        assert (await prober.verify(standby, config)).detail == (
+            "prefill on p0, decode on d0 (standby partner: itself out of service) completed"
+        )
+        # An error the decode answered may be its partner's doing (a failed KV transfer):
+        # no culprit.
         fleet[1].set_faults(error_status=500, leg="decode")
         result = await prober.verify(pair, config)
         assert result == VerifyResult(
             "failed", "prefill on p0, decode on d0: decode leg on d0 returned HTTP 500"
         )
+        # How an engine answered (here a dropped connection) is its own doing.
+        fleet[1].set_faults(crash_after_tokens=0, leg="decode")
+        result = await prober.verify(pair, config)
+        assert (result.outcome, result.culprit) == ("failed", "d0"), dialect
+        assert result.detail.startswith("prefill on p0, decode on d0: decode leg on d0: ")
+        # An error a vLLM prefill answered is its own: its leg depends on no other engine.
+        # An SGLang prefill's leg waits for its decode in the bootstrap room.
+        fleet[1].clear_faults()
+        fleet[0].set_faults(error_status=500, leg="prefill")
+        result = await prober.verify(pair, config)
+        assert result.outcome == "failed"
+        assert result.culprit == ("p0" if dialect == "vllm" else None), result
+        fleet[0].clear_faults()
         fleet[1].set_faults(stall_before_first_token_s=5.0, leg="decode")
         slow = attrs.evolve(config, engine=attrs.evolve(config.engine, first_token_timeout_s=0.2))
         result = await prober.verify(pair, slow)
