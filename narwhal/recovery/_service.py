@@ -104,18 +104,19 @@ def _attribute(pair: VerifyPair, result: VerifyResult) -> VerifyResult:
     partner's fault would eject it again (or reopen its breaker) and restart its
     readmission streak, all logged and shown as its failure. Inconclusive instead keeps
     it out, as when there is no partner at all, and it is verified again a probe interval
-    later. An available partner is in service, so presumed sound: with one, any failure
-    counts against the subject."""
+    later. An available partner is in service, so presumed sound: with one, a failure
+    counts against the subject unless it is certainly the partner's own (its connection
+    refused, say), which the partner's serving traffic and breakers will judge."""
     partner = pair.partner
-    if not pair.standby or partner is None or result.outcome != "failed":
+    if partner is None or result.outcome != "failed":
         return result
     subject = pair.subject.id
-    if result.culprit == subject:
-        return result
     if result.culprit == partner.id:
         why = f"the failure is {partner.id}'s own"
-    else:
+    elif pair.standby and result.culprit != subject:
         why = f"either engine may have caused it, and {partner.id} is unverified itself"
+    else:
+        return result
     return VerifyResult("inconclusive", f"{result.detail}; not counted against {subject}: {why}")
 
 

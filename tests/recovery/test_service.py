@@ -404,6 +404,18 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
         "failed",
     )
     assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    # But not a failure that is certainly the in-service partner's own: its serving traffic
+    # and breakers judge p0.
+    rig.prober.verify_of["d0"] = VerifyResult(
+        "failed", "prefill leg on p0: connection refused", culprit="p0"
+    )
+    await rig.at(9.0)  # good probes at +8 and +9
+    times, last = verified(rig, "d0")
+    assert (times[-1], last["standby"], last["outcome"]) == (9.0, False, "inconclusive")
+    assert last["detail"] == (
+        "prefill leg on p0: connection refused; not counted against d0: the failure is p0's own"
+    )
+    assert health_changes(rig, "d0")[-1] == ("ejected", "verifying")
 
 
 async def test_a_half_open_breaker_is_not_reopened_by_its_standby_partner(
