@@ -23,7 +23,8 @@ In-process use (stable API)::
 `serve_fleet(*, engines, host="127.0.0.1", port=0, spec=None, dialect=None, speed=None,
 lease_s=None, model=None, seed=None, build=None, max_num_queued=None, timing=None,
 disaggregation_modes=None, task_status)` serves until cancelled. ``port=0`` gives each
-engine its own ephemeral port; a base port gives consecutive ports. Keyword options
+engine its own free port below the kernel's ephemeral range (so a restarted engine can bind
+it again); a base port gives consecutive ports. Keyword options
 override fields of `SimEngineSpec`.
 
 SGLang roles are fixed at launch, as in SGLang (engine-protocols notes §5.1): each engine

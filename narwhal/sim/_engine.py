@@ -6,6 +6,7 @@ The OpenAI endpoints live in `_api`; this module owns everything they share.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import random
 import secrets
@@ -148,9 +149,11 @@ class SimEngine:
             task_status.started()
 
     async def _serve_listener(self, *, task_status: trio.TaskStatus[None]) -> None:
-        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         if self.port == 0:
+            listeners = await _listen_outside_ephemeral_range(self.host)
             self.port = listeners[0].socket.getsockname()[1]
+        else:
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         self._listener_done = trio.Event()
         try:
             with trio.CancelScope() as scope:
@@ -796,3 +799,32 @@ def requires_api_key(dialect: str, method: str, path: str) -> bool:
     if dialect == "vllm":
         return path.startswith("/v1")
     return not path.startswith(("/health", "/metrics"))
+
+
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+@functools.cache
+def _ephemeral_low() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a port that is taken is skipped anyway
+
+
+async def _listen_outside_ephemeral_range(host: str) -> list[trio.SocketListener]:
+    """Listeners on a free port below the kernel's ephemeral range.
+
+    A simulated engine that goes down and comes up binds its port again. An ephemeral
+    port may meanwhile be the source port of one of the router's outgoing connections,
+    and then the bind fails (EADDRINUSE). Ports below the range are never handed out as
+    source ports, so only another listener can hold one, and that is tried again here."""
+    low = _ephemeral_low()
+    ports = random.Random().sample(range(max(1024, low - 12_000), low), 64)
+    for port in ports:
+        try:
+            return await trio.open_tcp_listeners(port, host=host)
+        except OSError:
+            continue
+    return await trio.open_tcp_listeners(0, host=host)

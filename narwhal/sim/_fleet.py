@@ -178,7 +178,8 @@ async def serve_fleet(
 ) -> None:
     """Serve `engines` simulated engines until cancelled; `started()` gives the Fleet.
 
-    ``port=0`` gives every engine its own ephemeral port (safe for parallel tests); a base
+    ``port=0`` gives every engine its own free port below the kernel's ephemeral range
+    (safe for parallel tests, and free to bind again after a simulated restart); a base
     port gives consecutive ports. Keyword options override fields of ``spec``; engine i runs
     with seed ``seed + i`` so their noise differs. ``disaggregation_modes`` gives each
     SGLang engine its launch mode (one per engine); without it every engine has the

@@ -212,11 +212,17 @@ async def test_connection_refused_while_down(
 ) -> None:
     fleet = await start_fleet(engines=2, speed=50.0)
     e = fleet[1]
+    # Below the kernel's ephemeral range: no outgoing connection can take the port as its
+    # source port while the engine is down, so it can always bind it again.
+    low = (await trio.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()).split()[0]
+    assert e.port < int(low)
+    port = e.port
     await e.go_down()
     with pytest.raises(httpx.ConnectError):
         await client.get(f"{e.url}/health")
     assert e.state()["up"] is False
     await e.come_up()
+    assert e.port == port
     assert (await client.get(f"{e.url}/health")).status_code == 200
     # The timed form, set over HTTP: refuse for a while, then come back by itself.
     r = await client.post(f"{e.url}/_sim/faults", json={"down_s": 0.2})
