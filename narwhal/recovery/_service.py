@@ -22,7 +22,10 @@ When something is due (an open breaker's open_s, a quarantine's end, a restart h
 recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
 counted failure wakes it at once. Verifications run inside the engine's loop, one at a
 time per engine, so an engine is never verified twice concurrently, and after one that
-did not pass the next waits a probe interval.
+did not pass the next waits a probe interval. A verification leg answered with 401/403
+marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
+neither a failed verification nor a breaker's, since the engine refuses the key, not the
+work. An auth-refused engine is not verified; once its key check passes, at once.
 
 Every verdict change is one JSON log line (`"event": "verdict"` with engine, phase,
 kind, from, to, reason), one increment of narwhal_recovery_transitions_total, and an
@@ -47,7 +50,7 @@ from prometheus_client import Counter
 
 from .._errors import EngineFailed
 from ..config import Config
-from ..fleet import EngineState, Phase
+from ..fleet import EngineState, Phase, key_refused
 from ..serving import ServingContext
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
@@ -159,11 +162,14 @@ class EngineRecovery:
         times = [due for b in self.breakers.values() if (due := b.due()) is not None]
         if self.quarantine_active:
             times.append(self.engine.quarantined_until)
-        if self.readmission_wanted():
-            hold_due = self.hold.verify_after if self.hold.active else -math.inf
-            times.append(max(self.next_verify_at, hold_due))
-        if self.breaker_wanted():
-            times.append(self.next_verify_at)
+        # While the engine refuses Narwhal's key its legs would be refused too: the key
+        # check (after each good probe) comes first.
+        if self.engine.auth_refused is None:
+            if self.readmission_wanted():
+                hold_due = self.hold.verify_after if self.hold.active else -math.inf
+                times.append(max(self.next_verify_at, hold_due))
+            if self.breaker_wanted():
+                times.append(self.next_verify_at)
         return min(times, default=math.inf)
 
     def snapshot(self, now: float) -> dict[str, object]:
@@ -519,12 +525,17 @@ class Recovery:
             )
             return
         engine.auth_refused = None
+        # A verification the refusal held back (a restart hold, a half-open breaker) is
+        # due now that the engine takes the key.
+        record.next_verify_at = -math.inf
+        still = engine.unavailable_reason(trio.current_time())
         log.info(
-            "engine %s accepts narwhal's requests again (%s) and takes new work; it was "
-            "out with auth refused: %s",
+            "engine %s accepts narwhal's requests again (%s)%s; it was out with auth refused: %s%s",
             engine.id,
             result.detail,
+            " and takes new work" if still is None else "",
             refused,
+            "" if still is None else f"; still out: {still}",
             extra={"event": "engine_auth_recovered", **fields},
         )
 
@@ -559,7 +570,7 @@ class Recovery:
 
     async def _verify_due(self, record: EngineRecovery) -> None:
         now = trio.current_time()
-        if now < record.next_verify_at:
+        if now < record.next_verify_at or record.engine.auth_refused is not None:
             return
         engine = record.engine
         hold_due = not record.hold.active or now >= record.hold.verify_after
@@ -575,6 +586,7 @@ class Recovery:
                     )
             elif result.outcome == "failed":
                 self._health_changed(record, record.health.verify_failed(result.detail))
+            # Neither "refused" nor "inconclusive" says anything of the engine's health.
             if result.outcome != "ok":
                 record.next_verify_at = trio.current_time() + self._interval()
             return
@@ -587,6 +599,7 @@ class Recovery:
                     "ok": BreakerEvent.VERIFY_OK,
                     "failed": BreakerEvent.VERIFY_FAILED,
                     "inconclusive": BreakerEvent.VERIFY_INCONCLUSIVE,
+                    "refused": BreakerEvent.VERIFY_INCONCLUSIVE,
                 }[result.outcome]
                 transition = breaker.handle(event, trio.current_time(), result.detail)
                 if transition is not None:
@@ -611,6 +624,9 @@ class Recovery:
         else:
             partner, standby = pair.partner, pair.standby
             result = _attribute(pair, await self.prober.verify(pair, self.ctx.config))
+        if result.refusal is not None:
+            refusal = result.refusal
+            key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
         self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
         verification: dict[str, object] = {
