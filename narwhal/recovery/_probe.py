@@ -6,7 +6,8 @@ and client traffic never waits for a probe. When that pool has no free connectio
 probe does not wait for one: it reports `inconclusive`, which leaves the verdict as it
 was (manual 4.1: probe exhaustion leaves the engine verdict unchanged).
 
-Deadlines: a health probe (GET /health, then GET /version for the engine's identity)
+Deadlines: a health probe (GET /health, then GET /version for the engine's identity,
+which SGLang guards with its --api-key: a refusal there is reported with the probe)
 gets engine.health_timeout_s in total, as do a /metrics scrape and a key check (GET
 /v1/models, which the engine guards with its --api-key). A verification pair
 runs a complete prefill leg and a complete decode leg, each bounded on its own by
@@ -87,12 +88,25 @@ _IDENTITY_KEYS = ("version", "build", "instance_id")
 
 
 @attrs.frozen
+class KeyRefusal:
+    """An engine answered one of recovery's requests with HTTP 401/403: it refused
+    Narwhal's API key, as it would the request path's (`fleet.key_refused`)."""
+
+    engine: EngineState
+    status: int
+    message: str  # the engine's, from its error body
+
+
+@attrs.frozen
 class ProbeResult:
     outcome: Outcome
     detail: str
     # False: the connection was refused or failed; None: cannot tell (a timeout).
     reachable: bool | None
     identity: Identity | None = None
+    # The identity check (GET /version) was refused: SGLang guards /version with its
+    # --api-key, unlike its health route.
+    refusal: KeyRefusal | None = None
 
 
 @attrs.frozen
@@ -120,16 +134,6 @@ class KeyCheck:
 
     outcome: KeyOutcome
     detail: str
-
-
-@attrs.frozen
-class KeyRefusal:
-    """An engine answered one of recovery's requests with HTTP 401/403: it refused
-    Narwhal's API key, as it would the request path's (`fleet.key_refused`)."""
-
-    engine: EngineState
-    status: int
-    message: str  # the engine's, from its error body
 
 
 @attrs.frozen
@@ -270,7 +274,11 @@ class HttpProber:
             if status != 200:
                 return ProbeResult("failed", f"GET {path} returned HTTP {status}", True)
             identity = await self._identity(engine)
-            return ProbeResult("ok", f"GET {path} returned HTTP 200", True, identity)
+            detail = f"GET {path} returned HTTP 200"
+            if isinstance(identity, KeyRefusal):
+                refused = _status_detail("GET /version", identity.status)
+                return ProbeResult("ok", f"{detail}; {refused}", True, None, identity)
+            return ProbeResult("ok", detail, True, identity)
         return ProbeResult(
             "failed", f"GET {path}: no answer within engine.health_timeout_s={timeout}", None
         )
@@ -293,14 +301,18 @@ class HttpProber:
             return KeyCheck("failed", f"{where} returned HTTP {status}")
         return KeyCheck("failed", f"{where}: no answer within engine.health_timeout_s={timeout}")
 
-    async def _identity(self, engine: EngineState) -> Identity | None:
-        """(key, value) pairs of /version that name the running instance, if any."""
+    async def _identity(self, engine: EngineState) -> Identity | KeyRefusal | None:
+        """(key, value) pairs of /version that name the running instance, if any; the
+        refusal when the engine refused Narwhal's API key there."""
         if not _free(engine.control_pool):
             return None
         try:
             async with engine.control_pool.request(b"GET", b"/version", _headers()) as response:
                 raw = await response.aread(_SMALL_BODY)
-                if response.status != 200:
+                status = response.status
+                if status in ENGINE_AUTH_STATUSES:
+                    return KeyRefusal(engine, status, parse_error_body(status, raw).message)
+                if status != 200:
                     return None
         except (ConnectError, RemoteProtocolError, ResponseTooLarge, PoolTimeout):
             return None

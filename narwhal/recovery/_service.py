@@ -10,7 +10,9 @@ Inputs
   start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
   kept as the engine's latest latency observation for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
-  every recovery.health.interval_s on the control pool. While the engine refuses
+  every recovery.health.interval_s on the control pool. A /version refused for
+  Narwhal's API key (SGLang guards it) marks the engine auth-refused, and is logged
+  once until /version answers again. While the engine refuses
   Narwhal's API key (`EngineState.auth_refused`, set by the request path on a 401/403),
   each good probe is followed by a key check: GET /v1/models, which the engine guards
   with its --api-key where it leaves its health route open. HTTP 200 clears the refusal
@@ -64,6 +66,7 @@ from ._health import (
 from ._probe import (
     HttpProber,
     KeyCheck,
+    KeyRefusal,
     LoadSample,
     Prober,
     ProbeResult,
@@ -141,6 +144,8 @@ class EngineRecovery:
         self.quarantine_active = False
         self.last_probe: ProbeResult | None = None
         self.last_probe_at: float | None = None
+        # The identity check's refusal was logged; until /version answers again.
+        self.identity_refused = False
         self.last_key_check: KeyCheck | None = None
         self.last_key_check_at: float | None = None
         self.last_verification: dict[str, object] | None = None
@@ -476,6 +481,10 @@ class Recovery:
         if result.outcome == "inconclusive":
             log.log(level, "probe of %s inconclusive: %s", engine.id, result.detail, extra=fields)
             return result
+        if result.refusal is not None:
+            self._identity_refused(record, result.refusal, result.detail)
+        elif result.identity is not None:
+            record.identity_refused = False
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
             log.log(
@@ -490,6 +499,26 @@ class Recovery:
         if restarted is not None:
             self._start_hold(record, restarted)
         return result
+
+    def _identity_refused(self, record: EngineRecovery, refusal: KeyRefusal, detail: str) -> None:
+        """The identity check (GET /version) met 401/403, so the request path would too:
+        it sends the same key (both pools carry the engine's one configured key), to
+        routes guarded at least as much (SGLang guards /version and the generation routes
+        alike; vLLM leaves /version open, so a refusal there comes from a proxy guarding
+        more than vLLM, /v1 included). It is judged as a refused leg is. Until /version
+        answers, a restart shows only on /metrics or when the engine stops answering."""
+        key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
+        if record.identity_refused:
+            return
+        record.identity_refused = True
+        engine_id = record.engine.id
+        log.warning(
+            "probe of %s: %s; until /version answers, its restarts show only on its "
+            "/metrics or when it stops answering",
+            engine_id,
+            detail,
+            extra={"event": "identity_refused", "engine": engine_id, "detail": detail},
+        )
 
     async def _probe(self, record: EngineRecovery) -> None:
         result = await self._probe_once(record)

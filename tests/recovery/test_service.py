@@ -26,6 +26,7 @@ from narwhal.recovery import (
     LoadSample,
     Monitor,
     MonitorPass,
+    ProbeResult,
     Recovery,
     ScrapeError,
     VerifyResult,
@@ -668,6 +669,45 @@ async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_no
         ("d0", None, "ejected", "verifying"),
         ("d0", None, "verifying", "up"),
     ]
+
+
+async def test_a_refused_identity_check_takes_the_engine_out_and_warns_once(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal")
+    rig = await start(nursery, keyed(tmp_path))
+    d0 = rig.engine("d0")
+    detail = "GET /health returned HTTP 200; GET /version returned HTTP 401: refused"
+    refused = ProbeResult("ok", detail, True, None, KeyRefusal(d0, 401, "Unauthorized"))
+
+    def logged(event: str) -> list[str]:
+        return [r.levelname for r in caplog.records if r.__dict__.get("event") == event]
+
+    rig.prober.health_of["d0"] = refused
+    rig.prober.key_of["d0"] = KEY_REFUSED
+    await rig.at(3.0)
+    # Out as a refused request would put it, from the first refused probe on.
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 2.0, 3.0]
+    record = rig.recovery.record("d0")
+    assert record is not None
+    health = record.snapshot(trio.current_time())["health"]
+    assert isinstance(health, dict)
+    assert health["last_probe"]["detail"] == detail
+    assert record.identity.identity == HEALTHY.identity  # the last one seen
+    assert logged("identity_refused") == ["WARNING"]  # three refused probes, one warning
+    assert logged("engine_auth_refused") == ["ERROR"]
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.key_of["d0"] = KEY_ACCEPTED
+    await rig.at(4.0)
+    assert rig.reason("d0") is None
+    rig.prober.health_of["d0"] = refused
+    await rig.at(5.0)  # refused again after /version answered: said again
+    assert logged("identity_refused") == ["WARNING", "WARNING"]
+    assert logged("engine_auth_refused") == ["ERROR", "ERROR"]
 
 
 # ---------------------------------------------------------------- residuals
