@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 
+from narwhal.engines import dialect_for
 from narwhal.probe import SweepFailed, format_table, profile_fleet, run_check
 
 from ..support import StartFleet
@@ -62,6 +64,32 @@ async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
     table = format_table(report.rows)
     assert note in table
     assert KEY not in table
+
+
+async def test_the_key_test_asks_the_dialects_key_check_path(
+    start_fleet: StartFleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The route recovery's key check asks; /v1/models takes the key here.
+    monkeypatch.setattr(
+        "narwhal.probe._client.dialect_for",
+        lambda name: attrs.evolve(dialect_for(name), key_check_path=b"/key-check"),
+    )
+    fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5, api_key=KEY)
+
+    async def forbidden(req: Any, resp: Any) -> None:
+        await resp.send_json(403, {"error": {"message": "Forbidden", "code": 403}})
+
+    fleet[0].engine._routes[("GET", "/key-check")] = forbidden
+    config = await setup(
+        fleet,
+        tmp_path,
+        serving={"handoff_timeout_s": 0.2},
+        engine={"api_key_file": key_file(tmp_path, KEY)},
+    )
+    report = await run_check(config, PLAN)
+    health = rows(report, "health")
+    assert statuses(report, "health") == {"e0": "fail", "e1": "pass"}
+    assert health["e0"].measured == "API key refused (HTTP 403)"
 
 
 async def test_narwhal_profile_sweeps_a_keyed_sglang_fleet(
