@@ -250,7 +250,8 @@ class Recovery:
         )
         self._m_verifications = Counter(
             "narwhal_verifications",
-            "Verification leg pairs by engine, purpose (breaker, readmission) and outcome.",
+            "Verification leg pairs by engine, purpose (breaker, readmission) and outcome "
+            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key).",
             ["engine", "purpose", "outcome"],
             registry=registry,
         )
