@@ -97,6 +97,13 @@ def changes(rig: Rig, kind: str) -> list[tuple[str, str | None, str, str]]:
 
 # ---------------------------------------------------------------- health
 
+# d0's health verdicts from an ejection through a passing readmission verification.
+D0_READMITTED = [
+    ("d0", None, "up", "ejected"),
+    ("d0", None, "ejected", "verifying"),
+    ("d0", None, "verifying", "up"),
+]
+
 
 async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_verification(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
@@ -117,11 +124,7 @@ async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_veri
     (verification,) = rig.prober.verifications
     assert attrs.astuple(verification) == ("d0", "decode", "p0", "d0", rig.t0 + 5.0)
     assert rig.reason("d0") is None
-    assert changes(rig, "health") == [
-        ("d0", None, "up", "ejected"),
-        ("d0", None, "ejected", "verifying"),
-        ("d0", None, "verifying", "up"),
-    ]
+    assert changes(rig, "health") == D0_READMITTED
 
 
 async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
@@ -544,11 +547,14 @@ async def test_a_key_check_waits_for_a_good_probe_and_only_200_clears_the_refusa
     assert key_checks(rig, "d0", "failed") == key_checks(rig, "d0", "inconclusive") == 1.0
 
 
-def keyed(tmp_path: Path) -> Config:
-    """The test fleet, configured with an API key (engine.api_key_file)."""
+@pytest.fixture
+async def keyed(nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Rig:
+    """The test fleet configured with an API key (engine.api_key_file), logs captured.
+    (pytest-trio takes the clock from the test's own arguments.)"""
+    caplog.set_level(logging.INFO, logger="narwhal")
     path = tmp_path / "engine-api-key"
     path.write_text("sk-narwhal\n")
-    return config(engine={"api_key_file": str(path)})
+    return await start(nursery, config(engine={"api_key_file": str(path)}))
 
 
 def refused_leg(engine: EngineState, leg: str = "decode") -> VerifyResult:
@@ -562,13 +568,9 @@ def refused_leg(engine: EngineState, leg: str = "decode") -> VerifyResult:
 
 
 async def test_a_readmission_verification_refused_for_the_key_waits_for_the_key_check(
-    nursery: trio.Nursery,
-    autojump_clock: trio.testing.MockClock,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
+    keyed: Rig, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="narwhal")
-    rig = await start(nursery, keyed(tmp_path))
+    rig = keyed
     d0 = rig.engine("d0")
     rig.prober.verify_of["d0"] = refused_leg(d0)
     rig.prober.key_of["d0"] = KEY_REFUSED
@@ -620,11 +622,9 @@ async def test_a_readmission_verification_refused_for_the_key_waits_for_the_key_
 
 
 async def test_a_breaker_verification_refused_for_the_key_stays_half_open(
-    nursery: trio.Nursery,
-    autojump_clock: trio.testing.MockClock,
-    tmp_path: Path,
+    keyed: Rig, autojump_clock: trio.testing.MockClock
 ) -> None:
-    rig = await start(nursery, keyed(tmp_path))
+    rig = keyed
     d0 = rig.engine("d0")
     rig.prober.verify_of["d0"] = refused_leg(d0)
     rig.prober.key_of["d0"] = KEY_REFUSED
@@ -646,11 +646,9 @@ async def test_a_breaker_verification_refused_for_the_key_stays_half_open(
 
 
 async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_not_failed(
-    nursery: trio.Nursery,
-    autojump_clock: trio.testing.MockClock,
-    tmp_path: Path,
+    keyed: Rig, autojump_clock: trio.testing.MockClock
 ) -> None:
-    rig = await start(nursery, keyed(tmp_path))
+    rig = keyed
     rig.prober.health_of["d0"] = UNHEALTHY
     await rig.at(3.0)
     rig.prober.health_of["d0"] = HEALTHY
@@ -664,21 +662,13 @@ async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_no
         ("d0", "decode", "d0", "d0"),
     ]
     assert rig.reason("d0") is None
-    assert changes(rig, "health") == [
-        ("d0", None, "up", "ejected"),
-        ("d0", None, "ejected", "verifying"),
-        ("d0", None, "verifying", "up"),
-    ]
+    assert changes(rig, "health") == D0_READMITTED
 
 
 async def test_a_refused_identity_check_takes_the_engine_out_and_warns_once(
-    nursery: trio.Nursery,
-    autojump_clock: trio.testing.MockClock,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
+    keyed: Rig, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="narwhal")
-    rig = await start(nursery, keyed(tmp_path))
+    rig = keyed
     d0 = rig.engine("d0")
     detail = "GET /health returned HTTP 200; GET /version returned HTTP 401: refused"
     refused = ProbeResult("ok", detail, True, None, KeyRefusal(d0, 401, "Unauthorized"))
