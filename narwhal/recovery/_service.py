@@ -12,12 +12,13 @@ Inputs
 - One probe loop per engine: GET /health (and /version for the engine's identity)
   every recovery.health.interval_s on the control pool. A /version refused for
   Narwhal's API key (SGLang guards it) marks the engine auth-refused, and is logged
-  once until /version answers again. While the engine refuses
-  Narwhal's API key (`EngineState.auth_refused`, set by the request path on a 401/403),
-  each good probe is followed by a key check: GET /v1/models, which the engine guards
-  with its --api-key where it leaves its health route open. HTTP 200 clears the refusal
-  and the engine takes work again (one `engine_auth_recovered` log line); a refusal
-  keeps it out, and any other failure too, the health probes judging the engine itself.
+  once until /version answers again. While the engine refuses Narwhal's API key
+  (`EngineState.auth_refused`, set on a 401/403 by the request path or by recovery's
+  own requests), each good probe is followed by a key check: GET /v1/models, which the
+  engine guards with its --api-key where it leaves its health route open. HTTP 200
+  clears the refusal and the engine takes work again (one `engine_auth_recovered` log
+  line); a refusal keeps it out, and any other failure too, the health probes judging
+  the engine itself.
 - The monitor's residual stage (`residual_pass`), at most once per engine per pass.
 
 When something is due (an open breaker's open_s, a quarantine's end, a restart hold's
@@ -533,7 +534,8 @@ class Recovery:
 
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
-        key clears the refusal; nothing here sets one (the request path does)."""
+        key clears the refusal; a refused check does not set one (a refused leg or
+        identity check does, through `fleet.key_refused`)."""
         engine = record.engine
         result = await self.prober.check_key(engine, self.ctx.config)
         record.last_key_check = result
