@@ -123,8 +123,9 @@ class EngineState:
         # the role changes (manual 5).
         self.removed = False  # reload dropped it from the config; resident work finishes
         self.drained = False  # operator (narwhalctl drain)
-        # Why the engine refuses Narwhal's API key (HTTP 401/403), set by the request path;
-        # cleared by recovery when the key is accepted again, or by a reload.
+        # Why the engine refuses Narwhal's API key (HTTP 401/403), set by whichever request
+        # met the refusal (`key_refused`); cleared by recovery when the key is accepted
+        # again, or by a reload.
         self.auth_refused: str | None = None
         self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
         self.held_until = -math.inf  # restart hold, set by recovery

@@ -68,7 +68,7 @@ T = TypeVar("T")
 Progress = Callable[[str], None]
 
 _VERIFY_PROMPT_TOKENS = 32
-# A /v1/models answer lists the served models; the bound is for a broken engine.
+# The key test's answer (on /v1/models, the served models); the bound is for a broken engine.
 _MODELS_LIMIT = 1024 * 1024
 
 
@@ -302,9 +302,10 @@ async def _launch_modes(
 async def _key_refused(client: EngineClient, limit: float) -> tuple[str, str] | None:
     """(measured, note) when the engine refuses Narwhal's API key, or wants one and none
     is configured. Health routes are open on engines started with --api-key (vLLM and
-    SGLang alike), so a healthy engine can still refuse every request; /v1/models is
-    guarded by both."""
-    answer = await _bounded(limit, client.get("/v1/models", limit=_MODELS_LIMIT))
+    SGLang alike), so a healthy engine can still refuse every request; the dialect's
+    key_check_path is guarded by both, and is what recovery's key check asks."""
+    path = client.dialect.key_check_path.decode()
+    answer = await _bounded(limit, client.get(path, limit=_MODELS_LIMIT))
     if answer.value is None or answer.value[0] not in ENGINE_AUTH_STATUSES:
         return None
     note = key_refusal(sends_key=client.pool.sends_api_key)

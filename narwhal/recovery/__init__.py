@@ -28,6 +28,7 @@ from ._probe import (
     METRICS_BODY_LIMIT as METRICS_BODY_LIMIT,
     HttpProber as HttpProber,
     KeyCheck as KeyCheck,
+    KeyRefusal as KeyRefusal,
     LoadSample as LoadSample,
     Prober as Prober,
     ProbeResult as ProbeResult,

@@ -6,7 +6,8 @@ and client traffic never waits for a probe. When that pool has no free connectio
 probe does not wait for one: it reports `inconclusive`, which leaves the verdict as it
 was (manual 4.1: probe exhaustion leaves the engine verdict unchanged).
 
-Deadlines: a health probe (GET /health, then GET /version for the engine's identity)
+Deadlines: a health probe (GET /health, then GET /version for the engine's identity,
+which SGLang guards with its --api-key: a refusal there is reported with the probe)
 gets engine.health_timeout_s in total, as do a /metrics scrape and a key check (GET
 /v1/models, which the engine guards with its --api-key). A verification pair
 runs a complete prefill leg and a complete decode leg, each bounded on its own by
@@ -29,12 +30,16 @@ The decode leg must deliver at least one generated event and the `[DONE]` termin
 
 A failed pair names the engine it is certainly due to (`VerifyResult.culprit`), if any.
 How an engine answered is its own doing: a refused or dropped connection, an oversized
-or cut-off answer, a refused API key. What it answered (an error status or event, no
-token, no answer in time) is its own only when its leg depends on no other engine: a
-vLLM prefill leg and both legs of a local pair. Otherwise the partner may have caused
+or cut-off answer. What it answered (an error status or event, no token, no answer in
+time) is its own only when its leg depends on no other engine: a vLLM prefill leg and
+both legs of a local pair. Otherwise the partner may have caused
 it: an SGLang leg waits for the other one in the bootstrap room (a prefill that never
 joins leaves the decode waiting, then failing its KV transfer with 500; a decode that
 never joins leaves the prefill waiting), and a vLLM decode leg pulls the prefill's KV.
+
+A leg answered with 401/403 makes the pair `refused`, naming the engine that refused
+Narwhal's API key: the caller judges that as the request path does (`fleet.key_refused`),
+not as a failed verification, since the engine refuses the key, not the work.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from ..engines import (
     ResponseTooLarge,
     SseKind,
     SseScanner,
+    parse_error_body,
 )
 from ..engines._dialects import (
     encode,
@@ -71,6 +77,7 @@ from ..fleet import EngineState
 from ._health import Identity
 
 Outcome = Literal["ok", "failed", "inconclusive"]
+VerifyOutcome = Literal["ok", "failed", "inconclusive", "refused"]
 KeyOutcome = Literal["accepted", "refused", "failed", "inconclusive"]
 
 _SMALL_BODY = 64 * 1024
@@ -81,12 +88,25 @@ _IDENTITY_KEYS = ("version", "build", "instance_id")
 
 
 @attrs.frozen
+class KeyRefusal:
+    """An engine answered one of recovery's requests with HTTP 401/403: it refused
+    Narwhal's API key, as it would the request path's (`fleet.key_refused`)."""
+
+    engine: EngineState
+    status: int
+    message: str  # the engine's, from its error body
+
+
+@attrs.frozen
 class ProbeResult:
     outcome: Outcome
     detail: str
     # False: the connection was refused or failed; None: cannot tell (a timeout).
     reachable: bool | None
     identity: Identity | None = None
+    # The identity check (GET /version) was refused: SGLang guards /version with its
+    # --api-key, unlike its health route.
+    refusal: KeyRefusal | None = None
 
 
 @attrs.frozen
@@ -118,11 +138,14 @@ class KeyCheck:
 
 @attrs.frozen
 class VerifyResult:
-    outcome: Outcome
+    # refused: an engine of the pair refused Narwhal's API key (`refusal` names it),
+    # which says nothing of either engine's health.
+    outcome: VerifyOutcome
     detail: str
     # "failed" only: the engine the failure is certainly due to; None when the other
     # engine of the pair may have caused it (see the module docstring).
     culprit: str | None = None
+    refusal: KeyRefusal | None = None
 
 
 @attrs.frozen(eq=False)
@@ -181,6 +204,12 @@ class _LegFailed(Exception):
         super().__init__(message)
         self.engine = engine
         self.own = own
+
+
+class _LegRefused(_LegFailed):
+    def __init__(self, detail: str, refusal: KeyRefusal) -> None:
+        super().__init__(detail, refusal.engine, own=True)
+        self.refusal = refusal
 
 
 def _free(pool: ConnectionPool) -> bool:
@@ -245,7 +274,11 @@ class HttpProber:
             if status != 200:
                 return ProbeResult("failed", f"GET {path} returned HTTP {status}", True)
             identity = await self._identity(engine)
-            return ProbeResult("ok", f"GET {path} returned HTTP 200", True, identity)
+            detail = f"GET {path} returned HTTP 200"
+            if isinstance(identity, KeyRefusal):
+                refused = _status_detail("GET /version", identity.status)
+                return ProbeResult("ok", f"{detail}; {refused}", True, None, identity)
+            return ProbeResult("ok", detail, True, identity)
         return ProbeResult(
             "failed", f"GET {path}: no answer within engine.health_timeout_s={timeout}", None
         )
@@ -268,14 +301,18 @@ class HttpProber:
             return KeyCheck("failed", f"{where} returned HTTP {status}")
         return KeyCheck("failed", f"{where}: no answer within engine.health_timeout_s={timeout}")
 
-    async def _identity(self, engine: EngineState) -> Identity | None:
-        """(key, value) pairs of /version that name the running instance, if any."""
+    async def _identity(self, engine: EngineState) -> Identity | KeyRefusal | None:
+        """(key, value) pairs of /version that name the running instance, if any; the
+        refusal when the engine refused Narwhal's API key there."""
         if not _free(engine.control_pool):
             return None
         try:
             async with engine.control_pool.request(b"GET", b"/version", _headers()) as response:
                 raw = await response.aread(_SMALL_BODY)
-                if response.status != 200:
+                status = response.status
+                if status in ENGINE_AUTH_STATUSES:
+                    return KeyRefusal(engine, status, parse_error_body(status, raw).message)
+                if status != 200:
                     return None
         except (ConnectError, RemoteProtocolError, ResponseTooLarge, PoolTimeout):
             return None
@@ -329,6 +366,8 @@ class HttpProber:
                 await _vllm_pair(pair, limit)
         except _Exhausted as exc:
             return VerifyResult("inconclusive", str(exc))
+        except _LegRefused as exc:
+            return VerifyResult("refused", f"{pair.describe()}: {exc}", refusal=exc.refusal)
         except _LegFailed as exc:
             culprit = exc.engine.id if exc.own else None
             return VerifyResult("failed", f"{pair.describe()}: {exc}", culprit)
@@ -419,9 +458,13 @@ class _Leg:
         """What the engine answered: its own fault unless the partner had a part in it."""
         return _LegFailed(detail, self.engine, own=not self.paired)
 
-    def status(self, status: int) -> _LegFailed:
+    def status(self, status: int, raw: bytes) -> _LegFailed:
         detail = _status_detail(self.where, status)
-        return self.broken(detail) if status in ENGINE_AUTH_STATUSES else self.answered(detail)
+        if status in ENGINE_AUTH_STATUSES:
+            # The engine's own refusal, whatever the partner did; not a failure either.
+            message = parse_error_body(status, raw).message
+            return _LegRefused(detail, KeyRefusal(self.engine, status, message))
+        return self.answered(detail)
 
     def late(self, limit: float) -> _LegFailed:
         return self.answered(
@@ -440,7 +483,7 @@ async def _json_leg(
             ) as response:
                 raw = await response.aread(_SMALL_BODY)
                 if response.status != 200:
-                    raise fail.status(response.status)
+                    raise fail.status(response.status, raw)
                 return raw
         except PoolTimeout as exc:
             raise _Exhausted(str(exc)) from None
@@ -462,8 +505,8 @@ async def _stream_leg(
                 b"POST", b"/v1/completions", _headers(pair.request_id), body
             ) as response:
                 if response.status != 200:
-                    await response.aread(_SMALL_BODY)
-                    raise fail.status(response.status)
+                    raw = await response.aread(_SMALL_BODY)
+                    raise fail.status(response.status, raw)
                 data_events = 0
                 while chunk := await response.receive_some():
                     received += len(chunk)

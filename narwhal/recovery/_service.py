@@ -10,19 +10,25 @@ Inputs
   start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
   kept as the engine's latest latency observation for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
-  every recovery.health.interval_s on the control pool. While the engine refuses
-  Narwhal's API key (`EngineState.auth_refused`, set by the request path on a 401/403),
-  each good probe is followed by a key check: GET /v1/models, which the engine guards
-  with its --api-key where it leaves its health route open. HTTP 200 clears the refusal
-  and the engine takes work again (one `engine_auth_recovered` log line); a refusal
-  keeps it out, and any other failure too, the health probes judging the engine itself.
+  every recovery.health.interval_s on the control pool. A /version refused for
+  Narwhal's API key (SGLang guards it) marks the engine auth-refused, and is logged
+  once until /version answers again. While the engine refuses Narwhal's API key
+  (`EngineState.auth_refused`, set on a 401/403 by the request path or by recovery's
+  own requests), each good probe is followed by a key check: GET /v1/models, which the
+  engine guards with its --api-key where it leaves its health route open. HTTP 200
+  clears the refusal and the engine takes work again (one `engine_auth_recovered` log
+  line); a refusal keeps it out, and any other failure too, the health probes judging
+  the engine itself.
 - The monitor's residual stage (`residual_pass`), at most once per engine per pass.
 
 When something is due (an open breaker's open_s, a quarantine's end, a restart hold's
 recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
 counted failure wakes it at once. Verifications run inside the engine's loop, one at a
 time per engine, so an engine is never verified twice concurrently, and after one that
-did not pass the next waits a probe interval.
+did not pass the next waits a probe interval. A verification leg answered with 401/403
+marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
+neither a failed verification nor a breaker's, since the engine refuses the key, not the
+work. An auth-refused engine is not verified; once its key check passes, at once.
 
 Every verdict change is one JSON log line (`"event": "verdict"` with engine, phase,
 kind, from, to, reason), one increment of narwhal_recovery_transitions_total, and an
@@ -47,7 +53,7 @@ from prometheus_client import Counter
 
 from .._errors import EngineFailed
 from ..config import Config
-from ..fleet import EngineState, Phase
+from ..fleet import EngineState, Phase, key_refused
 from ..serving import ServingContext
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
@@ -61,6 +67,7 @@ from ._health import (
 from ._probe import (
     HttpProber,
     KeyCheck,
+    KeyRefusal,
     LoadSample,
     Prober,
     ProbeResult,
@@ -138,6 +145,8 @@ class EngineRecovery:
         self.quarantine_active = False
         self.last_probe: ProbeResult | None = None
         self.last_probe_at: float | None = None
+        # The identity check's refusal was logged; until /version answers again.
+        self.identity_refused = False
         self.last_key_check: KeyCheck | None = None
         self.last_key_check_at: float | None = None
         self.last_verification: dict[str, object] | None = None
@@ -159,11 +168,14 @@ class EngineRecovery:
         times = [due for b in self.breakers.values() if (due := b.due()) is not None]
         if self.quarantine_active:
             times.append(self.engine.quarantined_until)
-        if self.readmission_wanted():
-            hold_due = self.hold.verify_after if self.hold.active else -math.inf
-            times.append(max(self.next_verify_at, hold_due))
-        if self.breaker_wanted():
-            times.append(self.next_verify_at)
+        # While the engine refuses Narwhal's key its legs would be refused too: the key
+        # check (after each good probe) comes first.
+        if self.engine.auth_refused is None:
+            if self.readmission_wanted():
+                hold_due = self.hold.verify_after if self.hold.active else -math.inf
+                times.append(max(self.next_verify_at, hold_due))
+            if self.breaker_wanted():
+                times.append(self.next_verify_at)
         return min(times, default=math.inf)
 
     def snapshot(self, now: float) -> dict[str, object]:
@@ -239,7 +251,8 @@ class Recovery:
         )
         self._m_verifications = Counter(
             "narwhal_verifications",
-            "Verification leg pairs by engine, purpose (breaker, readmission) and outcome.",
+            "Verification leg pairs by engine, purpose (breaker, readmission) and outcome "
+            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key).",
             ["engine", "purpose", "outcome"],
             registry=registry,
         )
@@ -470,6 +483,10 @@ class Recovery:
         if result.outcome == "inconclusive":
             log.log(level, "probe of %s inconclusive: %s", engine.id, result.detail, extra=fields)
             return result
+        if result.refusal is not None:
+            self._identity_refused(record, result.refusal, result.detail)
+        elif result.identity is not None:
+            record.identity_refused = False
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
             log.log(
@@ -485,6 +502,26 @@ class Recovery:
             self._start_hold(record, restarted)
         return result
 
+    def _identity_refused(self, record: EngineRecovery, refusal: KeyRefusal, detail: str) -> None:
+        """The identity check (GET /version) met 401/403, so the request path would too:
+        it sends the same key (both pools carry the engine's one configured key), to
+        routes guarded at least as much (SGLang guards /version and the generation routes
+        alike; vLLM leaves /version open, so a refusal there comes from a proxy guarding
+        more than vLLM, /v1 included). It is judged as a refused leg is. Until /version
+        answers, a restart shows only on /metrics or when the engine stops answering."""
+        key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
+        if record.identity_refused:
+            return
+        record.identity_refused = True
+        engine_id = record.engine.id
+        log.warning(
+            "probe of %s: %s; until /version answers, its restarts show only on its "
+            "/metrics or when it stops answering",
+            engine_id,
+            detail,
+            extra={"event": "identity_refused", "engine": engine_id, "detail": detail},
+        )
+
     async def _probe(self, record: EngineRecovery) -> None:
         result = await self._probe_once(record)
         health = self.ctx.config.recovery.health
@@ -497,7 +534,8 @@ class Recovery:
 
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
-        key clears the refusal; nothing here sets one (the request path does)."""
+        key clears the refusal; a refused check does not set one (a refused leg or
+        identity check does, through `fleet.key_refused`)."""
         engine = record.engine
         result = await self.prober.check_key(engine, self.ctx.config)
         record.last_key_check = result
@@ -519,12 +557,17 @@ class Recovery:
             )
             return
         engine.auth_refused = None
+        # A verification the refusal held back (a restart hold, a half-open breaker) is
+        # due now that the engine takes the key.
+        record.next_verify_at = -math.inf
+        still = engine.unavailable_reason(trio.current_time())
         log.info(
-            "engine %s accepts narwhal's requests again (%s) and takes new work; it was "
-            "out with auth refused: %s",
+            "engine %s accepts narwhal's requests again (%s)%s; it was out with auth refused: %s%s",
             engine.id,
             result.detail,
+            " and takes new work" if still is None else "",
             refused,
+            "" if still is None else f"; still out: {still}",
             extra={"event": "engine_auth_recovered", **fields},
         )
 
@@ -559,7 +602,7 @@ class Recovery:
 
     async def _verify_due(self, record: EngineRecovery) -> None:
         now = trio.current_time()
-        if now < record.next_verify_at:
+        if now < record.next_verify_at or record.engine.auth_refused is not None:
             return
         engine = record.engine
         hold_due = not record.hold.active or now >= record.hold.verify_after
@@ -575,6 +618,7 @@ class Recovery:
                     )
             elif result.outcome == "failed":
                 self._health_changed(record, record.health.verify_failed(result.detail))
+            # Neither "refused" nor "inconclusive" says anything of the engine's health.
             if result.outcome != "ok":
                 record.next_verify_at = trio.current_time() + self._interval()
             return
@@ -587,6 +631,7 @@ class Recovery:
                     "ok": BreakerEvent.VERIFY_OK,
                     "failed": BreakerEvent.VERIFY_FAILED,
                     "inconclusive": BreakerEvent.VERIFY_INCONCLUSIVE,
+                    "refused": BreakerEvent.VERIFY_INCONCLUSIVE,
                 }[result.outcome]
                 transition = breaker.handle(event, trio.current_time(), result.detail)
                 if transition is not None:
@@ -611,6 +656,9 @@ class Recovery:
         else:
             partner, standby = pair.partner, pair.standby
             result = _attribute(pair, await self.prober.verify(pair, self.ctx.config))
+        if result.refusal is not None:
+            refusal = result.refusal
+            key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
         self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
         verification: dict[str, object] = {

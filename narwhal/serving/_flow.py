@@ -85,7 +85,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState
+from ..fleet import EngineState, key_refused
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -525,7 +525,7 @@ class Flow:
                     if status in ENGINE_AUTH_STATUSES:
                         # SGLang guards /tokenize with --api-key (vLLM leaves it open):
                         # the engine would refuse the request's legs too.
-                        _key_refused(engine, status, parse_error_body(status, raw).message, config)
+                        key_refused(engine, status, parse_error_body(status, raw).message, config)
                         return "engine_auth"
                     if status != 200:
                         return "engine_error"
@@ -933,7 +933,7 @@ class Flow:
             # on would tell the client its own credentials are wrong. Nor is the engine
             # faulty (no breaker count); the request may be retried on an engine that
             # takes the key.
-            why = _key_refused(engine, status, info.message, self.ctx.config)
+            why = key_refused(engine, status, info.message, self.ctx.config)
             return EngineFailed(
                 f"{phase} engine {engine.id} {why}",
                 status=client_status_for_engine_status(status),
@@ -1403,31 +1403,6 @@ def _failed(
         code=code,
         exclude_on_retry=exclude,
     )
-
-
-def _key_refused(engine: EngineState, status: int, message: str, config: Config) -> str:
-    """Mark `engine` as refusing Narwhal's API key: it answered 401/403 to a leg or to
-    /tokenize, and will refuse every request until the keys agree. It leaves placement
-    until recovery's key check sees the key accepted again, or a reload re-reads it.
-    Logged once per refusal; returns why, for the caller's error."""
-    if engine.serving_pool.sends_api_key:
-        refusal = "refused narwhal's API key"
-        fix = "check engine.api_key_file against the engine's --api-key"
-    else:
-        refusal = "requires an API key and narwhal sends none"
-        fix = "set engine.api_key_file to the key of the engine's --api-key"
-    why = f"{refusal} (HTTP {status}: {message}); {fix}"
-    if engine.auth_refused is None:
-        log.error(
-            "engine %s %s; it takes no new work until it accepts the key again (checked "
-            "with each health probe, recovery.health.interval_s=%s) or a reload",
-            engine.id,
-            why,
-            config.recovery.health.interval_s,
-            extra={"event": "engine_auth_refused", "engine": engine.id},
-        )
-    engine.auth_refused = f"{refusal} (HTTP {status})"
-    return why
 
 
 def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:

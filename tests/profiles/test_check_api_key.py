@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 
+from narwhal.config import Config
+from narwhal.engines import dialect_for
 from narwhal.probe import SweepFailed, format_table, profile_fleet, run_check
+from narwhal.sim import Fleet
 
 from ..support import StartFleet
 from .test_check import PLAN, SGLANG_PLAN, rows, setup, sglang_config, statuses
@@ -21,7 +25,8 @@ def key_file(tmp_path: Path, key: str) -> str:
     return str(path)
 
 
-async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_path: Path) -> None:
+async def keyed_fleet(start_fleet: StartFleet, tmp_path: Path) -> tuple[Fleet, Config]:
+    """Two engines started with --api-key, and a config that sends them that key."""
     fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5, api_key=KEY)
     config = await setup(
         fleet,
@@ -29,6 +34,11 @@ async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_pat
         serving={"handoff_timeout_s": 0.2},
         engine={"api_key_file": key_file(tmp_path, KEY)},
     )
+    return fleet, config
+
+
+async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_path: Path) -> None:
+    _, config = await keyed_fleet(start_fleet, tmp_path)
     report = await run_check(config, PLAN)
     assert not report.failed, format_table(report.rows)
     assert {row.status for row in report.rows} == {"pass"}
@@ -62,6 +72,26 @@ async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
     table = format_table(report.rows)
     assert note in table
     assert KEY not in table
+
+
+async def test_the_key_test_asks_the_dialects_key_check_path(
+    start_fleet: StartFleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The route recovery's key check asks; /v1/models takes the key here.
+    monkeypatch.setattr(
+        "narwhal.probe._client.dialect_for",
+        lambda name: attrs.evolve(dialect_for(name), key_check_path=b"/key-check"),
+    )
+    fleet, config = await keyed_fleet(start_fleet, tmp_path)
+
+    async def forbidden(req: Any, resp: Any) -> None:
+        await resp.send_json(403, {"error": {"message": "Forbidden", "code": 403}})
+
+    fleet[0].engine._routes[("GET", "/key-check")] = forbidden
+    report = await run_check(config, PLAN)
+    health = rows(report, "health")
+    assert statuses(report, "health") == {"e0": "fail", "e1": "pass"}
+    assert health["e0"].measured == "API key refused (HTTP 403)"
 
 
 async def test_narwhal_profile_sweeps_a_keyed_sglang_fleet(

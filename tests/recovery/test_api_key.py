@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from narwhal.recovery import HttpProber, KeyCheck, VerifyPair, VerifyResult
+from narwhal.recovery import (
+    HttpProber,
+    KeyCheck,
+    KeyRefusal,
+    ProbeResult,
+    VerifyPair,
+    VerifyResult,
+)
 from narwhal.sim._spec import Dialect
 
 from ..serving.conftest import Stack
@@ -37,14 +44,26 @@ async def test_probes_carry_the_key_and_a_refused_key_is_named(
     )
     fleet[1].set_api_key("another-key")
     # Health routes stay open on both engines; the verification legs and the key check
-    # are refused.
-    assert (await prober.health(d0, config)).outcome == "ok"
-    # A refused key is d0's own doing, whatever its partner did.
+    # are refused, and SGLang's /version too, which the probe reports.
+    health = await prober.health(d0, config)
+    if dialect == "sglang":
+        assert health == ProbeResult(
+            "ok",
+            "GET /health returned HTTP 200; GET /version returned HTTP 401: the engine "
+            "refused narwhal's API key (engine.api_key_file)",
+            True,
+            None,
+            KeyRefusal(d0, 401, "Unauthorized"),
+        )
+    else:
+        assert (health.outcome, health.refusal) == ("ok", None)
+    # Refused, not failed: the engine is not faulty, and recovery judges it as the
+    # request path does.
     assert await prober.verify(pair, config) == VerifyResult(
-        "failed",
+        "refused",
         "prefill on p0, decode on d0: decode leg on d0 returned HTTP 401: the engine "
         "refused narwhal's API key (engine.api_key_file)",
-        culprit="d0",
+        refusal=KeyRefusal(d0, 401, "Unauthorized"),
     )
     assert await prober.check_key(d0, config) == KeyCheck(
         "refused",
@@ -101,3 +120,105 @@ async def test_an_engine_that_takes_the_key_again_comes_back_without_a_reload(
     assert key_checks(stack, "accepted") == 1
     recovered = [r for r in caplog.records if r.__dict__.get("event") == "engine_auth_recovered"]
     assert [r.__dict__["engine"] for r in recovered] == ["p0"]
+
+
+def events(caplog: pytest.LogCaptureFixture, *names: str) -> list[tuple[str, str]]:
+    return [
+        (r.levelname, r.getMessage()) for r in caplog.records if r.__dict__.get("event") in names
+    ]
+
+
+async def test_an_engine_restarted_with_another_key_is_out_for_the_key_not_failed(
+    start_stack: StartStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal")
+    stack = await start_stack(
+        sim={"api_key": KEY}, engine={"api_key_file": key_file(tmp_path, KEY)}
+    )
+    p0 = stack.ctx.fleet.get("p0")
+    assert p0 is not None
+    stack.fleet[0].set_api_key("another-key")
+    await stack.fleet[0].restart()
+    # Held for the restart, then verified: vLLM's /version is open, so the verification
+    # legs are the first to meet the key.
+    await wait_for(lambda: p0.auth_refused is not None)
+    refused = "refused narwhal's API key (HTTP 401)"
+    state = await stack.state()
+    assert next(e for e in state["engines"] if e["id"] == "p0")["unavailable_reason"] == (
+        f"auth refused: {refused}"
+    )
+    recovery = state["recovery"]["engines"]["p0"]
+    assert recovery["auth"]["refused"] == refused
+    assert recovery["last_verification"]["outcome"] == "refused"
+    assert recovery["last_verification"]["detail"] == (
+        "prefill on p0, decode on d1: prefill leg on p0 returned HTTP 401: the engine refused "
+        "narwhal's API key (engine.api_key_file)"
+    )
+    # Not a failed verification: no ejection, no breaker, only the restart hold.
+    assert recovery["hold"]["active"]
+    assert (recovery["health"]["verdict"], recovery["health"]["ejected_total"]) == ("up", 0)
+    assert recovery["breakers"]["prefill"]["opened_total"] == 0
+    assert events(caplog, "engine_auth_refused") == [
+        (
+            "ERROR",
+            "engine p0 refused narwhal's API key (HTTP 401: Unauthorized); check "
+            "engine.api_key_file against the engine's --api-key; it takes no new work until "
+            "it accepts the key again (checked with each health probe, "
+            "recovery.health.interval_s=0.05) or a reload",
+        )
+    ]
+
+    stack.fleet[0].set_api_key(KEY)  # relaunched with narwhal's key: verified, then back
+    await wait_for(lambda: p0.unavailable_reason(trio.current_time()) is None)
+    recovery = (await stack.state())["recovery"]["engines"]["p0"]
+    assert recovery["last_verification"]["outcome"] == "ok"
+    assert not recovery["hold"]["active"]
+    assert events(caplog, "engine_auth_recovered") == [
+        (
+            "INFO",
+            "engine p0 accepts narwhal's requests again (GET /v1/models returned HTTP 200); "
+            f"it was out with auth refused: {refused}; still out: restart hold",
+        )
+    ]
+    assert [c["to"] for c in state["recovery"]["recent_changes"] if c["engine"] == "p0"] == ["held"]
+    assert (await complete(stack)).status_code == 200
+
+
+async def test_an_sglang_engine_refusing_the_key_on_version_is_taken_out_by_the_probe(
+    start_stack: StartStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal")
+    stack = await start_stack(
+        sglang=True, sim={"api_key": KEY}, engine={"api_key_file": key_file(tmp_path, KEY)}
+    )
+    p0 = stack.ctx.fleet.get("p0")
+    assert p0 is not None
+    record = stack.supervisor.recovery.record("p0")  # type: ignore[union-attr]
+    assert record is not None
+    assert record.identity.identity is not None  # /version takes the key
+    stack.fleet[0].set_api_key("another-key")
+    # No request needed: SGLang guards /version, so the next probe meets the refusal.
+    await wait_for(lambda: p0.auth_refused is not None)
+    await wait_for(lambda: key_checks(stack, "refused") >= 2)
+    refused = (
+        "GET /health returned HTTP 200; GET /version returned HTTP 401: the engine refused "
+        "narwhal's API key (engine.api_key_file)"
+    )
+    recovery = (await stack.state())["recovery"]["engines"]["p0"]
+    assert recovery["health"]["last_probe"]["detail"] == refused
+    assert recovery["auth"]["refused"] == "refused narwhal's API key (HTTP 401)"
+    # Once each, though every probe since was refused.
+    assert events(caplog, "identity_refused") == [
+        (
+            "WARNING",
+            f"probe of p0: {refused}; until /version answers, its restarts show only on its "
+            "/metrics or when it stops answering",
+        )
+    ]
+    assert [level for level, _ in events(caplog, "engine_auth_refused")] == ["ERROR"]
+
+    stack.fleet[0].set_api_key(KEY)
+    await wait_for(lambda: p0.unavailable_reason(trio.current_time()) is None)
+    await wait_for(lambda: not record.identity_refused)  # /version answers again
+    stack.fleet[0].set_api_key("another-key")  # refused again: said again
+    await wait_for(lambda: len(events(caplog, "identity_refused")) == 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -20,10 +21,12 @@ from narwhal.fleet import EngineState
 from narwhal.recovery import (
     BreakerState,
     KeyCheck,
+    KeyRefusal,
     LegObservation,
     LoadSample,
     Monitor,
     MonitorPass,
+    ProbeResult,
     Recovery,
     ScrapeError,
     VerifyResult,
@@ -94,6 +97,13 @@ def changes(rig: Rig, kind: str) -> list[tuple[str, str | None, str, str]]:
 
 # ---------------------------------------------------------------- health
 
+# d0's health verdicts from an ejection through a passing readmission verification.
+D0_READMITTED = [
+    ("d0", None, "up", "ejected"),
+    ("d0", None, "ejected", "verifying"),
+    ("d0", None, "verifying", "up"),
+]
+
 
 async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_verification(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
@@ -114,11 +124,7 @@ async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_veri
     (verification,) = rig.prober.verifications
     assert attrs.astuple(verification) == ("d0", "decode", "p0", "d0", rig.t0 + 5.0)
     assert rig.reason("d0") is None
-    assert changes(rig, "health") == [
-        ("d0", None, "up", "ejected"),
-        ("d0", None, "ejected", "verifying"),
-        ("d0", None, "verifying", "up"),
-    ]
+    assert changes(rig, "health") == D0_READMITTED
 
 
 async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
@@ -539,6 +545,159 @@ async def test_a_key_check_waits_for_a_good_probe_and_only_200_clears_the_refusa
     assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
     assert [at - rig.t0 for _, at in rig.prober.key_checks] == [3.0, 4.0]
     assert key_checks(rig, "d0", "failed") == key_checks(rig, "d0", "inconclusive") == 1.0
+
+
+@pytest.fixture
+async def keyed(nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Rig:
+    """The test fleet configured with an API key (engine.api_key_file), logs captured.
+    (pytest-trio takes the clock from the test's own arguments.)"""
+    caplog.set_level(logging.INFO, logger="narwhal")
+    path = tmp_path / "engine-api-key"
+    path.write_text("sk-narwhal\n")
+    return await start(nursery, config(engine={"api_key_file": str(path)}))
+
+
+def refused_leg(engine: EngineState, leg: str = "decode") -> VerifyResult:
+    """The prober's report of a verification pair whose `leg` on `engine` got HTTP 401."""
+    return VerifyResult(
+        "refused",
+        f"{leg} leg on {engine.id} returned HTTP 401: the engine refused narwhal's API key "
+        "(engine.api_key_file)",
+        refusal=KeyRefusal(engine, 401, "Unauthorized"),
+    )
+
+
+async def test_a_readmission_verification_refused_for_the_key_waits_for_the_key_check(
+    keyed: Rig, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = keyed
+    d0 = rig.engine("d0")
+    rig.prober.verify_of["d0"] = refused_leg(d0)
+    rig.prober.key_of["d0"] = KEY_REFUSED
+    await rig.at(1.5)
+    # Relaunched with another key: a new instance, held, then verified.
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(7.0)  # held at +2 for recovery.restart_hold_s=5
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0]
+    # Out for the key, as a refused request would put it, not for a failed verification.
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    assert changes(rig, "health") == []
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.hold.active
+    assert record.last_verification is not None
+    assert record.last_verification["outcome"] == "refused"
+    await rig.at(9.5)
+    # Not verified again while the key is refused; its key is checked instead.
+    assert len(rig.prober.verifications) == 1
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [8.0, 9.0]
+    rig.prober.key_of["d0"] = KEY_ACCEPTED
+    del rig.prober.verify_of["d0"]
+    await rig.at(10.0)  # the key is accepted, and the verification follows at once
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0, 10.0]
+    assert rig.reason("d0") is None
+    assert changes(rig, "hold") == [
+        ("d0", None, "released", "held"),
+        ("d0", None, "held", "released"),
+    ]
+    logged = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.__dict__.get("event") in ("engine_auth_refused", "engine_auth_recovered")
+    ]
+    assert logged == [
+        (
+            "ERROR",
+            "engine d0 refused narwhal's API key (HTTP 401: Unauthorized); check "
+            "engine.api_key_file against the engine's --api-key; it takes no new work until "
+            "it accepts the key again (checked with each health probe, "
+            "recovery.health.interval_s=1.0) or a reload",
+        ),
+        (
+            "INFO",
+            "engine d0 accepts narwhal's requests again (GET /v1/models returned HTTP 200); "
+            f"it was out with auth refused: {AUTH_REFUSED}; still out: restart hold",
+        ),
+    ]
+
+
+async def test_a_breaker_verification_refused_for_the_key_stays_half_open(
+    keyed: Rig, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = keyed
+    d0 = rig.engine("d0")
+    rig.prober.verify_of["d0"] = refused_leg(d0)
+    rig.prober.key_of["d0"] = KEY_REFUSED
+    for _ in range(3):
+        rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    await rig.at(6.5)  # half-open at +4 (recovery.breaker.open_s=4), and refused there
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0]
+    assert rig.breaker("d0", "decode") is BreakerState.HALF_OPEN  # not reopened
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    rig.prober.key_of["d0"] = KEY_ACCEPTED
+    del rig.prober.verify_of["d0"]
+    await rig.at(7.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 7.0]
+    assert changes(rig, "breaker") == [
+        ("d0", "decode", "closed", "open"),
+        ("d0", "decode", "open", "half_open"),
+        ("d0", "decode", "half_open", "closed"),
+    ]
+
+
+async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_not_failed(
+    keyed: Rig, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = keyed
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.verify_of["d0"] = refused_leg(rig.engine("p0"), "prefill")
+    await rig.at(5.0)  # verifying: p0 refuses the key on its leg of d0's pair
+    assert rig.reason("p0") == f"auth refused: {AUTH_REFUSED}"
+    del rig.prober.verify_of["d0"]
+    await rig.at(6.0)  # a probe interval later, without p0
+    assert [attrs.astuple(v)[:4] for v in rig.prober.verifications] == [
+        ("d0", "decode", "p0", "d0"),
+        ("d0", "decode", "d0", "d0"),
+    ]
+    assert rig.reason("d0") is None
+    assert changes(rig, "health") == D0_READMITTED
+
+
+async def test_a_refused_identity_check_takes_the_engine_out_and_warns_once(
+    keyed: Rig, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = keyed
+    d0 = rig.engine("d0")
+    detail = "GET /health returned HTTP 200; GET /version returned HTTP 401: refused"
+    refused = ProbeResult("ok", detail, True, None, KeyRefusal(d0, 401, "Unauthorized"))
+
+    def logged(event: str) -> list[str]:
+        return [r.levelname for r in caplog.records if r.__dict__.get("event") == event]
+
+    rig.prober.health_of["d0"] = refused
+    rig.prober.key_of["d0"] = KEY_REFUSED
+    await rig.at(3.0)
+    # Out as a refused request would put it, from the first refused probe on.
+    assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 2.0, 3.0]
+    record = rig.recovery.record("d0")
+    assert record is not None
+    health = record.snapshot(trio.current_time())["health"]
+    assert isinstance(health, dict)
+    assert health["last_probe"]["detail"] == detail
+    assert record.identity.identity == HEALTHY.identity  # the last one seen
+    assert logged("identity_refused") == ["WARNING"]  # three refused probes, one warning
+    assert logged("engine_auth_refused") == ["ERROR"]
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.key_of["d0"] = KEY_ACCEPTED
+    await rig.at(4.0)
+    assert rig.reason("d0") is None
+    rig.prober.health_of["d0"] = refused
+    await rig.at(5.0)  # refused again after /version answered: said again
+    assert logged("identity_refused") == ["WARNING", "WARNING"]
+    assert logged("engine_auth_refused") == ["ERROR", "ERROR"]
 
 
 # ---------------------------------------------------------------- residuals
