@@ -228,15 +228,14 @@ def _check_free(engine: EngineState) -> None:
         )
 
 
-async def _get(engine: EngineState, path: bytes) -> int | ProbeResult:
-    """GET `path` on the control pool, its body read and dropped: the status, or the
-    failed or inconclusive probe result when there is none."""
+async def _get(engine: EngineState, path: bytes) -> tuple[int, bytes] | ProbeResult:
+    """GET `path` on the control pool: the status and body, or the failed or
+    inconclusive probe result when there is no answer."""
     where = f"GET {path.decode()}"
     try:
         _check_free(engine)
         async with engine.control_pool.request(b"GET", path, _headers()) as response:
-            await response.aread(_SMALL_BODY)
-            return response.status
+            return response.status, await response.aread(_SMALL_BODY)
     except (_Exhausted, PoolTimeout) as exc:
         return ProbeResult("inconclusive", str(exc), None)
     except ConnectError as exc:
@@ -268,9 +267,10 @@ class HttpProber:
         timeout = config.engine.health_timeout_s
         path = engine.dialect.health_path.decode()
         with trio.move_on_after(timeout):
-            status = await _get(engine, engine.dialect.health_path)
-            if isinstance(status, ProbeResult):
-                return status
+            answer = await _get(engine, engine.dialect.health_path)
+            if isinstance(answer, ProbeResult):
+                return answer
+            status, _ = answer
             if status != 200:
                 return ProbeResult("failed", f"GET {path} returned HTTP {status}", True)
             identity = await self._identity(engine)
@@ -290,10 +290,11 @@ class HttpProber:
         path = engine.dialect.key_check_path
         where = f"GET {path.decode()}"
         with trio.move_on_after(timeout):
-            status = await _get(engine, path)
-            if isinstance(status, ProbeResult):
-                unknown = status.outcome == "inconclusive"
-                return KeyCheck("inconclusive" if unknown else "failed", status.detail)
+            answer = await _get(engine, path)
+            if isinstance(answer, ProbeResult):
+                unknown = answer.outcome == "inconclusive"
+                return KeyCheck("inconclusive" if unknown else "failed", answer.detail)
+            status, _ = answer
             if status == 200:
                 return KeyCheck("accepted", f"{where} returned HTTP 200")
             if status in ENGINE_AUTH_STATUSES:
@@ -304,17 +305,13 @@ class HttpProber:
     async def _identity(self, engine: EngineState) -> Identity | KeyRefusal | None:
         """(key, value) pairs of /version that name the running instance, if any; the
         refusal when the engine refused Narwhal's API key there."""
-        if not _free(engine.control_pool):
+        answer = await _get(engine, b"/version")
+        if isinstance(answer, ProbeResult):
             return None
-        try:
-            async with engine.control_pool.request(b"GET", b"/version", _headers()) as response:
-                raw = await response.aread(_SMALL_BODY)
-                status = response.status
-                if status in ENGINE_AUTH_STATUSES:
-                    return KeyRefusal(engine, status, parse_error_body(status, raw).message)
-                if status != 200:
-                    return None
-        except (ConnectError, RemoteProtocolError, ResponseTooLarge, PoolTimeout):
+        status, raw = answer
+        if status in ENGINE_AUTH_STATUSES:
+            return KeyRefusal(engine, status, parse_error_body(status, raw).message)
+        if status != 200:
             return None
         try:
             document = json.loads(raw)
