@@ -81,7 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for rate, row in result["oracle"].items():
-        splits = ", ".join(f"{k} {v['split'][15:]}" for k, v in row["per_phase"].items())
+        splits = ", ".join(
+            f"{phase} {best['split'].removeprefix('narwhal-static-')}"
+            for phase, best in row["per_phase"].items()
+        )
         print(f"x{rate}: oracle attainment {row['attainment']:.1%} ({splits})")
     print(f"wrote {args.out}")
     return 0
