@@ -95,7 +95,9 @@ class EngineFailed(NarwhalError):
 
     `retryable` follows manual 4.2: transport failures and engine 408/429/500/502/503/504
     before visible output. `engine_id` and `phase` say which leg, so the retry excludes
-    that engine and only that phase's breaker counts it.
+    that engine and only that phase's breaker counts it. `deadline_s`: the failure is
+    a deadline of that many seconds that expired (recovery asks whether the router's
+    own event loop explains it).
     """
 
     type = "server_error"
@@ -114,9 +116,11 @@ class EngineFailed(NarwhalError):
         param: str | None = None,
         error_type: str | None = None,
         exclude_on_retry: bool = True,
+        deadline_s: float | None = None,
     ) -> None:
         super().__init__(message, code=code, param=param)
         self.exclude_on_retry = exclude_on_retry
+        self.deadline_s = deadline_s
         self.status = status
         self.engine_id = engine_id
         self.phase = phase

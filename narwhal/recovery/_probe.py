@@ -107,6 +107,8 @@ class ProbeResult:
     # The identity check (GET /version) was refused: SGLang guards /version with its
     # --api-key, unlike its health route.
     refusal: KeyRefusal | None = None
+    # "failed" for want of an answer within this deadline (engine.health_timeout_s).
+    deadline_s: float | None = None
 
 
 @attrs.frozen
@@ -146,6 +148,8 @@ class VerifyResult:
     # engine of the pair may have caused it (see the module docstring).
     culprit: str | None = None
     refusal: KeyRefusal | None = None
+    # "failed" for want of an answer within this deadline (engine.first_token_timeout_s).
+    deadline_s: float | None = None
 
 
 @attrs.frozen(eq=False)
@@ -200,10 +204,13 @@ class _Exhausted(Exception):
 class _LegFailed(Exception):
     """A leg on `engine` failed; `own`: certainly through that engine's own fault."""
 
-    def __init__(self, message: str, engine: EngineState, *, own: bool) -> None:
+    def __init__(
+        self, message: str, engine: EngineState, *, own: bool, deadline_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.engine = engine
         self.own = own
+        self.deadline_s = deadline_s  # the leg's deadline expired
 
 
 class _LegRefused(_LegFailed):
@@ -280,7 +287,10 @@ class HttpProber:
                 return ProbeResult("ok", f"{detail}; {refused}", True, None, identity)
             return ProbeResult("ok", detail, True, identity)
         return ProbeResult(
-            "failed", f"GET {path}: no answer within engine.health_timeout_s={timeout}", None
+            "failed",
+            f"GET {path}: no answer within engine.health_timeout_s={timeout}",
+            None,
+            deadline_s=timeout,
         )
 
     async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
@@ -367,7 +377,8 @@ class HttpProber:
             return VerifyResult("refused", f"{pair.describe()}: {exc}", refusal=exc.refusal)
         except _LegFailed as exc:
             culprit = exc.engine.id if exc.own else None
-            return VerifyResult("failed", f"{pair.describe()}: {exc}", culprit)
+            detail = f"{pair.describe()}: {exc}"
+            return VerifyResult("failed", detail, culprit, deadline_s=exc.deadline_s)
         return VerifyResult("ok", f"{pair.describe()} completed")
 
 
@@ -464,9 +475,8 @@ class _Leg:
         return self.answered(detail)
 
     def late(self, limit: float) -> _LegFailed:
-        return self.answered(
-            f"{self.where} did not complete within engine.first_token_timeout_s={limit}"
-        )
+        detail = f"{self.where} did not complete within engine.first_token_timeout_s={limit}"
+        return _LegFailed(detail, self.engine, own=not self.paired, deadline_s=limit)
 
 
 async def _json_leg(

@@ -46,6 +46,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import attrs
 import trio
@@ -96,6 +97,8 @@ class LegObservation:
     decode_tokens: int
     contended: bool = False  # another leg shared the engine during this one
 
+
+_R = TypeVar("_R", ProbeResult, VerifyResult)
 
 # (engine, phase, observation) -> the latency the engine's profile predicts for that
 # leg, or None when there is no prediction (no profile, outside the measured domain).
@@ -263,6 +266,14 @@ class Recovery:
             ["engine", "outcome"],
             registry=registry,
         )
+        self._m_excused = Counter(
+            "narwhal_router_lag_excused",
+            "Evidence against an engine set aside because the router's own event loop "
+            "lagged at least a tenth of the deadline or duration meanwhile, by engine and "
+            "evidence (health_probe, verification, leg_failure, residual).",
+            ["engine", "evidence"],
+            registry=registry,
+        )
         self._m_counted = Counter(
             "narwhal_counted_failures",
             "Engine leg failures counted against the engine (breakers, quarantine).",
@@ -339,6 +350,10 @@ class Recovery:
             record.breakers[name].handle(BreakerEvent.SUCCESS, now)
         if self.predictor is None:
             return
+        if self.ctx.loop_lag.excuse(duration_s, since=now - duration_s) is not None:
+            # Its duration is partly the router's; the previous leg stays the pending one.
+            self._m_excused.labels(engine.id, "residual").inc()
+            return
         record.pending = LegObservation(
             engine_id=engine.id,
             phase=phase,
@@ -355,17 +370,25 @@ class Recovery:
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
         # failure.phase names the leg that failed; never the other engine of the pair.
         phase = failure.phase
-        if not failure.counts_against_engine:
-            log.debug(
-                "leg failure not counted against %s: %s",
+        excuse = None
+        if failure.counts_against_engine and failure.deadline_s is not None:
+            excuse = self.ctx.loop_lag.excuse(failure.deadline_s)
+        if not failure.counts_against_engine or excuse is not None:
+            if excuse is not None:
+                self._m_excused.labels(engine.id, "leg_failure").inc()
+            log.log(
+                logging.DEBUG if excuse is None else logging.INFO,
+                "leg failure not counted against %s: %s%s",
                 engine.id,
                 failure.message,
+                "" if excuse is None else f"; {excuse}",
                 extra={
                     "event": "leg_failed",
                     "engine": engine.id,
                     "phase": phase,
                     "code": failure.code,
                     "counted": False,
+                    "excuse": excuse,
                 },
             )
             return
@@ -466,7 +489,10 @@ class Recovery:
     async def _probe_once(self, record: EngineRecovery) -> ProbeResult:
         engine = record.engine
         config = self.ctx.config
-        result = await self.prober.health(engine, config)
+        started = trio.current_time()
+        result = self._excused(
+            engine, "health_probe", started, await self.prober.health(engine, config)
+        )
         record.last_probe = result
         record.last_probe_at = trio.current_time()
         self._m_probes.labels(engine.id, result.outcome).inc()
@@ -640,6 +666,18 @@ class Recovery:
                     record.next_verify_at = trio.current_time() + self._interval()
                     return
 
+    def _excused(self, engine: EngineState, evidence: str, started: float, result: _R) -> _R:
+        """`result`, or inconclusive if it failed on a deadline the router's own event
+        loop lag explains (`LoopLag.excuse`): probes timing out while a client flood
+        starves the loop would otherwise eject healthy engines."""
+        if result.outcome != "failed" or result.deadline_s is None:
+            return result
+        excuse = self.ctx.loop_lag.excuse(result.deadline_s, since=started)
+        if excuse is None:
+            return result
+        self._m_excused.labels(engine.id, evidence).inc()
+        return attrs.evolve(result, outcome="inconclusive", detail=f"{result.detail}; {excuse}")
+
     def _interval(self) -> float:
         return self.ctx.config.recovery.health.interval_s
 
@@ -655,7 +693,8 @@ class Recovery:
             result = pair  # skipped: there is no pair the engine would accept
         else:
             partner, standby = pair.partner, pair.standby
-            result = _attribute(pair, await self.prober.verify(pair, self.ctx.config))
+            result = await self.prober.verify(pair, self.ctx.config)
+            result = _attribute(pair, self._excused(subject, "verification", started, result))
         if result.refusal is not None:
             refusal = result.refusal
             key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)

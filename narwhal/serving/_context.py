@@ -24,6 +24,7 @@ from ..admission import (
 from ..config import Config
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
+from ._lag import LoopLag
 from ._slo import SloTally, slo_result
 
 log = logging.getLogger("narwhal.request")
@@ -170,6 +171,8 @@ class ServingContext:
             replenish=config.serving.retry_replenish,
         )
         self.metrics = Metrics()
+        # Run by the supervisor; recovery asks it whether a deadline was the router's.
+        self.loop_lag = LoopLag(self.metrics.registry)
         self.rng = random.Random(seed)
         self._retained = 0
         self._idle = trio.Event()

@@ -1011,6 +1011,7 @@ class Flow:
             f"exceeded {timeout_setting}={timeout_s}",
             status=504,
             retryable=True,
+            deadline_s=timeout_s,
         )
 
     async def _decode_leg(
@@ -1250,6 +1251,7 @@ async def _relay(
                 f"{config.engine.first_token_timeout_s}",
                 status=504,
                 retryable=True,
+                deadline_s=trio.current_time() - started,  # what this leg waited
             )
         raise _failed(
             engine,
@@ -1261,6 +1263,7 @@ async def _relay(
             # A timeout is transient (manual 4.2). A stream's client has seen its first
             # token by now, so only a non-streaming request, with nothing shown, retries.
             retryable=True,
+            deadline_s=gap,
         )
     if held:
         if hold_until is not None:
@@ -1390,6 +1393,7 @@ def _failed(
     retryable: bool = False,
     counts: bool = True,
     exclude: bool = True,
+    deadline_s: float | None = None,
 ) -> EngineFailed:
     """An engine leg's failure. `retryable` means transient (manual 4.2); whether a retry
     happens also depends on visible output, attempts and the budget (see _attempts)."""
@@ -1402,6 +1406,7 @@ def _failed(
         counts_against_engine=counts,
         code=code,
         exclude_on_retry=exclude,
+        deadline_s=deadline_s,
     )
 
 

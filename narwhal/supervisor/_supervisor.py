@@ -8,7 +8,7 @@ when it is ready, so a failure stops startup before the daemon claims to be read
 2. recovery: one probe of every engine, then a probe loop per engine (breakers,
    quarantine, health ejection, restart holds, verifications);
 3. the monitor loop and its pass handlers (the role controller registers one), and the
-   event-loop lag probe (`_loop`);
+   event-loop lag probe (`serving._lag`, which recovery also consults);
 4. the HTTP listener. Then READY=1 goes to systemd and `run` reports started with the
    supervisor itself as the value (tests and the daemon read `bound` and `url`).
 
@@ -48,7 +48,6 @@ from ._control import (
     profile_predictor,
     require_profiles,
 )
-from ._loop import LoopLag
 from ._notify import Notifier
 from ._operations import Operations
 from ._reload import ReloadResult, apply_config
@@ -90,7 +89,6 @@ class Supervisor:
         self.ctx: ServingContext | None = None
         self.recovery: Recovery | None = None
         self.monitor: Monitor | None = None
-        self.loop_lag: LoopLag | None = None
         self.bound: list[tuple[str, int]] = []
         self.reloads: list[dict[str, object]] = []
         self.stopping = False
@@ -149,7 +147,6 @@ class Supervisor:
                 ("profiles", self._profiles_state),
             ]
         )
-        self.loop_lag = LoopLag(ctx.metrics.registry)
         self._m_reloads = Counter(
             "narwhal_reloads",
             "Configuration reloads by outcome (applied, rejected).",
@@ -167,7 +164,7 @@ class Supervisor:
                 require_profiles(config, ctx.profiles, self.profile_problems)
                 await nursery.start(recovery.run)
                 await nursery.start(monitor.run)
-                await nursery.start(self.loop_lag.run)
+                await nursery.start(ctx.loop_lag.run)
                 self.bound = await nursery.start(
                     self._serve_http, App(ctx), stop_server, server_done
                 )
@@ -420,7 +417,7 @@ class Supervisor:
             ],
             "reloads": self.reloads,
             "notify": {"socket": self.notifier.address, "sent": self.notifier.sent[-5:]},
-            "loop": self.loop_lag.state() if self.loop_lag is not None else None,
+            "loop": ctx.loop_lag.state() if ctx is not None else None,
         }
 
 

@@ -40,8 +40,17 @@ class Verification:
     at: float
 
 
+def timed_out(where: str, setting: str, deadline_s: float) -> str:
+    return f"{where}: no answer within {setting}={deadline_s}"
+
+
 class FakeProber:
     def __init__(self) -> None:
+        # Engines that never answer their probes (`hung`) or verification legs
+        # (`hung_legs`): each runs out its deadline (engine.health_timeout_s,
+        # engine.first_token_timeout_s), as a hung engine's would.
+        self.hung: set[str] = set()
+        self.hung_legs: set[str] = set()
         self.health_of: dict[str, ProbeResult] = {}
         self.verify_of: dict[str, VerifyResult] = {}
         self.key_of: dict[str, KeyCheck] = {}
@@ -53,6 +62,11 @@ class FakeProber:
     async def health(self, engine: EngineState, config: Config) -> ProbeResult:
         await trio.lowlevel.checkpoint()
         self.probes.append((engine.id, trio.current_time()))
+        if engine.id in self.hung:
+            limit = config.engine.health_timeout_s
+            await trio.sleep(limit)
+            detail = timed_out("GET /health", "engine.health_timeout_s", limit)
+            return ProbeResult("failed", detail, None, deadline_s=limit)
         return self.health_of.get(engine.id, HEALTHY)
 
     async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
@@ -69,6 +83,12 @@ class FakeProber:
                 pair.subject.id, pair.phase, pair.prefill.id, pair.decode.id, trio.current_time()
             )
         )
+        if pair.subject.id in self.hung_legs:
+            limit = config.engine.first_token_timeout_s
+            await trio.sleep(limit)
+            where = f"{pair.phase} leg on {pair.subject.id}"
+            detail = timed_out(where, "engine.first_token_timeout_s", limit)
+            return VerifyResult("failed", detail, pair.subject.id, deadline_s=limit)
         return self.verify_of.get(pair.subject.id, VERIFIED)
 
     async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
@@ -100,6 +120,19 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def first_token_timeout(engine: str, phase: str, deadline_s: float) -> EngineFailed:
+    return EngineFailed(
+        f"{phase} engine {engine}: no first token within engine.first_token_timeout_s={deadline_s}",
+        status=504,
+        engine_id=engine,
+        phase=phase,
+        retryable=True,
+        counts_against_engine=True,
+        code="first_token_timeout",
+        deadline_s=deadline_s,
+    )
 
 
 def failure(engine: str, phase: str, *, status: int = 502, counts: bool = True) -> EngineFailed:

@@ -32,6 +32,7 @@ from narwhal.recovery import (
     VerifyResult,
 )
 from narwhal.serving import ServingContext
+from narwhal.serving._lag import LAG_PROBE_S
 
 from .fakes import (
     EXHAUSTED,
@@ -43,6 +44,7 @@ from .fakes import (
     FakeProber,
     config,
     failure,
+    first_token_timeout,
 )
 
 
@@ -733,6 +735,130 @@ async def test_latency_residuals_eject_after_min_samples_one_per_pass(
     assert rig.recovery.residual_pass(trio.current_time()) == {}
     await rig.at(2.0)
     assert rig.reason("d0") is None
+
+
+# ---------------------------------------------------------------- router overload
+
+
+async def starved_loop(rig: Rig, lag_s: float, until: float) -> None:
+    """What the loop-lag probe reports while a client flood starves the router's event
+    loop: every probe waited `lag_s` for the loop, until t0 + until."""
+    while trio.current_time() < rig.t0 + until:
+        await trio.sleep(LAG_PROBE_S)
+        rig.ctx.loop_lag.observe(lag_s, at=trio.current_time())
+
+
+def excused(rig: Rig, engine_id: str, evidence: str) -> float:
+    value = rig.ctx.metrics.registry.get_sample_value(
+        "narwhal_router_lag_excused_total", {"engine": engine_id, "evidence": evidence}
+    )
+    return value or 0.0
+
+
+async def test_probes_timing_out_while_the_router_is_starved_do_not_eject(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(engine={"health_timeout_s": 2.0}))
+    rig.prober.hung.add("d0")
+    # Each probe waits 0.5 s for the loop: a tenth of the 2 s deadline is 0.2 s.
+    nursery.start_soon(starved_loop, rig, 0.5, 9.5)
+    await rig.at(9.5)  # probes at +1, +4 and +7 ran out their 2 s
+    assert [t - rig.t0 for e, t in rig.prober.probes if e == "d0" and t > rig.t0] == [1, 4, 7]
+    assert rig.reason("d0") is None
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.last_probe is not None
+    assert record.last_probe.outcome == "inconclusive"
+    assert record.last_probe.detail == (
+        "GET /health: no answer within engine.health_timeout_s=2.0; the router's own event "
+        "loop lagged 0.5 s meanwhile (at least 10% of 2 s): router overload, not held "
+        "against the engine"
+    )
+    assert excused(rig, "d0", "health_probe") == 3
+    assert record.health.consecutive_failures == 0
+    # The loop is quick again, the engine is still silent: the ordinary streak ejects it.
+    await rig.at(17.9)  # timeouts at +12 and +15
+    assert rig.reason("d0") is None
+    await rig.at(18.0)
+    assert rig.reason("d0") == (
+        "ejected: 3 consecutive failed health probes (recovery.health.failure_threshold=3): "
+        "GET /health: no answer within engine.health_timeout_s=2.0"
+    )
+    assert excused(rig, "d0", "health_probe") == 3
+
+
+async def test_lag_short_of_a_tenth_of_the_deadline_excuses_nothing(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(engine={"health_timeout_s": 2.0}))
+    rig.prober.hung.add("d0")
+    nursery.start_soon(starved_loop, rig, 0.19, 20.0)
+    await rig.at(9.0)
+    assert rig.reason("d0") is not None
+    assert excused(rig, "d0", "health_probe") == 0
+
+
+async def test_leg_timeouts_while_the_router_is_starved_do_not_open_breakers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    d0, p0 = rig.engine("d0"), rig.engine("p0")
+    nursery.start_soon(starved_loop, rig, 0.3, 5.0)
+    await rig.at(3.0)
+    for _ in range(5):  # a tenth of 2.5 s is 0.25 s
+        rig.recovery.leg_failed(d0, "decode", first_token_timeout("d0", "decode", 2.5))
+    assert rig.breaker("d0", "decode") is BreakerState.CLOSED
+    assert excused(rig, "d0", "leg_failure") == 5
+    # An error status is the engine's answer, not a deadline: the lag excuses nothing.
+    for _ in range(3):
+        rig.recovery.leg_failed(p0, "prefill", failure("p0", "prefill"))
+    assert rig.breaker("p0", "prefill") is BreakerState.OPEN
+    # A deadline long enough that the lag is under a tenth of it counts too.
+    rig.recovery.leg_failed(d0, "decode", first_token_timeout("d0", "decode", 3.5))
+    assert excused(rig, "d0", "leg_failure") == 5
+    await rig.at(8.0)  # the last lag seen was at +5, before these 2.5 s deadlines began
+    for _ in range(2):
+        rig.recovery.leg_failed(d0, "decode", first_token_timeout("d0", "decode", 2.5))
+    assert rig.breaker("d0", "decode") is BreakerState.OPEN
+
+
+async def test_a_verification_timing_out_while_the_router_is_starved_is_inconclusive(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)  # ejected; good probes at +4 and +5 start its verification
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.hung_legs.add("d0")
+    nursery.start_soon(starved_loop, rig, 0.5, 9.0)
+    await rig.at(9.0)
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.last_verification is not None
+    assert record.last_verification["outcome"] == "inconclusive"
+    assert "router overload, not held against the engine" in str(record.last_verification["detail"])
+    assert changes(rig, "health") == [
+        ("d0", None, "up", "ejected"),
+        ("d0", None, "ejected", "verifying"),
+    ]
+    assert excused(rig, "d0", "verification") >= 1
+    await rig.at(20.0)  # the next one, on a quick loop, fails as the engine is silent
+    assert ("d0", None, "verifying", "ejected") in changes(rig, "health")
+
+
+async def test_a_leg_slowed_by_router_lag_makes_no_latency_residual(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(), predictor=lambda engine, phase, obs: 0.1)
+    d0 = rig.engine("d0")
+    rig.recovery.leg_ok(d0, "decode", 0.5)  # before the lag: a residual of 5
+    rig.ctx.loop_lag.observe(0.08, at=trio.current_time())  # over a tenth of 0.7 s
+    rig.recovery.leg_ok(d0, "decode", 0.7)
+    assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(5.0)}
+    assert excused(rig, "d0", "residual") == 1
+    await trio.sleep(1.0)
+    rig.recovery.leg_ok(d0, "decode", 0.7)
+    assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(7.0)}
 
 
 # ---------------------------------------------------------------- monitor

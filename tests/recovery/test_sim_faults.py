@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from functools import partial
 from typing import Any
 
@@ -472,6 +473,7 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
             "failed",
             "prefill on p0, decode on d0: decode leg on d0 did not complete within "
             "engine.first_token_timeout_s=0.2",
+            deadline_s=0.2,  # recovery asks whether the router's own lag explains it
         )
         fleet[1].clear_faults()
         local = VerifyPair(p0, "aggregate", p0, p0, "narwhal-verify-local")
@@ -560,3 +562,39 @@ async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> Non
     assert engine["health"]["verdict"] == "up"
     assert engine["auth"] == {"refused": None, "last_check": None}
     assert json.dumps(state)  # all of it is JSON
+
+
+async def test_a_router_starved_of_cpu_does_not_eject_its_healthy_engines(
+    start_stack: StartStack,
+) -> None:
+    """The router's own overload (here: tasks holding its event loop, as a client flood
+    does) makes every probe time out; the engines are fine, so none is ejected."""
+    stack = await start_stack(engine={"health_timeout_s": 0.2})
+    ctx = stack.supervisor.ctx
+    assert ctx is not None
+
+    async def hog(until: float) -> None:
+        while trio.current_time() < until:
+            end = time.perf_counter() + 0.05  # 50 ms of CPU per turn of the loop
+            while time.perf_counter() < end:
+                pass
+            await trio.lowlevel.checkpoint()
+
+    def excused() -> float:
+        total = 0.0
+        for engine_id in ("p0", "d1"):
+            value = ctx.metrics.registry.get_sample_value(
+                "narwhal_router_lag_excused_total",
+                {"engine": engine_id, "evidence": "health_probe"},
+            )
+            total += value or 0.0
+        return total
+
+    until = trio.current_time() + 3.0
+    async with trio.open_nursery() as hogs:
+        for _ in range(4):  # a 200 ms turn of the loop, each of a probe's awaits waits it
+            hogs.start_soon(hog, until)
+    assert transitions(stack, "p0", "health") == []
+    assert transitions(stack, "d1", "health") == []
+    assert excused() >= 2  # probes did time out, and were set aside
+    assert (await post(stack)).status_code == 200

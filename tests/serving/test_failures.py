@@ -14,6 +14,9 @@ import httpx
 import pytest
 import trio
 
+from narwhal._errors import EngineFailed
+from narwhal.fleet import EngineState
+
 from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
 
@@ -178,9 +181,29 @@ async def test_request_deadline_before_output_is_504(start_stack: StartStack) ->
     await wait_for(lambda: phases(stack, 0, "aborted") == ["prefill"])
 
 
+class Deadlines:
+    """Records which deadline each failed leg tells recovery about (`deadline_s`: recovery
+    sets a deadline aside when the router's own event loop lag explains it)."""
+
+    def __init__(self, stack: Stack) -> None:
+        ctx = stack.supervisor.ctx
+        assert ctx is not None
+        self.inner = ctx.leg_observer
+        self.seen: list[tuple[str | None, float | None]] = []
+        ctx.leg_observer = self
+
+    def leg_ok(self, engine: EngineState, phase: str, duration_s: float, **kw: Any) -> None:
+        self.inner.leg_ok(engine, phase, duration_s, **kw)
+
+    def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
+        self.seen.append((failure.code, failure.deadline_s))
+        self.inner.leg_failed(engine, phase, failure)
+
+
 async def test_prefill_timeout(start_stack: StartStack) -> None:
     stack = await start_stack(serving={"prefill_timeout_s": 0.3})
     stack.fleet[0].set_faults(stall_before_first_token_s=5, leg="prefill")
+    deadlines = Deadlines(stack)
     started = trio.current_time()
     response = await post(stack, {"max_tokens": 3, "stream": True})
     elapsed = trio.current_time() - started
@@ -189,12 +212,14 @@ async def test_prefill_timeout(start_stack: StartStack) -> None:
     assert error["code"] == "prefill_timeout"
     assert "serving.prefill_timeout_s=0.3" in error["message"]
     assert 0.3 <= elapsed < 1.3
+    assert ("prefill_timeout", 0.3) in deadlines.seen
     await wait_for(lambda: phases(stack, 0, "aborted") == ["prefill"])
 
 
 async def test_first_token_timeout(start_stack: StartStack) -> None:
     stack = await start_stack(engine={"first_token_timeout_s": 0.3})
     stack.fleet[1].set_faults(stall_before_first_token_s=5, leg="decode")
+    deadlines = Deadlines(stack)
     started = trio.current_time()
     response = await post(stack, {"max_tokens": 3, "stream": True})
     elapsed = trio.current_time() - started
@@ -202,6 +227,11 @@ async def test_first_token_timeout(start_stack: StartStack) -> None:
     assert error["code"] == "first_token_timeout"
     assert "engine.first_token_timeout_s=0.3" in error["message"]
     assert 0.3 <= elapsed < 1.3
+    # What the decode leg waited for its first token: the whole budget, give or take.
+    ((code, waited),) = deadlines.seen
+    assert code == "first_token_timeout"
+    assert waited is not None
+    assert 0.3 <= waited < 1.3
     await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
     await settled(stack)
 
@@ -209,10 +239,12 @@ async def test_first_token_timeout(start_stack: StartStack) -> None:
 async def test_decode_gap_timeout(start_stack: StartStack) -> None:
     stack = await start_stack(engine={"decode_read_timeout_s": 0.3})
     stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
+    deadlines = Deadlines(stack)
     response = await post(stack, {"max_tokens": 20, "stream": True})
     error = terminal_error(response)
     assert error["code"] == "decode_stalled"
     assert len(sse_events(response)) >= 2
+    assert deadlines.seen == [("decode_stalled", 0.3)]
 
 
 async def test_zero_gap_timeout_leaves_the_request_deadline_in_charge(

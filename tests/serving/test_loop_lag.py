@@ -8,7 +8,7 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from narwhal.supervisor._loop import LAG_PROBE_S, LAG_WINDOW, LoopLag
+from narwhal.serving._lag import EXCUSE_FLOOR_S, LAG_PROBE_S, LAG_WINDOW, LoopLag
 
 from .conftest import StartStack
 
@@ -47,6 +47,40 @@ async def test_the_probe_records_how_long_a_runnable_task_waits_for_the_loop(
         assert sum(samples) >= 0.01 * len(samples) / 4
         assert lag_count(registry) == state["samples"]
         nursery.cancel_scope.cancel()
+
+
+async def test_one_long_stall_shows_in_how_late_the_probe_ran(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    lag = LoopLag(CollectorRegistry())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lag.run)
+        await trio.sleep(1.1)  # between probes: the probe is asleep, not queued behind us
+        start = trio.current_time()
+        autojump_clock.jump(2.0)  # a synchronous 2 s stall: no yield, so no queue behind
+        # The probe is due (its timer expired during the stall) but has not run yet:
+        # its wait so far counts before it runs.
+        assert lag.worst_since(start) == pytest.approx(1.85)  # due at +1.25
+        await trio.sleep(1.0)
+        assert lag.worst_since(start) == pytest.approx(1.85)
+        assert lag.state()["lag_max_s"] == 0.0  # the histogram measures the yield only
+        assert lag.worst_since(trio.current_time()) == 0.0  # nothing since
+        nursery.cancel_scope.cancel()
+
+
+async def test_lag_excuses_a_deadline_at_a_tenth_of_it_and_never_below_the_floor() -> None:
+    lag = LoopLag(CollectorRegistry())
+    now = trio.current_time()
+    lag.observe(0.3, at=now - 1.0)
+    assert lag.excuse(2.0) == (
+        "the router's own event loop lagged 0.3 s meanwhile (at least 10% of 2 s): router "
+        "overload, not held against the engine"
+    )
+    assert lag.excuse(3.5) is None  # 0.3 s is under a tenth of it
+    assert lag.excuse(0.5) is None  # the lag was seen before this deadline began
+    assert lag.excuse(0.5, since=now - 2.0) is not None
+    lag.observe(EXCUSE_FLOOR_S / 2, at=now)
+    assert lag.excuse(0.02, since=now) is None  # a tenth, but under the floor
 
 
 def test_the_state_keeps_only_the_last_minute_of_probes() -> None:
