@@ -40,6 +40,7 @@ from .fakes import (
     KEY_REFUSED,
     REFUSED,
     UNHEALTHY,
+    WRONG_KEY,
     FakeProber,
     config,
     failure,
@@ -561,8 +562,7 @@ def refused_leg(engine: EngineState, leg: str = "decode") -> VerifyResult:
     """The prober's report of a verification pair whose `leg` on `engine` got HTTP 401."""
     return VerifyResult(
         "refused",
-        f"{leg} leg on {engine.id} returned HTTP 401: the engine refused narwhal's API key "
-        "(engine.api_key_file)",
+        f"{leg} leg on {engine.id}: {WRONG_KEY}",
         refusal=KeyRefusal(engine, 401, "Unauthorized"),
     )
 
