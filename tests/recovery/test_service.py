@@ -457,6 +457,64 @@ async def test_a_half_open_breaker_is_not_reopened_by_its_standby_partner(
     ]
 
 
+def sglang_ppd() -> Config:
+    """2P1D SGLang: d0 has two prefill servers to pair with."""
+    return config(
+        engines=[
+            {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill", "dialect": "sglang"},
+            {"id": "p1", "url": "http://127.0.0.1:11", "role": "prefill", "dialect": "sglang"},
+            {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode", "dialect": "sglang"},
+        ]
+    )
+
+
+async def test_a_standby_partner_refusing_the_key_is_skipped(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_ppd())
+    for engine_id in ("p0", "p1", "d0"):
+        rig.prober.health_of[engine_id] = UNHEALTHY
+    await rig.at(3.0)  # all ejected
+    rig.prober.health_of.clear()
+    # p0 answers its health probe but refuses the key: its leg of d0's pair would be
+    # refused, naming p0, and d0's readmission would wait a probe interval for nothing.
+    rig.engine("p0").auth_refused = AUTH_REFUSED
+    rig.prober.key_of["p0"] = KEY_REFUSED
+    # p1 stays out of service (verifying), on standby for d0.
+    rig.prober.verify_of["p1"] = VerifyResult("inconclusive", "control pool of p1 exhausted")
+    await rig.at(5.0)  # good probes at +4 and +5, then d0 is verified
+    times, last = verified(rig, "d0")
+    assert (times, last["partner"], last["standby"], last["outcome"]) == ([5.0], "p1", True, "ok")
+    assert rig.reason("d0") is None
+
+
+async def test_a_subject_whose_only_standby_partners_refuse_the_key_is_skipped_saying_so(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_pd())
+    for engine_id in ("p0", "d0"):
+        rig.prober.health_of[engine_id] = UNHEALTHY
+    await rig.at(3.0)  # both ejected
+    rig.prober.health_of.clear()
+    rig.engine("p0").auth_refused = AUTH_REFUSED
+    rig.prober.key_of["p0"] = KEY_REFUSED
+    await rig.at(5.0)  # verifying, but the only prefill server refuses the key
+    assert rig.prober.verifications == []
+    _, last = verified(rig, "d0")
+    assert (last["partner"], last["standby"], last["outcome"]) == (None, False, "inconclusive")
+    assert str(last["detail"]).startswith(
+        "skipped: no prefill engine that answers its health probe takes narwhal's API key to "
+        f"pair with d0 (p0 {AUTH_REFUSED}; an sglang server's role is fixed when it is launched"
+    )
+    rig.prober.key_of["p0"] = KEY_ACCEPTED
+    # p0 takes the key again at its next probe (+6); d0 is paired with it then, or a
+    # probe interval later if d0's own turn at +6 came first.
+    await rig.at(7.0)
+    times, last = verified(rig, "d0")
+    assert (len(times), last["partner"], last["outcome"]) == (1, "p0", "ok")
+    assert rig.reason("d0") is None
+
+
 # ---------------------------------------------------------------- quarantine
 
 
