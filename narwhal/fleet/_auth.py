@@ -55,4 +55,5 @@ def key_refused(engine: EngineState, status: int, message: str, config: Config) 
             extra={"event": "engine_auth_refused", "engine": engine.id},
         )
     engine.auth_refused = explain_refusal(status, sends_key=sends_key, fix=False)
+    engine.auth_refusals += 1
     return why

@@ -535,9 +535,15 @@ class Recovery:
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
         key clears the refusal; a refused check does not set one (a refused leg or
-        identity check does, through `fleet.key_refused`)."""
+        identity check does, through `fleet.key_refused`). Nor does a 200 clear a refusal
+        recorded while the check was under way: that refusal may be newer than the 200
+        (cleared, the next request would be refused again), so the next check decides."""
         engine = record.engine
+        refusals = engine.auth_refusals
         result = await self.prober.check_key(engine, self.ctx.config)
+        if result.outcome == "accepted" and engine.auth_refusals != refusals:
+            newer = "sent before the engine's latest refusal, which it does not clear"
+            result = attrs.evolve(result, detail=f"{result.detail}; {newer}")
         record.last_key_check = result
         record.last_key_check_at = trio.current_time()
         self._m_key_checks.labels(engine.id, result.outcome).inc()
@@ -547,7 +553,7 @@ class Recovery:
             "detail": result.detail,
         }
         refused = engine.auth_refused
-        if result.outcome != "accepted" or refused is None:
+        if result.outcome != "accepted" or refused is None or engine.auth_refusals != refusals:
             log.debug(
                 "key check of %s: %s: %s",
                 engine.id,

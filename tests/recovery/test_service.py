@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from narwhal.config import Config
-from narwhal.fleet import EngineState
+from narwhal.fleet import EngineState, key_refused
 from narwhal.recovery import (
     BreakerState,
     KeyCheck,
@@ -604,6 +604,37 @@ async def test_a_key_check_waits_for_a_good_probe_and_only_200_clears_the_refusa
     assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
     assert [at - rig.t0 for _, at in rig.prober.key_checks] == [3.0, 4.0]
     assert key_checks(rig, "d0", "failed") == key_checks(rig, "d0", "inconclusive") == 1.0
+
+
+class SlowKeyCheck(FakeProber):
+    """Key checks take half a second to answer (recorded when sent)."""
+
+    async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
+        result = await super().check_key(engine, config)
+        await trio.sleep(0.5)
+        return result
+
+
+async def test_a_key_check_does_not_clear_a_refusal_recorded_while_it_was_under_way(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(), SlowKeyCheck())
+    d0 = rig.engine("d0")
+    key_refused(d0, 401, "Unauthorized", rig.ctx.config)  # a request met the refusal
+    await rig.at(1.25)  # the key check sent at +1 has not answered yet
+    key_refused(d0, 401, "Unauthorized", rig.ctx.config)  # another request meets it
+    await rig.at(1.5)  # the check answers 200, but the refusal came after it was sent
+    assert rig.reason("d0") == "auth refused: requires an API key and narwhal sends none (HTTP 401)"
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.last_key_check == KeyCheck(
+        "accepted",
+        "GET /v1/models returned HTTP 200; sent before the engine's latest refusal, which "
+        "it does not clear",
+    )
+    await rig.at(3.0)  # the next check, after the next probe (+2.5), clears it
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 2.5]
+    assert rig.reason("d0") is None
 
 
 @pytest.fixture
