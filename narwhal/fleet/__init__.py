@@ -1,6 +1,6 @@
 """The router's live engine registry."""
 
-from ._auth import key_refused as key_refused
+from ._auth import explain_refusal as explain_refusal, key_refused as key_refused
 from ._engine import (
     EngineState as EngineState,
     EngineView as EngineView,

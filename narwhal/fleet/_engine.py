@@ -127,6 +127,9 @@ class EngineState:
         # met the refusal (`key_refused`); cleared by recovery when the key is accepted
         # again, or by a reload.
         self.auth_refused: str | None = None
+        # Refusals recorded so far (`key_refused`): a key check clears `auth_refused` only
+        # if none arrived while it was under way.
+        self.auth_refusals = 0
         self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
         self.held_until = -math.inf  # restart hold, set by recovery
         self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure

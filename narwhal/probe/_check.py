@@ -50,6 +50,8 @@ import trio
 
 from .._errors import ENGINE_AUTH_STATUSES
 from ..config import Config
+from ..engines import parse_error_body
+from ..fleet import explain_refusal
 from ..profiles import MeasuredFacts, ProfileStore, check_store, crossed_pairs, read_store
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
 from ._client import (
@@ -57,7 +59,6 @@ from ._client import (
     ProbeError,
     crossed_handoff,
     decode_leg,
-    key_refusal,
     mode_mismatch,
     prefill_leg,
 )
@@ -308,8 +309,10 @@ async def _key_refused(client: EngineClient, limit: float) -> tuple[str, str] | 
     answer = await _bounded(limit, client.get(path, limit=_MODELS_LIMIT))
     if answer.value is None or answer.value[0] not in ENGINE_AUTH_STATUSES:
         return None
-    note = key_refusal(sends_key=client.pool.sends_api_key)
-    return f"API key refused (HTTP {answer.value[0]})", note
+    status, raw = answer.value
+    message = parse_error_body(status, raw).message
+    why = explain_refusal(status, sends_key=client.pool.sends_api_key, message=message)
+    return f"API key refused (HTTP {status})", f"the engine {why}"
 
 
 async def _tokenize(

@@ -42,6 +42,7 @@ from ..engines._dialects import (
     vllm_kv_params,
     vllm_prefill_body,
 )
+from ..fleet import explain_refusal
 from ..profiles import build_identity, pd_server
 from ._prom import Sample, first_labels, first_value, parse_metrics
 
@@ -117,13 +118,6 @@ class Gauges:
     waiting: float | None
     kv_usage: float | None
     kv_expired: float | None
-
-
-def key_refusal(*, sends_key: bool) -> str:
-    """Why an engine answered 401/403: Narwhal's key is wrong, or it sent none."""
-    if sends_key:
-        return "the engine refused the API key from engine.api_key_file (check its --api-key)"
-    return "the engine requires an API key (--api-key); set engine.api_key_file"
 
 
 class EngineClient:
@@ -236,10 +230,9 @@ class EngineClient:
         status, raw = await self.get("/v1/models")
         if status in ENGINE_AUTH_STATUSES:
             # Guarded by both engines under --api-key; "serves no model" would mislead.
-            raise ProbeError(
-                f"engine {self.id!r} GET /v1/models answered {status}: "
-                f"{key_refusal(sends_key=self.pool.sends_api_key)}"
-            )
+            message = parse_error_body(status, raw).message
+            why = explain_refusal(status, sends_key=self.pool.sends_api_key, message=message)
+            raise ProbeError(f"engine {self.id!r} GET /v1/models: the engine {why}")
         doc = _loads(raw) if status == 200 else None
         cards = doc.get("data") if isinstance(doc, dict) else None
         models = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []

@@ -73,7 +73,7 @@ from ..engines._dialects import (
     vllm_prefill_body,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState
+from ..fleet import EngineState, explain_refusal
 from ._health import Identity
 
 Outcome = Literal["ok", "failed", "inconclusive"]
@@ -258,13 +258,11 @@ def _headers(request_id: str | None = None) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def _status_detail(where: str, status: int) -> str:
-    if status in ENGINE_AUTH_STATUSES:
-        return (
-            f"{where} returned HTTP {status}: the engine refused narwhal's API key "
-            "(engine.api_key_file)"
-        )
-    return f"{where} returned HTTP {status}"
+def _refused_detail(where: str, refusal: KeyRefusal) -> str:
+    # The control pool carries the engine's one configured key, as the serving pool does.
+    sends_key = refusal.engine.control_pool.sends_api_key
+    why = explain_refusal(refusal.status, sends_key=sends_key, message=refusal.message)
+    return f"{where}: the engine {why}"
 
 
 class HttpProber:
@@ -283,7 +281,7 @@ class HttpProber:
             identity = await self._identity(engine)
             detail = f"GET {path} returned HTTP 200"
             if isinstance(identity, KeyRefusal):
-                refused = _status_detail("GET /version", identity.status)
+                refused = _refused_detail("GET /version", identity)
                 return ProbeResult("ok", f"{detail}; {refused}", True, None, identity)
             return ProbeResult("ok", detail, True, identity)
         return ProbeResult(
@@ -304,11 +302,12 @@ class HttpProber:
             if isinstance(answer, ProbeResult):
                 unknown = answer.outcome == "inconclusive"
                 return KeyCheck("inconclusive" if unknown else "failed", answer.detail)
-            status, _ = answer
+            status, raw = answer
             if status == 200:
                 return KeyCheck("accepted", f"{where} returned HTTP 200")
             if status in ENGINE_AUTH_STATUSES:
-                return KeyCheck("refused", _status_detail(where, status))
+                refusal = KeyRefusal(engine, status, parse_error_body(status, raw).message)
+                return KeyCheck("refused", _refused_detail(where, refusal))
             return KeyCheck("failed", f"{where} returned HTTP {status}")
         return KeyCheck("failed", f"{where}: no answer within engine.health_timeout_s={timeout}")
 
@@ -467,12 +466,11 @@ class _Leg:
         return _LegFailed(detail, self.engine, own=not self.paired)
 
     def status(self, status: int, raw: bytes) -> _LegFailed:
-        detail = _status_detail(self.where, status)
         if status in ENGINE_AUTH_STATUSES:
             # The engine's own refusal, whatever the partner did; not a failure either.
-            message = parse_error_body(status, raw).message
-            return _LegRefused(detail, KeyRefusal(self.engine, status, message))
-        return self.answered(detail)
+            refusal = KeyRefusal(self.engine, status, parse_error_body(status, raw).message)
+            return _LegRefused(_refused_detail(self.where, refusal), refusal)
+        return self.answered(f"{self.where} returned HTTP {status}")
 
     def late(self, limit: float) -> _LegFailed:
         detail = f"{self.where} did not complete within engine.first_token_timeout_s={limit}"

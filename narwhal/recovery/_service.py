@@ -561,9 +561,15 @@ class Recovery:
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
         key clears the refusal; a refused check does not set one (a refused leg or
-        identity check does, through `fleet.key_refused`)."""
+        identity check does, through `fleet.key_refused`). Nor does a 200 clear a refusal
+        recorded while the check was under way: that refusal may be newer than the 200
+        (cleared, the next request would be refused again), so the next check decides."""
         engine = record.engine
+        refusals = engine.auth_refusals
         result = await self.prober.check_key(engine, self.ctx.config)
+        if result.outcome == "accepted" and engine.auth_refusals != refusals:
+            newer = "sent before the engine's latest refusal, which it does not clear"
+            result = attrs.evolve(result, detail=f"{result.detail}; {newer}")
         record.last_key_check = result
         record.last_key_check_at = trio.current_time()
         self._m_key_checks.labels(engine.id, result.outcome).inc()
@@ -573,7 +579,7 @@ class Recovery:
             "detail": result.detail,
         }
         refused = engine.auth_refused
-        if result.outcome != "accepted" or refused is None:
+        if result.outcome != "accepted" or refused is None or engine.auth_refusals != refusals:
             log.debug(
                 "key check of %s: %s: %s",
                 engine.id,
@@ -734,6 +740,8 @@ class Recovery:
         probe but waits for readmission itself (a fleet that restarted as a whole would
         otherwise never readmit anything); failing that, the verification is skipped as
         inconclusive, which keeps the engine out until a partner is back. A standby
+        engine that refuses Narwhal's API key is passed over, since its leg would be
+        refused; when only such engines answer, the skip names them. A standby
         partner is no known-good reference, so only a failure certainly the subject's
         counts against it (`_attribute`); a pair that passes readmits the subject alone,
         the partner waits for its own verification.
@@ -754,14 +762,22 @@ class Recovery:
         candidates = [e for e in peers if e.unavailable_reason(now, other) is None]
         standby = False
         if not candidates and fixed:
-            candidates = [e for e in peers if self._standby(e)]
+            answering = [e for e in peers if self._standby(e)]
+            # One that refuses Narwhal's key would refuse its leg (an available one never
+            # does: the refusal takes it out of placement).
+            candidates = [e for e in answering if e.auth_refused is None]
             standby = True
             if not candidates:
-                return VerifyResult(
-                    "inconclusive",
-                    f"skipped: no {other} engine answers its health probe to pair with "
-                    f"{subject.id} ({subject.dialect.fixed_role})",
+                role = subject.dialect.fixed_role
+                refused = "; ".join(f"{e.id} {e.auth_refused}" for e in answering)
+                missing = (
+                    f"no {other} engine that answers its health probe takes narwhal's API "
+                    f"key to pair with {subject.id} ({refused}; {role})"
+                    if answering
+                    else f"no {other} engine answers its health probe to pair with "
+                    f"{subject.id} ({role})"
                 )
+                return VerifyResult("inconclusive", f"skipped: {missing}")
         if not candidates:
             return VerifyPair(subject, phase, subject, subject, request_id)
         partner = min(

@@ -49,9 +49,14 @@ async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_pat
     [
         (
             "wrong-key",
-            "the engine refused the API key from engine.api_key_file (check its --api-key)",
+            "the engine refused narwhal's API key (HTTP 401: Unauthorized); check "
+            "engine.api_key_file against the engine's --api-key",
         ),
-        (None, "the engine requires an API key (--api-key); set engine.api_key_file"),
+        (
+            None,
+            "the engine requires an API key and narwhal sends none (HTTP 401: Unauthorized); "
+            "set engine.api_key_file to the key of the engine's --api-key",
+        ),
     ],
 )
 async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
@@ -107,8 +112,8 @@ async def test_narwhal_profile_sweeps_a_keyed_sglang_fleet(
         assert profile.kv_capacity_source == "sglang /get_server_info max_total_num_tokens"
     fleet[0].set_api_key("another-key")
     refused = (
-        r"^engine 'e0' GET /v1/models answered 401: the engine refused the API key from "
-        r"engine\.api_key_file \(check its --api-key\)$"
+        r"^engine 'e0' GET /v1/models: the engine refused narwhal's API key \(HTTP 401: "
+        r"Unauthorized\); check engine\.api_key_file against the engine's --api-key$"
     )
     with pytest.raises(SweepFailed, match=refused):
         await profile_fleet(config, plan)

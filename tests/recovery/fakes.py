@@ -25,10 +25,12 @@ REFUSED = ProbeResult("failed", "GET /health: connect failed: connection refused
 EXHAUSTED = ProbeResult("inconclusive", "control pool of d0 exhausted (2/2 in use)", None)
 VERIFIED = VerifyResult("ok", "completed")
 KEY_ACCEPTED = KeyCheck("accepted", "GET /v1/models returned HTTP 200")
-KEY_REFUSED = KeyCheck(
-    "refused",
-    "GET /v1/models returned HTTP 401: the engine refused narwhal's API key (engine.api_key_file)",
+# How recovery words a refusal of the key Narwhal sends (`fleet.explain_refusal`).
+WRONG_KEY = (
+    "the engine refused narwhal's API key (HTTP 401: Unauthorized); check "
+    "engine.api_key_file against the engine's --api-key"
 )
+KEY_REFUSED = KeyCheck("refused", f"GET /v1/models: {WRONG_KEY}")
 
 
 @attrs.define

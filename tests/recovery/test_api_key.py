@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from ..serving.test_api_key import complete, key_file
 from ..serving.test_retries import requests
 from ..support import wait_for
 from .conftest import StartStack
+from .fakes import WRONG_KEY
 from .test_sim_faults import prober_pair
 
 KEY = "sk-recovery-key"
@@ -49,8 +51,7 @@ async def test_probes_carry_the_key_and_a_refused_key_is_named(
     if dialect == "sglang":
         assert health == ProbeResult(
             "ok",
-            "GET /health returned HTTP 200; GET /version returned HTTP 401: the engine "
-            "refused narwhal's API key (engine.api_key_file)",
+            f"GET /health returned HTTP 200; GET /version: {WRONG_KEY}",
             True,
             None,
             KeyRefusal(d0, 401, "Unauthorized"),
@@ -61,17 +62,42 @@ async def test_probes_carry_the_key_and_a_refused_key_is_named(
     # request path does.
     assert await prober.verify(pair, config) == VerifyResult(
         "refused",
-        "prefill on p0, decode on d0: decode leg on d0 returned HTTP 401: the engine "
-        "refused narwhal's API key (engine.api_key_file)",
+        f"prefill on p0, decode on d0: decode leg on d0: {WRONG_KEY}",
         refusal=KeyRefusal(d0, 401, "Unauthorized"),
     )
-    assert await prober.check_key(d0, config) == KeyCheck(
-        "refused",
-        "GET /v1/models returned HTTP 401: the engine refused narwhal's API key "
-        "(engine.api_key_file)",
-    )
+    assert await prober.check_key(d0, config) == KeyCheck("refused", f"GET /v1/models: {WRONG_KEY}")
     await fleet[1].go_down()
     assert (await prober.check_key(d0, config)).outcome == "failed"
+    for engine in (p0, d0):
+        await engine.aclose()
+
+
+NO_KEY = (
+    "the engine requires an API key and narwhal sends none (HTTP 401: Unauthorized); "
+    "set engine.api_key_file to the key of the engine's --api-key"
+)
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_probes_of_an_engine_that_wants_a_key_when_none_is_configured_say_so(
+    nursery: trio.Nursery, dialect: Dialect
+) -> None:
+    # No engine.api_key_file: the fix is to configure one, not to check the one sent.
+    fleet, config, p0, d0 = await prober_pair(nursery, dialect)
+    for handle in fleet:
+        handle.set_api_key(KEY)
+    prober = HttpProber()
+    health = await prober.health(d0, config)
+    if dialect == "sglang":
+        assert health.detail == f"GET /health returned HTTP 200; GET /version: {NO_KEY}"
+    pair = VerifyPair(d0, "decode", p0, d0, f"narwhal-verify-{dialect}")
+    verification = await prober.verify(pair, config)
+    assert verification.outcome == "refused"
+    # SGLang's legs run at once: whichever is refused first is named.
+    legs = "prefill leg on p0" if dialect == "vllm" else "(prefill leg on p0|decode leg on d0)"
+    pattern = f"prefill on p0, decode on d0: {legs}: {re.escape(NO_KEY)}"
+    assert re.fullmatch(pattern, verification.detail), verification.detail
+    assert await prober.check_key(d0, config) == KeyCheck("refused", f"GET /v1/models: {NO_KEY}")
     for engine in (p0, d0):
         await engine.aclose()
 
@@ -151,8 +177,7 @@ async def test_an_engine_restarted_with_another_key_is_out_for_the_key_not_faile
     assert recovery["auth"]["refused"] == refused
     assert recovery["last_verification"]["outcome"] == "refused"
     assert recovery["last_verification"]["detail"] == (
-        "prefill on p0, decode on d1: prefill leg on p0 returned HTTP 401: the engine refused "
-        "narwhal's API key (engine.api_key_file)"
+        f"prefill on p0, decode on d1: prefill leg on p0: {WRONG_KEY}"
     )
     # Not a failed verification: no ejection, no breaker, only the restart hold.
     assert recovery["hold"]["active"]
@@ -200,10 +225,7 @@ async def test_an_sglang_engine_refusing_the_key_on_version_is_taken_out_by_the_
     # No request needed: SGLang guards /version, so the next probe meets the refusal.
     await wait_for(lambda: p0.auth_refused is not None)
     await wait_for(lambda: key_checks(stack, "refused") >= 2)
-    refused = (
-        "GET /health returned HTTP 200; GET /version returned HTTP 401: the engine refused "
-        "narwhal's API key (engine.api_key_file)"
-    )
+    refused = f"GET /health returned HTTP 200; GET /version: {WRONG_KEY}"
     recovery = (await stack.state())["recovery"]["engines"]["p0"]
     assert recovery["health"]["last_probe"]["detail"] == refused
     assert recovery["auth"]["refused"] == "refused narwhal's API key (HTTP 401)"

@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from narwhal.config import Config
-from narwhal.fleet import EngineState
+from narwhal.fleet import EngineState, key_refused
 from narwhal.recovery import (
     BreakerState,
     KeyCheck,
@@ -41,6 +41,7 @@ from .fakes import (
     KEY_REFUSED,
     REFUSED,
     UNHEALTHY,
+    WRONG_KEY,
     FakeProber,
     config,
     failure,
@@ -458,6 +459,64 @@ async def test_a_half_open_breaker_is_not_reopened_by_its_standby_partner(
     ]
 
 
+def sglang_ppd() -> Config:
+    """2P1D SGLang: d0 has two prefill servers to pair with."""
+    return config(
+        engines=[
+            {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill", "dialect": "sglang"},
+            {"id": "p1", "url": "http://127.0.0.1:11", "role": "prefill", "dialect": "sglang"},
+            {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode", "dialect": "sglang"},
+        ]
+    )
+
+
+async def test_a_standby_partner_refusing_the_key_is_skipped(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_ppd())
+    for engine_id in ("p0", "p1", "d0"):
+        rig.prober.health_of[engine_id] = UNHEALTHY
+    await rig.at(3.0)  # all ejected
+    rig.prober.health_of.clear()
+    # p0 answers its health probe but refuses the key: its leg of d0's pair would be
+    # refused, naming p0, and d0's readmission would wait a probe interval for nothing.
+    rig.engine("p0").auth_refused = AUTH_REFUSED
+    rig.prober.key_of["p0"] = KEY_REFUSED
+    # p1 stays out of service (verifying), on standby for d0.
+    rig.prober.verify_of["p1"] = VerifyResult("inconclusive", "control pool of p1 exhausted")
+    await rig.at(5.0)  # good probes at +4 and +5, then d0 is verified
+    times, last = verified(rig, "d0")
+    assert (times, last["partner"], last["standby"], last["outcome"]) == ([5.0], "p1", True, "ok")
+    assert rig.reason("d0") is None
+
+
+async def test_a_subject_whose_only_standby_partners_refuse_the_key_is_skipped_saying_so(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_pd())
+    for engine_id in ("p0", "d0"):
+        rig.prober.health_of[engine_id] = UNHEALTHY
+    await rig.at(3.0)  # both ejected
+    rig.prober.health_of.clear()
+    rig.engine("p0").auth_refused = AUTH_REFUSED
+    rig.prober.key_of["p0"] = KEY_REFUSED
+    await rig.at(5.0)  # verifying, but the only prefill server refuses the key
+    assert rig.prober.verifications == []
+    _, last = verified(rig, "d0")
+    assert (last["partner"], last["standby"], last["outcome"]) == (None, False, "inconclusive")
+    assert str(last["detail"]).startswith(
+        "skipped: no prefill engine that answers its health probe takes narwhal's API key to "
+        f"pair with d0 (p0 {AUTH_REFUSED}; an sglang server's role is fixed when it is launched"
+    )
+    rig.prober.key_of["p0"] = KEY_ACCEPTED
+    # p0 takes the key again at its next probe (+6); d0 is paired with it then, or a
+    # probe interval later if d0's own turn at +6 came first.
+    await rig.at(7.0)
+    times, last = verified(rig, "d0")
+    assert (len(times), last["partner"], last["outcome"]) == (1, "p0", "ok")
+    assert rig.reason("d0") is None
+
+
 # ---------------------------------------------------------------- quarantine
 
 
@@ -549,6 +608,37 @@ async def test_a_key_check_waits_for_a_good_probe_and_only_200_clears_the_refusa
     assert key_checks(rig, "d0", "failed") == key_checks(rig, "d0", "inconclusive") == 1.0
 
 
+class SlowKeyCheck(FakeProber):
+    """Key checks take half a second to answer (recorded when sent)."""
+
+    async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
+        result = await super().check_key(engine, config)
+        await trio.sleep(0.5)
+        return result
+
+
+async def test_a_key_check_does_not_clear_a_refusal_recorded_while_it_was_under_way(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(), SlowKeyCheck())
+    d0 = rig.engine("d0")
+    key_refused(d0, 401, "Unauthorized", rig.ctx.config)  # a request met the refusal
+    await rig.at(1.25)  # the key check sent at +1 has not answered yet
+    key_refused(d0, 401, "Unauthorized", rig.ctx.config)  # another request meets it
+    await rig.at(1.5)  # the check answers 200, but the refusal came after it was sent
+    assert rig.reason("d0") == "auth refused: requires an API key and narwhal sends none (HTTP 401)"
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.last_key_check == KeyCheck(
+        "accepted",
+        "GET /v1/models returned HTTP 200; sent before the engine's latest refusal, which "
+        "it does not clear",
+    )
+    await rig.at(3.0)  # the next check, after the next probe (+2.5), clears it
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 2.5]
+    assert rig.reason("d0") is None
+
+
 @pytest.fixture
 async def keyed(nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Rig:
     """The test fleet configured with an API key (engine.api_key_file), logs captured.
@@ -563,8 +653,7 @@ def refused_leg(engine: EngineState, leg: str = "decode") -> VerifyResult:
     """The prober's report of a verification pair whose `leg` on `engine` got HTTP 401."""
     return VerifyResult(
         "refused",
-        f"{leg} leg on {engine.id} returned HTTP 401: the engine refused narwhal's API key "
-        "(engine.api_key_file)",
+        f"{leg} leg on {engine.id}: {WRONG_KEY}",
         refusal=KeyRefusal(engine, 401, "Unauthorized"),
     )
 
