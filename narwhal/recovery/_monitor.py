@@ -136,11 +136,21 @@ class Monitor:
             for engine in engines:
                 nursery.start_soon(self._scrape, engine, loads, errors, failures)
         if engines and not loads:
-            failures.append(
+            failure = (
                 "no engine could be observed ("
                 + "; ".join(f"{e.id}: {errors.get(e.id, 'no answer')}" for e in engines)
                 + ")"
             )
+            # Still a failure (the pass has no load to decide on), but say whose: under a
+            # client flood the degraded reason would otherwise point at the engines.
+            timeout = self.ctx.config.engine.health_timeout_s
+            lag = self.ctx.loop_lag.starved(timeout, since=started)
+            if lag is not None:
+                failure += (
+                    f"; the router's own event loop lagged {lag:.3g} s during the pass "
+                    "(router overload)"
+                )
+            failures.append(failure)
         residuals: dict[str, float] = {}
         try:
             residuals = self.recovery.residual_pass(trio.current_time())

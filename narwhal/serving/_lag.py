@@ -89,13 +89,19 @@ class LoopLag:
             worst = max(worst, stall)
         return worst
 
-    def excuse(self, deadline_s: float, *, since: float | None = None) -> str | None:
-        """Why a deadline of `deadline_s` that expired just now (or a duration measured
-        from `since`) may be the router's own doing: the loop lagged at least
-        EXCUSE_SHARE of it (and EXCUSE_FLOOR_S) meanwhile. None when it did not."""
+    def starved(self, deadline_s: float, *, since: float | None = None) -> float | None:
+        """The loop's worst lag while a deadline of `deadline_s` ran until now (or since
+        `since`), if it was at least EXCUSE_SHARE of it and EXCUSE_FLOOR_S: enough for the
+        router alone to have spent the deadline. None otherwise."""
         start = trio.current_time() - deadline_s if since is None else since
         worst = self.worst_since(start)
-        if worst < max(EXCUSE_SHARE * deadline_s, EXCUSE_FLOOR_S):
+        return worst if worst >= max(EXCUSE_SHARE * deadline_s, EXCUSE_FLOOR_S) else None
+
+    def excuse(self, deadline_s: float, *, since: float | None = None) -> str | None:
+        """Why a deadline of `deadline_s` that expired just now (or a duration measured
+        from `since`) is not held against an engine (`starved`); None when it is."""
+        worst = self.starved(deadline_s, since=since)
+        if worst is None:
             return None
         return (
             f"the router's own event loop lagged {worst:.3g} s meanwhile (at least "

@@ -48,7 +48,7 @@ def timed_out(where: str, setting: str, deadline_s: float) -> str:
 
 class FakeProber:
     def __init__(self) -> None:
-        # Engines that never answer their probes (`hung`) or verification legs
+        # Engines that never answer their probes and scrapes (`hung`) or verification legs
         # (`hung_legs`): each runs out its deadline (engine.health_timeout_s,
         # engine.first_token_timeout_s), as a hung engine's would.
         self.hung: set[str] = set()
@@ -73,6 +73,10 @@ class FakeProber:
 
     async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
         await trio.lowlevel.checkpoint()
+        if engine.id in self.hung:
+            limit = config.engine.health_timeout_s
+            await trio.sleep(limit)
+            raise ScrapeError(timed_out("GET /metrics", "engine.health_timeout_s", limit))
         result = self.load_of.get(engine.id, LoadSample(1.0, 0.0, 0.1))
         if isinstance(result, Exception):
             raise result

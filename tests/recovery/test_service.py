@@ -984,6 +984,29 @@ async def test_consecutive_failed_passes_degrade_and_a_good_pass_recovers(
     assert seen == [reason, None]
 
 
+async def test_a_pass_failing_while_the_router_is_starved_says_so(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = config(
+        controller={"monitor_interval_s": 1.0, "monitor_failure_limit": 1},
+        engine={"health_timeout_s": 2.0},
+    )
+    rig = await start(nursery, cfg)
+    rig.prober.hung.update(("p0", "d0"))
+    nursery.start_soon(starved_loop, rig, 0.5, 5.0)
+    monitor = await start_monitor(nursery, rig)
+    await rig.at(2.5)  # the pass at +0 ran out its 2 s
+    # Still a failure, with no load to decide on, but the reason names the router.
+    timeout = "no answer within engine.health_timeout_s=2.0"
+    assert monitor.last_failures == (
+        f"no engine could be observed (p0: GET /metrics: {timeout}; d0: GET /metrics: "
+        f"{timeout}); the router's own event loop lagged 0.5 s during the pass (router "
+        "overload)",
+    )
+    await rig.at(10.0)  # a pass on a quick loop: the engines are silent, nothing more
+    assert monitor.last_failures[0].endswith(f"d0: GET /metrics: {timeout})")
+
+
 async def test_one_engine_down_is_not_a_monitor_failure(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
