@@ -490,9 +490,8 @@ class Recovery:
         engine = record.engine
         config = self.ctx.config
         started = trio.current_time()
-        result = self._excused(
-            engine, "health_probe", started, await self.prober.health(engine, config)
-        )
+        result = await self.prober.health(engine, config)
+        result = self._excused(engine, "health_probe", started, result)
         record.last_probe = result
         record.last_probe_at = trio.current_time()
         self._m_probes.labels(engine.id, result.outcome).inc()
