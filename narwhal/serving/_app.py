@@ -7,7 +7,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from .._errors import NarwhalError, NotFound
-from ._client import ClientChannel, Receive, Send, has_body, json_bytes
+from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
 from ._context import ServingContext
 from ._flow import Flow
 from ._request import request_id_from_header
@@ -34,6 +34,7 @@ class App:
         request_id = request_id_from_header(
             next((v for k, v in headers if k == b"x-request-id"), None)
         )
+        receive = eager(receive)
         try:
             if method == "POST" and path == "/v1/completions":
                 await self.flow.handle("completions", dict(scope), receive, send)

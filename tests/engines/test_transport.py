@@ -162,6 +162,63 @@ async def test_body_chunks_arrive_as_sent(nursery: trio.Nursery) -> None:
         assert await response.receive_some() == b""
 
 
+class _Steps(trio.abc.Instrument):
+    """Counts how often one task is run by the scheduler."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def test_sending_a_request_costs_no_pass_through_the_scheduler(
+    nursery: trio.Nursery,
+) -> None:
+    # Under load every pass is a full queue of other requests' work, so the path to a
+    # first token should wait on the loop only for answers, never after its own writes.
+    async def at_once(
+        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+    ) -> None:
+        head = conn.send(
+            h11.Response(status_code=200, headers=[("content-length", str(len(body)))])
+        )
+        assert head is not None
+        await stream.send_all(
+            head + (conn.send(h11.Data(data=body)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+        )
+
+    server = await start(nursery, at_once)
+    async with pool_for(server) as pool:
+        async with pool.request(b"POST", b"/", [], b"warm") as response:
+            await response.aread(100)  # the connection is open and idle now
+        steps = _Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            async with pool.request(b"POST", b"/", [], b"x" * 1000) as response:
+                assert await response.aread(5000) == b"x" * 1000
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    # Run once, when the answer (head and body in one write) arrived. It was 5 when the
+    # request went out with send_all.
+    assert steps.steps == 1
+
+
+async def test_a_body_larger_than_the_socket_buffers_arrives_whole(nursery: trio.Nursery) -> None:
+    async def length(
+        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+    ) -> None:
+        await trio.sleep(0.05)  # the client's first write fills the buffers and stops
+        await respond(stream, conn, 200, [b"%d %d" % (len(body), hash(body) & 0xFFFF)])
+
+    body = bytes(range(256)) * (16 * 1024)  # 4 MiB
+    server = await start(nursery, length)
+    async with pool_for(server) as pool, pool.request(b"POST", b"/", [], body) as response:
+        assert await response.aread(100) == b"%d %d" % (len(body), hash(body) & 0xFFFF)
+
+
 async def test_pool_timeout_when_every_connection_is_in_use(
     nursery: trio.Nursery, io_clock: trio.testing.MockClock
 ) -> None:

@@ -10,8 +10,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from narwhal.serving import serve_app
+from narwhal.serving._client import eager
 from narwhal.serving._server import accept_pending
 
 
@@ -69,3 +71,25 @@ async def test_a_burst_of_new_connections_is_served_and_shutdown_closes_the_port
     # The listener closed with the server: a new connection is refused, not left waiting.
     with pytest.raises(OSError):
         await trio.open_tcp_stream(host, port)
+
+
+async def test_eager_receive_takes_a_queued_message_without_a_scheduler_pass() -> None:
+    send, receive = trio.open_memory_channel[dict[str, object]](4)
+    eager_receive = eager(receive.receive)
+    message = {"type": "http.request", "body": b"{}", "more_body": False}
+    await send.send(message)
+    with trio.testing.assert_no_checkpoints():
+        assert await eager_receive() == message
+
+    async def later() -> None:
+        await send.send({"type": "http.disconnect"})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(later)
+        with trio.testing.assert_checkpoints():  # nothing queued: it waits
+            assert await eager_receive() == {"type": "http.disconnect"}
+
+    async def other() -> dict[str, object]:
+        return {}
+
+    assert eager(other) is other  # anything but a memory channel's receive: as it was
