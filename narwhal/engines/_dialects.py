@@ -49,6 +49,9 @@ class Dialect:
     # only `prompt` (a string or a list of strings) and answers 400 "Invalid prompt type"
     # to anything else (engine-protocols notes §5.4).
     tokenizes_chat: bool
+    # The completion fields that both /tokenize and the completions endpoint take and
+    # that change the count.
+    completion_tokenize_fields: tuple[str, ...]
     # Why an engine of this dialect cannot change role at run time, or None when it can.
     fixed_role: str | None = None
     health_path: bytes = b"/health"
@@ -59,11 +62,22 @@ class Dialect:
     key_check_path: bytes = b"/v1/models"
 
 
-VLLM = Dialect("vllm", concurrent_legs=False, tokenizes_chat=True)
+VLLM = Dialect(
+    "vllm",
+    concurrent_legs=False,
+    tokenizes_chat=True,
+    # CompletionRequest and TokenizeCompletionRequest both take add_special_tokens (default
+    # true, vllm completion/protocol.py, serve/tokenize/protocol.py): a prompt sent without
+    # its BOS is charged without it.
+    completion_tokenize_fields=("add_special_tokens",),
+)
 SGLANG = Dialect(
     "sglang",
     concurrent_legs=True,
     tokenizes_chat=False,
+    # Its CompletionRequest has no add_special_tokens: completions always add them, as its
+    # /tokenize does by default, so the request's flag is not passed on.
+    completion_tokenize_fields=(),
     fixed_role=(
         "an sglang server's role is fixed when it is launched (--disaggregation-mode "
         "prefill|decode, or none for aggregate), and a disaggregated one refuses requests "
@@ -188,6 +202,9 @@ def tokenize_body(dialect: Dialect, kind: EndpointKind, body: Json) -> Json | No
         # counts, which is not one prompt's integer count.
         prompt = prompt[0]
     request["prompt"] = prompt
+    for key in dialect.completion_tokenize_fields:
+        if key in body:
+            request[key] = body[key]
     return request
 
 

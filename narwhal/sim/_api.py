@@ -346,13 +346,17 @@ class Api:
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
             text = self._chat_text(messages, body)
-            special = 1 if body.get("add_special_tokens", False) else 0
+            # The template carries its own BOS. vLLM adds special tokens on top when asked
+            # (default false); SGLang's chat request has no such field.
+            special = 1 if body.get("add_special_tokens", False) and not self.sglang else 0
             return tok.count(text) + special, text
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            special = 1 if body.get("add_special_tokens", True) else 0
+            # vLLM's CompletionRequest takes add_special_tokens (default true); SGLang's has
+            # no such field, so its completions always add them.
+            special = 1 if body.get("add_special_tokens", True) or self.sglang else 0
             return tok.count(prompt) + special, prompt
         if (
             isinstance(prompt, list)

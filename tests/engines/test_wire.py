@@ -184,10 +184,16 @@ def test_completion_tokenize_sends_one_prompt_as_a_string(dialect: Dialect) -> N
         "model": "m",
         "prompt": "x y",
     }
-    # The vLLM completions body is the prompt alone, as before: no special-token flag.
-    assert tokenize_body(dialect, "completions", {"prompt": "x", "add_special_tokens": False}) == {
-        "prompt": "x"
-    }
+
+
+def test_completion_tokenize_adds_special_tokens_as_the_completion_will() -> None:
+    # vLLM's CompletionRequest and TokenizeCompletionRequest both take add_special_tokens
+    # (default true), so the count follows the request's.
+    plain = {"prompt": "x", "add_special_tokens": False}
+    assert tokenize_body(VLLM, "completions", plain) == plain
+    # SGLang's CompletionRequest has no such field: its completions always add them,
+    # which is what its /tokenize does by default.
+    assert tokenize_body(SGLANG, "completions", plain) == {"prompt": "x"}
 
 
 def test_tokenize_count_reads_one_integer() -> None:

@@ -149,6 +149,27 @@ async def test_an_sglang_chat_is_estimated_without_asking(nursery: trio.Nursery)
     assert 'narwhal_token_counts_total{method="fallback"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_prompt_without_special_tokens_is_counted_as_charged(
+    start_stack: StartStack, nursery: trio.Nursery, dialect: str
+) -> None:
+    if dialect == "sglang":
+        stack = await sglang_stack(nursery)
+    else:
+        stack = await start_stack(["prefill", "decode"])
+    prompt = "tokenisation of ordinary english prose " * 10
+    bare = await priced_and_charged(
+        stack,
+        "/v1/completions",
+        {"prompt": prompt, "add_special_tokens": False, "max_tokens": 2},
+    )
+    usual = await priced_and_charged(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert bare[0] == bare[1]
+    assert usual[0] == usual[1]
+    # vLLM leaves the BOS out when asked to; SGLang's completions always add it.
+    assert usual[1] - bare[1] == (1 if dialect == "vllm" else 0)
+
+
 async def test_a_fallback_names_a_failed_tokenize(start_stack: StartStack) -> None:
     stack = await start_stack(["prefill", "decode"], engine={"tokenize_timeout_s": 0.2})
     held = trio.Event()

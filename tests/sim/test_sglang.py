@@ -266,3 +266,20 @@ async def test_sglang_tokenize_takes_prompts_only(
     assert [len(ids) for ids in many["tokens"]] == [3, 2]
     bare = {"prompt": ["Hello world"], "add_special_tokens": False}
     assert (await client.post(f"{url}/tokenize", json=bare)).json()["count"] == [2]
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_only_vllm_completions_honour_add_special_tokens(
+    start_fleet: StartFleet, client: httpx.AsyncClient, dialect: str
+) -> None:
+    fleet = await start_fleet(engines=1, dialect=dialect, speed=20.0)
+    url = fleet[0].url
+
+    async def charged(**extra: object) -> int:
+        body = {"prompt": "Hello world", "max_tokens": 1, **extra}
+        answer = await client.post(f"{url}/v1/completions", json=body)
+        return int(answer.json()["usage"]["prompt_tokens"])
+
+    # vLLM's CompletionRequest takes add_special_tokens; SGLang's has no such field and
+    # always adds the BOS.
+    assert await charged(add_special_tokens=False) == await charged() - (dialect == "vllm")
