@@ -83,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
         help="generated tokens per streamed event (SGLang --stream-interval)",
     )
     p.add_argument(
+        "--tokenize-messages",
+        action="store_true",
+        help="SGLang: play a newer build, whose /tokenize also takes chat messages (an "
+        "older one requires a prompt and answers messages with 400)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on the routes the real engine guards "
@@ -156,6 +162,7 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
         "max_num_queued": args.max_num_queued,
         "stream_interval": args.stream_interval,
         "stock_version": args.stock_version,
+        "tokenize_messages": args.tokenize_messages,
         "api_key": args.api_key,
     }
     if args.build:

@@ -304,9 +304,12 @@ class Engine:
     tokenize: bool = _f(
         True,
         doc=(
-            "Request the exact input length from the dialect's tokenisation endpoint. SGLang's "
-            "takes no chat messages, so chat requests on SGLang are always estimated "
-            '(`narwhal_token_count_fallbacks_total{reason="unsupported"}`).'
+            "Request the exact input length from the dialect's tokenisation endpoint. Of "
+            "SGLang's, only newer builds' takes chat messages: once an engine's refuses them, "
+            "its chat requests are estimated "
+            '(`narwhal_token_count_fallbacks_total{reason="unsupported"}`, one log line per '
+            "engine) without asking it again for 300 s, or until a reload or until it has "
+            "been out of placement (as a restart takes it)."
         ),
     )
     tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")

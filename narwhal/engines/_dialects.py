@@ -16,6 +16,7 @@ and a disaggregated one refuses any generation request without `bootstrap_room` 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Literal
 
@@ -45,10 +46,16 @@ SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 class Dialect:
     name: Literal["vllm", "sglang"]
     concurrent_legs: bool
-    # Whether /tokenize renders chat messages with the engine's template. SGLang's takes
-    # only `prompt` (a string or a list of strings) and answers 400 "Invalid prompt type"
-    # to anything else (engine-protocols notes §5.4).
-    tokenizes_chat: bool
+    # The chat completion fields the chat form of /tokenize also takes that change the
+    # rendered prompt. A field the client left out is left out here too, so the engine
+    # applies the same default to both requests.
+    chat_tokenize_fields: tuple[str, ...]
+    # The completion fields that both /tokenize and the completions endpoint take and
+    # that change the count.
+    completion_tokenize_fields: tuple[str, ...]
+    # Whether some builds' /tokenize have no chat form, so each engine's support is learnt
+    # from its answer (`chat_tokenize_refused`, `ChatTokenizeRefusals`).
+    chat_tokenize_optional: bool = False
     # Why an engine of this dialect cannot change role at run time, or None when it can.
     fixed_role: str | None = None
     health_path: bytes = b"/health"
@@ -59,11 +66,45 @@ class Dialect:
     key_check_path: bytes = b"/v1/models"
 
 
-VLLM = Dialect("vllm", concurrent_legs=False, tokenizes_chat=True)
+VLLM = Dialect(
+    "vllm",
+    concurrent_legs=False,
+    # TokenizeChatRequest (notes §3.1): tool schemas go into the template and can outweigh
+    # the messages. Its defaults are the chat completion's: add_generation_prompt true,
+    # continue_final_message and add_special_tokens false.
+    chat_tokenize_fields=(
+        "tools",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+    ),
+    # CompletionRequest and TokenizeCompletionRequest both take add_special_tokens (default
+    # true, vllm completion/protocol.py, serve/tokenize/protocol.py): a prompt sent without
+    # its BOS is charged without it.
+    completion_tokenize_fields=("add_special_tokens",),
+)
 SGLANG = Dialect(
     "sglang",
     concurrent_legs=True,
-    tokenizes_chat=False,
+    # Newer SGLang's TokenizeRequest takes `messages` besides `prompt` and renders them the
+    # way its chat completions do, from a ChatCompletionRequest built of the body less
+    # prompt and add_special_tokens (sglang protocol.py@004c82e0). Its chat requests have
+    # no add_generation_prompt or chat_template field; these are the fields that shape the
+    # prompt. Older builds require `prompt` and refuse the form (`chat_tokenize_refused`).
+    chat_tokenize_fields=(
+        "tools",
+        "tool_choice",
+        "reasoning_effort",
+        "reasoning",
+        "chat_template_kwargs",
+        "continue_final_message",
+    ),
+    # Its CompletionRequest has no add_special_tokens: completions always add them, as its
+    # /tokenize does by default, so the request's flag is not passed on.
+    completion_tokenize_fields=(),
+    chat_tokenize_optional=True,
     fixed_role=(
         "an sglang server's role is fixed when it is launched (--disaggregation-mode "
         "prefill|decode, or none for aggregate), and a disaggregated one refuses requests "
@@ -71,19 +112,10 @@ SGLANG = Dialect(
     ),
 )
 
-# The chat completion fields vLLM's chat /tokenize also takes that change the rendered
-# prompt (TokenizeChatRequest, notes §3.1): tool schemas go into the template and can
-# outweigh the messages. A field the client left out is left out here too, so the engine
-# applies the same default to both requests (add_generation_prompt true,
-# continue_final_message and add_special_tokens false).
-_CHAT_TOKENIZE_FIELDS = (
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-)
+# How long an engine's refusal of the chat form of /tokenize stands before a chat request
+# asks again. An upgrade restarts the engine, and a restart recovery sees takes it out of
+# placement, which forgets the refusal at once; this catches one nobody saw.
+CHAT_TOKENIZE_RECHECK_S = 300.0
 
 
 def dialect_for(name: str) -> Dialect:
@@ -167,28 +199,102 @@ def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
     return leg, True
 
 
-def tokenize_body(dialect: Dialect, kind: EndpointKind, body: Json) -> Json | None:
-    """The /tokenize request that counts a client body's prompt as the engine will, or
-    None when the dialect's /tokenize cannot (a chat body on SGLang)."""
+def tokenize_body(dialect: Dialect, kind: EndpointKind, body: Json) -> Json:
+    """The /tokenize request that counts a client body's prompt as the engine will. A chat
+    body on SGLang gets the chat form, which older SGLang builds refuse
+    (`chat_tokenize_refused`)."""
     request: Json = {}
     if "model" in body:
         request["model"] = body["model"]
     if kind == "chat":
-        if not dialect.tokenizes_chat:
-            return None
         request["messages"] = body.get("messages")
-        for key in _CHAT_TOKENIZE_FIELDS:
-            if key in body:
-                request[key] = body[key]
-        return request
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        # A one-prompt list is that prompt to either engine's completions. vLLM's
-        # /tokenize takes only a string, and SGLang's answers a list with a list of
-        # counts, which is not one prompt's integer count.
-        prompt = prompt[0]
-    request["prompt"] = prompt
+        fields = dialect.chat_tokenize_fields
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            # A one-prompt list is that prompt to either engine's completions. vLLM's
+            # /tokenize takes only a string, and SGLang's answers a list with a list of
+            # counts, which is not one prompt's integer count.
+            prompt = prompt[0]
+        request["prompt"] = prompt
+        fields = dialect.completion_tokenize_fields
+    for key in fields:
+        if key in body:
+            request[key] = body[key]
     return request
+
+
+# Where a validation error names the missing `prompt`: ('body', 'prompt') in FastAPI's
+# error list as Python prints it, ["body","prompt"] in its JSON.
+_PROMPT_MISSING = re.compile(r"""['"]body['"],\s*['"]prompt['"]""")
+# FastAPI's answer for a path no route serves.
+_NO_ROUTE = re.compile(r'"detail"\s*:\s*"Not Found"')
+
+
+def chat_tokenize_refused(dialect: Dialect, status: int, message: str) -> bool:
+    """Whether the engine's answer to the chat form of /tokenize says its build has none,
+    rather than that this request's messages are wrong.
+
+    An SGLang build from before the chat form requires `prompt`, so FastAPI refuses the
+    body, and SGLang's validation handler answers 400 in its flat envelope (FastAPI's own
+    answers 422 with `detail`); a handler reached with no `prompt` says "Invalid prompt
+    type"; a build from before /tokenize answers FastAPI's 404 for a path without a route.
+    A newer build refusing a body names the body's fault instead, never a missing `prompt`.
+    """
+    if not dialect.chat_tokenize_optional:
+        return False
+    if status == 404:
+        return _NO_ROUTE.search(message) is not None
+    if status not in (400, 422):
+        return False
+    return _PROMPT_MISSING.search(message) is not None or "Invalid prompt type" in message
+
+
+class ChatTokenizeRefusals:
+    """The engines whose /tokenize refused the chat form, so that no chat request is sent
+    there for a certain refusal (the estimate's reason stays `unsupported`).
+
+    A refusal is forgotten when the engine may have changed: on a reload (another config
+    object), once the engine has been out of placement (`forget`: a restart hold, an
+    ejection, a drain), or when it counts a chat after all. `recheck_s` after it was learnt
+    the engine is asked again, and a refusal then is not news. Engines are keyed by
+    identity, so one a reload replaced is a new engine.
+    """
+
+    def __init__(self, recheck_s: float = CHAT_TOKENIZE_RECHECK_S) -> None:
+        self.recheck_s = recheck_s
+        self._since: dict[object, float] = {}
+        self._rechecking: set[object] = set()
+        self._config: object = None
+
+    def known(self, engine: object, config: object, now: float) -> bool:
+        """Whether `engine` is known to refuse the chat form under `config`."""
+        if config is not self._config:
+            self._since.clear()
+            self._rechecking.clear()
+            self._config = config
+        since = self._since.get(engine)
+        if since is None:
+            return False
+        if now - since >= self.recheck_s:
+            del self._since[engine]
+            self._rechecking.add(engine)
+            return False
+        return True
+
+    def refused(self, engine: object, now: float) -> bool:
+        """Record a refusal; whether it is news (not known, nor the answer to a recheck)."""
+        news = engine not in self._since and engine not in self._rechecking
+        self._rechecking.discard(engine)
+        self._since[engine] = now
+        return news
+
+    def forget(self, engine: object) -> bool:
+        """Forget `engine`'s refusal; whether there was one."""
+        was = engine in self._since or engine in self._rechecking
+        self._since.pop(engine, None)
+        self._rechecking.discard(engine)
+        return was
 
 
 def tokenize_count(response: object) -> int | None:

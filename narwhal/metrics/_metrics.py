@@ -107,10 +107,10 @@ class Metrics:
         self.token_fallbacks = Counter(
             "narwhal_token_count_fallbacks",
             "Fallback prompt length estimates by why the count is not exact: disabled "
-            "(engine.tokenize false), no_engine, unsupported (the dialect's /tokenize cannot "
-            "count this request: chat on SGLang), timeout, engine_auth (401/403: the engine "
-            "refused narwhal's API key), engine_error (another non-200 answer), unreachable, "
-            "bad_answer (no integer count).",
+            "(engine.tokenize false), no_engine, unsupported (a chat request when every "
+            "available engine's /tokenize refused messages: older SGLang builds), timeout, "
+            "engine_auth (401/403: the engine refused narwhal's API key), engine_error "
+            "(another non-200 answer), unreachable, bad_answer (no integer count).",
             ["reason"],
             registry=registry,
         )

@@ -11,7 +11,9 @@ measured number and the limit it was held to):
   launch mode checked out (`EngineClient.partner`).
 * ``tokenize``: ``/tokenize`` answers with an exact integer count within
   ``engine.tokenize_timeout_s``, equal to the ``usage.prompt_tokens`` the engine charges
-  for the same prompt.
+  for the same prompt. On SGLang the note also says whether the build's ``/tokenize``
+  takes chat messages (newer builds) or refuses them, so that Narwhal estimates that
+  engine's chat requests; an unexpected answer to the messages form makes the row a warn.
 * ``metrics``: ``/metrics`` answers within ``engine.health_timeout_s`` with the load gauges
   the monitor reads every pass (running and waiting requests), parsed as the monitor
   parses them. The note names the restart signals found there
@@ -50,7 +52,8 @@ import trio
 
 from .._errors import ENGINE_AUTH_STATUSES
 from ..config import Config
-from ..engines import parse_error_body
+from ..engines import Json, parse_error_body
+from ..engines._dialects import chat_tokenize_refused, tokenize_count
 from ..fleet import explain_refusal
 from ..profiles import MeasuredFacts, ProfileStore, check_store, crossed_pairs, read_store
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
@@ -360,18 +363,51 @@ async def _tokenize(
             )
         )
         return None
+    note = f"= usage.prompt_tokens {prompt_tokens}"
+    status: Status = "pass"
+    if client.dialect.chat_tokenize_optional:
+        chat_status, chat_note = await _chat_tokenize(client, limit, text)
+        note = f"{note}; {chat_note}"
+        status = "warn" if chat_status == "warn" else status
     rows.add(
         CheckRow(
             "tokenize",
             client.id,
-            "pass",
+            status,
             f"{count} tokens in {_ms(took)}",
             bound,
-            f"= usage.prompt_tokens {prompt_tokens}",
+            note,
             value=took,
         )
     )
     return len(text) / count if count > 0 else None
+
+
+_SHOWN = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+async def _chat_tokenize(client: EngineClient, limit: float, text: str) -> tuple[Status, str]:
+    """Whether the engine's /tokenize counts chat messages, for a dialect where only some
+    builds' does (SGLang): (pass or warn, the note). A build without the form gets its chat
+    requests estimated at the chars ratio, which Narwhal learns from its first refusal."""
+    body: Json = {"model": client.spec.model, "messages": [{"role": "user", "content": text}]}
+    path = client.dialect.tokenize_path.decode()
+    answer = await _bounded(limit, client.post_json(path, body))
+    if answer.value is None:
+        return "warn", f"chat: no answer from /tokenize's messages form ({answer.why})"
+    status, doc = answer.value
+    if status == 200:
+        count = tokenize_count(doc)
+        if count is not None:
+            return "pass", f"chat: exact, {count} tokens from /tokenize's messages form"
+        return "warn", f"chat: /tokenize's messages form gave no integer count: {doc!r}"
+    message = str(doc)
+    if chat_tokenize_refused(client.dialect, status, message):
+        return "pass", (
+            f"chat: estimated at the chars ratio: this {_SHOWN[client.dialect.name]} build's "
+            f"/tokenize takes no messages (HTTP {status})"
+        )
+    return "warn", f"chat: /tokenize's messages form answered {status}: {message}"
 
 
 _METRICS_BOUND = "load gauges within engine.health_timeout_s (the monitor's scrape)"

@@ -73,6 +73,9 @@ from ..engines import (
 )
 from ..engines._assemble import ResponseAssembler, streamed_leg_body, unassemblable_reason
 from ..engines._dialects import (
+    ChatTokenizeRefusals,
+    EndpointKind,
+    chat_tokenize_refused,
     encode,
     new_bootstrap_room,
     sglang_pd_body,
@@ -182,6 +185,8 @@ class _KvGrowth:
 class Flow:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        # SGLang engines whose build's /tokenize has no chat form (`_count_tokens`).
+        self._chat_refusals = ChatTokenizeRefusals()
 
     # ------------------------------------------------------------------ ingress
 
@@ -484,13 +489,11 @@ class Flow:
         fallback = max(1, math.ceil(request.prompt_chars / ratio))
         if not config.engine.tokenize:
             reason = "disabled"
-        elif (engine := self._tokenizer_engine()) is None:
-            reason = "no_engine"
-        elif (body := tokenize_body(engine.dialect, request.kind, request.body)) is None:
-            # Asking would cost a round trip for a certain 400.
-            reason = "unsupported"
+        elif isinstance(engine := self._tokenizer_engine(request.kind), str):
+            reason = engine
         else:
-            answer = await self._tokenize(engine, request.id, body, config)
+            body = tokenize_body(engine.dialect, request.kind, request.body)
+            answer = await self._tokenize(engine, request, body, config)
             if isinstance(answer, int):
                 ctx.token_methods["exact"] += 1
                 ctx.metrics.token_counts_by("exact").inc()
@@ -503,22 +506,39 @@ class Flow:
         record.token_count_fallback = reason
         return fallback, "fallback"
 
-    def _tokenizer_engine(self) -> EngineState | None:
+    def _tokenizer_engine(self, kind: EndpointKind) -> EngineState | str:
+        """The engine to ask, or why there is none: `no_engine`, or `unsupported` when
+        every available engine is an SGLang build whose /tokenize refused the chat form
+        (asking again would cost a round trip for a certain refusal)."""
         now = trio.current_time()
-        candidates = [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
+        refusals = self._chat_refusals
+        candidates = []
+        for engine in self.ctx.fleet:
+            if engine.unavailable_reason(now) is None:
+                candidates.append(engine)
+            else:
+                # Out of placement (a restart hold, an ejection, a drain): it may come
+                # back as another build, so it is asked again then.
+                refusals.forget(engine)
+        if kind == "chat":
+            config = self.ctx.config
+            able = [e for e in candidates if not refusals.known(e, config, now)]
+            if candidates and not able:
+                return "unsupported"
+            candidates = able
         if not candidates:
-            return None
+            return "no_engine"
         # The least busy engine by router-side accounting; ties by config order.
         return min(candidates, key=lambda e: e.serving_pool.in_use)
 
     async def _tokenize(
-        self, engine: EngineState, request_id: str, body: Json, config: Config
+        self, engine: EngineState, request: ClientRequest, body: Json, config: Config
     ) -> int | str:
         """The engine's count, or why there is none."""
         with trio.move_on_after(config.engine.tokenize_timeout_s):
             try:
                 async with engine.serving_pool.request(
-                    b"POST", engine.dialect.tokenize_path, _json_headers(request_id), encode(body)
+                    b"POST", engine.dialect.tokenize_path, _json_headers(request.id), encode(body)
                 ) as response:
                     raw = await response.aread(_ERROR_BODY_LIMIT)
                     status = response.status
@@ -528,9 +548,24 @@ class Flow:
                         key_refused(engine, status, parse_error_body(status, raw).message, config)
                         return "engine_auth"
                     if status != 200:
+                        message = parse_error_body(status, raw).message
+                        if request.kind == "chat" and chat_tokenize_refused(
+                            engine.dialect, status, message
+                        ):
+                            self._chat_refused(engine, status)
+                            return "unsupported"
                         return "engine_error"
                     count = tokenize_count(json.loads(raw))
-                    return "bad_answer" if count is None else count
+                    if count is None:
+                        return "bad_answer"
+                    if request.kind == "chat" and self._chat_refusals.forget(engine):
+                        log.info(
+                            "engine %s counts chat messages again: its /tokenize takes them "
+                            "now (an upgraded build)",
+                            engine.id,
+                            extra={"event": "tokenize_chat_accepted", "engine": engine.id},
+                        )
+                    return count
             except (ConnectError, RemoteProtocolError, PoolTimeout):
                 return "unreachable"
             except (
@@ -540,6 +575,22 @@ class Flow:
             ):
                 return "bad_answer"
         return "timeout"
+
+    def _chat_refused(self, engine: EngineState, status: int) -> None:
+        """`engine`'s build has no chat form of /tokenize: its chat requests are estimated
+        without asking until it may have changed (`ChatTokenizeRefusals`)."""
+        refusals = self._chat_refusals
+        if refusals.refused(engine, trio.current_time()):
+            log.warning(
+                "engine %s counts no chat messages: its /tokenize refused them (HTTP %d), as "
+                "an SGLang build without their form does; its chat requests are estimated "
+                "at the chars ratio, and it is asked again after a reload, after it has been "
+                "out of placement (as a restart takes it) or in %ss",
+                engine.id,
+                status,
+                f"{refusals.recheck_s:g}",
+                extra={"event": "tokenize_chat_refused", "engine": engine.id, "status": status},
+            )
 
     async def _attempts(
         self,

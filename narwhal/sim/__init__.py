@@ -33,7 +33,10 @@ has a ``disaggregation_mode`` (``disaggregation_modes=["prefill", "decode"]``, C
 aggregate server and ignores bootstrap fields; a prefill or decode one serves only its
 own leg of a bootstrap pair and answers a request without ``bootstrap_room`` with 400 in
 SGLang's flat error shape. The simulator has no API that changes a role. vLLM engines
-take the leg each request's ``kv_transfer_params`` names.
+take the leg each request's ``kv_transfer_params`` names. An SGLang engine plays an older
+build whose ``/tokenize`` requires a ``prompt`` (a messages body gets FastAPI's 400), or
+with ``tokenize_messages`` (CLI ``--tokenize-messages``) a newer one whose ``/tokenize``
+also counts chat ``messages`` as its chat completions render them.
 
 `SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
 H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,

@@ -49,6 +49,13 @@ def _j(obj: Any) -> str:
     return json.dumps(obj, separators=_COMPACT)
 
 
+def _validation_error(loc: tuple[str, ...], kind: str, msg: str, body: object) -> ApiError:
+    """FastAPI's refusal of a body its pydantic model rejects, as SGLang's validation
+    handler answers it: 400, "Bad Request", the error's text then its list's."""
+    error = {"type": kind, "loc": loc, "msg": msg, "input": body}
+    return ApiError(400, f"1 validation error:\n  {error!r} {[error]!r}", type_="Bad Request")
+
+
 class ApiError(Exception):
     def __init__(
         self, status: int, message: str, *, type_: str | None = None, param: str | None = None
@@ -346,13 +353,17 @@ class Api:
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
             text = self._chat_text(messages, body)
-            special = 1 if body.get("add_special_tokens", False) else 0
+            # The template carries its own BOS. vLLM adds special tokens on top when asked
+            # (default false); SGLang's chat request has no such field.
+            special = 1 if body.get("add_special_tokens", False) and not self.sglang else 0
             return tok.count(text) + special, text
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            special = 1 if body.get("add_special_tokens", True) else 0
+            # vLLM's CompletionRequest takes add_special_tokens (default true); SGLang's has
+            # no such field, so its completions always add them.
+            special = 1 if body.get("add_special_tokens", True) or self.sglang else 0
             return tok.count(prompt) + special, prompt
         if (
             isinstance(prompt, list)
@@ -387,37 +398,14 @@ class Api:
             return
         limit = e.spec.timing.max_model_len
         if self.sglang:
-            # SGLang's /tokenize takes only `prompt`, a string or a list of strings; no
-            # messages, no template (engine-protocols notes §5.4, serving_tokenize.py).
-            prompt = body.get("prompt")
-            if isinstance(prompt, list):
-                if not all(isinstance(p, str) for p in prompt):
-                    await self.send_error(
-                        resp, ApiError(400, "prompt must be a list of strings", param="prompt")
-                    )
-                    return
-                many = [self._pieces(p, body) for p in prompt]
-                await resp.send_json(
-                    200,
-                    {
-                        "tokens": [[piece_id(x) for x in p] for p in many],
-                        "count": [len(p) for p in many],
-                        "max_model_len": limit,
-                    },
-                )
+            try:
+                answer = self._sglang_tokenize(body)
+            except ApiError as err:
+                await self.send_error(resp, err)
                 return
-            if not isinstance(prompt, str):
-                await self.send_error(
-                    resp,
-                    ApiError(
-                        400,
-                        f"Invalid prompt type: <class '{type(prompt).__name__}'>. "
-                        "Expected str or List[str].",
-                    ),
-                )
-                return
-            pieces = self._pieces(prompt, body)
-        elif "messages" in body:
+            await resp.send_json(200, {**answer, "max_model_len": limit})
+            return
+        if "messages" in body:
             messages = body["messages"]
             try:
                 if not isinstance(messages, list):
@@ -439,25 +427,68 @@ class Api:
                 return
             pieces = self._pieces(prompt, body)
         ids = [piece_id(p) for p in pieces]
-        if self.sglang:
-            await resp.send_json(200, {"tokens": ids, "count": len(ids), "max_model_len": limit})
-            return
         strs = pieces if body.get("return_token_strs") else None
         await resp.send_json(
             200, {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
         )
 
+    def _sglang_tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's /tokenize answer, less max_model_len (notes §5.4; sglang protocol.py
+        TokenizeRequest, serving_tokenize.py). `prompt` is a string or a list of strings,
+        each counted with add_special_tokens (default true). A newer build
+        (`SimEngineSpec.tokenize_messages`) takes `messages` instead, rendered as its chat
+        completion renders them and never with add_special_tokens; an older one requires
+        `prompt`, so FastAPI refuses a body without it."""
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if self.e.spec.tokenize_messages:
+            if (prompt is None) == (messages is None):
+                raise _validation_error(
+                    ("body",),
+                    "value_error",
+                    "Value error, Exactly one of 'prompt' or 'messages' must be provided.",
+                    body,
+                )
+            if messages is not None:
+                if not isinstance(messages, list):
+                    raise _validation_error(
+                        ("body", "messages"), "list_type", "Input should be a valid list", body
+                    )
+                ids = self.e.tokenizer.encode(self._chat_text(messages, body))
+                return {"tokens": ids, "count": len(ids)}
+        elif prompt is None:
+            raise _validation_error(("body", "prompt"), "missing", "Field required", body)
+        if isinstance(prompt, list):
+            if not all(isinstance(p, str) for p in prompt):
+                raise ApiError(400, "prompt must be a list of strings", param="prompt")
+            many = [[piece_id(x) for x in self._pieces(p, body)] for p in prompt]
+            return {"tokens": many, "count": [len(ids) for ids in many]}
+        if not isinstance(prompt, str):
+            raise ApiError(
+                400,
+                f"Invalid prompt type: <class '{type(prompt).__name__}'>. "
+                "Expected str or List[str].",
+            )
+        ids = [piece_id(x) for x in self._pieces(prompt, body)]
+        return {"tokens": ids, "count": len(ids)}
+
     def _chat_text(self, messages: list[Any], body: dict[str, Any]) -> str:
-        """The prompt vLLM renders for a chat body, the same for /tokenize and the
-        completion so that the count the router asks for is the one it is charged."""
+        """The prompt the engine renders for a chat body, the same for /tokenize and the
+        completion so that the count the router asks for is the one it is charged.
+        SGLang's chat request has no add_generation_prompt: it adds the generation prompt
+        unless the last message is continued."""
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "tools must be a list", param="tools")
+        continue_final = bool(body.get("continue_final_message", False))
+        if self.sglang:
+            add_generation_prompt = not continue_final
+        else:
+            add_generation_prompt = bool(body.get("add_generation_prompt", True))
         try:
             return render_chat(
                 messages,
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
                 tools=tools,
             )
         except ValueError as exc:

@@ -68,6 +68,11 @@ class SimEngineSpec:
     # same way when its API server falls behind the engine (v1 RequestOutputCollector merges
     # deltas) or speculative decoding accepts several tokens in one step.
     stream_interval: int = attrs.field(default=1, validator=_optional_positive_int)
+    # SGLang: whether /tokenize also takes chat `messages`, rendered as the chat completion
+    # renders them, as newer builds' does (TokenizeRequest, sglang protocol.py@004c82e0).
+    # False plays an older build, whose /tokenize requires `prompt` and answers a messages
+    # body with FastAPI's validation error (400). vLLM's /tokenize always takes messages.
+    tokenize_messages: bool = False
     # The engine's --api-key: requests to the routes the real engine guards must carry
     # `Authorization: Bearer <api_key>` or get its 401 (see `_engine.requires_api_key`).
     api_key: str | None = None

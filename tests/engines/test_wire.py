@@ -8,6 +8,8 @@ from hypothesis import given, strategies as st
 
 from narwhal.engines import SGLANG, VLLM, Dialect, SseKind, SseScanner, parse_error_body
 from narwhal.engines._dialects import (
+    ChatTokenizeRefusals,
+    chat_tokenize_refused,
     sglang_pd_body,
     tokenize_body,
     tokenize_count,
@@ -173,9 +175,34 @@ def test_vllm_chat_tokenize_takes_what_shapes_the_prompt() -> None:
     assert tokenize_body(VLLM, "chat", body) == {"model": "m", "messages": MESSAGES, **shaping}
 
 
-def test_sglang_tokenize_has_no_chat_form() -> None:
-    assert tokenize_body(SGLANG, "chat", {"model": "m", "messages": MESSAGES}) is None
-    assert tokenize_body(SGLANG, "completions", {"prompt": "x"}) == {"prompt": "x"}
+def test_sglang_chat_tokenize_takes_what_its_chat_completions_render_with() -> None:
+    # Newer SGLang's TokenizeRequest (protocol.py@004c82e0) turns a messages body into the
+    # ChatCompletionRequest its chat completions render, without add_special_tokens; its
+    # chat requests have no add_generation_prompt or chat_template field.
+    assert tokenize_body(SGLANG, "chat", {"model": "m", "messages": MESSAGES}) == {
+        "model": "m",
+        "messages": MESSAGES,
+    }
+    shaping = {
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "reasoning_effort": "low",
+        "reasoning": {"enabled": True},
+        "chat_template_kwargs": {"enable_thinking": False},
+        "continue_final_message": True,
+    }
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        **shaping,
+        "add_generation_prompt": False,
+        "add_special_tokens": True,
+        "chat_template": "{{ messages }}",
+        # A stream flag would send SGLang's /tokenize down its streaming path (501).
+        "stream": True,
+        "max_tokens": 9,
+    }
+    assert tokenize_body(SGLANG, "chat", body) == {"model": "m", "messages": MESSAGES, **shaping}
 
 
 @pytest.mark.parametrize("dialect", [VLLM, SGLANG], ids=["vllm", "sglang"])
@@ -184,10 +211,76 @@ def test_completion_tokenize_sends_one_prompt_as_a_string(dialect: Dialect) -> N
         "model": "m",
         "prompt": "x y",
     }
-    # The vLLM completions body is the prompt alone, as before: no special-token flag.
-    assert tokenize_body(dialect, "completions", {"prompt": "x", "add_special_tokens": False}) == {
-        "prompt": "x"
-    }
+
+
+def test_completion_tokenize_adds_special_tokens_as_the_completion_will() -> None:
+    # vLLM's CompletionRequest and TokenizeCompletionRequest both take add_special_tokens
+    # (default true), so the count follows the request's.
+    plain = {"prompt": "x", "add_special_tokens": False}
+    assert tokenize_body(VLLM, "completions", plain) == plain
+    # SGLang's CompletionRequest has no such field: its completions always add them,
+    # which is what its /tokenize does by default.
+    assert tokenize_body(SGLANG, "completions", plain) == {"prompt": "x"}
+
+
+OLD_SGLANG_REFUSAL = (
+    "[{'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', "
+    "'input': {'model': 'm', 'messages': [{'role': 'user', 'content': 'x'}]}}]"
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "refused"),
+    [
+        # SGLang before chat tokenize: `prompt` is required, FastAPI's validation error
+        # goes through SGLang's handler (400, flat) or FastAPI's own (422, detail).
+        (400, OLD_SGLANG_REFUSAL, True),
+        (400, f"1 validation error:\n  {OLD_SGLANG_REFUSAL[1:-1]} {OLD_SGLANG_REFUSAL}", True),
+        (422, '{"detail":[{"loc":["body","prompt"],"msg":"field required"}]}', True),
+        (400, "Invalid prompt type: <class 'NoneType'>. Expected str or List[str].", True),
+        # SGLang before /tokenize: FastAPI's answer for a path without a route.
+        (404, '{"detail":"Not Found"}', True),
+        (404, "The model `m` does not exist.", False),
+        # A newer build refusing this body, not the form: the request's own problem.
+        (400, "Value error, Exactly one of 'prompt' or 'messages' must be provided.", False),
+        (400, "'role' must be one of 'system', 'assistant' (case-insensitive).", False),
+        (500, "Internal server error during tokenization: boom", False),
+    ],
+)
+def test_an_sglang_build_without_chat_tokenize_is_recognised(
+    status: int, message: str, refused: bool
+) -> None:
+    assert chat_tokenize_refused(SGLANG, status, message) is refused
+    # vLLM's /tokenize has taken messages as long as it has existed.
+    assert chat_tokenize_refused(VLLM, status, message) is False
+
+
+def test_chat_refusals_are_remembered_until_the_engine_may_have_changed() -> None:
+    a, b = object(), object()
+    config, reloaded = object(), object()
+    refusals = ChatTokenizeRefusals(recheck_s=60.0)
+    assert not refusals.known(a, config, now=0.0)
+    assert refusals.refused(a, now=1.0) is True
+    assert refusals.refused(a, now=2.0) is False  # already known: logged once
+    assert refusals.known(a, config, now=30.0)
+    assert not refusals.known(b, config, now=30.0)
+    # Asked again once recheck_s has passed since the refusal (an upgrade may have come);
+    # the same answer then is no news.
+    assert not refusals.known(a, config, now=62.0)
+    assert refusals.refused(a, now=62.0) is False
+    assert refusals.known(a, config, now=63.0)
+    # An engine that left placement (restart hold, ejection, drain) is asked again.
+    assert refusals.forget(a) is True
+    assert refusals.forget(a) is False
+    assert not refusals.known(a, config, now=64.0)
+    assert refusals.refused(a, now=64.0) is True
+    # So is every engine after a reload.
+    assert not refusals.known(a, reloaded, now=65.0)
+    assert refusals.refused(a, now=65.0) is True
+    assert refusals.known(a, reloaded, now=66.0)
+    # One that counts a chat when asked again has been upgraded.
+    assert not refusals.known(a, reloaded, now=200.0)
+    assert refusals.forget(a) is True
 
 
 def test_tokenize_count_reads_one_integer() -> None:

@@ -23,7 +23,7 @@ from narwhal.probe import (
     run_check,
 )
 from narwhal.profiles import read_store, save_profiles
-from narwhal.sim import Fleet, SimTiming
+from narwhal.sim import Fleet, SimEngineSpec, SimTiming
 
 from ..support import StartFleet
 from .helpers import config_for, store_for
@@ -295,6 +295,28 @@ async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_pat
     assert statuses(report, "lease") == {"e0": "skip", "e1": "skip"}
     assert statuses(report, "handoff-wait") == {"e0": "skip", "e1": "skip"}
     assert statuses(report, "handoff") == {"e0 -> e1": "pass", "e1 -> e0": "pass"}
+
+
+@pytest.mark.parametrize("newer", [False, True], ids=["older", "newer"])
+async def test_the_tokenize_row_says_whether_an_sglang_build_counts_chat(
+    start_fleet: StartFleet, tmp_path: Path, newer: bool
+) -> None:
+    spec = SimEngineSpec(dialect="sglang", tokenize_messages=newer)
+    fleet = await start_fleet(engines=1, speed=4.0, spec=spec)
+    config = sglang_config(fleet, tmp_path)
+    report = await run_check(config, attrs.evolve(PLAN, measure_lease=False), store_problems=[])
+    row = rows(report, "tokenize")["e0"]
+    assert row.status == "pass", format_table(report.rows)
+    prompt_note, chat_note = row.note.split("; ")
+    assert prompt_note.startswith("= usage.prompt_tokens ")
+    if newer:
+        assert chat_note.startswith("chat: exact, ")
+        assert chat_note.endswith(" tokens from /tokenize's messages form")
+    else:
+        assert chat_note == (
+            "chat: estimated at the chars ratio: this SGLang build's /tokenize takes no "
+            "messages (HTTP 400)"
+        )
 
 
 def test_metrics_row_names_what_the_monitor_could_not_read() -> None:

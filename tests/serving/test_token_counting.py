@@ -2,21 +2,23 @@
 engine charges it (`usage.prompt_tokens`), and an estimate says why it is one.
 
 The simulator renders tool schemas and the generation prompt into a chat prompt as a real
-template does, and its SGLang /tokenize refuses `messages` as SGLang's does, so a body that
-drops or adds what shapes the prompt shows up here as a count that differs.
+template does, and its SGLang /tokenize takes `messages` or refuses them as a newer or an
+older SGLang build does, so a body that drops or adds what shapes the prompt shows up here
+as a count that differs.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from narwhal.sim import EngineHandle
+from narwhal.sim import EngineHandle, SimEngineSpec
 
 from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
@@ -129,24 +131,128 @@ async def test_a_one_prompt_list_is_counted_exactly(
     assert (await stack.state())["requests"]["token_counts"] == {"exact": 1}
 
 
-async def test_an_sglang_chat_is_estimated_without_asking(nursery: trio.Nursery) -> None:
+async def chat(stack: Stack, **extra: Any) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.post(
+            f"{stack.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": QUESTION, "max_tokens": 2, **extra},
+        )
+
+
+def chat_asks(stack: Stack) -> list[int]:
+    """The engines asked to count a chat from now on, in order (their index in the fleet);
+    the list grows as they are asked."""
+    asked: list[int] = []
+    for index, handle in enumerate(stack.fleet):
+        route = handle.engine._routes[("POST", "/tokenize")]
+
+        async def recording(req: Any, resp: Any, index: int = index, route: Any = route) -> None:
+            if "messages" in json.loads(req.body):
+                asked.append(index)
+            await route(req, resp)
+
+        handle.engine._routes[("POST", "/tokenize")] = recording
+    return asked
+
+
+async def test_an_older_sglang_build_is_asked_about_chat_once(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
     stack = await sglang_stack(nursery)
     bodies = [tokenize_bodies(handle) for handle in stack.fleet]
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    asked = chat_asks(stack)
+    for _ in range(4):
+        assert (await chat(stack)).status_code == 200
     async with httpx.AsyncClient(timeout=10) as client:
-        response = await client.post(f"{stack.url}/v1/chat/completions", json=body)
         await client.post(
             f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
         )
         metrics = (await client.get(f"{stack.url}/metrics")).text
-    assert response.status_code == 200
-    # SGLang's /tokenize would answer 400 to messages: no round trip is made for it.
-    assert [b for per_engine in bodies for b in per_engine] == [{"model": MODEL, "prompt": "hi"}]
+    # Its /tokenize answers messages with 400 (`prompt` is required): each engine is asked
+    # once, and once both have refused, chat requests are estimated without a round trip.
+    assert asked == [0, 1]
+    assert [b for per_engine in bodies for b in per_engine if "prompt" in b] == [
+        {"model": MODEL, "prompt": "hi"}
+    ]
     requests = (await stack.state())["requests"]
-    assert requests["token_counts"] == {"exact": 1, "fallback": 1}
-    assert requests["token_count_fallbacks"] == {"unsupported": 1}
-    assert 'narwhal_token_count_fallbacks_total{reason="unsupported"} 1.0' in metrics
-    assert 'narwhal_token_counts_total{method="fallback"} 1.0' in metrics
+    assert requests["token_counts"] == {"exact": 1, "fallback": 4}
+    assert requests["token_count_fallbacks"] == {"unsupported": 4}
+    assert 'narwhal_token_count_fallbacks_total{reason="unsupported"} 4.0' in metrics
+    refusals = [r for r in caplog.records if getattr(r, "event", "") == "tokenize_chat_refused"]
+    assert [getattr(r, "engine", "") for r in refusals] == ["p0", "d1"]
+    assert (
+        refusals[0]
+        .getMessage()
+        .startswith("engine p0 counts no chat messages: its /tokenize refused them (HTTP 400)")
+    )
+
+
+async def test_an_sglang_chat_refusal_is_forgotten_when_the_engine_may_have_changed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    path = tmp_path / "narwhal.json"
+    stack = await sglang_stack(nursery, config_path=path)
+    asked = chat_asks(stack)
+    for _ in range(3):
+        await chat(stack)
+    assert asked == [0, 1]
+    # Out of placement (drained, ejected, held after a restart) and back: asked again.
+    p0 = stack.ctx.fleet.get("p0")
+    assert p0 is not None
+    p0.drained = True
+    await chat(stack)  # no prefill engine; counted (estimated) before that fails
+    p0.drained = False
+    await chat(stack)
+    assert asked == [0, 1, 0]
+    # A reload forgets every refusal.
+    assert (await stack.supervisor.reload()).applied
+    for _ in range(3):
+        await chat(stack)
+    assert asked == [0, 1, 0, 0, 1]
+
+
+async def test_a_newer_sglang_build_counts_chat_exactly(nursery: trio.Nursery) -> None:
+    stack = await sglang_stack(nursery, SimEngineSpec(dialect="sglang", tokenize_messages=True))
+    bodies = [tokenize_bodies(handle) for handle in stack.fleet]
+    plain = await priced_and_charged(
+        stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
+    )
+    with_tools = await priced_and_charged(
+        stack,
+        "/v1/chat/completions",
+        {"messages": QUESTION, "tools": TOOLS, "reasoning_effort": "low", "max_tokens": 2},
+    )
+    assert plain[0] == plain[1]
+    assert with_tools[0] == with_tools[1]
+    assert with_tools[0] > 3 * plain[0]
+    assert [b for per_engine in bodies for b in per_engine] == [
+        {"model": MODEL, "messages": QUESTION},
+        {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "reasoning_effort": "low"},
+    ]
+    requests = (await stack.state())["requests"]
+    assert requests["token_counts"] == {"exact": 2}
+    assert requests["token_count_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_prompt_without_special_tokens_is_counted_as_charged(
+    start_stack: StartStack, nursery: trio.Nursery, dialect: str
+) -> None:
+    if dialect == "sglang":
+        stack = await sglang_stack(nursery)
+    else:
+        stack = await start_stack(["prefill", "decode"])
+    prompt = "tokenisation of ordinary english prose " * 10
+    bare = await priced_and_charged(
+        stack,
+        "/v1/completions",
+        {"prompt": prompt, "add_special_tokens": False, "max_tokens": 2},
+    )
+    usual = await priced_and_charged(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert bare[0] == bare[1]
+    assert usual[0] == usual[1]
+    # vLLM leaves the BOS out when asked to; SGLang's completions always add it.
+    assert usual[1] - bare[1] == (1 if dialect == "vllm" else 0)
 
 
 async def test_a_fallback_names_a_failed_tokenize(start_stack: StartStack) -> None:

@@ -95,6 +95,10 @@ def test_cli_options_reach_the_engine_spec() -> None:
         "sglang",
     )
     assert not sim_cli.spec_from_args(sim_cli.parser().parse_args([])).stock_version
+    # An older SGLang build's /tokenize by default; a newer one's takes messages too.
+    assert not spec.tokenize_messages
+    newer = sim_cli.parser().parse_args(["--dialect", "sglang", "--tokenize-messages"])
+    assert sim_cli.spec_from_args(newer).tokenize_messages
     with pytest.raises(ValueError, match="--engines is 0; must be >= 1"):
         sim_cli.spec_from_args(sim_cli.parser().parse_args(["--engines", "0"]))
 

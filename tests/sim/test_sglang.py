@@ -245,24 +245,85 @@ async def test_sglang_endpoints(start_fleet: StartFleet, client: httpx.AsyncClie
     assert (await client.post(f"{url}/flush_cache")).text.startswith("Cache flushed.")
 
 
-async def test_sglang_tokenize_takes_prompts_only(
+async def test_an_older_sglang_tokenize_takes_prompts_only(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
     fleet = await start_fleet(engines=1, dialect="sglang", speed=20.0)
     url = fleet[0].url
     messages = [{"role": "user", "content": "Hello world"}]
     refused = await client.post(f"{url}/tokenize", json={"messages": messages})
+    # Its TokenizeRequest requires `prompt`: FastAPI's validation error, through SGLang's
+    # RequestValidationError handler (400, the flat envelope, type "Bad Request").
     assert refused.status_code == 400
-    assert refused.json() == {
+    error = refused.json()
+    assert error == {
         "object": "error",
-        "message": "Invalid prompt type: <class 'NoneType'>. Expected str or List[str].",
-        "type": "BadRequestError",
+        "message": error["message"],
+        "type": "Bad Request",
         "param": None,
         "code": 400,
     }
+    assert "'loc': ('body', 'prompt'), 'msg': 'Field required'" in error["message"]
     # A list gets a list of counts, one per prompt; special tokens are added to each.
     many = (await client.post(f"{url}/tokenize", json={"prompt": ["Hello world", "Hi"]})).json()
     assert many["count"] == [3, 2]
     assert [len(ids) for ids in many["tokens"]] == [3, 2]
     bare = {"prompt": ["Hello world"], "add_special_tokens": False}
     assert (await client.post(f"{url}/tokenize", json=bare)).json()["count"] == [2]
+
+
+NEWER = SimEngineSpec(dialect="sglang", tokenize_messages=True)
+
+
+async def test_a_newer_sglang_tokenize_renders_chat_as_its_completions_do(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, spec=NEWER, speed=20.0)
+    url = fleet[0].url
+    messages = [{"role": "user", "content": "Is it raining in Tromso?"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    async def counted(**extra: object) -> int:
+        body = {"messages": messages, **extra}
+        tok = await client.post(f"{url}/tokenize", json=body)
+        assert tok.status_code == 200, tok.text
+        assert set(tok.json()) == {"tokens", "count", "max_model_len"}
+        chat = await client.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert chat.json()["usage"]["prompt_tokens"] == tok.json()["count"]
+        return int(tok.json()["count"])
+
+    plain = await counted()
+    assert await counted(tools=tools) > plain + 10
+    # Neither form takes these: SGLang's chat request has no such fields (the tokenize
+    # request drops add_special_tokens before building it).
+    assert await counted(add_special_tokens=True) == plain
+    assert await counted(add_generation_prompt=False) == plain
+    # The last message left open: its header and text ("It"), no <|eot_id|>, and no
+    # generation prompt after it.
+    continued = [*messages, {"role": "assistant", "content": "It"}]
+    assert await counted(messages=continued, continue_final_message=True) == plain + 1
+    for body in ({"prompt": "x", "messages": messages}, {}):
+        both = await client.post(f"{url}/tokenize", json=body)
+        assert both.status_code == 400
+        assert "Exactly one of 'prompt' or 'messages' must be provided." in both.json()["message"]
+    # Prompts are counted as before.
+    assert (await client.post(f"{url}/tokenize", json={"prompt": "Hello world"})).json()[
+        "count"
+    ] == 3
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_only_vllm_completions_honour_add_special_tokens(
+    start_fleet: StartFleet, client: httpx.AsyncClient, dialect: str
+) -> None:
+    fleet = await start_fleet(engines=1, dialect=dialect, speed=20.0)
+    url = fleet[0].url
+
+    async def charged(**extra: object) -> int:
+        body = {"prompt": "Hello world", "max_tokens": 1, **extra}
+        answer = await client.post(f"{url}/v1/completions", json=body)
+        return int(answer.json()["usage"]["prompt_tokens"])
+
+    # vLLM's CompletionRequest takes add_special_tokens; SGLang's has no such field and
+    # always adds the BOS.
+    assert await charged(add_special_tokens=False) == await charged() - (dialect == "vllm")
