@@ -70,19 +70,25 @@ async def test_a_chat_with_tools_is_counted_with_its_tool_schemas(
     start_stack: StartStack,
 ) -> None:
     stack = await start_stack(["prefill", "decode"])
+    await tools_are_counted(stack, {"tool_choice": "auto"})
+    assert (await stack.state())["requests"]["token_counts"] == {"exact": 2}
+
+
+async def tools_are_counted(stack: Stack, fields: dict[str, Any]) -> None:
+    """A chat is priced at what the engine charges, with and without tool schemas
+    (`fields` go with the tools)."""
     plain = await priced_and_charged(
         stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
     )
     with_tools = await priced_and_charged(
         stack,
         "/v1/chat/completions",
-        {"messages": QUESTION, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 2},
+        {"messages": QUESTION, "tools": TOOLS, **fields, "max_tokens": 2},
     )
     assert plain[0] == plain[1]
     assert with_tools[0] == with_tools[1]
     # The schemas outweigh the question: a count without them would be far off.
     assert with_tools[0] > 3 * plain[0]
-    assert (await stack.state())["requests"]["token_counts"] == {"exact": 2}
 
 
 async def test_a_chat_continuing_its_last_message_is_counted_as_rendered(
@@ -214,17 +220,7 @@ async def test_an_sglang_chat_refusal_is_forgotten_when_the_engine_may_have_chan
 async def test_a_newer_sglang_build_counts_chat_exactly(nursery: trio.Nursery) -> None:
     stack = await sglang_stack(nursery, SimEngineSpec(dialect="sglang", tokenize_messages=True))
     bodies = [tokenize_bodies(handle) for handle in stack.fleet]
-    plain = await priced_and_charged(
-        stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
-    )
-    with_tools = await priced_and_charged(
-        stack,
-        "/v1/chat/completions",
-        {"messages": QUESTION, "tools": TOOLS, "reasoning_effort": "low", "max_tokens": 2},
-    )
-    assert plain[0] == plain[1]
-    assert with_tools[0] == with_tools[1]
-    assert with_tools[0] > 3 * plain[0]
+    await tools_are_counted(stack, {"reasoning_effort": "low"})
     assert [b for per_engine in bodies for b in per_engine] == [
         {"model": MODEL, "messages": QUESTION},
         {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "reasoning_effort": "low"},
