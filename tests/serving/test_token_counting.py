@@ -121,17 +121,23 @@ async def test_a_chat_continuing_its_last_message_is_counted_as_rendered(
     ]
 
 
+PROSE = "tokenisation of ordinary english prose " * 10
+
+
+async def pd_stack(start_stack: StartStack, nursery: trio.Nursery, dialect: str) -> Stack:
+    """A 1P1D fleet of `dialect` behind Narwhal."""
+    if dialect == "sglang":
+        return await sglang_stack(nursery)
+    return await start_stack(["prefill", "decode"])
+
+
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
 async def test_a_one_prompt_list_is_counted_exactly(
     start_stack: StartStack, nursery: trio.Nursery, dialect: str
 ) -> None:
-    if dialect == "sglang":
-        stack = await sglang_stack(nursery)
-    else:
-        stack = await start_stack(["prefill", "decode"])
-    prompt = "tokenisation of ordinary english prose " * 10
+    stack = await pd_stack(start_stack, nursery, dialect)
     priced, charged = await priced_and_charged(
-        stack, "/v1/completions", {"prompt": [prompt], "max_tokens": 2}
+        stack, "/v1/completions", {"prompt": [PROSE], "max_tokens": 2}
     )
     assert priced == charged
     assert (await stack.state())["requests"]["token_counts"] == {"exact": 1}
@@ -234,17 +240,13 @@ async def test_a_newer_sglang_build_counts_chat_exactly(nursery: trio.Nursery) -
 async def test_a_prompt_without_special_tokens_is_counted_as_charged(
     start_stack: StartStack, nursery: trio.Nursery, dialect: str
 ) -> None:
-    if dialect == "sglang":
-        stack = await sglang_stack(nursery)
-    else:
-        stack = await start_stack(["prefill", "decode"])
-    prompt = "tokenisation of ordinary english prose " * 10
+    stack = await pd_stack(start_stack, nursery, dialect)
     bare = await priced_and_charged(
         stack,
         "/v1/completions",
-        {"prompt": prompt, "add_special_tokens": False, "max_tokens": 2},
+        {"prompt": PROSE, "add_special_tokens": False, "max_tokens": 2},
     )
-    usual = await priced_and_charged(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    usual = await priced_and_charged(stack, "/v1/completions", {"prompt": PROSE, "max_tokens": 2})
     assert bare[0] == bare[1]
     assert usual[0] == usual[1]
     # vLLM leaves the BOS out when asked to; SGLang's completions always add it.
