@@ -314,8 +314,10 @@ async def _key_refused(client: EngineClient, limit: float) -> tuple[str, str] | 
         return None
     status, raw = answer.value
     message = parse_error_body(status, raw).message
-    why = explain_refusal(status, sends_key=client.pool.sends_api_key, message=message)
-    return f"API key refused (HTTP {status})", f"the engine {why}"
+    sends_key = client.pool.sends_api_key
+    why = explain_refusal(status, sends_key=sends_key, message=message)
+    measured = "API key refused" if sends_key else "API key required, none configured"
+    return f"{measured} (HTTP {status})", f"the engine {why}"
 
 
 async def _tokenize(

@@ -45,22 +45,24 @@ async def test_a_keyed_fleet_passes_every_check(start_fleet: StartFleet, tmp_pat
 
 
 @pytest.mark.parametrize(
-    ("configured", "note"),
+    ("configured", "measured", "note"),
     [
         (
             "wrong-key",
+            "API key refused (HTTP 401)",
             "the engine refused narwhal's API key (HTTP 401: Unauthorized); check "
             "engine.api_key_file against the engine's --api-key",
         ),
         (
             None,
+            "API key required, none configured (HTTP 401)",
             "the engine requires an API key and narwhal sends none (HTTP 401: Unauthorized); "
             "set engine.api_key_file to the key of the engine's --api-key",
         ),
     ],
 )
 async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
-    start_fleet: StartFleet, tmp_path: Path, configured: str | None, note: str
+    start_fleet: StartFleet, tmp_path: Path, configured: str | None, measured: str, note: str
 ) -> None:
     fleet = await start_fleet(engines=2, speed=1.0, lease_s=0.5)
     engine = {} if configured is None else {"api_key_file": key_file(tmp_path, configured)}
@@ -71,7 +73,7 @@ async def test_a_refused_or_missing_key_fails_the_health_check_and_says_so(
     assert report.failed
     health = rows(report, "health")
     assert statuses(report, "health") == {"e0": "fail", "e1": "fail"}
-    assert (health["e0"].measured, health["e0"].note) == ("API key refused (HTTP 401)", note)
+    assert (health["e0"].measured, health["e0"].note) == (measured, note)
     # The engines are left out of the checks that need them, rather than failing each.
     assert rows(report, "tokenize")["e0"].note == "unhealthy"
     table = format_table(report.rows)
