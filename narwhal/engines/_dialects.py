@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import attrs
 
@@ -250,7 +250,10 @@ def chat_tokenize_refused(dialect: Dialect, status: int, message: str) -> bool:
     return _PROMPT_MISSING.search(message) is not None or "Invalid prompt type" in message
 
 
-class ChatTokenizeRefusals:
+_Engine = TypeVar("_Engine")
+
+
+class ChatTokenizeRefusals(Generic[_Engine]):
     """The engines whose /tokenize refused the chat form, so that no chat request is sent
     there for a certain refusal (the estimate's reason stays `unsupported`).
 
@@ -263,16 +266,20 @@ class ChatTokenizeRefusals:
 
     def __init__(self, recheck_s: float = CHAT_TOKENIZE_RECHECK_S) -> None:
         self.recheck_s = recheck_s
-        self._since: dict[object, float] = {}
-        self._rechecking: set[object] = set()
+        self._since: dict[_Engine, float] = {}
+        self._rechecking: set[_Engine] = set()
         self._config: object = None
 
-    def known(self, engine: object, config: object, now: float) -> bool:
-        """Whether `engine` is known to refuse the chat form under `config`."""
+    def _under(self, config: object) -> None:
+        # A reload (another config object) forgets every refusal.
         if config is not self._config:
             self._since.clear()
             self._rechecking.clear()
             self._config = config
+
+    def known(self, engine: _Engine, config: object, now: float) -> bool:
+        """Whether `engine` is known to refuse the chat form under `config`."""
+        self._under(config)
         since = self._since.get(engine)
         if since is None:
             return False
@@ -282,14 +289,20 @@ class ChatTokenizeRefusals:
             return False
         return True
 
-    def refused(self, engine: object, now: float) -> bool:
+    def refused(self, engine: _Engine, now: float) -> bool:
         """Record a refusal; whether it is news (not known, nor the answer to a recheck)."""
         news = engine not in self._since and engine not in self._rechecking
         self._rechecking.discard(engine)
         self._since[engine] = now
         return news
 
-    def forget(self, engine: object) -> bool:
+    def learnt(self, config: object) -> list[tuple[_Engine, float]]:
+        """(engine, when its refusal was learnt) for every refusal standing under
+        `config`."""
+        self._under(config)
+        return list(self._since.items())
+
+    def forget(self, engine: _Engine) -> bool:
         """Forget `engine`'s refusal; whether there was one."""
         was = engine in self._since or engine in self._rechecking
         self._since.pop(engine, None)

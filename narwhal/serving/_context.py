@@ -22,6 +22,7 @@ from ..admission import (
     RetryBudget,
 )
 from ..config import Config
+from ..engines._dialects import ChatTokenizeRefusals
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
 from ._lag import LoopLag
@@ -186,6 +187,8 @@ class ServingContext:
         # Non-streaming decode legs sent to the engine as non-streaming requests, by why
         # their answer could not be assembled from a stream (engines.unassemblable_reason).
         self.unstreamed_legs: Counter[str] = Counter()
+        # SGLang engines whose build's /tokenize has no chat form (Flow._count_tokens).
+        self.chat_tokenize_refusals: ChatTokenizeRefusals[EngineState] = ChatTokenizeRefusals()
         self.models = tuple(sorted({spec.model for spec in config.engines}))
         self.started_at = trio.current_time()
         # Set by the supervisor when Narwhal cannot make sound decisions (manual 7:

@@ -73,7 +73,6 @@ from ..engines import (
 )
 from ..engines._assemble import ResponseAssembler, streamed_leg_body, unassemblable_reason
 from ..engines._dialects import (
-    ChatTokenizeRefusals,
     EndpointKind,
     chat_tokenize_refused,
     encode,
@@ -185,8 +184,6 @@ class _KvGrowth:
 class Flow:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        # SGLang engines whose build's /tokenize has no chat form (`_count_tokens`).
-        self._chat_refusals = ChatTokenizeRefusals()
 
     # ------------------------------------------------------------------ ingress
 
@@ -511,7 +508,7 @@ class Flow:
         every available engine is an SGLang build whose /tokenize refused the chat form
         (asking again would cost a round trip for a certain refusal)."""
         now = trio.current_time()
-        refusals = self._chat_refusals
+        refusals = self.ctx.chat_tokenize_refusals
         candidates = []
         for engine in self.ctx.fleet:
             if engine.unavailable_reason(now) is None:
@@ -558,7 +555,7 @@ class Flow:
                     count = tokenize_count(json.loads(raw))
                     if count is None:
                         return "bad_answer"
-                    if request.kind == "chat" and self._chat_refusals.forget(engine):
+                    if request.kind == "chat" and self.ctx.chat_tokenize_refusals.forget(engine):
                         log.info(
                             "engine %s counts chat messages again: its /tokenize takes them "
                             "now (an upgraded build)",
@@ -579,7 +576,7 @@ class Flow:
     def _chat_refused(self, engine: EngineState, status: int) -> None:
         """`engine`'s build has no chat form of /tokenize: its chat requests are estimated
         without asking until it may have changed (`ChatTokenizeRefusals`)."""
-        refusals = self._chat_refusals
+        refusals = self.ctx.chat_tokenize_refusals
         if refusals.refused(engine, trio.current_time()):
             log.warning(
                 "engine %s counts no chat messages: its /tokenize refused them (HTTP %d), as "

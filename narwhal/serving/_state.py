@@ -131,6 +131,12 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
             "unstreamed_decode_legs": dict(sorted(ctx.unstreamed_legs.items())),
             "fallback_chars_per_token": {"value": round(ratio, 3), "source": ratio_source},
+            # Engines whose /tokenize refused chat messages (an older SGLang build): their
+            # chat requests are estimated; seconds since it was learnt.
+            "tokenize_chat_refused": {
+                engine.id: round(now - since, 3)
+                for engine, since in ctx.chat_tokenize_refusals.learnt(ctx.config)
+            },
             "in_flight": [
                 {
                     "id": r.id,

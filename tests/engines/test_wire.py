@@ -258,7 +258,7 @@ def test_an_sglang_build_without_chat_tokenize_is_recognised(
 def test_chat_refusals_are_remembered_until_the_engine_may_have_changed() -> None:
     a, b = object(), object()
     config, reloaded = object(), object()
-    refusals = ChatTokenizeRefusals(recheck_s=60.0)
+    refusals: ChatTokenizeRefusals[object] = ChatTokenizeRefusals(recheck_s=60.0)
     assert not refusals.known(a, config, now=0.0)
     assert refusals.refused(a, now=1.0) is True
     assert refusals.refused(a, now=2.0) is False  # already known: logged once

@@ -189,6 +189,7 @@ async def test_an_older_sglang_build_is_asked_about_chat_once(
     requests = (await stack.state())["requests"]
     assert requests["token_counts"] == {"exact": 1, "fallback": 4}
     assert requests["token_count_fallbacks"] == {"unsupported": 4}
+    assert set(requests["tokenize_chat_refused"]) == {"p0", "d1"}  # seconds since learnt
     assert 'narwhal_token_count_fallbacks_total{reason="unsupported"} 4.0' in metrics
     refusals = [r for r in caplog.records if getattr(r, "event", "") == "tokenize_chat_refused"]
     assert [getattr(r, "engine", "") for r in refusals] == ["p0", "d1"]
@@ -218,6 +219,7 @@ async def test_an_sglang_chat_refusal_is_forgotten_when_the_engine_may_have_chan
     assert asked == [0, 1, 0]
     # A reload forgets every refusal.
     assert (await stack.supervisor.reload()).applied
+    assert (await stack.state())["requests"]["tokenize_chat_refused"] == {}
     for _ in range(3):
         await chat(stack)
     assert asked == [0, 1, 0, 0, 1]
