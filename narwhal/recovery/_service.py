@@ -11,8 +11,9 @@ Inputs
   kept as the engine's latest latency observation for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
   every recovery.health.interval_s on the control pool. A /version refused for
-  Narwhal's API key (SGLang guards it) marks the engine auth-refused, and is logged
-  once until /version answers again. While the engine refuses Narwhal's API key
+  Narwhal's API key (SGLang guards it) marks the engine auth-refused unless a key check
+  at once accepts the key (then only /version is guarded more), and is logged once
+  until /version answers again. While the engine refuses Narwhal's API key
   (`EngineState.auth_refused`, set on a 401/403 by the request path or by recovery's
   own requests), each good probe is followed by a key check: GET /v1/models, which the
   engine guards with its --api-key where it leaves its health route open. HTTP 200
@@ -509,7 +510,7 @@ class Recovery:
             log.log(level, "probe of %s inconclusive: %s", engine.id, result.detail, extra=fields)
             return result
         if result.refusal is not None:
-            self._identity_refused(record, result.refusal, result.detail)
+            await self._identity_refused(record, result.refusal, result.detail)
         elif result.identity is not None:
             record.identity_refused = False
         restarted = record.identity.observe(result.reachable, result.identity)
@@ -527,24 +528,35 @@ class Recovery:
             self._start_hold(record, restarted)
         return result
 
-    def _identity_refused(self, record: EngineRecovery, refusal: KeyRefusal, detail: str) -> None:
-        """The identity check (GET /version) met 401/403, so the request path would too:
-        it sends the same key (both pools carry the engine's one configured key), to
-        routes guarded at least as much (SGLang guards /version and the generation routes
-        alike; vLLM leaves /version open, so a refusal there comes from a proxy guarding
-        more than vLLM, /v1 included). It is judged as a refused leg is. Until /version
-        answers, a restart shows only on /metrics or when the engine stops answering."""
-        key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
+    async def _identity_refused(
+        self, record: EngineRecovery, refusal: KeyRefusal, detail: str
+    ) -> None:
+        """The identity check (GET /version) met 401/403. SGLang guards /version and the
+        generation routes alike, so the request path would meet the refusal too, and it
+        is judged as a refused leg is (`fleet.key_refused`), unless the key check (the
+        dialect's key_check_path, guarded as generation is) accepts the key at once: then
+        only /version is guarded more (an admin-only route, a proxy), and the engine stays
+        in placement. Otherwise an engine in service would leave placement at every probe
+        and come back at every key check. Until /version answers, a restart shows only
+        on /metrics or when the engine stops answering; that is logged once."""
+        engine = record.engine
+        taken = False
+        if engine.auth_refused is None:
+            check = await self.prober.check_key(engine, self.ctx.config)
+            taken = check.outcome == "accepted"
+            if taken:
+                detail = f"{detail}, though {check.detail}: only /version refuses the key"
+        if not taken:
+            key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         if record.identity_refused:
             return
         record.identity_refused = True
-        engine_id = record.engine.id
         log.warning(
             "probe of %s: %s; until /version answers, its restarts show only on its "
             "/metrics or when it stops answering",
-            engine_id,
+            engine.id,
             detail,
-            extra={"event": "identity_refused", "engine": engine_id, "detail": detail},
+            extra={"event": "identity_refused", "engine": engine.id, "detail": detail},
         )
 
     async def _probe(self, record: EngineRecovery) -> None:

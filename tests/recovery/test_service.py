@@ -756,7 +756,7 @@ async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_no
     assert changes(rig, "health") == D0_READMITTED
 
 
-async def test_a_refused_identity_check_takes_the_engine_out_and_warns_once(
+async def test_a_refused_identity_check_takes_the_engine_out_unless_the_key_check_passes(
     keyed: Rig, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     rig = keyed
@@ -770,9 +770,10 @@ async def test_a_refused_identity_check_takes_the_engine_out_and_warns_once(
     rig.prober.health_of["d0"] = refused
     rig.prober.key_of["d0"] = KEY_REFUSED
     await rig.at(3.0)
-    # Out as a refused request would put it, from the first refused probe on.
+    # Out as a refused request would put it, from the first refused probe on: the key
+    # check confirmed the refusal at once (then it is checked with each good probe).
     assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
-    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 2.0, 3.0]
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 1.0, 2.0, 3.0]
     record = rig.recovery.record("d0")
     assert record is not None
     health = record.snapshot(trio.current_time())["health"]
@@ -788,7 +789,17 @@ async def test_a_refused_identity_check_takes_the_engine_out_and_warns_once(
     rig.prober.health_of["d0"] = refused
     await rig.at(5.0)  # refused again after /version answered: said again
     assert logged("identity_refused") == ["WARNING", "WARNING"]
-    assert logged("engine_auth_refused") == ["ERROR", "ERROR"]
+    # But the key check accepts the key: only /version is guarded more (an admin-only
+    # route, a proxy), so the engine stays in, rather than leave at every probe and come
+    # back at every key check.
+    assert rig.reason("d0") is None
+    assert logged("engine_auth_refused") == ["ERROR"]
+    warning = [r for r in caplog.records if r.__dict__.get("event") == "identity_refused"][-1]
+    assert "only /version refuses the key" in warning.getMessage()
+    await rig.at(8.0)  # and it does not flap: no refusal recorded at each probe
+    assert rig.reason("d0") is None
+    assert logged("identity_refused") == ["WARNING", "WARNING"]
+    assert logged("engine_auth_refused") == ["ERROR"]
 
 
 # ---------------------------------------------------------------- residuals
