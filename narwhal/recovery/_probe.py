@@ -461,9 +461,10 @@ class _Leg:
         """How the engine answered: its own fault whatever the partner did."""
         return _LegFailed(detail, self.engine, own=True)
 
-    def answered(self, detail: str) -> _LegFailed:
-        """What the engine answered: its own fault unless the partner had a part in it."""
-        return _LegFailed(detail, self.engine, own=not self.paired)
+    def answered(self, detail: str, deadline_s: float | None = None) -> _LegFailed:
+        """What the engine answered (or that it did not within `deadline_s`): its own
+        fault unless the partner had a part in it."""
+        return _LegFailed(detail, self.engine, own=not self.paired, deadline_s=deadline_s)
 
     def status(self, status: int, raw: bytes) -> _LegFailed:
         if status in ENGINE_AUTH_STATUSES:
@@ -474,7 +475,7 @@ class _Leg:
 
     def late(self, limit: float) -> _LegFailed:
         detail = f"{self.where} did not complete within engine.first_token_timeout_s={limit}"
-        return _LegFailed(detail, self.engine, own=not self.paired, deadline_s=limit)
+        return self.answered(detail, deadline_s=limit)
 
 
 async def _json_leg(
