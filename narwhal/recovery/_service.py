@@ -262,8 +262,8 @@ class Recovery:
         )
         self._m_key_checks = Counter(
             "narwhal_auth_checks",
-            "API key checks of engines that refused narwhal's key, by engine and outcome "
-            "(accepted, refused, failed, inconclusive).",
+            "API key checks of engines that refused narwhal's key, or whose /version did, "
+            "by engine and outcome (accepted, refused, failed, inconclusive).",
             ["engine", "outcome"],
             registry=registry,
         )
@@ -543,6 +543,7 @@ class Recovery:
         taken = False
         if engine.auth_refused is None:
             check = await self.prober.check_key(engine, self.ctx.config)
+            self._key_checked(record, check)
             taken = check.outcome == "accepted"
             if taken:
                 detail = f"{detail}, though {check.detail}: only /version refuses the key"
@@ -560,11 +561,14 @@ class Recovery:
         )
 
     async def _probe(self, record: EngineRecovery) -> None:
+        started = trio.current_time()
         result = await self._probe_once(record)
         health = self.ctx.config.recovery.health
         if result.outcome == "ok":
             self._health_changed(record, record.health.probe_ok(health))
-            if record.engine.auth_refused is not None:
+            # Not again if this probe's /version refusal was just checked.
+            checked = record.last_key_check_at is not None and record.last_key_check_at >= started
+            if record.engine.auth_refused is not None and not checked:
                 await self._check_key(record)
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
@@ -578,19 +582,18 @@ class Recovery:
         engine = record.engine
         refusals = engine.auth_refusals
         result = await self.prober.check_key(engine, self.ctx.config)
-        if result.outcome == "accepted" and engine.auth_refusals != refusals:
+        stale = engine.auth_refusals != refusals
+        if result.outcome == "accepted" and stale:
             newer = "sent before the engine's latest refusal, which it does not clear"
             result = attrs.evolve(result, detail=f"{result.detail}; {newer}")
-        record.last_key_check = result
-        record.last_key_check_at = trio.current_time()
-        self._m_key_checks.labels(engine.id, result.outcome).inc()
+        self._key_checked(record, result)
         fields = {
             "engine": engine.id,
             "outcome": result.outcome,
             "detail": result.detail,
         }
         refused = engine.auth_refused
-        if result.outcome != "accepted" or refused is None or engine.auth_refusals != refusals:
+        if result.outcome != "accepted" or refused is None or stale:
             log.debug(
                 "key check of %s: %s: %s",
                 engine.id,
@@ -613,6 +616,11 @@ class Recovery:
             "" if still is None else f"; still out: {still}",
             extra={"event": "engine_auth_recovered", **fields},
         )
+
+    def _key_checked(self, record: EngineRecovery, result: KeyCheck) -> None:
+        record.last_key_check = result
+        record.last_key_check_at = trio.current_time()
+        self._m_key_checks.labels(record.engine.id, result.outcome).inc()
 
     def observe_metrics(self, engine: EngineState, sample: LoadSample) -> None:
         """The monitor scraped `engine`'s /metrics: a restart may show there."""
