@@ -20,10 +20,10 @@ import trio
 from narwhal.config import Config, Engine, EngineSpec, Secret
 from narwhal.fleet import EngineState, Role
 from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
-from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet
+from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
 from narwhal.sim._spec import ENGINE_VERSION, Dialect
 
-from ..serving.conftest import MODEL, Stack
+from ..serving.conftest import MODEL, Stack, pd_sim_fleet
 from ..support import wait_for
 from .conftest import StartStack
 
@@ -36,20 +36,7 @@ async def prober_pair(
     """A 1P1D simulated fleet (SGLang's launched in those modes; `api_key`: started with
     --api-key, and configured with it) and its engines, built without a supervisor, for
     the prober alone."""
-    modes: tuple[DisaggregationMode, ...] | None = (
-        ("prefill", "decode") if dialect == "sglang" else None
-    )
-    fleet: Fleet = await nursery.start(
-        partial(
-            serve_fleet,
-            engines=2,
-            speed=20.0,
-            model=MODEL,
-            dialect=dialect,
-            disaggregation_modes=modes,
-            api_key=api_key,
-        )
-    )
+    fleet = await pd_sim_fleet(nursery, dialect, api_key=api_key)
     specs = tuple(
         EngineSpec(
             id=f"{role[0]}0",

@@ -11,7 +11,8 @@ import trio
 
 from narwhal.config import Config, load_config
 from narwhal.serving import ServingContext
-from narwhal.sim import Fleet, serve_fleet
+from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet
+from narwhal.sim._spec import Dialect
 from narwhal.supervisor import Supervisor
 
 MODEL = "sim-llama-3-8b"
@@ -38,6 +39,33 @@ class Stack:
         response.raise_for_status()
         document: dict[str, Any] = response.json()
         return document
+
+
+async def pd_sim_fleet(
+    nursery: trio.Nursery,
+    dialect: Dialect = "vllm",
+    *,
+    spec: SimEngineSpec | None = None,
+    api_key: str | None = None,
+) -> Fleet:
+    """Two simulated engines for a 1P1D fleet (SGLang's launched as a prefill and a decode
+    server); `api_key`: started with --api-key."""
+    modes: tuple[DisaggregationMode, ...] | None = (
+        ("prefill", "decode") if dialect == "sglang" else None
+    )
+    fleet: Fleet = await nursery.start(
+        partial(
+            serve_fleet,
+            engines=2,
+            speed=20.0,
+            model=MODEL,
+            dialect=dialect,
+            spec=spec,
+            disaggregation_modes=modes,
+            api_key=api_key,
+        )
+    )
+    return fleet
 
 
 def fleet_config(fleet: Fleet, roles: list[str], **sections: Any) -> dict[str, Any]:

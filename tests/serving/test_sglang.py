@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +12,12 @@ import trio
 
 from narwhal.config import load_config
 from narwhal.ctl import CtlError, CtlRequest
-from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
+from narwhal.sim import SimEngineSpec
 from narwhal.supervisor import Supervisor
 from narwhal.supervisor._operations import Operations
 
 from ..support import sse_json, wait_for
-from .conftest import MODEL, Stack, fleet_config
+from .conftest import MODEL, Stack, fleet_config, pd_sim_fleet
 from .test_failures import settled, terminal_error
 
 
@@ -32,18 +31,7 @@ async def sglang_stack(
 ) -> Stack:
     """A 1P1D SGLang fleet (launched in those modes; `api_key`: started with --api-key)
     and a Narwhal in front of it; `engine` is the config's engine section."""
-    fleet: Fleet = await nursery.start(
-        partial(
-            serve_fleet,
-            engines=2,
-            speed=20.0,
-            model=MODEL,
-            dialect="sglang",
-            spec=spec,
-            disaggregation_modes=("prefill", "decode"),
-            api_key=api_key,
-        )
-    )
+    fleet = await pd_sim_fleet(nursery, "sglang", spec=spec, api_key=api_key)
     document = fleet_config(fleet, ["prefill", "decode"], serving=serving, engine=engine or {})
     for entry, handle in zip(document["engines"], fleet, strict=True):
         entry["dialect"] = "sglang"
