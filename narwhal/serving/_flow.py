@@ -1290,7 +1290,11 @@ async def _relay(
         ctx.signals.decode_gaps(engine, gaps)
     if timer.cancelled_caught:
         if first_at is None:
-            ctx.signals.first_token_timeout(engine)
+            waited = trio.current_time() - started
+            if ctx.loop_lag.starved(waited) is None:
+                # Otherwise the router's own lag explains it: it says nothing about decode
+                # capacity, so it does not reset the controller's evidence window.
+                ctx.signals.first_token_timeout(engine)
             raise _failed(
                 engine,
                 phase,
@@ -1299,7 +1303,7 @@ async def _relay(
                 f"{config.engine.first_token_timeout_s}",
                 status=504,
                 retryable=True,
-                deadline_s=trio.current_time() - started,  # what this leg waited
+                deadline_s=waited,
             )
         raise _failed(
             engine,

@@ -71,6 +71,31 @@ async def test_a_stall_before_the_first_token_is_a_first_token_timeout(
     await settled(stack)
 
 
+async def test_a_first_token_timeout_the_router_lag_explains_sends_no_signal(
+    start_stack: StartStack,
+) -> None:
+    # The controller resets its evidence window on the signal (manual 7.6); a timeout the
+    # router's own lag explains says nothing about decode capacity.
+    stack = await start_stack(
+        engine={"first_token_timeout_s": 0.3},
+        serving={"prefill_timeout_s": 0.3, "request_timeout_s": 3.0, "max_attempts": 1},
+    )
+    signals = record_signals(stack)
+    stack.fleet[1].set_faults(stall_before_first_token_s=5, leg="decode")
+
+    async def starve_while_it_waits() -> None:
+        await trio.sleep(0.15)
+        stack.ctx.loop_lag.observe(0.05, at=trio.current_time())  # over a tenth of 0.3 s
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(starve_while_it_waits)
+        response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "first_token_timeout"
+    assert signals.first_token_timeouts == []
+    await settled(stack)
+
+
 async def test_a_stall_after_the_first_token_is_a_decode_gap_error(
     start_stack: StartStack,
 ) -> None:
