@@ -48,6 +48,26 @@ async def test_disconnect_during_prefill_aborts_the_prefill(start_stack: StartSt
     assert stack.fleet[1].state()["counters"]["requests"]["decode"] == 0
 
 
+async def test_disconnect_with_a_pipelined_request_behind_aborts_the_legs(
+    start_stack: StartStack,
+) -> None:
+    # While a request is answered with the next one's bytes buffered behind it, the HTTP
+    # server does not read the connection: the client leaving must still be seen, not
+    # left to the decode gap timer (which would also blame the engine).
+    stack = await start_stack()
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    body = json.dumps({**BODY, "stream": False}).encode()
+    host, port = stack.supervisor.bound[0]
+    sock = await trio.open_tcp_stream(host, port)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)
+    await sock.send_all(head + body + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    await wait_for(lambda: stack.fleet[1].state()["counters"]["stalls_injected"] == 1)
+    await sock.aclose()
+    await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"client_disconnected": 1}
+
+
 async def test_disconnect_while_queued_frees_the_slot(start_stack: StartStack) -> None:
     stack = await start_stack(serving={**QUEUEING, "queue_timeout_s": 30.0})
     stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
