@@ -50,6 +50,30 @@ def _refusal(method: str, path: str) -> NarwhalError:
     )
 
 
+def _framing_conflicts(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Both a Transfer-Encoding and a Content-Length. h11 reads the body by the first;
+    a proxy in front that read it by the second would take the rest for another request
+    (request smuggling), so RFC 9112 6.3 has the server close the connection after
+    answering."""
+    chunked = length = False
+    for name, _ in headers:
+        chunked = chunked or name == b"transfer-encoding"
+        length = length or name == b"content-length"
+    return chunked and length
+
+
+def _closing(send: Send) -> Send:
+    """`send`, with every response saying `connection: close` (hypercorn then closes)."""
+
+    async def send_closing(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+            message = {**message, "headers": [*kept, (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
+
+
 class App:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -67,6 +91,8 @@ class App:
             next((v for k, v in headers if k == b"x-request-id"), None)
         )
         receive = eager(receive)
+        if _framing_conflicts(headers):
+            send = _closing(send)
         try:
             if method == "POST" and path == "/v1/completions":
                 await self.flow.handle("completions", dict(scope), receive, send)

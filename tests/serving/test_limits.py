@@ -217,6 +217,29 @@ async def test_a_refusal_after_the_body_was_read_keeps_the_connection(
     await sock.aclose()
 
 
+async def test_a_request_with_both_body_framings_closes_its_connection(
+    start_stack: StartStack,
+) -> None:
+    # RFC 9112 6.3: a proxy in front may have framed it by the content-length, and then
+    # the bytes after it are a request the proxy never saw; the connection must end.
+    stack = await start_stack()
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    sock = await send_raw_request(
+        stack.url,
+        "/v1/completions",
+        chunked,
+        headers={"transfer-encoding": "chunked", "content-length": "3"},
+    )
+    status, headers = await read_reply(sock)
+    assert status.startswith(b"HTTP/1.1 200")
+    assert headers[b"connection"] == b"close"
+    with trio.fail_after(5):
+        while await sock.receive_some(65536):  # closed, as announced
+            pass
+    await sock.aclose()
+
+
 async def test_queue_timeout(start_stack: StartStack) -> None:
     stack = await start_stack(serving=QUEUEING)
     stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
