@@ -193,7 +193,8 @@ class _ClientWatch(EventWrapper):
         with trio.CancelScope() as self._watch:
             try:
                 peeked = await self._socket.recv(1, socket.MSG_PEEK)
-            except OSError:
+            except (OSError, trio.ClosedResourceError):
+                # ClosedResourceError: a failed write closed the socket under us.
                 raise _ClientLeft from None
             if not peeked:
                 raise _ClientLeft

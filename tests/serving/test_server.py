@@ -14,7 +14,7 @@ import trio.testing
 
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
-from narwhal.serving._server import accept_pending
+from narwhal.serving._server import _ClientLeft, _ClientWatch, accept_pending
 
 
 def _listening() -> socket.socket:
@@ -166,3 +166,46 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         assert reply.count(b"HTTP/1.1 200") == 2
         assert not app.disconnected.is_set()
         shutdown.set()
+
+
+@pytest.mark.parametrize("closed_by", ["client", "server"])
+async def test_the_watch_ends_with_the_connection_whichever_side_ends_it(closed_by: str) -> None:
+    # The client's end, and the server's own close after a failed write: either one
+    # must reach the read loop as the client leaving, never as another exception.
+    ours, theirs = trio.socket.socketpair()
+    with ours, theirs:
+        watch = _ClientWatch(ours)
+        await watch.clear()
+        left: list[bool] = []
+
+        async def wait() -> None:
+            try:
+                await watch.wait()
+            except _ClientLeft:
+                left.append(True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            (ours if closed_by == "server" else theirs).close()
+        assert left == [True]
+
+
+async def test_the_watch_is_an_event_when_the_client_stays() -> None:
+    ours, theirs = trio.socket.socketpair()
+    with ours, theirs:
+        watch = _ClientWatch(ours)
+        await watch.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            await watch.set()
+        # More bytes waiting: the watch cannot see past them and waits for the event.
+        await theirs.send(b"GET / HTTP/1.1")
+        await watch.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.close()
+            await trio.testing.wait_all_tasks_blocked()
+            await watch.set()
