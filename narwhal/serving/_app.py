@@ -16,6 +16,62 @@ from ._state import live_gauges, state_document
 log = logging.getLogger("narwhal.app")
 
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+# The methods each route answers. HEAD is GET without the body, which hypercorn leaves
+# out of the response (RFC 9110 9.3.2: a server answering GET answers HEAD too).
+_ROUTES = {
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    **dict.fromkeys(("/health", "/v1/models", "/narwhal/state", "/metrics"), ("GET", "HEAD")),
+}
+
+
+class MethodNotAllowed(NarwhalError):
+    """A route that exists, asked with a method it does not answer (RFC 9110 15.5.6:
+    the answer names the methods it does answer in `Allow`)."""
+
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allowed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"allow", ", ".join(self.allowed).encode())]
+
+
+def _refusal(method: str, path: str) -> NarwhalError:
+    allowed = _ROUTES.get(path)
+    if allowed is None:
+        return NotFound(f"no route for {method} {path}")
+    return MethodNotAllowed(
+        f"{path} answers {' and '.join(allowed)}, not {method}", allowed=allowed
+    )
+
+
+def _framing_conflicts(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Both a Transfer-Encoding and a Content-Length. h11 reads the body by the first;
+    a proxy in front that read it by the second would take the rest for another request
+    (request smuggling), so RFC 9112 6.3 has the server close the connection after
+    answering."""
+    chunked = length = False
+    for name, _ in headers:
+        chunked = chunked or name == b"transfer-encoding"
+        length = length or name == b"content-length"
+    return chunked and length
+
+
+def _closing(send: Send) -> Send:
+    """`send`, with every response saying `connection: close` (hypercorn then closes)."""
+
+    async def send_closing(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+            message = {**message, "headers": [*kept, (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
 
 
 class App:
@@ -35,22 +91,26 @@ class App:
             next((v for k, v in headers if k == b"x-request-id"), None)
         )
         receive = eager(receive)
+        if _framing_conflicts(headers):
+            send = _closing(send)
         try:
             if method == "POST" and path == "/v1/completions":
                 await self.flow.handle("completions", dict(scope), receive, send)
             elif method == "POST" and path == "/v1/chat/completions":
                 await self.flow.handle("chat", dict(scope), receive, send)
-            elif method == "GET" and path == "/health":
+            elif method not in ("GET", "HEAD"):
+                raise _refusal(method, path)
+            elif path == "/health":
                 await self._health(send, request_id)
-            elif method == "GET" and path == "/v1/models":
+            elif path == "/v1/models":
                 await self._models(send, request_id)
-            elif method == "GET" and path == "/narwhal/state":
+            elif path == "/narwhal/state":
                 body = json_bytes(state_document(self.ctx))
                 await ClientChannel(send, request_id).send_json(200, body)
-            elif method == "GET" and path == "/metrics":
+            elif path == "/metrics":
                 await self._metrics(send)
             else:
-                raise NotFound(f"no route for {method} {path}")
+                raise _refusal(method, path)
         except NarwhalError as exc:
             # Only routes that never read a body get here (the flow answers its own errors).
             channel = ClientChannel(send, request_id, close_connection=has_body(headers))

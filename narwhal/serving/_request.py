@@ -18,6 +18,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # client's choosing (vLLM's remote_host/remote_port).
 _ROUTER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_NULL_MEANS_DEFAULT = ("stream", "n")
 
 
 @attrs.frozen
@@ -74,6 +75,12 @@ def parse_body(
             ) from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
+    for key in _NULL_MEANS_DEFAULT:
+        # OpenAI's API takes null for these as "the default", and clients that serialise
+        # every optional field send it; SGLang's request models (and vLLM's completions,
+        # for `n`) refuse a null, so it is dropped here rather than passed on.
+        if key in body and body[key] is None:
+            del body[key]
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")

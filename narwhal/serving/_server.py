@@ -18,9 +18,16 @@ established connections, each pass taking hundreds of ms) new connections wait i
 kernel's backlog for seconds before their first byte is read. One readiness wake-up now
 accepts everything pending, up to `ACCEPT_BURST`.
 
-This relies on hypercorn's TCPServer/WorkerContext classes (and TCPServer's _read_data
-and idle_task), which are not documented API; tests/serving/test_server.py fails if a
-hypercorn upgrade changes them.
+hypercorn's HTTP/1.1 protocol stops reading a connection while a request is in flight
+and bytes of another one (pipelined, or stray bytes after a body) are already buffered:
+it waits on its `can_read` event, inside the read loop. A client that leaves then is
+never seen to leave, so its request would hold its engines until a timer ends it, and
+its engine leg would be charged with the failure. `_ClientWatch` replaces that event
+and watches the socket for the end of the connection meanwhile.
+
+This relies on hypercorn's TCPServer/WorkerContext classes (TCPServer's _read_data and
+idle_task, H11Protocol's can_read), which are not documented API;
+tests/serving/test_server.py fails if a hypercorn upgrade changes them.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
 
 Scope = MutableMapping[str, Any]
@@ -153,6 +161,47 @@ async def _run_in(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]
         await action()
 
 
+class _ClientLeft(Exception):
+    """The connection ended while the protocol was not reading it."""
+
+
+class _ClientWatch(EventWrapper):
+    """H11Protocol's `can_read`, which also notices the client leaving while it is waited on.
+
+    The protocol waits on it, inside the connection's read loop, while a response is
+    being produced and the next request's bytes are already buffered. Meanwhile this
+    peeks at the socket: an end of stream or a reset raises `_ClientLeft` out of the
+    protocol to the read loop, which then reports the connection closed, as it does for
+    a client that leaves between requests. Peeking consumes nothing, so when more bytes
+    are waiting in the kernel the end cannot be seen behind them without reading them,
+    and the watch stops (the write of the response still notices a closed connection).
+    """
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        super().__init__()
+        self._socket = sock
+        self._watch: trio.CancelScope | None = None
+
+    async def set(self) -> None:
+        await super().set()
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def wait(self) -> None:
+        if self.is_set():
+            return
+        with trio.CancelScope() as self._watch:
+            try:
+                peeked = await self._socket.recv(1, socket.MSG_PEEK)
+            except (OSError, trio.ClosedResourceError):
+                # ClosedResourceError: a failed write closed the socket under us.
+                raise _ClientLeft from None
+            if not peeked:
+                raise _ClientLeft
+        self._watch = None
+        await super().wait()
+
+
 class _StallBoundTCPServer(TCPServer):
     stall_s: float = 0.5
 
@@ -164,13 +213,18 @@ class _StallBoundTCPServer(TCPServer):
         if self.config.read_timeout is not None:
             await super()._read_data()
             return
+        if isinstance(h11 := getattr(self.protocol, "protocol", None), H11Protocol):
+            h11.can_read = _ClientWatch(self.stream.socket)
         # hypercorn's loop without its per-read `fail_after(inf)` scope.
         while True:
             try:
                 data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
-            await self.protocol.handle(RawData(bytes(data)))
+            try:
+                await self.protocol.handle(RawData(bytes(data)))
+            except _ClientLeft:
+                break
             if data == b"":
                 break
         await self.protocol.handle(Closed())

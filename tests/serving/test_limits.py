@@ -48,6 +48,26 @@ async def test_disconnect_during_prefill_aborts_the_prefill(start_stack: StartSt
     assert stack.fleet[1].state()["counters"]["requests"]["decode"] == 0
 
 
+async def test_disconnect_with_a_pipelined_request_behind_aborts_the_legs(
+    start_stack: StartStack,
+) -> None:
+    # While a request is answered with the next one's bytes buffered behind it, the HTTP
+    # server does not read the connection: the client leaving must still be seen, not
+    # left to the decode gap timer (which would also blame the engine).
+    stack = await start_stack()
+    stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
+    body = json.dumps({**BODY, "stream": False}).encode()
+    host, port = stack.supervisor.bound[0]
+    sock = await trio.open_tcp_stream(host, port)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)
+    await sock.send_all(head + body + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    await wait_for(lambda: stack.fleet[1].state()["counters"]["stalls_injected"] == 1)
+    await sock.aclose()
+    await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"client_disconnected": 1}
+
+
 async def test_disconnect_while_queued_frees_the_slot(start_stack: StartStack) -> None:
     stack = await start_stack(serving={**QUEUEING, "queue_timeout_s": 30.0})
     stack.fleet[1].set_faults(stall_after_tokens=1, leg="decode")
@@ -194,6 +214,29 @@ async def test_a_refusal_after_the_body_was_read_keeps_the_connection(
     status, headers = await read_reply(sock)
     assert status.startswith(b"HTTP/1.1 404")
     assert headers[b"connection"] == b"close"
+    await sock.aclose()
+
+
+async def test_a_request_with_both_body_framings_closes_its_connection(
+    start_stack: StartStack,
+) -> None:
+    # RFC 9112 6.3: a proxy in front may have framed it by the content-length, and then
+    # the bytes after it are a request the proxy never saw; the connection must end.
+    stack = await start_stack()
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    sock = await send_raw_request(
+        stack.url,
+        "/v1/completions",
+        chunked,
+        headers={"transfer-encoding": "chunked", "content-length": "3"},
+    )
+    status, headers = await read_reply(sock)
+    assert status.startswith(b"HTTP/1.1 200")
+    assert headers[b"connection"] == b"close"
+    with trio.fail_after(5):
+        while await sock.receive_some(65536):  # closed, as announced
+            pass
     await sock.aclose()
 
 

@@ -182,6 +182,35 @@ async def test_unknown_model_is_404_with_envelope(start_stack: StartStack) -> No
     }
 
 
+async def test_a_route_asked_with_a_method_it_does_not_answer_is_405_with_allow(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(["prefill", "decode"])
+    async with httpx.AsyncClient(timeout=10) as client:
+        get_chat = await client.get(f"{stack.url}/v1/chat/completions")
+        post_health = await client.post(f"{stack.url}/health", content=b"{}")
+        head_health = await client.head(f"{stack.url}/health")
+        head_models = await client.head(f"{stack.url}/v1/models")
+    assert get_chat.status_code == 405
+    assert get_chat.headers["allow"] == "POST"
+    assert get_chat.json() == {
+        "error": {
+            "message": "/v1/chat/completions answers POST, not GET",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "method_not_allowed",
+        }
+    }
+    assert post_health.status_code == 405
+    assert post_health.headers["allow"] == "GET, HEAD"
+    # HEAD is GET without the body: the same status and headers.
+    for head in (head_health, head_models):
+        assert head.status_code == 200
+        assert head.headers["content-type"] == "application/json"
+        assert int(head.headers["content-length"]) > 0
+        assert head.content == b""
+
+
 async def test_the_state_shows_each_engines_profiled_request_cap(
     start_stack: StartStack,
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from narwhal._errors import BadRequest
@@ -65,7 +66,19 @@ def test_request_shaped_documents(document: dict[str, object], kind: EndpointKin
         model = document.get("model")
         assert result.model == ("m" if model is None else model)
         assert isinstance(result.stream, bool)
-        assert result.body == document
+        # A null `stream` or `n` is the default, and is not passed on to the engines.
+        assert result.body == {
+            k: v for k, v in document.items() if not (k in ("stream", "n") and v is None)
+        }
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_null_stream_or_n_is_the_default(kind: EndpointKind) -> None:
+    document = {"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    result = parse(json.dumps({**document, "stream": None, "n": None}).encode(), kind)
+    assert isinstance(result, ClientRequest), result
+    assert result.stream is False
+    assert result.body == document
 
 
 @given(st.binary(max_size=200))

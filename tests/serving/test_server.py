@@ -14,7 +14,7 @@ import trio.testing
 
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
-from narwhal.serving._server import accept_pending
+from narwhal.serving._server import _ClientLeft, _ClientWatch, accept_pending
 
 
 def _listening() -> socket.socket:
@@ -93,3 +93,119 @@ async def test_eager_receive_takes_a_queued_message_without_a_scheduler_pass() -
         return {}
 
     assert eager(other) is other  # anything but a memory channel's receive: as it was
+
+
+class _Holding:
+    """Answers `/hold` only once released (or notes that its client left); anything
+    else at once."""
+
+    def __init__(self) -> None:
+        self.started = trio.Event()
+        self.release = trio.Event()
+        self.disconnected = trio.Event()
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/hold":
+            await receive()  # the empty body
+            self.started.set()
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    if (await receive())["type"] == "http.disconnect":
+                        self.disconnected.set()
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await self.release.wait()
+                nursery.cancel_scope.cancel()
+            if self.disconnected.is_set():
+                return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"hello"})
+
+
+# Two requests in one write (HTTP/1.1 pipelining): hypercorn stops reading the
+# connection while the first is answered, with the second already buffered.
+_PIPELINED = b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+async def test_a_client_that_leaves_with_a_pipelined_request_behind_is_seen_to_leave() -> None:
+    app = _Holding()
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(serve_app, app, host="127.0.0.1", port=0, client_stall_s=1.0, shutdown=shutdown)
+        )
+        client = await trio.open_tcp_stream(host, port)
+        await client.send_all(_PIPELINED)
+        await app.started.wait()
+        await client.aclose()
+        with trio.fail_after(5):
+            await app.disconnected.wait()
+        shutdown.set()
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    app = _Holding()
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(serve_app, app, host="127.0.0.1", port=0, client_stall_s=1.0, shutdown=shutdown)
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            await client.send_all(_PIPELINED)
+            await app.started.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the server waits, watching
+            app.release.set()
+            reply = b""
+            with trio.fail_after(5):
+                while reply.count(b"hello") < 2:
+                    reply += await client.receive_some(65536)
+        assert reply.count(b"HTTP/1.1 200") == 2
+        assert not app.disconnected.is_set()
+        shutdown.set()
+
+
+@pytest.mark.parametrize("closed_by", ["client", "server"])
+async def test_the_watch_ends_with_the_connection_whichever_side_ends_it(closed_by: str) -> None:
+    # The client's end, and the server's own close after a failed write: either one
+    # must reach the read loop as the client leaving, never as another exception.
+    ours, theirs = trio.socket.socketpair()
+    with ours, theirs:
+        watch = _ClientWatch(ours)
+        await watch.clear()
+        left: list[bool] = []
+
+        async def wait() -> None:
+            try:
+                await watch.wait()
+            except _ClientLeft:
+                left.append(True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            (ours if closed_by == "server" else theirs).close()
+        assert left == [True]
+
+
+async def test_the_watch_is_an_event_when_the_client_stays() -> None:
+    ours, theirs = trio.socket.socketpair()
+    with ours, theirs:
+        watch = _ClientWatch(ours)
+        await watch.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            await watch.set()
+        # More bytes waiting: the watch cannot see past them and waits for the event.
+        await theirs.send(b"GET / HTTP/1.1")
+        await watch.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.close()
+            await trio.testing.wait_all_tasks_blocked()
+            await watch.set()
