@@ -24,12 +24,17 @@ class NarwhalError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        final: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
         self.param = param
         self.retry_after_s = retry_after_s
+        # The same request cannot succeed later: only a change of config or profile would
+        # make it pass. Said in `x-should-retry: false`, which OpenAI's (and Anthropic's)
+        # SDKs obey; they retry every 429 otherwise, twice by default.
+        self.final = final
 
     def envelope(self) -> Json:
         return {
@@ -42,10 +47,14 @@ class NarwhalError(Exception):
         }
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        if self.retry_after_s is None:
-            return []
-        # Retry-After takes whole seconds; round up so a client never comes back early.
-        return [(b"retry-after", str(max(1, math.ceil(self.retry_after_s))).encode())]
+        headers = []
+        if self.retry_after_s is not None:
+            # Retry-After takes whole seconds; round up so a client never comes back early.
+            seconds = max(1, math.ceil(self.retry_after_s))
+            headers.append((b"retry-after", str(seconds).encode()))
+        if self.final:
+            headers.append((b"x-should-retry", b"false"))
+        return headers
 
 
 class BadRequest(NarwhalError):

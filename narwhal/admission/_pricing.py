@@ -162,6 +162,7 @@ class Verdict:
     code: str | None = None
     message: str = ""
     retry_after_s: float | None = None
+    final: bool = False  # the prompt itself is over the budget: no later retry passes
 
 
 def _usable(priced: Priced, excluded: frozenset[str], phase: str) -> bool:
@@ -279,6 +280,7 @@ def judge(
                 f"(slo.ttft_s={ttft_target_s} with serving.admission_margin={margin}); "
                 "shorten the prompt or raise the TTFT target"
             ),
+            final=True,
         )
     return Verdict(
         False,

@@ -446,7 +446,12 @@ class Flow:
             ctx.signals.ttft_breach()
         if verdict.code == "no_priced_path":
             raise Unavailable(verdict.message, code=verdict.code)
-        raise Refused(verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s)
+        raise Refused(
+            verdict.message,
+            code=verdict.code,
+            retry_after_s=verdict.retry_after_s,
+            final=verdict.final,
+        )
 
     def _priced(self, profiles: ProfileSource) -> dict[str, Priced]:
         """Every engine as pricing sees it now: profile, backlog and decode-side load."""

@@ -119,6 +119,7 @@ def test_a_prompt_too_long_for_the_target_at_zero_backlog() -> None:
     verdict = judge(quotes, prompt_tokens=8000, ttft_target_s=0.5, margin=0.0)
     assert verdict.code == "prompt_exceeds_ttft_target"
     assert verdict.retry_after_s is None
+    assert verdict.final
     assert "shorten the prompt or raise the TTFT target" in verdict.message
     assert "0.810s to its first token even on an idle engine" in verdict.message
 

@@ -116,6 +116,8 @@ async def test_a_prompt_that_cannot_meet_the_target_even_idle(start_stack: Start
         )
     assert response.status_code == 429
     assert "retry-after" not in response.headers
+    # No retry can pass: OpenAI's SDKs would otherwise resend this 429 twice.
+    assert response.headers["x-should-retry"] == "false"
     error = response.json()["error"]
     assert error["code"] == "prompt_exceeds_ttft_target"
     assert "shorten the prompt or raise the TTFT target" in error["message"]
@@ -151,6 +153,7 @@ async def test_backlog_refusals_carry_a_plausible_retry_after(start_stack: Start
         assert response.json()["error"]["code"] == "ttft_budget"
         # Whole seconds, rounded up from a wait of well under a second.
         assert response.headers["retry-after"] == "1"
+        assert "x-should-retry" not in response.headers  # a later one may pass
     state = await settled(stack)
     assert state["requests"]["outcomes"]["ttft_budget"] == len(refused)
     # Refusals are offered demand for the role controller (manual 7.6).
