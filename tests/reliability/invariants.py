@@ -22,7 +22,12 @@ deadline          no request lived longer than serving.request_timeout_s plus a 
 no_retry_after_output
                   a stream the client saw any output on had exactly one decode leg
                   (over every engine, by request id); a committed stream never more
-                  than one.
+                  than one. Decode legs that ended before the response head
+                  reached the client (wall clocks) do not count: an SGLang pair
+                  sends its decode leg with its prefill, before the stream commits,
+                  so a pair that failed then leaves a decode leg nobody saw, and the
+                  retry that follows is one before any output. (The last leg may
+                  end before the head too: its output waits for the prefill's answer.)
 aborts_seen       every leg the router had to cancel (the client left mid-leg, a
                   prefill/first-token/gap/request deadline fired on a stalled engine)
                   ended `aborted` at the engine, or ended by the engine's own doing (an
@@ -319,13 +324,20 @@ def check_legs(
         decodes = [leg for leg in mine if leg.phase in _DECODE_PHASES]
         if ex.stream and ex.status == 200:
             retry.checked += 1
-            if v.visible_output and len(decodes) != 1:
+            # The last decode leg is the one that may have fed the stream; every earlier
+            # one must have ended before the stream was committed.
+            late = [leg for leg in decodes[:-1] if not ended_before_commit(leg, ex)]
+            if v.visible_output and (not decodes or late):
                 retry.fail(
                     f"{ex.request_id}: client saw output but the engines saw "
-                    f"{len(decodes)} decode legs: {decodes}"
+                    f"{len(decodes)} decode legs, {len(late)} of them before the last "
+                    f"ending after the commit: {decodes}"
                 )
-            elif len(decodes) > 1:
-                retry.fail(f"{ex.request_id}: committed stream with {len(decodes)} decode legs")
+            elif late:
+                retry.fail(
+                    f"{ex.request_id}: committed stream with {len(late) + 1} decode legs "
+                    f"after the commit: {decodes}"
+                )
         phase = expected_abort(ex, v)
         if phase is None:
             continue
@@ -355,6 +367,14 @@ def check_legs(
 # having ended it before the router's close reached it: the router closes the leg before
 # it ends the client's response, so only the two processes' scheduling lies between.
 RACE_SLACK_S = 0.05
+
+
+def ended_before_commit(leg: Leg, ex: Exchange) -> bool:
+    """Whether a leg had ended before the response head reached the client, so that
+    nothing of it can have reached the stream."""
+    if leg.wall is None or not ex.head_wall:
+        return False
+    return leg.wall < ex.head_wall
 
 
 def ended_first(leg: Leg, ex: Exchange) -> bool:

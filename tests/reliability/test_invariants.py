@@ -47,3 +47,53 @@ def test_a_cancelled_leg_must_end_aborted_unless_the_engine_ended_it_first() -> 
     assert aborts.notes == {"expected": 5, "seen": 1, "engine_first": 2}
     flagged = sorted(v.split(" ")[0] for v in aborts.violations)
     assert flagged == ["leaked", "unknown"]
+
+
+def committed_stream(request_id: str, head_wall: float) -> Exchange:
+    """A stream that ended well after output, its head read at `head_wall`."""
+    chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+    return Exchange(
+        request_id=request_id,
+        stream=True,
+        status=200,
+        headers={"content-type": "text/event-stream"},
+        body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+        complete=True,
+        head_wall=head_wall,
+        ended_wall=ENDED,
+    )
+
+
+def test_a_decode_leg_that_ended_before_the_commit_is_no_retry_after_output() -> None:
+    head = ENDED - 0.5
+    cases = {
+        # SGLang: the first pair's decode leg failed with its prefill, before the stream
+        # was committed; the retry's leg served the stream. Its output waited for its
+        # prefill's answer, so that leg may end before the head reaches the client too.
+        "before-commit": [
+            decode_leg("before-commit", "error", head - 0.1),
+            decode_leg("before-commit", "ok", head - 0.01),
+        ],
+        "aborted-before-commit": [
+            decode_leg("aborted-before-commit", "aborted", head - 0.05),
+            decode_leg("aborted-before-commit", "ok", ENDED),
+        ],
+        # A leg that failed after the commit, then another one: a retry after output.
+        "after-commit": [
+            decode_leg("after-commit", "error", head + 0.1),
+            decode_leg("after-commit", "ok", ENDED),
+        ],
+        "no-wall-clock": [
+            decode_leg("no-wall-clock", "error", None),
+            decode_leg("no-wall-clock", "ok", None),
+        ],
+        "none": [],
+    }
+    exchanges = [committed_stream(name, head) for name in cases]
+    verdicts = {ex.request_id: verdict(ex) for ex in exchanges}
+    report = Report()
+    check_legs(report, exchanges, verdicts, cases)
+    retry = report.checks["no_retry_after_output"]
+    assert retry.checked == 5
+    flagged = sorted(v.split(":")[0] for v in retry.violations)
+    assert flagged == ["after-commit", "no-wall-clock", "none"]
