@@ -991,6 +991,8 @@ class Flow:
                 counts_against_engine=False,
                 code="engine_auth_failed",
             )
+        if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
+            return _transfer_failed(engine, phase, info.message)
         client_error = 400 <= status < 500 and status not in (408, 429)
         return EngineFailed(
             f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",
@@ -1463,12 +1465,47 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
     Transient like the HTTP 500 the engine sends when not streaming (a KV load failure,
     say): _attempts retries it only while nothing reached the client."""
     message = (event.error or {}).get("message", "engine error")
+    if isinstance(message, str) and _kv_transfer_failed(engine, phase, message):
+        return _transfer_failed(engine, phase, message)
     return _failed(
         engine,
         phase,
         "engine_stream_error",
         f"engine reported an error mid-stream: {message}",
         retryable=True,
+    )
+
+
+# How SGLang reports that a bootstrap pair's KV transfer failed, on either server: its
+# KVTransferError, in the decode server's abort ("Decode transfer failed for request
+# ... with exception KVTransferError(bootstrap_room=...): Failed to get kvcache from
+# prefill instance, it might be dead") and in the prefill server's.
+_SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
+
+
+def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:
+    if not engine.dialect.concurrent_legs or phase == "aggregate":
+        return False
+    return any(words in message for words in _SGLANG_TRANSFER_FAILURE)
+
+
+def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> EngineFailed:
+    """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it.
+
+    That says the transfer failed, not which server made it fail. It is mostly the
+    other one: when a prefill server dies, its decoder's transfer fails at once and its
+    report often reaches Narwhal before the prefill leg's own broken connection does,
+    which the first failure then cancels. So it counts against neither server (a dead
+    one fails its own legs and health probes), and the retry may use either again: in
+    a fleet with one server of a role, leaving it out would end the request."""
+    return _failed(
+        engine,
+        phase,
+        "kv_transfer_failed",
+        f"the bootstrap pair's KV transfer failed: {message}",
+        retryable=True,
+        counts=False,
+        exclude=False,
     )
 
 

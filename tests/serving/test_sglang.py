@@ -220,3 +220,47 @@ async def test_a_pair_holds_both_slots_before_it_sends_either_leg(nursery: trio.
     assert statuses == [200, 200]
     assert "narwhal_engine_failures_total{" not in stack.ctx.metrics.render().decode()
     await settled(stack)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"stream": True}, id="stream"),
+        pytest.param({"stream": False}, id="non-streaming"),
+        # An answer a stream cannot give: the decode leg is a plain request, and the
+        # failure an HTTP 500.
+        pytest.param({"stream": False, "echo": True}, id="unstreamed"),
+    ],
+)
+async def test_a_failed_kv_transfer_is_charged_to_neither_server_and_retried(
+    nursery: trio.Nursery, extra: dict[str, Any]
+) -> None:
+    # The decode server reports that the pair's KV transfer failed (SGLang's
+    # KVTransferError: "Failed to get kvcache from prefill instance, it might be dead").
+    # That names the transfer, not the decode server, which is usually the one that
+    # reports it first when its prefill dies. Charged to the decode server, a prefill
+    # crash counted against every healthy decoder paired with it, and the retry left
+    # the decoder out: in this 1P1D fleet, 503 no_engine_available for one transient
+    # failure.
+    stack = await sglang_stack(nursery, max_attempts=2, handoff_timeout_s=1.0)
+    stack.fleet[1].set_faults(kv_pull_fail=True, leg="decode", count=1)
+    async with httpx.AsyncClient(timeout=20) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, **extra},
+        )
+    assert response.status_code == 200, response.text
+    if extra["stream"]:
+        assert sse_json(response.content)[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        assert response.json()["usage"]["completion_tokens"] == 4
+    assert stack.fleet[1].state()["counters"]["kv_pull_failures_injected"] == 1
+    metrics = stack.ctx.metrics.render().decode()
+    assert (
+        'narwhal_engine_failures_total{code="kv_transfer_failed",engine="d1",phase="decode"} 1.0'
+        in metrics
+    )
+    state = await stack.state()
+    breakers = state["recovery"]["engines"]["d1"]["breakers"]
+    assert breakers["decode"]["failures_in_window"] == 0
+    await settled(stack)
