@@ -34,6 +34,15 @@ aborts_seen       every leg the router had to cancel (the client left mid-leg, a
                   error, or done) no later than the router's answer to the client
                   (wall clocks, RACE_SLACK_S): a race in which nothing outlived the
                   request. The expected, seen and engine-first counts are reported.
+legs_end_with_request
+                  no leg outlived the response the router gave: every leg the engine
+                  ended by its own doing (done, or an error) ended no later than the
+                  client's end (wall clocks, RACE_SLACK_S). A leg the router gave up on
+                  without closing would run on. This covers the legs aborts_seen cannot
+                  name from the client's verdict: an SGLang pair's other leg, cancelled
+                  when one leg fails (a prefill left waiting in its bootstrap room ends
+                  only at SGLang's bootstrap timeout). Clients that hung up are left
+                  out: their end is theirs, not the router's.
 engines_settled   no leg is left running or waiting on any engine, every leg an
                   engine accepted has exactly one outcome, the counters balance, and
                   (when asked) every KV lease of a live instance was released or
@@ -317,10 +326,19 @@ def check_legs(
 ) -> None:
     retry = report.check("no_retry_after_output")
     aborts = report.check("aborts_seen")
+    within = report.check("legs_end_with_request")
     expected = seen = engine_first = 0
     for ex in exchanges:
         v = verdicts[ex.request_id]
         mine = legs.get(ex.request_id, [])
+        if ex.hung_up is None and ex.ended_wall:
+            for leg in mine:
+                within.checked += 1
+                if leg.outcome != "aborted" and not ended_by(leg, ex.ended_wall + RACE_SLACK_S):
+                    within.fail(
+                        f"{ex.request_id} ({v.label}, {ex.label or 'no label'}): its {leg.phase} "
+                        f"leg on engine {leg.engine} ended {leg.outcome!r} after the response"
+                    )
         decodes = [leg for leg in mine if leg.phase in _DECODE_PHASES]
         if ex.stream and ex.status == 200:
             retry.checked += 1
@@ -375,6 +393,11 @@ def ended_before_commit(leg: Leg, ex: Exchange) -> bool:
     if leg.wall is None or not ex.head_wall:
         return False
     return leg.wall < ex.head_wall
+
+
+def ended_by(leg: Leg, wall: float) -> bool:
+    """Whether the engine recorded the leg by `wall` (unknown without its wall clock)."""
+    return leg.wall is None or leg.wall <= wall
 
 
 def ended_first(leg: Leg, ex: Exchange) -> bool:

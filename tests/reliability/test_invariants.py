@@ -97,3 +97,27 @@ def test_a_decode_leg_that_ended_before_the_commit_is_no_retry_after_output() ->
     assert retry.checked == 5
     flagged = sorted(v.split(":")[0] for v in retry.violations)
     assert flagged == ["after-commit", "no-wall-clock", "none"]
+
+
+def test_a_leg_the_engine_ended_after_the_response_outlived_its_request() -> None:
+    def prefill_leg(request_id: str, outcome: str, wall: float) -> Leg:
+        return Leg("p0", request_id, "prefill", outcome, 200, 0, 0.0, True, wall=wall)
+
+    cases = {
+        # An SGLang pair whose decode failed: the router cancelled the prefill, which
+        # recorded the close after the client had its answer.
+        "closed": prefill_leg("closed", "aborted", ENDED + 1.0),
+        "done-first": prefill_leg("done-first", "ok", ENDED - 0.2),
+        "raced": prefill_leg("raced", "error", ENDED + RACE_SLACK_S / 2),
+        # Left waiting in its bootstrap room until the engine gave up on it.
+        "left-behind": prefill_leg("left-behind", "error", ENDED + 15.0),
+        "hung-up": prefill_leg("hung-up", "ok", ENDED + 2.0),
+    }
+    exchanges = [timed_out_stream(name) for name in cases]
+    exchanges[-1].hung_up = "after 1 events"
+    verdicts = {ex.request_id: verdict(ex) for ex in exchanges}
+    report = Report()
+    check_legs(report, exchanges, verdicts, {name: [leg] for name, leg in cases.items()})
+    within = report.checks["legs_end_with_request"]
+    assert within.checked == 4
+    assert [v.split(" ")[0] for v in within.violations] == ["left-behind"]
