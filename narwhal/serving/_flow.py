@@ -601,15 +601,18 @@ class Flow:
         ctx = self.ctx
         serving = config.serving
         excluded: set[str] = set()
+        # Prefill servers of SGLang pairs whose KV transfer failed: left out of a retry
+        # while another one can take it, never the only one (see _transfer_failed).
+        avoided: set[str] = set()
         attempt = 0
         while True:
             attempt += 1
             record.attempts = attempt
-            placement = choose(
-                ctx.fleet.views(trio.current_time()),
-                excluded=frozenset(excluded),
-                policy=self._policy(tokens, config),
-            )
+            views = ctx.fleet.views(trio.current_time())
+            policy = self._policy(tokens, config)
+            placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
+            if isinstance(placement, NoPlacement) and avoided:
+                placement = choose(views, excluded=frozenset(excluded), policy=policy)
             if isinstance(placement, NoPlacement):
                 raise Unavailable(placement.reason, code="no_engine_available")
             if placement.unserved:
@@ -631,6 +634,8 @@ class Flow:
                     raise
                 if failure.exclude_on_retry:
                     excluded.add(failure.engine_id)
+                elif failure.code == _TRANSFER_FAILED and placement.prefill is not None:
+                    avoided.add(placement.prefill)
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
                 await trio.sleep(
@@ -1481,6 +1486,7 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
 # ... with exception KVTransferError(bootstrap_room=...): Failed to get kvcache from
 # prefill instance, it might be dead") and in the prefill server's.
 _SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
+_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:
@@ -1493,15 +1499,17 @@ def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> Engi
     """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it.
 
     That says the transfer failed, not which server made it fail. It is mostly the
-    other one: when a prefill server dies, its decoder's transfer fails at once and its
-    report often reaches Narwhal before the prefill leg's own broken connection does,
-    which the first failure then cancels. So it counts against neither server (a dead
-    one fails its own legs and health probes), and the retry may use either again: in
-    a fleet with one server of a role, leaving it out would end the request."""
+    prefill (SGLang's own words: "it might be dead"): when a prefill server dies, its
+    decoders' transfers fail at once and their reports often reach Narwhal before the
+    prefill leg's own broken connection does, which the first failure then cancels. So
+    it counts against neither server (a dead one fails its own legs and health probes),
+    the retry does not leave the decode server out, and leaves the prefill server out
+    only while another one can take the retry (`_attempts`): with one prefill server,
+    a transient failure is retried on it."""
     return _failed(
         engine,
         phase,
-        "kv_transfer_failed",
+        _TRANSFER_FAILED,
         f"the bootstrap pair's KV transfer failed: {message}",
         retryable=True,
         counts=False,
