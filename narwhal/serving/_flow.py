@@ -606,15 +606,18 @@ class Flow:
         ctx = self.ctx
         serving = config.serving
         excluded: set[str] = set()
+        # Prefill servers of SGLang pairs whose KV transfer failed: left out of a retry
+        # while another one can take it, never the only one (see _transfer_failed).
+        avoided: set[str] = set()
         attempt = 0
         while True:
             attempt += 1
             record.attempts = attempt
-            placement = choose(
-                ctx.fleet.views(trio.current_time()),
-                excluded=frozenset(excluded),
-                policy=self._policy(tokens, config),
-            )
+            views = ctx.fleet.views(trio.current_time())
+            policy = self._policy(tokens, config)
+            placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
+            if isinstance(placement, NoPlacement) and avoided:
+                placement = choose(views, excluded=frozenset(excluded), policy=policy)
             if isinstance(placement, NoPlacement):
                 raise Unavailable(placement.reason, code="no_engine_available")
             if placement.unserved:
@@ -636,6 +639,8 @@ class Flow:
                     raise
                 if failure.exclude_on_retry:
                     excluded.add(failure.engine_id)
+                elif failure.code == _TRANSFER_FAILED and placement.prefill is not None:
+                    avoided.add(placement.prefill)
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
                 await trio.sleep(
@@ -996,6 +1001,8 @@ class Flow:
                 counts_against_engine=False,
                 code="engine_auth_failed",
             )
+        if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
+            return _transfer_failed(engine, phase, info.message)
         client_error = 400 <= status < 500 and status not in (408, 429)
         return EngineFailed(
             f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",
@@ -1472,12 +1479,50 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
     Transient like the HTTP 500 the engine sends when not streaming (a KV load failure,
     say): _attempts retries it only while nothing reached the client."""
     message = (event.error or {}).get("message", "engine error")
+    if isinstance(message, str) and _kv_transfer_failed(engine, phase, message):
+        return _transfer_failed(engine, phase, message)
     return _failed(
         engine,
         phase,
         "engine_stream_error",
         f"engine reported an error mid-stream: {message}",
         retryable=True,
+    )
+
+
+# How SGLang reports that a bootstrap pair's KV transfer failed, on either server: its
+# KVTransferError, in the decode server's abort ("Decode transfer failed for request
+# ... with exception KVTransferError(bootstrap_room=...): Failed to get kvcache from
+# prefill instance, it might be dead") and in the prefill server's.
+_SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
+_TRANSFER_FAILED = "kv_transfer_failed"
+
+
+def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:
+    if not engine.dialect.concurrent_legs or phase == "aggregate":
+        return False
+    return any(words in message for words in _SGLANG_TRANSFER_FAILURE)
+
+
+def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> EngineFailed:
+    """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it.
+
+    That says the transfer failed, not which server made it fail. It is mostly the
+    prefill (SGLang's own words: "it might be dead"): when a prefill server dies, its
+    decoders' transfers fail at once and their reports often reach Narwhal before the
+    prefill leg's own broken connection does, which the first failure then cancels. So
+    it counts against neither server (a dead one fails its own legs and health probes),
+    the retry does not leave the decode server out, and leaves the prefill server out
+    only while another one can take the retry (`_attempts`): with one prefill server,
+    a transient failure is retried on it."""
+    return _failed(
+        engine,
+        phase,
+        _TRANSFER_FAILED,
+        f"the bootstrap pair's KV transfer failed: {message}",
+        retryable=True,
+        counts=False,
+        exclude=False,
     )
 
 

@@ -32,6 +32,7 @@ class Exchange:
     started: float = 0.0
     ended: float = 0.0
     ended_wall: float = 0.0  # time.time() at `ended`, comparable with other processes
+    head_wall: float = 0.0  # time.time() when the response head arrived (0: it never did)
     status: int | None = None
     headers: dict[str, str] = attrs.Factory(dict)
     body: bytes = b""
@@ -241,6 +242,7 @@ async def _read_response(sock: trio.SocketStream, conn: h11.Connection, ex: Exch
                 pass
             continue
         if isinstance(event, h11.Response):
+            ex.head_wall = time.time()
             ex.status = event.status_code
             ex.headers = {k.decode(): v.decode("latin-1") for k, v in event.headers}
             ex.cut = None

@@ -22,13 +22,27 @@ deadline          no request lived longer than serving.request_timeout_s plus a 
 no_retry_after_output
                   a stream the client saw any output on had exactly one decode leg
                   (over every engine, by request id); a committed stream never more
-                  than one.
+                  than one. Decode legs that ended before the response head
+                  reached the client (wall clocks) do not count: an SGLang pair
+                  sends its decode leg with its prefill, before the stream commits,
+                  so a pair that failed then leaves a decode leg nobody saw, and the
+                  retry that follows is one before any output. (The last leg may
+                  end before the head too: its output waits for the prefill's answer.)
 aborts_seen       every leg the router had to cancel (the client left mid-leg, a
                   prefill/first-token/gap/request deadline fired on a stalled engine)
                   ended `aborted` at the engine, or ended by the engine's own doing (an
                   error, or done) no later than the router's answer to the client
                   (wall clocks, RACE_SLACK_S): a race in which nothing outlived the
                   request. The expected, seen and engine-first counts are reported.
+legs_end_with_request
+                  no leg outlived the response the router gave: every leg the engine
+                  ended by its own doing (done, or an error) ended no later than the
+                  client's end (wall clocks, RACE_SLACK_S). A leg the router gave up on
+                  without closing would run on. This covers the legs aborts_seen cannot
+                  name from the client's verdict: an SGLang pair's other leg, cancelled
+                  when one leg fails (a prefill left waiting in its bootstrap room ends
+                  only at SGLang's bootstrap timeout). Clients that hung up are left
+                  out: their end is theirs, not the router's.
 engines_settled   no leg is left running or waiting on any engine, every leg an
                   engine accepted has exactly one outcome, the counters balance, and
                   (when asked) every KV lease of a live instance was released or
@@ -312,20 +326,36 @@ def check_legs(
 ) -> None:
     retry = report.check("no_retry_after_output")
     aborts = report.check("aborts_seen")
+    within = report.check("legs_end_with_request")
     expected = seen = engine_first = 0
     for ex in exchanges:
         v = verdicts[ex.request_id]
         mine = legs.get(ex.request_id, [])
+        if ex.hung_up is None and ex.ended_wall:
+            for leg in mine:
+                within.checked += 1
+                if leg.outcome != "aborted" and not ended_by(leg, ex.ended_wall + RACE_SLACK_S):
+                    within.fail(
+                        f"{ex.request_id} ({v.label}, {ex.label or 'no label'}): its {leg.phase} "
+                        f"leg on engine {leg.engine} ended {leg.outcome!r} after the response"
+                    )
         decodes = [leg for leg in mine if leg.phase in _DECODE_PHASES]
         if ex.stream and ex.status == 200:
             retry.checked += 1
-            if v.visible_output and len(decodes) != 1:
+            # The last decode leg is the one that may have fed the stream; every earlier
+            # one must have ended before the stream was committed.
+            late = [leg for leg in decodes[:-1] if not ended_before_commit(leg, ex)]
+            if v.visible_output and (not decodes or late):
                 retry.fail(
                     f"{ex.request_id}: client saw output but the engines saw "
-                    f"{len(decodes)} decode legs: {decodes}"
+                    f"{len(decodes)} decode legs, {len(late)} of them before the last "
+                    f"ending after the commit: {decodes}"
                 )
-            elif len(decodes) > 1:
-                retry.fail(f"{ex.request_id}: committed stream with {len(decodes)} decode legs")
+            elif late:
+                retry.fail(
+                    f"{ex.request_id}: committed stream with {len(late) + 1} decode legs "
+                    f"after the commit: {decodes}"
+                )
         phase = expected_abort(ex, v)
         if phase is None:
             continue
@@ -355,6 +385,19 @@ def check_legs(
 # having ended it before the router's close reached it: the router closes the leg before
 # it ends the client's response, so only the two processes' scheduling lies between.
 RACE_SLACK_S = 0.05
+
+
+def ended_before_commit(leg: Leg, ex: Exchange) -> bool:
+    """Whether a leg had ended before the response head reached the client, so that
+    nothing of it can have reached the stream."""
+    if leg.wall is None or not ex.head_wall:
+        return False
+    return leg.wall < ex.head_wall
+
+
+def ended_by(leg: Leg, wall: float) -> bool:
+    """Whether the engine recorded the leg by `wall` (unknown without its wall clock)."""
+    return leg.wall is None or leg.wall <= wall
 
 
 def ended_first(leg: Leg, ex: Exchange) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import trio
 
 from narwhal.config import load_config
 from narwhal.ctl import CtlError, CtlRequest
-from narwhal.sim import SimEngineSpec
+from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
 from narwhal.supervisor import Supervisor
 from narwhal.supervisor._operations import Operations
 
@@ -219,4 +220,85 @@ async def test_a_pair_holds_both_slots_before_it_sends_either_leg(nursery: trio.
         requests.start_soon(one)
     assert statuses == [200, 200]
     assert "narwhal_engine_failures_total{" not in stack.ctx.metrics.render().decode()
+    await settled(stack)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"stream": True}, id="stream"),
+        pytest.param({"stream": False}, id="non-streaming"),
+        # An answer a stream cannot give: the decode leg is a plain request, and the
+        # failure an HTTP 500.
+        pytest.param({"stream": False, "echo": True}, id="unstreamed"),
+    ],
+)
+async def test_a_failed_kv_transfer_is_charged_to_neither_server_and_retried(
+    nursery: trio.Nursery, extra: dict[str, Any]
+) -> None:
+    # The decode server reports that the pair's KV transfer failed (SGLang's
+    # KVTransferError: "Failed to get kvcache from prefill instance, it might be dead").
+    # That names the transfer, not the decode server, which is usually the one that
+    # reports it first when its prefill dies. Charged to the decode server, a prefill
+    # crash counted against every healthy decoder paired with it, and the retry left
+    # the decoder out: in this 1P1D fleet, 503 no_engine_available for one transient
+    # failure.
+    stack = await sglang_stack(nursery, max_attempts=2, handoff_timeout_s=1.0)
+    stack.fleet[1].set_faults(kv_pull_fail=True, leg="decode", count=1)
+    async with httpx.AsyncClient(timeout=20) as client:
+        response = await client.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, **extra},
+        )
+    assert response.status_code == 200, response.text
+    if extra["stream"]:
+        assert sse_json(response.content)[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        assert response.json()["usage"]["completion_tokens"] == 4
+    assert stack.fleet[1].state()["counters"]["kv_pull_failures_injected"] == 1
+    metrics = stack.ctx.metrics.render().decode()
+    assert (
+        'narwhal_engine_failures_total{code="kv_transfer_failed",engine="d1",phase="decode"} 1.0'
+        in metrics
+    )
+    state = await stack.state()
+    breakers = state["recovery"]["engines"]["d1"]["breakers"]
+    assert breakers["decode"]["failures_in_window"] == 0
+    await settled(stack)
+
+
+async def test_a_retry_after_a_failed_kv_transfer_takes_another_prefill_server(
+    nursery: trio.Nursery,
+) -> None:
+    # SGLang's own diagnosis of a failed transfer is that the prefill "might be dead",
+    # and the failure cancelled that prefill's leg before it could show it. The retry
+    # goes to the other prefill server; placement alone would pick p0 again (equal
+    # cost, the lower id), which, had it died, would fail the retry the same way.
+    fleet: Fleet = await nursery.start(
+        partial(
+            serve_fleet,
+            engines=3,
+            speed=20.0,
+            model=MODEL,
+            dialect="sglang",
+            disaggregation_modes=("prefill", "prefill", "decode"),
+        )
+    )
+    document = fleet_config(
+        fleet,
+        ["prefill", "prefill", "decode"],
+        serving={"max_attempts": 2, "handoff_timeout_s": 1.0},
+    )
+    for entry, handle in zip(document["engines"], fleet, strict=True):
+        entry["dialect"] = "sglang"
+        entry["bootstrap_port"] = handle.port
+    config = load_config(document)
+    stack = Stack(fleet, await nursery.start(Supervisor(config).run), config)
+    fleet[2].set_faults(kv_pull_fail=True, leg="decode", count=1)
+    response = await stream(stack, 4)
+    assert response.status_code == 200
+    assert sse_json(response.content)[-1]["choices"][0]["finish_reason"] == "length"
+    p0, p1 = (handle.state()["counters"] for handle in (fleet[0], fleet[1]))
+    assert (p0["requests"]["prefill"], p0["aborted"]["prefill"]) == (1, 1)
+    assert (p1["requests"]["prefill"], p1["completed"]["prefill"]) == (1, 1)
     await settled(stack)

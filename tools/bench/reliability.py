@@ -1,8 +1,9 @@
 """Reliability soak: many requests through the real daemon with random faults and
 config reloads, then every invariant of tests/reliability/invariants.py.
 
-    .venv/bin/python tools/bench/reliability.py [--requests 20000] [--fault-rate 0.03]
-        [--speed 20] [--concurrency 32] [--reload-every 3] [--out runs/bench/reliability.json]
+    .venv/bin/python tools/bench/reliability.py [--dialect vllm|sglang] [--requests 20000]
+        [--fault-rate 0.03] [--speed 20] [--concurrency 32] [--reload-every 3]
+        [--out runs/bench/reliability.json]
 
 Three processes on loopback: a simulated fleet (2 prefill + 2 decode engines, this
 script re-run as `--serve-sim`, with an outcome ring large enough for every leg),
@@ -14,6 +15,16 @@ pull, an engine going down for a moment) and a few clients hang up part-way. Eve
 one time in five, an invalid one that must be rejected) and the daemon gets SIGHUP.
 Once the load has drained the router and the engines must be idle and every invariant
 must hold; the result goes to --out as JSON. Bounded: the load stops after --max-s.
+
+`--dialect sglang` plays an SGLang P/D fleet instead: two servers launched with
+`--disaggregation-mode prefill` and two with `decode`, which Narwhal drives as
+bootstrap pairs (both legs at once, the same body, paired by bootstrap room; the
+result goes to runs/bench/reliability-sglang.json). Its faults are the ones SGLang can
+show: no short KV lease (SGLang has none: a prefill server keeps the KV until its
+decoder has pulled it or the bootstrap times out), and, since the prefill leg carries
+the client's streamed body, crashes, error events and slow starts on either leg. Its
+config variants are valid for an SGLang fleet (no role changes: the launch mode fixes
+them), and one of its invalid variants mixes dialects.
 """
 
 from __future__ import annotations
@@ -42,13 +53,14 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from narwhal.sim import Fleet, SimEngineSpec, serve_fleet  # noqa: E402
+from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet  # noqa: E402
 from narwhal.sim._http import request as sim_request  # noqa: E402
 from tests.reliability.client import Exchange, after_events, exchange  # noqa: E402
 from tests.reliability.invariants import check_all, verdict  # noqa: E402
 
 MODEL = "sim-llama-3-8b"
-ROLES = ("prefill", "prefill", "decode", "decode")
+ROLES: tuple[DisaggregationMode, ...] = ("prefill", "prefill", "decode", "decode")
+DIALECTS = ("vllm", "sglang")
 SLACK_S = 1.0
 
 BASE: dict[str, Any] = {
@@ -94,6 +106,54 @@ VARIANTS: list[dict[str, Any]] = [
     },
 ]
 INVALID: dict[str, Any] = {"serving": {"max_attempts": 9}}
+# SGLang: a pair holds a slot on both engines before either leg is sent, so the phase
+# limits are what its variants resize; the first-token timer starts when the prefill
+# leg answers. Token counting without /tokenize is a path of its own (older SGLang
+# builds cannot count chat).
+SGLANG_VARIANTS: list[dict[str, Any]] = [
+    {},
+    {
+        "serving": {
+            "max_attempts": 2,
+            "retry_budget": 50,
+            "prefill_concurrency": 16,
+            "decode_concurrency": 16,
+        },
+        "engine": {"decode_read_timeout_s": 0.4},
+    },
+    {
+        "serving": {"decode_concurrency": 24, "request_timeout_s": 3.0},
+        "engine": {"first_token_timeout_s": 0.8, "tokenize": False},
+    },
+]
+
+
+def variants(dialect: str) -> list[dict[str, Any]]:
+    return SGLANG_VARIANTS if dialect == "sglang" else VARIANTS
+
+
+def invalid_documents(dialect: str, valid: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rejected reloads, taken in turn: a field out of range, and for SGLang also a
+    fleet whose dialects differ (a vLLM prefill cannot hand KV to an SGLang decode)."""
+    out = [merge(valid, INVALID)]
+    if dialect == "sglang":
+        engines = [dict(e) for e in valid["engines"]]
+        engines[0]["dialect"] = "vllm"
+        del engines[0]["bootstrap_port"]
+        out.append({**valid, "engines": engines})
+    return out
+
+
+def engine_entries(dialect: str, urls: list[str]) -> list[dict[str, Any]]:
+    engines: list[dict[str, Any]] = []
+    for i, (url, role) in enumerate(zip(urls, ROLES, strict=True)):
+        entry: dict[str, Any] = {"id": f"{role[0]}{i}", "url": url, "role": role, "model": MODEL}
+        if dialect == "sglang":
+            entry["dialect"] = "sglang"
+            # narwhal-sim serves the bootstrap endpoints on the engine's HTTP port.
+            entry["bootstrap_port"] = int(url.rsplit(":", 1)[1])
+        engines.append(entry)
+    return engines
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -109,13 +169,22 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the fleet
 
 
-async def serve_sim(speed: float) -> None:
+async def serve_sim(speed: float, dialect: str) -> None:
     """Child process: the simulated fleet; prints its engine URLs as one JSON line."""
     spec = SimEngineSpec(outcome_ring=400_000)
+    sglang = dialect == "sglang"
 
     async with trio.open_nursery() as nursery:
         fleet: Fleet = await nursery.start(
-            partial(serve_fleet, engines=len(ROLES), speed=speed, model=MODEL, spec=spec)
+            partial(
+                serve_fleet,
+                engines=len(ROLES),
+                speed=speed,
+                model=MODEL,
+                spec=spec,
+                dialect="sglang" if sglang else "vllm",
+                disaggregation_modes=ROLES if sglang else None,
+            )
         )
         print(json.dumps(fleet.urls), flush=True)
 
@@ -130,24 +199,45 @@ async def sim_call(url: str, method: str, path: str, body: Any = None) -> Any:
 # ------------------------------------------------------------------------------ faults
 
 
-def random_fault(rng: random.Random) -> tuple[int, dict[str, Any]]:
+FAULT_KINDS = {
+    "vllm": (
+        "crash",
+        "stall_first",
+        "stall_after",
+        "status",
+        "slow_first",
+        "sse_error",
+        "lease",
+        "pull",
+        "down",
+    ),
+    # No "lease": an SGLang prefill server has no KV lease to cut short. The prefill leg
+    # is a stream of the client's body, so it can crash or end in an error event too.
+    "sglang": (
+        "crash",
+        "prefill_crash",
+        "stall_first",
+        "stall_after",
+        "status",
+        "slow_first",
+        "sse_error",
+        "prefill_sse_error",
+        "pull",
+        "down",
+    ),
+}
+
+
+def random_fault(rng: random.Random, dialect: str = "vllm") -> tuple[int, dict[str, Any]]:
     """(engine index, fault) for one request; engine faults apply to the next leg."""
-    kind = rng.choice(
-        (
-            "crash",
-            "stall_first",
-            "stall_after",
-            "status",
-            "slow_first",
-            "sse_error",
-            "lease",
-            "pull",
-            "down",
-        )
-    )
+    kind = rng.choice(FAULT_KINDS[dialect])
     prefill, decode = rng.choice((0, 1)), rng.choice((2, 3))
     if kind == "crash":
         return decode, {"crash_after_tokens": rng.randint(0, 4), "leg": "decode", "count": 1}
+    if kind == "prefill_crash":
+        return prefill, {"crash_after_tokens": 0, "leg": "prefill", "count": 1}
+    if kind == "prefill_sse_error":
+        return prefill, {"sse_error_after_tokens": 0, "leg": "prefill", "count": 1}
     if kind == "stall_first":
         index = rng.choice((prefill, decode))
         leg = "prefill" if index < 2 else "decode"
@@ -160,7 +250,11 @@ def random_fault(rng: random.Random) -> tuple[int, dict[str, Any]]:
         status = rng.choice((500, 502, 503, 504, 429))
         return index, {"error_status": status, "leg": leg, "count": rng.randint(1, 3)}
     if kind == "slow_first":
-        return decode, {"slow_first_token_s": rng.uniform(0.1, 1.5), "leg": "decode", "count": 1}
+        # An SGLang pair's decode waits for its prefill, so a slow prefill start is a
+        # slow first token too.
+        index = rng.choice((prefill, decode)) if dialect == "sglang" else decode
+        leg = "prefill" if index < 2 else "decode"
+        return index, {"slow_first_token_s": rng.uniform(0.1, 1.5), "leg": leg, "count": 1}
     if kind == "sse_error":
         return decode, {"sse_error_after_tokens": rng.randint(0, 3), "leg": "decode", "count": 1}
     if kind == "lease":
@@ -244,7 +338,15 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     started_wall = time.time()
     directory = Path(tempfile.mkdtemp(prefix="nw-soak-"))
     sim = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--serve-sim", "--speed", str(args.speed)],
+        [
+            sys.executable,
+            __file__,
+            "--serve-sim",
+            "--speed",
+            str(args.speed),
+            "--dialect",
+            args.dialect,
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
     )
@@ -256,17 +358,14 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             while not line.endswith(b"\n"):
                 line += await sim.stdout.receive_some(65536)
         urls: list[str] = json.loads(line)
-        engines = [
-            {"id": f"{role[0]}{i}", "url": url, "role": role, "model": MODEL}
-            for i, (url, role) in enumerate(zip(urls, ROLES, strict=True))
-        ]
+        engines = engine_entries(args.dialect, urls)
         ctl = {"socket": str(directory / "ctl.sock")}
         profiles = {"path": str(directory / "no-profiles.json")}
         documents = [
             merge(merge(BASE, variant), {"engines": engines, "ctl": ctl, "profiles": profiles})
-            for variant in VARIANTS
+            for variant in variants(args.dialect)
         ]
-        invalid = merge(documents[0], INVALID)
+        invalid = invalid_documents(args.dialect, documents[0])
         await daemon.start(documents[0])
         timeout_s = max(d["serving"]["request_timeout_s"] for d in documents)
         exchanges: list[Exchange] = []
@@ -280,7 +379,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         async def one(index: int) -> None:
             nonlocal hang_ups
             if rng.random() < args.fault_rate:
-                engine, fault = random_fault(rng)
+                engine, fault = random_fault(rng, args.dialect)
                 name = next(k for k in fault if k not in ("leg", "count"))
                 try:
                     await sim_call(urls[engine], "POST", "/_sim/faults", fault)
@@ -329,7 +428,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     return
                 turn += 1
                 if turn % 5 == 0:
-                    daemon.write(invalid)
+                    daemon.write(invalid[(turn // 5 - 1) % len(invalid)])
                     reloads_sent["invalid"] += 1
                 else:
                     daemon.write(documents[turn % len(documents)])
@@ -395,6 +494,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 for name in ("narwhal", "trio", "h11", "hypercorn", "httpx", "attrs")
             },
             "run": {
+                "dialect": args.dialect,
                 "requests": len(exchanges),
                 "requested": args.requests,
                 "concurrency": args.concurrency,
@@ -407,7 +507,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 "requests_per_s": round(len(exchanges) / load_s, 1),
                 "daemon_exit_code": code,
             },
-            "config": {"base": BASE, "variants": VARIANTS, "invalid_variant": INVALID},
+            "config": {
+                "base": BASE,
+                "engines": engines,
+                "variants": variants(args.dialect),
+                "invalid_variant": INVALID,
+                **({"invalid_mixed_dialects": True} if args.dialect == "sglang" else {}),
+            },
             "outcomes": dict(sorted(report.outcomes.items())),
             "streams_with_visible_output": visible,
             "client_hang_ups": hang_ups,
@@ -474,6 +580,7 @@ def _idle(state: dict[str, Any]) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dialect", choices=DIALECTS, default="vllm")
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--fault-rate", type=float, default=0.03)
@@ -481,12 +588,17 @@ def main() -> int:
     parser.add_argument("--reload-every", type=float, default=3.0)
     parser.add_argument("--max-s", type=float, default=900.0, help="stop starting requests")
     parser.add_argument("--seed", type=int, default=9)
-    parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "reliability.json"))
+    parser.add_argument(
+        "--out", help="default: runs/bench/reliability.json, reliability-sglang.json for sglang"
+    )
     parser.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_sim:
-        trio.run(serve_sim, args.speed)
+        trio.run(serve_sim, args.speed, args.dialect)
         return 0
+    if args.out is None:
+        name = "reliability-sglang.json" if args.dialect == "sglang" else "reliability.json"
+        args.out = str(ROOT / "runs" / "bench" / name)
     if not 0.01 <= args.fault_rate <= 0.05:
         print("note: the soak is specified at a 1-5% fault rate", file=sys.stderr)
     result = trio.run(soak, args)
