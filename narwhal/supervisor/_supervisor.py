@@ -296,10 +296,12 @@ class Supervisor:
             )
             return ReloadResult(False, path, tuple(exc.messages), trigger=trigger)
         plan = diff(ctx.config, new)
+        # From here on only the configuration in force: `new` still holds the values
+        # that need a restart.
         self.config = await apply_config(ctx, recovery, new, plan, self._retire)
-        await self._reload_profiles(new)
+        await self._reload_profiles(self.config)
         if self.link is not None:
-            self.link.reconfigure(new)
+            self.link.reconfigure(self.config)
         for change in plan.restart_required:
             log.warning(
                 "%s needs a restart; the running value stays in force",

@@ -10,7 +10,7 @@ import httpx
 import trio
 
 from narwhal.config import load_config
-from narwhal.serving import ServingContext
+from narwhal.serving import ServingContext, state_document
 from narwhal.supervisor import Supervisor
 
 from ..recovery.conftest import FAST, StartStack, start_stack as start_stack
@@ -175,3 +175,44 @@ async def test_a_second_shutdown_request_skips_the_rest_of_the_grace(
         with trio.fail_after(5):
             events = await read_all(reader)
     assert json.loads(events[-1])["error"]["code"] == "shutting_down"
+
+
+async def test_a_reload_that_turns_the_controller_off_leaves_it_running(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await start_stack()
+    fleet = stack.fleet
+    base = merge(
+        {
+            "engines": [
+                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
+                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
+            ],
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "serving": {"admission": "open"},
+        },
+        FAST,
+    )
+    path = tmp_path / "narwhal.json"
+    write(path, merge(base, {"controller": {"enabled": False}}))
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(base), config_path=str(path)).run
+        )
+        ctx = supervisor.ctx
+        assert ctx is not None
+        assert supervisor.link is not None
+        controller = supervisor.link.controller
+        assert controller is not None
+        result = await supervisor.reload()
+        assert result.applied
+        assert result.plan is not None
+        assert [c.path for c in result.plan.restart_required] == ["controller.enabled"]
+        # "the running value stays in force": the controller still decides, and the
+        # state document says it is on.
+        assert ctx.config.controller.enabled
+        assert controller.step(trio.current_time()) is not None
+        state = state_document(ctx)["controller"]
+        assert isinstance(state, dict)
+        assert state["enabled"] is True
+        supervisor.request_shutdown()
