@@ -105,7 +105,8 @@ def keep_running(new: Config, running: Config) -> Config:
     A reload applies everything else; these stay what the daemon started with, so the
     configuration in force (and what /narwhal/state shows) is what actually runs.
     """
-    return _keep(new, running, [path.split(".") for path in RESTART_REQUIRED])
+    kept: Config = _keep(new, running, [path.split(".") for path in RESTART_REQUIRED])
+    return kept
 
 
 def _keep(new: Any, running: Any, paths: list[list[str]]) -> Any:
