@@ -123,7 +123,14 @@ def _human(command: str, result: Any) -> str:
     if command == "state":
         return _human_state(result)
     if command == "reload":
-        lines = [f"reloaded {result['source']}: {len(result['changes'])} change(s)"]
+        # Settings that need a restart are listed but not applied: counting them as
+        # changes made a reload that applied nothing read like one that did.
+        plan = result.get("plan") or {}
+        head = f"reloaded {result['source']}: {len(plan.get('changes', []))} change(s) applied"
+        restart = len(plan.get("restart_required", []))
+        if restart:
+            head += f", {restart} need a restart"
+        lines = [head]
         lines.extend(f"  {change}" for change in result["changes"])
         return "\n".join(lines)
     engine = result["engine"]

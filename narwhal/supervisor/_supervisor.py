@@ -309,9 +309,10 @@ class Supervisor:
                 extra={**extra, "event": "reload_restart_required", "path": change.path},
             )
         log.info(
-            "reload of %s applied: %d change(s)",
+            "reload of %s applied: %d change(s), %d need a restart",
             path,
             len(plan.changes),
+            len(plan.restart_required),
             extra={**extra, "outcome": "applied", "changes": plan.summary()},
         )
         return ReloadResult(True, path, plan=plan, trigger=trigger)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from narwhal.cli import ctl
+from narwhal.config import diff, load_config
+from narwhal.supervisor._reload import ReloadResult
 
 
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf", "soon"])
@@ -24,3 +26,29 @@ def test_a_positive_timeout_reaches_the_socket(capsys: pytest.CaptureFixture[str
         ctl.EXIT_UNREACHABLE
     )
     assert "no control socket at /nonexistent/ctl.sock" in capsys.readouterr().err
+
+
+def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() -> None:
+    running = load_config({"engines": [{"id": "a", "url": "http://127.0.0.1:9"}]})
+    new = load_config(
+        {
+            "engines": [{"id": "a", "url": "http://127.0.0.1:9"}],
+            "listen": {"port": 9000},
+            "controller": {"enabled": False},
+        }
+    )
+    result = ReloadResult(True, "/etc/narwhal/narwhal.json", plan=diff(running, new))
+    # It read "reloaded ...: 2 change(s)" though nothing was applied.
+    assert ctl._human("reload", result.to_json()).splitlines() == [
+        "reloaded /etc/narwhal/narwhal.json: 0 change(s) applied, 2 need a restart",
+        "  listen.port: 8000 -> 9000 (needs a restart; the running value stays in force)",
+        "  controller.enabled: true -> false (needs a restart; the running value stays in force)",
+    ]
+    applied = load_config(
+        {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "slo": {"ttft_s": 1.0}}
+    )
+    result = ReloadResult(True, "n.json", plan=diff(running, applied))
+    assert ctl._human("reload", result.to_json()).splitlines() == [
+        "reloaded n.json: 1 change(s) applied",
+        "  slo.ttft_s: 0.5 -> 1.0",
+    ]

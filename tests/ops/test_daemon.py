@@ -229,7 +229,7 @@ async def test_reload_under_load_valid_and_invalid_with_zero_failed_requests(
         await daemon.message("READY=1")
         assert (code, err) == (0, "")
         assert out.splitlines()[:2] == [
-            f"reloaded {daemon.config_path}: 1 change(s)",
+            f"reloaded {daemon.config_path}: 1 change(s) applied",
             '  engines[p0]: "present" -> "removed"',
         ]
         await trio.sleep(0.5)
