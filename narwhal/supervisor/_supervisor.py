@@ -273,7 +273,7 @@ class Supervisor:
                 result = await self._reload(trigger)
             finally:
                 self._record_reload(result)
-                if self.shutting_down:
+                if self._shutdown.is_set():
                     # Stopping began during the reload: systemd has STOPPING=1, and a
                     # READY=1 now would claim the service is up again.
                     self.notifier.status(self._status_line())
