@@ -1,9 +1,62 @@
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import sys
+import tempfile
 
 
 def not_implemented(command: str, issue: int) -> int:
     """Placeholder for a command whose issue has not landed: a clear message, exit 2."""
     print(f"{command}: not implemented yet (tracked in issue {issue})", file=sys.stderr)
     return 2
+
+
+def unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None. Blocking.
+
+    The tools that write after minutes of measurement ask first, so that a read-only
+    directory costs a usage error rather than the measurements. The directory is created
+    as the writer would create it; a probe file is made and removed in it.
+    """
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        return f"cannot write {path}: {directory} is not a directory"
+    except OSError as exc:
+        return f"cannot write {path}: {(exc.strerror or type(exc).__name__).lower()}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".narwhal-write-check.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write {path}: {(exc.strerror or type(exc).__name__).lower()}"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"cannot write {path}: permission denied"
+    return None
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: an integer of at least zero."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 0")
+    return value

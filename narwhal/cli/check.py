@@ -2,8 +2,10 @@
 
     narwhal-check --config FILE [--record] [--json PATH] [options]
 
-Exits 0 when every check passes (warnings and skips allowed), 1 when any fails, 2 on a
-configuration error. See `narwhal.probe._check` for what each check does.
+Exits 0 when every check passes (warnings and skips allowed), 1 when any fails or its
+results cannot be written, 2 on a configuration or usage error (an option out of range,
+or a --json or --record destination that cannot be written, found before anything is
+measured). See `narwhal.probe._check` for what each check does.
 
 ``--record`` writes the measured facts (verified KV lease per engine and its fleet
 minimum, crossed-handoff p99, the builds they were measured on) into the existing profile
@@ -26,6 +28,7 @@ import trio
 from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
 from ..profiles import read_store, save_profiles
+from ._common import count, positive_seconds, unwritable
 from .profile import _sizes
 
 
@@ -41,16 +44,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument(
-        "--handoff-samples", type=int, default=2, help="handoffs per pair and size for the p99"
+        "--handoff-samples", type=count, default=2, help="handoffs per pair and size for the p99"
     )
     p.add_argument("--handoff-sizes", type=_sizes, help="handoff prompt sizes in tokens")
     p.add_argument(
         "--lease-max-s",
-        type=float,
+        type=positive_seconds,
         default=120.0,
         help="longest wait for a producer to release an abandoned handoff (default 120)",
     )
-    p.add_argument("--lease-poll-s", type=float, default=0.05, help="producer counter poll period")
+    p.add_argument(
+        "--lease-poll-s",
+        type=positive_seconds,
+        default=0.05,
+        help="producer counter poll period",
+    )
     p.add_argument("--no-lease", action="store_true", help="skip the lease measurement")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
@@ -72,6 +80,7 @@ async def run(
         progress=(lambda _: None) if quiet else _err,
     )
     print(format_table(report.rows), flush=True)
+    unwritten = False
     if json_path:
         document = {
             "failed": report.failed,
@@ -82,19 +91,32 @@ async def run(
             "rows": [attrs.asdict(row) for row in report.rows],
         }
         text = json.dumps(document, indent=2) + "\n"
-        await trio.Path(json_path).write_text(text, encoding="utf-8")
+        try:
+            await trio.Path(json_path).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            _err(f"--json: cannot write {json_path}: {_reason(exc)}")
+            unwritten = True
     if record:
         if store is None:
             _err(f"nothing recorded: no valid profile store at {config.profiles.path}")
         else:
             updated = attrs.evolve(store, facts=report.facts())
-            await trio.to_thread.run_sync(partial(save_profiles, updated, config.profiles.path))
-            _err(f"recorded lease and crossed-handoff p99 in {config.profiles.path}")
+            try:
+                await trio.to_thread.run_sync(partial(save_profiles, updated, config.profiles.path))
+            except OSError as exc:
+                _err(f"--record: cannot write {config.profiles.path}: {_reason(exc)}")
+                unwritten = True
+            else:
+                _err(f"recorded lease and crossed-handoff p99 in {config.profiles.path}")
     failed = [row for row in report.rows if row.status == "fail"]
     if failed:
         _err(f"{len(failed)} check(s) failed")
         return 1
-    return 0
+    return 1 if unwritten else 0
+
+
+def _reason(exc: OSError) -> str:
+    return (exc.strerror or type(exc).__name__).lower()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,6 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for message in exc.messages:
             print(message, file=sys.stderr)
         return 2
+    # Checked before minutes of measurement, not after them.
+    for option, path in (
+        ("--json", args.json),
+        ("--record", config.profiles.path if args.record else None),
+    ):
+        problem = None if path is None else unwritable(path)
+        if problem is not None:
+            _err(f"{option}: {problem}")
+            return 2
     try:
         plan = CheckPlan(
             handoff_samples=args.handoff_samples,

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..ctl import CtlProtocolError, CtlRequest, DaemonUnreachable, call
+from ._common import positive_seconds
 
 DEFAULT_SOCKET = "runs/narwhal.sock"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PROTOCOL = 0, 1, 2, 3, 4
@@ -47,7 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--config", metavar="FILE", help="read ctl.socket from this config")
     parser.add_argument("--json", action="store_true", help="print the raw JSON response")
     parser.add_argument(
-        "--timeout", type=float, default=30.0, metavar="S", help="answer timeout (default 30)"
+        "--timeout",
+        # socket.settimeout raises on a negative or NaN timeout, and 0 makes the socket
+        # non-blocking: each ended narwhalctl with a traceback or a misleading error.
+        type=positive_seconds,
+        default=30.0,
+        metavar="S",
+        help="answer timeout (default 30)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("state", help="engines, breakers, health, holds and more")
@@ -116,7 +123,14 @@ def _human(command: str, result: Any) -> str:
     if command == "state":
         return _human_state(result)
     if command == "reload":
-        lines = [f"reloaded {result['source']}: {len(result['changes'])} change(s)"]
+        # Settings that need a restart are listed but not applied: counting them as
+        # changes made a reload that applied nothing read like one that did.
+        plan = result.get("plan") or {}
+        head = f"reloaded {result['source']}: {len(plan.get('changes', []))} change(s) applied"
+        restart = len(plan.get("restart_required", []))
+        if restart:
+            head += f", {restart} need a restart"
+        lines = [head]
         lines.extend(f"  {change}" for change in result["changes"])
         return "\n".join(lines)
     engine = result["engine"]

@@ -22,6 +22,7 @@ import trio
 from ..config import Config, ConfigError, load_config_file
 from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
 from ..profiles import check_store, read_store, save_profiles
+from ._common import unwritable
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -121,7 +122,12 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
     store, dropped = carry_facts(store, old)
     if dropped:
         _err(dropped)
-    await trio.to_thread.run_sync(partial(save_profiles, store, out))
+    try:
+        await trio.to_thread.run_sync(partial(save_profiles, store, out))
+    except OSError as exc:
+        reason = (exc.strerror or type(exc).__name__).lower()
+        _err(f"cannot write {out}: {reason}; the measurements are lost")
+        return 1
     reread, problems = await trio.to_thread.run_sync(read_store, out)
     check = check_store(reread, problems, config)
     for message in check.messages:
@@ -150,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(str(exc))
         return 2
     out = args.out or config.profiles.path
+    # A sweep takes minutes: find out now, not after it, that its result cannot be kept.
+    problem = unwritable(out)
+    if problem is not None:
+        _err(f"{problem}; nothing was measured")
+        return 2
     return trio.run(partial(run, config, plan, out, quiet=args.quiet))
 
 

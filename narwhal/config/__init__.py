@@ -6,6 +6,7 @@ from ._diff import (
     Change as Change,
     ReloadPlan as ReloadPlan,
     diff as diff,
+    keep_running as keep_running,
 )
 from ._load import (
     ConfigError as ConfigError,

@@ -22,6 +22,7 @@ The plan sorts every difference into what the supervisor does with it:
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 
@@ -96,6 +97,29 @@ def _walk(old: object, new: object, path: str, out: list[Change]) -> None:
             _walk(old.get(key), new.get(key), f"{path}.{key}" if path else str(key), out)
     elif old != new:
         out.append(Change(path, old, new))
+
+
+def keep_running(new: Config, running: Config) -> Config:
+    """`new` with every RESTART_REQUIRED setting taken from `running`.
+
+    A reload applies everything else; these stay what the daemon started with, so the
+    configuration in force (and what /narwhal/state shows) is what actually runs.
+    """
+    kept: Config = _keep(new, running, [path.split(".") for path in RESTART_REQUIRED])
+    return kept
+
+
+def _keep(new: Any, running: Any, paths: list[list[str]]) -> Any:
+    heads: dict[str, list[list[str]]] = {}
+    for head, *rest in paths:
+        heads.setdefault(head, []).append(rest)
+    changes: dict[str, Any] = {}
+    for head, rests in heads.items():
+        value = getattr(running, head)
+        if any(rests):
+            value = _keep(getattr(new, head), value, [rest for rest in rests if rest])
+        changes[head] = value
+    return attrs.evolve(new, **changes)
 
 
 def diff(old: Config, new: Config) -> ReloadPlan:

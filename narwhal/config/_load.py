@@ -170,6 +170,8 @@ def read_api_key(path: str) -> tuple[Secret | None, str | None]:
     except OSError as exc:
         reason = (exc.strerror or type(exc).__name__).lower()
         return None, f"{shown}: cannot read file: {reason}"
+    except ValueError:
+        return None, f"{shown}: a path cannot contain a NUL character"
     if len(raw) > _KEY_FILE_LIMIT:
         return None, f"{shown}: larger than {_KEY_FILE_LIMIT} bytes; expected one line, the key"
     # Editors and `echo` end the file with a newline; the key is the line before it.

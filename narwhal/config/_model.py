@@ -13,7 +13,16 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from ._rules import AtLeast, Between, NonNegative, Positive, Rule, ZeroOrAtLeast
+from ._rules import (
+    AtLeast,
+    Between,
+    NonNegative,
+    Positive,
+    Rule,
+    SocketPath,
+    Text,
+    ZeroOrAtLeast,
+)
 
 Dialect = Literal["vllm", "sglang"]
 Role = Literal["prefill", "decode", "both"]
@@ -144,7 +153,7 @@ class Slo:
 class Listen:
     """The router's HTTP listener."""
 
-    host: str = _f("127.0.0.1", doc="Address the HTTP server binds.")
+    host: str = _f("127.0.0.1", Text(), doc="Address the HTTP server binds.")
     port: int = _f(8000, Between(0, 65535), doc="HTTP port; `0` picks a free port.")
 
 
@@ -152,7 +161,12 @@ class Listen:
 class Ctl:
     """The narwhalctl control socket."""
 
-    socket: str = _f("runs/narwhal.sock", doc="Path of the AF_UNIX control socket.")
+    socket: str = _f(
+        "runs/narwhal.sock",
+        SocketPath(),
+        doc="Path of the AF_UNIX control socket; a relative path is taken from the "
+        "daemon's working directory.",
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -366,6 +380,7 @@ class Profiles:
 
     path: str = _f(
         "runs/profiles.json",
+        Text(),
         doc="Profile store read by the router and written by `narwhal-profile`.",
     )
 

@@ -8,9 +8,14 @@ validators raise on the first failure, which is why the rules are not validators
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import attrs
+
+# sun_path holds 108 bytes on Linux, the terminating NUL included.
+UNIX_PATH_MAX = 107
 
 
 def _fmt(value: float | int) -> str:
@@ -91,4 +96,45 @@ class ZeroOrAtLeast:
         return f"0 or >= {_fmt(self.minimum)}"
 
 
-Rule = Positive | NonNegative | AtLeast | Between | ZeroOrAtLeast
+def _text(value: str) -> str:
+    shown = json.dumps(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+@attrs.frozen
+class Text:
+    """A name or path handed to the OS: an empty one fails only at startup, far from its
+    setting, and a NUL byte raises ValueError instead of OSError wherever it is used."""
+
+    def check(self, value: str) -> str | None:
+        if not value.strip():
+            return f"{_text(value)} must not be empty"
+        if "\0" in value:
+            return f"{_text(value)} must not contain a NUL character"
+        return None
+
+    def describe(self) -> str:
+        return "non-empty"
+
+
+@attrs.frozen
+class SocketPath:
+    """An AF_UNIX socket path, which the kernel bounds (a relative path as written)."""
+
+    def check(self, value: str) -> str | None:
+        problem = Text().check(value)
+        if problem is not None:
+            return problem
+        size = len(os.fsencode(value))
+        if size > UNIX_PATH_MAX:
+            return (
+                f"{_text(value)} is {size} bytes long; an AF_UNIX socket path holds at "
+                f"most {UNIX_PATH_MAX}"
+            )
+        return None
+
+    def describe(self) -> str:
+        return f"non-empty, at most {UNIX_PATH_MAX} bytes"
+
+
+Rule = Positive | NonNegative | AtLeast | Between | ZeroOrAtLeast | Text | SocketPath

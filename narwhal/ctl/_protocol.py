@@ -12,8 +12,8 @@ Response: {"ok": true, "command": "pin", "result": {...}}
           {"ok": false, "command": "pin", "error": {"code": "unknown_engine", "message": "..."}}
 
 Error codes: bad_request (not JSON, not an object, unknown command, missing or extra
-fields), message_too_large, unknown_engine, invalid_config and reload_unavailable
-(reload), busy (too many control connections), forbidden (peer is another user),
+fields), message_too_large, unknown_engine, invalid_config, reload_unavailable and
+shutting_down (reload), busy (too many control connections), forbidden (peer is another user),
 internal_error.
 """
 

@@ -63,6 +63,12 @@ def _refuse(path: str, why: str) -> ControlSocketError:
     return ControlSocketError(f"ctl.socket {path!r} {why}; refusing to start")
 
 
+def _oserror(path: str, what: str, exc: OSError) -> ControlSocketError:
+    reason = (exc.strerror or type(exc).__name__).lower()
+    where = f" at {exc.filename!r}" if exc.filename not in (None, path) else ""
+    return _refuse(path, f"{what}: {reason}{where}")
+
+
 def prepare_path(path: str) -> None:
     """Make `path` free for our socket, or raise ControlSocketError. Blocking."""
     try:
@@ -70,8 +76,15 @@ def prepare_path(path: str) -> None:
     except FileNotFoundError:
         parent = os.path.dirname(path)
         if parent:
-            os.makedirs(parent, mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                # Every failure to start names its setting: left to propagate, an
+                # OSError here would be reported as the HTTP listener's.
+                raise _oserror(path, "cannot be created", exc) from None
         return
+    except OSError as exc:
+        raise _oserror(path, "cannot be checked", exc) from None
     if stat.S_ISLNK(info.st_mode):
         raise _refuse(path, "is a symbolic link")
     if not stat.S_ISSOCK(info.st_mode):
@@ -95,7 +108,10 @@ def prepare_path(path: str) -> None:
         path,
         extra={"event": "ctl_socket", "path": path, "outcome": "stale_replaced"},
     )
-    os.unlink(path)
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        raise _oserror(path, "is a stale socket that cannot be removed", exc) from None
 
 
 def create_socket(path: str) -> tuple[socket.socket, int]:
@@ -109,8 +125,11 @@ def create_socket(path: str) -> tuple[socket.socket, int]:
             if exc.errno == errno.EADDRINUSE:
                 raise _refuse(path, "appeared while starting (another daemon?)") from None
             raise _refuse(path, f"cannot be bound ({exc.strerror or exc})") from None
-        os.chmod(path, 0o600)
-        info = os.lstat(path)
+        try:
+            os.chmod(path, 0o600)
+            info = os.lstat(path)
+        except OSError as exc:
+            raise _oserror(path, "cannot be made private", exc) from None
         if stat.S_IMODE(info.st_mode) != 0o600:
             raise _refuse(path, f"has mode {stat.S_IMODE(info.st_mode):o} after chmod 600")
         sock.listen(MAX_CONNECTIONS)

@@ -53,8 +53,14 @@ class Operations:
         if command == "reload":
             reloaded = await self.supervisor.reload(trigger="narwhalctl")
             if not reloaded.applied:
+                if reloaded.source == "<none>":
+                    code = "reload_unavailable"
+                elif self.supervisor.shutting_down:
+                    code = "shutting_down"
+                else:
+                    code = "invalid_config"
                 raise CtlError(
-                    "invalid_config" if reloaded.source != "<none>" else "reload_unavailable",
+                    code,
                     f"reload of {reloaded.source} rejected; the running configuration is kept",
                     details=reloaded.to_json(),
                 )

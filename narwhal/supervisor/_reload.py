@@ -7,8 +7,9 @@ The order matters for requests arriving during the reload:
    an engine nobody has looked at;
 2. the new config becomes `ctx.config`: each request snapshots it at ingress, so
    requests in flight keep the timeouts they started with and new ones get the new
-   values; the listen address and control socket keep their running values (they need
-   a restart, and the state document must show what is actually in force);
+   values; the listen address, the control socket and `controller.enabled` keep their
+   running values (they need a restart, and the state document must show what is
+   actually in force);
 3. the admission gate and retry budget are resized in place; a smaller gate lets the
    requests holding slots finish and admits no more until they do;
 4. removed and replaced engines leave placement (`removed`); their resident requests
@@ -28,7 +29,7 @@ from typing import cast
 import attrs
 import trio
 
-from ..config import Config, ReloadPlan
+from ..config import Config, ReloadPlan, keep_running
 from ..fleet import EngineState, Role
 from ..recovery import Recovery
 from ..serving import ServingContext
@@ -64,7 +65,7 @@ async def apply_config(
 ) -> Config:
     """Apply `new` as described by `plan`; returns the config now in force."""
     old = ctx.config
-    effective = attrs.evolve(new, listen=old.listen, ctl=old.ctl)
+    effective = keep_running(new, old)
     fresh: dict[str, EngineState] = {}
     for engine_id in (*plan.engines_added, *plan.engines_replaced):
         spec = effective.engine_by_id(engine_id)

@@ -13,7 +13,8 @@ when it is ready, so a failure stops startup before the daemon claims to be read
    supervisor itself as the value (tests and the daemon read `bound` and `url`).
 
 Reload (SIGHUP, `narwhalctl reload`, `reload()`): one at a time; RELOADING=1 before the
-file is read and READY=1 after, whether it was applied or rejected. See `_reload`.
+file is read and READY=1 after, whether it was applied or rejected. Once shutdown has been
+requested, a reload is refused (and one under way ends without READY=1). See `_reload`.
 
 Shutdown (`request_shutdown()`, SIGTERM): STOPPING=1; new requests get 503
 `shutting_down` (the listener stays open during the drain so clients get that answer
@@ -254,19 +255,48 @@ class Supervisor:
 
     # ------------------------------------------------------------------ reload
 
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutdown.is_set()
+
     async def reload(self, trigger: str = "api") -> ReloadResult:
         await self._started.wait()
         async with self._reload_lock:
+            if self.shutting_down:
+                # A SIGHUP queued behind startup, or sent during the drain: applying it
+                # would probe and add engines to a daemon that is stopping, and its
+                # READY=1 would follow STOPPING=1.
+                return self._refuse_reload(trigger)
             self.notifier.reloading()
             result = ReloadResult(False, self.config_path or "<none>", trigger=trigger)
             try:
                 result = await self._reload(trigger)
             finally:
-                self.reloads = [*self.reloads[-9:], result.to_json()]
-                if self._m_reloads is not None:
-                    self._m_reloads.labels("applied" if result.applied else "rejected").inc()
-                self.notifier.ready(self._status_line())
+                self._record_reload(result)
+                if self._shutdown.is_set():
+                    # Stopping began during the reload: systemd has STOPPING=1, and a
+                    # READY=1 now would claim the service is up again.
+                    self.notifier.status(self._status_line())
+                else:
+                    self.notifier.ready(self._status_line())
             return result
+
+    def _refuse_reload(self, trigger: str) -> ReloadResult:
+        path = self.config_path or "<none>"
+        message = "narwhal is shutting down; the configuration is not re-read"
+        log.warning(
+            "reload refused: %s",
+            message,
+            extra={"event": "reload", "trigger": trigger, "source": path, "outcome": "refused"},
+        )
+        result = ReloadResult(False, path, (message,), trigger=trigger)
+        self._record_reload(result)
+        return result
+
+    def _record_reload(self, result: ReloadResult) -> None:
+        self.reloads = [*self.reloads[-9:], result.to_json()]
+        if self._m_reloads is not None:
+            self._m_reloads.labels("applied" if result.applied else "rejected").inc()
 
     async def _reload(self, trigger: str) -> ReloadResult:
         ctx, recovery = self.ctx, self.recovery
@@ -296,10 +326,12 @@ class Supervisor:
             )
             return ReloadResult(False, path, tuple(exc.messages), trigger=trigger)
         plan = diff(ctx.config, new)
+        # From here on only the configuration in force: `new` still holds the values
+        # that need a restart.
         self.config = await apply_config(ctx, recovery, new, plan, self._retire)
-        await self._reload_profiles(new)
+        await self._reload_profiles(self.config)
         if self.link is not None:
-            self.link.reconfigure(new)
+            self.link.reconfigure(self.config)
         for change in plan.restart_required:
             log.warning(
                 "%s needs a restart; the running value stays in force",
@@ -307,9 +339,10 @@ class Supervisor:
                 extra={**extra, "event": "reload_restart_required", "path": change.path},
             )
         log.info(
-            "reload of %s applied: %d change(s)",
+            "reload of %s applied: %d change(s), %d need a restart",
             path,
             len(plan.changes),
+            len(plan.restart_required),
             extra={**extra, "outcome": "applied", "changes": plan.summary()},
         )
         return ReloadResult(True, path, plan=plan, trigger=trigger)

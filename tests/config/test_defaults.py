@@ -34,9 +34,9 @@ SPEC: dict[str, tuple[Any, str]] = {
     "slo.ttft_s": (0.5, "> 0"),
     "slo.tpot_s": (0.05, "> 0"),
     "slo.percentile": (0.9, "(0.0, 1.0]"),
-    "listen.host": ("127.0.0.1", ""),
+    "listen.host": ("127.0.0.1", "non-empty"),
     "listen.port": (8000, "0..65535"),
-    "ctl.socket": ("runs/narwhal.sock", ""),
+    "ctl.socket": ("runs/narwhal.sock", "non-empty, at most 107 bytes"),
     "log.level": ("info", '"debug", "info", "warning", "error"'),
     # manual 4.1
     "serving.admission": ("predictive", '"predictive", "open"'),
@@ -119,7 +119,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "recovery.breaker.failure_ratio": (0.5, "(0.0, 1.0]"),
     "recovery.breaker.open_s": (10.0, "> 0"),
     # manual 6
-    "profiles.path": ("runs/profiles.json", ""),
+    "profiles.path": ("runs/profiles.json", "non-empty"),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from narwhal.config import Config, diff, load_config
+from narwhal.config import RESTART_REQUIRED, Config, diff, keep_running, load_config
 
 
 def config(**sections: Any) -> Config:
@@ -104,3 +104,21 @@ def test_long_values_are_shortened_in_summaries() -> None:
     assert line.startswith('profiles.path: "runs/profiles.json" -> "xxxx')
     assert line.endswith("...")
     assert len(line) < 150
+
+
+def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() -> None:
+    running = config()
+    new = config(
+        listen={"host": "0.0.0.0", "port": 9999},
+        ctl={"socket": "/run/n.sock"},
+        controller={"enabled": False, "advisory": True},
+        serving={"max_connections": 64},
+    )
+    kept = keep_running(new, running)
+    assert [c.path for c in diff(running, new).restart_required] == list(RESTART_REQUIRED)
+    assert diff(running, kept).restart_required == ()
+    assert kept.listen == running.listen
+    assert kept.ctl == running.ctl
+    assert kept.controller.enabled is True
+    assert kept.controller.advisory is True
+    assert kept.serving.max_connections == 64

@@ -145,6 +145,48 @@ def test_value_outside_its_range(path: str, value: Any, message: str) -> None:
     assert problems(with_value(_BASE, path, value)) == [message]
 
 
+_LONG_SOCKET = "/run/narwhal/" + "x" * 95  # 108 bytes: one past sun_path
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        # Each of these used to pass validation and fail only at startup or on use.
+        ("ctl.socket", "", 'ctl.socket: "" must not be empty'),
+        ("ctl.socket", "  ", 'ctl.socket: "  " must not be empty'),
+        (
+            "ctl.socket",
+            "run/a\0b.sock",
+            'ctl.socket: "run/a\\u0000b.sock" must not contain a NUL character',
+        ),
+        (
+            "ctl.socket",
+            _LONG_SOCKET,
+            'ctl.socket: "/run/narwhal/xxxxxxxxxxxxxxxxxxxxxxx... is 108 bytes long; '
+            "an AF_UNIX socket path holds at most 107",
+        ),
+        ("listen.host", "", 'listen.host: "" must not be empty'),
+        ("profiles.path", "", 'profiles.path: "" must not be empty'),
+        (
+            "profiles.path",
+            "a\0b",
+            'profiles.path: "a\\u0000b" must not contain a NUL character',
+        ),
+        (
+            "engine.api_key_file",
+            "key\0file",
+            'engine.api_key_file: "key\\u0000file": a path cannot contain a NUL character',
+        ),
+    ],
+)
+def test_names_and_paths_the_daemon_hands_to_the_os(path: str, value: str, message: str) -> None:
+    assert problems(with_value(_BASE, path, value)) == [message]
+
+
+def test_a_socket_path_of_the_longest_length_is_accepted() -> None:
+    load_config(with_value(_BASE, "ctl.socket", _LONG_SOCKET[:-1]))
+
+
 @pytest.mark.parametrize(
     ("path", "value"),
     [

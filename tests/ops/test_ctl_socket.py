@@ -106,6 +106,31 @@ async def test_refuses_a_path_that_is_not_our_socket(short_tmp: Path, make: Any,
         assert path.read_text() == "precious"
 
 
+async def test_a_path_that_cannot_be_created_is_refused_naming_ctl_socket(
+    short_tmp: Path,
+) -> None:
+    # Not an OSError: the daemon reports those as the HTTP listener's.
+    blocker = short_tmp / "file"
+    blocker.write_text("")
+    path = blocker / "sub" / "ctl.sock"
+    with pytest.raises(
+        ControlSocketError,
+        match=rf"^ctl.socket '{path}' cannot be checked: not a directory; refusing to start$",
+    ):
+        await ControlServer(str(path), echo).run()
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs procfs, where mkdir fails")
+async def test_a_parent_directory_that_cannot_be_made_is_refused_naming_ctl_socket() -> None:
+    path = "/proc/narwhal-test/ctl.sock"
+    with pytest.raises(
+        ControlSocketError,
+        match=r"^ctl.socket '/proc/narwhal-test/ctl.sock' cannot be created: .+ at "
+        r"'/proc/narwhal-test'; refusing to start$",
+    ):
+        await ControlServer(path, echo).run()
+
+
 async def test_refuses_a_socket_another_process_answers_on(
     nursery: trio.Nursery, short_tmp: Path
 ) -> None:

@@ -229,7 +229,7 @@ async def test_reload_under_load_valid_and_invalid_with_zero_failed_requests(
         await daemon.message("READY=1")
         assert (code, err) == (0, "")
         assert out.splitlines()[:2] == [
-            f"reloaded {daemon.config_path}: 1 change(s)",
+            f"reloaded {daemon.config_path}: 1 change(s) applied",
             '  engines[p0]: "present" -> "removed"',
         ]
         await trio.sleep(0.5)
@@ -299,3 +299,21 @@ async def test_daemon_refuses_to_start_on_a_control_path_that_is_not_a_socket(
         f"narwhal: ctl.socket '{path}' exists and is not a socket; refusing to start"
     )
     assert path.read_text() == "keep me"
+
+
+async def test_a_control_socket_that_cannot_be_created_is_reported_as_ctl_socket(
+    launch: Launch, short_tmp: Path
+) -> None:
+    blocker = short_tmp / "file"
+    blocker.write_text("")
+    path = blocker / "ctl.sock"
+    daemon = await launch(
+        {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "ctl": {"socket": str(path)}},
+        ready=False,
+    )
+    with trio.fail_after(20):
+        assert await daemon.process.wait() == 1
+    # It used to read "cannot listen on 127.0.0.1:8000: [Errno 20] Not a directory".
+    assert daemon.log_path.read_text().splitlines()[-1] == (
+        f"narwhal: ctl.socket '{path}' cannot be checked: not a directory; refusing to start"
+    )

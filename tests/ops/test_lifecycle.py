@@ -10,8 +10,8 @@ import httpx
 import trio
 
 from narwhal.config import load_config
-from narwhal.serving import ServingContext
-from narwhal.supervisor import Supervisor
+from narwhal.serving import ServingContext, state_document
+from narwhal.supervisor import Notifier, Supervisor
 
 from ..recovery.conftest import FAST, StartStack, start_stack as start_stack
 from ..recovery.fakes import merge
@@ -175,3 +175,93 @@ async def test_a_second_shutdown_request_skips_the_rest_of_the_grace(
         with trio.fail_after(5):
             events = await read_all(reader)
     assert json.loads(events[-1])["error"]["code"] == "shutting_down"
+
+
+async def test_a_reload_that_turns_the_controller_off_leaves_it_running(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await start_stack()
+    fleet = stack.fleet
+    base = merge(
+        {
+            "engines": [
+                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
+                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
+            ],
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "serving": {"admission": "open"},
+        },
+        FAST,
+    )
+    path = tmp_path / "narwhal.json"
+    write(path, merge(base, {"controller": {"enabled": False}}))
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(base), config_path=str(path)).run
+        )
+        ctx = supervisor.ctx
+        assert ctx is not None
+        assert supervisor.link is not None
+        controller = supervisor.link.controller
+        assert controller is not None
+        result = await supervisor.reload()
+        assert result.applied
+        assert result.plan is not None
+        assert [c.path for c in result.plan.restart_required] == ["controller.enabled"]
+        # "the running value stays in force": the controller still decides, and the
+        # state document says it is on.
+        assert ctx.config.controller.enabled
+        assert controller.step(trio.current_time()) is not None
+        state = state_document(ctx)["controller"]
+        assert isinstance(state, dict)
+        assert state["enabled"] is True
+        supervisor.request_shutdown()
+
+
+async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
+    start_stack: StartStack, short_tmp: Path
+) -> None:
+    stack = await start_stack()
+    fleet = stack.fleet
+    document = merge(
+        {
+            "engines": [
+                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
+                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
+            ],
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "serving": {"admission": "open"},
+            "recovery": {"shutdown_grace_s": 30.0},
+        },
+        FAST,
+    )
+    path = short_tmp / "narwhal.json"
+    write(path, document)
+    address = str(short_tmp / "notify.sock")
+    sink = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
+    await sink.bind(address)
+    notifier = Notifier(address)
+    fleet[1].set_faults(stall_after_tokens=2, leg="decode")  # holds the drain open
+    with sink:
+        async with trio.open_nursery() as nursery:
+            supervisor: Supervisor = await nursery.start(
+                Supervisor(load_config(document), config_path=str(path), notifier=notifier).run
+            )
+            async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
+                assert await reader.event() is not None
+                supervisor.request_shutdown()
+                await wait_for(lambda: supervisor.stopping)
+                # Say a SIGHUP that waited behind startup, with engines added meanwhile.
+                write(path, merge(document, {"serving": {"max_connections": 7}}))
+                result = await supervisor.reload(trigger="SIGHUP")
+                assert not result.applied
+                assert result.errors == (
+                    "narwhal is shutting down; the configuration is not re-read",
+                )
+                assert supervisor.ctx is not None
+                assert supervisor.ctx.config.serving.max_connections == 512
+                supervisor.request_shutdown()  # skip the rest of the grace
+                await read_all(reader)
+    sent = [message.split("\n")[0] for message in notifier.sent]
+    # It used to be READY, STOPPING, RELOADING, READY: "up again" while stopping.
+    assert sent == ["READY=1", "STOPPING=1"]

@@ -1,0 +1,54 @@
+"""narwhalctl's own argument checks (the daemon side is tests/ops)."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.cli import ctl
+from narwhal.config import diff, load_config
+from narwhal.supervisor._reload import ReloadResult
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It used to reach socket.settimeout: a traceback (exit 1, "refused") or, for 0,
+    # a non-blocking connect reported as a missing daemon.
+    with pytest.raises(SystemExit) as exit_info:
+        ctl.main(["--socket", "/nonexistent/ctl.sock", "--timeout", timeout, "state"])
+    assert exit_info.value.code == ctl.EXIT_USAGE
+    assert "argument --timeout:" in capsys.readouterr().err
+
+
+def test_a_positive_timeout_reaches_the_socket(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ctl.main(["--socket", "/nonexistent/ctl.sock", "--timeout", "0.5", "state"]) == (
+        ctl.EXIT_UNREACHABLE
+    )
+    assert "no control socket at /nonexistent/ctl.sock" in capsys.readouterr().err
+
+
+def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() -> None:
+    running = load_config({"engines": [{"id": "a", "url": "http://127.0.0.1:9"}]})
+    new = load_config(
+        {
+            "engines": [{"id": "a", "url": "http://127.0.0.1:9"}],
+            "listen": {"port": 9000},
+            "controller": {"enabled": False},
+        }
+    )
+    result = ReloadResult(True, "/etc/narwhal/narwhal.json", plan=diff(running, new))
+    # It read "reloaded ...: 2 change(s)" though nothing was applied.
+    assert ctl._human("reload", result.to_json()).splitlines() == [
+        "reloaded /etc/narwhal/narwhal.json: 0 change(s) applied, 2 need a restart",
+        "  listen.port: 8000 -> 9000 (needs a restart; the running value stays in force)",
+        "  controller.enabled: true -> false (needs a restart; the running value stays in force)",
+    ]
+    applied = load_config(
+        {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "slo": {"ttft_s": 1.0}}
+    )
+    result = ReloadResult(True, "n.json", plan=diff(running, applied))
+    assert ctl._human("reload", result.to_json()).splitlines() == [
+        "reloaded n.json: 1 change(s) applied",
+        "  slo.ttft_s: 0.5 -> 1.0",
+    ]
