@@ -64,6 +64,10 @@ class Dialect:
     # vLLM's middleware guards /v1 only, SGLang's every path but /health* and /metrics*
     # (newer SGLang: every route of the normal auth level, which /v1/models is).
     key_check_path: bytes = b"/v1/models"
+    # Whether /tokenize's `max_model_len` is the server's context length, which bounds
+    # prompt plus max_tokens (vLLM: the model config's), not only the tokenizer's (SGLang:
+    # tokenizer.model_max_length, or -1).
+    tokenize_reports_context: bool = False
 
 
 VLLM = Dialect(
@@ -84,6 +88,7 @@ VLLM = Dialect(
     # true, vllm completion/protocol.py, serve/tokenize/protocol.py): a prompt sent without
     # its BOS is charged without it.
     completion_tokenize_fields=("add_special_tokens",),
+    tokenize_reports_context=True,
 )
 SGLANG = Dialect(
     "sglang",
@@ -318,6 +323,51 @@ def tokenize_count(response: object) -> int | None:
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             return count
     return None
+
+
+# A top-level integer of a /tokenize answer. Narwhal never asks for token strings, so the
+# rest of the answer is numbers, and neither key can occur inside a value.
+_TOKENIZE_INT = re.compile(rb'"(count|max_model_len)"\s*:\s*(-?\d+)')
+_TOKENIZE_TAIL = 64  # bytes kept between chunks: a key, its value and some whitespace
+# The most bytes one token takes in an answer's id list (", 128255" and then some), so
+# an answer is bounded by this many bytes for each byte of the text it counts.
+TOKEN_ID_BYTES = 8
+
+
+class TokenizeScan:
+    """A /tokenize answer's `count` and `max_model_len`, read as its body arrives.
+
+    The answer lists every token id (vLLM before the count, SGLang after it): some 6-8
+    bytes a token, 700 KB for a 100,000-token prompt. Held and parsed whole for two
+    numbers, that was a cost per request growing with the prompt, so an answer is scanned
+    chunk by chunk and only a short tail is kept.
+    """
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._values: dict[bytes, int] = {}
+
+    def feed(self, chunk: bytes, *, final: bool = False) -> None:
+        data = self._tail + chunk
+        for match in _TOKENIZE_INT.finditer(data):
+            # A number at the very end may go on in the next chunk.
+            if final or match.end() < len(data):
+                self._values.setdefault(match[1], int(match[2]))
+        self._tail = data[-_TOKENIZE_TAIL:]
+
+    def count(self) -> int | None:
+        """The count of one prompt (a batch's counts are a list, not read)."""
+        self.feed(b"", final=True)
+        count = self._values.get(b"count")
+        return count if count is not None and count >= 0 else None
+
+    def context(self, dialect: Dialect) -> int | None:
+        """The server's context length, where the dialect's answer gives that
+        (`Dialect.tokenize_reports_context`); None otherwise."""
+        limit = self._values.get(b"max_model_len")
+        if not dialect.tokenize_reports_context or limit is None or limit <= 0:
+            return None
+        return limit
 
 
 def usage_tokens(response: object, key: str) -> int | None:

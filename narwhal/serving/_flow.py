@@ -73,13 +73,14 @@ from ..engines import (
 )
 from ..engines._assemble import ResponseAssembler, streamed_leg_body, unassemblable_reason
 from ..engines._dialects import (
+    TOKEN_ID_BYTES,
     EndpointKind,
+    TokenizeScan,
     chat_tokenize_refused,
     encode,
     new_bootstrap_room,
     sglang_pd_body,
     tokenize_body,
-    tokenize_count,
     usage_tokens,
     vllm_decode_body,
     vllm_kv_params,
@@ -101,7 +102,7 @@ from ._client import (
     watch_disconnect,
 )
 from ._context import DemandEvent, RequestRecord, ServingContext, log
-from ._request import ClientRequest, parse_body, request_id_from_header
+from ._request import ClientRequest, context_overflow, parse_body, request_id_from_header
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
 _ERROR_BODY_LIMIT = 65536
@@ -496,10 +497,13 @@ class Flow:
         else:
             body = tokenize_body(engine.dialect, request.kind, request.body)
             answer = await self._tokenize(engine, request, body, config)
-            if isinstance(answer, int):
+            if not isinstance(answer, str):
+                count, context = answer
                 ctx.token_methods["exact"] += 1
                 ctx.metrics.token_counts_by("exact").inc()
-                return answer, "exact"
+                if context is not None and (overflow := context_overflow(request, count, context)):
+                    raise overflow
+                return count, "exact"
             reason = answer
         ctx.token_methods["fallback"] += 1
         ctx.metrics.token_counts_by("fallback").inc()
@@ -535,39 +539,31 @@ class Flow:
 
     async def _tokenize(
         self, engine: EngineState, request: ClientRequest, body: Json, config: Config
-    ) -> int | str:
-        """The engine's count, or why there is none."""
+    ) -> tuple[int, int | None] | str:
+        """The engine's count and, where its answer gives it, its context length; or why
+        there is no count."""
+        payload = encode(body)
         with trio.move_on_after(config.engine.tokenize_timeout_s):
             try:
                 async with engine.serving_pool.request(
-                    b"POST", engine.dialect.tokenize_path, _json_headers(request.id), encode(body)
+                    b"POST", engine.dialect.tokenize_path, _json_headers(request.id), payload
                 ) as response:
-                    raw = await response.aread(_ERROR_BODY_LIMIT)
                     status = response.status
+                    if status == 200:
+                        return await self._read_tokenize(response, len(payload), engine, request)
+                    raw = await response.aread(_ERROR_BODY_LIMIT)
                     if status in ENGINE_AUTH_STATUSES:
                         # SGLang guards /tokenize with --api-key (vLLM leaves it open):
                         # the engine would refuse the request's legs too.
                         key_refused(engine, status, parse_error_body(status, raw).message, config)
                         return "engine_auth"
-                    if status != 200:
-                        message = parse_error_body(status, raw).message
-                        if request.kind == "chat" and chat_tokenize_refused(
-                            engine.dialect, status, message
-                        ):
-                            self._chat_refused(engine, status)
-                            return "unsupported"
-                        return "engine_error"
-                    count = tokenize_count(json.loads(raw))
-                    if count is None:
-                        return "bad_answer"
-                    if request.kind == "chat" and self.ctx.chat_tokenize_refusals.forget(engine):
-                        log.info(
-                            "engine %s counts chat messages again: its /tokenize takes them "
-                            "now (an upgraded build)",
-                            engine.id,
-                            extra={"event": "tokenize_chat_accepted", "engine": engine.id},
-                        )
-                    return count
+                    message = parse_error_body(status, raw).message
+                    if request.kind == "chat" and chat_tokenize_refused(
+                        engine.dialect, status, message
+                    ):
+                        self._chat_refused(engine, status)
+                        return "unsupported"
+                    return "engine_error"
             except (ConnectError, RemoteProtocolError, PoolTimeout):
                 return "unreachable"
             except (
@@ -577,6 +573,31 @@ class Flow:
             ):
                 return "bad_answer"
         return "timeout"
+
+    async def _read_tokenize(
+        self, response: Response, sent: int, engine: EngineState, request: ClientRequest
+    ) -> tuple[int, int | None] | str:
+        """A 200 answer's count and the engine's context length, scanned as it arrives
+        (`TokenizeScan`) and bounded by what the text sent can count to."""
+        scan = TokenizeScan()
+        limit = _ERROR_BODY_LIMIT + TOKEN_ID_BYTES * sent
+        size = 0
+        while chunk := await response.receive_available():
+            size += len(chunk)
+            if size > limit:
+                return "bad_answer"
+            scan.feed(chunk)
+        count = scan.count()
+        if count is None:
+            return "bad_answer"
+        if request.kind == "chat" and self.ctx.chat_tokenize_refusals.forget(engine):
+            log.info(
+                "engine %s counts chat messages again: its /tokenize takes them now (an "
+                "upgraded build)",
+                engine.id,
+                extra={"event": "tokenize_chat_accepted", "engine": engine.id},
+            )
+        return count, scan.context(engine.dialect)
 
     def _chat_refused(self, engine: EngineState, status: int) -> None:
         """`engine`'s build has no chat form of /tokenize: its chat requests are estimated

@@ -121,6 +121,34 @@ def parse_body(
     )
 
 
+def context_overflow(request: ClientRequest, prompt_tokens: int, context: int) -> BadRequest | None:
+    """What vLLM would answer (notes §3: `_validate_input`) when the prompt, or the prompt
+    and the requested output, do not fit the engine's context; None when they do.
+
+    Asked before anything is sent: the prefill leg asks for one token, so only the decode
+    engine would see the overflow, after the prefill's work and, for a stream, after the
+    200 (manual 4.3), as an error event where vLLM alone answers 400."""
+    if prompt_tokens >= context:
+        return BadRequest(
+            f"This model's maximum context length is {context} tokens. However, your request "
+            f"has {prompt_tokens} input tokens. Please reduce the length of the input "
+            "messages.",
+            code="context_length_exceeded",
+            param="input_tokens",
+        )
+    wanted = request.max_tokens
+    if wanted is None or prompt_tokens + wanted <= context:
+        return None
+    key = "max_completion_tokens" if "max_completion_tokens" in request.body else "max_tokens"
+    return BadRequest(
+        f"'{key}' is too large: {wanted}. This model's maximum context length is {context} "
+        f"tokens and your request has {prompt_tokens} input tokens ({wanted} > {context} - "
+        f"{prompt_tokens}).",
+        code="context_length_exceeded",
+        param=key,
+    )
+
+
 def _max_tokens(body: Json) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)

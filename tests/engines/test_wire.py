@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 from narwhal.engines import SGLANG, VLLM, Dialect, SseKind, SseScanner, parse_error_body
 from narwhal.engines._dialects import (
     ChatTokenizeRefusals,
+    TokenizeScan,
     chat_tokenize_refused,
     sglang_pd_body,
     tokenize_body,
@@ -289,6 +290,44 @@ def test_tokenize_count_reads_one_integer() -> None:
     # SGLang's answer to a list prompt: one count per prompt, not a prompt's count.
     assert tokenize_count({"count": [3]}) is None
     assert tokenize_count({"count": [3, 4]}) is None
+
+
+def scan(answer: bytes, cuts: list[int]) -> TokenizeScan:
+    scanner = TokenizeScan()
+    at = 0
+    for cut in [*cuts, len(answer)]:
+        scanner.feed(answer[at:cut])
+        at = cut
+    return scanner
+
+
+VLLM_TOKENIZE = json.dumps(
+    {"count": 12345, "max_model_len": 131072, "tokens": list(range(128000, 140345))},
+    separators=(",", ":"),
+).encode()
+SGLANG_TOKENIZE = json.dumps(
+    {"tokens": list(range(128000, 140345)), "count": 12345, "max_model_len": -1}
+).encode()
+
+
+@given(st.lists(st.integers(0, len(VLLM_TOKENIZE)), max_size=6))
+def test_a_tokenize_answer_is_scanned_whatever_its_chunks(cuts: list[int]) -> None:
+    # A long prompt's answer (here 86 KB, 12,345 ids) arrives in many reads; a key or a
+    # number cut between two must still be read whole, never as its first digits.
+    scanner = scan(VLLM_TOKENIZE, sorted(cuts))
+    assert (scanner.count(), scanner.context(VLLM), scanner.context(SGLANG)) == (
+        12345,
+        131072,
+        None,  # SGLang's max_model_len is its tokenizer's, not the server's context
+    )
+    every_byte = scan(SGLANG_TOKENIZE, list(range(1, len(SGLANG_TOKENIZE), 997)))
+    assert (every_byte.count(), every_byte.context(VLLM)) == (12345, None)  # -1: unknown
+
+
+def test_a_tokenize_answer_without_one_count_has_none() -> None:
+    assert scan(b'{"count":[3,4],"max_model_len":8192}', []).count() is None
+    assert scan(b'{"detail":"Not Found"}', []).count() is None
+    assert scan(b'{"count":-1}', []).count() is None
 
 
 def test_usage_counts_are_read_from_the_usage_object_only() -> None:

@@ -85,13 +85,80 @@ async def test_prefill_engine_errors_are_mapped_not_passed_through(
 
 
 async def test_client_errors_from_the_engine_keep_their_status(start_stack: StartStack) -> None:
-    stack = await start_stack()
+    # Without /tokenize's context length the engine is the one to say it.
+    stack = await start_stack(engine={"tokenize": False})
     response = await post(stack, {"max_tokens": 10_000})  # beyond the sim's max_model_len
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["code"] == "engine_rejected_request"
     assert "maximum context length" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_output_past_the_context_is_refused_before_any_leg(
+    start_stack: StartStack, stream: bool
+) -> None:
+    # The prefill leg asks for one token, so only the decode engine would see the overflow:
+    # after the prefill's work, and for a stream after the 200, as an error event.
+    stack = await start_stack()
+    response = await post(stack, {"max_tokens": 8190, "stream": stream})  # 8192 in the sim
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "max_tokens"
+    count = (await tokenize(stack))["count"]
+    assert error["message"] == (
+        f"'max_tokens' is too large: 8190. This model's maximum context length is 8192 "
+        f"tokens and your request has {count} input tokens (8190 > 8192 - {count})."
+    )
+    for engine in stack.fleet:
+        assert sum(engine.state()["counters"]["requests"].values()) == 0
+    state = await settled(stack)
+    assert state["slo"]["counts"] == {"met": 0, "missed": 0, "refused": 0, "unmeasured": 0}
+    fits = await post(stack, {"max_tokens": 8192 - count, "stream": stream})
+    assert fits.status_code == 200
+
+
+async def test_a_chat_prompt_past_the_context_is_refused_with_the_field_it_used(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack()
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(
+            f"{stack.url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_completion_tokens": 9000,
+            },
+        )
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == (
+            "context_length_exceeded",
+            "max_completion_tokens",
+        )
+        long_text = {"model": MODEL, "prompt": "fox " * 10_000, "max_tokens": 1}
+        response = await client.post(f"{stack.url}/v1/completions", json=long_text)
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "input_tokens")
+        assert error["message"].startswith("This model's maximum context length is 8192 tokens.")
+        long_ids = {"model": MODEL, "prompt": [5] * 20_000, "max_tokens": 1}
+        response = await client.post(f"{stack.url}/v1/completions", json=long_ids)
+    # Token ids are counted without /tokenize: the engine says it, before any output.
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "engine_rejected_request"
+    await settled(stack)
+
+
+async def tokenize(stack: Stack) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(
+            f"{stack.fleet[0].url}/tokenize", json={"model": MODEL, "prompt": PROMPT}
+        )
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 async def test_decode_failure_after_commit_is_a_terminal_error_event(

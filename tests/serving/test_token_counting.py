@@ -18,7 +18,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.sim import EngineHandle, SimEngineSpec
+from narwhal.sim import EngineHandle, SimEngineSpec, SimTiming
 
 from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
@@ -140,6 +140,19 @@ async def test_a_one_prompt_list_is_counted_exactly(
         stack, "/v1/completions", {"prompt": [PROSE], "max_tokens": 2}
     )
     assert priced == charged
+    assert (await stack.state())["requests"]["token_counts"] == {"exact": 1}
+
+
+async def test_a_long_prompt_is_counted_exactly(start_stack: StartStack) -> None:
+    # /tokenize lists every token id: 20,000 of them are some 140 KB of answer, which was
+    # refused as too large and estimated (`bad_answer`): the prompts that cost most were
+    # the ones priced by a ratio.
+    stack = await start_stack(sim={"timing": SimTiming(max_model_len=32768)}, speed=200.0)
+    words = " ".join(f"w{i}" for i in range(7_000))  # some 20,000 tokens
+    priced, charged = await priced_and_charged(
+        stack, "/v1/completions", {"prompt": words, "max_tokens": 2}
+    )
+    assert priced == charged > 15_000
     assert (await stack.state())["requests"]["token_counts"] == {"exact": 1}
 
 
