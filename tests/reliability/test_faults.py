@@ -75,6 +75,17 @@ async def test_stalls_before_and_after_the_first_token(start: StartCampaign, cou
         await c.send(i, c.body(stream=stream_share(c), max_tokens=12))
 
     await c.run(count, plan, concurrency=8, within_s=60)
+    # The plan's decode stalls reach a stream only when the next decode leg on that engine
+    # is a streamed request's (3-4 of 40 runs' requests, and once none under load), so a
+    # stream is sent into them until one is cut by the first-token timer.
+    for index in range(count, count + 5):
+        for decode in DECODES:
+            c.fleet[decode].set_faults(stall_before_first_token_s=30, leg="decode", count=1)
+        exchange = await c.send(index, c.body(stream=True, max_tokens=12))
+        if c.label_of(exchange) == "stream_error:first_token_timeout":
+            break
+    for decode in DECODES:
+        c.fleet[decode].clear_faults()
     report = await c.check()
     report.assert_ok()
     # Every stall is endless from the router's point of view: each one must have been
