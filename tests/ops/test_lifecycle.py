@@ -21,6 +21,22 @@ from ..support import open_sse, wait_for
 BODY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8, "stream": True}
 
 
+def pair_document(stack: Stack) -> dict[str, Any]:
+    """A config for a second daemon in front of the stack's 1P1D fleet, open admission."""
+    fleet = stack.fleet
+    return merge(
+        {
+            "engines": [
+                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
+                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
+            ],
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "serving": {"admission": "open"},
+        },
+        FAST,
+    )
+
+
 async def refused(stack: Stack) -> httpx.Response:
     async with httpx.AsyncClient(timeout=10) as client:
         return await client.post(f"{stack.url}/v1/completions", json={**BODY, "stream": False})
@@ -92,17 +108,7 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
     stack = await start_stack(["prefill", "decode", "decode"])
     fleet = stack.fleet
     # The running daemon only knows p0 and d1 (d2 exists, unconfigured).
-    base = merge(
-        {
-            "engines": [
-                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
-                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
-            ],
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "serving": {"admission": "open"},
-        },
-        FAST,
-    )
+    base = pair_document(stack)
     path = tmp_path / "narwhal.json"
     write(path, base)
     config = load_config(base)
@@ -181,18 +187,7 @@ async def test_a_reload_that_turns_the_controller_off_leaves_it_running(
     start_stack: StartStack, tmp_path: Path
 ) -> None:
     stack = await start_stack()
-    fleet = stack.fleet
-    base = merge(
-        {
-            "engines": [
-                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
-                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
-            ],
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "serving": {"admission": "open"},
-        },
-        FAST,
-    )
+    base = pair_document(stack)
     path = tmp_path / "narwhal.json"
     write(path, merge(base, {"controller": {"enabled": False}}))
     async with trio.open_nursery() as nursery:
@@ -223,18 +218,7 @@ async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
 ) -> None:
     stack = await start_stack()
     fleet = stack.fleet
-    document = merge(
-        {
-            "engines": [
-                {"id": "p0", "url": fleet[0].url, "role": "prefill", "model": MODEL},
-                {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
-            ],
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "serving": {"admission": "open"},
-            "recovery": {"shutdown_grace_s": 30.0},
-        },
-        FAST,
-    )
+    document = merge(pair_document(stack), {"recovery": {"shutdown_grace_s": 30.0}})
     path = short_tmp / "narwhal.json"
     write(path, document)
     address = str(short_tmp / "notify.sock")

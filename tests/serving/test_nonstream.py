@@ -49,15 +49,21 @@ def record_signals(stack: Stack) -> _Recorder:
     return recorder
 
 
-async def test_a_stall_before_the_first_token_is_a_first_token_timeout(
-    start_stack: StartStack,
-) -> None:
+async def decode_stalled_before_its_first_token(start_stack: StartStack) -> tuple[Stack, _Recorder]:
+    """A 1P1D stack whose decode engine never sends a first token (0.3 s timer, one
+    attempt), with the request path's signals recorded."""
     stack = await start_stack(
         engine={"first_token_timeout_s": 0.3},
         serving={"prefill_timeout_s": 0.3, "request_timeout_s": 3.0, "max_attempts": 1},
     )
-    signals = record_signals(stack)
     stack.fleet[1].set_faults(stall_before_first_token_s=5, leg="decode")
+    return stack, record_signals(stack)
+
+
+async def test_a_stall_before_the_first_token_is_a_first_token_timeout(
+    start_stack: StartStack,
+) -> None:
+    stack, signals = await decode_stalled_before_its_first_token(start_stack)
     started = trio.current_time()
     response = await post(stack, {"max_tokens": 3})
     elapsed = trio.current_time() - started
@@ -76,12 +82,7 @@ async def test_a_first_token_timeout_the_router_lag_explains_sends_no_signal(
 ) -> None:
     # The controller resets its evidence window on the signal (manual 7.6); a timeout the
     # router's own lag explains says nothing about decode capacity.
-    stack = await start_stack(
-        engine={"first_token_timeout_s": 0.3},
-        serving={"prefill_timeout_s": 0.3, "request_timeout_s": 3.0, "max_attempts": 1},
-    )
-    signals = record_signals(stack)
-    stack.fleet[1].set_faults(stall_before_first_token_s=5, leg="decode")
+    stack, signals = await decode_stalled_before_its_first_token(start_stack)
 
     async def starve_while_it_waits() -> None:
         await trio.sleep(0.15)
