@@ -15,13 +15,17 @@ from .helpers import config_for, store_for
 from .test_check import build_of
 
 
+async def _never_answer(_stream: trio.SocketStream) -> None:
+    await trio.sleep_forever()
+
+
 async def test_a_profile_of_another_build_is_not_used_by_the_daemon(
     start_fleet: StartFleet, tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     fleet = await start_fleet(engines=2, speed=50.0, build="b2")
     # An engine that accepts connections and never answers: its build cannot be read.
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    nursery.start_soon(trio.serve_listeners, lambda _stream: trio.sleep_forever(), listeners)
+    nursery.start_soon(trio.serve_listeners, _never_answer, listeners)
     silent = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
     urls = {"e0": fleet[0].url, "e1": fleet[1].url, "e2": silent}
     path = tmp_path / "profiles.json"
