@@ -5,7 +5,9 @@
 The sweep (see `narwhal.probe._sweep` for exactly what is measured) is bounded in count
 and time; progress goes to stderr. The store is written atomically to ``--out`` (default:
 the config's ``profiles.path``) and read back against the config before the command
-succeeds. Facts recorded by ``narwhal-check --record`` in an existing store are kept when
+succeeds. The store's writer lock (``PATH.lock``) is held throughout: a second
+narwhal-profile, or a narwhal-check --record, is refused until this one ends. Facts
+recorded by ``narwhal-check --record`` in an existing store are kept when
 every engine still runs the build they were measured on.
 """
 
@@ -21,7 +23,7 @@ import trio
 
 from ..config import Config, ConfigError, load_config_file
 from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
-from ..profiles import check_store, read_store, save_profiles
+from ..profiles import StoreBusy, check_store, lock_store, read_store, save_profiles
 from ._common import unwritable
 
 
@@ -161,7 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         _err(f"{problem}; nothing was measured")
         return 2
-    return trio.run(partial(run, config, plan, out, quiet=args.quiet))
+    try:
+        with lock_store(out, holder="narwhal-profile"):
+            return trio.run(partial(run, config, plan, out, quiet=args.quiet))
+    except StoreBusy as exc:
+        _err(f"{exc}; nothing was measured")
+        return 2
 
 
 if __name__ == "__main__":
