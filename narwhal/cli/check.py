@@ -30,7 +30,7 @@ import trio
 from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
 from ..profiles import StoreBusy, lock_store, read_store, save_profiles
-from ._common import count, positive_seconds, unwritable
+from ._common import count, interruptible, positive_seconds, signal_exit, unwritable
 from .profile import _sizes
 
 
@@ -106,7 +106,10 @@ async def run(
         else:
             updated = attrs.evolve(current, facts=report.facts())
             try:
-                await trio.to_thread.run_sync(partial(save_profiles, updated, config.profiles.path))
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(
+                        partial(save_profiles, updated, config.profiles.path)
+                    )
             except OSError as exc:
                 _err(f"--record: cannot write {config.profiles.path}: {_reason(exc)}")
                 unwritten = True
@@ -117,6 +120,12 @@ async def run(
         _err(f"{len(failed)} check(s) failed")
         return 1
     return 1 if unwritten else 0
+
+
+def _interrupted(record: bool, name: str) -> int:
+    kept = "; nothing was recorded" if record else ""
+    _err(f"interrupted by {name} before the checks finished{kept}")
+    return signal_exit(name)
 
 
 def _reason(exc: OSError) -> str:
@@ -153,12 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(str(exc))
         return 2
     job = partial(run, config, plan, record=args.record, json_path=args.json, quiet=args.quiet)
+    stop = partial(_interrupted, args.record)
     if not args.record:
-        return trio.run(job)
+        return trio.run(interruptible, job, stop)
     # Held from the start: the check loads the engines a concurrent sweep would measure.
     try:
         with lock_store(config.profiles.path, holder="narwhal-check --record"):
-            return trio.run(job)
+            return trio.run(interruptible, job, stop)
     except StoreBusy as exc:
         _err(f"--record: {exc}; nothing was checked")
         return 2

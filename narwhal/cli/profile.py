@@ -24,7 +24,7 @@ import trio
 from ..config import Config, ConfigError, load_config_file
 from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
 from ..profiles import StoreBusy, check_store, lock_store, read_store, save_profiles
-from ._common import unwritable
+from ._common import interruptible, signal_exit, unwritable
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -124,13 +124,15 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
     store, dropped = carry_facts(store, old)
     if dropped:
         _err(dropped)
-    try:
-        await trio.to_thread.run_sync(partial(save_profiles, store, out))
-    except OSError as exc:
-        reason = (exc.strerror or type(exc).__name__).lower()
-        _err(f"cannot write {out}: {reason}; the measurements are lost")
-        return 1
-    reread, problems = await trio.to_thread.run_sync(read_store, out)
+    # A signal during the write lets it finish: the store is then the new one, whole.
+    with trio.CancelScope(shield=True):
+        try:
+            await trio.to_thread.run_sync(partial(save_profiles, store, out))
+        except OSError as exc:
+            reason = (exc.strerror or type(exc).__name__).lower()
+            _err(f"cannot write {out}: {reason}; the measurements are lost")
+            return 1
+        reread, problems = await trio.to_thread.run_sync(read_store, out)
     check = check_store(reread, problems, config)
     for message in check.messages:
         _err(message)
@@ -141,6 +143,11 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
         f"handoff pair(s) in {store.sweep.get('duration_s')} s"
     )
     return 0
+
+
+def _interrupted(out: str, name: str) -> int:
+    _err(f"interrupted by {name}: nothing was written; {out} is as it was")
+    return signal_exit(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with lock_store(out, holder="narwhal-profile"):
-            return trio.run(partial(run, config, plan, out, quiet=args.quiet))
+            job = partial(run, config, plan, out, quiet=args.quiet)
+            return trio.run(interruptible, job, partial(_interrupted, out))
     except StoreBusy as exc:
         _err(f"{exc}; nothing was measured")
         return 2
