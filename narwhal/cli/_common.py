@@ -3,8 +3,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Awaitable, Callable
+
+import trio
 
 
 def not_implemented(command: str, issue: int) -> int:
@@ -60,3 +65,35 @@ def count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} must be at least 0")
     return value
+
+
+async def interruptible(job: Callable[[], Awaitable[int]], on_signal: Callable[[str], int]) -> int:
+    """Run `job`; SIGINT or SIGTERM cancels it and returns ``on_signal(name)`` instead.
+
+    Both signals end a measurement the same way, with one line that says what was kept,
+    instead of a traceback (SIGINT) or a silent exit (SIGTERM). A job shields its writes:
+    a signal that arrives during one lets it finish, and the job's own code is returned.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return await job()  # signals reach only the main thread (tests run commands in others)
+    received = ""
+    code: int | None = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal received
+                async for signum in signals:
+                    received = signal.Signals(signum).name
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            code = await job()
+            nursery.cancel_scope.cancel()
+    return code if code is not None else on_signal(received)
+
+
+def signal_exit(name: str) -> int:
+    """The shell's exit status for a process ended by signal `name` (128 + number)."""
+    return 128 + int(signal.Signals[name])

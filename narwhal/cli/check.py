@@ -4,14 +4,16 @@
 
 Exits 0 when every check passes (warnings and skips allowed), 1 when any fails or its
 results cannot be written, 2 on a configuration or usage error (an option out of range,
-or a --json or --record destination that cannot be written, found before anything is
-measured). See `narwhal.probe._check` for what each check does.
+a --json or --record destination that cannot be written, or a --record store locked by
+another writer, found before anything is measured). See `narwhal.probe._check` for what
+each check does.
 
 ``--record`` writes the measured facts (verified KV lease per engine and its fleet
 minimum, crossed-handoff p99, the builds they were measured on) into the existing profile
-store at ``profiles.path``, keeping its profiles; without a readable store nothing is
-recorded (run narwhal-profile first). narwhal-profile keeps recorded facts while the
-builds are unchanged.
+store at ``profiles.path``, keeping its profiles, under the store's writer lock (held
+from the start; refused, exit 2, while a narwhal-profile holds it); without a readable
+store nothing is recorded (run narwhal-profile first). narwhal-profile keeps recorded
+facts while the builds are unchanged.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import trio
 
 from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
-from ..profiles import read_store, save_profiles
-from ._common import count, positive_seconds, unwritable
+from ..profiles import StoreBusy, lock_store, read_store, save_profiles
+from ._common import count, interruptible, positive_seconds, signal_exit, unwritable
 from .profile import _sizes
 
 
@@ -97,12 +99,17 @@ async def run(
             _err(f"--json: cannot write {json_path}: {_reason(exc)}")
             unwritten = True
     if record:
-        if store is None:
+        # The store as it is now (the lock keeps other writers out, not someone's cp).
+        current, _ = await trio.to_thread.run_sync(read_store, config.profiles.path)
+        if current is None:
             _err(f"nothing recorded: no valid profile store at {config.profiles.path}")
         else:
-            updated = attrs.evolve(store, facts=report.facts())
+            updated = attrs.evolve(current, facts=report.facts())
             try:
-                await trio.to_thread.run_sync(partial(save_profiles, updated, config.profiles.path))
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(
+                        partial(save_profiles, updated, config.profiles.path)
+                    )
             except OSError as exc:
                 _err(f"--record: cannot write {config.profiles.path}: {_reason(exc)}")
                 unwritten = True
@@ -113,6 +120,12 @@ async def run(
         _err(f"{len(failed)} check(s) failed")
         return 1
     return 1 if unwritten else 0
+
+
+def _interrupted(record: bool, name: str) -> int:
+    kept = "; nothing was recorded" if record else ""
+    _err(f"interrupted by {name} before the checks finished{kept}")
+    return signal_exit(name)
 
 
 def _reason(exc: OSError) -> str:
@@ -148,9 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TypeError, ValueError) as exc:
         _err(str(exc))
         return 2
-    return trio.run(
-        partial(run, config, plan, record=args.record, json_path=args.json, quiet=args.quiet)
-    )
+    job = partial(run, config, plan, record=args.record, json_path=args.json, quiet=args.quiet)
+    stop = partial(_interrupted, args.record)
+    if not args.record:
+        return trio.run(interruptible, job, stop)
+    # Held from the start: the check loads the engines a concurrent sweep would measure.
+    try:
+        with lock_store(config.profiles.path, holder="narwhal-check --record"):
+            return trio.run(interruptible, job, stop)
+    except StoreBusy as exc:
+        _err(f"--record: {exc}; nothing was checked")
+        return 2
 
 
 if __name__ == "__main__":

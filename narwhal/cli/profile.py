@@ -5,7 +5,9 @@
 The sweep (see `narwhal.probe._sweep` for exactly what is measured) is bounded in count
 and time; progress goes to stderr. The store is written atomically to ``--out`` (default:
 the config's ``profiles.path``) and read back against the config before the command
-succeeds. Facts recorded by ``narwhal-check --record`` in an existing store are kept when
+succeeds. The store's writer lock (``PATH.lock``) is held throughout: a second
+narwhal-profile, or a narwhal-check --record, is refused until this one ends. Facts
+recorded by ``narwhal-check --record`` in an existing store are kept when
 every engine still runs the build they were measured on.
 """
 
@@ -21,8 +23,8 @@ import trio
 
 from ..config import Config, ConfigError, load_config_file
 from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
-from ..profiles import check_store, read_store, save_profiles
-from ._common import unwritable
+from ..profiles import StoreBusy, check_store, lock_store, read_store, save_profiles
+from ._common import interruptible, signal_exit, unwritable
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -122,13 +124,15 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
     store, dropped = carry_facts(store, old)
     if dropped:
         _err(dropped)
-    try:
-        await trio.to_thread.run_sync(partial(save_profiles, store, out))
-    except OSError as exc:
-        reason = (exc.strerror or type(exc).__name__).lower()
-        _err(f"cannot write {out}: {reason}; the measurements are lost")
-        return 1
-    reread, problems = await trio.to_thread.run_sync(read_store, out)
+    # A signal during the write lets it finish: the store is then the new one, whole.
+    with trio.CancelScope(shield=True):
+        try:
+            await trio.to_thread.run_sync(partial(save_profiles, store, out))
+        except OSError as exc:
+            reason = (exc.strerror or type(exc).__name__).lower()
+            _err(f"cannot write {out}: {reason}; the measurements are lost")
+            return 1
+        reread, problems = await trio.to_thread.run_sync(read_store, out)
     check = check_store(reread, problems, config)
     for message in check.messages:
         _err(message)
@@ -139,6 +143,11 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
         f"handoff pair(s) in {store.sweep.get('duration_s')} s"
     )
     return 0
+
+
+def _interrupted(out: str, name: str) -> int:
+    _err(f"interrupted by {name}: nothing was written; {out} is as it was")
+    return signal_exit(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,7 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         _err(f"{problem}; nothing was measured")
         return 2
-    return trio.run(partial(run, config, plan, out, quiet=args.quiet))
+    try:
+        with lock_store(out, holder="narwhal-profile"):
+            job = partial(run, config, plan, out, quiet=args.quiet)
+            return trio.run(interruptible, job, partial(_interrupted, out))
+    except StoreBusy as exc:
+        _err(f"{exc}; nothing was measured")
+        return 2
 
 
 if __name__ == "__main__":

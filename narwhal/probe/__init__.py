@@ -4,6 +4,7 @@ Unlike `narwhal.profiles` this package does I/O: it drives engines over HTTP wit
 router's own transport and dialect helpers, bypassing the router.
 """
 
+from ._builds import with_live_builds as with_live_builds
 from ._check import (
     CheckPlan as CheckPlan,
     CheckReport as CheckReport,

@@ -47,11 +47,13 @@ Handoff profiles exist for the `crossed_pairs` of the configuration.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -530,6 +532,40 @@ def save_profiles(store: ProfileStore, path: str | os.PathLike[str]) -> None:
         except OSError:
             pass
         raise
+
+
+class StoreBusy(Exception):
+    """Another narwhal-profile or narwhal-check --record holds the store's writer lock."""
+
+
+@contextlib.contextmanager
+def lock_store(path: str | os.PathLike[str], *, holder: str) -> Iterator[None]:
+    """Hold the writer lock of the store at `path` (an advisory flock on ``PATH.lock``).
+
+    Writes are atomic, but the writers read, measure for minutes and write back: two at
+    once would each load the engines the other measures, and the last to write would
+    throw away what the other wrote. The second one is refused (`StoreBusy`, naming the
+    holder) before it measures anything. The kernel drops the lock when its holder exits,
+    however it exits; the lock file stays (removing it would race with a new holder).
+    Readers (the daemon) need no lock. Blocking.
+    """
+    target = os.fspath(path)
+    lock = f"{target}.lock"
+    os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "another process"
+            raise StoreBusy(
+                f"{target} is locked by {other} ({lock}); wait for it to finish"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{holder} (pid {os.getpid()})\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def read_store(path: str | os.PathLike[str]) -> tuple[ProfileStore | None, list[str]]:

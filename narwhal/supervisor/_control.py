@@ -23,6 +23,7 @@ from ..admission import ProfileSource
 from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
+from ..probe import with_live_builds
 from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
 from ..recovery import LegObservation, MonitorPass, Predictor
 from ..serving import ServingContext
@@ -41,6 +42,8 @@ class ProfilesUnavailable(Exception):
 
 async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, list[str]]:
     check = await trio.to_thread.run_sync(load_profiles, config.profiles.path, config)
+    # A profile measured on another build than the engine runs now is stale (README).
+    check = await with_live_builds(check, config)
     for message in check.messages:
         log.warning("profile: %s", message, extra={"event": "profile_problem", "problem": message})
     if not check.usable:

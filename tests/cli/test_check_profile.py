@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from narwhal.cli import _common, check as check_cli, profile as profile_cli
+from narwhal.profiles import StoreBusy, lock_store
 
 # Nothing listens on port 9: a check of this fleet fails every row within a second.
 _DOWN = {"engines": [{"id": "p0", "url": "http://127.0.0.1:9"}]}
@@ -102,3 +103,33 @@ def test_unwritable_creates_the_directory_as_the_writer_would(tmp_path: Path) ->
     assert target.parent.is_dir()
     assert list(target.parent.iterdir()) == []  # the probe file is gone
     assert _common.unwritable(str(tmp_path)) == f"{tmp_path} is a directory"
+
+
+def test_a_second_writer_is_refused_while_the_store_is_locked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A narwhal-profile run holds the store: another sweep would load the engines it
+    # measures, and a narwhal-check --record would write back the store it read before the
+    # sweep ended, throwing the new profiles away. Both are refused before measuring.
+    store = tmp_path / "profiles.json"
+    store.write_text("{}")
+    config = write_config(tmp_path, profiles={"path": str(store)})
+    with lock_store(store, holder="narwhal-profile"):
+        assert profile_cli.main(["--config", config, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"narwhal-profile: {store} is locked by narwhal-profile (pid ")
+        assert err.endswith(f"({store}.lock); wait for it to finish; nothing was measured\n")
+        assert check_cli.main(["--config", config, "--record", "--quiet"]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(
+            f"narwhal-check: --record: {store} is locked by narwhal-profile (pid "
+        )
+        assert captured.out == ""  # nothing was checked
+    assert store.read_text() == "{}"
+    # Released with its holder: the next writer takes it.
+    with (
+        lock_store(store, holder="narwhal-check --record"),
+        pytest.raises(StoreBusy, match=r"locked by narwhal-check --record \(pid "),
+        lock_store(store, holder="narwhal-profile"),
+    ):
+        pass

@@ -1,0 +1,66 @@
+"""The daemon compares every usable profile's build with the engine's live build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import trio
+
+from narwhal.profiles import save_profiles
+from narwhal.supervisor._control import load_fleet_profiles
+
+from ..support import StartFleet
+from .helpers import config_for, store_for
+from .test_check import build_of
+
+
+async def _never_answer(_stream: trio.SocketStream) -> None:
+    await trio.sleep_forever()
+
+
+async def test_a_profile_of_another_build_is_not_used_by_the_daemon(
+    start_fleet: StartFleet, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    fleet = await start_fleet(engines=2, speed=50.0, build="b2")
+    # An engine that accepts connections and never answers: its build cannot be read.
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, _never_answer, listeners)
+    silent = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    urls = {"e0": fleet[0].url, "e1": fleet[1].url, "e2": silent}
+    path = tmp_path / "profiles.json"
+    config = config_for(urls, profiles=str(path), engine={"health_timeout_s": 0.5})
+    live = await build_of(config)
+    old = live.replace("[b2]", "[b1]")
+    store = store_for(urls, build=live)
+    engines = dict(store.engines)
+    engines["e1"] = attrs.evolve(engines["e1"], build=old)
+    save_profiles(attrs.evolve(store, engines=engines), path)
+
+    start = trio.current_time()
+    profiles, problems = await load_fleet_profiles(config)
+    assert trio.current_time() - start < 2.0
+    assert profiles is not None
+    assert profiles.check.usable == {"e0", "e2"}
+    assert profiles.profile("e1") is None
+    assert problems == [
+        f"engine 'e1': build is {live!r} but the profile was measured on {old!r}; the profile "
+        "is stale, run narwhal-profile again",
+        f"engine 'e2': build not verified (no identity answer in 0.5 s "
+        f"(engine.health_timeout_s)); its profile, measured on {live!r}, is used until a "
+        "reload can compare them",
+    ]
+
+
+async def test_predictive_admission_refuses_a_fleet_of_stale_profiles(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    fleet = await start_fleet(engines=1, speed=50.0, build="b2")
+    path = tmp_path / "profiles.json"
+    config = config_for({"e0": fleet[0].url}, profiles=str(path))
+    live = await build_of(config)
+    save_profiles(store_for({"e0": fleet[0].url}, build=live.replace("[b2]", "[b1]")), path)
+    profiles, problems = await load_fleet_profiles(config)
+    assert profiles is None
+    (problem,) = problems
+    assert problem.startswith(f"engine 'e0': build is {live!r} but the profile was measured on")
