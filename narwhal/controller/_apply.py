@@ -30,6 +30,7 @@ class RoleTarget(Protocol):
     drained: bool
     removed: bool
     decode_active: int
+    decode_pending: int
 
     @property
     def fixed_role(self) -> str | None: ...
@@ -56,7 +57,9 @@ class FlipRecord:
     detail: str
     before: Split
     after: Split
-    resident_streams: int  # decode streams left to finish on the engine where they are
+    # Decode streams left to finish on the engine where they are: open ones and those
+    # placed on it that have not started (`resident_streams`).
+    resident_streams: int
     applied: bool
 
     def as_dict(self) -> dict[str, object]:
@@ -107,7 +110,14 @@ def apply_move(engine: RoleTarget, decision: Decision) -> FlipRecord:
         raise MoveRejected(f"the decision's result is {decision.result!r}, not 'move'")
     check_move(engine, move, decision.now)
     engine.role = move.to_role
-    return flip_record(decision, resident_streams=engine.decode_active, applied=True)
+    return flip_record(decision, resident_streams=resident_streams(engine), applied=True)
+
+
+def resident_streams(engine: RoleTarget) -> int:
+    """The decode streams a role change leaves on the engine: the open ones and the legs
+    placed on it whose prefill is still running or whose KV waits for a slot (manual 5:
+    placed requests keep their engine, so they start here after a move to prefill)."""
+    return engine.decode_active + engine.decode_pending
 
 
 def flip_record(decision: Decision, *, resident_streams: int, applied: bool) -> FlipRecord:

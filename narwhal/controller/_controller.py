@@ -23,7 +23,14 @@ from prometheus_client.registry import Collector
 from ..admission import unstreamed_tokens
 from ..config import Config
 from ..fleet import EngineState
-from ._apply import FlipHistory, FlipRecord, MoveRejected, apply_move, flip_record
+from ._apply import (
+    FlipHistory,
+    FlipRecord,
+    MoveRejected,
+    apply_move,
+    flip_record,
+    resident_streams,
+)
 from ._decide import Decision, decide
 from ._demand import Arrival, DemandEstimator
 from ._expose import (
@@ -184,6 +191,8 @@ class Controller:
                     since_role_change_s=self.state.since_role_change(engine.id, now),
                     decode_active=engine.decode_active,
                     decode_tokens=engine.decode_tokens + unseen,
+                    decode_pending=engine.decode_pending,
+                    decode_pending_tokens=engine.decode_pending_tokens,
                     prefill_inflight=engine.prefill_inflight,
                     prefill_tokens_inflight=engine.prefill_tokens_inflight,
                     prefill_work_s=prefill_work_s(
@@ -259,7 +268,7 @@ class Controller:
                 )
         elif move is not None and decision.result == "advisory":
             engine = self._engines.get(move.engine)
-            resident = engine.decode_active if engine is not None else 0
+            resident = resident_streams(engine) if engine is not None else 0
             record = flip_record(decision, resident_streams=resident, applied=False)
             self.counters.proposals[(move.direction, decision.caller)] += 1
             # Advisory mode re-proposes the same move every time it is confirmed again,

@@ -87,6 +87,10 @@ Interpretations of the manual (each has a test named after it)
   profile, no priced demand) rather than leave the fleet with no prefill capacity.
 * `flip_resident_guard` filters D-to-P candidates of adjacent decisions; floor
   recovery prefers the candidate with the fewest resident streams but is not blocked.
+* Resident decode work of a D-to-P candidate (candidate order, `flip_resident_guard`,
+  the candidate's own 7.3 checks, the flip record) is its open streams plus the decode
+  legs already placed on it that have not started: a role change moves neither (manual
+  5), so the engine turned prefill still starts every placed leg.
 * Candidate order: D-to-P takes the decode engine with the fewest resident streams,
   then the fewest resident KV tokens, then the lowest id; P-to-D the prefill engine with
   the least predicted prefill work, then fewest in flight, then the lowest id.
@@ -485,7 +489,7 @@ def _none_movable(p: _Pass, role: Pool) -> _Blocked:
 
 
 def _d2p_order(e: EngineSnapshot) -> tuple[int, int, str]:
-    return (e.decode_active, e.decode_tokens, e.id)
+    return (e.decode_resident, e.decode_resident_tokens, e.id)
 
 
 def _p2d_order(e: EngineSnapshot) -> tuple[float, int, str]:
@@ -544,9 +548,13 @@ def resident_work_check(
             if strict:
                 return _Blocked("resident_batches", f"engine {e.id!r} has no profile")
             continue
-        extra = 0.0 if e is candidate else share
-        active = e.decode_active + extra
-        kv = e.decode_tokens + extra * prompt_mean
+        if e is candidate:
+            # Its placed decode legs start here after the move (manual 5).
+            active = float(e.decode_resident)
+            kv = float(e.decode_resident_tokens)
+        else:
+            active = e.decode_active + share
+            kv = e.decode_tokens + share * prompt_mean
         # An idle engine is the idle point, inside the domain: the least busy decode
         # engine, the usual candidate, must not block its own move.
         if not profile.decode.in_domain(math.ceil(active), math.ceil(kv)):
@@ -576,11 +584,11 @@ def resident_work_check(
     if cap is None:
         if strict:
             return _Blocked("kv_capacity", f"engine {candidate.id!r} has no KV capacity")
-    elif cap - candidate.decode_tokens < math.ceil(prompt_mean):
+    elif cap - candidate.decode_resident_tokens < math.ceil(prompt_mean):
         return _Blocked(
             "kv_capacity",
-            f"engine {candidate.id!r} holds {candidate.decode_tokens} resident KV tokens of "
-            f"{cap}; no room for a {_fmt(prompt_mean)}-token prompt",
+            f"engine {candidate.id!r} holds {candidate.decode_resident_tokens} resident KV "
+            f"tokens of {cap}; no room for a {_fmt(prompt_mean)}-token prompt",
         )
     return None
 
@@ -700,7 +708,7 @@ def _check_d2p(p: _Pass, target: SplitLoad) -> _Eligible | _Blocked:
             "dwell", f"every movable decode engine changed role within {th.dwell_s:g} s"
         )
     guard = th.flip_resident_guard
-    guarded = [e for e in ready if guard == 0 or e.decode_active <= guard]
+    guarded = [e for e in ready if guard == 0 or e.decode_resident <= guard]
     if not guarded:
         return _Blocked(
             "resident_guard",

@@ -38,6 +38,13 @@ class EngineSnapshot:
     since_role_change_s: float = math.inf
     decode_active: int = 0  # resident decode streams
     decode_tokens: int = 0  # resident KV tokens of those streams
+    # Decode legs placed here that have not started (their prefill is still running, or
+    # their KV waits for a decode slot), and their prompt tokens. A role change does not
+    # move them (manual 5: they keep the engine they were placed on), so a decode engine
+    # turned prefill still starts every one of them: for the D-to-P candidate they are
+    # resident work like the streams it holds.
+    decode_pending: int = 0
+    decode_pending_tokens: int = 0
     prefill_inflight: int = 0
     prefill_tokens_inflight: int = 0
     prefill_work_s: float = 0.0  # profile-priced prefill work the engine holds
@@ -51,6 +58,15 @@ class EngineSnapshot:
     # (`serving.decode_concurrency` or the engine's override) or the engine's own
     # (`max_num_seqs` in its profile), whichever is smaller; math.inf when neither is known.
     decode_slots: float = math.inf
+
+    @property
+    def decode_resident(self) -> int:
+        """Decode streams that will run here whatever the engine's role becomes."""
+        return self.decode_active + self.decode_pending
+
+    @property
+    def decode_resident_tokens(self) -> int:
+        return self.decode_tokens + self.decode_pending_tokens
 
     @property
     def has_profile(self) -> bool:

@@ -104,6 +104,45 @@ async def test_advisory_controller_keeps_roles_and_records_the_proposal(
     }
 
 
+def test_flip_record_counts_decode_legs_placed_on_the_engine_before_the_move() -> None:
+    # The request path books a decode leg on its engine when it places the request, a
+    # whole prefill before the leg starts (`decode_pending`); after a move to prefill the
+    # leg still starts there. d0 holds no stream but four such legs, d1 one stream.
+    _, fleet, ctl = setup("PPDDDD")
+    get(fleet, "d0").decode_pending = 4
+    get(fleet, "d0").decode_pending_tokens = 1600
+    get(fleet, "d1").decode_active = 1
+    get(fleet, "d1").decode_tokens = 400
+    for engine_id in ("d2", "d3"):
+        get(fleet, engine_id).decode_active = 6
+        get(fleet, engine_id).decode_tokens = 2400
+    offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
+    d = ctl.step(200.0)
+    assert d is not None
+    assert d.move is not None
+    assert (d.move.engine, d.move.direction, ctl.last_result) == ("d1", "d2p", "applied")
+    (record,) = list(ctl.history)
+    assert record.resident_streams == 1
+    snap = ctl.last_snapshot
+    assert snap is not None
+    d0 = snap.engine("d0")
+    assert d0 is not None
+    assert (d0.decode_pending, d0.decode_pending_tokens, d0.decode_resident) == (4, 1600, 4)
+
+
+def test_advisory_record_counts_decode_legs_placed_on_the_engine() -> None:
+    _, fleet, ctl = setup("PPDD", advisory=True)
+    for engine_id in ("d0", "d1"):
+        get(fleet, engine_id).decode_pending = 2
+    offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
+    d = ctl.step(200.0)
+    assert d is not None
+    assert d.result == "advisory"
+    (record,) = list(ctl.history)
+    assert not record.applied
+    assert record.resident_streams == 2
+
+
 def test_state_section_exposes_every_manual_field() -> None:
     _, fleet, ctl = setup()
     get(fleet, "d0").drained = True

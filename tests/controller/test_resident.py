@@ -161,3 +161,35 @@ def test_prefill_floor_recovery_is_not_blocked_by_flip_resident_guard() -> None:
     d = decide(snapshot(engines, PREFILL_HEAVY), settled(NOW), NOW, config(flip_resident_guard=3))
     assert (d.caller, d.result) == ("floor-recovery", "move")
     assert d.move == Move("d1", "d2p")
+
+
+def test_decode_legs_placed_but_not_started_are_resident_work_of_a_d2p_candidate() -> None:
+    # d0 streams once now but has five decode legs placed on it whose prefills are
+    # running: they keep their engine through a move to prefill (manual 5), so d0 is the
+    # busier engine and d1 the one to move.
+    engines = fleet(
+        "PPDDDDDD",
+        d0={"decode_active": 1, "decode_pending": 5, "decode_pending_tokens": 2000},
+        d1={"decode_active": 2},
+        **{f"d{i}": {"decode_active": 9} for i in range(2, 6)},
+    )
+    d = decide(snapshot(engines, PREFILL_HEAVY), settled(NOW), NOW, config())
+    assert d.move == Move("d1", "d2p")
+
+
+def test_flip_resident_guard_counts_decode_legs_placed_but_not_started() -> None:
+    busy = {"decode_active": 5}
+    waiting = {"decode_pending": 6, "decode_pending_tokens": 2400}
+    engines = fleet("PPDDDDDD", d0=busy, d1=busy, d2=busy, d3=waiting, d4=busy, d5=busy)
+    d = decide(snapshot(engines, PREFILL_HEAVY), settled(NOW), NOW, config(flip_resident_guard=3))
+    assert (d.result, d.gate) == ("blocked", "resident_guard")
+
+
+def test_placed_decode_legs_count_against_the_candidates_kv_room() -> None:
+    # 999,700 of 1,000,000 KV tokens are promised to the legs placed on d1: no room
+    # for a 400-token prompt once it prefills.
+    full = {"decode_pending": 3, "decode_pending_tokens": 999_700}
+    engines = fleet("PPDD", d0={"decode_active": 9}, d1=full)
+    cfg = config(flip_resident_guard=0)
+    d = decide(snapshot(engines, PREFILL_HEAVY), settled(NOW), NOW, cfg)
+    assert d.move != Move("d1", "d2p")
