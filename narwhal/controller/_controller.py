@@ -115,6 +115,9 @@ class Controller:
         self._p2d_recovery_moves = 0
         self._ttft_breach = False
         self._intervals: dict[str, tuple[float, int]] = {}
+        # Each engine's role as the last pass left it: a role that differs at the next
+        # pass was changed by someone else (`narwhalctl pin`, a reload).
+        self._roles: dict[str, str] = {}
 
     # -- inputs from the request path and recovery ---------------------------------------
 
@@ -228,6 +231,7 @@ class Controller:
         self._now = now
         if not self._config.controller.enabled:
             return None
+        self._stamp_outside_role_changes(now)
         snap = self.snapshot(now)
         decision = decide(snap, self.state, now, self._config)
         result: str = decision.result
@@ -290,6 +294,7 @@ class Controller:
                     },
                 )
         self.state = decision.state
+        self._roles = {engine.id: engine.role for engine in self._engines}
         self.last_pass = decision
         self.last_snapshot = snap
         if decision.evaluated:
@@ -297,6 +302,18 @@ class Controller:
             self.last_result = result
             self.counters.evaluations[(decision.caller, result)] += 1
         return decision
+
+    def _stamp_outside_role_changes(self, now: float) -> None:
+        """Give an engine whose role an operator pin or a reload changed since the last
+        pass a dwell timestamp, as a move of the controller's own gets. dwell_s is a
+        residence time in a role, whoever set it: without this, an engine pinned to
+        another role and then unpinned was the idlest candidate of its new pool and went
+        straight back at the next pass. The pass that first sees the change stamps it,
+        so the change counts from at most one monitor interval after it was made."""
+        for engine in self._engines:
+            seen = self._roles.get(engine.id)
+            if seen is not None and seen != engine.role:
+                self.state = self.state.with_role_change(engine.id, now)
 
     async def on_pass(self, now: float | None = None) -> Decision | None:
         """The monitor loop's call, once per `controller.monitor_interval_s`."""

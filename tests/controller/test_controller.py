@@ -143,6 +143,57 @@ def test_advisory_record_counts_decode_legs_placed_on_the_engine() -> None:
     assert record.resident_streams == 2
 
 
+def busy_decoders(fleet: Fleet, *engine_ids: str) -> None:
+    for engine_id in engine_ids:
+        get(fleet, engine_id).decode_active = 3
+        get(fleet, engine_id).decode_tokens = 1200
+
+
+def moves_of(ctl: Controller, engine_id: str, times: range) -> list[float]:
+    """Passes every `times.step` seconds under prefill-heavy demand; when `engine_id` moved."""
+    out = []
+    for t in times:
+        offer(ctl, PREFILL_HEAVY, float(t - times.step), float(t))
+        d = ctl.step(float(t))
+        assert d is not None
+        if d.move is not None and d.move.engine == engine_id and d.result == "move":
+            out.append(float(t))
+    return out
+
+
+def test_dwell_holds_an_engine_an_operator_pin_moved_after_it_is_unpinned() -> None:
+    # 4P2D is balanced. The operator pins p0 as decode, then unpins it: the controller
+    # wants 4P2D back and p0 is the idlest decode engine, but p0 changed role when the
+    # 185 s pass first saw it, so dwell_s (60 s) keeps it a decode engine until 245 s,
+    # as after a move of the controller's own (without this it went back at 195 s).
+    _, fleet, ctl = setup("PPPPDD", dwell_s=60.0)
+    busy_decoders(fleet, "d0", "d1")
+    offer(ctl, PREFILL_HEAVY, 0.0, 180.0)
+    d = ctl.step(180.0)
+    assert d is not None
+    assert d.result == "hold"
+    p0 = get(fleet, "p0")
+    p0.role, p0.pinned = "decode", True  # narwhalctl pin p0 decode
+    assert moves_of(ctl, "p0", range(185, 195, 5)) == []
+    p0.pinned = False  # narwhalctl unpin p0
+    assert moves_of(ctl, "p0", range(195, 245, 5)) == []
+    assert p0.role == "decode"
+    snap = ctl.last_snapshot
+    assert snap is not None
+    seen = snap.engine("p0")
+    assert seen is not None
+    assert seen.since_role_change_s == 240.0 - 185.0
+
+
+def test_dwell_holds_an_engine_a_reload_moved() -> None:
+    _, fleet, ctl = setup("PPPPDD", dwell_s=60.0)
+    busy_decoders(fleet, "d0", "d1")
+    offer(ctl, PREFILL_HEAVY, 0.0, 180.0)
+    ctl.step(180.0)
+    get(fleet, "p0").role = "decode"  # a reload's configured role change
+    assert moves_of(ctl, "p0", range(185, 245, 5)) == []
+
+
 def test_state_section_exposes_every_manual_field() -> None:
     _, fleet, ctl = setup()
     get(fleet, "d0").drained = True
