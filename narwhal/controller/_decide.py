@@ -15,7 +15,9 @@ One pass, in order
    cooldown but observes dwell; prefill-floor recovery ignores cooldown and dwell.
    Pins, availability, both floors and advisory mode still apply. When no engine can
    restore the floor the breach is reported and the split is kept: that is the safest
-   reachable split. Ordinary decisions resume once no floor is breached.
+   reachable split. Ordinary decisions resume once no floor is breached: the first
+   pass without a breach is a scheduled evaluation, whatever `step_s` says, so the
+   state shows the split that capacity returned to, not the breach that ended.
 3. Scheduling (7.7 `step_s`). An adjacent-split evaluation of both directions runs
    when `step_s` has elapsed since the last one (caller ``scheduled``). Between
    scheduled passes, a projected prefill TTFT breach allows one guarded evaluation of
@@ -609,17 +611,18 @@ def _floor_recovery(p: _Pass) -> Decision:
             reason="floor_breach",
             detail=detail,
             gate=gate,
-            state=state.cleared(),
+            state=attrs.evolve(state.cleared(), floor_breached=True),
         )
 
     def moved(move: Move, reason: Reason, detail: str) -> Decision:
+        after = state.cleared() if advisory else p.applied(state, move, recovery=True)
         return p.decision(
             caller="floor-recovery",
             result="advisory" if advisory else "move",
             reason=reason,
             detail=detail,
             gate="advisory" if advisory else None,
-            state=state.cleared() if advisory else p.applied(state, move, recovery=True),
+            state=attrs.evolve(after, floor_breached=True),
             proposed=_target(p, move.direction),
             move=move,
         )
@@ -875,8 +878,10 @@ def decide(snapshot: FleetSnapshot, state: ControllerState, now: float, config: 
     if p.floors.breaches:
         return _floor_recovery(p)
     state = p.state
-    if now - state.last_scheduled_at >= p.rx.step_s:
-        state = attrs.evolve(state, last_scheduled_at=now, breach_step_used=False)
+    if state.floor_breached or now - state.last_scheduled_at >= p.rx.step_s:
+        state = attrs.evolve(
+            state, last_scheduled_at=now, breach_step_used=False, floor_breached=False
+        )
         return _adjacent(p, "scheduled", state)
     if p.ttft_breach and not state.breach_step_used:
         state = attrs.evolve(state, breach_step_used=True)

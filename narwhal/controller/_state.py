@@ -39,6 +39,10 @@ class ControllerState:
     last_p2d_at: float = -math.inf
     # dwell_s: the time each engine last changed role, sorted by engine id.
     role_changed_at: tuple[tuple[str, float], ...] = ()
+    # The last pass found a floor breached (7.2). The first pass without a breach then
+    # evaluates at once, whatever step_s says: the split re-enters the adjacent path
+    # when capacity returns, and the breach it reported is no longer the news.
+    floor_breached: bool = False
 
     def changed_at(self, engine_id: str) -> float:
         for name, at in self.role_changed_at:

@@ -194,6 +194,39 @@ def test_dwell_holds_an_engine_a_reload_moved() -> None:
     assert moves_of(ctl, "p0", range(185, 245, 5)) == []
 
 
+def test_state_stops_reporting_a_floor_breach_at_the_pass_after_it_ends() -> None:
+    # Both decode engines drained for 4 s with step_s 30: /narwhal/state and the gauges
+    # showed the breach (live decode 0) for the 20 s after the undrain, until the next
+    # scheduled evaluation.
+    _, fleet, ctl = setup("PPDD", step_s=30.0, min_decode=2)
+    for engine_id in ("p0", "p1"):
+        get(fleet, engine_id).pinned = True
+    offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
+    d = ctl.step(100.0)
+    assert d is not None
+    assert d.move is None
+    for engine_id in ("d0", "d1"):
+        get(fleet, engine_id).drained = True
+    ctl.step(104.0)
+    section = ctl.state_section()
+    assert (section["caller"], section["result"]) == ("floor-recovery", "breach")
+    for engine_id in ("d0", "d1"):
+        get(fleet, engine_id).drained = False
+    ctl.step(108.0)
+    section = ctl.state_section()
+    assert section["result"] != "breach"
+    floors = section["floors"]
+    assert isinstance(floors, dict)
+    assert (floors["live_decode"], floors["breaches"]) == (2, [])
+    gauges = {
+        name: {labels[0]: value for labels, value in samples}
+        for name, _, _, samples in ctl.gauges()
+        if name.endswith(("_live_engines", "_breached"))
+    }
+    assert gauges["narwhal_controller_live_engines"]["decode"] == 2
+    assert gauges["narwhal_controller_floor_breached"]["decode"] == 0
+
+
 def test_state_section_exposes_every_manual_field() -> None:
     _, fleet, ctl = setup()
     get(fleet, "d0").drained = True

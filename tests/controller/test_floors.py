@@ -185,6 +185,24 @@ def test_when_capacity_returns_the_split_reenters_the_adjacent_path() -> None:
     assert not d.floors.breaches
 
 
+def test_the_first_pass_after_a_breach_ends_evaluates_whatever_step_s_says() -> None:
+    cfg = config(step_s=30.0)
+    pinned = {"pinned": True}
+    drained = {"decode_blocked": "drained"}
+    breached = snapshot(fleet("PPDD", p0=pinned, p1=pinned, d0=drained, d1=drained), PREFILL_HEAVY)
+    state = settled(NOW, last_scheduled_at=NOW - 1.0)
+    d = decide(breached, state, NOW, cfg)
+    assert (d.caller, d.result) == ("floor-recovery", "breach")
+    restored = snapshot(fleet("PPDD", p0=pinned, p1=pinned), PREFILL_HEAVY)
+    d = decide(restored, d.state, NOW + 1.0, cfg)
+    assert d.caller == "scheduled"
+    assert d.floors.breaches == ()
+    assert d.state.last_scheduled_at == NOW + 1.0
+    # and the schedule goes on from there
+    d = decide(restored, d.state, NOW + 2.0, cfg)
+    assert d.caller == "none"
+
+
 def test_every_role_change_preserves_min_decode() -> None:
     d = decide(snapshot(fleet("PPDD"), PREFILL_HEAVY), settled(NOW), NOW, config(min_decode=2))
     assert d.proposed.prefill == 3
