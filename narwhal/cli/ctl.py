@@ -145,6 +145,11 @@ def _human(command: str, result: Any) -> str:
             text += f" (was {result['previous_role']})"
     else:
         text = f"unpinned {engine} (role stays {result['role']})"
+        if result.get("previous_role") not in (None, result["role"]):
+            text = (
+                f"unpinned {engine}; its configured role {result['role']} applies now "
+                f"(was {result['previous_role']})"
+            )
         if not result["changed"]:
             text = f"{engine} was not pinned (role {result['role']})"
     if result.get("warning"):

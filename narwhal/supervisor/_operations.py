@@ -6,7 +6,9 @@
 - `pin ENGINE prefill|decode`: sets the engine's role now and marks it pinned: the role
   controller must not move it and a reload's configured role change waits for `unpin`.
   Resident requests keep their engine (manual 5: a live role change affects new
-  placement only). `unpin` clears the mark and keeps the current role. An engine whose
+  placement only). `unpin` clears the mark and keeps the current role, unless a reload
+  changed the engine's configured role while it was pinned: that role applies at
+  `unpin` (the result's `role` and `previous_role` say so). An engine whose
   dialect fixes its role at launch (SGLang) may be pinned only to the role it has: the
   router cannot make an SGLang prefill server decode, it can only send it requests that
   fail, so any other role is refused (`role_fixed`) and nothing changes.
@@ -83,6 +85,8 @@ class Operations:
                 )
             old_role = engine.role
             engine.role = cast(Role, request.role)
+            # The operator chose the role now: a configured change still waiting for an
+            # unpin stays waiting (the pin keeps it, as a reload while pinned does).
             if old_role != engine.role:
                 self._log(engine, "role", old_role, engine.role)
             result = self._flag(engine, "pinned", True)
@@ -91,6 +95,14 @@ class Operations:
             return result
         if command == "unpin":
             result = self._flag(engine, "pinned", False)
+            # A reload's role change that waited for the pin to go (manual 5: resident
+            # requests keep their engine; new placement sees the role at once).
+            configured = self.supervisor.deferred_roles.pop(engine.id, None)
+            if configured is not None and configured != engine.role:
+                old_role = engine.role
+                engine.role = configured
+                self._log(engine, "role", old_role, engine.role)
+                result["previous_role"] = old_role
             result["role"] = engine.role
             return result
         raise CtlError("bad_request", f"unknown command {command!r}")

@@ -62,8 +62,15 @@ async def apply_config(
     new: Config,
     plan: ReloadPlan,
     retire: Callable[[EngineState], None],
+    *,
+    deferred_roles: dict[str, Role] | None = None,
 ) -> Config:
-    """Apply `new` as described by `plan`; returns the config now in force."""
+    """Apply `new` as described by `plan`; returns the config now in force.
+
+    A configured role change of a pinned engine goes into `deferred_roles` (engine id
+    -> role) instead, for `unpin` to apply.
+    """
+    deferred = {} if deferred_roles is None else deferred_roles
     old = ctx.config
     effective = keep_running(new, old)
     fresh: dict[str, EngineState] = {}
@@ -90,6 +97,8 @@ async def apply_config(
     ctx.projection_errors.reconfigure(effective.slo.percentile)
     ctx.slo.window_s = effective.controller.reactive.window_s
 
+    for engine_id in plan.engines_removed:
+        deferred.pop(engine_id, None)
     for engine_id in (*plan.engines_removed, *plan.engines_replaced):
         retired = ctx.fleet.retire(engine_id)
         if retired is None:
@@ -113,11 +122,14 @@ async def apply_config(
             engine.reconfigure(spec, effective)
     for engine_id, old_role, new_role in plan.role_changes:
         live = ctx.fleet.get(engine_id)
-        if live is None or engine_id in fresh:
+        if live is None:
             continue
         # A fixed role is how the engine was launched, and only the configuration
-        # records that: the relaunched engine has the new role, pinned or not.
+        # records that: the relaunched engine has the new role, pinned or not. A pinned
+        # one (a replacement keeps the pin and the pinned role) takes it at unpin; a
+        # later reload's change replaces this one.
         if live.pinned and live.fixed_role is None:
+            deferred[engine_id] = cast(Role, new_role)
             log.warning(
                 "engine %s is pinned as %s; the configured role change %s -> %s waits for unpin",
                 engine_id,
@@ -127,7 +139,9 @@ async def apply_config(
                 extra={"event": "reload_role", "engine": engine_id, "outcome": "kept_pinned"},
             )
             continue
-        live.role = cast(Role, new_role)
+        deferred.pop(engine_id, None)
+        if engine_id not in fresh:
+            live.role = cast(Role, new_role)
     recovery.reconfigure(effective)
     logging.getLogger("narwhal").setLevel(effective.log.level.upper())
     return effective

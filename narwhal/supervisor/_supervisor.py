@@ -38,7 +38,7 @@ from .._errors import Unavailable
 from ..admission import ProfileSource
 from ..config import Config, ConfigError, diff, load_config_file
 from ..ctl import ControlServer
-from ..fleet import EngineState
+from ..fleet import EngineState, Role
 from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
@@ -92,6 +92,9 @@ class Supervisor:
         self.monitor: Monitor | None = None
         self.bound: list[tuple[str, int]] = []
         self.reloads: list[dict[str, object]] = []
+        # Configured role changes a reload could not apply because the engine was pinned:
+        # `unpin` applies them (the newest per engine).
+        self.deferred_roles: dict[str, Role] = {}
         self.stopping = False
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -328,7 +331,9 @@ class Supervisor:
         plan = diff(ctx.config, new)
         # From here on only the configuration in force: `new` still holds the values
         # that need a restart.
-        self.config = await apply_config(ctx, recovery, new, plan, self._retire)
+        self.config = await apply_config(
+            ctx, recovery, new, plan, self._retire, deferred_roles=self.deferred_roles
+        )
         await self._reload_profiles(self.config)
         if self.link is not None:
             self.link.reconfigure(self.config)

@@ -137,6 +137,56 @@ async def test_narwhalctl_drains_pins_and_reports_state_of_a_running_daemon(
         assert await daemon.process.wait() == 0
 
 
+async def test_a_configured_role_change_that_waited_for_unpin_applies_at_unpin(
+    nursery: trio.Nursery, launch: Launch
+) -> None:
+    # The reload log says a pinned engine's configured role change "waits for unpin";
+    # unpin used to keep the pinned role, and the change was lost for good (the next
+    # reload of the same file sees no role change to apply).
+    fleet = await start_fleet(nursery, 3)
+    roles = ["prefill", "decode", "decode"]
+    daemon = await launch(document(fleet, roles))
+    assert text(await daemon.ctl("pin", "d2", "decode"))[1] == "pinned d2 as decode\n"
+    changed = document(fleet, roles)
+    changed["engines"][2]["role"] = "prefill"
+    daemon.write_config(changed)
+    code, out, err = text(await daemon.ctl("reload"))
+    assert code == 0, err
+    assert 'engines[d2].role: "decode" -> "prefill"' in out, out
+    state = await daemon.state()
+    d2 = next(e for e in state["engines"] if e["id"] == "d2")
+    assert (d2["role"], d2["pinned"]) == ("decode", True)
+    [held] = daemon.events("reload_role")
+    assert held["outcome"] == "kept_pinned"
+
+    code, out, err = text(await daemon.ctl("unpin", "d2"))
+    assert (code, out, err) == (
+        0,
+        "unpinned d2; its configured role prefill applies now (was decode)\n",
+        "",
+    )
+    state = await daemon.state()
+    d2 = next(e for e in state["engines"] if e["id"] == "d2")
+    assert (d2["role"], d2["pinned"]) == ("prefill", False)
+    # New placement sees it: equal-cost prefill engines break ties by id, d2 before p0.
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{daemon.url}/v1/completions", json={**STREAM, "stream": False}
+        )
+    assert response.status_code == 200
+    assert fleet[2].state()["counters"]["requests"]["prefill"] == 1
+    # Applied once: a second unpin, or a reload of the same file, changes nothing.
+    assert text(await daemon.ctl("unpin", "d2"))[1] == "d2 was not pinned (role prefill)\n"
+    code, out, err = text(await daemon.ctl("reload"))
+    assert code == 0, err
+    state = await daemon.state()
+    d2 = next(e for e in state["engines"] if e["id"] == "d2")
+    assert d2["role"] == "prefill"
+    daemon.signal(signal.SIGTERM)
+    with trio.fail_after(10):
+        assert await daemon.process.wait() == 0
+
+
 @attrs.define
 class Load:
     """Streaming clients in a loop; every request's span and outcome is recorded."""
