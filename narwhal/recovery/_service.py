@@ -8,7 +8,8 @@ Inputs
 - Every engine leg's outcome, from the request path through `LegObserver`
   (`leg_ok` / `leg_failed`). Counted failures feed the failing phase's breaker and
   start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
-  kept as the engine's latest latency observation for the monitor's residual stage.
+  kept, newest last and at most _PENDING_LEGS of them, as the engine's latency
+  observations for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
   every recovery.health.interval_s on the control pool. A /version refused for
   Narwhal's API key (SGLang guards it) marks the engine auth-refused unless a key check
@@ -81,6 +82,12 @@ log = logging.getLogger("narwhal.recovery")
 
 PHASES = ("prefill", "decode")
 _RECENT_CHANGES = 200
+# Successful legs kept per engine between two monitor passes. The profile predicts only
+# some legs (uncontended prefill legs inside its domain), and on a busy engine most legs
+# are not of that kind; keeping only the last one would let a busy, slow engine's
+# residuals go missing most passes, while a few dozen cover a pass at any load the
+# fleet can serve.
+_PENDING_LEGS = 64
 
 
 @attrs.frozen
@@ -131,6 +138,17 @@ def _attribute(pair: VerifyPair, result: VerifyResult) -> VerifyResult:
     return VerifyResult("inconclusive", f"{result.detail}; not counted against {subject}: {why}")
 
 
+def _latest_predicted(
+    predictor: Predictor, engine: EngineState, observations: list[LegObservation]
+) -> tuple[LegObservation, float] | None:
+    """The newest observation the profile predicts, with its prediction."""
+    for observation in reversed(observations):
+        predicted = predictor(engine, observation.phase, observation)
+        if predicted is not None and math.isfinite(predicted) and predicted > 0:
+            return observation, predicted
+    return None
+
+
 class EngineRecovery:
     """Recovery's bookkeeping for one `EngineState` instance."""
 
@@ -142,7 +160,7 @@ class EngineRecovery:
         self.hold = RestartHold()
         self.identity = IdentityTracker()
         self.residuals = ResidualWindow()
-        self.pending: LegObservation | None = None
+        self.pending: deque[LegObservation] = deque(maxlen=_PENDING_LEGS)
         self.wake = trio.Event()
         self.scope: trio.CancelScope | None = None
         self.next_verify_at = -math.inf
@@ -352,20 +370,22 @@ class Recovery:
         if self.predictor is None:
             return
         if self.ctx.loop_lag.excuse(duration_s, since=now - duration_s) is not None:
-            # Its duration is partly the router's; the previous leg stays the pending one.
+            # Its duration is partly the router's.
             self._m_excused.labels(engine.id, "residual").inc()
             return
-        record.pending = LegObservation(
-            engine_id=engine.id,
-            phase=phase,
-            duration_s=duration_s,
-            at=trio.current_time(),
-            prompt_tokens=prompt_tokens,
-            prefill_inflight=engine.prefill_inflight,
-            contended=contended,
-            prefill_tokens_inflight=engine.prefill_tokens_inflight,
-            decode_active=engine.decode_active,
-            decode_tokens=engine.decode_tokens,
+        record.pending.append(
+            LegObservation(
+                engine_id=engine.id,
+                phase=phase,
+                duration_s=duration_s,
+                at=trio.current_time(),
+                prompt_tokens=prompt_tokens,
+                prefill_inflight=engine.prefill_inflight,
+                contended=contended,
+                prefill_tokens_inflight=engine.prefill_tokens_inflight,
+                decode_active=engine.decode_active,
+                decode_tokens=engine.decode_tokens,
+            )
         )
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
@@ -639,7 +659,7 @@ class Recovery:
         record.engine.held_until = math.inf
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
-        record.pending = None
+        record.pending.clear()
         self._changed(
             record.engine.id,
             "hold",
@@ -825,9 +845,12 @@ class Recovery:
     def residual_pass(self, now: float) -> dict[str, float]:
         """The monitor's residual stage: at most one residual per engine per pass.
 
-        Each engine's latest successful leg since the previous pass is compared with
-        the profile's prediction. Exceptions from the predictor propagate: they are a
-        monitoring-stage failure.
+        Each engine's latest successful leg since the previous pass that the profile
+        predicts (an uncontended prefill leg in its domain, say) is compared with that
+        prediction: the latest leg alone would on a busy engine most often be one it does
+        not predict, and an engine slow enough to be busy would then go without the
+        residuals that should eject it. Exceptions from the predictor propagate: they are
+        a monitoring-stage failure.
         """
         residuals: dict[str, float] = {}
         predictor = self.predictor
@@ -835,12 +858,14 @@ class Recovery:
             return residuals
         health = self.ctx.config.recovery.health
         for record in list(self._records.values()):
-            observation, record.pending = record.pending, None
-            if observation is None or record.health.verdict is not Verdict.UP:
+            observations = list(record.pending)
+            record.pending.clear()
+            if record.health.verdict is not Verdict.UP:
                 continue
-            predicted = predictor(record.engine, observation.phase, observation)
-            if predicted is None or not math.isfinite(predicted) or predicted <= 0:
+            found = _latest_predicted(predictor, record.engine, observations)
+            if found is None:
                 continue
+            observation, predicted = found
             ratio = observation.duration_s / predicted
             record.residuals.add(now, ratio, health.window_s)
             residuals[record.engine.id] = ratio

@@ -875,6 +875,31 @@ async def test_latency_residuals_eject_after_min_samples_one_per_pass(
     assert rig.reason("d0") is None
 
 
+async def test_a_busy_slow_engine_gets_a_residual_every_pass_and_is_ejected(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A prefill engine four times slower than its profile (thermal throttling) and busy:
+    # the profile predicts only its uncontended legs, and the last leg of a pass is most
+    # often a contended one. Each pass must still find the pass's predictable leg.
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return None if observation.contended else 0.05
+
+    cfg = config(recovery={"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}})
+    rig = await start(nursery, cfg, predictor=predictor)
+    p0 = rig.engine("p0")
+    for pass_number in range(3):
+        rig.recovery.leg_ok(p0, "prefill", 0.2, prompt_tokens=100)
+        for _ in range(4):
+            rig.recovery.leg_ok(p0, "prefill", 0.5, prompt_tokens=100, contended=True)
+        assert rig.recovery.residual_pass(trio.current_time()) == {"p0": pytest.approx(4.0)}
+        if pass_number < 2:
+            assert rig.reason("p0") is None
+    assert rig.reason("p0") == (
+        "ejected: latency: median observed/predicted ratio 4.00 over 3 residuals in "
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0"
+    )
+
+
 # ---------------------------------------------------------------- router overload
 
 
