@@ -840,6 +840,139 @@ async def test_a_refused_identity_check_takes_the_engine_out_unless_the_key_chec
     assert logged("engine_auth_refused") == ["ERROR"]
 
 
+# ---------------------------------------------------------------- KV transfers
+
+
+def sglang_2p2d() -> Config:
+    return config(
+        engines=[
+            {"id": engine_id, "url": f"http://127.0.0.1:{port}", "role": role, "dialect": "sglang"}
+            for engine_id, port, role in (
+                ("p0", 9, "prefill"),
+                ("p1", 10, "prefill"),
+                ("d0", 11, "decode"),
+                ("d1", 12, "decode"),
+            )
+        ],
+        recovery={
+            "failure_quarantine_s": 2.0,
+            "breaker": {"failure_threshold": 3, "window_s": 30.0, "failure_ratio": 0.5},
+        },
+    )
+
+
+def transfer_failed(rig: Rig, prefill: str, decode: str, reporter: str) -> None:
+    """What the request path reports when an SGLang pair's KV transfer failed: a failure
+    of the reporting leg that counts against neither engine, naming the other."""
+    phase = "decode" if reporter == decode else "prefill"
+    failed = failure(reporter, phase, status=500, counts=False)
+    failed.code = "kv_transfer_failed"
+    failed.partner_id = prefill if reporter == decode else decode
+    rig.recovery.leg_failed(rig.engine(reporter), phase, failed)
+
+
+def served(rig: Rig, prefill: str, decode: str) -> None:
+    rig.recovery.leg_ok(rig.engine(prefill), "prefill", 0.05)
+    rig.recovery.leg_ok(rig.engine(decode), "decode", 0.5)
+
+
+async def test_a_decode_engine_whose_transfers_fail_while_its_peers_work_is_counted(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # d1's KV pulls fail (a bad NIC) while it answers its probes. Each failure names no
+    # culprit, but d1 fails every pair while d0 fails none, with the same prefill servers.
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(20):
+        served(rig, f"p{n % 2}", f"d{n % 2}")
+    for n in range(2):
+        transfer_failed(rig, f"p{n % 2}", "d1", reporter="d1")
+        served(rig, f"p{n % 2}", "d0")
+    assert rig.breaker("d1", "decode") is BreakerState.CLOSED
+    assert rig.reason("d1") is None  # two failures could be anything's
+    transfer_failed(rig, "p0", "d1", reporter="p0")  # either side may report it
+    assert rig.reason("d1") == "quarantined"
+    transfer_failed(rig, "p1", "d1", reporter="d1")
+    transfer_failed(rig, "p0", "d1", reporter="d1")
+    assert rig.breaker("d1", "decode") is BreakerState.OPEN
+    (counted, *_) = [c for c in rig.recovery.recent_changes if c["kind"] == "quarantine"]
+    assert counted["engine"] == "d1"
+    # The prefill servers failed only the pairs with d1, as much as each other: neither
+    # is counted, nor is d0.
+    for engine_id in ("p0", "p1", "d0"):
+        assert rig.reason(engine_id) is None
+        assert rig.breaker(engine_id, "prefill") is BreakerState.CLOSED
+        assert rig.breaker(engine_id, "decode") is BreakerState.CLOSED
+    assert (
+        rig.ctx.metrics.registry.get_sample_value(
+            "narwhal_counted_failures_total", {"engine": "d1", "phase": "decode"}
+        )
+        == 3
+    )
+
+
+async def test_transfer_failures_name_the_engine_in_the_log(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(10):
+        served(rig, f"p{n % 2}", "d0")
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        for n in range(3):
+            transfer_failed(rig, f"p{n % 2}", "d1", reporter="d1")
+    (line,) = [r for r in caplog.records if r.__dict__.get("counted") is True]
+    assert line.getMessage().endswith(
+        "; counted against d1: 3 of its last 3 legs failed their KV transfer within "
+        "recovery.breaker.window_s=30.0, while d0 failed 0 of its 10"
+    )
+
+
+async def test_a_prefill_engine_whose_transfers_fail_is_counted_not_its_decoders(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(20):
+        served(rig, "p0", f"d{n % 2}")
+    for n in range(6):
+        # The decode servers report p1's failed transfers; they also serve p0's pairs.
+        transfer_failed(rig, "p1", f"d{n % 2}", reporter=f"d{n % 2}")
+        served(rig, "p0", f"d{n % 2}")
+    assert rig.breaker("p1", "prefill") is BreakerState.OPEN
+    for engine_id in ("d0", "d1"):
+        assert rig.breaker(engine_id, "decode") is BreakerState.CLOSED
+        assert rig.reason(engine_id) is None
+
+
+async def test_with_one_prefill_server_a_decode_engine_failing_its_transfers_is_counted(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = sglang_2p2d()
+    rig = await start(nursery, attrs.evolve(cfg, engines=cfg.engines[:1] + cfg.engines[2:]))
+    for _ in range(10):
+        served(rig, "p0", "d0")
+    for _ in range(3):
+        transfer_failed(rig, "p0", "d1", reporter="d1")
+    assert rig.reason("d1") == "quarantined"  # p0 transfers to d0; d1 fails with it
+    assert rig.reason("p0") is None
+
+
+async def test_rare_transfer_failures_and_a_lone_role_count_against_nobody(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(200):  # one pair in twenty fails, spread over the fleet
+        if n % 20 == 19:
+            transfer_failed(rig, f"p{n % 2}", f"d{(n // 2) % 2}", reporter=f"d{(n // 2) % 2}")
+        else:
+            served(rig, f"p{n % 2}", f"d{(n // 2) % 2}")
+    assert all(rig.reason(e) is None for e in ("p0", "p1", "d0", "d1"))
+    # 1P1D: every transfer fails, but with nothing to compare, neither is blamed.
+    pd = await start(nursery, sglang_pd())
+    for _ in range(10):
+        transfer_failed(pd, "p0", "d0", reporter="d0")
+    assert pd.reason("p0") is None
+    assert pd.reason("d0") is None
+
+
 # ---------------------------------------------------------------- residuals
 
 
