@@ -164,6 +164,8 @@ class EngineRecovery:
         self.identity = IdentityTracker()
         self.residuals = ResidualWindow()
         self.pending: deque[LegObservation] = deque(maxlen=_PENDING_LEGS)
+        # Ejected for latency: good probes do not count toward readmission before this.
+        self.latency_until = -math.inf
         # When this engine's SGLang pairs failed their KV transfer, within the breaker
         # window (`Recovery._transfer_failed`).
         # (time, leg number, partner) of each; legs are numbered by answered legs and these.
@@ -214,6 +216,9 @@ class EngineRecovery:
             "breakers": {phase: b.snapshot(now) for phase, b in self.breakers.items()},
             "health": {
                 **self.health.snapshot(),
+                "readmission_in_s": round(self.latency_until - now, 3)
+                if now < self.latency_until
+                else None,
                 "last_probe": _last(self.last_probe, self.last_probe_at, now),
             },
             "auth": {
@@ -713,7 +718,14 @@ class Recovery:
         result = await self._probe_once(record)
         health = self.ctx.config.recovery.health
         if result.outcome == "ok":
-            self._health_changed(record, record.health.probe_ok(health))
+            if trio.current_time() < record.latency_until:
+                # A slow engine answers its probes and passes a verification pair (both
+                # bounded, not timed against the profile) as soon as it is ejected; the
+                # residuals that ejected it covered recovery.health.window_s, so it stays
+                # out as long before its good probes count.
+                record.health.consecutive_failures = 0
+            else:
+                self._health_changed(record, record.health.probe_ok(health))
             # Not again if this probe's /version refusal was just checked.
             checked = record.last_key_check_at is not None and record.last_key_check_at >= started
             if record.engine.auth_refused is not None and not checked:
@@ -788,6 +800,8 @@ class Recovery:
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
         record.pending.clear()
+        # A new instance: its speed is not the old one's (verification and residuals judge).
+        record.latency_until = -math.inf
         self._changed(
             record.engine.id,
             "hold",
@@ -1000,6 +1014,8 @@ class Recovery:
             reason = record.residuals.verdict(now, health)
             if reason is not None:
                 record.residuals.clear()
+                record.latency_until = now + health.window_s
+                reason += f"; readmission starts after recovery.health.window_s={health.window_s}"
                 self._health_changed(record, record.health.eject(reason))
         return residuals
 

@@ -998,14 +998,24 @@ async def test_latency_residuals_eject_after_min_samples_one_per_pass(
             assert rig.reason("d0") is None
     assert rig.reason("d0") == (
         "ejected: latency: median observed/predicted ratio 5.00 over 3 residuals in "
-        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0"
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
+        "starts after recovery.health.window_s=30.0"
     )
     assert len(predictions) == 6
     # Ejected engines contribute nothing; readmission goes through probes and verification.
     rig.recovery.leg_ok(d0, "decode", 0.5)
     assert rig.recovery.residual_pass(trio.current_time()) == {}
-    await rig.at(2.0)
+    # A slow engine answers its probes at once, and a verification pair is not timed
+    # against the profile: readmitted at once, it would be back on its residuals' cycle.
+    # Its good probes count only after the window its residuals covered.
+    await rig.at(29.9)
+    assert rig.reason("d0") is not None
+    assert rig.prober.verifications == []
+    await rig.at(30.0)  # recovery.health.readmit_successes=2 good probes: 30, 31
+    assert rig.reason("d0") is not None
+    await rig.at(31.0)
     assert rig.reason("d0") is None
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [31.0]
 
 
 async def test_a_busy_slow_engine_gets_a_residual_every_pass_and_is_ejected(
@@ -1029,7 +1039,8 @@ async def test_a_busy_slow_engine_gets_a_residual_every_pass_and_is_ejected(
             assert rig.reason("p0") is None
     assert rig.reason("p0") == (
         "ejected: latency: median observed/predicted ratio 4.00 over 3 residuals in "
-        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0"
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
+        "starts after recovery.health.window_s=30.0"
     )
 
 
