@@ -1250,6 +1250,31 @@ async def test_one_engine_down_is_not_a_monitor_failure(
     assert [e.id for e in last.observed] == ["p0"]
 
 
+async def test_a_metrics_scrape_that_fails_is_logged_once_and_again_when_it_answers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.load_of["d0"] = ScrapeError("GET /metrics: no answer within 5.0")
+    rig.prober.load_of["p0"] = LoadSample(3.0, 2.0, 0.25)
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        await start_monitor(nursery, rig)
+        await rig.at(3.5)  # four passes, one line
+        rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1)
+        await rig.at(5.5)
+    lines = [
+        (r.levelname, r.__dict__["engine"], r.__dict__["outcome"])
+        for r in caplog.records
+        if r.__dict__.get("event") == "scrape"
+    ]
+    assert lines == [("WARNING", "d0", "failed"), ("INFO", "d0", "ok")]
+    warning = next(r for r in caplog.records if r.__dict__.get("event") == "scrape")
+    assert warning.getMessage() == (
+        "monitor cannot read the /metrics of d0: GET /metrics: no answer within 5.0; its "
+        "load is missing from role control and a restart shows only on /version or when "
+        "it stops answering"
+    )
+
+
 async def start_scraped(nursery: trio.Nursery) -> Rig:
     """A rig with a monitor passing every second; d0's /metrics reports a start time."""
     rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
