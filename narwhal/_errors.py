@@ -106,7 +106,8 @@ class EngineFailed(NarwhalError):
     before visible output. `engine_id` and `phase` say which leg, so the retry excludes
     that engine and only that phase's breaker counts it. `deadline_s`: the failure is
     a deadline of that many seconds that expired (recovery asks whether the router's
-    own event loop explains it).
+    own event loop explains it). `partner_id`: the other engine of the pair, set by the
+    request path on a failed KV transfer, which either engine may have caused.
     """
 
     type = "server_error"
@@ -135,6 +136,7 @@ class EngineFailed(NarwhalError):
         self.phase = phase
         self.retryable = retryable
         self.counts_against_engine = counts_against_engine
+        self.partner_id: str | None = None
         if error_type is not None:
             self.type = error_type
 

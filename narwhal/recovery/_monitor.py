@@ -97,6 +97,8 @@ class Monitor:
         self.consecutive_failures = 0
         self.last_pass: MonitorPass | None = None
         self.last_failures: tuple[str, ...] = ()
+        # Engines whose /metrics the last pass could not read, with why (logged once).
+        self.unscraped: dict[str, str] = {}
         registry = ctx.metrics.registry
         self._m_passes = Counter(
             "narwhal_monitor_passes",
@@ -187,10 +189,40 @@ class Monitor:
             self.recovery.observe_metrics(engine, sample)
         except ScrapeError as exc:
             errors[engine.id] = str(exc)
+            self._scrape_failed(engine, str(exc))
         except Exception as exc:
             log.exception("monitor load stage failed for %s", engine.id)
             errors[engine.id] = f"internal error: {exc!r}"
             failures.append(f"load stage raised {type(exc).__name__} for {engine.id}: {exc}")
+        else:
+            self._scraped(engine)
+
+    def _scrape_failed(self, engine: EngineState, detail: str) -> None:
+        """One engine's /metrics could not be read: not a monitor failure, but its load
+        is missing from role control and a restart shows there no more, which the
+        operator should hear of once (its health probes judge the engine itself). A
+        scrape that hangs also holds every pass for engine.health_timeout_s."""
+        if engine.id in self.unscraped:
+            self.unscraped[engine.id] = detail
+            return
+        self.unscraped[engine.id] = detail
+        log.warning(
+            "monitor cannot read the /metrics of %s: %s; its load is missing from role "
+            "control and a restart shows only on /version or when it stops answering",
+            engine.id,
+            detail,
+            extra={"event": "scrape", "engine": engine.id, "outcome": "failed", "detail": detail},
+        )
+
+    def _scraped(self, engine: EngineState) -> None:
+        detail = self.unscraped.pop(engine.id, None)
+        if detail is not None:
+            log.info(
+                "monitor reads the /metrics of %s again (it failed with: %s)",
+                engine.id,
+                detail,
+                extra={"event": "scrape", "engine": engine.id, "outcome": "ok"},
+            )
 
     def _observe(
         self,

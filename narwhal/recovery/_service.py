@@ -8,7 +8,8 @@ Inputs
 - Every engine leg's outcome, from the request path through `LegObserver`
   (`leg_ok` / `leg_failed`). Counted failures feed the failing phase's breaker and
   start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
-  kept as the engine's latest latency observation for the monitor's residual stage.
+  kept, newest last and at most _PENDING_LEGS of them, as the engine's latency
+  observations for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
   every recovery.health.interval_s on the control pool. A /version refused for
   Narwhal's API key (SGLang guards it) marks the engine auth-refused unless a key check
@@ -81,6 +82,15 @@ log = logging.getLogger("narwhal.recovery")
 
 PHASES = ("prefill", "decode")
 _RECENT_CHANGES = 200
+# Successful legs kept per engine between two monitor passes. The profile predicts only
+# some legs (uncontended prefill legs inside its domain), and on a busy engine most legs
+# are not of that kind; keeping only the last one would let a busy, slow engine's
+# residuals go missing most passes, while a few dozen cover a pass at any load the
+# fleet can serve.
+_PENDING_LEGS = 64
+_TRANSFER_FAILURES = 1024
+# EngineFailed.code of an SGLang pair's failed KV transfer (serving's _transfer_failed).
+_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 @attrs.frozen
@@ -131,6 +141,17 @@ def _attribute(pair: VerifyPair, result: VerifyResult) -> VerifyResult:
     return VerifyResult("inconclusive", f"{result.detail}; not counted against {subject}: {why}")
 
 
+def _latest_predicted(
+    predictor: Predictor, engine: EngineState, observations: list[LegObservation]
+) -> tuple[LegObservation, float] | None:
+    """The newest observation the profile predicts, with its prediction."""
+    for observation in reversed(observations):
+        predicted = predictor(engine, observation.phase, observation)
+        if predicted is not None and math.isfinite(predicted) and predicted > 0:
+            return observation, predicted
+    return None
+
+
 class EngineRecovery:
     """Recovery's bookkeeping for one `EngineState` instance."""
 
@@ -142,7 +163,14 @@ class EngineRecovery:
         self.hold = RestartHold()
         self.identity = IdentityTracker()
         self.residuals = ResidualWindow()
-        self.pending: LegObservation | None = None
+        self.pending: deque[LegObservation] = deque(maxlen=_PENDING_LEGS)
+        # Ejected for latency: good probes do not count toward readmission before this.
+        self.latency_until = -math.inf
+        # When this engine's SGLang pairs failed their KV transfer, within the breaker
+        # window (`Recovery._transfer_failed`).
+        # (time, leg number, partner) of each; legs are numbered by answered legs and these.
+        self.transfer_failures: deque[tuple[float, int, str]] = deque(maxlen=_TRANSFER_FAILURES)
+        self.legs_seen = 0
         self.wake = trio.Event()
         self.scope: trio.CancelScope | None = None
         self.next_verify_at = -math.inf
@@ -188,6 +216,9 @@ class EngineRecovery:
             "breakers": {phase: b.snapshot(now) for phase, b in self.breakers.items()},
             "health": {
                 **self.health.snapshot(),
+                "readmission_in_s": round(self.latency_until - now, 3)
+                if now < self.latency_until
+                else None,
                 "last_probe": _last(self.last_probe, self.last_probe_at, now),
             },
             "auth": {
@@ -349,23 +380,26 @@ class Recovery:
         phases = PHASES if phase == "aggregate" else (phase,) if phase in PHASES else ()
         for name in phases:
             record.breakers[name].handle(BreakerEvent.SUCCESS, now)
+        record.legs_seen += 1
         if self.predictor is None:
             return
         if self.ctx.loop_lag.excuse(duration_s, since=now - duration_s) is not None:
-            # Its duration is partly the router's; the previous leg stays the pending one.
+            # Its duration is partly the router's.
             self._m_excused.labels(engine.id, "residual").inc()
             return
-        record.pending = LegObservation(
-            engine_id=engine.id,
-            phase=phase,
-            duration_s=duration_s,
-            at=trio.current_time(),
-            prompt_tokens=prompt_tokens,
-            prefill_inflight=engine.prefill_inflight,
-            contended=contended,
-            prefill_tokens_inflight=engine.prefill_tokens_inflight,
-            decode_active=engine.decode_active,
-            decode_tokens=engine.decode_tokens,
+        record.pending.append(
+            LegObservation(
+                engine_id=engine.id,
+                phase=phase,
+                duration_s=duration_s,
+                at=trio.current_time(),
+                prompt_tokens=prompt_tokens,
+                prefill_inflight=engine.prefill_inflight,
+                contended=contended,
+                prefill_tokens_inflight=engine.prefill_tokens_inflight,
+                decode_active=engine.decode_active,
+                decode_tokens=engine.decode_tokens,
+            )
         )
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
@@ -392,29 +426,36 @@ class Recovery:
                     "excuse": excuse,
                 },
             )
+            if failure.code == _TRANSFER_FAILED and failure.partner_id is not None:
+                self._transfer_failed(engine, failure, failure.partner_id)
             return
         record = self._record_for(engine)
         if record is None:
             return
+        self._count(record, phase, failure.message, failure.code)
+
+    def _count(self, record: EngineRecovery, phase: str, message: str, code: str) -> None:
+        """A failure counted against the engine: its phase's breaker and quarantine."""
+        engine = record.engine
         now = trio.current_time()
         self._m_counted.labels(engine.id, phase).inc()
         # An aggregate leg ran both phases on this engine; either may have failed.
         phases = PHASES if phase == "aggregate" else (phase,) if phase in PHASES else ()
         for name in phases:
             breaker = record.breakers[name]
-            transition = breaker.handle(BreakerEvent.FAILURE, now, failure.message)
+            transition = breaker.handle(BreakerEvent.FAILURE, now, message)
             if transition is not None:
                 self._breaker_changed(transition)
         log.info(
             "%s leg on %s failed: %s",
             phase,
             engine.id,
-            failure.message,
+            message,
             extra={
                 "event": "leg_failed",
                 "engine": engine.id,
                 "phase": phase,
-                "code": failure.code,
+                "code": code,
                 "counted": True,
                 "failures_in_window": {
                     name: record.breakers[name].failures_in_window(now) for name in phases
@@ -432,12 +473,124 @@ class Recovery:
                         None,
                         "released",
                         "quarantined",
-                        f"counted {phase} failure ({failure.code}); excluded from placement for "
+                        f"counted {phase} failure ({code}); excluded from placement for "
                         f"recovery.failure_quarantine_s={quarantine_s}",
                     )
                 record.quarantine_active = True
                 engine.quarantined_until = until
         record.wake.set()
+
+    def _transfer_failed(
+        self, reporter: EngineState, failure: EngineFailed, partner_id: str
+    ) -> None:
+        """An SGLang pair's KV transfer failed: count it against the engine of the pair
+        that fails its transfers while its peers' succeed, if either does.
+
+        The failure itself does not say which engine caused it (`_flow._transfer_failed`),
+        so it counts against neither by default. But an engine whose KV path is broken
+        while it otherwise answers (a bad NIC, a wedged transfer backend) fails nearly
+        every leg it is paired for, and a decode engine failing fast looks idle, so
+        placement prefers it: kept in, it would fail most requests for as long as it
+        stays broken. So the failure is recorded for both engines and counted against
+        one of them when it has failed recovery.breaker.failure_threshold transfers
+        within recovery.breaker.window_s, they are at least
+        recovery.breaker.failure_ratio of its legs since the first of them (as its
+        breaker counts), they were with at least two partners (or the only one available
+        of the other role), and another available engine of its role has answered legs
+        and failed under half that ratio of its legs within the window: the fleet's
+        transfers work, this engine's fail with whomever it is paired. A partner of a
+        broken engine fails its transfers with that one engine only (and, since a decode
+        engine that fails fast looks idle and draws most pairs, a large share of its
+        recent legs), so it is not counted; an engine alone in its role is never
+        counted, as before (nothing to compare it with). Once counted, its breaker and
+        quarantine judge it as they do any engine's failures."""
+        now = trio.current_time()
+        window = self.ctx.config.recovery.breaker.window_s
+        involved: list[tuple[EngineRecovery, str]] = []
+        other = {"prefill": "decode", "decode": "prefill"}
+        partner = self.ctx.fleet.get(partner_id)
+        for engine, phase, other_id in (
+            (reporter, failure.phase, partner_id),
+            (partner, other.get(failure.phase, ""), reporter.id),
+        ):
+            record = None if engine is None else self._record_for(engine)
+            if record is not None and phase in PHASES:
+                record.legs_seen += 1
+                record.transfer_failures.append((now, record.legs_seen, other_id))
+                while record.transfer_failures and now - record.transfer_failures[0][0] > window:
+                    record.transfer_failures.popleft()
+                involved.append((record, phase))
+        settings = self.ctx.config.recovery.breaker
+        ratio, threshold = settings.failure_ratio, settings.failure_threshold
+        for record, phase in involved:
+            recent = record.transfer_failures
+            if len(recent) < threshold:
+                continue
+            failed, legs = threshold, record.legs_seen - recent[-threshold][1] + 1
+            if failed < ratio * legs:
+                continue
+            partners = {partner for _, _, partner in list(recent)[-threshold:]}
+            if len(partners) < min(2, self._partners_available(record.engine)):
+                continue
+            peer = self._transferring_peer(record, phase, now, ratio / 2)
+            if peer is None:
+                continue
+            message = (
+                f"{failure.message}; counted against {record.engine.id}: {failed} of its "
+                f"last {legs} legs failed their KV transfer within "
+                f"recovery.breaker.window_s={window}, while {peer}"
+            )
+            self._count(record, phase, message, _TRANSFER_FAILED)
+
+    def _transfer_share(self, record: EngineRecovery, phase: str, now: float) -> tuple[int, int]:
+        """(failed transfers, legs) of a peer's `phase` within the breaker window: its
+        answered legs (the breaker's count, while closed) and its failed transfers."""
+        breaker = record.breakers[phase]
+        counted, total = breaker.legs_in_window(now)
+        window = breaker.settings.window_s
+        failed = sum(1 for at, _, _ in record.transfer_failures if now - at <= window)
+        return failed, failed + int(total - counted)
+
+    def _partners_available(self, subject: EngineState) -> int:
+        """How many engines of the other role could pair with `subject`: those in
+        service, or out only for failures (a breaker, quarantine), which is how a
+        broken partner leaves, and must not make the one it failed with look alone."""
+        other = "decode" if subject.role == "prefill" else "prefill"
+        count = 0
+        for engine in self.ctx.fleet:
+            record = self._record_for(engine)
+            if (
+                record is not None
+                and engine.role == other
+                and engine.dialect is subject.dialect
+                and not (engine.removed or engine.drained or record.hold.active)
+                and record.health.verdict is Verdict.UP
+                and engine.auth_refused is None
+            ):
+                count += 1
+        return count
+
+    def _transferring_peer(
+        self, record: EngineRecovery, phase: str, now: float, below: float
+    ) -> str | None:
+        """Another available engine of the same role whose transfers mostly work, as
+        "ID failed F of its N", or None."""
+        subject = record.engine
+        for engine in self.ctx.fleet:
+            peer = self._record_for(engine)
+            if (
+                peer is None
+                or engine is subject
+                or engine.role != subject.role
+                or engine.dialect is not subject.dialect
+                or engine.unavailable_reason(now, "prefill" if phase == "prefill" else "decode")
+                is not None
+            ):
+                continue
+            failed, legs = self._transfer_share(peer, phase, now)
+            if legs > failed and failed < below * legs:
+                return f"{engine.id} failed {failed} of its {legs}"
+        return None
 
     # ------------------------------------------------------------------ per-engine loop
 
@@ -565,7 +718,14 @@ class Recovery:
         result = await self._probe_once(record)
         health = self.ctx.config.recovery.health
         if result.outcome == "ok":
-            self._health_changed(record, record.health.probe_ok(health))
+            if trio.current_time() < record.latency_until:
+                # A slow engine answers its probes and passes a verification pair (both
+                # bounded, not timed against the profile) as soon as it is ejected; the
+                # residuals that ejected it covered recovery.health.window_s, so it stays
+                # out as long before its good probes count.
+                record.health.consecutive_failures = 0
+            else:
+                self._health_changed(record, record.health.probe_ok(health))
             # Not again if this probe's /version refusal was just checked.
             checked = record.last_key_check_at is not None and record.last_key_check_at >= started
             if record.engine.auth_refused is not None and not checked:
@@ -639,7 +799,9 @@ class Recovery:
         record.engine.held_until = math.inf
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
-        record.pending = None
+        record.pending.clear()
+        # A new instance: its speed is not the old one's (verification and residuals judge).
+        record.latency_until = -math.inf
         self._changed(
             record.engine.id,
             "hold",
@@ -825,9 +987,12 @@ class Recovery:
     def residual_pass(self, now: float) -> dict[str, float]:
         """The monitor's residual stage: at most one residual per engine per pass.
 
-        Each engine's latest successful leg since the previous pass is compared with
-        the profile's prediction. Exceptions from the predictor propagate: they are a
-        monitoring-stage failure.
+        Each engine's latest successful leg since the previous pass that the profile
+        predicts (an uncontended prefill leg in its domain, say) is compared with that
+        prediction: the latest leg alone would on a busy engine most often be one it does
+        not predict, and an engine slow enough to be busy would then go without the
+        residuals that should eject it. Exceptions from the predictor propagate: they are
+        a monitoring-stage failure.
         """
         residuals: dict[str, float] = {}
         predictor = self.predictor
@@ -835,18 +1000,22 @@ class Recovery:
             return residuals
         health = self.ctx.config.recovery.health
         for record in list(self._records.values()):
-            observation, record.pending = record.pending, None
-            if observation is None or record.health.verdict is not Verdict.UP:
+            observations = list(record.pending)
+            record.pending.clear()
+            if record.health.verdict is not Verdict.UP:
                 continue
-            predicted = predictor(record.engine, observation.phase, observation)
-            if predicted is None or not math.isfinite(predicted) or predicted <= 0:
+            found = _latest_predicted(predictor, record.engine, observations)
+            if found is None:
                 continue
+            observation, predicted = found
             ratio = observation.duration_s / predicted
             record.residuals.add(now, ratio, health.window_s)
             residuals[record.engine.id] = ratio
             reason = record.residuals.verdict(now, health)
             if reason is not None:
                 record.residuals.clear()
+                record.latency_until = now + health.window_s
+                reason += f"; readmission starts after recovery.health.window_s={health.window_s}"
                 self._health_changed(record, record.health.eject(reason))
         return residuals
 

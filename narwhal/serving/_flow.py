@@ -652,6 +652,13 @@ class Flow:
             try:
                 await self._attempt(request, tokens, placement, config, client, record)
             except EngineFailed as failure:
+                if failure.code == _TRANSFER_FAILED and placement.prefill is not None:
+                    # Recovery tells which engine of the pair fails its transfers.
+                    failure.partner_id = (
+                        placement.decode
+                        if failure.engine_id == placement.prefill
+                        else placement.prefill
+                    )
                 self._count_failure(failure)
                 if client.started or not failure.retryable or attempt >= serving.max_attempts:
                     raise

@@ -539,6 +539,44 @@ async def test_quarantine_excludes_then_expires_on_time(
     ]
 
 
+async def test_a_busy_engine_that_fails_every_leg_quarantine_lets_through_is_broken_open(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A prefill engine that served 40 legs a second until it started timing out every
+    # leg (a blackhole, a stalled scheduler) while its /health still answers. Quarantine
+    # lets one client request through each time it expires; the breaker must open at its
+    # count, not once the window's good legs have aged out (window_s=30, about 30 s and
+    # a dozen more failed client requests later).
+    rig = await start(
+        nursery,
+        config(
+            recovery={
+                "failure_quarantine_s": 2.0,
+                "breaker": {"failure_threshold": 5, "window_s": 30.0, "failure_ratio": 0.5},
+            }
+        ),
+    )
+    p0 = rig.engine("p0")
+    for i in range(400):
+        await rig.at(i / 40)
+        rig.recovery.leg_ok(p0, "prefill", 0.02)
+    for n in range(5):
+        await rig.at(10.0 + 2.0 * n)
+        assert rig.reason("p0", "prefill") is None  # quarantine over: a leg goes there
+        assert rig.breaker("p0", "prefill") is BreakerState.CLOSED
+        rig.recovery.leg_failed(p0, "prefill", failure("p0", "prefill", status=504))
+    assert trio.current_time() - rig.t0 == 18.0
+    assert rig.breaker("p0", "prefill") is BreakerState.OPEN
+    (opened,) = [c for c in rig.recovery.recent_changes if c["to"] == "open"]
+    assert opened["reason"] == (
+        "5 counted prefill failures, at least recovery.breaker.failure_ratio=0.5 of its legs, "
+        "within recovery.breaker.window_s=30.0; 5 of the 5 prefill legs since the first of "
+        "them failed (last: prefill engine p0 returned HTTP 504)"
+    )
+    await rig.at(21.0)  # quarantine is over; the open breaker still keeps it out
+    assert rig.reason("p0", "prefill") == "prefill breaker open"
+
+
 async def test_quarantine_zero_disables_it(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -802,6 +840,139 @@ async def test_a_refused_identity_check_takes_the_engine_out_unless_the_key_chec
     assert logged("engine_auth_refused") == ["ERROR"]
 
 
+# ---------------------------------------------------------------- KV transfers
+
+
+def sglang_2p2d() -> Config:
+    return config(
+        engines=[
+            {"id": engine_id, "url": f"http://127.0.0.1:{port}", "role": role, "dialect": "sglang"}
+            for engine_id, port, role in (
+                ("p0", 9, "prefill"),
+                ("p1", 10, "prefill"),
+                ("d0", 11, "decode"),
+                ("d1", 12, "decode"),
+            )
+        ],
+        recovery={
+            "failure_quarantine_s": 2.0,
+            "breaker": {"failure_threshold": 3, "window_s": 30.0, "failure_ratio": 0.5},
+        },
+    )
+
+
+def transfer_failed(rig: Rig, prefill: str, decode: str, reporter: str) -> None:
+    """What the request path reports when an SGLang pair's KV transfer failed: a failure
+    of the reporting leg that counts against neither engine, naming the other."""
+    phase = "decode" if reporter == decode else "prefill"
+    failed = failure(reporter, phase, status=500, counts=False)
+    failed.code = "kv_transfer_failed"
+    failed.partner_id = prefill if reporter == decode else decode
+    rig.recovery.leg_failed(rig.engine(reporter), phase, failed)
+
+
+def served(rig: Rig, prefill: str, decode: str) -> None:
+    rig.recovery.leg_ok(rig.engine(prefill), "prefill", 0.05)
+    rig.recovery.leg_ok(rig.engine(decode), "decode", 0.5)
+
+
+async def test_a_decode_engine_whose_transfers_fail_while_its_peers_work_is_counted(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # d1's KV pulls fail (a bad NIC) while it answers its probes. Each failure names no
+    # culprit, but d1 fails every pair while d0 fails none, with the same prefill servers.
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(20):
+        served(rig, f"p{n % 2}", f"d{n % 2}")
+    for n in range(2):
+        transfer_failed(rig, f"p{n % 2}", "d1", reporter="d1")
+        served(rig, f"p{n % 2}", "d0")
+    assert rig.breaker("d1", "decode") is BreakerState.CLOSED
+    assert rig.reason("d1") is None  # two failures could be anything's
+    transfer_failed(rig, "p0", "d1", reporter="p0")  # either side may report it
+    assert rig.reason("d1") == "quarantined"
+    transfer_failed(rig, "p1", "d1", reporter="d1")
+    transfer_failed(rig, "p0", "d1", reporter="d1")
+    assert rig.breaker("d1", "decode") is BreakerState.OPEN
+    (counted, *_) = [c for c in rig.recovery.recent_changes if c["kind"] == "quarantine"]
+    assert counted["engine"] == "d1"
+    # The prefill servers failed only the pairs with d1, as much as each other: neither
+    # is counted, nor is d0.
+    for engine_id in ("p0", "p1", "d0"):
+        assert rig.reason(engine_id) is None
+        assert rig.breaker(engine_id, "prefill") is BreakerState.CLOSED
+        assert rig.breaker(engine_id, "decode") is BreakerState.CLOSED
+    assert (
+        rig.ctx.metrics.registry.get_sample_value(
+            "narwhal_counted_failures_total", {"engine": "d1", "phase": "decode"}
+        )
+        == 3
+    )
+
+
+async def test_transfer_failures_name_the_engine_in_the_log(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(10):
+        served(rig, f"p{n % 2}", "d0")
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        for n in range(3):
+            transfer_failed(rig, f"p{n % 2}", "d1", reporter="d1")
+    (line,) = [r for r in caplog.records if r.__dict__.get("counted") is True]
+    assert line.getMessage().endswith(
+        "; counted against d1: 3 of its last 3 legs failed their KV transfer within "
+        "recovery.breaker.window_s=30.0, while d0 failed 0 of its 10"
+    )
+
+
+async def test_a_prefill_engine_whose_transfers_fail_is_counted_not_its_decoders(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(20):
+        served(rig, "p0", f"d{n % 2}")
+    for n in range(6):
+        # The decode servers report p1's failed transfers; they also serve p0's pairs.
+        transfer_failed(rig, "p1", f"d{n % 2}", reporter=f"d{n % 2}")
+        served(rig, "p0", f"d{n % 2}")
+    assert rig.breaker("p1", "prefill") is BreakerState.OPEN
+    for engine_id in ("d0", "d1"):
+        assert rig.breaker(engine_id, "decode") is BreakerState.CLOSED
+        assert rig.reason(engine_id) is None
+
+
+async def test_with_one_prefill_server_a_decode_engine_failing_its_transfers_is_counted(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = sglang_2p2d()
+    rig = await start(nursery, attrs.evolve(cfg, engines=cfg.engines[:1] + cfg.engines[2:]))
+    for _ in range(10):
+        served(rig, "p0", "d0")
+    for _ in range(3):
+        transfer_failed(rig, "p0", "d1", reporter="d1")
+    assert rig.reason("d1") == "quarantined"  # p0 transfers to d0; d1 fails with it
+    assert rig.reason("p0") is None
+
+
+async def test_rare_transfer_failures_and_a_lone_role_count_against_nobody(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, sglang_2p2d())
+    for n in range(200):  # one pair in twenty fails, spread over the fleet
+        if n % 20 == 19:
+            transfer_failed(rig, f"p{n % 2}", f"d{(n // 2) % 2}", reporter=f"d{(n // 2) % 2}")
+        else:
+            served(rig, f"p{n % 2}", f"d{(n // 2) % 2}")
+    assert all(rig.reason(e) is None for e in ("p0", "p1", "d0", "d1"))
+    # 1P1D: every transfer fails, but with nothing to compare, neither is blamed.
+    pd = await start(nursery, sglang_pd())
+    for _ in range(10):
+        transfer_failed(pd, "p0", "d0", reporter="d0")
+    assert pd.reason("p0") is None
+    assert pd.reason("d0") is None
+
+
 # ---------------------------------------------------------------- residuals
 
 
@@ -827,14 +998,50 @@ async def test_latency_residuals_eject_after_min_samples_one_per_pass(
             assert rig.reason("d0") is None
     assert rig.reason("d0") == (
         "ejected: latency: median observed/predicted ratio 5.00 over 3 residuals in "
-        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0"
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
+        "starts after recovery.health.window_s=30.0"
     )
     assert len(predictions) == 6
     # Ejected engines contribute nothing; readmission goes through probes and verification.
     rig.recovery.leg_ok(d0, "decode", 0.5)
     assert rig.recovery.residual_pass(trio.current_time()) == {}
-    await rig.at(2.0)
+    # A slow engine answers its probes at once, and a verification pair is not timed
+    # against the profile: readmitted at once, it would be back on its residuals' cycle.
+    # Its good probes count only after the window its residuals covered.
+    await rig.at(29.9)
+    assert rig.reason("d0") is not None
+    assert rig.prober.verifications == []
+    await rig.at(30.0)  # recovery.health.readmit_successes=2 good probes: 30, 31
+    assert rig.reason("d0") is not None
+    await rig.at(31.0)
     assert rig.reason("d0") is None
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [31.0]
+
+
+async def test_a_busy_slow_engine_gets_a_residual_every_pass_and_is_ejected(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A prefill engine four times slower than its profile (thermal throttling) and busy:
+    # the profile predicts only its uncontended legs, and the last leg of a pass is most
+    # often a contended one. Each pass must still find the pass's predictable leg.
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return None if observation.contended else 0.05
+
+    cfg = config(recovery={"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}})
+    rig = await start(nursery, cfg, predictor=predictor)
+    p0 = rig.engine("p0")
+    for pass_number in range(3):
+        rig.recovery.leg_ok(p0, "prefill", 0.2, prompt_tokens=100)
+        for _ in range(4):
+            rig.recovery.leg_ok(p0, "prefill", 0.5, prompt_tokens=100, contended=True)
+        assert rig.recovery.residual_pass(trio.current_time()) == {"p0": pytest.approx(4.0)}
+        if pass_number < 2:
+            assert rig.reason("p0") is None
+    assert rig.reason("p0") == (
+        "ejected: latency: median observed/predicted ratio 4.00 over 3 residuals in "
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
+        "starts after recovery.health.window_s=30.0"
+    )
 
 
 # ---------------------------------------------------------------- router overload
@@ -1041,6 +1248,31 @@ async def test_one_engine_down_is_not_a_monitor_failure(
         ("d0", None, "GET /metrics: connect failed: connection refused"),
     ]
     assert [e.id for e in last.observed] == ["p0"]
+
+
+async def test_a_metrics_scrape_that_fails_is_logged_once_and_again_when_it_answers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.load_of["d0"] = ScrapeError("GET /metrics: no answer within 5.0")
+    rig.prober.load_of["p0"] = LoadSample(3.0, 2.0, 0.25)
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        await start_monitor(nursery, rig)
+        await rig.at(3.5)  # four passes, one line
+        rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1)
+        await rig.at(5.5)
+    lines = [
+        (r.levelname, r.__dict__["engine"], r.__dict__["outcome"])
+        for r in caplog.records
+        if r.__dict__.get("event") == "scrape"
+    ]
+    assert lines == [("WARNING", "d0", "failed"), ("INFO", "d0", "ok")]
+    warning = next(r for r in caplog.records if r.__dict__.get("event") == "scrape")
+    assert warning.getMessage() == (
+        "monitor cannot read the /metrics of d0: GET /metrics: no answer within 5.0; its "
+        "load is missing from role control and a restart shows only on /version or when "
+        "it stops answering"
+    )
 
 
 async def start_scraped(nursery: trio.Nursery) -> Rig:

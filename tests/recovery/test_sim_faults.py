@@ -585,3 +585,35 @@ async def test_a_router_starved_of_cpu_does_not_eject_its_healthy_engines(
     assert transitions(stack, "d1", "health") == []
     assert excused() >= 2  # probes did time out, and were set aside
     assert (await post(stack)).status_code == 200
+
+
+async def test_an_sglang_decode_server_whose_kv_transfers_fail_is_taken_out_alone(
+    start_stack: StartStack,
+) -> None:
+    # d3's KV pulls fail while it answers its probes (a bad NIC). Each failure is a
+    # kv_transfer_failed that names neither server; d3 fails with both prefill servers
+    # while d2 does not, so d3 (and only d3) is counted and its breaker opens.
+    stack = await start_stack(
+        ["prefill", "prefill", "decode", "decode"],
+        sglang=True,
+        recovery={"breaker": {"failure_threshold": 3, "failure_ratio": 0.5, "open_s": 30.0}},
+    )
+    for _ in range(6):
+        assert (await post(stack)).status_code == 200
+    stack.fleet[3].set_faults(kv_pull_fail=True, leg="decode")
+    with trio.fail_after(20):
+        for _ in range(15):  # bounded: the breaker opens well before
+            # Concurrent, so that both decode servers get pairs (idle, d2 wins the tie).
+            async with trio.open_nursery() as burst:
+                for _ in range(4):
+                    burst.start_soon(post, stack, {"max_tokens": 2})
+            if recovery(stack, "d3").breakers["decode"].opened_total:
+                break
+    await wait_for(lambda: recovery(stack, "d3").breakers["decode"].opened_total == 1)
+    for engine_id in ("p0", "p1", "d2"):
+        assert available(stack, engine_id), reason(stack, engine_id)
+    assert "failed their KV transfer" in recovery(stack, "d3").breakers["decode"].last_reason
+    pulls_before = stack.fleet[3].state()["counters"]["kv_pull_failures_injected"]
+    for _ in range(5):
+        assert (await post(stack)).status_code == 200
+    assert stack.fleet[3].state()["counters"]["kv_pull_failures_injected"] == pulls_before
