@@ -1014,10 +1014,34 @@ class Recovery:
             reason = record.residuals.verdict(now, health)
             if reason is not None:
                 record.residuals.clear()
+                if self._last_of_role(record.engine, now):
+                    # Slow is not down: without it, its role's work would stop altogether
+                    # for at least window_s (readmission waits that long). Hard failures
+                    # still take it out; its residuals start over.
+                    log.warning(
+                        "engine %s is slower than its profile (%s) but is the last "
+                        "available %s engine: not ejected for latency",
+                        record.engine.id,
+                        reason,
+                        record.engine.role,
+                        extra={
+                            "event": "latency_ejection_withheld",
+                            "engine": record.engine.id,
+                            "reason": reason,
+                        },
+                    )
+                    continue
                 record.latency_until = now + health.window_s
                 reason += f"; readmission starts after recovery.health.window_s={health.window_s}"
                 self._health_changed(record, record.health.eject(reason))
         return residuals
+
+    def _last_of_role(self, engine: EngineState, now: float) -> bool:
+        """No other engine of `engine`'s role takes new work now."""
+        return not any(
+            other is not engine and other.role == engine.role and not other.unavailable_reason(now)
+            for other in self.ctx.fleet
+        )
 
     # ------------------------------------------------------------------ verdicts
 

@@ -976,6 +976,23 @@ async def test_rare_transfer_failures_and_a_lone_role_count_against_nobody(
 # ---------------------------------------------------------------- residuals
 
 
+def residual_config(*, engines: int = 2) -> Config:
+    """`engines` of each role (another of its role must be available for a slow engine
+    to be ejected), 3 residuals over 30 s at a ratio of 3 eject."""
+    return config(
+        engines=[
+            {
+                "id": f"{role[0]}{i}",
+                "url": f"http://127.0.0.1:{20 + 2 * i + (role == 'decode')}",
+                "role": role,
+            }
+            for i in range(engines)
+            for role in ("prefill", "decode")
+        ],
+        recovery={"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}},
+    )
+
+
 async def test_latency_residuals_eject_after_min_samples_one_per_pass(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -985,8 +1002,7 @@ async def test_latency_residuals_eject_after_min_samples_one_per_pass(
         predictions.append((engine.id, phase, observation))
         return 0.1 if engine.id == "d0" else None
 
-    cfg = config(recovery={"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}})
-    rig = await start(nursery, cfg, predictor=predictor)
+    rig = await start(nursery, residual_config(), predictor=predictor)
     d0 = rig.engine("d0")
     for pass_number in range(3):
         for _ in range(5):  # five legs between passes still make one residual
@@ -1027,8 +1043,7 @@ async def test_a_busy_slow_engine_gets_a_residual_every_pass_and_is_ejected(
     def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
         return None if observation.contended else 0.05
 
-    cfg = config(recovery={"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}})
-    rig = await start(nursery, cfg, predictor=predictor)
+    rig = await start(nursery, residual_config(), predictor=predictor)
     p0 = rig.engine("p0")
     for pass_number in range(3):
         rig.recovery.leg_ok(p0, "prefill", 0.2, prompt_tokens=100)
@@ -1042,6 +1057,58 @@ async def test_a_busy_slow_engine_gets_a_residual_every_pass_and_is_ejected(
         "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
         "starts after recovery.health.window_s=30.0"
     )
+
+
+async def test_the_last_available_engine_of_its_role_is_not_ejected_for_latency(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: Any
+) -> None:
+    # 1P1D: ejecting the one decode engine would stop every request for at least the
+    # window, where a slow one still serves them.
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return 0.1
+
+    rig = await start(nursery, residual_config(engines=1), predictor=predictor)
+    d0 = rig.engine("d0")
+    with caplog.at_level(logging.WARNING, logger="narwhal.recovery"):
+        for _ in range(6):
+            rig.recovery.leg_ok(d0, "decode", 0.5)
+            assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(5.0)}
+            await trio.sleep(1.0)
+    assert rig.reason("d0") is None
+    withheld = [r for r in caplog.records if getattr(r, "event", "") == "latency_ejection_withheld"]
+    assert len(withheld) == 2  # each time 3 residuals say eject; they start over after it
+    assert (
+        withheld[0]
+        .getMessage()
+        .startswith(
+            "engine d0 is slower than its profile (latency: median observed/predicted ratio 5.00"
+        )
+    )
+    assert (
+        withheld[0]
+        .getMessage()
+        .endswith("but is the last available decode engine: not ejected for latency")
+    )
+
+
+async def test_a_slow_engine_is_ejected_once_another_of_its_role_is_available(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return 0.1
+
+    rig = await start(nursery, residual_config(), predictor=predictor)
+    d0, d1 = rig.engine("d0"), rig.engine("d1")
+    d1.drained = True  # the other decode engine takes no new work: d0 is the last one
+    for _ in range(3):
+        rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.residual_pass(trio.current_time())
+    assert rig.reason("d0") is None
+    d1.drained = False
+    for _ in range(3):
+        rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.residual_pass(trio.current_time())
+    assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
 
 
 # ---------------------------------------------------------------- router overload
