@@ -386,19 +386,29 @@ class BacklogBook:
     predicted duration it then does not pay (`shared_overhead_s`). Charging every queued
     prompt a whole step made a deep queue of short prompts look several times longer
     than the engine took to clear it.
+
+    Legs still running past the finish time are overdue: the engine is slower than its
+    profile, or stalled, and its backlog is not zero, whatever the prediction said. Work
+    overdue by x is taken to need about x more, so an engine that stopped answering grows
+    more expensive by the second instead of looking idle and drawing every request until
+    its breaker opens, while the few milliseconds a healthy engine runs late cost about
+    that much.
     """
 
     finish: dict[str, float] = attrs.Factory(dict)
     committed: dict[str, int] = attrs.Factory(dict)
 
     def wait_s(self, engine_id: str, now: float) -> float:
-        return max(0.0, self.finish.get(engine_id, now) - now)
+        finish = self.finish.get(engine_id, now)
+        if finish >= now:
+            return finish - now
+        return now - finish if self.committed.get(engine_id, 0) > 0 else 0.0
 
     def commit(self, engine_id: str, predicted_s: float, now: float, shared_s: float = 0.0) -> None:
-        finish = self.finish.get(engine_id, now)
-        if finish > now:
+        wait = self.wait_s(engine_id, now)
+        if wait > 0:
             predicted_s -= min(max(0.0, shared_s), predicted_s)
-        self.finish[engine_id] = max(finish, now) + max(0.0, predicted_s)
+        self.finish[engine_id] = now + wait + max(0.0, predicted_s)
         self.committed[engine_id] = self.committed.get(engine_id, 0) + 1
 
     def release(self, engine_id: str, now: float) -> None:

@@ -177,6 +177,8 @@ def test_a_prompt_queued_behind_backlog_shares_the_per_request_overhead() -> Non
     book.commit("p0", 0.002, now=0.001, shared_s=0.006)
     assert book.wait_s("p0", 0.001) == pytest.approx(0.013)
     # Once the backlog has drained the engine is idle again: all of it is charged.
+    for _ in range(3):
+        book.release("p0", now=0.02)
     book.commit("p0", 0.010, now=1.0, shared_s=0.006)
     assert book.wait_s("p0", 1.0) == pytest.approx(0.010)
 
@@ -417,3 +419,18 @@ def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> No
     )
     verdict = judge([idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=2.0)
     assert verdict.code == "ttft_budget"
+
+
+def test_overdue_backlog_counts_as_long_again_as_it_is_late() -> None:
+    book = BacklogBook()
+    book.commit("p0", 0.1, now=0.0)
+    assert book.wait_s("p0", 0.05) == pytest.approx(0.05)
+    # Its leg should have ended at 0.1 and has not: a stalled or slow engine is not idle.
+    assert book.wait_s("p0", 0.3) == pytest.approx(0.2)
+    book.commit("p0", 0.1, now=0.3)  # queued behind the overdue work
+    assert book.wait_s("p0", 0.3) == pytest.approx(0.3)
+    book.release("p0", 0.35)
+    book.release("p0", 0.4)
+    assert book.wait_s("p0", 0.4) == 0.0  # nothing running: the error is forgotten
+    book.commit("p1", 0.1, now=1.0)
+    assert book.wait_s("p1", 1.102) == pytest.approx(0.002)  # a healthy engine a bit late

@@ -353,3 +353,27 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
     # 500 prompt + 200 generated tokens freed, decayed over slo.ttft_s = 5 s since.
     freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
     assert 650 < freed <= 700
+
+
+async def test_a_stalled_prefill_engine_stops_drawing_requests(start_stack: StartStack) -> None:
+    # p0 holds its first prefill leg (a stalled scheduler, /health still fine). Its backlog
+    # book said that leg was done at its predicted finish, so p0 looked idle, won the
+    # equal-cost tie by id, and took every request until its breaker opened. Overdue work
+    # now counts, so the next requests go to p1 at once.
+    stack = await start_stack(
+        ["prefill", "prefill", "decode"],
+        speed=SPEED,
+        slo={"ttft_s": 5.0, "tpot_s": 0.05},
+        serving={"admission": "predictive", "prefill_timeout_s": 5.0},
+        profiles=LawProfiles(speed=SPEED),
+    )
+    stack.fleet[0].set_faults(stall_before_first_token_s=4.0, leg="prefill", count=1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, stack, {"max_tokens": 1})  # stuck on p0 for 4 s
+        await wait_for(lambda: stack.ctx.backlog.committed.get("p0") == 1)
+        await trio.sleep(0.2)  # well past its predicted finish
+        with trio.fail_after(2.0):
+            for _ in range(3):
+                assert (await post(stack, {"max_tokens": 1})).status_code == 200
+        assert stack.fleet[1].state()["counters"]["requests"]["prefill"] == 3
+        nursery.cancel_scope.cancel()
