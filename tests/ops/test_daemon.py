@@ -339,16 +339,21 @@ async def test_daemon_refuses_to_start_on_a_control_path_that_is_not_a_socket(
 ) -> None:
     path = short_tmp / "precious"
     path.write_text("keep me")
+    assert await refused_start(launch, path) == (
+        f"narwhal: ctl.socket '{path}' exists and is not a socket; refusing to start"
+    )
+    assert path.read_text() == "keep me"
+
+
+async def refused_start(launch: Launch, ctl_socket: Path) -> str:
+    """The last line of a daemon that must refuse to start on this ctl.socket."""
     daemon = await launch(
-        {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "ctl": {"socket": str(path)}},
+        {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "ctl": {"socket": str(ctl_socket)}},
         ready=False,
     )
     with trio.fail_after(20):
         assert await daemon.process.wait() == 1
-    assert daemon.log_path.read_text().splitlines()[-1] == (
-        f"narwhal: ctl.socket '{path}' exists and is not a socket; refusing to start"
-    )
-    assert path.read_text() == "keep me"
+    return daemon.log_path.read_text().splitlines()[-1]
 
 
 async def test_a_control_socket_that_cannot_be_created_is_reported_as_ctl_socket(
@@ -357,13 +362,7 @@ async def test_a_control_socket_that_cannot_be_created_is_reported_as_ctl_socket
     blocker = short_tmp / "file"
     blocker.write_text("")
     path = blocker / "ctl.sock"
-    daemon = await launch(
-        {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "ctl": {"socket": str(path)}},
-        ready=False,
-    )
-    with trio.fail_after(20):
-        assert await daemon.process.wait() == 1
     # It used to read "cannot listen on 127.0.0.1:8000: [Errno 20] Not a directory".
-    assert daemon.log_path.read_text().splitlines()[-1] == (
+    assert await refused_start(launch, path) == (
         f"narwhal: ctl.socket '{path}' cannot be checked: not a directory; refusing to start"
     )
