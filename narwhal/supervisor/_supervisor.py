@@ -437,6 +437,13 @@ class Supervisor:
         text = f"listening on {where}; {available}/{len(engines)} engines available"
         if ctx.degraded_reason is not None:
             text += f"; degraded: {ctx.degraded_reason}"
+        last = self.reloads[-1] if self.reloads else None
+        if last is not None and not last["applied"]:
+            # ExecReload only sends SIGHUP, so `systemctl reload` succeeds whatever the
+            # daemon makes of the file: `systemctl status` is where a rejection shows.
+            errors = last["errors"]
+            count = len(errors) if isinstance(errors, list) else 0
+            text += f"; last reload rejected ({count} problem(s), see the journal)"
         return text
 
     def _degraded_changed(self, reason: str | None) -> None:

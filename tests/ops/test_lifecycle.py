@@ -249,3 +249,35 @@ async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
     sent = [message.split("\n")[0] for message in notifier.sent]
     # It used to be READY, STOPPING, RELOADING, READY: "up again" while stopping.
     assert sent == ["READY=1", "STOPPING=1"]
+
+
+async def test_a_rejected_reload_shows_in_the_systemd_status_until_one_applies(
+    start_stack: StartStack, short_tmp: Path
+) -> None:
+    # ExecReload only sends SIGHUP: `systemctl reload` reports success whatever the daemon
+    # makes of the file, so `systemctl status` must say when it was rejected.
+    stack = await start_stack()
+    document = pair_document(stack)
+    path = short_tmp / "narwhal.json"
+    write(path, document)
+    address = str(short_tmp / "notify.sock")
+    sink = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
+    await sink.bind(address)
+    notifier = Notifier(address)
+
+    def status() -> str:
+        return notifier.sent[-1].split("\n")[-1]
+
+    with sink:
+        async with trio.open_nursery() as nursery:
+            supervisor: Supervisor = await nursery.start(
+                Supervisor(load_config(document), config_path=str(path), notifier=notifier).run
+            )
+            write(path, merge(document, {"serving": {"max_attempts": 9, "retry_budget": -1}}))
+            assert not (await supervisor.reload(trigger="SIGHUP")).applied
+            assert status().endswith("; last reload rejected (2 problem(s), see the journal)")
+            write(path, document)
+            assert (await supervisor.reload(trigger="SIGHUP")).applied
+            assert status().startswith("STATUS=listening on ")
+            assert "rejected" not in status()
+            supervisor.request_shutdown()
