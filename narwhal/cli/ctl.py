@@ -9,7 +9,9 @@ The socket is --socket, else ctl.socket of --config FILE, else $NARWHAL_CTL_SOCK
 else runs/narwhal.sock; a relative path is relative to the current directory (the
 daemon resolves ctl.socket against its own working directory).
 
-Output is for people by default; --json prints the daemon's response object as is.
+Output is for people by default; --json prints the daemon's response object as is, or,
+when there is none, one of the same shape: {"ok": false, "error": {"code":
+"daemon_unreachable" | "protocol_error", "message": ...}}.
 
 Exit codes:
   0  done
@@ -96,11 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         response = call(path, request, timeout_s=args.timeout)
     except DaemonUnreachable as exc:
-        print(f"narwhalctl: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return _failed(args.json, "daemon_unreachable", str(exc), EXIT_UNREACHABLE)
     except CtlProtocolError as exc:
-        print(f"narwhalctl: {exc}", file=sys.stderr)
-        return EXIT_PROTOCOL
+        return _failed(args.json, "protocol_error", str(exc), EXIT_PROTOCOL)
     if args.json:
         print(json.dumps(response, indent=2))
         return EXIT_OK if response["ok"] else EXIT_REFUSED
@@ -109,6 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     print(_human(args.command, response.get("result")))
     return EXIT_OK
+
+
+def _failed(as_json: bool, code: str, message: str, status: int) -> int:
+    """No answer from the daemon: said on stderr and, for --json, as a response of the
+    usual shape on stdout, so a script parsing stdout reads a failure, not nothing."""
+    print(f"narwhalctl: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"ok": False, "error": {"code": code, "message": message}}, indent=2))
+    return status
 
 
 def _print_error(error: dict[str, Any]) -> None:

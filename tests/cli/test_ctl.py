@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from narwhal.cli import ctl
@@ -26,6 +28,17 @@ def test_a_positive_timeout_reaches_the_socket(capsys: pytest.CaptureFixture[str
         ctl.EXIT_UNREACHABLE
     )
     assert "no control socket at /nonexistent/ctl.sock" in capsys.readouterr().err
+
+
+def test_json_output_says_the_daemon_is_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
+    # A script reading stdout got nothing at all.
+    assert ctl.main(["--socket", "/nonexistent/ctl.sock", "--json", "state"]) == (
+        ctl.EXIT_UNREACHABLE
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False
+    assert out["error"]["code"] == "daemon_unreachable"
+    assert "no control socket at /nonexistent/ctl.sock" in out["error"]["message"]
 
 
 def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() -> None:
