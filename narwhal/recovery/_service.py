@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import attrs
@@ -266,6 +266,10 @@ class Recovery:
         self.ctx = ctx
         self.prober: Prober = prober or HttpProber()
         self.predictor = predictor
+        # Awaited when a restarted engine has passed its verification, before its hold is
+        # lifted: a restart may be an upgrade, and the supervisor then compares the
+        # engine's build with its profile's (a stale profile is dropped, not used).
+        self.before_release: Callable[[EngineState], Awaitable[None]] | None = None
         self._records: dict[str, EngineRecovery] = {}
         self._nursery: trio.Nursery | None = None
         self._verify_seq = 0
@@ -824,6 +828,8 @@ class Recovery:
             result = await self._verify(record, "readmission", phase)
             if result.outcome == "ok":
                 self._health_changed(record, record.health.verify_ok(result.detail))
+                if record.hold.active and self.before_release is not None:
+                    await self.before_release(engine)
                 if record.hold.clear():
                     engine.held_until = -math.inf
                     self._changed(

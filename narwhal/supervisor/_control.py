@@ -17,6 +17,7 @@ import logging
 import statistics
 from typing import Any
 
+import attrs
 import trio
 
 from ..admission import ProfileSource
@@ -59,6 +60,31 @@ async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, lis
         extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
     )
     return profiles, list(check.messages)
+
+
+async def recheck_profile_build(ctx: ServingContext, engine: EngineState) -> None:
+    """After `engine` restarted (and before it is back in placement): drop its profile
+    if the engine now runs another build, as a start or a reload would have. An engine
+    relaunched on an upgraded build between reloads was otherwise priced with the old
+    build's profile until the next reload."""
+    source = ctx.profiles
+    if not isinstance(source, FleetProfiles) or engine.id not in source.check.usable:
+        return
+    one = attrs.evolve(source.check, usable=frozenset({engine.id}), messages=())
+    checked = await with_live_builds(one, ctx.config)
+    if engine.id in checked.usable:
+        return
+    source.check = attrs.evolve(
+        source.check,
+        usable=source.check.usable - {engine.id},
+        messages=source.check.messages + checked.messages,
+    )
+    for message in checked.messages:
+        log.warning(
+            "profile: %s (after a restart; re-run narwhal-profile, then reload)",
+            message,
+            extra={"event": "profile_problem", "problem": message, "engine": engine.id},
+        )
 
 
 def install_profiles(ctx: ServingContext, profiles: ProfileSource | None, config: Config) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -47,6 +48,7 @@ from ._control import (
     install_profiles,
     load_fleet_profiles,
     profile_predictor,
+    recheck_profile_build,
     require_profiles,
 )
 from ._notify import Notifier
@@ -132,6 +134,7 @@ class Supervisor:
             ctx, prober=self.prober, predictor=self.predictor or profile_predictor(ctx)
         )
         self.recovery = recovery
+        recovery.before_release = partial(recheck_profile_build, ctx)
         ctx.leg_observer = recovery
         monitor = Monitor(ctx, recovery, self.prober, on_degraded=self._degraded_changed)
         # Always: without a controller the pass still drains the demand events.

@@ -7,8 +7,13 @@ from pathlib import Path
 import attrs
 import trio
 
-from narwhal.profiles import save_profiles
-from narwhal.supervisor._control import load_fleet_profiles
+from narwhal.profiles import FleetProfiles, load_profiles, save_profiles
+from narwhal.serving import ServingContext
+from narwhal.supervisor._control import (
+    install_profiles,
+    load_fleet_profiles,
+    recheck_profile_build,
+)
 
 from ..support import StartFleet
 from .helpers import config_for, store_for
@@ -64,3 +69,35 @@ async def test_predictive_admission_refuses_a_fleet_of_stale_profiles(
     assert profiles is None
     (problem,) = problems
     assert problem.startswith(f"engine 'e0': build is {live!r} but the profile was measured on")
+
+
+async def test_an_engine_restarted_on_another_build_loses_its_profile_before_release(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    # Loaded while e1 still ran b1; it was then relaunched on b2 (an upgrade between
+    # reloads). Recovery holds a restarted engine until verified, and before it lets it go
+    # the supervisor compares builds again: the old profile is not priced with.
+    fleet = await start_fleet(engines=2, speed=50.0, build="b2")
+    urls = {"e0": fleet[0].url, "e1": fleet[1].url}
+    path = tmp_path / "profiles.json"
+    config = config_for(urls, profiles=str(path))
+    live = await build_of(config)
+    old = live.replace("[b2]", "[b1]")
+    store = store_for(urls, build=live)
+    engines = dict(store.engines)
+    engines["e1"] = attrs.evolve(engines["e1"], build=old)
+    save_profiles(attrs.evolve(store, engines=engines), path)
+    ctx = ServingContext(config)
+    install_profiles(ctx, FleetProfiles(load_profiles(str(path), config)), config)
+    assert isinstance(ctx.profiles, FleetProfiles)
+    assert ctx.profiles.check.usable == {"e0", "e1"}  # as loaded before the upgrade
+    for engine_id in ("e0", "e1"):
+        engine = ctx.fleet.get(engine_id)
+        assert engine is not None
+        await recheck_profile_build(ctx, engine)
+    assert ctx.profiles.check.usable == {"e0"}
+    assert ctx.profiles.prefill_curve("e1") is None
+    assert ctx.profiles.check.messages[-1] == (
+        f"engine 'e1': build is {live!r} but the profile was measured on {old!r}; the profile "
+        "is stale, run narwhal-profile again"
+    )

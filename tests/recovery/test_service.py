@@ -210,6 +210,30 @@ async def test_identity_change_is_a_restart_held_until_verified(
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0]
 
 
+async def test_a_restarted_engine_is_released_only_after_the_before_release_hook(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A restart may be an upgrade: the supervisor's hook compares builds (a stale profile
+    # is dropped) while the engine is still held, so nothing is priced with it meanwhile.
+    rig = await start(nursery, config())
+    seen: list[tuple[str, str | None, float]] = []
+
+    async def before_release(engine: EngineState) -> None:
+        seen.append((engine.id, rig.reason(engine.id), trio.current_time() - rig.t0))
+        await trio.sleep(0.5)  # asking the engine its build takes a while
+
+    rig.recovery.before_release = before_release
+    await rig.at(1.5)
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(7.0)
+    assert seen == [("d0", "restart hold", 7.0)]
+    assert rig.reason("d0") == "restart hold"
+    await rig.at(7.5)
+    assert rig.reason("d0") is None
+    await rig.at(20.0)
+    assert len(seen) == 1  # not for an engine that was not held
+
+
 # ---------------------------------------------------------------- breakers
 
 
