@@ -429,12 +429,9 @@ class Breaker:
         0.5,
         Between(0.0, 1.0, low_open=True),
         doc=(
-            "Share of the phase's legs within `window_s`, or since the first of the "
-            "`failure_threshold` counted failures, that must have failed, besides that "
-            "count, before the breaker opens: a busy engine with rare faults reaches any "
-            "count, so a count alone would open healthy engines; one that fails every leg "
-            "from some moment opens at the count, though the window still holds its "
-            "earlier good legs."
+            "Share of the phase's legs within `window_s` that must have failed, besides "
+            "`failure_threshold` of them, before the breaker opens: a busy engine with "
+            "rare faults reaches any count, so a count alone would open healthy engines."
         ),
     )
     open_s: float = _f(10.0, Positive(), doc="Time open before a half-open verification.")

@@ -22,18 +22,11 @@ What counts
 
 Counting is by window, not by streak: the breaker opens when, within
 recovery.breaker.window_s, at least recovery.breaker.failure_threshold counted failures
-happened AND they are at least recovery.breaker.failure_ratio of the phase's legs,
-counted either over the window or since the first of those failures. The ratio matters
-at volume: an engine serving a hundred legs a second with one fault in a thousand
-reaches any count in a window, and must stay in service. The second count matters when
-a busy engine goes bad at once (a blackhole, a broken KV path): the window still holds
-its healthy legs from before, which would keep the share under the ratio for up to
-window_s, while quarantine lets only a trickle of new legs reach it, so nearly all of
-the window's share has to age out first. Since the first of the recent failures,
-though, nearly every leg failed. Rare faults on a busy engine are spread out, with
-many good legs between any two of them, so they open neither way. Failure times (and
-each one's leg number) are kept only up to the threshold, and legs are counted in ten
-buckets per window, so memory stays bounded under any rate.
+happened AND they are at least recovery.breaker.failure_ratio of the phase's legs there.
+The ratio matters at volume: an engine serving a hundred legs a second with one fault
+in a thousand reaches any count in a window, and must stay in service. Failure times
+are kept only up to the threshold, and legs are counted in ten buckets per window, so
+memory stays bounded under any rate.
 """
 
 from __future__ import annotations
@@ -99,10 +92,7 @@ def _threshold_reached(breaker: Breaker, now: float) -> bool:
     if len(failures) < settings.failure_threshold or now - failures[0] > settings.window_s:
         return False
     failed, total = breaker.legs_in_window(now)
-    if total > 0 and failed / total >= settings.failure_ratio:
-        return True
-    failed, total = breaker.legs_since_first_failure()
-    return failed / total >= settings.failure_ratio
+    return total > 0 and failed / total >= settings.failure_ratio
 
 
 def _below_threshold(breaker: Breaker, now: float) -> bool:
@@ -152,9 +142,6 @@ class Breaker:
         self.settings = settings
         self.state = BreakerState.CLOSED
         self.failures: deque[float] = deque(maxlen=settings.failure_threshold)
-        # The leg number of each kept failure; legs are numbered while closed.
-        self._failure_legs: deque[int] = deque(maxlen=settings.failure_threshold)
-        self._leg_number = 0
         # [bucket start, failed legs, all legs], oldest first; at most _BUCKETS + 1.
         self._legs: deque[list[float]] = deque()
         self.opened_at = -1.0
@@ -168,7 +155,6 @@ class Breaker:
         """Reload: new limits apply from now on; the state and recent failures stay."""
         self.settings = settings
         self.failures = deque(self.failures, maxlen=settings.failure_threshold)
-        self._failure_legs = deque(self._failure_legs, maxlen=settings.failure_threshold)
 
     def blocked(self, now: float) -> str | None:
         if self.state is BreakerState.OPEN:
@@ -187,9 +173,6 @@ class Breaker:
         return sum(1 for at in self.failures if now - at <= self.settings.window_s)
 
     def _count_leg(self, now: float, failed: bool) -> None:
-        self._leg_number += 1
-        if failed:
-            self._failure_legs.append(self._leg_number)
         width = self.settings.window_s / _BUCKETS
         legs = self._legs
         if not legs or now >= legs[-1][0] + width:
@@ -208,12 +191,6 @@ class Breaker:
                 failed += bucket_failed
                 total += bucket_total
         return failed, total
-
-    def legs_since_first_failure(self) -> tuple[int, int]:
-        """(failed, all) legs of this phase since the oldest kept failure, inclusive."""
-        if not self._failure_legs:
-            return 0, 1
-        return len(self._failure_legs), self._leg_number - self._failure_legs[0] + 1
 
     def handle(self, event: BreakerEvent, now: float, detail: str = "") -> Transition | None:
         """Apply one event; returns the transition when the state changed."""
@@ -244,7 +221,6 @@ class Breaker:
             self.opened_total += 1
         if new is BreakerState.CLOSED:
             self.failures.clear()
-            self._failure_legs.clear()
             self._legs.clear()
         return Transition(self.engine_id, self.phase, old, new, event, reason, now)
 
@@ -252,12 +228,10 @@ class Breaker:
         s = self.settings
         suffix = f" (last: {detail})" if detail else ""
         if event is BreakerEvent.FAILURE:
-            failed, total = self.legs_since_first_failure()
             return (
                 f"{s.failure_threshold} counted {self.phase} failures, at least "
                 f"recovery.breaker.failure_ratio={s.failure_ratio} of its legs, within "
-                f"recovery.breaker.window_s={s.window_s}; {failed} of the {total} "
-                f"{self.phase} legs since the first of them failed{suffix}"
+                f"recovery.breaker.window_s={s.window_s}{suffix}"
             )
         if event is BreakerEvent.OPEN_ELAPSED:
             return f"open for recovery.breaker.open_s={s.open_s}; verifying"
