@@ -12,6 +12,12 @@ import math
 Json = dict[str, object]
 
 
+def os_reason(exc: OSError) -> str:
+    """An OSError's reason for a message that names the path or setting itself
+    ("permission denied", "not a directory"): its strerror, else its class name."""
+    return (exc.strerror or type(exc).__name__).lower()
+
+
 class NarwhalError(Exception):
     status = 500
     type = "server_error"

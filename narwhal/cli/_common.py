@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from .._errors import os_reason
+
 
 def not_implemented(command: str, issue: int) -> int:
     """Placeholder for a command whose issue has not landed: a clear message, exit 2."""
@@ -33,13 +35,13 @@ def unwritable(path: str) -> str | None:
     except FileExistsError:
         return f"cannot write {path}: {directory} is not a directory"
     except OSError as exc:
-        return f"cannot write {path}: {(exc.strerror or type(exc).__name__).lower()}"
+        return f"cannot write {path}: {os_reason(exc)}"
     try:
         fd, probe = tempfile.mkstemp(prefix=".narwhal-write-check.", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        return f"cannot write {path}: {(exc.strerror or type(exc).__name__).lower()}"
+        return f"cannot write {path}: {os_reason(exc)}"
     if os.path.exists(path) and not os.access(path, os.W_OK):
         return f"cannot write {path}: permission denied"
     return None

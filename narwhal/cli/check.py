@@ -27,6 +27,7 @@ from functools import partial
 import attrs
 import trio
 
+from .._errors import os_reason
 from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
 from ..profiles import StoreBusy, lock_store, read_store, save_profiles
@@ -96,7 +97,7 @@ async def run(
         try:
             await trio.Path(json_path).write_text(text, encoding="utf-8")
         except OSError as exc:
-            _err(f"--json: cannot write {json_path}: {_reason(exc)}")
+            _err(f"--json: cannot write {json_path}: {os_reason(exc)}")
             unwritten = True
     if record:
         # The store as it is now (the lock keeps other writers out, not someone's cp).
@@ -111,7 +112,7 @@ async def run(
                         partial(save_profiles, updated, config.profiles.path)
                     )
             except OSError as exc:
-                _err(f"--record: cannot write {config.profiles.path}: {_reason(exc)}")
+                _err(f"--record: cannot write {config.profiles.path}: {os_reason(exc)}")
                 unwritten = True
             else:
                 _err(f"recorded lease and crossed-handoff p99 in {config.profiles.path}")
@@ -126,10 +127,6 @@ def _interrupted(record: bool, name: str) -> int:
     kept = "; nothing was recorded" if record else ""
     _err(f"interrupted by {name} before the checks finished{kept}")
     return signal_exit(name)
-
-
-def _reason(exc: OSError) -> str:
-    return (exc.strerror or type(exc).__name__).lower()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

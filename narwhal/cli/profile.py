@@ -21,6 +21,7 @@ from functools import partial
 import attrs
 import trio
 
+from .._errors import os_reason
 from ..config import Config, ConfigError, load_config_file
 from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
 from ..profiles import StoreBusy, check_store, lock_store, read_store, save_profiles
@@ -129,8 +130,7 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
         try:
             await trio.to_thread.run_sync(partial(save_profiles, store, out))
         except OSError as exc:
-            reason = (exc.strerror or type(exc).__name__).lower()
-            _err(f"cannot write {out}: {reason}; the measurements are lost")
+            _err(f"cannot write {out}: {os_reason(exc)}; the measurements are lost")
             return 1
         reread, problems = await trio.to_thread.run_sync(read_store, out)
     check = check_store(reread, problems, config)

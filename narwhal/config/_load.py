@@ -36,6 +36,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
+from .._errors import os_reason
 from ._cross import cross_rules
 from ._model import RESOLVED, Config, Secret
 from ._paths import Path, field_pattern, format_path
@@ -114,7 +115,7 @@ def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> 
             [f"{source}: not utf-8 text (invalid byte at offset {exc.start})"], source=source
         ) from None
     except OSError as exc:
-        reason = (exc.strerror or type(exc).__name__).lower()
+        reason = os_reason(exc)
         raise ConfigError([f"{source}: cannot read file: {reason}"], source=source) from None
 
     document, duplicates = _parse_json(text, source)
@@ -168,7 +169,7 @@ def read_api_key(path: str) -> tuple[Secret | None, str | None]:
     except FileNotFoundError:
         return None, f"{shown}: no such file"
     except OSError as exc:
-        reason = (exc.strerror or type(exc).__name__).lower()
+        reason = os_reason(exc)
         return None, f"{shown}: cannot read file: {reason}"
     except ValueError:
         return None, f"{shown}: a path cannot contain a NUL character"

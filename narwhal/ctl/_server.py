@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from .._errors import os_reason
 from ._protocol import (
     MAX_REQUEST_BYTES,
     CtlError,
@@ -64,7 +65,7 @@ def _refuse(path: str, why: str) -> ControlSocketError:
 
 
 def _oserror(path: str, what: str, exc: OSError) -> ControlSocketError:
-    reason = (exc.strerror or type(exc).__name__).lower()
+    reason = os_reason(exc)
     where = f" at {exc.filename!r}" if exc.filename not in (None, path) else ""
     return _refuse(path, f"{what}: {reason}{where}")
 
