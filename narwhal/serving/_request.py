@@ -32,6 +32,8 @@ class ClientRequest:
     # Token ids supplied directly (completions only): an exact length without /tokenize.
     prompt_token_ids: int | None
     max_tokens: int | None
+    # The body field `max_tokens` came from (chat's `max_completion_tokens` comes first).
+    max_tokens_field: str
     arrival: float
     deadline: float
 
@@ -101,7 +103,7 @@ def parse_body(
     if n != 1:
         # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.
         raise BadRequest("only n=1 is supported", param="n")
-    max_tokens = _max_tokens(body)
+    max_tokens_field, max_tokens = _max_tokens(body)
     if kind == "chat":
         chars = _chat_chars(body)
         token_ids = None
@@ -116,6 +118,7 @@ def parse_body(
         prompt_chars=chars,
         prompt_token_ids=token_ids,
         max_tokens=max_tokens,
+        max_tokens_field=max_tokens_field,
         arrival=arrival,
         deadline=deadline,
     )
@@ -139,7 +142,7 @@ def context_overflow(request: ClientRequest, prompt_tokens: int, context: int) -
     wanted = request.max_tokens
     if wanted is None or prompt_tokens + wanted <= context:
         return None
-    key = "max_completion_tokens" if "max_completion_tokens" in request.body else "max_tokens"
+    key = request.max_tokens_field
     return BadRequest(
         f"'{key}' is too large: {wanted}. This model's maximum context length is {context} "
         f"tokens and your request has {prompt_tokens} input tokens ({wanted} > {context} - "
@@ -149,15 +152,16 @@ def context_overflow(request: ClientRequest, prompt_tokens: int, context: int) -
     )
 
 
-def _max_tokens(body: Json) -> int | None:
+def _max_tokens(body: Json) -> tuple[str, int | None]:
+    """(the field the output bound is read from, the bound or None)."""
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise BadRequest(f"'{key}' must be a positive integer", param=key)
-        return value
-    return None
+        return key, value
+    return "max_tokens", None
 
 
 def _prompt_size(body: Json) -> tuple[int, int | None]:

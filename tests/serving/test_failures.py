@@ -139,6 +139,17 @@ async def test_a_chat_prompt_past_the_context_is_refused_with_the_field_it_used(
             "context_length_exceeded",
             "max_completion_tokens",
         )
+        # A null max_completion_tokens bounds nothing: the field that does is max_tokens.
+        response = await client.post(
+            f"{stack.url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_completion_tokens": None,
+                "max_tokens": 9000,
+            },
+        )
+        assert response.json()["error"]["param"] == "max_tokens"
         long_text = {"model": MODEL, "prompt": "fox " * 10_000, "max_tokens": 1}
         response = await client.post(f"{stack.url}/v1/completions", json=long_text)
         error = response.json()["error"]
