@@ -652,12 +652,12 @@ class Flow:
             try:
                 await self._attempt(request, tokens, placement, config, client, record)
             except EngineFailed as failure:
-                if failure.code == _TRANSFER_FAILED and placement.prefill is not None:
+                # The pair's prefill server, when its KV transfer failed.
+                transfer = placement.prefill if failure.code == _TRANSFER_FAILED else None
+                if transfer is not None:
                     # Recovery tells which engine of the pair fails its transfers.
                     failure.partner_id = (
-                        placement.decode
-                        if failure.engine_id == placement.prefill
-                        else placement.prefill
+                        placement.decode if failure.engine_id == transfer else transfer
                     )
                 self._count_failure(failure)
                 if client.started or not failure.retryable or attempt >= serving.max_attempts:
@@ -667,8 +667,8 @@ class Flow:
                     raise
                 if failure.exclude_on_retry:
                     excluded.add(failure.engine_id)
-                elif failure.code == _TRANSFER_FAILED and placement.prefill is not None:
-                    avoided.add(placement.prefill)
+                elif transfer is not None:
+                    avoided.add(transfer)
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
                 await trio.sleep(
