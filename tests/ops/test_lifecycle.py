@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,16 @@ from ..serving.conftest import MODEL, Stack
 from ..support import open_sse, wait_for
 
 BODY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8, "stream": True}
+
+
+@asynccontextmanager
+async def systemd(directory: Path) -> AsyncIterator[Notifier]:
+    """A Notifier whose NOTIFY_SOCKET is a datagram socket bound in `directory`, as
+    systemd's would be (what it sent stays in `Notifier.sent`)."""
+    address = str(directory / "notify.sock")
+    with trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM) as sink:
+        await sink.bind(address)
+        yield Notifier(address)
 
 
 def pair_document(stack: Stack) -> dict[str, Any]:
@@ -221,31 +233,24 @@ async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
     document = merge(pair_document(stack), {"recovery": {"shutdown_grace_s": 30.0}})
     path = short_tmp / "narwhal.json"
     write(path, document)
-    address = str(short_tmp / "notify.sock")
-    sink = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
-    await sink.bind(address)
-    notifier = Notifier(address)
     fleet[1].set_faults(stall_after_tokens=2, leg="decode")  # holds the drain open
-    with sink:
-        async with trio.open_nursery() as nursery:
-            supervisor: Supervisor = await nursery.start(
-                Supervisor(load_config(document), config_path=str(path), notifier=notifier).run
-            )
-            async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
-                assert await reader.event() is not None
-                supervisor.request_shutdown()
-                await wait_for(lambda: supervisor.stopping)
-                # Say a SIGHUP that waited behind startup, with engines added meanwhile.
-                write(path, merge(document, {"serving": {"max_connections": 7}}))
-                result = await supervisor.reload(trigger="SIGHUP")
-                assert not result.applied
-                assert result.errors == (
-                    "narwhal is shutting down; the configuration is not re-read",
-                )
-                assert supervisor.ctx is not None
-                assert supervisor.ctx.config.serving.max_connections == 512
-                supervisor.request_shutdown()  # skip the rest of the grace
-                await read_all(reader)
+    async with systemd(short_tmp) as notifier, trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(document), config_path=str(path), notifier=notifier).run
+        )
+        async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
+            assert await reader.event() is not None
+            supervisor.request_shutdown()
+            await wait_for(lambda: supervisor.stopping)
+            # Say a SIGHUP that waited behind startup, with engines added meanwhile.
+            write(path, merge(document, {"serving": {"max_connections": 7}}))
+            result = await supervisor.reload(trigger="SIGHUP")
+            assert not result.applied
+            assert result.errors == ("narwhal is shutting down; the configuration is not re-read",)
+            assert supervisor.ctx is not None
+            assert supervisor.ctx.config.serving.max_connections == 512
+            supervisor.request_shutdown()  # skip the rest of the grace
+            await read_all(reader)
     sent = [message.split("\n")[0] for message in notifier.sent]
     # It used to be READY, STOPPING, RELOADING, READY: "up again" while stopping.
     assert sent == ["READY=1", "STOPPING=1"]
@@ -260,24 +265,20 @@ async def test_a_rejected_reload_shows_in_the_systemd_status_until_one_applies(
     document = pair_document(stack)
     path = short_tmp / "narwhal.json"
     write(path, document)
-    address = str(short_tmp / "notify.sock")
-    sink = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
-    await sink.bind(address)
-    notifier = Notifier(address)
 
-    def status() -> str:
-        return notifier.sent[-1].split("\n")[-1]
+    async with systemd(short_tmp) as notifier, trio.open_nursery() as nursery:
 
-    with sink:
-        async with trio.open_nursery() as nursery:
-            supervisor: Supervisor = await nursery.start(
-                Supervisor(load_config(document), config_path=str(path), notifier=notifier).run
-            )
-            write(path, merge(document, {"serving": {"max_attempts": 9, "retry_budget": -1}}))
-            assert not (await supervisor.reload(trigger="SIGHUP")).applied
-            assert status().endswith("; last reload rejected (2 problem(s), see the journal)")
-            write(path, document)
-            assert (await supervisor.reload(trigger="SIGHUP")).applied
-            assert status().startswith("STATUS=listening on ")
-            assert "rejected" not in status()
-            supervisor.request_shutdown()
+        def status() -> str:
+            return notifier.sent[-1].split("\n")[-1]
+
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(document), config_path=str(path), notifier=notifier).run
+        )
+        write(path, merge(document, {"serving": {"max_attempts": 9, "retry_budget": -1}}))
+        assert not (await supervisor.reload(trigger="SIGHUP")).applied
+        assert status().endswith("; last reload rejected (2 problem(s), see the journal)")
+        write(path, document)
+        assert (await supervisor.reload(trigger="SIGHUP")).applied
+        assert status().startswith("STATUS=listening on ")
+        assert "rejected" not in status()
+        supervisor.request_shutdown()

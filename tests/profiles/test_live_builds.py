@@ -7,6 +7,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from narwhal.config import Config
 from narwhal.profiles import FleetProfiles, load_profiles, save_profiles
 from narwhal.serving import ServingContext
 from narwhal.supervisor._control import (
@@ -24,6 +25,18 @@ async def _never_answer(_stream: trio.SocketStream) -> None:
     await trio.sleep_forever()
 
 
+async def save_with_e1_stale(config: Config, urls: dict[str, str], path: Path) -> tuple[str, str]:
+    """Save a store of `urls` whose profiles match the engines' live build (b2) but e1's,
+    measured on b1; (the live build, e1's profile build)."""
+    live = await build_of(config)
+    old = live.replace("[b2]", "[b1]")
+    store = store_for(urls, build=live)
+    engines = dict(store.engines)
+    engines["e1"] = attrs.evolve(engines["e1"], build=old)
+    save_profiles(attrs.evolve(store, engines=engines), path)
+    return live, old
+
+
 async def test_a_profile_of_another_build_is_not_used_by_the_daemon(
     start_fleet: StartFleet, tmp_path: Path, nursery: trio.Nursery
 ) -> None:
@@ -35,12 +48,7 @@ async def test_a_profile_of_another_build_is_not_used_by_the_daemon(
     urls = {"e0": fleet[0].url, "e1": fleet[1].url, "e2": silent}
     path = tmp_path / "profiles.json"
     config = config_for(urls, profiles=str(path), engine={"health_timeout_s": 0.5})
-    live = await build_of(config)
-    old = live.replace("[b2]", "[b1]")
-    store = store_for(urls, build=live)
-    engines = dict(store.engines)
-    engines["e1"] = attrs.evolve(engines["e1"], build=old)
-    save_profiles(attrs.evolve(store, engines=engines), path)
+    live, old = await save_with_e1_stale(config, urls, path)
 
     start = trio.current_time()
     profiles, problems = await load_fleet_profiles(config)
@@ -81,12 +89,7 @@ async def test_an_engine_restarted_on_another_build_loses_its_profile_before_rel
     urls = {"e0": fleet[0].url, "e1": fleet[1].url}
     path = tmp_path / "profiles.json"
     config = config_for(urls, profiles=str(path))
-    live = await build_of(config)
-    old = live.replace("[b2]", "[b1]")
-    store = store_for(urls, build=live)
-    engines = dict(store.engines)
-    engines["e1"] = attrs.evolve(engines["e1"], build=old)
-    save_profiles(attrs.evolve(store, engines=engines), path)
+    live, old = await save_with_e1_stale(config, urls, path)
     ctx = ServingContext(config)
     install_profiles(ctx, FleetProfiles(load_profiles(str(path), config)), config)
     assert isinstance(ctx.profiles, FleetProfiles)
