@@ -168,14 +168,17 @@ def _prompt_size(body: Json) -> tuple[int, int | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return len(prompt), None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        # A batch of one prompt, as the engines take it: text, or token ids.
+        prompt = prompt[0]
+        if isinstance(prompt, str):
+            return len(prompt), None
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         return 0, len(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return len(prompt[0]), None
     raise BadRequest(
         "'prompt' must be a string or a list of token ids (batched prompts are not supported)",
         param="prompt",

@@ -87,3 +87,22 @@ def test_request_ids_are_kept_only_when_well_formed(raw: bytes) -> None:
     value = request_id_from_header(raw)
     assert 1 <= len(value) <= 128
     assert all(c.isalnum() or c in "._:-" for c in value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids"), [([7, 8, 9], 3), ([[7, 8, 9]], 3), (["seven"], None), ("seven", None)]
+)
+def test_a_prompt_of_one_is_taken_whole_as_text_or_token_ids(
+    prompt: object, ids: int | None
+) -> None:
+    # A batch of one prompt ([[ids]] as [text]) is one prompt, counted as the engines do.
+    result = parse(json.dumps({"model": "m", "prompt": prompt}).encode(), "completions")
+    assert isinstance(result, ClientRequest), result
+    assert result.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("prompt", [[[1], [2]], [[]], [["a"]], [[1, "a"]], [[True]]])
+def test_a_batch_or_a_malformed_id_list_is_refused(prompt: object) -> None:
+    result = parse(json.dumps({"model": "m", "prompt": prompt}).encode(), "completions")
+    assert isinstance(result, BadRequest)
+    assert result.param == "prompt"
