@@ -323,7 +323,10 @@ class Engine:
             "its chat requests are estimated "
             '(`narwhal_token_count_fallbacks_total{reason="unsupported"}`, one log line per '
             "engine) without asking it again for 300 s, or until a reload or until it has "
-            "been out of placement (as a restart takes it)."
+            "been out of placement (as a restart takes it). An exact count (or a prompt of "
+            "token ids) is checked against the engines' context length before any leg "
+            "(400 `context_length_exceeded`); an estimate is not, and the engine refuses "
+            "an over-long request itself."
         ),
     )
     tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")

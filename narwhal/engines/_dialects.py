@@ -68,6 +68,10 @@ class Dialect:
     # prompt plus max_tokens (vLLM: the model config's), not only the tokenizer's (SGLang:
     # tokenizer.model_max_length, or -1).
     tokenize_reports_context: bool = False
+    # Where the engine says whether it cuts an over-long request down instead of refusing
+    # it (SGLang's --allow-auto-truncate, among /get_server_info's server args); None
+    # when it always refuses (vLLM truncates only for a request that asks).
+    truncation_path: bytes | None = None
 
 
 VLLM = Dialect(
@@ -110,6 +114,7 @@ SGLANG = Dialect(
     # /tokenize does by default, so the request's flag is not passed on.
     completion_tokenize_fields=(),
     chat_tokenize_optional=True,
+    truncation_path=b"/get_server_info",
     fixed_role=(
         "an sglang server's role is fixed when it is launched (--disaggregation-mode "
         "prefill|decode, or none for aggregate), and a disaggregated one refuses requests "
@@ -368,6 +373,39 @@ class TokenizeScan:
         if not dialect.tokenize_reports_context or limit is None or limit <= 0:
             return None
         return limit
+
+
+def card_context(answer: object, model: str) -> int | str:
+    """The context length a /v1/models answer gives `model`: its card's `max_model_len`,
+    or why there is none.
+
+    vLLM's card carries its model config's max_model_len (notes §3.2); SGLang's its model
+    config's context_len (§5.4), the limit its tokenizer manager checks each request
+    against, where /tokenize's `max_model_len` is only the tokenizer's and
+    /get_server_info's `context_length` only the --context-length flag (null unless
+    set)."""
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list):
+        return "its /v1/models answer has no `data` list"
+    for card in cards:
+        if isinstance(card, dict) and card.get("id") == model:
+            value = card.get("max_model_len")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+            return f"its /v1/models card for {model!r} has no positive max_model_len ({value!r})"
+    return f"its /v1/models answer lists no model {model!r}"
+
+
+def truncates_requests(answer: object) -> bool | str:
+    """Whether an SGLang server cuts over-long requests down instead of refusing them
+    (`allow_auto_truncate`, one of /get_server_info's server args), or why its answer does
+    not say. A build older than the flag has no such key and refuses them."""
+    if not isinstance(answer, dict):
+        return "its /get_server_info answer is not a JSON object"
+    value = answer.get("allow_auto_truncate", False)
+    if not isinstance(value, bool):
+        return f"its /get_server_info allow_auto_truncate is not a boolean ({value!r})"
+    return value
 
 
 def usage_tokens(response: object, key: str) -> int | None:

@@ -131,6 +131,14 @@ class EngineState:
         # if none arrived while it was under way.
         self.auth_refusals = 0
         self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
+        # The context length the engine refuses requests beyond (`set_context`): read by
+        # recovery at a good probe while `context_due` (the first one, and the first after
+        # a failed probe or a restart), and from each vLLM /tokenize answer. None, with
+        # `context_note` saying why, when it is not known: the request path then checks
+        # nothing against it, and the engine is the one to refuse.
+        self.context_length: int | None = None
+        self.context_note = "not read yet"
+        self.context_due = True
         self.held_until = -math.inf  # restart hold, set by recovery
         self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
         self.ejected: str | None = None  # health ejection reason, set by recovery
@@ -183,8 +191,17 @@ class EngineState:
             )
             pool.set_api_key(spec.api_key_text())
         self.auth_refused = None
+        # A reload may point the id at another server.
+        self.context_due = True
         self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
         self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
+
+    def set_context(self, length: int | None, note: str) -> bool:
+        """Record what the engine says of its context length (`note`: where it was read,
+        or why it is not known); True when that changed."""
+        changed = (length, note) != (self.context_length, self.context_note)
+        self.context_length, self.context_note = length, note
+        return changed
 
     @property
     def resident_work(self) -> int:

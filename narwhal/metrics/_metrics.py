@@ -114,6 +114,16 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.context_checks = Counter(
+            "narwhal_context_checks",
+            "Requests with an exact prompt length (engine count or token ids) by the check "
+            "of prompt plus max_tokens against the engines' context length: passed, "
+            "refused (400 context_length_exceeded), unknown (no available engine reports "
+            "its context length; see each engine's context in /narwhal/state: the engine "
+            "refuses an over-long request itself).",
+            ["result"],
+            registry=registry,
+        )
         self.slo_requests = Counter(
             "narwhal_slo_requests",
             "Offered completion requests by how they count for SLO attainment: met (TTFT "
@@ -179,6 +189,7 @@ class Metrics:
         self.requests_by = Children(self.requests)
         self.token_counts_by = Children(self.token_counts)
         self.token_fallbacks_by = Children(self.token_fallbacks)
+        self.context_checks_by = Children(self.context_checks)
         self.unstreamed_legs_by = Children(self.unstreamed_legs)
         self.ttft_by = Children(self.ttft)
         self.request_duration_by = Children(self.request_duration)

@@ -26,6 +26,7 @@ from ._monitor import (
 )
 from ._probe import (
     METRICS_BODY_LIMIT as METRICS_BODY_LIMIT,
+    ContextReading as ContextReading,
     HttpProber as HttpProber,
     KeyCheck as KeyCheck,
     KeyRefusal as KeyRefusal,

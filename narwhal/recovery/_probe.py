@@ -65,9 +65,11 @@ from ..engines import (
     parse_error_body,
 )
 from ..engines._dialects import (
+    card_context,
     encode,
     new_bootstrap_room,
     sglang_pd_body,
+    truncates_requests,
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
@@ -81,6 +83,9 @@ VerifyOutcome = Literal["ok", "failed", "inconclusive", "refused"]
 KeyOutcome = Literal["accepted", "refused", "failed", "inconclusive"]
 
 _SMALL_BODY = 64 * 1024
+# SGLang's /get_server_info lists every server arg (some 20-40 KB); a /v1/models answer
+# grows with the LoRA adapters loaded. The bound is for a broken engine.
+_INFO_BODY = 1024 * 1024
 # A vLLM /metrics page is ~100 KB; the bound is for a broken or hostile engine.
 METRICS_BODY_LIMIT = 8 * 1024 * 1024
 _VERIFY_PROMPT = "Narwhal verification."
@@ -123,6 +128,17 @@ class LoadSample:
     # The prompt-token counter per series (its label text, one per rank): it restarts
     # from zero with the engine. None when absent.
     prompt_tokens: tuple[tuple[str, float], ...] | None = None
+
+
+@attrs.frozen
+class ContextReading:
+    """What an engine says of its context length: `length` and where it was read, or
+    None and why not. `final`: the answer settles it until the engine restarts; a failed
+    request is asked again at the next good probe."""
+
+    length: int | None
+    detail: str
+    final: bool = True
 
 
 class ScrapeError(Exception):
@@ -196,6 +212,8 @@ class Prober(Protocol):
 
     async def check_key(self, engine: EngineState, config: Config) -> KeyCheck: ...
 
+    async def context(self, engine: EngineState, config: Config) -> ContextReading: ...
+
 
 class _Exhausted(Exception):
     pass
@@ -235,20 +253,38 @@ def _check_free(engine: EngineState) -> None:
         )
 
 
-async def _get(engine: EngineState, path: bytes) -> tuple[int, bytes] | ProbeResult:
+async def _get(
+    engine: EngineState, path: bytes, limit: int = _SMALL_BODY
+) -> tuple[int, bytes] | ProbeResult:
     """GET `path` on the control pool: the status and body, or the failed or
     inconclusive probe result when there is no answer."""
     where = f"GET {path.decode()}"
     try:
         _check_free(engine)
         async with engine.control_pool.request(b"GET", path, _headers()) as response:
-            return response.status, await response.aread(_SMALL_BODY)
+            return response.status, await response.aread(limit)
     except (_Exhausted, PoolTimeout) as exc:
         return ProbeResult("inconclusive", str(exc), None)
     except ConnectError as exc:
         return ProbeResult("failed", f"{where}: {exc}", False)
     except (RemoteProtocolError, ResponseTooLarge) as exc:
         return ProbeResult("failed", f"{where}: {exc}", True)
+
+
+async def _get_json(engine: EngineState, path: bytes) -> object:
+    """GET `path` on the control pool: its JSON answer, or (a str) why there is none."""
+    where = f"GET {path.decode()}"
+    answer = await _get(engine, path, _INFO_BODY)
+    if isinstance(answer, ProbeResult):
+        return answer.detail
+    status, raw = answer
+    if status != 200:
+        return f"{where} returned HTTP {status}"
+    try:
+        document: object = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"{where} returned a body that is not JSON"
+    return document
 
 
 def _headers(request_id: str | None = None) -> list[tuple[bytes, bytes]]:
@@ -310,6 +346,40 @@ class HttpProber:
                 return KeyCheck("refused", _refused_detail(where, refusal))
             return KeyCheck("failed", f"{where} returned HTTP {status}")
         return KeyCheck("failed", f"{where}: no answer within engine.health_timeout_s={timeout}")
+
+    async def context(self, engine: EngineState, config: Config) -> ContextReading:
+        """The engine's context length from its /v1/models card (`card_context`), within
+        engine.health_timeout_s; None for an SGLang server that truncates over-long
+        requests instead of refusing them (`truncates_requests`), or when it will not
+        say."""
+        timeout = config.engine.health_timeout_s
+        with trio.move_on_after(timeout):
+            answer = await _get_json(engine, b"/v1/models")
+            if isinstance(answer, str):
+                return ContextReading(None, answer, final=False)
+            length = card_context(answer, engine.spec.model)
+            if isinstance(length, str):
+                return ContextReading(None, length)
+            path = engine.dialect.truncation_path
+            if path is None:
+                return ContextReading(length, "GET /v1/models max_model_len")
+            answer = await _get_json(engine, path)
+            if isinstance(answer, str):
+                return ContextReading(None, answer, final=False)
+            truncates = truncates_requests(answer)
+            if isinstance(truncates, str):
+                return ContextReading(None, truncates)
+            if truncates:
+                return ContextReading(
+                    None,
+                    f"it cuts over-long requests down instead of refusing them "
+                    f"(allow_auto_truncate in GET {path.decode()}), its max_model_len "
+                    f"{length} notwithstanding",
+                )
+            return ContextReading(length, "GET /v1/models max_model_len")
+        return ContextReading(
+            None, f"no answer within engine.health_timeout_s={timeout}", final=False
+        )
 
     async def _identity(self, engine: EngineState) -> Identity | KeyRefusal | None:
         """(key, value) pairs of /version that name the running instance, if any; the

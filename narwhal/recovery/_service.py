@@ -683,7 +683,44 @@ class Recovery:
             log.debug("probe of %s ok", engine.id, extra=fields)
         if restarted is not None:
             self._start_hold(record, restarted)
+        if result.outcome == "failed":
+            # It may come back as another instance, launched with another context.
+            engine.context_due = True
+        elif engine.context_due and result.refusal is None:
+            await self._read_context(engine)
         return result
+
+    async def _read_context(self, engine: EngineState) -> None:
+        """Learn the context length `engine` refuses requests beyond, which the request
+        path checks requests against before any leg. A change is logged: once known, as
+        info; when not, a warning, since the request path then leaves the refusal to the
+        engine."""
+        reading = await self.prober.context(engine, self.ctx.config)
+        engine.context_due = not reading.final
+        if not engine.set_context(reading.length, reading.detail):
+            return
+        fields = {
+            "event": "engine_context",
+            "engine": engine.id,
+            "context_length": reading.length,
+            "detail": reading.detail,
+        }
+        if reading.length is not None:
+            log.info(
+                "engine %s: context length %d (%s)",
+                engine.id,
+                reading.length,
+                reading.detail,
+                extra=fields,
+            )
+        else:
+            log.warning(
+                "engine %s: context length unknown (%s); requests are not checked "
+                "against it, and one past it is refused by the engine itself",
+                engine.id,
+                reading.detail,
+                extra=fields,
+            )
 
     async def _identity_refused(
         self, record: EngineRecovery, refusal: KeyRefusal, detail: str
@@ -800,6 +837,7 @@ class Recovery:
         hold_s = self.ctx.config.recovery.restart_hold_s
         fresh = record.hold.start(now, reason, hold_s)
         record.identity.new_instance()
+        record.engine.context_due = True
         record.engine.held_until = math.inf
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()

@@ -107,6 +107,8 @@ class RequestRecord:
     token_count_method: str | None = None
     # Why the count is an estimate, when token_count_method is "fallback".
     token_count_fallback: str | None = None
+    # Why an exact count was not checked against a context length, when it was not.
+    context_unchecked: str | None = None
     # Predictive admission's projected TTFT for the prefill path the first attempt took
     # (as priced at admission), the part of it that was load (backlog, decode lag, KV
     # wait) rather than the engine's own work, and whether that path's profile measured
@@ -184,6 +186,8 @@ class ServingContext:
         self.unsized_offers = 0
         self.token_methods: Counter[str] = Counter()
         self.token_fallbacks: Counter[str] = Counter()
+        # Results of the context check (Flow._check_context), by result.
+        self.context_checks: Counter[str] = Counter()
         # Non-streaming decode legs sent to the engine as non-streaming requests, by why
         # their answer could not be assembled from a stream (engines.unassemblable_reason).
         self.unstreamed_legs: Counter[str] = Counter()

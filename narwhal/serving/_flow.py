@@ -487,6 +487,8 @@ class Flow:
         placement and KV accounting, so an operator needs to see why there is one."""
         ctx = self.ctx
         if request.prompt_token_ids is not None:
+            # The engines count token ids as sent: the count is exact without /tokenize.
+            self._check_context(request, request.prompt_token_ids, record)
             return request.prompt_token_ids, "token_ids"
         ratio, _ = ctx.chars_per_token(config)
         fallback = max(1, math.ceil(request.prompt_chars / ratio))
@@ -501,8 +503,11 @@ class Flow:
                 count, context = answer
                 ctx.token_methods["exact"] += 1
                 ctx.metrics.token_counts_by("exact").inc()
-                if context is not None and (overflow := context_overflow(request, count, context)):
-                    raise overflow
+                if context is not None and context != engine.context_length:
+                    # vLLM's answer carries the context its completions are held to: the
+                    # freshest word on it, between recovery's reads.
+                    engine.set_context(context, "its /tokenize answer's max_model_len")
+                self._check_context(request, count, record)
                 return count, "exact"
             reason = answer
         ctx.token_methods["fallback"] += 1
@@ -511,6 +516,37 @@ class Flow:
         ctx.metrics.token_fallbacks_by(reason).inc()
         record.token_count_fallback = reason
         return fallback, "fallback"
+
+    def _check_context(self, request: ClientRequest, count: int, record: RequestRecord) -> None:
+        """Refuse, before any leg, a request whose exact prompt length `count`, or it and
+        its max_tokens, do not fit the context (`context_overflow`).
+
+        The context is the largest an available engine reports: placement may pick any
+        of them, and one no engine could take is certain to be refused, by the prefill
+        engine or the decode engine. Where engines differ, a request past a smaller one's
+        context is left to that engine. Where none reports one (`EngineState.context_note`
+        says why), nothing is checked and the engine refuses it itself, as before the
+        check: counted as `unknown` and kept on the record."""
+        ctx = self.ctx
+        now = trio.current_time()
+        known = [
+            engine
+            for engine in ctx.fleet
+            if engine.context_length is not None and engine.unavailable_reason(now) is None
+        ]
+        if not known:
+            ctx.context_checks["unknown"] += 1
+            ctx.metrics.context_checks_by("unknown").inc()
+            record.context_unchecked = "no available engine reports its context length"
+            return
+        widest = max(known, key=lambda e: e.context_length or 0)
+        assert widest.context_length is not None
+        overflow = context_overflow(request, count, widest.context_length, widest.dialect)
+        result = "passed" if overflow is None else "refused"
+        ctx.context_checks[result] += 1
+        ctx.metrics.context_checks_by(result).inc()
+        if overflow is not None:
+            raise overflow
 
     def _tokenizer_engine(self, kind: EndpointKind) -> EngineState | str:
         """The engine to ask, or why there is none: `no_engine`, or `unsupported` when

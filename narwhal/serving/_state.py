@@ -55,6 +55,8 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
             "slots_in_use": engine.decode_limiter.borrowed_tokens,
         },
         "handoffs_pending": engine.handoffs_pending,
+        # What requests are checked against before any leg (null: nothing; `note` why).
+        "context": {"length": engine.context_length, "note": engine.context_note},
         "pools": {
             "serving": _pool(engine.serving_pool.statistics()),
             "control": _pool(engine.control_pool.statistics()),
@@ -129,6 +131,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "outcomes": dict(sorted(ctx.outcomes.items())),
             "token_counts": dict(sorted(ctx.token_methods.items())),
             "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
+            "context_checks": dict(sorted(ctx.context_checks.items())),
             "unstreamed_decode_legs": dict(sorted(ctx.unstreamed_legs.items())),
             "fallback_chars_per_token": {"value": round(ratio, 3), "source": ratio_source},
             # Engines whose /tokenize refused chat messages (an older SGLang build): their
@@ -150,6 +153,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                     "prompt_tokens": r.prompt_tokens,
                     "token_count_method": r.token_count_method,
                     "token_count_fallback": r.token_count_fallback,
+                    "context_unchecked": r.context_unchecked,
                 }
                 for r in records[:_LISTED_REQUESTS]
             ],

@@ -36,6 +36,9 @@ _DEFAULT_MESSAGES = {
     503: "The server is overloaded or not ready yet.",
     429: "Too many requests",
 }
+# What SGLang's /tokenize reports as max_model_len: its tokenizer's model_max_length
+# (notes §5.4), here a Llama-3.1 tokenizer config's, whatever the server's context.
+_TOKENIZER_MAX_LENGTH = 131072
 _KV_PARAM_KEYS = (
     "remote_block_ids",
     "remote_engine_id",
@@ -58,13 +61,22 @@ def _validation_error(loc: tuple[str, ...], kind: str, msg: str, body: object) -
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, *, type_: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str | None = None,
+        param: str | None = None,
+        streamed: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        # Found after a stream's 200 (SGLang's tokenizer manager checks a request inside
+        # its completion stream generator): sent as an error event, then [DONE].
+        self.streamed = streamed
 
 
 class Api:
@@ -116,6 +128,11 @@ class Api:
         except ApiError as err:
             e.counters.rejected_invalid += 1
             self._fail_room(req, err.message)
+            if err.streamed:
+                await resp.start_stream(200, headers=echo)
+                event = self.sse_error(err.status, err.message, type_=err.type)
+                await resp.end_stream(event + b"data: [DONE]\n\n")
+                return
             await self.send_error(resp, err, echo)
             return
         leg = plan.leg
@@ -248,6 +265,7 @@ class Api:
                     400,
                     f"The input ({prompt_tokens} tokens) is longer than the "
                     f"model's context length ({limit} tokens).",
+                    streamed=stream,
                 )
             raise ApiError(
                 400,
@@ -264,6 +282,19 @@ class Api:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(
                 400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
+            )
+        if self.sglang and prompt_tokens + max_tokens > limit:
+            # Its tokenizer manager's check (newer builds: a total equal to the context
+            # passes), on a prefill server too: that sets max_new_tokens to 1 later, in
+            # its bootstrap queue.
+            raise ApiError(
+                400,
+                "Requested token count exceeds the model's maximum context length of "
+                f"{limit} tokens. You requested a total of {prompt_tokens + max_tokens} "
+                f"tokens: {prompt_tokens} tokens from the input messages and {max_tokens} "
+                "tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit.",
+                streamed=stream,
             )
         if self.sglang and room is not None and leg == "prefill":
             max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
@@ -403,7 +434,7 @@ class Api:
             except ApiError as err:
                 await self.send_error(resp, err)
                 return
-            await resp.send_json(200, {**answer, "max_model_len": limit})
+            await resp.send_json(200, {**answer, "max_model_len": _TOKENIZER_MAX_LENGTH})
             return
         if "messages" in body:
             messages = body["messages"]
@@ -545,7 +576,10 @@ class Api:
                 "served_model_name": e.spec.model,
                 "tp_size": 1,
                 "dp_size": 1,
-                "context_length": t.max_model_len,
+                # The --context-length flag, null unless set (the model config's limit
+                # is on the /v1/models card); --allow-auto-truncate, off by default.
+                "context_length": None,
+                "allow_auto_truncate": False,
                 "chunked_prefill_size": t.chunk_tokens,
                 "page_size": t.block_size,
                 "max_running_requests": t.max_num_seqs,

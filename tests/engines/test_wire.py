@@ -10,10 +10,12 @@ from narwhal.engines import SGLANG, VLLM, Dialect, SseKind, SseScanner, parse_er
 from narwhal.engines._dialects import (
     ChatTokenizeRefusals,
     TokenizeScan,
+    card_context,
     chat_tokenize_refused,
     sglang_pd_body,
     tokenize_body,
     tokenize_count,
+    truncates_requests,
     usage_tokens,
     vllm_decode_body,
     vllm_kv_params,
@@ -374,3 +376,35 @@ def test_streamed_legs_ask_for_the_usage_chunk(
     assert own is ours
     assert leg["stream_options"] == (options if sent is None else sent)
     assert leg["prompt"] == "x"
+
+
+def test_the_context_length_is_the_served_models_card() -> None:
+    cards = {
+        "object": "list",
+        "data": [
+            {"id": "lora-a", "object": "model", "max_model_len": None, "parent": "m"},
+            {"id": "m", "object": "model", "owned_by": "sglang", "max_model_len": 32768},
+        ],
+    }
+    assert card_context(cards, "m") == 32768
+    assert card_context(cards, "lora-a") == (
+        "its /v1/models card for 'lora-a' has no positive max_model_len (None)"
+    )
+    assert card_context(cards, "x") == "its /v1/models answer lists no model 'x'"
+    assert card_context({"detail": "Not Found"}, "m") == "its /v1/models answer has no `data` list"
+    bad = {"data": [{"id": "m", "max_model_len": True}]}
+    assert (
+        card_context(bad, "m") == "its /v1/models card for 'm' has no positive max_model_len (True)"
+    )
+
+
+def test_an_sglang_server_says_whether_it_truncates() -> None:
+    # allow_auto_truncate is one of the server args /get_server_info lists; builds older
+    # than the flag list none, and refuse over-long requests.
+    assert truncates_requests({"allow_auto_truncate": True, "context_length": None}) is True
+    assert truncates_requests({"allow_auto_truncate": False}) is False
+    assert truncates_requests({"model_path": "m"}) is False
+    assert truncates_requests([]) == "its /get_server_info answer is not a JSON object"
+    assert truncates_requests({"allow_auto_truncate": "yes"}) == (
+        "its /get_server_info allow_auto_truncate is not a boolean ('yes')"
+    )

@@ -11,6 +11,7 @@ from narwhal._errors import EngineFailed
 from narwhal.config import Config, load_config
 from narwhal.fleet import EngineState
 from narwhal.recovery import (
+    ContextReading,
     KeyCheck,
     LoadSample,
     ProbeResult,
@@ -25,6 +26,7 @@ REFUSED = ProbeResult("failed", "GET /health: connect failed: connection refused
 EXHAUSTED = ProbeResult("inconclusive", "control pool of d0 exhausted (2/2 in use)", None)
 VERIFIED = VerifyResult("ok", "completed")
 KEY_ACCEPTED = KeyCheck("accepted", "GET /v1/models returned HTTP 200")
+CONTEXT = ContextReading(8192, "GET /v1/models max_model_len")
 # How recovery words a refusal of the key Narwhal sends (`fleet.explain_refusal`).
 WRONG_KEY = (
     "the engine refused narwhal's API key (HTTP 401: Unauthorized); check "
@@ -60,6 +62,8 @@ class FakeProber:
         self.probes: list[tuple[str, float]] = []
         self.verifications: list[Verification] = []
         self.key_checks: list[tuple[str, float]] = []
+        self.context_of: dict[str, ContextReading] = {}
+        self.context_reads: list[tuple[str, float]] = []
 
     async def health(self, engine: EngineState, config: Config) -> ProbeResult:
         await trio.lowlevel.checkpoint()
@@ -101,6 +105,11 @@ class FakeProber:
         await trio.lowlevel.checkpoint()
         self.key_checks.append((engine.id, trio.current_time()))
         return self.key_of.get(engine.id, KEY_ACCEPTED)
+
+    async def context(self, engine: EngineState, config: Config) -> ContextReading:
+        await trio.lowlevel.checkpoint()
+        self.context_reads.append((engine.id, trio.current_time()))
+        return self.context_of.get(engine.id, CONTEXT)
 
 
 def config(**sections: Any) -> Config:

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from narwhal.recovery import (
+    ContextReading,
     HttpProber,
     KeyCheck,
     KeyRefusal,
@@ -44,7 +45,12 @@ async def test_probes_carry_the_key_and_a_refused_key_is_named(
     assert await prober.check_key(d0, config) == KeyCheck(
         "accepted", "GET /v1/models returned HTTP 200"
     )
+    # SGLang's /tokenize says its tokenizer's limit: the server's is on its model card.
+    assert await prober.context(d0, config) == ContextReading(8192, "GET /v1/models max_model_len")
     fleet[1].set_api_key("another-key")
+    assert await prober.context(d0, config) == ContextReading(
+        None, "GET /v1/models returned HTTP 401", final=False
+    )
     # Health routes stay open on both engines; the verification legs and the key check
     # are refused, and SGLang's /version too, which the probe reports.
     health = await prober.health(d0, config)

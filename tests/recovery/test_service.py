@@ -20,6 +20,7 @@ from narwhal.config import Config
 from narwhal.fleet import EngineState, key_refused
 from narwhal.recovery import (
     BreakerState,
+    ContextReading,
     KeyCheck,
     KeyRefusal,
     LegObservation,
@@ -208,6 +209,63 @@ async def test_identity_change_is_a_restart_held_until_verified(
     await rig.at(7.0)
     assert rig.reason("d0") is None
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0]
+
+
+async def test_the_context_length_is_read_at_the_first_good_probe_and_after_a_restart(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It changes only with a new instance: read once, not at every probe, and again after
+    # a failed probe (the engine may come back launched with another --max-model-len) or
+    # a restart seen any other way.
+    prober = FakeProber()
+    prober.context_of["d0"] = ContextReading(None, "GET /v1/models returned HTTP 500", final=False)
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        rig = await start(nursery, config(), prober)
+        assert (rig.engine("p0").context_length, rig.engine("d0").context_length) == (8192, None)
+        await rig.at(3.5)
+        # A failed read is asked again at each good probe; a settled one is not.
+        assert [at - rig.t0 for e, at in prober.context_reads if e == "d0"] == [0, 1, 2, 3]
+        assert [e for e, _ in prober.context_reads].count("p0") == 1
+        prober.context_of["d0"] = ContextReading(4096, "GET /v1/models max_model_len")
+        await rig.at(4.0)
+        assert rig.engine("d0").context_length == 4096
+        await rig.at(6.0)
+        assert [e for e, _ in prober.context_reads].count("d0") == 5
+        prober.health_of["d0"] = UNHEALTHY
+        await rig.at(7.0)
+        prober.health_of["d0"] = HEALTHY
+        prober.context_of["d0"] = ContextReading(8192, "GET /v1/models max_model_len")
+        await rig.at(8.0)
+        assert rig.engine("d0").context_length == 8192
+        prober.health_of["p0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+        prober.context_of["p0"] = ContextReading(None, "its /v1/models answer lists no model 'm'")
+        await rig.at(9.0)
+        assert rig.engine("p0").context_length is None
+        assert rig.engine("p0").context_note == "its /v1/models answer lists no model 'm'"
+    logged = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.__dict__.get("event") == "engine_context"
+    ]
+    # The first probes run side by side, in either order.
+    assert sorted(logged[:2]) == [
+        ("INFO", "engine p0: context length 8192 (GET /v1/models max_model_len)"),
+        (
+            "WARNING",
+            "engine d0: context length unknown (GET /v1/models returned HTTP 500); requests "
+            "are not checked against it, and one past it is refused by the engine itself",
+        ),
+    ]
+    assert logged[2:] == [
+        ("INFO", "engine d0: context length 4096 (GET /v1/models max_model_len)"),
+        ("INFO", "engine d0: context length 8192 (GET /v1/models max_model_len)"),
+        (
+            "WARNING",
+            "engine p0: context length unknown (its /v1/models answer lists no model 'm'); "
+            "requests are not checked against it, and one past it is refused by the engine "
+            "itself",
+        ),
+    ]
 
 
 async def test_a_restarted_engine_is_released_only_after_the_before_release_hook(

@@ -155,12 +155,57 @@ async def test_a_chat_prompt_past_the_context_is_refused_with_the_field_it_used(
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "input_tokens")
         assert error["message"].startswith("This model's maximum context length is 8192 tokens.")
-        long_ids = {"model": MODEL, "prompt": [5] * 20_000, "max_tokens": 1}
-        response = await client.post(f"{stack.url}/v1/completions", json=long_ids)
-    # Token ids are counted without /tokenize: the engine says it, before any output.
+    await settled(stack)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("batch", [False, True])
+async def test_a_token_id_prompt_past_the_context_is_refused_before_any_leg(
+    start_stack: StartStack, stream: bool, batch: bool
+) -> None:
+    # Token ids are counted as sent, without /tokenize: the check needs the context length
+    # from the engines' /v1/models cards. Without it the decode engine said it, after the
+    # prefill's work and, for a stream, after the 200.
+    stack = await start_stack()
+
+    def ids(count: int) -> list[int] | list[list[int]]:
+        return [[5] * count] if batch else [5] * count
+
+    response = await post(stack, {"prompt": ids(8000), "max_tokens": 500, "stream": stream})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    assert error["message"] == (
+        "'max_tokens' is too large: 500. This model's maximum context length is 8192 tokens "
+        "and your request has 8000 input tokens (500 > 8192 - 8000)."
+    )
+    response = await post(stack, {"prompt": ids(8192), "max_tokens": 1, "stream": stream})
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input_tokens")
+    for engine in stack.fleet:
+        assert sum(engine.state()["counters"]["requests"].values()) == 0
+    state = await settled(stack)
+    assert state["slo"]["counts"] == {"met": 0, "missed": 0, "refused": 0, "unmeasured": 0}
+    assert state["requests"]["context_checks"] == {"refused": 2}
+    assert [e["context"] for e in state["engines"]] == [
+        {"length": 8192, "note": "GET /v1/models max_model_len"}
+    ] * 2
+    fits = await post(stack, {"prompt": ids(8000), "max_tokens": 192, "stream": stream})
+    assert fits.status_code == 200
+
+
+async def test_without_a_context_length_the_engine_refuses_as_before(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack()
+    for engine in stack.ctx.fleet:
+        # As recovery records an engine whose /v1/models card has no max_model_len.
+        engine.set_context(None, "its /v1/models card for 'm' has no positive max_model_len")
+    response = await post(stack, {"prompt": [5] * 8000, "max_tokens": 500})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "engine_rejected_request"
-    await settled(stack)
+    state = await settled(stack)
+    assert state["requests"]["context_checks"] == {"unknown": 1}
 
 
 async def tokenize(stack: Stack) -> dict[str, Any]:

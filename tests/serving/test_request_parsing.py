@@ -8,8 +8,13 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from narwhal._errors import BadRequest
-from narwhal.engines import EndpointKind
-from narwhal.serving._request import ClientRequest, parse_body, request_id_from_header
+from narwhal.engines import SGLANG, VLLM, Dialect, EndpointKind
+from narwhal.serving._request import (
+    ClientRequest,
+    context_overflow,
+    parse_body,
+    request_id_from_header,
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -87,3 +92,80 @@ def test_request_ids_are_kept_only_when_well_formed(raw: bytes) -> None:
     value = request_id_from_header(raw)
     assert 1 <= len(value) <= 128
     assert all(c.isalnum() or c in "._:-" for c in value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids"), [([7, 8, 9], 3), ([[7, 8, 9]], 3), (["seven"], None), ("seven", None)]
+)
+def test_a_prompt_of_one_is_taken_whole_as_text_or_token_ids(
+    prompt: object, ids: int | None
+) -> None:
+    # A batch of one prompt ([[ids]] as [text]) is one prompt, counted as the engines do.
+    result = parse(json.dumps({"model": "m", "prompt": prompt}).encode(), "completions")
+    assert isinstance(result, ClientRequest), result
+    assert result.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("prompt", [[[1], [2]], [[]], [["a"]], [[1, "a"]], [[True]]])
+def test_a_batch_or_a_malformed_id_list_is_refused(prompt: object) -> None:
+    result = parse(json.dumps({"model": "m", "prompt": prompt}).encode(), "completions")
+    assert isinstance(result, BadRequest)
+    assert result.param == "prompt"
+
+
+def request(**body: object) -> ClientRequest:
+    result = parse(json.dumps({"model": "m", "prompt": "x", **body}).encode(), "completions")
+    assert isinstance(result, ClientRequest), result
+    return result
+
+
+@pytest.mark.parametrize("dialect", [VLLM, SGLANG])
+def test_the_context_check_refuses_what_every_build_refuses(dialect: Dialect) -> None:
+    # A prompt that fills the context, or output past it; a total equal to it passes
+    # (older SGLang builds refused that too: the engine says so itself).
+    assert context_overflow(request(max_tokens=100), 8092, 8192, dialect) is None
+    assert context_overflow(request(), 8191, 8192, dialect) is None
+    output = context_overflow(request(max_tokens=101), 8092, 8192, dialect)
+    assert output is not None
+    assert (output.status, output.code, output.param) == (
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    )
+    prompt = context_overflow(request(max_tokens=1), 8192, 8192, dialect)
+    assert prompt is not None
+    assert (prompt.code, prompt.param) == ("context_length_exceeded", "input_tokens")
+
+
+def test_the_context_check_speaks_each_engines_words() -> None:
+    chat = parse(
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_completion_tokens": 200,
+            }
+        ).encode(),
+        "chat",
+    )
+    assert isinstance(chat, ClientRequest)
+    vllm, sglang = (context_overflow(chat, 8000, 8192, d) for d in (VLLM, SGLANG))
+    assert vllm is not None
+    assert sglang is not None
+    assert vllm.param == sglang.param == "max_completion_tokens"
+    assert vllm.message == (
+        "'max_completion_tokens' is too large: 200. This model's maximum context length is "
+        "8192 tokens and your request has 8000 input tokens (200 > 8192 - 8000)."
+    )
+    assert sglang.message == (
+        "Requested token count exceeds the model's maximum context length of 8192 tokens. "
+        "You requested a total of 8200 tokens: 8000 tokens from the input messages and 200 "
+        "tokens for the completion. Please reduce the number of tokens in the input messages "
+        "or the completion to fit within the limit."
+    )
+    long = (context_overflow(chat, 9000, 8192, d) for d in (VLLM, SGLANG))
+    assert [e.message for e in long if e is not None] == [
+        "This model's maximum context length is 8192 tokens. However, your request has 9000 "
+        "input tokens. Please reduce the length of the input messages.",
+        "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+    ]

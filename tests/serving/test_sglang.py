@@ -302,3 +302,47 @@ async def test_a_retry_after_a_failed_kv_transfer_takes_another_prefill_server(
     assert (p0["requests"]["prefill"], p0["aborted"]["prefill"]) == (1, 1)
     assert (p1["requests"]["prefill"], p1["completed"]["prefill"]) == (1, 1)
     await settled(stack)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_request_past_the_context_is_refused_before_either_leg(
+    nursery: trio.Nursery, stream: bool
+) -> None:
+    # SGLang's /tokenize reports its tokenizer's limit (131072 in the sim), not the server's
+    # context (8192, on its /v1/models card): nothing was checked, and both servers refused
+    # the pair, a stream with a 200 and an error event, which read as the prefill
+    # engine's failure (502).
+    stack = await sglang_stack(nursery)
+    async with httpx.AsyncClient(timeout=20) as client:
+        answer = await client.post(f"{stack.fleet[0].url}/tokenize", json={"prompt": "hello"})
+        count = answer.json()["count"]
+        assert answer.json()["max_model_len"] == 131072
+        body = {"model": MODEL, "prompt": "hello", "stream": stream}
+        response = await client.post(
+            f"{stack.url}/v1/completions", json={**body, "max_tokens": 8193 - count}
+        )
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+        assert error["message"] == (
+            "Requested token count exceeds the model's maximum context length of 8192 "
+            f"tokens. You requested a total of 8193 tokens: {count} tokens from the input "
+            f"messages and {8193 - count} tokens for the completion. Please reduce the "
+            "number of tokens in the input messages or the completion to fit within the "
+            "limit."
+        )
+        ids = {"model": MODEL, "prompt": [5] * 8192, "max_tokens": 1, "stream": stream}
+        response = await client.post(f"{stack.url}/v1/completions", json=ids)
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "input_tokens")
+        assert error["message"] == (
+            "The input (8192 tokens) is longer than the model's context length (8192 tokens)."
+        )
+        for handle in stack.fleet:
+            assert sum(handle.state()["counters"]["requests"].values()) == 0
+        fits = await client.post(
+            f"{stack.url}/v1/completions", json={**body, "max_tokens": 8192 - count}
+        )
+        assert fits.status_code == 200
+    state = await settled(stack)
+    assert state["requests"]["context_checks"] == {"passed": 1, "refused": 2}

@@ -3,6 +3,8 @@ endpoints."""
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from typing import Any
 
 import httpx
@@ -184,6 +186,55 @@ async def test_missing_room_and_flat_errors(
     assert status == 200
     assert all(c["choices"] for c in sse_json(raw))
     assert aggregate.state()["counters"]["requests"]["aggregate"] == 1
+
+
+async def test_a_request_past_the_context_is_refused_by_both_servers_a_stream_after_its_200(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's tokenizer manager checks the request as sent, on a prefill server too
+    # (max_new_tokens becomes 1 later, in its bootstrap queue), inside the completion
+    # stream generator for a stream: 200, an error event, [DONE].
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
+    p, d = fleet[0], fleet[1]
+
+    def ids(room: int, count: int, max_tokens: int) -> dict[str, Any]:
+        room_fields = {k: v for k, v in pd_body(p, room).items() if k.startswith("bootstrap")}
+        return {"prompt": [5] * count, "max_tokens": max_tokens, **room_fields}
+
+    refusal = {
+        "object": "error",
+        "message": (
+            "Requested token count exceeds the model's maximum context length of 8192 "
+            "tokens. You requested a total of 8193 tokens: 8000 tokens from the input "
+            "messages and 193 tokens for the completion. Please reduce the number of "
+            "tokens in the input messages or the completion to fit within the limit."
+        ),
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    for engine, room in ((p, 21), (d, 22)):
+        r = await client.post(f"{engine.url}/v1/completions", json=ids(room, 8000, 193))
+        assert (r.status_code, r.json()) == (400, refusal)
+        status, _, raw = await post_stream(
+            client, f"{engine.url}/v1/completions", {**ids(room, 8000, 193), "stream": True}
+        )
+        assert status == 200
+        error, done = sse_payloads(raw)
+        assert (json.loads(error), done) == ({"error": refusal}, "[DONE]")
+    r = await client.post(f"{d.url}/v1/completions", json=ids(23, 8192, 1))
+    assert r.json()["message"] == (
+        "The input (8192 tokens) is longer than the model's context length (8192 tokens)."
+    )
+    for engine in (p, d):
+        assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 0}
+    # Newer builds let a total equal to the context through.
+    async with trio.open_nursery() as nursery:
+        for engine in (p, d):
+            nursery.start_soon(
+                partial(client.post, f"{engine.url}/v1/completions", json=ids(24, 8000, 192))
+            )
+    assert d.state()["counters"]["completed"]["decode"] == 1
 
 
 async def test_an_engine_serves_only_the_leg_it_was_launched_for(
