@@ -81,6 +81,15 @@ class PayloadTooLarge(NarwhalError):
     default_code = "request_too_large"
 
 
+class RequestTimeout(NarwhalError):
+    """The request body did not arrive in time (serving.body_timeout_s): the client's
+    doing, answered 408 on a connection that then closes, its body unread."""
+
+    status = 408
+    type = "timeout_error"
+    default_code = "body_timeout"
+
+
 class Refused(NarwhalError):
     """Admission said no: retained ceiling, queue full or timed out, TTFT budget."""
 

@@ -279,6 +279,17 @@ class Serving:
             "legs are cancelled."
         ),
     )
+    body_timeout_s: float = _f(
+        30.0,
+        Positive(),
+        doc=(
+            "Time from HTTP ingress by which the whole request body must have arrived, "
+            "however it trickles in; a later body is answered 408 `body_timeout` and its "
+            "connection closed, so a slow client holds a retained request (manual 4.2) "
+            "this long at most. Capped by `serving.request_timeout_s`, the limit the 408 "
+            "then names."
+        ),
+    )
     request_timeout_s: float = _f(
         600.0,
         Positive(),

@@ -40,13 +40,19 @@ PIN_ROLES = ("prefill", "decode")
 
 
 class CtlError(Exception):
-    """A refused request: `code` is machine-readable, the message names the problem."""
+    """A refused request: `code` is machine-readable, the message names the problem.
 
-    def __init__(self, code: str, message: str, *, details: object = None) -> None:
+    The server logs every refusal, unless `logged` says whoever raised it already has
+    (a rejected reload logs its problems itself, one line each)."""
+
+    def __init__(
+        self, code: str, message: str, *, details: object = None, logged: bool = False
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.details = details
+        self.logged = logged
 
 
 @attrs.frozen

@@ -19,11 +19,16 @@ every slot is taken, a new connection evicts the one that has waited longest for
 request line (it is told `evicted`): an operator's `narwhalctl drain` during an incident
 must not wait out IDLE_S behind clients that connected and said nothing. Only when every
 slot is busy running a command is the newcomer answered `busy`.
+
+Every refusal is logged once at WARNING (`"event": "ctl"`) with the command, engine and
+role the request named (as far as it could be read) and the reason, so the journal shows
+who tried what; the client's text is clipped there. An evicted idle connection is INFO.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
@@ -52,6 +57,10 @@ IDLE_S = 30.0
 _WRITE_S = 10.0
 # How long a newcomer waits for an evicted connection to give its slot back.
 _EVICT_WAIT_S = 1.0
+# A request's fields and a refusal's reason carry the client's text (up to
+# MAX_REQUEST_BYTES); the log keeps this much of each.
+_LOGGED_NAME_CHARS = 128
+_LOGGED_REASON_CHARS = 512
 
 Handler = Callable[[CtlRequest], Awaitable[object]]
 
@@ -161,6 +170,58 @@ def _peer_uid(sock: trio.socket.SocketType) -> int | None:
     return int(uid)
 
 
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _named(line: bytes) -> dict[str, str]:
+    """The command, engine and role a request line names, as far as it is a JSON object
+    with string values there: what the log says was attempted, even when the request
+    was refused for its form."""
+    try:
+        document = json.loads(line)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    if not isinstance(document, dict):
+        return {}
+    return {
+        name: _clip(value, _LOGGED_NAME_CHARS)
+        for name in ("command", "engine", "role")
+        if isinstance(value := document.get(name), str)
+    }
+
+
+def _log_refusal(error: CtlError, line: bytes | None = None) -> None:
+    """One line per refusal, so the journal shows who tried what when an operator's
+    command fails (or someone else's). `line`: the request, when one was read; without
+    one, the connection itself was refused or closed."""
+    reason = _clip(error.message, _LOGGED_REASON_CHARS)
+    named = {} if line is None else _named(line)
+    extra = {
+        "event": "ctl",
+        "outcome": error.code,
+        "command": named.get("command"),
+        "engine": named.get("engine"),
+        "role": named.get("role"),
+        "reason": reason,
+    }
+    if line is None:
+        if error.code == "evicted":
+            # Not a refusal: an idle connection gave its slot to a newcomer.
+            log.info("control connection closed (evicted): %s", reason, extra=extra)
+        else:
+            log.warning("control connection refused (%s): %s", error.code, reason, extra=extra)
+        return
+    attempted = " ".join(f"{name}={value!r}" for name, value in named.items())
+    log.warning(
+        "control request refused (%s): %s%s",
+        error.code,
+        f"{attempted}: " if attempted else "",
+        reason,
+        extra=extra,
+    )
+
+
 class ControlServer:
     def __init__(self, path: str, handler: Handler) -> None:
         self.path = path
@@ -190,6 +251,7 @@ class ControlServer:
                 error = CtlError(
                     "busy", f"all {MAX_CONNECTIONS} control connections are running commands"
                 )
+                _log_refusal(error)
                 await self._send(stream, error_response(None, error))
                 return
             try:
@@ -216,6 +278,7 @@ class ControlServer:
         uid = _peer_uid(stream.socket)
         if uid is not None and uid not in (os.geteuid(), 0):
             error = CtlError("forbidden", f"uid {uid} may not use this control socket")
+            _log_refusal(error)
             await self._send(stream, error_response(None, error))
             return
         buffer = LineBuffer(MAX_REQUEST_BYTES)
@@ -224,6 +287,7 @@ class ControlServer:
             try:
                 line = await self._next_line(stream, buffer, lines)
             except CtlError as exc:
+                _log_refusal(exc)
                 await self._send(stream, error_response(None, exc))
                 return
             if line is None or not await self._send(stream, await self._dispatch(line)):
@@ -262,11 +326,8 @@ class ControlServer:
             command = request.command
             result = await self.handler(request)
         except CtlError as exc:
-            log.info(
-                "control request refused: %s",
-                exc.message,
-                extra={"event": "ctl", "command": command, "outcome": exc.code},
-            )
+            if not exc.logged:
+                _log_refusal(exc, line)
             return error_response(command, exc)
         except Exception as exc:
             log.exception("control command %s failed", command)

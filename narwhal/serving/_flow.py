@@ -42,6 +42,7 @@ from .._errors import (
     NarwhalError,
     NotFound,
     Refused,
+    RequestTimeout,
     Unavailable,
     client_status_for_engine_status,
 )
@@ -112,6 +113,10 @@ _SATURATED_RETRY_AFTER_S = 1.0
 # Gaps kept per stream for the decode correction; a window this size is plenty for a
 # median, and it bounds the memory of very long generations.
 _MAX_GAPS = 256
+
+
+def _body_timeout(limit: str, value: float) -> RequestTimeout:
+    return RequestTimeout(f"request body not complete within {limit}={value}")
 
 
 class _HandoffExpired(Exception):
@@ -317,11 +322,20 @@ class Flow:
         serving = config.serving
         deadline = record.arrival + serving.request_timeout_s
         gone = False
+        reading_body = True
         failure: NarwhalError | None = None
         with trio.CancelScope(deadline=deadline) as deadline_scope:
             record.scope = deadline_scope  # the supervisor cancels it past the shutdown grace
             try:
-                raw = await read_body(receive, content_length(headers), serving.max_request_bytes)
+                # One deadline for the whole body, not a gap between chunks: a byte a
+                # second would reset a gap timer forever while holding a retained slot.
+                with trio.move_on_at(record.arrival + serving.body_timeout_s) as body_scope:
+                    raw = await read_body(
+                        receive, content_length(headers), serving.max_request_bytes
+                    )
+                if body_scope.cancelled_caught:
+                    raise _body_timeout("serving.body_timeout_s", serving.body_timeout_s)
+                reading_body = False
                 client.close_connection = False
                 request = parse_body(
                     raw,
@@ -361,11 +375,17 @@ class Flow:
             return "client_disconnected"
         if deadline_scope.cancelled_caught:
             # Outside the expired scope; the write itself is bounded by the client
-            # stall limit, so this cannot hang.
-            error = record.abort or Expired(
-                f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
-                code="expired",
-            )
+            # stall limit, so this cannot hang. A body still arriving when the request's
+            # deadline passes (at or before serving.body_timeout_s) is the same client
+            # fault as one past the body's own deadline.
+            error = record.abort
+            if error is None and reading_body:
+                error = _body_timeout("serving.request_timeout_s", serving.request_timeout_s)
+            elif error is None:
+                error = Expired(
+                    f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
+                    code="expired",
+                )
             await client.send_error(error)
             return error.code
         if failure is not None:

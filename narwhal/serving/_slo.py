@@ -34,6 +34,7 @@ _CLIENT_OUTCOMES = frozenset(
         "invalid_request",
         "not_found",
         "request_too_large",
+        "body_timeout",
         "context_length_exceeded",
         "engine_rejected_request",
     }

@@ -16,8 +16,9 @@
 - `reload`: the same as SIGHUP; an invalid file is refused with every problem listed.
 
 Each change is logged (`"event": "operator"`) with the engine, the command and the
-old and new values. When the change leaves no placeable engine pair (say, draining the
-last decode engine), the command still succeeds and its result carries a warning.
+old and new values, and each refusal by the control server (`"event": "ctl"`). When
+the change leaves no placeable engine pair (say, draining the last decode engine), the
+command still succeeds and its result carries a warning.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Operations:
                     code,
                     f"reload of {reloaded.source} rejected; the running configuration is kept",
                     details=reloaded.to_json(),
+                    logged=True,  # by the reload, with each problem and the trigger
                 )
             return reloaded.to_json()
         assert request.engine is not None

@@ -240,6 +240,16 @@ def test_handoff_cap_is_below_the_request_deadline() -> None:
     ]
 
 
+@pytest.mark.parametrize("body_timeout_s", [0.5, 30.0, 900.0])
+def test_body_timeout_may_exceed_the_request_deadline(body_timeout_s: float) -> None:
+    # Capped by it, like serving.queue_timeout_s and serving.prefill_timeout_s: a rule
+    # would refuse every configuration that lowers the deadline below the default.
+    config = load_config(
+        document(serving={"body_timeout_s": body_timeout_s, "request_timeout_s": 20.0})
+    )
+    assert config.serving.body_timeout_s == body_timeout_s
+
+
 @pytest.mark.parametrize("field", ["prefill_concurrency", "decode_concurrency"])
 def test_serving_concurrency_within_max_connections(field: str) -> None:
     doc = document(serving={"max_connections": 64, field: 65})

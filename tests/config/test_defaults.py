@@ -56,6 +56,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "serving.max_request_bytes": (4194304, ">= 1"),
     "serving.max_response_bytes": (16777216, ">= 1"),
     "serving.client_stall_s": (0.5, "> 0"),  # (model) manual 4.3 client backpressure
+    "serving.body_timeout_s": (30.0, "> 0"),  # (model) manual 4.2 bodies being read
     # manual 6
     "serving.request_timeout_s": (600.0, "> 0"),
     "serving.prefill_timeout_s": (120.0, "> 0"),

@@ -27,6 +27,8 @@ _BASE = document(
         ("serving.max_attempts", 0, "serving.max_attempts: 0 is outside 1..3"),
         ("serving.request_timeout_s", -1, "serving.request_timeout_s: -1.0 must be positive"),
         ("serving.prefill_timeout_s", 0, "serving.prefill_timeout_s: 0.0 must be positive"),
+        ("serving.body_timeout_s", 0, "serving.body_timeout_s: 0.0 must be positive"),
+        ("serving.body_timeout_s", -5, "serving.body_timeout_s: -5.0 must be positive"),
         ("serving.admission_margin", -0.1, "serving.admission_margin: -0.1 must be nonnegative"),
         ("serving.max_connections", 0, "serving.max_connections: 0 must be at least 1"),
         ("serving.queue_capacity", -1, "serving.queue_capacity: -1 must be nonnegative"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,9 @@ from narwhal.ctl import (
 async def echo(request: CtlRequest) -> object:
     if request.engine == "nope":
         raise CtlError("unknown_engine", "no engine 'nope'; engines: p0, d0")
+    if request.command == "reload":
+        # As the supervisor's reload: it logged its problems itself.
+        raise CtlError("invalid_config", "reload of x.json rejected", logged=True)
     return {"command": request.command, "engine": request.engine, "role": request.role}
 
 
@@ -209,6 +213,120 @@ async def test_malformed_requests_get_errors_and_the_connection_carries_on(
         "drain: unexpected field(s) force",
         "pin: role is 'both'; must be prefill or decode",
         "no engine 'nope'; engines: p0, d0",
+    ]
+
+
+def refusals(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, dict[str, Any]]]:
+    """The control server's log records: level, message and the fields an SRE filters on."""
+    fields = ("event", "outcome", "command", "engine", "role", "reason")
+    return [
+        (r.levelname, r.getMessage(), {name: r.__dict__.get(name) for name in fields})
+        for r in caplog.records
+        if r.name == "narwhal.ctl" and r.__dict__.get("event") == "ctl"
+    ]
+
+
+async def test_every_refusal_is_logged_once_with_its_command_target_and_reason(
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = short_tmp / "ctl.sock"
+    await serve(nursery, path)
+    lines = [
+        b"not json",
+        b'{"command": "pin", "engine": "d0", "role": "both"}',
+        b'{"command": "drain", "engine": "nope"}',
+        b'{"command": "reload"}',  # refused, but logged where it was refused
+        b'{"command": "drain", "engine": "d0"}',  # applied: the handler logs changes
+        b'{"command": "drain", "engine": "' + b"x" * 1000 + b'", "force": 1}',
+    ]
+    with caplog.at_level(logging.INFO, logger="narwhal.ctl"):
+        responses = await exchange(path, b"\n".join(lines) + b"\n")
+    assert [r["ok"] for r in responses] == [False, False, False, False, True, False]
+    clipped = "x" * 125 + "..."  # the client's text is clipped in the log
+    assert refusals(caplog) == [
+        (
+            "WARNING",
+            "control request refused (bad_request): request is not JSON: Expecting value: "
+            "line 1 column 1 (char 0)",
+            {
+                "event": "ctl",
+                "outcome": "bad_request",
+                "command": None,
+                "engine": None,
+                "role": None,
+                "reason": "request is not JSON: Expecting value: line 1 column 1 (char 0)",
+            },
+        ),
+        (
+            "WARNING",
+            "control request refused (bad_request): command='pin' engine='d0' role='both': "
+            "pin: role is 'both'; must be prefill or decode",
+            {
+                "event": "ctl",
+                "outcome": "bad_request",
+                "command": "pin",
+                "engine": "d0",
+                "role": "both",
+                "reason": "pin: role is 'both'; must be prefill or decode",
+            },
+        ),
+        (
+            "WARNING",
+            "control request refused (unknown_engine): command='drain' engine='nope': "
+            "no engine 'nope'; engines: p0, d0",
+            {
+                "event": "ctl",
+                "outcome": "unknown_engine",
+                "command": "drain",
+                "engine": "nope",
+                "role": None,
+                "reason": "no engine 'nope'; engines: p0, d0",
+            },
+        ),
+        (
+            "WARNING",
+            f"control request refused (bad_request): command='drain' engine='{clipped}': "
+            "drain: unexpected field(s) force",
+            {
+                "event": "ctl",
+                "outcome": "bad_request",
+                "command": "drain",
+                "engine": clipped,
+                "role": None,
+                "reason": "drain: unexpected field(s) force",
+            },
+        ),
+    ]
+
+
+async def test_refused_connections_are_logged(
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = short_tmp / "ctl.sock"
+    await serve(nursery, path)
+    payload = b'{"command": "drain", "engine": "' + b"x" * MAX_REQUEST_BYTES + b'"}\n'
+    with caplog.at_level(logging.INFO, logger="narwhal.ctl"):
+        stream = await trio.open_unix_socket(str(path))
+        async with stream:
+            with trio.fail_after(5):
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(payload)
+                while await stream.receive_some(65536):
+                    pass
+    message = f"message longer than the limit of {MAX_REQUEST_BYTES} bytes"
+    assert refusals(caplog) == [
+        (
+            "WARNING",
+            f"control connection refused (message_too_large): {message}",
+            {
+                "event": "ctl",
+                "outcome": "message_too_large",
+                "command": None,
+                "engine": None,
+                "role": None,
+                "reason": message,
+            },
+        )
     ]
 
 

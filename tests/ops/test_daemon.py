@@ -126,6 +126,11 @@ async def test_narwhalctl_drains_pins_and_reports_state_of_a_running_daemon(
     code, out, err = text(await daemon.ctl("pin", "d1", "both"))
     assert code == 2
     assert "invalid choice: 'both'" in err
+    # The journal shows what was refused, and to whom it was done (narwhalctl refused
+    # the pin itself: the daemon never saw it).
+    assert [
+        (e["level"], e["command"], e["engine"], e["outcome"]) for e in daemon.events("ctl")
+    ] == [("warning", "drain", "nope", "unknown_engine")] * 2
     operator = daemon.events("operator")
     assert [(e["engine"], e["kind"], e["from"], e["to"]) for e in operator][:3] == [
         ("d1", "drained", False, True),
@@ -294,6 +299,7 @@ async def test_reload_under_load_valid_and_invalid_with_zero_failed_requests(
         "applied",
     ]
     assert daemon.events("engine_retired")[0]["engine"] == "p0"
+    assert daemon.events("ctl") == []  # the rejected reload was logged by the reload, once
     assert sum(m.startswith("RELOADING=1") for m in daemon.messages) == 3
     assert sum(m.startswith("READY=1") for m in daemon.messages) == 4  # startup + 3
     daemon.signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -41,6 +42,14 @@ def short_tmp() -> Iterator[Path]:
 
 async def echo(request: CtlRequest) -> object:
     return {"command": request.command}
+
+
+def ctl_log(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "narwhal.ctl" and r.__dict__.get("event") == "ctl"
+    ]
 
 
 async def serve(nursery: trio.Nursery, path: Path) -> None:
@@ -97,7 +106,7 @@ async def test_refuses_a_stale_socket_owned_by_another_user(short_tmp: Path) -> 
 
 @as_root
 async def test_another_user_is_kept_out_by_the_mode_then_by_peer_credentials(
-    nursery: trio.Nursery, short_tmp: Path
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     os.chmod(short_tmp, 0o755)  # let the other user reach the socket file itself
     path = short_tmp / "ctl.sock"
@@ -109,17 +118,24 @@ async def test_another_user_is_kept_out_by_the_mode_then_by_peer_credentials(
     assert result == "error: PermissionError"
     # Widened by someone by mistake: the peer check still refuses the other user.
     os.chmod(path, 0o666)
-    result = await trio.to_thread.run_sync(as_nobody, path, request)
+    with caplog.at_level(logging.INFO, logger="narwhal.ctl"):
+        result = await trio.to_thread.run_sync(as_nobody, path, request)
     response = json.loads(result)
     assert response["ok"] is False
     assert response["error"] == {
         "code": "forbidden",
         "message": f"uid {NOBODY} may not use this control socket",
     }
+    assert ctl_log(caplog) == [
+        (
+            "WARNING",
+            f"control connection refused (forbidden): uid {NOBODY} may not use this control socket",
+        )
+    ]
 
 
 async def test_silent_connections_cannot_lock_out_an_operator(
-    nursery: trio.Nursery, short_tmp: Path
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = short_tmp / "ctl.sock"
     await serve(nursery, path)
@@ -129,20 +145,27 @@ async def test_silent_connections_cannot_lock_out_an_operator(
         await trio.sleep(0.01)  # connection order is eviction order
     # Every slot is held by a connection that says nothing: the newcomer takes the slot of
     # the one that has waited longest, which is told why, and is served at once.
-    with trio.fail_after(5):
+    with trio.fail_after(5), caplog.at_level(logging.INFO, logger="narwhal.ctl"):
         operator = await trio.open_unix_socket(str(path))
         await operator.send_all(b'{"command": "state"}\n')
         assert json.loads(await operator.receive_some(65536))["ok"] is True
         evicted = json.loads(await idle[0].receive_some(65536))
         assert evicted["error"]["code"] == "evicted"
         assert await idle[0].receive_some(65536) == b""
+    # Housekeeping, not a refused command: INFO.
+    assert ctl_log(caplog) == [
+        (
+            "INFO",
+            f"control connection closed (evicted): {evicted['error']['message']}",
+        )
+    ]
     await operator.aclose()
     for stream in idle:
         await stream.aclose()
 
 
 async def test_busy_only_when_every_connection_is_running_a_command(
-    nursery: trio.Nursery, short_tmp: Path
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = short_tmp / "ctl.sock"
     release = trio.Event()
@@ -163,11 +186,18 @@ async def test_busy_only_when_every_connection_is_running_a_command(
         stream = await trio.open_unix_socket(str(path))
         await stream.send_all(b'{"command": "state"}\n')
         streams.append(stream)
-    with trio.fail_after(5):
+    with trio.fail_after(5), caplog.at_level(logging.INFO, logger="narwhal.ctl"):
         await all_running.wait()
         extra = await trio.open_unix_socket(str(path))
         answer = json.loads(await extra.receive_some(65536))
     assert answer["error"]["code"] == "busy"
+    assert ctl_log(caplog) == [
+        (
+            "WARNING",
+            f"control connection refused (busy): all {MAX_CONNECTIONS} control connections "
+            "are running commands",
+        )
+    ]
     await extra.aclose()
     release.set()
     with trio.fail_after(5):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 
@@ -129,8 +130,8 @@ async def test_retained_ceiling_refuses_before_parsing(start_stack: StartStack) 
     assert state["admission"]["unsized_offers"] == 1
 
 
-async def read_reply(sock: trio.SocketStream) -> tuple[bytes, dict[bytes, bytes]]:
-    """One HTTP/1.1 response's status line and headers; its body is read and dropped."""
+async def read_response(sock: trio.SocketStream) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """One HTTP/1.1 response: its status line, headers and (content-length) body."""
     data = b""
     with trio.fail_after(5):
         while b"\r\n\r\n" not in data:
@@ -140,7 +141,20 @@ async def read_reply(sock: trio.SocketStream) -> tuple[bytes, dict[bytes, bytes]
         headers = {k.lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}
         while len(body) < int(headers[b"content-length"]):
             body += await sock.receive_some(65536)
+    return status, headers, body
+
+
+async def read_reply(sock: trio.SocketStream) -> tuple[bytes, dict[bytes, bytes]]:
+    """One HTTP/1.1 response's status line and headers; its body is read and dropped."""
+    status, headers, _ = await read_response(sock)
     return status, headers
+
+
+async def assert_closed(sock: trio.SocketStream) -> None:
+    """The server closes the connection (after the response already read)."""
+    with trio.fail_after(5):
+        while await sock.receive_some(65536):
+            pass
 
 
 async def assert_reusable(sock: trio.SocketStream) -> None:
@@ -197,6 +211,80 @@ async def test_a_refusal_with_the_body_unread_closes_the_connection(
                 pass
         await sock.aclose()
     await settled(stack)
+
+
+@pytest.mark.parametrize(
+    ("serving", "limit"),
+    [
+        ({"body_timeout_s": 0.5}, "serving.body_timeout_s=0.5"),
+        # The request's deadline caps the body's: still the client's slow body, a 408.
+        ({"body_timeout_s": 30.0, "request_timeout_s": 0.5}, "serving.request_timeout_s=0.5"),
+    ],
+)
+async def test_a_trickling_body_is_refused_at_its_deadline_and_frees_its_slot(
+    start_stack: StartStack, serving: dict[str, float], limit: str
+) -> None:
+    # Slowloris: a byte every 50 ms resets any gap timer, and without a deadline for the
+    # whole body the request held the only retained slot for serving.request_timeout_s.
+    stack = await start_stack(serving={"max_connections": 1, **serving})
+    started = trio.current_time()
+    sock = await send_raw_request(
+        stack.url, "/v1/completions", b"", headers={"content-length": "1000"}
+    )
+
+    async def trickle() -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while True:
+                await sock.send_all(b" ")
+                await trio.sleep(0.05)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        await wait_for(lambda: stack.ctx.retained == 1)
+        refused = await post(stack, {"max_tokens": 2})
+        assert refused.json()["error"]["code"] == "retained_ceiling"
+        status, headers, body = await read_response(sock)
+        elapsed = trio.current_time() - started
+        nursery.cancel_scope.cancel()
+    assert status.startswith(b"HTTP/1.1 408")
+    assert json.loads(body)["error"] == {
+        "message": f"request body not complete within {limit}",
+        "type": "timeout_error",
+        "param": None,
+        "code": "body_timeout",
+    }
+    assert 0.5 <= elapsed < 2.0
+    assert headers[b"connection"] == b"close"
+    await assert_closed(sock)
+    await sock.aclose()
+    served = await post(stack, {"max_tokens": 2})
+    assert served.status_code == 200
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"body_timeout": 1, "ok": 1, "retained_ceiling": 1}
+    # The client's fault, as a 413 is: not an SLO miss, and not an offer the ceiling refused.
+    assert state["admission"]["unsized_offers"] == 1
+    slo = stack.ctx.slo.counts(trio.current_time())
+    assert slo["refused"] == 1
+    assert sum(slo.values()) == 2  # the ceiling's refusal and the served request
+
+
+async def test_a_body_arriving_in_pieces_within_its_deadline_is_served(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(serving={"body_timeout_s": 2.0})
+    body = json.dumps({**BODY, "stream": False, "max_tokens": 2}).encode()
+    sock = await send_raw_request(
+        stack.url, "/v1/completions", body[:10], headers={"content-length": str(len(body))}
+    )
+    await trio.sleep(0.3)  # the rest comes later, as from a slow but honest client
+    await sock.send_all(body[10:])
+    status, headers, _ = await read_response(sock)
+    assert status.startswith(b"HTTP/1.1 200")
+    assert b"connection" not in headers
+    await assert_reusable(sock)
+    await sock.aclose()
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"ok": 1}
 
 
 async def test_a_refusal_after_the_body_was_read_keeps_the_connection(

@@ -35,6 +35,7 @@ TARGETS = {"ttft_target_s": 0.5, "tpot_target_s": 0.05}
         ("internal_error", None, None, "missed"),
         ("invalid_json", None, None, None),  # the client's doing: not offered
         ("not_found", None, None, None),
+        ("body_timeout", None, None, None),  # a body too slow to arrive: as a 413
         ("client_disconnected", 0.2, None, None),
         ("engine_rejected_request", None, None, None),
     ],
