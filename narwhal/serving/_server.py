@@ -203,7 +203,9 @@ class _ClientWatch(EventWrapper):
 
 
 class _StallBoundTCPServer(TCPServer):
-    stall_s: float = 0.5
+    # Read at each blocked write, so a reload's serving.client_stall_s applies to the
+    # connections already open as well as to new ones.
+    stall_s: Callable[[], float] = staticmethod(lambda: 0.5)
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -257,7 +259,7 @@ class _StallBoundTCPServer(TCPServer):
         try:
             aborted = False
             try:
-                with trio.move_on_after(self.stall_s) as stall:
+                with trio.move_on_after(self.stall_s()) as stall:
                     while sent < len(data):
                         sent += await self.stream.socket.send(data[sent:])
                 aborted = stall.cancelled_caught
@@ -279,12 +281,13 @@ async def serve_app(
     *,
     host: str,
     port: int,
-    client_stall_s: float,
+    client_stall_s: float | Callable[[], float],
     shutdown: trio.Event,
     graceful_timeout_s: float = 5.0,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until `shutdown` is set; started() reports the bound (host, port) pairs."""
+    """Serve until `shutdown` is set; started() reports the bound (host, port) pairs.
+    `client_stall_s`: the write stall limit, or where to read its current value."""
     config = HypercornConfig()
     config.keep_alive_timeout = 75.0
     config.graceful_timeout = graceful_timeout_s
@@ -297,7 +300,10 @@ async def serve_app(
         (str(listener.socket.getsockname()[0]), int(listener.socket.getsockname()[1]))
         for listener in listeners
     ]
-    server_class = type("NarwhalTCPServer", (_StallBoundTCPServer,), {"stall_s": client_stall_s})
+    stall_s = client_stall_s if callable(client_stall_s) else (lambda: client_stall_s)
+    server_class = type(
+        "NarwhalTCPServer", (_StallBoundTCPServer,), {"stall_s": staticmethod(stall_s)}
+    )
     handler = cast(Handler, partial(server_class, wrapped, config, context, ConnectionState({})))
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:

@@ -215,7 +215,8 @@ class Supervisor:
                 app,
                 host=config.listen.host,
                 port=config.listen.port,
-                client_stall_s=config.serving.client_stall_s,
+                # The running value: a reload changes it for open connections too.
+                client_stall_s=lambda: self.config.serving.client_stall_s,
                 shutdown=stop,
                 # The drain happened before `stop`; this only bounds the last writes.
                 graceful_timeout_s=CLEANUP_S,

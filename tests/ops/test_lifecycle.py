@@ -282,3 +282,39 @@ async def test_a_rejected_reload_shows_in_the_systemd_status_until_one_applies(
         assert status().startswith("STATUS=listening on ")
         assert "rejected" not in status()
         supervisor.request_shutdown()
+
+
+async def test_a_reload_of_the_client_stall_limit_applies_to_the_http_server(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    """serving.client_stall_s bounds each blocked write to a client (manual 4.3). The
+    HTTP server read it once at start, so a reload that lowered it said it was applied
+    while a client that stopped reading still held its stream for the old limit."""
+    stack = await start_stack(speed=1000.0, sim={"timing": None, "lease_s": 30_000.0})
+    base = merge(pair_document(stack), {"serving": {"client_stall_s": 60.0}})
+    path = tmp_path / "narwhal.json"
+    write(path, merge(base, {"serving": {"client_stall_s": 0.2}}))
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(base), config_path=str(path)).run
+        )
+        ctx = supervisor.ctx
+        assert ctx is not None
+        result = await supervisor.reload()
+        assert result.applied
+        assert result.plan is not None
+        assert not result.plan.restart_required
+        # A client that asks for a long stream and reads none of it, with a small window.
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        host, port = supervisor.url.removeprefix("http://").rsplit(":", 1)
+        await sock.connect((host, int(port)))
+        body = json.dumps({**BODY, "prompt": "a", "max_tokens": 8000}).encode()
+        await sock.send(
+            b"POST /v1/completions HTTP/1.1\r\nhost: narwhal\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        # Well inside the old 60 s limit.
+        await wait_for(lambda: ctx.outcomes["client_disconnected"] == 1, within_s=10.0)
+        sock.close()
+        supervisor.request_shutdown()
