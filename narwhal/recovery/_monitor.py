@@ -4,8 +4,9 @@ control needs and hands it to the registered pass handlers.
 A pass has four stages:
 
 1. load: GET /metrics of every engine that is not being removed, concurrently on the
-   control pools, each bounded by engine.health_timeout_s; running and waiting
-   requests and KV-cache usage (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+   control pools, each bounded by engine.health_timeout_s but not waited for that long
+   (Scrapes, below); running and waiting requests and KV-cache usage
+   (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
    `vllm:kv_cache_usage_perc`, or SGLang's equivalents). Recovery reads a changed
    `process_start_time_seconds` or a prompt-token counter that went backwards as a
    restart (`_health`);
@@ -14,21 +15,52 @@ A pass has four stages:
 4. handlers: every registered handler is awaited with the pass, each bounded by
    max(controller.monitor_interval_s, engine.health_timeout_s).
 
+Scrapes
+  Scrapes run in the monitor's own nursery, not in the pass: when they ran in the pass,
+  one engine whose /metrics accepted the connection and never answered held every pass,
+  and so the residual stage and the role controller for the whole fleet, for
+  engine.health_timeout_s. Each engine has at most one scrape in flight. A pass
+  1. takes, for each engine, the outcome of its scrape that finished since the last
+     pass took one (a late answer to an earlier pass's scrape);
+  2. starts a scrape of every engine that has none in flight;
+  3. waits for those of its own scrapes whose engine has no outcome yet, until they
+     have all finished or half of controller.monitor_interval_s has passed (the rest of
+     the interval is the other stages'), and takes the outcomes of those that finished;
+  4. reports each engine still without an outcome as in flight: its load is missing
+     (`load` None, never an earlier sample, so it is not mistaken for an idle engine),
+     `load_pending_s` says how long its scrape has been out, and `load_error` repeats
+     its previous scrape's failure, if that failed.
+  A scrape's outcome is acted on when it arrives, whichever pass takes it: recovery
+  sees a restart at once, and a failure is logged once (and again when the engine
+  answers) as before. So an engine whose /metrics hangs delays at most the first pass
+  after it hangs, by half an interval, and is scraped again every
+  engine.health_timeout_s; one that answers after its pass stopped waiting is observed
+  by the next pass, with a sample at most an interval old.
+
 Monitoring-stage failure
   A pass fails when any of these happens, and only then:
   - a stage raised (a bug, or data the stage cannot interpret);
   - no engine could be observed: every engine's /metrics failed (down, exhausted
-    control pool, malformed). One engine being down is not a monitor failure: its
-    load is reported missing, and health probes and breakers deal with the engine;
+    control pool, malformed, no answer within engine.health_timeout_s), and the pass
+    took at least one of those failures. An engine whose scrape is in flight counts as
+    failed when its previous scrape failed, but that failure was counted by the pass
+    that took it. One engine being down is not a monitor failure: its load is reported
+    missing, and health probes and breakers deal with the engine;
   - a pass handler raised or overran its bound (the role controller could not decide).
+  A pass that observed no engine and took no failure (scrapes are in flight, within
+  their engine.health_timeout_s) has no new evidence: it is inconclusive, neither
+  counting a failure nor clearing one. So each failed scrape is counted once, as when
+  passes waited for the scrapes: a fleet whose every /metrics hangs (or a router too
+  starved to read the answers in time) fails one pass per engine.health_timeout_s, not
+  one per interval, and a fleet that refuses every connection one pass per interval.
   controller.monitor_failure_limit consecutive failed passes put Narwhal in the degraded
   state: `ServingContext.degraded_reason` names the cause and new admissions get a 503
   with code `degraded`; requests already admitted continue. The first pass that
   succeeds clears it. The monitor is the only writer of `degraded_reason`.
 
-Passes start controller.monitor_interval_s apart; a pass that overruns is followed by
-the next one at once (not by a burst of catch-up passes), so a slow pass delays later
-ones and can undersample a residual window (manual 7).
+Passes start controller.monitor_interval_s apart; a pass that overruns (a slow handler)
+is followed by the next one at once (not by a burst of catch-up passes), so a slow pass
+delays later ones and can undersample a residual window (manual 7).
 """
 
 from __future__ import annotations
@@ -57,9 +89,14 @@ class EngineObservation:
     health: str
     pinned: bool
     drained: bool
+    # What the engine's /metrics said since the previous pass; None when its scrape failed
+    # or has not answered yet (then the engine's load is unknown, not zero).
     load: LoadSample | None
     load_error: str | None
     residual: float | None
+    # Seconds the engine's scrape had been out unanswered when the pass took its
+    # outcomes; None when the pass has its outcome.
+    load_pending_s: float | None = None
 
 
 @attrs.frozen
@@ -77,6 +114,20 @@ class MonitorPass:
 
 
 PassHandler = Callable[[MonitorPass], Awaitable[None]]
+
+
+@attrs.define(eq=False)
+class _Scrape:
+    """One engine's /metrics scrape, from its start until a pass takes its outcome."""
+
+    engine: EngineState
+    pass_number: int
+    started_at: float
+    done: trio.Event = attrs.Factory(trio.Event)
+    sample: LoadSample | None = None
+    error: str | None = None
+    # The load stage raised (not a ScrapeError): a monitoring-stage failure.
+    raised: str | None = None
 
 
 class Monitor:
@@ -97,12 +148,16 @@ class Monitor:
         self.consecutive_failures = 0
         self.last_pass: MonitorPass | None = None
         self.last_failures: tuple[str, ...] = ()
-        # Engines whose /metrics the last pass could not read, with why (logged once).
-        self.unscraped: dict[str, str] = {}
+        # Engines whose last finished scrape failed, with that scrape (logged once).
+        self.unscraped: dict[str, _Scrape] = {}
+        # Each engine's scrape that is in flight, or finished and not yet taken by a pass:
+        # at most one per engine.
+        self._scrapes: dict[str, _Scrape] = {}
         registry = ctx.metrics.registry
         self._m_passes = Counter(
             "narwhal_monitor_passes",
-            "Monitor passes by result (ok, failed).",
+            "Monitor passes by result (ok, failed, inconclusive: no engine observed and "
+            "no failed scrape to count, the scrapes being in flight).",
             ["result"],
             registry=registry,
         )
@@ -116,17 +171,19 @@ class Monitor:
         self.handlers = [(n, h) for n, h in self.handlers if n != name]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        next_at = trio.current_time()
-        while True:
-            await trio.sleep_until(next_at)
-            started = trio.current_time()
-            await self.run_pass()
-            next_at = max(
-                started + self.ctx.config.controller.monitor_interval_s, trio.current_time()
-            )
+        async with trio.open_nursery() as scrapes:
+            task_status.started()
+            next_at = trio.current_time()
+            while True:
+                await trio.sleep_until(next_at)
+                started = trio.current_time()
+                await self.run_pass(scrapes)
+                next_at = max(
+                    started + self.ctx.config.controller.monitor_interval_s, trio.current_time()
+                )
 
-    async def run_pass(self) -> MonitorPass:
+    async def run_pass(self, scrapes: trio.Nursery) -> MonitorPass:
+        """One pass; `scrapes` is the monitor's nursery, where scrapes outlive the pass."""
         self.passes += 1
         number = self.passes
         started = trio.current_time()
@@ -134,25 +191,44 @@ class Monitor:
         engines = [engine for engine in self.ctx.fleet if not engine.removed]
         loads: dict[str, LoadSample] = {}
         errors: dict[str, str] = {}
-        async with trio.open_nursery() as nursery:
-            for engine in engines:
-                nursery.start_soon(self._scrape, engine, loads, errors, failures)
+        taken: set[str] = set()
+        self._forget_scrapes(engines)
+        for engine in engines:
+            scrape = self._scrapes.get(engine.id)
+            if scrape is not None and scrape.done.is_set():
+                self._take(scrape, taken, loads, errors, failures)
+        for engine in engines:
+            if engine.id not in self._scrapes:
+                scrape = _Scrape(engine, number, started)
+                self._scrapes[engine.id] = scrape
+                scrapes.start_soon(self._scrape, scrape)
+        awaited = [
+            scrape
+            for scrape in self._scrapes.values()
+            if scrape.pass_number == number and scrape.engine.id not in taken
+        ]
+        with trio.move_on_at(started + self.ctx.config.controller.monitor_interval_s / 2):
+            for scrape in awaited:
+                await scrape.done.wait()
+        for scrape in awaited:
+            if scrape.done.is_set():
+                self._take(scrape, taken, loads, errors, failures)
+        # Failures of scrapes this pass took: each failure is counted by one pass only.
+        new_failures = bool(errors)
+        now = trio.current_time()
+        pending: dict[str, float] = {}
+        for engine in engines:
+            if engine.id not in taken:
+                pending[engine.id] = now - self._scrapes[engine.id].started_at
+                failed = self.unscraped.get(engine.id)
+                if failed is not None:
+                    errors[engine.id] = str(failed.error)
+        inconclusive = False
         if engines and not loads:
-            failure = (
-                "no engine could be observed ("
-                + "; ".join(f"{e.id}: {errors.get(e.id, 'no answer')}" for e in engines)
-                + ")"
-            )
-            # Still a failure (the pass has no load to decide on), but say whose: under a
-            # client flood the degraded reason would otherwise point at the engines.
-            timeout = self.ctx.config.engine.health_timeout_s
-            lag = self.ctx.loop_lag.starved(timeout, since=started)
-            if lag is not None:
-                failure += (
-                    f"; the router's own event loop lagged {lag:.3g} s during the pass "
-                    "(router overload)"
-                )
-            failures.append(failure)
+            if new_failures and all(e.id in errors for e in engines):
+                failures.append(self._unobserved(engines, errors))
+            else:
+                inconclusive = True
         residuals: dict[str, float] = {}
         try:
             residuals = self.recovery.residual_pass(trio.current_time())
@@ -161,7 +237,7 @@ class Monitor:
             failures.append(f"residual stage raised {type(exc).__name__}: {exc}")
         observations: tuple[EngineObservation, ...] = ()
         try:
-            observations = self._observe(engines, loads, errors, residuals)
+            observations = self._observe(engines, loads, errors, residuals, pending)
         except Exception as exc:
             log.exception("monitor verdict stage failed", extra={"event": "monitor_stage"})
             failures.append(f"verdict stage raised {type(exc).__name__}: {exc}")
@@ -174,38 +250,89 @@ class Monitor:
         )
         await self._run_handlers(result, failures)
         self.last_pass = result
-        self._account(number, tuple(failures))
+        self._account(number, tuple(failures), inconclusive=inconclusive)
         return result
 
-    async def _scrape(
+    def _forget_scrapes(self, engines: list[EngineState]) -> None:
+        """Drop the scrapes of engines a reload removed or replaced: a scrape still in
+        flight for one runs out on its own (engine.health_timeout_s), unseen, and an
+        engine added again under the same id is logged afresh when it fails."""
+        current = {engine.id: engine for engine in engines}
+        for scrapes in (self._scrapes, self.unscraped):
+            for engine_id, scrape in list(scrapes.items()):
+                if current.get(engine_id) is not scrape.engine:
+                    del scrapes[engine_id]
+
+    def _take(
         self,
-        engine: EngineState,
+        scrape: _Scrape,
+        taken: set[str],
         loads: dict[str, LoadSample],
         errors: dict[str, str],
         failures: list[str],
     ) -> None:
+        """Make a finished scrape's outcome this pass's observation of its engine."""
+        engine_id = scrape.engine.id
+        del self._scrapes[engine_id]
+        taken.add(engine_id)
+        if scrape.sample is not None:
+            loads[engine_id] = scrape.sample
+        if scrape.error is not None:
+            errors[engine_id] = scrape.error
+        if scrape.raised is not None:
+            failures.append(scrape.raised)
+
+    def _unobserved(self, engines: list[EngineState], errors: dict[str, str]) -> str:
+        failure = (
+            "no engine could be observed ("
+            + "; ".join(f"{e.id}: {errors.get(e.id, 'no answer')}" for e in engines)
+            + ")"
+        )
+        # Still a failure (the pass has no load to decide on), but say whose: under a
+        # client flood the degraded reason would otherwise point at the engines. The
+        # failures reported may be those of scrapes earlier passes started.
+        since = min(
+            [s.started_at for e in engines if (s := self.unscraped.get(e.id)) is not None],
+            default=trio.current_time(),
+        )
+        timeout = self.ctx.config.engine.health_timeout_s
+        lag = self.ctx.loop_lag.starved(timeout, since=since)
+        if lag is not None:
+            failure += (
+                f"; the router's own event loop lagged {lag:.3g} s while the scrapes ran "
+                "(router overload)"
+            )
+        return failure
+
+    async def _scrape(self, scrape: _Scrape) -> None:
+        engine = scrape.engine
         try:
-            loads[engine.id] = sample = await self.prober.scrape(engine, self.ctx.config)
+            scrape.sample = sample = await self.prober.scrape(engine, self.ctx.config)
             self.recovery.observe_metrics(engine, sample)
         except ScrapeError as exc:
-            errors[engine.id] = str(exc)
-            self._scrape_failed(engine, str(exc))
+            scrape.error = str(exc)
+            self._scrape_failed(scrape)
         except Exception as exc:
             log.exception("monitor load stage failed for %s", engine.id)
-            errors[engine.id] = f"internal error: {exc!r}"
-            failures.append(f"load stage raised {type(exc).__name__} for {engine.id}: {exc}")
+            scrape.error = f"internal error: {exc!r}"
+            scrape.raised = f"load stage raised {type(exc).__name__} for {engine.id}: {exc}"
         else:
-            self._scraped(engine)
+            self._scraped(scrape)
+        finally:
+            scrape.done.set()
 
-    def _scrape_failed(self, engine: EngineState, detail: str) -> None:
+    def _scrape_failed(self, scrape: _Scrape) -> None:
         """One engine's /metrics could not be read: not a monitor failure, but its load
         is missing from role control and a restart shows there no more, which the
-        operator should hear of once (its health probes judge the engine itself). A
-        scrape that hangs also holds every pass for engine.health_timeout_s."""
-        if engine.id in self.unscraped:
-            self.unscraped[engine.id] = detail
+        operator should hear of once (its health probes judge the engine itself)."""
+        engine = scrape.engine
+        if self._scrapes.get(engine.id) is not scrape:
+            return  # the engine was removed or replaced meanwhile
+        detail = str(scrape.error)
+        logged = engine.id in self.unscraped
+        self.unscraped[engine.id] = scrape
+        if logged:
             return
-        self.unscraped[engine.id] = detail
         log.warning(
             "monitor cannot read the /metrics of %s: %s; its load is missing from role "
             "control and a restart shows only on /version or when it stops answering",
@@ -214,13 +341,16 @@ class Monitor:
             extra={"event": "scrape", "engine": engine.id, "outcome": "failed", "detail": detail},
         )
 
-    def _scraped(self, engine: EngineState) -> None:
-        detail = self.unscraped.pop(engine.id, None)
-        if detail is not None:
+    def _scraped(self, scrape: _Scrape) -> None:
+        engine = scrape.engine
+        if self._scrapes.get(engine.id) is not scrape:
+            return
+        failed = self.unscraped.pop(engine.id, None)
+        if failed is not None:
             log.info(
                 "monitor reads the /metrics of %s again (it failed with: %s)",
                 engine.id,
-                detail,
+                failed.error,
                 extra={"event": "scrape", "engine": engine.id, "outcome": "ok"},
             )
 
@@ -230,6 +360,7 @@ class Monitor:
         loads: dict[str, LoadSample],
         errors: dict[str, str],
         residuals: dict[str, float],
+        pending: dict[str, float],
     ) -> tuple[EngineObservation, ...]:
         now = trio.current_time()
         out = []
@@ -246,6 +377,7 @@ class Monitor:
                     load=loads.get(engine.id),
                     load_error=errors.get(engine.id),
                     residual=residuals.get(engine.id),
+                    load_pending_s=pending.get(engine.id),
                 )
             )
         return tuple(out)
@@ -265,10 +397,13 @@ class Monitor:
             if timer.cancelled_caught:
                 failures.append(f"pass handler {name!r} did not finish within {bound}s")
 
-    def _account(self, number: int, failures: tuple[str, ...]) -> None:
+    def _account(self, number: int, failures: tuple[str, ...], *, inconclusive: bool) -> None:
         ctx = self.ctx
         limit = ctx.config.controller.monitor_failure_limit
         self.last_failures = failures
+        if not failures and inconclusive:
+            self._m_passes.labels("inconclusive").inc()
+            return
         if failures:
             self._m_passes.labels("failed").inc()
             self.consecutive_failures += 1
@@ -351,6 +486,9 @@ class Monitor:
                         "waiting": e.load.waiting if e.load else None,
                         "kv_usage": e.load.kv_usage if e.load else None,
                         "load_error": e.load_error,
+                        "load_pending_s": None
+                        if e.load_pending_s is None
+                        else round(e.load_pending_s, 6),
                         "residual": e.residual,
                     }
                     for e in last.engines

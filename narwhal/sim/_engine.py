@@ -599,6 +599,10 @@ class SimEngine:
         await resp.send_json(200, document)
 
     async def _metrics(self, req: HttpRequest, resp: Responder) -> None:
+        stall = self.faults.metrics_stall_s if self.faults is not None else None
+        if stall:
+            self.counters.metrics_stalls_injected += 1
+            await trio.sleep(stall)
         await resp.send(
             200, render(self.registry), content_type="text/plain; version=0.0.4; charset=utf-8"
         )

@@ -20,6 +20,9 @@ Keys (all optional; durations are wall-clock seconds, *not* divided by the speed
   down_s                       engine only: close the listener for this long (connection refused)
   health_flap_period_s         engine only: /health alternates 200/503 every period
   unhealthy                    engine only: /health answers 503
+  metrics_stall_s              engine only: GET /metrics answers only after this long (the
+                               connection is accepted at once; a large value plays a
+                               /metrics that never answers)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import attrs
 
 Leg = Literal["prefill", "decode", "aggregate", "any"]
 _LEGS = ("prefill", "decode", "aggregate", "any")
-ENGINE_ONLY = ("count", "down_s", "health_flap_period_s", "unhealthy")
+ENGINE_ONLY = ("count", "down_s", "health_flap_period_s", "unhealthy", "metrics_stall_s")
 
 
 class FaultSpecError(ValueError):
@@ -54,6 +57,7 @@ class FaultSpec:
     down_s: float | None = None
     health_flap_period_s: float | None = None
     unhealthy: bool = False
+    metrics_stall_s: float | None = None
 
     def applies_to(self, leg: str) -> bool:
         return self.leg == "any" or self.leg == leg
@@ -95,6 +99,7 @@ _FLOAT_FIELDS = (
     "lease_s",
     "down_s",
     "health_flap_period_s",
+    "metrics_stall_s",
 )
 _BOOL_FIELDS = ("kv_pull_fail", "unhealthy")
 

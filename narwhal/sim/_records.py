@@ -34,6 +34,8 @@ class Counters:
     downs_injected: int = 0
     # /health answers of 503 caused by `unhealthy` or `health_flap_period_s`.
     health_failures_served: int = 0
+    # /metrics answers held back by `metrics_stall_s`.
+    metrics_stalls_injected: int = 0
     leases_created: int = 0
     leases_released: int = 0
     kv_expired: int = 0

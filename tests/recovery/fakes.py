@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -59,7 +60,11 @@ class FakeProber:
         self.verify_of: dict[str, VerifyResult] = {}
         self.key_of: dict[str, KeyCheck] = {}
         self.load_of: dict[str, LoadSample | Exception] = {}
+        # Seconds a scrape takes to answer; one at or past engine.health_timeout_s runs
+        # it out (math.inf: /metrics accepts the connection and never answers).
+        self.scrape_delay_of: dict[str, float] = {}
         self.probes: list[tuple[str, float]] = []
+        self.scrapes: list[tuple[str, float]] = []
         self.verifications: list[Verification] = []
         self.key_checks: list[tuple[str, float]] = []
         self.context_of: dict[str, ContextReading] = {}
@@ -77,10 +82,14 @@ class FakeProber:
 
     async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
         await trio.lowlevel.checkpoint()
-        if engine.id in self.hung:
-            limit = config.engine.health_timeout_s
+        self.scrapes.append((engine.id, trio.current_time()))
+        delay = math.inf if engine.id in self.hung else self.scrape_delay_of.get(engine.id, 0.0)
+        limit = config.engine.health_timeout_s
+        if delay >= limit:
             await trio.sleep(limit)
             raise ScrapeError(timed_out("GET /metrics", "engine.health_timeout_s", limit))
+        if delay:
+            await trio.sleep(delay)
         result = self.load_of.get(engine.id, LoadSample(1.0, 0.0, 0.1))
         if isinstance(result, Exception):
             raise result

@@ -1324,16 +1324,19 @@ async def test_a_pass_failing_while_the_router_is_starved_says_so(
     rig.prober.hung.update(("p0", "d0"))
     nursery.start_soon(starved_loop, rig, 0.5, 5.0)
     monitor = await start_monitor(nursery, rig)
-    await rig.at(2.5)  # the pass at +0 ran out its 2 s
+    passes = recorded_passes(monitor)
+    await rig.at(3.5)  # the scrapes started at +0 ran out their 2 s
     # Still a failure, with no load to decide on, but the reason names the router.
     timeout = "no answer within engine.health_timeout_s=2.0"
-    assert monitor.last_failures == (
+    assert rig.degraded() == (
+        "1 consecutive monitor passes failed (controller.monitor_failure_limit=1); last: "
         f"no engine could be observed (p0: GET /metrics: {timeout}; d0: GET /metrics: "
-        f"{timeout}); the router's own event loop lagged 0.5 s during the pass (router "
-        "overload)",
+        f"{timeout}); the router's own event loop lagged 0.5 s while the scrapes ran "
+        "(router overload)"
     )
-    await rig.at(10.0)  # a pass on a quick loop: the engines are silent, nothing more
-    assert monitor.last_failures[0].endswith(f"d0: GET /metrics: {timeout})")
+    await rig.at(12.0)  # scrapes since the loop is quick: the engines are silent, nothing more
+    (*_, last) = (p.failures for p in passes if p.failures)
+    assert last[0].endswith(f"d0: GET /metrics: {timeout})")
 
 
 async def test_one_engine_down_is_not_a_monitor_failure(
@@ -1359,6 +1362,157 @@ async def test_one_engine_down_is_not_a_monitor_failure(
         ("d0", None, "GET /metrics: connect failed: connection refused"),
     ]
     assert [e.id for e in last.observed] == ["p0"]
+
+
+def recorded_passes(monitor: Monitor) -> list[MonitorPass]:
+    passes: list[MonitorPass] = []
+
+    async def handler(result: MonitorPass) -> None:
+        passes.append(result)
+
+    monitor.add_handler("controller", handler)
+    return passes
+
+
+def seen(rig: Rig, result: MonitorPass, engine_id: str) -> tuple[object, ...]:
+    """When `result` ran, relative to t0, and what it reported of `engine_id`'s load."""
+    (engine,) = [e for e in result.engines if e.id == engine_id]
+    return (
+        result.started_at - rig.t0,
+        result.finished_at - rig.t0,
+        engine.load,
+        engine.load_error,
+        engine.load_pending_s,
+    )
+
+
+async def test_a_hung_metrics_scrape_costs_only_its_own_engine_s_observations(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # d0's /metrics accepts the scrape and never answers (its /health is fine). Every pass
+    # waited for it until engine.health_timeout_s (5 s), and the residual stage and the
+    # role controller, which run after the scrapes, ran every 5 s instead of every 1 s.
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.scrape_delay_of["d0"] = math.inf
+    p0_load = LoadSample(3.0, 2.0, 0.25)
+    rig.prober.load_of["p0"] = p0_load
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        monitor = await start_monitor(nursery, rig)
+        passes = recorded_passes(monitor)
+        await rig.at(4.5)
+        # The first pass waits half an interval for d0's new scrape; later ones do not
+        # wait again for the scrape an earlier pass started.
+        assert [seen(rig, p, "d0") for p in passes] == [
+            (0.0, 0.5, None, None, 0.5),
+            (1.0, 1.0, None, None, 1.0),
+            (2.0, 2.0, None, None, 2.0),
+            (3.0, 3.0, None, None, 3.0),
+            (4.0, 4.0, None, None, 4.0),
+        ]
+        assert [seen(rig, p, "p0")[2:] for p in passes] == [(p0_load, None, None)] * 5
+        assert all(p.failures == () for p in passes)
+        assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0.0]
+        await rig.at(7.5)  # d0's scrape ran out its 5 s at +5: reported, then d0 re-scraped
+    timeout = "GET /metrics: no answer within engine.health_timeout_s=5.0"
+    assert seen(rig, passes[-1], "d0")[:4] == (7.0, 7.0, None, timeout)
+    assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] in ([0, 5], [0, 6])
+    assert len(passes) == 8
+    assert monitor.consecutive_failures == 0
+    assert rig.degraded() is None
+    warnings = [r for r in caplog.records if r.__dict__.get("event") == "scrape"]
+    assert [(r.__dict__["engine"], r.__dict__["outcome"]) for r in warnings] == [("d0", "failed")]
+
+
+async def test_a_slow_metrics_answer_is_taken_by_the_next_pass(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.scrape_delay_of["d0"] = 0.7  # past the half interval a pass waits
+    d0_load = LoadSample(4.0, 1.0, 0.5)
+    rig.prober.load_of["d0"] = d0_load
+    monitor = await start_monitor(nursery, rig)
+    passes = recorded_passes(monitor)
+    await rig.at(3.5)
+    # Each pass takes the answer to the scrape the pass before started, and starts one.
+    assert [seen(rig, p, "d0") for p in passes] == [
+        (0.0, 0.5, None, None, 0.5),
+        (1.0, 1.0, d0_load, None, None),
+        (2.0, 2.0, d0_load, None, None),
+        (3.0, 3.0, d0_load, None, None),
+    ]
+    assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0, 1, 2, 3]
+
+
+async def test_a_load_stage_that_raises_late_fails_the_pass_that_takes_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.scrape_delay_of["d0"] = 0.7
+    rig.prober.load_of["d0"] = ValueError("bad gauge")
+    monitor = await start_monitor(nursery, rig)
+    passes = recorded_passes(monitor)
+    await rig.at(1.5)
+    assert [p.failures for p in passes] == [(), ("load stage raised ValueError for d0: bad gauge",)]
+    assert seen(rig, passes[1], "d0")[2:] == (None, "internal error: ValueError('bad gauge')", None)
+    assert monitor.consecutive_failures == 1
+
+
+async def test_passes_that_take_no_scrape_failure_are_inconclusive(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = config(
+        controller={"monitor_interval_s": 1.0, "monitor_failure_limit": 3},
+        engine={"health_timeout_s": 2.5},
+    )
+    rig = await start(nursery, cfg)
+    rig.prober.scrape_delay_of.update(p0=math.inf, d0=math.inf)
+    monitor = await start_monitor(nursery, rig)
+    passes = recorded_passes(monitor)
+
+    def counted(result: str) -> float:
+        value = rig.ctx.metrics.registry.get_sample_value(
+            "narwhal_monitor_passes_total", {"result": result}
+        )
+        return value or 0.0
+
+    await rig.at(2.9)  # passes at +0..+2: the scrapes may still answer
+    assert [counted(r) for r in ("ok", "failed", "inconclusive")] == [0, 0, 3]
+    assert monitor.consecutive_failures == 0
+    await rig.at(4.5)  # they ran out at +2.5: the pass at +3 took that and scraped again
+    assert [counted(r) for r in ("ok", "failed", "inconclusive")] == [0, 1, 4]
+    timeout = "GET /metrics: no answer within engine.health_timeout_s=2.5"
+    # The pass at +4 reports the failure again, but counted it once: failures are not
+    # multiplied by the passes that run while a hung engine's next scrape is out.
+    assert seen(rig, passes[-1], "d0") == (4.0, 4.0, None, timeout, 1.0)
+    assert passes[-1].failures == ()
+    assert monitor.consecutive_failures == 1
+    await rig.at(8.9)
+    assert [counted(r) for r in ("ok", "failed", "inconclusive")] == [0, 2, 7]
+    assert rig.degraded() is None
+    await rig.at(9.0)  # the third round of timeouts (+8.5), taken by the pass at +9
+    assert rig.degraded() == (
+        "3 consecutive monitor passes failed (controller.monitor_failure_limit=3); last: no "
+        f"engine could be observed (p0: {timeout}; d0: {timeout})"
+    )
+    assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0, 3, 6, 9]
+
+
+async def test_a_removed_engine_s_scrape_in_flight_is_forgotten(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+    rig.prober.scrape_delay_of["d0"] = math.inf
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        monitor = await start_monitor(nursery, rig)
+        passes = recorded_passes(monitor)
+        await rig.at(1.5)
+        rig.ctx.fleet.retire("d0")
+        await rig.at(6.5)  # its scrape ran out at +5, unseen
+    assert [e.id for e in passes[-1].engines] == ["p0"]
+    assert monitor.state()["last_pass"]["failures"] == []  # type: ignore[index]
+    assert "d0" not in monitor.unscraped
+    assert not [r for r in caplog.records if r.__dict__.get("event") == "scrape"]
+    assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0]
 
 
 async def test_a_metrics_scrape_that_fails_is_logged_once_and_again_when_it_answers(

@@ -7,6 +7,7 @@ the verification legs the router sent.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -19,7 +20,7 @@ import trio
 
 from narwhal.config import Config, Engine, EngineSpec, Secret
 from narwhal.fleet import EngineState, Role
-from narwhal.recovery import HttpProber, VerifyPair, VerifyResult
+from narwhal.recovery import HttpProber, MonitorPass, VerifyPair, VerifyResult
 from narwhal.sim import Fleet, SimEngineSpec, serve_fleet
 from narwhal.sim._spec import ENGINE_VERSION, Dialect
 
@@ -73,6 +74,10 @@ def available(stack: Stack, engine_id: str) -> bool:
     engine = stack.ctx.fleet.get(engine_id)
     assert engine is not None
     return engine.unavailable_reason(trio.current_time()) is None
+
+
+def observed(result: MonitorPass) -> set[str]:
+    return {e.id for e in result.observed}
 
 
 def reason(stack: Stack, engine_id: str) -> str | None:
@@ -526,6 +531,44 @@ async def test_degraded_state_refuses_admission_with_the_reason(start_stack: Sta
     assert (await post(stack)).status_code == 200
     state = await stack.state()
     assert state["monitor"]["last_pass"]["engines"]["p0"]["running"] is not None
+
+
+async def test_a_hung_metrics_scrape_keeps_the_other_engines_observed_every_pass(
+    start_stack: StartStack,
+) -> None:
+    # A pass every 0.1 s; d1's /metrics accepts the connection and never answers, so each
+    # scrape of it runs out engine.health_timeout_s (1 s). The passes used to wait for it.
+    stack = await start_stack()
+    monitor = stack.supervisor.monitor
+    assert monitor is not None
+    passes: list[MonitorPass] = []
+
+    async def record(result: MonitorPass) -> None:
+        passes.append(result)
+
+    stack.fleet[1].set_faults(metrics_stall_s=60.0)
+    await wait_for(
+        lambda: monitor.last_pass is not None and "d1" not in observed(monitor.last_pass)
+    )
+    monitor.add_handler("record", record)
+    began = trio.current_time()
+    await trio.sleep(2.5)
+    starts = [p.started_at for p in passes]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    p0_seen = [p.started_at for p in passes if "p0" in observed(p)]
+    p0_gaps = [b - a for a, b in itertools.pairwise([began, *p0_seen])]
+    # 25 passes at 0.1 s (about 3 when each waited 1 s for d1), on a box that may be busy.
+    assert len(passes) >= 15, gaps
+    assert max(gaps) < 0.5, gaps
+    assert max(p0_gaps) < 0.5, p0_gaps
+    d1 = [e for p in passes for e in p.engines if e.id == "d1"]
+    assert all(e.load is None for e in d1)
+    assert any(e.load_pending_s is not None for e in d1)
+    # One scrape of d1 in flight at a time: one a second, not one a pass.
+    assert stack.fleet[1].state()["counters"]["metrics_stalls_injected"] <= 5
+    state = await stack.state()
+    assert state["monitor"]["last_pass"]["engines"]["d1"]["running"] is None
+    assert state["monitor"]["consecutive_failures"] == 0
 
 
 async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> None:

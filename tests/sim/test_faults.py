@@ -256,6 +256,28 @@ async def test_health_flapping_and_unhealthy(
     assert (await client.get(f"{e.url}/health")).status_code == 200
 
 
+async def test_metrics_stall_holds_only_metrics(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, speed=50.0)
+    e = fleet[0]
+    e.set_faults(metrics_stall_s=60.0)
+    # The connection is accepted and the request read; no answer comes.
+    with pytest.raises(httpx.ReadTimeout):
+        await client.get(f"{e.url}/metrics", timeout=0.2)
+    assert (await client.get(f"{e.url}/health")).status_code == 200
+    assert (await client.post(f"{e.url}/v1/completions", json={"prompt": "x"})).status_code == 200
+    e.set_faults(metrics_stall_s=0.2)
+    start = trio.current_time()
+    r = await client.get(f"{e.url}/metrics")
+    assert r.status_code == 200
+    assert "vllm:num_requests_running" in r.text
+    assert trio.current_time() - start >= 0.2
+    assert e.state()["counters"]["metrics_stalls_injected"] == 2
+    with pytest.raises(FaultSpecError, match="applies to an engine"):
+        parse_faults({"metrics_stall_s": 1}, per_request=True)
+
+
 async def test_kv_pull_failure(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
     fleet = await start_fleet(engines=2, speed=50.0)
     p = await client.post(
