@@ -72,6 +72,10 @@ class Dialect:
     # it (SGLang's --allow-auto-truncate, among /get_server_info's server args); None
     # when it always refuses (vLLM truncates only for a request that asks).
     truncation_path: bytes | None = None
+    # Whether a request's `truncate_prompt_tokens` cuts its prompt to its last k tokens
+    # before the engine checks or runs it (vLLM: k of at least 1, or -1 for
+    # max_model_len; SGLang's request models have no such field and ignore it).
+    request_truncation: bool = False
 
 
 VLLM = Dialect(
@@ -93,6 +97,7 @@ VLLM = Dialect(
     # its BOS is charged without it.
     completion_tokenize_fields=("add_special_tokens",),
     tokenize_reports_context=True,
+    request_truncation=True,
 )
 SGLANG = Dialect(
     "sglang",

@@ -103,7 +103,13 @@ from ._client import (
     watch_disconnect,
 )
 from ._context import DemandEvent, RequestRecord, ServingContext, log
-from ._request import ClientRequest, context_overflow, parse_body, request_id_from_header
+from ._request import (
+    ClientRequest,
+    context_overflow,
+    parse_body,
+    request_id_from_header,
+    truncated_prompt,
+)
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
 _ERROR_BODY_LIMIT = 65536
@@ -508,10 +514,11 @@ class Flow:
         ctx = self.ctx
         if request.prompt_token_ids is not None:
             # The engines count token ids as sent: the count is exact without /tokenize.
-            self._check_context(request, request.prompt_token_ids, record)
-            return request.prompt_token_ids, "token_ids"
+            count = self._truncated(request, request.prompt_token_ids)
+            self._check_context(request, count, record)
+            return count, "token_ids"
         ratio, _ = ctx.chars_per_token(config)
-        fallback = max(1, math.ceil(request.prompt_chars / ratio))
+        fallback = self._truncated(request, max(1, math.ceil(request.prompt_chars / ratio)))
         if not config.engine.tokenize:
             reason = "disabled"
         elif isinstance(engine := self._tokenizer_engine(request.kind), str):
@@ -527,6 +534,7 @@ class Flow:
                     # vLLM's answer carries the context its completions are held to: the
                     # freshest word on it, between recovery's reads.
                     engine.set_context(context, "its /tokenize answer's max_model_len")
+                count = self._truncated(request, count)
                 self._check_context(request, count, record)
                 return count, "exact"
             reason = answer
@@ -536,6 +544,21 @@ class Flow:
         ctx.metrics.token_fallbacks_by(reason).inc()
         record.token_count_fallback = reason
         return fallback, "fallback"
+
+    def _truncated(self, request: ClientRequest, count: int) -> int:
+        """The prompt length the engines will run (`truncated_prompt`), when every
+        available engine honours `truncate_prompt_tokens` (vLLM); one that ignores it
+        (SGLang) runs the prompt whole. -1 keeps up to the largest context an engine
+        reports, the longer prompt placement may meet (none while one is unknown)."""
+        if request.truncate_prompt_tokens is None:
+            return count
+        now = trio.current_time()
+        engines = [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
+        if not engines or not all(e.dialect.request_truncation for e in engines):
+            return count
+        contexts = [e.context_length for e in engines]
+        known = [c for c in contexts if c is not None]
+        return truncated_prompt(request, count, max(known) if len(known) == len(contexts) else None)
 
     def _check_context(self, request: ClientRequest, count: int, record: RequestRecord) -> None:
         """Refuse, before any leg, a request whose exact prompt length `count`, or it and

@@ -34,6 +34,9 @@ class ClientRequest:
     max_tokens: int | None
     # The body field `max_tokens` came from (chat's `max_completion_tokens` comes first).
     max_tokens_field: str
+    # vLLM's `truncate_prompt_tokens` when it is an integer (`truncated_prompt`); another
+    # value is the engine's to judge.
+    truncate_prompt_tokens: int | None
     arrival: float
     deadline: float
 
@@ -119,6 +122,7 @@ def parse_body(
         prompt_token_ids=token_ids,
         max_tokens=max_tokens,
         max_tokens_field=max_tokens_field,
+        truncate_prompt_tokens=_integer(body.get("truncate_prompt_tokens")),
         arrival=arrival,
         deadline=deadline,
     )
@@ -175,6 +179,25 @@ def context_overflow(
             f"> {context} - {prompt_tokens})."
         )
     return BadRequest(message, code="context_length_exceeded", param=key)
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def truncated_prompt(request: ClientRequest, prompt_tokens: int, context: int | None) -> int:
+    """The prompt length a vLLM engine runs when the request asks it to keep only the
+    last `truncate_prompt_tokens` tokens (-1: the context, `max_model_len`): counted, or
+    estimated, whole, the prompt would be priced, placed and checked against the context
+    at a length the engine never runs, and one past the context refused though the
+    engine would cut it down. Other values (0, below -1, -1 with no known context) are
+    left as counted: the engine refuses the impossible ones itself."""
+    keep = request.truncate_prompt_tokens
+    if keep == -1:
+        keep = context
+    if keep is None or keep < 1:
+        return prompt_tokens
+    return min(prompt_tokens, keep)
 
 
 def _max_tokens(body: Json) -> tuple[str, int | None]:

@@ -259,6 +259,19 @@ class Api:
         leg, remote, room, hold_kv = self._leg(body)
         prompt_tokens, prompt_key = self._prompt(body, chat=chat)
         limit = e.spec.timing.max_model_len
+        keep = body.get("truncate_prompt_tokens")
+        if not self.sglang and isinstance(keep, int) and not isinstance(keep, bool):
+            # vLLM keeps the prompt's last `keep` tokens (-1: max_model_len) before any
+            # other check; SGLang's request models have no such field.
+            keep = limit if keep == -1 else keep
+            if keep > limit:
+                raise ApiError(
+                    400,
+                    f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                    f"({limit}). Please, select a smaller truncation size.",
+                )
+            if keep >= 1:
+                prompt_tokens = min(prompt_tokens, keep)
         if prompt_tokens >= limit:
             if self.sglang:
                 raise ApiError(

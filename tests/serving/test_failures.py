@@ -194,6 +194,30 @@ async def test_a_token_id_prompt_past_the_context_is_refused_before_any_leg(
     assert fits.status_code == 200
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_prompt_vllm_truncates_is_checked_at_the_length_it_runs(
+    start_stack: StartStack, stream: bool
+) -> None:
+    # vLLM keeps the last truncate_prompt_tokens tokens before its own checks. Counted
+    # whole, these prompts were refused with 400 context_length_exceeded (and priced at
+    # a length the engine never runs).
+    stack = await start_stack()
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
+    for prompt in ([5] * 9000, "fox " * 10_000):
+        body = {"prompt": prompt, "truncate_prompt_tokens": 1000, "max_tokens": 8, **usage}
+        response = await post(stack, {**body, "stream": stream})
+        assert response.status_code == 200, response.text
+        answer = json.loads(sse_events(response)[-2]) if stream else response.json()
+        assert answer["usage"]["prompt_tokens"] == 1000
+    # -1 keeps max_model_len tokens, which leaves no room for output: refused up front.
+    response = await post(stack, {"prompt": [5] * 9000, "truncate_prompt_tokens": -1})
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input_tokens")
+    assert "your request has 8192 input tokens" in error["message"]
+    state = await settled(stack)
+    assert state["requests"]["context_checks"] == {"passed": 2, "refused": 1}
+
+
 async def test_without_a_context_length_the_engine_refuses_as_before(
     start_stack: StartStack,
 ) -> None:

@@ -14,6 +14,7 @@ from narwhal.serving._request import (
     context_overflow,
     parse_body,
     request_id_from_header,
+    truncated_prompt,
 )
 
 json_values = st.recursive(
@@ -117,6 +118,27 @@ def request(**body: object) -> ClientRequest:
     result = parse(json.dumps({"model": "m", "prompt": "x", **body}).encode(), "completions")
     assert isinstance(result, ClientRequest), result
     return result
+
+
+@pytest.mark.parametrize(
+    ("keep", "context", "runs"),
+    [
+        (None, 8192, 9000),  # absent or null: the whole prompt
+        (1000, 8192, 1000),
+        (10_000, 8192, 9000),  # keeps more than there is (vLLM refuses k > context itself)
+        (-1, 8192, 8192),  # the context
+        (-1, None, 9000),  # the context, not known: as counted
+        (0, 8192, 9000),  # not a length vLLM keeps: the engine judges it
+        (-2, 8192, 9000),
+        (True, 8192, 9000),  # not an integer
+        ("5", 8192, 9000),
+    ],
+)
+def test_truncate_prompt_tokens_is_the_prompt_vllm_runs(
+    keep: object, context: int | None, runs: int
+) -> None:
+    assert truncated_prompt(request(truncate_prompt_tokens=keep), 9000, context) == runs
+    assert truncated_prompt(request(truncate_prompt_tokens=keep), 500, context) == min(500, runs)
 
 
 @pytest.mark.parametrize("dialect", [VLLM, SGLANG])

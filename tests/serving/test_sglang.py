@@ -331,7 +331,14 @@ async def test_a_request_past_the_context_is_refused_before_either_leg(
             "number of tokens in the input messages or the completion to fit within the "
             "limit."
         )
-        ids = {"model": MODEL, "prompt": [5] * 8192, "max_tokens": 1, "stream": stream}
+        # SGLang's request models have no truncate_prompt_tokens: it runs the prompt whole.
+        ids = {
+            "model": MODEL,
+            "prompt": [5] * 8192,
+            "max_tokens": 1,
+            "stream": stream,
+            "truncate_prompt_tokens": 100,
+        }
         response = await client.post(f"{stack.url}/v1/completions", json=ids)
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "input_tokens")
