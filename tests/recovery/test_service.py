@@ -1581,7 +1581,7 @@ async def test_a_restart_seen_by_the_probe_is_not_seen_again_on_metrics(
     rig.prober.health_of["d0"] = REFUSED
     rig.prober.load_of["d0"] = ScrapeError("GET /metrics: connect failed: connection refused")
     await rig.at(2.5)
-    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
     await rig.at(3.0)  # the probe at +3 sees it answer again and starts the hold
     record = rig.recovery.record("d0")
     assert record is not None
