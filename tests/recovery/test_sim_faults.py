@@ -464,6 +464,14 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
         assert result == VerifyResult(
             "failed", "prefill on p0, decode on d0: decode leg on d0 returned HTTP 500"
         )
+        # A 429 says the engine is busy, not broken: no evidence either way.
+        fleet[1].set_faults(error_status=429, leg="decode")
+        result = await prober.verify(pair, config)
+        assert result == VerifyResult(
+            "inconclusive",
+            "prefill on p0, decode on d0: decode leg on d0 returned HTTP 429; a busy engine "
+            "is not a failed one",
+        ), dialect
         # How an engine answered (here a dropped connection) is its own doing.
         fleet[1].set_faults(crash_after_tokens=0, leg="decode")
         result = await prober.verify(pair, config)
