@@ -291,7 +291,8 @@ class Recovery:
         self._m_verifications = Counter(
             "narwhal_verifications",
             "Verification leg pairs by engine, purpose (breaker, readmission) and outcome "
-            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key).",
+            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key; retried: "
+            "failed at once and sent again, only the second pair counts).",
             ["engine", "purpose", "outcome"],
             registry=registry,
         )
@@ -913,6 +914,27 @@ class Recovery:
         return self.ctx.config.recovery.health.interval_s
 
     async def _verify(self, record: EngineRecovery, purpose: str, phase: str) -> VerifyResult:
+        """One verification; a pair that failed at once is sent again, and only the second
+        one's result counts.
+
+        A verification is one pair of legs, and the verdict it decides (readmission, or a
+        breaker's close) is re-tried only after readmit_successes more probes or a probe
+        interval. A single transient fault on either leg (an engine's one 5xx, a dropped
+        connection, an error event on the in-service partner's leg, which counts against
+        the subject) would keep a sound engine out for another round, and when its role's
+        other engines are out too, every request meanwhile is refused
+        (`no_engine_available`). A broken engine fails the second pair as well, a moment
+        later. A pair that ran out engine.first_token_timeout_s is not sent again: it has
+        waited its deadline already, and a stalled engine would hold its loop twice as
+        long."""
+        result = await self._verify_once(record, purpose, phase, retry=True)
+        if result.outcome == "failed" and result.deadline_s is None:
+            result = await self._verify_once(record, purpose, phase, retry=False)
+        return result
+
+    async def _verify_once(
+        self, record: EngineRecovery, purpose: str, phase: str, *, retry: bool
+    ) -> VerifyResult:
         self._verify_seq += 1
         subject = record.engine
         request_id = f"narwhal-verify-{subject.id}-{self._verify_seq}"
@@ -930,15 +952,17 @@ class Recovery:
             refusal = result.refusal
             key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
-        self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
+        retried = retry and result.outcome == "failed" and result.deadline_s is None
+        outcome = "retried" if retried else result.outcome
+        self._m_verifications.labels(subject.id, purpose, outcome).inc()
         verification: dict[str, object] = {
             "request_id": request_id,
             "purpose": purpose,
             "phase": phase,
             "partner": None if partner is None else partner.id,
             "standby": standby,
-            "outcome": result.outcome,
-            "detail": result.detail,
+            "outcome": outcome,
+            "detail": result.detail + ("; not counted: sending another pair" if retried else ""),
             "duration_s": round(duration, 6),
         }
         record.last_verification = verification
@@ -948,8 +972,8 @@ class Recovery:
             purpose,
             subject.id,
             phase,
-            result.outcome,
-            result.detail,
+            outcome,
+            verification["detail"],
             extra={"event": "verification", "engine": subject.id, **verification},
         )
         return result

@@ -58,6 +58,8 @@ class FakeProber:
         self.hung_legs: set[str] = set()
         self.health_of: dict[str, ProbeResult] = {}
         self.verify_of: dict[str, VerifyResult] = {}
+        # Results handed out one per verification, before verify_of applies.
+        self.verify_next: dict[str, list[VerifyResult]] = {}
         self.key_of: dict[str, KeyCheck] = {}
         self.load_of: dict[str, LoadSample | Exception] = {}
         # Seconds a scrape takes to answer; one at or past engine.health_timeout_s runs
@@ -108,6 +110,9 @@ class FakeProber:
             where = f"{pair.phase} leg on {pair.subject.id}"
             detail = timed_out(where, "engine.first_token_timeout_s", limit)
             return VerifyResult("failed", detail, pair.subject.id, deadline_s=limit)
+        queued = self.verify_next.get(pair.subject.id)
+        if queued:
+            return queued.pop(0)
         return self.verify_of.get(pair.subject.id, VERIFIED)
 
     async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:

@@ -161,8 +161,56 @@ async def test_failed_verification_keeps_the_engine_out_until_a_later_one_passes
     assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
     del rig.prober.verify_of["d0"]
     await rig.at(7.0)  # two more good probes, then a verification that passes
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 7.0]
+    # The failed pair was sent again at once; both failed, so the second counted.
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0, 7.0]
     assert rig.reason("d0") is None
+
+
+async def test_a_verification_that_fails_once_is_sent_again_and_the_second_pair_decides(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # One transient fault on a verification leg (an engine's one 5xx) must not keep a
+    # sound engine out for another round of probes.
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.verify_next["d0"] = [VerifyResult("failed", "decode leg on d0 returned HTTP 503")]
+    await rig.at(5.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0]
+    assert rig.reason("d0") is None
+    assert changes(rig, "health") == D0_READMITTED
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.last_verification is not None
+    assert record.last_verification["outcome"] == "ok"
+    registry = rig.ctx.metrics.registry
+    counts = {
+        outcome: registry.get_sample_value(
+            "narwhal_verifications_total",
+            {"engine": "d0", "purpose": "readmission", "outcome": outcome},
+        )
+        for outcome in ("retried", "ok", "failed")
+    }
+    assert counts == {"retried": 1.0, "ok": 1.0, "failed": None}
+
+
+async def test_a_verification_that_ran_out_its_deadline_is_not_sent_again(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # It has waited engine.first_token_timeout_s already; a stalled engine would hold
+    # its loop twice as long.
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.hung_legs.add("d0")
+    await rig.at(7.5)  # verification at +5 runs out engine.first_token_timeout_s=2.5
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0]
+    assert rig.reason("d0") == (
+        "ejected: verification failed: decode leg on d0: no answer within "
+        "engine.first_token_timeout_s=2.5"
+    )
 
 
 async def test_an_engine_down_at_startup_is_kept_probed_held_and_readmitted(
@@ -360,7 +408,7 @@ async def test_a_failed_verification_reopens_for_another_open_s(
     assert rig.breaker("d0", "decode") is BreakerState.OPEN
     del rig.prober.verify_of["d0"]
     await rig.at(8.0)
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 8.0]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 4.0, 8.0]
     assert rig.breaker("d0", "decode") is BreakerState.CLOSED
 
 
@@ -489,7 +537,7 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
     await rig.at(7.0)  # good probes at +6 and +7
     times, last = verified(rig, "d0")
     assert (times, last["partner"], last["standby"], last["outcome"]) == (
-        [5.0, 7.0],
+        [5.0, 5.0, 7.0, 7.0],  # each failed pair was sent again once
         "p0",
         False,
         "failed",
