@@ -57,6 +57,8 @@ class FakeProber:
         self.hung: set[str] = set()
         self.hung_legs: set[str] = set()
         self.health_of: dict[str, ProbeResult] = {}
+        # Seconds a probe of the engine takes before it answers.
+        self.health_delay: dict[str, float] = {}
         self.verify_of: dict[str, VerifyResult] = {}
         # Results handed out one per verification, before verify_of applies.
         self.verify_next: dict[str, list[VerifyResult]] = {}
@@ -80,6 +82,7 @@ class FakeProber:
             await trio.sleep(limit)
             detail = timed_out("GET /health", "engine.health_timeout_s", limit)
             return ProbeResult("failed", detail, None, deadline_s=limit)
+        await trio.sleep(self.health_delay.get(engine.id, 0.0))
         return self.health_of.get(engine.id, HEALTHY)
 
     async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
@@ -173,6 +176,19 @@ def failure(engine: str, phase: str, *, status: int = 502, counts: bool = True) 
         retryable=True,
         counts_against_engine=counts,
         code=f"engine_http_{status}",
+    )
+
+
+def unreachable(engine: str, phase: str) -> EngineFailed:
+    """What the request path reports for a leg whose connection was refused."""
+    return EngineFailed(
+        f"{phase} engine {engine}: connect to 127.0.0.1:10 failed: connection refused",
+        status=502,
+        engine_id=engine,
+        phase=phase,
+        retryable=True,
+        counts_against_engine=True,
+        code="engine_unreachable",
     )
 
 

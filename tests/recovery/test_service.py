@@ -47,6 +47,7 @@ from .fakes import (
     config,
     failure,
     first_token_timeout,
+    unreachable,
 )
 
 
@@ -338,6 +339,59 @@ async def test_a_restarted_engine_is_released_only_after_the_before_release_hook
     assert rig.reason("d0") is None
     await rig.at(20.0)
     assert len(seen) == 1  # not for an engine that was not held
+
+
+async def test_a_leg_that_cannot_connect_takes_the_engine_out_until_a_probe_answers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # An engine refusing connections fails every leg at once and looks idle, so it would
+    # draw most new requests until its probes had failed failure_threshold times.
+    rig = await start(nursery, config(recovery={"breaker": {"failure_threshold": 5}}))
+    d0 = rig.engine("d0")
+    await rig.at(0.5)
+    rig.prober.health_of["d0"] = REFUSED
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    assert rig.reason("d0") == (
+        "unreachable: decode leg could not connect (decode engine d0: connect to "
+        "127.0.0.1:10 failed: connection refused); until a probe answers"
+    )
+    await trio.testing.wait_all_tasks_blocked()
+    assert ("d0", rig.t0 + 0.5) in rig.prober.probes  # at once, not at +1
+    await rig.at(1.5)  # probes at +0.5 and +1.5 refused too: still out
+    assert (rig.reason("d0") or "").startswith("unreachable: ")
+    rig.prober.health_of["d0"] = HEALTHY
+    await rig.at(2.5)  # the next probe answers: back, with no restart hold
+    assert rig.reason("d0") is None
+    assert changes(rig, "reachability") == [
+        ("d0", None, "reachable", "unreachable"),
+        ("d0", None, "unreachable", "reachable"),
+    ]
+    assert changes(rig, "health") == []  # two refused probes, under failure_threshold=3
+    # A blip: the probe sent at once answers, so the engine was out for no time at all.
+    await rig.at(3.2)
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    assert rig.reason("d0") is not None
+    await trio.testing.wait_all_tasks_blocked()
+    assert rig.reason("d0") is None
+    assert trio.current_time() == rig.t0 + 3.2
+    # Other failures leave it in placement (the breaker and quarantine judge those).
+    rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    assert rig.reason("d0") is None
+
+
+async def test_only_a_probe_sent_after_the_failed_connect_returns_the_engine(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    rig.prober.health_delay["d0"] = 0.5
+    await rig.at(1.2)  # the probe sent at +1 is under way
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    await rig.at(1.5)  # its answer predates the refusal: another probe at once
+    assert (rig.reason("d0") or "").startswith("unreachable: ")
+    assert [t - rig.t0 for e, t in rig.prober.probes if e == "d0"] == [0.0, 1.0, 1.5]
+    await rig.at(2.0)
+    assert rig.reason("d0") is None
 
 
 # ---------------------------------------------------------------- breakers

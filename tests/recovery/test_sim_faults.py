@@ -607,6 +607,7 @@ async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> Non
         "health",
         "auth",
         "ejected",
+        "unreachable",
         "hold",
         "quarantine",
         "identity",
