@@ -187,6 +187,7 @@ def _human_state(state: dict[str, Any]) -> str:
                 ("drained", engine.get("drained")),
                 ("pinned", engine.get("pinned")),
                 ("held", (rec.get("hold") or {}).get("active")),
+                ("unreachable", rec.get("unreachable") is not None),
                 ("quarantined", (rec.get("quarantine") or {}).get("active")),
             )
             if on

@@ -425,9 +425,27 @@ class Health:
     eject_ratio: float = _f(
         3.0, AtLeast(1.0), doc="Median observed/predicted latency ratio that ejects."
     )
-    failure_threshold: int = _f(3, AtLeast(1), doc="Consecutive failed probes that eject.")
+    failure_threshold: int = _f(
+        3,
+        AtLeast(1),
+        doc=(
+            "Consecutive failed probes that eject. Sooner than that, a request leg that "
+            "cannot connect to the engine takes it out of placement (`unreachable: ...`) "
+            "until a health probe sent after that leg answers; that probe goes out at once, "
+            "so a refusal that was a blip costs one probe's round trip."
+        ),
+    )
     readmit_successes: int = _f(
-        2, AtLeast(1), doc="Consecutive good probes before readmission verification."
+        2,
+        AtLeast(1),
+        doc=(
+            "Consecutive good probes before readmission verification. A verification pair "
+            "(readmission or breaker) that fails at once is sent again, and only the second "
+            'pair counts (the first is `narwhal_verifications_total{outcome="retried"}`); one '
+            "that ran out `engine.first_token_timeout_s` is not sent again. A leg answered "
+            "with HTTP 429 makes the pair inconclusive (the engine is busy, not broken): it "
+            "is verified again a probe interval later."
+        ),
     )
 
 
@@ -461,7 +479,13 @@ class Recovery:
         doc="Time a failed engine remains excluded from placement. `0` disables quarantine.",
     )
     restart_hold_s: float = _f(
-        5.0, NonNegative(), doc="Hold after an engine restart before placement."
+        5.0,
+        NonNegative(),
+        doc=(
+            "Hold after an engine restart before placement. An engine that answers again "
+            "after being unreachable counts as restarted unless its `/version` names the "
+            "instance id it named before (then it was unreachable, not restarted: no hold)."
+        ),
     )
     shutdown_grace_s: float = _f(30.0, NonNegative(), doc="In-flight drain bound on SIGTERM.")
     health: Health = attrs.field(factory=Health)

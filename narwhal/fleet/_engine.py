@@ -142,6 +142,9 @@ class EngineState:
         self.held_until = -math.inf  # restart hold, set by recovery
         self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
         self.ejected: str | None = None  # health ejection reason, set by recovery
+        # A leg could not connect to the engine; set by recovery until a health probe
+        # sent after it answers.
+        self.unreachable: str | None = None
         # Circuit breakers per phase, installed by recovery; absent means always closed.
         self.phase_gates: dict[str, PhaseGate] = {}
         # Load the router itself put on the engine.
@@ -228,6 +231,8 @@ class EngineState:
             return f"auth refused: {self.auth_refused}"
         if self.ejected is not None:
             return f"ejected: {self.ejected}"
+        if self.unreachable is not None:
+            return f"unreachable: {self.unreachable}"
         if now < self.held_until:
             return "restart hold"
         if now < self.quarantined_until:

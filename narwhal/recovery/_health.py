@@ -23,7 +23,8 @@ Latency residuals (`ResidualWindow`)
 
 Restart holds (`RestartHold`, `IdentityTracker`)
   An engine has restarted when any of these shows it: GET /version reports another
-  instance id, build or version; it answers again after being unreachable; its /metrics
+  instance id, build or version; it answers again after being unreachable, unless its
+  /version names the instance id it named before (unreachable, not restarted); its /metrics
   reports another `process_start_time_seconds`; or its prompt-token counter
   (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards. Its KV and
   any handoff in flight are gone and its warm-up state is unknown. It is held out of
@@ -252,7 +253,8 @@ class IdentityTracker:
             return None
         if reachable and self.unreachable:
             self.unreachable = False
-            reason = "answered again after being unreachable"
+            if not self._same_instance(identity):
+                reason = "answered again after being unreachable"
         if identity is not None:
             stale, self._identity_stale = self._identity_stale, False
             if self.identity is not None and identity != self.identity and not stale:
@@ -260,6 +262,16 @@ class IdentityTracker:
                 reason = f"identity changed ({changed})" if reason is None else reason
             self.identity = identity
         return reason
+
+    def _same_instance(self, identity: Identity | None) -> bool:
+        """`identity` names the process instance that answered before: it went unreachable
+        (its listener closed, its connections dropped) without restarting, so it keeps its
+        KV and warm-up state, and a restart hold would only keep a sound engine out. Only
+        an instance id tells; a version or build is the same across a restart."""
+        if identity is None or self.identity is None or self._identity_stale:
+            return False
+        instance = dict(identity).get("instance_id")
+        return instance is not None and instance == dict(self.identity).get("instance_id")
 
     def observe_metrics(
         self, start_time: float | None, prompt_tokens: Iterable[tuple[str, float]] | None

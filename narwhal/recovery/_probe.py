@@ -39,7 +39,9 @@ never joins leaves the prefill waiting), and a vLLM decode leg pulls the prefill
 
 A leg answered with 401/403 makes the pair `refused`, naming the engine that refused
 Narwhal's API key: the caller judges that as the request path does (`fleet.key_refused`),
-not as a failed verification, since the engine refuses the key, not the work.
+not as a failed verification, since the engine refuses the key, not the work. A leg
+answered with 429 makes it `inconclusive`: the engine is busy, not broken, and the
+request path never counts a 429 against an engine either.
 """
 
 from __future__ import annotations
@@ -235,6 +237,14 @@ class _LegRefused(_LegFailed):
     def __init__(self, detail: str, refusal: KeyRefusal) -> None:
         super().__init__(detail, refusal.engine, own=True)
         self.refusal = refusal
+
+
+class _LegBusy(_LegFailed):
+    """The engine answered 429: it is busy, not broken, as the request path and the
+    breakers judge it (such a failure never counts against an engine)."""
+
+    def __init__(self, detail: str, engine: EngineState) -> None:
+        super().__init__(detail, engine, own=True)
 
 
 def _free(pool: ConnectionPool) -> bool:
@@ -444,6 +454,9 @@ class HttpProber:
             return VerifyResult("inconclusive", str(exc))
         except _LegRefused as exc:
             return VerifyResult("refused", f"{pair.describe()}: {exc}", refusal=exc.refusal)
+        except _LegBusy as exc:
+            busy = f"{pair.describe()}: {exc}; a busy engine is not a failed one"
+            return VerifyResult("inconclusive", busy)
         except _LegFailed as exc:
             culprit = exc.engine.id if exc.own else None
             detail = f"{pair.describe()}: {exc}"
@@ -541,6 +554,8 @@ class _Leg:
             # The engine's own refusal, whatever the partner did; not a failure either.
             refusal = KeyRefusal(self.engine, status, parse_error_body(status, raw).message)
             return _LegRefused(_refused_detail(self.where, refusal), refusal)
+        if status == 429:
+            return _LegBusy(f"{self.where} returned HTTP 429", self.engine)
         return self.answered(f"{self.where} returned HTTP {status}")
 
     def late(self, limit: float) -> _LegFailed:

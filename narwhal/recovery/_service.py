@@ -7,7 +7,9 @@ pins belong to the operator (narwhalctl) and `removed` to reload.
 Inputs
 - Every engine leg's outcome, from the request path through `LegObserver`
   (`leg_ok` / `leg_failed`). Counted failures feed the failing phase's breaker and
-  start recovery.failure_quarantine_s of quarantine (0 disables it). Successes are
+  start recovery.failure_quarantine_s of quarantine (0 disables it); a leg that could
+  not connect also takes the engine out until a health probe sent after it answers,
+  and that probe goes out at once (`_unreachable`). Successes are
   kept, newest last and at most _PENDING_LEGS of them, as the engine's latency
   observations for the monitor's residual stage.
 - One probe loop per engine: GET /health (and /version for the engine's identity)
@@ -91,6 +93,8 @@ _PENDING_LEGS = 64
 _TRANSFER_FAILURES = 1024
 # EngineFailed.code of an SGLang pair's failed KV transfer (serving's _transfer_failed).
 _TRANSFER_FAILED = "kv_transfer_failed"
+# EngineFailed.code of a leg that could not connect (serving's _engine_request).
+_UNREACHABLE = "engine_unreachable"
 
 
 @attrs.frozen
@@ -175,6 +179,10 @@ class EngineRecovery:
         self.scope: trio.CancelScope | None = None
         self.next_verify_at = -math.inf
         self.quarantine_active = False
+        # When a leg last failed to connect (`Recovery._unreachable`); only a probe sent
+        # after it may return the engine to placement.
+        self.unreachable_at = -math.inf
+        self.probe_now = False
         self.last_probe: ProbeResult | None = None
         self.last_probe_at: float | None = None
         # The identity check's refusal was logged; until /version answers again.
@@ -226,6 +234,7 @@ class EngineRecovery:
                 "last_check": _last(self.last_key_check, self.last_key_check_at, now),
             },
             "ejected": engine.ejected,
+            "unreachable": engine.unreachable,
             "hold": self.hold.snapshot(now),
             "quarantine": {
                 "active": now < engine.quarantined_until,
@@ -277,8 +286,8 @@ class Recovery:
         registry = ctx.metrics.registry
         self._m_transitions = Counter(
             "narwhal_recovery_transitions",
-            "Recovery verdict changes by engine, kind (breaker, health, hold, quarantine), "
-            "phase and states.",
+            "Recovery verdict changes by engine, kind (breaker, health, hold, quarantine, "
+            "reachability), phase and states.",
             ["engine", "kind", "phase", "from", "to"],
             registry=registry,
         )
@@ -291,7 +300,8 @@ class Recovery:
         self._m_verifications = Counter(
             "narwhal_verifications",
             "Verification leg pairs by engine, purpose (breaker, readmission) and outcome "
-            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key).",
+            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key; retried: "
+            "failed at once and sent again, only the second pair counts).",
             ["engine", "purpose", "outcome"],
             registry=registry,
         )
@@ -437,6 +447,27 @@ class Recovery:
         if record is None:
             return
         self._count(record, phase, failure.message, failure.code)
+        if failure.code == _UNREACHABLE:
+            self._unreachable(record, phase, failure.message)
+
+    def _unreachable(self, record: EngineRecovery, phase: str, message: str) -> None:
+        """A leg could not connect to the engine: out of placement until a health probe
+        sent after this answers, and that probe goes out at once.
+
+        An engine that refuses connections fails every leg at once, so it looks idle and
+        placement sends it most new requests; until its probes had failed
+        recovery.health.failure_threshold times, each of those failed (a streamed one
+        with its 200 sent, so not retried: manual 4.3). Out at once, it costs its role
+        one probe's round trip when the refusal was a blip, and its requests go to the
+        role's other engines meanwhile."""
+        engine = record.engine
+        record.unreachable_at = trio.current_time()
+        record.probe_now = True
+        record.wake.set()
+        if engine.unreachable is not None:
+            return
+        engine.unreachable = f"{phase} leg could not connect ({message}); until a probe answers"
+        self._changed(engine.id, "reachability", None, "reachable", "unreachable", message)
 
     def _count(self, record: EngineRecovery, phase: str, message: str, code: str) -> None:
         """A failure counted against the engine: its phase's breaker and quarantine."""
@@ -616,7 +647,7 @@ class Recovery:
             next_probe = trio.current_time() + self.ctx.config.recovery.health.interval_s
             while True:
                 now = trio.current_time()
-                due = min(next_probe, record.next_due())
+                due = now if record.probe_now else min(next_probe, record.next_due())
                 if due > now:
                     with trio.move_on_at(due):
                         await record.wake.wait()
@@ -624,7 +655,7 @@ class Recovery:
                         record.wake = trio.Event()
                 now = trio.current_time()
                 self._timers(record, now)
-                if now >= next_probe:
+                if now >= next_probe or record.probe_now:
                     await self._probe(record)
                     interval = self.ctx.config.recovery.health.interval_s
                     next_probe = trio.current_time() + interval
@@ -756,8 +787,20 @@ class Recovery:
 
     async def _probe(self, record: EngineRecovery) -> None:
         started = trio.current_time()
+        record.probe_now = False
         result = await self._probe_once(record)
         health = self.ctx.config.recovery.health
+        engine = record.engine
+        if engine.unreachable is not None:
+            if result.outcome == "ok" and started >= record.unreachable_at:
+                engine.unreachable = None
+                self._changed(
+                    engine.id, "reachability", None, "unreachable", "reachable", result.detail
+                )
+            elif result.outcome != "failed":
+                # Sent before the leg failed, or no answer either way: ask again at once
+                # (a failed probe leaves it to the probe interval and the health streak).
+                record.probe_now = record.probe_now or started < record.unreachable_at
         if result.outcome == "ok":
             if trio.current_time() < record.latency_until:
                 # A slow engine answers its probes and passes a verification pair (both
@@ -913,6 +956,27 @@ class Recovery:
         return self.ctx.config.recovery.health.interval_s
 
     async def _verify(self, record: EngineRecovery, purpose: str, phase: str) -> VerifyResult:
+        """One verification; a pair that failed at once is sent again, and only the second
+        one's result counts.
+
+        A verification is one pair of legs, and the verdict it decides (readmission, or a
+        breaker's close) is re-tried only after readmit_successes more probes or a probe
+        interval. A single transient fault on either leg (an engine's one 5xx, a dropped
+        connection, an error event on the in-service partner's leg, which counts against
+        the subject) would keep a sound engine out for another round, and when its role's
+        other engines are out too, every request meanwhile is refused
+        (`no_engine_available`). A broken engine fails the second pair as well, a moment
+        later. A pair that ran out engine.first_token_timeout_s is not sent again: it has
+        waited its deadline already, and a stalled engine would hold its loop twice as
+        long."""
+        result = await self._verify_once(record, purpose, phase, retry=True)
+        if result.outcome == "failed" and result.deadline_s is None:
+            result = await self._verify_once(record, purpose, phase, retry=False)
+        return result
+
+    async def _verify_once(
+        self, record: EngineRecovery, purpose: str, phase: str, *, retry: bool
+    ) -> VerifyResult:
         self._verify_seq += 1
         subject = record.engine
         request_id = f"narwhal-verify-{subject.id}-{self._verify_seq}"
@@ -930,15 +994,17 @@ class Recovery:
             refusal = result.refusal
             key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
-        self._m_verifications.labels(subject.id, purpose, result.outcome).inc()
+        retried = retry and result.outcome == "failed" and result.deadline_s is None
+        outcome = "retried" if retried else result.outcome
+        self._m_verifications.labels(subject.id, purpose, outcome).inc()
         verification: dict[str, object] = {
             "request_id": request_id,
             "purpose": purpose,
             "phase": phase,
             "partner": None if partner is None else partner.id,
             "standby": standby,
-            "outcome": result.outcome,
-            "detail": result.detail,
+            "outcome": outcome,
+            "detail": result.detail + ("; not counted: sending another pair" if retried else ""),
             "duration_s": round(duration, 6),
         }
         record.last_verification = verification
@@ -948,8 +1014,8 @@ class Recovery:
             purpose,
             subject.id,
             phase,
-            result.outcome,
-            result.detail,
+            outcome,
+            verification["detail"],
             extra={"event": "verification", "engine": subject.id, **verification},
         )
         return result
@@ -1129,7 +1195,7 @@ class Recovery:
             "reason": reason,
         }
         self.recent_changes.append(entry)
-        worse = new in ("open", "ejected", "held", "quarantined")
+        worse = new in ("open", "ejected", "held", "quarantined", "unreachable")
         where = f"{engine_id}/{phase}" if phase else engine_id
         log.log(
             logging.WARNING if worse else logging.INFO,
@@ -1170,6 +1236,11 @@ class Recovery:
         flags: list[tuple[str, str, Callable[[EngineRecovery], bool]]] = [
             ("ejected", "1 while health-ejected.", lambda r: r.engine.ejected is not None),
             ("held", "1 while under a restart hold.", lambda r: r.hold.active),
+            (
+                "unreachable",
+                "1 while out after a leg could not connect, until a probe answers.",
+                lambda r: r.engine.unreachable is not None,
+            ),
             (
                 "quarantined",
                 "1 while quarantined after a failure.",

@@ -57,7 +57,11 @@ class FakeProber:
         self.hung: set[str] = set()
         self.hung_legs: set[str] = set()
         self.health_of: dict[str, ProbeResult] = {}
+        # Seconds a probe of the engine takes before it answers.
+        self.health_delay: dict[str, float] = {}
         self.verify_of: dict[str, VerifyResult] = {}
+        # Results handed out one per verification, before verify_of applies.
+        self.verify_next: dict[str, list[VerifyResult]] = {}
         self.key_of: dict[str, KeyCheck] = {}
         self.load_of: dict[str, LoadSample | Exception] = {}
         # Seconds a scrape takes to answer; one at or past engine.health_timeout_s runs
@@ -78,6 +82,7 @@ class FakeProber:
             await trio.sleep(limit)
             detail = timed_out("GET /health", "engine.health_timeout_s", limit)
             return ProbeResult("failed", detail, None, deadline_s=limit)
+        await trio.sleep(self.health_delay.get(engine.id, 0.0))
         return self.health_of.get(engine.id, HEALTHY)
 
     async def scrape(self, engine: EngineState, config: Config) -> LoadSample:
@@ -108,6 +113,9 @@ class FakeProber:
             where = f"{pair.phase} leg on {pair.subject.id}"
             detail = timed_out(where, "engine.first_token_timeout_s", limit)
             return VerifyResult("failed", detail, pair.subject.id, deadline_s=limit)
+        queued = self.verify_next.get(pair.subject.id)
+        if queued:
+            return queued.pop(0)
         return self.verify_of.get(pair.subject.id, VERIFIED)
 
     async def check_key(self, engine: EngineState, config: Config) -> KeyCheck:
@@ -168,6 +176,19 @@ def failure(engine: str, phase: str, *, status: int = 502, counts: bool = True) 
         retryable=True,
         counts_against_engine=counts,
         code=f"engine_http_{status}",
+    )
+
+
+def unreachable(engine: str, phase: str) -> EngineFailed:
+    """What the request path reports for a leg whose connection was refused."""
+    return EngineFailed(
+        f"{phase} engine {engine}: connect to 127.0.0.1:10 failed: connection refused",
+        status=502,
+        engine_id=engine,
+        phase=phase,
+        retryable=True,
+        counts_against_engine=True,
+        code="engine_unreachable",
     )
 
 

@@ -104,6 +104,30 @@ def test_identity_change_and_coming_back_are_restarts() -> None:
     assert tracker.observe(True, None) is None
 
 
+def test_coming_back_as_the_same_instance_is_no_restart() -> None:
+    # Its listener closed and its connections dropped, but /version names the process
+    # that answered before: its KV and warm-up state are still there.
+    tracker = IdentityTracker()
+    first = (("instance_id", "a"), ("version", "0.11"))
+    assert tracker.observe(True, first) is None
+    assert tracker.observe(False, None) is None
+    assert tracker.observe(True, first) is None
+    assert tracker.snapshot()["unreachable"] is False
+    # Without an instance id (stock engines name only their version), or without an
+    # answer on /version, coming back is all there is to go by.
+    assert tracker.observe(False, None) is None
+    assert tracker.observe(True, None) == "answered again after being unreachable"
+    stock = IdentityTracker()
+    assert stock.observe(True, (("version", "0.11"),)) is None
+    assert stock.observe(False, None) is None
+    assert stock.observe(True, (("version", "0.11"),)) == "answered again after being unreachable"
+    # Another instance id is a restart whichever signal names it.
+    assert tracker.observe(False, None) is None
+    assert tracker.observe(True, (("instance_id", "b"), ("version", "0.11"))) == (
+        "answered again after being unreachable"
+    )
+
+
 def test_a_new_process_start_time_is_a_restart() -> None:
     tracker = IdentityTracker()
     assert tracker.observe_metrics(None, None) is None  # not reported: no evidence

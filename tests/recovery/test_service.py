@@ -47,6 +47,7 @@ from .fakes import (
     config,
     failure,
     first_token_timeout,
+    unreachable,
 )
 
 
@@ -161,8 +162,56 @@ async def test_failed_verification_keeps_the_engine_out_until_a_later_one_passes
     assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
     del rig.prober.verify_of["d0"]
     await rig.at(7.0)  # two more good probes, then a verification that passes
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 7.0]
+    # The failed pair was sent again at once; both failed, so the second counted.
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0, 7.0]
     assert rig.reason("d0") is None
+
+
+async def test_a_verification_that_fails_once_is_sent_again_and_the_second_pair_decides(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # One transient fault on a verification leg (an engine's one 5xx) must not keep a
+    # sound engine out for another round of probes.
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.verify_next["d0"] = [VerifyResult("failed", "decode leg on d0 returned HTTP 503")]
+    await rig.at(5.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0]
+    assert rig.reason("d0") is None
+    assert changes(rig, "health") == D0_READMITTED
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.last_verification is not None
+    assert record.last_verification["outcome"] == "ok"
+    registry = rig.ctx.metrics.registry
+    counts = {
+        outcome: registry.get_sample_value(
+            "narwhal_verifications_total",
+            {"engine": "d0", "purpose": "readmission", "outcome": outcome},
+        )
+        for outcome in ("retried", "ok", "failed")
+    }
+    assert counts == {"retried": 1.0, "ok": 1.0, "failed": None}
+
+
+async def test_a_verification_that_ran_out_its_deadline_is_not_sent_again(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # It has waited engine.first_token_timeout_s already; a stalled engine would hold
+    # its loop twice as long.
+    rig = await start(nursery, config())
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.hung_legs.add("d0")
+    await rig.at(7.5)  # verification at +5 runs out engine.first_token_timeout_s=2.5
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0]
+    assert rig.reason("d0") == (
+        "ejected: verification failed: decode leg on d0: no answer within "
+        "engine.first_token_timeout_s=2.5"
+    )
 
 
 async def test_an_engine_down_at_startup_is_kept_probed_held_and_readmitted(
@@ -292,6 +341,59 @@ async def test_a_restarted_engine_is_released_only_after_the_before_release_hook
     assert len(seen) == 1  # not for an engine that was not held
 
 
+async def test_a_leg_that_cannot_connect_takes_the_engine_out_until_a_probe_answers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # An engine refusing connections fails every leg at once and looks idle, so it would
+    # draw most new requests until its probes had failed failure_threshold times.
+    rig = await start(nursery, config(recovery={"breaker": {"failure_threshold": 5}}))
+    d0 = rig.engine("d0")
+    await rig.at(0.5)
+    rig.prober.health_of["d0"] = REFUSED
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    assert rig.reason("d0") == (
+        "unreachable: decode leg could not connect (decode engine d0: connect to "
+        "127.0.0.1:10 failed: connection refused); until a probe answers"
+    )
+    await trio.testing.wait_all_tasks_blocked()
+    assert ("d0", rig.t0 + 0.5) in rig.prober.probes  # at once, not at +1
+    await rig.at(1.5)  # probes at +0.5 and +1.5 refused too: still out
+    assert (rig.reason("d0") or "").startswith("unreachable: ")
+    rig.prober.health_of["d0"] = HEALTHY
+    await rig.at(2.5)  # the next probe answers: back, with no restart hold
+    assert rig.reason("d0") is None
+    assert changes(rig, "reachability") == [
+        ("d0", None, "reachable", "unreachable"),
+        ("d0", None, "unreachable", "reachable"),
+    ]
+    assert changes(rig, "health") == []  # two refused probes, under failure_threshold=3
+    # A blip: the probe sent at once answers, so the engine was out for no time at all.
+    await rig.at(3.2)
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    assert rig.reason("d0") is not None
+    await trio.testing.wait_all_tasks_blocked()
+    assert rig.reason("d0") is None
+    assert trio.current_time() == rig.t0 + 3.2
+    # Other failures leave it in placement (the breaker and quarantine judge those).
+    rig.recovery.leg_failed(d0, "decode", failure("d0", "decode"))
+    assert rig.reason("d0") is None
+
+
+async def test_only_a_probe_sent_after_the_failed_connect_returns_the_engine(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    rig.prober.health_delay["d0"] = 0.5
+    await rig.at(1.2)  # the probe sent at +1 is under way
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    await rig.at(1.5)  # its answer predates the refusal: another probe at once
+    assert (rig.reason("d0") or "").startswith("unreachable: ")
+    assert [t - rig.t0 for e, t in rig.prober.probes if e == "d0"] == [0.0, 1.0, 1.5]
+    await rig.at(2.0)
+    assert rig.reason("d0") is None
+
+
 # ---------------------------------------------------------------- breakers
 
 
@@ -360,7 +462,7 @@ async def test_a_failed_verification_reopens_for_another_open_s(
     assert rig.breaker("d0", "decode") is BreakerState.OPEN
     del rig.prober.verify_of["d0"]
     await rig.at(8.0)
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 8.0]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 4.0, 8.0]
     assert rig.breaker("d0", "decode") is BreakerState.CLOSED
 
 
@@ -489,7 +591,7 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
     await rig.at(7.0)  # good probes at +6 and +7
     times, last = verified(rig, "d0")
     assert (times, last["partner"], last["standby"], last["outcome"]) == (
-        [5.0, 7.0],
+        [5.0, 5.0, 7.0, 7.0],  # each failed pair was sent again once
         "p0",
         False,
         "failed",
@@ -1581,7 +1683,7 @@ async def test_a_restart_seen_by_the_probe_is_not_seen_again_on_metrics(
     rig.prober.health_of["d0"] = REFUSED
     rig.prober.load_of["d0"] = ScrapeError("GET /metrics: connect failed: connection refused")
     await rig.at(2.5)
-    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
     await rig.at(3.0)  # the probe at +3 sees it answer again and starts the hold
     record = rig.recovery.record("d0")
     assert record is not None

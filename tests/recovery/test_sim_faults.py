@@ -133,7 +133,10 @@ async def test_unhealthy_engine_is_ejected_then_readmitted_after_a_verification_
 async def test_engine_going_down_and_up_gets_a_restart_hold_until_verified(
     start_stack: StartStack,
 ) -> None:
-    stack = await start_stack(["prefill", "decode", "decode"])
+    # Stock /version names no instance, so coming back is the restart signal.
+    stack = await start_stack(
+        ["prefill", "decode", "decode"], sim={"spec": SimEngineSpec(stock_version=True)}
+    )
     await stack.fleet[2].go_down()
     await wait_for(lambda: (reason(stack, "d2") or "").startswith("ejected: 2 consecutive"))
     assert "connection refused" in (reason(stack, "d2") or "")
@@ -143,6 +146,22 @@ async def test_engine_going_down_and_up_gets_a_restart_hold_until_verified(
     await wait_for(lambda: available(stack, "d2"))
     assert not recovery(stack, "d2").hold.active
     assert transitions(stack, "d2", "hold") == [("released", "held"), ("held", "released")]
+    assert (await post(stack)).status_code == 200
+
+
+async def test_an_engine_back_as_the_same_instance_is_readmitted_without_a_hold(
+    start_stack: StartStack,
+) -> None:
+    # Its /version names the instance that answered before it went down: it was
+    # unreachable, not restarted. Ejected, it is readmitted as any ejected engine is.
+    stack = await start_stack(["prefill", "decode", "decode"])
+    await stack.fleet[2].go_down()
+    await wait_for(lambda: (reason(stack, "d2") or "").startswith("ejected: 2 consecutive"))
+    await stack.fleet[2].come_up()
+    await wait_for(lambda: available(stack, "d2"))
+    assert recovery(stack, "d2").hold.holds_total == 0
+    assert transitions(stack, "d2", "hold") == []
+    assert recovery(stack, "d2").last_verification["outcome"] == "ok"
     assert (await post(stack)).status_code == 200
 
 
@@ -445,6 +464,14 @@ async def test_verification_pairs_in_both_dialects_and_their_failures(
         assert result == VerifyResult(
             "failed", "prefill on p0, decode on d0: decode leg on d0 returned HTTP 500"
         )
+        # A 429 says the engine is busy, not broken: no evidence either way.
+        fleet[1].set_faults(error_status=429, leg="decode")
+        result = await prober.verify(pair, config)
+        assert result == VerifyResult(
+            "inconclusive",
+            "prefill on p0, decode on d0: decode leg on d0 returned HTTP 429; a busy engine "
+            "is not a failed one",
+        ), dialect
         # How an engine answered (here a dropped connection) is its own doing.
         fleet[1].set_faults(crash_after_tokens=0, leg="decode")
         result = await prober.verify(pair, config)
@@ -580,6 +607,7 @@ async def test_state_reports_recovery_per_engine(start_stack: StartStack) -> Non
         "health",
         "auth",
         "ejected",
+        "unreachable",
         "hold",
         "quarantine",
         "identity",
