@@ -711,6 +711,12 @@ class Flow:
     ) -> None:
         ctx = self.ctx
         serving = config.serving
+        # Engines whose leg failed: a retry goes elsewhere while another engine can take
+        # it. When none can (the role's others are out), it goes back to the engine that
+        # failed, as any HTTP retry would: a transient failure is worth the attempt
+        # (manual 4.2), and refusing the request as `no_engine_available` would blame a
+        # fleet that still has an engine. An engine taken out of placement meanwhile
+        # (unreachable, breaker, quarantine, ejection) is not placeable either way.
         excluded: set[str] = set()
         # Prefill servers of SGLang pairs whose KV transfer failed: left out of a retry
         # while another one can take it, never the only one (see _transfer_failed).
@@ -724,6 +730,8 @@ class Flow:
             placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
             if isinstance(placement, NoPlacement) and avoided:
                 placement = choose(views, excluded=frozenset(excluded), policy=policy)
+            if isinstance(placement, NoPlacement) and excluded:
+                placement = choose(views, excluded=frozenset(), policy=policy)
             if isinstance(placement, NoPlacement):
                 raise Unavailable(placement.reason, code="no_engine_available")
             if placement.unserved:

@@ -34,6 +34,23 @@ async def test_prefill_failure_is_retried_on_another_prefill_engine(
     assert state["requests"]["in_flight"] == []
 
 
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_retry_goes_back_to_the_failed_engine_when_its_role_has_no_other(
+    start_stack: StartStack, leg: str
+) -> None:
+    # 1P1D: the retry excluded the engine that failed and found no other, so one
+    # transient 503 was refused as 503 no_engine_available with an engine still in
+    # placement.
+    stack = await start_stack(serving=RETRYING)
+    index = 0 if leg == "prefill" else 1
+    stack.fleet[index].set_faults(error_status=503, leg=leg, count=1)
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert requests(stack, index, leg) == 2
+    state = await settled(stack)
+    assert state["retry_budget"]["spent_total"] == 1
+
+
 async def test_decode_failure_retries_the_pair_with_a_fresh_prefill(
     start_stack: StartStack,
 ) -> None:
