@@ -55,7 +55,13 @@ class TransportError(Exception):
 
 
 class ConnectError(TransportError):
-    """TCP connect failed or timed out; nothing reached the engine."""
+    """TCP connect failed or timed out; nothing reached the engine. `timeout_s`: the
+    connect deadline that ran out, None when the connect failed outright (refused,
+    unroutable): a deadline can also run out because the router's own loop lagged."""
+
+    def __init__(self, message: str, *, timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
 
 
 class RemoteProtocolError(TransportError):
@@ -495,7 +501,8 @@ class ConnectionPool:
         except trio.TooSlowError:
             raise ConnectError(
                 f"connect to {self.host}:{self.port} exceeded "
-                f"engine.connect_timeout_s={self.connect_timeout_s}"
+                f"engine.connect_timeout_s={self.connect_timeout_s}",
+                timeout_s=self.connect_timeout_s,
             ) from None
         except OSError as exc:
             raise ConnectError(

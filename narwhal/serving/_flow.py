@@ -1089,7 +1089,17 @@ class Flow:
             ) as response:
                 yield response
         except ConnectError as exc:
-            raise _failed(engine, phase, "engine_unreachable", str(exc), retryable=True) from None
+            # A connect deadline is excused like the leg deadlines when the router's own
+            # loop lag explains it (recovery's leg_failed): under a client flood the
+            # handshake's answer waits unread, and the engine would be taken out.
+            raise _failed(
+                engine,
+                phase,
+                "engine_unreachable",
+                str(exc),
+                retryable=True,
+                deadline_s=exc.timeout_s,
+            ) from None
         except RemoteProtocolError as exc:
             raise _failed(
                 engine, phase, "engine_connection_lost", str(exc), retryable=True

@@ -256,10 +256,31 @@ async def test_connection_refused_is_a_connect_error() -> None:
     pool = ConnectionPool(
         "127.0.0.1", port, max_connections=2, connect_timeout_s=1.0, pool_timeout_s=1.0
     )
-    with pytest.raises(ConnectError, match="connection refused"):
+    with pytest.raises(ConnectError, match="connection refused") as refused:
         async with pool.request(b"GET", b"/"):
             pass
+    assert refused.value.timeout_s is None
     assert pool.statistics().in_use == 0
+
+
+async def test_a_connect_that_runs_out_its_deadline_says_which(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Refused outright the connect is the engine's answer; run out, it may be the
+    # router's own loop that lagged, so the request path passes the deadline on for the
+    # lag excuse (recovery's leg_failed).
+    async def never(*args: object, **kwargs: object) -> trio.SocketStream:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    monkeypatch.setattr(trio, "open_tcp_stream", never)
+    pool = ConnectionPool(
+        "127.0.0.1", 9, max_connections=2, connect_timeout_s=1.5, pool_timeout_s=1.0
+    )
+    with pytest.raises(ConnectError, match=r"exceeded engine\.connect_timeout_s=1\.5") as ran_out:
+        async with pool.request(b"GET", b"/"):
+            pass
+    assert ran_out.value.timeout_s == 1.5
 
 
 async def test_engine_dropping_mid_body_is_a_protocol_error(nursery: trio.Nursery) -> None:

@@ -179,16 +179,23 @@ def failure(engine: str, phase: str, *, status: int = 502, counts: bool = True) 
     )
 
 
-def unreachable(engine: str, phase: str) -> EngineFailed:
-    """What the request path reports for a leg whose connection was refused."""
+def unreachable(engine: str, phase: str, timeout_s: float | None = None) -> EngineFailed:
+    """What the request path reports for a leg whose connection was refused, or (with
+    `timeout_s`) whose connect ran out engine.connect_timeout_s."""
+    detail = (
+        "failed: connection refused"
+        if timeout_s is None
+        else f"exceeded engine.connect_timeout_s={timeout_s}"
+    )
     return EngineFailed(
-        f"{phase} engine {engine}: connect to 127.0.0.1:10 failed: connection refused",
+        f"{phase} engine {engine}: connect to 127.0.0.1:10 {detail}",
         status=502,
         engine_id=engine,
         phase=phase,
         retryable=True,
         counts_against_engine=True,
         code="engine_unreachable",
+        deadline_s=timeout_s,
     )
 
 

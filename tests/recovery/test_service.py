@@ -1342,6 +1342,25 @@ async def test_leg_timeouts_while_the_router_is_starved_do_not_open_breakers(
     assert rig.breaker("d0", "decode") is BreakerState.OPEN
 
 
+async def test_a_connect_timing_out_while_the_router_is_starved_takes_nothing_out(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A connect deadline is a deadline: under a client flood the handshake's answer waits
+    # unread, and the engine was marked unreachable (out of placement) and charged.
+    rig = await start(nursery, config())
+    d0 = rig.engine("d0")
+    nursery.start_soon(starved_loop, rig, 0.3, 5.0)
+    await rig.at(3.0)
+    for _ in range(3):  # a tenth of 1 s is 0.1 s
+        rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode", timeout_s=1.0))
+    assert rig.reason("d0") is None
+    assert rig.breaker("d0", "decode") is BreakerState.CLOSED
+    assert excused(rig, "d0", "leg_failure") == 3
+    # Refused outright, it is the engine's doing whatever the loop does.
+    rig.recovery.leg_failed(d0, "decode", unreachable("d0", "decode"))
+    assert (rig.reason("d0") or "").startswith("unreachable: ")
+
+
 async def test_a_verification_timing_out_while_the_router_is_starved_is_inconclusive(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from narwhal._errors import EngineFailed
+from narwhal.engines import ConnectError
 from narwhal.fleet import EngineState
 
 from ..support import wait_for
@@ -82,6 +83,36 @@ async def test_prefill_engine_errors_are_mapped_not_passed_through(
     assert error["message"].startswith(f"prefill engine p0 returned HTTP {status}: ")
     assert stack.fleet[1].state()["counters"]["requests"]["decode"] == 0
     await settled(stack)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 1.5])
+async def test_a_connect_failure_reaches_recovery_with_its_deadline(
+    start_stack: StartStack, monkeypatch: pytest.MonkeyPatch, timeout_s: float | None
+) -> None:
+    # A connect that ran out engine.connect_timeout_s carries the deadline, so recovery
+    # can set it aside when the router's own loop lag explains it; a refusal carries none.
+    stack = await start_stack()
+    prefill = stack.ctx.fleet.get("p0")
+    assert prefill is not None
+
+    async def cannot_connect() -> object:
+        raise ConnectError("connect to 127.0.0.1:9 did not work", timeout_s=timeout_s)
+
+    monkeypatch.setattr(prefill.serving_pool, "_checkout", cannot_connect)
+    seen: list[EngineFailed] = []
+    observer = stack.ctx.leg_observer
+    original = observer.leg_failed
+
+    def leg_failed(engine: EngineState, phase: str, failure: EngineFailed) -> None:
+        seen.append(failure)
+        original(engine, phase, failure)
+
+    monkeypatch.setattr(observer, "leg_failed", leg_failed)
+    response = await post(stack, {"max_tokens": 3})
+    assert response.json()["error"]["code"] == "engine_unreachable"
+    assert [(f.engine_id, f.code, f.deadline_s) for f in seen] == [
+        ("p0", "engine_unreachable", timeout_s)
+    ]
 
 
 async def test_client_errors_from_the_engine_keep_their_status(start_stack: StartStack) -> None:
