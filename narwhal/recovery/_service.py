@@ -1147,11 +1147,32 @@ class Recovery:
         return residuals
 
     def _last_of_role(self, engine: EngineState, now: float) -> bool:
-        """No other engine of `engine`'s role takes new work now."""
-        return not any(
-            other is not engine and other.role == engine.role and not other.unavailable_reason(now)
-            for other in self.ctx.fleet
-        )
+        """No other engine in placement takes the work of `engine`'s role now, so without
+        it every request that needs that role is refused (`no_engine_available`).
+
+        What placement does with a role (manual 5, `placement.choose`): a prefill or
+        decode engine's work is that phase of a pair, and when no pair is available it
+        goes to a `both` engine as aggregate work; a `both` engine's work goes to a pair
+        when one is available, else to another `both` engine. A peer counts when it
+        takes that work now: not removed, drained, auth-refused, ejected (or being
+        verified), unreachable, held or quarantined, and its breaker of that phase not
+        open; a pin fixes a role, not availability, so a pinned peer counts. Roles are
+        read as they are now: a peer the controller just moved into the role counts, one
+        it moved out does not (an SGLang server's role never moves)."""
+
+        def taken(role: str, phase: Phase) -> bool:
+            return any(
+                other is not engine
+                and other.role == role
+                and other.unavailable_reason(now, phase) is None
+                for other in self.ctx.fleet
+            )
+
+        if taken("both", "aggregate"):
+            return False
+        if engine.role == "both":
+            return not (taken("prefill", "prefill") and taken("decode", "decode"))
+        return not taken(engine.role, engine.role)
 
     # ------------------------------------------------------------------ verdicts
 

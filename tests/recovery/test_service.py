@@ -110,6 +110,19 @@ D0_READMITTED = [
 ]
 
 
+def with_peer(role: str, **sections: Any) -> Config:
+    """1P1D plus x1 of `role`: with x1 in placement, d0 is not the last engine to take
+    decode work (a `both` engine takes it as aggregate work when there is no pair)."""
+    return config(
+        engines=[
+            {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"},
+            {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"},
+            {"id": "x1", "url": "http://127.0.0.1:11", "role": role},
+        ],
+        **sections,
+    )
+
+
 async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_verification(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -1251,6 +1264,23 @@ async def test_a_slow_engine_is_ejected_once_another_of_its_role_is_available(
         rig.recovery.residual_pass(trio.current_time())
     assert rig.reason("d0") is None
     d1.drained = False
+    for _ in range(3):
+        rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.residual_pass(trio.current_time())
+    assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
+
+
+async def test_a_slow_engine_is_ejected_when_an_aggregate_engine_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # With d0 out, placement sends every request to x1 (role both) as aggregate work:
+    # d0 is not the last engine to take decode work, so slow, it is ejected.
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return 0.1
+
+    residuals = {"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}}
+    rig = await start(nursery, with_peer("both", recovery=residuals), predictor=predictor)
+    d0 = rig.engine("d0")
     for _ in range(3):
         rig.recovery.leg_ok(d0, "decode", 0.5)
         rig.recovery.residual_pass(trio.current_time())
