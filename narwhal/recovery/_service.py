@@ -809,13 +809,31 @@ class Recovery:
                 # out as long before its good probes count.
                 record.health.consecutive_failures = 0
             else:
-                self._health_changed(record, record.health.probe_ok(health))
+                alone = self._readmit_alone(record)
+                self._health_changed(record, record.health.probe_ok(health, alone))
             # Not again if this probe's /version refusal was just checked.
             checked = record.last_key_check_at is not None and record.last_key_check_at >= started
             if record.engine.auth_refused is not None and not checked:
                 await self._check_key(record)
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
+
+    def _readmit_alone(self, record: EngineRecovery) -> str | None:
+        """Why one good probe is enough to verify this ejected engine for readmission, or
+        None: no other engine in placement takes its role's work (`_last_of_role`), so
+        every request needing that role is refused until it is back, and each further
+        probe of recovery.health.readmit_successes costs the whole service a probe
+        interval. The probe streak guards against an engine that answers /health while
+        it flaps; the verification pair that follows (a real prefill and decode) still
+        has to pass, and a broken engine fails it and stays out. A drained or removed
+        engine would stay out of placement anyway, so it gets no shortcut."""
+        engine = record.engine
+        if record.health.verdict is not Verdict.EJECTED or engine.drained or engine.removed:
+            return None
+        if not self._last_of_role(engine, trio.current_time()):
+            return None
+        work = "aggregate" if engine.role == "both" else engine.role
+        return f"no other engine in placement takes {work} work"
 
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
