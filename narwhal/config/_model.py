@@ -444,7 +444,16 @@ class Health:
         2,
         AtLeast(1),
         doc=(
-            "Consecutive good probes before readmission verification. A verification pair "
+            "Consecutive good probes before readmission verification. One good probe is "
+            "enough while no other engine in placement takes the work of the engine's role "
+            "(another engine of its role, or a `both` engine for a prefill or decode engine, "
+            "or an available prefill/decode pair for a `both` engine; one drained, held, "
+            "ejected, quarantined, unreachable or refusing the key does not count), since "
+            "every request needing that role is refused meanwhile (`no_engine_available`); "
+            "the verification pair still has to pass, and a restart hold still lasts "
+            "`recovery.restart_hold_s`. The health transition's reason says so, and "
+            "`recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
+            "counts it. A verification pair "
             "(readmission or breaker) that fails at once is sent again, and only the second "
             'pair counts (the first is `narwhal_verifications_total{outcome="retried"}`); one '
             "that ran out `engine.first_token_timeout_s` is not sent again. A leg answered "

@@ -8,7 +8,11 @@ Health verdict (`HealthTracker`)
              engine that is down at startup is kept and readmitted when it comes up
              (a peer router drops such an engine for good).
   verifying  recovery.health.readmit_successes consecutive good probes after an
-             ejection; readmission waits for one verification leg pair to pass.
+             ejection, or one when no other engine in placement takes the work of the
+             engine's role (`Recovery._last_of_role`): every request that needs that role
+             is refused meanwhile, so each further probe interval is an outage of the
+             whole service. Readmission waits for one verification leg pair to pass
+             either way; that pair, not the probe streak, is what shows the engine serves.
 
 A probe that could not run because the control pool was exhausted is no evidence either
 way and leaves the verdict and the streaks unchanged (manual 4.1).
@@ -74,6 +78,9 @@ class HealthTracker:
         self.consecutive_failures = 0
         self.good_probes = 0
         self.ejected_total = 0
+        # Readmissions verified after fewer than readmit_successes good probes because
+        # the engine's role had no other engine in placement.
+        self.shortcuts_total = 0
 
     def _to(self, new: Verdict, reason: str) -> VerdictChange | None:
         old = self.verdict
@@ -93,17 +100,28 @@ class HealthTracker:
             return None
         return self.reason
 
-    def probe_ok(self, config: HealthConfig) -> VerdictChange | None:
+    def probe_ok(self, config: HealthConfig, alone: str | None = None) -> VerdictChange | None:
+        """A good probe. `alone` says why no other engine in placement takes the work of
+        this engine's role, if none does: then one good probe starts the verification."""
         self.consecutive_failures = 0
-        if self.verdict is Verdict.EJECTED:
-            self.good_probes += 1
-            if self.good_probes >= config.readmit_successes:
-                return self._to(
-                    Verdict.VERIFYING,
-                    f"{self.good_probes} good probes (recovery.health.readmit_successes="
-                    f"{config.readmit_successes}); verifying before readmission",
-                )
-        return None
+        if self.verdict is not Verdict.EJECTED:
+            return None
+        self.good_probes += 1
+        needed = config.readmit_successes
+        if self.good_probes >= needed:
+            return self._to(
+                Verdict.VERIFYING,
+                f"{self.good_probes} good probes (recovery.health.readmit_successes="
+                f"{needed}); verifying before readmission",
+            )
+        if alone is None:
+            return None
+        self.shortcuts_total += 1
+        return self._to(
+            Verdict.VERIFYING,
+            f"{self.good_probes} good probe of recovery.health.readmit_successes={needed}, "
+            f"enough while {alone}; verifying before readmission",
+        )
 
     def probe_failed(self, config: HealthConfig, detail: str) -> VerdictChange | None:
         self.consecutive_failures += 1
@@ -140,6 +158,7 @@ class HealthTracker:
             "consecutive_failures": self.consecutive_failures,
             "good_probes": self.good_probes,
             "ejected_total": self.ejected_total,
+            "readmit_shortcuts_total": self.shortcuts_total,
         }
 
 

@@ -809,13 +809,31 @@ class Recovery:
                 # out as long before its good probes count.
                 record.health.consecutive_failures = 0
             else:
-                self._health_changed(record, record.health.probe_ok(health))
+                alone = self._readmit_alone(record)
+                self._health_changed(record, record.health.probe_ok(health, alone))
             # Not again if this probe's /version refusal was just checked.
             checked = record.last_key_check_at is not None and record.last_key_check_at >= started
             if record.engine.auth_refused is not None and not checked:
                 await self._check_key(record)
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
+
+    def _readmit_alone(self, record: EngineRecovery) -> str | None:
+        """Why one good probe is enough to verify this ejected engine for readmission, or
+        None: no other engine in placement takes its role's work (`_last_of_role`), so
+        every request needing that role is refused until it is back, and each further
+        probe of recovery.health.readmit_successes costs the whole service a probe
+        interval. The probe streak guards against an engine that answers /health while
+        it flaps; the verification pair that follows (a real prefill and decode) still
+        has to pass, and a broken engine fails it and stays out. A drained or removed
+        engine would stay out of placement anyway, so it gets no shortcut."""
+        engine = record.engine
+        if record.health.verdict is not Verdict.EJECTED or engine.drained or engine.removed:
+            return None
+        if not self._last_of_role(engine, trio.current_time()):
+            return None
+        work = "aggregate" if engine.role == "both" else engine.role
+        return f"no other engine in placement takes {work} work"
 
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
@@ -1147,11 +1165,32 @@ class Recovery:
         return residuals
 
     def _last_of_role(self, engine: EngineState, now: float) -> bool:
-        """No other engine of `engine`'s role takes new work now."""
-        return not any(
-            other is not engine and other.role == engine.role and not other.unavailable_reason(now)
-            for other in self.ctx.fleet
-        )
+        """No other engine in placement takes the work of `engine`'s role now, so without
+        it every request that needs that role is refused (`no_engine_available`).
+
+        What placement does with a role (manual 5, `placement.choose`): a prefill or
+        decode engine's work is that phase of a pair, and when no pair is available it
+        goes to a `both` engine as aggregate work; a `both` engine's work goes to a pair
+        when one is available, else to another `both` engine. A peer counts when it
+        takes that work now: not removed, drained, auth-refused, ejected (or being
+        verified), unreachable, held or quarantined, and its breaker of that phase not
+        open; a pin fixes a role, not availability, so a pinned peer counts. Roles are
+        read as they are now: a peer the controller just moved into the role counts, one
+        it moved out does not (an SGLang server's role never moves)."""
+
+        def taken(role: str, phase: Phase) -> bool:
+            return any(
+                other is not engine
+                and other.role == role
+                and other.unavailable_reason(now, phase) is None
+                for other in self.ctx.fleet
+            )
+
+        if taken("both", "aggregate"):
+            return False
+        if engine.role == "both":
+            return not (taken("prefill", "prefill") and taken("decode", "decode"))
+        return not taken(engine.role, engine.role)
 
     # ------------------------------------------------------------------ verdicts
 

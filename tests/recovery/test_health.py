@@ -51,6 +51,37 @@ def test_readmission_needs_good_probes_then_verification() -> None:
     assert health.ejected_reason is None
 
 
+def test_one_good_probe_verifies_when_no_other_engine_takes_the_work() -> None:
+    health = HealthTracker()
+    health.eject("x")
+    alone = "no other engine in placement takes decode work"
+    change = health.probe_ok(CFG, alone)
+    assert change is not None
+    assert (change.old, change.new) == (Verdict.EJECTED, Verdict.VERIFYING)
+    assert change.reason == (
+        "1 good probe of recovery.health.readmit_successes=2, enough while no other engine "
+        "in placement takes decode work; verifying before readmission"
+    )
+    assert health.snapshot()["readmit_shortcuts_total"] == 1
+    # A failed verification ejects it again; the next readmission is judged afresh.
+    health.verify_failed("decode leg on d0 returned HTTP 500")
+    assert health.probe_ok(CFG) is None
+    assert health.probe_ok(CFG) is not None  # the full streak: no shortcut counted
+    assert health.shortcuts_total == 1
+
+
+def test_no_shortcut_is_counted_when_one_good_probe_is_the_setting() -> None:
+    health = HealthTracker()
+    health.eject("x")
+    one = Health(readmit_successes=1)
+    change = health.probe_ok(one, "no other engine in placement takes decode work")
+    assert change is not None
+    assert change.reason == (
+        "1 good probes (recovery.health.readmit_successes=1); verifying before readmission"
+    )
+    assert health.shortcuts_total == 0
+
+
 def test_a_failed_probe_or_verification_restarts_readmission() -> None:
     health = HealthTracker()
     health.eject("x")

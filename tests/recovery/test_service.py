@@ -110,10 +110,27 @@ D0_READMITTED = [
 ]
 
 
+def with_peer(role: str, **sections: Any) -> Config:
+    """1P1D plus x1 of `role`: with x1 in placement, d0 is not the last engine to take
+    decode work (a `both` engine takes it as aggregate work when there is no pair)."""
+    return config(
+        engines=[
+            {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"},
+            {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"},
+            {"id": "x1", "url": "http://127.0.0.1:11", "role": role},
+        ],
+        **sections,
+    )
+
+
+def eject_d0(rig: Rig) -> None:
+    rig.prober.health_of["d0"] = UNHEALTHY
+
+
 async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_verification(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    rig = await start(nursery, config())
+    rig = await start(nursery, with_peer("decode"))
     rig.prober.health_of["d0"] = UNHEALTHY
     await rig.at(2.5)  # failed probes at +1 and +2
     assert rig.reason("d0") is None
@@ -130,6 +147,123 @@ async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_veri
     assert attrs.astuple(verification) == ("d0", "decode", "p0", "d0", rig.t0 + 5.0)
     assert rig.reason("d0") is None
     assert changes(rig, "health") == D0_READMITTED
+
+
+@pytest.mark.parametrize(
+    ("role", "still_in"),
+    [
+        ("decode", "x1 in placement"),
+        ("both", "x1 in placement: aggregate work when there is no pair"),
+        ("decode", "x1's prefill breaker open: it takes decode work all the same"),
+    ],
+)
+async def test_readmission_takes_readmit_successes_probes_while_another_engine_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, role: str, still_in: str
+) -> None:
+    # Open for 100 s: not half-open (and verified) during the test.
+    rig = await start(nursery, with_peer(role, recovery={"breaker": {"open_s": 100.0}}))
+    x1 = rig.engine("x1")
+    if "breaker" in still_in:
+        for _ in range(3):
+            rig.recovery.leg_failed(x1, "prefill", failure("x1", "prefill"))
+        assert rig.breaker("x1", "prefill") is BreakerState.OPEN
+    eject_d0(rig)
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    await rig.at(4.0)
+    assert rig.prober.verifications == []  # one good probe is not enough: x1 takes the work
+    await rig.at(5.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0]
+    assert rig.reason("d0") is None
+    # Now x1 goes out too: d0's next readmission needs one good probe.
+    x1.drained = True
+    eject_d0(rig)
+    await rig.at(8.0)  # failed probes at +6, +7, +8
+    rig.prober.health_of["d0"] = HEALTHY
+    await rig.at(9.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 9.0]
+    assert rig.reason("d0") is None
+
+
+async def test_readmission_needs_one_good_probe_and_a_verification_when_no_other_engine_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1P1D: while d0 is out every request is refused (no_engine_available), so each
+    # further probe of the streak would cost the whole service a probe interval.
+    rig = await start(nursery, config())
+    eject_d0(rig)
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    with caplog.at_level(logging.INFO, logger="narwhal.recovery"):
+        await rig.at(4.0)  # one good probe, then the verification at once
+    (verification,) = rig.prober.verifications
+    assert attrs.astuple(verification) == ("d0", "decode", "p0", "d0", rig.t0 + 4.0)
+    assert rig.reason("d0") is None
+    assert changes(rig, "health") == D0_READMITTED
+    reason = (
+        "1 good probe of recovery.health.readmit_successes=2, enough while no other engine "
+        "in placement takes decode work; verifying before readmission"
+    )
+    (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
+    assert entry["reason"] == reason
+    (logged,) = [
+        r
+        for r in caplog.records
+        if getattr(r, "event", None) == "verdict" and r.__dict__["to"] == "verifying"
+    ]
+    assert logged.getMessage() == f"health d0: ejected -> verifying: {reason}"
+    engines: Any = rig.recovery.state()["engines"]
+    assert engines["d0"]["health"]["readmit_shortcuts_total"] == 1
+    assert engines["p0"]["health"]["readmit_shortcuts_total"] == 0
+
+
+async def test_failed_verification_keeps_the_engine_out_until_a_later_one_passes(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, with_peer("decode"))
+    rig.prober.health_of["d0"] = UNHEALTHY
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    await rig.at(5.0)
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    del rig.prober.verify_of["d0"]
+    await rig.at(7.0)  # two more good probes, then a verification that passes
+    # The failed pair was sent again at once; both failed, so the second counted.
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0, 7.0]
+    assert rig.reason("d0") is None
+
+
+async def test_a_failed_verification_keeps_out_an_engine_readmitted_on_one_good_probe(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The shortcut leaves out a probe, not the verification pair: a broken engine that
+    # answers /health fails it and stays out, and is verified again a probe interval
+    # later, each time after one good probe while its role has no other engine.
+    rig = await start(nursery, config())
+    eject_d0(rig)
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    await rig.at(4.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 4.0]  # sent again once
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    await rig.at(4.9)
+    assert rig.reason("d0") is not None
+    del rig.prober.verify_of["d0"]
+    await rig.at(5.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [4.0, 4.0, 5.0]
+    assert rig.reason("d0") is None
+    assert health_changes(rig, "d0") == [
+        ("up", "ejected"),
+        ("ejected", "verifying"),
+        ("verifying", "ejected"),
+        ("ejected", "verifying"),
+        ("verifying", "up"),
+    ]
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.health.shortcuts_total == 2
 
 
 async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
@@ -150,29 +284,12 @@ async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
     assert rig.reason("d0") is not None
 
 
-async def test_failed_verification_keeps_the_engine_out_until_a_later_one_passes(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
-) -> None:
-    rig = await start(nursery, config())
-    rig.prober.health_of["d0"] = UNHEALTHY
-    await rig.at(3.0)
-    rig.prober.health_of["d0"] = HEALTHY
-    rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
-    await rig.at(5.0)
-    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
-    del rig.prober.verify_of["d0"]
-    await rig.at(7.0)  # two more good probes, then a verification that passes
-    # The failed pair was sent again at once; both failed, so the second counted.
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0, 7.0]
-    assert rig.reason("d0") is None
-
-
 async def test_a_verification_that_fails_once_is_sent_again_and_the_second_pair_decides(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     # One transient fault on a verification leg (an engine's one 5xx) must not keep a
     # sound engine out for another round of probes.
-    rig = await start(nursery, config())
+    rig = await start(nursery, with_peer("decode"))
     rig.prober.health_of["d0"] = UNHEALTHY
     await rig.at(3.0)
     rig.prober.health_of["d0"] = HEALTHY
@@ -201,7 +318,7 @@ async def test_a_verification_that_ran_out_its_deadline_is_not_sent_again(
 ) -> None:
     # It has waited engine.first_token_timeout_s already; a stalled engine would hold
     # its loop twice as long.
-    rig = await start(nursery, config())
+    rig = await start(nursery, with_peer("decode"))
     rig.prober.health_of["d0"] = UNHEALTHY
     await rig.at(3.0)
     rig.prober.health_of["d0"] = HEALTHY
@@ -532,8 +649,17 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
         rig.prober.health_of[engine_id] = UNHEALTHY
     await rig.at(3.0)  # both ejected
     rig.prober.health_of.clear()
-    # Two good probes (+4, +5), then each is verified with the other on standby. The
-    # decode leg's 500 may be the prefill's doing (a KV transfer that failed), so it
+    # Each is the only engine of its role: one good probe (+4) and each is verifying.
+    # Whether one's pair at +4 finds the other answering depends on which probe ran
+    # first, so those pairs are inconclusive; from +5 each is verified with the other
+    # on standby.
+    exhausted = VerifyResult("inconclusive", "control pool exhausted")
+    rig.prober.verify_of.update(p0=exhausted, d0=exhausted)
+    await rig.at(4.0)
+    assert health_changes(rig, "p0") == [("up", "ejected"), ("ejected", "verifying")]
+    assert health_changes(rig, "d0") == [("up", "ejected"), ("ejected", "verifying")]
+    rig.prober.verifications.clear()
+    # The decode leg's 500 may be the prefill's doing (a KV transfer that failed), so it
     # proves nothing about p0; the dropped connection is d0's own.
     rig.prober.verify_of["p0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
     rig.prober.verify_of["d0"] = VerifyResult(
@@ -555,7 +681,8 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
     # Not a failed verification: no ejection, no new readmission streak, still verifying.
     assert health_changes(rig, "p0") == [("up", "ejected"), ("ejected", "verifying")]
     assert rig.reason("p0") == (
-        "ejected: 2 good probes (recovery.health.readmit_successes=2); verifying before readmission"
+        "ejected: 1 good probe of recovery.health.readmit_successes=2, enough while no other "
+        "engine in placement takes prefill work; verifying before readmission"
     )
     registry = rig.ctx.metrics.registry
     counted = {
@@ -565,11 +692,13 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
         )
         for outcome in ("failed", "inconclusive")
     }
-    assert counted == {"failed": None, "inconclusive": 1.0}
+    assert counted == {"failed": None, "inconclusive": 2.0}  # +4 and +5
     (logged,) = [
         r
         for r in caplog.records
-        if getattr(r, "event", None) == "verification" and r.__dict__["engine"] == "p0"
+        if getattr(r, "event", None) == "verification"
+        and r.__dict__["engine"] == "p0"
+        and r.__dict__["detail"].startswith("decode leg on d0 returned HTTP 500")
     ]
     assert (logged.__dict__["partner"], logged.__dict__["standby"]) == ("d0", True)
     # d0's own failure still counts against it.
@@ -578,20 +707,23 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
     assert rig.reason("d0") == "ejected: verification failed: decode leg on d0: server disconnected"
 
     # p0 is tried again a probe interval later, not after a new streak of good probes.
+    # d0 is verifying again after one good probe (+6); its pair then may or may not find
+    # p0 readmitted, so it is inconclusive.
     del rig.prober.verify_of["p0"]
+    rig.prober.verify_of["d0"] = exhausted
     await rig.at(6.0)
     times, last = verified(rig, "p0")
     assert (times, last["standby"], last["outcome"]) == ([5.0, 6.0], True, "ok")
     assert rig.reason("p0") is None
     # p0's pair passing readmits p0 alone: d0 waits for a verification of its own.
-    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0: server disconnected"
+    assert (rig.reason("d0") or "").startswith("ejected: 1 good probe")
 
     # With p0 in service, d0's partner is no longer on standby: any failure counts.
     rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
-    await rig.at(7.0)  # good probes at +6 and +7
+    await rig.at(7.0)
     times, last = verified(rig, "d0")
     assert (times, last["partner"], last["standby"], last["outcome"]) == (
-        [5.0, 5.0, 7.0, 7.0],  # each failed pair was sent again once
+        [5.0, 5.0, 6.0, 7.0, 7.0],  # each failed pair was sent again once
         "p0",
         False,
         "failed",
@@ -602,9 +734,9 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
     rig.prober.verify_of["d0"] = VerifyResult(
         "failed", "prefill leg on p0: connection refused", culprit="p0"
     )
-    await rig.at(9.0)  # good probes at +8 and +9
+    await rig.at(8.0)  # a good probe at +8
     times, last = verified(rig, "d0")
-    assert (times[-1], last["standby"], last["outcome"]) == (9.0, False, "inconclusive")
+    assert (times[-1], last["standby"], last["outcome"]) == (8.0, False, "inconclusive")
     assert last["detail"] == (
         "prefill leg on p0: connection refused; not counted against d0: the failure is p0's own"
     )
@@ -661,14 +793,16 @@ async def test_a_standby_partner_refusing_the_key_is_skipped(
     for engine_id in ("p0", "p1", "d0"):
         rig.prober.health_of[engine_id] = UNHEALTHY
     await rig.at(3.0)  # all ejected
-    rig.prober.health_of.clear()
+    del rig.prober.health_of["p0"], rig.prober.health_of["p1"]
     # p0 answers its health probe but refuses the key: its leg of d0's pair would be
     # refused, naming p0, and d0's readmission would wait a probe interval for nothing.
     rig.engine("p0").auth_refused = AUTH_REFUSED
     rig.prober.key_of["p0"] = KEY_REFUSED
     # p1 stays out of service (verifying), on standby for d0.
     rig.prober.verify_of["p1"] = VerifyResult("inconclusive", "control pool of p1 exhausted")
-    await rig.at(5.0)  # good probes at +4 and +5, then d0 is verified
+    await rig.at(4.0)  # p1 answers; d0 does from +5, when p1 has answered a probe already
+    del rig.prober.health_of["d0"]
+    await rig.at(5.0)  # one good probe (the only decode engine), then d0 is verified
     times, last = verified(rig, "d0")
     assert (times, last["partner"], last["standby"], last["outcome"]) == ([5.0], "p1", True, "ok")
     assert rig.reason("d0") is None
@@ -928,10 +1062,12 @@ async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_no
     await rig.at(3.0)
     rig.prober.health_of["d0"] = HEALTHY
     rig.prober.verify_of["d0"] = refused_leg(rig.engine("p0"), "prefill")
-    await rig.at(5.0)  # verifying: p0 refuses the key on its leg of d0's pair
+    # Verifying after one good probe (d0 is the only decode engine): p0 refuses the key
+    # on its leg of d0's pair.
+    await rig.at(4.0)
     assert rig.reason("p0") == f"auth refused: {AUTH_REFUSED}"
     del rig.prober.verify_of["d0"]
-    await rig.at(6.0)  # a probe interval later, without p0
+    await rig.at(5.0)  # a probe interval later, without p0
     assert [attrs.astuple(v)[:4] for v in rig.prober.verifications] == [
         ("d0", "decode", "p0", "d0"),
         ("d0", "decode", "d0", "d0"),
@@ -1251,6 +1387,23 @@ async def test_a_slow_engine_is_ejected_once_another_of_its_role_is_available(
         rig.recovery.residual_pass(trio.current_time())
     assert rig.reason("d0") is None
     d1.drained = False
+    for _ in range(3):
+        rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.residual_pass(trio.current_time())
+    assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
+
+
+async def test_a_slow_engine_is_ejected_when_an_aggregate_engine_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # With d0 out, placement sends every request to x1 (role both) as aggregate work:
+    # d0 is not the last engine to take decode work, so slow, it is ejected.
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return 0.1
+
+    residuals = {"health": {"min_samples": 3, "window_s": 30.0, "eject_ratio": 3.0}}
+    rig = await start(nursery, with_peer("both", recovery=residuals), predictor=predictor)
+    d0 = rig.engine("d0")
     for _ in range(3):
         rig.recovery.leg_ok(d0, "decode", 0.5)
         rig.recovery.residual_pass(trio.current_time())
