@@ -115,3 +115,19 @@ def test_verification_counts_give_the_failed_share_of_pairs_and_of_verdicts() ->
         "failed_verdicts": 1,
         "failed_verdict_share": 0.1111,
     }
+
+
+def test_shares_leave_refusals_for_want_of_an_engine_out_of_ok_of_served() -> None:
+    outcomes = {
+        "ok": 90,
+        "error:no_engine_available": 8,
+        "stream_error:no_engine_available": 2,
+        "stream_error:engine_unreachable": 5,
+        "hung_up": 5,
+    }
+    assert reliability.shares(outcomes) == {
+        "ok": 0.8182,
+        "no_engine_available": 0.0909,
+        "ok_of_served": 0.9,
+    }
+    assert reliability.shares({}) == {"ok": None, "no_engine_available": None, "ok_of_served": None}

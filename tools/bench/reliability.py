@@ -299,6 +299,22 @@ def served(ex: Exchange) -> bool:
     return verdict(ex).code != "no_engine_available"
 
 
+def shares(outcomes: dict[str, int]) -> dict[str, float | None]:
+    """ok and no_engine_available as shares of all requests, and ok of the served ones.
+
+    The clients are a closed loop: while a role has no engine they are refused in
+    milliseconds and send 3-6x as many requests, so a run's few whole-role outages weigh
+    on the ok share far beyond their seconds. ok of served leaves those refusals out."""
+    total = sum(outcomes.values())
+    refused = sum(n for label, n in outcomes.items() if label.endswith(":no_engine_available"))
+    ok = outcomes.get("ok", 0)
+    return {
+        "ok": round(ok / total, 4) if total else None,
+        "no_engine_available": round(refused / total, 4) if total else None,
+        "ok_of_served": round(ok / (total - refused), 4) if total > refused else None,
+    }
+
+
 def legs_with_armed_faults(states: list[dict[str, Any]]) -> dict[str, int]:
     """Legs that ran with a fault armed on their engine, by whose they were: the soak's
     clients, the router's verification pairs (`narwhal-verify-...`), or anyone else."""
@@ -617,6 +633,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 **({"invalid_mixed_dialects": True} if args.dialect == "sglang" else {}),
             },
             "outcomes": dict(sorted(report.outcomes.items())),
+            "shares": shares(report.outcomes),
             "streams_with_visible_output": visible,
             "client_hang_ups": hang_ups,
             "faults_injected": dict(sorted(injected.items())),
