@@ -12,9 +12,9 @@ script re-run as `--serve-sim`, with an outcome ring large enough for every leg)
 (crash, stall before or after the first token, engine 5xx/429, slow first token,
 mid-stream error event, short KV lease, failed KV pull, an engine going down for a
 moment) may be armed on an engine the router has in placement, for its next leg. So an
-outage, whose refusals come back in milliseconds, does not speed the faults up, and a
-fault does not land on the verification legs that readmit an engine. A few clients hang
-up part-way. Every
+outage, whose refusals come back in milliseconds, does not speed the faults up, and no
+fault is aimed at an engine out of placement, whose only legs are the router's
+verification legs (tools/bench/README.md). A few clients hang up part-way. Every
 --reload-every seconds the config file is rewritten with another valid variant (or,
 one time in five, an invalid one that must be rejected) and the daemon gets SIGHUP.
 Once the load has drained the router and the engines must be idle and every invariant
@@ -234,7 +234,7 @@ FAULT_KINDS = {
 
 
 # The kinds whose leg runs on one role; the rest ("stall_first", "status", "slow_first"
-# for SGLang) pick a role first, and "down" takes any engine.
+# for SGLang) pick a role first, and "down" takes any engine in placement.
 _PREFILL_KINDS = ("prefill_crash", "prefill_sse_error", "lease")
 _DECODE_KINDS = ("crash", "stall_after", "sse_error", "pull")
 
