@@ -137,9 +137,17 @@ class Api:
             return
         leg = plan.leg
         faults = e.request_faults(leg, plan.header_faults)
+        armed = faults is not None and plan.header_faults is None
         if faults is not None and faults.error_status is not None:
             e.counters.errors_injected += 1
-            e.record(None, request_id=xrid, phase=leg, outcome="error", status=faults.error_status)
+            e.record(
+                None,
+                request_id=xrid,
+                phase=leg,
+                outcome="error",
+                status=faults.error_status,
+                armed_fault=armed,
+            )
             message = faults.error_message or _DEFAULT_MESSAGES.get(
                 faults.error_status, f"Injected error {faults.error_status}"
             )
@@ -154,7 +162,9 @@ class Api:
                 # so `type` is the HTTP phrase (§3.4).
                 e.counters.rejected_queue_full += 1
                 self._fail_room(req, "queue full")
-                e.record(None, request_id=xrid, phase=leg, outcome="error", status=503)
+                e.record(
+                    None, request_id=xrid, phase=leg, outcome="error", status=503, armed_fault=armed
+                )
                 msg = (
                     f"The engine's request queue is full ({queued} queued, "
                     f"max_num_queued_reqs={limit}); retry on another instance."
@@ -177,6 +187,7 @@ class Api:
             core=core,
             arrival=trio.current_time(),
             faults=faults,
+            armed_fault=armed,
             remote=plan.remote,
         )
         ctx.lease_s = e.lease_for(faults)

@@ -437,6 +437,7 @@ class SimEngine:
         outcome: str,
         status: int,
         tokens: int = 0,
+        armed_fault: bool = False,
     ) -> None:
         counters = self.counters
         if outcome == "ok":
@@ -457,6 +458,7 @@ class SimEngine:
                 "outcome": outcome,
                 "status": status,
                 "tokens": tokens,
+                "armed_fault": armed_fault or (ctx is not None and ctx.armed_fault),
                 "at": trio.current_time(),
                 # Wall clock, comparable with other processes on the host (trio's clock
                 # is per process): the reliability soak orders legs against its clients.

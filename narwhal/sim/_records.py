@@ -101,6 +101,9 @@ class ReqCtx:
     core: CoreRequest
     arrival: float
     faults: FaultSpec | None = None
+    # The faults were armed on the engine (POST /_sim/faults), not sent in the request's
+    # own header: recorded with the outcome, so a soak can tell whose leg an armed fault hit.
+    armed_fault: bool = False
     remote: RemoteKV | None = None
     room: Room | None = None
     lease_s: float = 0.0

@@ -51,6 +51,30 @@ async def test_error_status_on_a_leg_for_the_first_n(
     assert e.state()["faults"] is None
 
 
+async def test_outcomes_mark_the_legs_that_ran_with_an_armed_fault(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # The reliability soak counts whose legs its armed faults hit (serving traffic or
+    # the router's verification legs) from this mark; a header fault is the request's own.
+    fleet = await start_fleet(engines=1, speed=50.0)
+    e = fleet[0]
+    url = f"{e.url}/v1/completions"
+    e.set_faults(error_status=503, count=1)
+    assert (await client.post(url, json={"prompt": "x"})).status_code == 503
+    e.set_faults(sse_error_after_tokens=1, count=1)
+    assert (await client.post(url, json={"prompt": "x", "max_tokens": 2})).status_code == 500
+    assert (await client.post(url, json={"prompt": "x", "max_tokens": 1})).status_code == 200
+    r = await client.post(url, json={"prompt": "x"}, headers=fault(error_status=502))
+    assert r.status_code == 502
+    outcomes = e.state()["outcomes"]
+    assert [(o["status"], o["armed_fault"]) for o in outcomes] == [
+        (503, True),
+        (500, True),
+        (200, False),
+        (502, False),
+    ]
+
+
 async def test_per_request_header_fault(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
     fleet = await start_fleet(engines=1, speed=50.0)
     url = f"{fleet[0].url}/v1/completions"

@@ -7,10 +7,14 @@ config reloads, then every invariant of tests/reliability/invariants.py.
 
 Three processes on loopback: a simulated fleet (2 prefill + 2 decode engines, this
 script re-run as `--serve-sim`, with an outcome ring large enough for every leg),
-`narwhal serve` on a config file, and this load generator. Each request may get a
-random fault first (at --fault-rate: crash, stall before or after the first token,
-engine 5xx/429, slow first token, mid-stream error event, short KV lease, failed KV
-pull, an engine going down for a moment) and a few clients hang up part-way. Every
+`narwhal serve` on a config file, and this load generator. Faults come at
+--fault-rate per request the router served: when such a request ends, one random fault
+(crash, stall before or after the first token, engine 5xx/429, slow first token,
+mid-stream error event, short KV lease, failed KV pull, an engine going down for a
+moment) may be armed on an engine the router has in placement, for its next leg. So an
+outage, whose refusals come back in milliseconds, does not speed the faults up, and no
+fault is aimed at an engine out of placement, whose only legs are the router's
+verification legs (tools/bench/README.md). A few clients hang up part-way. Every
 --reload-every seconds the config file is rewritten with another valid variant (or,
 one time in five, an invalid one that must be rejected) and the daemon gets SIGHUP.
 Once the load has drained the router and the engines must be idle and every invariant
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from datetime import UTC, datetime
 from functools import partial
 from importlib import metadata
@@ -228,40 +233,138 @@ FAULT_KINDS = {
 }
 
 
-def random_fault(rng: random.Random, dialect: str = "vllm") -> tuple[int, dict[str, Any]]:
-    """(engine index, fault) for one request; engine faults apply to the next leg."""
+# The kinds whose leg runs on one role; the rest ("stall_first", "status", "slow_first"
+# for SGLang) pick a role first, and "down" takes any engine in placement.
+_PREFILL_KINDS = ("prefill_crash", "prefill_sse_error", "lease")
+_DECODE_KINDS = ("crash", "stall_after", "sse_error", "pull")
+
+
+def random_fault(
+    rng: random.Random, dialect: str, in_placement: Collection[int]
+) -> tuple[int, dict[str, Any]] | None:
+    """(engine index, fault) for one fault on an engine the router has in placement,
+    or None when the role the drawn kind needs has no engine there. Engine faults apply
+    to the engine's next matching leg.
+
+    An engine out of placement gets no legs but the router's own verification legs, so
+    a fault armed there would be spent on its readmission check instead of on serving
+    traffic (and keep it out another round)."""
     kind = rng.choice(FAULT_KINDS[dialect])
-    prefill, decode = rng.choice((0, 1)), rng.choice((2, 3))
-    if kind == "crash":
-        return decode, {"crash_after_tokens": rng.randint(0, 4), "leg": "decode", "count": 1}
-    if kind == "prefill_crash":
-        return prefill, {"crash_after_tokens": 0, "leg": "prefill", "count": 1}
-    if kind == "prefill_sse_error":
-        return prefill, {"sse_error_after_tokens": 0, "leg": "prefill", "count": 1}
+    if kind == "down":
+        engines = sorted(in_placement)
+        return (rng.choice(engines), {"down_s": rng.uniform(0.05, 0.3)}) if engines else None
+    if kind in _PREFILL_KINDS:
+        role = "prefill"
+    elif kind in _DECODE_KINDS or (kind == "slow_first" and dialect != "sglang"):
+        role = "decode"
+    else:
+        role = rng.choice(("prefill", "decode"))
+    engines = [i for i, r in enumerate(ROLES) if r == role and i in in_placement]
+    if not engines:
+        return None
+    index = rng.choice(engines)
+    leg = role
+    if kind in ("crash", "prefill_crash"):
+        tokens = rng.randint(0, 4) if kind == "crash" else 0
+        return index, {"crash_after_tokens": tokens, "leg": leg, "count": 1}
+    if kind in ("sse_error", "prefill_sse_error"):
+        tokens = rng.randint(0, 3) if kind == "sse_error" else 0
+        return index, {"sse_error_after_tokens": tokens, "leg": leg, "count": 1}
     if kind == "stall_first":
-        index = rng.choice((prefill, decode))
-        leg = "prefill" if index < 2 else "decode"
         return index, {"stall_before_first_token_s": 30.0, "leg": leg, "count": 1}
     if kind == "stall_after":
-        return decode, {"stall_after_tokens": rng.randint(1, 3), "leg": "decode", "count": 1}
+        return index, {"stall_after_tokens": rng.randint(1, 3), "leg": leg, "count": 1}
     if kind == "status":
-        index = rng.choice((prefill, decode))
-        leg = "prefill" if index < 2 else "decode"
         status = rng.choice((500, 502, 503, 504, 429))
         return index, {"error_status": status, "leg": leg, "count": rng.randint(1, 3)}
     if kind == "slow_first":
         # An SGLang pair's decode waits for its prefill, so a slow prefill start is a
         # slow first token too.
-        index = rng.choice((prefill, decode)) if dialect == "sglang" else decode
-        leg = "prefill" if index < 2 else "decode"
         return index, {"slow_first_token_s": rng.uniform(0.1, 1.5), "leg": leg, "count": 1}
-    if kind == "sse_error":
-        return decode, {"sse_error_after_tokens": rng.randint(0, 3), "leg": "decode", "count": 1}
     if kind == "lease":
-        return prefill, {"lease_s": 0.0001, "leg": "prefill", "count": 1}
-    if kind == "pull":
-        return decode, {"kv_pull_fail": True, "leg": "decode", "count": 1}
-    return rng.randrange(4), {"down_s": rng.uniform(0.05, 0.3)}
+        return index, {"lease_s": 0.0001, "leg": leg, "count": 1}
+    return index, {"kv_pull_fail": True, "leg": leg, "count": 1}
+
+
+def in_placement(state: dict[str, Any], engines: list[dict[str, Any]]) -> set[int]:
+    """Indexes (into the soak's engine list) of the engines /narwhal/state has available."""
+    available = {e["id"] for e in state["engines"] if e["available"]}
+    return {i for i, e in enumerate(engines) if e["id"] in available}
+
+
+def served(ex: Exchange) -> bool:
+    """The router placed the request on engines: anything but a refusal for want of one.
+    Faults are drawn per served request, so a closed-loop client refused in milliseconds
+    while a role has no engine (3-6x the usual request rate) draws none."""
+    return verdict(ex).code != "no_engine_available"
+
+
+def shares(outcomes: dict[str, int]) -> dict[str, float | None]:
+    """ok and no_engine_available as shares of all requests, and ok of the served ones.
+
+    The clients are a closed loop: while a role has no engine they are refused in
+    milliseconds and send 3-6x as many requests, so a run's few whole-role outages weigh
+    on the ok share far beyond their seconds. ok of served leaves those refusals out."""
+    total = sum(outcomes.values())
+    refused = sum(n for label, n in outcomes.items() if label.endswith(":no_engine_available"))
+    ok = outcomes.get("ok", 0)
+    return {
+        "ok": round(ok / total, 4) if total else None,
+        "no_engine_available": round(refused / total, 4) if total else None,
+        "ok_of_served": round(ok / (total - refused), 4) if total > refused else None,
+    }
+
+
+def legs_with_armed_faults(states: list[dict[str, Any]]) -> dict[str, int]:
+    """Legs that ran with a fault armed on their engine, by whose they were: the soak's
+    clients, the router's verification pairs (`narwhal-verify-...`), or anyone else."""
+    out = {"serving": 0, "verification": 0, "other": 0}
+    for state in states:
+        for entry in state["outcomes"]:
+            if not entry.get("armed_fault"):
+                continue
+            request_id = str(entry["request_id"])
+            if request_id.startswith("narwhal-verify-"):
+                out["verification"] += 1
+            elif request_id.startswith("soak-"):
+                out["serving"] += 1
+            else:
+                out["other"] += 1
+    return out
+
+
+def verification_counts(metrics: str) -> dict[str, Any]:
+    """narwhal_verifications_total summed by outcome, from a /metrics page, with the
+    share of pairs that failed: `failed_pairs` counts every pair that failed (a pair
+    that failed at once is `retried`: sent again, only the second counts), and
+    `failed_verdicts` the verifications whose counted pair failed."""
+    by_outcome: dict[str, int] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "narwhal_verifications_total":
+                outcome = sample.labels["outcome"]
+                by_outcome[outcome] = by_outcome.get(outcome, 0) + int(sample.value)
+    pairs = sum(by_outcome.values())
+    failed_pairs = by_outcome.get("failed", 0) + by_outcome.get("retried", 0)
+    verdicts = pairs - by_outcome.get("retried", 0)
+    return {
+        "by_outcome": dict(sorted(by_outcome.items())),
+        "pairs": pairs,
+        "failed_pairs": failed_pairs,
+        "failed_pair_share": round(failed_pairs / pairs, 4) if pairs else None,
+        "verdicts": verdicts,
+        "failed_verdicts": by_outcome.get("failed", 0),
+        "failed_verdict_share": round(by_outcome.get("failed", 0) / verdicts, 4)
+        if verdicts
+        else None,
+    }
+
+
+FAULT_RULE = (
+    "after each request the router served (anything but a no_engine_available refusal) "
+    "ends, one fault is drawn with probability fault_rate and armed on an engine that "
+    "/narwhal/state has available, for its next matching leg (a down closes it at once)"
+)
 
 
 # ------------------------------------------------------------------------------ the daemon
@@ -372,20 +475,27 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         injected: dict[str, int] = {}
         reloads_sent = {"valid": 0, "invalid": 0}
         hang_ups = 0
+        served_count = 0
         next_index = 0
         load_started = trio.current_time()
         stop_at = load_started + args.max_s
 
-        async def one(index: int) -> None:
-            nonlocal hang_ups
-            if rng.random() < args.fault_rate:
-                engine, fault = random_fault(rng, args.dialect)
+        async def arm_fault() -> None:
+            state = await daemon.get("/narwhal/state")
+            drawn = random_fault(rng, args.dialect, in_placement(state, engines))
+            if drawn is None:
+                name = "not_set_no_engine_of_its_role_in_placement"
+            else:
+                engine, fault = drawn
                 name = next(k for k in fault if k not in ("leg", "count"))
                 try:
                     await sim_call(urls[engine], "POST", "/_sim/faults", fault)
                 except (OSError, h11.ProtocolError):
                     name = "not_set_engine_down"  # it is down for a moment already
-                injected[name] = injected.get(name, 0) + 1
+            injected[name] = injected.get(name, 0) + 1
+
+        async def one(index: int) -> None:
+            nonlocal hang_ups, served_count
             stream = rng.random() < 0.7
             chat = rng.random() < 0.2
             prompt = " ".join(rng.choice(("alpha", "beta", "gamma")) for _ in range(16))
@@ -402,7 +512,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             if stream and rng.random() < 0.01:
                 hang_ups += 1
                 hang_up = after_events(rng.randint(1, 3))
-            await exchange(
+            ex = await exchange(
                 daemon.url,
                 body,
                 request_id=f"soak-{index}",
@@ -411,6 +521,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 give_up_s=timeout_s + 15.0,
                 on_start=exchanges.append,
             )
+            # The fault clock: one draw per request the router served, made when it has
+            # ended, so an outage (requests refused in milliseconds) draws no faults.
+            if served(ex):
+                served_count += 1
+                if rng.random() < args.fault_rate:
+                    await arm_fault()
 
         async def worker() -> None:
             nonlocal next_index
@@ -477,6 +593,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         )
         metrics = await daemon.get("/metrics")
         reloads = reload_counts(metrics)
+        verifications = verification_counts(metrics)
+        armed_legs = legs_with_armed_faults(engine_states)
         code = await daemon.stop()
         visible = sum(1 for ex in exchanges if verdict(ex).visible_output)
         counters = _sum_counters(engine_states)
@@ -515,9 +633,22 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 **({"invalid_mixed_dialects": True} if args.dialect == "sglang" else {}),
             },
             "outcomes": dict(sorted(report.outcomes.items())),
+            "shares": shares(report.outcomes),
             "streams_with_visible_output": visible,
             "client_hang_ups": hang_ups,
             "faults_injected": dict(sorted(injected.items())),
+            "fault_clock": {
+                "rule": FAULT_RULE,
+                "served_requests": served_count,
+                "faults_set": sum(v for k, v in injected.items() if not k.startswith("not_set")),
+                "faults_per_served_request": round(
+                    sum(v for k, v in injected.items() if not k.startswith("not_set"))
+                    / max(served_count, 1),
+                    4,
+                ),
+                "legs_with_armed_faults": armed_legs,
+            },
+            "verifications": verifications,
             "engine_counters": counters,
             "reloads": {"sent": reloads_sent, "daemon": reloads},
             "router_outcomes": router_state["requests"]["outcomes"],
@@ -583,7 +714,12 @@ def main() -> int:
     parser.add_argument("--dialect", choices=DIALECTS, default="vllm")
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--fault-rate", type=float, default=0.03)
+    parser.add_argument(
+        "--fault-rate",
+        type=float,
+        default=0.03,
+        help="faults per request served (not refused with no_engine_available)",
+    )
     parser.add_argument("--speed", type=float, default=20.0)
     parser.add_argument("--reload-every", type=float, default=3.0)
     parser.add_argument("--max-s", type=float, default=900.0, help="stop starting requests")
