@@ -127,6 +127,13 @@ def eject_d0(rig: Rig) -> None:
     rig.prober.health_of["d0"] = UNHEALTHY
 
 
+async def eject_d0_then_answer(rig: Rig) -> None:
+    """d0 fails its probes at +1, +2 and +3 (ejected), and answers the ones after."""
+    eject_d0(rig)
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+
+
 async def test_failed_probes_eject_at_the_threshold_and_readmission_needs_a_verification(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -221,9 +228,7 @@ async def test_failed_verification_keeps_the_engine_out_until_a_later_one_passes
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     rig = await start(nursery, with_peer("decode"))
-    rig.prober.health_of["d0"] = UNHEALTHY
-    await rig.at(3.0)
-    rig.prober.health_of["d0"] = HEALTHY
+    await eject_d0_then_answer(rig)
     rig.prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
     await rig.at(5.0)
     assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
@@ -290,9 +295,7 @@ async def test_a_verification_that_fails_once_is_sent_again_and_the_second_pair_
     # One transient fault on a verification leg (an engine's one 5xx) must not keep a
     # sound engine out for another round of probes.
     rig = await start(nursery, with_peer("decode"))
-    rig.prober.health_of["d0"] = UNHEALTHY
-    await rig.at(3.0)
-    rig.prober.health_of["d0"] = HEALTHY
+    await eject_d0_then_answer(rig)
     rig.prober.verify_next["d0"] = [VerifyResult("failed", "decode leg on d0 returned HTTP 503")]
     await rig.at(5.0)
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0, 5.0]
@@ -319,9 +322,7 @@ async def test_a_verification_that_ran_out_its_deadline_is_not_sent_again(
     # It has waited engine.first_token_timeout_s already; a stalled engine would hold
     # its loop twice as long.
     rig = await start(nursery, with_peer("decode"))
-    rig.prober.health_of["d0"] = UNHEALTHY
-    await rig.at(3.0)
-    rig.prober.health_of["d0"] = HEALTHY
+    await eject_d0_then_answer(rig)
     rig.prober.hung_legs.add("d0")
     await rig.at(7.5)  # verification at +5 runs out engine.first_token_timeout_s=2.5
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0]
@@ -1058,9 +1059,7 @@ async def test_a_partner_refusing_the_key_leaves_placement_and_the_subject_is_no
     keyed: Rig, autojump_clock: trio.testing.MockClock
 ) -> None:
     rig = keyed
-    rig.prober.health_of["d0"] = UNHEALTHY
-    await rig.at(3.0)
-    rig.prober.health_of["d0"] = HEALTHY
+    await eject_d0_then_answer(rig)
     rig.prober.verify_of["d0"] = refused_leg(rig.engine("p0"), "prefill")
     # Verifying after one good probe (d0 is the only decode engine): p0 refuses the key
     # on its leg of d0's pair.
@@ -1518,9 +1517,7 @@ async def test_a_verification_timing_out_while_the_router_is_starved_is_inconclu
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     rig = await start(nursery, config())
-    rig.prober.health_of["d0"] = UNHEALTHY
-    await rig.at(3.0)  # ejected; good probes at +4 and +5 start its verification
-    rig.prober.health_of["d0"] = HEALTHY
+    await eject_d0_then_answer(rig)  # good probes at +4 and +5 start its verification
     rig.prober.hung_legs.add("d0")
     nursery.start_soon(starved_loop, rig, 0.5, 9.0)
     await rig.at(9.0)
