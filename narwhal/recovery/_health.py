@@ -111,7 +111,8 @@ class HealthTracker:
         if self.good_probes >= needed:
             return self._to(
                 Verdict.VERIFYING,
-                f"{self.good_probes} good probes (recovery.health.readmit_successes="
+                f"{self.good_probes} good probe{'' if self.good_probes == 1 else 's'} "
+                f"(recovery.health.readmit_successes="
                 f"{needed}); verifying before readmission",
             )
         if alone is None:

@@ -77,7 +77,7 @@ def test_no_shortcut_is_counted_when_one_good_probe_is_the_setting() -> None:
     change = health.probe_ok(one, "no other engine in placement takes decode work")
     assert change is not None
     assert change.reason == (
-        "1 good probes (recovery.health.readmit_successes=1); verifying before readmission"
+        "1 good probe (recovery.health.readmit_successes=1); verifying before readmission"
     )
     assert health.shortcuts_total == 0
 
