@@ -266,10 +266,7 @@ class Flow:
             observed = record.observed_ttft_s
             if projected is not None and observed is not None and observed > 0:
                 ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-                assert record.projected_engine is not None
-                ctx.projection_errors.observe(
-                    record.projected_engine, projected, observed, trio.current_time()
-                )
+                ctx.projection_errors.observe(projected, observed, trio.current_time())
             log.info(
                 "request finished",
                 extra={
@@ -442,8 +439,7 @@ class Flow:
     def _admit_predictively(
         self, request: ClientRequest, tokens: int, config: Config
     ) -> list[PathQuote]:
-        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget,
-        each path's projection scaled by its engine's projection-error factor.
+        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget.
 
         Returns every path's quote, so the projection of the path placement picks can be
         recorded and compared with the TTFT the client saw.
@@ -466,7 +462,7 @@ class Flow:
             prompt_tokens=tokens,
             ttft_target_s=config.slo.ttft_s,
             margin=config.serving.admission_margin,
-            errors=ctx.projection_errors.factors(trio.current_time()),
+            error_factor=ctx.projection_errors.factor(trio.current_time()),
         )
         if verdict.admitted:
             return quotes
@@ -507,7 +503,6 @@ class Flow:
             handoff_s=ctx.profiles.handoff_s(tokens),
             ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
             tpot_target_s=config.slo.tpot_s,
-            errors=ctx.projection_errors.factors(trio.current_time()),
         )
 
     async def _count_tokens(
@@ -1567,7 +1562,6 @@ def _record_projection(
     mode = "disaggregated" if placement.prefill is not None else "aggregate"
     for quote in quotes:
         if quote.engine == engine and quote.mode == mode:
-            record.projected_engine = engine
             record.projected_ttft_s = quote.ttft_s
             record.projected_wait_s = quote.wait_s
             record.projected_in_domain = quote.in_domain
