@@ -97,6 +97,12 @@ _TRANSFER_FAILED = "kv_transfer_failed"
 _UNREACHABLE = "engine_unreachable"
 
 
+def _resent(result: VerifyResult) -> bool:
+    """A verification pair that failed at once is sent again (`Recovery._verify`); one
+    that ran out engine.first_token_timeout_s has waited its deadline already."""
+    return result.outcome == "failed" and result.deadline_s is None
+
+
 @attrs.frozen
 class LegObservation:
     """One successful engine leg and the router-side load on the engine as it ended."""
@@ -988,7 +994,7 @@ class Recovery:
         waited its deadline already, and a stalled engine would hold its loop twice as
         long."""
         result = await self._verify_once(record, purpose, phase, retry=True)
-        if result.outcome == "failed" and result.deadline_s is None:
+        if _resent(result):
             result = await self._verify_once(record, purpose, phase, retry=False)
         return result
 
@@ -1012,7 +1018,7 @@ class Recovery:
             refusal = result.refusal
             key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
-        retried = retry and result.outcome == "failed" and result.deadline_s is None
+        retried = retry and _resent(result)
         outcome = "retried" if retried else result.outcome
         self._m_verifications.labels(subject.id, purpose, outcome).inc()
         verification: dict[str, object] = {
