@@ -206,9 +206,10 @@ def _max_tokens(body: Json) -> tuple[str, int | None]:
         value = body.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        number = _integer(value)
+        if number is None or number < 1:
             raise BadRequest(f"'{key}' must be a positive integer", param=key)
-        return key, value
+        return key, number
     return "max_tokens", None
 
 
@@ -221,11 +222,7 @@ def _prompt_size(body: Json) -> tuple[int, int | None]:
         prompt = prompt[0]
         if isinstance(prompt, str):
             return len(prompt), None
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    if isinstance(prompt, list) and prompt and all(_integer(t) is not None for t in prompt):
         return 0, len(prompt)
     raise BadRequest(
         "'prompt' must be a string or a list of token ids (batched prompts are not supported)",
