@@ -595,6 +595,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         reloads = reload_counts(metrics)
         verifications = verification_counts(metrics)
         armed_legs = legs_with_armed_faults(engine_states)
+        faults_set = sum(n for name, n in injected.items() if not name.startswith("not_set"))
         code = await daemon.stop()
         visible = sum(1 for ex in exchanges if verdict(ex).visible_output)
         counters = _sum_counters(engine_states)
@@ -640,12 +641,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "fault_clock": {
                 "rule": FAULT_RULE,
                 "served_requests": served_count,
-                "faults_set": sum(v for k, v in injected.items() if not k.startswith("not_set")),
-                "faults_per_served_request": round(
-                    sum(v for k, v in injected.items() if not k.startswith("not_set"))
-                    / max(served_count, 1),
-                    4,
-                ),
+                "faults_set": faults_set,
+                "faults_per_served_request": round(faults_set / max(served_count, 1), 4),
                 "legs_with_armed_faults": armed_legs,
             },
             "verifications": verifications,
