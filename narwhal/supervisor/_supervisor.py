@@ -443,8 +443,8 @@ class Supervisor:
             text += f"; degraded: {ctx.degraded_reason}"
         last = self.reloads[-1] if self.reloads else None
         if last is not None and not last["applied"]:
-            # ExecReload only sends SIGHUP, so `systemctl reload` succeeds whatever the
-            # daemon makes of the file: `systemctl status` is where a rejection shows.
+            # A SIGHUP (`kill -HUP`) cannot report a rejection to whoever sent it:
+            # `systemctl status` shows it whichever way the reload came.
             errors = last["errors"]
             count = len(errors) if isinstance(errors, list) else 0
             text += f"; last reload rejected ({count} problem(s), see the journal)"

@@ -259,8 +259,8 @@ async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
 async def test_a_rejected_reload_shows_in_the_systemd_status_until_one_applies(
     start_stack: StartStack, short_tmp: Path
 ) -> None:
-    # ExecReload only sends SIGHUP: `systemctl reload` reports success whatever the daemon
-    # makes of the file, so `systemctl status` must say when it was rejected.
+    # A SIGHUP reports nothing back to whoever sent it, so `systemctl status` must say
+    # when a reload was rejected.
     stack = await start_stack()
     document = pair_document(stack)
     path = short_tmp / "narwhal.json"
