@@ -264,6 +264,8 @@ class SimEngine:
         if ctx.room is not None:
             ctx.room.lease = lease
             ctx.room.done.set()
+            if ctx.room.d_gone:
+                self._receiver_gone(lease)
 
     def _push_lease(self, lease: Lease) -> None:
         self._lease_seq += 1
@@ -779,6 +781,18 @@ class SimEngine:
             await self._transfer(lease, resp)
         finally:
             self.drop_room(room)
+            room.d_gone = True
+            lease = room.lease
+            if lease is not None and lease.id in self.leases and not lease.in_transfer:
+                self._receiver_gone(lease)
+
+    def _receiver_gone(self, lease: Lease) -> None:
+        # SGLang's prefill server pushes the KV into slots its decoder set aside and
+        # frees it when the push ends; with the decoder gone the push fails at once. It
+        # never holds KV waiting for a pull, so without this a decode leg cancelled after
+        # registering pinned the prefill's KV for the whole bootstrap timeout.
+        self.counters.kv_receiver_gone += 1
+        self.free_lease(lease)
 
 
 def _flatten(block_ids: Any) -> list[int]:

@@ -149,6 +149,36 @@ async def test_prefill_abort_fails_the_decode(
     assert p.state()["counters"]["aborted"]["prefill"] == 1
 
 
+async def test_a_decoder_that_leaves_before_the_transfer_frees_the_prefill_kv(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's prefill server pushes the KV to its decoder and frees it when the push
+    # ends; it held it for the whole bootstrap timeout when the decoder had left.
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=1.0, disaggregation_modes=PD)
+    p, d = fleet[0], fleet[1]
+    body = pd_body(p, 6, messages=[{"role": "user", "content": "word " * 7000}], max_tokens=4)
+    results: dict[str, httpx.Response] = {}
+
+    async def prefill() -> None:
+        results["p"] = await client.post(f"{p.url}/v1/chat/completions", json=body)
+
+    async def decode() -> None:
+        await client.post(f"{d.url}/v1/chat/completions", json=body)
+
+    async with trio.open_nursery() as nursery, trio.open_nursery() as d_nursery:
+        d_nursery.start_soon(decode)
+        await wait_for(lambda: 6 in p.engine.rooms and p.engine.rooms[6].d_present)
+        nursery.start_soon(prefill)
+        await wait_for(lambda: p.state()["running"] == 1)
+        d_nursery.cancel_scope.cancel()
+    assert results["p"].status_code == 200
+    state = p.state()
+    assert state["leases"]["held"] == 0
+    assert state["kv"]["used_blocks"] == 0
+    assert state["counters"]["kv_receiver_gone"] == 1
+    assert state["counters"]["kv_expired"] == 0
+
+
 async def test_missing_room_and_flat_errors(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
