@@ -514,11 +514,12 @@ class Flow:
         ctx = self.ctx
         if request.prompt_token_ids is not None:
             # The engines count token ids as sent: the count is exact without /tokenize.
-            count = self._truncated(request, request.prompt_token_ids)
-            self._check_context(request, count, record)
+            available = self._available()
+            count = self._truncated(request, request.prompt_token_ids, available)
+            self._check_context(request, count, record, available)
             return count, "token_ids"
         ratio, _ = ctx.chars_per_token(config)
-        fallback = self._truncated(request, max(1, math.ceil(request.prompt_chars / ratio)))
+        estimate = max(1, math.ceil(request.prompt_chars / ratio))
         if not config.engine.tokenize:
             reason = "disabled"
         elif isinstance(engine := self._tokenizer_engine(request.kind), str):
@@ -534,8 +535,9 @@ class Flow:
                     # vLLM's answer carries the context its completions are held to: the
                     # freshest word on it, between recovery's reads.
                     engine.set_context(context, "its /tokenize answer's max_model_len")
-                count = self._truncated(request, count)
-                self._check_context(request, count, record)
+                available = self._available()
+                count = self._truncated(request, count, available)
+                self._check_context(request, count, record, available)
                 return count, "exact"
             reason = answer
         ctx.token_methods["fallback"] += 1
@@ -543,24 +545,33 @@ class Flow:
         ctx.token_fallbacks[reason] += 1
         ctx.metrics.token_fallbacks_by(reason).inc()
         record.token_count_fallback = reason
-        return fallback, "fallback"
+        return self._truncated(request, estimate, self._available()), "fallback"
 
-    def _truncated(self, request: ClientRequest, count: int) -> int:
+    def _available(self) -> list[EngineState]:
+        """The engines in placement now (availability changes only across an await)."""
+        now = trio.current_time()
+        return [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
+
+    def _truncated(self, request: ClientRequest, count: int, available: list[EngineState]) -> int:
         """The prompt length the engines will run (`truncated_prompt`), when every
         available engine honours `truncate_prompt_tokens` (vLLM); one that ignores it
         (SGLang) runs the prompt whole. -1 keeps up to the largest context an engine
         reports, the longer prompt placement may meet (none while one is unknown)."""
         if request.truncate_prompt_tokens is None:
             return count
-        now = trio.current_time()
-        engines = [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
-        if not engines or not all(e.dialect.request_truncation for e in engines):
+        if not available or not all(e.dialect.request_truncation for e in available):
             return count
-        contexts = [e.context_length for e in engines]
+        contexts = [e.context_length for e in available]
         known = [c for c in contexts if c is not None]
         return truncated_prompt(request, count, max(known) if len(known) == len(contexts) else None)
 
-    def _check_context(self, request: ClientRequest, count: int, record: RequestRecord) -> None:
+    def _check_context(
+        self,
+        request: ClientRequest,
+        count: int,
+        record: RequestRecord,
+        available: list[EngineState],
+    ) -> None:
         """Refuse, before any leg, a request whose exact prompt length `count`, or it and
         its max_tokens, do not fit the context (`context_overflow`).
 
@@ -571,12 +582,7 @@ class Flow:
         says why), nothing is checked and the engine refuses it itself, as before the
         check: counted as `unknown` and kept on the record."""
         ctx = self.ctx
-        now = trio.current_time()
-        known = [
-            engine
-            for engine in ctx.fleet
-            if engine.context_length is not None and engine.unavailable_reason(now) is None
-        ]
+        known = [engine for engine in available if engine.context_length is not None]
         if not known:
             ctx.context_checks["unknown"] += 1
             ctx.metrics.context_checks_by("unknown").inc()
