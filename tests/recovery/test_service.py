@@ -1766,6 +1766,17 @@ async def test_passes_that_take_no_scrape_failure_are_inconclusive(
         f"engine could be observed (p0: {timeout}; d0: {timeout})"
     )
     assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0, 3, 6, 9]
+    await rig.at(10.5)
+    # An inconclusive pass since: the state still says which failures degraded it (its
+    # last pass's own list is empty, and that alone read as no failure at all).
+    state = monitor.state()
+    assert state["last_pass"]["result"] == "inconclusive"  # type: ignore[index]
+    assert state["last_pass"]["failures"] == []  # type: ignore[index]
+    assert state["last_failed_pass"] == {
+        "number": 10,  # the pass at +9
+        "failures": [f"no engine could be observed (p0: {timeout}; d0: {timeout})"],
+    }
+    assert rig.degraded() is not None
 
 
 async def test_a_removed_engine_s_scrape_in_flight_is_forgotten(
