@@ -1035,6 +1035,7 @@ class Flow:
             )
             backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time(), shared)
         if phase == "prefill":
+            engine.prefill_queued += 1
             engine.prefill_queued_tokens += tokens
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -1051,6 +1052,7 @@ class Flow:
             raise
         finally:
             if phase == "prefill":
+                engine.prefill_queued -= 1
                 engine.prefill_queued_tokens -= tokens
         if expired or trio.current_time() > not_after:
             if not expired:

@@ -40,6 +40,7 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
         "prefill": {
             "inflight": engine.prefill_inflight,
             "tokens_inflight": engine.prefill_tokens_inflight,
+            "queued": engine.prefill_queued,
             "queued_tokens": engine.prefill_queued_tokens,
             "limit": _limit(engine.prefill_limiter.total_tokens),
             "slots_in_use": engine.prefill_limiter.borrowed_tokens,

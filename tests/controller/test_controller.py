@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from narwhal.config import Config, EngineSpec
-from narwhal.controller import Controller, Profile
+from narwhal.controller import Controller, Profile, prefill_work_s
 from narwhal.fleet import EngineState, Fleet
 from narwhal.metrics import Metrics
 
@@ -356,6 +356,23 @@ def test_decode_intervals_feed_the_measured_decode_load() -> None:
     d = ctl.step(1.0)
     assert d is not None
     assert d.loads.measured_decode == pytest.approx((0.5 + 0 + 0 + 0) / 4)
+
+
+def test_prefills_waiting_for_a_router_slot_are_measured_prefill_work() -> None:
+    # Under serving.prefill_concurrency the queue is the router's, not the engine's: the
+    # pressure counted only legs in flight, so a capped pool looked idle however long
+    # its queue (and the controller never moved an engine to prefill for it).
+    cfg, fleet, _ = setup("PPDD")
+    ctl = Controller(cfg, fleet, mean_profile=lambda: PROFILE, started_at=0.0)
+    p0 = fleet.get("p0")
+    assert p0 is not None
+    p0.prefill_inflight, p0.prefill_tokens_inflight = 1, 400
+    idle = ctl.snapshot(1.0)
+    p0.prefill_queued, p0.prefill_queued_tokens = 3, 1200
+    queued = ctl.snapshot(1.0)
+    assert queued.engines[0].prefill_work_s == pytest.approx(prefill_work_s(PROFILE, 4, 1600))
+    assert queued.prefill_pressure == pytest.approx(4 * idle.prefill_pressure)
+    assert p0.resident_work == 4
 
 
 def test_decode_correction_is_clamped_to_configured_bounds() -> None:
