@@ -25,10 +25,10 @@ must hold; the result goes to --out as JSON. Bounded: the load stops after --max
 bootstrap pairs (both legs at once, the same body, paired by bootstrap room; the
 result goes to runs/bench/reliability-sglang.json). Its faults are the ones SGLang can
 show: no short KV lease (SGLang has none: a prefill server pushes the KV to its decoder
-and frees it then, or when the decoder has left, or at the bootstrap timeout), and, since
-the prefill leg carries the client's streamed body, crashes, error events and slow starts
-on either leg. Its config variants are valid for an SGLang fleet (no role changes: the launch mode fixes
-them), and one of its invalid variants mixes dialects.
+and frees it then, or when the decoder has left, or at the bootstrap timeout), and,
+since the prefill leg carries the client's streamed body, crashes, error events and slow
+starts on either leg. Its config variants are valid for an SGLang fleet (no role
+changes: the launch mode fixes them), and one of its invalid variants mixes dialects.
 """
 
 from __future__ import annotations
