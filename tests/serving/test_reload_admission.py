@@ -16,14 +16,13 @@ import pytest
 import trio
 import trio.testing
 
-from narwhal.config import Config, diff
+from narwhal.config import Config
 from narwhal.fleet import EngineState
 from narwhal.serving import state_document
 from narwhal.serving._flow import Flow
-from narwhal.supervisor._reload import apply_config
 
 from ..admission.test_first_token_wait import Source
-from ..recovery.fakes import config
+from ..recovery.fakes import config, reload
 from ..recovery.test_service import Rig, start
 
 # Source prices a prefill at 0.1 ms per token.
@@ -34,13 +33,6 @@ D0 = {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"}
 
 def fleet(*engines: dict[str, Any]) -> Config:
     return config(engines=list(engines), serving={"admission": "predictive"})
-
-
-async def reload(rig: Rig, new: Config) -> list[EngineState]:
-    """Apply `new` as narwhalctl reload would; returns the engines it retired."""
-    retired: list[EngineState] = []
-    await apply_config(rig.ctx, rig.recovery, new, diff(rig.ctx.config, new), retired.append)
-    return retired
 
 
 class Legs:
@@ -97,7 +89,7 @@ async def test_a_leg_on_a_replaced_engine_leaves_the_replacements_backlog_alone(
         # Overdue by 0.9 s: the old p0 is priced as stalled (the reason to replace it).
         assert backlog_s(rig)["p0"] == pytest.approx(0.9)
 
-        await reload(rig, fleet({**P0, "url": "http://127.0.0.1:19"}, D0))
+        await reload(rig.ctx, rig.recovery, fleet({**P0, "url": "http://127.0.0.1:19"}, D0))
         new = rig.engine("p0")
         assert new is not old
         # The replacement has nothing committed: it inherited the old instance's
@@ -124,7 +116,7 @@ async def test_a_removed_engine_leaves_the_books_when_its_last_leg_ends(
         leg = await legs.open(p1, "prefill", 1000)
         assert set(backlog_s(rig)) == {"p0", "p1", "d0"}
 
-        assert await reload(rig, fleet(P0, D0)) == [p1]
+        assert await reload(rig.ctx, rig.recovery, fleet(P0, D0)) == [p1]
         assert set(backlog_s(rig)) == {"p0", "d0"}  # only engines in the fleet are shown
         assert rig.ctx.backlog.committed == {p1: 1}  # its leg still runs, on it
         await ended(leg)
@@ -144,7 +136,7 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         assert priced.first_token_lag_s == pytest.approx(0.5)
         assert priced.kv_release_per_s > 0
 
-        await reload(rig, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
+        await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
         new = rig.engine("d0")
         await ended(resident)  # its KV is freed on the old instance, after the reload
         priced = Flow(ctx)._priced(Source())["d0"]
