@@ -1,4 +1,4 @@
-"""Admission's per-engine books across a reload that replaces or removes an engine.
+"""What pricing keeps per engine across a reload that replaces or removes an engine.
 
 A replaced engine (same id, another url) is a new EngineState instance. Legs that were
 placed on the old instance still run on it after the reload and end later: what they
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -18,10 +19,13 @@ import trio.testing
 
 from narwhal.config import Config
 from narwhal.fleet import EngineState
+from narwhal.profiles import DecodeCorrection, FleetProfiles, load_profiles, save_profiles
 from narwhal.serving import state_document
 from narwhal.serving._flow import Flow
+from narwhal.supervisor._control import ControlLink
 
 from ..admission.test_first_token_wait import Source
+from ..profiles.helpers import config_for, store_for
 from ..recovery.fakes import config, reload
 from ..recovery.test_service import Rig, start
 
@@ -150,3 +154,30 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         ctx.engine_retired(old)
         assert new not in ctx.kv_turnover.value
         assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
+
+
+async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correction_alone(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    urls = {"p0": P0["url"], "d0": D0["url"]}
+    path = tmp_path / "profiles.json"
+    save_profiles(store_for(urls), path)
+    profiles = FleetProfiles(
+        load_profiles(path, config_for(urls)),
+        correction=DecodeCorrection(alpha=0.5, min_samples=2),
+    )
+    curve = profiles.decode_curve("d0")
+    assert curve is not None
+    slow = [1.2 * curve.interval_s(1, 0)] * 2  # 20 % slower than profiled
+    async with rig_with_legs(fleet(P0, D0)) as (rig, _):
+        rig.ctx.profiles = profiles
+        link = ControlLink(rig.ctx)
+        old = rig.engine("d0")
+        link.decode_gaps(old, slow)
+        assert profiles.decode_correction("d0") == pytest.approx(1.1)
+
+        await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
+        link.decode_gaps(old, slow)  # a stream on the old instance ends after the reload
+        assert profiles.decode_correction("d0") == pytest.approx(1.1)
+        link.decode_gaps(rig.engine("d0"), slow)  # the replacement's own stream counts
+        assert profiles.decode_correction("d0") == pytest.approx(1.15)
