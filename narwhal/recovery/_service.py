@@ -286,6 +286,9 @@ class Recovery:
         # engine's build with its profile's (a stale profile is dropped, not used).
         self.before_release: Callable[[EngineState], Awaitable[None]] | None = None
         self._records: dict[str, EngineRecovery] = {}
+        # Records of engines a reload is replacing: the new instance is adopted (and
+        # probed) while the old one is still in placement, until `retire` ends it.
+        self._replaced: list[EngineRecovery] = []
         self._nursery: trio.Nursery | None = None
         self._verify_seq = 0
         self.recent_changes: deque[dict[str, object]] = deque(maxlen=_RECENT_CHANGES)
@@ -349,6 +352,9 @@ class Recovery:
 
     def _adopt(self, engine: EngineState) -> EngineRecovery:
         record = EngineRecovery(engine, self.ctx.config)
+        previous = self._records.get(engine.id)
+        if previous is not None and previous.engine is not engine:
+            self._replaced.append(previous)
         self._records[engine.id] = record
         return record
 
@@ -362,11 +368,15 @@ class Recovery:
 
     def retire(self, engine: EngineState) -> None:
         """A reload removed (or replaced) `engine`: stop probing that instance."""
-        record = self._records.get(engine.id)
-        if record is not None and record.engine is engine:
+        record = self._record_for(engine)
+        if record is None:
+            return
+        if self._records.get(engine.id) is record:
             del self._records[engine.id]
-            if record.scope is not None:
-                record.scope.cancel()
+        else:
+            self._replaced.remove(record)
+        if record.scope is not None:
+            record.scope.cancel()
 
     def reconfigure(self, config: Config) -> None:
         settings = BreakerSettings.from_config(config.recovery.breaker)
@@ -380,7 +390,9 @@ class Recovery:
 
     def _record_for(self, engine: EngineState) -> EngineRecovery | None:
         record = self._records.get(engine.id)
-        return record if record is not None and record.engine is engine else None
+        if record is not None and record.engine is engine:
+            return record
+        return next((r for r in self._replaced if r.engine is engine), None)
 
     # ------------------------------------------------------------------ LegObserver
 

@@ -159,7 +159,7 @@ def _release_kv(
     """Take `tokens` back out of the engine's resident count; `freed` (what the engine
     reported, when it did) is the KV turnover, else `tokens`."""
     engine.decode_tokens -= tokens
-    ctx.kv_turnover.observe(engine.id, tokens if freed is None else freed, trio.current_time())
+    ctx.kv_turnover.observe(engine, tokens if freed is None else freed, trio.current_time())
 
 
 class _KvGrowth:
@@ -484,13 +484,13 @@ class Flow:
         """Every engine as pricing sees it now: profile, backlog and decode-side load."""
         ctx = self.ctx
         now = trio.current_time()
+        signals = ctx.load_signals(now)
         return price_fleet(
             ctx.fleet.views(now),
             profiles,
-            ctx.backlog,
-            now,
-            ctx.first_token_lags,
-            ctx.kv_turnover,
+            backlog_s=signals.backlog_s,
+            first_token_lag_s=signals.first_token_lag_s,
+            kv_release_per_s=signals.kv_release_per_s,
         )
 
     def _policy(self, tokens: int, config: Config) -> Policy:
@@ -1033,7 +1033,7 @@ class Flow:
             shared = shared_overhead_s(
                 curve.prefill_s(0), tokens, self.ctx.config.engine.prefill_chunk_tokens
             )
-            backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time(), shared)
+            backlog.commit(engine, curve.prefill_s(tokens), trio.current_time(), shared)
         if phase == "prefill":
             engine.prefill_queued += 1
             engine.prefill_queued_tokens += tokens
@@ -1048,7 +1048,7 @@ class Flow:
                 expired = wait.cancelled_caught
         except BaseException:
             if phase == "prefill" and curve is not None:
-                backlog.release(engine.id, trio.current_time())
+                backlog.release(engine)
             raise
         finally:
             if phase == "prefill":
@@ -1074,7 +1074,7 @@ class Flow:
                 engine.prefill_inflight -= 1
                 engine.prefill_tokens_inflight -= tokens
                 if curve is not None:
-                    backlog.release(engine.id, trio.current_time())
+                    backlog.release(engine)
             else:
                 engine.decode_active -= 1
                 _release_kv(self.ctx, engine, tokens)
@@ -1254,7 +1254,7 @@ class Flow:
             # and SGLang both report it.
             generated = usage_tokens(document, "completion_tokens") or 0
             if generated > 0:
-                self.ctx.kv_turnover.observe(engine.id, generated, trio.current_time())
+                self.ctx.kv_turnover.observe(engine, generated, trio.current_time())
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"
@@ -1388,7 +1388,7 @@ async def _relay(
                                 first_token_seen()
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
-                                ctx.first_token_lags.observe(engine.id, now - started, now)
+                                ctx.first_token_lags.observe(engine, now - started, now)
                         if first_at is not None and not usage_only:
                             read_tokens += 1
                     if first_at is None:

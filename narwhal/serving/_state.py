@@ -88,6 +88,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
     budget = ctx.retry_budget
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     ratio, ratio_source = ctx.chars_per_token(ctx.config)
+    signals = ctx.load_signals(now)
     document: dict[str, object] = {
         "narwhal": {
             "version": __version__,
@@ -108,17 +109,16 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "unserved_placements": ctx.unserved_placements,
             "profiles_loaded": ctx.profiles is not None,
             "prefill_backlog_s": {
-                engine_id: round(wait, 6)
-                for engine_id, wait in sorted(ctx.backlog.waits(now).items())
+                engine_id: round(wait, 6) for engine_id, wait in sorted(signals.backlog_s.items())
             },
             "decode_first_token_lag_s": {
                 engine_id: round(lag, 6)
-                for engine_id, lag in sorted(ctx.first_token_lags.lags(now).items())
+                for engine_id, lag in sorted(signals.first_token_lag_s.items())
             },
             "projection_error_factor": round(ctx.projection_errors.factor(now), 4),
             "decode_kv_release_tokens_per_s": {
                 engine_id: round(rate, 1)
-                for engine_id, rate in sorted(ctx.kv_turnover.rates(now).items())
+                for engine_id, rate in sorted(signals.kv_release_per_s.items())
             },
         },
         "retry_budget": {

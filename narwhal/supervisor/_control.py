@@ -179,6 +179,10 @@ class ControlLink:
             self.controller.signal_ttft_breach()
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+        if self.ctx.fleet.get(engine.id) is not engine:
+            # A reload removed or replaced the engine this stream ran on: its gaps say
+            # nothing of the engine under its id now (corrections are kept by id).
+            return
         source = self.ctx.profiles
         if isinstance(source, FleetProfiles):
             curve = source.decode_curve(engine.id)

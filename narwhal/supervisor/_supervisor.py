@@ -420,6 +420,7 @@ class Supervisor:
         with trio.move_on_after(CLEANUP_S, shield=True):
             await engine.aclose()
         ctx.fleet.forget(engine)
+        ctx.engine_retired(engine)
         log.info(
             "engine %s retired",
             engine.id,

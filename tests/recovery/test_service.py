@@ -47,6 +47,7 @@ from .fakes import (
     config,
     failure,
     first_token_timeout,
+    reload,
     unreachable,
 )
 
@@ -121,6 +122,9 @@ def with_peer(role: str, **sections: Any) -> Config:
         ],
         **sections,
     )
+
+
+P0 = {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"}
 
 
 def eject_d0(rig: Rig) -> None:
@@ -1928,3 +1932,33 @@ async def test_verdict_changes_are_logged_as_json_events(
     assert "recovery.breaker.window_s=10.0" in record.__dict__["reason"]
     legs = [r for r in caplog.records if getattr(r, "event", None) == "leg_failed"]
     assert [r.__dict__["counted"] for r in legs] == [True, True, True]
+
+
+# ---------------------------------------------------------------- reload
+
+
+async def test_a_replaced_engine_is_probed_as_one_engine_not_two(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The new instance is adopted (and probed) before the old one leaves placement; its
+    # record took the old one's place, so retiring the old instance found nothing to stop
+    # and the old instance's loop probed the old url alongside, for good.
+    rig = await start(nursery, config())
+    await rig.at(0.5)
+    old = rig.engine("d0")
+    document = {"id": "d0", "url": "http://127.0.0.1:20", "role": "decode"}
+    assert await reload(rig.ctx, rig.recovery, config(engines=[P0, document])) == [old]
+    new = rig.engine("d0")
+    assert new is not old
+    await rig.at(4.5)
+    assert [at for engine_id, at in rig.prober.probes if engine_id == "d0"] == [
+        0,  # startup
+        0.5,  # the new instance, before it joins
+        1.5,
+        2.5,
+        3.5,
+        4.5,
+    ]
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.engine is new

@@ -351,7 +351,7 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
     assert decode.view(trio.current_time()).unstreamed_age_s == 0.0
     assert stack.ctx.unstreamed_legs == {"prompt_logprobs": 1}
     # 500 prompt + 200 generated tokens freed, decayed over slo.ttft_s = 5 s since.
-    freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
+    freed = stack.ctx.kv_turnover.current(decode, trio.current_time())
     assert 650 < freed <= 700
 
 
@@ -370,7 +370,9 @@ async def test_a_stalled_prefill_engine_stops_drawing_requests(start_stack: Star
     stack.fleet[0].set_faults(stall_before_first_token_s=4.0, leg="prefill", count=1)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(post, stack, {"max_tokens": 1})  # stuck on p0 for 4 s
-        await wait_for(lambda: stack.ctx.backlog.committed.get("p0") == 1)
+        p0 = stack.ctx.fleet.get("p0")
+        assert p0 is not None
+        await wait_for(lambda: stack.ctx.backlog.committed.get(p0) == 1)
         await trio.sleep(0.2)  # well past its predicted finish
         with trio.fail_after(2.0):
             for _ in range(3):

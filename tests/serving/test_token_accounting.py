@@ -92,7 +92,7 @@ async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> N
     assert state["engines"][1]["decode"]["tokens_per_event"] == round(decode.tokens_per_event, 3)
     # The turnover counts the 100 generated tokens the engine reported, not the ~26
     # events, plus the prompt.
-    freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
+    freed = stack.ctx.kv_turnover.current(decode, trio.current_time())
     assert 570 < freed <= 600
 
 
