@@ -445,9 +445,9 @@ class Health:
             "or an available prefill/decode pair for a `both` engine; one drained, held, "
             "ejected, quarantined, unreachable or refusing the key does not count), since "
             "every request needing that role is refused meanwhile (`no_engine_available`); "
-            "the verification pair still has to pass, and a restart hold still lasts "
-            "`recovery.restart_hold_s`. The health transition's reason says so, and "
-            "`recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
+            "the verification pair still has to pass, and a restart hold ends at the first "
+            "good probe (`recovery.restart_hold_s`). The health transition's reason says so, "
+            "and `recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
             "counts it. A verification pair "
             "(readmission or breaker) that fails at once is sent again, and only the second "
             'pair counts (the first is `narwhal_verifications_total{outcome="retried"}`); one '
@@ -491,9 +491,16 @@ class Recovery:
         5.0,
         NonNegative(),
         doc=(
-            "Hold after an engine restart before placement. An engine that answers again "
+            "Hold after an engine restart before placement; then a verification pair has to "
+            "pass. An engine that answers again "
             "after being unreachable counts as restarted unless its `/version` names the "
-            "instance id it named before (then it was unreachable, not restarted: no hold)."
+            "instance id it named before (then it was unreachable, not restarted: no hold). "
+            "While no other engine in placement takes the work of its role (as for "
+            "`recovery.health.readmit_successes`), the wait ends at its first good probe "
+            "(one goes out at once when the restart shows on `/metrics`) and the "
+            "verification pair follows; it is still held until that passes. The "
+            "`restart_hold_cut` warning and the hold's release reason say so, and "
+            "`recovery.engines.ID.hold.cut_short_total` in `/narwhal/state` counts it."
         ),
     )
     shutdown_grace_s: float = _f(30.0, NonNegative(), doc="In-flight drain bound on SIGTERM.")

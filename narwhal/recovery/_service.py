@@ -256,6 +256,11 @@ class EngineRecovery:
         }
 
 
+def _work(engine: EngineState) -> str:
+    """The work of `engine`'s role, as placement names it."""
+    return "aggregate" if engine.role == "both" else engine.role
+
+
 def _last(
     result: ProbeResult | KeyCheck | None, at: float | None, now: float
 ) -> dict[str, object] | None:
@@ -820,15 +825,20 @@ class Recovery:
                 # (a failed probe leaves it to the probe interval and the health streak).
                 record.probe_now = record.probe_now or started < record.unreachable_at
         if result.outcome == "ok":
-            if trio.current_time() < record.latency_until:
+            now = trio.current_time()
+            ejected = record.health.verdict is Verdict.EJECTED
+            waiting = ejected or record.hold.waiting(now)
+            alone = self._alone(record) if waiting else None
+            if now < record.latency_until:
                 # A slow engine answers its probes and passes a verification pair (both
                 # bounded, not timed against the profile) as soon as it is ejected; the
                 # residuals that ejected it covered recovery.health.window_s, so it stays
                 # out as long before its good probes count.
                 record.health.consecutive_failures = 0
             else:
-                alone = self._readmit_alone(record)
                 self._health_changed(record, record.health.probe_ok(health, alone))
+            if alone is not None:
+                self._cut_hold(record, now, alone)
             # Not again if this probe's /version refusal was just checked.
             checked = record.last_key_check_at is not None and record.last_key_check_at >= started
             if record.engine.auth_refused is not None and not checked:
@@ -836,22 +846,46 @@ class Recovery:
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
 
-    def _readmit_alone(self, record: EngineRecovery) -> str | None:
-        """Why one good probe is enough to verify this ejected engine for readmission, or
-        None: no other engine in placement takes its role's work (`_last_of_role`), so
-        every request needing that role is refused until it is back, and each further
-        probe of recovery.health.readmit_successes costs the whole service a probe
-        interval. The probe streak guards against an engine that answers /health while
-        it flaps; the verification pair that follows (a real prefill and decode) still
-        has to pass, and a broken engine fails it and stays out. A drained or removed
-        engine would stay out of placement anyway, so it gets no shortcut."""
+    def _alone(self, record: EngineRecovery) -> str | None:
+        """Why this engine's readmission need not wait, or None: no other engine in
+        placement takes its role's work (`_last_of_role`), so every request needing that
+        role is refused until it is back, and each probe interval it waits costs the
+        whole service. Then one good probe starts its verification, not
+        recovery.health.readmit_successes (`HealthTracker.probe_ok`), and a restart
+        hold's verification need not wait for recovery.restart_hold_s (`_cut_hold`).
+        The probe streak guards against an engine that answers /health while it flaps,
+        and the hold gives a restarted one time to warm up: each is worth less than
+        serving the role at all. The verification pair that follows (a real prefill and
+        decode) still has to pass, and a broken engine fails it and stays out. A drained
+        or removed engine would stay out of placement anyway, so it gets no shortcut."""
         engine = record.engine
-        if record.health.verdict is not Verdict.EJECTED or engine.drained or engine.removed:
+        if engine.drained or engine.removed:
             return None
         if not self._last_of_role(engine, trio.current_time()):
             return None
-        work = "aggregate" if engine.role == "both" else engine.role
-        return f"no other engine in placement takes {work} work"
+        return f"no other engine in placement takes {_work(engine)} work"
+
+    def _cut_hold(self, record: EngineRecovery, now: float, alone: str) -> None:
+        """A restarted engine whose role has no other engine in placement is verified at
+        its first good probe, not after recovery.restart_hold_s: the hold waits for a
+        warm-up, and a cold engine serves its role's requests where none would be served
+        meanwhile. The hold lasts until the verification passes (and `before_release`
+        has compared the engine's build), as any hold does."""
+        hold = record.hold
+        if not hold.waiting(now):
+            return
+        reason = (
+            f"cut short {hold.verify_after - now:.1f} s before recovery.restart_hold_s="
+            f"{self.ctx.config.recovery.restart_hold_s} ran out, at a good probe, "
+            f"while {alone}"
+        )
+        hold.cut(now, reason)
+        log.warning(
+            "restart hold of %s %s: verifying before placement",
+            record.engine.id,
+            reason,
+            extra={"event": "restart_hold_cut", "engine": record.engine.id, "reason": reason},
+        )
 
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
@@ -910,6 +944,9 @@ class Recovery:
         restarted = record.identity.observe_metrics(sample.started_at, sample.prompt_tokens)
         if restarted is not None:
             self._start_hold(record, restarted)
+            if self._alone(record) is not None:
+                # Its hold ends at a good probe (`_cut_hold`): not a probe interval later.
+                record.probe_now = True
 
     def _start_hold(self, record: EngineRecovery, reason: str) -> None:
         now = trio.current_time()
@@ -939,19 +976,20 @@ class Recovery:
         if now < record.next_verify_at or record.engine.auth_refused is not None:
             return
         engine = record.engine
-        hold_due = not record.hold.active or now >= record.hold.verify_after
-        if record.readmission_wanted() and hold_due:
+        if record.readmission_wanted() and not record.hold.waiting(now):
             phase = {"prefill": "prefill", "decode": "decode"}.get(engine.role, "aggregate")
             result = await self._verify(record, "readmission", phase)
             if result.outcome == "ok":
                 self._health_changed(record, record.health.verify_ok(result.detail))
                 if record.hold.active and self.before_release is not None:
                     await self.before_release(engine)
+                cut = record.hold.cut_reason
                 if record.hold.clear():
                     engine.held_until = -math.inf
-                    self._changed(
-                        engine.id, "hold", None, "held", "released", "verification passed"
-                    )
+                    released = "verification passed"
+                    if cut is not None:
+                        released += f"; the hold was {cut}"
+                    self._changed(engine.id, "hold", None, "held", "released", released)
             elif result.outcome == "failed":
                 self._health_changed(record, record.health.verify_failed(result.detail))
             # Neither "refused" nor "inconclusive" says anything of the engine's health.
