@@ -13,6 +13,8 @@ Health verdict (`HealthTracker`)
              is refused meanwhile, so each further probe interval is an outage of the
              whole service. Readmission waits for one verification leg pair to pass
              either way; that pair, not the probe streak, is what shows the engine serves.
+             An engine ejected for latency waits recovery.health.window_s before its good
+             probes count, unless its role has no other engine in placement.
 
 A probe that could not run because the control pool was exhausted is no evidence either
 way and leaves the verdict and the streaks unchanged (manual 4.1).
@@ -102,20 +104,24 @@ class HealthTracker:
             return None
         return self.reason
 
-    def probe_ok(self, config: HealthConfig, alone: str | None = None) -> VerdictChange | None:
+    def probe_ok(
+        self, config: HealthConfig, alone: str | None = None, *, notes: Iterable[str] = ()
+    ) -> VerdictChange | None:
         """A good probe. `alone` says why no other engine in placement takes the work of
-        this engine's role, if none does: then one good probe starts the verification."""
+        this engine's role, if none does: then one good probe starts the verification.
+        `notes` go into the reason of the change to verifying, if there is one."""
         self.consecutive_failures = 0
         if self.verdict is not Verdict.EJECTED:
             return None
         self.good_probes += 1
         needed = config.readmit_successes
+        extra = "".join(f"; {note}" for note in notes)
         if self.good_probes >= needed:
             return self._to(
                 Verdict.VERIFYING,
                 f"{self.good_probes} good probe{'' if self.good_probes == 1 else 's'} "
                 f"(recovery.health.readmit_successes="
-                f"{needed}); verifying before readmission",
+                f"{needed}){extra}; verifying before readmission",
             )
         if alone is None:
             return None
@@ -123,7 +129,7 @@ class HealthTracker:
         return self._to(
             Verdict.VERIFYING,
             f"{self.good_probes} good probe of recovery.health.readmit_successes={needed}, "
-            f"enough while {alone}; verifying before readmission",
+            f"enough while {alone}{extra}; verifying before readmission",
         )
 
     def probe_failed(self, config: HealthConfig, detail: str) -> VerdictChange | None:

@@ -27,9 +27,11 @@ Inputs
 
 When something is due (an open breaker's open_s, a quarantine's end, a restart hold's
 recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
-counted failure wakes it at once. Verifications run inside the engine's loop, one at a
-time per engine, so an engine is never verified twice concurrently, and after one that
-did not pass the next waits a probe interval. A verification leg answered with 401/403
+counted failure wakes it at once, and so does another engine leaving placement when that
+leaves this one, waiting for readmission, the last to take its role's work
+(`_left_placement`). Verifications run inside the engine's loop, one at a time per
+engine, so an engine is never verified twice concurrently, and after one that did not
+pass the next waits a probe interval. A verification leg answered with 401/403
 marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
 neither a failed verification nor a breaker's, since the engine refuses the key, not the
 work. An auth-refused engine is not verified; once its key check passes, at once.
@@ -174,8 +176,10 @@ class EngineRecovery:
         self.identity = IdentityTracker()
         self.residuals = ResidualWindow()
         self.pending: deque[LegObservation] = deque(maxlen=_PENDING_LEGS)
-        # Ejected for latency: good probes do not count toward readmission before this.
+        # Ejected for latency: good probes do not count toward readmission before this,
+        # unless no other engine in placement takes its role's work.
         self.latency_until = -math.inf
+        self.latency_cuts_total = 0
         # When this engine's SGLang pairs failed their KV transfer, within the breaker
         # window (`Recovery._transfer_failed`).
         # (time, leg number, partner) of each; legs are numbered by answered legs and these.
@@ -233,6 +237,7 @@ class EngineRecovery:
                 "readmission_in_s": round(self.latency_until - now, 3)
                 if now < self.latency_until
                 else None,
+                "latency_cut_short_total": self.latency_cuts_total,
                 "last_probe": _last(self.last_probe, self.last_probe_at, now),
             },
             "auth": {
@@ -829,14 +834,19 @@ class Recovery:
             ejected = record.health.verdict is Verdict.EJECTED
             waiting = ejected or record.hold.waiting(now)
             alone = self._alone(record) if waiting else None
-            if now < record.latency_until:
+            if now < record.latency_until and alone is None:
                 # A slow engine answers its probes and passes a verification pair (both
                 # bounded, not timed against the profile) as soon as it is ejected; the
                 # residuals that ejected it covered recovery.health.window_s, so it stays
-                # out as long before its good probes count.
+                # out as long before its good probes count. Not when no other engine
+                # takes its role's work (then `_latency_cut`).
                 record.health.consecutive_failures = 0
             else:
-                self._health_changed(record, record.health.probe_ok(health, alone))
+                notes: list[str] = []
+                if ejected and now < record.latency_until:
+                    notes.append(self._latency_cut(record, now))
+                change = record.health.probe_ok(health, alone, notes=notes)
+                self._health_changed(record, change)
             if alone is not None:
                 self._cut_hold(record, now, alone)
             # Not again if this probe's /version refusal was just checked.
@@ -851,19 +861,34 @@ class Recovery:
         placement takes its role's work (`_last_of_role`), so every request needing that
         role is refused until it is back, and each probe interval it waits costs the
         whole service. Then one good probe starts its verification, not
-        recovery.health.readmit_successes (`HealthTracker.probe_ok`), and a restart
-        hold's verification need not wait for recovery.restart_hold_s (`_cut_hold`).
-        The probe streak guards against an engine that answers /health while it flaps,
-        and the hold gives a restarted one time to warm up: each is worth less than
-        serving the role at all. The verification pair that follows (a real prefill and
-        decode) still has to pass, and a broken engine fails it and stays out. A drained
-        or removed engine would stay out of placement anyway, so it gets no shortcut."""
+        recovery.health.readmit_successes (`HealthTracker.probe_ok`); its good probes
+        count within a latency ejection's recovery.health.window_s (`_latency_cut`); and
+        a restart hold's verification need not wait for recovery.restart_hold_s
+        (`_cut_hold`). The probe streak guards against an engine that answers /health
+        while it flaps, the latency window against a slow one coming back at once, and
+        the hold gives a restarted one time to warm up: each is worth less than serving
+        the role at all. The verification pair that follows (a real prefill and decode)
+        still has to pass, and a broken engine fails it and stays out. A drained or
+        removed engine would stay out of placement anyway, so it gets no shortcut."""
         engine = record.engine
         if engine.drained or engine.removed:
             return None
         if not self._last_of_role(engine, trio.current_time()):
             return None
         return f"no other engine in placement takes {_work(engine)} work"
+
+    def _latency_cut(self, record: EngineRecovery, now: float) -> str:
+        """A latency-ejected engine's good probes count before recovery.health.window_s
+        ran out: it was ejected for being slow, not down, and its role has no other
+        engine in placement now (its peers left after the ejection, which left one)."""
+        left = record.latency_until - now
+        record.latency_until = -math.inf
+        record.latency_cuts_total += 1
+        window = self.ctx.config.recovery.health.window_s
+        return (
+            f"counted {left:.1f} s before its latency ejection's recovery.health.window_s="
+            f"{window} ran out: slow beats refusing all {_work(record.engine)} work"
+        )
 
     def _cut_hold(self, record: EngineRecovery, now: float, alone: str) -> None:
         """A restarted engine whose role has no other engine in placement is verified at
@@ -1261,6 +1286,30 @@ class Recovery:
         )
         record.wake.set()
 
+    def _left_placement(self, engine_id: str) -> None:
+        """`engine_id` was taken out of placement (or one phase of it): if it was the last
+        other engine to take some waiting engine's role's work, that engine is probed at
+        once, and its readmission goes ahead at that probe (`_alone`), not at its next
+        probe interval. Waiting: ejected, or held for recovery.restart_hold_s, with a
+        good last probe. Only a change from in service counts: one back to ejected after
+        a failed verification takes nothing out of placement, and two waiting engines of
+        one role must not wake each other's probes in turn. An operator's drain, a reload
+        or a role change that empties a role is seen at the next probe."""
+        now = trio.current_time()
+        for record in self._records.values():
+            probe = record.last_probe
+            if (
+                record.engine.id == engine_id
+                or record.probe_now
+                or probe is None
+                or probe.outcome != "ok"
+            ):
+                continue
+            waiting = record.health.verdict is Verdict.EJECTED or record.hold.waiting(now)
+            if waiting and self._alone(record) is not None:
+                record.probe_now = True
+                record.wake.set()
+
     def _breaker_changed(self, transition: Transition) -> None:
         self._changed(
             transition.engine,
@@ -1291,6 +1340,8 @@ class Recovery:
         }
         self.recent_changes.append(entry)
         worse = new in ("open", "ejected", "held", "quarantined", "unreachable")
+        if worse and old in ("up", "closed", "released", "reachable"):
+            self._left_placement(engine_id)
         where = f"{engine_id}/{phase}" if phase else engine_id
         log.log(
             logging.WARNING if worse else logging.INFO,

@@ -245,6 +245,17 @@ def test_a_cut_hold_verifies_at_once_and_a_new_restart_waits_again() -> None:
     }
 
 
+def test_notes_go_into_the_reason_of_the_change_to_verifying() -> None:
+    health = HealthTracker()
+    health.eject("x")
+    change = health.probe_ok(Health(readmit_successes=1), "alone", notes=["slow", "backoff"])
+    assert change is not None
+    assert change.reason == (
+        "1 good probe (recovery.health.readmit_successes=1); slow; backoff; verifying before "
+        "readmission"
+    )
+
+
 VLLM_METRICS = b"""# HELP vllm:num_requests_running Requests in execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m x"} 3.0

@@ -418,6 +418,31 @@ async def test_a_restart_hold_ends_at_the_first_good_probe_when_no_other_engine_
     assert (hold["holds_total"], hold["cut_short_total"], hold["cut_short"]) == (1, 1, None)
 
 
+async def test_a_restart_hold_is_cut_short_at_once_when_its_role_empties_during_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # x1 takes decode work while d0 is held; when x1 goes out (its decode breaker opens
+    # at +3.5) d0 is probed at once, not at +4, and verified at that probe.
+    rig = await start(nursery, with_peer("decode", recovery={"breaker": {"open_s": 100.0}}))
+    await rig.at(1.5)
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(3.5)
+    assert rig.reason("d0") == "restart hold"
+    assert rig.prober.verifications == []
+    x1 = rig.engine("x1")
+    for _ in range(3):
+        rig.recovery.leg_failed(x1, "decode", failure("x1", "decode"))
+    await rig.at(3.5)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [3.5]
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [3.0, 3.5]
+    assert rig.reason("d0") is None
+    (release,) = [c for c in rig.recovery.recent_changes if c["to"] == "released"]
+    assert release["reason"] == (
+        "verification passed; the hold was cut short 3.5 s before recovery.restart_hold_s=5.0 "
+        "ran out, at a good probe, while no other engine in placement takes decode work"
+    )
+
+
 async def test_identity_change_is_a_restart_held_until_verified(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -1475,6 +1500,78 @@ async def test_a_slow_engine_is_ejected_when_an_aggregate_engine_takes_its_work(
         rig.recovery.leg_ok(d0, "decode", 0.5)
         rig.recovery.residual_pass(trio.current_time())
     assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
+
+
+async def eject_d0_for_latency(nursery: trio.Nursery) -> Rig:
+    """2P2D with d0 ejected for latency at +0 (`residual_config`): its good probes count
+    from +30, when recovery.health.window_s has passed."""
+
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return 0.1
+
+    rig = await start(nursery, residual_config(), predictor=predictor)
+    d0 = rig.engine("d0")
+    for _ in range(3):
+        rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.residual_pass(trio.current_time())
+    assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
+    return rig
+
+
+async def test_a_latency_ejected_engine_s_good_probes_count_once_its_role_is_empty(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # It was slow, not down: once d1 takes no decode work (drained at +1.5), d0 serving
+    # slowly beats refusing every request until recovery.health.window_s has passed.
+    rig = await eject_d0_for_latency(nursery)
+    await rig.at(1.5)
+    assert rig.prober.verifications == []
+    rig.engine("d1").drained = True
+    await rig.at(2.0)  # the next good probe counts, and is enough on its own
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.0]
+    assert rig.reason("d0") is None
+    (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
+    assert entry["reason"] == (
+        "1 good probe of recovery.health.readmit_successes=2, enough while no other engine in "
+        "placement takes decode work; counted 28.0 s before its latency ejection's "
+        "recovery.health.window_s=30.0 ran out: slow beats refusing all decode work; "
+        "verifying before readmission"
+    )
+    health = state_of(rig, "d0")["health"]
+    assert (health["latency_cut_short_total"], health["readmission_in_s"]) == (1, None)
+    assert health["readmit_shortcuts_total"] == 1
+
+
+async def test_a_latency_ejected_engine_is_probed_at_once_when_its_last_peer_goes_out(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # d1's decode breaker opens at +2.5, between d0's probes: d0 is probed then, not at +3.
+    rig = await eject_d0_for_latency(nursery)
+    await rig.at(2.5)
+    d1 = rig.engine("d1")
+    for _ in range(3):
+        rig.recovery.leg_failed(d1, "decode", failure("d1", "decode"))
+    await rig.at(2.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [2.0, 2.5]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.5]
+    assert rig.reason("d0") is None
+
+
+async def test_a_latency_ejected_engine_waits_the_window_while_a_peer_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A peer going out is no reason to probe d0 early while another still takes the work,
+    # nor is d0's ejection ever cut short then.
+    rig = await eject_d0_for_latency(nursery)
+    p1 = rig.engine("p1")
+    for _ in range(3):
+        rig.recovery.leg_failed(p1, "prefill", failure("p1", "prefill"))
+    await rig.at(29.9)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"] == [
+        float(t) for t in range(30)
+    ]
+    assert [v for v in rig.prober.verifications if v.subject == "d0"] == []
+    assert state_of(rig, "d0")["health"]["latency_cut_short_total"] == 0
 
 
 # ---------------------------------------------------------------- router overload
