@@ -470,7 +470,11 @@ class Health:
             '`narwhal_verifications_total{outcome="retried"}`); one '
             "that ran out `engine.first_token_timeout_s` is not sent again. A leg answered "
             "with HTTP 429 makes the pair inconclusive (the engine is busy, not broken): it "
-            "is verified again a probe interval later."
+            "is verified again a probe interval later. After a failed readmission "
+            "verification the next waits a probe interval; from the second failure in a row "
+            "on, twice as long as the one before, up to 8 probe intervals "
+            "(`recovery.engines.ID.health.failed_verifications` and `verify_in_s`), until a "
+            "verification passes or the engine restarts."
         ),
     )
 

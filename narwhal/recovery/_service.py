@@ -31,7 +31,8 @@ counted failure wakes it at once, and so does another engine leaving placement w
 leaves this one, waiting for readmission, the last to take its role's work
 (`_left_placement`). Verifications run inside the engine's loop, one at a time per
 engine, so an engine is never verified twice concurrently, and after one that did not
-pass the next waits a probe interval. A verification leg answered with 401/403
+pass the next waits a probe interval (longer after readmission verifications that failed
+in a row: `_verification_failed`). A verification leg answered with 401/403
 marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
 neither a failed verification nor a breaker's, since the engine refuses the key, not the
 work. An auth-refused engine is not verified; once its key check passes, at once.
@@ -97,6 +98,9 @@ _TRANSFER_FAILURES = 1024
 _TRANSFER_FAILED = "kv_transfer_failed"
 # EngineFailed.code of a leg that could not connect (serving's _engine_request).
 _UNREACHABLE = "engine_unreachable"
+# After consecutive failed readmission verifications the next waits twice as long as
+# the one before, from one probe interval up to this many (`Recovery._verification_failed`).
+_VERIFY_BACKOFF_MAX = 8
 
 
 def _resent(result: VerifyResult) -> bool:
@@ -180,6 +184,11 @@ class EngineRecovery:
         # unless no other engine in placement takes its role's work.
         self.latency_until = -math.inf
         self.latency_cuts_total = 0
+        # Readmission verifications of this instance that failed in a row, and when the
+        # next may run (`Recovery._verify_due`).
+        self.failed_verifications = 0
+        self.readmit_after = -math.inf
+        self.readmit_wait_s = 0.0
         # When this engine's SGLang pairs failed their KV transfer, within the breaker
         # window (`Recovery._transfer_failed`).
         # (time, leg number, partner) of each; legs are numbered by answered legs and these.
@@ -223,7 +232,7 @@ class EngineRecovery:
         if self.engine.auth_refused is None:
             if self.readmission_wanted():
                 hold_due = self.hold.verify_after if self.hold.active else -math.inf
-                times.append(max(self.next_verify_at, hold_due))
+                times.append(max(self.next_verify_at, hold_due, self.readmit_after))
             if self.breaker_wanted():
                 times.append(self.next_verify_at)
         return min(times, default=math.inf)
@@ -238,6 +247,10 @@ class EngineRecovery:
                 if now < self.latency_until
                 else None,
                 "latency_cut_short_total": self.latency_cuts_total,
+                "failed_verifications": self.failed_verifications,
+                "verify_in_s": round(self.readmit_after - now, 3)
+                if now < self.readmit_after
+                else None,
                 "last_probe": _last(self.last_probe, self.last_probe_at, now),
             },
             "auth": {
@@ -845,6 +858,11 @@ class Recovery:
                 notes: list[str] = []
                 if ejected and now < record.latency_until:
                     notes.append(self._latency_cut(record, now))
+                if ejected and now < record.readmit_after:
+                    notes.append(
+                        f"{record.failed_verifications} verifications failed in a row, so it "
+                        f"waits until {record.readmit_wait_s:g} s after the last"
+                    )
                 change = record.health.probe_ok(health, alone, notes=notes)
                 self._health_changed(record, change)
             if alone is not None:
@@ -983,8 +1001,11 @@ class Recovery:
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
         record.pending.clear()
-        # A new instance: its speed is not the old one's (verification and residuals judge).
+        # A new instance: its speed is not the old one's (verification and residuals judge),
+        # and the verifications its predecessor failed say nothing of it.
         record.latency_until = -math.inf
+        record.failed_verifications = 0
+        record.readmit_after = -math.inf
         self._changed(
             record.engine.id,
             "hold",
@@ -1001,10 +1022,12 @@ class Recovery:
         if now < record.next_verify_at or record.engine.auth_refused is not None:
             return
         engine = record.engine
-        if record.readmission_wanted() and not record.hold.waiting(now):
+        due = not record.hold.waiting(now) and now >= record.readmit_after
+        if record.readmission_wanted() and due:
             phase = {"prefill": "prefill", "decode": "decode"}.get(engine.role, "aggregate")
             result = await self._verify(record, "readmission", phase)
             if result.outcome == "ok":
+                record.failed_verifications = 0
                 self._health_changed(record, record.health.verify_ok(result.detail))
                 if record.hold.active and self.before_release is not None:
                     await self.before_release(engine)
@@ -1016,7 +1039,9 @@ class Recovery:
                         released += f"; the hold was {cut}"
                     self._changed(engine.id, "hold", None, "held", "released", released)
             elif result.outcome == "failed":
-                self._health_changed(record, record.health.verify_failed(result.detail))
+                detail = self._verification_failed(record)
+                change = record.health.verify_failed(result.detail + detail)
+                self._health_changed(record, change)
             # Neither "refused" nor "inconclusive" says anything of the engine's health.
             if result.outcome != "ok":
                 record.next_verify_at = trio.current_time() + self._interval()
@@ -1038,6 +1063,33 @@ class Recovery:
                 if result.outcome != "ok":
                     record.next_verify_at = trio.current_time() + self._interval()
                     return
+
+    def _verification_failed(self, record: EngineRecovery) -> str:
+        """Count a failed readmission verification; from the second in a row on, the
+        next waits twice as long as the one before, from one probe interval up to
+        _VERIFY_BACKOFF_MAX of them, and this says so for the ejection's reason.
+
+        An engine that answers /health but fails its pair (a dead GPU behind a live HTTP
+        server, a broken KV path) would otherwise be verified for as long as it stays
+        broken: after readmit_successes good probes, or after each one while it is the
+        last of its role (`_alone`). With its role empty that is a pair (two, when the
+        first fails at once) every probe interval, for hours if nobody fixes it: each
+        logged as warnings, each filling `recent_changes` with the same two transitions,
+        one leg of each on an engine in service. Only the first failures of an instance
+        come quickly: a passing pair or a restart (a new instance, which is how such an
+        engine is usually fixed) starts the count over."""
+        record.failed_verifications += 1
+        failed = record.failed_verifications
+        if failed < 2:
+            return ""
+        interval = self._interval()
+        wait = interval * min(2 ** (failed - 1), _VERIFY_BACKOFF_MAX)
+        record.readmit_after = trio.current_time() + wait
+        record.readmit_wait_s = wait
+        return (
+            f"; {failed} failed in a row, so the next waits {wait:g} s (doubling from "
+            f"recovery.health.interval_s={interval}, up to {_VERIFY_BACKOFF_MAX} of them)"
+        )
 
     def _excused(self, engine: EngineState, evidence: str, started: float, result: _R) -> _R:
         """`result`, or inconclusive if it failed on a deadline the router's own event

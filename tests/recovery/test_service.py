@@ -275,6 +275,55 @@ async def test_a_failed_verification_keeps_out_an_engine_readmitted_on_one_good_
     assert record.health.shortcuts_total == 2
 
 
+async def test_failed_readmission_verifications_back_off_until_one_passes_or_a_restart(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # An engine that answers /health but fails its pair (a dead GPU behind a live HTTP
+    # server) while its role is empty: verified after each good probe, it would take a
+    # pair (sent twice) every probe interval for as long as it stays broken. From the
+    # second failure in a row the wait doubles: 1, 2, 4, 8, 8 intervals.
+    rig = await start(nursery, config())
+    eject_d0(rig)
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    broken = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    rig.prober.verify_of["d0"] = broken
+    await rig.at(30.0)
+    pairs = [v.at - rig.t0 for v in rig.prober.verifications]
+    assert pairs == [t for t in (4.0, 5.0, 7.0, 11.0, 19.0, 27.0) for _ in range(2)]
+    assert rig.reason("d0") == (
+        "ejected: 1 good probe of recovery.health.readmit_successes=2, enough while no other "
+        "engine in placement takes decode work; 6 verifications failed in a row, so it waits "
+        "until 8 s after the last; verifying before readmission"
+    )
+    health = state_of(rig, "d0")["health"]
+    assert (health["failed_verifications"], health["verify_in_s"]) == (6, 5.0)
+    ejected = [c["reason"] for c in rig.recovery.recent_changes if c["to"] == "ejected"]
+    assert ejected[-1] == (
+        "verification failed: decode leg on d0 returned HTTP 500; 6 failed in a row, so the "
+        "next waits 8 s (doubling from recovery.health.interval_s=1.0, up to 8 of them)"
+    )
+    # A restart is a new instance (how such an engine is mostly fixed): verified at once.
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(31.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications][12:] == [31.0, 31.0]
+    assert state_of(rig, "d0")["health"]["failed_verifications"] == 1
+    del rig.prober.verify_of["d0"]
+    await rig.at(32.0)
+    assert rig.reason("d0") is None
+    health = state_of(rig, "d0")["health"]
+    assert (health["failed_verifications"], health["verify_in_s"]) == (0, None)
+    # A pass starts the count over: the next ejection's first failures come quickly.
+    rig.prober.verify_of["d0"] = broken
+    eject_d0(rig)
+    await rig.at(35.0)
+    # Instance b, as before the ejection: no restart this time.
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(38.0)
+    pairs = [v.at - rig.t0 for v in rig.prober.verifications][15:]
+    assert pairs == [36.0, 36.0, 37.0, 37.0]
+
+
 async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -821,15 +870,21 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
         False,
         "failed",
     )
-    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    assert rig.reason("d0") == (
+        "ejected: verification failed: decode leg on d0 returned HTTP 500; 2 failed in a "
+        "row, so the next waits 2 s (doubling from recovery.health.interval_s=1.0, up to 8 "
+        "of them)"
+    )
     # But not a failure that is certainly the in-service partner's own: its serving traffic
     # and breakers judge p0.
     rig.prober.verify_of["d0"] = VerifyResult(
         "failed", "prefill leg on p0: connection refused", culprit="p0"
     )
-    await rig.at(8.0)  # a good probe at +8
+    await rig.at(8.0)  # a good probe at +8; the verification waits until +9
+    assert verified(rig, "d0")[0][-1] == 7.0
+    await rig.at(9.0)
     times, last = verified(rig, "d0")
-    assert (times[-1], last["standby"], last["outcome"]) == (8.0, False, "inconclusive")
+    assert (times[-1], last["standby"], last["outcome"]) == (9.0, False, "inconclusive")
     assert last["detail"] == (
         "prefill leg on p0: connection refused; not counted against d0: the failure is p0's own"
     )
