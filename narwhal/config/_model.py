@@ -412,7 +412,20 @@ class Health:
             "probe, and comes back when the key is accepted."
         ),
     )
-    window_s: float = _f(30.0, Positive(), doc="Latency-residual window for ejection.")
+    window_s: float = _f(
+        30.0,
+        Positive(),
+        doc=(
+            "Latency-residual window for ejection. An engine ejected for latency waits as "
+            "long before its good probes count toward readmission "
+            "(`recovery.engines.ID.health.readmission_in_s` in `/narwhal/state`), unless no "
+            "other engine in placement takes the work of its role (as for "
+            "`recovery.health.readmit_successes`): then they count at once (slow beats "
+            "refusing all of that work), and one that answered its last probe is probed at "
+            "once when its role empties meanwhile. The health transition's reason says so, "
+            "and `recovery.engines.ID.health.latency_cut_short_total` counts it."
+        ),
+    )
     min_samples: int = _f(
         5,
         AtLeast(1),
@@ -445,15 +458,23 @@ class Health:
             "or an available prefill/decode pair for a `both` engine; one drained, held, "
             "ejected, quarantined, unreachable or refusing the key does not count), since "
             "every request needing that role is refused meanwhile (`no_engine_available`); "
-            "the verification pair still has to pass, and a restart hold still lasts "
-            "`recovery.restart_hold_s`. The health transition's reason says so, and "
-            "`recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
-            "counts it. A verification pair "
-            "(readmission or breaker) that fails at once is sent again, and only the second "
-            'pair counts (the first is `narwhal_verifications_total{outcome="retried"}`); one '
+            "the verification pair still has to pass, and a restart hold ends at the first "
+            "good probe (`recovery.restart_hold_s`). The health transition's reason says so, "
+            "and `recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
+            "counts it. An ejected engine that answered its last probe is probed at once "
+            "when its role empties meanwhile (the last other engine taking its work is "
+            "ejected, unreachable, held, quarantined or its breaker opens; a drain, reload "
+            "or role change is seen at the engine's next probe). A "
+            "verification pair (readmission or breaker) that fails at once is sent again, "
+            "and only the second pair counts (the first is "
+            '`narwhal_verifications_total{outcome="retried"}`); one '
             "that ran out `engine.first_token_timeout_s` is not sent again. A leg answered "
             "with HTTP 429 makes the pair inconclusive (the engine is busy, not broken): it "
-            "is verified again a probe interval later."
+            "is verified again a probe interval later. After a failed readmission "
+            "verification the next waits a probe interval; from the second failure in a row "
+            "on, twice as long as the one before, up to 8 probe intervals "
+            "(`recovery.engines.ID.health.failed_verifications` and `verify_in_s`), until a "
+            "verification passes or the engine restarts."
         ),
     )
 
@@ -491,9 +512,16 @@ class Recovery:
         5.0,
         NonNegative(),
         doc=(
-            "Hold after an engine restart before placement. An engine that answers again "
+            "Hold after an engine restart before placement; then a verification pair has to "
+            "pass. An engine that answers again "
             "after being unreachable counts as restarted unless its `/version` names the "
-            "instance id it named before (then it was unreachable, not restarted: no hold)."
+            "instance id it named before (then it was unreachable, not restarted: no hold). "
+            "While no other engine in placement takes the work of its role (as for "
+            "`recovery.health.readmit_successes`), the wait ends at its first good probe "
+            "(one goes out at once when the restart shows on `/metrics` or its role empties "
+            "during the hold) and the verification pair follows; it is still held until "
+            "that passes. The `restart_hold_cut` warning and the hold's release reason say "
+            "so, and `recovery.engines.ID.hold.cut_short_total` in `/narwhal/state` counts it."
         ),
     )
     shutdown_grace_s: float = _f(30.0, NonNegative(), doc="In-flight drain bound on SIGTERM.")
