@@ -678,7 +678,9 @@ class Controller:
         AtLeast(1),
         doc=(
             "Minimum live prefill engines preserved by controller moves. At most the number "
-            "of engines with role `prefill` or `both`."
+            "of engines that can serve prefill: role `prefill` or `both`, or a `prefill` or "
+            "`decode` engine the controller may move (it restores a configured split below "
+            "the floor, one engine per monitor pass)."
         ),
     )
     min_decode: int = _f(
@@ -686,7 +688,9 @@ class Controller:
         AtLeast(1),
         doc=(
             "Minimum live decode engines preserved by controller moves. At most the number "
-            "of engines with role `decode` or `both`."
+            "of engines that can serve decode: role `decode` or `both`, or a `prefill` or "
+            "`decode` engine the controller may move (it restores a configured split below "
+            "the floor, one engine per monitor pass)."
         ),
     )
     flip_history: int = _f(

@@ -283,6 +283,17 @@ def test_floor_recovery_is_recorded_in_flip_history() -> None:
     assert moved.since_role_change_s == 30.0
 
 
+def test_a_configured_split_below_a_floor_is_restored_from_the_first_pass() -> None:
+    # The loader accepts it (manual 7.2 asks only that the floors fit the fleet together).
+    _, fleet, ctl = setup("PPPD", min_decode=2)
+    d = ctl.step(1.0)
+    assert d is not None
+    assert d.caller == "floor-recovery"
+    assert sorted(e.role for e in fleet) == ["decode", "decode", "prefill", "prefill"]
+    ctl.step(2.0)
+    assert ctl.history.total == 1  # the floor is met: no second recovery move
+
+
 def test_flip_history_limit_applies_to_recovery_and_ordinary_changes() -> None:
     _, fleet, ctl = setup("PPPPD", flip_history=2, min_decode=3, dwell_s=0.0)
     get(fleet, "d0").drained = True
