@@ -321,6 +321,26 @@ async def test_a_decode_engine_slower_than_its_profile_is_ejected_for_latency(
     assert stack.fleet[1].state()["counters"]["requests"]["decode"] == before
 
 
+async def test_a_slow_decode_engine_that_is_the_last_of_its_role_is_not_ejected(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1P1D: without d1 every request would be refused; slow, it still serves them.
+    stack = await start_stack(
+        ["prefill", "decode"],
+        speed=DECODE_SPEED,
+        profiles=LawProfiles(speed=DECODE_SPEED),
+        controller={"monitor_interval_s": 0.05},
+        recovery={"health": {"window_s": 10.0, "min_samples": 3, "eject_ratio": 2.0}},
+    )
+    stack.fleet[1].set_faults(decode_slowdown=3.0)
+    with caplog.at_level(logging.WARNING, logger="narwhal.recovery"):
+        await decode_rounds(stack, 8, streams=1, until=lambda: _withheld(caplog) == ["d1"])
+    assert _withheld(caplog) == ["d1"]
+    d1 = stack.ctx.fleet.get("d1")
+    assert d1 is not None
+    assert d1.ejected is None
+
+
 async def test_a_loaded_decode_engine_within_its_profile_is_not_ejected(
     start_stack: StartStack,
 ) -> None:
