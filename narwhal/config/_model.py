@@ -413,7 +413,8 @@ class Health:
     those after the first token (the KV wait and the prefill come before it), at most the
     first 256; a decode leg is judged only with at least 16 of them, with its heaviest
     load inside the profile's measured domain, and when no client write blocked the relay
-    for a token interval or longer and no prefill leg ran on the engine meanwhile.
+    for a quarter of the gaps' time or longer (a stall that outlasted the stream would
+    inflate the gaps after it) and no prefill leg ran on the engine meanwhile.
     Aggregate legs are not judged. Once an engine's window holds `min_samples` residuals,
     a median at or above `eject_ratio` ejects it (`latency: median observed/predicted
     ratio ...`), unless it is the last available engine to take its role's work: then one

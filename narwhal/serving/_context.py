@@ -57,7 +57,7 @@ class LegObserver(Protocol):
     `contended` is true when another leg shared the engine at any moment of this one:
     its duration then includes work the profile does not price. `gaps` summarises a
     streamed leg's token intervals, None when it had none or when they are not the
-    engine's alone (see `_relay`)."""
+    engine's alone (see `_GapLoad`)."""
 
     def leg_ok(
         self,

@@ -199,12 +199,15 @@ class _GapLoad:
     went into those gaps.
 
     A gap is the time between two reads shared by the tokens the second brought, so a
-    client write that blocked the relay is spread over the tokens that piled up
-    meanwhile, which is their rate, except where no more came (the stream's end): a
-    write that blocked for a token interval or longer makes the stream's gaps partly
-    the client's. A prefill leg on the engine meanwhile (a `both` engine, or one the
-    controller just moved) puts prefill chunks into the decode steps, which the decode
-    profile does not model."""
+    client write that blocked the relay (or the router's loop, busy elsewhere) is spread
+    over the tokens that piled up meanwhile, which is their rate, except where no more
+    came: a stall that outlasted the stream inflates the gaps of the tokens the engine
+    made during it, at most as many as fit in the stall. A stream whose longest write
+    spans a quarter of its gaps' time or more is left out; below that, the inflated gaps
+    are too few to carry the median. (Dropping streams at any write longer than one gap
+    would drop most of a busy router's, whose writes wait for the loop.) A prefill leg
+    on the engine meanwhile (a `both` engine, or one the controller just moved) puts
+    prefill chunks into the decode steps, which the decode profile does not model."""
 
     __slots__ = ("active", "kv_tokens", "longest_write_s", "max_active", "max_kv", "prefill")
 
@@ -230,9 +233,9 @@ class _GapLoad:
         if not gaps or self.prefill:
             return None
         median = statistics.median(gaps)
-        if self.longest_write_s >= median:
-            return None
         count = len(gaps)
+        if self.longest_write_s * 4 >= median * count:
+            return None
         return DecodeGaps(
             count=count,
             median_s=median,

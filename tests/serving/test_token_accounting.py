@@ -144,7 +144,8 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     engine.decode_active, engine.decode_tokens = 6, 3000
     load.add(engine, 1)
     load.add(engine, 0)  # a read past the stream's kept gaps adds nothing
-    load.longest_write_s = 0.009  # the client took the relay's writes at once
+    # Within a quarter of the gaps' time (4 x 10 ms): too few gaps after it to matter.
+    load.longest_write_s = 0.0099
     gaps = [0.01, 0.01, 0.01, 0.03]
     assert load.summary(gaps) == DecodeGaps(
         count=4,
@@ -154,7 +155,8 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
         max_active=6,
         max_kv_tokens=3000,
     )
-    # A write that blocked a token interval: the gaps after it are partly the client's.
+    # A write that blocked for a quarter of them: had it outlasted the stream, a quarter
+    # of the gaps would be partly the client's.
     load.longest_write_s = 0.01
     assert load.summary(gaps) is None
     # A prefill leg on the engine meanwhile: its chunks shared the decode steps.
