@@ -257,13 +257,15 @@ def _withheld(caplog: pytest.LogCaptureFixture) -> list[str]:
 DECODE_SPEED = 2.0
 
 
-async def decode_rounds(stack: Stack, rounds: int, streams: int, until: Any = None) -> None:
-    """`rounds` times: `streams` concurrent 40-token streams (placement spreads them over
-    the decode engines), then a whole monitor pass, which takes at most one residual per
-    engine. Stops early once `until()` is true."""
+async def decode_rounds(
+    stack: Stack, rounds: int, streams: int, until: Any = None, tokens: int = 40
+) -> None:
+    """`rounds` times: `streams` concurrent streams of `tokens` (placement spreads them
+    over the decode engines), then a whole monitor pass, which takes at most one residual
+    per engine. Stops early once `until()` is true."""
     monitor = stack.supervisor.monitor
     assert monitor is not None
-    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 40, "stream": True}
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": tokens, "stream": True}
     async with httpx.AsyncClient(timeout=30) as client:
 
         async def one() -> None:
@@ -346,27 +348,28 @@ async def test_a_slow_decode_engine_that_is_the_last_of_its_role_is_not_ejected(
 async def test_a_loaded_decode_engine_within_its_profile_is_not_ejected(
     start_stack: StartStack,
 ) -> None:
-    # A step costs 6 ms plus 2 ms per request decoding: eight streams make each token
-    # 2.75 times as slow as one alone, and the profile says so. Judged at the load each
+    # A step costs 6 ms plus 6 ms per request decoding: four streams make each token
+    # 2.5 times as slow as one alone, and the profile says so. Judged at the load each
     # stream ran at, both engines are as fast as profiled; judged at the load its stream
-    # ended at (the last of a batch ends alone), each would look nearly three times slow.
-    timing = SimTiming(decode_seq_s=2.0e-3)
+    # ended at (the last of a batch ends alone), each would look 2.5 times slow. At speed
+    # 1 and four streams an engine, the simulator keeps to its law on a busy box.
+    timing = SimTiming(decode_seq_s=6.0e-3)
     stack = await start_stack(
         ["prefill", "decode", "decode"],
-        speed=DECODE_SPEED,
+        speed=1.0,
         sim={"timing": timing},
-        profiles=LawProfiles(timing=timing, speed=DECODE_SPEED),
+        profiles=LawProfiles(timing=timing, speed=1.0),
         controller={"monitor_interval_s": 0.05},
         recovery={"health": {"window_s": 10.0, "min_samples": 3, "eject_ratio": 2.0}},
     )
-    await decode_rounds(stack, 4, streams=16)
+    await decode_rounds(stack, 3, streams=8, tokens=24)
     for engine_id in ("d1", "d2"):
         engine = stack.ctx.fleet.get(engine_id)
         assert engine is not None
         assert engine.ejected is None
         judged = residuals(stack, engine_id)
         assert judged["samples"] >= 3, engine_id
-        assert judged["median_ratio"] < 1.5, engine_id
+        assert judged["median_ratio"] < 1.3, engine_id
 
 
 async def test_without_a_controller_demand_events_do_not_pile_up(
