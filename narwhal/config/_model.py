@@ -401,7 +401,27 @@ class Profiles:
 
 @attrs.frozen(kw_only=True)
 class Health:
-    """Health probing and latency-residual ejection."""
+    """Health probing and latency-residual ejection.
+
+    A latency residual is an engine leg's observed latency over what the engine's profile
+    predicts for it, at most one per engine per monitor pass (the newest leg of the pass
+    that the profile predicts). Prefill legs: the duration of a leg that ran alone on the
+    engine, with a prompt inside the profiled range. Decode legs: the stream's median
+    token interval against the profile's interval at the engine's decode load during the
+    stream (its requests decoding and their resident KV tokens, averaged over the gaps),
+    so a loaded engine is judged against its load, not against an idle one. The gaps are
+    those after the first token (the KV wait and the prefill come before it), at most the
+    first 256; a decode leg is judged only with at least 16 of them, with its heaviest
+    load inside the profile's measured domain, and when no client write blocked the relay
+    for a quarter of the gaps' time or longer (a stall that outlasted the stream would
+    inflate the gaps after it) and no prefill leg ran on the engine meanwhile.
+    Aggregate legs are not judged. Once an engine's window holds `min_samples` residuals,
+    a median at or above `eject_ratio` ejects it (`latency: median observed/predicted
+    ratio ...`), unless it is the last available engine to take its role's work: then one
+    `latency_ejection_withheld` warning. A decode engine N times slower than its profile
+    shows residuals near N: the default `eject_ratio` ejects from about three times
+    slower; a lower one catches a milder slowdown.
+    """
 
     interval_s: float = _f(
         2.0,

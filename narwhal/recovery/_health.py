@@ -21,11 +21,13 @@ way and leaves the verdict and the streaks unchanged (manual 4.1).
 
 Latency residuals (`ResidualWindow`)
   The ratio of an observed leg latency to the latency the engine's profile predicts for
-  it. Each monitor pass contributes at most one per engine (manual 7), so a window of
-  recovery.health.window_s holds at most window_s / controller.monitor_interval_s of
-  them; once it holds recovery.health.min_samples, a median ratio at or above
-  recovery.health.eject_ratio ejects the engine. The median, not the mean: one slow leg
-  behind a long prompt must not eject a healthy engine.
+  it: a prefill leg's duration, a decode leg's median token interval (against the
+  profile's interval at the engine's load during the stream). Each monitor pass
+  contributes at most one per engine (manual 7), so a window of recovery.health.window_s
+  holds at most window_s / controller.monitor_interval_s of them; once it holds
+  recovery.health.min_samples, a median ratio at or above recovery.health.eject_ratio
+  ejects the engine. The median, not the mean: one slow leg behind a long prompt must
+  not eject a healthy engine.
 
 Restart holds (`RestartHold`, `IdentityTracker`)
   An engine has restarted when any of these shows it: GET /version reports another

@@ -62,7 +62,7 @@ from prometheus_client import Counter
 from .._errors import EngineFailed
 from ..config import Config
 from ..fleet import EngineState, Phase, key_refused
-from ..serving import ServingContext
+from ..serving import DecodeGaps, ServingContext
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
     HealthTracker,
@@ -88,7 +88,8 @@ log = logging.getLogger("narwhal.recovery")
 PHASES = ("prefill", "decode")
 _RECENT_CHANGES = 200
 # Successful legs kept per engine between two monitor passes. The profile predicts only
-# some legs (uncontended prefill legs inside its domain), and on a busy engine most legs
+# some legs (uncontended prefill legs inside its domain, decode legs with enough clean
+# token gaps at a load inside its domain), and on a busy engine most legs
 # are not of that kind; keeping only the last one would let a busy, slow engine's
 # residuals go missing most passes, while a few dozen cover a pass at any load the
 # fleet can serve.
@@ -123,12 +124,22 @@ class LegObservation:
     decode_active: int
     decode_tokens: int
     contended: bool = False  # another leg shared the engine during this one
+    gaps: DecodeGaps | None = None  # a streamed leg's token intervals
+
+    @property
+    def observed_s(self) -> float:
+        """What a residual compares with the prediction: a decode leg's median token
+        interval (its duration is its output's length), any other leg's duration."""
+        if self.phase == "decode" and self.gaps is not None:
+            return self.gaps.median_s
+        return self.duration_s
 
 
 _R = TypeVar("_R", ProbeResult, VerifyResult)
 
 # (engine, phase, observation) -> the latency the engine's profile predicts for that
-# leg, or None when there is no prediction (no profile, outside the measured domain).
+# leg's `observed_s`, or None when there is no prediction (no profile, outside the
+# measured domain).
 Predictor = Callable[[EngineState, str, LegObservation], float | None]
 
 
@@ -427,6 +438,7 @@ class Recovery:
         *,
         prompt_tokens: int = 0,
         contended: bool = False,
+        gaps: DecodeGaps | None = None,
     ) -> None:
         record = self._record_for(engine)
         if record is None:
@@ -454,6 +466,7 @@ class Recovery:
                 prefill_tokens_inflight=engine.prefill_tokens_inflight,
                 decode_active=engine.decode_active,
                 decode_tokens=engine.decode_tokens,
+                gaps=gaps,
             )
         )
 
@@ -1249,8 +1262,9 @@ class Recovery:
         """The monitor's residual stage: at most one residual per engine per pass.
 
         Each engine's latest successful leg since the previous pass that the profile
-        predicts (an uncontended prefill leg in its domain, say) is compared with that
-        prediction: the latest leg alone would on a busy engine most often be one it does
+        predicts (an uncontended prefill leg in its domain, say, or a decode leg's median
+        token interval at the engine's load) is compared with that prediction: the
+        latest leg alone would on a busy engine most often be one it does
         not predict, and an engine slow enough to be busy would then go without the
         residuals that should eject it. Exceptions from the predictor propagate: they are
         a monitoring-stage failure.
@@ -1269,7 +1283,7 @@ class Recovery:
             if found is None:
                 continue
             observation, predicted = found
-            ratio = observation.duration_s / predicted
+            ratio = observation.observed_s / predicted
             record.residuals.add(now, ratio, health.window_s)
             residuals[record.engine.id] = ratio
             reason = record.residuals.verdict(now, health)

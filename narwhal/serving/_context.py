@@ -31,12 +31,33 @@ from ._slo import SloTally, slo_result
 log = logging.getLogger("narwhal.request")
 
 
+@attrs.frozen
+class DecodeGaps:
+    """A streamed decode leg's token intervals and the engine's load while they were
+    measured, for a latency residual against the decode profile (recovery).
+
+    The gaps are those the live decode correction gets: from the first token on (the KV
+    wait and the prefill come before it), at most the stream's first 256, rescaled to
+    tokens when events carried several. The load is the router's view of the engine at
+    each read that brought them (`EngineState.decode_active`, `decode_tokens`), weighted
+    by the gaps each read gave: its mean and its heaviest."""
+
+    count: int
+    median_s: float
+    mean_active: float
+    mean_kv_tokens: float
+    max_active: int
+    max_kv_tokens: int
+
+
 class LegObserver(Protocol):
     """Told the outcome of every engine leg; recovery implements it (breakers,
     quarantine, latency residuals). Must not block: it runs on the request path.
 
     `contended` is true when another leg shared the engine at any moment of this one:
-    its duration then includes work the profile does not price."""
+    its duration then includes work the profile does not price. `gaps` summarises a
+    streamed leg's token intervals, None when it had none or when they are not the
+    engine's alone (see `_GapLoad`)."""
 
     def leg_ok(
         self,
@@ -46,6 +67,7 @@ class LegObserver(Protocol):
         *,
         prompt_tokens: int = 0,
         contended: bool = False,
+        gaps: DecodeGaps | None = None,
     ) -> None: ...
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
@@ -84,6 +106,7 @@ class _NoObserver:
         *,
         prompt_tokens: int = 0,
         contended: bool = False,
+        gaps: DecodeGaps | None = None,
     ) -> None:
         pass
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Literal, Protocol
@@ -102,7 +103,7 @@ from ._client import (
     read_body,
     watch_disconnect,
 )
-from ._context import DemandEvent, RequestRecord, ServingContext, log
+from ._context import DecodeGaps, DemandEvent, RequestRecord, ServingContext, log
 from ._request import (
     ClientRequest,
     context_overflow,
@@ -191,6 +192,58 @@ class _KvGrowth:
 
     def __exit__(self, *exc: object) -> None:
         _release_kv(self.ctx, self.engine, self.tokens, self.reported)
+
+
+class _GapLoad:
+    """The engine's load over a stream's counted gaps, for `DecodeGaps`, and what else
+    went into those gaps.
+
+    A gap is the time between two reads shared by the tokens the second brought, so a
+    client write that blocked the relay (or the router's loop, busy elsewhere) is spread
+    over the tokens that piled up meanwhile, which is their rate, except where no more
+    came: a stall that outlasted the stream inflates the gaps of the tokens the engine
+    made during it, at most as many as fit in the stall. A stream whose longest write
+    spans a quarter of its gaps' time or more is left out; below that, the inflated gaps
+    are too few to carry the median. (Dropping streams at any write longer than one gap
+    would drop most of a busy router's, whose writes wait for the loop.) A prefill leg
+    on the engine meanwhile (a `both` engine, or one the controller just moved) puts
+    prefill chunks into the decode steps, which the decode profile does not model."""
+
+    __slots__ = ("active", "kv_tokens", "longest_write_s", "max_active", "max_kv", "prefill")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.kv_tokens = 0
+        self.max_active = 0
+        self.max_kv = 0
+        self.prefill = False
+        self.longest_write_s = 0.0
+
+    def add(self, engine: EngineState, gaps: int) -> None:
+        if gaps <= 0:
+            return
+        self.active += gaps * engine.decode_active
+        self.kv_tokens += gaps * engine.decode_tokens
+        self.max_active = max(self.max_active, engine.decode_active)
+        self.max_kv = max(self.max_kv, engine.decode_tokens)
+        self.prefill = self.prefill or engine.prefill_inflight > 0
+
+    def summary(self, gaps: list[float]) -> DecodeGaps | None:
+        """None when the gaps are not the engine's decoding alone."""
+        if not gaps or self.prefill:
+            return None
+        median = statistics.median(gaps)
+        count = len(gaps)
+        if self.longest_write_s * 4 >= median * count:
+            return None
+        return DecodeGaps(
+            count=count,
+            median_s=median,
+            mean_active=self.active / count,
+            mean_kv_tokens=self.kv_tokens / count,
+            max_active=self.max_active,
+            max_kv_tokens=self.max_kv,
+        )
 
 
 class Flow:
@@ -1321,6 +1374,7 @@ async def _relay(
     gap = config.engine.decode_read_timeout_s or math.inf
     scanner = SseScanner()
     gaps: list[float] = []  # decode token intervals, for the live decode correction
+    load = _GapLoad()  # and for a latency residual
     held: list[bytes] = []
     held_bytes = 0
     first_at: float | None = None
@@ -1401,7 +1455,9 @@ async def _relay(
                 if read_tokens:
                     if tokens:
                         share = (now - last_at) / read_tokens
-                        gaps.extend([share] * min(read_tokens, _MAX_GAPS - len(gaps)))
+                        counted = min(read_tokens, _MAX_GAPS - len(gaps))
+                        gaps.extend([share] * counted)
+                        load.add(engine, counted)
                     tokens += read_tokens
                     last_at = now
                     if growth is not None:
@@ -1422,6 +1478,7 @@ async def _relay(
                             record.first_output_at = now  # SGLang: held until the prefill
                     record.stage = "streaming"
                     await client.send_chunk(b"".join(out))
+                    load.longest_write_s = max(load.longest_write_s, trio.current_time() - now)
                 elif out:
                     held.extend(out)  # SGLang: the prefill leg has not answered yet
     generated = tokens
@@ -1477,6 +1534,7 @@ async def _relay(
         trio.current_time() - started,
         prompt_tokens=record.prompt_tokens or 0,
         contended=alone is None or engine.legs_started != alone,
+        gaps=load.summary(gaps),
     )
     await client.end_stream()
 

@@ -223,7 +223,11 @@ class SimEngine:
                     self.step_lag_resets += 1
                     prev_end = None
             start = now if prev_end is None else prev_end
-            end = start + plan.duration_s / speed
+            duration = plan.duration_s
+            slowdown = self.faults.decode_slowdown if self.faults is not None else None
+            if slowdown is not None and plan.decodes:
+                duration *= slowdown
+            end = start + duration / speed
             await trio.sleep_until(end)
             result = core.complete(plan)
             now = trio.current_time()

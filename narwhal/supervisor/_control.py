@@ -27,7 +27,7 @@ from ..fleet import EngineState
 from ..probe import with_live_builds
 from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
 from ..recovery import LegObservation, MonitorPass, Predictor
-from ..serving import ServingContext
+from ..serving import DecodeGaps, ServingContext
 
 log = logging.getLogger("narwhal.control")
 
@@ -194,19 +194,42 @@ class ControlLink:
             self.controller.observe_decode_interval(engine.id, statistics.median(gaps))
 
 
+# Token gaps a decode leg needs before its median interval is judged against the profile.
+# A short answer's few gaps are mostly its first steps, beside the KV loads of requests
+# joining the batch, and the median of a handful swings with one scheduler hiccup; the
+# profile's own decode points take 24 gaps each (narwhal-profile --decode-gaps).
+MIN_RESIDUAL_GAPS = 16
+
+
 def profile_predictor(ctx: ServingContext) -> Predictor:
     """Predicted latency of a finished leg, for health ejection by latency residual.
 
-    Only uncontended prefill legs are predicted: when another leg shared the engine at
+    Prefill legs are predicted only uncontended: when another leg shared the engine at
     any moment of this one (not merely at its end), the leg's duration includes batching
     and queueing that the profile does not model, and a loaded engine must not look like
     a sick one. Prompts outside the measured domain are not predicted either.
+
+    Decode legs are judged by their median token interval (`DecodeGaps`), predicted at
+    the engine's load while the gaps were measured: the profile models a loaded decode
+    batch (active requests, resident KV tokens), so contention is priced, not excluded.
+    The load is the gap-weighted mean, rounded; the profile's interval is linear in both
+    inputs, so that is the mean of the intervals at each gap's load. Not predicted: a
+    leg with fewer than MIN_RESIDUAL_GAPS gaps, one whose heaviest load left the
+    measured domain, and one whose gaps were not the engine's decoding alone (no
+    `DecodeGaps`). Aggregate legs are not predicted either: the router counts a
+    `both` engine's aggregate legs as decoding from their start, through their prompt's
+    prefill, whose chunks share the decode steps and which the decode profile does not
+    model.
     """
 
     def predict(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
         source = ctx.profiles
+        if source is None:
+            return None
+        if phase == "decode":
+            return _decode_interval(source, engine, observation.gaps)
         tokens = observation.prompt_tokens
-        if source is None or phase != "prefill" or tokens <= 0:
+        if phase != "prefill" or tokens <= 0:
             return None
         if observation.contended or observation.prefill_inflight > 1:
             return None
@@ -216,3 +239,14 @@ def profile_predictor(ctx: ServingContext) -> Predictor:
         return curve.prefill_s(tokens)
 
     return predict
+
+
+def _decode_interval(
+    source: ProfileSource, engine: EngineState, gaps: DecodeGaps | None
+) -> float | None:
+    if gaps is None or gaps.count < MIN_RESIDUAL_GAPS:
+        return None
+    curve = source.decode_curve(engine.id)
+    if curve is None or not curve.in_domain(gaps.max_active, gaps.max_kv_tokens):
+        return None
+    return curve.interval_s(max(1, round(gaps.mean_active)), round(gaps.mean_kv_tokens))

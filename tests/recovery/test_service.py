@@ -32,9 +32,12 @@ from narwhal.recovery import (
     ScrapeError,
     VerifyResult,
 )
-from narwhal.serving import ServingContext
+from narwhal.serving import DecodeGaps, ServingContext
 from narwhal.serving._lag import LAG_PROBE_S
+from narwhal.sim import SimTiming
+from narwhal.supervisor._control import MIN_RESIDUAL_GAPS, profile_predictor
 
+from ..serving.test_predictive import LawProfiles
 from .fakes import (
     EXHAUSTED,
     HEALTHY,
@@ -1627,6 +1630,73 @@ async def test_a_latency_ejected_engine_waits_the_window_while_a_peer_takes_its_
     ]
     assert [v for v in rig.prober.verifications if v.subject == "d0"] == []
     assert state_of(rig, "d0")["health"]["latency_cut_short_total"] == 0
+
+
+# A decode profile where load dominates: 10 ms a step, and 5 ms more per request decoding.
+LOAD_BOUND = SimTiming(step_base_s=0.01, decode_kv_token_s=0.0, decode_seq_s=0.005)
+
+
+def decode_gaps(median_s: float, *, active: float = 20, count: int = 32) -> DecodeGaps:
+    return DecodeGaps(
+        count=count,
+        median_s=median_s,
+        mean_active=active,
+        mean_kv_tokens=0,
+        max_active=round(active) + 4,
+        max_kv_tokens=0,
+    )
+
+
+async def profiled(nursery: trio.Nursery, cfg: Config) -> Rig:
+    """A rig whose residuals come from the daemon's own predictor over LOAD_BOUND."""
+    rig = await start(nursery, cfg, predictor=lambda engine, phase, observation: None)
+    rig.ctx.profiles = LawProfiles(timing=LOAD_BOUND, speed=1.0)
+    rig.recovery.predictor = profile_predictor(rig.ctx)
+    return rig
+
+
+async def test_a_decode_engine_is_judged_by_its_token_interval_at_its_load(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Both decode engines ran streams among 20 others: the profile says 110 ms a token
+    # there. d0 decoded at that pace, d1 three times slower (a gray failure: it answers
+    # every probe). Each stream ended with the engine idle, as the last of a batch does:
+    # predicted at that load (15 ms), d0 would look seven times too slow.
+    rig = await profiled(nursery, residual_config())
+    d0, d1 = rig.engine("d0"), rig.engine("d1")
+    assert d0.decode_active == d1.decode_active == 0
+    for pass_number in range(3):
+        rig.recovery.leg_ok(d0, "decode", 4.0, gaps=decode_gaps(0.11))
+        rig.recovery.leg_ok(d1, "decode", 12.0, gaps=decode_gaps(0.33))
+        residuals = rig.recovery.residual_pass(trio.current_time())
+        assert residuals == {"d0": pytest.approx(1.0), "d1": pytest.approx(3.0)}
+        if pass_number < 2:
+            assert rig.reason("d1") is None
+        await trio.sleep(1.0)
+    assert rig.reason("d0") is None
+    assert rig.reason("d1") == (
+        "ejected: latency: median observed/predicted ratio 3.00 over 3 residuals in "
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
+        "starts after recovery.health.window_s=30.0"
+    )
+
+
+async def test_decode_legs_without_enough_clean_gaps_in_the_domain_are_not_judged(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await profiled(nursery, residual_config())
+    d0 = rig.engine("d0")
+    unjudged = [
+        ("decode", decode_gaps(0.5, count=MIN_RESIDUAL_GAPS - 1)),  # too few gaps
+        ("decode", decode_gaps(0.5, active=300)),  # beyond the profile's 256 requests
+        ("decode", None),  # a client stall or a prefill among its gaps (or no stream)
+        ("aggregate", decode_gaps(0.5)),  # its own and others' prompts share the steps
+    ]
+    for phase, gaps in unjudged:
+        rig.recovery.leg_ok(d0, phase, 10.0, gaps=gaps)
+        assert rig.recovery.residual_pass(trio.current_time()) == {}, (phase, gaps)
+    rig.recovery.leg_ok(d0, "decode", 10.0, gaps=decode_gaps(0.5, count=MIN_RESIDUAL_GAPS))
+    assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(0.5 / 0.11)}
 
 
 # ---------------------------------------------------------------- router overload
