@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import attrs
 import numpy as np
@@ -128,9 +128,23 @@ def fit_prefill(
             [median for (_, median), repeats in groups_by_size for _ in repeats],
         )
     )
+    return _with_quality(model, len(medians), residual, spread)
+
+
+_Model = TypeVar("_Model", "PrefillModel", "DecodeModel")
+
+
+def _with_quality(
+    model: _Model,
+    points: int,
+    residual: tuple[float, float, float],
+    spread: tuple[float, float, float],
+) -> _Model:
+    """`model` with its fit's quality: model error and measurement spread, each as
+    (p50, p90, max), over `points` measured points (`_quality`)."""
     return attrs.evolve(
         model,
-        points=len(medians),
+        points=points,
         residual_p50=residual[0],
         residual_p90=residual[1],
         residual_max=residual[2],
@@ -268,16 +282,7 @@ def fit_decode(points: Sequence[DecodePoint], *, idle_floor_s: float | None = No
             [g for p in usable for g in p.gaps], [p.interval_s for p in usable for _ in p.gaps]
         )
     )
-    return attrs.evolve(
-        model,
-        points=len(usable),
-        residual_p50=residual[0],
-        residual_p90=residual[1],
-        residual_max=residual[2],
-        spread_p50=spread[0],
-        spread_p90=spread[1],
-        spread_max=spread[2],
-    )
+    return _with_quality(model, len(usable), residual, spread)
 
 
 @attrs.frozen(kw_only=True)
