@@ -40,7 +40,7 @@ from ..admission import ProfileSource
 from ..config import Config, ConfigError, ReloadPlan, diff, load_config_file
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
-from ..profiles import FleetProfiles
+from ..profiles import FleetProfiles, poor_fits
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
 from ._control import (
@@ -393,11 +393,23 @@ class Supervisor:
         # Each engine's own request cap, which bounds the controller's decode projection
         # (None: the profile does not know it).
         caps: dict[str, int | None] = {}
+        # Fits that miss their own measurements (`narwhal.profiles.POOR_FIT_RESIDUAL_P90`):
+        # used all the same, and logged at each load; here for whoever reads the state.
+        poor: list[dict[str, object]] = []
         if isinstance(source, FleetProfiles):
             usable = sorted(source.check.usable)
             for engine_id in usable:
                 profile = source.profile(engine_id)
                 caps[engine_id] = (profile.max_num_seqs or None) if profile is not None else None
+                poor.extend(
+                    {
+                        "engine": fit.engine,
+                        "phase": fit.phase,
+                        "residual_p90": round(fit.residual_p90, 4),
+                        "points": fit.points,
+                    }
+                    for fit in ([] if profile is None else poor_fits(profile))
+                )
         if ctx is not None and source is not None:
             corrections = {e.id: round(source.decode_correction(e.id), 4) for e in ctx.fleet}
         return {
@@ -408,6 +420,7 @@ class Supervisor:
             "problems": self.profile_problems,
             "decode_correction": corrections,
             "max_num_seqs": caps,
+            "poor_fits": poor,
         }
 
     def _retire(self, engine: EngineState) -> None:

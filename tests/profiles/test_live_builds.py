@@ -12,6 +12,7 @@ import trio
 from narwhal.config import Config
 from narwhal.profiles import FleetProfiles, load_profiles, save_profiles
 from narwhal.serving import ServingContext
+from narwhal.supervisor import Supervisor
 from narwhal.supervisor._control import (
     install_profiles,
     load_fleet_profiles,
@@ -145,4 +146,11 @@ async def test_a_poor_fit_is_used_and_logged_once_per_load(
             "off (a projection at 80% of a target can be a breach); re-run narwhal-profile "
             "on a quiet host",
         )
+    ]
+    # And /narwhal/state lists it for as long as the store is in use.
+    supervisor = Supervisor(config)
+    supervisor.ctx = ServingContext(config)
+    install_profiles(supervisor.ctx, profiles, config)
+    assert supervisor._profiles_state()["poor_fits"] == [
+        {"engine": "e1", "phase": "decode", "residual_p90": 0.31, "points": 8}
     ]
