@@ -438,3 +438,28 @@ async def test_sglang_engine_launched_in_another_mode_fails_the_check(
     )
     with pytest.raises(SweepFailed, match=r"^engine 'e2' has role 'decode' in the config but "):
         await profile_fleet(config, SGLANG_PLAN)
+
+
+async def test_a_tokenize_count_the_engine_does_not_charge_fails_the_row(
+    start_fleet: StartFleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Exact counts price admission, placement and KV: one that disagrees with what the
+    # engine charges for the same prompt (usage.prompt_tokens) is a failure, not a pass.
+    fleet = await start_fleet(engines=2, speed=20.0)
+    config = await setup(fleet, tmp_path)
+    exact = EngineClient.tokenize
+
+    async def one_off(self: EngineClient, text: str) -> tuple[int | None, object]:
+        count, doc = await exact(self, text)
+        if self.id == "e1" and count is not None:
+            count += 1
+            assert isinstance(doc, dict)
+            doc = {**doc, "tokens": [*doc["tokens"], 0]}
+        return count, doc
+
+    monkeypatch.setattr(EngineClient, "tokenize", one_off)
+    report = await run_check(config, PLAN)
+    assert statuses(report, "tokenize") == {"e0": "pass", "e1": "fail"}
+    row = rows(report, "tokenize")["e1"]
+    counted = int(row.measured.removesuffix(" tokens"))
+    assert row.note == f"the engine charged usage.prompt_tokens={counted - 1} for the same prompt"
