@@ -212,6 +212,17 @@ class _StallBoundTCPServer(TCPServer):
         self.idle_task = _IdleTask()  # type: ignore[assignment]
 
     async def _read_data(self) -> None:
+        try:
+            await self._read_until_closed()
+        finally:
+            # The client ended the connection. hypercorn leaves the keep-alive timer
+            # running, and the connection's task group waits for it: a client that
+            # closed before a request or between two kept its socket, task and state
+            # for the whole keep-alive timeout. A request in flight is not the timer's
+            # (it stops at each request) and still gets to finish.
+            await self.idle_task.stop()
+
+    async def _read_until_closed(self) -> None:
         if self.config.read_timeout is not None:
             await super()._read_data()
             return

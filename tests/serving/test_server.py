@@ -209,3 +209,30 @@ async def test_the_watch_is_an_event_when_the_client_stays() -> None:
             theirs.close()
             await trio.testing.wait_all_tasks_blocked()
             await watch.set()
+
+
+@pytest.mark.parametrize("requests", [0, 1])
+async def test_a_client_that_ends_its_connection_while_idle_is_closed_at_once(
+    requests: int,
+) -> None:
+    # Before a request or between two: hypercorn's keep-alive timer used to hold the
+    # connection (its socket, task and slot) for the whole keep-alive timeout, 75 s.
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app, _hello, host="127.0.0.1", port=0, client_stall_s=1.0, shutdown=shutdown
+            )
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            for _ in range(requests):
+                await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                reply = b""
+                with trio.fail_after(5):
+                    while b"hello" not in reply:
+                        reply += await client.receive_some(65536)
+            await client.send_eof()
+            with trio.fail_after(5):
+                while await client.receive_some(65536):
+                    pass
+        shutdown.set()
