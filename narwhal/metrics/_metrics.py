@@ -147,6 +147,12 @@ class Metrics:
             ["code"],
             registry=registry,
         )
+        self.client_connection_limit_reached = Counter(
+            "narwhal_client_connection_limit_reached",
+            "Times a new client connection found listen.max_open_connections open and "
+            "waited in the listen backlog.",
+            registry=registry,
+        )
         self.unserved_placements = Counter(
             "narwhal_unserved_placements",
             "Placements where every candidate missed its projected SLO (least-cost fallback).",

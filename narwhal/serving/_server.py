@@ -16,7 +16,8 @@ Connections are accepted in bursts (`accept_pending`): trio's serve_listeners ac
 connection per pass of the scheduler, so while the router is busy (a flood of requests on
 established connections, each pass taking hundreds of ms) new connections wait in the
 kernel's backlog for seconds before their first byte is read. One readiness wake-up now
-accepts everything pending, up to `ACCEPT_BURST`.
+accepts everything pending, up to `ACCEPT_BURST` and the room listen.max_open_connections
+leaves (`OpenConnections`): at that limit new connections wait in the backlog.
 
 hypercorn's HTTP/1.1 protocol stops reading a connection while a request is in flight
 and bytes of another one (pipelined, or stray bytes after a body) are already buffered:
@@ -49,6 +50,9 @@ from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
+
+from ..config import Listen
+from ._connections import OpenConnections
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -87,15 +91,21 @@ def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStre
     return streams
 
 
-async def _serve_connection(handler: Handler, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    handler: Handler, stream: trio.SocketStream, open_connections: OpenConnections
+) -> None:
     try:
         await handler(stream)
     finally:
         await trio.aclose_forcefully(stream)
+        open_connections.closed()
 
 
 async def _accept_loop(
-    listener: trio.SocketListener, handler: Handler, connections: trio.Nursery
+    listener: trio.SocketListener,
+    handler: Handler,
+    connections: trio.Nursery,
+    open_connections: OpenConnections,
 ) -> None:
     # A second descriptor for the same listening socket: the stdlib object accepts
     # synchronously (the socket is already non-blocking), trio's wakes us when ready.
@@ -103,16 +113,24 @@ async def _accept_loop(
     async with listener:
         with socket.socket(fileno=os.dup(listener.socket.fileno())) as listening:
             listening.setblocking(False)
-            await _accept_until_cancelled(listening, handler, connections)
+            await _accept_until_cancelled(listening, handler, connections, open_connections)
 
 
 async def _accept_until_cancelled(
-    listening: socket.socket, handler: Handler, connections: trio.Nursery
+    listening: socket.socket,
+    handler: Handler,
+    connections: trio.Nursery,
+    open_connections: OpenConnections,
 ) -> None:
     while True:
         await trio.lowlevel.wait_readable(listening)
+        room = open_connections.room()
+        if not room:
+            open_connections.limit_reached()
+            await open_connections.wait_room()
+            continue
         try:
-            streams = accept_pending(listening, ACCEPT_BURST)
+            streams = accept_pending(listening, min(ACCEPT_BURST, room))
         except OSError as exc:
             if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                 raise
@@ -125,7 +143,8 @@ async def _accept_until_cancelled(
             await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
             continue
         for stream in streams:
-            connections.start_soon(_serve_connection, handler, stream)
+            open_connections.opened()
+            connections.start_soon(_serve_connection, handler, stream, open_connections)
 
 
 class _IdleTask:
@@ -295,10 +314,15 @@ async def serve_app(
     client_stall_s: float | Callable[[], float],
     shutdown: trio.Event,
     graceful_timeout_s: float = 5.0,
+    open_connections: OpenConnections | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `shutdown` is set; started() reports the bound (host, port) pairs.
-    `client_stall_s`: the write stall limit, or where to read its current value."""
+    `client_stall_s`: the write stall limit, or where to read its current value.
+    `open_connections`: the count and limit of open client connections (default: a
+    fresh one at listen.max_open_connections' default)."""
+    if open_connections is None:
+        open_connections = OpenConnections(Listen().max_open_connections)
     config = HypercornConfig()
     config.keep_alive_timeout = 75.0
     config.graceful_timeout = graceful_timeout_s
@@ -319,7 +343,7 @@ async def serve_app(
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
             for listener in listeners:
-                accepting.start_soon(_accept_loop, listener, handler, connections)
+                accepting.start_soon(_accept_loop, listener, handler, connections, open_connections)
             task_status.started(bound)
             await shutdown.wait()
             accepting.cancel_scope.cancel()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 
 import httpx
 import pytest
 import trio
+import trio.testing
+
+from narwhal.serving import state_document
 
 from ..support import open_sse, send_raw_request, wait_for
 from .conftest import MODEL, StartStack
@@ -474,3 +478,62 @@ async def test_a_burst_spreads_over_decode_engines(start_stack: StartStack) -> N
     legs = [len([o for o in h.state()["outcomes"] if o["phase"] == "decode"]) for h in stack.fleet]
     assert legs == [0, 2, 2]
     await settled(stack)
+
+
+async def test_open_connections_stop_at_listen_max_open_connections(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Slowloris: connections that trickle a request head hold a socket each; at the
+    # limit new connections wait in the listen backlog instead of being accepted.
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    stack = await start_stack(listen={"max_open_connections": 4}, serving={"max_connections": 2})
+    host, port = stack.supervisor.bound[0]
+    slow = [await trio.open_tcp_stream(host, port) for _ in range(4)]
+    for sock in slow:
+        await sock.send_all(b"GET /health HTTP/1.1\r\n")
+    connections = stack.ctx.connections
+    await wait_for(lambda: connections.statistics().open == 4)
+    waiting = await trio.open_tcp_stream(host, port)
+    await waiting.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    await wait_for(lambda: connections.statistics().limit_reached == 1)
+    assert state_document(stack.ctx)["connections"] == {
+        "open": 4,
+        "limit": 4,
+        "at_limit": True,
+        "limit_reached_total": 1,
+    }
+    metrics = stack.ctx.metrics.render().decode()
+    assert "narwhal_client_connections 4.0" in metrics
+    assert "narwhal_client_connection_limit 4.0" in metrics
+    assert "narwhal_client_connection_limit_reached_total 1.0" in metrics
+    # A connection already open is served as before: one of them ends its head.
+    await slow[0].send_all(b"host: x\r\n\r\n")
+    status, _ = await read_reply(slow[0])
+    assert status.startswith(b"HTTP/1.1 200")
+    await trio.testing.wait_all_tasks_blocked()
+    assert repr(connections) == "<OpenConnections 4/4 | at limit>"  # still not accepted
+    for sock in slow[2:]:
+        await sock.aclose()
+    status, _ = await read_reply(waiting)
+    assert status.startswith(b"HTTP/1.1 200")
+    state = await stack.state()  # on a fresh connection, with room for it now
+    assert state["connections"] == {
+        "open": 4,
+        "limit": 4,
+        "at_limit": False,
+        "limit_reached_total": 1,
+    }
+    assert [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if getattr(r, "event", None) == "connection_limit"
+    ] == [
+        (
+            "WARNING",
+            "4 client connections open, listen.max_open_connections=4: new connections "
+            "wait in the listen backlog until one closes",
+        ),
+        ("INFO", "3 client connections open, under listen.max_open_connections=4 again"),
+    ]
+    for sock in [*slow[:2], waiting]:
+        await sock.aclose()

@@ -14,6 +14,7 @@ import trio.testing
 
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
+from narwhal.serving._connections import OpenConnections
 from narwhal.serving._server import _ClientLeft, _ClientWatch, accept_pending
 
 
@@ -235,4 +236,69 @@ async def test_a_client_that_ends_its_connection_while_idle_is_closed_at_once(
             with trio.fail_after(5):
                 while await client.receive_some(65536):
                     pass
+        shutdown.set()
+
+
+_GET = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+async def _answered(client: trio.SocketStream) -> None:
+    await client.send_all(_GET)
+    reply = b""
+    with trio.fail_after(5):
+        while b"hello" not in reply:
+            reply += await client.receive_some(65536)
+
+
+def _waiting_client(host: str, port: int) -> socket.socket:
+    """A connection with a request sent: on loopback the connect completes in the
+    listen backlog whether or not the server accepts it."""
+    sock = socket.create_connection((host, port), timeout=5)
+    sock.sendall(_GET)
+    sock.setblocking(False)
+    return sock
+
+
+async def test_at_the_connection_limit_a_new_connection_waits_until_one_closes() -> None:
+    limit = OpenConnections(4)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                _hello,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                open_connections=limit,
+            )
+        )
+        held = [await trio.open_tcp_stream(host, port) for _ in range(4)]
+        for client in held:
+            await _answered(client)  # accepted and served: all four are open
+        with _waiting_client(host, port) as fifth:
+            # All tasks blocked includes a poll of ready sockets: the accept loop has
+            # seen the fifth connection, and left it in the backlog.
+            await trio.testing.wait_all_tasks_blocked()
+            assert repr(limit) == "<OpenConnections 4/4 | at limit>"
+            assert limit.statistics().limit_reached == 1
+            with pytest.raises(BlockingIOError):
+                fifth.recv(65536)
+            # A request on a connection already open is served as before.
+            await _answered(held[0])
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(BlockingIOError):
+                fifth.recv(65536)
+            await held.pop().aclose()
+            reply = b""
+            with trio.fail_after(5):
+                while b"hello" not in reply:
+                    await trio.lowlevel.wait_readable(fifth)
+                    reply += fifth.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200")
+            assert repr(limit) == "<OpenConnections 4/4>"
+            assert limit.statistics().limit_reached == 1
+        for client in held:
+            await client.aclose()
         shutdown.set()
