@@ -159,8 +159,11 @@ class Listen:
         4096,
         AtLeast(1),
         doc=(
-            "Most client connections open at once, idle or not. At the limit new "
-            "connections wait in the kernel's listen backlog until one closes. Must "
+            "Most client connections open at once, idle or not. At the limit a new "
+            "connection takes the place of the one idle longest (no request in flight: "
+            "between requests, or still sending its request head), which is closed; "
+            "when every connection has a request in flight, new ones wait in the "
+            "kernel's listen backlog until one closes or goes idle. Must "
             "exceed `serving.max_connections + serving.queue_capacity`, so a connection "
             "is always left for the retained-request ceiling's 429 and for `/health`. "
             "The default is eight times that ceiling at its defaults and bounds idle "

@@ -215,6 +215,7 @@ class ServingContext:
         self.connections = OpenConnections(
             config.listen.max_open_connections,
             on_limit_reached=self.metrics.client_connection_limit_reached.inc,
+            on_shed=self.metrics.client_connections_shed.inc,
         )
         self._retained = 0
         self._idle = trio.Event()

@@ -17,7 +17,8 @@ connection per pass of the scheduler, so while the router is busy (a flood of re
 established connections, each pass taking hundreds of ms) new connections wait in the
 kernel's backlog for seconds before their first byte is read. One readiness wake-up now
 accepts everything pending, up to `ACCEPT_BURST` and the room listen.max_open_connections
-leaves (`OpenConnections`): at that limit new connections wait in the backlog.
+leaves (`OpenConnections`): at that limit the longest-idle connection is closed to make
+room for a new one, and with none idle new ones wait in the backlog.
 
 hypercorn's HTTP/1.1 protocol stops reading a connection while a request is in flight
 and bytes of another one (pipelined, or stray bytes after a body) are already buffered:
@@ -37,7 +38,7 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from functools import partial
 from typing import Any, cast
 
@@ -98,7 +99,7 @@ async def _serve_connection(
         await handler(stream)
     finally:
         await trio.aclose_forcefully(stream)
-        open_connections.closed()
+        open_connections.closed(stream)
 
 
 async def _accept_loop(
@@ -124,13 +125,12 @@ async def _accept_until_cancelled(
 ) -> None:
     while True:
         await trio.lowlevel.wait_readable(listening)
-        room = open_connections.room()
-        if not room:
+        if not open_connections.room():
             open_connections.limit_reached()
-            await open_connections.wait_room()
-            continue
+            while not open_connections.make_room():
+                await open_connections.wait_room()
         try:
-            streams = accept_pending(listening, min(ACCEPT_BURST, room))
+            streams = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
         except OSError as exc:
             if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                 raise
@@ -156,23 +156,33 @@ class _IdleTask:
     temporary nursery per request. Neither is needed: restart and stop never await, so
     they cannot interleave, and the scope the timer runs in can be made before its task
     starts (cancelling it first means the timer never runs).
+
+    The timer runs exactly while the connection has no request in flight, so it also
+    tells `OpenConnections` which connections it may close to make room.
     """
 
-    __slots__ = ("_scope",)
+    __slots__ = ("_close", "_connections", "_key", "_scope")
 
-    def __init__(self) -> None:
+    def __init__(
+        self, connections: OpenConnections, key: Hashable, close: Callable[[], None]
+    ) -> None:
         self._scope: trio.CancelScope | None = None
+        self._connections = connections
+        self._key = key
+        self._close = close
 
     async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
         if self._scope is not None:
             self._scope.cancel()
         self._scope = trio.CancelScope()
         task_group.spawn(_run_in, self._scope, action)
+        self._connections.idle(self._key, self._close)
 
     async def stop(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
         self._scope = None
+        self._connections.busy(self._key)
 
 
 async def _run_in(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]) -> None:
@@ -225,10 +235,13 @@ class _StallBoundTCPServer(TCPServer):
     # Read at each blocked write, so a reload's serving.client_stall_s applies to the
     # connections already open as well as to new ones.
     stall_s: Callable[[], float] = staticmethod(lambda: 0.5)
+    open_connections: OpenConnections
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.idle_task = _IdleTask()  # type: ignore[assignment]
+        self.idle_task = _IdleTask(  # type: ignore[assignment]
+            self.open_connections, self.stream, self.stream.socket.close
+        )
 
     async def _read_data(self) -> None:
         try:
@@ -337,7 +350,9 @@ async def serve_app(
     ]
     stall_s = client_stall_s if callable(client_stall_s) else (lambda: client_stall_s)
     server_class = type(
-        "NarwhalTCPServer", (_StallBoundTCPServer,), {"stall_s": staticmethod(stall_s)}
+        "NarwhalTCPServer",
+        (_StallBoundTCPServer,),
+        {"stall_s": staticmethod(stall_s), "open_connections": open_connections},
     )
     handler = cast(Handler, partial(server_class, wrapped, config, context, ConnectionState({})))
     async with trio.open_nursery() as connections:

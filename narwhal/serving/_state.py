@@ -124,9 +124,11 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
         },
         "connections": {
             "open": connections.open,
+            "idle": connections.idle,
             "limit": connections.limit,
             "at_limit": connections.at_limit,
             "limit_reached_total": connections.limit_reached,
+            "shed_total": connections.shed,
         },
         "retry_budget": {
             "level": round(budget.level, 3),
@@ -189,9 +191,10 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
     connections = ctx.connections.statistics()
     yield (
         "narwhal_client_connections",
-        "Client HTTP connections open (at most listen.max_open_connections).",
-        [],
-        [([], connections.open)],
+        "Client HTTP connections open (at most listen.max_open_connections), by whether "
+        "a request is in flight (busy) or not (idle).",
+        ["state"],
+        [(["idle"], connections.idle), (["busy"], connections.open - connections.idle)],
     )
     yield (
         "narwhal_client_connection_limit",

@@ -480,48 +480,55 @@ async def test_a_burst_spreads_over_decode_engines(start_stack: StartStack) -> N
     await settled(stack)
 
 
-async def test_open_connections_stop_at_listen_max_open_connections(
+async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Slowloris: connections that trickle a request head hold a socket each; at the
-    # limit new connections wait in the listen backlog instead of being accepted.
+    # Connections that trickle a request head hold a socket each and no request: at the
+    # limit the longest idle of them is closed for a new connection, which is served.
     caplog.set_level(logging.INFO, logger="narwhal.server")
     stack = await start_stack(listen={"max_open_connections": 4}, serving={"max_connections": 2})
     host, port = stack.supervisor.bound[0]
-    slow = [await trio.open_tcp_stream(host, port) for _ in range(4)]
-    for sock in slow:
-        await sock.send_all(b"GET /health HTTP/1.1\r\n")
     connections = stack.ctx.connections
-    await wait_for(lambda: connections.statistics().open == 4)
-    waiting = await trio.open_tcp_stream(host, port)
-    await waiting.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-    await wait_for(lambda: connections.statistics().limit_reached == 1)
+    slow = []
+    for _ in range(4):
+        slow.append(await trio.open_tcp_stream(host, port))
+        await slow[-1].send_all(b"GET /health HTTP/1.1\r\n")
+        await wait_for(lambda: connections.statistics().idle == len(slow))
+    fresh = await trio.open_tcp_stream(host, port)
+    await fresh.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, _ = await read_reply(fresh)
+    assert status.startswith(b"HTTP/1.1 200")
+    await assert_closed(slow[0])  # the longest idle
+    await wait_for(lambda: connections.statistics().idle == 4)  # fresh is idle too
     assert state_document(stack.ctx)["connections"] == {
         "open": 4,
+        "idle": 4,
         "limit": 4,
         "at_limit": True,
         "limit_reached_total": 1,
+        "shed_total": 1,
     }
     metrics = stack.ctx.metrics.render().decode()
-    assert "narwhal_client_connections 4.0" in metrics
+    assert 'narwhal_client_connections{state="idle"} 4.0' in metrics
+    assert 'narwhal_client_connections{state="busy"} 0.0' in metrics
     assert "narwhal_client_connection_limit 4.0" in metrics
     assert "narwhal_client_connection_limit_reached_total 1.0" in metrics
-    # A connection already open is served as before: one of them ends its head.
-    await slow[0].send_all(b"host: x\r\n\r\n")
-    status, _ = await read_reply(slow[0])
+    assert "narwhal_client_connections_shed_total 1.0" in metrics
+    # The others are served as before: one of them ends its head.
+    await slow[1].send_all(b"host: x\r\n\r\n")
+    status, _ = await read_reply(slow[1])
     assert status.startswith(b"HTTP/1.1 200")
-    await trio.testing.wait_all_tasks_blocked()
-    assert repr(connections) == "<OpenConnections 4/4 | at limit>"  # still not accepted
     for sock in slow[2:]:
         await sock.aclose()
-    status, _ = await read_reply(waiting)
-    assert status.startswith(b"HTTP/1.1 200")
-    state = await stack.state()  # on a fresh connection, with room for it now
+    await wait_for(lambda: connections.statistics().open == 2)
+    state = await stack.state()
     assert state["connections"] == {
-        "open": 4,
+        "open": 3,  # with the one asking
+        "idle": 2,
         "limit": 4,
         "at_limit": False,
         "limit_reached_total": 1,
+        "shed_total": 1,
     }
     assert [
         (r.levelname, r.getMessage())
@@ -530,10 +537,11 @@ async def test_open_connections_stop_at_listen_max_open_connections(
     ] == [
         (
             "WARNING",
-            "4 client connections open, listen.max_open_connections=4: new connections "
-            "wait in the listen backlog until one closes",
+            "4 client connections open, listen.max_open_connections=4: the longest idle are "
+            "closed to make room, and new connections wait in the listen backlog while none "
+            "is idle",
         ),
         ("INFO", "3 client connections open, under listen.max_open_connections=4 again"),
     ]
-    for sock in [*slow[:2], waiting]:
+    for sock in [*slow[:2], fresh]:
         await sock.aclose()

@@ -242,12 +242,16 @@ async def test_a_client_that_ends_its_connection_while_idle_is_closed_at_once(
 _GET = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
-async def _answered(client: trio.SocketStream) -> None:
-    await client.send_all(_GET)
+async def _hello_received(client: trio.SocketStream) -> None:
     reply = b""
     with trio.fail_after(5):
         while b"hello" not in reply:
             reply += await client.receive_some(65536)
+
+
+async def _answered(client: trio.SocketStream) -> None:
+    await client.send_all(_GET)
+    await _hello_received(client)
 
 
 def _waiting_client(host: str, port: int) -> socket.socket:
@@ -259,14 +263,65 @@ def _waiting_client(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def test_at_the_connection_limit_a_new_connection_waits_until_one_closes() -> None:
+async def _closed_by_server(client: trio.SocketStream) -> None:
+    with trio.fail_after(5):
+        while await client.receive_some(65536):
+            pass
+
+
+async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() -> None:
+    app = _Holding()
     limit = OpenConnections(4)
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         ((host, port),) = await nursery.start(
             partial(
                 serve_app,
-                _hello,
+                app,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                open_connections=limit,
+            )
+        )
+        busy = await trio.open_tcp_stream(host, port)
+        await busy.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await app.started.wait()
+        idle = [await trio.open_tcp_stream(host, port) for _ in range(3)]
+        # Each goes idle once its response is over, a little after the client has it.
+        for client in [*idle, idle[0]]:  # idle[1] is then the longest idle
+            await _answered(client)
+            await trio.testing.wait_all_tasks_blocked()
+        assert repr(limit) == "<OpenConnections 4/4, 3 idle>"
+        with _waiting_client(host, port) as fifth:
+            await _closed_by_server(idle[1])
+            reply = b""
+            with trio.fail_after(5):
+                while b"hello" not in reply:
+                    await trio.lowlevel.wait_readable(fifth)
+                    reply += fifth.recv(65536)
+        await idle.pop(1).aclose()
+        stats = limit.statistics()
+        assert (stats.limit_reached, stats.shed) == (1, 1)
+        await _answered(idle[0])  # the others are served as before
+        await _answered(idle[1])
+        app.release.set()
+        await _hello_received(busy)
+        for client in [busy, *idle]:
+            await client.aclose()
+        shutdown.set()
+
+
+async def test_at_the_connection_limit_with_none_idle_a_new_connection_waits() -> None:
+    app = _Holding()
+    limit = OpenConnections(4)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                app,
                 host="127.0.0.1",
                 port=0,
                 client_stall_s=1.0,
@@ -276,29 +331,28 @@ async def test_at_the_connection_limit_a_new_connection_waits_until_one_closes()
         )
         held = [await trio.open_tcp_stream(host, port) for _ in range(4)]
         for client in held:
-            await _answered(client)  # accepted and served: all four are open
+            await client.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await app.started.wait()
         with _waiting_client(host, port) as fifth:
-            # All tasks blocked includes a poll of ready sockets: the accept loop has
-            # seen the fifth connection, and left it in the backlog.
+            # All tasks blocked includes a poll of ready sockets: every request has
+            # reached the app, and the accept loop has seen the fifth connection and
+            # left it in the backlog.
             await trio.testing.wait_all_tasks_blocked()
-            assert repr(limit) == "<OpenConnections 4/4 | at limit>"
+            assert repr(limit) == "<OpenConnections 4/4, 0 idle | at limit>"
             assert limit.statistics().limit_reached == 1
             with pytest.raises(BlockingIOError):
                 fifth.recv(65536)
-            # A request on a connection already open is served as before.
-            await _answered(held[0])
-            await trio.testing.wait_all_tasks_blocked()
-            with pytest.raises(BlockingIOError):
-                fifth.recv(65536)
-            await held.pop().aclose()
+            # The held requests end; their connections go idle, and the longest idle
+            # one makes room for the fifth.
+            app.release.set()
             reply = b""
             with trio.fail_after(5):
                 while b"hello" not in reply:
                     await trio.lowlevel.wait_readable(fifth)
                     reply += fifth.recv(65536)
             assert reply.startswith(b"HTTP/1.1 200")
-            assert repr(limit) == "<OpenConnections 4/4>"
-            assert limit.statistics().limit_reached == 1
+        stats = limit.statistics()
+        assert (stats.limit_reached, stats.shed) == (1, 1)
         for client in held:
             await client.aclose()
         shutdown.set()
