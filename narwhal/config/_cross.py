@@ -95,6 +95,14 @@ def cross_rules() -> tuple[CrossRule, ...]:
                 "controller.monitor_interval_s",
             ),
         ),
+        CrossRule(
+            _open_connections,
+            (
+                "listen.max_open_connections",
+                "serving.max_connections",
+                "serving.queue_capacity",
+            ),
+        ),
     )
 
 
@@ -261,6 +269,21 @@ def _fixed_role(dialect: str) -> bool:
     # An SGLang server's role is its launch mode (`Dialect.fixed_role`): the controller
     # never moves one.
     return dialect == "sglang"
+
+
+def _open_connections(cfg: Config) -> list[str]:
+    """`listen.max_open_connections` exceeds `serving.max_connections +
+    serving.queue_capacity`: every retained request holds a connection, and one more is
+    needed to answer the ceiling's 429 (and `/health`) rather than leave clients waiting
+    unanswered in the listen backlog."""
+    limit = cfg.listen.max_open_connections
+    ceiling = cfg.serving.max_connections + cfg.serving.queue_capacity
+    if limit <= ceiling:
+        return [
+            f"listen.max_open_connections: {limit} must exceed serving.max_connections + "
+            f"serving.queue_capacity = {ceiling}, the retained-request ceiling"
+        ]
+    return []
 
 
 def _retry_cap(cfg: Config) -> list[str]:

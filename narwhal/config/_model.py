@@ -155,6 +155,23 @@ class Listen:
 
     host: str = _f("127.0.0.1", Text(), doc="Address the HTTP server binds.")
     port: int = _f(8000, Between(0, 65535), doc="HTTP port; `0` picks a free port.")
+    max_open_connections: int = _f(
+        4096,
+        AtLeast(1),
+        doc=(
+            "Most client connections open at once, idle or not. At the limit a new "
+            "connection takes the place of the one idle longest (no request in flight: "
+            "between requests, or still sending its request head), which is closed; "
+            "when every connection has a request in flight, new ones wait in the "
+            "kernel's listen backlog until one closes or goes idle. Must "
+            "exceed `serving.max_connections + serving.queue_capacity`, so a connection "
+            "is always left for the retained-request ceiling's 429 and for `/health`. "
+            "The default is eight times that ceiling at its defaults and bounds idle "
+            "sockets to about 60 MB (about 14 kB each) and 4096 descriptors, well under "
+            "the unit's LimitNOFILE. A reload applies it: a lower value closes nothing "
+            "at once, it only holds new connections back until enough have closed."
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -147,6 +147,18 @@ class Metrics:
             ["code"],
             registry=registry,
         )
+        self.client_connection_limit_reached = Counter(
+            "narwhal_client_connection_limit_reached",
+            "Times a new client connection found listen.max_open_connections open (it "
+            "then took the longest-idle one's place, or waited in the listen backlog).",
+            registry=registry,
+        )
+        self.client_connections_shed = Counter(
+            "narwhal_client_connections_shed",
+            "Idle client connections closed to make room for a new one at "
+            "listen.max_open_connections.",
+            registry=registry,
+        )
         self.unserved_placements = Counter(
             "narwhal_unserved_placements",
             "Placements where every candidate missed its projected SLO (least-cost fallback).",

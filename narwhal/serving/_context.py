@@ -25,6 +25,7 @@ from ..config import Config
 from ..engines._dialects import ChatTokenizeRefusals
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
+from ._connections import OpenConnections
 from ._lag import LoopLag
 from ._slo import SloTally, slo_result
 
@@ -211,6 +212,11 @@ class ServingContext:
         # Run by the supervisor; recovery asks it whether a deadline was the router's.
         self.loop_lag = LoopLag(self.metrics.registry)
         self.rng = random.Random(seed)
+        self.connections = OpenConnections(
+            config.listen.max_open_connections,
+            on_limit_reached=self.metrics.client_connection_limit_reached.inc,
+            on_shed=self.metrics.client_connections_shed.inc,
+        )
         self._retained = 0
         self._idle = trio.Event()
         self._idle.set()

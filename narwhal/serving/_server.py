@@ -16,7 +16,9 @@ Connections are accepted in bursts (`accept_pending`): trio's serve_listeners ac
 connection per pass of the scheduler, so while the router is busy (a flood of requests on
 established connections, each pass taking hundreds of ms) new connections wait in the
 kernel's backlog for seconds before their first byte is read. One readiness wake-up now
-accepts everything pending, up to `ACCEPT_BURST`.
+accepts everything pending, up to `ACCEPT_BURST` and the room listen.max_open_connections
+leaves (`OpenConnections`): at that limit the longest-idle connection is closed to make
+room for a new one, and with none idle new ones wait in the backlog.
 
 hypercorn's HTTP/1.1 protocol stops reading a connection while a request is in flight
 and bytes of another one (pipelined, or stray bytes after a body) are already buffered:
@@ -36,7 +38,7 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from functools import partial
 from typing import Any, cast
 
@@ -49,6 +51,9 @@ from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
+
+from ..config import Listen
+from ._connections import OpenConnections
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -87,15 +92,21 @@ def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStre
     return streams
 
 
-async def _serve_connection(handler: Handler, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    handler: Handler, stream: trio.SocketStream, open_connections: OpenConnections
+) -> None:
     try:
         await handler(stream)
     finally:
         await trio.aclose_forcefully(stream)
+        open_connections.closed(stream)
 
 
 async def _accept_loop(
-    listener: trio.SocketListener, handler: Handler, connections: trio.Nursery
+    listener: trio.SocketListener,
+    handler: Handler,
+    connections: trio.Nursery,
+    open_connections: OpenConnections,
 ) -> None:
     # A second descriptor for the same listening socket: the stdlib object accepts
     # synchronously (the socket is already non-blocking), trio's wakes us when ready.
@@ -103,16 +114,23 @@ async def _accept_loop(
     async with listener:
         with socket.socket(fileno=os.dup(listener.socket.fileno())) as listening:
             listening.setblocking(False)
-            await _accept_until_cancelled(listening, handler, connections)
+            await _accept_until_cancelled(listening, handler, connections, open_connections)
 
 
 async def _accept_until_cancelled(
-    listening: socket.socket, handler: Handler, connections: trio.Nursery
+    listening: socket.socket,
+    handler: Handler,
+    connections: trio.Nursery,
+    open_connections: OpenConnections,
 ) -> None:
     while True:
         await trio.lowlevel.wait_readable(listening)
+        if not open_connections.room():
+            open_connections.limit_reached()
+            while not open_connections.make_room():
+                await open_connections.wait_room()
         try:
-            streams = accept_pending(listening, ACCEPT_BURST)
+            streams = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
         except OSError as exc:
             if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                 raise
@@ -125,7 +143,8 @@ async def _accept_until_cancelled(
             await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
             continue
         for stream in streams:
-            connections.start_soon(_serve_connection, handler, stream)
+            open_connections.opened()
+            connections.start_soon(_serve_connection, handler, stream, open_connections)
 
 
 class _IdleTask:
@@ -137,23 +156,33 @@ class _IdleTask:
     temporary nursery per request. Neither is needed: restart and stop never await, so
     they cannot interleave, and the scope the timer runs in can be made before its task
     starts (cancelling it first means the timer never runs).
+
+    The timer runs exactly while the connection has no request in flight, so it also
+    tells `OpenConnections` which connections it may close to make room.
     """
 
-    __slots__ = ("_scope",)
+    __slots__ = ("_close", "_connections", "_key", "_scope")
 
-    def __init__(self) -> None:
+    def __init__(
+        self, connections: OpenConnections, key: Hashable, close: Callable[[], None]
+    ) -> None:
         self._scope: trio.CancelScope | None = None
+        self._connections = connections
+        self._key = key
+        self._close = close
 
     async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
         if self._scope is not None:
             self._scope.cancel()
         self._scope = trio.CancelScope()
         task_group.spawn(_run_in, self._scope, action)
+        self._connections.idle(self._key, self._close)
 
     async def stop(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
         self._scope = None
+        self._connections.busy(self._key)
 
 
 async def _run_in(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]) -> None:
@@ -206,12 +235,26 @@ class _StallBoundTCPServer(TCPServer):
     # Read at each blocked write, so a reload's serving.client_stall_s applies to the
     # connections already open as well as to new ones.
     stall_s: Callable[[], float] = staticmethod(lambda: 0.5)
+    open_connections: OpenConnections
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.idle_task = _IdleTask()  # type: ignore[assignment]
+        self.idle_task = _IdleTask(  # type: ignore[assignment]
+            self.open_connections, self.stream, self.stream.socket.close
+        )
 
     async def _read_data(self) -> None:
+        try:
+            await self._read_until_closed()
+        finally:
+            # The client ended the connection. hypercorn leaves the keep-alive timer
+            # running, and the connection's task group waits for it: a client that
+            # closed before a request or between two kept its socket, task and state
+            # for the whole keep-alive timeout. A request in flight is not the timer's
+            # (it stops at each request) and still gets to finish.
+            await self.idle_task.stop()
+
+    async def _read_until_closed(self) -> None:
         if self.config.read_timeout is not None:
             await super()._read_data()
             return
@@ -284,10 +327,15 @@ async def serve_app(
     client_stall_s: float | Callable[[], float],
     shutdown: trio.Event,
     graceful_timeout_s: float = 5.0,
+    open_connections: OpenConnections | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `shutdown` is set; started() reports the bound (host, port) pairs.
-    `client_stall_s`: the write stall limit, or where to read its current value."""
+    `client_stall_s`: the write stall limit, or where to read its current value.
+    `open_connections`: the count and limit of open client connections (default: a
+    fresh one at listen.max_open_connections' default)."""
+    if open_connections is None:
+        open_connections = OpenConnections(Listen().max_open_connections)
     config = HypercornConfig()
     config.keep_alive_timeout = 75.0
     config.graceful_timeout = graceful_timeout_s
@@ -302,13 +350,15 @@ async def serve_app(
     ]
     stall_s = client_stall_s if callable(client_stall_s) else (lambda: client_stall_s)
     server_class = type(
-        "NarwhalTCPServer", (_StallBoundTCPServer,), {"stall_s": staticmethod(stall_s)}
+        "NarwhalTCPServer",
+        (_StallBoundTCPServer,),
+        {"stall_s": staticmethod(stall_s), "open_connections": open_connections},
     )
     handler = cast(Handler, partial(server_class, wrapped, config, context, ConnectionState({})))
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
             for listener in listeners:
-                accepting.start_soon(_accept_loop, listener, handler, connections)
+                accepting.start_soon(_accept_loop, listener, handler, connections, open_connections)
             task_status.started(bound)
             await shutdown.wait()
             accepting.cancel_scope.cancel()

@@ -86,6 +86,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
     now = trio.current_time()
     gate = ctx.gate.statistics()
     budget = ctx.retry_budget
+    connections = ctx.connections.statistics()
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     ratio, ratio_source = ctx.chars_per_token(ctx.config)
     signals = ctx.load_signals(now)
@@ -120,6 +121,14 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 engine_id: round(rate, 1)
                 for engine_id, rate in sorted(signals.kv_release_per_s.items())
             },
+        },
+        "connections": {
+            "open": connections.open,
+            "idle": connections.idle,
+            "limit": connections.limit,
+            "at_limit": connections.at_limit,
+            "limit_reached_total": connections.limit_reached,
+            "shed_total": connections.shed,
         },
         "retry_budget": {
             "level": round(budget.level, 3),
@@ -179,6 +188,20 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
         [([], gate.admitted)],
     )
     yield "narwhal_queue_depth", "Requests waiting for admission.", [], [([], gate.waiting)]
+    connections = ctx.connections.statistics()
+    yield (
+        "narwhal_client_connections",
+        "Client HTTP connections open (at most listen.max_open_connections), by whether "
+        "a request is in flight (busy) or not (idle).",
+        ["state"],
+        [(["idle"], connections.idle), (["busy"], connections.open - connections.idle)],
+    )
+    yield (
+        "narwhal_client_connection_limit",
+        "listen.max_open_connections in force.",
+        [],
+        [([], connections.limit)],
+    )
     yield "narwhal_retry_budget", "Retry credits available.", [], [([], ctx.retry_budget.level)]
     share = ctx.slo.attainment(trio.current_time())
     yield (

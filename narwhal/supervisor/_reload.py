@@ -90,6 +90,7 @@ async def apply_config(
     ctx.gate.reconfigure(
         max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
     )
+    ctx.connections.limit = effective.listen.max_open_connections
     ctx.retry_budget.reconfigure(
         maximum=float(serving.retry_budget), replenish=serving.retry_replenish
     )

@@ -220,6 +220,7 @@ class Supervisor:
                 shutdown=stop,
                 # The drain happened before `stop`; this only bounds the last writes.
                 graceful_timeout_s=CLEANUP_S,
+                open_connections=app.ctx.connections,
                 task_status=task_status,
             )
         finally:

@@ -378,3 +378,14 @@ def test_all_cross_rule_problems_are_reported_together() -> None:
         "(serving.max_attempts=2)",
         "controller.thresholds.shrink: 1.0 must be lower than controller.thresholds.expand=1.0",
     ]
+
+
+def test_open_connections_exceed_the_retained_request_ceiling() -> None:
+    serving = {"max_connections": 8, "queue_capacity": 4, "queue_timeout_s": 1.0}
+    serving |= {"prefill_concurrency": 1, "decode_concurrency": 1, "handoff_timeout_s": 5.0}
+    doc = document(listen={"max_open_connections": 12}, serving=serving)
+    assert problems(doc) == [
+        "listen.max_open_connections: 12 must exceed serving.max_connections + "
+        "serving.queue_capacity = 12, the retained-request ceiling"
+    ]
+    load_config(document(listen={"max_open_connections": 13}, serving=serving))

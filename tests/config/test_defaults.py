@@ -36,6 +36,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "slo.percentile": (0.9, "(0.0, 1.0]"),
     "listen.host": ("127.0.0.1", "non-empty"),
     "listen.port": (8000, "0..65535"),
+    "listen.max_open_connections": (4096, ">= 1"),  # (model) open client sockets
     "ctl.socket": ("runs/narwhal.sock", "non-empty, at most 107 bytes"),
     "log.level": ("info", '"debug", "info", "warning", "error"'),
     # manual 4.1

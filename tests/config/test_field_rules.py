@@ -53,6 +53,11 @@ _BASE = document(
         ("slo.ttft_s", 0, "slo.ttft_s: 0.0 must be positive"),
         ("slo.percentile", 0, "slo.percentile: 0.0 is outside (0.0, 1.0]"),
         ("listen.port", 65536, "listen.port: 65536 is outside 0..65535"),
+        (
+            "listen.max_open_connections",
+            0,
+            "listen.max_open_connections: 0 must be at least 1",
+        ),
         ("controller.monitor_interval_s", 0, "controller.monitor_interval_s: 0.0 must be positive"),
         (
             "controller.monitor_failure_limit",

@@ -145,7 +145,7 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
                 base["engines"][0],
                 {"id": "d2", "url": fleet[2].url, "role": "decode", "model": MODEL},
             ]
-            new["listen"] = {"host": "127.0.0.1", "port": 1}
+            new["listen"] = {"host": "127.0.0.1", "port": 1, "max_open_connections": 100}
             write(path, new)
             result = await supervisor.reload()
             assert result.applied
@@ -156,6 +156,7 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             assert [e.id for e in ctx.fleet] == ["p0", "d2"]
             assert [e.id for e in ctx.fleet.retiring] == ["d1"]
             assert ctx.gate.statistics().max_admitted == 32
+            assert ctx.connections.limit == 100  # applied in place, unlike the port
             assert ctx.config.serving.request_timeout_s == 30.0
             # Decode-side load signals average over the new TTFT target's timescale.
             assert ctx.first_token_lags.tau_s == ctx.kv_turnover.tau_s == 0.75

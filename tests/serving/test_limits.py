@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 
 import httpx
 import pytest
 import trio
+import trio.testing
+
+from narwhal.serving import state_document
 
 from ..support import open_sse, send_raw_request, wait_for
 from .conftest import MODEL, StartStack
@@ -474,3 +478,70 @@ async def test_a_burst_spreads_over_decode_engines(start_stack: StartStack) -> N
     legs = [len([o for o in h.state()["outcomes"] if o["phase"] == "decode"]) for h in stack.fleet]
     assert legs == [0, 2, 2]
     await settled(stack)
+
+
+async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Connections that trickle a request head hold a socket each and no request: at the
+    # limit the longest idle of them is closed for a new connection, which is served.
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    stack = await start_stack(listen={"max_open_connections": 4}, serving={"max_connections": 2})
+    host, port = stack.supervisor.bound[0]
+    connections = stack.ctx.connections
+    slow = []
+    for _ in range(4):
+        slow.append(await trio.open_tcp_stream(host, port))
+        await slow[-1].send_all(b"GET /health HTTP/1.1\r\n")
+        await wait_for(lambda: connections.statistics().idle == len(slow))
+    fresh = await trio.open_tcp_stream(host, port)
+    await fresh.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, _ = await read_reply(fresh)
+    assert status.startswith(b"HTTP/1.1 200")
+    await assert_closed(slow[0])  # the longest idle
+    await wait_for(lambda: connections.statistics().idle == 4)  # fresh is idle too
+    assert state_document(stack.ctx)["connections"] == {
+        "open": 4,
+        "idle": 4,
+        "limit": 4,
+        "at_limit": True,
+        "limit_reached_total": 1,
+        "shed_total": 1,
+    }
+    metrics = stack.ctx.metrics.render().decode()
+    assert 'narwhal_client_connections{state="idle"} 4.0' in metrics
+    assert 'narwhal_client_connections{state="busy"} 0.0' in metrics
+    assert "narwhal_client_connection_limit 4.0" in metrics
+    assert "narwhal_client_connection_limit_reached_total 1.0" in metrics
+    assert "narwhal_client_connections_shed_total 1.0" in metrics
+    # The others are served as before: one of them ends its head.
+    await slow[1].send_all(b"host: x\r\n\r\n")
+    status, _ = await read_reply(slow[1])
+    assert status.startswith(b"HTTP/1.1 200")
+    for sock in slow[2:]:
+        await sock.aclose()
+    await wait_for(lambda: connections.statistics().open == 2)
+    state = await stack.state()
+    assert state["connections"] == {
+        "open": 3,  # with the one asking
+        "idle": 2,
+        "limit": 4,
+        "at_limit": False,
+        "limit_reached_total": 1,
+        "shed_total": 1,
+    }
+    assert [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if getattr(r, "event", None) == "connection_limit"
+    ] == [
+        (
+            "WARNING",
+            "4 client connections open, listen.max_open_connections=4: the longest idle are "
+            "closed to make room, and new connections wait in the listen backlog while none "
+            "is idle",
+        ),
+        ("INFO", "3 client connections open, under listen.max_open_connections=4 again"),
+    ]
+    for sock in [*slow[:2], fresh]:
+        await sock.aclose()

@@ -14,6 +14,7 @@ import trio.testing
 
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
+from narwhal.serving._connections import OpenConnections
 from narwhal.serving._server import _ClientLeft, _ClientWatch, accept_pending
 
 
@@ -209,3 +210,149 @@ async def test_the_watch_is_an_event_when_the_client_stays() -> None:
             theirs.close()
             await trio.testing.wait_all_tasks_blocked()
             await watch.set()
+
+
+@pytest.mark.parametrize("requests", [0, 1])
+async def test_a_client_that_ends_its_connection_while_idle_is_closed_at_once(
+    requests: int,
+) -> None:
+    # Before a request or between two: hypercorn's keep-alive timer used to hold the
+    # connection (its socket, task and slot) for the whole keep-alive timeout, 75 s.
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app, _hello, host="127.0.0.1", port=0, client_stall_s=1.0, shutdown=shutdown
+            )
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            for _ in range(requests):
+                await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                reply = b""
+                with trio.fail_after(5):
+                    while b"hello" not in reply:
+                        reply += await client.receive_some(65536)
+            await client.send_eof()
+            with trio.fail_after(5):
+                while await client.receive_some(65536):
+                    pass
+        shutdown.set()
+
+
+_GET = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+async def _hello_received(client: trio.SocketStream) -> None:
+    reply = b""
+    with trio.fail_after(5):
+        while b"hello" not in reply:
+            reply += await client.receive_some(65536)
+
+
+async def _answered(client: trio.SocketStream) -> None:
+    await client.send_all(_GET)
+    await _hello_received(client)
+
+
+def _waiting_client(host: str, port: int) -> socket.socket:
+    """A connection with a request sent: on loopback the connect completes in the
+    listen backlog whether or not the server accepts it."""
+    sock = socket.create_connection((host, port), timeout=5)
+    sock.sendall(_GET)
+    sock.setblocking(False)
+    return sock
+
+
+async def _closed_by_server(client: trio.SocketStream) -> None:
+    with trio.fail_after(5):
+        while await client.receive_some(65536):
+            pass
+
+
+async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() -> None:
+    app = _Holding()
+    limit = OpenConnections(4)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                app,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                open_connections=limit,
+            )
+        )
+        busy = await trio.open_tcp_stream(host, port)
+        await busy.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await app.started.wait()
+        idle = [await trio.open_tcp_stream(host, port) for _ in range(3)]
+        # Each goes idle once its response is over, a little after the client has it.
+        for client in [*idle, idle[0]]:  # idle[1] is then the longest idle
+            await _answered(client)
+            await trio.testing.wait_all_tasks_blocked()
+        assert repr(limit) == "<OpenConnections 4/4, 3 idle>"
+        with _waiting_client(host, port) as fifth:
+            await _closed_by_server(idle[1])
+            reply = b""
+            with trio.fail_after(5):
+                while b"hello" not in reply:
+                    await trio.lowlevel.wait_readable(fifth)
+                    reply += fifth.recv(65536)
+        await idle.pop(1).aclose()
+        stats = limit.statistics()
+        assert (stats.limit_reached, stats.shed) == (1, 1)
+        await _answered(idle[0])  # the others are served as before
+        await _answered(idle[1])
+        app.release.set()
+        await _hello_received(busy)
+        for client in [busy, *idle]:
+            await client.aclose()
+        shutdown.set()
+
+
+async def test_at_the_connection_limit_with_none_idle_a_new_connection_waits() -> None:
+    app = _Holding()
+    limit = OpenConnections(4)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                app,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                open_connections=limit,
+            )
+        )
+        held = [await trio.open_tcp_stream(host, port) for _ in range(4)]
+        for client in held:
+            await client.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await app.started.wait()
+        with _waiting_client(host, port) as fifth:
+            # All tasks blocked includes a poll of ready sockets: every request has
+            # reached the app, and the accept loop has seen the fifth connection and
+            # left it in the backlog.
+            await trio.testing.wait_all_tasks_blocked()
+            assert repr(limit) == "<OpenConnections 4/4, 0 idle | at limit>"
+            assert limit.statistics().limit_reached == 1
+            with pytest.raises(BlockingIOError):
+                fifth.recv(65536)
+            # The held requests end; their connections go idle, and the longest idle
+            # one makes room for the fifth.
+            app.release.set()
+            reply = b""
+            with trio.fail_after(5):
+                while b"hello" not in reply:
+                    await trio.lowlevel.wait_readable(fifth)
+                    reply += fifth.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200")
+        stats = limit.statistics()
+        assert (stats.limit_reached, stats.shed) == (1, 1)
+        for client in held:
+            await client.aclose()
+        shutdown.set()

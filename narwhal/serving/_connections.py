@@ -1,0 +1,182 @@
+"""Open client connections, bounded by listen.max_open_connections.
+
+The retained-request ceiling (manual 4.2) bounds requests, not sockets: a connection
+that sends nothing, or trickles its request head (hypercorn's keep-alive timer keeps
+running until a whole head has arrived, so it lives for the keep-alive timeout), holds
+a socket, a task and hypercorn/h11 state (about 14 kB) with no request to count. The
+accept loop asks `room()` before accepting and takes at most that many.
+
+At the limit, with a connection waiting, `make_room()` closes the connection that has
+been idle longest (no request in flight: between requests, or not yet through its
+request head, which is where a slowloris sits), as nginx does with its reusable
+connections when it runs out of them. Idle connections are the cheapest to shed: no
+work is lost, and a keep-alive client reconnects; the longest idle is the least likely
+to be sending a request at that moment. Its descriptor is closed at once, so its slot
+is handed over then, not when its task has finished. When nothing is idle, every
+connection has a request in flight: new connections wait in the kernel's listen
+backlog, where they cost the router nothing, and `wait_room()` wakes the loop as soon
+as one closes or goes idle. Accepting and then dropping them would spend the same work
+per connection and tell clients nothing better.
+
+Being at the limit is logged once (WARNING) when a waiting connection first finds it,
+and once (INFO) when the open count has fallen a tenth of the limit below it: a flood
+holding the router at the limit then makes one pair of lines, not one per connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+import attrs
+import trio
+
+log = logging.getLogger("narwhal.server")
+
+
+@attrs.frozen
+class ConnectionStatistics:
+    open: int
+    idle: int
+    limit: int
+    at_limit: bool
+    limit_reached: int
+    shed: int
+
+
+def _nothing() -> None:
+    pass
+
+
+class OpenConnections:
+    """The count of open client connections against a limit a reload may change."""
+
+    def __init__(
+        self,
+        limit: int,
+        *,
+        on_limit_reached: Callable[[], None] = _nothing,
+        on_shed: Callable[[], None] = _nothing,
+    ) -> None:
+        self._limit = limit
+        self._open = 0
+        self._at_limit = False
+        self._limit_reached = 0
+        self._shed_total = 0
+        self._on_limit_reached = on_limit_reached
+        self._on_shed = on_shed
+        # Idle connections, longest idle first (dicts keep insertion order), each with
+        # what closes it; and those closed here whose tasks have not ended yet.
+        self._idle: dict[Hashable, Callable[[], None]] = {}
+        self._shed: set[Hashable] = set()
+        self._room = trio.lowlevel.ParkingLot()
+
+    def __repr__(self) -> str:
+        at = " | at limit" if self._at_limit else ""
+        return f"<OpenConnections {self._open}/{self._limit}, {len(self._idle)} idle{at}>"
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit = value
+        self._maybe_clear()
+        if self.room():
+            self._room.unpark_all()
+
+    def room(self) -> int:
+        """Connections that may be accepted now."""
+        return max(0, self._limit - self._open)
+
+    def make_room(self) -> bool:
+        """Whether a connection may be accepted now, after closing the longest-idle
+        connection if there is no room."""
+        if self.room():
+            return True
+        if not self._idle:
+            return False
+        key = next(iter(self._idle))
+        close = self._idle.pop(key)
+        self._shed.add(key)
+        self._open -= 1
+        self._shed_total += 1
+        self._on_shed()
+        close()
+        return True
+
+    async def wait_room(self) -> None:
+        """Return once `make_room()` can succeed: a connection closed or went idle, or
+        the limit rose."""
+        while not (self.room() or self._idle):
+            await self._room.park()
+
+    def limit_reached(self) -> None:
+        """The accept loop found a connection waiting while the limit was reached."""
+        self._limit_reached += 1
+        self._on_limit_reached()
+        if not self._at_limit:
+            self._at_limit = True
+            log.warning(
+                "%d client connections open, listen.max_open_connections=%d: the "
+                "longest idle are closed to make room, and new connections wait in the "
+                "listen backlog while none is idle",
+                self._open,
+                self._limit,
+                extra={
+                    "event": "connection_limit",
+                    "outcome": "reached",
+                    "open": self._open,
+                    "limit": self._limit,
+                },
+            )
+
+    def opened(self) -> None:
+        self._open += 1
+
+    def idle(self, key: Hashable, close: Callable[[], None]) -> None:
+        """Connection `key` has no request in flight from now; `close` closes it."""
+        self._idle.pop(key, None)
+        self._idle[key] = close
+        if self._room:
+            self._room.unpark_all()
+
+    def busy(self, key: Hashable) -> None:
+        """Connection `key` has a request in flight, or is ending."""
+        self._idle.pop(key, None)
+
+    def closed(self, key: Hashable) -> None:
+        self._idle.pop(key, None)
+        if key in self._shed:
+            self._shed.discard(key)  # counted out when it was shed
+            return
+        self._open -= 1
+        self._maybe_clear()
+        if self._room and self.room():
+            self._room.unpark_all()
+
+    def _maybe_clear(self) -> None:
+        if self._at_limit and self._open <= self._limit - max(1, self._limit // 10):
+            self._at_limit = False
+            log.info(
+                "%d client connections open, under listen.max_open_connections=%d again",
+                self._open,
+                self._limit,
+                extra={
+                    "event": "connection_limit",
+                    "outcome": "cleared",
+                    "open": self._open,
+                    "limit": self._limit,
+                },
+            )
+
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(
+            open=self._open,
+            idle=len(self._idle),
+            limit=self._limit,
+            at_limit=self._at_limit,
+            limit_reached=self._limit_reached,
+            shed=self._shed_total,
+        )
