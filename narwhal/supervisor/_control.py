@@ -4,7 +4,9 @@
   file, stale build, an engine without a profile) are logged one per line and shown in
   /narwhal/state; they are never silently ignored. Predictive admission without a single
   usable profile cannot price anything, so the daemon refuses to start (or, on reload,
-  keeps the profiles it has).
+  keeps the profiles it has). A usable profile whose fit misses its own measurements
+  (`narwhal.profiles.POOR_FIT_RESIDUAL_P90`) is used, with one warning per engine and
+  phase each time the store is loaded.
 - The role controller runs as a monitor pass handler: each pass hands it the demand
   events the request path recorded since the last pass, then lets it decide.
 - Signals from the request path (first-token timeouts, TTFT breaches, decode token gaps)
@@ -25,7 +27,7 @@ from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
 from ..probe import with_live_builds
-from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
+from ..profiles import DecodeCorrection, FleetProfiles, load_profiles, poor_fits
 from ..recovery import LegObservation, MonitorPass, Predictor
 from ..serving import DecodeGaps, ServingContext
 
@@ -59,6 +61,20 @@ async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, lis
         len(check.configured),
         extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
     )
+    # Used all the same (it is the best measurement there is), but said once per load.
+    for engine_id in sorted(check.usable):
+        profile = profiles.profile(engine_id)
+        for fit in [] if profile is None else poor_fits(profile):
+            log.warning(
+                "profile: %s",
+                fit.message(),
+                extra={
+                    "event": "profile_poor_fit",
+                    "engine": fit.engine,
+                    "phase": fit.phase,
+                    "residual_p90": round(fit.residual_p90, 4),
+                },
+            )
     return profiles, list(check.messages)
 
 
