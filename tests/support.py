@@ -172,6 +172,7 @@ class GapRecorder:
 
     def __init__(self) -> None:
         self.streams: list[list[float]] = []
+        self.loads: list[tuple[float, float] | None] = []
 
     @property
     def gaps(self) -> list[float]:
@@ -183,5 +184,8 @@ class GapRecorder:
     def ttft_breach(self) -> None:
         pass
 
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+    def decode_gaps(
+        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
+    ) -> None:
         self.streams.append(list(gaps))
+        self.loads.append(load)

@@ -84,7 +84,9 @@ class ServingSignals(Protocol):
 
     def ttft_breach(self) -> None: ...
 
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None: ...
+    def decode_gaps(
+        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
+    ) -> None: ...
 
 
 class _NoSignals:
@@ -94,7 +96,9 @@ class _NoSignals:
     def ttft_breach(self) -> None:
         pass
 
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+    def decode_gaps(
+        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
+    ) -> None:
         pass
 
 

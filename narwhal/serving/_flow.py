@@ -228,6 +228,13 @@ class _GapLoad:
         self.max_kv = max(self.max_kv, engine.decode_tokens)
         self.prefill = self.prefill or engine.prefill_inflight > 0
 
+    def mean(self, count: int) -> tuple[float, float] | None:
+        """The gap-weighted mean load (requests decoding, resident KV tokens) over `count`
+        counted gaps, or None without any."""
+        if count <= 0:
+            return None
+        return self.active / count, self.kv_tokens / count
+
     def summary(self, gaps: list[float]) -> DecodeGaps | None:
         """None when the gaps are not the engine's decoding alone."""
         if not gaps or self.prefill:
@@ -1489,7 +1496,7 @@ async def _relay(
             gaps = [gap * scale for gap in gaps]
             generated = reported
     if gaps:
-        ctx.signals.decode_gaps(engine, gaps)
+        ctx.signals.decode_gaps(engine, gaps, load.mean(len(gaps)))
     if timer.cancelled_caught:
         if first_at is None:
             waited = trio.current_time() - started

@@ -194,7 +194,11 @@ class ControlLink:
         if self.controller is not None:
             self.controller.signal_ttft_breach()
 
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+    def decode_gaps(
+        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
+    ) -> None:
+        """A finished stream's token gaps, and the engine's mean decode load (requests
+        decoding, resident KV tokens) over them when the relay measured it."""
         if self.ctx.fleet.get(engine.id) is not engine:
             # A reload removed or replaced the engine this stream ran on: its gaps say
             # nothing of the engine under its id now (corrections are kept by id).
@@ -203,8 +207,11 @@ class ControlLink:
         if isinstance(source, FleetProfiles):
             curve = source.decode_curve(engine.id)
             if curve is not None:
-                # The engine's load as the stream ended approximates its load during it.
-                predicted = curve.interval_s(max(1, engine.decode_active), engine.decode_tokens)
+                # At the load the gaps were measured under: the load as the stream ended
+                # is lighter (the last stream of a batch ends alone), and the correction
+                # leaned upward on every busy engine.
+                active, kv_tokens = load or (engine.decode_active, engine.decode_tokens)
+                predicted = curve.interval_s(max(1.0, active), kv_tokens)
                 source.observe_decode(engine.id, gaps, predicted)
         if self.controller is not None:
             self.controller.observe_decode_interval(engine.id, statistics.median(gaps))

@@ -38,9 +38,11 @@ class _Recorder:
     def ttft_breach(self) -> None:
         self.inner.ttft_breach()
 
-    def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+    def decode_gaps(
+        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
+    ) -> None:
         self.gaps.setdefault(engine.id, []).extend(gaps)
-        self.inner.decode_gaps(engine, gaps)
+        self.inner.decode_gaps(engine, gaps, load)
 
 
 def record_signals(stack: Stack) -> _Recorder:

@@ -181,3 +181,31 @@ async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correct
         assert profiles.decode_correction("d0") == pytest.approx(1.1)
         link.decode_gaps(rig.engine("d0"), slow)  # the replacement's own stream counts
         assert profiles.decode_correction("d0") == pytest.approx(1.15)
+
+
+async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measured_under(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    # The prediction was read at the engine's load as the stream ended, lighter than
+    # during it (the last stream of a batch ends alone): a busy engine's correction
+    # leaned upward.
+    urls = {"p0": P0["url"], "d0": D0["url"]}
+    path = tmp_path / "profiles.json"
+    save_profiles(store_for(urls), path)
+    profiles = FleetProfiles(
+        load_profiles(path, config_for(urls)),
+        correction=DecodeCorrection(alpha=0.5, min_samples=2),
+    )
+    curve = profiles.decode_curve("d0")
+    assert curve is not None
+    busy = (48.0, 48.0 * 2000)
+    on_profile = [curve.interval_s(*busy)] * 2
+    async with rig_with_legs(fleet(P0, D0)) as (rig, _):
+        rig.ctx.profiles = profiles
+        link = ControlLink(rig.ctx)
+        d0 = rig.engine("d0")
+        assert (d0.decode_active, d0.decode_tokens) == (0, 0)  # as the stream ended
+        link.decode_gaps(d0, on_profile, busy)
+        assert profiles.decode_correction("d0") == pytest.approx(1.0)
+        link.decode_gaps(d0, on_profile)  # no load measured: the load at the end
+        assert profiles.decode_correction("d0") > 1.0

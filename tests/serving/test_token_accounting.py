@@ -134,6 +134,8 @@ async def test_a_decode_legs_gap_summary_is_per_token_with_the_load_it_ran_at(
     assert 0.0045 < summary.median_s < 0.009
     assert summary.mean_active == summary.max_active == 1
     assert 500 < summary.mean_kv_tokens < summary.max_kv_tokens <= 600
+    # The live decode correction is told the same load.
+    assert recorder.loads == [(summary.mean_active, summary.mean_kv_tokens)]
 
 
 def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> None:
