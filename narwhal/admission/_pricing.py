@@ -24,7 +24,12 @@ lately released KV (`KvTurnover`), less the prefill time it overlaps with; it is
 load, counted as wait, and the larger of it and the lag is used (both measure the same
 queue, seen from the past and from the future).
 
-and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin).
+and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin),
+each path's projection scaled first by its engine's projection-error factor (how far
+first tokens on that engine have lately run over their projections, the fleet's when the
+engine has too few recent ones: `ProjectionErrors`). Placement's projected-SLO filter
+and costs scale by the same factors (`placement_policy`), so the path admission counted
+on is the one placement prefers.
 When it does not fit, the refusal says why: if even an idle engine would miss the target
 the prompt itself is the problem (shorten it or raise the target, no Retry-After, because
 waiting will not help); otherwise the backlog is, and Retry-After is the time until the
@@ -241,16 +246,35 @@ def quote_paths(
     return quotes
 
 
+@attrs.frozen
+class ErrorFactors:
+    """The projection-error factor of each prefill path, by the engine that runs its
+    prefill (an aggregate path's engine itself): `engines` holds those with enough
+    recent samples of their own, every other engine is judged by the `fleet`'s."""
+
+    fleet: float = 1.0
+    engines: Mapping[str, float] = attrs.field(factory=dict)
+
+    def of(self, engine_id: str) -> float:
+        return self.engines.get(engine_id, self.fleet)
+
+
+NO_ERRORS = ErrorFactors()
+
+
 def judge(
     quotes: list[PathQuote],
     *,
     prompt_tokens: int,
     ttft_target_s: float,
     margin: float,
-    error_factor: float = 1.0,
+    errors: ErrorFactors = NO_ERRORS,
 ) -> Verdict:
-    """Admit when the cheapest path's projection, scaled by `error_factor` (how far
-    recent first tokens ran over their projections, `ProjectionErrors`), fits the budget.
+    """Admit when the best path's projection, scaled by its own error factor (how far
+    recent first tokens on that path's engine ran over their projections,
+    `ProjectionErrors`), fits the budget. The best path is the one whose scaled
+    projection is lowest (ties by engine id): a path through an engine that has lately
+    run slow is judged by that engine's errors, not a healthy one's, and the reverse.
     Whether the prompt itself is too long is judged on the unscaled idle projection."""
     budget = ttft_target_s * (1.0 + margin)
     if not quotes:
@@ -264,8 +288,9 @@ def judge(
                 "is outside the measured profile region"
             ),
         )
-    best = quotes[0]
-    expected = best.ttft_s * error_factor
+    best = min(quotes, key=lambda q: (q.ttft_s * errors.of(q.engine), q.engine))
+    factor = errors.of(best.engine)
+    expected = best.ttft_s * factor
     if expected <= budget:
         return Verdict(True, best)
     idle_best = min(q.idle_ttft_s for q in quotes)
@@ -289,13 +314,14 @@ def judge(
         message=(
             f"projected time to first token {best.ttft_s:.3f}s"
             + (
-                f" ({expected:.3f}s allowing for recent projection error x{error_factor:.2f})"
-                if error_factor != 1.0
+                f" ({expected:.3f}s allowing for recent projection error x{factor:.2f}"
+                f" on {best.engine})"
+                if factor != 1.0
                 else ""
             )
             + f" exceeds the TTFT budget {budget:.3f}s (slo.ttft_s={ttft_target_s} with "
             f"serving.admission_margin={margin}); {best.wait_s:.3f}s of it is backlog on "
-            "the cheapest path"
+            f"the cheapest path, through {best.engine}"
         ),
         retry_after_s=expected - budget,
     )
@@ -312,8 +338,39 @@ ERROR_FACTOR_MAX = 2.0
 
 
 @attrs.define
+class _ErrorWindow:
+    """The last ERROR_WINDOW observed/projected ratios of the last ERROR_WINDOW_S
+    seconds, and their quantile once there are ERROR_MIN_SAMPLES of them."""
+
+    samples: deque[tuple[float, float]] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
+    # None while there are too few samples to trust.
+    factor: float | None = None
+
+    def add(self, ratio: float, now: float, quantile: float) -> None:
+        self.samples.append((now, ratio))
+        self.expire(now, quantile)
+        self.update(quantile)
+
+    def expire(self, now: float, quantile: float) -> None:
+        expired = False
+        while self.samples and now - self.samples[0][0] > ERROR_WINDOW_S:
+            self.samples.popleft()
+            expired = True
+        if expired:
+            self.update(quantile)
+
+    def update(self, quantile: float) -> None:
+        if len(self.samples) < ERROR_MIN_SAMPLES:
+            self.factor = None
+            return
+        ordered = sorted(ratio for _, ratio in self.samples)
+        at = ordered[min(len(ordered) - 1, math.ceil(quantile * len(ordered)) - 1)]
+        self.factor = min(ERROR_FACTOR_MAX, max(1.0, at))
+
+
+@attrs.define
 class ProjectionErrors:
-    """How far first tokens have lately run over their projections.
+    """How far first tokens have lately run over their projections, per prefill path.
 
     An unbiased projection admits requests right up to the TTFT budget, and about half
     of those at the edge then miss it: under overload nearly every admitted request is
@@ -324,42 +381,58 @@ class ProjectionErrors:
     (at least 1: a pessimistic projection is not loosened) and is capped at
     ERROR_FACTOR_MAX. The time bound keeps one bad burst on a quiet service from
     tightening admission for long after it.
+
+    Errors are kept per engine (the one that ran the request's prefill, an aggregate
+    request's engine), each in its own window of the same bounds, besides the fleet's
+    window of all of them: one slow or badly profiled prefill engine makes its own path
+    stricter, not every path. An engine with fewer than ERROR_MIN_SAMPLES recent samples
+    of its own is judged by the fleet's factor, so a quiet engine is not judged on
+    noise. An engine's window is dropped when its samples have all expired, or by
+    `forget` (an engine a reload removed), so memory is bounded by the engines that
+    served in the last ERROR_WINDOW_S, ERROR_WINDOW samples each.
     """
 
     quantile: float = 0.9
-    samples: deque[tuple[float, float]] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
-    _factor: float = 1.0
+    fleet: _ErrorWindow = attrs.Factory(_ErrorWindow)
+    engines: dict[str, _ErrorWindow] = attrs.Factory(dict)
 
-    def observe(self, projected_s: float, observed_s: float, now: float) -> None:
+    def observe(self, engine_id: str, projected_s: float, observed_s: float, now: float) -> None:
         if projected_s <= 0 or observed_s <= 0:
             return
-        self.samples.append((now, observed_s / projected_s))
-        self._expire(now)
-        self._update()
+        ratio = observed_s / projected_s
+        self.fleet.add(ratio, now, self.quantile)
+        self.engines.setdefault(engine_id, _ErrorWindow()).add(ratio, now, self.quantile)
 
     def factor(self, now: float) -> float:
-        if self.samples and self._expire(now):
-            self._update()
-        return self._factor
+        """The fleet's factor: every engine's samples together."""
+        self.fleet.expire(now, self.quantile)
+        return self.fleet.factor or 1.0
+
+    def factors(self, now: float) -> ErrorFactors:
+        fleet = self.factor(now)
+        own: dict[str, float] = {}
+        for engine_id, window in list(self.engines.items()):
+            window.expire(now, self.quantile)
+            if not window.samples:
+                del self.engines[engine_id]
+            elif window.factor is not None:
+                own[engine_id] = window.factor
+        return ErrorFactors(fleet, own)
+
+    def samples(self, engine_id: str) -> int:
+        window = self.engines.get(engine_id)
+        return 0 if window is None else len(window.samples)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop an engine's errors: a reload removed it, or replaced it with another
+        server (a new url), whose errors are not its predecessor's."""
+        self.engines.pop(engine_id, None)
 
     def reconfigure(self, quantile: float) -> None:
         self.quantile = quantile
-        self._update()
-
-    def _expire(self, now: float) -> bool:
-        expired = False
-        while self.samples and now - self.samples[0][0] > ERROR_WINDOW_S:
-            self.samples.popleft()
-            expired = True
-        return expired
-
-    def _update(self) -> None:
-        if len(self.samples) < ERROR_MIN_SAMPLES:
-            self._factor = 1.0
-            return
-        ordered = sorted(ratio for _, ratio in self.samples)
-        at = ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)]
-        self._factor = min(ERROR_FACTOR_MAX, max(1.0, at))
+        self.fleet.update(quantile)
+        for window in self.engines.values():
+            window.update(quantile)
 
 
 def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) -> float:
@@ -541,12 +614,16 @@ def placement_policy(
     handoff_s: float,
     ttft_budget_s: float,
     tpot_target_s: float,
+    errors: ErrorFactors = NO_ERRORS,
 ) -> Policy:
     """Placement's projected-SLO filters and costs (manual 5), from the same prices.
 
-    A prefill engine complies when its path's projected TTFT fits the budget; a decode
+    A prefill engine complies when its path's projected TTFT, scaled by that engine's
+    projection-error factor as admission scales it (`judge`), fits the budget; a decode
     engine when its projected interval with this request added fits the TPOT target.
-    Costs are the projected seconds themselves, so the cheapest compliant engine wins.
+    Costs are the projected seconds themselves (a prefill engine's: its path's scaled
+    TTFT), so the cheapest compliant engine wins, and the path admission counted on is
+    the one placement prefers.
     """
     first_step = min(
         (p.first_step_s(prompt_tokens) for p in priced.values() if p.view.role == "decode"),
@@ -558,6 +635,9 @@ def placement_policy(
         if p.prefill is None:
             return math.inf
         return p.backlog_s + max(0.0, p.prefill.prefill_s(prompt_tokens))
+
+    def prefill_ttft(view: EngineView) -> float:
+        return (prefill_seconds(view) + handoff_s + first_step) * errors.of(view.id)
 
     def decode_seconds(view: EngineView) -> float:
         p = priced[view.id]
@@ -572,8 +652,8 @@ def placement_policy(
         return first + priced[view.id].decode_side(prompt_tokens, handoff_s, first).delay_s()
 
     return Policy(
-        prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,
+        prefill_ok=lambda v: prefill_ttft(v) <= ttft_budget_s,
         decode_ok=lambda v: decode_seconds(v) <= tpot_target_s,
-        prefill_cost=prefill_seconds,
+        prefill_cost=prefill_ttft,
         decode_cost=decode_cost,
     )

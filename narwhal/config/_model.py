@@ -145,7 +145,12 @@ class Slo:
     percentile: float = _f(
         0.9,
         Between(0.0, 1.0, low_open=True),
-        doc="Percentile at which SLO attainment is reported.",
+        doc=(
+            "Percentile at which SLO attainment is reported. Predictive admission and "
+            "placement scale each prefill path's projected TTFT by this quantile of "
+            "observed/projected TTFT on the path's engine (the fleet's while the engine has "
+            "fewer than 32 recent streams), between 1 and 2."
+        ),
     )
 
 

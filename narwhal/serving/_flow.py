@@ -266,7 +266,10 @@ class Flow:
             observed = record.observed_ttft_s
             if projected is not None and observed is not None and observed > 0:
                 ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-                ctx.projection_errors.observe(projected, observed, trio.current_time())
+                assert record.projected_engine is not None
+                ctx.projection_errors.observe(
+                    record.projected_engine, projected, observed, trio.current_time()
+                )
             log.info(
                 "request finished",
                 extra={
@@ -439,7 +442,8 @@ class Flow:
     def _admit_predictively(
         self, request: ClientRequest, tokens: int, config: Config
     ) -> list[PathQuote]:
-        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget.
+        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget,
+        each path's projection scaled by its engine's projection-error factor.
 
         Returns every path's quote, so the projection of the path placement picks can be
         recorded and compared with the TTFT the client saw.
@@ -462,7 +466,7 @@ class Flow:
             prompt_tokens=tokens,
             ttft_target_s=config.slo.ttft_s,
             margin=config.serving.admission_margin,
-            error_factor=ctx.projection_errors.factor(trio.current_time()),
+            errors=ctx.projection_errors.factors(trio.current_time()),
         )
         if verdict.admitted:
             return quotes
@@ -503,6 +507,7 @@ class Flow:
             handoff_s=ctx.profiles.handoff_s(tokens),
             ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
             tpot_target_s=config.slo.tpot_s,
+            errors=ctx.projection_errors.factors(trio.current_time()),
         )
 
     async def _count_tokens(
@@ -1562,6 +1567,7 @@ def _record_projection(
     mode = "disaggregated" if placement.prefill is not None else "aggregate"
     for quote in quotes:
         if quote.engine == engine and quote.mode == mode:
+            record.projected_engine = engine
             record.projected_ttft_s = quote.ttft_s
             record.projected_wait_s = quote.wait_s
             record.projected_in_domain = quote.in_domain

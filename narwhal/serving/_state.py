@@ -87,6 +87,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
     budget = ctx.retry_budget
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     ratio, ratio_source = ctx.chars_per_token(ctx.config)
+    errors = ctx.projection_errors.factors(now)
     document: dict[str, object] = {
         "narwhal": {
             "version": __version__,
@@ -114,7 +115,17 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 engine_id: round(lag, 6)
                 for engine_id, lag in sorted(ctx.first_token_lags.lags(now).items())
             },
-            "projection_error_factor": round(ctx.projection_errors.factor(now), 4),
+            "projection_error_factor": round(errors.fleet, 4),
+            # Each engine's path's factor: its own once it has ERROR_MIN_SAMPLES recent
+            # samples, else the fleet's (samples: how many it has).
+            "projection_error_factors": {
+                engine.id: {
+                    "factor": round(errors.of(engine.id), 4),
+                    "samples": ctx.projection_errors.samples(engine.id),
+                    "own": engine.id in errors.engines,
+                }
+                for engine in sorted(ctx.fleet, key=lambda e: e.id)
+            },
             "decode_kv_release_tokens_per_s": {
                 engine_id: round(rate, 1)
                 for engine_id, rate in sorted(ctx.kv_turnover.rates(now).items())

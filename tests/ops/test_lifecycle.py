@@ -145,6 +145,8 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             ]
             new["listen"] = {"host": "127.0.0.1", "port": 1}
             write(path, new)
+            for engine_id in ("p0", "d1"):
+                ctx.projection_errors.observe(engine_id, 0.1, 0.2, trio.current_time())
             result = await supervisor.reload()
             assert result.applied
             assert result.plan is not None
@@ -157,6 +159,9 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             assert ctx.config.serving.request_timeout_s == 30.0
             # Decode-side load signals average over the new TTFT target's timescale.
             assert ctx.first_token_lags.tau_s == ctx.kv_turnover.tau_s == 0.75
+            # A removed engine's projection errors go with it; the fleet's keep them.
+            assert set(ctx.projection_errors.engines) == {"p0"}
+            assert len(ctx.projection_errors.fleet.samples) == 2
             assert ctx.config.listen.port == 0  # kept: it needs a restart
             async with httpx.AsyncClient(timeout=10) as client:
                 response = await client.post(
