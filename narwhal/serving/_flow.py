@@ -264,12 +264,13 @@ class Flow:
             ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
             projected = record.projected_ttft_s
             observed = record.observed_ttft_s
+            engine_id = record.projected_engine
             if projected is not None and observed is not None and observed > 0:
                 ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-                assert record.projected_engine is not None
-                ctx.projection_errors.observe(
-                    record.projected_engine, projected, observed, trio.current_time()
-                )
+            if projected is not None and observed and engine_id is not None:
+                # Set with the projection (_record_projection); this is a finally block,
+                # where an assertion would turn a served request into an internal error.
+                ctx.projection_errors.observe(engine_id, projected, observed, trio.current_time())
             log.info(
                 "request finished",
                 extra={
