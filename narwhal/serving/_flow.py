@@ -284,6 +284,9 @@ class Flow:
                     "attempts": record.attempts,
                     "prompt_tokens": record.prompt_tokens,
                     "duration_s": round(trio.current_time() - arrival, 6),
+                    # The path the projection priced (the first attempt's), whose error
+                    # window the observed TTFT joins; prefill_engine is the last attempt's.
+                    "projected_engine": engine_id,
                     "projected_ttft_s": _round(projected),
                     "projected_wait_s": _round(record.projected_wait_s),
                     "observed_ttft_s": _round(observed),
