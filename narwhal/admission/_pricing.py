@@ -351,10 +351,17 @@ class _ErrorWindow:
         self.expire(now, quantile)
         self.update(quantile)
 
-    def expire(self, now: float, quantile: float) -> None:
+    def expire(
+        self, now: float, quantile: float, *, since: float = -math.inf, keep: int = 0
+    ) -> None:
+        """Drop the samples older than ERROR_WINDOW_S, and those taken before `since`
+        beyond the last `keep`."""
+        samples = self.samples
         expired = False
-        while self.samples and now - self.samples[0][0] > ERROR_WINDOW_S:
-            self.samples.popleft()
+        while samples and (
+            now - samples[0][0] > ERROR_WINDOW_S or (samples[0][0] < since and len(samples) > keep)
+        ):
+            samples.popleft()
             expired = True
         if expired:
             self.update(quantile)
@@ -383,25 +390,39 @@ class ProjectionErrors:
     tightening admission for long after it.
 
     Errors are kept per engine (the one that ran the request's prefill, an aggregate
-    request's engine), each in its own window of the same bounds, besides the fleet's
-    window of all of them: one slow or badly profiled prefill engine makes its own path
-    stricter, not every path. An engine with fewer than ERROR_MIN_SAMPLES recent samples
-    of its own is judged by the fleet's factor, so a quiet engine is not judged on
-    noise. An engine's window is dropped when its samples have all expired, or by
-    `forget` (an engine a reload removed), so memory is bounded by the engines that
-    served in the last ERROR_WINDOW_S, ERROR_WINDOW samples each.
+    request's engine) besides the fleet's window of all of them: one slow or badly
+    profiled prefill engine makes its own path stricter, not every path. An engine's
+    window covers the time the fleet's does, not ERROR_WINDOW of its own: with n prefill
+    engines sharing the traffic, its own last ERROR_WINDOW would reach n times as far
+    back, so after an overload burst its factor stayed up (and before one, stayed down)
+    for n times as long as the fleet's. 4 engines at 40 streams/s, after 3 s of 2x
+    overruns: the fleet's factor was back 6 s later, the engines' 25 s later. It keeps
+    its last ERROR_MIN_SAMPLES even when older than the fleet's window (within
+    ERROR_WINDOW_S): an engine placement steers away from for its errors keeps the
+    evidence it was steered away for, rather than drawing traffic again on the fleet's
+    factor as soon as the fleet has moved on. An engine with fewer than
+    ERROR_MIN_SAMPLES recent samples of its own is judged by the fleet's factor, so a
+    quiet engine is not judged on noise. An engine's window is dropped when its samples
+    have all expired, or by `forget` (an engine a reload removed), so memory is bounded
+    by the engines that served in the last ERROR_WINDOW_S, ERROR_WINDOW samples each.
     """
 
     quantile: float = 0.9
     fleet: _ErrorWindow = attrs.Factory(_ErrorWindow)
     engines: dict[str, _ErrorWindow] = attrs.Factory(dict)
 
-    def observe(self, engine_id: str, projected_s: float, observed_s: float, now: float) -> None:
+    def observe(
+        self, engine_id: str | None, projected_s: float, observed_s: float, now: float
+    ) -> None:
+        """Count one stream's error, against its engine's window too unless `engine_id`
+        is None (an engine a reload has since removed or replaced)."""
         if projected_s <= 0 or observed_s <= 0:
             return
         ratio = observed_s / projected_s
         self.fleet.add(ratio, now, self.quantile)
-        self.engines.setdefault(engine_id, _ErrorWindow()).add(ratio, now, self.quantile)
+        if engine_id is not None:
+            self.engines.setdefault(engine_id, _ErrorWindow()).add(ratio, now, self.quantile)
+        self._expire(now)
 
     def factor(self, now: float) -> float:
         """The fleet's factor: every engine's samples together."""
@@ -410,13 +431,12 @@ class ProjectionErrors:
 
     def factors(self, now: float) -> ErrorFactors:
         fleet = self.factor(now)
-        own: dict[str, float] = {}
-        for engine_id, window in list(self.engines.items()):
-            window.expire(now, self.quantile)
-            if not window.samples:
-                del self.engines[engine_id]
-            elif window.factor is not None:
-                own[engine_id] = window.factor
+        self._expire(now)
+        own = {
+            engine_id: window.factor
+            for engine_id, window in self.engines.items()
+            if window.factor is not None
+        }
         return ErrorFactors(fleet, own)
 
     def samples(self, engine_id: str) -> int:
@@ -433,6 +453,14 @@ class ProjectionErrors:
         self.fleet.update(quantile)
         for window in self.engines.values():
             window.update(quantile)
+
+    def _expire(self, now: float) -> None:
+        """Bring each engine's window to the fleet window's span (see the class)."""
+        since = self.fleet.samples[0][0] if self.fleet.samples else math.inf
+        for engine_id, window in list(self.engines.items()):
+            window.expire(now, self.quantile, since=since, keep=ERROR_MIN_SAMPLES)
+            if not window.samples:
+                del self.engines[engine_id]
 
 
 def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) -> float:

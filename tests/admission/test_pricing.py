@@ -441,6 +441,71 @@ def test_an_engine_falls_back_to_the_fleet_as_its_own_samples_expire() -> None:
     assert factors.of("p1") == 1.0
 
 
+def _stream_errors(
+    errors: ProjectionErrors, engines: int, rate: float, start: float, end: float, ratio: float
+) -> float:
+    """Streams at `rate` per second from `start`, round robin over p0..p<engines-1>, each
+    `ratio` times its projection (on target: spread over 0.8-1.1x); returns the time
+    the next would come."""
+    t, k = start, 0
+    while t < end:
+        spread = 0.8 + 0.3 * (k % 10) / 9
+        errors.observe(f"p{k % engines}", 0.1, 0.1 * (ratio * spread if ratio == 1 else ratio), t)
+        k += 1
+        t = start + k / rate
+    return t
+
+
+def test_an_engine_s_factor_rises_and_falls_with_the_fleet_s() -> None:
+    # 4 prefill engines sharing 40 streams/s: the fleet's last ERROR_WINDOW span 6.4 s,
+    # each engine's own last ERROR_WINDOW would span 25.6 s. After a 3 s burst of 2x
+    # overruns the fleet's factor fell back 6 s later; the engines' stayed at 2 for 25 s,
+    # so every path was stricter than the fleet's errors said (the goodput benchmark's
+    # overload phase: admission refused requests it would have served within the target).
+    errors = ProjectionErrors(quantile=0.9)
+    t = _stream_errors(errors, 4, 40.0, 0.0, 30.0, 1.0)
+    t = _stream_errors(errors, 4, 40.0, t, 31.0, 2.0)
+    factors = errors.factors(t)
+    assert factors.fleet == 2.0
+    assert factors.engines == {f"p{i}": 2.0 for i in range(4)}  # not 1 s later than it
+    t = _stream_errors(errors, 4, 40.0, t, 33.0, 2.0)
+    t = _stream_errors(errors, 4, 40.0, t, 39.0, 1.0)
+    factors = errors.factors(t)
+    assert factors.fleet == pytest.approx(1.1)
+    assert errors.samples("p0") == ERROR_WINDOW // 4
+    for engine in ("p0", "p1", "p2", "p3"):
+        assert factors.of(engine) == pytest.approx(1.1, abs=0.05)
+
+
+def test_an_engine_the_fleet_has_moved_past_keeps_its_last_samples() -> None:
+    # p0 ran 2x over, then placement steered everything to p1: p0 keeps the evidence it
+    # was steered away for (its last ERROR_MIN_SAMPLES, within ERROR_WINDOW_S) rather
+    # than drawing traffic again on the fleet's factor once the fleet has moved on.
+    errors = ProjectionErrors(quantile=0.9)
+    _stream_errors(errors, 1, 10.0, 0.0, 4.0, 2.0)
+    factors = errors.factors(4.0)
+    assert factors.of("p0") == 2.0
+    assert errors.samples("p0") == 40
+    for k in range(2 * ERROR_WINDOW):
+        errors.observe("p1", 0.1, 0.1, now=5.0 + k / 100)
+    factors = errors.factors(10.0)
+    assert factors.fleet == 1.0
+    assert errors.samples("p0") == ERROR_MIN_SAMPLES
+    assert factors.of("p0") == 2.0
+    # Its last 32 are those of 0.8-3.9 s; the first ages out at 60.8 s: too few to
+    # trust, p0 is judged by the fleet's factor again.
+    assert errors.factors(ERROR_WINDOW_S + 0.75).of("p0") == 2.0
+    assert errors.factors(ERROR_WINDOW_S + 0.85).of("p0") == 1.0
+    assert errors.samples("p0") == ERROR_MIN_SAMPLES - 1
+
+
+def test_a_stream_on_an_engine_a_reload_replaced_counts_for_the_fleet_only() -> None:
+    errors = ProjectionErrors(quantile=0.9)
+    errors.observe(None, 0.1, 0.2, now=0.0)
+    assert len(errors.fleet.samples) == 1
+    assert not errors.engines
+
+
 def test_per_engine_windows_are_bounded_and_forgotten_on_reload() -> None:
     errors = ProjectionErrors(quantile=0.9)
     for _ in range(3 * ERROR_WINDOW):
