@@ -89,7 +89,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState, key_refused
+from ..fleet import EngineState, Fleet, key_refused
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -264,13 +264,20 @@ class Flow:
             ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
             projected = record.projected_ttft_s
             observed = record.observed_ttft_s
-            engine_id = record.projected_engine
+            engine = record.projected_on
             if projected is not None and observed is not None and observed > 0:
                 ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-            if projected is not None and observed and engine_id is not None:
+            if projected is not None and observed and engine is not None:
                 # Set with the projection (_record_projection); this is a finally block,
                 # where an assertion would turn a served request into an internal error.
-                ctx.projection_errors.observe(engine_id, projected, observed, trio.current_time())
+                # An engine a reload has since removed or replaced counts for the fleet
+                # only: its window is gone, or is its successor's.
+                ctx.projection_errors.observe(
+                    None if engine.removed else engine.id,
+                    projected,
+                    observed,
+                    trio.current_time(),
+                )
             log.info(
                 "request finished",
                 extra={
@@ -286,7 +293,7 @@ class Flow:
                     "duration_s": round(trio.current_time() - arrival, 6),
                     # The path the projection priced (the first attempt's), whose error
                     # window the observed TTFT joins; prefill_engine is the last attempt's.
-                    "projected_engine": engine_id,
+                    "projected_engine": record.projected_engine,
                     "projected_ttft_s": _round(projected),
                     "projected_wait_s": _round(record.projected_wait_s),
                     "observed_ttft_s": _round(observed),
@@ -744,7 +751,7 @@ class Flow:
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
             if attempt == 1:
-                _record_projection(record, placement, quotes)
+                _record_projection(record, placement, quotes, ctx.fleet)
             try:
                 await self._attempt(request, tokens, placement, config, client, record)
             except EngineFailed as failure:
@@ -1564,7 +1571,7 @@ def _alone(engine: EngineState) -> int | None:
 
 
 def _record_projection(
-    record: RequestRecord, placement: Placement, quotes: list[PathQuote]
+    record: RequestRecord, placement: Placement, quotes: list[PathQuote], fleet: Fleet
 ) -> None:
     """The admission quote of the prefill path placement chose (aggregate: the engine)."""
     engine = placement.prefill if placement.prefill is not None else placement.decode
@@ -1572,6 +1579,7 @@ def _record_projection(
     for quote in quotes:
         if quote.engine == engine and quote.mode == mode:
             record.projected_engine = engine
+            record.projected_on = fleet.get(engine)
             record.projected_ttft_s = quote.ttft_s
             record.projected_wait_s = quote.wait_s
             record.projected_in_domain = quote.in_domain
