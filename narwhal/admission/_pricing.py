@@ -176,6 +176,32 @@ def _usable(priced: Priced, excluded: frozenset[str], phase: str) -> bool:
     return blocked is None and view.id not in excluded and priced.prefill is not None
 
 
+def _decode_side(
+    engines: Iterable[Priced], prompt_tokens: int, handoff_s: float, excluded: frozenset[str]
+) -> DecodeSide | None:
+    """The decode side of every disaggregated path: the cheapest available decode engine's."""
+    return min(
+        (
+            p.decode_side(prompt_tokens, handoff_s)
+            for p in engines
+            if p.view.role == "decode"
+            and p.view.decode_blocked is None
+            and p.view.id not in excluded
+        ),
+        key=lambda d: d.cost_s,
+        default=None,
+    )
+
+
+def _disaggregated_s(
+    priced: Priced, prefill: PrefillCurve, side: DecodeSide, prompt_tokens: int
+) -> tuple[float, float]:
+    """A disaggregated path's projected (wait, own work) through `priced`'s prefill."""
+    prefill_s = max(0.0, prefill.prefill_s(prompt_tokens))
+    wait = priced.backlog_s + side.delay_s(priced.backlog_s + prefill_s)
+    return wait, prefill_s + side.modelled_s
+
+
 def quote_paths(
     engines: Iterable[Priced],
     *,
@@ -190,24 +216,13 @@ def quote_paths(
     measured region.
     """
     engines = list(engines)
-    decode_side = [
-        p
-        for p in engines
-        if p.view.role == "decode" and p.view.decode_blocked is None and p.view.id not in excluded
-    ]
-    side = min(
-        (p.decode_side(prompt_tokens, handoff_s) for p in decode_side),
-        key=lambda d: d.cost_s,
-        default=None,
-    )
+    side = _decode_side(engines, prompt_tokens, handoff_s, excluded)
     quotes: list[PathQuote] = []
     for priced in engines:
         role = priced.view.role
         if role == "prefill" and side is not None and _usable(priced, excluded, "prefill"):
             assert priced.prefill is not None
-            prefill_s = max(0.0, priced.prefill.prefill_s(prompt_tokens))
-            own = prefill_s + side.modelled_s
-            wait = priced.backlog_s + side.delay_s(priced.backlog_s + prefill_s)
+            wait, own = _disaggregated_s(priced, priced.prefill, side, prompt_tokens)
             quotes.append(
                 PathQuote(
                     engine=priced.view.id,
@@ -651,12 +666,16 @@ def placement_policy(
     engine when its projected interval with this request added fits the TPOT target.
     Costs are the projected seconds themselves (a prefill engine's: its path's scaled
     TTFT), so the cheapest compliant engine wins, and the path admission counted on is
-    the one placement prefers.
+    the one placement prefers. A prefill-role engine's path is projected as admission
+    quotes it (`quote_paths`: with the decode side's lag and KV wait); without them,
+    placement could take a path whose scaled projection misses the budget, through an
+    engine with a larger factor, when admission had counted on another.
     """
     first_step = min(
         (p.first_step_s(prompt_tokens) for p in priced.values() if p.view.role == "decode"),
         default=0.0,
     )
+    side = _decode_side(priced.values(), prompt_tokens, handoff_s, frozenset())
 
     def prefill_seconds(view: EngineView) -> float:
         p = priced[view.id]
@@ -665,6 +684,10 @@ def placement_policy(
         return p.backlog_s + max(0.0, p.prefill.prefill_s(prompt_tokens))
 
     def prefill_ttft(view: EngineView) -> float:
+        p = priced[view.id]
+        if view.role == "prefill" and side is not None and p.prefill is not None:
+            wait, own = _disaggregated_s(p, p.prefill, side, prompt_tokens)
+            return (wait + own) * errors.of(view.id)
         return (prefill_seconds(view) + handoff_s + first_step) * errors.of(view.id)
 
     def decode_seconds(view: EngineView) -> float:

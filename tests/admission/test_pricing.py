@@ -585,6 +585,39 @@ def test_a_slow_engine_s_factor_does_not_refuse_a_path_a_healthy_engine_can_serv
     assert verdict.retry_after_s == pytest.approx(0.22 - 0.215)
 
 
+def test_placement_projects_a_prefill_path_as_admission_quotes_it() -> None:
+    # The decode side has lately run 0.1 s over its model. p0's path: 0.1 s prefill +
+    # 0.01 s first step + 0.1 s lag, x2 for p0's errors = 0.42 s; p1's: 0.25 + 0.01 + 0.1
+    # = 0.36 s. Admission counts on p1 (budget 0.4 s). Placement left the lag out
+    # (p0 0.22 s, p1 0.26 s) and sent the request through p0, 0.42 s as admission saw it.
+    engines = [
+        Priced(view("p0", "prefill"), Linear(0.0001), None),
+        Priced(view("p1", "prefill"), Linear(0.00025), None),
+        Priced(view("d0", "decode"), None, Flat(0.01), first_token_lag_s=0.11),
+    ]
+    errors = ErrorFactors(2.0, {"p0": 2.0, "p1": 1.0})
+    quotes = quote_paths(engines, prompt_tokens=1000, handoff_s=0.0)
+    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.4, margin=0.0, errors=errors)
+    assert verdict.quote is not None
+    assert verdict.admitted
+    assert verdict.quote.engine == "p1"
+    policy = placement_policy(
+        {p.view.id: p for p in engines},
+        prompt_tokens=1000,
+        handoff_s=0.0,
+        ttft_budget_s=0.4,
+        tpot_target_s=0.05,
+        errors=errors,
+    )
+    p0, p1 = engines[0].view, engines[1].view
+    assert policy.prefill_cost(p0) == pytest.approx(0.42)
+    assert policy.prefill_cost(p1) == pytest.approx(verdict.quote.ttft_s) == pytest.approx(0.36)
+    assert not policy.prefill_ok(p0)
+    assert choose([p.view for p in engines], policy=policy) == Placement(
+        "disaggregated", "p1", "d0"
+    )
+
+
 def test_overdue_backlog_counts_as_long_again_as_it_is_late() -> None:
     book = BacklogBook()
     book.commit("p0", 0.1, now=0.0)
