@@ -148,8 +148,9 @@ class Slo:
         doc=(
             "Percentile at which SLO attainment is reported. Predictive admission and "
             "placement scale each prefill path's projected TTFT by this quantile of "
-            "observed/projected TTFT on the path's engine (the fleet's while the engine has "
-            "fewer than 32 recent streams), between 1 and 2."
+            "observed/projected TTFT on the path's engine over the time the fleet's last "
+            "256 streams span (at least its own last 32 of 60 s; the fleet's quantile while "
+            "it has fewer), between 1 and 2."
         ),
     )
 
