@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
-from typing import Protocol
+from collections.abc import Hashable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 
@@ -486,15 +487,23 @@ def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) 
     return max(0.0, overhead_s) * max(0.0, 1.0 - prompt_tokens / chunk_tokens)
 
 
+# What the per-engine books below are keyed by. The request path keys them by the
+# EngineState instance, not its id: a reload that replaces an engine (same id, another
+# url) makes a new instance, so what a leg commits, releases and observes lands on the
+# engine it ran on, never on its replacement (tests key them by id strings).
+K = TypeVar("K", bound=Hashable)
+
+
 @attrs.define
-class BacklogBook:
+class BacklogBook(Generic[K]):
     """Prefill work committed to each engine, as a virtual finish time.
 
     A committed prefill leg of predicted duration d moves the engine's finish time to
     max(finish, now) + d: the engine works through its prefill backlog at one second per
     second whether it batches or not, because prefill is compute bound. When the last leg
-    on an engine ends, any prediction error is forgotten by resetting the finish time to
-    now, so errors do not accumulate.
+    on an engine ends, any prediction error is forgotten by dropping the engine's entry
+    (no entry is a finish time of now), so errors do not accumulate, and the book holds
+    only engines with legs committed.
 
     A prompt committed while the engine still has backlog shares its steps: chunked
     prefill packs queued prompts into the same step, so of the step's fixed cost the
@@ -511,54 +520,61 @@ class BacklogBook:
     that much.
     """
 
-    finish: dict[str, float] = attrs.Factory(dict)
-    committed: dict[str, int] = attrs.Factory(dict)
+    finish: dict[K, float] = attrs.Factory(dict)
+    committed: dict[K, int] = attrs.Factory(dict)
 
-    def wait_s(self, engine_id: str, now: float) -> float:
-        finish = self.finish.get(engine_id, now)
+    def wait_s(self, engine: K, now: float) -> float:
+        finish = self.finish.get(engine, now)
         if finish >= now:
             return finish - now
-        return now - finish if self.committed.get(engine_id, 0) > 0 else 0.0
+        return now - finish if self.committed.get(engine, 0) > 0 else 0.0
 
-    def commit(self, engine_id: str, predicted_s: float, now: float, shared_s: float = 0.0) -> None:
-        wait = self.wait_s(engine_id, now)
+    def commit(self, engine: K, predicted_s: float, now: float, shared_s: float = 0.0) -> None:
+        wait = self.wait_s(engine, now)
         if wait > 0:
             predicted_s -= min(max(0.0, shared_s), predicted_s)
-        self.finish[engine_id] = now + wait + max(0.0, predicted_s)
-        self.committed[engine_id] = self.committed.get(engine_id, 0) + 1
+        self.finish[engine] = now + wait + max(0.0, predicted_s)
+        self.committed[engine] = self.committed.get(engine, 0) + 1
 
-    def release(self, engine_id: str, now: float) -> None:
-        left = self.committed.get(engine_id, 0) - 1
-        self.committed[engine_id] = max(0, left)
-        if left <= 0:
-            self.finish[engine_id] = now
+    def release(self, engine: K) -> None:
+        left = self.committed.get(engine, 0) - 1
+        if left > 0:
+            self.committed[engine] = left
+        else:
+            self.committed.pop(engine, None)
+            self.finish.pop(engine, None)
 
-    def waits(self, now: float) -> Mapping[str, float]:
-        return {engine_id: self.wait_s(engine_id, now) for engine_id in self.finish}
+    def waits(self, now: float) -> Mapping[K, float]:
+        return {engine: self.wait_s(engine, now) for engine in self.finish}
 
 
 @attrs.define
-class _Decaying:
+class _Decaying(Generic[K]):
     """A value per engine that decays towards zero with time constant `tau_s` since it
     was last set."""
 
     tau_s: float = 1.0
-    value: dict[str, float] = attrs.Factory(dict)
-    at: dict[str, float] = attrs.Factory(dict)
+    value: dict[K, float] = attrs.Factory(dict)
+    at: dict[K, float] = attrs.Factory(dict)
 
-    def current(self, engine_id: str, now: float) -> float:
-        value = self.value.get(engine_id)
+    def current(self, engine: K, now: float) -> float:
+        value = self.value.get(engine)
         if value is None:
             return 0.0
-        return value * math.exp(-max(0.0, now - self.at[engine_id]) / self.tau_s)
+        return value * math.exp(-max(0.0, now - self.at[engine]) / self.tau_s)
 
-    def _set(self, engine_id: str, value: float, now: float) -> None:
-        self.value[engine_id] = value
-        self.at[engine_id] = now
+    def forget(self, engine: K) -> None:
+        """Drop the engine's value: it is gone (a reload removed or replaced it)."""
+        self.value.pop(engine, None)
+        self.at.pop(engine, None)
+
+    def _set(self, engine: K, value: float, now: float) -> None:
+        self.value[engine] = value
+        self.at[engine] = now
 
 
 @attrs.define
-class FirstTokenLag(_Decaying):
+class FirstTokenLag(_Decaying[K]):
     """Recent decode-side first-token latency per engine: from the decode request to its
     first token (KV pull, a slot in the batch, the first step), for P/D decode legs that
     start after their prefill answered.
@@ -570,35 +586,35 @@ class FirstTokenLag(_Decaying):
 
     alpha: float = 0.3
 
-    def lag_s(self, engine_id: str, now: float) -> float:
-        return self.current(engine_id, now)
+    def lag_s(self, engine: K, now: float) -> float:
+        return self.current(engine, now)
 
-    def observe(self, engine_id: str, lag_s: float, now: float) -> None:
+    def observe(self, engine: K, lag_s: float, now: float) -> None:
         lag_s = max(0.0, lag_s)
-        if engine_id in self.value:
-            current = self.current(engine_id, now)
+        if engine in self.value:
+            current = self.current(engine, now)
             lag_s = current + self.alpha * (lag_s - current)
-        self._set(engine_id, lag_s, now)
+        self._set(engine, lag_s, now)
 
-    def lags(self, now: float) -> Mapping[str, float]:
-        return {engine_id: self.current(engine_id, now) for engine_id in self.value}
+    def lags(self, now: float) -> Mapping[K, float]:
+        return {engine: self.current(engine, now) for engine in self.value}
 
 
 @attrs.define
-class KvTurnover(_Decaying):
+class KvTurnover(_Decaying[K]):
     """KV tokens each engine has lately freed per second (decode legs ending, with their
     prompt and generated tokens): an exponentially decayed sum over time constant
     `tau_s`, divided by `tau_s`, so a burst of releases and a quiet spell both fade in
     a few `tau_s`."""
 
-    def observe(self, engine_id: str, tokens: int, now: float) -> None:
-        self._set(engine_id, self.current(engine_id, now) + max(0, tokens), now)
+    def observe(self, engine: K, tokens: int, now: float) -> None:
+        self._set(engine, self.current(engine, now) + max(0, tokens), now)
 
-    def rate_per_s(self, engine_id: str, now: float) -> float:
-        return self.current(engine_id, now) / self.tau_s
+    def rate_per_s(self, engine: K, now: float) -> float:
+        return self.current(engine, now) / self.tau_s
 
-    def rates(self, now: float) -> Mapping[str, float]:
-        return {engine_id: self.rate_per_s(engine_id, now) for engine_id in self.value}
+    def rates(self, now: float) -> Mapping[K, float]:
+        return {engine: self.rate_per_s(engine, now) for engine in self.value}
 
 
 class ProfileSource(Protocol):
@@ -625,26 +641,31 @@ def unstreamed_tokens(view: EngineView, decode: DecodeCurve | None, correction: 
     return view.unstreamed_tokens(step)
 
 
+_NONE: Mapping[str, float] = MappingProxyType({})
+
+
 def price_fleet(
     views: Iterable[EngineView],
     source: ProfileSource,
-    backlog: BacklogBook,
-    now: float,
-    lags: FirstTokenLag | None = None,
-    kv: KvTurnover | None = None,
+    *,
+    backlog_s: Mapping[str, float] = _NONE,
+    first_token_lag_s: Mapping[str, float] = _NONE,
+    kv_release_per_s: Mapping[str, float] = _NONE,
 ) -> dict[str, Priced]:
+    """Price each engine from its view, its profile and its load signals (by engine id,
+    read from the books for the engines in the fleet now; absent is none)."""
     return {
         view.id: Priced(
             view,
             source.prefill_curve(view.id),
             source.decode_curve(view.id),
-            backlog.wait_s(view.id, now),
+            backlog_s.get(view.id, 0.0),
             source.decode_correction(view.id),
             # A first token already overdue is a lower bound on the lag, seen before
             # the token arrives: a decode batch that fills shows here first.
-            max(view.first_token_wait_s, lags.lag_s(view.id, now) if lags else 0.0),
+            max(view.first_token_wait_s, first_token_lag_s.get(view.id, 0.0)),
             source.kv_capacity_tokens(view.id),
-            kv.rate_per_s(view.id, now) if kv else 0.0,
+            kv_release_per_s.get(view.id, 0.0),
         )
         for view in views
     }

@@ -5,9 +5,10 @@
 Commands: state | drain ENGINE | undrain ENGINE | pin ENGINE prefill|decode |
 unpin ENGINE | reload.
 
-The socket is --socket, else ctl.socket of --config FILE, else $NARWHAL_CTL_SOCKET,
-else runs/narwhal.sock; a relative path is relative to the current directory (the
-daemon resolves ctl.socket against its own working directory).
+The socket is --socket, else ctl.socket of --config FILE (the only setting read and
+checked there), else $NARWHAL_CTL_SOCKET, else runs/narwhal.sock; a relative path is
+relative to the current directory (the daemon resolves ctl.socket against its own
+working directory).
 
 Output is for people by default; --json prints the daemon's response object as is, or,
 when there is none, one of the same shape: {"ok": false, "error": {"code":
@@ -77,12 +78,15 @@ def _socket_path(args: argparse.Namespace) -> str:
     if args.socket:
         return str(args.socket)
     if args.config:
-        from ..config import ConfigError, load_config_file
+        from ..config import ConfigError, load_ctl_socket
 
         try:
-            # Only the socket path is wanted: an operator need not be able to read the
-            # engines' API key file (under systemd it is the service's credential).
-            return load_config_file(args.config, api_keys=False).ctl.socket
+            # Only ctl.socket is read and checked: the rest of the file is the daemon's
+            # to judge, so a broken file still reaches it (`systemctl reload` runs
+            # `narwhalctl --config FILE reload`: a rejected file must be rejected by the
+            # daemon, which reports every problem and keeps its configuration), and an
+            # operator need not be able to read the engines' API key file.
+            return load_ctl_socket(args.config)
         except ConfigError as exc:
             print(f"narwhalctl: cannot use --config {args.config}:", file=sys.stderr)
             for message in exc.messages:

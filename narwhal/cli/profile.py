@@ -5,7 +5,9 @@
 The sweep (see `narwhal.probe._sweep` for exactly what is measured) is bounded in count
 and time; progress goes to stderr. The store is written atomically to ``--out`` (default:
 the config's ``profiles.path``) and read back against the config before the command
-succeeds. The store's writer lock (``PATH.lock``) is held throughout: a second
+succeeds. A fit whose model error is above `narwhal.profiles.POOR_FIT_RESIDUAL_P90` gets
+a WARNING line on stderr, even with ``--quiet``; the store is still written and the exit
+status is unchanged. The store's writer lock (``PATH.lock``) is held throughout: a second
 narwhal-profile, or a narwhal-check --record, is refused until this one ends. Facts
 recorded by ``narwhal-check --record`` in an existing store are kept when
 every engine still runs the build they were measured on.
@@ -24,7 +26,14 @@ import trio
 from .._errors import os_reason
 from ..config import Config, ConfigError, load_config_file
 from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
-from ..profiles import StoreBusy, check_store, lock_store, read_store, save_profiles
+from ..profiles import (
+    StoreBusy,
+    check_store,
+    lock_store,
+    poor_fits,
+    read_store,
+    save_profiles,
+)
 from ._common import interruptible, signal_exit, unwritable
 
 
@@ -136,6 +145,11 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
     check = check_store(reread, problems, config)
     for message in check.messages:
         _err(message)
+    # Even with --quiet: a poor fit is what an operator must not miss, and the progress
+    # lines that also show the residuals scroll past.
+    for engine_id in sorted(store.engines):
+        for fit in poor_fits(store.engines[engine_id]):
+            _err(f"WARNING: {fit.message()}")
     if not check.ok:
         return 1
     print(

@@ -13,6 +13,7 @@ from ._load import (
     config_to_dict as config_to_dict,
     load_config as load_config,
     load_config_file as load_config_file,
+    load_ctl_socket as load_ctl_socket,
 )
 from ._model import (
     Breaker as Breaker,

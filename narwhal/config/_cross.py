@@ -213,27 +213,36 @@ def _bootstrap_ports(cfg: Config) -> list[str]:
 
 
 def _role_floors(cfg: Config) -> list[str]:
-    """`controller.min_prefill` and `controller.min_decode` fit the fleet: enough engines
-    can serve each phase (role `prefill` or `both` for prefill, `decode` or `both` for
-    decode), and `min_prefill + min_decode` is at most the number of engines, except that
+    """`controller.min_prefill` and `controller.min_decode` fit the configured fleet
+    (manual 7.2): `min_prefill + min_decode` is at most the number of engines, except that
     a single engine with role `both` and both floors 1 is accepted: it serves aggregate
-    inference (manual 7.2)."""
+    inference. And enough engines can ever serve each phase: role `prefill` or `both` for
+    prefill, `decode` or `both` for decode, or a `prefill` or `decode` engine the
+    controller may move there. A configured split below a floor is otherwise the
+    controller's to restore (floor recovery, one engine per pass), as after an ejection;
+    where nothing can move (`controller.enabled` false, `controller.advisory`, or engines
+    whose launch fixes their role, as SGLang's does) it could never be met."""
     if not cfg.engines:
         return []
     ctl = cfg.controller
-    prefill_capable = sum(spec.role in ("prefill", "both") for spec in cfg.engines)
-    decode_capable = sum(spec.role in ("decode", "both") for spec in cfg.engines)
+    moves = ctl.enabled and not ctl.advisory
+
+    def capable(phase: str) -> int:
+        return sum(
+            spec.role in (phase, "both")
+            or (moves and spec.role in ("prefill", "decode") and not _fixed_role(spec.dialect))
+            for spec in cfg.engines
+        )
+
     out: list[str] = []
-    if ctl.min_prefill > prefill_capable:
-        out.append(
-            f"controller.min_prefill: {ctl.min_prefill} exceeds the {prefill_capable} "
-            "engine(s) with role 'prefill' or 'both'"
-        )
-    if ctl.min_decode > decode_capable:
-        out.append(
-            f"controller.min_decode: {ctl.min_decode} exceeds the {decode_capable} "
-            "engine(s) with role 'decode' or 'both'"
-        )
+    for phase, floor in (("prefill", ctl.min_prefill), ("decode", ctl.min_decode)):
+        able = capable(phase)
+        if floor > able:
+            movable = " or that the controller can move there" if moves else ""
+            out.append(
+                f"controller.min_{phase}: {floor} exceeds the {able} engine(s) with role "
+                f"'{phase}' or 'both'{movable}"
+            )
     aggregate = (
         len(cfg.engines) == 1
         and cfg.engines[0].role == "both"
@@ -246,6 +255,12 @@ def _role_floors(cfg: Config) -> list[str]:
             f"{len(cfg.engines)} configured engine(s)"
         )
     return out
+
+
+def _fixed_role(dialect: str) -> bool:
+    # An SGLang server's role is its launch mode (`Dialect.fixed_role`): the controller
+    # never moves one.
+    return dialect == "sglang"
 
 
 def _retry_cap(cfg: Config) -> list[str]:

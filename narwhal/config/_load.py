@@ -38,7 +38,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 
 from .._errors import os_reason
 from ._cross import cross_rules
-from ._model import RESOLVED, Config, Secret
+from ._model import RESOLVED, Config, Ctl, Secret
 from ._paths import Path, field_pattern, format_path
 
 _INT64 = 2**63
@@ -105,9 +105,43 @@ def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> 
     Blocking: from async code call it through `trio.to_thread.run_sync`.
     """
     source = os.fspath(path)
+    document, duplicates = _parse_json(_read_text(path, source), source)
+    try:
+        config = load_config(document, source=source, api_keys=api_keys)
+    except ConfigError as exc:
+        raise ConfigError(duplicates + exc.messages, source=source) from None
+    if duplicates:
+        raise ConfigError(duplicates, source=source)
+    return config
+
+
+def load_ctl_socket(path: str | os.PathLike[str]) -> str:
+    """The control socket path a configuration file names, checking only `ctl`.
+
+    For narwhalctl, which needs nothing else: whether the rest of the file is valid is
+    the running daemon's to judge (a reload of it is refused with every problem), and a
+    problem elsewhere must not keep an operator from reaching the daemon at all.
+    """
+    source = os.fspath(path)
+    document, _ = _parse_json(_read_text(path, source), source)
+    if not isinstance(document, dict):
+        raise ConfigError([f"{source}: expected an object, got {_show(document)}"], source=source)
+    problems: list[Problem] = []
+    try:
+        ctl = _make_converter().structure(document.get("ctl", {}), Ctl)
+    except (BaseValidationError, _Mismatch) as exc:
+        problems = _structure_problems(exc, ("ctl",))
+    else:
+        _walk(ctl, ("ctl",), problems)
+    if problems:
+        raise ConfigError(_in_document_order(document, problems, source), source=source)
+    return ctl.socket
+
+
+def _read_text(path: str | os.PathLike[str], source: str) -> str:
     try:
         with open(path, encoding="utf-8") as stream:
-            text = stream.read()
+            return stream.read()
     except FileNotFoundError:
         raise ConfigError([f"{source}: no such file"], source=source) from None
     except UnicodeDecodeError as exc:
@@ -117,15 +151,6 @@ def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> 
     except OSError as exc:
         reason = os_reason(exc)
         raise ConfigError([f"{source}: cannot read file: {reason}"], source=source) from None
-
-    document, duplicates = _parse_json(text, source)
-    try:
-        config = load_config(document, source=source, api_keys=api_keys)
-    except ConfigError as exc:
-        raise ConfigError(duplicates + exc.messages, source=source) from None
-    if duplicates:
-        raise ConfigError(duplicates, source=source)
-    return config
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

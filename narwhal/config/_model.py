@@ -407,7 +407,27 @@ class Profiles:
 
 @attrs.frozen(kw_only=True)
 class Health:
-    """Health probing and latency-residual ejection."""
+    """Health probing and latency-residual ejection.
+
+    A latency residual is an engine leg's observed latency over what the engine's profile
+    predicts for it, at most one per engine per monitor pass (the newest leg of the pass
+    that the profile predicts). Prefill legs: the duration of a leg that ran alone on the
+    engine, with a prompt inside the profiled range. Decode legs: the stream's median
+    token interval against the profile's interval at the engine's decode load during the
+    stream (its requests decoding and their resident KV tokens, averaged over the gaps),
+    so a loaded engine is judged against its load, not against an idle one. The gaps are
+    those after the first token (the KV wait and the prefill come before it), at most the
+    first 256; a decode leg is judged only with at least 16 of them, with its heaviest
+    load inside the profile's measured domain, and when no client write blocked the relay
+    for a quarter of the gaps' time or longer (a stall that outlasted the stream would
+    inflate the gaps after it) and no prefill leg ran on the engine meanwhile.
+    Aggregate legs are not judged. Once an engine's window holds `min_samples` residuals,
+    a median at or above `eject_ratio` ejects it (`latency: median observed/predicted
+    ratio ...`), unless it is the last available engine to take its role's work: then one
+    `latency_ejection_withheld` warning. A decode engine N times slower than its profile
+    shows residuals near N: the default `eject_ratio` ejects from about three times
+    slower; a lower one catches a milder slowdown.
+    """
 
     interval_s: float = _f(
         2.0,
@@ -418,7 +438,20 @@ class Health:
             "probe, and comes back when the key is accepted."
         ),
     )
-    window_s: float = _f(30.0, Positive(), doc="Latency-residual window for ejection.")
+    window_s: float = _f(
+        30.0,
+        Positive(),
+        doc=(
+            "Latency-residual window for ejection. An engine ejected for latency waits as "
+            "long before its good probes count toward readmission "
+            "(`recovery.engines.ID.health.readmission_in_s` in `/narwhal/state`), unless no "
+            "other engine in placement takes the work of its role (as for "
+            "`recovery.health.readmit_successes`): then they count at once (slow beats "
+            "refusing all of that work), and one that answered its last probe is probed at "
+            "once when its role empties meanwhile. The health transition's reason says so, "
+            "and `recovery.engines.ID.health.latency_cut_short_total` counts it."
+        ),
+    )
     min_samples: int = _f(
         5,
         AtLeast(1),
@@ -451,15 +484,23 @@ class Health:
             "or an available prefill/decode pair for a `both` engine; one drained, held, "
             "ejected, quarantined, unreachable or refusing the key does not count), since "
             "every request needing that role is refused meanwhile (`no_engine_available`); "
-            "the verification pair still has to pass, and a restart hold still lasts "
-            "`recovery.restart_hold_s`. The health transition's reason says so, and "
-            "`recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
-            "counts it. A verification pair "
-            "(readmission or breaker) that fails at once is sent again, and only the second "
-            'pair counts (the first is `narwhal_verifications_total{outcome="retried"}`); one '
+            "the verification pair still has to pass, and a restart hold ends at the first "
+            "good probe (`recovery.restart_hold_s`). The health transition's reason says so, "
+            "and `recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
+            "counts it. An ejected engine that answered its last probe is probed at once "
+            "when its role empties meanwhile (the last other engine taking its work is "
+            "ejected, unreachable, held, quarantined or its breaker opens; a drain, reload "
+            "or role change is seen at the engine's next probe). A "
+            "verification pair (readmission or breaker) that fails at once is sent again, "
+            "and only the second pair counts (the first is "
+            '`narwhal_verifications_total{outcome="retried"}`); one '
             "that ran out `engine.first_token_timeout_s` is not sent again. A leg answered "
             "with HTTP 429 makes the pair inconclusive (the engine is busy, not broken): it "
-            "is verified again a probe interval later."
+            "is verified again a probe interval later. After a failed readmission "
+            "verification the next waits a probe interval; from the second failure in a row "
+            "on, twice as long as the one before, up to 8 probe intervals "
+            "(`recovery.engines.ID.health.failed_verifications` and `verify_in_s`), until a "
+            "verification passes or the engine restarts."
         ),
     )
 
@@ -497,9 +538,16 @@ class Recovery:
         5.0,
         NonNegative(),
         doc=(
-            "Hold after an engine restart before placement. An engine that answers again "
+            "Hold after an engine restart before placement; then a verification pair has to "
+            "pass. An engine that answers again "
             "after being unreachable counts as restarted unless its `/version` names the "
-            "instance id it named before (then it was unreachable, not restarted: no hold)."
+            "instance id it named before (then it was unreachable, not restarted: no hold). "
+            "While no other engine in placement takes the work of its role (as for "
+            "`recovery.health.readmit_successes`), the wait ends at its first good probe "
+            "(one goes out at once when the restart shows on `/metrics` or its role empties "
+            "during the hold) and the verification pair follows; it is still held until "
+            "that passes. The `restart_hold_cut` warning and the hold's release reason say "
+            "so, and `recovery.engines.ID.hold.cut_short_total` in `/narwhal/state` counts it."
         ),
     )
     shutdown_grace_s: float = _f(30.0, NonNegative(), doc="In-flight drain bound on SIGTERM.")
@@ -656,7 +704,9 @@ class Controller:
         AtLeast(1),
         doc=(
             "Minimum live prefill engines preserved by controller moves. At most the number "
-            "of engines with role `prefill` or `both`."
+            "of engines that can serve prefill: role `prefill` or `both`, or a `prefill` or "
+            "`decode` engine the controller may move (it restores a configured split below "
+            "the floor, one engine per monitor pass)."
         ),
     )
     min_decode: int = _f(
@@ -664,7 +714,9 @@ class Controller:
         AtLeast(1),
         doc=(
             "Minimum live decode engines preserved by controller moves. At most the number "
-            "of engines with role `decode` or `both`."
+            "of engines that can serve decode: role `decode` or `both`, or a `prefill` or "
+            "`decode` engine the controller may move (it restores a configured split below "
+            "the floor, one engine per monitor pass)."
         ),
     )
     flip_history: int = _f(

@@ -198,8 +198,13 @@ class Controller:
                     decode_pending_tokens=engine.decode_pending_tokens,
                     prefill_inflight=engine.prefill_inflight,
                     prefill_tokens_inflight=engine.prefill_tokens_inflight,
+                    # Prefills waiting for one of the router's slots
+                    # (serving.prefill_concurrency) are work the engine will do: without
+                    # them a capped pool looked idle however long its queue.
                     prefill_work_s=prefill_work_s(
-                        profile or mean, engine.prefill_inflight, engine.prefill_tokens_inflight
+                        profile or mean,
+                        engine.prefill_inflight + engine.prefill_queued,
+                        engine.prefill_tokens_inflight + engine.prefill_queued_tokens,
                     ),
                     handoffs_pending=engine.handoffs_pending,
                     profile=profile,

@@ -5,8 +5,9 @@ Pure arithmetic: no trio, no I/O, no clock.
 Measured loads (7.1)
 --------------------
 * Prefill load = predicted prefill work / TTFT target. For one engine the predicted work
-  is the profile-priced prefill time of what it already holds; the pool's *measured
-  prefill pressure* is the mean over live prefill engines (`measured_prefill_pressure`).
+  is the profile-priced prefill time of what it already holds and of what waits for one of
+  its router-side slots (`serving.prefill_concurrency`); the pool's *measured prefill
+  pressure* is the mean over live prefill engines (`measured_prefill_pressure`).
 * Decode load uses the corrected idle floor, ``floor = idle_floor_s · correction`` (the
   profile's zero-contention interval times the engine's bounded live/profile ratio),
   and the remaining TPOT budget ``tpot − floor``:

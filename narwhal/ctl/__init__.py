@@ -16,6 +16,8 @@ from ._protocol import (
     parse_request as parse_request,
 )
 from ._server import (
+    LOGGED_REFUSALS as LOGGED_REFUSALS,
+    MAX_REQUESTS as MAX_REQUESTS,
     ControlServer as ControlServer,
     ControlSocketError as ControlSocketError,
     create_socket as create_socket,

@@ -61,6 +61,9 @@ _EVICT_WAIT_S = 1.0
 # MAX_REQUEST_BYTES); the log keeps this much of each.
 _LOGGED_NAME_CHARS = 128
 _LOGGED_REASON_CHARS = 512
+# Refused requests logged one by one per connection; the rest are counted in one line
+# when it closes, so a looping client cannot write MAX_REQUESTS lines per connection.
+LOGGED_REFUSALS = 20
 
 Handler = Callable[[CtlRequest], Awaitable[object]]
 
@@ -222,6 +225,30 @@ def _log_refusal(error: CtlError, line: bytes | None = None) -> None:
     )
 
 
+class _Refused:
+    """One connection's refused requests: the first LOGGED_REFUSALS are logged one by
+    one, the rest counted in one line when the connection closes."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def log(self, error: CtlError, line: bytes) -> None:
+        self.count += 1
+        if self.count <= LOGGED_REFUSALS:
+            _log_refusal(error, line)
+
+    def close(self) -> None:
+        unlogged = self.count - LOGGED_REFUSALS
+        if unlogged > 0:
+            log.warning(
+                "control connection closed: %d more refused request(s) not logged one by "
+                "one (%d refused in all)",
+                unlogged,
+                self.count,
+                extra={"event": "ctl", "outcome": "refusals_unlogged", "reason": None},
+            )
+
+
 class ControlServer:
     def __init__(self, path: str, handler: Handler) -> None:
         self.path = path
@@ -283,15 +310,26 @@ class ControlServer:
             return
         buffer = LineBuffer(MAX_REQUEST_BYTES)
         lines: list[bytes] = []
-        for _ in range(MAX_REQUESTS):
-            try:
-                line = await self._next_line(stream, buffer, lines)
-            except CtlError as exc:
-                _log_refusal(exc)
-                await self._send(stream, error_response(None, exc))
-                return
-            if line is None or not await self._send(stream, await self._dispatch(line)):
-                return
+        refused = _Refused()
+        try:
+            for _ in range(MAX_REQUESTS):
+                try:
+                    line = await self._next_line(stream, buffer, lines)
+                except CtlError as exc:
+                    _log_refusal(exc)
+                    await self._send(stream, error_response(None, exc))
+                    return
+                if line is None:
+                    return
+                if not await self._send(stream, await self._dispatch(line, refused)):
+                    return
+            log.warning(
+                "control connection closed after its limit of %d requests",
+                MAX_REQUESTS,
+                extra={"event": "ctl", "outcome": "request_limit", "reason": None},
+            )
+        finally:
+            refused.close()
 
     async def _next_line(
         self, stream: trio.SocketStream, buffer: LineBuffer, lines: list[bytes]
@@ -319,7 +357,7 @@ class ControlServer:
             "client needed one",
         )
 
-    async def _dispatch(self, line: bytes) -> bytes:
+    async def _dispatch(self, line: bytes, refused: _Refused) -> bytes:
         command: str | None = None
         try:
             request = parse_request(line)
@@ -327,7 +365,7 @@ class ControlServer:
             result = await self.handler(request)
         except CtlError as exc:
             if not exc.logged:
-                _log_refusal(exc, line)
+                refused.log(exc, line)
             return error_response(command, exc)
         except Exception as exc:
             log.exception("control command %s failed", command)

@@ -22,6 +22,8 @@ from typing import Generic, Literal, TypeVar
 
 import attrs
 
+from .._values import json_int
+
 Json = dict[str, object]
 EndpointKind = Literal["completions", "chat"]
 
@@ -146,9 +148,9 @@ def vllm_prefill_body(body: Json) -> Json:
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     for key in ("min_tokens", "min_completion_tokens"):
-        value = leg.get(key)
+        value = json_int(leg.get(key))
         # vLLM validates min_tokens <= max_tokens; clamping keeps "at least one token".
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        if value is not None and value > 1:
             leg[key] = 1
     return leg
 
@@ -329,8 +331,8 @@ def tokenize_count(response: object) -> int | None:
     """The integer `count` of a /tokenize answer for one prompt (vLLM, and SGLang given
     a string); a list of counts answers a batch and is not read."""
     if isinstance(response, dict):
-        count = response.get("count")
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+        count = json_int(response.get("count"))
+        if count is not None and count >= 0:
             return count
     return None
 
@@ -395,8 +397,9 @@ def card_context(answer: object, model: str) -> int | str:
     for card in cards:
         if isinstance(card, dict) and card.get("id") == model:
             value = card.get("max_model_len")
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+            length = json_int(value)
+            if length is not None and length > 0:
+                return length
             return f"its /v1/models card for {model!r} has no positive max_model_len ({value!r})"
     return f"its /v1/models answer lists no model {model!r}"
 
@@ -417,8 +420,7 @@ def usage_tokens(response: object, key: str) -> int | None:
     """An integer count from a completion's `usage` object (`prompt_tokens`,
     `completion_tokens`), or None when the answer has none."""
     usage = response.get("usage") if isinstance(response, dict) else None
-    value = usage.get(key) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return json_int(usage.get(key)) if isinstance(usage, dict) else None
 
 
 def encode(document: Json) -> bytes:

@@ -161,6 +161,7 @@ class EngineState:
         self.handoffs_pending = 0
         # Placed but not started: prefills waiting for a slot, decodes whose prefill
         # has not finished. Placement sees them as load; resident counts do not.
+        self.prefill_queued = 0
         self.prefill_queued_tokens = 0
         self.decode_pending = 0
         self.decode_pending_tokens = 0
@@ -212,7 +213,7 @@ class EngineState:
         handoffs waiting for their decode, and connections (a tokenize call holds one
         without a phase slot)."""
         legs = self.prefill_inflight + self.decode_active + self.handoffs_pending
-        legs += self.decode_pending + (1 if self.prefill_queued_tokens else 0)
+        legs += self.decode_pending + self.prefill_queued
         return max(legs, self.serving_pool.in_use)
 
     @property

@@ -21,7 +21,9 @@ measured number and the limit it was held to):
   observe is reported missing every pass, and a fleet of them puts Narwhal in the degraded
   state after ``controller.monitor_failure_limit`` passes.
 * ``profile``: the profile store has a usable profile for the engine (url, model,
-  dialect as configured) measured on the engine's current build.
+  dialect as configured) measured on the engine's current build. A usable profile whose
+  prefill or decode fit misses its own measurements (model-error p90 above
+  `narwhal.profiles.POOR_FIT_RESIDUAL_P90`) is a warn, naming the phase and the residual.
 * ``handoff``: a complete prefill and decode verification leg on every crossed pair
   (`crossed_pairs`: every ordered pair of distinct engines, the self pair for one engine;
   for SGLang prefill/decode servers only prefill -> decode), each leg within
@@ -55,7 +57,14 @@ from ..config import Config
 from ..engines import Json, parse_error_body
 from ..engines._dialects import chat_tokenize_refused, tokenize_count
 from ..fleet import explain_refusal
-from ..profiles import MeasuredFacts, ProfileStore, check_store, crossed_pairs, read_store
+from ..profiles import (
+    MeasuredFacts,
+    ProfileStore,
+    check_store,
+    crossed_pairs,
+    poor_fits,
+    read_store,
+)
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
 from ._client import (
     EngineClient,
@@ -506,6 +515,11 @@ async def _profiles(
                     "run narwhal-profile again",
                 )
             )
+            continue
+        fits = poor_fits(profile)
+        if fits:
+            note = "; ".join(f.message() for f in fits)
+            rows.add(CheckRow("profile", engine_id, "warn", "poor fit", limit, note))
             continue
         rows.add(CheckRow("profile", engine_id, "pass", "build matches", limit, build))
     # Problems that name no configured engine (schema, unknown store engines) still show.

@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from .._errors import ENGINE_AUTH_STATUSES
+from .._values import json_int
 from ..config import Engine, EngineSpec
 from ..engines import (
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -243,11 +244,11 @@ class EngineClient:
                 f"engine {self.id!r} does not serve model {self.spec.model!r} "
                 f"(the config's engines[].model); /v1/models lists: {served}"
             )
-        max_len = card.get("max_model_len")
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
+        max_len = json_int(card.get("max_model_len"))
+        if max_len is None or max_len <= 0:
             _, tok = await self.tokenize("x")
-            max_len = tok.get("max_model_len") if isinstance(tok, dict) else None
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
+            max_len = json_int(tok.get("max_model_len")) if isinstance(tok, dict) else None
+        if max_len is None or max_len <= 0:
             raise ProbeError(
                 f"engine {self.id!r}: neither /v1/models nor /tokenize reports max_model_len"
             )
@@ -259,13 +260,13 @@ class EngineClient:
                 source = "vllm:cache_config_info num_gpu_blocks x block_size"
             except (KeyError, ValueError):
                 capacity = None
-        total = server_info.get("max_total_num_tokens")
-        if capacity is None and isinstance(total, int) and not isinstance(total, bool):
+        total = json_int(server_info.get("max_total_num_tokens"))
+        if capacity is None and total is not None:
             capacity, source = total, "sglang /get_server_info max_total_num_tokens"
         # vLLM publishes no max_num_seqs; SGLang's server args carry max_running_requests
         # when it was set (None when SGLang derives it from memory at start-up).
-        seqs = server_info.get("max_running_requests")
-        if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs <= 0:
+        seqs = json_int(server_info.get("max_running_requests"))
+        if seqs is not None and seqs <= 0:
             seqs = None
         return Identity(
             dialect=self.spec.dialect,

@@ -545,7 +545,9 @@ async def _prefill_sweep(
     clock.say(
         f"{client.id}: prefill fit a={model.a_s * 1e3:.2f} ms b={model.b_s_per_token * 1e6:.3f} "
         f"us/token c={model.c_s_per_token2 * 1e12:.1f} ps/token^2, residual p50 "
-        f"{100 * model.residual_p50:.1f}% p90 {100 * model.residual_p90:.1f}%"
+        f"{100 * model.residual_p50:.1f}% p90 {100 * model.residual_p90:.1f}% over "
+        f"{model.points} sizes, repeat spread p50 {100 * model.spread_p50:.1f}% p90 "
+        f"{100 * model.spread_p90:.1f}%"
     )
     return model
 
@@ -736,7 +738,8 @@ async def _decode_sweep(
         f"kv={model.kv_s_per_token * 1e9:.1f} ns/token "
         f"active={model.active_s_per_request * 1e6:.1f} us/request, idle floor "
         f"{model.idle_floor_s * 1e3:.2f} ms, residual p50 {100 * model.residual_p50:.1f}% "
-        f"p90 {100 * model.residual_p90:.1f}%"
+        f"p90 {100 * model.residual_p90:.1f}% over {model.points} points, gap spread p50 "
+        f"{100 * model.spread_p50:.1f}% p90 {100 * model.spread_p90:.1f}%"
     )
     estimate = round(statistics.median(estimates)) if estimates else None
     # Points over the KV budget were skipped, so with a known capacity a point the engine

@@ -29,6 +29,11 @@ from ._pricing import (
     projected_interval_s as projected_interval_s,
     projected_ttft_s as projected_ttft_s,
 )
+from ._quality import (
+    POOR_FIT_RESIDUAL_P90 as POOR_FIT_RESIDUAL_P90,
+    PoorFit as PoorFit,
+    poor_fits as poor_fits,
+)
 from ._source import FleetProfiles as FleetProfiles
 from ._store import (
     SCHEMA_VERSION as SCHEMA_VERSION,

@@ -16,7 +16,7 @@ from typing import Literal
 import attrs
 import numpy as np
 
-from ._fit import FitError, quantile, relative_residuals, robust_lstsq
+from ._fit import FitError, Matrix, quantile, relative_residuals, robust_lstsq
 
 Quantile = Literal["p50", "p99"]
 
@@ -40,8 +40,10 @@ def _nonnegative_int(_inst: object, attr: attrs.Attribute[int], value: int) -> N
 class PrefillModel:
     """Prefill latency ``a + b·n + c·n²`` (seconds) for an n-token prompt on an idle engine.
 
-    ``min_tokens``/``max_tokens`` is the measured domain. ``residual_p50``/``p90``/``max``
-    are quantiles of |predicted − observed| / observed over every sample of the sweep.
+    ``min_tokens``/``max_tokens`` is the measured domain. The fit's quality is two
+    separate things (see `_quality`): ``residual_*`` is model error, over the ``points``
+    measured sizes (each size's median time against the prediction), and ``spread_*`` is
+    the repeats' own scatter around their size's median.
     """
 
     a_s: float = attrs.field(validator=_finite_nonnegative)
@@ -53,6 +55,11 @@ class PrefillModel:
     residual_p50: float = attrs.field(default=0.0, validator=_finite_nonnegative)
     residual_p90: float = attrs.field(default=0.0, validator=_finite_nonnegative)
     residual_max: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    # 0: a store written before the residuals were model error (see `_quality`).
+    points: int = attrs.field(default=0, validator=_nonnegative_int)
+    spread_p50: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    spread_p90: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    spread_max: float = attrs.field(default=0.0, validator=_finite_nonnegative)
 
     @max_tokens.validator
     def _check_domain(self, attr: attrs.Attribute[int], value: int) -> None:
@@ -76,7 +83,8 @@ def fit_prefill(
     aimed at, since text prompts of one target land on slightly different token counts;
     by default samples group by exact token count) are reduced to their median tokens and
     median time before fitting, so a stray GC pause or scheduler hiccup in one repeat does
-    not bend the curve; the residual spread is then taken over every individual sample.
+    not bend the curve. The residuals are taken over those medians (what the curve was
+    fitted to: model error) and the spread over every sample against its own size's median.
     """
     labels = list(groups) if groups is not None else [n for n, _ in samples]
     if len(labels) != len(samples):
@@ -89,10 +97,14 @@ def fit_prefill(
             by_group.setdefault(label, []).append((int(n), float(t)))
     if not clean:
         raise FitError("no usable prefill samples")
-    medians = sorted(
-        (float(np.median([n for n, _ in g])), float(np.median([t for _, t in g])))
+    groups_by_size = sorted(
+        (
+            (float(np.median([n for n, _ in g])), float(np.median([t for _, t in g]))),
+            [t for _, t in g],
+        )
         for g in by_group.values()
     )
+    medians = [m for m, _ in groups_by_size]
     sizes = np.array([n for n, _ in medians], dtype=np.float64)
     times = np.array([t for _, t in medians], dtype=np.float64)
     design = np.column_stack([np.ones_like(sizes), sizes, sizes * sizes])
@@ -107,13 +119,32 @@ def fit_prefill(
         max_tokens=max(n for n, _ in clean),
         samples=len(clean),
     )
-    residuals = relative_residuals([model.prefill_s(n) for n, _ in clean], [t for _, t in clean])
+    residual = _summary(
+        relative_residuals([model.prefill_s(n) for n, _ in medians], [t for _, t in medians])
+    )
+    spread = _summary(
+        relative_residuals(
+            [t for _, repeats in groups_by_size for t in repeats],
+            [median for (_, median), repeats in groups_by_size for _ in repeats],
+        )
+    )
     return attrs.evolve(
         model,
-        residual_p50=quantile(residuals, 0.5),
-        residual_p90=quantile(residuals, 0.9),
-        residual_max=float(np.max(residuals)),
+        points=len(medians),
+        residual_p50=residual[0],
+        residual_p90=residual[1],
+        residual_max=residual[2],
+        spread_p50=spread[0],
+        spread_p90=spread[1],
+        spread_max=spread[2],
     )
+
+
+def _summary(values: Matrix) -> tuple[float, float, float]:
+    """(p50, p90, max); zeros when there is nothing to summarise."""
+    if values.size == 0:
+        return 0.0, 0.0, 0.0
+    return quantile(values, 0.5), quantile(values, 0.9), float(np.max(values))
 
 
 @attrs.frozen(kw_only=True)
@@ -123,8 +154,10 @@ class DecodeModel:
     ``kv_tokens`` is the KV resident in the decode batch and ``active`` the number of
     requests decoding: two separate inputs, because a batch of many short requests and one
     of few long ones cost differently. ``idle_floor_s`` is the measured zero-contention
-    interval (one request, the shortest context of the sweep). The residual spread is
-    |gap − predicted| / predicted over every measured gap.
+    interval (one request, the shortest context of the sweep). ``residual_*`` is model
+    error over the ``points`` measured operating points (each point's median gap against
+    the prediction); ``spread_*`` is the gaps' own scatter around their point's median
+    (see `_quality`). ``samples`` counts the gaps.
 
     The measured domain is the box ``1 <= active <= max_active``, ``0 <= kv <= max_kv``:
     the low corner is anchored by the idle-floor measurement, so only the upper edges are
@@ -143,6 +176,11 @@ class DecodeModel:
     residual_p50: float = attrs.field(default=0.0, validator=_finite_nonnegative)
     residual_p90: float = attrs.field(default=0.0, validator=_finite_nonnegative)
     residual_max: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    # 0: a store written before the residuals were model error (see `_quality`).
+    points: int = attrs.field(default=0, validator=_nonnegative_int)
+    spread_p50: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    spread_p90: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    spread_max: float = attrs.field(default=0.0, validator=_finite_nonnegative)
 
     @max_active.validator
     def _check_active(self, attr: attrs.Attribute[int], value: int) -> None:
@@ -176,7 +214,7 @@ class DecodePoint:
     active: int
     kv_tokens: int
     interval_s: float
-    # Every individual gap of the window, for the residual spread.
+    # Every individual gap of the window, for the spread around the median.
     gaps: tuple[float, ...] = ()
 
 
@@ -213,22 +251,32 @@ def fit_decode(points: Sequence[DecodePoint], *, idle_floor_s: float | None = No
         max_kv_tokens=int(kv.max()),
         samples=sum(max(1, len(p.gaps)) for p in usable),
     )
-    predicted: list[float] = []
-    seen: list[float] = []
-    for p in usable:
-        gaps = p.gaps or (p.interval_s,)
-        predicted.extend(model.interval_s(p.active, p.kv_tokens) for _ in gaps)
-        seen.extend(gaps)
-    # Relative to the prediction, not the gap: when a client reads two token events in one
-    # go the second gap is near zero, and dividing by it would say nothing about the model.
-    residuals = relative_residuals(seen, predicted)
-    if residuals.size == 0:
-        return model
+    # Model error is each point's median against the prediction: the medians are what the
+    # model was fitted to and what it is asked for. Taken over every gap instead, it mixed
+    # in the gaps' own jitter (a client that reads two token events in one go sees a
+    # near-zero gap: 100 %), so a good fit read as a p90 of 30-80 %. That jitter is the
+    # spread, reported apart. Both are relative to the expected value (the prediction, the
+    # median), never to a gap, which can be near zero.
+    residual = _summary(
+        relative_residuals(
+            [p.interval_s for p in usable],
+            [model.interval_s(p.active, p.kv_tokens) for p in usable],
+        )
+    )
+    spread = _summary(
+        relative_residuals(
+            [g for p in usable for g in p.gaps], [p.interval_s for p in usable for _ in p.gaps]
+        )
+    )
     return attrs.evolve(
         model,
-        residual_p50=quantile(residuals, 0.5),
-        residual_p90=quantile(residuals, 0.9),
-        residual_max=float(np.max(residuals)),
+        points=len(usable),
+        residual_p50=residual[0],
+        residual_p90=residual[1],
+        residual_max=residual[2],
+        spread_p50=spread[0],
+        spread_p90=spread[1],
+        spread_max=spread[2],
     )
 
 

@@ -10,7 +10,9 @@ No trio and no I/O; the corrections are replaced, never mutated, on each update.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+import attrs
 
 from ._models import DecodeModel, EngineProfile, PrefillModel, Quantile
 from ._pricing import DecodeCorrection
@@ -83,6 +85,31 @@ class FleetProfiles:
 
     def correction(self, engine_id: str) -> DecodeCorrection:
         return self._corrections.get(engine_id, self._template)
+
+    def carry_corrections(self, previous: FleetProfiles, engine_ids: Iterable[str]) -> list[str]:
+        """Keep what `previous` learnt of these engines' decode speed (a reload of the
+        same engines), where the decode model it corrects is unchanged; within this
+        source's bounds, which a reload may have moved. Returns the engines carried."""
+        carried = []
+        for engine_id in engine_ids:
+            learnt = previous._corrections.get(engine_id)
+            model = self.decode_curve(engine_id)
+            if learnt is None or model is None or model != previous.decode_curve(engine_id):
+                continue
+            self._corrections[engine_id] = attrs.evolve(
+                self._template, value=learnt.value, windows=learnt.windows
+            )
+            carried.append(engine_id)
+        return carried
+
+    def forget(self, engine_ids: Iterable[str]) -> None:
+        """These engines were replaced (same id, another engine): their profiles and
+        corrections describe the engine that was there before."""
+        gone = frozenset(engine_ids)
+        for engine_id in gone:
+            self._corrections.pop(engine_id, None)
+        if gone & self.check.usable:
+            self.check = attrs.evolve(self.check, usable=self.check.usable - gone)
 
     def observe_decode(
         self, engine_id: str, gaps: Sequence[float], predicted_s: float | Sequence[float]

@@ -23,11 +23,15 @@ Schema version 1 (times in seconds, sizes in tokens; abridged)::
         "chars_per_token": 4.72,
         "prefill": {"a_s": 0.0077, "b_s_per_token": 2.0e-05, "c_s_per_token2": 1.1e-09,
                     "min_tokens": 3, "max_tokens": 7764, "samples": 66,
-                    "residual_p50": 0.026, "residual_p90": 0.09, "residual_max": 0.15},
+                    "residual_p50": 0.009, "residual_p90": 0.038, "residual_max": 0.038,
+                    "points": 10,
+                    "spread_p50": 0.03, "spread_p90": 0.13, "spread_max": 0.27},
         "decode": {"t0_s": 0.0062, "kv_s_per_token": 4.0e-08, "active_s_per_request": 2.6e-05,
                    "idle_floor_s": 0.0063, "min_active": 1, "max_active": 64,
                    "min_kv_tokens": 289, "max_kv_tokens": 133314, "samples": 240,
-                   "residual_p50": 0.031, "residual_p90": 0.18, "residual_max": 1.4}}},
+                   "residual_p50": 0.018, "residual_p90": 0.12, "residual_max": 0.12,
+                   "points": 8,
+                   "spread_p50": 0.10, "spread_p90": 0.41, "spread_max": 0.79}}},
      "handoffs": [{"prefill": "p0", "decode": "d0", "buckets": [
         {"tokens": 64, "min_tokens": 62, "max_tokens": 66, "samples": 4,
          "p50_s": 0.011, "p99_s": 0.013, "first_token_p50_s": 0.011,
@@ -40,7 +44,12 @@ Schema version 1 (times in seconds, sizes in tokens; abridged)::
 ``max_num_seqs`` (0: unknown) and its source are optional: stores written before they
 existed load with the engine's cap unknown. So are ``prefill_source``/``decode_source``
 ("" for a model measured on the idle engine itself; otherwise how it was obtained, for an
-SGLang prefill or decode server that serves requests only in bootstrap pairs).
+SGLang prefill or decode server that serves requests only in bootstrap pairs). So are a
+model's ``points`` and ``spread_p50``/``p90``/``max``: in a store written before them,
+``residual_*`` mixed model error with per-gap (per-repeat) scatter; such a model loads
+with ``points`` 0, which says so, and its fit is not judged (`narwhal.profiles._quality`).
+The schema version stays 1: a bump would refuse every older store, and ``points`` 0
+already tells the two meanings apart.
 
 Handoff profiles exist for the `crossed_pairs` of the configuration.
 """
@@ -151,6 +160,11 @@ def _mean(profiles: list[EngineProfile]) -> EngineProfile:
         residual_p50=max(m.residual_p50 for m in pre),
         residual_p90=max(m.residual_p90 for m in pre),
         residual_max=max(m.residual_max for m in pre),
+        # The fewest points: 0 (a store that predates model error) if any engine has it.
+        points=min(m.points for m in pre),
+        spread_p50=max(m.spread_p50 for m in pre),
+        spread_p90=max(m.spread_p90 for m in pre),
+        spread_max=max(m.spread_max for m in pre),
     )
     min_active = max(m.min_active for m in dec)
     min_kv = max(m.min_kv_tokens for m in dec)
@@ -168,6 +182,10 @@ def _mean(profiles: list[EngineProfile]) -> EngineProfile:
         residual_p50=max(m.residual_p50 for m in dec),
         residual_p90=max(m.residual_p90 for m in dec),
         residual_max=max(m.residual_max for m in dec),
+        points=min(m.points for m in dec),
+        spread_p50=max(m.spread_p50 for m in dec),
+        spread_p90=max(m.spread_p90 for m in dec),
+        spread_max=max(m.spread_max for m in dec),
     )
     first = profiles[0]
     return EngineProfile(

@@ -13,17 +13,21 @@ Health verdict (`HealthTracker`)
              is refused meanwhile, so each further probe interval is an outage of the
              whole service. Readmission waits for one verification leg pair to pass
              either way; that pair, not the probe streak, is what shows the engine serves.
+             An engine ejected for latency waits recovery.health.window_s before its good
+             probes count, unless its role has no other engine in placement.
 
 A probe that could not run because the control pool was exhausted is no evidence either
 way and leaves the verdict and the streaks unchanged (manual 4.1).
 
 Latency residuals (`ResidualWindow`)
   The ratio of an observed leg latency to the latency the engine's profile predicts for
-  it. Each monitor pass contributes at most one per engine (manual 7), so a window of
-  recovery.health.window_s holds at most window_s / controller.monitor_interval_s of
-  them; once it holds recovery.health.min_samples, a median ratio at or above
-  recovery.health.eject_ratio ejects the engine. The median, not the mean: one slow leg
-  behind a long prompt must not eject a healthy engine.
+  it: a prefill leg's duration, a decode leg's median token interval (against the
+  profile's interval at the engine's load during the stream). Each monitor pass
+  contributes at most one per engine (manual 7), so a window of recovery.health.window_s
+  holds at most window_s / controller.monitor_interval_s of them; once it holds
+  recovery.health.min_samples, a median ratio at or above recovery.health.eject_ratio
+  ejects the engine. The median, not the mean: one slow leg behind a long prompt must
+  not eject a healthy engine.
 
 Restart holds (`RestartHold`, `IdentityTracker`)
   An engine has restarted when any of these shows it: GET /version reports another
@@ -32,7 +36,9 @@ Restart holds (`RestartHold`, `IdentityTracker`)
   reports another `process_start_time_seconds`; or its prompt-token counter
   (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards. Its KV and
   any handoff in flight are gone and its warm-up state is unknown. It is held out of
-  placement for recovery.restart_hold_s and then until a verification pair passes.
+  placement for recovery.restart_hold_s and then until a verification pair passes. While
+  no other engine in placement takes its role's work, the wait ends at its first good
+  probe (`RestartHold.cut`): a cold engine beats refusing all of that work.
 
   Stock vLLM and SGLang report only their version on /version, so a restart quicker than
   the health probe interval leaves no trace there; the monitor reads /metrics every pass.
@@ -100,20 +106,24 @@ class HealthTracker:
             return None
         return self.reason
 
-    def probe_ok(self, config: HealthConfig, alone: str | None = None) -> VerdictChange | None:
+    def probe_ok(
+        self, config: HealthConfig, alone: str | None = None, *, notes: Iterable[str] = ()
+    ) -> VerdictChange | None:
         """A good probe. `alone` says why no other engine in placement takes the work of
-        this engine's role, if none does: then one good probe starts the verification."""
+        this engine's role, if none does: then one good probe starts the verification.
+        `notes` go into the reason of the change to verifying, if there is one."""
         self.consecutive_failures = 0
         if self.verdict is not Verdict.EJECTED:
             return None
         self.good_probes += 1
         needed = config.readmit_successes
+        extra = "".join(f"; {note}" for note in notes)
         if self.good_probes >= needed:
             return self._to(
                 Verdict.VERIFYING,
                 f"{self.good_probes} good probe{'' if self.good_probes == 1 else 's'} "
                 f"(recovery.health.readmit_successes="
-                f"{needed}); verifying before readmission",
+                f"{needed}){extra}; verifying before readmission",
             )
         if alone is None:
             return None
@@ -121,7 +131,7 @@ class HealthTracker:
         return self._to(
             Verdict.VERIFYING,
             f"{self.good_probes} good probe of recovery.health.readmit_successes={needed}, "
-            f"enough while {alone}; verifying before readmission",
+            f"enough while {alone}{extra}; verifying before readmission",
         )
 
     def probe_failed(self, config: HealthConfig, detail: str) -> VerdictChange | None:
@@ -222,6 +232,9 @@ class RestartHold:
         self.since = 0.0
         self.verify_after = 0.0
         self.holds_total = 0
+        # Why the wait for recovery.restart_hold_s was cut short, while it is.
+        self.cut_reason: str | None = None
+        self.cuts_total = 0
 
     def start(self, now: float, reason: str, hold_s: float) -> bool:
         """Returns False when a hold was already in force (the clock restarts anyway:
@@ -231,14 +244,28 @@ class RestartHold:
         self.reason = reason
         self.since = now
         self.verify_after = now + hold_s
+        self.cut_reason = None
         if fresh:
             self.holds_total += 1
         return fresh
+
+    def waiting(self, now: float) -> bool:
+        """Held, and the verification waits for recovery.restart_hold_s still."""
+        return self.active and now < self.verify_after
+
+    def cut(self, now: float, reason: str) -> None:
+        """The verification need not wait for the rest of recovery.restart_hold_s; the
+        hold itself lasts until one passes."""
+        assert self.waiting(now), "no hold is waiting to be cut"
+        self.verify_after = now
+        self.cut_reason = reason
+        self.cuts_total += 1
 
     def clear(self) -> bool:
         was = self.active
         self.active = False
         self.reason = None
+        self.cut_reason = None
         return was
 
     def snapshot(self, now: float) -> dict[str, object]:
@@ -246,7 +273,9 @@ class RestartHold:
             "active": self.active,
             "reason": self.reason,
             "verify_in_s": (round(max(0.0, self.verify_after - now), 3) if self.active else None),
+            "cut_short": self.cut_reason,
             "holds_total": self.holds_total,
+            "cut_short_total": self.cuts_total,
         }
 
 

@@ -148,6 +148,11 @@ class Monitor:
         self.consecutive_failures = 0
         self.last_pass: MonitorPass | None = None
         self.last_failures: tuple[str, ...] = ()
+        self.last_result: str | None = None
+        # The latest failed pass since the last good one (number, failures): an
+        # inconclusive pass neither clears the failure count nor explains it, so the
+        # state keeps the failures a degraded reason comes from.
+        self.last_failed: tuple[int, tuple[str, ...]] | None = None
         # Engines whose last finished scrape failed, with that scrape (logged once).
         self.unscraped: dict[str, _Scrape] = {}
         # Each engine's scrape that is in flight, or finished and not yet taken by a pass:
@@ -402,9 +407,12 @@ class Monitor:
         limit = ctx.config.controller.monitor_failure_limit
         self.last_failures = failures
         if not failures and inconclusive:
+            self.last_result = "inconclusive"
             self._m_passes.labels("inconclusive").inc()
             return
         if failures:
+            self.last_result = "failed"
+            self.last_failed = (number, failures)
             self._m_passes.labels("failed").inc()
             self.consecutive_failures += 1
             log.warning(
@@ -439,6 +447,8 @@ class Monitor:
                 if self.on_degraded is not None:
                     self.on_degraded(reason)
             return
+        self.last_result = "ok"
+        self.last_failed = None
         self._m_passes.labels("ok").inc()
         if ctx.degraded_reason is not None:
             previous = ctx.degraded_reason
@@ -473,12 +483,16 @@ class Monitor:
             "passes": self.passes,
             "consecutive_failures": self.consecutive_failures,
             "degraded": self.ctx.degraded_reason,
+            "last_failed_pass": None
+            if self.last_failed is None
+            else {"number": self.last_failed[0], "failures": list(self.last_failed[1])},
             "handlers": [name for name, _ in self.handlers],
             "last_pass": None
             if last is None
             else {
                 "number": last.number,
                 "duration_s": round(last.finished_at - last.started_at, 6),
+                "result": self.last_result,
                 "failures": list(self.last_failures),
                 "engines": {
                     e.id: {

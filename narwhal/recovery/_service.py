@@ -27,9 +27,12 @@ Inputs
 
 When something is due (an open breaker's open_s, a quarantine's end, a restart hold's
 recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
-counted failure wakes it at once. Verifications run inside the engine's loop, one at a
-time per engine, so an engine is never verified twice concurrently, and after one that
-did not pass the next waits a probe interval. A verification leg answered with 401/403
+counted failure wakes it at once, and so does another engine leaving placement when that
+leaves this one, waiting for readmission, the last to take its role's work
+(`_left_placement`). Verifications run inside the engine's loop, one at a time per
+engine, so an engine is never verified twice concurrently, and after one that did not
+pass the next waits a probe interval (longer after readmission verifications that failed
+in a row: `_verification_failed`). A verification leg answered with 401/403
 marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
 neither a failed verification nor a breaker's, since the engine refuses the key, not the
 work. An auth-refused engine is not verified; once its key check passes, at once.
@@ -59,7 +62,7 @@ from prometheus_client import Counter
 from .._errors import EngineFailed
 from ..config import Config
 from ..fleet import EngineState, Phase, key_refused
-from ..serving import ServingContext
+from ..serving import DecodeGaps, ServingContext
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
     HealthTracker,
@@ -85,7 +88,8 @@ log = logging.getLogger("narwhal.recovery")
 PHASES = ("prefill", "decode")
 _RECENT_CHANGES = 200
 # Successful legs kept per engine between two monitor passes. The profile predicts only
-# some legs (uncontended prefill legs inside its domain), and on a busy engine most legs
+# some legs (uncontended prefill legs inside its domain, decode legs with enough clean
+# token gaps at a load inside its domain), and on a busy engine most legs
 # are not of that kind; keeping only the last one would let a busy, slow engine's
 # residuals go missing most passes, while a few dozen cover a pass at any load the
 # fleet can serve.
@@ -95,6 +99,9 @@ _TRANSFER_FAILURES = 1024
 _TRANSFER_FAILED = "kv_transfer_failed"
 # EngineFailed.code of a leg that could not connect (serving's _engine_request).
 _UNREACHABLE = "engine_unreachable"
+# After consecutive failed readmission verifications the next waits twice as long as
+# the one before, from one probe interval up to this many (`Recovery._verification_failed`).
+_VERIFY_BACKOFF_MAX = 8
 
 
 def _resent(result: VerifyResult) -> bool:
@@ -117,12 +124,22 @@ class LegObservation:
     decode_active: int
     decode_tokens: int
     contended: bool = False  # another leg shared the engine during this one
+    gaps: DecodeGaps | None = None  # a streamed leg's token intervals
+
+    @property
+    def observed_s(self) -> float:
+        """What a residual compares with the prediction: a decode leg's median token
+        interval (its duration is its output's length), any other leg's duration."""
+        if self.phase == "decode" and self.gaps is not None:
+            return self.gaps.median_s
+        return self.duration_s
 
 
 _R = TypeVar("_R", ProbeResult, VerifyResult)
 
 # (engine, phase, observation) -> the latency the engine's profile predicts for that
-# leg, or None when there is no prediction (no profile, outside the measured domain).
+# leg's `observed_s`, or None when there is no prediction (no profile, outside the
+# measured domain).
 Predictor = Callable[[EngineState, str, LegObservation], float | None]
 
 
@@ -174,8 +191,15 @@ class EngineRecovery:
         self.identity = IdentityTracker()
         self.residuals = ResidualWindow()
         self.pending: deque[LegObservation] = deque(maxlen=_PENDING_LEGS)
-        # Ejected for latency: good probes do not count toward readmission before this.
+        # Ejected for latency: good probes do not count toward readmission before this,
+        # unless no other engine in placement takes its role's work.
         self.latency_until = -math.inf
+        self.latency_cuts_total = 0
+        # Readmission verifications of this instance that failed in a row, and when the
+        # next may run (`Recovery._verify_due`).
+        self.failed_verifications = 0
+        self.readmit_after = -math.inf
+        self.readmit_wait_s = 0.0
         # When this engine's SGLang pairs failed their KV transfer, within the breaker
         # window (`Recovery._transfer_failed`).
         # (time, leg number, partner) of each; legs are numbered by answered legs and these.
@@ -219,7 +243,7 @@ class EngineRecovery:
         if self.engine.auth_refused is None:
             if self.readmission_wanted():
                 hold_due = self.hold.verify_after if self.hold.active else -math.inf
-                times.append(max(self.next_verify_at, hold_due))
+                times.append(max(self.next_verify_at, hold_due, self.readmit_after))
             if self.breaker_wanted():
                 times.append(self.next_verify_at)
         return min(times, default=math.inf)
@@ -232,6 +256,11 @@ class EngineRecovery:
                 **self.health.snapshot(),
                 "readmission_in_s": round(self.latency_until - now, 3)
                 if now < self.latency_until
+                else None,
+                "latency_cut_short_total": self.latency_cuts_total,
+                "failed_verifications": self.failed_verifications,
+                "verify_in_s": round(self.readmit_after - now, 3)
+                if now < self.readmit_after
                 else None,
                 "last_probe": _last(self.last_probe, self.last_probe_at, now),
             },
@@ -254,6 +283,11 @@ class EngineRecovery:
             "drained": engine.drained,
             "pinned": engine.pinned,
         }
+
+
+def _work(engine: EngineState) -> str:
+    """The work of `engine`'s role, as placement names it."""
+    return "aggregate" if engine.role == "both" else engine.role
 
 
 def _last(
@@ -286,6 +320,9 @@ class Recovery:
         # engine's build with its profile's (a stale profile is dropped, not used).
         self.before_release: Callable[[EngineState], Awaitable[None]] | None = None
         self._records: dict[str, EngineRecovery] = {}
+        # Records of engines a reload is replacing: the new instance is adopted (and
+        # probed) while the old one is still in placement, until `retire` ends it.
+        self._replaced: list[EngineRecovery] = []
         self._nursery: trio.Nursery | None = None
         self._verify_seq = 0
         self.recent_changes: deque[dict[str, object]] = deque(maxlen=_RECENT_CHANGES)
@@ -349,6 +386,9 @@ class Recovery:
 
     def _adopt(self, engine: EngineState) -> EngineRecovery:
         record = EngineRecovery(engine, self.ctx.config)
+        previous = self._records.get(engine.id)
+        if previous is not None and previous.engine is not engine:
+            self._replaced.append(previous)
         self._records[engine.id] = record
         return record
 
@@ -362,11 +402,15 @@ class Recovery:
 
     def retire(self, engine: EngineState) -> None:
         """A reload removed (or replaced) `engine`: stop probing that instance."""
-        record = self._records.get(engine.id)
-        if record is not None and record.engine is engine:
+        record = self._record_for(engine)
+        if record is None:
+            return
+        if self._records.get(engine.id) is record:
             del self._records[engine.id]
-            if record.scope is not None:
-                record.scope.cancel()
+        else:
+            self._replaced.remove(record)
+        if record.scope is not None:
+            record.scope.cancel()
 
     def reconfigure(self, config: Config) -> None:
         settings = BreakerSettings.from_config(config.recovery.breaker)
@@ -380,7 +424,9 @@ class Recovery:
 
     def _record_for(self, engine: EngineState) -> EngineRecovery | None:
         record = self._records.get(engine.id)
-        return record if record is not None and record.engine is engine else None
+        if record is not None and record.engine is engine:
+            return record
+        return next((r for r in self._replaced if r.engine is engine), None)
 
     # ------------------------------------------------------------------ LegObserver
 
@@ -392,6 +438,7 @@ class Recovery:
         *,
         prompt_tokens: int = 0,
         contended: bool = False,
+        gaps: DecodeGaps | None = None,
     ) -> None:
         record = self._record_for(engine)
         if record is None:
@@ -419,6 +466,7 @@ class Recovery:
                 prefill_tokens_inflight=engine.prefill_tokens_inflight,
                 decode_active=engine.decode_active,
                 decode_tokens=engine.decode_tokens,
+                gaps=gaps,
             )
         )
 
@@ -808,15 +856,30 @@ class Recovery:
                 # (a failed probe leaves it to the probe interval and the health streak).
                 record.probe_now = record.probe_now or started < record.unreachable_at
         if result.outcome == "ok":
-            if trio.current_time() < record.latency_until:
+            now = trio.current_time()
+            ejected = record.health.verdict is Verdict.EJECTED
+            waiting = ejected or record.hold.waiting(now)
+            alone = self._alone(record) if waiting else None
+            if now < record.latency_until and alone is None:
                 # A slow engine answers its probes and passes a verification pair (both
                 # bounded, not timed against the profile) as soon as it is ejected; the
                 # residuals that ejected it covered recovery.health.window_s, so it stays
-                # out as long before its good probes count.
+                # out as long before its good probes count. Not when no other engine
+                # takes its role's work (then `_latency_cut`).
                 record.health.consecutive_failures = 0
             else:
-                alone = self._readmit_alone(record)
-                self._health_changed(record, record.health.probe_ok(health, alone))
+                notes: list[str] = []
+                if ejected and now < record.latency_until:
+                    notes.append(self._latency_cut(record, now))
+                if ejected and now < record.readmit_after:
+                    notes.append(
+                        f"{record.failed_verifications} verifications failed in a row, so it "
+                        f"waits until {record.readmit_wait_s:g} s after the last"
+                    )
+                change = record.health.probe_ok(health, alone, notes=notes)
+                self._health_changed(record, change)
+            if alone is not None:
+                self._cut_hold(record, now, alone)
             # Not again if this probe's /version refusal was just checked.
             checked = record.last_key_check_at is not None and record.last_key_check_at >= started
             if record.engine.auth_refused is not None and not checked:
@@ -824,22 +887,61 @@ class Recovery:
         elif result.outcome == "failed":
             self._health_changed(record, record.health.probe_failed(health, result.detail))
 
-    def _readmit_alone(self, record: EngineRecovery) -> str | None:
-        """Why one good probe is enough to verify this ejected engine for readmission, or
-        None: no other engine in placement takes its role's work (`_last_of_role`), so
-        every request needing that role is refused until it is back, and each further
-        probe of recovery.health.readmit_successes costs the whole service a probe
-        interval. The probe streak guards against an engine that answers /health while
-        it flaps; the verification pair that follows (a real prefill and decode) still
-        has to pass, and a broken engine fails it and stays out. A drained or removed
-        engine would stay out of placement anyway, so it gets no shortcut."""
+    def _alone(self, record: EngineRecovery) -> str | None:
+        """Why this engine's readmission need not wait, or None: no other engine in
+        placement takes its role's work (`_last_of_role`), so every request needing that
+        role is refused until it is back, and each probe interval it waits costs the
+        whole service. Then one good probe starts its verification, not
+        recovery.health.readmit_successes (`HealthTracker.probe_ok`); its good probes
+        count within a latency ejection's recovery.health.window_s (`_latency_cut`); and
+        a restart hold's verification need not wait for recovery.restart_hold_s
+        (`_cut_hold`). The probe streak guards against an engine that answers /health
+        while it flaps, the latency window against a slow one coming back at once, and
+        the hold gives a restarted one time to warm up: each is worth less than serving
+        the role at all. The verification pair that follows (a real prefill and decode)
+        still has to pass, and a broken engine fails it and stays out. A drained or
+        removed engine would stay out of placement anyway, so it gets no shortcut."""
         engine = record.engine
-        if record.health.verdict is not Verdict.EJECTED or engine.drained or engine.removed:
+        if engine.drained or engine.removed:
             return None
         if not self._last_of_role(engine, trio.current_time()):
             return None
-        work = "aggregate" if engine.role == "both" else engine.role
-        return f"no other engine in placement takes {work} work"
+        return f"no other engine in placement takes {_work(engine)} work"
+
+    def _latency_cut(self, record: EngineRecovery, now: float) -> str:
+        """A latency-ejected engine's good probes count before recovery.health.window_s
+        ran out: it was ejected for being slow, not down, and its role has no other
+        engine in placement now (its peers left after the ejection, which left one)."""
+        left = record.latency_until - now
+        record.latency_until = -math.inf
+        record.latency_cuts_total += 1
+        window = self.ctx.config.recovery.health.window_s
+        return (
+            f"counted {left:.1f} s before its latency ejection's recovery.health.window_s="
+            f"{window} ran out: slow beats refusing all {_work(record.engine)} work"
+        )
+
+    def _cut_hold(self, record: EngineRecovery, now: float, alone: str) -> None:
+        """A restarted engine whose role has no other engine in placement is verified at
+        its first good probe, not after recovery.restart_hold_s: the hold waits for a
+        warm-up, and a cold engine serves its role's requests where none would be served
+        meanwhile. The hold lasts until the verification passes (and `before_release`
+        has compared the engine's build), as any hold does."""
+        hold = record.hold
+        if not hold.waiting(now):
+            return
+        reason = (
+            f"cut short {hold.verify_after - now:.1f} s before recovery.restart_hold_s="
+            f"{self.ctx.config.recovery.restart_hold_s} ran out, at a good probe, "
+            f"while {alone}"
+        )
+        hold.cut(now, reason)
+        log.warning(
+            "restart hold of %s %s: verifying before placement",
+            record.engine.id,
+            reason,
+            extra={"event": "restart_hold_cut", "engine": record.engine.id, "reason": reason},
+        )
 
     async def _check_key(self, record: EngineRecovery) -> None:
         """Whether an engine that refused Narwhal's API key takes it now. Only an accepted
@@ -898,6 +1000,9 @@ class Recovery:
         restarted = record.identity.observe_metrics(sample.started_at, sample.prompt_tokens)
         if restarted is not None:
             self._start_hold(record, restarted)
+            if self._alone(record) is not None:
+                # Its hold ends at a good probe (`_cut_hold`): not a probe interval later.
+                record.probe_now = True
 
     def _start_hold(self, record: EngineRecovery, reason: str) -> None:
         now = trio.current_time()
@@ -909,8 +1014,11 @@ class Recovery:
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
         record.pending.clear()
-        # A new instance: its speed is not the old one's (verification and residuals judge).
+        # A new instance: its speed is not the old one's (verification and residuals judge),
+        # and the verifications its predecessor failed say nothing of it.
         record.latency_until = -math.inf
+        record.failed_verifications = 0
+        record.readmit_after = -math.inf
         self._changed(
             record.engine.id,
             "hold",
@@ -927,21 +1035,26 @@ class Recovery:
         if now < record.next_verify_at or record.engine.auth_refused is not None:
             return
         engine = record.engine
-        hold_due = not record.hold.active or now >= record.hold.verify_after
-        if record.readmission_wanted() and hold_due:
+        due = not record.hold.waiting(now) and now >= record.readmit_after
+        if record.readmission_wanted() and due:
             phase = {"prefill": "prefill", "decode": "decode"}.get(engine.role, "aggregate")
             result = await self._verify(record, "readmission", phase)
             if result.outcome == "ok":
+                record.failed_verifications = 0
                 self._health_changed(record, record.health.verify_ok(result.detail))
                 if record.hold.active and self.before_release is not None:
                     await self.before_release(engine)
+                cut = record.hold.cut_reason
                 if record.hold.clear():
                     engine.held_until = -math.inf
-                    self._changed(
-                        engine.id, "hold", None, "held", "released", "verification passed"
-                    )
+                    released = "verification passed"
+                    if cut is not None:
+                        released += f"; the hold was {cut}"
+                    self._changed(engine.id, "hold", None, "held", "released", released)
             elif result.outcome == "failed":
-                self._health_changed(record, record.health.verify_failed(result.detail))
+                detail = self._verification_failed(record)
+                change = record.health.verify_failed(result.detail + detail)
+                self._health_changed(record, change)
             # Neither "refused" nor "inconclusive" says anything of the engine's health.
             if result.outcome != "ok":
                 record.next_verify_at = trio.current_time() + self._interval()
@@ -963,6 +1076,33 @@ class Recovery:
                 if result.outcome != "ok":
                     record.next_verify_at = trio.current_time() + self._interval()
                     return
+
+    def _verification_failed(self, record: EngineRecovery) -> str:
+        """Count a failed readmission verification; from the second in a row on, the
+        next waits twice as long as the one before, from one probe interval up to
+        _VERIFY_BACKOFF_MAX of them, and this says so for the ejection's reason.
+
+        An engine that answers /health but fails its pair (a dead GPU behind a live HTTP
+        server, a broken KV path) would otherwise be verified for as long as it stays
+        broken: after readmit_successes good probes, or after each one while it is the
+        last of its role (`_alone`). With its role empty that is a pair (two, when the
+        first fails at once) every probe interval, for hours if nobody fixes it: each
+        logged as warnings, each filling `recent_changes` with the same two transitions,
+        one leg of each on an engine in service. Only the first failures of an instance
+        come quickly: a passing pair or a restart (a new instance, which is how such an
+        engine is usually fixed) starts the count over."""
+        record.failed_verifications += 1
+        failed = record.failed_verifications
+        if failed < 2:
+            return ""
+        interval = self._interval()
+        wait = interval * min(2 ** (failed - 1), _VERIFY_BACKOFF_MAX)
+        record.readmit_after = trio.current_time() + wait
+        record.readmit_wait_s = wait
+        return (
+            f"; {failed} failed in a row, so the next waits {wait:g} s (doubling from "
+            f"recovery.health.interval_s={interval}, up to {_VERIFY_BACKOFF_MAX} of them)"
+        )
 
     def _excused(self, engine: EngineState, evidence: str, started: float, result: _R) -> _R:
         """`result`, or inconclusive if it failed on a deadline the router's own event
@@ -1122,8 +1262,9 @@ class Recovery:
         """The monitor's residual stage: at most one residual per engine per pass.
 
         Each engine's latest successful leg since the previous pass that the profile
-        predicts (an uncontended prefill leg in its domain, say) is compared with that
-        prediction: the latest leg alone would on a busy engine most often be one it does
+        predicts (an uncontended prefill leg in its domain, say, or a decode leg's median
+        token interval at the engine's load) is compared with that prediction: the
+        latest leg alone would on a busy engine most often be one it does
         not predict, and an engine slow enough to be busy would then go without the
         residuals that should eject it. Exceptions from the predictor propagate: they are
         a monitoring-stage failure.
@@ -1142,7 +1283,7 @@ class Recovery:
             if found is None:
                 continue
             observation, predicted = found
-            ratio = observation.duration_s / predicted
+            ratio = observation.observed_s / predicted
             record.residuals.add(now, ratio, health.window_s)
             residuals[record.engine.id] = ratio
             reason = record.residuals.verdict(now, health)
@@ -1211,6 +1352,30 @@ class Recovery:
         )
         record.wake.set()
 
+    def _left_placement(self, engine_id: str) -> None:
+        """`engine_id` was taken out of placement (or one phase of it): if it was the last
+        other engine to take some waiting engine's role's work, that engine is probed at
+        once, and its readmission goes ahead at that probe (`_alone`), not at its next
+        probe interval. Waiting: ejected, or held for recovery.restart_hold_s, with a
+        good last probe. Only a change from in service counts: one back to ejected after
+        a failed verification takes nothing out of placement, and two waiting engines of
+        one role must not wake each other's probes in turn. An operator's drain, a reload
+        or a role change that empties a role is seen at the next probe."""
+        now = trio.current_time()
+        for record in self._records.values():
+            probe = record.last_probe
+            if (
+                record.engine.id == engine_id
+                or record.probe_now
+                or probe is None
+                or probe.outcome != "ok"
+            ):
+                continue
+            waiting = record.health.verdict is Verdict.EJECTED or record.hold.waiting(now)
+            if waiting and self._alone(record) is not None:
+                record.probe_now = True
+                record.wake.set()
+
     def _breaker_changed(self, transition: Transition) -> None:
         self._changed(
             transition.engine,
@@ -1241,6 +1406,8 @@ class Recovery:
         }
         self.recent_changes.append(entry)
         worse = new in ("open", "ejected", "held", "quarantined", "unreachable")
+        if worse and old in ("up", "closed", "released", "reachable"):
+            self._left_placement(engine_id)
         where = f"{engine_id}/{phase}" if phase else engine_id
         log.log(
             logging.WARNING if worse else logging.INFO,

@@ -1,6 +1,10 @@
 """The serving side: the ASGI app, the request flow and the HTTP server."""
 
 from ._app import App as App
-from ._context import RequestRecord as RequestRecord, ServingContext as ServingContext
+from ._context import (
+    DecodeGaps as DecodeGaps,
+    RequestRecord as RequestRecord,
+    ServingContext as ServingContext,
+)
 from ._server import serve_app as serve_app
 from ._state import state_document as state_document

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
@@ -31,12 +31,33 @@ from ._slo import SloTally, slo_result
 log = logging.getLogger("narwhal.request")
 
 
+@attrs.frozen
+class DecodeGaps:
+    """A streamed decode leg's token intervals and the engine's load while they were
+    measured, for a latency residual against the decode profile (recovery).
+
+    The gaps are those the live decode correction gets: from the first token on (the KV
+    wait and the prefill come before it), at most the stream's first 256, rescaled to
+    tokens when events carried several. The load is the router's view of the engine at
+    each read that brought them (`EngineState.decode_active`, `decode_tokens`), weighted
+    by the gaps each read gave: its mean and its heaviest."""
+
+    count: int
+    median_s: float
+    mean_active: float
+    mean_kv_tokens: float
+    max_active: int
+    max_kv_tokens: int
+
+
 class LegObserver(Protocol):
     """Told the outcome of every engine leg; recovery implements it (breakers,
     quarantine, latency residuals). Must not block: it runs on the request path.
 
     `contended` is true when another leg shared the engine at any moment of this one:
-    its duration then includes work the profile does not price."""
+    its duration then includes work the profile does not price. `gaps` summarises a
+    streamed leg's token intervals, None when it had none or when they are not the
+    engine's alone (see `_GapLoad`)."""
 
     def leg_ok(
         self,
@@ -46,6 +67,7 @@ class LegObserver(Protocol):
         *,
         prompt_tokens: int = 0,
         contended: bool = False,
+        gaps: DecodeGaps | None = None,
     ) -> None: ...
 
     def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
@@ -84,6 +106,7 @@ class _NoObserver:
         *,
         prompt_tokens: int = 0,
         contended: bool = False,
+        gaps: DecodeGaps | None = None,
     ) -> None:
         pass
 
@@ -162,6 +185,17 @@ class DemandEvent:
     reason: str | None = None
 
 
+@attrs.frozen
+class LoadSignals:
+    """What the admission books say of each engine in the fleet, by engine id: committed
+    prefill backlog (every engine), and the decode side's recent first-token lag and KV
+    turnover (the engines with an observation)."""
+
+    backlog_s: Mapping[str, float]
+    first_token_lag_s: Mapping[str, float]
+    kv_release_per_s: Mapping[str, float]
+
+
 # Enough for the longest demand window at a few hundred requests per second; the monitor
 # drains it every pass, so this only bounds memory if the monitor stops.
 DEMAND_EVENTS_MAX = 100_000
@@ -216,9 +250,11 @@ class ServingContext:
         # token-count fallback prefers it to engine.chars_per_token (a guess for the
         # tokenizer). None without a loaded store that has one.
         self.measured_chars_per_token: float | None = None
-        self.backlog = BacklogBook()
-        self.first_token_lags = FirstTokenLag(tau_s=config.slo.ttft_s)
-        self.kv_turnover = KvTurnover(tau_s=config.slo.ttft_s)
+        # Keyed by engine instance: a leg commits, releases and observes on the engine
+        # it ran on, which a reload may have replaced since (same id, another url).
+        self.backlog: BacklogBook[EngineState] = BacklogBook()
+        self.first_token_lags: FirstTokenLag[EngineState] = FirstTokenLag(tau_s=config.slo.ttft_s)
+        self.kv_turnover: KvTurnover[EngineState] = KvTurnover(tau_s=config.slo.ttft_s)
         self.projection_errors = ProjectionErrors(quantile=config.slo.percentile)
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
@@ -266,6 +302,23 @@ class ServingContext:
         """Return once no completion request is retained (graceful shutdown)."""
         while self._retained:
             await self._idle.wait()
+
+    def engine_retired(self, engine: EngineState) -> None:
+        """A reload removed or replaced `engine` and its resident requests are done:
+        drop what admission learnt about that instance. (Its prefill backlog entry went
+        with its last leg; readers only look at the engines in the fleet anyway.)"""
+        self.first_token_lags.forget(engine)
+        self.kv_turnover.forget(engine)
+
+    def load_signals(self, now: float) -> LoadSignals:
+        """The admission books' signals for the engines in the fleet now."""
+        engines = list(self.fleet)
+        lags, kv = self.first_token_lags, self.kv_turnover
+        return LoadSignals(
+            backlog_s={e.id: self.backlog.wait_s(e, now) for e in engines},
+            first_token_lag_s={e.id: lags.lag_s(e, now) for e in engines if e in lags.value},
+            kv_release_per_s={e.id: kv.rate_per_s(e, now) for e in engines if e in kv.value},
+        )
 
     def engine_leg_failed(self, failure: EngineFailed) -> None:
         """Tell the leg observer about a failed leg; the request path calls this once per

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Literal, Protocol
@@ -102,7 +103,7 @@ from ._client import (
     read_body,
     watch_disconnect,
 )
-from ._context import DemandEvent, RequestRecord, ServingContext, log
+from ._context import DecodeGaps, DemandEvent, RequestRecord, ServingContext, log
 from ._request import (
     ClientRequest,
     context_overflow,
@@ -159,7 +160,7 @@ def _release_kv(
     """Take `tokens` back out of the engine's resident count; `freed` (what the engine
     reported, when it did) is the KV turnover, else `tokens`."""
     engine.decode_tokens -= tokens
-    ctx.kv_turnover.observe(engine.id, tokens if freed is None else freed, trio.current_time())
+    ctx.kv_turnover.observe(engine, tokens if freed is None else freed, trio.current_time())
 
 
 class _KvGrowth:
@@ -191,6 +192,58 @@ class _KvGrowth:
 
     def __exit__(self, *exc: object) -> None:
         _release_kv(self.ctx, self.engine, self.tokens, self.reported)
+
+
+class _GapLoad:
+    """The engine's load over a stream's counted gaps, for `DecodeGaps`, and what else
+    went into those gaps.
+
+    A gap is the time between two reads shared by the tokens the second brought, so a
+    client write that blocked the relay (or the router's loop, busy elsewhere) is spread
+    over the tokens that piled up meanwhile, which is their rate, except where no more
+    came: a stall that outlasted the stream inflates the gaps of the tokens the engine
+    made during it, at most as many as fit in the stall. A stream whose longest write
+    spans a quarter of its gaps' time or more is left out; below that, the inflated gaps
+    are too few to carry the median. (Dropping streams at any write longer than one gap
+    would drop most of a busy router's, whose writes wait for the loop.) A prefill leg
+    on the engine meanwhile (a `both` engine, or one the controller just moved) puts
+    prefill chunks into the decode steps, which the decode profile does not model."""
+
+    __slots__ = ("active", "kv_tokens", "longest_write_s", "max_active", "max_kv", "prefill")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.kv_tokens = 0
+        self.max_active = 0
+        self.max_kv = 0
+        self.prefill = False
+        self.longest_write_s = 0.0
+
+    def add(self, engine: EngineState, gaps: int) -> None:
+        if gaps <= 0:
+            return
+        self.active += gaps * engine.decode_active
+        self.kv_tokens += gaps * engine.decode_tokens
+        self.max_active = max(self.max_active, engine.decode_active)
+        self.max_kv = max(self.max_kv, engine.decode_tokens)
+        self.prefill = self.prefill or engine.prefill_inflight > 0
+
+    def summary(self, gaps: list[float]) -> DecodeGaps | None:
+        """None when the gaps are not the engine's decoding alone."""
+        if not gaps or self.prefill:
+            return None
+        median = statistics.median(gaps)
+        count = len(gaps)
+        if self.longest_write_s * 4 >= median * count:
+            return None
+        return DecodeGaps(
+            count=count,
+            median_s=median,
+            mean_active=self.active / count,
+            mean_kv_tokens=self.kv_tokens / count,
+            max_active=self.max_active,
+            max_kv_tokens=self.max_kv,
+        )
 
 
 class Flow:
@@ -499,13 +552,13 @@ class Flow:
         """Every engine as pricing sees it now: profile, backlog and decode-side load."""
         ctx = self.ctx
         now = trio.current_time()
+        signals = ctx.load_signals(now)
         return price_fleet(
             ctx.fleet.views(now),
             profiles,
-            ctx.backlog,
-            now,
-            ctx.first_token_lags,
-            ctx.kv_turnover,
+            backlog_s=signals.backlog_s,
+            first_token_lag_s=signals.first_token_lag_s,
+            kv_release_per_s=signals.kv_release_per_s,
         )
 
     def _policy(self, tokens: int, config: Config) -> Policy:
@@ -530,11 +583,12 @@ class Flow:
         ctx = self.ctx
         if request.prompt_token_ids is not None:
             # The engines count token ids as sent: the count is exact without /tokenize.
-            count = self._truncated(request, request.prompt_token_ids)
-            self._check_context(request, count, record)
+            available = self._available()
+            count = self._truncated(request, request.prompt_token_ids, available)
+            self._check_context(request, count, record, available)
             return count, "token_ids"
         ratio, _ = ctx.chars_per_token(config)
-        fallback = self._truncated(request, max(1, math.ceil(request.prompt_chars / ratio)))
+        estimate = max(1, math.ceil(request.prompt_chars / ratio))
         if not config.engine.tokenize:
             reason = "disabled"
         elif isinstance(engine := self._tokenizer_engine(request.kind), str):
@@ -550,8 +604,9 @@ class Flow:
                     # vLLM's answer carries the context its completions are held to: the
                     # freshest word on it, between recovery's reads.
                     engine.set_context(context, "its /tokenize answer's max_model_len")
-                count = self._truncated(request, count)
-                self._check_context(request, count, record)
+                available = self._available()
+                count = self._truncated(request, count, available)
+                self._check_context(request, count, record, available)
                 return count, "exact"
             reason = answer
         ctx.token_methods["fallback"] += 1
@@ -559,24 +614,33 @@ class Flow:
         ctx.token_fallbacks[reason] += 1
         ctx.metrics.token_fallbacks_by(reason).inc()
         record.token_count_fallback = reason
-        return fallback, "fallback"
+        return self._truncated(request, estimate, self._available()), "fallback"
 
-    def _truncated(self, request: ClientRequest, count: int) -> int:
+    def _available(self) -> list[EngineState]:
+        """The engines in placement now (availability changes only across an await)."""
+        now = trio.current_time()
+        return [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
+
+    def _truncated(self, request: ClientRequest, count: int, available: list[EngineState]) -> int:
         """The prompt length the engines will run (`truncated_prompt`), when every
         available engine honours `truncate_prompt_tokens` (vLLM); one that ignores it
         (SGLang) runs the prompt whole. -1 keeps up to the largest context an engine
         reports, the longer prompt placement may meet (none while one is unknown)."""
         if request.truncate_prompt_tokens is None:
             return count
-        now = trio.current_time()
-        engines = [e for e in self.ctx.fleet if e.unavailable_reason(now) is None]
-        if not engines or not all(e.dialect.request_truncation for e in engines):
+        if not available or not all(e.dialect.request_truncation for e in available):
             return count
-        contexts = [e.context_length for e in engines]
+        contexts = [e.context_length for e in available]
         known = [c for c in contexts if c is not None]
         return truncated_prompt(request, count, max(known) if len(known) == len(contexts) else None)
 
-    def _check_context(self, request: ClientRequest, count: int, record: RequestRecord) -> None:
+    def _check_context(
+        self,
+        request: ClientRequest,
+        count: int,
+        record: RequestRecord,
+        available: list[EngineState],
+    ) -> None:
         """Refuse, before any leg, a request whose exact prompt length `count`, or it and
         its max_tokens, do not fit the context (`context_overflow`).
 
@@ -587,12 +651,7 @@ class Flow:
         says why), nothing is checked and the engine refuses it itself, as before the
         check: counted as `unknown` and kept on the record."""
         ctx = self.ctx
-        now = trio.current_time()
-        known = [
-            engine
-            for engine in ctx.fleet
-            if engine.context_length is not None and engine.unavailable_reason(now) is None
-        ]
+        known = [engine for engine in available if engine.context_length is not None]
         if not known:
             ctx.context_checks["unknown"] += 1
             ctx.metrics.context_checks_by("unknown").inc()
@@ -1043,8 +1102,9 @@ class Flow:
             shared = shared_overhead_s(
                 curve.prefill_s(0), tokens, self.ctx.config.engine.prefill_chunk_tokens
             )
-            backlog.commit(engine.id, curve.prefill_s(tokens), trio.current_time(), shared)
+            backlog.commit(engine, curve.prefill_s(tokens), trio.current_time(), shared)
         if phase == "prefill":
+            engine.prefill_queued += 1
             engine.prefill_queued_tokens += tokens
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -1057,10 +1117,11 @@ class Flow:
                 expired = wait.cancelled_caught
         except BaseException:
             if phase == "prefill" and curve is not None:
-                backlog.release(engine.id, trio.current_time())
+                backlog.release(engine)
             raise
         finally:
             if phase == "prefill":
+                engine.prefill_queued -= 1
                 engine.prefill_queued_tokens -= tokens
         if expired or trio.current_time() > not_after:
             if not expired:
@@ -1082,7 +1143,7 @@ class Flow:
                 engine.prefill_inflight -= 1
                 engine.prefill_tokens_inflight -= tokens
                 if curve is not None:
-                    backlog.release(engine.id, trio.current_time())
+                    backlog.release(engine)
             else:
                 engine.decode_active -= 1
                 _release_kv(self.ctx, engine, tokens)
@@ -1262,7 +1323,7 @@ class Flow:
             # and SGLang both report it.
             generated = usage_tokens(document, "completion_tokens") or 0
             if generated > 0:
-                self.ctx.kv_turnover.observe(engine.id, generated, trio.current_time())
+                self.ctx.kv_turnover.observe(engine, generated, trio.current_time())
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"
@@ -1329,6 +1390,7 @@ async def _relay(
     gap = config.engine.decode_read_timeout_s or math.inf
     scanner = SseScanner()
     gaps: list[float] = []  # decode token intervals, for the live decode correction
+    load = _GapLoad()  # and for a latency residual
     held: list[bytes] = []
     held_bytes = 0
     first_at: float | None = None
@@ -1396,7 +1458,7 @@ async def _relay(
                                 first_token_seen()
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
-                                ctx.first_token_lags.observe(engine.id, now - started, now)
+                                ctx.first_token_lags.observe(engine, now - started, now)
                         if first_at is not None and not usage_only:
                             read_tokens += 1
                     if first_at is None:
@@ -1409,7 +1471,9 @@ async def _relay(
                 if read_tokens:
                     if tokens:
                         share = (now - last_at) / read_tokens
-                        gaps.extend([share] * min(read_tokens, _MAX_GAPS - len(gaps)))
+                        counted = min(read_tokens, _MAX_GAPS - len(gaps))
+                        gaps.extend([share] * counted)
+                        load.add(engine, counted)
                     tokens += read_tokens
                     last_at = now
                     if growth is not None:
@@ -1430,6 +1494,7 @@ async def _relay(
                             record.first_output_at = now  # SGLang: held until the prefill
                     record.stage = "streaming"
                     await client.send_chunk(b"".join(out))
+                    load.longest_write_s = max(load.longest_write_s, trio.current_time() - now)
                 elif out:
                     held.extend(out)  # SGLang: the prefill leg has not answered yet
     generated = tokens
@@ -1485,6 +1550,7 @@ async def _relay(
         trio.current_time() - started,
         prompt_tokens=record.prompt_tokens or 0,
         contended=alone is None or engine.legs_started != alone,
+        gaps=load.summary(gaps),
     )
     await client.end_stream()
 

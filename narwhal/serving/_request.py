@@ -9,6 +9,7 @@ import uuid
 import attrs
 
 from .._errors import BadRequest
+from .._values import json_int
 from ..engines import Dialect, EndpointKind, Json
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -122,7 +123,7 @@ def parse_body(
         prompt_token_ids=token_ids,
         max_tokens=max_tokens,
         max_tokens_field=max_tokens_field,
-        truncate_prompt_tokens=_integer(body.get("truncate_prompt_tokens")),
+        truncate_prompt_tokens=json_int(body.get("truncate_prompt_tokens")),
         arrival=arrival,
         deadline=deadline,
     )
@@ -181,10 +182,6 @@ def context_overflow(
     return BadRequest(message, code="context_length_exceeded", param=key)
 
 
-def _integer(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def truncated_prompt(request: ClientRequest, prompt_tokens: int, context: int | None) -> int:
     """The prompt length a vLLM engine runs when the request asks it to keep only the
     last `truncate_prompt_tokens` tokens (-1: the context, `max_model_len`): counted, or
@@ -206,7 +203,7 @@ def _max_tokens(body: Json) -> tuple[str, int | None]:
         value = body.get(key)
         if value is None:
             continue
-        number = _integer(value)
+        number = json_int(value)
         if number is None or number < 1:
             raise BadRequest(f"'{key}' must be a positive integer", param=key)
         return key, number
@@ -222,7 +219,7 @@ def _prompt_size(body: Json) -> tuple[int, int | None]:
         prompt = prompt[0]
         if isinstance(prompt, str):
             return len(prompt), None
-    if isinstance(prompt, list) and prompt and all(_integer(t) is not None for t in prompt):
+    if isinstance(prompt, list) and prompt and all(json_int(t) is not None for t in prompt):
         return 0, len(prompt)
     raise BadRequest(
         "'prompt' must be a string or a list of token ids (batched prompts are not supported)",

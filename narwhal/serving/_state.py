@@ -40,6 +40,7 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
         "prefill": {
             "inflight": engine.prefill_inflight,
             "tokens_inflight": engine.prefill_tokens_inflight,
+            "queued": engine.prefill_queued,
             "queued_tokens": engine.prefill_queued_tokens,
             "limit": _limit(engine.prefill_limiter.total_tokens),
             "slots_in_use": engine.prefill_limiter.borrowed_tokens,
@@ -88,6 +89,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     ratio, ratio_source = ctx.chars_per_token(ctx.config)
     errors = ctx.projection_errors.factors(now)
+    signals = ctx.load_signals(now)
     document: dict[str, object] = {
         "narwhal": {
             "version": __version__,
@@ -108,12 +110,11 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "unserved_placements": ctx.unserved_placements,
             "profiles_loaded": ctx.profiles is not None,
             "prefill_backlog_s": {
-                engine_id: round(wait, 6)
-                for engine_id, wait in sorted(ctx.backlog.waits(now).items())
+                engine_id: round(wait, 6) for engine_id, wait in sorted(signals.backlog_s.items())
             },
             "decode_first_token_lag_s": {
                 engine_id: round(lag, 6)
-                for engine_id, lag in sorted(ctx.first_token_lags.lags(now).items())
+                for engine_id, lag in sorted(signals.first_token_lag_s.items())
             },
             "projection_error_factor": round(errors.fleet, 4),
             # Each engine's path's factor: its own once it has ERROR_MIN_SAMPLES recent
@@ -128,7 +129,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             },
             "decode_kv_release_tokens_per_s": {
                 engine_id: round(rate, 1)
-                for engine_id, rate in sorted(ctx.kv_turnover.rates(now).items())
+                for engine_id, rate in sorted(signals.kv_release_per_s.items())
             },
         },
         "retry_budget": {

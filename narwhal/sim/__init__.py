@@ -56,6 +56,7 @@ request). Fault durations are wall-clock seconds. Examples::
     {"lease_s": 0.05}                                       # KV produced here expires fast
     {"down_s": 2.0}   {"health_flap_period_s": 1.0}   {"unhealthy": true}
     {"metrics_stall_s": 3600}                               # /metrics never answers
+    {"decode_slowdown": 3.0}                                # decode steps 3x the law
 
 Everything the simulator reports is wall-clock. When the process is CPU-bound the step
 loop falls behind the law; ``/_sim/state`` counts that under ``step_lag`` (a speed below 1

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .._values import json_int
 from ._core import CoreRequest, ReqState
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import DropConnection, HttpRequest, Responder
@@ -225,8 +226,8 @@ class Api:
         except ValueError:
             return
         if isinstance(body, dict):
-            room = body.get("bootstrap_room")
-            if isinstance(room, int) and not isinstance(room, bool):
+            room = json_int(body.get("bootstrap_room"))
+            if room is not None:
                 self.e.room(room).fail(reason)
 
     def _parse(self, req: HttpRequest, *, chat: bool) -> _Plan:
@@ -270,8 +271,8 @@ class Api:
         leg, remote, room, hold_kv = self._leg(body)
         prompt_tokens, prompt_key = self._prompt(body, chat=chat)
         limit = e.spec.timing.max_model_len
-        keep = body.get("truncate_prompt_tokens")
-        if not self.sglang and isinstance(keep, int) and not isinstance(keep, bool):
+        keep = json_int(body.get("truncate_prompt_tokens"))
+        if not self.sglang and keep is not None:
             # vLLM keeps the prompt's last `keep` tokens (-1: max_model_len) before any
             # other check; SGLang's request models have no such field.
             keep = limit if keep == -1 else keep
@@ -420,11 +421,7 @@ class Api:
             # no such field, so its completions always add them.
             special = 1 if body.get("add_special_tokens", True) or self.sglang else 0
             return tok.count(prompt) + special, prompt
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
+        if isinstance(prompt, list) and prompt and all(json_int(t) is not None for t in prompt):
             return len(prompt), _j(prompt[:64])
         if isinstance(prompt, list) and len(prompt) > 1:
             raise ApiError(

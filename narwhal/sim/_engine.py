@@ -223,7 +223,11 @@ class SimEngine:
                     self.step_lag_resets += 1
                     prev_end = None
             start = now if prev_end is None else prev_end
-            end = start + plan.duration_s / speed
+            duration = plan.duration_s
+            slowdown = self.faults.decode_slowdown if self.faults is not None else None
+            if slowdown is not None and plan.decodes:
+                duration *= slowdown
+            end = start + duration / speed
             await trio.sleep_until(end)
             result = core.complete(plan)
             now = trio.current_time()
@@ -264,6 +268,8 @@ class SimEngine:
         if ctx.room is not None:
             ctx.room.lease = lease
             ctx.room.done.set()
+            if ctx.room.d_gone:
+                self._receiver_gone(lease)
 
     def _push_lease(self, lease: Lease) -> None:
         self._lease_seq += 1
@@ -779,6 +785,18 @@ class SimEngine:
             await self._transfer(lease, resp)
         finally:
             self.drop_room(room)
+            room.d_gone = True
+            lease = room.lease
+            if lease is not None and lease.id in self.leases and not lease.in_transfer:
+                self._receiver_gone(lease)
+
+    def _receiver_gone(self, lease: Lease) -> None:
+        # SGLang's prefill server pushes the KV into slots its decoder set aside and
+        # frees it when the push ends; with the decoder gone the push fails at once. It
+        # never holds KV waiting for a pull, so without this a decode leg cancelled after
+        # registering pinned the prefill's KV for the whole bootstrap timeout.
+        self.counters.kv_receiver_gone += 1
+        self.free_lease(lease)
 
 
 def _flatten(block_ids: Any) -> list[int]:

@@ -23,6 +23,10 @@ Keys (all optional; durations are wall-clock seconds, *not* divided by the speed
   metrics_stall_s              engine only: GET /metrics answers only after this long (the
                                connection is accepted at once; a large value plays a
                                /metrics that never answers)
+  decode_slowdown              engine only: every step that decodes takes this many times
+                               as long (>= 1; a mixed step, prefill chunks included, as a
+                               whole): a gray failure, slower than the profile but healthy
+                               to every probe. `leg` and `count` do not apply
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ import attrs
 
 Leg = Literal["prefill", "decode", "aggregate", "any"]
 _LEGS = ("prefill", "decode", "aggregate", "any")
-ENGINE_ONLY = ("count", "down_s", "health_flap_period_s", "unhealthy", "metrics_stall_s")
+ENGINE_ONLY = (
+    "count",
+    "down_s",
+    "health_flap_period_s",
+    "unhealthy",
+    "metrics_stall_s",
+    "decode_slowdown",
+)
 
 
 class FaultSpecError(ValueError):
@@ -58,6 +69,7 @@ class FaultSpec:
     health_flap_period_s: float | None = None
     unhealthy: bool = False
     metrics_stall_s: float | None = None
+    decode_slowdown: float | None = None
 
     def applies_to(self, leg: str) -> bool:
         return self.leg == "any" or self.leg == leg
@@ -100,6 +112,7 @@ _FLOAT_FIELDS = (
     "down_s",
     "health_flap_period_s",
     "metrics_stall_s",
+    "decode_slowdown",
 )
 _BOOL_FIELDS = ("kv_pull_fail", "unhealthy")
 
@@ -134,6 +147,8 @@ def parse_faults(obj: Any, *, per_request: bool = False) -> FaultSpec:
             value = float(value)
             if key == "health_flap_period_s" and value <= 0:
                 raise FaultSpecError("health_flap_period_s must be > 0")
+            if key == "decode_slowdown" and value < 1:
+                raise FaultSpecError(f"decode_slowdown is {value!r}; must be >= 1")
         elif key in _BOOL_FIELDS and not isinstance(value, bool):
             raise FaultSpecError(f"{key} must be true or false")
         kwargs[key] = value

@@ -40,6 +40,8 @@ class Counters:
     leases_released: int = 0
     kv_expired: int = 0
     kv_served: int = 0
+    # SGLang prefill: KV freed at once because its decoder left before taking it.
+    kv_receiver_gone: int = 0
     kv_pulled: int = 0
     kv_pull_failed: int = 0
     heartbeats_sent: int = 0
@@ -86,6 +88,8 @@ class Room:
     lease: Lease | None = None
     failure: str | None = None
     d_present: bool = False
+    # The registered decoder went away before it had the KV.
+    d_gone: bool = False
 
     def fail(self, reason: str) -> None:
         if not self.done.is_set():

@@ -4,7 +4,9 @@
   file, stale build, an engine without a profile) are logged one per line and shown in
   /narwhal/state; they are never silently ignored. Predictive admission without a single
   usable profile cannot price anything, so the daemon refuses to start (or, on reload,
-  keeps the profiles it has).
+  keeps the profiles it has). A usable profile whose fit misses its own measurements
+  (`narwhal.profiles.POOR_FIT_RESIDUAL_P90`) is used, with one warning per engine and
+  phase each time the store is loaded.
 - The role controller runs as a monitor pass handler: each pass hands it the demand
   events the request path recorded since the last pass, then lets it decide.
 - Signals from the request path (first-token timeouts, TTFT breaches, decode token gaps)
@@ -25,9 +27,9 @@ from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
 from ..probe import with_live_builds
-from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
+from ..profiles import DecodeCorrection, FleetProfiles, load_profiles, poor_fits
 from ..recovery import LegObservation, MonitorPass, Predictor
-from ..serving import ServingContext
+from ..serving import DecodeGaps, ServingContext
 
 log = logging.getLogger("narwhal.control")
 
@@ -59,6 +61,20 @@ async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, lis
         len(check.configured),
         extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
     )
+    # Used all the same (it is the best measurement there is), but said once per load.
+    for engine_id in sorted(check.usable):
+        profile = profiles.profile(engine_id)
+        for fit in [] if profile is None else poor_fits(profile):
+            log.warning(
+                "profile: %s",
+                fit.message(),
+                extra={
+                    "event": "profile_poor_fit",
+                    "engine": fit.engine,
+                    "phase": fit.phase,
+                    "residual_p90": round(fit.residual_p90, 4),
+                },
+            )
     return profiles, list(check.messages)
 
 
@@ -179,6 +195,10 @@ class ControlLink:
             self.controller.signal_ttft_breach()
 
     def decode_gaps(self, engine: EngineState, gaps: list[float]) -> None:
+        if self.ctx.fleet.get(engine.id) is not engine:
+            # A reload removed or replaced the engine this stream ran on: its gaps say
+            # nothing of the engine under its id now (corrections are kept by id).
+            return
         source = self.ctx.profiles
         if isinstance(source, FleetProfiles):
             curve = source.decode_curve(engine.id)
@@ -190,19 +210,42 @@ class ControlLink:
             self.controller.observe_decode_interval(engine.id, statistics.median(gaps))
 
 
+# Token gaps a decode leg needs before its median interval is judged against the profile.
+# A short answer's few gaps are mostly its first steps, beside the KV loads of requests
+# joining the batch, and the median of a handful swings with one scheduler hiccup; the
+# profile's own decode points take 24 gaps each (narwhal-profile --decode-gaps).
+MIN_RESIDUAL_GAPS = 16
+
+
 def profile_predictor(ctx: ServingContext) -> Predictor:
     """Predicted latency of a finished leg, for health ejection by latency residual.
 
-    Only uncontended prefill legs are predicted: when another leg shared the engine at
+    Prefill legs are predicted only uncontended: when another leg shared the engine at
     any moment of this one (not merely at its end), the leg's duration includes batching
     and queueing that the profile does not model, and a loaded engine must not look like
     a sick one. Prompts outside the measured domain are not predicted either.
+
+    Decode legs are judged by their median token interval (`DecodeGaps`), predicted at
+    the engine's load while the gaps were measured: the profile models a loaded decode
+    batch (active requests, resident KV tokens), so contention is priced, not excluded.
+    The load is the gap-weighted mean, rounded; the profile's interval is linear in both
+    inputs, so that is the mean of the intervals at each gap's load. Not predicted: a
+    leg with fewer than MIN_RESIDUAL_GAPS gaps, one whose heaviest load left the
+    measured domain, and one whose gaps were not the engine's decoding alone (no
+    `DecodeGaps`). Aggregate legs are not predicted either: the router counts a
+    `both` engine's aggregate legs as decoding from their start, through their prompt's
+    prefill, whose chunks share the decode steps and which the decode profile does not
+    model.
     """
 
     def predict(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
         source = ctx.profiles
+        if source is None:
+            return None
+        if phase == "decode":
+            return _decode_interval(source, engine, observation.gaps)
         tokens = observation.prompt_tokens
-        if source is None or phase != "prefill" or tokens <= 0:
+        if phase != "prefill" or tokens <= 0:
             return None
         if observation.contended or observation.prefill_inflight > 1:
             return None
@@ -212,3 +255,14 @@ def profile_predictor(ctx: ServingContext) -> Predictor:
         return curve.prefill_s(tokens)
 
     return predict
+
+
+def _decode_interval(
+    source: ProfileSource, engine: EngineState, gaps: DecodeGaps | None
+) -> float | None:
+    if gaps is None or gaps.count < MIN_RESIDUAL_GAPS:
+        return None
+    curve = source.decode_curve(engine.id)
+    if curve is None or not curve.in_domain(gaps.max_active, gaps.max_kv_tokens):
+        return None
+    return curve.interval_s(max(1, round(gaps.mean_active)), round(gaps.mean_kv_tokens))

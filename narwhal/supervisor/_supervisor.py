@@ -37,7 +37,7 @@ from prometheus_client import Counter
 
 from .._errors import Unavailable
 from ..admission import ProfileSource
-from ..config import Config, ConfigError, diff, load_config_file
+from ..config import Config, ConfigError, ReloadPlan, diff, load_config_file
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
 from ..profiles import FleetProfiles
@@ -338,7 +338,7 @@ class Supervisor:
         self.config = await apply_config(
             ctx, recovery, new, plan, self._retire, deferred_roles=self.deferred_roles
         )
-        await self._reload_profiles(self.config)
+        await self._reload_profiles(self.config, plan)
         if self.link is not None:
             self.link.reconfigure(self.config)
         for change in plan.restart_required:
@@ -356,20 +356,32 @@ class Supervisor:
         )
         return ReloadResult(True, path, plan=plan, trigger=trigger)
 
-    async def _reload_profiles(self, config: Config) -> None:
+    async def _reload_profiles(self, config: Config, plan: ReloadPlan) -> None:
         ctx = self.ctx
         assert ctx is not None
         if self.injected_profiles is not None:
             return
+        previous = ctx.profiles
         profiles, problems = await load_fleet_profiles(config)
         if profiles is None and config.serving.admission == "predictive":
-            # Keep pricing with what we have rather than refuse every request.
+            # Keep pricing with what we have rather than refuse every request; but not a
+            # replaced engine (another url or dialect) with its predecessor's profile.
+            if isinstance(previous, FleetProfiles):
+                previous.forget(plan.engines_replaced)
             log.error(
                 "reloaded profiles are unusable; keeping the previous ones",
                 extra={"event": "profiles_reload", "outcome": "kept", "problems": problems},
             )
             self.profile_problems = problems
             return
+        if isinstance(profiles, FleetProfiles) and isinstance(previous, FleetProfiles):
+            # Every reload re-reads the profiles: an engine it left alone keeps what was
+            # learnt of its decode speed, which started again from 1.0 on each reload
+            # (a key rotation reset the whole fleet's TPOT pricing).
+            changed = {*plan.engines_added, *plan.engines_replaced, *plan.engines_removed}
+            profiles.carry_corrections(
+                previous, (e.id for e in config.engines if e.id not in changed)
+            )
         install_profiles(ctx, profiles, config)
         self.profile_problems = problems
 
@@ -420,6 +432,7 @@ class Supervisor:
         with trio.move_on_after(CLEANUP_S, shield=True):
             await engine.aclose()
         ctx.fleet.forget(engine)
+        ctx.engine_retired(engine)
         log.info(
             "engine %s retired",
             engine.id,
@@ -443,8 +456,8 @@ class Supervisor:
             text += f"; degraded: {ctx.degraded_reason}"
         last = self.reloads[-1] if self.reloads else None
         if last is not None and not last["applied"]:
-            # ExecReload only sends SIGHUP, so `systemctl reload` succeeds whatever the
-            # daemon makes of the file: `systemctl status` is where a rejection shows.
+            # A SIGHUP (`kill -HUP`) cannot report a rejection to whoever sent it:
+            # `systemctl status` shows it whichever way the reload came.
             errors = last["errors"]
             count = len(errors) if isinstance(errors, list) else 0
             text += f"; last reload rejected ({count} problem(s), see the journal)"

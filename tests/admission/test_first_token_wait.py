@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.admission import BacklogBook, FirstTokenLag, price_fleet
+from narwhal.admission import price_fleet
 from narwhal.config import Config, EngineSpec
 from narwhal.fleet import EngineState
 
@@ -44,15 +44,12 @@ async def test_the_oldest_waiting_decode_leg_sets_the_wait() -> None:
 
 
 def test_pricing_takes_the_overdue_wait_as_a_lower_bound_on_the_lag() -> None:
-    lags = FirstTokenLag(tau_s=1.0)
-    lags.observe("d0", 0.2, now=0.0)
     views = [
         engine_view("d0", "decode", first_token_wait_s=0.5),
         engine_view("d1", "decode"),
     ]
-    priced = price_fleet(views, Source(), BacklogBook(), 0.0, lags)
+    priced = price_fleet(views, Source(), first_token_lag_s={"d0": 0.2})
     assert priced["d0"].first_token_lag_s == pytest.approx(0.5)
     assert priced["d1"].first_token_lag_s == 0.0
-    lags.observe("d1", 0.3, now=0.0)
-    priced = price_fleet(views, Source(), BacklogBook(), 0.0, lags)
+    priced = price_fleet(views, Source(), first_token_lag_s={"d0": 0.2, "d1": 0.3})
     assert priced["d1"].first_token_lag_s == pytest.approx(0.3)

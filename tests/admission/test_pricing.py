@@ -154,21 +154,22 @@ def test_engines_without_profiles_cannot_be_priced() -> None:
 
 
 def test_backlog_book_is_a_virtual_finish_time() -> None:
-    book = BacklogBook()
+    book: BacklogBook[str] = BacklogBook()
     book.commit("p0", 1.0, now=10.0)
     book.commit("p0", 0.5, now=10.2)
     assert book.wait_s("p0", 10.4) == pytest.approx(1.1)
-    book.release("p0", now=11.0)
+    book.release("p0")
     assert book.wait_s("p0", 11.0) == pytest.approx(0.5)
-    book.release("p0", now=11.2)  # the last leg ended early: the error is forgotten
+    book.release("p0")  # the last leg ended early: the error is forgotten
     assert book.wait_s("p0", 11.2) == 0.0
+    assert book.waits(11.2) == {}  # and so is the engine, until its next leg
     assert book.wait_s("unknown", 11.2) == 0.0
     book.commit("p0", 0.3, now=20.0)
     assert book.wait_s("p0", 20.0) == pytest.approx(0.3)
 
 
 def test_a_prompt_queued_behind_backlog_shares_the_per_request_overhead() -> None:
-    book = BacklogBook()
+    book: BacklogBook[str] = BacklogBook()
     # Idle engine: the whole prediction, overhead included.
     book.commit("p0", 0.010, now=0.0, shared_s=0.006)
     assert book.wait_s("p0", 0.0) == pytest.approx(0.010)
@@ -180,7 +181,7 @@ def test_a_prompt_queued_behind_backlog_shares_the_per_request_overhead() -> Non
     assert book.wait_s("p0", 0.001) == pytest.approx(0.013)
     # Once the backlog has drained the engine is idle again: all of it is charged.
     for _ in range(3):
-        book.release("p0", now=0.02)
+        book.release("p0")
     book.commit("p0", 0.010, now=1.0, shared_s=0.006)
     assert book.wait_s("p0", 1.0) == pytest.approx(0.010)
 
@@ -236,7 +237,7 @@ def test_placement_steers_decode_away_from_a_lagging_engine() -> None:
 
 
 def test_first_token_lag_is_a_decaying_weighted_mean() -> None:
-    lags = FirstTokenLag(tau_s=2.0, alpha=0.5)
+    lags: FirstTokenLag[str] = FirstTokenLag(tau_s=2.0, alpha=0.5)
     assert lags.lag_s("d0", 0.0) == 0.0
     lags.observe("d0", 1.0, now=10.0)
     assert lags.lag_s("d0", 10.0) == pytest.approx(1.0)
@@ -360,7 +361,7 @@ def test_placement_prefers_the_decode_engine_with_kv_room() -> None:
 
 
 def test_kv_turnover_is_a_decayed_release_rate() -> None:
-    kv = KvTurnover(tau_s=2.0)
+    kv: KvTurnover[str] = KvTurnover(tau_s=2.0)
     assert kv.rate_per_s("d0", 0.0) == 0.0
     kv.observe("d0", 4000, now=10.0)
     assert kv.rate_per_s("d0", 10.0) == pytest.approx(2000.0)
@@ -619,15 +620,15 @@ def test_placement_projects_a_prefill_path_as_admission_quotes_it() -> None:
 
 
 def test_overdue_backlog_counts_as_long_again_as_it_is_late() -> None:
-    book = BacklogBook()
+    book: BacklogBook[str] = BacklogBook()
     book.commit("p0", 0.1, now=0.0)
     assert book.wait_s("p0", 0.05) == pytest.approx(0.05)
     # Its leg should have ended at 0.1 and has not: a stalled or slow engine is not idle.
     assert book.wait_s("p0", 0.3) == pytest.approx(0.2)
     book.commit("p0", 0.1, now=0.3)  # queued behind the overdue work
     assert book.wait_s("p0", 0.3) == pytest.approx(0.3)
-    book.release("p0", 0.35)
-    book.release("p0", 0.4)
+    book.release("p0")
+    book.release("p0")
     assert book.wait_s("p0", 0.4) == 0.0  # nothing running: the error is forgotten
     book.commit("p1", 0.1, now=1.0)
     assert book.wait_s("p1", 1.102) == pytest.approx(0.002)  # a healthy engine a bit late

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from narwhal.admission import BacklogBook, price_fleet
+from narwhal.admission import price_fleet
 from narwhal.config import Config, EngineSpec
 from narwhal.fleet import EngineState
 
@@ -40,8 +40,8 @@ async def test_pricing_counts_the_estimate_into_the_engines_kv() -> None:
     engine.decode_tokens = 1_000
     with engine.unstreamed_decode(10_000, since=0.0):
         # Source's decode curve steps every 10 ms: 2 s make 200 tokens.
-        priced = price_fleet([engine.view(2.0)], Source(), BacklogBook(), 2.0)
+        priced = price_fleet([engine.view(2.0)], Source())
         assert priced["d0"].decode_tokens == pytest.approx(1_200)
-    priced = price_fleet([engine.view(2.0)], Source(), BacklogBook(), 2.0)
+    priced = price_fleet([engine.view(2.0)], Source())
     assert priced["d0"].decode_tokens == 1_000
     await engine.aclose()

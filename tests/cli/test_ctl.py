@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,27 @@ def test_json_output_says_the_daemon_is_unreachable(capsys: pytest.CaptureFixtur
     assert out["ok"] is False
     assert out["error"]["code"] == "daemon_unreachable"
     assert "no control socket at /nonexistent/ctl.sock" in out["error"]["message"]
+
+
+def test_config_is_read_for_its_control_socket_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `systemctl reload` runs `narwhalctl --config FILE reload`: a file the daemon would
+    # reject must still reach the daemon, which reports every problem. It used to be
+    # checked in full here, so the daemon never heard of it (exit 2, usage error).
+    path = tmp_path / "narwhal.json"
+    socket = tmp_path / "ctl.sock"
+    path.write_text(json.dumps({"serving": {"max_connections": 0}, "ctl": {"socket": str(socket)}}))
+    assert ctl.main(["--config", str(path), "reload"]) == ctl.EXIT_UNREACHABLE
+    assert f"no control socket at {socket}" in capsys.readouterr().err
+    # ... but a control socket it cannot use is a usage error naming the field.
+    path.write_text(json.dumps({"ctl": {"socket": ""}, "bogus": 1}))
+    with pytest.raises(SystemExit) as exit_info:
+        ctl.main(["--config", str(path), "reload"])
+    assert exit_info.value.code == ctl.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        f'narwhalctl: cannot use --config {path}:\n  ctl.socket: "" must not be empty\n'
+    )
 
 
 def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() -> None:

@@ -101,17 +101,32 @@ def test_sglang_bootstrap_port_may_be_left_to_the_default() -> None:
     assert config.engines[0].bootstrap_port is None
 
 
-def test_prefill_floor_needs_prefill_capable_engines() -> None:
-    doc = document(engines=fleet("prefill", "decode", "decode"), controller={"min_prefill": 2})
-    assert problems(doc) == [
-        "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both'"
-    ]
+def test_a_configured_split_below_a_floor_is_the_controller_s_to_restore() -> None:
+    # Manual 7.2 asks only that the floors together fit the configured fleet; these were
+    # refused because fewer engines were configured in the role than its floor.
+    config = load_config(
+        document(engines=fleet("prefill", "decode", "decode"), controller={"min_prefill": 2})
+    )
+    assert config.controller.min_prefill == 2
+    load_config(document(engines=fleet("prefill", "prefill", "both"), controller={"min_decode": 2}))
 
 
-def test_decode_floor_needs_decode_capable_engines() -> None:
-    doc = document(engines=fleet("prefill", "prefill", "both"), controller={"min_decode": 2})
+@pytest.mark.parametrize(
+    ("controller", "dialect", "movable"),
+    [
+        ({"enabled": False}, "vllm", ""),
+        ({"advisory": True}, "vllm", ""),
+        ({}, "sglang", " or that the controller can move there"),
+    ],
+)
+def test_a_floor_no_move_can_meet_is_refused(
+    controller: dict[str, bool], dialect: str, movable: str
+) -> None:
+    engines = [engine(i, role, dialect=dialect) for i, role in enumerate(("prefill", "decode"))]
+    engines.append(engine(2, "decode", dialect=dialect))
+    doc = document(engines=engines, controller={"min_prefill": 2, **controller})
     assert problems(doc) == [
-        "controller.min_decode: 2 exceeds the 1 engine(s) with role 'decode' or 'both'"
+        f"controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both'{movable}"
     ]
 
 
@@ -131,7 +146,6 @@ def test_single_engine_with_role_both_serves_aggregate_inference() -> None:
 
 def test_single_engine_of_one_role_cannot_meet_both_floors() -> None:
     assert problems({"engines": [engine(0, "prefill")]}) == [
-        "controller.min_decode: 1 exceeds the 0 engine(s) with role 'decode' or 'both'",
         "controller: min_prefill + min_decode = 2 exceeds the 1 configured engine(s)",
     ]
 
@@ -139,7 +153,8 @@ def test_single_engine_of_one_role_cannot_meet_both_floors() -> None:
 def test_single_engine_exception_is_only_for_floors_of_one() -> None:
     doc = {"engines": [engine(0, "both")], "controller": {"min_prefill": 2}}
     assert problems(doc) == [
-        "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both'",
+        "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both' or "
+        "that the controller can move there",
         "controller: min_prefill + min_decode = 3 exceeds the 1 configured engine(s)",
     ]
 

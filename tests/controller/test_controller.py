@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from narwhal.config import Config, EngineSpec
-from narwhal.controller import Controller, Profile
+from narwhal.controller import Controller, Profile, prefill_work_s
 from narwhal.fleet import EngineState, Fleet
 from narwhal.metrics import Metrics
 
@@ -283,6 +283,17 @@ def test_floor_recovery_is_recorded_in_flip_history() -> None:
     assert moved.since_role_change_s == 30.0
 
 
+def test_a_configured_split_below_a_floor_is_restored_from_the_first_pass() -> None:
+    # The loader accepts it (manual 7.2 asks only that the floors fit the fleet together).
+    _, fleet, ctl = setup("PPPD", min_decode=2)
+    d = ctl.step(1.0)
+    assert d is not None
+    assert d.caller == "floor-recovery"
+    assert sorted(e.role for e in fleet) == ["decode", "decode", "prefill", "prefill"]
+    ctl.step(2.0)
+    assert ctl.history.total == 1  # the floor is met: no second recovery move
+
+
 def test_flip_history_limit_applies_to_recovery_and_ordinary_changes() -> None:
     _, fleet, ctl = setup("PPPPD", flip_history=2, min_decode=3, dwell_s=0.0)
     get(fleet, "d0").drained = True
@@ -356,6 +367,23 @@ def test_decode_intervals_feed_the_measured_decode_load() -> None:
     d = ctl.step(1.0)
     assert d is not None
     assert d.loads.measured_decode == pytest.approx((0.5 + 0 + 0 + 0) / 4)
+
+
+def test_prefills_waiting_for_a_router_slot_are_measured_prefill_work() -> None:
+    # Under serving.prefill_concurrency the queue is the router's, not the engine's: the
+    # pressure counted only legs in flight, so a capped pool looked idle however long
+    # its queue (and the controller never moved an engine to prefill for it).
+    cfg, fleet, _ = setup("PPDD")
+    ctl = Controller(cfg, fleet, mean_profile=lambda: PROFILE, started_at=0.0)
+    p0 = fleet.get("p0")
+    assert p0 is not None
+    p0.prefill_inflight, p0.prefill_tokens_inflight = 1, 400
+    idle = ctl.snapshot(1.0)
+    p0.prefill_queued, p0.prefill_queued_tokens = 3, 1200
+    queued = ctl.snapshot(1.0)
+    assert queued.engines[0].prefill_work_s == pytest.approx(prefill_work_s(PROFILE, 4, 1600))
+    assert queued.prefill_pressure == pytest.approx(4 * idle.prefill_pressure)
+    assert p0.resident_work == 4
 
 
 def test_decode_correction_is_clamped_to_configured_bounds() -> None:

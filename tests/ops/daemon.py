@@ -59,9 +59,13 @@ class Daemon:
                 if line in text.split("\n"):
                     return text
 
-    async def ctl(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+    async def ctl(self, *args: str, via_config: bool = False) -> subprocess.CompletedProcess[bytes]:
+        """narwhalctl with `--socket`, or with `--config` (as the systemd unit's ExecReload)."""
+        where = (
+            ["--config", str(self.config_path)] if via_config else ["--socket", str(self.ctl_path)]
+        )
         return await trio.run_process(
-            [sys.executable, "-m", "narwhal.cli.ctl", "--socket", str(self.ctl_path), *args],
+            [sys.executable, "-m", "narwhal.cli.ctl", *where, *args],
             capture_stdout=True,
             capture_stderr=True,
             check=False,

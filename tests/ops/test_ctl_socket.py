@@ -16,7 +16,9 @@ import pytest
 import trio
 
 from narwhal.ctl import (
+    LOGGED_REFUSALS,
     MAX_REQUEST_BYTES,
+    MAX_REQUESTS,
     ControlServer,
     ControlSocketError,
     CtlError,
@@ -297,6 +299,35 @@ async def test_every_refusal_is_logged_once_with_its_command_target_and_reason(
             },
         ),
     ]
+
+
+async def test_a_looping_client_s_refusals_are_logged_in_bulk_and_the_request_limit_named(
+    nursery: trio.Nursery, short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each refused request was a WARNING line: one connection could write MAX_REQUESTS of
+    # them, and its close at that limit was not logged at all.
+    path = short_tmp / "ctl.sock"
+    await serve(nursery, path)
+    refused = b'{"command": "drain", "engine": "nope"}\n'
+    accepted = b'{"command": "state"}\n'
+    extra = LOGGED_REFUSALS + 10
+    payload = refused * extra + accepted * (MAX_REQUESTS - extra) + accepted
+    with caplog.at_level(logging.INFO, logger="narwhal.ctl"):
+        responses = await exchange(path, payload)
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(responses) == MAX_REQUESTS  # the one past the limit is not answered
+    assert sum(not r["ok"] for r in responses) == extra
+    logged = refusals(caplog)
+    assert [entry[2]["outcome"] for entry in logged] == [
+        *["unknown_engine"] * LOGGED_REFUSALS,
+        "request_limit",
+        "refusals_unlogged",
+    ]
+    assert logged[-2][1] == f"control connection closed after its limit of {MAX_REQUESTS} requests"
+    assert logged[-1][1] == (
+        f"control connection closed: 10 more refused request(s) not logged one by one "
+        f"({extra} refused in all)"
+    )
 
 
 async def test_refused_connections_are_logged(

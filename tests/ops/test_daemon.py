@@ -255,9 +255,10 @@ async def test_reload_under_load_valid_and_invalid_with_zero_failed_requests(
         assert "engine.first_token_timeout_s: 2.5 -> 3.0" in last["changes"]
         await trio.sleep(0.3)
 
-        # 2. invalid, by narwhalctl: refused with every problem; nothing changes.
+        # 2. invalid, by narwhalctl --config, as `systemctl reload` runs it: the file
+        # reaches the daemon, which refuses it with every problem; nothing changes.
         daemon.write_config({**added, "serving": {"max_connections": 0}, "bogus": True})
-        code, out, err = text(await daemon.ctl("reload"))
+        code, out, err = text(await daemon.ctl("reload", via_config=True))
         reloads.append(trio.current_time())
         await daemon.message("RELOADING=1")
         await daemon.message("READY=1")  # after a rejected reload too

@@ -12,9 +12,11 @@ import httpx
 import trio
 
 from narwhal.config import load_config
+from narwhal.profiles import FleetProfiles, save_profiles
 from narwhal.serving import ServingContext, state_document
 from narwhal.supervisor import Notifier, Supervisor
 
+from ..profiles.helpers import config_document, store_for
 from ..recovery.conftest import FAST, StartStack, start_stack as start_stack
 from ..recovery.fakes import merge
 from ..serving.conftest import MODEL, Stack
@@ -173,6 +175,14 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             events = await read_all(reader)
         assert events[-1] == "[DONE]"
         await wait_for(lambda: not ctx.fleet.retiring)
+        # The KV the stream freed on d1 after the reload was counted on d1, and what
+        # admission learnt about d1 went once it retired: nothing is kept or shown for it.
+        live = list(ctx.fleet)
+        assert all(e in live for e in [*ctx.kv_turnover.value, *ctx.first_token_lags.value])
+        admission = state_document(ctx)["admission"]
+        assert isinstance(admission, dict)
+        assert "d1" not in admission["decode_kv_release_tokens_per_s"]
+        assert "d1" not in admission["decode_first_token_lag_s"]
 
         write(path, {**new, "serving": {"max_connections": 0}, "bogus": 1})
         rejected = await supervisor.reload()
@@ -305,8 +315,8 @@ async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
 async def test_a_rejected_reload_shows_in_the_systemd_status_until_one_applies(
     start_stack: StartStack, short_tmp: Path
 ) -> None:
-    # ExecReload only sends SIGHUP: `systemctl reload` reports success whatever the daemon
-    # makes of the file, so `systemctl status` must say when it was rejected.
+    # A SIGHUP reports nothing back to whoever sent it, so `systemctl status` must say
+    # when a reload was rejected.
     stack = await start_stack()
     document = pair_document(stack)
     path = short_tmp / "narwhal.json"
@@ -363,4 +373,42 @@ async def test_a_reload_of_the_client_stall_limit_applies_to_the_http_server(
         # Well inside the old 60 s limit.
         await wait_for(lambda: ctx.outcomes["client_disconnected"] == 1, within_s=10.0)
         sock.close()
+        supervisor.request_shutdown()
+
+
+async def test_a_reload_keeps_the_decode_corrections_of_the_engines_it_left_alone(
+    tmp_path: Path,
+) -> None:
+    # Every reload re-reads the profiles, and each engine's learnt decode correction
+    # started again from 1.0: a reload that only rotated a key reset TPOT pricing.
+    urls = {"p0": "http://127.0.0.1:1", "d0": "http://127.0.0.1:2", "d1": "http://127.0.0.1:3"}
+    store = tmp_path / "profiles.json"
+    save_profiles(store_for(urls), store)
+    document = merge(
+        config_document(urls, profiles=str(store), listen={"host": "127.0.0.1", "port": 0}),
+        FAST,
+    )
+    path = tmp_path / "narwhal.json"
+    write(path, document)
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(document), config_path=str(path)).run
+        )
+        assert supervisor.ctx is not None
+        before = supervisor.ctx.profiles
+        assert isinstance(before, FleetProfiles)
+        for engine_id in ("d0", "d1"):
+            before.observe_decode(engine_id, [0.03] * 20, 0.02)
+        learnt = before.decode_correction("d0")
+        assert learnt > 1.0
+        # d1 moves to another server; the rest of the change applies in place.
+        moved = merge(document, {"serving": {"max_connections": 64}})
+        moved["engines"][2]["url"] = "http://127.0.0.1:4"
+        write(path, moved)
+        assert (await supervisor.reload(trigger="SIGHUP")).applied
+        after = supervisor.ctx.profiles
+        assert isinstance(after, FleetProfiles)
+        assert after is not before
+        assert after.decode_correction("d0") == learnt
+        assert after.decode_correction("d1") == 1.0  # another engine now
         supervisor.request_shutdown()

@@ -108,7 +108,11 @@ def test_systemd_unit_is_type_notify_with_reload_watchdog_and_a_stop_timeout_ove
     assert service["Type"] == "notify"
     assert service["NotifyAccess"] == "main"
     assert service["ExecStart"].endswith("narwhal serve --config /etc/narwhal/narwhal.json")
-    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    # A reload through narwhalctl, so that a rejected file fails `systemctl reload`
+    # (exit 1); SIGHUP reported success whatever the daemon made of the file.
+    assert service["ExecReload"] == (
+        "/opt/narwhal/.venv/bin/narwhalctl --config /etc/narwhal/narwhal.json reload"
+    )
     assert service["KillSignal"] == "SIGTERM"
     assert int(service["WatchdogSec"]) > 0
     stop = int(service["TimeoutStopSec"])

@@ -26,7 +26,7 @@ from narwhal.profiles import read_store, save_profiles
 from narwhal.sim import Fleet, SimEngineSpec, SimTiming
 
 from ..support import StartFleet
-from .helpers import config_for, store_for
+from .helpers import config_for, prefill, store_for
 
 Role = Literal["prefill", "decode", "both"]
 PLAN = CheckPlan(handoff_samples=1, handoff_sizes=(64, 2048), lease_max_s=5.0, lease_poll_s=0.01)
@@ -236,6 +236,27 @@ async def test_profile_missing_or_stale(start_fleet: StartFleet, tmp_path: Path,
         )
     # Without a usable store the p99 still comes from the check's own handoffs.
     assert statuses(report, "first-token") == {"fleet": "pass"}
+
+
+async def test_a_poor_fit_is_a_warning(start_fleet: StartFleet, tmp_path: Path) -> None:
+    fleet = await start_fleet(engines=2, speed=4.0)
+    config = await setup(fleet, tmp_path)
+    store, _ = read_store(config.profiles.path)
+    assert store is not None
+    poor = attrs.evolve(prefill(), residual_p90=0.3, residual_max=0.35, points=10)
+    e1 = attrs.evolve(store.engines["e1"], prefill=poor)
+    save_profiles(attrs.evolve(store, engines={**store.engines, "e1": e1}), config.profiles.path)
+    report = await run_check(config, attrs.evolve(PLAN, measure_lease=False))
+    assert not report.failed
+    profile = rows(report, "profile")
+    assert statuses(report, "profile") == {"e0": "pass", "e1": "warn"}
+    assert profile["e1"].measured == "poor fit"
+    assert profile["e1"].note.startswith(
+        "engine 'e1': prefill fit residual p90 30.0% (max 35.0% over 10 measured points) is "
+        "above 25%: the model misses its own measurements by that much, so this engine's "
+        "predicted prefill time, which admission's TTFT projections and prefill load are "
+        "made of, can be that far off"
+    )
 
 
 def sglang_config(

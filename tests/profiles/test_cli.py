@@ -10,14 +10,17 @@ import json
 from functools import partial
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 from narwhal.cli import check as check_cli, profile as profile_cli
-from narwhal.profiles import load_profiles
+from narwhal.config import Config
+from narwhal.probe import SweepPlan
+from narwhal.profiles import ProfileStore, load_profiles
 
 from ..support import StartFleet
-from .helpers import config_document, config_for
+from .helpers import config_document, config_for, decode, store_for
 
 PROFILE_ARGS = [
     "--fast",
@@ -164,3 +167,39 @@ def test_profile_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
         profile_cli.main(["--config", "x.json", "--prefill-sizes", "16,zero"])
     assert exit_info.value.code == 2
     assert "'16,zero' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+async def test_profile_warns_of_a_poor_fit_and_still_writes(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    quiet: bool,
+) -> None:
+    urls = {"p0": "http://127.0.0.1:8100", "d0": "http://127.0.0.1:8101"}
+    out = tmp_path / "profiles.json"
+    config = config_for(urls, profiles=str(out))
+    store = store_for(urls)
+    poor = attrs.evolve(decode(), residual_p90=0.42, residual_max=0.9, points=12)
+    store = attrs.evolve(
+        store, engines={**store.engines, "d0": attrs.evolve(store.engines["d0"], decode=poor)}
+    )
+
+    async def measured(
+        _config: Config, _plan: SweepPlan, *, progress: object = None
+    ) -> ProfileStore:
+        return store
+
+    monkeypatch.setattr(profile_cli, "profile_fleet", measured)
+    assert await profile_cli.run(config, SweepPlan.fast(), str(out), quiet=quiet) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"wrote {out}: 2 engine profile(s)")
+    assert captured.err.splitlines() == [
+        "narwhal-profile: WARNING: engine 'd0': decode fit residual p90 42.0% (max 90.0% over "
+        "12 measured points) is above 25%: the model misses its own measurements by that "
+        "much, so this engine's predicted token interval, which decode load, admission's "
+        "decode side and the role controller's split projections are made of, can be that "
+        "far off (a projection at 80% of a target can be a breach); re-run narwhal-profile "
+        "on a quiet host"
+    ]
+    assert load_profiles(out, config).ok

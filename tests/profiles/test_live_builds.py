@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import attrs
+import pytest
 import trio
 
 from narwhal.config import Config
@@ -17,7 +19,7 @@ from narwhal.supervisor._control import (
 )
 
 from ..support import StartFleet
-from .helpers import config_for, store_for
+from .helpers import config_for, decode, store_for
 from .test_check import build_of
 
 
@@ -104,3 +106,43 @@ async def test_an_engine_restarted_on_another_build_loses_its_profile_before_rel
         f"engine 'e1': build is {live!r} but the profile was measured on {old!r}; the profile "
         "is stale, run narwhal-profile again"
     )
+
+
+async def test_a_poor_fit_is_used_and_logged_once_per_load(
+    start_fleet: StartFleet, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fleet = await start_fleet(engines=2, speed=50.0)
+    urls = {"e0": fleet[0].url, "e1": fleet[1].url}
+    path = tmp_path / "profiles.json"
+    config = config_for(urls, profiles=str(path))
+    store = store_for(urls, build=await build_of(config))
+    poor = attrs.evolve(decode(), residual_p90=0.31, residual_max=0.5, points=8)
+    good = attrs.evolve(decode(), residual_p90=0.12, residual_max=0.12, points=8)
+    engines = {
+        "e0": attrs.evolve(store.engines["e0"], decode=good),
+        "e1": attrs.evolve(store.engines["e1"], decode=poor),
+    }
+    save_profiles(attrs.evolve(store, engines=engines), path)
+    with caplog.at_level(logging.INFO, logger="narwhal.control"):
+        profiles, problems = await load_fleet_profiles(config)
+    assert profiles is not None
+    assert profiles.check.usable == {"e0", "e1"}
+    assert problems == []
+    warned = [
+        (r.levelno, r.__dict__.get("engine"), r.__dict__.get("phase"), r.getMessage())
+        for r in caplog.records
+        if r.__dict__.get("event") == "profile_poor_fit"
+    ]
+    assert warned == [
+        (
+            logging.WARNING,
+            "e1",
+            "decode",
+            "profile: engine 'e1': decode fit residual p90 31.0% (max 50.0% over 8 measured "
+            "points) is above 25%: the model misses its own measurements by that much, so "
+            "this engine's predicted token interval, which decode load, admission's decode "
+            "side and the role controller's split projections are made of, can be that far "
+            "off (a projection at 80% of a target can be a breach); re-run narwhal-profile "
+            "on a quiet host",
+        )
+    ]

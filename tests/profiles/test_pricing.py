@@ -199,3 +199,33 @@ def test_fleet_profiles_tracks_a_correction_per_engine(tmp_path: Path) -> None:
     empty = FleetProfiles(load_profiles(tmp_path / "none.json", config_for(urls)))
     assert empty.handoff_s(100) == 0.0
     assert empty.mean_profile() is None
+
+
+def test_a_reload_keeps_what_was_learnt_of_an_unchanged_engine_s_decode_speed(
+    tmp_path: Path,
+) -> None:
+    # Every reload re-reads the profiles; each engine's correction started again from 1.0,
+    # so rotating an API key reset the whole fleet's TPOT pricing.
+    urls = {"p0": "http://127.0.0.1:8100", "d0": "http://127.0.0.1:8101"}
+    path = tmp_path / "profiles.json"
+    store = store_for(urls)
+    save_profiles(store, path)
+    template = DecodeCorrection(alpha=0.5, min_samples=2)
+    before = FleetProfiles(load_profiles(path, config_for(urls)), correction=template)
+    before.observe_decode("p0", [0.03, 0.03], 0.01)  # 2.0, capped at 2.0
+    before.observe_decode("d0", [0.02, 0.02], 0.01)  # 1.5
+    # d0 was profiled again: its learnt correction was relative to the old model.
+    engines = dict(store.engines)
+    engines["d0"] = attrs.evolve(engines["d0"], decode=decode(t0=0.02))
+    save_profiles(attrs.evolve(store, engines=engines), path)
+    narrower = DecodeCorrection(max_value=1.8, alpha=0.5, min_samples=2)
+    after = FleetProfiles(load_profiles(path, config_for(urls)), correction=narrower)
+    assert after.carry_corrections(before, ["p0", "d0", "gone"]) == ["p0"]
+    assert after.decode_correction("p0") == 1.8  # within the reloaded bounds
+    assert after.correction("p0").windows == 1
+    assert after.decode_correction("d0") == 1.0
+    # A replaced engine (another url) keeps neither its profile nor its correction.
+    before.forget(["p0"])
+    assert before.prefill_curve("p0") is None
+    assert before.decode_correction("p0") == 1.0
+    assert before.decode_curve("d0") is not None

@@ -17,6 +17,7 @@ from narwhal.profiles import (
     check_store,
     crossed_pairs,
     load_profiles,
+    poor_fits,
     save_profiles,
     store_from_json,
     store_to_json,
@@ -275,6 +276,36 @@ def test_engine_cap_round_trips_and_stores_without_it_load_as_unknown() -> None:
     mean = both.mean_profile()
     assert mean is not None
     assert mean.max_num_seqs == 96
+
+
+def test_fit_quality_round_trips_and_stores_without_it_load_unjudged() -> None:
+    store = store_for(URLS)
+    measured = attrs.evolve(
+        store.engines["d0"],
+        decode=attrs.evolve(decode(), residual_p90=0.4, residual_max=0.6, points=8, spread_p90=0.5),
+    )
+    store = attrs.evolve(store, engines={**store.engines, "d0": measured})
+    document: Any = store_to_json(store)
+    parsed, problems = store_from_json(document)
+    assert problems == []
+    assert parsed == store
+    assert parsed is not None
+    assert [(f.engine, f.phase) for f in poor_fits(parsed.engines["d0"])] == [("d0", "decode")]
+    # A store written before model error and spread were separated: its residuals mixed
+    # both (the demo store's decode p90 was 30-80 %), so it loads, and is not judged.
+    for fields in document["engines"].values():
+        for phase in ("prefill", "decode"):
+            for name in ("points", "spread_p50", "spread_p90", "spread_max"):
+                del fields[phase][name]
+    old, problems = store_from_json(document)
+    assert problems == []
+    assert old is not None
+    assert old.engines["d0"].decode.residual_p90 == 0.4
+    assert {(p.prefill.points, p.decode.points) for p in old.engines.values()} == {(0, 0)}
+    assert all(poor_fits(p) == [] for p in old.engines.values())
+    mean = old.mean_profile()
+    assert mean is not None
+    assert (mean.decode.points, mean.decode.residual_p90) == (0, 0.4)
 
 
 @pytest.mark.parametrize(

@@ -9,17 +9,20 @@ import attrs
 import trio
 
 from narwhal._errors import EngineFailed
-from narwhal.config import Config, load_config
+from narwhal.config import Config, diff, load_config
 from narwhal.fleet import EngineState
 from narwhal.recovery import (
     ContextReading,
     KeyCheck,
     LoadSample,
     ProbeResult,
+    Recovery,
     ScrapeError,
     VerifyPair,
     VerifyResult,
 )
+from narwhal.serving import ServingContext
+from narwhal.supervisor._reload import apply_config
 
 HEALTHY = ProbeResult("ok", "GET /health returned HTTP 200", True, (("instance_id", "a"),))
 UNHEALTHY = ProbeResult("failed", "GET /health returned HTTP 503", True)
@@ -142,6 +145,14 @@ def config(**sections: Any) -> Config:
         },
     }
     return load_config(merge(document, sections))
+
+
+async def reload(ctx: ServingContext, recovery: Recovery, new: Config) -> list[EngineState]:
+    """Apply `new` as `narwhalctl reload` would; returns the engines it retired (their
+    resident requests are left to the caller: there is no supervisor to retire them)."""
+    retired: list[EngineState] = []
+    await apply_config(ctx, recovery, new, diff(ctx.config, new), retired.append)
+    return retired
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

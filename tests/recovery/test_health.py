@@ -224,6 +224,38 @@ def test_restart_hold_restarts_its_clock_on_a_second_restart() -> None:
     assert not hold.clear()
 
 
+def test_a_cut_hold_verifies_at_once_and_a_new_restart_waits_again() -> None:
+    hold = RestartHold()
+    hold.start(10.0, "x", 5.0)
+    assert hold.waiting(11.0)
+    hold.cut(11.0, "cut short")
+    assert (hold.waiting(11.0), hold.active, hold.verify_after) == (False, True, 11.0)
+    assert hold.snapshot(11.0)["cut_short"] == "cut short"
+    hold.start(12.0, "y", 5.0)  # a second restart restarts the clock, uncut
+    assert (hold.waiting(12.0), hold.cut_reason, hold.cuts_total) == (True, None, 1)
+    hold.cut(12.0, "cut short again")
+    assert hold.clear()
+    assert hold.snapshot(12.0) == {
+        "active": False,
+        "reason": None,
+        "verify_in_s": None,
+        "cut_short": None,
+        "holds_total": 1,
+        "cut_short_total": 2,
+    }
+
+
+def test_notes_go_into_the_reason_of_the_change_to_verifying() -> None:
+    health = HealthTracker()
+    health.eject("x")
+    change = health.probe_ok(Health(readmit_successes=1), "alone", notes=["slow", "backoff"])
+    assert change is not None
+    assert change.reason == (
+        "1 good probe (recovery.health.readmit_successes=1); slow; backoff; verifying before "
+        "readmission"
+    )
+
+
 VLLM_METRICS = b"""# HELP vllm:num_requests_running Requests in execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m x"} 3.0

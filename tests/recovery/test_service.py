@@ -32,9 +32,12 @@ from narwhal.recovery import (
     ScrapeError,
     VerifyResult,
 )
-from narwhal.serving import ServingContext
+from narwhal.serving import DecodeGaps, ServingContext
 from narwhal.serving._lag import LAG_PROBE_S
+from narwhal.sim import SimTiming
+from narwhal.supervisor._control import MIN_RESIDUAL_GAPS, profile_predictor
 
+from ..serving.test_predictive import LawProfiles
 from .fakes import (
     EXHAUSTED,
     HEALTHY,
@@ -47,6 +50,7 @@ from .fakes import (
     config,
     failure,
     first_token_timeout,
+    reload,
     unreachable,
 )
 
@@ -121,6 +125,9 @@ def with_peer(role: str, **sections: Any) -> Config:
         ],
         **sections,
     )
+
+
+P0 = {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"}
 
 
 def eject_d0(rig: Rig) -> None:
@@ -271,6 +278,55 @@ async def test_a_failed_verification_keeps_out_an_engine_readmitted_on_one_good_
     assert record.health.shortcuts_total == 2
 
 
+async def test_failed_readmission_verifications_back_off_until_one_passes_or_a_restart(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # An engine that answers /health but fails its pair (a dead GPU behind a live HTTP
+    # server) while its role is empty: verified after each good probe, it would take a
+    # pair (sent twice) every probe interval for as long as it stays broken. From the
+    # second failure in a row the wait doubles: 1, 2, 4, 8, 8 intervals.
+    rig = await start(nursery, config())
+    eject_d0(rig)
+    await rig.at(3.0)
+    rig.prober.health_of["d0"] = HEALTHY
+    broken = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    rig.prober.verify_of["d0"] = broken
+    await rig.at(30.0)
+    pairs = [v.at - rig.t0 for v in rig.prober.verifications]
+    assert pairs == [t for t in (4.0, 5.0, 7.0, 11.0, 19.0, 27.0) for _ in range(2)]
+    assert rig.reason("d0") == (
+        "ejected: 1 good probe of recovery.health.readmit_successes=2, enough while no other "
+        "engine in placement takes decode work; 6 verifications failed in a row, so it waits "
+        "until 8 s after the last; verifying before readmission"
+    )
+    health = state_of(rig, "d0")["health"]
+    assert (health["failed_verifications"], health["verify_in_s"]) == (6, 5.0)
+    ejected = [c["reason"] for c in rig.recovery.recent_changes if c["to"] == "ejected"]
+    assert ejected[-1] == (
+        "verification failed: decode leg on d0 returned HTTP 500; 6 failed in a row, so the "
+        "next waits 8 s (doubling from recovery.health.interval_s=1.0, up to 8 of them)"
+    )
+    # A restart is a new instance (how such an engine is mostly fixed): verified at once.
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(31.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications][12:] == [31.0, 31.0]
+    assert state_of(rig, "d0")["health"]["failed_verifications"] == 1
+    del rig.prober.verify_of["d0"]
+    await rig.at(32.0)
+    assert rig.reason("d0") is None
+    health = state_of(rig, "d0")["health"]
+    assert (health["failed_verifications"], health["verify_in_s"]) == (0, None)
+    # A pass starts the count over: the next ejection's first failures come quickly.
+    rig.prober.verify_of["d0"] = broken
+    eject_d0(rig)
+    await rig.at(35.0)
+    # Instance b, as before the ejection: no restart this time.
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(38.0)
+    pairs = [v.at - rig.t0 for v in rig.prober.verifications][15:]
+    assert pairs == [36.0, 36.0, 37.0, 37.0]
+
+
 async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -337,7 +393,7 @@ async def test_an_engine_down_at_startup_is_kept_probed_held_and_readmitted(
 ) -> None:
     prober = FakeProber()
     prober.health_of["d0"] = REFUSED
-    rig = await start(nursery, config(), prober)
+    rig = await start(nursery, with_peer("decode"), prober)  # x1 takes decode work
     assert rig.reason("d0") == (
         "ejected: failed its first probe (startup): GET /health: connect failed: connection refused"
     )
@@ -360,10 +416,89 @@ async def test_an_engine_down_at_startup_is_kept_probed_held_and_readmitted(
     ]
 
 
+def state_of(rig: Rig, engine_id: str) -> Any:
+    engines: Any = rig.recovery.state()["engines"]
+    return engines[engine_id]
+
+
+CUT_1P1D = (
+    "cut short 5.0 s before recovery.restart_hold_s=5.0 ran out, at a good probe, while no "
+    "other engine in placement takes decode work"
+)
+
+
+async def test_a_restart_hold_ends_at_the_first_good_probe_when_no_other_engine_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1P1D: while d0 is held every request is refused (no_engine_available), so waiting
+    # for its warm-up costs the whole service. What the hold does besides waiting stays:
+    # the context length is read again, the verification pair has to pass and the build
+    # is compared (before_release) before placement sees it.
+    prober = FakeProber()
+    prober.health_of["d0"] = REFUSED
+    rig = await start(nursery, config(), prober)
+    released: list[tuple[str | None, float]] = []
+
+    async def before_release(engine: EngineState) -> None:
+        released.append((rig.reason(engine.id), trio.current_time() - rig.t0))
+
+    rig.recovery.before_release = before_release
+    await rig.at(3.0)
+    prober.health_of["d0"] = HEALTHY
+    prober.verify_of["d0"] = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+    with caplog.at_level(logging.INFO, logger="narwhal.recovery"):
+        await rig.at(4.0)  # answers again: held, and verified at once
+    assert [v.at - rig.t0 for v in prober.verifications] == [4.0, 4.0]
+    assert [at - rig.t0 for e, at in prober.context_reads if e == "d0"] == [4.0]
+    # The failed pair keeps it out, held.
+    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    assert rig.engine("d0").held_until == math.inf
+    assert released == []
+    hold = state_of(rig, "d0")["hold"]
+    assert (hold["active"], hold["verify_in_s"], hold["cut_short"]) == (True, 0.0, CUT_1P1D)
+    (logged,) = [r for r in caplog.records if getattr(r, "event", "") == "restart_hold_cut"]
+    assert logged.levelname == "WARNING"
+    assert logged.getMessage() == f"restart hold of d0 {CUT_1P1D}: verifying before placement"
+    del prober.verify_of["d0"]
+    await rig.at(5.0)  # the next good probe, the next pair
+    assert [v.at - rig.t0 for v in prober.verifications] == [4.0, 4.0, 5.0]
+    assert released == [("restart hold", 5.0)]
+    assert rig.reason("d0") is None
+    (release,) = [c for c in rig.recovery.recent_changes if c["to"] == "released"]
+    assert release["reason"] == f"verification passed; the hold was {CUT_1P1D}"
+    hold = state_of(rig, "d0")["hold"]
+    assert (hold["holds_total"], hold["cut_short_total"], hold["cut_short"]) == (1, 1, None)
+
+
+async def test_a_restart_hold_is_cut_short_at_once_when_its_role_empties_during_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # x1 takes decode work while d0 is held; when x1 goes out (its decode breaker opens
+    # at +3.5) d0 is probed at once, not at +4, and verified at that probe.
+    rig = await start(nursery, with_peer("decode", recovery={"breaker": {"open_s": 100.0}}))
+    await rig.at(1.5)
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
+    await rig.at(3.5)
+    assert rig.reason("d0") == "restart hold"
+    assert rig.prober.verifications == []
+    x1 = rig.engine("x1")
+    for _ in range(3):
+        rig.recovery.leg_failed(x1, "decode", failure("x1", "decode"))
+    await rig.at(3.5)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [3.5]
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [3.0, 3.5]
+    assert rig.reason("d0") is None
+    (release,) = [c for c in rig.recovery.recent_changes if c["to"] == "released"]
+    assert release["reason"] == (
+        "verification passed; the hold was cut short 3.5 s before recovery.restart_hold_s=5.0 "
+        "ran out, at a good probe, while no other engine in placement takes decode work"
+    )
+
+
 async def test_identity_change_is_a_restart_held_until_verified(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    rig = await start(nursery, config())
+    rig = await start(nursery, with_peer("decode"))
     await rig.at(1.5)
     rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
     await rig.at(2.0)
@@ -439,8 +574,9 @@ async def test_a_restarted_engine_is_released_only_after_the_before_release_hook
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     # A restart may be an upgrade: the supervisor's hook compares builds (a stale profile
-    # is dropped) while the engine is still held, so nothing is priced with it meanwhile.
-    rig = await start(nursery, config())
+    # is dropped) while the engine is still held, so nothing is priced with it meanwhile;
+    # also when the hold was cut short because no other engine takes its role's work.
+    rig = await start(nursery, with_peer("decode"))
     seen: list[tuple[str, str | None, float]] = []
 
     async def before_release(engine: EngineState) -> None:
@@ -455,8 +591,16 @@ async def test_a_restarted_engine_is_released_only_after_the_before_release_hook
     assert rig.reason("d0") == "restart hold"
     await rig.at(7.5)
     assert rig.reason("d0") is None
+    # Alone in its role, its hold is cut short at the probe that sees the restart.
+    rig.engine("x1").drained = True
+    rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "c"),))
+    await rig.at(8.0)
+    assert seen[1:] == [("d0", "restart hold", 8.0)]
+    assert rig.reason("d0") == "restart hold"
+    await rig.at(8.5)
+    assert rig.reason("d0") is None
     await rig.at(20.0)
-    assert len(seen) == 1  # not for an engine that was not held
+    assert len(seen) == 2  # not for an engine that was not held
 
 
 async def test_a_leg_that_cannot_connect_takes_the_engine_out_until_a_probe_answers(
@@ -729,15 +873,21 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
         False,
         "failed",
     )
-    assert rig.reason("d0") == "ejected: verification failed: decode leg on d0 returned HTTP 500"
+    assert rig.reason("d0") == (
+        "ejected: verification failed: decode leg on d0 returned HTTP 500; 2 failed in a "
+        "row, so the next waits 2 s (doubling from recovery.health.interval_s=1.0, up to 8 "
+        "of them)"
+    )
     # But not a failure that is certainly the in-service partner's own: its serving traffic
     # and breakers judge p0.
     rig.prober.verify_of["d0"] = VerifyResult(
         "failed", "prefill leg on p0: connection refused", culprit="p0"
     )
-    await rig.at(8.0)  # a good probe at +8
+    await rig.at(8.0)  # a good probe at +8; the verification waits until +9
+    assert verified(rig, "d0")[0][-1] == 7.0
+    await rig.at(9.0)
     times, last = verified(rig, "d0")
-    assert (times[-1], last["standby"], last["outcome"]) == (8.0, False, "inconclusive")
+    assert (times[-1], last["standby"], last["outcome"]) == (9.0, False, "inconclusive")
     assert last["detail"] == (
         "prefill leg on p0: connection refused; not counted against d0: the failure is p0's own"
     )
@@ -985,10 +1135,11 @@ async def test_a_readmission_verification_refused_for_the_key_waits_for_the_key_
     rig.prober.verify_of["d0"] = refused_leg(d0)
     rig.prober.key_of["d0"] = KEY_REFUSED
     await rig.at(1.5)
-    # Relaunched with another key: a new instance, held, then verified.
+    # Relaunched with another key: a new instance, held, then verified (at once: no other
+    # engine takes decode work, so the hold is cut short).
     rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
-    await rig.at(7.0)  # held at +2 for recovery.restart_hold_s=5
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0]
+    await rig.at(2.0)
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.0]
     # Out for the key, as a refused request would put it, not for a failed verification.
     assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
     assert changes(rig, "health") == []
@@ -997,14 +1148,14 @@ async def test_a_readmission_verification_refused_for_the_key_waits_for_the_key_
     assert record.hold.active
     assert record.last_verification is not None
     assert record.last_verification["outcome"] == "refused"
-    await rig.at(9.5)
+    await rig.at(4.5)
     # Not verified again while the key is refused; its key is checked instead.
     assert len(rig.prober.verifications) == 1
-    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [8.0, 9.0]
+    assert [at - rig.t0 for _, at in rig.prober.key_checks] == [3.0, 4.0]
     rig.prober.key_of["d0"] = KEY_ACCEPTED
     del rig.prober.verify_of["d0"]
-    await rig.at(10.0)  # the key is accepted, and the verification follows at once
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [7.0, 10.0]
+    await rig.at(5.0)  # the key is accepted, and the verification follows at once
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.0, 5.0]
     assert rig.reason("d0") is None
     assert changes(rig, "hold") == [
         ("d0", None, "released", "held"),
@@ -1409,6 +1560,145 @@ async def test_a_slow_engine_is_ejected_when_an_aggregate_engine_takes_its_work(
     assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
 
 
+async def eject_d0_for_latency(nursery: trio.Nursery) -> Rig:
+    """2P2D with d0 ejected for latency at +0 (`residual_config`): its good probes count
+    from +30, when recovery.health.window_s has passed."""
+
+    def predictor(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
+        return 0.1
+
+    rig = await start(nursery, residual_config(), predictor=predictor)
+    d0 = rig.engine("d0")
+    for _ in range(3):
+        rig.recovery.leg_ok(d0, "decode", 0.5)
+        rig.recovery.residual_pass(trio.current_time())
+    assert (rig.reason("d0") or "").startswith("ejected: latency: median observed/predicted")
+    return rig
+
+
+async def test_a_latency_ejected_engine_s_good_probes_count_once_its_role_is_empty(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # It was slow, not down: once d1 takes no decode work (drained at +1.5), d0 serving
+    # slowly beats refusing every request until recovery.health.window_s has passed.
+    rig = await eject_d0_for_latency(nursery)
+    await rig.at(1.5)
+    assert rig.prober.verifications == []
+    rig.engine("d1").drained = True
+    await rig.at(2.0)  # the next good probe counts, and is enough on its own
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.0]
+    assert rig.reason("d0") is None
+    (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
+    assert entry["reason"] == (
+        "1 good probe of recovery.health.readmit_successes=2, enough while no other engine in "
+        "placement takes decode work; counted 28.0 s before its latency ejection's "
+        "recovery.health.window_s=30.0 ran out: slow beats refusing all decode work; "
+        "verifying before readmission"
+    )
+    health = state_of(rig, "d0")["health"]
+    assert (health["latency_cut_short_total"], health["readmission_in_s"]) == (1, None)
+    assert health["readmit_shortcuts_total"] == 1
+
+
+async def test_a_latency_ejected_engine_is_probed_at_once_when_its_last_peer_goes_out(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # d1's decode breaker opens at +2.5, between d0's probes: d0 is probed then, not at +3.
+    rig = await eject_d0_for_latency(nursery)
+    await rig.at(2.5)
+    d1 = rig.engine("d1")
+    for _ in range(3):
+        rig.recovery.leg_failed(d1, "decode", failure("d1", "decode"))
+    await rig.at(2.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [2.0, 2.5]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.5]
+    assert rig.reason("d0") is None
+
+
+async def test_a_latency_ejected_engine_waits_the_window_while_a_peer_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A peer going out is no reason to probe d0 early while another still takes the work,
+    # nor is d0's ejection ever cut short then.
+    rig = await eject_d0_for_latency(nursery)
+    p1 = rig.engine("p1")
+    for _ in range(3):
+        rig.recovery.leg_failed(p1, "prefill", failure("p1", "prefill"))
+    await rig.at(29.9)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"] == [
+        float(t) for t in range(30)
+    ]
+    assert [v for v in rig.prober.verifications if v.subject == "d0"] == []
+    assert state_of(rig, "d0")["health"]["latency_cut_short_total"] == 0
+
+
+# A decode profile where load dominates: 10 ms a step, and 5 ms more per request decoding.
+LOAD_BOUND = SimTiming(step_base_s=0.01, decode_kv_token_s=0.0, decode_seq_s=0.005)
+
+
+def decode_gaps(median_s: float, *, active: float = 20, count: int = 32) -> DecodeGaps:
+    return DecodeGaps(
+        count=count,
+        median_s=median_s,
+        mean_active=active,
+        mean_kv_tokens=0,
+        max_active=round(active) + 4,
+        max_kv_tokens=0,
+    )
+
+
+async def profiled(nursery: trio.Nursery, cfg: Config) -> Rig:
+    """A rig whose residuals come from the daemon's own predictor over LOAD_BOUND."""
+    rig = await start(nursery, cfg, predictor=lambda engine, phase, observation: None)
+    rig.ctx.profiles = LawProfiles(timing=LOAD_BOUND, speed=1.0)
+    rig.recovery.predictor = profile_predictor(rig.ctx)
+    return rig
+
+
+async def test_a_decode_engine_is_judged_by_its_token_interval_at_its_load(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Both decode engines ran streams among 20 others: the profile says 110 ms a token
+    # there. d0 decoded at that pace, d1 three times slower (a gray failure: it answers
+    # every probe). Each stream ended with the engine idle, as the last of a batch does:
+    # predicted at that load (15 ms), d0 would look seven times too slow.
+    rig = await profiled(nursery, residual_config())
+    d0, d1 = rig.engine("d0"), rig.engine("d1")
+    assert d0.decode_active == d1.decode_active == 0
+    for pass_number in range(3):
+        rig.recovery.leg_ok(d0, "decode", 4.0, gaps=decode_gaps(0.11))
+        rig.recovery.leg_ok(d1, "decode", 12.0, gaps=decode_gaps(0.33))
+        residuals = rig.recovery.residual_pass(trio.current_time())
+        assert residuals == {"d0": pytest.approx(1.0), "d1": pytest.approx(3.0)}
+        if pass_number < 2:
+            assert rig.reason("d1") is None
+        await trio.sleep(1.0)
+    assert rig.reason("d0") is None
+    assert rig.reason("d1") == (
+        "ejected: latency: median observed/predicted ratio 3.00 over 3 residuals in "
+        "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
+        "starts after recovery.health.window_s=30.0"
+    )
+
+
+async def test_decode_legs_without_enough_clean_gaps_in_the_domain_are_not_judged(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await profiled(nursery, residual_config())
+    d0 = rig.engine("d0")
+    unjudged = [
+        ("decode", decode_gaps(0.5, count=MIN_RESIDUAL_GAPS - 1)),  # too few gaps
+        ("decode", decode_gaps(0.5, active=300)),  # beyond the profile's 256 requests
+        ("decode", None),  # a client stall or a prefill among its gaps (or no stream)
+        ("aggregate", decode_gaps(0.5)),  # its own and others' prompts share the steps
+    ]
+    for phase, gaps in unjudged:
+        rig.recovery.leg_ok(d0, phase, 10.0, gaps=gaps)
+        assert rig.recovery.residual_pass(trio.current_time()) == {}, (phase, gaps)
+    rig.recovery.leg_ok(d0, "decode", 10.0, gaps=decode_gaps(0.5, count=MIN_RESIDUAL_GAPS))
+    assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(0.5 / 0.11)}
+
+
 # ---------------------------------------------------------------- router overload
 
 
@@ -1766,6 +2056,17 @@ async def test_passes_that_take_no_scrape_failure_are_inconclusive(
         f"engine could be observed (p0: {timeout}; d0: {timeout})"
     )
     assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0, 3, 6, 9]
+    await rig.at(10.5)
+    # An inconclusive pass since: the state still says which failures degraded it (its
+    # last pass's own list is empty, and that alone read as no failure at all).
+    state = monitor.state()
+    assert state["last_pass"]["result"] == "inconclusive"  # type: ignore[index]
+    assert state["last_pass"]["failures"] == []  # type: ignore[index]
+    assert state["last_failed_pass"] == {
+        "number": 10,  # the pass at +9
+        "failures": [f"no engine could be observed (p0: {timeout}; d0: {timeout})"],
+    }
+    assert rig.degraded() is not None
 
 
 async def test_a_removed_engine_s_scrape_in_flight_is_forgotten(
@@ -1811,9 +2112,12 @@ async def test_a_metrics_scrape_that_fails_is_logged_once_and_again_when_it_answ
     )
 
 
-async def start_scraped(nursery: trio.Nursery) -> Rig:
-    """A rig with a monitor passing every second; d0's /metrics reports a start time."""
-    rig = await start(nursery, config(controller={"monitor_interval_s": 1.0}))
+async def start_scraped(nursery: trio.Nursery, peer: str | None = "decode") -> Rig:
+    """A rig with a monitor passing every second; d0's /metrics reports a start time.
+    With a `peer`, x1 of that role (`with_peer`) takes decode work beside d0."""
+    monitor = {"monitor_interval_s": 1.0}
+    cfg = config(controller=monitor) if peer is None else with_peer(peer, controller=monitor)
+    rig = await start(nursery, cfg)
     rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
     await start_monitor(nursery, rig)
     return rig
@@ -1842,6 +2146,26 @@ async def test_a_new_process_start_time_on_metrics_is_a_restart_held_until_verif
         ("d0", None, "released", "held"),
         ("d0", None, "held", "released"),
     ]
+
+
+async def test_a_restart_seen_on_metrics_is_probed_at_once_when_no_other_engine_takes_its_work(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Probes 10 s apart: d0's hold would be cut short only at +10 (after its 5 s ran out),
+    # but the probe goes out when the monitor's scrape sees the restart.
+    cfg = config(controller={"monitor_interval_s": 1.0}, recovery={"health": {"interval_s": 10.0}})
+    rig = await start(nursery, cfg)
+    rig.prober.load_of["d0"] = LoadSample(1.0, 0.0, 0.1, started_at=1000.0)
+    await start_monitor(nursery, rig)
+    await rig.at(2.5)
+    rig.prober.load_of["d0"] = LoadSample(0.0, 0.0, 0.0, started_at=1003.0)
+    await rig.at(3.5)
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.hold.holds_total == 1
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"] == [0.0, 3.0]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [3.0]
+    assert rig.reason("d0") is None
 
 
 async def test_a_restart_seen_by_the_probe_is_not_seen_again_on_metrics(
@@ -1917,3 +2241,33 @@ async def test_verdict_changes_are_logged_as_json_events(
     assert "recovery.breaker.window_s=10.0" in record.__dict__["reason"]
     legs = [r for r in caplog.records if getattr(r, "event", None) == "leg_failed"]
     assert [r.__dict__["counted"] for r in legs] == [True, True, True]
+
+
+# ---------------------------------------------------------------- reload
+
+
+async def test_a_replaced_engine_is_probed_as_one_engine_not_two(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The new instance is adopted (and probed) before the old one leaves placement; its
+    # record took the old one's place, so retiring the old instance found nothing to stop
+    # and the old instance's loop probed the old url alongside, for good.
+    rig = await start(nursery, config())
+    await rig.at(0.5)
+    old = rig.engine("d0")
+    document = {"id": "d0", "url": "http://127.0.0.1:20", "role": "decode"}
+    assert await reload(rig.ctx, rig.recovery, config(engines=[P0, document])) == [old]
+    new = rig.engine("d0")
+    assert new is not old
+    await rig.at(4.5)
+    assert [at for engine_id, at in rig.prober.probes if engine_id == "d0"] == [
+        0,  # startup
+        0.5,  # the new instance, before it joins
+        1.5,
+        2.5,
+        3.5,
+        4.5,
+    ]
+    record = rig.recovery.record("d0")
+    assert record is not None
+    assert record.engine is new

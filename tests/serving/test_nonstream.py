@@ -175,7 +175,7 @@ async def test_a_non_streaming_request_records_first_token_lag_and_decode_gaps(
     signals = record_signals(stack)
     response = await post(stack, {"max_tokens": 12})
     assert response.status_code == 200
-    assert "d1" in stack.ctx.first_token_lags.lags(trio.current_time())
+    assert "d1" in stack.ctx.load_signals(trio.current_time()).first_token_lag_s
     assert len(signals.gaps["d1"]) >= 5
     assert all(gap > 0 for gap in signals.gaps["d1"])
     state = await settled(stack)

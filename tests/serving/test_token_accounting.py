@@ -18,9 +18,11 @@ import httpx
 import pytest
 import trio
 
+from narwhal._errors import EngineFailed
 from narwhal.fleet import EngineState
 from narwhal.fleet._engine import PACKING_MAX
-from narwhal.serving._flow import _KvGrowth, _usage_report
+from narwhal.serving import DecodeGaps
+from narwhal.serving._flow import _GapLoad, _KvGrowth, _usage_report
 from narwhal.sim import SimEngineSpec
 
 from ..support import GapRecorder
@@ -92,8 +94,77 @@ async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> N
     assert state["engines"][1]["decode"]["tokens_per_event"] == round(decode.tokens_per_event, 3)
     # The turnover counts the 100 generated tokens the engine reported, not the ~26
     # events, plus the prompt.
-    freed = stack.ctx.kv_turnover.current("d1", trio.current_time())
+    freed = stack.ctx.kv_turnover.current(decode, trio.current_time())
     assert 570 < freed <= 600
+
+
+class GapSummaries:
+    """A LegObserver in front of recovery that keeps what each decode leg's `gaps` said."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.inner = stack.ctx.leg_observer
+        self.seen: list[DecodeGaps | None] = []
+        stack.ctx.leg_observer = self
+
+    def leg_ok(self, engine: EngineState, phase: str, duration_s: float, **kw: Any) -> None:
+        if phase == "decode":
+            self.seen.append(kw.get("gaps"))
+        self.inner.leg_ok(engine, phase, duration_s, **kw)
+
+    def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None:
+        self.inner.leg_failed(engine, phase, failure)
+
+
+async def test_a_decode_legs_gap_summary_is_per_token_with_the_load_it_ran_at(
+    start_stack: StartStack,
+) -> None:
+    # What a latency residual judges: the same per-token intervals the correction gets,
+    # and the engine's load while they were measured (this stream alone, its 500-token
+    # prompt plus what it had generated), not the load as the leg ended.
+    stack = await packing_stack(start_stack)
+    recorder = GapRecorder()
+    stack.ctx.signals = recorder
+    summaries = GapSummaries(stack)
+    await stream(stack)
+    (gaps,) = recorder.streams
+    (summary,) = summaries.seen
+    assert summary is not None
+    assert summary.count == len(gaps)
+    assert summary.median_s == statistics.median(gaps)
+    assert 0.0045 < summary.median_s < 0.009
+    assert summary.mean_active == summary.max_active == 1
+    assert 500 < summary.mean_kv_tokens < summary.max_kv_tokens <= 600
+
+
+def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> None:
+    engine = EngineState.__new__(EngineState)
+    engine.decode_active, engine.decode_tokens, engine.prefill_inflight = 2, 1000, 0
+    load = _GapLoad()
+    load.add(engine, 3)
+    engine.decode_active, engine.decode_tokens = 6, 3000
+    load.add(engine, 1)
+    load.add(engine, 0)  # a read past the stream's kept gaps adds nothing
+    # Within a quarter of the gaps' time (4 x 10 ms): too few gaps after it to matter.
+    load.longest_write_s = 0.0099
+    gaps = [0.01, 0.01, 0.01, 0.03]
+    assert load.summary(gaps) == DecodeGaps(
+        count=4,
+        median_s=0.01,
+        mean_active=3.0,
+        mean_kv_tokens=1500.0,
+        max_active=6,
+        max_kv_tokens=3000,
+    )
+    # A write that blocked for a quarter of them: had it outlasted the stream, a quarter
+    # of the gaps would be partly the client's.
+    load.longest_write_s = 0.01
+    assert load.summary(gaps) is None
+    # A prefill leg on the engine meanwhile: its chunks shared the decode steps.
+    load.longest_write_s = 0.0
+    engine.prefill_inflight = 1
+    load.add(engine, 1)
+    assert load.summary([*gaps, 0.01]) is None
+    assert _GapLoad().summary([]) is None
 
 
 async def test_a_learnt_packing_ratio_grows_running_streams_kv(start_stack: StartStack) -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.sim import FaultSpecError, parse_faults
+from narwhal.sim import FaultSpecError, SimTiming, parse_faults
 
 from ..support import StartFleet, open_sse, post_stream, sse_json, wait_for
 
@@ -300,6 +300,35 @@ async def test_metrics_stall_holds_only_metrics(
     assert e.state()["counters"]["metrics_stalls_injected"] == 2
     with pytest.raises(FaultSpecError, match="applies to an engine"):
         parse_faults({"metrics_stall_s": 1}, per_request=True)
+
+
+async def test_decode_slowdown_stretches_decode_steps_only(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # A gray failure: the engine answers every probe and request, but each decode step
+    # takes three times the law (what a latency residual against its profile must see).
+    fleet = await start_fleet(engines=1, speed=2.0, timing=SimTiming(noise_sigma=0.0))
+    e = fleet[0]
+    url = f"{e.url}/v1/completions"
+    body = {"prompt": "x", "max_tokens": 41}
+
+    async def decode_s() -> float:
+        started = trio.current_time()
+        assert (await client.post(url, json=body)).status_code == 200
+        return trio.current_time() - started
+
+    healthy = await decode_s()
+    e.set_faults(decode_slowdown=3.0)
+    assert (await client.get(f"{e.url}/health")).status_code == 200
+    slowed = await decode_s()
+    # 40 decode steps of 3 ms (6 ms at speed 2), then 9 ms each.
+    assert 0.11 < healthy < slowed / 2.2
+    assert slowed > 0.33
+    assert e.state()["faults"] == {"decode_slowdown": 3.0}
+    with pytest.raises(FaultSpecError, match="applies to an engine"):
+        parse_faults({"decode_slowdown": 2}, per_request=True)
+    with pytest.raises(FaultSpecError, match=r"^decode_slowdown is 0.5; must be >= 1$"):
+        parse_faults({"decode_slowdown": 0.5})
 
 
 async def test_kv_pull_failure(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:

@@ -123,30 +123,61 @@ async def test_prefill_failure_fails_the_decode(
     assert "Decode transfer failed" in err_body["message"]
 
 
+async def long_prompt_pair(
+    start_fleet: StartFleet, room: int
+) -> tuple[EngineHandle, EngineHandle, dict[str, Any]]:
+    """A prefill and a decode server at speed 1, and a body for the pair whose prompt is
+    long enough for a test to act while the prefill runs."""
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=1.0, disaggregation_modes=PD)
+    p = fleet[0]
+    body = pd_body(p, room, messages=[{"role": "user", "content": "word " * 7000}], max_tokens=4)
+    return p, fleet[1], body
+
+
+async def post_leg(
+    client: httpx.AsyncClient,
+    engine: EngineHandle,
+    body: dict[str, Any],
+    results: dict[str, httpx.Response],
+    name: str,
+) -> None:
+    results[name] = await client.post(f"{engine.url}/v1/chat/completions", json=body)
+
+
 async def test_prefill_abort_fails_the_decode(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=2, dialect="sglang", speed=1.0, disaggregation_modes=PD)
-    p, d = fleet[0], fleet[1]
-    body = pd_body(p, 5, messages=[{"role": "user", "content": "word " * 7000}], max_tokens=4)
+    p, d, body = await long_prompt_pair(start_fleet, 5)
     results: dict[str, httpx.Response] = {}
-
-    async def decode() -> None:
-        results["d"] = await client.post(f"{d.url}/v1/chat/completions", json=body)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(decode)
-        async with trio.open_nursery() as p_nursery:
-
-            async def prefill() -> None:
-                await client.post(f"{p.url}/v1/chat/completions", json=body)
-
-            p_nursery.start_soon(prefill)
-            await wait_for(lambda: p.state()["running"] == 1)
-            p_nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery, trio.open_nursery() as p_nursery:
+        nursery.start_soon(post_leg, client, d, body, results, "d")
+        p_nursery.start_soon(post_leg, client, p, body, results, "p")
+        await wait_for(lambda: p.state()["running"] == 1)
+        p_nursery.cancel_scope.cancel()
     assert results["d"].status_code == 500
     assert "Aborted by AbortReq." in results["d"].json()["message"]
     assert p.state()["counters"]["aborted"]["prefill"] == 1
+
+
+async def test_a_decoder_that_leaves_before_the_transfer_frees_the_prefill_kv(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's prefill server pushes the KV to its decoder and frees it when the push
+    # ends; it held it for the whole bootstrap timeout when the decoder had left.
+    p, d, body = await long_prompt_pair(start_fleet, 6)
+    results: dict[str, httpx.Response] = {}
+    async with trio.open_nursery() as nursery, trio.open_nursery() as d_nursery:
+        d_nursery.start_soon(post_leg, client, d, body, results, "d")
+        await wait_for(lambda: 6 in p.engine.rooms and p.engine.rooms[6].d_present)
+        nursery.start_soon(post_leg, client, p, body, results, "p")
+        await wait_for(lambda: p.state()["running"] == 1)
+        d_nursery.cancel_scope.cancel()
+    assert results["p"].status_code == 200
+    state = p.state()
+    assert state["leases"]["held"] == 0
+    assert state["kv"]["used_blocks"] == 0
+    assert state["counters"]["kv_receiver_gone"] == 1
+    assert state["counters"]["kv_expired"] == 0
 
 
 async def test_missing_room_and_flat_errors(

@@ -24,11 +24,11 @@ must hold; the result goes to --out as JSON. Bounded: the load stops after --max
 `--disaggregation-mode prefill` and two with `decode`, which Narwhal drives as
 bootstrap pairs (both legs at once, the same body, paired by bootstrap room; the
 result goes to runs/bench/reliability-sglang.json). Its faults are the ones SGLang can
-show: no short KV lease (SGLang has none: a prefill server keeps the KV until its
-decoder has pulled it or the bootstrap times out), and, since the prefill leg carries
-the client's streamed body, crashes, error events and slow starts on either leg. Its
-config variants are valid for an SGLang fleet (no role changes: the launch mode fixes
-them), and one of its invalid variants mixes dialects.
+show: no short KV lease (SGLang has none: a prefill server pushes the KV to its decoder
+and frees it then, or when the decoder has left, or at the bootstrap timeout), and,
+since the prefill leg carries the client's streamed body, crashes, error events and slow
+starts on either leg. Its config variants are valid for an SGLang fleet (no role
+changes: the launch mode fixes them), and one of its invalid variants mixes dialects.
 """
 
 from __future__ import annotations
@@ -581,7 +581,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     except (OSError, h11.ProtocolError):
                         await trio.sleep(0.1)  # down for a moment (down_s); try again
         settle_started = trio.current_time()
-        router_state, engine_states = await settle(daemon, urls)
+        router_state, engine_states, settle_waited = await settle(daemon, urls)
         settle_s = trio.current_time() - settle_started
         report = check_all(
             exchanges,
@@ -623,6 +623,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 "reload_every_s": args.reload_every,
                 "load_s": round(load_s, 1),
                 "settle_s": round(settle_s, 1),
+                "settle_waited_s": settle_waited,
                 "requests_per_s": round(len(exchanges) / load_s, 1),
                 "daemon_exit_code": code,
             },
@@ -680,30 +681,46 @@ def _sum_counters(states: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-async def settle(daemon: Daemon, urls: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def settle(
+    daemon: Daemon, urls: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, float]]:
     """Wait (bounded) until the router is idle and every engine is available, idle and
-    has released or expired every KV lease; then read the final state of both."""
+    has released or expired every KV lease; then read the final state of both, and how
+    long each condition held the wait up (`waited_s`: a slow settle says what it was)."""
+    waited: dict[str, float] = {}
     with trio.fail_after(120):
         while True:
             state = await daemon.get("/narwhal/state")
-            available = all(e["available"] for e in state["engines"])
-            if state["admission"]["retained"] == 0 and available:
-                engines = [await sim_call(url, "GET", "/_sim/state?outcomes=0") for url in urls]
-                if all(_idle(e) for e in engines):
+            blockers = [f"unavailable:{e['id']}" for e in state["engines"] if not e["available"]]
+            if state["admission"]["retained"]:
+                blockers.append("router_retained")
+            if not blockers:
+                for url in urls:
+                    engine = await sim_call(url, "GET", "/_sim/state?outcomes=0")
+                    blockers.extend(f"busy:{url}:{why}" for why in _busy(engine))
+                if not blockers:
                     break
+            before = trio.current_time()
             await trio.sleep(0.2)
+            for blocker in blockers:
+                waited[blocker] = waited.get(blocker, 0.0) + trio.current_time() - before
     router_state = await daemon.get("/narwhal/state")
     engine_states = [await sim_call(url, "GET", "/_sim/state") for url in urls]
-    return router_state, engine_states
+    return router_state, engine_states, {k: round(v, 1) for k, v in sorted(waited.items())}
 
 
-def _idle(state: dict[str, Any]) -> bool:
+def _busy(state: dict[str, Any]) -> list[str]:
+    """What keeps a simulated engine from being idle (none: it is)."""
     counters = state["counters"]
     accepted = sum(counters["requests"].values())
     refused = counters["errors_injected"] + counters["rejected_queue_full"]
     ended = sum(sum(counters[k].values()) for k in ("completed", "aborted", "errors"))
-    busy = state["running"] or state["waiting"] or state["pulling"] or state["leases"]["held"]
-    return not busy and ended >= accepted + refused
+    busy = [name for name in ("running", "waiting", "pulling") if state[name]]
+    if state["leases"]["held"]:
+        busy.append("leases")
+    if ended < accepted + refused:
+        busy.append("unended")
+    return busy
 
 
 def main() -> int:

@@ -1,0 +1,183 @@
+"""What pricing keeps per engine across a reload that replaces or removes an engine.
+
+A replaced engine (same id, another url) is a new EngineState instance. Legs that were
+placed on the old instance still run on it after the reload and end later: what they
+committed and observed must stay with the old instance, and the replacement starts with
+nothing committed and nothing learnt. Under a MockClock with the scripted prober.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.config import Config
+from narwhal.fleet import EngineState
+from narwhal.profiles import DecodeCorrection, FleetProfiles, load_profiles, save_profiles
+from narwhal.serving import state_document
+from narwhal.serving._flow import Flow
+from narwhal.supervisor._control import ControlLink
+
+from ..admission.test_first_token_wait import Source
+from ..profiles.helpers import config_for, store_for
+from ..recovery.fakes import config, reload
+from ..recovery.test_service import Rig, start
+
+# Source prices a prefill at 0.1 ms per token.
+P0 = {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"}
+P1 = {"id": "p1", "url": "http://127.0.0.1:11", "role": "prefill"}
+D0 = {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"}
+
+
+def fleet(*engines: dict[str, Any]) -> Config:
+    return config(engines=list(engines), serving={"admission": "predictive"})
+
+
+class Legs:
+    """Engine legs held open in the phase slots (so committed and accounted) until
+    their `end` event is set."""
+
+    def __init__(self, nursery: trio.Nursery, flow: Flow) -> None:
+        self.nursery = nursery
+        self.flow = flow
+
+    async def open(
+        self, engine: EngineState, phase: Literal["prefill", "decode"], tokens: int
+    ) -> trio.Event:
+        end = trio.Event()
+
+        async def run(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            async with self.flow._phase_slot(engine, phase, tokens):
+                task_status.started()
+                await end.wait()
+
+        await self.nursery.start(run)
+        return end
+
+
+@asynccontextmanager
+async def rig_with_legs(cfg: Config) -> AsyncIterator[tuple[Rig, Legs]]:
+    async with trio.open_nursery() as nursery:
+        rig = await start(nursery, cfg)
+        rig.ctx.profiles = Source()
+        yield rig, Legs(nursery, Flow(rig.ctx))
+        nursery.cancel_scope.cancel()
+
+
+async def ended(event: trio.Event) -> None:
+    event.set()
+    await trio.testing.wait_all_tasks_blocked()
+
+
+def backlog_s(rig: Rig) -> dict[str, float]:
+    admission = state_document(rig.ctx)["admission"]
+    assert isinstance(admission, dict)
+    shown = admission["prefill_backlog_s"]
+    assert isinstance(shown, dict)
+    return shown
+
+
+async def test_a_leg_on_a_replaced_engine_leaves_the_replacements_backlog_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig_with_legs(fleet(P0, D0)) as (rig, legs):
+        old = rig.engine("p0")
+        stuck = await legs.open(old, "prefill", 1000)  # 0.1 s of work that never ends
+        await rig.at(1.0)
+        # Overdue by 0.9 s: the old p0 is priced as stalled (the reason to replace it).
+        assert backlog_s(rig)["p0"] == pytest.approx(0.9)
+
+        await reload(rig.ctx, rig.recovery, fleet({**P0, "url": "http://127.0.0.1:19"}, D0))
+        new = rig.engine("p0")
+        assert new is not old
+        # The replacement has nothing committed: it inherited the old instance's
+        # overdue work (priced 0.9 s, and growing by the second) before.
+        assert backlog_s(rig)["p0"] == 0.0
+        done = await legs.open(new, "prefill", 2000)
+        now = trio.current_time()
+        assert rig.ctx.backlog.wait_s(new, now) == pytest.approx(0.2)
+
+        await ended(stuck)  # the old leg ends after the reload
+        assert trio.current_time() == now
+        assert rig.ctx.backlog.wait_s(new, now) == pytest.approx(0.2)
+        assert rig.ctx.backlog.committed == {new: 1}
+        assert Flow(rig.ctx)._priced(Source())["p0"].backlog_s == pytest.approx(0.2)
+        await ended(done)
+        assert rig.ctx.backlog.committed == rig.ctx.backlog.finish == {}
+
+
+async def test_a_removed_engine_leaves_the_books_when_its_last_leg_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig_with_legs(fleet(P0, P1, D0)) as (rig, legs):
+        p1 = rig.engine("p1")
+        leg = await legs.open(p1, "prefill", 1000)
+        assert set(backlog_s(rig)) == {"p0", "p1", "d0"}
+
+        assert await reload(rig.ctx, rig.recovery, fleet(P0, D0)) == [p1]
+        assert set(backlog_s(rig)) == {"p0", "d0"}  # only engines in the fleet are shown
+        assert rig.ctx.backlog.committed == {p1: 1}  # its leg still runs, on it
+        await ended(leg)
+        assert rig.ctx.backlog.committed == rig.ctx.backlog.finish == {}
+
+
+async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig_with_legs(fleet(P0, D0)) as (rig, legs):
+        ctx = rig.ctx
+        old = rig.engine("d0")
+        ctx.first_token_lags.observe(old, 0.5, trio.current_time())
+        await ended(await legs.open(old, "decode", 4000))  # frees 4000 tokens of KV
+        resident = await legs.open(old, "decode", 1000)
+        priced = Flow(ctx)._priced(Source())["d0"]
+        assert priced.first_token_lag_s == pytest.approx(0.5)
+        assert priced.kv_release_per_s > 0
+
+        await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
+        new = rig.engine("d0")
+        await ended(resident)  # its KV is freed on the old instance, after the reload
+        priced = Flow(ctx)._priced(Source())["d0"]
+        assert (priced.first_token_lag_s, priced.kv_release_per_s) == (0.0, 0.0)
+        signals = ctx.load_signals(trio.current_time())
+        assert "d0" not in signals.first_token_lag_s
+        assert "d0" not in signals.kv_release_per_s
+
+        # The retired instance's values go once its resident requests are done.
+        assert old in ctx.kv_turnover.value
+        ctx.engine_retired(old)
+        assert new not in ctx.kv_turnover.value
+        assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
+
+
+async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correction_alone(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    urls = {"p0": P0["url"], "d0": D0["url"]}
+    path = tmp_path / "profiles.json"
+    save_profiles(store_for(urls), path)
+    profiles = FleetProfiles(
+        load_profiles(path, config_for(urls)),
+        correction=DecodeCorrection(alpha=0.5, min_samples=2),
+    )
+    curve = profiles.decode_curve("d0")
+    assert curve is not None
+    slow = [1.2 * curve.interval_s(1, 0)] * 2  # 20 % slower than profiled
+    async with rig_with_legs(fleet(P0, D0)) as (rig, _):
+        rig.ctx.profiles = profiles
+        link = ControlLink(rig.ctx)
+        old = rig.engine("d0")
+        link.decode_gaps(old, slow)
+        assert profiles.decode_correction("d0") == pytest.approx(1.1)
+
+        await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
+        link.decode_gaps(old, slow)  # a stream on the old instance ends after the reload
+        assert profiles.decode_correction("d0") == pytest.approx(1.1)
+        link.decode_gaps(rig.engine("d0"), slow)  # the replacement's own stream counts
+        assert profiles.decode_correction("d0") == pytest.approx(1.15)
