@@ -5,7 +5,6 @@ from ._pricing import (
     BacklogBook as BacklogBook,
     DecodeCurve as DecodeCurve,
     DecodeSide as DecodeSide,
-    ErrorFactors as ErrorFactors,
     FirstTokenLag as FirstTokenLag,
     KvTurnover as KvTurnover,
     PathQuote as PathQuote,

@@ -24,12 +24,7 @@ lately released KV (`KvTurnover`), less the prefill time it overlaps with; it is
 load, counted as wait, and the larger of it and the lag is used (both measure the same
 queue, seen from the past and from the future).
 
-and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin),
-each path's projection scaled first by its engine's projection-error factor (how far
-first tokens on that engine have lately run over their projections, the fleet's when the
-engine has too few recent ones: `ProjectionErrors`). Placement's projected-SLO filter
-and costs scale by the same factors (`placement_policy`), so the path admission counted
-on is the one placement prefers.
+and the request is admitted when the cheapest path fits in slo.ttft_s × (1 + margin).
 When it does not fit, the refusal says why: if even an idle engine would miss the target
 the prompt itself is the problem (shorten it or raise the target, no Retry-After, because
 waiting will not help); otherwise the backlog is, and Retry-After is the time until the
@@ -177,32 +172,6 @@ def _usable(priced: Priced, excluded: frozenset[str], phase: str) -> bool:
     return blocked is None and view.id not in excluded and priced.prefill is not None
 
 
-def _decode_side(
-    engines: Iterable[Priced], prompt_tokens: int, handoff_s: float, excluded: frozenset[str]
-) -> DecodeSide | None:
-    """The decode side of every disaggregated path: the cheapest available decode engine's."""
-    return min(
-        (
-            p.decode_side(prompt_tokens, handoff_s)
-            for p in engines
-            if p.view.role == "decode"
-            and p.view.decode_blocked is None
-            and p.view.id not in excluded
-        ),
-        key=lambda d: d.cost_s,
-        default=None,
-    )
-
-
-def _disaggregated_s(
-    priced: Priced, prefill: PrefillCurve, side: DecodeSide, prompt_tokens: int
-) -> tuple[float, float]:
-    """A disaggregated path's projected (wait, own work) through `priced`'s prefill."""
-    prefill_s = max(0.0, prefill.prefill_s(prompt_tokens))
-    wait = priced.backlog_s + side.delay_s(priced.backlog_s + prefill_s)
-    return wait, prefill_s + side.modelled_s
-
-
 def quote_paths(
     engines: Iterable[Priced],
     *,
@@ -217,13 +186,24 @@ def quote_paths(
     measured region.
     """
     engines = list(engines)
-    side = _decode_side(engines, prompt_tokens, handoff_s, excluded)
+    decode_side = [
+        p
+        for p in engines
+        if p.view.role == "decode" and p.view.decode_blocked is None and p.view.id not in excluded
+    ]
+    side = min(
+        (p.decode_side(prompt_tokens, handoff_s) for p in decode_side),
+        key=lambda d: d.cost_s,
+        default=None,
+    )
     quotes: list[PathQuote] = []
     for priced in engines:
         role = priced.view.role
         if role == "prefill" and side is not None and _usable(priced, excluded, "prefill"):
             assert priced.prefill is not None
-            wait, own = _disaggregated_s(priced, priced.prefill, side, prompt_tokens)
+            prefill_s = max(0.0, priced.prefill.prefill_s(prompt_tokens))
+            own = prefill_s + side.modelled_s
+            wait = priced.backlog_s + side.delay_s(priced.backlog_s + prefill_s)
             quotes.append(
                 PathQuote(
                     engine=priced.view.id,
@@ -262,35 +242,16 @@ def quote_paths(
     return quotes
 
 
-@attrs.frozen
-class ErrorFactors:
-    """The projection-error factor of each prefill path, by the engine that runs its
-    prefill (an aggregate path's engine itself): `engines` holds those with enough
-    recent samples of their own, every other engine is judged by the `fleet`'s."""
-
-    fleet: float = 1.0
-    engines: Mapping[str, float] = attrs.field(factory=dict)
-
-    def of(self, engine_id: str) -> float:
-        return self.engines.get(engine_id, self.fleet)
-
-
-NO_ERRORS = ErrorFactors()
-
-
 def judge(
     quotes: list[PathQuote],
     *,
     prompt_tokens: int,
     ttft_target_s: float,
     margin: float,
-    errors: ErrorFactors = NO_ERRORS,
+    error_factor: float = 1.0,
 ) -> Verdict:
-    """Admit when the best path's projection, scaled by its own error factor (how far
-    recent first tokens on that path's engine ran over their projections,
-    `ProjectionErrors`), fits the budget. The best path is the one whose scaled
-    projection is lowest (ties by engine id): a path through an engine that has lately
-    run slow is judged by that engine's errors, not a healthy one's, and the reverse.
+    """Admit when the cheapest path's projection, scaled by `error_factor` (how far
+    recent first tokens ran over their projections, `ProjectionErrors`), fits the budget.
     Whether the prompt itself is too long is judged on the unscaled idle projection."""
     budget = ttft_target_s * (1.0 + margin)
     if not quotes:
@@ -304,9 +265,8 @@ def judge(
                 "is outside the measured profile region"
             ),
         )
-    best = min(quotes, key=lambda q: (q.ttft_s * errors.of(q.engine), q.engine))
-    factor = errors.of(best.engine)
-    expected = best.ttft_s * factor
+    best = quotes[0]
+    expected = best.ttft_s * error_factor
     if expected <= budget:
         return Verdict(True, best)
     idle_best = min(q.idle_ttft_s for q in quotes)
@@ -330,14 +290,13 @@ def judge(
         message=(
             f"projected time to first token {best.ttft_s:.3f}s"
             + (
-                f" ({expected:.3f}s allowing for recent projection error x{factor:.2f}"
-                f" on {best.engine})"
-                if factor != 1.0
+                f" ({expected:.3f}s allowing for recent projection error x{error_factor:.2f})"
+                if error_factor != 1.0
                 else ""
             )
             + f" exceeds the TTFT budget {budget:.3f}s (slo.ttft_s={ttft_target_s} with "
             f"serving.admission_margin={margin}); {best.wait_s:.3f}s of it is backlog on "
-            f"the cheapest path, through {best.engine}"
+            "the cheapest path"
         ),
         retry_after_s=expected - budget,
     )
@@ -354,46 +313,8 @@ ERROR_FACTOR_MAX = 2.0
 
 
 @attrs.define
-class _ErrorWindow:
-    """The last ERROR_WINDOW observed/projected ratios of the last ERROR_WINDOW_S
-    seconds, and their quantile once there are ERROR_MIN_SAMPLES of them."""
-
-    samples: deque[tuple[float, float]] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
-    # None while there are too few samples to trust.
-    factor: float | None = None
-
-    def add(self, ratio: float, now: float, quantile: float) -> None:
-        self.samples.append((now, ratio))
-        self.expire(now, quantile)
-        self.update(quantile)
-
-    def expire(
-        self, now: float, quantile: float, *, since: float = -math.inf, keep: int = 0
-    ) -> None:
-        """Drop the samples older than ERROR_WINDOW_S, and those taken before `since`
-        beyond the last `keep`."""
-        samples = self.samples
-        expired = False
-        while samples and (
-            now - samples[0][0] > ERROR_WINDOW_S or (samples[0][0] < since and len(samples) > keep)
-        ):
-            samples.popleft()
-            expired = True
-        if expired:
-            self.update(quantile)
-
-    def update(self, quantile: float) -> None:
-        if len(self.samples) < ERROR_MIN_SAMPLES:
-            self.factor = None
-            return
-        ordered = sorted(ratio for _, ratio in self.samples)
-        at = ordered[min(len(ordered) - 1, math.ceil(quantile * len(ordered)) - 1)]
-        self.factor = min(ERROR_FACTOR_MAX, max(1.0, at))
-
-
-@attrs.define
 class ProjectionErrors:
-    """How far first tokens have lately run over their projections, per prefill path.
+    """How far first tokens have lately run over their projections.
 
     An unbiased projection admits requests right up to the TTFT budget, and about half
     of those at the edge then miss it: under overload nearly every admitted request is
@@ -404,79 +325,42 @@ class ProjectionErrors:
     (at least 1: a pessimistic projection is not loosened) and is capped at
     ERROR_FACTOR_MAX. The time bound keeps one bad burst on a quiet service from
     tightening admission for long after it.
-
-    Errors are kept per engine (the one that ran the request's prefill, an aggregate
-    request's engine) besides the fleet's window of all of them: one slow or badly
-    profiled prefill engine makes its own path stricter, not every path. An engine's
-    window covers the time the fleet's does, not ERROR_WINDOW of its own: with n prefill
-    engines sharing the traffic, its own last ERROR_WINDOW would reach n times as far
-    back, so after an overload burst its factor stayed up (and before one, stayed down)
-    for n times as long as the fleet's. 4 engines at 40 streams/s, after 3 s of 2x
-    overruns: the fleet's factor was back 6 s later, the engines' 25 s later. It keeps
-    its last ERROR_MIN_SAMPLES even when older than the fleet's window (within
-    ERROR_WINDOW_S): an engine placement steers away from for its errors keeps the
-    evidence it was steered away for, rather than drawing traffic again on the fleet's
-    factor as soon as the fleet has moved on. An engine with fewer than
-    ERROR_MIN_SAMPLES recent samples of its own is judged by the fleet's factor, so a
-    quiet engine is not judged on noise. An engine's window is dropped when its samples
-    have all expired, or by `forget` (an engine a reload removed), so memory is bounded
-    by the engines that served in the last ERROR_WINDOW_S, ERROR_WINDOW samples each.
     """
 
     quantile: float = 0.9
-    fleet: _ErrorWindow = attrs.Factory(_ErrorWindow)
-    engines: dict[str, _ErrorWindow] = attrs.Factory(dict)
+    samples: deque[tuple[float, float]] = attrs.Factory(lambda: deque(maxlen=ERROR_WINDOW))
+    _factor: float = 1.0
 
-    def observe(
-        self, engine_id: str | None, projected_s: float, observed_s: float, now: float
-    ) -> None:
-        """Count one stream's error, against its engine's window too unless `engine_id`
-        is None (an engine a reload has since removed or replaced)."""
+    def observe(self, projected_s: float, observed_s: float, now: float) -> None:
         if projected_s <= 0 or observed_s <= 0:
             return
-        ratio = observed_s / projected_s
-        self.fleet.add(ratio, now, self.quantile)
-        if engine_id is not None:
-            self.engines.setdefault(engine_id, _ErrorWindow()).add(ratio, now, self.quantile)
+        self.samples.append((now, observed_s / projected_s))
         self._expire(now)
+        self._update()
 
     def factor(self, now: float) -> float:
-        """The fleet's factor: every engine's samples together."""
-        self.fleet.expire(now, self.quantile)
-        return self.fleet.factor or 1.0
-
-    def factors(self, now: float) -> ErrorFactors:
-        fleet = self.factor(now)
-        self._expire(now)
-        own = {
-            engine_id: window.factor
-            for engine_id, window in self.engines.items()
-            if window.factor is not None
-        }
-        return ErrorFactors(fleet, own)
-
-    def samples(self, engine_id: str) -> int:
-        window = self.engines.get(engine_id)
-        return 0 if window is None else len(window.samples)
-
-    def forget(self, engine_id: str) -> None:
-        """Drop an engine's errors: a reload removed it, or replaced it with another
-        server (a new url), whose errors are not its predecessor's."""
-        self.engines.pop(engine_id, None)
+        if self.samples and self._expire(now):
+            self._update()
+        return self._factor
 
     def reconfigure(self, quantile: float) -> None:
         self.quantile = quantile
-        self.fleet.update(quantile)
-        for window in self.engines.values():
-            window.update(quantile)
+        self._update()
 
-    def _expire(self, now: float) -> None:
-        """Bring each engine's window to the fleet window's span (see the class)."""
-        since = self.fleet.samples[0][0] if self.fleet.samples else math.inf
-        for engine_id, window in list(self.engines.items()):
-            window.expire(now, self.quantile, since=since, keep=ERROR_MIN_SAMPLES)
-            if not window.samples:
-                del self.engines[engine_id]
+    def _expire(self, now: float) -> bool:
+        expired = False
+        while self.samples and now - self.samples[0][0] > ERROR_WINDOW_S:
+            self.samples.popleft()
+            expired = True
+        return expired
+
+    def _update(self) -> None:
+        if len(self.samples) < ERROR_MIN_SAMPLES:
+            self._factor = 1.0
+            return
+        ordered = sorted(ratio for _, ratio in self.samples)
+        at = ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)]
+        self._factor = min(ERROR_FACTOR_MAX, max(1.0, at))
 
 
 def shared_overhead_s(overhead_s: float, prompt_tokens: int, chunk_tokens: int) -> float:
@@ -678,38 +562,23 @@ def placement_policy(
     handoff_s: float,
     ttft_budget_s: float,
     tpot_target_s: float,
-    errors: ErrorFactors = NO_ERRORS,
 ) -> Policy:
     """Placement's projected-SLO filters and costs (manual 5), from the same prices.
 
-    A prefill engine complies when its path's projected TTFT, scaled by that engine's
-    projection-error factor as admission scales it (`judge`), fits the budget; a decode
+    A prefill engine complies when its path's projected TTFT fits the budget; a decode
     engine when its projected interval with this request added fits the TPOT target.
-    Costs are the projected seconds themselves (a prefill engine's: its path's scaled
-    TTFT), so the cheapest compliant engine wins, and the path admission counted on is
-    the one placement prefers. A prefill-role engine's path is projected as admission
-    quotes it (`quote_paths`: with the decode side's lag and KV wait); without them,
-    placement could take a path whose scaled projection misses the budget, through an
-    engine with a larger factor, when admission had counted on another.
+    Costs are the projected seconds themselves, so the cheapest compliant engine wins.
     """
     first_step = min(
         (p.first_step_s(prompt_tokens) for p in priced.values() if p.view.role == "decode"),
         default=0.0,
     )
-    side = _decode_side(priced.values(), prompt_tokens, handoff_s, frozenset())
 
     def prefill_seconds(view: EngineView) -> float:
         p = priced[view.id]
         if p.prefill is None:
             return math.inf
         return p.backlog_s + max(0.0, p.prefill.prefill_s(prompt_tokens))
-
-    def prefill_ttft(view: EngineView) -> float:
-        p = priced[view.id]
-        if view.role == "prefill" and side is not None and p.prefill is not None:
-            wait, own = _disaggregated_s(p, p.prefill, side, prompt_tokens)
-            return (wait + own) * errors.of(view.id)
-        return (prefill_seconds(view) + handoff_s + first_step) * errors.of(view.id)
 
     def decode_seconds(view: EngineView) -> float:
         p = priced[view.id]
@@ -724,8 +593,8 @@ def placement_policy(
         return first + priced[view.id].decode_side(prompt_tokens, handoff_s, first).delay_s()
 
     return Policy(
-        prefill_ok=lambda v: prefill_ttft(v) <= ttft_budget_s,
+        prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,
         decode_ok=lambda v: decode_seconds(v) <= tpot_target_s,
-        prefill_cost=prefill_ttft,
+        prefill_cost=prefill_seconds,
         decode_cost=decode_cost,
     )

@@ -145,13 +145,7 @@ class Slo:
     percentile: float = _f(
         0.9,
         Between(0.0, 1.0, low_open=True),
-        doc=(
-            "Percentile at which SLO attainment is reported. Predictive admission and "
-            "placement scale each prefill path's projected TTFT by this quantile of "
-            "observed/projected TTFT on the path's engine over the time the fleet's last "
-            "256 streams span (at least its own last 32 of 60 s; the fleet's quantile while "
-            "it has fewer), between 1 and 2."
-        ),
+        doc="Percentile at which SLO attainment is reported.",
     )
 
 

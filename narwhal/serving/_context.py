@@ -140,13 +140,7 @@ class RequestRecord:
     # Predictive admission's projected TTFT for the prefill path the first attempt took
     # (as priced at admission), the part of it that was load (backlog, decode lag, KV
     # wait) rather than the engine's own work, and whether that path's profile measured
-    # this prompt size; and the engine of that path (its prefill engine, an aggregate
-    # path's engine), whose projection errors the TTFT observed is counted against. The
-    # projection is unscaled: scaled by the error factor it would chase its own factor.
-    projected_engine: str | None = None
-    # That engine as it was: a reload that replaces it (a new url) puts another
-    # EngineState under its id, whose errors this request's are not.
-    projected_on: EngineState | None = None
+    # this prompt size.
     projected_ttft_s: float | None = None
     projected_wait_s: float | None = None
     projected_in_domain: bool | None = None

@@ -90,7 +90,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState, Fleet, key_refused
+from ..fleet import EngineState, key_refused
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -324,20 +324,9 @@ class Flow:
             ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
             projected = record.projected_ttft_s
             observed = record.observed_ttft_s
-            engine = record.projected_on
             if projected is not None and observed is not None and observed > 0:
                 ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-            if projected is not None and observed and engine is not None:
-                # Set with the projection (_record_projection); this is a finally block,
-                # where an assertion would turn a served request into an internal error.
-                # An engine a reload has since removed or replaced counts for the fleet
-                # only: its window is gone, or is its successor's.
-                ctx.projection_errors.observe(
-                    None if engine.removed else engine.id,
-                    projected,
-                    observed,
-                    trio.current_time(),
-                )
+                ctx.projection_errors.observe(projected, observed, trio.current_time())
             log.info(
                 "request finished",
                 extra={
@@ -351,9 +340,6 @@ class Flow:
                     "attempts": record.attempts,
                     "prompt_tokens": record.prompt_tokens,
                     "duration_s": round(trio.current_time() - arrival, 6),
-                    # The path the projection priced (the first attempt's), whose error
-                    # window the observed TTFT joins; prefill_engine is the last attempt's.
-                    "projected_engine": record.projected_engine,
                     "projected_ttft_s": _round(projected),
                     "projected_wait_s": _round(record.projected_wait_s),
                     "observed_ttft_s": _round(observed),
@@ -513,8 +499,7 @@ class Flow:
     def _admit_predictively(
         self, request: ClientRequest, tokens: int, config: Config
     ) -> list[PathQuote]:
-        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget,
-        each path's projection scaled by its engine's projection-error factor.
+        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget.
 
         Returns every path's quote, so the projection of the path placement picks can be
         recorded and compared with the TTFT the client saw.
@@ -537,7 +522,7 @@ class Flow:
             prompt_tokens=tokens,
             ttft_target_s=config.slo.ttft_s,
             margin=config.serving.admission_margin,
-            errors=ctx.projection_errors.factors(trio.current_time()),
+            error_factor=ctx.projection_errors.factor(trio.current_time()),
         )
         if verdict.admitted:
             return quotes
@@ -578,7 +563,6 @@ class Flow:
             handoff_s=ctx.profiles.handoff_s(tokens),
             ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
             tpot_target_s=config.slo.tpot_s,
-            errors=ctx.projection_errors.factors(trio.current_time()),
         )
 
     async def _count_tokens(
@@ -817,7 +801,7 @@ class Flow:
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
             if attempt == 1:
-                _record_projection(record, placement, quotes, ctx.fleet)
+                _record_projection(record, placement, quotes)
             try:
                 await self._attempt(request, tokens, placement, config, client, record)
             except EngineFailed as failure:
@@ -1644,15 +1628,13 @@ def _alone(engine: EngineState) -> int | None:
 
 
 def _record_projection(
-    record: RequestRecord, placement: Placement, quotes: list[PathQuote], fleet: Fleet
+    record: RequestRecord, placement: Placement, quotes: list[PathQuote]
 ) -> None:
     """The admission quote of the prefill path placement chose (aggregate: the engine)."""
     engine = placement.prefill if placement.prefill is not None else placement.decode
     mode = "disaggregated" if placement.prefill is not None else "aggregate"
     for quote in quotes:
         if quote.engine == engine and quote.mode == mode:
-            record.projected_engine = engine
-            record.projected_on = fleet.get(engine)
             record.projected_ttft_s = quote.ttft_s
             record.projected_wait_s = quote.wait_s
             record.projected_in_domain = quote.in_domain

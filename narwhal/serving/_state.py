@@ -89,7 +89,6 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
     connections = ctx.connections.statistics()
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     ratio, ratio_source = ctx.chars_per_token(ctx.config)
-    errors = ctx.projection_errors.factors(now)
     signals = ctx.load_signals(now)
     document: dict[str, object] = {
         "narwhal": {
@@ -117,17 +116,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 engine_id: round(lag, 6)
                 for engine_id, lag in sorted(signals.first_token_lag_s.items())
             },
-            "projection_error_factor": round(errors.fleet, 4),
-            # Each engine's path's factor: its own once it has ERROR_MIN_SAMPLES recent
-            # samples, else the fleet's (samples: how many it has).
-            "projection_error_factors": {
-                engine.id: {
-                    "factor": round(errors.of(engine.id), 4),
-                    "samples": ctx.projection_errors.samples(engine.id),
-                    "own": engine.id in errors.engines,
-                }
-                for engine in sorted(ctx.fleet, key=lambda e: e.id)
-            },
+            "projection_error_factor": round(ctx.projection_errors.factor(now), 4),
             "decode_kv_release_tokens_per_s": {
                 engine_id: round(rate, 1)
                 for engine_id, rate in sorted(signals.kv_release_per_s.items())

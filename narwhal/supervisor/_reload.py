@@ -103,8 +103,6 @@ async def apply_config(
     for engine_id in plan.engines_removed:
         deferred.pop(engine_id, None)
     for engine_id in (*plan.engines_removed, *plan.engines_replaced):
-        # A replacement is another server (a new url): it starts on the fleet's factor.
-        ctx.projection_errors.forget(engine_id)
         retired = ctx.fleet.retire(engine_id)
         if retired is None:
             continue

@@ -9,7 +9,6 @@ import pytest
 
 from narwhal.admission import (
     BacklogBook,
-    ErrorFactors,
     FirstTokenLag,
     KvTurnover,
     PathQuote,
@@ -26,7 +25,6 @@ from narwhal.admission._pricing import (
     ERROR_WINDOW_S,
     unstreamed_tokens,
 )
-from narwhal.placement import Placement, choose
 
 from ..support import engine_view
 
@@ -378,146 +376,32 @@ def test_kv_turnover_is_a_decayed_release_rate() -> None:
 def test_projection_errors_scale_admission_by_the_recent_overrun_quantile() -> None:
     errors = ProjectionErrors(quantile=0.9)
     for _ in range(ERROR_MIN_SAMPLES - 1):
-        errors.observe("p0", 0.1, 0.2, now=0.0)
+        errors.observe(0.1, 0.2, now=0.0)
     assert errors.factor(0.0) == 1.0  # too few samples to trust
-    errors.observe("p0", 0.1, 0.2, now=0.0)
+    errors.observe(0.1, 0.2, now=0.0)
     assert errors.factor(0.0) == pytest.approx(2.0)
     # 95 % of recent first tokens came within 1.25x of their projection, 5 % at 3x.
     for k in range(ERROR_WINDOW):
-        errors.observe("p0", 0.1, 0.125 if k % 20 else 0.3, now=1.0)
+        errors.observe(0.1, 0.125 if k % 20 else 0.3, now=1.0)
     assert errors.factor(1.0) == pytest.approx(1.25)
     errors.reconfigure(0.95)
     assert errors.factor(1.0) == pytest.approx(2.0)  # 3x, capped at ERROR_FACTOR_MAX
-    assert errors.factors(1.0) == ErrorFactors(2.0, {"p0": 2.0})
     # Pessimistic projections never loosen admission.
     for _ in range(ERROR_WINDOW):
-        errors.observe("p0", 0.2, 0.1, now=2.0)
+        errors.observe(0.2, 0.1, now=2.0)
     assert errors.factor(2.0) == 1.0
-    errors.observe("p0", 0.0, 0.1, now=2.0)  # nothing to compare
-    assert len(errors.fleet.samples) == ERROR_WINDOW
-    assert errors.samples("p0") == ERROR_WINDOW
+    errors.observe(0.0, 0.1, now=2.0)  # nothing to compare
+    assert len(errors.samples) == ERROR_WINDOW
 
 
 def test_a_burst_of_errors_is_forgotten_after_the_window() -> None:
     errors = ProjectionErrors(quantile=0.9)
     for _ in range(ERROR_MIN_SAMPLES):
-        errors.observe("p0", 0.1, 0.18, now=10.0)
-    assert errors.factors(10.0 + ERROR_WINDOW_S).of("p0") == pytest.approx(1.8)
+        errors.observe(0.1, 0.18, now=10.0)
+    assert errors.factor(10.0 + ERROR_WINDOW_S) == pytest.approx(1.8)
     # A quiet service: no new streams, the burst ages out and admission loosens again.
-    assert errors.factors(10.1 + ERROR_WINDOW_S) == ErrorFactors(1.0, {})
-    assert not errors.fleet.samples
-    assert not errors.engines  # nothing kept for an engine with nothing recent
-
-
-def test_each_engine_is_judged_by_its_own_errors_once_it_has_enough() -> None:
-    errors = ProjectionErrors(quantile=0.9)
-    for _ in range(ERROR_MIN_SAMPLES):
-        errors.observe("p0", 0.1, 0.3, now=0.0)  # slow: 3x its projections
-        errors.observe("p1", 0.1, 0.11, now=0.0)
-    errors.observe("p2", 0.1, 0.1, now=0.0)
-    factors = errors.factors(0.0)
-    # The fleet's 90th percentile is one of p0's: 3x, capped.
-    assert factors.fleet == pytest.approx(2.0)
-    assert factors.of("p0") == pytest.approx(2.0)
-    assert factors.of("p1") == pytest.approx(1.1)
-    # p2 has one sample of its own, d7 none: both are judged by the fleet's factor.
-    assert factors.of("p2") == pytest.approx(2.0)
-    assert factors.of("d7") == pytest.approx(2.0)
-    assert errors.samples("p2") == 1
-    assert set(factors.engines) == {"p0", "p1"}
-
-
-def test_an_engine_falls_back_to_the_fleet_as_its_own_samples_expire() -> None:
-    errors = ProjectionErrors(quantile=0.5)
-    for k in range(ERROR_MIN_SAMPLES):
-        errors.observe("p0", 0.1, 0.15, now=float(k))  # one a second
-    for _ in range(ERROR_MIN_SAMPLES):
-        errors.observe("p1", 0.1, 0.1, now=ERROR_MIN_SAMPLES - 1.0)
-    assert errors.factors(ERROR_WINDOW_S).of("p0") == pytest.approx(1.5)
-    # p0's first sample ages out: 31 of its own are too few, the fleet's (half p1's at
-    # 1x, the median) is used again.
-    factors = errors.factors(ERROR_WINDOW_S + 0.5)
-    assert errors.samples("p0") == ERROR_MIN_SAMPLES - 1
-    assert factors.of("p0") == factors.fleet == 1.0
-    assert factors.of("p1") == 1.0
-
-
-def _stream_errors(
-    errors: ProjectionErrors, engines: int, rate: float, start: float, end: float, ratio: float
-) -> float:
-    """Streams at `rate` per second from `start`, round robin over p0..p<engines-1>, each
-    `ratio` times its projection (on target: spread over 0.8-1.1x); returns the time
-    the next would come."""
-    t, k = start, 0
-    while t < end:
-        spread = 0.8 + 0.3 * (k % 10) / 9
-        errors.observe(f"p{k % engines}", 0.1, 0.1 * (ratio * spread if ratio == 1 else ratio), t)
-        k += 1
-        t = start + k / rate
-    return t
-
-
-def test_an_engine_s_factor_rises_and_falls_with_the_fleet_s() -> None:
-    # 4 prefill engines sharing 40 streams/s: the fleet's last ERROR_WINDOW span 6.4 s,
-    # each engine's own last ERROR_WINDOW would span 25.6 s. After a 3 s burst of 2x
-    # overruns the fleet's factor fell back 6 s later; the engines' stayed at 2 for 25 s,
-    # so every path was stricter than the fleet's errors said (the goodput benchmark's
-    # overload phase: admission refused requests it would have served within the target).
-    errors = ProjectionErrors(quantile=0.9)
-    t = _stream_errors(errors, 4, 40.0, 0.0, 30.0, 1.0)
-    t = _stream_errors(errors, 4, 40.0, t, 31.0, 2.0)
-    factors = errors.factors(t)
-    assert factors.fleet == 2.0
-    assert factors.engines == {f"p{i}": 2.0 for i in range(4)}  # not 1 s later than it
-    t = _stream_errors(errors, 4, 40.0, t, 33.0, 2.0)
-    t = _stream_errors(errors, 4, 40.0, t, 39.0, 1.0)
-    factors = errors.factors(t)
-    assert factors.fleet == pytest.approx(1.1)
-    assert errors.samples("p0") == ERROR_WINDOW // 4
-    for engine in ("p0", "p1", "p2", "p3"):
-        assert factors.of(engine) == pytest.approx(1.1, abs=0.05)
-
-
-def test_an_engine_the_fleet_has_moved_past_keeps_its_last_samples() -> None:
-    # p0 ran 2x over, then placement steered everything to p1: p0 keeps the evidence it
-    # was steered away for (its last ERROR_MIN_SAMPLES, within ERROR_WINDOW_S) rather
-    # than drawing traffic again on the fleet's factor once the fleet has moved on.
-    errors = ProjectionErrors(quantile=0.9)
-    _stream_errors(errors, 1, 10.0, 0.0, 4.0, 2.0)
-    factors = errors.factors(4.0)
-    assert factors.of("p0") == 2.0
-    assert errors.samples("p0") == 40
-    for k in range(2 * ERROR_WINDOW):
-        errors.observe("p1", 0.1, 0.1, now=5.0 + k / 100)
-    factors = errors.factors(10.0)
-    assert factors.fleet == 1.0
-    assert errors.samples("p0") == ERROR_MIN_SAMPLES
-    assert factors.of("p0") == 2.0
-    # Its last 32 are those of 0.8-3.9 s; the first ages out at 60.8 s: too few to
-    # trust, p0 is judged by the fleet's factor again.
-    assert errors.factors(ERROR_WINDOW_S + 0.75).of("p0") == 2.0
-    assert errors.factors(ERROR_WINDOW_S + 0.85).of("p0") == 1.0
-    assert errors.samples("p0") == ERROR_MIN_SAMPLES - 1
-
-
-def test_a_stream_on_an_engine_a_reload_replaced_counts_for_the_fleet_only() -> None:
-    errors = ProjectionErrors(quantile=0.9)
-    errors.observe(None, 0.1, 0.2, now=0.0)
-    assert len(errors.fleet.samples) == 1
-    assert not errors.engines
-
-
-def test_per_engine_windows_are_bounded_and_forgotten_on_reload() -> None:
-    errors = ProjectionErrors(quantile=0.9)
-    for _ in range(3 * ERROR_WINDOW):
-        errors.observe("p0", 0.1, 0.2, now=0.0)
-        errors.observe("p1", 0.1, 0.1, now=0.0)
-    assert errors.samples("p0") == errors.samples("p1") == ERROR_WINDOW
-    assert len(errors.fleet.samples) == ERROR_WINDOW
-    errors.forget("p0")
-    errors.forget("p9")  # never seen: nothing to drop
-    assert set(errors.engines) == {"p1"}
-    assert errors.factors(0.0).of("p1") == 1.0
+    assert errors.factor(10.1 + ERROR_WINDOW_S) == 1.0
+    assert not errors.samples
 
 
 def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> None:
@@ -525,98 +409,17 @@ def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> No
         "p0", "disaggregated", wait_s=0.2, ttft_s=0.4, idle_ttft_s=0.2, in_domain=True
     )
     assert judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0).admitted
-    verdict = judge(
-        [quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, errors=ErrorFactors(1.5)
-    )
+    verdict = judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=1.5)
     assert not verdict.admitted
     assert verdict.code == "ttft_budget"
-    assert "0.600s allowing for recent projection error x1.50 on p0" in verdict.message
+    assert "0.600s allowing for recent projection error x1.50" in verdict.message
     assert verdict.retry_after_s == pytest.approx(0.1)
     # An idle projection inside the budget is not the prompt's fault, whatever the factor.
     idle = PathQuote(
         "p0", "disaggregated", wait_s=0.0, ttft_s=0.45, idle_ttft_s=0.45, in_domain=True
     )
-    verdict = judge(
-        [idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, errors=ErrorFactors(2.0)
-    )
+    verdict = judge([idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=2.0)
     assert verdict.code == "ttft_budget"
-
-
-def test_a_slow_engine_s_factor_does_not_refuse_a_path_a_healthy_engine_can_serve() -> None:
-    # p0 is cheaper as projected, but its first tokens have lately run 2x over; p1's
-    # have run as projected. The fleet's factor is p0's.
-    engines = fleet()
-    errors = ErrorFactors(2.0, {"p0": 2.0, "p1": 1.0})
-    quotes = quote_paths(engines, prompt_tokens=1000, handoff_s=0.0)
-    assert [q.engine for q in quotes] == ["p0", "p1"]  # 0.11 s and 0.21 s, unscaled
-    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.215, margin=0.0, errors=errors)
-    assert verdict.admitted
-    assert verdict.quote is not None
-    assert verdict.quote.engine == "p1"  # 0.21 s fits 0.215 s; p0's 0.11 s x2 would not
-    assert verdict.quote.ttft_s == pytest.approx(0.21)  # what is recorded stays unscaled
-    # Placement agrees: p0 misses the budget once scaled, p1 fits and is the cheaper.
-    policy = placement_policy(
-        {p.view.id: p for p in engines},
-        prompt_tokens=1000,
-        handoff_s=0.0,
-        ttft_budget_s=0.215,
-        tpot_target_s=0.05,
-        errors=errors,
-    )
-    p0, p1 = engines[0].view, engines[1].view
-    assert not policy.prefill_ok(p0)
-    assert policy.prefill_ok(p1)
-    assert policy.prefill_cost(p1) < policy.prefill_cost(p0)
-    views = [p.view for p in engines]
-    assert choose(views, policy=policy) == Placement("disaggregated", "p1", "d1")
-    # A refusal names the factor of the path it talks about, and waits for that path.
-    busy = quote_paths(fleet(backlog_p0=0.2, backlog_p1=0.1), prompt_tokens=1000, handoff_s=0.0)
-    verdict = judge(busy, prompt_tokens=1000, ttft_target_s=0.215, margin=0.0, errors=errors)
-    assert verdict.code == "ttft_budget"
-    assert verdict.quote is not None
-    assert verdict.quote.engine == "p1"  # 0.31 s, where p0's is 0.31 s x2
-    assert verdict.retry_after_s == pytest.approx(0.31 - 0.215)
-    assert "allowing for" not in verdict.message  # p1's own factor is 1
-    assert verdict.message.endswith("0.100s of it is backlog on the cheapest path, through p1")
-    busy = quote_paths(fleet(backlog_p1=0.1), prompt_tokens=1000, handoff_s=0.0)
-    verdict = judge(busy, prompt_tokens=1000, ttft_target_s=0.215, margin=0.0, errors=errors)
-    assert verdict.quote is not None
-    assert verdict.quote.engine == "p0"  # 0.11 s x2, where p1's is 0.31 s
-    assert "0.220s allowing for recent projection error x2.00 on p0" in verdict.message
-    assert verdict.retry_after_s == pytest.approx(0.22 - 0.215)
-
-
-def test_placement_projects_a_prefill_path_as_admission_quotes_it() -> None:
-    # The decode side has lately run 0.1 s over its model. p0's path: 0.1 s prefill +
-    # 0.01 s first step + 0.1 s lag, x2 for p0's errors = 0.42 s; p1's: 0.25 + 0.01 + 0.1
-    # = 0.36 s. Admission counts on p1 (budget 0.4 s). Placement left the lag out
-    # (p0 0.22 s, p1 0.26 s) and sent the request through p0, 0.42 s as admission saw it.
-    engines = [
-        Priced(view("p0", "prefill"), Linear(0.0001), None),
-        Priced(view("p1", "prefill"), Linear(0.00025), None),
-        Priced(view("d0", "decode"), None, Flat(0.01), first_token_lag_s=0.11),
-    ]
-    errors = ErrorFactors(2.0, {"p0": 2.0, "p1": 1.0})
-    quotes = quote_paths(engines, prompt_tokens=1000, handoff_s=0.0)
-    verdict = judge(quotes, prompt_tokens=1000, ttft_target_s=0.4, margin=0.0, errors=errors)
-    assert verdict.quote is not None
-    assert verdict.admitted
-    assert verdict.quote.engine == "p1"
-    policy = placement_policy(
-        {p.view.id: p for p in engines},
-        prompt_tokens=1000,
-        handoff_s=0.0,
-        ttft_budget_s=0.4,
-        tpot_target_s=0.05,
-        errors=errors,
-    )
-    p0, p1 = engines[0].view, engines[1].view
-    assert policy.prefill_cost(p0) == pytest.approx(0.42)
-    assert policy.prefill_cost(p1) == pytest.approx(verdict.quote.ttft_s) == pytest.approx(0.36)
-    assert not policy.prefill_ok(p0)
-    assert choose([p.view for p in engines], policy=policy) == Placement(
-        "disaggregated", "p1", "d0"
-    )
 
 
 def test_overdue_backlog_counts_as_long_again_as_it_is_late() -> None:

@@ -68,7 +68,6 @@ async def test_a_served_stream_records_its_projected_and_observed_ttft(
         + timing.decode_step_s(PROMPT_TOKENS, 1) / SPEED
     )
     assert line["projected_ttft_s"] == pytest.approx(expected, abs=1e-6)
-    assert line["projected_engine"] == line["prefill_engine"]  # one attempt
     assert line["projected_wait_s"] == 0.0  # nothing queued, no decode lag, KV to spare
     assert line["projected_in_domain"] is True
     # The simulator sleeps at least the law's prefill before the first token.
@@ -96,13 +95,7 @@ async def test_a_refused_request_has_neither(
         await predictive_stack(start_stack, ttft_s=0.002), caplog, 429, stream=True
     )
     assert line["outcome"] == "prompt_exceeds_ttft_target"
-    keys = (
-        "projected_engine",
-        "projected_ttft_s",
-        "projected_wait_s",
-        "observed_ttft_s",
-        "projected_in_domain",
-    )
+    keys = ("projected_ttft_s", "projected_wait_s", "observed_ttft_s", "projected_in_domain")
     for key in (*keys, "prefill_s"):
         assert line[key] is None, key
 

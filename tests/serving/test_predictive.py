@@ -17,7 +17,6 @@ import httpx
 import pytest
 import trio
 
-from narwhal.admission import _pricing
 from narwhal.config import load_config
 from narwhal.fleet import EngineState
 from narwhal.sim import SimTiming
@@ -501,75 +500,3 @@ async def test_a_stalled_prefill_engine_stops_drawing_requests(start_stack: Star
                 assert (await post(stack, {"max_tokens": 1})).status_code == 200
         assert stack.fleet[1].state()["counters"]["requests"]["prefill"] == 3
         nursery.cancel_scope.cancel()
-
-
-async def test_a_slow_prefill_engine_tightens_admission_on_its_own_path_only(
-    start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # p0 answers its prefills 100 ms late (a gray failure: /health is fine), so its first
-    # tokens run 2x and more over their projections while p1's run about as projected.
-    # One factor for the fleet made every path 2x stricter once p0's overruns were its
-    # 90th percentile: a prompt projected at 0.6 of the budget was refused, though p1
-    # serves it within the target. Each path is now judged by its own engine's errors,
-    # and placement sends the request where admission counted on it going.
-    monkeypatch.setattr(_pricing, "ERROR_MIN_SAMPLES", 12)  # compressed, like the timings
-    profiles = LawProfiles(speed=1.0)
-
-    def idle_ttft_s(tokens: int) -> float:
-        decode = profiles.decode_curve("d2")
-        return (
-            profiles.prefill_curve("p0").prefill_s(tokens)
-            + profiles.handoff_s(tokens)
-            + decode.interval_s(1, tokens)
-        )
-
-    # Prompts long enough that the stack's own few tens of milliseconds (not in the
-    # profile) leave a healthy path's factor well below 1 / 0.6.
-    small, large = 3000, 8000
-    ttft_s = round(idle_ttft_s(large) / 0.6, 3)
-    assert 2 * idle_ttft_s(small) < ttft_s  # no factor refuses the small prompts
-    stack = await start_stack(
-        ["prefill", "prefill", "decode"],
-        speed=1.0,
-        slo={"ttft_s": ttft_s, "tpot_s": 0.05},
-        serving={"admission": "predictive"},
-        profiles=profiles,
-        # Ejecting p0 for its latency would hide what admission makes of it.
-        recovery={"health": {"eject_ratio": 1000.0}},
-    )
-    stack.fleet[0].set_faults(slow_first_token_s=0.1, leg="prefill")
-
-    def prefills(engine: int) -> int:
-        count: int = stack.fleet[engine].state()["counters"]["requests"]["prefill"]
-        return count
-
-    async def stream(tokens: int) -> int:
-        body = {"model": MODEL, "prompt": [5] * tokens, "max_tokens": 2, "stream": True}
-        async with httpx.AsyncClient(timeout=10) as client:
-            response = await client.post(f"{stack.url}/v1/completions", json=body)
-        return response.status_code
-
-    async def served(tokens: int) -> None:
-        assert await stream(tokens) == 200
-
-    # Pairs at once: the first takes p0 (the tie by id), the second p1 (p0 has backlog),
-    # until each engine has errors enough of its own.
-    with trio.fail_after(30):
-        while min(prefills(0), prefills(1)) < _pricing.ERROR_MIN_SAMPLES:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(served, small)
-                nursery.start_soon(served, small)
-    state = await settled(stack)
-    assert state["admission"]["projection_error_factor"] == 2.0
-    factors = state["admission"]["projection_error_factors"]
-    assert factors["p0"] == {"factor": 2.0, "samples": prefills(0), "own": True}
-    assert factors["p1"]["own"]
-    assert factors["p1"]["factor"] < 1 / 0.6
-    assert factors["d2"] == {"factor": 2.0, "samples": 0, "own": False}
-
-    before = prefills(0)
-    statuses = [await stream(large) for _ in range(4)]
-    assert statuses == [200] * 4
-    assert prefills(0) == before  # every one went to p1
-    state = await settled(stack)
-    assert state["requests"]["outcomes"] == {"ok": prefills(0) + prefills(1)}
