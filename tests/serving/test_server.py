@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import MutableMapping
+from collections.abc import AsyncIterator, MutableMapping
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -263,15 +264,9 @@ def _waiting_client(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _closed_by_server(client: trio.SocketStream) -> None:
-    with trio.fail_after(5):
-        while await client.receive_some(65536):
-            pass
-
-
-async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() -> None:
-    app = _Holding()
-    limit = OpenConnections(4)
+@asynccontextmanager
+async def _limited(app: Any, limit: OpenConnections) -> AsyncIterator[tuple[str, int]]:
+    """The app served on a loopback port with `limit` on open connections, until exit."""
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         ((host, port),) = await nursery.start(
@@ -285,6 +280,30 @@ async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() 
                 open_connections=limit,
             )
         )
+        yield host, port
+        shutdown.set()
+
+
+async def _reply(client: socket.socket) -> bytes:
+    """What a raw client socket reads until the app's hello has come."""
+    reply = b""
+    with trio.fail_after(5):
+        while b"hello" not in reply:
+            await trio.lowlevel.wait_readable(client)
+            reply += client.recv(65536)
+    return reply
+
+
+async def _closed_by_server(client: trio.SocketStream) -> None:
+    with trio.fail_after(5):
+        while await client.receive_some(65536):
+            pass
+
+
+async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() -> None:
+    app = _Holding()
+    limit = OpenConnections(4)
+    async with _limited(app, limit) as (host, port):
         busy = await trio.open_tcp_stream(host, port)
         await busy.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
         await app.started.wait()
@@ -296,11 +315,7 @@ async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() 
         assert repr(limit) == "<OpenConnections 4/4, 3 idle>"
         with _waiting_client(host, port) as fifth:
             await _closed_by_server(idle[1])
-            reply = b""
-            with trio.fail_after(5):
-                while b"hello" not in reply:
-                    await trio.lowlevel.wait_readable(fifth)
-                    reply += fifth.recv(65536)
+            assert (await _reply(fifth)).startswith(b"HTTP/1.1 200")
         await idle.pop(1).aclose()
         stats = limit.statistics()
         assert (stats.limit_reached, stats.shed) == (1, 1)
@@ -310,25 +325,12 @@ async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() 
         await _hello_received(busy)
         for client in [busy, *idle]:
             await client.aclose()
-        shutdown.set()
 
 
 async def test_at_the_connection_limit_with_none_idle_a_new_connection_waits() -> None:
     app = _Holding()
     limit = OpenConnections(4)
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        ((host, port),) = await nursery.start(
-            partial(
-                serve_app,
-                app,
-                host="127.0.0.1",
-                port=0,
-                client_stall_s=1.0,
-                shutdown=shutdown,
-                open_connections=limit,
-            )
-        )
+    async with _limited(app, limit) as (host, port):
         held = [await trio.open_tcp_stream(host, port) for _ in range(4)]
         for client in held:
             await client.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -345,14 +347,9 @@ async def test_at_the_connection_limit_with_none_idle_a_new_connection_waits() -
             # The held requests end; their connections go idle, and the longest idle
             # one makes room for the fifth.
             app.release.set()
-            reply = b""
-            with trio.fail_after(5):
-                while b"hello" not in reply:
-                    await trio.lowlevel.wait_readable(fifth)
-                    reply += fifth.recv(65536)
+            reply = await _reply(fifth)
             assert reply.startswith(b"HTTP/1.1 200")
         stats = limit.statistics()
         assert (stats.limit_reached, stats.shed) == (1, 1)
         for client in held:
             await client.aclose()
-        shutdown.set()
