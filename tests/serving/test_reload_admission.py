@@ -19,7 +19,13 @@ import trio.testing
 
 from narwhal.config import Config
 from narwhal.fleet import EngineState
-from narwhal.profiles import DecodeCorrection, FleetProfiles, load_profiles, save_profiles
+from narwhal.profiles import (
+    DecodeCorrection,
+    DecodeModel,
+    FleetProfiles,
+    load_profiles,
+    save_profiles,
+)
 from narwhal.serving import state_document
 from narwhal.serving._flow import Flow
 from narwhal.supervisor._control import ControlLink
@@ -156,9 +162,9 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
 
 
-async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correction_alone(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
+def decode_profiles(tmp_path: Path) -> tuple[FleetProfiles, DecodeModel]:
+    """Profiles of P0 and D0 whose decode correction moves half way to each window's
+    ratio from two gaps on; and D0's decode model."""
     urls = {"p0": P0["url"], "d0": D0["url"]}
     path = tmp_path / "profiles.json"
     save_profiles(store_for(urls), path)
@@ -168,6 +174,13 @@ async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correct
     )
     curve = profiles.decode_curve("d0")
     assert curve is not None
+    return profiles, curve
+
+
+async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correction_alone(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    profiles, curve = decode_profiles(tmp_path)
     slow = [1.2 * curve.interval_s(1, 0)] * 2  # 20 % slower than profiled
     async with rig_with_legs(fleet(P0, D0)) as (rig, _):
         rig.ctx.profiles = profiles
@@ -189,15 +202,7 @@ async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measure
     # The prediction was read at the engine's load as the stream ended, lighter than
     # during it (the last stream of a batch ends alone): a busy engine's correction
     # leaned upward.
-    urls = {"p0": P0["url"], "d0": D0["url"]}
-    path = tmp_path / "profiles.json"
-    save_profiles(store_for(urls), path)
-    profiles = FleetProfiles(
-        load_profiles(path, config_for(urls)),
-        correction=DecodeCorrection(alpha=0.5, min_samples=2),
-    )
-    curve = profiles.decode_curve("d0")
-    assert curve is not None
+    profiles, curve = decode_profiles(tmp_path)
     busy = (48.0, 48.0 * 2000)
     on_profile = [curve.interval_s(*busy)] * 2
     async with rig_with_legs(fleet(P0, D0)) as (rig, _):
