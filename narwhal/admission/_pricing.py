@@ -480,9 +480,6 @@ class FirstTokenLag(_Decaying[K]):
             lag_s = current + self.alpha * (lag_s - current)
         self._set(engine, lag_s, now)
 
-    def lags(self, now: float) -> Mapping[K, float]:
-        return {engine: self.current(engine, now) for engine in self.value}
-
 
 @attrs.define
 class KvTurnover(_Decaying[K]):
@@ -496,9 +493,6 @@ class KvTurnover(_Decaying[K]):
 
     def rate_per_s(self, engine: K, now: float) -> float:
         return self.current(engine, now) / self.tau_s
-
-    def rates(self, now: float) -> Mapping[K, float]:
-        return {engine: self.rate_per_s(engine, now) for engine in self.value}
 
 
 class ProfileSource(Protocol):

@@ -245,7 +245,7 @@ def test_first_token_lag_is_a_decaying_weighted_mean() -> None:
     assert lags.lag_s("d0", 12.0) == pytest.approx(0.5 * math.exp(-1.0))
     lags.observe("d0", -3.0, now=12.0)  # a negative observation counts as zero
     assert lags.lag_s("d0", 12.0) == pytest.approx(0.5 * math.exp(-1.0) * 0.5)
-    assert set(lags.lags(12.0)) == {"d0"}
+    assert set(lags.value) == {"d0"}
 
 
 def kv_decode(
@@ -369,7 +369,7 @@ def test_kv_turnover_is_a_decayed_release_rate() -> None:
         (4000 * math.exp(-1.0) + 2000) * math.exp(-1.0) / 2.0
     )
     kv.observe("d0", -5, now=14.0)  # nothing negative is ever released
-    assert set(kv.rates(14.0)) == {"d0"}
+    assert set(kv.value) == {"d0"}
     assert kv.rate_per_s("d0", 14.0) > 0
 
 
