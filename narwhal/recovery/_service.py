@@ -226,6 +226,11 @@ class EngineRecovery:
         verdict = self.health.verdict
         return verdict is Verdict.VERIFYING or (self.hold.active and verdict is Verdict.UP)
 
+    def waiting(self, now: float) -> bool:
+        """Out of placement and waiting to be verified for readmission: ejected, or held
+        for the rest of recovery.restart_hold_s (what `Recovery._alone` can cut short)."""
+        return self.health.verdict is Verdict.EJECTED or self.hold.waiting(now)
+
     def breaker_wanted(self) -> bool:
         # While ejected or held, the readmission verification comes first.
         return (
@@ -285,7 +290,7 @@ class EngineRecovery:
         }
 
 
-def _work(engine: EngineState) -> str:
+def _work(engine: EngineState) -> Phase:
     """The work of `engine`'s role, as placement names it."""
     return "aggregate" if engine.role == "both" else engine.role
 
@@ -858,8 +863,7 @@ class Recovery:
         if result.outcome == "ok":
             now = trio.current_time()
             ejected = record.health.verdict is Verdict.EJECTED
-            waiting = ejected or record.hold.waiting(now)
-            alone = self._alone(record) if waiting else None
+            alone = self._alone(record) if record.waiting(now) else None
             if now < record.latency_until and alone is None:
                 # A slow engine answers its probes and passes a verification pair (both
                 # bounded, not timed against the profile) as soon as it is ejected; the
@@ -1037,8 +1041,7 @@ class Recovery:
         engine = record.engine
         due = not record.hold.waiting(now) and now >= record.readmit_after
         if record.readmission_wanted() and due:
-            phase = {"prefill": "prefill", "decode": "decode"}.get(engine.role, "aggregate")
-            result = await self._verify(record, "readmission", phase)
+            result = await self._verify(record, "readmission", _work(engine))
             if result.outcome == "ok":
                 record.failed_verifications = 0
                 self._health_changed(record, record.health.verify_ok(result.detail))
@@ -1371,8 +1374,7 @@ class Recovery:
                 or probe.outcome != "ok"
             ):
                 continue
-            waiting = record.health.verdict is Verdict.EJECTED or record.hold.waiting(now)
-            if waiting and self._alone(record) is not None:
+            if record.waiting(now) and self._alone(record) is not None:
                 record.probe_now = True
                 record.wake.set()
 
