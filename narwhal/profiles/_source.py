@@ -16,6 +16,7 @@ import attrs
 
 from ._models import DecodeModel, EngineProfile, PrefillModel, Quantile
 from ._pricing import DecodeCorrection
+from ._quality import PoorFit, poor_fits
 from ._store import ProfileCheck
 
 
@@ -85,6 +86,16 @@ class FleetProfiles:
 
     def correction(self, engine_id: str) -> DecodeCorrection:
         return self._corrections.get(engine_id, self._template)
+
+    def poor_fits(self) -> list[PoorFit]:
+        """The usable profiles' fits that miss their own measurements (`_quality`), by
+        engine id: used all the same, and reported."""
+        return [
+            fit
+            for engine_id in sorted(self.check.usable)
+            if (profile := self.profile(engine_id)) is not None
+            for fit in poor_fits(profile)
+        ]
 
     def carry_corrections(self, previous: FleetProfiles, engine_ids: Iterable[str]) -> list[str]:
         """Keep what `previous` learnt of these engines' decode speed (a reload of the

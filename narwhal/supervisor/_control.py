@@ -27,7 +27,7 @@ from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
 from ..probe import with_live_builds
-from ..profiles import DecodeCorrection, FleetProfiles, load_profiles, poor_fits
+from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
 from ..recovery import LegObservation, MonitorPass, Predictor
 from ..serving import DecodeGaps, ServingContext
 
@@ -62,19 +62,17 @@ async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, lis
         extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
     )
     # Used all the same (it is the best measurement there is), but said once per load.
-    for engine_id in sorted(check.usable):
-        profile = profiles.profile(engine_id)
-        for fit in [] if profile is None else poor_fits(profile):
-            log.warning(
-                "profile: %s",
-                fit.message(),
-                extra={
-                    "event": "profile_poor_fit",
-                    "engine": fit.engine,
-                    "phase": fit.phase,
-                    "residual_p90": round(fit.residual_p90, 4),
-                },
-            )
+    for fit in profiles.poor_fits():
+        log.warning(
+            "profile: %s",
+            fit.message(),
+            extra={
+                "event": "profile_poor_fit",
+                "engine": fit.engine,
+                "phase": fit.phase,
+                "residual_p90": round(fit.residual_p90, 4),
+            },
+        )
     return profiles, list(check.messages)
 
 

@@ -40,7 +40,7 @@ from ..admission import ProfileSource
 from ..config import Config, ConfigError, ReloadPlan, diff, load_config_file
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
-from ..profiles import FleetProfiles, poor_fits
+from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import App, ServingContext, serve_app
 from ._control import (
@@ -402,15 +402,15 @@ class Supervisor:
             for engine_id in usable:
                 profile = source.profile(engine_id)
                 caps[engine_id] = (profile.max_num_seqs or None) if profile is not None else None
-                poor.extend(
-                    {
-                        "engine": fit.engine,
-                        "phase": fit.phase,
-                        "residual_p90": round(fit.residual_p90, 4),
-                        "points": fit.points,
-                    }
-                    for fit in ([] if profile is None else poor_fits(profile))
-                )
+            poor = [
+                {
+                    "engine": fit.engine,
+                    "phase": fit.phase,
+                    "residual_p90": round(fit.residual_p90, 4),
+                    "points": fit.points,
+                }
+                for fit in source.poor_fits()
+            ]
         if ctx is not None and source is not None:
             corrections = {e.id: round(source.decode_correction(e.id), 4) for e in ctx.fleet}
         return {
