@@ -154,6 +154,26 @@ def _with_quality(
     )
 
 
+def with_worst_fit(model: _Model, fitted: Sequence[_Model]) -> _Model:
+    """`model` (made from `fitted`, as the mean profile is) with the worst of their fits'
+    quality: the largest residuals and spreads, the fewest points (0, a store that
+    predates model error, if any of them has it)."""
+    return _with_quality(
+        model,
+        min(m.points for m in fitted),
+        (
+            max(m.residual_p50 for m in fitted),
+            max(m.residual_p90 for m in fitted),
+            max(m.residual_max for m in fitted),
+        ),
+        (
+            max(m.spread_p50 for m in fitted),
+            max(m.spread_p90 for m in fitted),
+            max(m.spread_max for m in fitted),
+        ),
+    )
+
+
 def _summary(values: Matrix) -> tuple[float, float, float]:
     """(p50, p90, max); zeros when there is nothing to summarise."""
     if values.size == 0:

@@ -74,6 +74,7 @@ from ._models import (
     HandoffBucket,
     HandoffProfile,
     PrefillModel,
+    with_worst_fit,
 )
 
 SCHEMA_VERSION = 1
@@ -150,42 +151,33 @@ def _mean(profiles: list[EngineProfile]) -> EngineProfile:
     dec = [p.decode for p in profiles]
     min_tokens = max(m.min_tokens for m in pre)
     max_tokens = max(min_tokens, min(m.max_tokens for m in pre))
-    prefill = PrefillModel(
-        a_s=_avg(m.a_s for m in pre),
-        b_s_per_token=_avg(m.b_s_per_token for m in pre),
-        c_s_per_token2=_avg(m.c_s_per_token2 for m in pre),
-        min_tokens=min_tokens,
-        max_tokens=max_tokens,
-        samples=sum(m.samples for m in pre),
-        residual_p50=max(m.residual_p50 for m in pre),
-        residual_p90=max(m.residual_p90 for m in pre),
-        residual_max=max(m.residual_max for m in pre),
-        # The fewest points: 0 (a store that predates model error) if any engine has it.
-        points=min(m.points for m in pre),
-        spread_p50=max(m.spread_p50 for m in pre),
-        spread_p90=max(m.spread_p90 for m in pre),
-        spread_max=max(m.spread_max for m in pre),
+    prefill = with_worst_fit(
+        PrefillModel(
+            a_s=_avg(m.a_s for m in pre),
+            b_s_per_token=_avg(m.b_s_per_token for m in pre),
+            c_s_per_token2=_avg(m.c_s_per_token2 for m in pre),
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            samples=sum(m.samples for m in pre),
+        ),
+        pre,
     )
     min_active = max(m.min_active for m in dec)
     min_kv = max(m.min_kv_tokens for m in dec)
     seqs = [p.max_num_seqs for p in profiles]
-    decode = DecodeModel(
-        t0_s=_avg(m.t0_s for m in dec),
-        kv_s_per_token=_avg(m.kv_s_per_token for m in dec),
-        active_s_per_request=_avg(m.active_s_per_request for m in dec),
-        idle_floor_s=_avg(m.idle_floor_s for m in dec),
-        min_active=min_active,
-        max_active=max(min_active, min(m.max_active for m in dec)),
-        min_kv_tokens=min_kv,
-        max_kv_tokens=max(min_kv, min(m.max_kv_tokens for m in dec)),
-        samples=sum(m.samples for m in dec),
-        residual_p50=max(m.residual_p50 for m in dec),
-        residual_p90=max(m.residual_p90 for m in dec),
-        residual_max=max(m.residual_max for m in dec),
-        points=min(m.points for m in dec),
-        spread_p50=max(m.spread_p50 for m in dec),
-        spread_p90=max(m.spread_p90 for m in dec),
-        spread_max=max(m.spread_max for m in dec),
+    decode = with_worst_fit(
+        DecodeModel(
+            t0_s=_avg(m.t0_s for m in dec),
+            kv_s_per_token=_avg(m.kv_s_per_token for m in dec),
+            active_s_per_request=_avg(m.active_s_per_request for m in dec),
+            idle_floor_s=_avg(m.idle_floor_s for m in dec),
+            min_active=min_active,
+            max_active=max(min_active, min(m.max_active for m in dec)),
+            min_kv_tokens=min_kv,
+            max_kv_tokens=max(min_kv, min(m.max_kv_tokens for m in dec)),
+            samples=sum(m.samples for m in dec),
+        ),
+        dec,
     )
     first = profiles[0]
     return EngineProfile(
