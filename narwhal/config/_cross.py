@@ -266,9 +266,13 @@ def _role_floors(cfg: Config) -> list[str]:
 
 
 def _fixed_role(dialect: str) -> bool:
-    # An SGLang server's role is its launch mode (`Dialect.fixed_role`): the controller
-    # never moves one.
-    return dialect == "sglang"
+    """Whether an engine of `dialect` keeps its launch role (an SGLang server's is its
+    launch mode): the controller never moves one."""
+    # Imported when the rule runs: the engines package brings in its transport (and
+    # trio), which narwhalctl, reading only ctl.socket from a config, does not need.
+    from ..engines._dialects import dialect_for
+
+    return dialect_for(dialect).fixed_role is not None
 
 
 def _open_connections(cfg: Config) -> list[str]:
