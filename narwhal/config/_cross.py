@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from ..engines._dialects import dialect_for
 from ._model import Config
 
 
@@ -268,10 +269,6 @@ def _role_floors(cfg: Config) -> list[str]:
 def _fixed_role(dialect: str) -> bool:
     """Whether an engine of `dialect` keeps its launch role (an SGLang server's is its
     launch mode): the controller never moves one."""
-    # Imported when the rule runs: the engines package brings in its transport (and
-    # trio), which narwhalctl, reading only ctl.socket from a config, does not need.
-    from ..engines._dialects import dialect_for
-
     return dialect_for(dialect).fixed_role is not None
 
 
