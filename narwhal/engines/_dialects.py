@@ -382,6 +382,14 @@ class TokenizeScan:
         return limit
 
 
+def lists_model(answer: object, model: str) -> bool | None:
+    """Whether a /v1/models answer lists `model`; None when it is no model list."""
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list):
+        return None
+    return any(isinstance(card, dict) and card.get("id") == model for card in cards)
+
+
 def card_context(answer: object, model: str) -> int | str:
     """The context length a /v1/models answer gives `model`: its card's `max_model_len`,
     or why there is none.
@@ -401,7 +409,8 @@ def card_context(answer: object, model: str) -> int | str:
             if length is not None and length > 0:
                 return length
             return f"its /v1/models card for {model!r} has no positive max_model_len ({value!r})"
-    return f"its /v1/models answer lists no model {model!r}"
+    listed = ", ".join(repr(card.get("id")) for card in cards if isinstance(card, dict))
+    return f"its /v1/models answer lists no model {model!r} (it lists {listed or 'none'})"
 
 
 def truncates_requests(answer: object) -> bool | str:

@@ -130,6 +130,14 @@ class EngineState:
         # Refusals recorded so far (`key_refused`): a key check clears `auth_refused` only
         # if none arrived while it was under way.
         self.auth_refusals = 0
+        # Why the engine does not serve the configured engines[].model, set when it
+        # answered a leg 404 naming the model (`model_refused`); cleared by recovery when
+        # its /v1/models lists the model again (read at each good probe until then), or
+        # by a reload of the engine.
+        self.model_missing: str | None = None
+        # Refusals recorded so far: a /v1/models reading clears `model_missing` only if
+        # none arrived while it was under way.
+        self.model_refusals = 0
         self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
         # The context length the engine refuses requests beyond (`set_context`): read by
         # recovery at a good probe while `context_due` (the first one, and the first after
@@ -184,6 +192,10 @@ class EngineState:
 
     def reconfigure(self, spec: EngineSpec, config: Config) -> None:
         """Apply a reloaded config in place: resident requests keep their reservations."""
+        if spec.model != self.spec.model:
+            # Another model is another question (an unchanged one keeps its answer, or
+            # each reload would send the engine one more request it refuses).
+            self.model_missing = None
         self.spec = spec
         engine_cfg = config.engine
         self.serving_pool.resize(config.serving.max_connections)
@@ -230,6 +242,8 @@ class EngineState:
             return "drained"
         if self.auth_refused is not None:
             return f"auth refused: {self.auth_refused}"
+        if self.model_missing is not None:
+            return f"model not served: {self.model_missing}"
         if self.ejected is not None:
             return f"ejected: {self.ejected}"
         if self.unreachable is not None:

@@ -109,8 +109,9 @@ class Metrics:
             "Fallback prompt length estimates by why the count is not exact: disabled "
             "(engine.tokenize false), no_engine, unsupported (a chat request when every "
             "available engine's /tokenize refused messages: older SGLang builds), timeout, "
-            "engine_auth (401/403: the engine refused narwhal's API key), engine_error "
-            "(another non-200 answer), unreachable, bad_answer (no integer count).",
+            "engine_auth (401/403: the engine refused narwhal's API key), engine_model (404: "
+            "the engine does not serve engines[].model), engine_error (another non-200 "
+            "answer), unreachable, bad_answer (no integer count).",
             ["reason"],
             registry=registry,
         )

@@ -69,6 +69,7 @@ from ..engines import (
 from ..engines._dialects import (
     card_context,
     encode,
+    lists_model,
     new_bootstrap_room,
     sglang_pd_body,
     truncates_requests,
@@ -141,6 +142,9 @@ class ContextReading:
     length: int | None
     detail: str
     final: bool = True
+    # Whether the /v1/models answer lists the configured model; None when there was no
+    # model list to read (`model_refused` takes an engine out by a 404, this readmits it).
+    listed: bool | None = None
 
 
 class ScrapeError(Exception):
@@ -367,26 +371,28 @@ class HttpProber:
             answer = await _get_json(engine, b"/v1/models")
             if isinstance(answer, str):
                 return ContextReading(None, answer, final=False)
+            listed = lists_model(answer, engine.spec.model)
             length = card_context(answer, engine.spec.model)
             if isinstance(length, str):
-                return ContextReading(None, length)
+                return ContextReading(None, length, listed=listed)
             path = engine.dialect.truncation_path
             if path is None:
-                return ContextReading(length, "GET /v1/models max_model_len")
+                return ContextReading(length, "GET /v1/models max_model_len", listed=listed)
             answer = await _get_json(engine, path)
             if isinstance(answer, str):
-                return ContextReading(None, answer, final=False)
+                return ContextReading(None, answer, final=False, listed=listed)
             truncates = truncates_requests(answer)
             if isinstance(truncates, str):
-                return ContextReading(None, truncates)
+                return ContextReading(None, truncates, listed=listed)
             if truncates:
                 return ContextReading(
                     None,
                     f"it cuts over-long requests down instead of refusing them "
                     f"(allow_auto_truncate in GET {path.decode()}), its max_model_len "
                     f"{length} notwithstanding",
+                    listed=listed,
                 )
-            return ContextReading(length, "GET /v1/models max_model_len")
+            return ContextReading(length, "GET /v1/models max_model_len", listed=listed)
         return ContextReading(
             None, f"no answer within engine.health_timeout_s={timeout}", final=False
         )

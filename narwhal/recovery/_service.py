@@ -785,8 +785,22 @@ class Recovery:
         path checks requests against before any leg. A change is logged: once known, as
         info; when not, a warning, since the request path then leaves the refusal to the
         engine."""
+        refusals = engine.model_refusals
         reading = await self.prober.context(engine, self.ctx.config)
         engine.context_due = not reading.final
+        if engine.model_missing is not None:
+            if reading.listed and engine.model_refusals == refusals:
+                engine.model_missing = None
+                log.info(
+                    "engine %s: its /v1/models lists model %r (engines[].model) now; it "
+                    "takes new work again",
+                    engine.id,
+                    engine.spec.model,
+                    extra={"event": "engine_model_served", "engine": engine.id},
+                )
+            else:
+                # Asked again at each good probe until it is listed (`model_refused`).
+                engine.context_due = True
         if not engine.set_context(reading.length, reading.detail):
             return
         fields = {
@@ -810,6 +824,17 @@ class Recovery:
                 engine.id,
                 reading.detail,
                 extra=fields,
+            )
+        if reading.listed is False and engine.model_missing is None:
+            # Not out of placement for it (`fleet.model_refused` says why), but the likely
+            # cause of every request it is about to refuse, so said as such.
+            log.warning(
+                "engine %s does not list model %r (engines[].model) in /v1/models; if it "
+                "refuses requests for it (vLLM answers 404), the first refused one takes it "
+                "out of placement: check the engine's --served-model-name",
+                engine.id,
+                engine.spec.model,
+                extra={"event": "engine_model_unlisted", "engine": engine.id},
             )
 
     async def _identity_refused(

@@ -61,6 +61,11 @@ class EngineHandle:
         self._fleet.api_keys[self.index] = api_key
         self.engine.api_key = api_key
 
+    def set_model(self, model: str) -> None:
+        """Serve under another name (an engine relaunched with another
+        --served-model-name, without the wait); `restart()` brings back the fleet's."""
+        self.engine.spec = attrs.evolve(self.engine.spec, model=model)
+
     def clear_faults(self) -> None:
         self.engine.set_faults(None)
 

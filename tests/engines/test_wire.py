@@ -12,6 +12,7 @@ from narwhal.engines._dialects import (
     TokenizeScan,
     card_context,
     chat_tokenize_refused,
+    lists_model,
     sglang_pd_body,
     tokenize_body,
     tokenize_count,
@@ -390,7 +391,15 @@ def test_the_context_length_is_the_served_models_card() -> None:
     assert card_context(cards, "lora-a") == (
         "its /v1/models card for 'lora-a' has no positive max_model_len (None)"
     )
-    assert card_context(cards, "x") == "its /v1/models answer lists no model 'x'"
+    assert card_context(cards, "x") == (
+        "its /v1/models answer lists no model 'x' (it lists 'lora-a', 'm')"
+    )
+    assert card_context({"data": []}, "x") == (
+        "its /v1/models answer lists no model 'x' (it lists none)"
+    )
+    assert lists_model(cards, "lora-a") is True
+    assert lists_model(cards, "x") is False
+    assert lists_model({"detail": "Not Found"}, "m") is None
     assert card_context({"detail": "Not Found"}, "m") == "its /v1/models answer has no `data` list"
     bad = {"data": [{"id": "m", "max_model_len": True}]}
     assert (

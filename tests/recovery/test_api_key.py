@@ -46,7 +46,9 @@ async def test_probes_carry_the_key_and_a_refused_key_is_named(
         "accepted", "GET /v1/models returned HTTP 200"
     )
     # SGLang's /tokenize says its tokenizer's limit: the server's is on its model card.
-    assert await prober.context(d0, config) == ContextReading(8192, "GET /v1/models max_model_len")
+    assert await prober.context(d0, config) == ContextReading(
+        8192, "GET /v1/models max_model_len", listed=True
+    )
     fleet[1].set_api_key("another-key")
     assert await prober.context(d0, config) == ContextReading(
         None, "GET /v1/models returned HTTP 401", final=False

@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from narwhal.config import Config
-from narwhal.fleet import EngineState, key_refused
+from narwhal.fleet import EngineState, key_refused, model_refused
 from narwhal.recovery import (
     BreakerState,
     ContextReading,
@@ -568,6 +568,77 @@ async def test_the_context_length_is_read_at_the_first_good_probe_and_after_a_re
             "itself",
         ),
     ]
+
+
+async def test_an_engine_refusing_its_model_is_read_at_each_probe_until_it_lists_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    prober = FakeProber()
+    rig = await start(nursery, config(), prober)
+    await rig.at(0.5)
+    d0 = rig.engine("d0")
+    absent = "its /v1/models answer lists no model 'm' (it lists 'x')"
+    prober.context_of["d0"] = ContextReading(None, absent, listed=False)
+    model_refused(d0, "The model `m` does not exist.", rig.ctx.config)
+    refused = "model not served: HTTP 404: The model `m` does not exist."
+    await rig.at(3.5)
+    assert rig.reason("d0") == refused
+    # Read at every good probe while it is out (the context alone would be read once).
+    assert [at - rig.t0 for e, at in prober.context_reads if e == "d0"] == [0, 1, 2, 3]
+
+    # A refusal that arrives while /v1/models is read wins over that reading.
+    served = ContextReading(8192, "GET /v1/models max_model_len", listed=True)
+    prober.context_of["d0"] = served
+    read = prober.context
+
+    async def refused_meanwhile(engine: EngineState, cfg: Config) -> ContextReading:
+        model_refused(engine, "The model `m` does not exist.", cfg)
+        return await read(engine, cfg)
+
+    prober.context = refused_meanwhile  # type: ignore[method-assign]
+    await rig.at(4.5)
+    assert rig.reason("d0") == refused
+    prober.context = read  # type: ignore[method-assign]
+    await rig.at(5.5)
+    assert rig.reason("d0") is None
+    assert d0.context_length == 8192
+    await rig.at(8.5)
+    assert [e for e, _ in prober.context_reads].count("d0") == 6  # settled: not read again
+
+
+async def test_an_engine_that_does_not_list_its_model_is_named_once_and_kept_in_placement(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A LoRA resolver's adapter is listed only once loaded, and SGLang serves whatever a
+    # request names: only a refused request takes the engine out.
+    prober = FakeProber()
+    absent = "its /v1/models answer lists no model 'm' (it lists 'x')"
+    prober.context_of["d0"] = ContextReading(None, absent, listed=False)
+    with caplog.at_level(logging.INFO, logger="narwhal"):
+        rig = await start(nursery, config(), prober)
+        await rig.at(5.5)
+    assert rig.reason("d0") is None
+    unlisted = [
+        r.getMessage() for r in caplog.records if r.__dict__.get("event") == "engine_model_unlisted"
+    ]
+    model = rig.engine("d0").spec.model
+    assert unlisted == [
+        f"engine d0 does not list model {model!r} (engines[].model) in /v1/models; if it refuses "
+        "requests for it (vLLM answers 404), the first refused one takes it out of "
+        "placement: check the engine's --served-model-name"
+    ]
+
+
+async def test_a_reload_forgets_a_model_refusal_only_when_it_changes_the_model() -> None:
+    cfg = config()
+    engine = ServingContext(cfg).fleet.get("p0")
+    assert engine is not None
+    model_refused(engine, "The model `m` does not exist.", cfg)
+    engine.reconfigure(cfg.engines[0], cfg)
+    assert engine.model_missing == "HTTP 404: The model `m` does not exist."
+    engine.reconfigure(attrs.evolve(cfg.engines[0], model="m2"), cfg)
+    assert engine.model_missing is None
+    assert engine.context_due
 
 
 async def test_a_restarted_engine_is_released_only_after_the_before_release_hook(
