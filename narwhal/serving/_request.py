@@ -107,7 +107,7 @@ def parse_body(
     if n != 1:
         # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.
         raise BadRequest("only n=1 is supported", param="n")
-    max_tokens_field, max_tokens = _max_tokens(body)
+    max_tokens_field, max_tokens = _max_tokens(body, kind)
     if kind == "chat":
         chars = _chat_chars(body)
         token_ids = None
@@ -197,9 +197,15 @@ def truncated_prompt(request: ClientRequest, prompt_tokens: int, context: int | 
     return min(prompt_tokens, keep)
 
 
-def _max_tokens(body: Json) -> tuple[str, int | None]:
+def _max_tokens(body: Json, kind: EndpointKind) -> tuple[str, int | None]:
     """(the field the output bound is read from, the bound or None)."""
-    for key in ("max_completion_tokens", "max_tokens"):
+    if kind == "completions":
+        # Neither engine's completion request has `max_completion_tokens` (chat's name):
+        # both ignore it there, so it bounds nothing.
+        keys: tuple[str, ...] = ("max_tokens",)
+    else:
+        keys = ("max_completion_tokens", "max_tokens")
+    for key in keys:
         value = body.get(key)
         if value is None:
             continue

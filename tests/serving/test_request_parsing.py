@@ -159,6 +159,16 @@ def test_the_context_check_refuses_what_every_build_refuses(dialect: Dialect) ->
     assert (prompt.code, prompt.param) == ("context_length_exceeded", "input_tokens")
 
 
+def test_a_completion_is_bounded_by_its_max_tokens_alone() -> None:
+    # max_completion_tokens is chat's name: neither engine's completion request has the
+    # field, and both ignore it there. Read first, it was checked against the context,
+    # named in the refusal and priced, for a bound the engine never applies.
+    both = request(max_completion_tokens=500, max_tokens=10)
+    assert (both.max_tokens_field, both.max_tokens) == ("max_tokens", 10)
+    assert context_overflow(both, 8000, 8192, VLLM) is None
+    assert request(max_completion_tokens=0, max_tokens=10).max_tokens == 10
+
+
 def test_the_context_check_speaks_each_engines_words() -> None:
     chat = parse(
         json.dumps(
