@@ -20,6 +20,13 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _ROUTER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _NULL_MEANS_DEFAULT = ("stream", "n")
+# What a /v1/completions request without `max_tokens` may generate: both engines'
+# CompletionRequest default the field to 16 (vLLM `max_tokens: int | None = 16`, every
+# release from 0.4 on; SGLang `max_tokens: int = 16`), and vLLM checks prompt plus those
+# 16 against the context as it checks a bound the client sent. Chat requests have no such
+# default (the engines let them run to the context), nor has a vLLM completion that sends
+# `max_tokens: null`.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @attrs.frozen
@@ -32,6 +39,8 @@ class ClientRequest:
     prompt_chars: int
     # Token ids supplied directly (completions only): an exact length without /tokenize.
     prompt_token_ids: int | None
+    # The most tokens the engine may generate (a completion's default when the body has
+    # none, `COMPLETION_DEFAULT_MAX_TOKENS`); None: no bound but the context.
     max_tokens: int | None
     # The body field `max_tokens` came from (chat's `max_completion_tokens` comes first).
     max_tokens_field: str
@@ -107,7 +116,7 @@ def parse_body(
     if n != 1:
         # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.
         raise BadRequest("only n=1 is supported", param="n")
-    max_tokens_field, max_tokens = _max_tokens(body)
+    max_tokens_field, max_tokens = _max_tokens(body, kind)
     if kind == "chat":
         chars = _chat_chars(body)
         token_ids = None
@@ -197,9 +206,19 @@ def truncated_prompt(request: ClientRequest, prompt_tokens: int, context: int | 
     return min(prompt_tokens, keep)
 
 
-def _max_tokens(body: Json) -> tuple[str, int | None]:
-    """(the field the output bound is read from, the bound or None)."""
-    for key in ("max_completion_tokens", "max_tokens"):
+def _max_tokens(body: Json, kind: EndpointKind) -> tuple[str, int | None]:
+    """(the field the output bound is read from, the bound or None: none but the context).
+    A completion's default is only the router's reading of the engines' rule: the body
+    goes on without it, for the engine to apply its own."""
+    if kind == "completions":
+        # Neither engine's completion request has `max_completion_tokens` (chat's name):
+        # both ignore it there, so it bounds nothing.
+        if "max_tokens" not in body:
+            return "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS
+        keys: tuple[str, ...] = ("max_tokens",)
+    else:
+        keys = ("max_completion_tokens", "max_tokens")
+    for key in keys:
         value = body.get(key)
         if value is None:
             continue

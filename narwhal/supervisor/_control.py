@@ -33,9 +33,9 @@ from ..serving import DecodeGaps, ServingContext
 
 log = logging.getLogger("narwhal.control")
 
-# Expected output tokens of a request that did not say (no max_tokens): demand pricing
-# needs a number, and this is the order of a chat answer (Azure conversation p50 ~130,
-# mean ~210).
+# Expected output tokens of a request with no bound (a chat without max_tokens, or a
+# completion that sends it as null): demand pricing needs a number, and this is the order
+# of a chat answer (Azure conversation p50 ~130, mean ~210).
 DEFAULT_EXPECTED_OUTPUT = 256
 
 

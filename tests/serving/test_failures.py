@@ -226,6 +226,31 @@ async def test_a_token_id_prompt_past_the_context_is_refused_before_any_leg(
 
 
 @pytest.mark.parametrize("stream", [True, False])
+async def test_a_completion_without_max_tokens_is_checked_with_the_engines_default(
+    start_stack: StartStack, stream: bool
+) -> None:
+    # The engines generate at most 16 tokens for it, and check prompt plus 16 against the
+    # context. Taken as unbounded, it went to the prefill engine and the decode engine
+    # refused it: a 400 after the prefill's work or, for a stream, an error event after
+    # the 200.
+    stack = await start_stack()
+    response = await post(stack, {"prompt": [5] * 8177, "stream": stream})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    assert error["message"] == (
+        "'max_tokens' is too large: 16. This model's maximum context length is 8192 tokens "
+        "and your request has 8177 input tokens (16 > 8192 - 8177)."
+    )
+    for engine in stack.fleet:
+        assert sum(engine.state()["counters"]["requests"].values()) == 0
+    fits = await post(stack, {"prompt": [5] * 8176, "stream": stream})
+    assert fits.status_code == 200
+    state = await settled(stack)
+    assert state["requests"]["context_checks"] == {"passed": 1, "refused": 1}
+
+
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_prompt_vllm_truncates_is_checked_at_the_length_it_runs(
     start_stack: StartStack, stream: bool
 ) -> None:

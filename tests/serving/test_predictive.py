@@ -444,18 +444,21 @@ async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv
     assert released["d1"] > 0
 
 
+@pytest.mark.parametrize(("output", "bound"), [({"max_tokens": 200}, 200), ({}, 16)])
 async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_output(
-    start_stack: StartStack,
+    start_stack: StartStack, output: dict[str, int], bound: int
 ) -> None:
     # No token of a non-streaming leg is seen before its body: while it runs, pricing
     # estimates its KV from its age; when it ends, usage.completion_tokens counts as
     # KV freed along with the prompt. Only a request whose answer cannot be assembled
-    # from a stream (prompt_logprobs here) still has such a leg.
+    # from a stream (prompt_logprobs here) still has such a leg. A completion without
+    # max_tokens makes the engines' default 16 tokens at most: it was taken as unbounded,
+    # its leg's estimate growing with its age alone and its demand the controller's 256.
     stack, decode = await kv_stack(start_stack)
     answers: list[httpx.Response] = []
 
     async def ask() -> None:
-        body = {"prompt": [5] * 500, "max_tokens": 200, "prompt_logprobs": 0}
+        body = {"prompt": [5] * 500, **output, "prompt_logprobs": 0}
         answers.append(await post(stack, body))
 
     async with trio.open_nursery() as nursery:
@@ -464,16 +467,23 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
         view = decode.view(trio.current_time())
         assert view.decode_tokens == 500  # the prompt, counted by the slot
         assert view.unstreamed_age_s > 0.0
-        assert view.unstreamed_cap == 200
+        assert view.unstreamed_cap == bound
     (answer,) = answers
     assert answer.status_code == 200
-    assert answer.json()["usage"]["completion_tokens"] == 200
+    assert answer.json()["usage"]["completion_tokens"] == bound
     assert decode.unstreamed_legs == 0
     assert decode.view(trio.current_time()).unstreamed_age_s == 0.0
     assert stack.ctx.unstreamed_legs == {"prompt_logprobs": 1}
-    # 500 prompt + 200 generated tokens freed, decayed over slo.ttft_s = 5 s since.
+    # 500 prompt + the generated tokens freed, decayed over slo.ttft_s = 5 s since.
     freed = stack.ctx.kv_turnover.current(decode, trio.current_time())
-    assert 650 < freed <= 700
+    assert 0.9 * (500 + bound) < freed <= 500 + bound
+    link = stack.supervisor.link
+    assert link is not None
+    assert link.controller is not None
+    demand = link.controller.demand
+    await wait_for(lambda: demand.total == 1)
+    _, long = demand.estimates(trio.current_time())
+    assert long.output_tokens_mean == bound
 
 
 async def test_a_stalled_prefill_engine_stops_drawing_requests(start_stack: StartStack) -> None:

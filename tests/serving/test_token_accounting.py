@@ -169,12 +169,13 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     assert _GapLoad().summary([]) is None
 
 
-async def test_a_learnt_packing_ratio_grows_running_streams_kv(start_stack: StartStack) -> None:
-    stack = await packing_stack(start_stack)
+async def resident_kv_seen(stack: Stack, tokens_per_event: float, **output: int) -> list[int]:
+    """The decode engine's resident KV tokens at each event of a 500-token completion's
+    stream, the engine's tokens per event set as if learnt from earlier streams."""
     decode = stack.ctx.fleet.get("d1")
     assert decode is not None
-    decode.tokens_per_event = float(INTERVAL)  # as learnt from earlier streams
-    body = {"model": MODEL, "prompt": [5] * 500, "max_tokens": 100, "stream": True}
+    decode.tokens_per_event = tokens_per_event
+    body = {"model": MODEL, "prompt": [5] * 500, **output, "stream": True}
     async with (
         httpx.AsyncClient(timeout=30) as client,
         client.stream("POST", f"{stack.url}/v1/completions", json=body) as response,
@@ -184,9 +185,25 @@ async def test_a_learnt_packing_ratio_grows_running_streams_kv(start_stack: Star
             async for line in response.aiter_lines()
             if line.startswith("data: {")
         ]
+    assert decode.decode_tokens == 0
+    return seen
+
+
+async def test_a_learnt_packing_ratio_grows_running_streams_kv(start_stack: StartStack) -> None:
+    stack = await packing_stack(start_stack)
+    seen = await resident_kv_seen(stack, float(INTERVAL), max_tokens=100)
     # Counting events would have reached about 525; the estimate follows the tokens.
     assert max(seen) > 570
-    assert decode.decode_tokens == 0
+
+
+async def test_a_completion_without_max_tokens_grows_to_the_engines_default(
+    start_stack: StartStack,
+) -> None:
+    # The engines stop it at 16 tokens. Taken as unbounded, its KV estimate ran on past
+    # them by the tokens per event (16 here) with every event after the first.
+    stack = await packing_stack(start_stack)
+    seen = await resident_kv_seen(stack, PACKING_MAX)
+    assert max(seen) == 500 + 16
 
 
 async def test_without_packing_the_estimate_stays_at_one(start_stack: StartStack) -> None:
