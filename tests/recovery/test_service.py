@@ -570,10 +570,21 @@ async def test_the_context_length_is_read_at_the_first_good_probe_and_after_a_re
     ]
 
 
+class ModelRefusingProber(FakeProber):
+    """Its engines can refuse the model while their /v1/models is being read."""
+
+    refuse_during_context = False
+
+    async def context(self, engine: EngineState, config: Config) -> ContextReading:
+        if self.refuse_during_context:
+            model_refused(engine, "The model `m` does not exist.", config)
+        return await super().context(engine, config)
+
+
 async def test_an_engine_refusing_its_model_is_read_at_each_probe_until_it_lists_it(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    prober = FakeProber()
+    prober = ModelRefusingProber()
     rig = await start(nursery, config(), prober)
     await rig.at(0.5)
     d0 = rig.engine("d0")
@@ -587,18 +598,11 @@ async def test_an_engine_refusing_its_model_is_read_at_each_probe_until_it_lists
     assert [at - rig.t0 for e, at in prober.context_reads if e == "d0"] == [0, 1, 2, 3]
 
     # A refusal that arrives while /v1/models is read wins over that reading.
-    served = ContextReading(8192, "GET /v1/models max_model_len", listed=True)
-    prober.context_of["d0"] = served
-    read = prober.context
-
-    async def refused_meanwhile(engine: EngineState, cfg: Config) -> ContextReading:
-        model_refused(engine, "The model `m` does not exist.", cfg)
-        return await read(engine, cfg)
-
-    prober.context = refused_meanwhile  # type: ignore[method-assign]
+    prober.context_of["d0"] = ContextReading(8192, "GET /v1/models max_model_len", listed=True)
+    prober.refuse_during_context = True
     await rig.at(4.5)
     assert rig.reason("d0") == refused
-    prober.context = read  # type: ignore[method-assign]
+    prober.refuse_during_context = False
     await rig.at(5.5)
     assert rig.reason("d0") is None
     assert d0.context_length == 8192
@@ -635,9 +639,12 @@ async def test_a_reload_forgets_a_model_refusal_only_when_it_changes_the_model()
     assert engine is not None
     model_refused(engine, "The model `m` does not exist.", cfg)
     engine.reconfigure(cfg.engines[0], cfg)
-    assert engine.model_missing == "HTTP 404: The model `m` does not exist."
+    assert (
+        engine.unavailable_reason(0.0)
+        == "model not served: HTTP 404: The model `m` does not exist."
+    )
     engine.reconfigure(attrs.evolve(cfg.engines[0], model="m2"), cfg)
-    assert engine.model_missing is None
+    assert engine.unavailable_reason(0.0) is None
     assert engine.context_due
 
 
