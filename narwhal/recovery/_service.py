@@ -29,10 +29,12 @@ When something is due (an open breaker's open_s, a quarantine's end, a restart h
 recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
 counted failure wakes it at once, and so does another engine leaving placement when that
 leaves this one, waiting for readmission, the last to take its role's work
-(`_left_placement`). Verifications run inside the engine's loop, one at a time per
-engine, so an engine is never verified twice concurrently, and after one that did not
-pass the next waits a probe interval (longer after readmission verifications that failed
-in a row: `_verification_failed`). A verification leg answered with 401/403
+(`_left_placement`), by whatever path: recovery's own verdicts, or a drain, a reload, a
+role change or a refused key, which the fleet reports (`placement_changed`).
+Verifications run inside the engine's loop, one at a time per engine, so an engine is
+never verified twice concurrently, and after one that did not pass the next waits a
+probe interval (longer after readmission verifications that failed in a row:
+`_verification_failed`). A verification leg answered with 401/403
 marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
 neither a failed verification nor a breaker's, since the engine refuses the key, not the
 work. An auth-refused engine is not verified; once its key check passes, at once.
@@ -375,6 +377,7 @@ class Recovery:
             registry=registry,
         )
         ctx.metrics.add_live_gauges(self._gauges)
+        ctx.fleet.watch(self.placement_changed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1380,24 +1383,37 @@ class Recovery:
         )
         record.wake.set()
 
-    def _left_placement(self, engine_id: str) -> None:
-        """`engine_id` was taken out of placement (or one phase of it): if it was the last
-        other engine to take some waiting engine's role's work, that engine is probed at
+    def placement_changed(self, engine: EngineState) -> None:
+        """The fleet's watcher (`Fleet.watch`): `engine` changed role, or was drained,
+        undrained, removed by a reload or found refusing Narwhal's API key, by narwhalctl,
+        a reload, the role controller or the request path. Any of these may leave a role
+        without an engine in placement, or make a waiting engine (this one, undrained or
+        given an empty role) the last of its role: `_left_placement`.
+
+        Two waiting engines of one role do not wake each other's probes in turn through
+        here: their probes and verdicts change none of these, but for a key refusal,
+        which is reported once until a key check clears it (`EngineState.auth_refused`),
+        and a verification still waits for `next_verify_at`."""
+        self._left_placement()
+
+    def _left_placement(self, left: str | None = None) -> None:
+        """An engine left placement (or one phase of it), or changed what it takes: if
+        that leaves a waiting engine the last to take its role's work, it is probed at
         once, and its readmission goes ahead at that probe (`_alone`), not at its next
         probe interval. Waiting: ejected, or held for recovery.restart_hold_s, with a
-        good last probe. Only a change from in service counts: one back to ejected after
-        a failed verification takes nothing out of placement, and two waiting engines of
-        one role must not wake each other's probes in turn. An operator's drain, a reload
-        or a role change that empties a role is seen at the next probe."""
+        good last probe.
+
+        Recovery's own changes (`_changed`) count only from in service, and not for the
+        engine that `left` (its own verdict, or its probe, decides for itself): one back
+        to ejected after a failed verification takes nothing out of placement, and two
+        waiting engines of one role must not wake each other's probes in turn. Every
+        other change comes through `placement_changed`."""
         now = trio.current_time()
         for record in self._records.values():
+            if record.engine.id == left or record.probe_now:
+                continue
             probe = record.last_probe
-            if (
-                record.engine.id == engine_id
-                or record.probe_now
-                or probe is None
-                or probe.outcome != "ok"
-            ):
+            if probe is None or probe.outcome != "ok":
                 continue
             if record.waiting(now) and self._alone(record) is not None:
                 record.probe_now = True
@@ -1434,7 +1450,7 @@ class Recovery:
         self.recent_changes.append(entry)
         worse = new in ("open", "ejected", "held", "quarantined", "unreachable")
         if worse and old in ("up", "closed", "released", "reachable"):
-            self._left_placement(engine_id)
+            self._left_placement(left=engine_id)
         where = f"{engine_id}/{phase}" if phase else engine_id
         log.log(
             logging.WARNING if worse else logging.INFO,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -17,7 +18,8 @@ import trio
 import trio.testing
 
 from narwhal.config import Config
-from narwhal.fleet import EngineState, key_refused, model_refused
+from narwhal.ctl import CtlRequest
+from narwhal.fleet import EngineState, Role, key_refused, model_refused
 from narwhal.recovery import (
     BreakerState,
     ContextReading,
@@ -35,6 +37,7 @@ from narwhal.recovery import (
 from narwhal.serving import DecodeGaps, ServingContext
 from narwhal.serving._lag import LAG_PROBE_S
 from narwhal.sim import SimTiming
+from narwhal.supervisor import Operations, Supervisor
 from narwhal.supervisor._control import MIN_RESIDUAL_GAPS, profile_predictor
 
 from ..serving.test_predictive import LawProfiles
@@ -278,6 +281,11 @@ async def test_a_failed_verification_keeps_out_an_engine_readmitted_on_one_good_
     assert record.health.shortcuts_total == 2
 
 
+def pairs_of(rig: Rig, engine_id: str = "d0") -> list[float]:
+    """When `engine_id`'s verification pairs went out, a pair sent again included."""
+    return [v.at - rig.t0 for v in rig.prober.verifications if v.subject == engine_id]
+
+
 async def test_failed_readmission_verifications_back_off_until_one_passes_or_a_restart(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -493,6 +501,108 @@ async def test_a_restart_hold_is_cut_short_at_once_when_its_role_empties_during_
         "verification passed; the hold was cut short 3.5 s before recovery.restart_hold_s=5.0 "
         "ran out, at a good probe, while no other engine in placement takes decode work"
     )
+
+
+# ------------------------------------------------- roles emptied by any path
+
+# d0 ejected at +3, answering from +4, waiting for readmission while x1 (`with_peer`)
+# takes decode work: one good probe is not enough then, so without anything else d0 is
+# verifying at +5 and readmitted after that probe's pair.
+
+
+def ctl(rig: Rig) -> Operations:
+    """narwhalctl's commands on the rig's fleet, as the control socket runs them."""
+    return Operations(cast("Supervisor", _CtlHost(rig.ctx)))
+
+
+@attrs.define
+class _CtlHost:
+    """What `Operations` reads of the supervisor for the engine commands."""
+
+    ctx: ServingContext
+    deferred_roles: dict[str, Role] = attrs.Factory(dict)
+
+
+async def drain_x1(rig: Rig) -> None:
+    await ctl(rig)(CtlRequest("drain", "x1"))
+
+
+async def pin_x1_prefill(rig: Rig) -> None:
+    await ctl(rig)(CtlRequest("pin", "x1", "prefill"))
+
+
+async def reload_without_x1(rig: Rig) -> None:
+    await reload(rig.ctx, rig.recovery, config(engines=[P0, D0]))
+
+
+async def reload_replacing_x1(rig: Rig) -> None:
+    # The new instance fails its first probe, so it joins ejected.
+    rig.prober.health_of["x1"] = REFUSED
+    x1 = {"id": "x1", "url": "http://127.0.0.1:21", "role": "decode"}
+    await reload(rig.ctx, rig.recovery, config(engines=[P0, D0, x1]))
+
+
+async def reload_x1_as_prefill(rig: Rig) -> None:
+    x1 = {"id": "x1", "url": "http://127.0.0.1:11", "role": "prefill"}
+    await reload(rig.ctx, rig.recovery, config(engines=[P0, D0, x1]))
+
+
+async def x1_refuses_the_key(rig: Rig) -> None:
+    # As the request path does when a leg meets HTTP 401 (serving's _flow).
+    key_refused(rig.engine("x1"), 401, "Unauthorized", rig.ctx.config)
+
+
+D0 = {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"}
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [
+        drain_x1,
+        pin_x1_prefill,
+        reload_without_x1,
+        reload_replacing_x1,
+        reload_x1_as_prefill,
+        x1_refuses_the_key,
+    ],
+)
+async def test_a_waiting_engine_is_probed_at_once_when_its_role_empties_by_any_path(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    empty: Callable[[Rig], Awaitable[None]],
+) -> None:
+    # x1, d0's only peer of its role, leaves placement at +4.5 by narwhalctl, a reload
+    # or a refused key: every decode request is refused from then on, so d0 is probed
+    # at once and, as the last of its role, verified at that one good probe. It waited
+    # for its next probe (+5) and a second good one before.
+    rig = await start(nursery, with_peer("decode"))
+    await eject_d0_then_answer(rig)
+    await rig.at(4.5)
+    assert rig.reason("d0") is not None
+    assert rig.prober.verifications == []
+    await empty(rig)
+    await rig.at(4.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [4.0, 4.5]
+    assert pairs_of(rig) == [4.5]
+    assert rig.reason("d0") is None
+
+
+async def test_an_undrained_waiting_engine_is_probed_at_once_when_its_role_is_empty(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # 1P1D, d0 ejected and drained by the operator: a drained engine gets no shortcut
+    # (it would stay out anyway), so its good probe at +4 counts as one of two. Undrained
+    # at +4.5 it is the last decode engine: probed and verified then, not at +5.
+    rig = await start(nursery, config())
+    await eject_d0_then_answer(rig)
+    await ctl(rig)(CtlRequest("drain", "d0"))
+    await rig.at(4.5)
+    assert rig.prober.verifications == []
+    await ctl(rig)(CtlRequest("undrain", "d0"))
+    await rig.at(4.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [4.0, 4.5]
+    assert pairs_of(rig) == [4.5]
+    assert rig.reason("d0") is None
 
 
 async def test_identity_change_is_a_restart_held_until_verified(
@@ -1651,18 +1761,20 @@ async def test_a_latency_ejected_engine_s_good_probes_count_once_its_role_is_emp
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     # It was slow, not down: once d1 takes no decode work (drained at +1.5), d0 serving
-    # slowly beats refusing every request until recovery.health.window_s has passed.
+    # slowly beats refusing every request until recovery.health.window_s has passed. The
+    # drain gets d0 a probe at once, not at +2, and that good probe is enough on its own.
     rig = await eject_d0_for_latency(nursery)
     await rig.at(1.5)
     assert rig.prober.verifications == []
     rig.engine("d1").drained = True
-    await rig.at(2.0)  # the next good probe counts, and is enough on its own
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.0]
+    await rig.at(1.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [1.0, 1.5]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [1.5]
     assert rig.reason("d0") is None
     (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
     assert entry["reason"] == (
         "1 good probe of recovery.health.readmit_successes=2, enough while no other engine in "
-        "placement takes decode work; counted 28.0 s before its latency ejection's "
+        "placement takes decode work; counted 28.5 s before its latency ejection's "
         "recovery.health.window_s=30.0 ran out: slow beats refusing all decode work; "
         "verifying before readmission"
     )
