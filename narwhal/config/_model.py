@@ -514,7 +514,11 @@ class Health:
             "verification the next waits a probe interval; from the second failure in a row "
             "on, twice as long as the one before, up to 8 probe intervals "
             "(`recovery.engines.ID.health.failed_verifications` and `verify_in_s`), until a "
-            "verification passes or the engine restarts."
+            "verification passes or the engine restarts. While no other engine in placement "
+            "takes the work of its role the wait is one probe interval whatever the count "
+            "(an engine in a longer wait when its role empties is verified at once), since "
+            "every request needing the role is refused meanwhile; the ejection's reason "
+            "says so."
         ),
     )
 
