@@ -137,7 +137,7 @@ class EngineState:
         # answered a leg 404 naming the model (`model_refused`); cleared by recovery when
         # its /v1/models lists the model again (read at each good probe until then), or
         # by a reload of the engine.
-        self.model_missing: str | None = None
+        self._model_missing: str | None = None
         # Refusals recorded so far: a /v1/models reading clears `model_missing` only if
         # none arrived while it was under way.
         self.model_refusals = 0
@@ -195,10 +195,11 @@ class EngineState:
 
     # The flags recovery does not own, and the role, report their changes to the fleet's
     # watcher (`Fleet.watch`): the operator (drain, pin), a reload, the role controller
-    # and the request path (a refused key) each change them in their own place, and
-    # recovery must hear of every change that may leave a role without an engine. Only
-    # changes that may do that, or that may make a waiting engine the last of its role
-    # (an undrain, a role change), are reported: a refusal's clearing returns an engine.
+    # and the request path (a refused key or model) each change them in their own
+    # place, and recovery must hear of every change that may leave a role without an
+    # engine. Only changes that may do that, or that may make a waiting engine the last
+    # of its role (an undrain, a role change), are reported: a refusal's clearing
+    # returns an engine.
 
     @property
     def role(self) -> Role:
@@ -241,6 +242,17 @@ class EngineState:
     def auth_refused(self, value: str | None) -> None:
         refused = self._auth_refused is None and value is not None
         self._auth_refused = value
+        if refused:
+            self._changed()
+
+    @property
+    def model_missing(self) -> str | None:
+        return self._model_missing
+
+    @model_missing.setter
+    def model_missing(self, value: str | None) -> None:
+        refused = self._model_missing is None and value is not None
+        self._model_missing = value
         if refused:
             self._changed()
 
@@ -302,8 +314,8 @@ class EngineState:
             return "drained"
         if self._auth_refused is not None:
             return f"auth refused: {self._auth_refused}"
-        if self.model_missing is not None:
-            return f"model not served: {self.model_missing}"
+        if self._model_missing is not None:
+            return f"model not served: {self._model_missing}"
         if self.ejected is not None:
             return f"ejected: {self.ejected}"
         if self.unreachable is not None:
@@ -432,8 +444,9 @@ class Fleet:
 
     def watch(self, watcher: Callable[[EngineState], None]) -> None:
         """Call `watcher(engine)` whenever an engine of the fleet (a retiring one
-        included) changes role or is drained, undrained, removed or found refusing
-        Narwhal's API key, at once and synchronously, whoever made the change.
+        included) changes role or is drained, undrained, removed, or found refusing
+        Narwhal's API key or not serving its configured model, at once and synchronously,
+        whoever made the change.
 
         Recovery's readmission shortcuts start when an engine becomes the last to take
         its role's work (`Recovery.placement_changed`); those changes are made by

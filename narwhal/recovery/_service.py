@@ -30,15 +30,15 @@ recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant
 counted failure wakes it at once, and so does another engine leaving placement when that
 leaves this one, waiting for readmission, the last to take its role's work
 (`_left_placement`), by whatever path: recovery's own verdicts, or a drain, a reload, a
-role change or a refused key, which the fleet reports (`placement_changed`).
+role change or a refused key or model, which the fleet reports (`placement_changed`).
 Verifications run inside the engine's loop, one at a time per engine, so an engine is
 never verified twice concurrently, and after one that did not pass the next waits a
 probe interval (longer after readmission verifications that failed in a row, unless its
 role has no other engine: `_verification_failed`, `_backoff_cut`). A verification leg
-answered with 401/403
-marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
-neither a failed verification nor a breaker's, since the engine refuses the key, not the
-work. An auth-refused engine is not verified; once its key check passes, at once.
+answered with 401/403 marks that engine auth-refused, as the request path would
+(`fleet.key_refused`): it is neither a failed verification nor a breaker's, since the
+engine refuses the key, not the work. An auth-refused engine is not verified; once its
+key check passes, at once.
 
 Every verdict change is one JSON log line (`"event": "verdict"` with engine, phase,
 kind, from, to, reason), one increment of narwhal_recovery_transitions_total, and an
@@ -1423,15 +1423,17 @@ class Recovery:
 
     def placement_changed(self, engine: EngineState) -> None:
         """The fleet's watcher (`Fleet.watch`): `engine` changed role, or was drained,
-        undrained, removed by a reload or found refusing Narwhal's API key, by narwhalctl,
-        a reload, the role controller or the request path. Any of these may leave a role
-        without an engine in placement, or make a waiting engine (this one, undrained or
-        given an empty role) the last of its role: `_left_placement`.
+        undrained, removed by a reload, or found refusing Narwhal's API key or not serving
+        its model, by narwhalctl, a reload, the role controller or the request path. Any
+        of these may leave a role without an engine in placement, or make a waiting
+        engine (this one, undrained or given an empty role) the last of its role:
+        `_left_placement`.
 
         Two waiting engines of one role do not wake each other's probes in turn through
         here: their probes and verdicts change none of these, but for a key refusal,
-        which is reported once until a key check clears it (`EngineState.auth_refused`),
-        and a verification still waits for `next_verify_at`."""
+        which is reported once until a key check clears it (`EngineState.auth_refused`;
+        a model refusal comes only from the request path), and a verification still waits
+        for `next_verify_at`."""
         self._left_placement()
 
     def _left_placement(self, left: str | None = None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.config import Config, EngineSpec
-from narwhal.fleet import EngineState, Fleet, key_refused
+from narwhal.fleet import EngineState, Fleet, key_refused, model_refused
 
 
 def watched() -> tuple[Fleet, list[tuple[str, str]]]:
@@ -29,7 +29,7 @@ def get(fleet: Fleet, engine_id: str) -> EngineState:
     return engine
 
 
-def test_role_changes_drains_removals_and_key_refusals_are_reported_once_each() -> None:
+def test_role_changes_drains_removals_and_refusals_are_reported_once_each() -> None:
     fleet, seen = watched()
     d0 = get(fleet, "d0")
     d0.role = "decode"  # unchanged: nothing to report
@@ -46,6 +46,11 @@ def test_role_changes_drains_removals_and_key_refusals_are_reported_once_each() 
     key_refused(d0, 401, "Unauthorized", Config(engines=(d0.spec,)))
     key_refused(d0, 401, "Unauthorized", Config(engines=(d0.spec,)))  # still refused
     d0.auth_refused = None  # back in placement: nothing leaves
+    assert [engine_id for engine_id, _ in seen] == ["d0"]
+    seen.clear()
+    model_refused(d0, "The model `m` does not exist.", Config(engines=(d0.spec,)))
+    model_refused(d0, "The model `m` does not exist.", Config(engines=(d0.spec,)))
+    d0.model_missing = None
     assert [engine_id for engine_id, _ in seen] == ["d0"]
     seen.clear()
     retired = fleet.retire("p0")

@@ -599,6 +599,11 @@ async def x1_refuses_the_key(rig: Rig) -> None:
     key_refused(rig.engine("x1"), 401, "Unauthorized", rig.ctx.config)
 
 
+async def x1_refuses_the_model(rig: Rig) -> None:
+    # As the request path does when a leg meets vLLM's 404 for the model (serving's _flow).
+    model_refused(rig.engine("x1"), "The model `m` does not exist.", rig.ctx.config)
+
+
 D0 = {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"}
 
 
@@ -611,6 +616,7 @@ D0 = {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"}
         reload_replacing_x1,
         reload_x1_as_prefill,
         x1_refuses_the_key,
+        x1_refuses_the_model,
     ],
 )
 async def test_a_waiting_engine_is_probed_at_once_when_its_role_empties_by_any_path(
@@ -619,7 +625,7 @@ async def test_a_waiting_engine_is_probed_at_once_when_its_role_empties_by_any_p
     empty: Callable[[Rig], Awaitable[None]],
 ) -> None:
     # x1, d0's only peer of its role, leaves placement at +4.5 by narwhalctl, a reload
-    # or a refused key: every decode request is refused from then on, so d0 is probed
+    # or a refused key or model: every decode request is refused from then on, so d0 is probed
     # at once and, as the last of its role, verified at that one good probe. It waited
     # for its next probe (+5) and a second good one before.
     rig = await start(nursery, with_peer("decode"))
