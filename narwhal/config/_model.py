@@ -499,9 +499,13 @@ class Health:
             "good probe (`recovery.restart_hold_s`). The health transition's reason says so, "
             "and `recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
             "counts it. An ejected engine that answered its last probe is probed at once "
-            "when its role empties meanwhile (the last other engine taking its work is "
-            "ejected, unreachable, held, quarantined or its breaker opens; a drain, reload "
-            "or role change is seen at the engine's next probe). A "
+            "when its role empties meanwhile, however it empties: the last other engine "
+            "taking its work is ejected, unreachable, held or quarantined, its breaker "
+            "opens, `narwhalctl` drains it or pins it to another role, a reload removes or "
+            "replaces it or changes its role, the role controller moves it, or a request "
+            "finds it refusing Narwhal's API key or its model; likewise when `narwhalctl "
+            "undrain` or a "
+            "role change makes the ejected engine itself the last of its role. A "
             "verification pair (readmission or breaker) that fails at once is sent again, "
             "and only the second pair counts (the first is "
             '`narwhal_verifications_total{outcome="retried"}`); one '
@@ -511,7 +515,11 @@ class Health:
             "verification the next waits a probe interval; from the second failure in a row "
             "on, twice as long as the one before, up to 8 probe intervals "
             "(`recovery.engines.ID.health.failed_verifications` and `verify_in_s`), until a "
-            "verification passes or the engine restarts."
+            "verification passes or the engine restarts. While no other engine in placement "
+            "takes the work of its role the wait is one probe interval whatever the count "
+            "(an engine in a longer wait when its role empties is verified at once), since "
+            "every request needing the role is refused meanwhile; the ejection's reason "
+            "says so."
         ),
     )
 

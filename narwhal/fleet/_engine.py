@@ -116,17 +116,20 @@ class EngineState:
             pool_timeout_s=engine_cfg.pool_timeout_s,
             api_key=spec.api_key_text(),
         )
-        self.role: Role = spec.role
+        # Called with this engine after a change that may take it out of placement or
+        # move the work it takes (`Fleet.watch`); set while it belongs to a fleet.
+        self._on_change: Callable[[EngineState], None] | None = None
+        self._role: Role = spec.role
         self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
         self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
         # Availability: each flag has one owner, and all of them stay in force while
         # the role changes (manual 5).
-        self.removed = False  # reload dropped it from the config; resident work finishes
-        self.drained = False  # operator (narwhalctl drain)
+        self._removed = False  # reload dropped it from the config; resident work finishes
+        self._drained = False  # operator (narwhalctl drain)
         # Why the engine refuses Narwhal's API key (HTTP 401/403), set by whichever request
         # met the refusal (`key_refused`); cleared by recovery when the key is accepted
         # again, or by a reload.
-        self.auth_refused: str | None = None
+        self._auth_refused: str | None = None
         # Refusals recorded so far (`key_refused`): a key check clears `auth_refused` only
         # if none arrived while it was under way.
         self.auth_refusals = 0
@@ -134,7 +137,7 @@ class EngineState:
         # answered a leg 404 naming the model (`model_refused`); cleared by recovery when
         # its /v1/models lists the model again (read at each good probe until then), or
         # by a reload of the engine.
-        self.model_missing: str | None = None
+        self._model_missing: str | None = None
         # Refusals recorded so far: a /v1/models reading clears `model_missing` only if
         # none arrived while it was under way.
         self.model_refusals = 0
@@ -190,6 +193,73 @@ class EngineState:
             f"{', drained' if self.drained else ''}]>"
         )
 
+    # The flags recovery does not own, and the role, report their changes to the fleet's
+    # watcher (`Fleet.watch`): the operator (drain, pin), a reload, the role controller
+    # and the request path (a refused key or model) each change them in their own
+    # place, and recovery must hear of every change that may leave a role without an
+    # engine. Only changes that may do that, or that may make a waiting engine the last
+    # of its role (an undrain, a role change), are reported: a refusal's clearing
+    # returns an engine.
+
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @role.setter
+    def role(self, value: Role) -> None:
+        changed = value != self._role
+        self._role = value
+        if changed:
+            self._changed()
+
+    @property
+    def drained(self) -> bool:
+        return self._drained
+
+    @drained.setter
+    def drained(self, value: bool) -> None:
+        changed = value != self._drained
+        self._drained = value
+        if changed:
+            self._changed()
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    @removed.setter
+    def removed(self, value: bool) -> None:
+        changed = value != self._removed
+        self._removed = value
+        if changed:
+            self._changed()
+
+    @property
+    def auth_refused(self) -> str | None:
+        return self._auth_refused
+
+    @auth_refused.setter
+    def auth_refused(self, value: str | None) -> None:
+        refused = self._auth_refused is None and value is not None
+        self._auth_refused = value
+        if refused:
+            self._changed()
+
+    @property
+    def model_missing(self) -> str | None:
+        return self._model_missing
+
+    @model_missing.setter
+    def model_missing(self, value: str | None) -> None:
+        refused = self._model_missing is None and value is not None
+        self._model_missing = value
+        if refused:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self)
+
     def reconfigure(self, spec: EngineSpec, config: Config) -> None:
         """Apply a reloaded config in place: resident requests keep their reservations."""
         if spec.model != self.spec.model:
@@ -236,14 +306,16 @@ class EngineState:
 
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""
-        if self.removed:
+        # The fields, not their properties: placement asks this of every engine for
+        # every request.
+        if self._removed:
             return "removed"
-        if self.drained:
+        if self._drained:
             return "drained"
-        if self.auth_refused is not None:
-            return f"auth refused: {self.auth_refused}"
-        if self.model_missing is not None:
-            return f"model not served: {self.model_missing}"
+        if self._auth_refused is not None:
+            return f"auth refused: {self._auth_refused}"
+        if self._model_missing is not None:
+            return f"model not served: {self._model_missing}"
         if self.ejected is not None:
             return f"ejected: {self.ejected}"
         if self.unreachable is not None:
@@ -317,7 +389,7 @@ class EngineState:
     def view(self, now: float) -> EngineView:
         return EngineView(
             id=self.id,
-            role=self.role,
+            role=self._role,
             prefill_blocked=self.unavailable_reason(now, "prefill"),
             decode_blocked=self.unavailable_reason(now, "decode"),
             prefill_inflight=self.prefill_inflight,
@@ -364,10 +436,29 @@ class Fleet:
     """
 
     def __init__(self, config: Config) -> None:
-        self._engines: dict[str, EngineState] = {
-            spec.id: EngineState(spec, config) for spec in config.engines
-        }
+        self._engines: dict[str, EngineState] = {}
         self.retiring: list[EngineState] = []
+        self._watcher: Callable[[EngineState], None] | None = None
+        for spec in config.engines:
+            self.add(EngineState(spec, config))
+
+    def watch(self, watcher: Callable[[EngineState], None]) -> None:
+        """Call `watcher(engine)` whenever an engine of the fleet (a retiring one
+        included) changes role or is drained, undrained, removed, or found refusing
+        Narwhal's API key or not serving its configured model, at once and synchronously,
+        whoever made the change.
+
+        Recovery's readmission shortcuts start when an engine becomes the last to take
+        its role's work (`Recovery.placement_changed`); those changes are made by
+        narwhalctl, a reload, the role controller and the request path, so the fleet,
+        which every one of them goes through, reports them. There is one watcher."""
+        if self._watcher is not None:
+            raise ValueError("the fleet has a watcher already")
+        self._watcher = watcher
+
+    def _changed(self, engine: EngineState) -> None:
+        if self._watcher is not None:
+            self._watcher(engine)
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(self._engines.values())
@@ -385,6 +476,7 @@ class Fleet:
         if engine.id in self._engines:
             raise ValueError(f"engine {engine.id!r} is already in the fleet")
         self._engines[engine.id] = engine
+        engine._on_change = self._changed
 
     def retire(self, engine_id: str) -> EngineState | None:
         engine = self._engines.pop(engine_id, None)
@@ -395,6 +487,7 @@ class Fleet:
 
     def forget(self, engine: EngineState) -> None:
         self.retiring = [e for e in self.retiring if e is not engine]
+        engine._on_change = None
 
     def reorder(self, engine_ids: list[str]) -> None:
         """Config order after a reload (placement breaks ties by id, state lists in order)."""

@@ -29,13 +29,16 @@ When something is due (an open breaker's open_s, a quarantine's end, a restart h
 recovery.restart_hold_s, a readmission), the engine's loop wakes at that instant; a
 counted failure wakes it at once, and so does another engine leaving placement when that
 leaves this one, waiting for readmission, the last to take its role's work
-(`_left_placement`). Verifications run inside the engine's loop, one at a time per
-engine, so an engine is never verified twice concurrently, and after one that did not
-pass the next waits a probe interval (longer after readmission verifications that failed
-in a row: `_verification_failed`). A verification leg answered with 401/403
-marks that engine auth-refused, as the request path would (`fleet.key_refused`): it is
-neither a failed verification nor a breaker's, since the engine refuses the key, not the
-work. An auth-refused engine is not verified; once its key check passes, at once.
+(`_left_placement`), by whatever path: recovery's own verdicts, or a drain, a reload, a
+role change or a refused key or model, which the fleet reports (`placement_changed`).
+Verifications run inside the engine's loop, one at a time per engine, so an engine is
+never verified twice concurrently, and after one that did not pass the next waits a
+probe interval (longer after readmission verifications that failed in a row, unless its
+role has no other engine: `_verification_failed`, `_backoff_cut`). A verification leg
+answered with 401/403 marks that engine auth-refused, as the request path would
+(`fleet.key_refused`): it is neither a failed verification nor a breaker's, since the
+engine refuses the key, not the work. An auth-refused engine is not verified; once its
+key check passes, at once.
 
 Every verdict change is one JSON log line (`"event": "verdict"` with engine, phase,
 kind, from, to, reason), one increment of narwhal_recovery_transitions_total, and an
@@ -100,7 +103,8 @@ _TRANSFER_FAILED = "kv_transfer_failed"
 # EngineFailed.code of a leg that could not connect (serving's _engine_request).
 _UNREACHABLE = "engine_unreachable"
 # After consecutive failed readmission verifications the next waits twice as long as
-# the one before, from one probe interval up to this many (`Recovery._verification_failed`).
+# the one before, from one probe interval up to this many (`Recovery._verification_failed`),
+# unless the engine's role has no other engine in placement (`Recovery._backoff_cut`).
 _VERIFY_BACKOFF_MAX = 8
 
 
@@ -239,7 +243,10 @@ class EngineRecovery:
             and any(b.state is BreakerState.HALF_OPEN for b in self.breakers.values())
         )
 
-    def next_due(self) -> float:
+    def next_due(self, *, backoff_cut: bool = False) -> float:
+        """When the engine's loop has something to do next; with `backoff_cut`, a
+        readmission verification does not wait for `readmit_after`
+        (`Recovery._backoff_cut`)."""
         times = [due for b in self.breakers.values() if (due := b.due()) is not None]
         if self.quarantine_active:
             times.append(self.engine.quarantined_until)
@@ -248,13 +255,17 @@ class EngineRecovery:
         if self.engine.auth_refused is None:
             if self.readmission_wanted():
                 hold_due = self.hold.verify_after if self.hold.active else -math.inf
-                times.append(max(self.next_verify_at, hold_due, self.readmit_after))
+                backoff = -math.inf if backoff_cut else self.readmit_after
+                times.append(max(self.next_verify_at, hold_due, backoff))
             if self.breaker_wanted():
                 times.append(self.next_verify_at)
         return min(times, default=math.inf)
 
-    def snapshot(self, now: float) -> dict[str, object]:
+    def snapshot(self, now: float, *, backoff_cut: bool = False) -> dict[str, object]:
         engine = self.engine
+        # With the backoff cut, the next verification waits only for a probe interval
+        # after the last (`next_verify_at`).
+        verify_at = self.next_verify_at if backoff_cut else self.readmit_after
         return {
             "breakers": {phase: b.snapshot(now) for phase, b in self.breakers.items()},
             "health": {
@@ -264,9 +275,7 @@ class EngineRecovery:
                 else None,
                 "latency_cut_short_total": self.latency_cuts_total,
                 "failed_verifications": self.failed_verifications,
-                "verify_in_s": round(self.readmit_after - now, 3)
-                if now < self.readmit_after
-                else None,
+                "verify_in_s": round(verify_at - now, 3) if now < verify_at else None,
                 "last_probe": _last(self.last_probe, self.last_probe_at, now),
             },
             "auth": {
@@ -375,6 +384,7 @@ class Recovery:
             registry=registry,
         )
         ctx.metrics.add_live_gauges(self._gauges)
+        ctx.fleet.watch(self.placement_changed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -706,7 +716,8 @@ class Recovery:
             next_probe = trio.current_time() + self.ctx.config.recovery.health.interval_s
             while True:
                 now = trio.current_time()
-                due = now if record.probe_now else min(next_probe, record.next_due())
+                cut = self._backoff_cut(record, now)
+                due = now if record.probe_now else min(next_probe, record.next_due(backoff_cut=cut))
                 if due > now:
                     with trio.move_on_at(due):
                         await record.wake.wait()
@@ -901,10 +912,7 @@ class Recovery:
                 if ejected and now < record.latency_until:
                     notes.append(self._latency_cut(record, now))
                 if ejected and now < record.readmit_after:
-                    notes.append(
-                        f"{record.failed_verifications} verifications failed in a row, so it "
-                        f"waits until {record.readmit_wait_s:g} s after the last"
-                    )
+                    notes.append(self._backoff_note(record, alone))
                 change = record.health.probe_ok(health, alone, notes=notes)
                 self._health_changed(record, change)
             if alone is not None:
@@ -1064,7 +1072,8 @@ class Recovery:
         if now < record.next_verify_at or record.engine.auth_refused is not None:
             return
         engine = record.engine
-        due = not record.hold.waiting(now) and now >= record.readmit_after
+        backoff_over = now >= record.readmit_after or self._backoff_cut(record, now)
+        due = not record.hold.waiting(now) and backoff_over
         if record.readmission_wanted() and due:
             result = await self._verify(record, "readmission", _work(engine))
             if result.outcome == "ok":
@@ -1111,14 +1120,14 @@ class Recovery:
         _VERIFY_BACKOFF_MAX of them, and this says so for the ejection's reason.
 
         An engine that answers /health but fails its pair (a dead GPU behind a live HTTP
-        server, a broken KV path) would otherwise be verified for as long as it stays
-        broken: after readmit_successes good probes, or after each one while it is the
-        last of its role (`_alone`). With its role empty that is a pair (two, when the
-        first fails at once) every probe interval, for hours if nobody fixes it: each
+        server, a broken KV path) would otherwise be verified after every readmit_successes
+        good probes for as long as it stays broken, for hours if nobody fixes it: each
         logged as warnings, each filling `recent_changes` with the same two transitions,
         one leg of each on an engine in service. Only the first failures of an instance
         come quickly: a passing pair or a restart (a new instance, which is how such an
-        engine is usually fixed) starts the count over."""
+        engine is usually fixed) starts the count over. While the engine is the last of
+        its role (`_alone`) the wait is one probe interval all the same (`_backoff_cut`),
+        and the ejection's reason says that too."""
         record.failed_verifications += 1
         failed = record.failed_verifications
         if failed < 2:
@@ -1127,9 +1136,41 @@ class Recovery:
         wait = interval * min(2 ** (failed - 1), _VERIFY_BACKOFF_MAX)
         record.readmit_after = trio.current_time() + wait
         record.readmit_wait_s = wait
-        return (
+        detail = (
             f"; {failed} failed in a row, so the next waits {wait:g} s (doubling from "
             f"recovery.health.interval_s={interval}, up to {_VERIFY_BACKOFF_MAX} of them)"
+        )
+        alone = self._alone(record)
+        if alone is not None:
+            detail += f", or {interval:g} s while {alone}"
+        return detail
+
+    def _backoff_cut(self, record: EngineRecovery, now: float) -> bool:
+        """Whether a readmission verification that `_verification_failed`'s backoff holds
+        back may run a probe interval after the last one instead: while no other engine
+        in placement takes its role's work (`_alone`), and only then.
+
+        The backoff spares the logs, `recent_changes` and an in-service partner's leg
+        the pairs of an engine that stays broken for hours. While its role is empty
+        every request needing the role is refused, and an engine fixed without a restart
+        (its KV path back, a wedged worker freed) would be refused as well for up to
+        _VERIFY_BACKOFF_MAX probe intervals after it was fine: a verification is cheap
+        next to that. There is no verification storm: `next_verify_at` still keeps one
+        verification (its pair sent again once when it failed at once) per probe
+        interval at most, the probe streak and a hold still gate it, and the backoff
+        holds again as soon as another engine takes the role's work."""
+        if now >= record.readmit_after:
+            return False
+        return self._alone(record) is not None
+
+    def _backoff_note(self, record: EngineRecovery, alone: str | None) -> str:
+        """The readmission backoff, for the reason of a change to verifying."""
+        failed = f"{record.failed_verifications} verifications failed in a row"
+        if alone is None:
+            return f"{failed}, so it waits until {record.readmit_wait_s:g} s after the last"
+        return (
+            f"{failed}, so it would wait until {record.readmit_wait_s:g} s after the last, "
+            f"but waits {self._interval():g} s while its role has no other engine"
         )
 
     def _excused(self, engine: EngineState, evidence: str, started: float, result: _R) -> _R:
@@ -1380,24 +1421,43 @@ class Recovery:
         )
         record.wake.set()
 
-    def _left_placement(self, engine_id: str) -> None:
-        """`engine_id` was taken out of placement (or one phase of it): if it was the last
-        other engine to take some waiting engine's role's work, that engine is probed at
+    def placement_changed(self, engine: EngineState) -> None:
+        """The fleet's watcher (`Fleet.watch`): `engine` changed role, or was drained,
+        undrained, removed by a reload, or found refusing Narwhal's API key or not serving
+        its model, by narwhalctl, a reload, the role controller or the request path. Any
+        of these may leave a role without an engine in placement, or make a waiting
+        engine (this one, undrained or given an empty role) the last of its role:
+        `_left_placement`.
+
+        Two waiting engines of one role do not wake each other's probes in turn through
+        here: their probes and verdicts change none of these, but for a key refusal,
+        which is reported once until a key check clears it (`EngineState.auth_refused`;
+        a model refusal comes only from the request path), and a verification still waits
+        for `next_verify_at`."""
+        self._left_placement()
+
+    def _left_placement(self, left: str | None = None) -> None:
+        """An engine left placement (or one phase of it), or changed what it takes: if
+        that leaves a waiting engine the last to take its role's work, it is probed at
         once, and its readmission goes ahead at that probe (`_alone`), not at its next
         probe interval. Waiting: ejected, or held for recovery.restart_hold_s, with a
-        good last probe. Only a change from in service counts: one back to ejected after
-        a failed verification takes nothing out of placement, and two waiting engines of
-        one role must not wake each other's probes in turn. An operator's drain, a reload
-        or a role change that empties a role is seen at the next probe."""
+        good last probe; an engine verifying while a failed verification's backoff holds
+        it back is woken for its verification (`_backoff_cut`).
+
+        Recovery's own changes (`_changed`) count only from in service, and not for the
+        engine that `left` (its own verdict, or its probe, decides for itself): one back
+        to ejected after a failed verification takes nothing out of placement, and two
+        waiting engines of one role must not wake each other's probes in turn. Every
+        other change comes through `placement_changed`."""
         now = trio.current_time()
         for record in self._records.values():
+            if record.engine.id == left or record.probe_now:
+                continue
+            if record.readmission_wanted() and self._backoff_cut(record, now):
+                record.wake.set()
+                continue
             probe = record.last_probe
-            if (
-                record.engine.id == engine_id
-                or record.probe_now
-                or probe is None
-                or probe.outcome != "ok"
-            ):
+            if probe is None or probe.outcome != "ok":
                 continue
             if record.waiting(now) and self._alone(record) is not None:
                 record.probe_now = True
@@ -1434,7 +1494,7 @@ class Recovery:
         self.recent_changes.append(entry)
         worse = new in ("open", "ejected", "held", "quarantined", "unreachable")
         if worse and old in ("up", "closed", "released", "reachable"):
-            self._left_placement(engine_id)
+            self._left_placement(left=engine_id)
         where = f"{engine_id}/{phase}" if phase else engine_id
         log.log(
             logging.WARNING if worse else logging.INFO,
@@ -1453,7 +1513,8 @@ class Recovery:
         now = trio.current_time()
         return {
             "engines": {
-                engine_id: record.snapshot(now) for engine_id, record in self._records.items()
+                engine_id: record.snapshot(now, backoff_cut=self._backoff_cut(record, now))
+                for engine_id, record in self._records.items()
             },
             "recent_changes": list(self.recent_changes)[-50:],
         }

@@ -180,3 +180,13 @@ def test_flip_record_serialises_plainly() -> None:
     assert out["before"] == {"prefill": 2, "decode": 6}
     assert out["after"] == {"prefill": 3, "decode": 5}
     assert all(not isinstance(v, float) or math.isfinite(v) for v in out.values())
+
+
+def test_an_applied_move_is_reported_to_the_fleet_s_watcher() -> None:
+    # Recovery watches the fleet: a role change may leave a waiting engine the last of
+    # its role (the floors keep the controller from emptying a role itself).
+    f = live_fleet()
+    seen: list[tuple[str, str]] = []
+    f.watch(lambda e: seen.append((e.id, e.role)))
+    apply_move(engine(f, "d0"), d2p_decision())
+    assert seen == [("d0", "prefill")]

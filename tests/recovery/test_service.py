@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -17,7 +18,8 @@ import trio
 import trio.testing
 
 from narwhal.config import Config
-from narwhal.fleet import EngineState, key_refused, model_refused
+from narwhal.ctl import CtlRequest
+from narwhal.fleet import EngineState, Role, key_refused, model_refused
 from narwhal.recovery import (
     BreakerState,
     ContextReading,
@@ -35,6 +37,7 @@ from narwhal.recovery import (
 from narwhal.serving import DecodeGaps, ServingContext
 from narwhal.serving._lag import LAG_PROBE_S
 from narwhal.sim import SimTiming
+from narwhal.supervisor import Operations, Supervisor
 from narwhal.supervisor._control import MIN_RESIDUAL_GAPS, profile_predictor
 
 from ..serving.test_predictive import LawProfiles
@@ -278,53 +281,105 @@ async def test_a_failed_verification_keeps_out_an_engine_readmitted_on_one_good_
     assert record.health.shortcuts_total == 2
 
 
+BROKEN = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
+
+
+def pairs_of(rig: Rig, engine_id: str = "d0") -> list[float]:
+    """When `engine_id`'s verification pairs went out, a pair sent again included."""
+    return [v.at - rig.t0 for v in rig.prober.verifications if v.subject == engine_id]
+
+
 async def test_failed_readmission_verifications_back_off_until_one_passes_or_a_restart(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     # An engine that answers /health but fails its pair (a dead GPU behind a live HTTP
-    # server) while its role is empty: verified after each good probe, it would take a
-    # pair (sent twice) every probe interval for as long as it stays broken. From the
-    # second failure in a row the wait doubles: 1, 2, 4, 8, 8 intervals.
-    rig = await start(nursery, config())
-    eject_d0(rig)
-    await rig.at(3.0)
-    rig.prober.health_of["d0"] = HEALTHY
-    broken = VerifyResult("failed", "decode leg on d0 returned HTTP 500")
-    rig.prober.verify_of["d0"] = broken
+    # server) while x1 takes decode work: verified after each readmit_successes good
+    # probes, it would take a pair (sent twice) every two probe intervals for as long as
+    # it stays broken. From the second failure in a row the wait doubles: 1, 2, 4, 8, 8
+    # intervals (the first two come after the probe streak).
+    rig = await start(nursery, with_peer("decode", recovery={"restart_hold_s": 1.0}))
+    await eject_d0_then_answer(rig)
+    rig.prober.verify_of["d0"] = BROKEN
     await rig.at(30.0)
-    pairs = [v.at - rig.t0 for v in rig.prober.verifications]
-    assert pairs == [t for t in (4.0, 5.0, 7.0, 11.0, 19.0, 27.0) for _ in range(2)]
+    assert pairs_of(rig) == [t for t in (5.0, 7.0, 9.0, 13.0, 21.0, 29.0) for _ in range(2)]
     assert rig.reason("d0") == (
-        "ejected: 1 good probe of recovery.health.readmit_successes=2, enough while no other "
-        "engine in placement takes decode work; 6 verifications failed in a row, so it waits "
-        "until 8 s after the last; verifying before readmission"
+        "ejected: verification failed: decode leg on d0 returned HTTP 500; 6 failed in a row, "
+        "so the next waits 8 s (doubling from recovery.health.interval_s=1.0, up to 8 of them)"
+    )
+    await rig.at(31.0)
+    assert rig.reason("d0") == (
+        "ejected: 2 good probes (recovery.health.readmit_successes=2); 6 verifications failed "
+        "in a row, so it waits until 8 s after the last; verifying before readmission"
     )
     health = state_of(rig, "d0")["health"]
-    assert (health["failed_verifications"], health["verify_in_s"]) == (6, 5.0)
-    ejected = [c["reason"] for c in rig.recovery.recent_changes if c["to"] == "ejected"]
-    assert ejected[-1] == (
-        "verification failed: decode leg on d0 returned HTTP 500; 6 failed in a row, so the "
-        "next waits 8 s (doubling from recovery.health.interval_s=1.0, up to 8 of them)"
-    )
-    # A restart is a new instance (how such an engine is mostly fixed): verified at once.
+    assert (health["failed_verifications"], health["verify_in_s"]) == (6, 6.0)
+    # A restart is a new instance (how such an engine is mostly fixed): verified after
+    # its hold (seen at +32, recovery.restart_hold_s=1), not the backoff.
     rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
-    await rig.at(31.0)
-    assert [v.at - rig.t0 for v in rig.prober.verifications][12:] == [31.0, 31.0]
+    await rig.at(33.0)
+    assert pairs_of(rig)[12:] == [33.0, 33.0]
     assert state_of(rig, "d0")["health"]["failed_verifications"] == 1
     del rig.prober.verify_of["d0"]
-    await rig.at(32.0)
+    await rig.at(35.0)
+    assert pairs_of(rig)[14:] == [35.0]
     assert rig.reason("d0") is None
     health = state_of(rig, "d0")["health"]
     assert (health["failed_verifications"], health["verify_in_s"]) == (0, None)
     # A pass starts the count over: the next ejection's first failures come quickly.
-    rig.prober.verify_of["d0"] = broken
+    rig.prober.verify_of["d0"] = BROKEN
     eject_d0(rig)
-    await rig.at(35.0)
+    await rig.at(38.0)
     # Instance b, as before the ejection: no restart this time.
     rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "b"),))
-    await rig.at(38.0)
-    pairs = [v.at - rig.t0 for v in rig.prober.verifications][15:]
-    assert pairs == [36.0, 36.0, 37.0, 37.0]
+    await rig.at(42.0)
+    assert pairs_of(rig)[15:] == [40.0, 40.0, 42.0, 42.0]
+
+
+async def test_the_verification_backoff_is_cut_to_a_probe_interval_while_the_role_is_empty(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # While x1 takes decode work the backoff holds d0's verifications (above): the pair
+    # at +13 failed, so the next waits until +21. Once x1 is drained (+16.5) every
+    # decode request is refused, and d0, fixed without a restart, would be refused too
+    # until +21, or up to 8 probe intervals after its last pair in general: it is
+    # verified at once, then every probe interval, while its role stays empty.
+    rig = await start(nursery, with_peer("decode"))
+    await eject_d0_then_answer(rig)
+    rig.prober.verify_of["d0"] = BROKEN
+    await rig.at(16.5)
+    assert pairs_of(rig) == [t for t in (5.0, 7.0, 9.0, 13.0) for _ in range(2)]
+    assert state_of(rig, "d0")["health"]["verify_in_s"] == 4.5
+    rig.engine("x1").drained = True
+    await rig.at(16.5)
+    assert pairs_of(rig)[8:] == [16.5, 16.5]
+    await rig.at(19.9)
+    # One verification a probe interval at most (a good probe at +17, +18, +19 makes it
+    # verifying, the last pair +16.5, +17.5, +18.5 decides when).
+    assert pairs_of(rig)[8:] == [t for t in (16.5, 17.5, 18.5, 19.5) for _ in range(2)]
+    assert rig.reason("d0") == (
+        "ejected: verification failed: decode leg on d0 returned HTTP 500; 8 failed in a row, "
+        "so the next waits 8 s (doubling from recovery.health.interval_s=1.0, up to 8 of "
+        "them), or 1 s while no other engine in placement takes decode work"
+    )
+    health = state_of(rig, "d0")["health"]
+    assert (health["failed_verifications"], health["verify_in_s"]) == (8, 0.6)
+    verifying = [c["reason"] for c in rig.recovery.recent_changes if c["to"] == "verifying"]
+    assert verifying[-1] == (
+        "1 good probe of recovery.health.readmit_successes=2, enough while no other engine "
+        "in placement takes decode work; 7 verifications failed in a row, so it would wait "
+        "until 8 s after the last, but waits 1 s while its role has no other engine; "
+        "verifying before readmission"
+    )
+    # x1 back in service: the backoff holds again, from d0's last pair (+19.5).
+    rig.engine("x1").drained = False
+    await rig.at(27.4)
+    assert pairs_of(rig)[16:] == []
+    assert state_of(rig, "d0")["health"]["verify_in_s"] == 0.1
+    # Fixed: the next pair passes.
+    del rig.prober.verify_of["d0"]
+    await rig.at(27.5)
+    assert pairs_of(rig)[16:] == [27.5]
+    assert rig.reason("d0") is None
 
 
 async def test_control_pool_exhaustion_leaves_the_verdict_and_streak_unchanged(
@@ -493,6 +548,138 @@ async def test_a_restart_hold_is_cut_short_at_once_when_its_role_empties_during_
         "verification passed; the hold was cut short 3.5 s before recovery.restart_hold_s=5.0 "
         "ran out, at a good probe, while no other engine in placement takes decode work"
     )
+
+
+# ------------------------------------------------- roles emptied by any path
+
+# d0 ejected at +3, answering from +4, waiting for readmission while x1 (`with_peer`)
+# takes decode work: one good probe is not enough then, so without anything else d0 is
+# verifying at +5 and readmitted after that probe's pair.
+
+
+def ctl(rig: Rig) -> Operations:
+    """narwhalctl's commands on the rig's fleet, as the control socket runs them."""
+    return Operations(cast("Supervisor", _CtlHost(rig.ctx)))
+
+
+@attrs.define
+class _CtlHost:
+    """What `Operations` reads of the supervisor for the engine commands."""
+
+    ctx: ServingContext
+    deferred_roles: dict[str, Role] = attrs.Factory(dict)
+
+
+async def drain_x1(rig: Rig) -> None:
+    await ctl(rig)(CtlRequest("drain", "x1"))
+
+
+async def pin_x1_prefill(rig: Rig) -> None:
+    await ctl(rig)(CtlRequest("pin", "x1", "prefill"))
+
+
+async def reload_without_x1(rig: Rig) -> None:
+    await reload(rig.ctx, rig.recovery, config(engines=[P0, D0]))
+
+
+async def reload_replacing_x1(rig: Rig) -> None:
+    # The new instance fails its first probe, so it joins ejected.
+    rig.prober.health_of["x1"] = REFUSED
+    x1 = {"id": "x1", "url": "http://127.0.0.1:21", "role": "decode"}
+    await reload(rig.ctx, rig.recovery, config(engines=[P0, D0, x1]))
+
+
+async def reload_x1_as_prefill(rig: Rig) -> None:
+    x1 = {"id": "x1", "url": "http://127.0.0.1:11", "role": "prefill"}
+    await reload(rig.ctx, rig.recovery, config(engines=[P0, D0, x1]))
+
+
+async def x1_refuses_the_key(rig: Rig) -> None:
+    # As the request path does when a leg meets HTTP 401 (serving's _flow).
+    key_refused(rig.engine("x1"), 401, "Unauthorized", rig.ctx.config)
+
+
+async def x1_refuses_the_model(rig: Rig) -> None:
+    # As the request path does when a leg meets vLLM's 404 for the model (serving's _flow).
+    model_refused(rig.engine("x1"), "The model `m` does not exist.", rig.ctx.config)
+
+
+D0 = {"id": "d0", "url": "http://127.0.0.1:10", "role": "decode"}
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [
+        drain_x1,
+        pin_x1_prefill,
+        reload_without_x1,
+        reload_replacing_x1,
+        reload_x1_as_prefill,
+        x1_refuses_the_key,
+        x1_refuses_the_model,
+    ],
+)
+async def test_a_waiting_engine_is_probed_at_once_when_its_role_empties_by_any_path(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    empty: Callable[[Rig], Awaitable[None]],
+) -> None:
+    # x1, d0's only peer of its role, leaves placement at +4.5 by narwhalctl, a reload
+    # or a refused key or model: every decode request is refused from then on, so d0 is probed
+    # at once and, as the last of its role, verified at that one good probe. It waited
+    # for its next probe (+5) and a second good one before.
+    rig = await start(nursery, with_peer("decode"))
+    await eject_d0_then_answer(rig)
+    await rig.at(4.5)
+    assert rig.reason("d0") is not None
+    assert rig.prober.verifications == []
+    await empty(rig)
+    await rig.at(4.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [4.0, 4.5]
+    assert pairs_of(rig) == [4.5]
+    assert rig.reason("d0") is None
+
+
+async def test_an_undrained_waiting_engine_is_probed_at_once_when_its_role_is_empty(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # 1P1D, d0 ejected and drained by the operator: a drained engine gets no shortcut
+    # (it would stay out anyway), so its good probe at +4 counts as one of two. Undrained
+    # at +4.5 it is the last decode engine: probed and verified then, not at +5.
+    rig = await start(nursery, config())
+    await eject_d0_then_answer(rig)
+    await ctl(rig)(CtlRequest("drain", "d0"))
+    await rig.at(4.5)
+    assert rig.prober.verifications == []
+    await ctl(rig)(CtlRequest("undrain", "d0"))
+    await rig.at(4.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [4.0, 4.5]
+    assert pairs_of(rig) == [4.5]
+    assert rig.reason("d0") is None
+
+
+async def test_two_waiting_engines_of_one_role_do_not_wake_each_other(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # d0 and d1 both ejected, both answering, both failing their pairs, p0 in service:
+    # the decode role is empty, and each is verified once a probe interval (its pair
+    # sent again once), on its own probes: a failed verification takes nothing out of
+    # placement, so neither wakes the other.
+    d1 = {"id": "d1", "url": "http://127.0.0.1:11", "role": "decode"}
+    rig = await start(nursery, config(engines=[P0, D0, d1]))
+    for engine_id in ("d0", "d1"):
+        rig.prober.health_of[engine_id] = UNHEALTHY
+        rig.prober.verify_of[engine_id] = VerifyResult(
+            "failed", f"decode leg on {engine_id} returned HTTP 500"
+        )
+    await rig.at(3.0)
+    rig.prober.health_of.clear()
+    await rig.at(10.0)
+    for engine_id in ("d0", "d1"):
+        probes = [at - rig.t0 for e, at in rig.prober.probes if e == engine_id]
+        assert probes == [float(t) for t in range(11)]
+        twice = [float(t) for t in range(4, 11) for _ in range(2)]
+        assert pairs_of(rig, engine_id) == twice
 
 
 async def test_identity_change_is_a_restart_held_until_verified(
@@ -954,18 +1141,16 @@ async def test_a_standby_partner_failure_is_not_counted_against_the_subject(
     assert rig.reason("d0") == (
         "ejected: verification failed: decode leg on d0 returned HTTP 500; 2 failed in a "
         "row, so the next waits 2 s (doubling from recovery.health.interval_s=1.0, up to 8 "
-        "of them)"
+        "of them), or 1 s while no other engine in placement takes decode work"
     )
     # But not a failure that is certainly the in-service partner's own: its serving traffic
     # and breakers judge p0.
     rig.prober.verify_of["d0"] = VerifyResult(
         "failed", "prefill leg on p0: connection refused", culprit="p0"
     )
-    await rig.at(8.0)  # a good probe at +8; the verification waits until +9
-    assert verified(rig, "d0")[0][-1] == 7.0
-    await rig.at(9.0)
+    await rig.at(8.0)  # a good probe at +8, and d0 is the only decode engine: verified then
     times, last = verified(rig, "d0")
-    assert (times[-1], last["standby"], last["outcome"]) == (9.0, False, "inconclusive")
+    assert (times[-1], last["standby"], last["outcome"]) == (8.0, False, "inconclusive")
     assert last["detail"] == (
         "prefill leg on p0: connection refused; not counted against d0: the failure is p0's own"
     )
@@ -1658,18 +1843,20 @@ async def test_a_latency_ejected_engine_s_good_probes_count_once_its_role_is_emp
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     # It was slow, not down: once d1 takes no decode work (drained at +1.5), d0 serving
-    # slowly beats refusing every request until recovery.health.window_s has passed.
+    # slowly beats refusing every request until recovery.health.window_s has passed. The
+    # drain gets d0 a probe at once, not at +2, and that good probe is enough on its own.
     rig = await eject_d0_for_latency(nursery)
     await rig.at(1.5)
     assert rig.prober.verifications == []
     rig.engine("d1").drained = True
-    await rig.at(2.0)  # the next good probe counts, and is enough on its own
-    assert [v.at - rig.t0 for v in rig.prober.verifications] == [2.0]
+    await rig.at(1.5)
+    assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [1.0, 1.5]
+    assert [v.at - rig.t0 for v in rig.prober.verifications] == [1.5]
     assert rig.reason("d0") is None
     (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
     assert entry["reason"] == (
         "1 good probe of recovery.health.readmit_successes=2, enough while no other engine in "
-        "placement takes decode work; counted 28.0 s before its latency ejection's "
+        "placement takes decode work; counted 28.5 s before its latency ejection's "
         "recovery.health.window_s=30.0 ran out: slow beats refusing all decode work; "
         "verifying before readmission"
     )
