@@ -299,6 +299,16 @@ class EngineRecovery:
         }
 
 
+def _refusal(engine: EngineState) -> str | None:
+    """Why `engine` would refuse a verification leg whatever its health: Narwhal's key
+    (`fleet.key_refused`) or the model (`fleet.model_refused`)."""
+    if engine.auth_refused is not None:
+        return engine.auth_refused
+    if engine.model_missing is not None:
+        return f"does not serve the model ({engine.model_missing})"
+    return None
+
+
 def _work(engine: EngineState) -> Phase:
     """The work of `engine`'s role, as placement names it."""
     return "aggregate" if engine.role == "both" else engine.role
@@ -670,6 +680,7 @@ class Recovery:
                 and not (engine.removed or engine.drained or record.hold.active)
                 and record.health.verdict is Verdict.UP
                 and engine.auth_refused is None
+                and engine.model_missing is None
             ):
                 count += 1
         return count
@@ -1287,16 +1298,16 @@ class Recovery:
         standby = False
         if not candidates and fixed:
             answering = [e for e in peers if self._standby(e)]
-            # One that refuses Narwhal's key would refuse its leg (an available one never
-            # does: the refusal takes it out of placement).
-            candidates = [e for e in answering if e.auth_refused is None]
+            # One that refuses Narwhal's key or the model would refuse its leg (an
+            # available one never does: the refusal takes it out of placement).
+            candidates = [e for e in answering if _refusal(e) is None]
             standby = True
             if not candidates:
                 role = subject.dialect.fixed_role
-                refused = "; ".join(f"{e.id} {e.auth_refused}" for e in answering)
+                refused = "; ".join(f"{e.id} {_refusal(e)}" for e in answering)
                 missing = (
                     f"no {other} engine that answers its health probe takes narwhal's API "
-                    f"key to pair with {subject.id} ({refused}; {role})"
+                    f"key and serves the model to pair with {subject.id} ({refused}; {role})"
                     if answering
                     else f"no {other} engine answers its health probe to pair with "
                     f"{subject.id} ({role})"

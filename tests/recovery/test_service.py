@@ -1200,18 +1200,23 @@ def sglang_ppd() -> Config:
     )
 
 
-async def test_a_standby_partner_refusing_the_key_is_skipped(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+@pytest.mark.parametrize("refuses", ["key", "model"])
+async def test_a_standby_partner_refusing_the_key_or_the_model_is_skipped(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, refuses: str
 ) -> None:
     rig = await start(nursery, sglang_ppd())
     for engine_id in ("p0", "p1", "d0"):
         rig.prober.health_of[engine_id] = UNHEALTHY
     await rig.at(3.0)  # all ejected
     del rig.prober.health_of["p0"], rig.prober.health_of["p1"]
-    # p0 answers its health probe but refuses the key: its leg of d0's pair would be
-    # refused, naming p0, and d0's readmission would wait a probe interval for nothing.
-    rig.engine("p0").auth_refused = AUTH_REFUSED
-    rig.prober.key_of["p0"] = KEY_REFUSED
+    # p0 answers its health probe but refuses the key (or the model): its leg of d0's
+    # pair would be refused, naming p0, and d0's readmission would wait a probe interval
+    # for nothing.
+    if refuses == "key":
+        rig.engine("p0").auth_refused = AUTH_REFUSED
+        rig.prober.key_of["p0"] = KEY_REFUSED
+    else:
+        model_refused(rig.engine("p0"), "The model `m` does not exist.", rig.ctx.config)
     # p1 stays out of service (verifying), on standby for d0.
     rig.prober.verify_of["p1"] = VerifyResult("inconclusive", "control pool of p1 exhausted")
     await rig.at(4.0)  # p1 answers; d0 does from +5, when p1 has answered a probe already
@@ -1237,8 +1242,9 @@ async def test_a_subject_whose_only_standby_partners_refuse_the_key_is_skipped_s
     _, last = verified(rig, "d0")
     assert (last["partner"], last["standby"], last["outcome"]) == (None, False, "inconclusive")
     assert str(last["detail"]).startswith(
-        "skipped: no prefill engine that answers its health probe takes narwhal's API key to "
-        f"pair with d0 (p0 {AUTH_REFUSED}; an sglang server's role is fixed when it is launched"
+        "skipped: no prefill engine that answers its health probe takes narwhal's API key and "
+        f"serves the model to pair with d0 (p0 {AUTH_REFUSED}; an sglang server's role is "
+        "fixed when it is launched"
     )
     rig.prober.key_of["p0"] = KEY_ACCEPTED
     # p0 takes the key again at its next probe (+6); d0 is paired with it then, or a
