@@ -35,16 +35,24 @@ log = logging.getLogger("narwhal.request")
 @attrs.frozen
 class DecodeGaps:
     """A streamed decode leg's token intervals and the engine's load while they were
-    measured, for a latency residual against the decode profile (recovery).
+    measured, summarised once as the stream ends for all that judge them: the role
+    controller (the median interval), the live decode correction (`positive` and
+    `positive_median_s`) and a latency residual against the decode profile (recovery).
 
-    The gaps are those the live decode correction gets: from the first token on (the KV
-    wait and the prefill come before it), at most the stream's first 256, rescaled to
-    tokens when events carried several. The load is the router's view of the engine at
-    each read that brought them (`EngineState.decode_active`, `decode_tokens`), weighted
-    by the gaps each read gave: its mean and its heaviest."""
+    The gaps are from the first token on (the KV wait and the prefill come before it),
+    at most the stream's first 256, rescaled to tokens when events carried several. The
+    load is the router's view of the engine at each read that brought them
+    (`EngineState.decode_active`, `decode_tokens`), weighted by the gaps each read gave:
+    its mean and its heaviest.
+
+    The correction counts only positive gaps (`DecodeCorrection`, rule 1): two reads at
+    one clock reading give gaps of zero, which the median of all the gaps keeps. With
+    none positive, `positive_median_s` is 0 and no correction takes the window."""
 
     count: int
     median_s: float
+    positive: int
+    positive_median_s: float
     mean_active: float
     mean_kv_tokens: float
     max_active: int
@@ -57,8 +65,8 @@ class LegObserver(Protocol):
 
     `contended` is true when another leg shared the engine at any moment of this one:
     its duration then includes work the profile does not price. `gaps` summarises a
-    streamed leg's token intervals, None when it had none or when they are not the
-    engine's alone (see `_GapLoad`)."""
+    streamed leg's token intervals (the summary the serving signals got), None when it
+    had none or when they are not the engine's alone (see `_GapLoad`)."""
 
     def leg_ok(
         self,
@@ -84,9 +92,8 @@ class ServingSignals(Protocol):
 
     def ttft_breach(self) -> None: ...
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None: ...
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
+        """A finished stream's token gaps (at least one), summarised."""
 
 
 class _NoSignals:
@@ -96,9 +103,7 @@ class _NoSignals:
     def ttft_breach(self) -> None:
         pass
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None:
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
         pass
 
 

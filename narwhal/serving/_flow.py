@@ -26,9 +26,9 @@ the retry budget.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
-import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Literal, Protocol
@@ -204,11 +204,12 @@ class _GapLoad:
     over the tokens that piled up meanwhile, which is their rate, except where no more
     came: a stall that outlasted the stream inflates the gaps of the tokens the engine
     made during it, at most as many as fit in the stall. A stream whose longest write
-    spans a quarter of its gaps' time or more is left out; below that, the inflated gaps
-    are too few to carry the median. (Dropping streams at any write longer than one gap
-    would drop most of a busy router's, whose writes wait for the loop.) A prefill leg
-    on the engine meanwhile (a `both` engine, or one the controller just moved) puts
-    prefill chunks into the decode steps, which the decode profile does not model."""
+    spans a quarter of its gaps' time or more is left out of latency residuals (`alone`);
+    below that, the inflated gaps are too few to carry the median. (Dropping streams at
+    any write longer than one gap would drop most of a busy router's, whose writes wait
+    for the loop.) A prefill leg on the engine meanwhile (a `both` engine, or one the
+    controller just moved) puts prefill chunks into the decode steps, which the decode
+    profile does not model."""
 
     __slots__ = ("active", "kv_tokens", "longest_write_s", "max_active", "max_kv", "prefill")
 
@@ -229,29 +230,39 @@ class _GapLoad:
         self.max_kv = max(self.max_kv, engine.decode_tokens)
         self.prefill = self.prefill or engine.prefill_inflight > 0
 
-    def mean(self, count: int) -> tuple[float, float] | None:
-        """The gap-weighted mean load (requests decoding, resident KV tokens) over `count`
-        counted gaps, or None without any."""
-        if count <= 0:
-            return None
-        return self.active / count, self.kv_tokens / count
-
     def summary(self, gaps: list[float]) -> DecodeGaps | None:
-        """None when the gaps are not the engine's decoding alone."""
-        if not gaps or self.prefill:
+        """The stream's gaps and their load, summarised once for the serving signals and
+        the leg observer; None without any gaps."""
+        if not gaps:
             return None
-        median = statistics.median(gaps)
-        count = len(gaps)
-        if self.longest_write_s * 4 >= median * count:
-            return None
+        ordered = sorted(gaps)
+        count = len(ordered)
+        # Gaps are differences of readings of a clock that never goes back, so none is
+        # negative: those that are not positive are the zeros, first in order.
+        zeros = bisect.bisect_right(ordered, 0.0)
         return DecodeGaps(
             count=count,
-            median_s=median,
+            median_s=_sorted_median(ordered, 0),
+            positive=count - zeros,
+            positive_median_s=_sorted_median(ordered, zeros) if zeros < count else 0.0,
             mean_active=self.active / count,
             mean_kv_tokens=self.kv_tokens / count,
             max_active=self.max_active,
             max_kv_tokens=self.max_kv,
         )
+
+    def alone(self, summary: DecodeGaps) -> bool:
+        """Whether the gaps were the engine's decoding alone, for a latency residual."""
+        return not self.prefill and self.longest_write_s * 4 < summary.median_s * summary.count
+
+
+def _sorted_median(ordered: list[float], start: int) -> float:
+    """`statistics.median(ordered[start:])` of a sorted list, without copying it."""
+    size = len(ordered) - start
+    middle = start + size // 2
+    if size % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class Flow:
@@ -1515,8 +1526,9 @@ async def _relay(
             scale = (tokens - 1) / (reported - 1)
             gaps = [gap * scale for gap in gaps]
             generated = reported
-    if gaps:
-        ctx.signals.decode_gaps(engine, gaps, load.mean(len(gaps)))
+    summary = load.summary(gaps)  # one per stream: the controller, correction and residual
+    if summary is not None:
+        ctx.signals.decode_gaps(engine, summary)
     if timer.cancelled_caught:
         if first_at is None:
             waited = trio.current_time() - started
@@ -1561,7 +1573,7 @@ async def _relay(
         trio.current_time() - started,
         prompt_tokens=record.prompt_tokens or 0,
         contended=alone is None or engine.legs_started != alone,
-        gaps=load.summary(gaps),
+        gaps=summary if summary is not None and load.alone(summary) else None,
     )
     await client.end_stream()
 

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 from typing import Any
 
 import attrs
@@ -192,11 +191,9 @@ class ControlLink:
         if self.controller is not None:
             self.controller.signal_ttft_breach()
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None:
-        """A finished stream's token gaps, and the engine's mean decode load (requests
-        decoding, resident KV tokens) over them when the relay measured it."""
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
+        """A finished stream's token gaps, summarised with the engine's mean decode load
+        (requests decoding, resident KV tokens) over them."""
         if self.ctx.fleet.get(engine.id) is not engine:
             # A reload removed or replaced the engine this stream ran on: its gaps say
             # nothing of the engine under its id now (corrections are kept by id).
@@ -208,11 +205,10 @@ class ControlLink:
                 # At the load the gaps were measured under: the load as the stream ended
                 # is lighter (the last stream of a batch ends alone), and the correction
                 # leaned upward on every busy engine.
-                active, kv_tokens = load or (engine.decode_active, engine.decode_tokens)
-                predicted = curve.interval_s(max(1.0, active), kv_tokens)
-                source.observe_decode(engine.id, gaps, predicted)
+                predicted = curve.interval_s(max(1.0, gaps.mean_active), gaps.mean_kv_tokens)
+                source.observe_decode(engine.id, gaps.positive_median_s, gaps.positive, predicted)
         if self.controller is not None:
-            self.controller.observe_decode_interval(engine.id, statistics.median(gaps))
+            self.controller.observe_decode_interval(engine.id, gaps.median_s)
 
 
 # Token gaps a decode leg needs before its median interval is judged against the profile.

@@ -353,7 +353,7 @@ async def test_a_reload_keeps_the_decode_corrections_of_the_engines_it_left_alon
         before = supervisor.ctx.profiles
         assert isinstance(before, FleetProfiles)
         for engine_id in ("d0", "d1"):
-            before.observe_decode(engine_id, [0.03] * 20, 0.02)
+            before.observe_decode(engine_id, 0.03, 20, 0.02)
         learnt = before.decode_correction("d0")
         assert learnt > 1.0
         # d1 moves to another server; the rest of the change applies in place.

@@ -1707,14 +1707,20 @@ async def test_a_latency_ejected_engine_waits_the_window_while_a_peer_takes_its_
 LOAD_BOUND = SimTiming(step_base_s=0.01, decode_kv_token_s=0.0, decode_seq_s=0.005)
 
 
-def decode_gaps(median_s: float, *, active: float = 20, count: int = 32) -> DecodeGaps:
+def decode_gaps(
+    median_s: float, *, active: float = 20, kv_tokens: float = 0, count: int = 32
+) -> DecodeGaps:
+    """A stream's gaps, all positive, at a mean load of `active` requests and
+    `kv_tokens` resident."""
     return DecodeGaps(
         count=count,
         median_s=median_s,
+        positive=count,
+        positive_median_s=median_s,
         mean_active=active,
-        mean_kv_tokens=0,
+        mean_kv_tokens=kv_tokens,
         max_active=round(active) + 4,
-        max_kv_tokens=0,
+        max_kv_tokens=round(kv_tokens),
     )
 
 

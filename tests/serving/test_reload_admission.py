@@ -33,7 +33,7 @@ from narwhal.supervisor._control import ControlLink
 from ..admission.test_first_token_wait import Source
 from ..profiles.helpers import config_for, store_for
 from ..recovery.fakes import config, reload
-from ..recovery.test_service import Rig, start
+from ..recovery.test_service import Rig, decode_gaps, start
 
 # Source prices a prefill at 0.1 ms per token.
 P0 = {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"}
@@ -181,7 +181,7 @@ async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correct
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     profiles, curve = decode_profiles(tmp_path)
-    slow = [1.2 * curve.interval_s(1, 0)] * 2  # 20 % slower than profiled
+    slow = decode_gaps(1.2 * curve.interval_s(1, 0), active=1, count=2)  # 20 % slow
     async with rig_with_legs(fleet(P0, D0)) as (rig, _):
         rig.ctx.profiles = profiles
         link = ControlLink(rig.ctx)
@@ -203,14 +203,12 @@ async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measure
     # during it (the last stream of a batch ends alone): a busy engine's correction
     # leaned upward.
     profiles, curve = decode_profiles(tmp_path)
-    busy = (48.0, 48.0 * 2000)
-    on_profile = [curve.interval_s(*busy)] * 2
+    busy = (47.6, 47.6 * 2000)
+    on_profile = decode_gaps(curve.interval_s(*busy), active=busy[0], kv_tokens=busy[1])
     async with rig_with_legs(fleet(P0, D0)) as (rig, _):
         rig.ctx.profiles = profiles
         link = ControlLink(rig.ctx)
         d0 = rig.engine("d0")
         assert (d0.decode_active, d0.decode_tokens) == (0, 0)  # as the stream ended
-        link.decode_gaps(d0, on_profile, busy)
+        link.decode_gaps(d0, on_profile)
         assert profiles.decode_correction("d0") == pytest.approx(1.0)
-        link.decode_gaps(d0, on_profile)  # no load measured: the load at the end
-        assert profiles.decode_correction("d0") > 1.0
