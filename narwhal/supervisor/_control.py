@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..admission import ProfileSource
+from ..admission import DecodeCurve, ProfileSource
 from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
@@ -202,11 +202,9 @@ class ControlLink:
         if isinstance(source, FleetProfiles):
             curve = source.decode_curve(engine.id)
             if curve is not None:
-                # At the load the gaps were measured under: the load as the stream ended
-                # is lighter (the last stream of a batch ends alone), and the correction
-                # leaned upward on every busy engine.
-                predicted = curve.interval_s(max(1.0, gaps.mean_active), gaps.mean_kv_tokens)
-                source.observe_decode(engine.id, gaps.positive_median_s, gaps.positive, predicted)
+                source.observe_decode(
+                    engine.id, gaps.positive_median_s, gaps.positive, _predicted(curve, gaps)
+                )
         if self.controller is not None:
             self.controller.observe_decode_interval(engine.id, gaps.median_s)
 
@@ -227,16 +225,14 @@ def profile_predictor(ctx: ServingContext) -> Predictor:
     a sick one. Prompts outside the measured domain are not predicted either.
 
     Decode legs are judged by their median token interval (`DecodeGaps`), predicted at
-    the engine's load while the gaps were measured: the profile models a loaded decode
-    batch (active requests, resident KV tokens), so contention is priced, not excluded.
-    The load is the gap-weighted mean, rounded; the profile's interval is linear in both
-    inputs, so that is the mean of the intervals at each gap's load. Not predicted: a
-    leg with fewer than MIN_RESIDUAL_GAPS gaps, one whose heaviest load left the
-    measured domain, and one whose gaps were not the engine's decoding alone (no
-    `DecodeGaps`). Aggregate legs are not predicted either: the router counts a
-    `both` engine's aggregate legs as decoding from their start, through their prompt's
-    prefill, whose chunks share the decode steps and which the decode profile does not
-    model.
+    the engine's load while the gaps were measured (`_predicted`, as the decode
+    correction is): the profile models a loaded decode batch (active requests, resident
+    KV tokens), so contention is priced, not excluded. Not predicted: a leg with fewer
+    than MIN_RESIDUAL_GAPS gaps, one whose heaviest load left the measured domain, and
+    one whose gaps were not the engine's decoding alone (no `DecodeGaps`). Aggregate
+    legs are not predicted either: the router counts a `both` engine's aggregate legs as
+    decoding from their start, through their prompt's prefill, whose chunks share the
+    decode steps and which the decode profile does not model.
     """
 
     def predict(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
@@ -266,4 +262,13 @@ def _decode_interval(
     curve = source.decode_curve(engine.id)
     if curve is None or not curve.in_domain(gaps.max_active, gaps.max_kv_tokens):
         return None
-    return curve.interval_s(max(1, round(gaps.mean_active)), round(gaps.mean_kv_tokens))
+    return _predicted(curve, gaps)
+
+
+def _predicted(curve: DecodeCurve, gaps: DecodeGaps) -> float:
+    """The profile's interval at the load the gaps were measured under: the load as the
+    stream ended is lighter (the last stream of a batch ends alone), and judged there
+    every busy engine looked slow. The load is the gap-weighted mean, as is: the
+    profile's interval is linear in both inputs, so that is the mean of the intervals at
+    each gap's load."""
+    return curve.interval_s(max(1.0, gaps.mean_active), gaps.mean_kv_tokens)

@@ -1758,6 +1758,18 @@ async def test_a_decode_engine_is_judged_by_its_token_interval_at_its_load(
     )
 
 
+async def test_a_decode_leg_is_predicted_at_its_mean_load_unrounded(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # 20.4 requests decoding on average: 112 ms a token on the profile. Rounded to 20
+    # (110 ms), an engine on its profile was 2 % slow to the residual, while the decode
+    # correction judged the same stream at 20.4.
+    rig = await profiled(nursery, residual_config())
+    d0 = rig.engine("d0")
+    rig.recovery.leg_ok(d0, "decode", 4.0, gaps=decode_gaps(0.112, active=20.4))
+    assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(1.0)}
+
+
 async def test_decode_legs_without_enough_clean_gaps_in_the_domain_are_not_judged(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
