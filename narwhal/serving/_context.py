@@ -313,11 +313,26 @@ class ServingContext:
             await self._idle.wait()
 
     def engine_retired(self, engine: EngineState) -> None:
-        """A reload removed or replaced `engine` and its resident requests are done:
-        drop what admission learnt about that instance. (Its prefill backlog entry went
-        with its last leg; readers only look at the engines in the fleet anyway.)"""
+        """A reload removed or replaced `engine` and its resident requests are done (or
+        the wait for them ran out): drop what admission learnt about that instance. (Its
+        prefill backlog entry goes with its last leg; readers only look at the engines in
+        the fleet anyway.)"""
         self.first_token_lags.forget(engine)
         self.kv_turnover.forget(engine)
+
+    # Legs still running on an engine a reload removed or replaced end after the reload,
+    # some after its retirement (a leg that outlives the wait, say when the reload
+    # shortened serving.request_timeout_s). Nothing reads a removed instance's values,
+    # so they are not learnt: an entry made after its retirement would stay for good.
+    def first_token_lag(self, engine: EngineState, lag_s: float, now: float) -> None:
+        """A decode leg's first token came `lag_s` after its request (`FirstTokenLag`)."""
+        if not engine.removed:
+            self.first_token_lags.observe(engine, lag_s, now)
+
+    def kv_freed(self, engine: EngineState, tokens: int, now: float) -> None:
+        """A decode leg ended and the engine freed `tokens` of KV (`KvTurnover`)."""
+        if not engine.removed:
+            self.kv_turnover.observe(engine, tokens, now)
 
     def load_signals(self, now: float) -> LoadSignals:
         """The admission books' signals for the engines in the fleet now."""

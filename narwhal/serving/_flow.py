@@ -161,7 +161,7 @@ def _release_kv(
     """Take `tokens` back out of the engine's resident count; `freed` (what the engine
     reported, when it did) is the KV turnover, else `tokens`."""
     engine.decode_tokens -= tokens
-    ctx.kv_turnover.observe(engine, tokens if freed is None else freed, trio.current_time())
+    ctx.kv_freed(engine, tokens if freed is None else freed, trio.current_time())
 
 
 class _KvGrowth:
@@ -1345,7 +1345,7 @@ class Flow:
             # and SGLang both report it.
             generated = usage_tokens(document, "completion_tokens") or 0
             if generated > 0:
-                self.ctx.kv_turnover.observe(engine, generated, trio.current_time())
+                self.ctx.kv_freed(engine, generated, trio.current_time())
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"
@@ -1480,7 +1480,7 @@ async def _relay(
                                 first_token_seen()
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
-                                ctx.first_token_lags.observe(engine, now - started, now)
+                                ctx.first_token_lag(engine, now - started, now)
                         if first_at is not None and not usage_only:
                             read_tokens += 1
                     if first_at is None:

@@ -170,8 +170,9 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             events = await read_all(reader)
         assert events[-1] == "[DONE]"
         await wait_for(lambda: not ctx.fleet.retiring)
-        # The KV the stream freed on d1 after the reload was counted on d1, and what
-        # admission learnt about d1 went once it retired: nothing is kept or shown for it.
+        # The KV the stream freed on d1 after the reload was not learnt (d1 had left the
+        # fleet), and what admission learnt about d1 before went once it retired: nothing
+        # is kept or shown for it.
         live = list(ctx.fleet)
         assert all(e in live for e in [*ctx.kv_turnover.value, *ctx.first_token_lags.value])
         admission = state_document(ctx)["admission"]

@@ -149,17 +149,43 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
         new = rig.engine("d0")
         await ended(resident)  # its KV is freed on the old instance, after the reload
+        assert ctx.kv_turnover.current(old, trio.current_time()) == pytest.approx(4000)
         priced = Flow(ctx)._priced(Source())["d0"]
         assert (priced.first_token_lag_s, priced.kv_release_per_s) == (0.0, 0.0)
         signals = ctx.load_signals(trio.current_time())
         assert "d0" not in signals.first_token_lag_s
         assert "d0" not in signals.kv_release_per_s
 
-        # The retired instance's values go once its resident requests are done.
+        # What it learnt before the reload goes once its resident requests are done.
         assert old in ctx.kv_turnover.value
         ctx.engine_retired(old)
         assert new not in ctx.kv_turnover.value
         assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
+
+
+async def test_a_leg_that_outlives_its_engines_retirement_leaves_nothing_in_the_books(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The supervisor retires a removed instance once its resident requests are done, or
+    # once serving.request_timeout_s (the reloaded one: it may have been shortened) and
+    # a cleanup bound have passed; a leg started under the old timeout can outlive that.
+    async with rig_with_legs(fleet(P0, D0)) as (rig, legs):
+        ctx = rig.ctx
+        old = rig.engine("d0")
+        late = await legs.open(old, "decode", 1000)
+        prefill = await legs.open(rig.engine("p0"), "prefill", 1000)
+        replaced = fleet(P0, {**D0, "url": "http://127.0.0.1:20"})
+        assert await reload(rig.ctx, rig.recovery, replaced) == [old]
+        ctx.engine_retired(old)  # the wait ran out
+
+        ctx.first_token_lag(old, 0.5, trio.current_time())  # its first token, late
+        await ended(late)  # frees its 1000 tokens of KV on the retired instance
+        assert old.decode_active == old.decode_tokens == 0
+        assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
+        assert ctx.first_token_lags.at == ctx.kv_turnover.at == {}
+        assert ctx.backlog.committed == {rig.engine("p0"): 1}  # the live engine's own
+        await ended(prefill)
+        assert ctx.backlog.committed == ctx.backlog.finish == {}
 
 
 def decode_profiles(tmp_path: Path) -> tuple[FleetProfiles, DecodeModel]:
