@@ -183,8 +183,14 @@ class ControlLink:
         await controller.on_pass()
 
     # -- ServingSignals ----------------------------------------------------------------
+    # A reload that removed or replaced the engine a leg ran on leaves that instance
+    # serving no role: what its last legs show says nothing of the fleet the controller
+    # steers, nor of the engine under its id now (corrections are kept by id).
+    def _serving(self, engine: EngineState) -> bool:
+        return self.ctx.fleet.get(engine.id) is engine
+
     def first_token_timeout(self, engine: EngineState) -> None:
-        if self.controller is not None:
+        if self.controller is not None and self._serving(engine):
             self.controller.record_first_token_timeout()
 
     def ttft_breach(self) -> None:
@@ -194,9 +200,7 @@ class ControlLink:
     def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
         """A finished stream's token gaps, summarised with the engine's mean decode load
         (requests decoding, resident KV tokens) over them."""
-        if self.ctx.fleet.get(engine.id) is not engine:
-            # A reload removed or replaced the engine this stream ran on: its gaps say
-            # nothing of the engine under its id now (corrections are kept by id).
+        if not self._serving(engine):
             return
         source = self.ctx.profiles
         if isinstance(source, FleetProfiles):

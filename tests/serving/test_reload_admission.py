@@ -222,6 +222,22 @@ async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correct
         assert profiles.decode_correction("d0") == pytest.approx(1.15)
 
 
+async def test_first_token_timeouts_of_a_replaced_engine_leave_the_controller_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A first-token timeout resets the controller's D->P evidence window (manual 7.6): an
+    # instance the reload took out of the fleet serves no role, so its timeouts do not count.
+    async with rig_with_legs(fleet(P0, D0)) as (rig, _):
+        link = ControlLink(rig.ctx)
+        assert link.controller is not None
+        old = rig.engine("d0")
+        await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
+        link.first_token_timeout(old)  # a leg placed on it before the reload
+        assert link.controller.snapshot(trio.current_time()).first_token_timeouts == 0
+        link.first_token_timeout(rig.engine("d0"))
+        assert link.controller.snapshot(trio.current_time()).first_token_timeouts == 1
+
+
 async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measured_under(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
