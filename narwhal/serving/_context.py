@@ -344,12 +344,11 @@ class ServingContext:
             kv_release_per_s={e.id: kv.rate_per_s(e, now) for e in engines if e in kv.value},
         )
 
-    def engine_leg_failed(self, failure: EngineFailed) -> None:
-        """Tell the leg observer about a failed leg; the request path calls this once per
-        failed engine leg (whether or not it counts against the engine)."""
-        engine = self.fleet.get(failure.engine_id)
-        if engine is not None:
-            self.leg_observer.leg_failed(engine, failure.phase, failure)
+    def engine_leg_failed(self, failure: EngineFailed, engine: EngineState) -> None:
+        """Tell the leg observer about a failed leg on `engine` (the instance it ran on,
+        which a reload may have removed or replaced since); the request path calls this
+        once per failed engine leg (whether or not it counts against the engine)."""
+        self.leg_observer.leg_failed(engine, failure.phase, failure)
 
     def cancel_requests(self, error: NarwhalError) -> int:
         """Cancel every retained request; each reports `error` (a streaming response as

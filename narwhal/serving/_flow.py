@@ -819,8 +819,14 @@ class Flow:
             record.decode_engine = placement.decode
             if attempt == 1:
                 _record_projection(record, placement, quotes)
+            # The instances the legs run on: a reload may replace an engine (same id,
+            # another server) before a leg on it fails, and the failure is the old
+            # instance's, not its replacement's.
+            decode = ctx.fleet.get(placement.decode)
+            assert decode is not None
+            prefill = None if placement.prefill is None else ctx.fleet.get(placement.prefill)
             try:
-                await self._attempt(request, tokens, placement, config, client, record)
+                await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
                 # The pair's prefill server, when its KV transfer failed.
                 transfer = placement.prefill if failure.code == _TRANSFER_FAILED else None
@@ -829,7 +835,8 @@ class Flow:
                     failure.partner_id = (
                         placement.decode if failure.engine_id == transfer else transfer
                     )
-                self._count_failure(failure)
+                failed = prefill if prefill and failure.engine_id == prefill.id else decode
+                self._count_failure(failure, failed)
                 if client.started or not failure.retryable or attempt >= serving.max_attempts:
                     raise
                 if not ctx.retry_budget.try_spend():
@@ -850,31 +857,27 @@ class Flow:
             ctx.retry_budget.on_success()
             return
 
-    def _count_failure(self, failure: EngineFailed) -> None:
+    def _count_failure(self, failure: EngineFailed, engine: EngineState) -> None:
         self.ctx.metrics.engine_failures.labels(
             failure.engine_id, failure.phase, failure.code
         ).inc()
-        self.ctx.engine_leg_failed(failure)
+        self.ctx.engine_leg_failed(failure, engine)
 
     async def _attempt(
         self,
         request: ClientRequest,
         tokens: int,
-        placement: Placement,
+        prefill: EngineState | None,
+        decode: EngineState,
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
     ) -> None:
-        fleet = self.ctx.fleet
-        decode = fleet.get(placement.decode)
-        assert decode is not None
         pending = _DecodePending(decode, tokens)
         try:
-            if placement.prefill is None:
+            if prefill is None:
                 await self._aggregate(request, tokens, decode, config, client, record, pending)
                 return
-            prefill = fleet.get(placement.prefill)
-            assert prefill is not None
             if prefill.dialect.concurrent_legs:
                 await self._sglang_pair(
                     request, tokens, prefill, decode, config, client, record, pending
