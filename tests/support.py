@@ -12,6 +12,7 @@ import httpx
 import trio
 
 from narwhal.fleet import EngineState, EngineView
+from narwhal.serving import DecodeGaps
 from narwhal.sim import Fleet
 
 StartFleet = Callable[..., Awaitable[Fleet]]
@@ -167,16 +168,11 @@ def engine_view(engine_id: str, role: str, **fields: object) -> EngineView:
 
 
 class GapRecorder:
-    """ServingSignals that keeps the decode intervals each stream reports, one list per
-    stream (install it as `ctx.signals`)."""
+    """ServingSignals that keeps the decode gap summary each stream reports, in order
+    (install it as `ctx.signals`)."""
 
     def __init__(self) -> None:
-        self.streams: list[list[float]] = []
-        self.loads: list[tuple[float, float] | None] = []
-
-    @property
-    def gaps(self) -> list[float]:
-        return [gap for stream in self.streams for gap in stream]
+        self.summaries: list[DecodeGaps] = []
 
     def first_token_timeout(self, engine: EngineState) -> None:
         pass
@@ -184,8 +180,5 @@ class GapRecorder:
     def ttft_breach(self) -> None:
         pass
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None:
-        self.streams.append(list(gaps))
-        self.loads.append(load)
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
+        self.summaries.append(gaps)

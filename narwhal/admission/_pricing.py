@@ -56,7 +56,8 @@ class PrefillCurve(Protocol):
 
 
 class DecodeCurve(Protocol):
-    def interval_s(self, active: int, kv_tokens: int) -> float: ...
+    # Floats: a stream's gaps are judged at the mean load over them.
+    def interval_s(self, active: float, kv_tokens: float) -> float: ...
 
     def in_domain(self, active: int, kv_tokens: int) -> bool: ...
 

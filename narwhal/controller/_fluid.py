@@ -75,7 +75,7 @@ class AffineDecode:
     def idle_floor_s(self) -> float:
         return self.t0
 
-    def interval_s(self, active: int, kv_tokens: int) -> float:
+    def interval_s(self, active: float, kv_tokens: float) -> float:
         return self.t0 + self.per_kv * kv_tokens + self.per_seq * active
 
     def in_domain(self, active: int, kv_tokens: int) -> bool:

@@ -145,7 +145,19 @@ class DecodeCorrection:
         ]
         if len(ratios) < self.min_samples:
             return self
-        ratio = statistics.median(ratios)
+        return self._blended(statistics.median(ratios))
+
+    def update_median(self, median_s: float, samples: int, predicted_s: float) -> DecodeCorrection:
+        """`update` for a window summarised beforehand, with one prediction for all of
+        it: `samples` usable gaps (rule 1: finite and positive) whose median is
+        `median_s`. Dividing by one positive number keeps the gaps' order, so the median
+        of their ratios to it (rule 3) is their median over it (for an even count, to
+        the last bit of rounding)."""
+        if not (math.isfinite(predicted_s) and predicted_s > 0) or samples < self.min_samples:
+            return self
+        return self._blended(median_s / predicted_s)
+
+    def _blended(self, ratio: float) -> DecodeCorrection:
         blended = (1.0 - self.alpha) * self.value + self.alpha * ratio
         return attrs.evolve(self, value=blended, windows=self.windows + 1)
 

@@ -10,7 +10,7 @@ No trio and no I/O; the corrections are replaced, never mutated, on each update.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import attrs
 
@@ -123,10 +123,12 @@ class FleetProfiles:
             self.check = attrs.evolve(self.check, usable=self.check.usable - gone)
 
     def observe_decode(
-        self, engine_id: str, gaps: Sequence[float], predicted_s: float | Sequence[float]
+        self, engine_id: str, median_s: float, samples: int, predicted_s: float
     ) -> DecodeCorrection:
-        """Apply one observation window of the engine's decode gaps (see `DecodeCorrection`)."""
-        updated = self.correction(engine_id).update(gaps, predicted_s)
+        """Apply one observation window of the engine's decode gaps, summarised: the
+        median of its `samples` usable gaps, all predicted at `predicted_s`
+        (`DecodeCorrection.update_median`)."""
+        updated = self.correction(engine_id).update_median(median_s, samples, predicted_s)
         self._corrections[engine_id] = updated
         return updated
 

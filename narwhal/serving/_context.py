@@ -35,16 +35,24 @@ log = logging.getLogger("narwhal.request")
 @attrs.frozen
 class DecodeGaps:
     """A streamed decode leg's token intervals and the engine's load while they were
-    measured, for a latency residual against the decode profile (recovery).
+    measured, summarised once as the stream ends for all that judge them: the role
+    controller (the median interval), the live decode correction (`positive` and
+    `positive_median_s`) and a latency residual against the decode profile (recovery).
 
-    The gaps are those the live decode correction gets: from the first token on (the KV
-    wait and the prefill come before it), at most the stream's first 256, rescaled to
-    tokens when events carried several. The load is the router's view of the engine at
-    each read that brought them (`EngineState.decode_active`, `decode_tokens`), weighted
-    by the gaps each read gave: its mean and its heaviest."""
+    The gaps are from the first token on (the KV wait and the prefill come before it),
+    at most the stream's first 256, rescaled to tokens when events carried several. The
+    load is the router's view of the engine at each read that brought them
+    (`EngineState.decode_active`, `decode_tokens`), weighted by the gaps each read gave:
+    its mean and its heaviest.
+
+    The correction counts only positive gaps (`DecodeCorrection`, rule 1): two reads at
+    one clock reading give gaps of zero, which the median of all the gaps keeps. With
+    none positive, `positive_median_s` is 0 and no correction takes the window."""
 
     count: int
     median_s: float
+    positive: int
+    positive_median_s: float
     mean_active: float
     mean_kv_tokens: float
     max_active: int
@@ -57,8 +65,8 @@ class LegObserver(Protocol):
 
     `contended` is true when another leg shared the engine at any moment of this one:
     its duration then includes work the profile does not price. `gaps` summarises a
-    streamed leg's token intervals, None when it had none or when they are not the
-    engine's alone (see `_GapLoad`)."""
+    streamed leg's token intervals (the summary the serving signals got), None when it
+    had none or when they are not the engine's alone (see `_GapLoad`)."""
 
     def leg_ok(
         self,
@@ -84,9 +92,8 @@ class ServingSignals(Protocol):
 
     def ttft_breach(self) -> None: ...
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None: ...
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
+        """A finished stream's token gaps (at least one), summarised."""
 
 
 class _NoSignals:
@@ -96,9 +103,7 @@ class _NoSignals:
     def ttft_breach(self) -> None:
         pass
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None:
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
         pass
 
 
@@ -308,11 +313,26 @@ class ServingContext:
             await self._idle.wait()
 
     def engine_retired(self, engine: EngineState) -> None:
-        """A reload removed or replaced `engine` and its resident requests are done:
-        drop what admission learnt about that instance. (Its prefill backlog entry went
-        with its last leg; readers only look at the engines in the fleet anyway.)"""
+        """A reload removed or replaced `engine` and its resident requests are done (or
+        the wait for them ran out): drop what admission learnt about that instance. (Its
+        prefill backlog entry goes with its last leg; readers only look at the engines in
+        the fleet anyway.)"""
         self.first_token_lags.forget(engine)
         self.kv_turnover.forget(engine)
+
+    # Legs still running on an engine a reload removed or replaced end after the reload,
+    # some after its retirement (a leg that outlives the wait, say when the reload
+    # shortened serving.request_timeout_s). Nothing reads a removed instance's values,
+    # so they are not learnt: an entry made after its retirement would stay for good.
+    def first_token_lag(self, engine: EngineState, lag_s: float, now: float) -> None:
+        """A decode leg's first token came `lag_s` after its request (`FirstTokenLag`)."""
+        if not engine.removed:
+            self.first_token_lags.observe(engine, lag_s, now)
+
+    def kv_freed(self, engine: EngineState, tokens: int, now: float) -> None:
+        """A decode leg ended and the engine freed `tokens` of KV (`KvTurnover`)."""
+        if not engine.removed:
+            self.kv_turnover.observe(engine, tokens, now)
 
     def load_signals(self, now: float) -> LoadSignals:
         """The admission books' signals for the engines in the fleet now."""
@@ -324,12 +344,11 @@ class ServingContext:
             kv_release_per_s={e.id: kv.rate_per_s(e, now) for e in engines if e in kv.value},
         )
 
-    def engine_leg_failed(self, failure: EngineFailed) -> None:
-        """Tell the leg observer about a failed leg; the request path calls this once per
-        failed engine leg (whether or not it counts against the engine)."""
-        engine = self.fleet.get(failure.engine_id)
-        if engine is not None:
-            self.leg_observer.leg_failed(engine, failure.phase, failure)
+    def engine_leg_failed(self, failure: EngineFailed, engine: EngineState) -> None:
+        """Tell the leg observer about a failed leg on `engine` (the instance it ran on,
+        which a reload may have removed or replaced since); the request path calls this
+        once per failed engine leg (whether or not it counts against the engine)."""
+        self.leg_observer.leg_failed(engine, failure.phase, failure)
 
     def cancel_requests(self, error: NarwhalError) -> int:
         """Cancel every retained request; each reports `error` (a streaming response as

@@ -26,9 +26,9 @@ the retry budget.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
-import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Literal, Protocol
@@ -161,7 +161,7 @@ def _release_kv(
     """Take `tokens` back out of the engine's resident count; `freed` (what the engine
     reported, when it did) is the KV turnover, else `tokens`."""
     engine.decode_tokens -= tokens
-    ctx.kv_turnover.observe(engine, tokens if freed is None else freed, trio.current_time())
+    ctx.kv_freed(engine, tokens if freed is None else freed, trio.current_time())
 
 
 class _KvGrowth:
@@ -204,11 +204,12 @@ class _GapLoad:
     over the tokens that piled up meanwhile, which is their rate, except where no more
     came: a stall that outlasted the stream inflates the gaps of the tokens the engine
     made during it, at most as many as fit in the stall. A stream whose longest write
-    spans a quarter of its gaps' time or more is left out; below that, the inflated gaps
-    are too few to carry the median. (Dropping streams at any write longer than one gap
-    would drop most of a busy router's, whose writes wait for the loop.) A prefill leg
-    on the engine meanwhile (a `both` engine, or one the controller just moved) puts
-    prefill chunks into the decode steps, which the decode profile does not model."""
+    spans a quarter of its gaps' time or more is left out of latency residuals (`alone`);
+    below that, the inflated gaps are too few to carry the median. (Dropping streams at
+    any write longer than one gap would drop most of a busy router's, whose writes wait
+    for the loop.) A prefill leg on the engine meanwhile (a `both` engine, or one the
+    controller just moved) puts prefill chunks into the decode steps, which the decode
+    profile does not model."""
 
     __slots__ = ("active", "kv_tokens", "longest_write_s", "max_active", "max_kv", "prefill")
 
@@ -229,29 +230,39 @@ class _GapLoad:
         self.max_kv = max(self.max_kv, engine.decode_tokens)
         self.prefill = self.prefill or engine.prefill_inflight > 0
 
-    def mean(self, count: int) -> tuple[float, float] | None:
-        """The gap-weighted mean load (requests decoding, resident KV tokens) over `count`
-        counted gaps, or None without any."""
-        if count <= 0:
-            return None
-        return self.active / count, self.kv_tokens / count
-
     def summary(self, gaps: list[float]) -> DecodeGaps | None:
-        """None when the gaps are not the engine's decoding alone."""
-        if not gaps or self.prefill:
+        """The stream's gaps and their load, summarised once for the serving signals and
+        the leg observer; None without any gaps."""
+        if not gaps:
             return None
-        median = statistics.median(gaps)
-        count = len(gaps)
-        if self.longest_write_s * 4 >= median * count:
-            return None
+        ordered = sorted(gaps)
+        count = len(ordered)
+        # Gaps are differences of readings of a clock that never goes back, so none is
+        # negative: those that are not positive are the zeros, first in order.
+        zeros = bisect.bisect_right(ordered, 0.0)
         return DecodeGaps(
             count=count,
-            median_s=median,
+            median_s=_sorted_median(ordered, 0),
+            positive=count - zeros,
+            positive_median_s=_sorted_median(ordered, zeros) if zeros < count else 0.0,
             mean_active=self.active / count,
             mean_kv_tokens=self.kv_tokens / count,
             max_active=self.max_active,
             max_kv_tokens=self.max_kv,
         )
+
+    def alone(self, summary: DecodeGaps) -> bool:
+        """Whether the gaps were the engine's decoding alone, for a latency residual."""
+        return not self.prefill and self.longest_write_s * 4 < summary.median_s * summary.count
+
+
+def _sorted_median(ordered: list[float], start: int) -> float:
+    """`statistics.median(ordered[start:])` of a sorted list, without copying it."""
+    size = len(ordered) - start
+    middle = start + size // 2
+    if size % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class Flow:
@@ -808,8 +819,14 @@ class Flow:
             record.decode_engine = placement.decode
             if attempt == 1:
                 _record_projection(record, placement, quotes)
+            # The instances the legs run on: a reload may replace an engine (same id,
+            # another server) before a leg on it fails, and the failure is the old
+            # instance's, not its replacement's.
+            decode = ctx.fleet.get(placement.decode)
+            assert decode is not None
+            prefill = None if placement.prefill is None else ctx.fleet.get(placement.prefill)
             try:
-                await self._attempt(request, tokens, placement, config, client, record)
+                await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
                 # The pair's prefill server, when its KV transfer failed.
                 transfer = placement.prefill if failure.code == _TRANSFER_FAILED else None
@@ -818,7 +835,8 @@ class Flow:
                     failure.partner_id = (
                         placement.decode if failure.engine_id == transfer else transfer
                     )
-                self._count_failure(failure)
+                failed = prefill if prefill and failure.engine_id == prefill.id else decode
+                self._count_failure(failure, failed)
                 if client.started or not failure.retryable or attempt >= serving.max_attempts:
                     raise
                 if not ctx.retry_budget.try_spend():
@@ -839,31 +857,27 @@ class Flow:
             ctx.retry_budget.on_success()
             return
 
-    def _count_failure(self, failure: EngineFailed) -> None:
+    def _count_failure(self, failure: EngineFailed, engine: EngineState) -> None:
         self.ctx.metrics.engine_failures.labels(
             failure.engine_id, failure.phase, failure.code
         ).inc()
-        self.ctx.engine_leg_failed(failure)
+        self.ctx.engine_leg_failed(failure, engine)
 
     async def _attempt(
         self,
         request: ClientRequest,
         tokens: int,
-        placement: Placement,
+        prefill: EngineState | None,
+        decode: EngineState,
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
     ) -> None:
-        fleet = self.ctx.fleet
-        decode = fleet.get(placement.decode)
-        assert decode is not None
         pending = _DecodePending(decode, tokens)
         try:
-            if placement.prefill is None:
+            if prefill is None:
                 await self._aggregate(request, tokens, decode, config, client, record, pending)
                 return
-            prefill = fleet.get(placement.prefill)
-            assert prefill is not None
             if prefill.dialect.concurrent_legs:
                 await self._sglang_pair(
                     request, tokens, prefill, decode, config, client, record, pending
@@ -1334,7 +1348,7 @@ class Flow:
             # and SGLang both report it.
             generated = usage_tokens(document, "completion_tokens") or 0
             if generated > 0:
-                self.ctx.kv_turnover.observe(engine, generated, trio.current_time())
+                self.ctx.kv_freed(engine, generated, trio.current_time())
             if hold_until is not None:
                 await hold_until.wait()
             record.stage = "writing"
@@ -1469,7 +1483,7 @@ async def _relay(
                                 first_token_seen()
                                 # The decode request went out after its prefill answered,
                                 # so this is the decode side's whole share of the TTFT.
-                                ctx.first_token_lags.observe(engine, now - started, now)
+                                ctx.first_token_lag(engine, now - started, now)
                         if first_at is not None and not usage_only:
                             read_tokens += 1
                     if first_at is None:
@@ -1515,8 +1529,9 @@ async def _relay(
             scale = (tokens - 1) / (reported - 1)
             gaps = [gap * scale for gap in gaps]
             generated = reported
-    if gaps:
-        ctx.signals.decode_gaps(engine, gaps, load.mean(len(gaps)))
+    summary = load.summary(gaps)  # one per stream: the controller, correction and residual
+    if summary is not None:
+        ctx.signals.decode_gaps(engine, summary)
     if timer.cancelled_caught:
         if first_at is None:
             waited = trio.current_time() - started
@@ -1561,7 +1576,7 @@ async def _relay(
         trio.current_time() - started,
         prompt_tokens=record.prompt_tokens or 0,
         contended=alone is None or engine.legs_started != alone,
-        gaps=load.summary(gaps),
+        gaps=summary if summary is not None and load.alone(summary) else None,
     )
     await client.end_stream()
 

@@ -115,7 +115,7 @@ class SimTiming:
             start = end
         return total
 
-    def decode_step_s(self, kv_tokens: int, batch: int) -> float:
+    def decode_step_s(self, kv_tokens: float, batch: float) -> float:
         """A pure decode step: ``t0 + α·K + β·B`` (§3.3)."""
         law = self.step_base_s + self.decode_kv_token_s * kv_tokens + self.decode_seq_s * batch
         return max(law, self.min_step_s)

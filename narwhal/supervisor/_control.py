@@ -16,13 +16,12 @@
 from __future__ import annotations
 
 import logging
-import statistics
 from typing import Any
 
 import attrs
 import trio
 
-from ..admission import ProfileSource
+from ..admission import DecodeCurve, ProfileSource
 from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
@@ -184,35 +183,34 @@ class ControlLink:
         await controller.on_pass()
 
     # -- ServingSignals ----------------------------------------------------------------
+    # A reload that removed or replaced the engine a leg ran on leaves that instance
+    # serving no role: what its last legs show says nothing of the fleet the controller
+    # steers, nor of the engine under its id now (corrections are kept by id).
+    def _serving(self, engine: EngineState) -> bool:
+        return self.ctx.fleet.get(engine.id) is engine
+
     def first_token_timeout(self, engine: EngineState) -> None:
-        if self.controller is not None:
+        if self.controller is not None and self._serving(engine):
             self.controller.record_first_token_timeout()
 
     def ttft_breach(self) -> None:
         if self.controller is not None:
             self.controller.signal_ttft_breach()
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None:
-        """A finished stream's token gaps, and the engine's mean decode load (requests
-        decoding, resident KV tokens) over them when the relay measured it."""
-        if self.ctx.fleet.get(engine.id) is not engine:
-            # A reload removed or replaced the engine this stream ran on: its gaps say
-            # nothing of the engine under its id now (corrections are kept by id).
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
+        """A finished stream's token gaps, summarised with the engine's mean decode load
+        (requests decoding, resident KV tokens) over them."""
+        if not self._serving(engine):
             return
         source = self.ctx.profiles
         if isinstance(source, FleetProfiles):
             curve = source.decode_curve(engine.id)
             if curve is not None:
-                # At the load the gaps were measured under: the load as the stream ended
-                # is lighter (the last stream of a batch ends alone), and the correction
-                # leaned upward on every busy engine.
-                active, kv_tokens = load or (engine.decode_active, engine.decode_tokens)
-                predicted = curve.interval_s(max(1.0, active), kv_tokens)
-                source.observe_decode(engine.id, gaps, predicted)
+                source.observe_decode(
+                    engine.id, gaps.positive_median_s, gaps.positive, _predicted(curve, gaps)
+                )
         if self.controller is not None:
-            self.controller.observe_decode_interval(engine.id, statistics.median(gaps))
+            self.controller.observe_decode_interval(engine.id, gaps.median_s)
 
 
 # Token gaps a decode leg needs before its median interval is judged against the profile.
@@ -231,16 +229,14 @@ def profile_predictor(ctx: ServingContext) -> Predictor:
     a sick one. Prompts outside the measured domain are not predicted either.
 
     Decode legs are judged by their median token interval (`DecodeGaps`), predicted at
-    the engine's load while the gaps were measured: the profile models a loaded decode
-    batch (active requests, resident KV tokens), so contention is priced, not excluded.
-    The load is the gap-weighted mean, rounded; the profile's interval is linear in both
-    inputs, so that is the mean of the intervals at each gap's load. Not predicted: a
-    leg with fewer than MIN_RESIDUAL_GAPS gaps, one whose heaviest load left the
-    measured domain, and one whose gaps were not the engine's decoding alone (no
-    `DecodeGaps`). Aggregate legs are not predicted either: the router counts a
-    `both` engine's aggregate legs as decoding from their start, through their prompt's
-    prefill, whose chunks share the decode steps and which the decode profile does not
-    model.
+    the engine's load while the gaps were measured (`_predicted`, as the decode
+    correction is): the profile models a loaded decode batch (active requests, resident
+    KV tokens), so contention is priced, not excluded. Not predicted: a leg with fewer
+    than MIN_RESIDUAL_GAPS gaps, one whose heaviest load left the measured domain, and
+    one whose gaps were not the engine's decoding alone (no `DecodeGaps`). Aggregate
+    legs are not predicted either: the router counts a `both` engine's aggregate legs as
+    decoding from their start, through their prompt's prefill, whose chunks share the
+    decode steps and which the decode profile does not model.
     """
 
     def predict(engine: EngineState, phase: str, observation: LegObservation) -> float | None:
@@ -270,4 +266,13 @@ def _decode_interval(
     curve = source.decode_curve(engine.id)
     if curve is None or not curve.in_domain(gaps.max_active, gaps.max_kv_tokens):
         return None
-    return curve.interval_s(max(1, round(gaps.mean_active)), round(gaps.mean_kv_tokens))
+    return _predicted(curve, gaps)
+
+
+def _predicted(curve: DecodeCurve, gaps: DecodeGaps) -> float:
+    """The profile's interval at the load the gaps were measured under: the load as the
+    stream ended is lighter (the last stream of a batch ends alone), and judged there
+    every busy engine looked slow. The load is the gap-weighted mean, as is: the
+    profile's interval is linear in both inputs, so that is the mean of the intervals at
+    each gap's load."""
+    return curve.interval_s(max(1.0, gaps.mean_active), gaps.mean_kv_tokens)

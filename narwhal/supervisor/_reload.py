@@ -15,7 +15,8 @@ The order matters for requests arriving during the reload:
 4. removed and replaced engines leave placement (`removed`); their resident requests
    finish on them, then their pools close and admission forgets what it learnt about
    them (the supervisor's retire task). Admission's books are kept per engine instance,
-   so a replacement starts with none of it and the old instance's legs end on their own;
+   so a replacement starts with none of it, and the old instance's legs end on their own
+   without adding to them (`ServingContext.kv_freed`);
 5. new instances join, every live engine's pools and phase limiters are resized in
    place (the control pool share depends on the engine count), configured role changes
    apply unless the engine is pinned (an SGLang engine's always apply: its role is the

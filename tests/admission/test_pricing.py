@@ -49,7 +49,7 @@ class Flat:
     interval: float
     max_active: int = 256
 
-    def interval_s(self, active: int, kv_tokens: int) -> float:
+    def interval_s(self, active: float, kv_tokens: float) -> float:
         return self.interval
 
     def in_domain(self, active: int, kv_tokens: int) -> bool:

@@ -170,8 +170,9 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             events = await read_all(reader)
         assert events[-1] == "[DONE]"
         await wait_for(lambda: not ctx.fleet.retiring)
-        # The KV the stream freed on d1 after the reload was counted on d1, and what
-        # admission learnt about d1 went once it retired: nothing is kept or shown for it.
+        # The KV the stream freed on d1 after the reload was not learnt (d1 had left the
+        # fleet), and what admission learnt about d1 before went once it retired: nothing
+        # is kept or shown for it.
         live = list(ctx.fleet)
         assert all(e in live for e in [*ctx.kv_turnover.value, *ctx.first_token_lags.value])
         admission = state_document(ctx)["admission"]
@@ -188,6 +189,43 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
         )
         assert ctx.gate.statistics().max_admitted == 32
         assert [e.id for e in ctx.fleet] == ["p0", "d2"]
+        supervisor.request_shutdown()
+
+
+async def test_a_leg_failing_on_a_replaced_engine_counts_against_neither_instance(
+    start_stack: StartStack, tmp_path: Path
+) -> None:
+    # The request path told recovery of a failed leg by engine id; after a reload that
+    # replaced the engine, that id names the replacement, whose breakers then counted
+    # the failures of the old server (likely as it is taken down).
+    stack = await start_stack(["prefill", "decode", "decode"])
+    fleet = stack.fleet
+    base = merge(pair_document(stack), {"engine": {"decode_read_timeout_s": 1.0}})
+    path = tmp_path / "narwhal.json"
+    write(path, base)
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(base), config_path=str(path)).run
+        )
+        ctx, recovery = supervisor.ctx, supervisor.recovery
+        assert ctx is not None
+        assert recovery is not None
+        fleet[1].set_faults(stall_after_tokens=2, stall_s=5.0, leg="decode", count=1)
+        async with open_sse(supervisor.url, "/v1/completions", BODY) as reader:
+            assert await reader.event() is not None  # resident on d1, then silent
+            d1 = {**base["engines"][1], "url": fleet[2].url}  # d1 is another server now
+            write(path, {**base, "engines": [base["engines"][0], d1]})
+            assert (await supervisor.reload()).applied
+            events = await read_all(reader)
+        assert "decode_stalled" in events[-1]  # the old d1 went silent past 1 s
+        record = recovery.record("d1")
+        assert record is not None
+        assert record.engine is ctx.fleet.get("d1")
+        now = trio.current_time()
+        assert {n: b.failures_in_window(now) for n, b in record.breakers.items()} == {
+            "prefill": 0,
+            "decode": 0,
+        }
         supervisor.request_shutdown()
 
 
@@ -353,7 +391,7 @@ async def test_a_reload_keeps_the_decode_corrections_of_the_engines_it_left_alon
         before = supervisor.ctx.profiles
         assert isinstance(before, FleetProfiles)
         for engine_id in ("d0", "d1"):
-            before.observe_decode(engine_id, [0.03] * 20, 0.02)
+            before.observe_decode(engine_id, 0.03, 20, 0.02)
         learnt = before.decode_correction("d0")
         assert learnt > 1.0
         # d1 moves to another server; the rest of the change applies in place.

@@ -123,6 +123,20 @@ def test_rule_per_gap_predictions() -> None:
         CORRECTION.update([0.02] * 4, [0.01, 0.01])
 
 
+def test_a_summarised_window_is_the_rules_window_with_one_prediction() -> None:
+    # The request path summarises each stream once (its positive gaps' median and
+    # count) and predicts it at one load: the median of the ratios to one prediction.
+    odd = [0.011, 0.013, 0.012, 0.5, 0.009]
+    assert CORRECTION.update_median(0.012, 5, 0.01) == CORRECTION.update(odd, 0.01)
+    even = [0.011, 0.013, 0.012, 0.5]
+    assert CORRECTION.update_median(0.0125, 4, 0.01).value == pytest.approx(
+        CORRECTION.update(even, 0.01).value, rel=1e-15
+    )
+    assert CORRECTION.update_median(0.012, 3, 0.01) is CORRECTION  # too few samples
+    for unusable in (0.0, -0.01, math.inf, math.nan):
+        assert CORRECTION.update_median(0.012, 5, unusable) is CORRECTION
+
+
 def test_rule_clamped_to_the_bounds() -> None:
     full = DecodeCorrection(min_value=0.5, max_value=2.0, alpha=1.0, min_samples=1)
     assert full.update([1.0], 0.01).value == 2.0  # ratio 100
@@ -189,7 +203,7 @@ def test_fleet_profiles_tracks_a_correction_per_engine(tmp_path: Path) -> None:
     template = DecodeCorrection(alpha=0.5, min_samples=2)
     fleet = FleetProfiles(load_profiles(path, config_for(urls)), correction=template)
     assert fleet.decode_correction("p0") == 1.0
-    updated = fleet.observe_decode("p0", [0.02, 0.02], 0.01)
+    updated = fleet.observe_decode("p0", 0.02, 2, 0.01)
     assert updated.value == pytest.approx(1.5)
     assert fleet.decode_correction("p0") == pytest.approx(1.5)
     assert fleet.decode_correction("other") == 1.0
@@ -212,8 +226,8 @@ def test_a_reload_keeps_what_was_learnt_of_an_unchanged_engine_s_decode_speed(
     save_profiles(store, path)
     template = DecodeCorrection(alpha=0.5, min_samples=2)
     before = FleetProfiles(load_profiles(path, config_for(urls)), correction=template)
-    before.observe_decode("p0", [0.03, 0.03], 0.01)  # 2.0, capped at 2.0
-    before.observe_decode("d0", [0.02, 0.02], 0.01)  # 1.5
+    before.observe_decode("p0", 0.03, 2, 0.01)  # 2.0, capped at 2.0
+    before.observe_decode("d0", 0.02, 2, 0.01)  # 1.5
     # d0 was profiled again: its learnt correction was relative to the old model.
     engines = dict(store.engines)
     engines["d0"] = attrs.evolve(engines["d0"], decode=decode(t0=0.02))

@@ -1907,14 +1907,20 @@ async def test_a_latency_ejected_engine_waits_the_window_while_a_peer_takes_its_
 LOAD_BOUND = SimTiming(step_base_s=0.01, decode_kv_token_s=0.0, decode_seq_s=0.005)
 
 
-def decode_gaps(median_s: float, *, active: float = 20, count: int = 32) -> DecodeGaps:
+def decode_gaps(
+    median_s: float, *, active: float = 20, kv_tokens: float = 0, count: int = 32
+) -> DecodeGaps:
+    """A stream's gaps, all positive, at a mean load of `active` requests and
+    `kv_tokens` resident."""
     return DecodeGaps(
         count=count,
         median_s=median_s,
+        positive=count,
+        positive_median_s=median_s,
         mean_active=active,
-        mean_kv_tokens=0,
+        mean_kv_tokens=kv_tokens,
         max_active=round(active) + 4,
-        max_kv_tokens=0,
+        max_kv_tokens=round(kv_tokens),
     )
 
 
@@ -1950,6 +1956,18 @@ async def test_a_decode_engine_is_judged_by_its_token_interval_at_its_load(
         "recovery.health.window_s=30.0 >= recovery.health.eject_ratio=3.0; readmission "
         "starts after recovery.health.window_s=30.0"
     )
+
+
+async def test_a_decode_leg_is_predicted_at_its_mean_load_unrounded(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # 20.4 requests decoding on average: 112 ms a token on the profile. Rounded to 20
+    # (110 ms), an engine on its profile was 2 % slow to the residual, while the decode
+    # correction judged the same stream at 20.4.
+    rig = await profiled(nursery, residual_config())
+    d0 = rig.engine("d0")
+    rig.recovery.leg_ok(d0, "decode", 4.0, gaps=decode_gaps(0.112, active=20.4))
+    assert rig.recovery.residual_pass(trio.current_time()) == {"d0": pytest.approx(1.0)}
 
 
 async def test_decode_legs_without_enough_clean_gaps_in_the_domain_are_not_judged(

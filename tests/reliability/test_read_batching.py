@@ -8,8 +8,6 @@ correction (positive gaps only) saw as an engine several times slower than it is
 
 from __future__ import annotations
 
-import statistics
-
 import trio
 
 from ..support import GapRecorder
@@ -42,7 +40,8 @@ async def test_events_of_one_read_share_its_interval(
     assert ex.status == 200
     assert b'"usage"' not in ex.body  # the router asked for it; the client did not
     # PER_READ tokens per PACE_S: 10 ms each, not one 30 ms gap and two unseen ones.
-    assert len(recorder.gaps) == READS * PER_READ
-    assert 0.8 * PACE_S / PER_READ < statistics.median(recorder.gaps) < 2.0 * PACE_S / PER_READ
+    (gaps,) = recorder.summaries
+    assert gaps.count == READS * PER_READ
+    assert 0.8 * PACE_S / PER_READ < gaps.median_s < 2.0 * PACE_S / PER_READ
     (leg,) = [leg for leg in engine.legs if leg.leg == "decode"]
     assert leg.body["stream_options"] == {"include_usage": True}

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from narwhal.fleet import EngineState
+from narwhal.serving import DecodeGaps
 from narwhal.serving._context import ServingSignals
 
 from ..support import wait_for
@@ -29,7 +30,7 @@ class _Recorder:
     def __init__(self, inner: ServingSignals) -> None:
         self.inner = inner
         self.first_token_timeouts: list[str] = []
-        self.gaps: dict[str, list[float]] = {}
+        self.gaps: dict[str, list[DecodeGaps]] = {}
 
     def first_token_timeout(self, engine: EngineState) -> None:
         self.first_token_timeouts.append(engine.id)
@@ -38,11 +39,9 @@ class _Recorder:
     def ttft_breach(self) -> None:
         self.inner.ttft_breach()
 
-    def decode_gaps(
-        self, engine: EngineState, gaps: list[float], load: tuple[float, float] | None = None
-    ) -> None:
-        self.gaps.setdefault(engine.id, []).extend(gaps)
-        self.inner.decode_gaps(engine, gaps, load)
+    def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
+        self.gaps.setdefault(engine.id, []).append(gaps)
+        self.inner.decode_gaps(engine, gaps)
 
 
 def record_signals(stack: Stack) -> _Recorder:
@@ -178,8 +177,8 @@ async def test_a_non_streaming_request_records_first_token_lag_and_decode_gaps(
     response = await post(stack, {"max_tokens": 12})
     assert response.status_code == 200
     assert "d1" in stack.ctx.load_signals(trio.current_time()).first_token_lag_s
-    assert len(signals.gaps["d1"]) >= 5
-    assert all(gap > 0 for gap in signals.gaps["d1"])
+    (gaps,) = signals.gaps["d1"]
+    assert gaps.count == gaps.positive >= 5
     state = await settled(stack)
     assert state["requests"]["unstreamed_decode_legs"] == {}
 

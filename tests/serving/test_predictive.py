@@ -47,7 +47,7 @@ class LawDecode:
     timing: SimTiming
     speed: float
 
-    def interval_s(self, active: int, kv_tokens: int) -> float:
+    def interval_s(self, active: float, kv_tokens: float) -> float:
         return self.timing.decode_step_s(kv_tokens, active) / self.speed
 
     def in_domain(self, active: int, kv_tokens: int) -> bool:

@@ -33,7 +33,7 @@ from narwhal.supervisor._control import ControlLink
 from ..admission.test_first_token_wait import Source
 from ..profiles.helpers import config_for, store_for
 from ..recovery.fakes import config, reload
-from ..recovery.test_service import Rig, start
+from ..recovery.test_service import Rig, decode_gaps, start
 
 # Source prices a prefill at 0.1 ms per token.
 P0 = {"id": "p0", "url": "http://127.0.0.1:9", "role": "prefill"}
@@ -149,17 +149,43 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
         new = rig.engine("d0")
         await ended(resident)  # its KV is freed on the old instance, after the reload
+        assert ctx.kv_turnover.current(old, trio.current_time()) == pytest.approx(4000)
         priced = Flow(ctx)._priced(Source())["d0"]
         assert (priced.first_token_lag_s, priced.kv_release_per_s) == (0.0, 0.0)
         signals = ctx.load_signals(trio.current_time())
         assert "d0" not in signals.first_token_lag_s
         assert "d0" not in signals.kv_release_per_s
 
-        # The retired instance's values go once its resident requests are done.
+        # What it learnt before the reload goes once its resident requests are done.
         assert old in ctx.kv_turnover.value
         ctx.engine_retired(old)
         assert new not in ctx.kv_turnover.value
         assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
+
+
+async def test_a_leg_that_outlives_its_engines_retirement_leaves_nothing_in_the_books(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The supervisor retires a removed instance once its resident requests are done, or
+    # once serving.request_timeout_s (the reloaded one: it may have been shortened) and
+    # a cleanup bound have passed; a leg started under the old timeout can outlive that.
+    async with rig_with_legs(fleet(P0, D0)) as (rig, legs):
+        ctx = rig.ctx
+        old = rig.engine("d0")
+        late = await legs.open(old, "decode", 1000)
+        prefill = await legs.open(rig.engine("p0"), "prefill", 1000)
+        replaced = fleet(P0, {**D0, "url": "http://127.0.0.1:20"})
+        assert await reload(rig.ctx, rig.recovery, replaced) == [old]
+        ctx.engine_retired(old)  # the wait ran out
+
+        ctx.first_token_lag(old, 0.5, trio.current_time())  # its first token, late
+        await ended(late)  # frees its 1000 tokens of KV on the retired instance
+        assert old.decode_active == old.decode_tokens == 0
+        assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
+        assert ctx.first_token_lags.at == ctx.kv_turnover.at == {}
+        assert ctx.backlog.committed == {rig.engine("p0"): 1}  # the live engine's own
+        await ended(prefill)
+        assert ctx.backlog.committed == ctx.backlog.finish == {}
 
 
 def decode_profiles(tmp_path: Path) -> tuple[FleetProfiles, DecodeModel]:
@@ -181,7 +207,7 @@ async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correct
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     profiles, curve = decode_profiles(tmp_path)
-    slow = [1.2 * curve.interval_s(1, 0)] * 2  # 20 % slower than profiled
+    slow = decode_gaps(1.2 * curve.interval_s(1, 0), active=1, count=2)  # 20 % slow
     async with rig_with_legs(fleet(P0, D0)) as (rig, _):
         rig.ctx.profiles = profiles
         link = ControlLink(rig.ctx)
@@ -196,6 +222,22 @@ async def test_decode_gaps_from_a_replaced_engine_leave_the_replacements_correct
         assert profiles.decode_correction("d0") == pytest.approx(1.15)
 
 
+async def test_first_token_timeouts_of_a_replaced_engine_leave_the_controller_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A first-token timeout resets the controller's D->P evidence window (manual 7.6): an
+    # instance the reload took out of the fleet serves no role, so its timeouts do not count.
+    async with rig_with_legs(fleet(P0, D0)) as (rig, _):
+        link = ControlLink(rig.ctx)
+        assert link.controller is not None
+        old = rig.engine("d0")
+        await reload(rig.ctx, rig.recovery, fleet(P0, {**D0, "url": "http://127.0.0.1:20"}))
+        link.first_token_timeout(old)  # a leg placed on it before the reload
+        assert link.controller.snapshot(trio.current_time()).first_token_timeouts == 0
+        link.first_token_timeout(rig.engine("d0"))
+        assert link.controller.snapshot(trio.current_time()).first_token_timeouts == 1
+
+
 async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measured_under(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
@@ -203,14 +245,12 @@ async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measure
     # during it (the last stream of a batch ends alone): a busy engine's correction
     # leaned upward.
     profiles, curve = decode_profiles(tmp_path)
-    busy = (48.0, 48.0 * 2000)
-    on_profile = [curve.interval_s(*busy)] * 2
+    busy = (47.6, 47.6 * 2000)
+    on_profile = decode_gaps(curve.interval_s(*busy), active=busy[0], kv_tokens=busy[1])
     async with rig_with_legs(fleet(P0, D0)) as (rig, _):
         rig.ctx.profiles = profiles
         link = ControlLink(rig.ctx)
         d0 = rig.engine("d0")
         assert (d0.decode_active, d0.decode_tokens) == (0, 0)  # as the stream ended
-        link.decode_gaps(d0, on_profile, busy)
+        link.decode_gaps(d0, on_profile)
         assert profiles.decode_correction("d0") == pytest.approx(1.0)
-        link.decode_gaps(d0, on_profile)  # no load measured: the load at the end
-        assert profiles.decode_correction("d0") > 1.0

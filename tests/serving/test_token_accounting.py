@@ -11,7 +11,6 @@ tokens-per-event estimate that running streams' KV grows by.
 from __future__ import annotations
 
 import json
-import statistics
 from typing import Any
 
 import httpx
@@ -86,8 +85,8 @@ async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> N
     assert len(chunks) < 40  # about 100 / 4 events
     # Intervals are per token: the simulator's step at one active stream (6 ms, 5 %
     # noise), not the 24 ms between 4-token events.
-    (gaps,) = recorder.streams
-    assert 0.0045 < statistics.median(gaps) < 0.009
+    (gaps,) = recorder.summaries
+    assert 0.0045 < gaps.median_s < 0.009
     # The engine's tokens per event moved towards 4 (one stream, weight 0.2).
     assert 1.4 < decode.tokens_per_event < 1.7
     state = await settled(stack)
@@ -126,16 +125,14 @@ async def test_a_decode_legs_gap_summary_is_per_token_with_the_load_it_ran_at(
     stack.ctx.signals = recorder
     summaries = GapSummaries(stack)
     await stream(stack)
-    (gaps,) = recorder.streams
     (summary,) = summaries.seen
-    assert summary is not None
-    assert summary.count == len(gaps)
-    assert summary.median_s == statistics.median(gaps)
-    assert 0.0045 < summary.median_s < 0.009
+    # The live decode correction and the controller are told the same summary, made once.
+    assert recorder.summaries == [summary]
+    assert summary is recorder.summaries[0]
+    assert summary.count == summary.positive >= 20  # about 100 tokens in 4-token events
+    assert 0.0045 < summary.median_s == summary.positive_median_s < 0.009
     assert summary.mean_active == summary.max_active == 1
     assert 500 < summary.mean_kv_tokens < summary.max_kv_tokens <= 600
-    # The live decode correction is told the same load.
-    assert recorder.loads == [(summary.mean_active, summary.mean_kv_tokens)]
 
 
 def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> None:
@@ -148,25 +145,48 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     load.add(engine, 0)  # a read past the stream's kept gaps adds nothing
     # Within a quarter of the gaps' time (4 x 10 ms): too few gaps after it to matter.
     load.longest_write_s = 0.0099
-    gaps = [0.01, 0.01, 0.01, 0.03]
-    assert load.summary(gaps) == DecodeGaps(
+    gaps = [0.01, 0.03, 0.01, 0.01]
+    summary = load.summary(gaps)
+    assert summary == DecodeGaps(
         count=4,
         median_s=0.01,
+        positive=4,
+        positive_median_s=0.01,
         mean_active=3.0,
         mean_kv_tokens=1500.0,
         max_active=6,
         max_kv_tokens=3000,
     )
+    assert load.alone(summary)
     # A write that blocked for a quarter of them: had it outlasted the stream, a quarter
     # of the gaps would be partly the client's.
     load.longest_write_s = 0.01
-    assert load.summary(gaps) is None
+    assert not load.alone(summary)
     # A prefill leg on the engine meanwhile: its chunks shared the decode steps.
     load.longest_write_s = 0.0
     engine.prefill_inflight = 1
     load.add(engine, 1)
-    assert load.summary([*gaps, 0.01]) is None
+    assert not load.alone(summary)
     assert _GapLoad().summary([]) is None
+
+
+def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_gaps() -> None:
+    # Two reads at one clock reading give zero gaps: the controller's and a residual's
+    # median keeps them, the correction's samples are the positive ones (its rule 1).
+    engine = EngineState.__new__(EngineState)
+    engine.decode_active, engine.decode_tokens, engine.prefill_inflight = 1, 100, 0
+    load = _GapLoad()
+    load.add(engine, 5)
+    summary = load.summary([0.02, 0.0, 0.04, 0.0, 0.01])
+    assert summary is not None
+    assert (summary.count, summary.median_s) == (5, 0.01)
+    assert (summary.positive, summary.positive_median_s) == (3, 0.02)
+    even = load.summary([0.0, 0.375, 0.125, 0.0, 0.25, 0.5])
+    assert even is not None
+    assert (even.median_s, even.positive, even.positive_median_s) == (0.1875, 4, 0.3125)
+    none = load.summary([0.0, 0.0])
+    assert none is not None
+    assert (none.count, none.median_s, none.positive, none.positive_median_s) == (2, 0, 0, 0)
 
 
 async def resident_kv_seen(stack: Stack, tokens_per_event: float, **output: int) -> list[int]:
