@@ -10,4 +10,4 @@ from ._engine import (
     Role as Role,
     control_share as control_share,
 )
-from ._model import model_refused as model_refused
+from ._model import model_refused as model_refused, names_model as names_model

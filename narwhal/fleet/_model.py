@@ -21,9 +21,17 @@ from __future__ import annotations
 import logging
 
 from ..config import Config
+from ..engines import EngineErrorInfo
 from ._engine import EngineState
 
 log = logging.getLogger("narwhal.fleet")
+
+
+def names_model(status: int, info: EngineErrorInfo) -> bool:
+    """Whether an engine's error answer refuses the request's model: vLLM's 404 with
+    `param: "model"` ("The model `x` does not exist.", its `_check_model`), for the
+    completions routes and /tokenize alike."""
+    return status == 404 and info.param == "model"
 
 
 def model_refused(engine: EngineState, message: str, config: Config) -> str:

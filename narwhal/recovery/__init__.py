@@ -31,6 +31,7 @@ from ._probe import (
     KeyCheck as KeyCheck,
     KeyRefusal as KeyRefusal,
     LoadSample as LoadSample,
+    ModelRefusal as ModelRefusal,
     Prober as Prober,
     ProbeResult as ProbeResult,
     ScrapeError as ScrapeError,

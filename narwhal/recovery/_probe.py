@@ -78,7 +78,7 @@ from ..engines._dialects import (
     vllm_prefill_body,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState, explain_refusal
+from ..fleet import EngineState, explain_refusal, names_model
 from ._health import Identity
 
 Outcome = Literal["ok", "failed", "inconclusive"]
@@ -102,6 +102,15 @@ class KeyRefusal:
 
     engine: EngineState
     status: int
+    message: str  # the engine's, from its error body
+
+
+@attrs.frozen
+class ModelRefusal:
+    """An engine answered one of recovery's legs with a 404 naming the model: it does
+    not serve its engines[].model, as the request path would find (`fleet.model_refused`)."""
+
+    engine: EngineState
     message: str  # the engine's, from its error body
 
 
@@ -162,14 +171,14 @@ class KeyCheck:
 
 @attrs.frozen
 class VerifyResult:
-    # refused: an engine of the pair refused Narwhal's API key (`refusal` names it),
-    # which says nothing of either engine's health.
+    # refused: an engine of the pair refused Narwhal's API key or the model (`refusal`
+    # names it), which says nothing of either engine's health.
     outcome: VerifyOutcome
     detail: str
     # "failed" only: the engine the failure is certainly due to; None when the other
     # engine of the pair may have caused it (see the module docstring).
     culprit: str | None = None
-    refusal: KeyRefusal | None = None
+    refusal: KeyRefusal | ModelRefusal | None = None
     # "failed" for want of an answer within this deadline (engine.first_token_timeout_s).
     deadline_s: float | None = None
 
@@ -238,7 +247,7 @@ class _LegFailed(Exception):
 
 
 class _LegRefused(_LegFailed):
-    def __init__(self, detail: str, refusal: KeyRefusal) -> None:
+    def __init__(self, detail: str, refusal: KeyRefusal | ModelRefusal) -> None:
         super().__init__(detail, refusal.engine, own=True)
         self.refusal = refusal
 
@@ -560,6 +569,13 @@ class _Leg:
             # The engine's own refusal, whatever the partner did; not a failure either.
             refusal = KeyRefusal(self.engine, status, parse_error_body(status, raw).message)
             return _LegRefused(_refused_detail(self.where, refusal), refusal)
+        info = parse_error_body(status, raw)
+        if names_model(status, info):
+            # Launched under another name: refused whatever the partner did, and no
+            # failure of its health either.
+            model = ModelRefusal(self.engine, info.message)
+            detail = f"{self.where} returned HTTP 404: {info.message}"
+            return _LegRefused(detail, model)
         if status == 429:
             return _LegBusy(f"{self.where} returned HTTP 429", self.engine)
         return self.answered(f"{self.where} returned HTTP {status}")

@@ -64,7 +64,7 @@ from prometheus_client import Counter
 
 from .._errors import EngineFailed
 from ..config import Config
-from ..fleet import EngineState, Phase, key_refused
+from ..fleet import EngineState, Phase, key_refused, model_refused
 from ..serving import DecodeGaps, ServingContext
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
@@ -80,6 +80,7 @@ from ._probe import (
     KeyCheck,
     KeyRefusal,
     LoadSample,
+    ModelRefusal,
     Prober,
     ProbeResult,
     VerifyPair,
@@ -1234,8 +1235,10 @@ class Recovery:
             partner, standby = pair.partner, pair.standby
             result = await self.prober.verify(pair, self.ctx.config)
             result = _attribute(pair, self._excused(subject, "verification", started, result))
-        if result.refusal is not None:
-            refusal = result.refusal
+        refusal = result.refusal
+        if isinstance(refusal, ModelRefusal):
+            model_refused(refusal.engine, refusal.message, self.ctx.config)
+        elif refusal is not None:
             key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
         retried = retry and _resent(result)

@@ -63,7 +63,6 @@ from ..engines import (
     ENDPOINT_PATHS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
     ConnectError,
-    EngineErrorInfo,
     Json,
     PoolTimeout,
     RemoteProtocolError,
@@ -91,7 +90,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState, key_refused, model_refused
+from ..fleet import EngineState, key_refused, model_refused, names_model
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -716,7 +715,7 @@ class Flow:
                         return "engine_auth"
                     info = parse_error_body(status, raw)
                     message = info.message
-                    if _names_model(status, info):
+                    if names_model(status, info):
                         # vLLM's /tokenize checks the model as its completions do.
                         model_refused(engine, message, config)
                         return "engine_model"
@@ -1214,7 +1213,7 @@ class Flow:
                 counts_against_engine=False,
                 code="engine_auth_failed",
             )
-        if _names_model(status, info):
+        if names_model(status, info):
             # The engine was launched under another name than engines[].model, which the
             # client's model matched: not the client's error, nor a fault the breaker
             # should count; another engine may serve it.
@@ -1729,13 +1728,6 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
 # prefill instance, it might be dead") and in the prefill server's.
 _SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
 _TRANSFER_FAILED = "kv_transfer_failed"
-
-
-def _names_model(status: int, info: EngineErrorInfo) -> bool:
-    """Whether an engine's answer refuses the request's model: vLLM's 404 with
-    `param: "model"` ("The model `x` does not exist.", its `_check_model`), for the
-    completions routes and /tokenize alike (`narwhal.fleet.model_refused`)."""
-    return status == 404 and info.param == "model"
 
 
 def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:

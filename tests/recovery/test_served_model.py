@@ -7,11 +7,14 @@ import logging
 import pytest
 import trio
 
+from narwhal.recovery import HttpProber, ModelRefusal, VerifyPair, VerifyResult
+
 from ..serving.conftest import MODEL, Stack
 from ..serving.test_api_key import complete
 from ..serving.test_retries import PD4, RETRYING, requests
 from ..support import wait_for
 from .conftest import StartStack
+from .test_sim_faults import prober_pair
 
 REFUSED = f"HTTP 404: The model `{MODEL}` does not exist."
 
@@ -80,3 +83,36 @@ async def test_a_leg_refused_for_the_model_is_retried_on_an_engine_that_serves_i
     # Not the engine's fault as a breaker sees it: no failure counted against it.
     breakers = (await stack.state())["recovery"]["engines"]["p0"]["breakers"]
     assert all(b["state"] == "closed" for b in breakers.values()), breakers
+
+
+async def test_a_verification_leg_refused_for_the_model_is_a_refusal_not_a_failure(
+    nursery: trio.Nursery,
+) -> None:
+    fleet, config, p0, d0 = await prober_pair(nursery, "vllm")
+    prober = HttpProber()
+    pair = VerifyPair(d0, "decode", p0, d0, "narwhal-verify-model")
+    fleet[1].set_model("another-model")
+    assert await prober.verify(pair, config) == VerifyResult(
+        "refused",
+        f"prefill on p0, decode on d0: decode leg on d0 returned {REFUSED}",
+        refusal=ModelRefusal(d0, f"The model `{MODEL}` does not exist."),
+    )
+    for engine in (p0, d0):
+        await engine.aclose()
+
+
+async def test_an_engine_restarted_under_another_name_is_out_for_the_model_not_ejected(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack()
+    d1 = stack.ctx.fleet.get("d1")
+    assert d1 is not None
+    await stack.fleet[1].restart()
+    # Relaunched under another name; seen before its restart hold (0.2 s) ends.
+    stack.fleet[1].set_model("another-model")
+    # Held for the restart, then verified: its decode leg is refused for the model.
+    await wait_for(lambda: d1.model_missing is not None)
+    state = await stack.state()
+    health = state["recovery"]["engines"]["d1"]["health"]
+    assert health["verdict"] != "ejected", health
+    assert reason(stack, "d1") == f"model not served: {REFUSED}"
