@@ -49,7 +49,9 @@ model's ``points`` and ``spread_p50``/``p90``/``max``: in a store written before
 ``residual_*`` mixed model error with per-gap (per-repeat) scatter; such a model loads
 with ``points`` 0, which says so, and its fit is not judged (`narwhal.profiles._quality`).
 The schema version stays 1: a bump would refuse every older store, and ``points`` 0
-already tells the two meanings apart.
+already tells the two meanings apart. Fields a reader does not know are ignored (and
+named), so a store a later narwhal-profile wrote with more fields stays usable after a
+rollback; a field whose meaning changes takes a new schema version.
 
 Handoff profiles exist for the `crossed_pairs` of the configuration.
 """
@@ -258,6 +260,18 @@ class _Problems:
     def add(self, message: str) -> None:
         self.messages.append(f"{self.source}: {message}")
 
+    def unknown(self, where: str, names: set[str]) -> None:
+        """Fields this Narwhal does not know are read past, and said. A later sweep adds
+        fields without a schema version bump (the module docstring), so a store it wrote
+        must stay usable by the Narwhal a rollback brings back: refusing the engine for
+        them would turn predictive admission off for the whole fleet. A change that
+        alters what a known field means takes a new schema version instead."""
+        if names:
+            self.add(
+                f"{where}: unknown field(s) {', '.join(sorted(names))} ignored (a store "
+                "written by a newer narwhal-profile?)"
+            )
+
 
 def _build(cls: type[T], where: str, raw: object, problems: _Problems) -> T | None:
     """Construct an attrs model from a JSON object; report (not raise) what is wrong."""
@@ -295,10 +309,7 @@ def _build(cls: type[T], where: str, raw: object, problems: _Problems) -> T | No
             bad = True
             continue
         kwargs[name] = value
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        problems.add(f"{where}: unknown field(s) {', '.join(unknown)}")
-        bad = True
+    problems.unknown(where, set(raw) - set(fields))
     if bad:
         return None
     try:
@@ -365,10 +376,7 @@ def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile |
             bad = True
             continue
         values[name] = float(value) if kind is float else value  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(_ENGINE_FIELDS) - {"prefill", "decode"})
-    if unknown:
-        problems.add(f"{where}: unknown field(s) {', '.join(unknown)}")
-        bad = True
+    problems.unknown(where, set(raw) - set(_ENGINE_FIELDS) - {"prefill", "decode"})
     prefill = _build(PrefillModel, f"{where}.prefill", raw.get("prefill"), problems)
     decode = _build(DecodeModel, f"{where}.decode", raw.get("decode"), problems)
     if bad or prefill is None or decode is None:

@@ -189,10 +189,37 @@ def test_malformed_entries_are_left_out_and_named(tmp_path: Path) -> None:
     text = "\n".join(check.messages)
     assert "engines.p0.prefill.a_s: expected a number, got 'fast'" in text
     assert "engines.d0.decode.t0_s: missing" in text
-    assert "engines.d0: unknown field(s) color" in text
+    assert "engines.d0: unknown field(s) color ignored" in text
     assert "handoffs[0] (d0 -> p0).buckets[1]: p99_s is -1.0; must be finite and >= 0" in text
     assert "facts: malformed" in text
     assert "engine 'p0': no profile in the store" in text
+
+
+def test_fields_a_newer_sweep_added_are_ignored_and_named(tmp_path: Path) -> None:
+    # A rollback to this Narwhal after a newer narwhal-profile rewrote the store: its
+    # additions must not take every engine's profile, and predictive admission, away.
+    document = store_to_json(store_for(URLS))
+    engines = document["engines"]
+    assert isinstance(engines, dict)
+    engines["p0"]["gpu"] = "H100"
+    engines["p0"]["prefill"]["cache_hit_a_s"] = 0.001
+    path = tmp_path / "profiles.json"
+    write(path, document)
+    check = load_profiles(path, config_for(URLS))
+    assert "p0" in check.usable
+    assert check.usable == load_profiles(_plain(tmp_path), config_for(URLS)).usable
+    assert [m for m in check.messages if "unknown" in m] == [
+        f"{path}: engines.p0: unknown field(s) gpu ignored (a store written by a newer "
+        "narwhal-profile?)",
+        f"{path}: engines.p0.prefill: unknown field(s) cache_hit_a_s ignored (a store "
+        "written by a newer narwhal-profile?)",
+    ]
+
+
+def _plain(tmp_path: Path) -> Path:
+    path = tmp_path / "plain.json"
+    write(path, store_to_json(store_for(URLS)))
+    return path
 
 
 def test_verify_builds_reports_a_changed_build(tmp_path: Path) -> None:
