@@ -84,10 +84,11 @@ async def test_healthy_fleet_passes(start_fleet: StartFleet, tmp_path: Path) -> 
         ("first-token", "fleet"),
     ]
     assert len(progress) == len(report.rows)
-    # The lease is a lower bound: below the configured 0.5 s by a poll period plus however
-    # late this busy process ran its polls.
+    # The lease is a lower bound of the lease the engine kept: below the configured 0.5 s
+    # by a poll period plus however late this busy process ran its polls, and above it by
+    # however late the simulator (in this process) ran its expiry (0.50008 s seen once).
     for lease in report.lease_by_engine.values():
-        assert 0.3 <= lease <= 0.5
+        assert 0.3 <= lease < 0.75
     assert report.lease_s == min(report.lease_by_engine.values())
     assert rows(report, "lease")["e0"].limit == "> 0.2 s (serving.handoff_timeout_s)"
     assert rows(report, "handoff-wait")["e0 -> e1"].measured.startswith("decode ok after 2")
