@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar, overload
 
 import attrs
 import trio
@@ -87,6 +87,38 @@ class PhaseGate(Protocol):
 PACKING_MIN_EVENTS = 4
 PACKING_ALPHA = 0.2
 PACKING_MAX = 16.0
+
+
+_V = TypeVar("_V")
+
+
+class _Watched(Generic[_V]):
+    """An `EngineState` attribute (kept in `_NAME`) whose changes reach the fleet's
+    watcher (`EngineState._changed`): every change, or with `onset_only` only one from
+    None to a value (a refusal starting)."""
+
+    def __init__(self, *, onset_only: bool = False) -> None:
+        self.onset_only = onset_only
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> _Watched[_V]: ...
+    @overload
+    def __get__(self, engine: EngineState, owner: type) -> _V: ...
+    def __get__(self, engine: EngineState | None, owner: type) -> _V | _Watched[_V]:
+        if engine is None:
+            return self
+        value: _V = getattr(engine, self.slot)
+        return value
+
+    def __set__(self, engine: EngineState, value: _V) -> None:
+        old = getattr(engine, self.slot)
+        setattr(engine, self.slot, value)
+        if (old is None and value is not None) if self.onset_only else old != value:
+            engine._changed()
 
 
 class EngineState:
@@ -200,61 +232,11 @@ class EngineState:
     # engine. Only changes that may do that, or that may make a waiting engine the last
     # of its role (an undrain, a role change), are reported: a refusal's clearing
     # returns an engine.
-
-    @property
-    def role(self) -> Role:
-        return self._role
-
-    @role.setter
-    def role(self, value: Role) -> None:
-        changed = value != self._role
-        self._role = value
-        if changed:
-            self._changed()
-
-    @property
-    def drained(self) -> bool:
-        return self._drained
-
-    @drained.setter
-    def drained(self, value: bool) -> None:
-        changed = value != self._drained
-        self._drained = value
-        if changed:
-            self._changed()
-
-    @property
-    def removed(self) -> bool:
-        return self._removed
-
-    @removed.setter
-    def removed(self, value: bool) -> None:
-        changed = value != self._removed
-        self._removed = value
-        if changed:
-            self._changed()
-
-    @property
-    def auth_refused(self) -> str | None:
-        return self._auth_refused
-
-    @auth_refused.setter
-    def auth_refused(self, value: str | None) -> None:
-        refused = self._auth_refused is None and value is not None
-        self._auth_refused = value
-        if refused:
-            self._changed()
-
-    @property
-    def model_missing(self) -> str | None:
-        return self._model_missing
-
-    @model_missing.setter
-    def model_missing(self, value: str | None) -> None:
-        refused = self._model_missing is None and value is not None
-        self._model_missing = value
-        if refused:
-            self._changed()
+    role = _Watched[Role]()
+    drained = _Watched[bool]()
+    removed = _Watched[bool]()
+    auth_refused = _Watched[str | None](onset_only=True)
+    model_missing = _Watched[str | None](onset_only=True)
 
     def _changed(self) -> None:
         if self._on_change is not None:
