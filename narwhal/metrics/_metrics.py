@@ -160,6 +160,14 @@ class Metrics:
             "listen.max_open_connections.",
             registry=registry,
         )
+        self.client_accept_failures = Counter(
+            "narwhal_client_accept_failures",
+            "accept() calls on the HTTP listener that failed for want of descriptors or "
+            "memory, by errno (EMFILE, ENFILE, ENOMEM, ENOBUFS); retried every 0.1 s while "
+            "connections wait.",
+            ["errno"],
+            registry=registry,
+        )
         self.unserved_placements = Counter(
             "narwhal_unserved_placements",
             "Placements where every candidate missed its projected SLO (least-cost fallback).",

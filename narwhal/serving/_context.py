@@ -225,6 +225,7 @@ class ServingContext:
             config.listen.max_open_connections,
             on_limit_reached=self.metrics.client_connection_limit_reached.inc,
             on_shed=self.metrics.client_connections_shed.inc,
+            on_accept_failed=lambda name: self.metrics.client_accept_failures.labels(name).inc(),
         )
         self._retained = 0
         self._idle = trio.Event()

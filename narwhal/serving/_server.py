@@ -73,9 +73,12 @@ _ACCEPT_SKIP_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 _ACCEPT_CAPACITY_PAUSE_S = 0.1
 
 
-def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStream]:
+def accept_pending(
+    listening: socket.socket, limit: int
+) -> tuple[list[trio.SocketStream], int | None]:
     """Every connection waiting on a non-blocking listening socket, up to `limit`,
-    without yielding. Raises OSError for resource exhaustion (caller pauses)."""
+    without yielding; and the errno that stopped it early if the process or system ran
+    out of descriptors or memory (None: the backlog was emptied, or `limit` reached)."""
     streams: list[trio.SocketStream] = []
     while len(streams) < limit:
         try:
@@ -85,11 +88,11 @@ def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStre
         except OSError as exc:
             if exc.errno in _ACCEPT_SKIP_ERRNOS:
                 continue
-            if streams and exc.errno in _ACCEPT_CAPACITY_ERRNOS:
-                break  # serve what was accepted; the next call raises it again
+            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                return streams, exc.errno
             raise
         streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
-    return streams
+    return streams, None
 
 
 async def _serve_connection(
@@ -129,22 +132,17 @@ async def _accept_until_cancelled(
             open_connections.limit_reached()
             while not open_connections.make_room():
                 await open_connections.wait_room()
-        try:
-            streams = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
-        except OSError as exc:
-            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                raise
-            log.error(
-                "accept failed: %s; retrying in %s s",
-                os.strerror(exc.errno),
-                _ACCEPT_CAPACITY_PAUSE_S,
-                extra={"event": "accept_failed", "errno": errno.errorcode[exc.errno]},
-            )
-            await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
-            continue
+        streams, failed = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
         for stream in streams:
             open_connections.opened()
             connections.start_soon(_serve_connection, handler, stream, open_connections)
+        if failed is None:
+            open_connections.accepted_all()
+            continue
+        # The listening socket stays readable while connections wait, so without a
+        # pause this would spin; the connections accepted above get served meanwhile.
+        open_connections.accept_failed(failed, _ACCEPT_CAPACITY_PAUSE_S)
+        await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
 
 
 class _IdleTask:

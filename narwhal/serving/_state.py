@@ -129,6 +129,8 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "at_limit": connections.at_limit,
             "limit_reached_total": connections.limit_reached,
             "shed_total": connections.shed,
+            "accept_failing": connections.accept_failing,
+            "accept_failures_total": connections.accept_failures,
         },
         "retry_budget": {
             "level": round(budget.level, 3),

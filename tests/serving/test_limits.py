@@ -507,6 +507,8 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "at_limit": True,
         "limit_reached_total": 1,
         "shed_total": 1,
+        "accept_failing": False,
+        "accept_failures_total": 0,
     }
     metrics = stack.ctx.metrics.render().decode()
     assert 'narwhal_client_connections{state="idle"} 4.0' in metrics
@@ -529,6 +531,8 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "at_limit": False,
         "limit_reached_total": 1,
         "shed_total": 1,
+        "accept_failing": False,
+        "accept_failures_total": 0,
     }
     assert [
         (r.levelname, r.getMessage())

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import socket
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -16,7 +19,12 @@ import trio.testing
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
 from narwhal.serving._connections import OpenConnections
-from narwhal.serving._server import _ClientLeft, _ClientWatch, accept_pending
+from narwhal.serving._server import (
+    _accept_until_cancelled,
+    _ClientLeft,
+    _ClientWatch,
+    accept_pending,
+)
 
 
 def _listening() -> socket.socket:
@@ -32,15 +40,82 @@ async def test_every_pending_connection_is_accepted_without_yielding() -> None:
         clients = [socket.create_connection(listening.getsockname()) for _ in range(5)]
         try:
             # Loopback connects complete in the kernel's backlog before accept().
-            first = accept_pending(listening, 3)
-            rest = accept_pending(listening, 10)
-            assert (len(first), len(rest)) == (3, 2)
-            assert accept_pending(listening, 10) == []
+            first, stopped = accept_pending(listening, 3)
+            rest, stopped_again = accept_pending(listening, 10)
+            assert (len(first), len(rest), stopped, stopped_again) == (3, 2, None, None)
+            assert accept_pending(listening, 10) == ([], None)
             for stream in first + rest:
                 stream.socket.close()
         finally:
             for client in clients:
                 client.close()
+
+
+class _ExhaustedListening:
+    """A listening socket whose accept() fails with EMFILE `failures` times, then finds the
+    backlog empty. It is readable until then: its descriptor is one end of a socket pair
+    with a byte waiting, read when the backlog is found empty."""
+
+    def __init__(self, failures: int) -> None:
+        self._readable, self._writer = socket.socketpair()
+        self._writer.send(b"x")
+        self.failures = failures
+        self.attempts = 0
+
+    def fileno(self) -> int:
+        return self._readable.fileno()
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        self.attempts += 1
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        self._readable.recv(1)
+        raise BlockingIOError
+
+    def close(self) -> None:
+        self._readable.close()
+        self._writer.close()
+
+
+async def _never_called(stream: trio.SocketStream) -> None:
+    raise AssertionError("no connection was accepted")
+
+
+async def test_running_out_of_descriptors_is_one_episode_retried_every_tenth_of_a_second(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    failed: list[str] = []
+    limit = OpenConnections(8, on_accept_failed=failed.append)
+    listening = _ExhaustedListening(failures=30)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                _accept_until_cancelled,
+                cast(socket.socket, listening),
+                _never_called,
+                nursery,
+                limit,
+            )
+            await trio.sleep(1.0)
+            assert limit.statistics().accept_failing
+            await trio.sleep(2.5)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    finally:
+        listening.close()
+    assert (listening.attempts, len(failed), limit.statistics().accept_failures) == (31, 30, 30)
+    assert not limit.statistics().accept_failing
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "accepting client connections failed: Too many open files (EMFILE), 0 open, "
+            "listen.max_open_connections=8; retrying every 0.1 s while connections wait, "
+            "logged again when it works",
+        ),
+        ("INFO", "accepting client connections again after 3.0 s; 30 attempt(s) failed"),
+    ]
 
 
 async def _hello(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
