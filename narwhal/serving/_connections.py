@@ -22,6 +22,10 @@ Being at the limit is logged once (WARNING) when a waiting connection first find
 and once (INFO) when the open count has fallen a tenth of the limit below it: a flood
 holding the router at the limit then makes one pair of lines, not one per connection.
 
+The limit in force can be lower than listen.max_open_connections (`configured`) when the
+process's open-file limit leaves no room for that many (`serving._descriptors`); the log
+lines then name both.
+
 accept() itself can fail for want of descriptors or memory (EMFILE, ENFILE, ENOMEM,
 ENOBUFS: another process used up the system's files, or the descriptor reserve fell
 short). The accept loop retries every tenth of a second while connections wait, so
@@ -49,6 +53,7 @@ class ConnectionStatistics:
     open: int
     idle: int
     limit: int
+    configured_limit: int
     at_limit: bool
     limit_reached: int
     shed: int
@@ -76,6 +81,7 @@ class OpenConnections:
         on_accept_failed: Callable[[str], None] = _ignore,
     ) -> None:
         self._limit = limit
+        self._configured = limit
         self._open = 0
         self._at_limit = False
         self._limit_reached = 0
@@ -104,7 +110,17 @@ class OpenConnections:
 
     @limit.setter
     def limit(self, value: int) -> None:
-        self._limit = value
+        self.set_limit(value, configured=value)
+
+    @property
+    def configured_limit(self) -> int:
+        return self._configured
+
+    def set_limit(self, limit: int, *, configured: int) -> None:
+        """Enforce `limit` from now on; `configured` is listen.max_open_connections, which
+        `limit` is below when the open-file limit leaves no room for it."""
+        self._limit = limit
+        self._configured = configured
         self._maybe_clear()
         if self.room():
             self._room.unpark_all()
@@ -142,18 +158,26 @@ class OpenConnections:
         if not self._at_limit:
             self._at_limit = True
             log.warning(
-                "%d client connections open, listen.max_open_connections=%d: the "
-                "longest idle are closed to make room, and new connections wait in the "
-                "listen backlog while none is idle",
+                "%d client connections open, %s: the longest idle are closed to make "
+                "room, and new connections wait in the listen backlog while none is idle",
                 self._open,
-                self._limit,
+                self._limit_text(),
                 extra={
                     "event": "connection_limit",
                     "outcome": "reached",
                     "open": self._open,
                     "limit": self._limit,
+                    "configured": self._configured,
                 },
             )
+
+    def _limit_text(self) -> str:
+        if self._limit == self._configured:
+            return f"listen.max_open_connections={self._limit}"
+        return (
+            f"the limit of {self._limit} the open-file limit leaves "
+            f"(listen.max_open_connections={self._configured})"
+        )
 
     def accept_failed(self, err: int, retry_s: float) -> None:
         """accept() failed with `err`, an errno meaning the process or system is out of
@@ -165,13 +189,12 @@ class OpenConnections:
             self._failing_since = trio.current_time()
             self._episode_failures = 0
             log.warning(
-                "accepting client connections failed: %s (%s), %d open, "
-                "listen.max_open_connections=%d; retrying every %s s while connections "
-                "wait, logged again when it works",
+                "accepting client connections failed: %s (%s), %d open, %s; retrying "
+                "every %s s while connections wait, logged again when it works",
                 os.strerror(err),
                 name,
                 self._open,
-                self._limit,
+                self._limit_text(),
                 retry_s,
                 extra={
                     "event": "accept_failed",
@@ -230,14 +253,15 @@ class OpenConnections:
         if self._at_limit and self._open <= self._limit - max(1, self._limit // 10):
             self._at_limit = False
             log.info(
-                "%d client connections open, under listen.max_open_connections=%d again",
+                "%d client connections open, under %s again",
                 self._open,
-                self._limit,
+                self._limit_text(),
                 extra={
                     "event": "connection_limit",
                     "outcome": "cleared",
                     "open": self._open,
                     "limit": self._limit,
+                    "configured": self._configured,
                 },
             )
 
@@ -246,6 +270,7 @@ class OpenConnections:
             open=self._open,
             idle=len(self._idle),
             limit=self._limit,
+            configured_limit=self._configured,
             at_limit=self._at_limit,
             limit_reached=self._limit_reached,
             shed=self._shed_total,

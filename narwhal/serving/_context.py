@@ -26,6 +26,7 @@ from ..engines._dialects import ChatTokenizeRefusals
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
 from ._connections import OpenConnections
+from ._descriptors import DescriptorBudget, report
 from ._lag import LoopLag
 from ._slo import SloTally, slo_result
 
@@ -227,6 +228,9 @@ class ServingContext:
             on_shed=self.metrics.client_connections_shed.inc,
             on_accept_failed=lambda name: self.metrics.client_accept_failures.labels(name).inc(),
         )
+        # The open-file limit against listen.max_open_connections (`apply_descriptors`);
+        # None until the supervisor has looked.
+        self.descriptors: DescriptorBudget | None = None
         self._retained = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -283,6 +287,12 @@ class ServingContext:
         if result is not None:
             self.slo.record(result, trio.current_time())
             self.metrics.slo_requests.labels(result).inc()
+
+    def apply_descriptors(self, budget: DescriptorBudget) -> None:
+        """Enforce `budget`'s client connection limit, logging what changed."""
+        report(budget, self.descriptors)
+        self.descriptors = budget
+        self.connections.set_limit(budget.effective, configured=budget.configured)
 
     @property
     def retained_ceiling(self) -> int:

@@ -139,3 +139,21 @@ async def test_accept_failures_are_logged_once_per_episode_and_counted(
         {"outcome": "ended", "errno": None, "duration_s": 0.4, "failures": 4},
         {"outcome": "started", "errno": "EMFILE", "duration_s": None, "failures": None},
     ]
+
+
+def test_the_limit_in_force_below_the_configured_one_is_named_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    connections = OpenConnections(4096)
+    connections.set_limit(2, configured=4096)  # what the open-file limit leaves
+    connections.opened()
+    connections.opened()
+    connections.limit_reached()
+    stats = connections.statistics()
+    assert (stats.limit, stats.configured_limit) == (2, 4096)
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 client connections open, the limit of 2 the open-file limit leaves "
+        "(listen.max_open_connections=4096): the longest idle are closed to make room, and "
+        "new connections wait in the listen backlog while none is idle"
+    ]

@@ -504,16 +504,26 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "open": 4,
         "idle": 4,
         "limit": 4,
+        "configured_limit": 4,
         "at_limit": True,
         "limit_reached_total": 1,
         "shed_total": 1,
         "accept_failing": False,
         "accept_failures_total": 0,
+        "open_files": {
+            "soft": 65536,
+            "hard": 65536,
+            "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
+            "reserve": 2 * (2 + 4) + 179,
+            "raised_from": None,
+            "note": None,
+        },
     }
     metrics = stack.ctx.metrics.render().decode()
     assert 'narwhal_client_connections{state="idle"} 4.0' in metrics
     assert 'narwhal_client_connections{state="busy"} 0.0' in metrics
     assert "narwhal_client_connection_limit 4.0" in metrics
+    assert "narwhal_client_connection_limit_configured 4.0" in metrics
     assert "narwhal_client_connection_limit_reached_total 1.0" in metrics
     assert "narwhal_client_connections_shed_total 1.0" in metrics
     # The others are served as before: one of them ends its head.
@@ -528,11 +538,20 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "open": 3,  # with the one asking
         "idle": 2,
         "limit": 4,
+        "configured_limit": 4,
         "at_limit": False,
         "limit_reached_total": 1,
         "shed_total": 1,
         "accept_failing": False,
         "accept_failures_total": 0,
+        "open_files": {
+            "soft": 65536,
+            "hard": 65536,
+            "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
+            "reserve": 2 * (2 + 4) + 179,
+            "raised_from": None,
+            "note": None,
+        },
     }
     assert [
         (r.levelname, r.getMessage())
