@@ -132,6 +132,9 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "shed_total": connections.shed,
             "accept_failing": connections.accept_failing,
             "accept_failures_total": connections.accept_failures,
+            "protocol_errors": {
+                str(status): count for status, count in sorted(ctx.protocol_errors.items())
+            },
             "open_files": None if ctx.descriptors is None else ctx.descriptors.to_json(),
         },
         "retry_budget": {

@@ -239,6 +239,7 @@ class Supervisor:
                 # The drain happened before `stop`; this only bounds the last writes.
                 graceful_timeout_s=CLEANUP_S,
                 open_connections=app.ctx.connections,
+                protocol_error=app.ctx.client_protocol_error,
                 task_status=task_status,
             )
         finally:

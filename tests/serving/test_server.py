@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
@@ -16,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal._errors import MalformedRequest
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
 from narwhal.serving._connections import OpenConnections
@@ -428,3 +430,114 @@ async def test_at_the_connection_limit_with_none_idle_a_new_connection_waits() -
         assert (stats.limit_reached, stats.shed) == (1, 1)
         for client in held:
             await client.aclose()
+
+
+async def _read_to_end(client: trio.SocketStream) -> bytes:
+    reply = b""
+    with trio.fail_after(5):
+        while data := await client.receive_some(65536):
+            reply += data
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message", "code"),
+    [
+        (
+            b"GARBAGE\r\n\r\n",
+            400,
+            "malformed HTTP/1.1 request: illegal request line: bytearray(b'GARBAGE')",
+            "malformed_request",
+        ),
+        (
+            b"GET / HTTP/1.1\r\n\r\n",
+            400,
+            "malformed HTTP/1.1 request: Missing mandatory Host: header",
+            "malformed_request",
+        ),
+        (
+            # Not yet complete: h11 bounds what it holds of an event it cannot parse yet.
+            b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000,
+            431,
+            "request head larger than 16384 bytes",
+            "request_head_too_large",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
+            501,
+            "malformed HTTP/1.1 request: Only Transfer-Encoding: chunked is supported",
+            "unsupported_transfer_encoding",
+        ),
+        (
+            b"GET / HTTP/1.1\r\nhost: x\r\n" + b"no-colon" * 40 + b"\r\n\r\n",
+            400,
+            "malformed HTTP/1.1 request: illegal header line: bytearray(b'"
+            + "no-colon" * 20
+            + "no-c...",  # h11's reason cut to 200 characters
+            "malformed_request",
+        ),
+    ],
+)
+async def test_a_request_h11_cannot_parse_is_reported_and_answered_with_the_envelope(
+    raw: bytes, status: int, message: str, code: str
+) -> None:
+    # hypercorn answers it itself: the answer had no body, and nothing in Narwhal heard of it.
+    reported: list[MalformedRequest] = []
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                _hello,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                protocol_error=reported.append,
+            )
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            await client.send_all(raw)
+            reply = await _read_to_end(client)
+        shutdown.set()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 %d " % status
+    assert {b"connection: close", b"content-type: application/json"} <= set(lines)
+    assert b"content-length: %d" % len(body) in lines
+    envelope = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
+    }
+    assert json.loads(body) == envelope
+    assert [(e.status, e.envelope()) for e in reported] == [(status, envelope)]
+
+
+async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_error() -> None:
+    reported: list[MalformedRequest] = []
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                _hello,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                protocol_error=reported.append,
+            )
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n")
+            await client.send_eof()
+            await _read_to_end(client)
+        # The same server answers well-formed requests as before, without reporting.
+        async with await trio.open_tcp_stream(host, port) as client:
+            await _answered(client)
+        shutdown.set()
+    assert reported == []
