@@ -69,6 +69,19 @@ class BadRequest(NarwhalError):
     default_code = "invalid_request"
 
 
+class MalformedRequest(NarwhalError):
+    """HTTP/1.1 the server could not parse (h11's error), or an upgrade it does not
+    speak; `status` is h11's hint (400, 431 for an oversized head, 501 for a
+    Transfer-Encoding other than chunked). The connection closes after the answer."""
+
+    type = "invalid_request_error"
+    default_code = "malformed_request"
+
+    def __init__(self, message: str, *, status: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
 class NotFound(NarwhalError):
     status = 404
     type = "invalid_request_error"

@@ -12,10 +12,33 @@ import httpx
 import trio
 
 from narwhal.fleet import EngineState, EngineView
-from narwhal.serving import DecodeGaps
+from narwhal.serving import DecodeGaps, OpenFileLimit
 from narwhal.sim import Fleet
 
 StartFleet = Callable[..., Awaitable[Fleet]]
+
+
+class FakeFileLimit:
+    """An RLIMIT_NOFILE for a Supervisor, so that tests neither depend on nor change the
+    test process's own; `refuse`: what setrlimit raises."""
+
+    def __init__(self, soft: int = 65536, hard: int = 65536, refuse: OSError | None = None):
+        self.soft = soft
+        self.hard = hard
+        self.refuse = refuse
+        self.set_to: list[tuple[int, int]] = []
+
+    def get(self) -> tuple[int, int]:
+        return self.soft, self.hard
+
+    def set(self, soft: int, hard: int) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        self.set_to.append((soft, hard))
+        self.soft, self.hard = soft, hard
+
+    def limit(self) -> OpenFileLimit:
+        return OpenFileLimit(self.get, self.set)
 
 
 async def wait_for(predicate: Callable[[], bool], *, within_s: float = 5.0) -> None:

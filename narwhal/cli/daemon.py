@@ -13,6 +13,7 @@ import trio
 from .. import _logging
 from ..config import Config, ConfigError, config_to_dict, load_config_file
 from ..ctl import ControlSocketError
+from ..serving import DescriptorLimitError
 from ..supervisor import Notifier, ProfilesUnavailable, Supervisor
 
 
@@ -77,7 +78,7 @@ def _run_serve(path: str) -> int:
     problems: list[str] = []
     try:
         trio.run(_serve, config, path)
-    except* (ControlSocketError, ProfilesUnavailable) as group:
+    except* (ControlSocketError, ProfilesUnavailable, DescriptorLimitError) as group:
         problems.extend(str(exc) for exc in _leaves(group))
     except* OSError as group:
         # Binding the listen address happens inside the supervisor's nursery.

@@ -167,9 +167,16 @@ class Listen:
             "exceed `serving.max_connections + serving.queue_capacity`, so a connection "
             "is always left for the retained-request ceiling's 429 and for `/health`. "
             "The default is eight times that ceiling at its defaults and bounds idle "
-            "sockets to about 60 MB (about 14 kB each) and 4096 descriptors, well under "
-            "the unit's LimitNOFILE. A reload applies it: a lower value closes nothing "
-            "at once, it only holds new connections back until enough have closed."
+            "sockets to about 60 MB (about 14 kB each). At start and at a reload the soft "
+            "open-file limit (RLIMIT_NOFILE) is raised, up to the hard limit, to this plus "
+            "a reserve: each engine's pools (`serving.max_connections` plus its control "
+            "pool share) and 179 for sockets and files. Under a hard limit without room "
+            "for it, fewer connections are kept open (the hard limit less the reserve; a "
+            "WARNING, and `connections.limit` against `configured_limit` in "
+            "`/narwhal/state`); one that leaves no more than `serving.max_connections + "
+            "serving.queue_capacity` stops startup, or rejects the reload. A reload "
+            "applies it: a lower value closes nothing at once, it only holds new "
+            "connections back until enough have closed."
         ),
     )
 

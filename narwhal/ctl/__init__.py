@@ -17,6 +17,7 @@ from ._protocol import (
 )
 from ._server import (
     LOGGED_REFUSALS as LOGGED_REFUSALS,
+    MAX_CONNECTIONS as MAX_CONNECTIONS,
     MAX_REQUESTS as MAX_REQUESTS,
     ControlServer as ControlServer,
     ControlSocketError as ControlSocketError,

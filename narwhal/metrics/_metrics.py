@@ -160,6 +160,22 @@ class Metrics:
             "listen.max_open_connections.",
             registry=registry,
         )
+        self.client_accept_failures = Counter(
+            "narwhal_client_accept_failures",
+            "accept() calls on the HTTP listener that failed for want of descriptors or "
+            "memory, by errno (EMFILE, ENFILE, ENOMEM, ENOBUFS); retried every 0.1 s while "
+            "connections wait.",
+            ["errno"],
+            registry=registry,
+        )
+        self.client_protocol_errors = Counter(
+            "narwhal_client_protocol_errors",
+            "Client requests answered with an error before reaching Narwhal's routes, by "
+            "status: HTTP/1.1 that could not be parsed (400), a request head over 16 kB "
+            "(431), a Transfer-Encoding other than chunked (501), a websocket upgrade (400).",
+            ["status"],
+            registry=registry,
+        )
         self.unserved_placements = Counter(
             "narwhal_unserved_placements",
             "Placements where every candidate missed its projected SLO (least-cost fallback).",

@@ -6,5 +6,10 @@ from ._context import (
     RequestRecord as RequestRecord,
     ServingContext as ServingContext,
 )
+from ._descriptors import (
+    DescriptorBudget as DescriptorBudget,
+    DescriptorLimitError as DescriptorLimitError,
+    OpenFileLimit as OpenFileLimit,
+)
 from ._server import serve_app as serve_app
 from ._state import state_document as state_document

@@ -6,7 +6,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
-from .._errors import NarwhalError, NotFound
+from .._errors import MalformedRequest, NarwhalError, NotFound
 from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
 from ._context import ServingContext
 from ._flow import Flow
@@ -81,6 +81,9 @@ class App:
         ctx.metrics.add_live_gauges(lambda: live_gauges(ctx))
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._refuse_upgrade(scope, receive, send)
+            return
         if scope["type"] != "http":
             # No lifespan protocol: hypercorn continues without it when the app raises.
             raise RuntimeError(f"narwhal serves http only, not {scope['type']}")
@@ -115,6 +118,34 @@ class App:
             # Only routes that never read a body get here (the flow answers its own errors).
             channel = ClientChannel(send, request_id, close_connection=has_body(headers))
             await channel.send_error(exc)
+
+    async def _refuse_upgrade(
+        self, scope: MutableMapping[str, Any], receive: Receive, send: Send
+    ) -> None:
+        """A websocket upgrade, answered with the error envelope through ASGI's websocket
+        denial response and counted with the client protocol errors. The app used to
+        raise, and hypercorn then answered a bare 500, as if Narwhal had failed."""
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            raise RuntimeError("narwhal serves http only, and cannot refuse a websocket here")
+        await receive()  # websocket.connect
+        error = MalformedRequest(
+            "narwhal serves HTTP only; a websocket upgrade is not supported",
+            status=400,
+            code="upgrade_unsupported",
+        )
+        self.ctx.client_protocol_error(error)
+        body = json_bytes(error.envelope())
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": error.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": body})
 
     async def _health(self, send: Send, request_id: str) -> None:
         ctx = self.ctx

@@ -21,11 +21,25 @@ per connection and tell clients nothing better.
 Being at the limit is logged once (WARNING) when a waiting connection first finds it,
 and once (INFO) when the open count has fallen a tenth of the limit below it: a flood
 holding the router at the limit then makes one pair of lines, not one per connection.
+
+The limit in force can be lower than listen.max_open_connections (`configured`) when the
+process's open-file limit leaves no room for that many (`serving._descriptors`); the log
+lines then name both.
+
+accept() itself can fail for want of descriptors or memory (EMFILE, ENFILE, ENOMEM,
+ENOBUFS: another process used up the system's files, or the descriptor reserve fell
+short). The accept loop retries every tenth of a second while connections wait, so
+such an episode is logged once (WARNING, with the errno) when it begins and once (INFO,
+with how long it lasted and how many attempts failed) when a burst of accepts next
+empties the backlog without such a failure: one accept getting through between failures
+does not end it, or a process at its limit would log a pair per connection closed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Callable, Hashable
 
 import attrs
@@ -39,12 +53,19 @@ class ConnectionStatistics:
     open: int
     idle: int
     limit: int
+    configured_limit: int
     at_limit: bool
     limit_reached: int
     shed: int
+    accept_failing: bool
+    accept_failures: int
 
 
 def _nothing() -> None:
+    pass
+
+
+def _ignore(_: str) -> None:
     pass
 
 
@@ -57,14 +78,21 @@ class OpenConnections:
         *,
         on_limit_reached: Callable[[], None] = _nothing,
         on_shed: Callable[[], None] = _nothing,
+        on_accept_failed: Callable[[str], None] = _ignore,
     ) -> None:
         self._limit = limit
+        self._configured = limit
         self._open = 0
         self._at_limit = False
         self._limit_reached = 0
         self._shed_total = 0
         self._on_limit_reached = on_limit_reached
         self._on_shed = on_shed
+        self._on_accept_failed = on_accept_failed
+        self._accept_failures = 0
+        # The accept failure episode under way: when it began, and its failures so far.
+        self._failing_since: float | None = None
+        self._episode_failures = 0
         # Idle connections, longest idle first (dicts keep insertion order), each with
         # what closes it; and those closed here whose tasks have not ended yet.
         self._idle: dict[Hashable, Callable[[], None]] = {}
@@ -73,7 +101,8 @@ class OpenConnections:
 
     def __repr__(self) -> str:
         at = " | at limit" if self._at_limit else ""
-        return f"<OpenConnections {self._open}/{self._limit}, {len(self._idle)} idle{at}>"
+        failing = " | accept failing" if self._failing_since is not None else ""
+        return f"<OpenConnections {self._open}/{self._limit}, {len(self._idle)} idle{at}{failing}>"
 
     @property
     def limit(self) -> int:
@@ -81,7 +110,17 @@ class OpenConnections:
 
     @limit.setter
     def limit(self, value: int) -> None:
-        self._limit = value
+        self.set_limit(value, configured=value)
+
+    @property
+    def configured_limit(self) -> int:
+        return self._configured
+
+    def set_limit(self, limit: int, *, configured: int) -> None:
+        """Enforce `limit` from now on; `configured` is listen.max_open_connections, which
+        `limit` is below when the open-file limit leaves no room for it."""
+        self._limit = limit
+        self._configured = configured
         self._maybe_clear()
         if self.room():
             self._room.unpark_all()
@@ -119,18 +158,72 @@ class OpenConnections:
         if not self._at_limit:
             self._at_limit = True
             log.warning(
-                "%d client connections open, listen.max_open_connections=%d: the "
-                "longest idle are closed to make room, and new connections wait in the "
-                "listen backlog while none is idle",
+                "%d client connections open, %s: the longest idle are closed to make "
+                "room, and new connections wait in the listen backlog while none is idle",
                 self._open,
-                self._limit,
+                self._limit_text(),
                 extra={
                     "event": "connection_limit",
                     "outcome": "reached",
                     "open": self._open,
                     "limit": self._limit,
+                    "configured": self._configured,
                 },
             )
+
+    def _limit_text(self) -> str:
+        if self._limit == self._configured:
+            return f"listen.max_open_connections={self._limit}"
+        return (
+            f"the limit of {self._limit} the open-file limit leaves "
+            f"(listen.max_open_connections={self._configured})"
+        )
+
+    def accept_failed(self, err: int, retry_s: float) -> None:
+        """accept() failed with `err`, an errno meaning the process or system is out of
+        descriptors or memory; the accept loop retries in `retry_s`."""
+        name = errno.errorcode.get(err, str(err))
+        self._accept_failures += 1
+        self._on_accept_failed(name)
+        if self._failing_since is None:
+            self._failing_since = trio.current_time()
+            self._episode_failures = 0
+            log.warning(
+                "accepting client connections failed: %s (%s), %d open, %s; retrying "
+                "every %s s while connections wait, logged again when it works",
+                os.strerror(err),
+                name,
+                self._open,
+                self._limit_text(),
+                retry_s,
+                extra={
+                    "event": "accept_failed",
+                    "outcome": "started",
+                    "errno": name,
+                    "open": self._open,
+                    "limit": self._limit,
+                },
+            )
+        self._episode_failures += 1
+
+    def accepted_all(self) -> None:
+        """An accept burst ended without failing for want of descriptors or memory."""
+        if self._failing_since is None:
+            return
+        lasted = trio.current_time() - self._failing_since
+        self._failing_since = None
+        log.info(
+            "accepting client connections again after %.1f s; %d attempt(s) failed",
+            lasted,
+            self._episode_failures,
+            extra={
+                "event": "accept_failed",
+                "outcome": "ended",
+                "duration_s": round(lasted, 3),
+                "failures": self._episode_failures,
+                "open": self._open,
+            },
+        )
 
     def opened(self) -> None:
         self._open += 1
@@ -160,14 +253,15 @@ class OpenConnections:
         if self._at_limit and self._open <= self._limit - max(1, self._limit // 10):
             self._at_limit = False
             log.info(
-                "%d client connections open, under listen.max_open_connections=%d again",
+                "%d client connections open, under %s again",
                 self._open,
-                self._limit,
+                self._limit_text(),
                 extra={
                     "event": "connection_limit",
                     "outcome": "cleared",
                     "open": self._open,
                     "limit": self._limit,
+                    "configured": self._configured,
                 },
             )
 
@@ -176,7 +270,10 @@ class OpenConnections:
             open=self._open,
             idle=len(self._idle),
             limit=self._limit,
+            configured_limit=self._configured,
             at_limit=self._at_limit,
             limit_reached=self._limit_reached,
             shed=self._shed_total,
+            accept_failing=self._failing_since is not None,
+            accept_failures=self._accept_failures,
         )

@@ -11,7 +11,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from .._errors import EngineFailed, NarwhalError
+from .._errors import EngineFailed, MalformedRequest, NarwhalError
 from ..admission import (
     AdmissionGate,
     BacklogBook,
@@ -26,6 +26,7 @@ from ..engines._dialects import ChatTokenizeRefusals
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
 from ._connections import OpenConnections
+from ._descriptors import DescriptorBudget, report
 from ._lag import LoopLag
 from ._slo import SloTally, slo_result
 
@@ -225,7 +226,13 @@ class ServingContext:
             config.listen.max_open_connections,
             on_limit_reached=self.metrics.client_connection_limit_reached.inc,
             on_shed=self.metrics.client_connections_shed.inc,
+            on_accept_failed=lambda name: self.metrics.client_accept_failures.labels(name).inc(),
         )
+        # Requests the HTTP server could not parse, and upgrades it refused, by status.
+        self.protocol_errors: Counter[int] = Counter()
+        # The open-file limit against listen.max_open_connections (`apply_descriptors`);
+        # None until the supervisor has looked.
+        self.descriptors: DescriptorBudget | None = None
         self._retained = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -282,6 +289,28 @@ class ServingContext:
         if result is not None:
             self.slo.record(result, trio.current_time())
             self.metrics.slo_requests.labels(result).inc()
+
+    def client_protocol_error(self, error: MalformedRequest) -> None:
+        """A request that was not HTTP/1.1 Narwhal can serve, answered with `error`."""
+        self.protocol_errors[error.status] += 1
+        self.metrics.client_protocol_errors.labels(str(error.status)).inc()
+        log.info(
+            "client protocol error, answered %d: %s",
+            error.status,
+            error.message,
+            extra={
+                "event": "client_protocol_error",
+                "status": error.status,
+                "code": error.code,
+                "reason": error.message,
+            },
+        )
+
+    def apply_descriptors(self, budget: DescriptorBudget) -> None:
+        """Enforce `budget`'s client connection limit, logging what changed."""
+        report(budget, self.descriptors)
+        self.descriptors = budget
+        self.connections.set_limit(budget.effective, configured=budget.configured)
 
     @property
     def retained_ceiling(self) -> int:

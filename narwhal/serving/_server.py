@@ -27,8 +27,15 @@ never seen to leave, so its request would hold its engines until a timer ends it
 its engine leg would be charged with the failure. `_ClientWatch` replaces that event
 and watches the socket for the end of the connection meanwhile.
 
+A request h11 cannot parse (a bad request line or header, a head over hypercorn's 16 kB, a
+Transfer-Encoding other than chunked) is answered by hypercorn itself, with a bare
+400/431/501 and no body. `_ClientProtocolErrors`, the h11 connection H11Protocol is given,
+reports it (counted and logged by the caller) and gives that answer the error envelope.
+
 This relies on hypercorn's TCPServer/WorkerContext classes (TCPServer's _read_data and
-idle_task, H11Protocol's can_read), which are not documented API;
+idle_task, H11Protocol's can_read and connection, and that H11Protocol answers a
+RemoteProtocolError from its connection's next_event by sending a Response with the
+error's status hint through the same connection), which are not documented API;
 tests/serving/test_server.py fails if a hypercorn upgrade changes them.
 """
 
@@ -42,6 +49,7 @@ from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from functools import partial
 from typing import Any, cast
 
+import h11
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
@@ -52,7 +60,9 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
 
+from .._errors import MalformedRequest
 from ..config import Listen
+from ._client import json_bytes
 from ._connections import OpenConnections
 
 Scope = MutableMapping[str, Any]
@@ -73,9 +83,12 @@ _ACCEPT_SKIP_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 _ACCEPT_CAPACITY_PAUSE_S = 0.1
 
 
-def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStream]:
+def accept_pending(
+    listening: socket.socket, limit: int
+) -> tuple[list[trio.SocketStream], int | None]:
     """Every connection waiting on a non-blocking listening socket, up to `limit`,
-    without yielding. Raises OSError for resource exhaustion (caller pauses)."""
+    without yielding; and the errno that stopped it early if the process or system ran
+    out of descriptors or memory (None: the backlog was emptied, or `limit` reached)."""
     streams: list[trio.SocketStream] = []
     while len(streams) < limit:
         try:
@@ -85,11 +98,11 @@ def accept_pending(listening: socket.socket, limit: int) -> list[trio.SocketStre
         except OSError as exc:
             if exc.errno in _ACCEPT_SKIP_ERRNOS:
                 continue
-            if streams and exc.errno in _ACCEPT_CAPACITY_ERRNOS:
-                break  # serve what was accepted; the next call raises it again
+            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                return streams, exc.errno
             raise
         streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
-    return streams
+    return streams, None
 
 
 async def _serve_connection(
@@ -129,22 +142,17 @@ async def _accept_until_cancelled(
             open_connections.limit_reached()
             while not open_connections.make_room():
                 await open_connections.wait_room()
-        try:
-            streams = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
-        except OSError as exc:
-            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                raise
-            log.error(
-                "accept failed: %s; retrying in %s s",
-                os.strerror(exc.errno),
-                _ACCEPT_CAPACITY_PAUSE_S,
-                extra={"event": "accept_failed", "errno": errno.errorcode[exc.errno]},
-            )
-            await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
-            continue
+        streams, failed = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
         for stream in streams:
             open_connections.opened()
             connections.start_soon(_serve_connection, handler, stream, open_connections)
+        if failed is None:
+            open_connections.accepted_all()
+            continue
+        # The listening socket stays readable while connections wait, so without a
+        # pause this would spin; the connections accepted above get served meanwhile.
+        open_connections.accept_failed(failed, _ACCEPT_CAPACITY_PAUSE_S)
+        await trio.sleep(_ACCEPT_CAPACITY_PAUSE_S)
 
 
 class _IdleTask:
@@ -231,11 +239,87 @@ class _ClientWatch(EventWrapper):
         await super().wait()
 
 
+# h11's message names what it could not parse, and quotes up to a whole header line of
+# the client's bytes: the answer and the log keep this much of it.
+_PROTOCOL_ERROR_CHARS = 200
+_PROTOCOL_ERROR_CODES = {431: "request_head_too_large", 501: "unsupported_transfer_encoding"}
+
+
+def _ignore_protocol_error(error: MalformedRequest) -> None:
+    pass
+
+
+class _ClientProtocolErrors(h11.Connection):
+    """The h11 server connection of one client connection, which reports the client's
+    protocol errors and answers them with the error envelope.
+
+    hypercorn's H11Protocol answers a RemoteProtocolError from `next_event` with a
+    response of the error's status hint, `content-length: 0` and `connection: close`,
+    sent through `send`, then closes. The error is recorded where h11 raises it, and
+    from then on `send` turns that response into one with the envelope as its body: the
+    instance's `send` is only replaced then, so the request path's sends (every response
+    chunk) cost nothing more. An error because the client closed in the middle of a
+    request is a disconnect, not reported: nothing reaches the client anyway.
+    """
+
+    def __init__(
+        self, *, max_incomplete_event_size: int, report: Callable[[MalformedRequest], None]
+    ) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_incomplete_event_size)
+        self._max_head = max_incomplete_event_size
+        self._report = report
+        self._error: MalformedRequest | None = None
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as exc:
+            if self._error is None and not self.trailing_data[1]:
+                self._error = self._describe(exc)
+                self.send = self._send_enveloped  # type: ignore[method-assign,assignment]
+                self._report(self._error)
+            raise
+
+    def _describe(self, exc: h11.RemoteProtocolError) -> MalformedRequest:
+        status = exc.error_status_hint
+        if status == 431:
+            message = f"request head larger than {self._max_head} bytes"
+        else:
+            reason = str(exc)
+            if len(reason) > _PROTOCOL_ERROR_CHARS:
+                reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."
+            message = f"malformed HTTP/1.1 request: {reason}"
+        return MalformedRequest(message, status=status, code=_PROTOCOL_ERROR_CODES.get(status))
+
+    def _send_enveloped(self, event: h11.Event) -> bytes | None:
+        error = self._error
+        if error is None or not isinstance(event, h11.Response):
+            return super().send(event)
+        self._error = None  # one answer
+        body = json_bytes(error.envelope())
+        kept = [
+            (name, value)
+            for name, value in event.headers
+            if name not in (b"content-length", b"content-type")
+        ]
+        head = h11.Response(
+            status_code=event.status_code,
+            headers=[
+                *kept,
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            reason=event.reason,
+        )
+        return (super().send(head) or b"") + (super().send(h11.Data(data=body)) or b"")
+
+
 class _StallBoundTCPServer(TCPServer):
     # Read at each blocked write, so a reload's serving.client_stall_s applies to the
     # connections already open as well as to new ones.
     stall_s: Callable[[], float] = staticmethod(lambda: 0.5)
     open_connections: OpenConnections
+    protocol_error: Callable[[MalformedRequest], None] = staticmethod(_ignore_protocol_error)
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -258,8 +342,13 @@ class _StallBoundTCPServer(TCPServer):
         if self.config.read_timeout is not None:
             await super()._read_data()
             return
-        if isinstance(h11 := getattr(self.protocol, "protocol", None), H11Protocol):
-            h11.can_read = _ClientWatch(self.stream.socket)
+        if isinstance(h11_protocol := getattr(self.protocol, "protocol", None), H11Protocol):
+            h11_protocol.can_read = _ClientWatch(self.stream.socket)
+            # Nothing has been read yet: the connection hypercorn made is still unused.
+            h11_protocol.connection = _ClientProtocolErrors(
+                max_incomplete_event_size=self.config.h11_max_incomplete_size,
+                report=self.protocol_error,
+            )
         # hypercorn's loop without its per-read `fail_after(inf)` scope.
         while True:
             try:
@@ -328,12 +417,14 @@ async def serve_app(
     shutdown: trio.Event,
     graceful_timeout_s: float = 5.0,
     open_connections: OpenConnections | None = None,
+    protocol_error: Callable[[MalformedRequest], None] = _ignore_protocol_error,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `shutdown` is set; started() reports the bound (host, port) pairs.
     `client_stall_s`: the write stall limit, or where to read its current value.
     `open_connections`: the count and limit of open client connections (default: a
-    fresh one at listen.max_open_connections' default)."""
+    fresh one at listen.max_open_connections' default). `protocol_error`: told of each
+    request h11 could not parse, which is answered with its envelope."""
     if open_connections is None:
         open_connections = OpenConnections(Listen().max_open_connections)
     config = HypercornConfig()
@@ -352,7 +443,11 @@ async def serve_app(
     server_class = type(
         "NarwhalTCPServer",
         (_StallBoundTCPServer,),
-        {"stall_s": staticmethod(stall_s), "open_connections": open_connections},
+        {
+            "stall_s": staticmethod(stall_s),
+            "open_connections": open_connections,
+            "protocol_error": staticmethod(protocol_error),
+        },
     )
     handler = cast(Handler, partial(server_class, wrapped, config, context, ConnectionState({})))
     async with trio.open_nursery() as connections:

@@ -126,9 +126,16 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "open": connections.open,
             "idle": connections.idle,
             "limit": connections.limit,
+            "configured_limit": connections.configured_limit,
             "at_limit": connections.at_limit,
             "limit_reached_total": connections.limit_reached,
             "shed_total": connections.shed,
+            "accept_failing": connections.accept_failing,
+            "accept_failures_total": connections.accept_failures,
+            "protocol_errors": {
+                str(status): count for status, count in sorted(ctx.protocol_errors.items())
+            },
+            "open_files": None if ctx.descriptors is None else ctx.descriptors.to_json(),
         },
         "retry_budget": {
             "level": round(budget.level, 3),
@@ -198,9 +205,16 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
     )
     yield (
         "narwhal_client_connection_limit",
-        "listen.max_open_connections in force.",
+        "Client connections allowed open: listen.max_open_connections, or fewer when the "
+        "open-file limit (RLIMIT_NOFILE) has no room for that many.",
         [],
         [([], connections.limit)],
+    )
+    yield (
+        "narwhal_client_connection_limit_configured",
+        "listen.max_open_connections as configured.",
+        [],
+        [([], connections.configured_limit)],
     )
     yield "narwhal_retry_budget", "Retry credits available.", [], [([], ctx.retry_budget.level)]
     share = ctx.slo.attainment(trio.current_time())

@@ -10,7 +10,8 @@ The order matters for requests arriving during the reload:
    values; the listen address, the control socket and `controller.enabled` keep their
    running values (they need a restart, and the state document must show what is
    actually in force);
-3. the admission gate and retry budget are resized in place; a smaller gate lets the
+3. the admission gate, the client connection limit (as the open-file limit allows it,
+   fitted by the caller) and retry budget are resized in place; a smaller gate lets the
    requests holding slots finish and admits no more until they do;
 4. removed and replaced engines leave placement (`removed`); their resident requests
    finish on them, then their pools close and admission forgets what it learnt about
@@ -35,7 +36,7 @@ import trio
 from ..config import Config, ReloadPlan, keep_running
 from ..fleet import EngineState, Role
 from ..recovery import Recovery
-from ..serving import ServingContext
+from ..serving import DescriptorBudget, ServingContext
 
 log = logging.getLogger("narwhal.reload")
 
@@ -66,9 +67,12 @@ async def apply_config(
     plan: ReloadPlan,
     retire: Callable[[EngineState], None],
     *,
+    descriptors: DescriptorBudget,
     deferred_roles: dict[str, Role] | None = None,
 ) -> Config:
     """Apply `new` as described by `plan`; returns the config now in force.
+    `descriptors`: the open-file limit fitted to it (`OpenFileLimit.fit`), which sets
+    the client connection limit.
 
     A configured role change of a pinned engine goes into `deferred_roles` (engine id
     -> role) instead, for `unpin` to apply.
@@ -91,7 +95,7 @@ async def apply_config(
     ctx.gate.reconfigure(
         max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
     )
-    ctx.connections.limit = effective.listen.max_open_connections
+    ctx.apply_descriptors(descriptors)
     ctx.retry_budget.reconfigure(
         maximum=float(serving.retry_budget), replenish=serving.retry_replenish
     )

@@ -12,6 +12,11 @@ when it is ready, so a failure stops startup before the daemon claims to be read
 4. the HTTP listener. Then READY=1 goes to systemd and `run` reports started with the
    supervisor itself as the value (tests and the daemon read `bound` and `url`).
 
+Before any of them, the process's open-file limit is fitted to listen.max_open_connections
+(`serving._descriptors`: raised if it can be, the connection limit lowered if it cannot, and
+startup stopped if not even the retained requests' connections fit); a reload does the same
+for its configuration before applying it, and is rejected where startup would stop.
+
 Reload (SIGHUP, `narwhalctl reload`, `reload()`): one at a time; RELOADING=1 before the
 file is read and READY=1 after, whether it was applied or rejected. Once shutdown has been
 requested, a reload is refused (and one under way ends without READY=1). See `_reload`.
@@ -37,12 +42,18 @@ from prometheus_client import Counter
 
 from .._errors import Unavailable
 from ..admission import ProfileSource
-from ..config import Config, ConfigError, ReloadPlan, diff, load_config_file
+from ..config import Config, ConfigError, ReloadPlan, diff, keep_running, load_config_file
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
 from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
-from ..serving import App, ServingContext, serve_app
+from ..serving import (
+    App,
+    DescriptorLimitError,
+    OpenFileLimit,
+    ServingContext,
+    serve_app,
+)
 from ._control import (
     ControlLink,
     install_profiles,
@@ -77,6 +88,7 @@ class Supervisor:
         predictor: Predictor | None = None,
         pass_handlers: Sequence[tuple[str, PassHandler]] = (),
         profiles: ProfileSource | None = None,
+        open_files: OpenFileLimit | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -87,6 +99,9 @@ class Supervisor:
         self.pass_handlers = list(pass_handlers)
         # Injected profiles (tests) replace loading profiles.path, at start and on reload.
         self.injected_profiles = profiles
+        # The process's RLIMIT_NOFILE, fitted to listen.max_open_connections at start and
+        # at each reload (tests pass their own).
+        self.open_files = open_files or OpenFileLimit()
         self.profile_problems: list[str] = []
         self.link: ControlLink | None = None
         self.ctx: ServingContext | None = None
@@ -122,6 +137,9 @@ class Supervisor:
         config = self.config
         ctx = ServingContext(config)
         self.ctx = ctx
+        # Before anything is opened: a limit with no room for the retained requests'
+        # connections stops startup here (DescriptorLimitError).
+        ctx.apply_descriptors(self.open_files.fit(config))
         if self.injected_profiles is not None:
             install_profiles(ctx, self.injected_profiles, config)
         else:
@@ -221,6 +239,7 @@ class Supervisor:
                 # The drain happened before `stop`; this only bounds the last writes.
                 graceful_timeout_s=CLEANUP_S,
                 open_connections=app.ctx.connections,
+                protocol_error=app.ctx.client_protocol_error,
                 task_status=task_status,
             )
         finally:
@@ -333,11 +352,33 @@ class Supervisor:
                 extra={**extra, "outcome": "rejected", "problems": len(exc.messages)},
             )
             return ReloadResult(False, path, tuple(exc.messages), trigger=trigger)
+        try:
+            descriptors = self.open_files.fit(keep_running(new, ctx.config))
+        except DescriptorLimitError as exc:
+            # Logged as a configuration problem is: the same config would not start here.
+            problem = str(exc)
+            log.error(
+                "reload rejected: %s",
+                problem,
+                extra={**extra, "event": "reload_error", "problem": problem},
+            )
+            log.error(
+                "reload of %s rejected: 1 problem(s); the running configuration is kept",
+                path,
+                extra={**extra, "outcome": "rejected", "problems": 1},
+            )
+            return ReloadResult(False, path, (problem,), trigger=trigger)
         plan = diff(ctx.config, new)
         # From here on only the configuration in force: `new` still holds the values
         # that need a restart.
         self.config = await apply_config(
-            ctx, recovery, new, plan, self._retire, deferred_roles=self.deferred_roles
+            ctx,
+            recovery,
+            new,
+            plan,
+            self._retire,
+            descriptors=descriptors,
+            deferred_roles=self.deferred_roles,
         )
         await self._reload_profiles(self.config, plan)
         if self.link is not None:

@@ -95,8 +95,14 @@ async def launcher(directory: Path) -> AsyncIterator[Launch]:
     started: list[Daemon] = []
 
     async def launch(
-        document: dict[str, Any], *, env: dict[str, str] | None = None, ready: bool = True
+        document: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        ready: bool = True,
+        open_files: tuple[int, int | None] | None = None,
     ) -> Daemon:
+        """`open_files`: the daemon's soft and hard RLIMIT_NOFILE (None: inherited),
+        set by a shell that then execs it, so this process's own is left alone."""
         sub = directory / f"d{len(started)}"
         sub.mkdir()
         document = {"ctl": {"socket": str(sub / "ctl.sock")}, **document}
@@ -109,9 +115,14 @@ async def launcher(directory: Path) -> AsyncIterator[Launch]:
             if key not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
         }
         environment.update({"NOTIFY_SOCKET": str(sub / "notify.sock"), **(env or {})})
+        command = [sys.executable, "-m", "narwhal", "serve", "--config", str(sub / "narwhal.json")]
+        if open_files is not None:
+            soft, hard = open_files
+            limits = f"ulimit -Sn {soft}" + ("" if hard is None else f" && ulimit -Hn {hard}")
+            command = ["sh", "-c", f'{limits} && exec "$@"', "sh", *command]
         with (sub / "daemon.log").open("wb") as log:
             process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "narwhal", "serve", "--config", str(sub / "narwhal.json")],
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

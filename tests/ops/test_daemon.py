@@ -373,3 +373,85 @@ async def test_a_control_socket_that_cannot_be_created_is_reported_as_ctl_socket
     assert await refused_start(launch, path) == (
         f"narwhal: ctl.socket '{path}' cannot be checked: not a directory; refusing to start"
     )
+
+
+def _small(fleet: Fleet) -> dict[str, Any]:
+    """A daemon that needs 819 descriptors: 600 client connections, and a reserve of 219
+    (two engines' serving pools of 16 and control pools of 4, and 179 for the rest)."""
+    return document(
+        fleet,
+        ["prefill", "decode"],
+        listen={"host": "127.0.0.1", "port": 0, "max_open_connections": 600},
+        serving={"admission": "open", "max_connections": 16},
+    )
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-file limit in /proc/<pid>/limits")
+
+
+async def test_the_daemon_raises_a_low_soft_open_file_limit_to_what_it_needs(
+    nursery: trio.Nursery, launch: Launch
+) -> None:
+    fleet = await start_fleet(nursery, 2)
+    daemon = await launch(_small(fleet), open_files=(256, None))
+    soft, hard = _open_files_limit(daemon.process.pid)
+    assert soft == 819
+    state = await daemon.state()
+    assert state["connections"]["limit"] == state["connections"]["configured_limit"] == 600
+    assert state["connections"]["open_files"] == {
+        "soft": 819,
+        "hard": hard,
+        "needed": 819,
+        "reserve": 219,
+        "raised_from": 256,
+        "note": None,
+    }
+    (event,) = daemon.events("open_file_limit")
+    assert (event["level"], event["outcome"], event["previous_soft"], event["soft"]) == (
+        "info",
+        "raised",
+        256,
+        819,
+    )
+
+
+async def test_under_a_low_hard_open_file_limit_the_daemon_serves_fewer_connections(
+    nursery: trio.Nursery, launch: Launch
+) -> None:
+    fleet = await start_fleet(nursery, 2)
+    daemon = await launch(_small(fleet), open_files=(300, 300))
+    state = await daemon.state()
+    assert (state["connections"]["limit"], state["connections"]["configured_limit"]) == (81, 600)
+    async with httpx.AsyncClient(timeout=10) as client:
+        metrics = (await client.get(f"{daemon.url}/metrics")).text
+    assert "narwhal_client_connection_limit 81.0" in metrics
+    assert "narwhal_client_connection_limit_configured 600.0" in metrics
+    (event,) = daemon.events("open_file_limit")
+    assert (event["level"], event["message"]) == (
+        "warning",
+        "listen.max_open_connections=600 does not fit the open-file limit (RLIMIT_NOFILE, "
+        "hard 300): with 219 descriptors for engine pools, sockets and files, at most 81 "
+        "client connections are kept open; raise the hard limit (LimitNOFILE= in the unit, "
+        "ulimit -Hn) to 819 for all of them",
+    )
+
+
+async def test_the_daemon_refuses_to_start_without_descriptors_for_its_retained_requests(
+    nursery: trio.Nursery, launch: Launch
+) -> None:
+    fleet = await start_fleet(nursery, 2)
+    daemon = await launch(_small(fleet), open_files=(200, 200), ready=False)
+    with trio.fail_after(20):
+        assert await daemon.process.wait() == 1
+    assert daemon.log_path.read_text().splitlines()[-1] == (
+        "narwhal: the hard open-file limit (RLIMIT_NOFILE) is 200: with 219 descriptors for "
+        "engine pools, sockets and files, it leaves room for 0 client connections, which "
+        "must exceed serving.max_connections + serving.queue_capacity = 16; "
+        "listen.max_open_connections=600 needs 819 in all: raise the hard limit "
+        "(LimitNOFILE= in the unit, ulimit -Hn) to at least that"
+    )

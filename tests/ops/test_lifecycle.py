@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from narwhal.config import load_config
@@ -20,7 +22,7 @@ from ..profiles.helpers import config_document, store_for
 from ..recovery.conftest import FAST, StartStack, start_stack as start_stack
 from ..recovery.fakes import merge
 from ..serving.conftest import MODEL, Stack
-from ..support import open_sse, wait_for
+from ..support import FakeFileLimit, open_sse, wait_for
 
 BODY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8, "stream": True}
 
@@ -405,3 +407,79 @@ async def test_a_reload_keeps_the_decode_corrections_of_the_engines_it_left_alon
         assert after.decode_correction("d0") == learnt
         assert after.decode_correction("d1") == 1.0  # another engine now
         supervisor.request_shutdown()
+
+
+async def test_start_and_reload_fit_the_open_file_limit_to_the_connection_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal")
+    document = merge(
+        {
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:1", "role": "prefill", "model": MODEL},
+                {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode", "model": MODEL},
+            ],
+            "listen": {"host": "127.0.0.1", "port": 0, "max_open_connections": 600},
+            "serving": {"admission": "open", "max_connections": 16},
+        },
+        FAST,
+    )
+    reserve = 2 * (16 + 4) + 179  # two engines' serving and control pools, and the rest
+    path = tmp_path / "narwhal.json"
+    write(path, document)
+    files = FakeFileLimit(soft=256, hard=2000)
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(load_config(document), config_path=str(path), open_files=files.limit()).run
+        )
+        ctx = supervisor.ctx
+        assert ctx is not None
+        assert files.set_to == [(600 + reserve, 2000)]
+        assert (ctx.connections.limit, ctx.connections.configured_limit) == (600, 600)
+
+        # More than the hard limit has room for: served with what it leaves.
+        write(path, merge(document, {"listen": {"max_open_connections": 1900}}))
+        assert (await supervisor.reload()).applied
+        assert files.set_to[-1] == (2000, 2000)
+        assert (ctx.connections.limit, ctx.connections.configured_limit) == (2000 - reserve, 1900)
+        section = state_document(ctx)["connections"]
+        assert isinstance(section, dict)
+        assert (section["limit"], section["configured_limit"]) == (1781, 1900)
+        assert section["open_files"] == {
+            "soft": 2000,
+            "hard": 2000,
+            "needed": 1900 + reserve,
+            "reserve": reserve,
+            "raised_from": 600 + reserve,
+            "note": None,
+        }
+        metrics = ctx.metrics.render().decode()
+        assert "narwhal_client_connection_limit 1781.0" in metrics
+        assert "narwhal_client_connection_limit_configured 1900.0" in metrics
+
+        # Too little left for the retained requests' connections: rejected, as a
+        # configuration the loader refuses would be; nothing changes.
+        write(
+            path,
+            merge(
+                document,
+                {"listen": {"max_open_connections": 1900}, "serving": {"max_connections": 800}},
+            ),
+        )
+        result = await supervisor.reload()
+        assert not result.applied
+        assert result.errors == (
+            "the hard open-file limit (RLIMIT_NOFILE) is 2000: with 1787 descriptors for "
+            "engine pools, sockets and files, it leaves room for 213 client connections, "
+            "which must exceed serving.max_connections + serving.queue_capacity = 800; "
+            "listen.max_open_connections=1900 needs 3687 in all: raise the hard limit "
+            "(LimitNOFILE= in the unit, ulimit -Hn) to at least that",
+        )
+        assert ctx.config.serving.max_connections == 16
+        assert (ctx.connections.limit, files.set_to[-1]) == (1781, (2000, 2000))
+        supervisor.request_shutdown()
+    assert [
+        (r.levelname, getattr(r, "outcome", None))
+        for r in caplog.records
+        if getattr(r, "event", None) == "open_file_limit"
+    ] == [("INFO", "raised"), ("INFO", "raised"), ("WARNING", "capped")]

@@ -12,6 +12,7 @@ from narwhal.sim import DisaggregationMode, Fleet, serve_fleet
 from narwhal.supervisor import Supervisor
 
 from ..serving.conftest import MODEL, Stack, fleet_config
+from ..support import FakeFileLimit
 from .fakes import merge
 
 # Fast recovery settings for tests against the simulator (real sockets, real time).
@@ -69,7 +70,8 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
             for spec, handle in zip(document["engines"], fleet, strict=True):
                 spec.update(dialect="sglang", bootstrap_port=handle.port)
         config = load_config(document)
-        runner: Supervisor = await nursery.start(Supervisor(config, **(supervisor or {})).run)
+        options = {"open_files": FakeFileLimit().limit(), **(supervisor or {})}
+        runner: Supervisor = await nursery.start(Supervisor(config, **options).run)
         return Stack(fleet, runner, config)
 
     return start

@@ -24,6 +24,8 @@ from narwhal.recovery import (
 from narwhal.serving import ServingContext
 from narwhal.supervisor._reload import apply_config
 
+from ..support import FakeFileLimit
+
 HEALTHY = ProbeResult("ok", "GET /health returned HTTP 200", True, (("instance_id", "a"),))
 UNHEALTHY = ProbeResult("failed", "GET /health returned HTTP 503", True)
 REFUSED = ProbeResult("failed", "GET /health: connect failed: connection refused", False)
@@ -151,7 +153,10 @@ async def reload(ctx: ServingContext, recovery: Recovery, new: Config) -> list[E
     """Apply `new` as `narwhalctl reload` would; returns the engines it retired (their
     resident requests are left to the caller: there is no supervisor to retire them)."""
     retired: list[EngineState] = []
-    await apply_config(ctx, recovery, new, diff(ctx.config, new), retired.append)
+    descriptors = FakeFileLimit().limit().fit(new)
+    await apply_config(
+        ctx, recovery, new, diff(ctx.config, new), retired.append, descriptors=descriptors
+    )
     return retired
 
 

@@ -15,6 +15,8 @@ from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet
 from narwhal.sim._spec import Dialect
 from narwhal.supervisor import Supervisor
 
+from ..support import FakeFileLimit
+
 MODEL = "sim-llama-3-8b"
 
 
@@ -106,7 +108,9 @@ def start_stack(nursery: trio.Nursery) -> StartStack:
             partial(serve_fleet, engines=len(roles), speed=speed, model=MODEL, **(sim or {}))
         )
         config = load_config(fleet_config(fleet, roles, **sections))
-        supervisor: Supervisor = await nursery.start(Supervisor(config, profiles=profiles).run)
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(config, profiles=profiles, open_files=FakeFileLimit().limit()).run
+        )
         return Stack(fleet, supervisor, config)
 
     return start

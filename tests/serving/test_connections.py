@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from functools import partial
 
@@ -96,4 +97,63 @@ async def test_the_limit_is_logged_once_reached_and_once_a_tenth_below_it(
             "none is idle",
         ),
         ("INFO", "18 client connections open, under listen.max_open_connections=20 again"),
+    ]
+
+
+async def test_accept_failures_are_logged_once_per_episode_and_counted(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    failed: list[str] = []
+    connections = OpenConnections(8, on_accept_failed=failed.append)
+    connections.opened()
+    for _ in range(3):
+        connections.accept_failed(errno.EMFILE, 0.1)
+        await trio.sleep(0.1)
+    assert repr(connections) == "<OpenConnections 1/8, 0 idle | accept failing>"
+    connections.accept_failed(errno.ENFILE, 0.1)  # the same episode
+    await trio.sleep(0.1)
+    connections.accepted_all()
+    connections.accepted_all()
+    connections.accept_failed(errno.EMFILE, 0.1)  # a new one
+    stats = connections.statistics()
+    assert (stats.accept_failing, stats.accept_failures) == (True, 5)
+    assert failed == ["EMFILE", "EMFILE", "EMFILE", "ENFILE", "EMFILE"]
+    warning = (
+        "WARNING",
+        "accepting client connections failed: Too many open files (EMFILE), 1 open, "
+        "listen.max_open_connections=8; retrying every 0.1 s while connections wait, logged "
+        "again when it works",
+    )
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        warning,
+        ("INFO", "accepting client connections again after 0.4 s; 4 attempt(s) failed"),
+        warning,
+    ]
+    fields = [
+        {key: getattr(r, key, None) for key in ("outcome", "errno", "duration_s", "failures")}
+        for r in caplog.records
+    ]
+    assert fields == [
+        {"outcome": "started", "errno": "EMFILE", "duration_s": None, "failures": None},
+        {"outcome": "ended", "errno": None, "duration_s": 0.4, "failures": 4},
+        {"outcome": "started", "errno": "EMFILE", "duration_s": None, "failures": None},
+    ]
+
+
+def test_the_limit_in_force_below_the_configured_one_is_named_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    connections = OpenConnections(4096)
+    connections.set_limit(2, configured=4096)  # what the open-file limit leaves
+    connections.opened()
+    connections.opened()
+    connections.limit_reached()
+    stats = connections.statistics()
+    assert (stats.limit, stats.configured_limit) == (2, 4096)
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 client connections open, the limit of 2 the open-file limit leaves "
+        "(listen.max_open_connections=4096): the longest idle are closed to make room, and "
+        "new connections wait in the listen backlog while none is idle"
     ]

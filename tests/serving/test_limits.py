@@ -419,6 +419,70 @@ async def test_malformed_requests_are_400(
     assert stack.fleet[0].state()["counters"]["requests"]["prefill"] == 0
 
 
+async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # hypercorn answered these itself, a bare 400 (or a 500 for the websocket, the app
+    # raising), and neither /metrics nor the log heard of them.
+    caplog.set_level(logging.INFO, logger="narwhal.request")
+    stack = await start_stack()
+    host, port = stack.supervisor.bound[0]
+    replies = []
+    for raw in [
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: many\r\n\r\n",
+        b"GET /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\n"
+        b"upgrade: websocket\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"sec-websocket-version: 13\r\n\r\n",
+    ]:
+        async with await trio.open_tcp_stream(host, port) as client:
+            await client.send_all(raw)
+            status, headers, body = await read_response(client)
+            replies.append((status, headers[b"content-type"], json.loads(body)["error"]))
+    assert replies == [
+        (
+            b"HTTP/1.1 400 ",
+            b"application/json",
+            {
+                "message": "malformed HTTP/1.1 request: bad Content-Length",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "malformed_request",
+            },
+        ),
+        (
+            b"HTTP/1.1 400 ",
+            b"application/json",
+            {
+                "message": "narwhal serves HTTP only; a websocket upgrade is not supported",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "upgrade_unsupported",
+            },
+        ),
+    ]
+    assert 'narwhal_client_protocol_errors_total{status="400"} 2.0' in (
+        stack.ctx.metrics.render().decode()
+    )
+    assert (await stack.state())["connections"]["protocol_errors"] == {"400": 2}
+    assert [
+        (r.levelname, r.getMessage(), getattr(r, "code", None))
+        for r in caplog.records
+        if getattr(r, "event", None) == "client_protocol_error"
+    ] == [
+        (
+            "INFO",
+            "client protocol error, answered 400: malformed HTTP/1.1 request: bad Content-Length",
+            "malformed_request",
+        ),
+        (
+            "INFO",
+            "client protocol error, answered 400: narwhal serves HTTP only; a websocket "
+            "upgrade is not supported",
+            "upgrade_unsupported",
+        ),
+    ]
+
+
 async def test_a_client_that_stops_reading_is_disconnected(start_stack: StartStack) -> None:
     # 8000 tokens take the engine ~2.4 s at speed 20, ten times the stall window: it is
     # still generating when the router gives up. (At speed 1000 it could finish into the
@@ -504,14 +568,27 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "open": 4,
         "idle": 4,
         "limit": 4,
+        "configured_limit": 4,
         "at_limit": True,
         "limit_reached_total": 1,
         "shed_total": 1,
+        "accept_failing": False,
+        "accept_failures_total": 0,
+        "protocol_errors": {},
+        "open_files": {
+            "soft": 65536,
+            "hard": 65536,
+            "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
+            "reserve": 2 * (2 + 4) + 179,
+            "raised_from": None,
+            "note": None,
+        },
     }
     metrics = stack.ctx.metrics.render().decode()
     assert 'narwhal_client_connections{state="idle"} 4.0' in metrics
     assert 'narwhal_client_connections{state="busy"} 0.0' in metrics
     assert "narwhal_client_connection_limit 4.0" in metrics
+    assert "narwhal_client_connection_limit_configured 4.0" in metrics
     assert "narwhal_client_connection_limit_reached_total 1.0" in metrics
     assert "narwhal_client_connections_shed_total 1.0" in metrics
     # The others are served as before: one of them ends its head.
@@ -526,9 +603,21 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "open": 3,  # with the one asking
         "idle": 2,
         "limit": 4,
+        "configured_limit": 4,
         "at_limit": False,
         "limit_reached_total": 1,
         "shed_total": 1,
+        "accept_failing": False,
+        "accept_failures_total": 0,
+        "protocol_errors": {},
+        "open_files": {
+            "soft": 65536,
+            "hard": 65536,
+            "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
+            "reserve": 2 * (2 + 4) + 179,
+            "raised_from": None,
+            "note": None,
+        },
     }
     assert [
         (r.levelname, r.getMessage())

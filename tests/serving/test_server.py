@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
+import os
 import socket
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
+from narwhal._errors import MalformedRequest
 from narwhal.serving import serve_app
 from narwhal.serving._client import eager
 from narwhal.serving._connections import OpenConnections
-from narwhal.serving._server import _ClientLeft, _ClientWatch, accept_pending
+from narwhal.serving._server import (
+    _accept_until_cancelled,
+    _ClientLeft,
+    _ClientWatch,
+    accept_pending,
+)
 
 
 def _listening() -> socket.socket:
@@ -32,15 +42,82 @@ async def test_every_pending_connection_is_accepted_without_yielding() -> None:
         clients = [socket.create_connection(listening.getsockname()) for _ in range(5)]
         try:
             # Loopback connects complete in the kernel's backlog before accept().
-            first = accept_pending(listening, 3)
-            rest = accept_pending(listening, 10)
-            assert (len(first), len(rest)) == (3, 2)
-            assert accept_pending(listening, 10) == []
+            first, stopped = accept_pending(listening, 3)
+            rest, stopped_again = accept_pending(listening, 10)
+            assert (len(first), len(rest), stopped, stopped_again) == (3, 2, None, None)
+            assert accept_pending(listening, 10) == ([], None)
             for stream in first + rest:
                 stream.socket.close()
         finally:
             for client in clients:
                 client.close()
+
+
+class _ExhaustedListening:
+    """A listening socket whose accept() fails with EMFILE `failures` times, then finds the
+    backlog empty. It is readable until then: its descriptor is one end of a socket pair
+    with a byte waiting, read when the backlog is found empty."""
+
+    def __init__(self, failures: int) -> None:
+        self._readable, self._writer = socket.socketpair()
+        self._writer.send(b"x")
+        self.failures = failures
+        self.attempts = 0
+
+    def fileno(self) -> int:
+        return self._readable.fileno()
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        self.attempts += 1
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        self._readable.recv(1)
+        raise BlockingIOError
+
+    def close(self) -> None:
+        self._readable.close()
+        self._writer.close()
+
+
+async def _never_called(stream: trio.SocketStream) -> None:
+    raise AssertionError("no connection was accepted")
+
+
+async def test_running_out_of_descriptors_is_one_episode_retried_every_tenth_of_a_second(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    failed: list[str] = []
+    limit = OpenConnections(8, on_accept_failed=failed.append)
+    listening = _ExhaustedListening(failures=30)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                _accept_until_cancelled,
+                cast(socket.socket, listening),
+                _never_called,
+                nursery,
+                limit,
+            )
+            await trio.sleep(1.0)
+            assert limit.statistics().accept_failing
+            await trio.sleep(2.5)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    finally:
+        listening.close()
+    assert (listening.attempts, len(failed), limit.statistics().accept_failures) == (31, 30, 30)
+    assert not limit.statistics().accept_failing
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "accepting client connections failed: Too many open files (EMFILE), 0 open, "
+            "listen.max_open_connections=8; retrying every 0.1 s while connections wait, "
+            "logged again when it works",
+        ),
+        ("INFO", "accepting client connections again after 3.0 s; 30 attempt(s) failed"),
+    ]
 
 
 async def _hello(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -353,3 +430,114 @@ async def test_at_the_connection_limit_with_none_idle_a_new_connection_waits() -
         assert (stats.limit_reached, stats.shed) == (1, 1)
         for client in held:
             await client.aclose()
+
+
+async def _read_to_end(client: trio.SocketStream) -> bytes:
+    reply = b""
+    with trio.fail_after(5):
+        while data := await client.receive_some(65536):
+            reply += data
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message", "code"),
+    [
+        (
+            b"GARBAGE\r\n\r\n",
+            400,
+            "malformed HTTP/1.1 request: illegal request line: bytearray(b'GARBAGE')",
+            "malformed_request",
+        ),
+        (
+            b"GET / HTTP/1.1\r\n\r\n",
+            400,
+            "malformed HTTP/1.1 request: Missing mandatory Host: header",
+            "malformed_request",
+        ),
+        (
+            # Not yet complete: h11 bounds what it holds of an event it cannot parse yet.
+            b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000,
+            431,
+            "request head larger than 16384 bytes",
+            "request_head_too_large",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
+            501,
+            "malformed HTTP/1.1 request: Only Transfer-Encoding: chunked is supported",
+            "unsupported_transfer_encoding",
+        ),
+        (
+            b"GET / HTTP/1.1\r\nhost: x\r\n" + b"no-colon" * 40 + b"\r\n\r\n",
+            400,
+            "malformed HTTP/1.1 request: illegal header line: bytearray(b'"
+            + "no-colon" * 20
+            + "no-c...",  # h11's reason cut to 200 characters
+            "malformed_request",
+        ),
+    ],
+)
+async def test_a_request_h11_cannot_parse_is_reported_and_answered_with_the_envelope(
+    raw: bytes, status: int, message: str, code: str
+) -> None:
+    # hypercorn answers it itself: the answer had no body, and nothing in Narwhal heard of it.
+    reported: list[MalformedRequest] = []
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                _hello,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                protocol_error=reported.append,
+            )
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            await client.send_all(raw)
+            reply = await _read_to_end(client)
+        shutdown.set()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 %d " % status
+    assert {b"connection: close", b"content-type: application/json"} <= set(lines)
+    assert b"content-length: %d" % len(body) in lines
+    envelope = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
+    }
+    assert json.loads(body) == envelope
+    assert [(e.status, e.envelope()) for e in reported] == [(status, envelope)]
+
+
+async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_error() -> None:
+    reported: list[MalformedRequest] = []
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(
+            partial(
+                serve_app,
+                _hello,
+                host="127.0.0.1",
+                port=0,
+                client_stall_s=1.0,
+                shutdown=shutdown,
+                protocol_error=reported.append,
+            )
+        )
+        async with await trio.open_tcp_stream(host, port) as client:
+            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n")
+            await client.send_eof()
+            await _read_to_end(client)
+        # The same server answers well-formed requests as before, without reporting.
+        async with await trio.open_tcp_stream(host, port) as client:
+            await _answered(client)
+        shutdown.set()
+    assert reported == []
