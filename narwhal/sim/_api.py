@@ -53,10 +53,16 @@ def _j(obj: Any) -> str:
     return json.dumps(obj, separators=_COMPACT)
 
 
-def _validation_error(loc: tuple[str, ...], kind: str, msg: str, body: object) -> ApiError:
+def _validation_error(
+    loc: tuple[str, ...], kind: str, msg: str, value: object, cause: Exception | None = None
+) -> ApiError:
     """FastAPI's refusal of a body its pydantic model rejects, as SGLang's validation
-    handler answers it: 400, "Bad Request", the error's text then its list's."""
-    error = {"type": kind, "loc": loc, "msg": msg, "input": body}
+    handler answers it: 400, "Bad Request", the error's text then its list's. `value` is
+    what pydantic reports as the input (the field's value; the body for a missing field),
+    `cause` a field validator's exception."""
+    error: dict[str, object] = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    if cause is not None:
+        error["ctx"] = {"error": cause}
     return ApiError(400, f"1 validation error:\n  {error!r} {[error]!r}", type_="Bad Request")
 
 
@@ -247,12 +253,14 @@ class Api:
                 header_faults = parse_faults(json.loads(raw), per_request=True)
             except (ValueError, FaultSpecError) as exc:
                 raise ApiError(400, f"invalid X-Sim-Fault header: {exc}") from None
+        stream = bool(body.get("stream") or False)
+        if self.sglang and not chat and "max_tokens" in body:
+            self._sglang_check_completion_max_tokens(body["max_tokens"])
         model = body.get("model")
         if model is not None and model != e.spec.model:
             raise ApiError(
                 404, f"The model `{model}` does not exist.", type_="NotFoundError", param="model"
             )
-        stream = bool(body.get("stream") or False)
         stream_options = body.get("stream_options")
         if stream_options is not None and not stream and not self.sglang:
             # A pydantic model validator in vLLM, so FastAPI's validation handler answers.
@@ -299,11 +307,23 @@ class Api:
                 "messages.",
                 param="input_tokens",
             )
-        max_tokens = body.get("max_completion_tokens") if chat else None
+        min_tokens = body.get("min_tokens") or 0
+        if chat:
+            max_tokens = body.get("max_completion_tokens")
+            if max_tokens is None:
+                max_tokens = body.get("max_tokens")
+        elif "max_tokens" not in body:
+            max_tokens = 16  # vLLM's and SGLang's CompletionRequest default
+        else:
+            max_tokens = body["max_tokens"]
         if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = min(256, limit - prompt_tokens) if chat else 16
+            # No bound (vLLM's get_max_tokens: the context, or a generation config's
+            # max_new_tokens); see SimEngineSpec.unbounded_max_tokens.
+            max_tokens = limit - prompt_tokens
+            bound = e.spec.unbounded_max_tokens
+            if bound is not None:
+                floor = min_tokens if isinstance(min_tokens, int) else 0
+                max_tokens = min(max_tokens, max(bound, floor))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(
                 400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
@@ -323,7 +343,6 @@ class Api:
             )
         if self.sglang and room is not None and leg == "prefill":
             max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
-        min_tokens = body.get("min_tokens") or 0
         if isinstance(min_tokens, int) and min_tokens > max_tokens:
             raise ApiError(
                 400,
@@ -352,6 +371,22 @@ class Api:
             max_tokens=max_tokens,
             header_faults=header_faults,
         )
+
+    @staticmethod
+    def _sglang_check_completion_max_tokens(value: object) -> None:
+        """SGLang's CompletionRequest declares `max_tokens: int = 16` with a validator
+        that it be positive (protocol.py): FastAPI refuses null or 0 before SGLang's code
+        runs, where vLLM reads null as no bound."""
+        if value is None:
+            raise _validation_error(
+                ("body", "max_tokens"), "int_type", "Input should be a valid integer", None
+            )
+        count = json_int(value)
+        if count is not None and count <= 0:
+            cause = ValueError("max_tokens must be positive")
+            raise _validation_error(
+                ("body", "max_tokens"), "value_error", f"Value error, {cause}", count, cause
+            )
 
     def _leg(self, body: dict[str, Any]) -> tuple[str, Any, int | None, bool]:
         """(leg, remote KV, bootstrap room, hold KV after finishing)."""

@@ -61,6 +61,38 @@ async def test_default_max_tokens(start_fleet: StartFleet, client: httpx.AsyncCl
     assert body["usage"]["completion_tokens"] == 300 - body["usage"]["prompt_tokens"]
 
 
+async def test_a_request_without_an_output_bound(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # vLLM reads a completion's max_tokens null as no bound, as a chat without one: the
+    # sim runs both to SimEngineSpec.unbounded_max_tokens (256) within the context, at
+    # least to their min_tokens; an absent max_tokens is the completion's default, 16.
+    timing = SimTiming(max_model_len=400)
+    fleet = await start_fleet(engines=2, speed=200.0, timing=timing)
+    bounded = fleet[0].url
+
+    async def generated(url: str, path: str, **body: object) -> tuple[int, int]:
+        r = await client.post(f"{url}/v1/{path}", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return usage["prompt_tokens"], usage["completion_tokens"]
+
+    chat = [{"role": "user", "content": "Hi"}]
+    assert await generated(bounded, "completions", prompt="hi", max_tokens=None) == (2, 256)
+    assert await generated(bounded, "completions", prompt="hi") == (2, 16)
+    assert (await generated(bounded, "chat/completions", messages=chat))[1] == 256
+    assert (await generated(bounded, "chat/completions", messages=chat, max_tokens=None))[1] == 256
+    done = await generated(bounded, "completions", prompt="hi", max_tokens=None, min_tokens=300)
+    assert done == (2, 300)
+    # Unset (CLI --unbounded-max-tokens context), they run to the context as vLLM does.
+    spec = SimEngineSpec(timing=timing, unbounded_max_tokens=None)
+    (engine,) = await start_fleet(engines=1, speed=200.0, spec=spec)
+    prompt, output = await generated(engine.url, "completions", prompt="hi", max_tokens=None)
+    assert prompt + output == 400
+    prompt, output = await generated(engine.url, "chat/completions", messages=chat)
+    assert prompt + output == 400
+
+
 async def test_completion_stream_framing(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:

@@ -409,3 +409,39 @@ async def test_only_vllm_completions_honour_add_special_tokens(
     # vLLM's CompletionRequest takes add_special_tokens; SGLang's has no such field and
     # always adds the BOS.
     assert await charged(add_special_tokens=False) == await charged() - (dialect == "vllm")
+
+
+def flat(message: str, type_: str = "BadRequestError") -> dict[str, Any]:
+    return {"object": "error", "message": message, "type": type_, "param": None, "code": 400}
+
+
+async def test_a_completion_max_tokens_is_an_integer(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = f"{engine.url}/v1/completions"
+    # CompletionRequest.max_tokens is `int = 16` with a positive validator: FastAPI refuses
+    # null (which vLLM reads as no bound) and 0, streamed or not, through SGLang's
+    # validation handler.
+    for value, error in (
+        (
+            None,
+            "{'type': 'int_type', 'loc': ('body', 'max_tokens'), 'msg': 'Input should be a "
+            "valid integer', 'input': None}",
+        ),
+        (
+            0,
+            "{'type': 'value_error', 'loc': ('body', 'max_tokens'), 'msg': 'Value error, "
+            "max_tokens must be positive', 'input': 0, 'ctx': {'error': ValueError('max_tokens "
+            "must be positive')}}",
+        ),
+    ):
+        for stream in (False, True):
+            r = await client.post(url, json={"prompt": "x", "max_tokens": value, "stream": stream})
+            message = f"1 validation error:\n  {error} [{error}]"
+            assert (r.status_code, r.json()) == (400, flat(message, "Bad Request"))
+    # A chat's max_tokens is optional: null is no bound (256 tokens in the sim).
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": None}
+    r = await client.post(f"{engine.url}/v1/chat/completions", json=chat)
+    assert r.json()["usage"]["completion_tokens"] == 256
+    assert engine.state()["counters"]["rejected_invalid"] == 4
