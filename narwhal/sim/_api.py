@@ -257,7 +257,9 @@ class Api:
         if self.sglang and not chat and "max_tokens" in body:
             self._sglang_check_completion_max_tokens(body["max_tokens"])
         model = body.get("model")
-        if model is not None and model != e.spec.model:
+        if self.sglang:
+            self._sglang_check_lora(body, stream)
+        elif model is not None and model != e.spec.model:
             raise ApiError(
                 404, f"The model `{model}` does not exist.", type_="NotFoundError", param="model"
             )
@@ -372,6 +374,34 @@ class Api:
             header_faults=header_faults,
         )
 
+    def _sglang_check_lora(self, body: dict[str, Any], stream: bool) -> None:
+        """SGLang does not check `model` against the name it serves: its OpenAI routes
+        take any name. Newer builds read `base:adapter` as a LoRA adapter selection,
+        ahead of the request's own `lora_path` (sgl-project/sglang
+        python/sglang/srt/entrypoints/openai/serving_completions.py@004c82e0, the same in
+        serving_chat: `_validate_request` checks the prompt only, and
+        `_resolve_lora_path(request.model, request.lora_path)` in serving_base splits the
+        name at its first colon, an empty adapter meaning none). Its tokenizer manager
+        (`_validate_and_resolve_lora`) then refuses any adapter on a server launched
+        without --enable-lora, which every simulated one is, with a ValueError: 400, or an
+        error event after a stream's 200, like the context check after it."""
+        model = body.get("model")
+        adapter: object = None
+        if isinstance(model, str) and ":" in model:
+            adapter = model.split(":", 1)[1].strip() or None
+        if adapter is None:
+            adapter = body.get("lora_path")
+            if isinstance(adapter, list):
+                adapter = next((a for a in adapter if a), None)
+        if adapter:
+            raise ApiError(
+                400,
+                f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please "
+                "launch the server with --enable-lora flag and preload adapters using "
+                "--lora-paths or /load_lora_adapter endpoint.",
+                streamed=stream,
+            )
+
     @staticmethod
     def _sglang_check_completion_max_tokens(value: object) -> None:
         """SGLang's CompletionRequest declares `max_tokens: int = 16` with a validator
@@ -478,7 +508,9 @@ class Api:
             await self.send_error(resp, ApiError(400, "request body must be a JSON object"))
             return
         model = body.get("model")
-        if model is not None and model != e.spec.model:
+        if model is not None and model != e.spec.model and not self.sglang:
+            # SGLang's /tokenize, like its completions, takes any name (serving_tokenize.py
+            # @0351c1fa reads only the prompt).
             await self.send_error(
                 resp, ApiError(404, f"The model `{model}` does not exist.", param="model")
             )

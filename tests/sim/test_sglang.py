@@ -203,9 +203,6 @@ async def test_missing_room_and_flat_errors(
             r = await client.post(f"{engine.url}/v1/completions", json=request)
             assert (r.status_code, r.json()) == (400, refusal)
         assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 0}
-    r = await client.post(f"{fleet[0].url}/v1/completions", json={"model": "nope", "prompt": "x"})
-    assert r.status_code == 404
-    assert r.json()["object"] == "error"
     # An aggregate server (no --disaggregation-mode) runs plain requests; stream_options
     # default to no usage.
     aggregate = fleet[2]
@@ -445,3 +442,44 @@ async def test_a_completion_max_tokens_is_an_integer(
     r = await client.post(f"{engine.url}/v1/chat/completions", json=chat)
     assert r.json()["usage"]["completion_tokens"] == 256
     assert engine.state()["counters"]["rejected_invalid"] == 4
+
+
+async def test_any_model_name_is_served_and_an_adapter_is_refused(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's OpenAI routes do not check `model` (vLLM answers 404); newer builds read
+    # `base:adapter` as a LoRA adapter, refused by a server launched without --enable-lora
+    # (as its tokenizer manager refuses it: 400, or after a stream's 200).
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = engine.url
+    for name in ("nope", "sim-llama:", "sim-llama: "):
+        for path, body in (
+            ("completions", {"model": name, "prompt": "x", "max_tokens": 2}),
+            ("chat/completions", {"model": name, "messages": [{"role": "user", "content": "x"}]}),
+        ):
+            r = await client.post(f"{url}/v1/{path}", json=body)
+            assert r.status_code == 200, (name, path, r.text)
+            assert r.json()["model"] == engine.engine.spec.model
+    tok = await client.post(f"{url}/tokenize", json={"model": "nope", "prompt": "Hello world"})
+    assert tok.json()["count"] == 3
+    refusal = flat(
+        "LoRA adapter 'sql-expert' was requested, but LoRA is not enabled. Please launch the "
+        "server with --enable-lora flag and preload adapters using --lora-paths or "
+        "/load_lora_adapter endpoint."
+    )
+    adapters: tuple[dict[str, Any], ...] = (
+        {"model": "nope:sql-expert", "prompt": "x"},
+        {"model": "nope: sql-expert ", "prompt": "x", "lora_path": "other"},
+        {"model": "nope", "prompt": "x", "lora_path": "sql-expert"},
+        {"prompt": "x", "lora_path": [None, "sql-expert"]},
+    )
+    for selected in adapters:
+        r = await client.post(f"{url}/v1/completions", json=selected)
+        assert (r.status_code, r.json()) == (400, refusal), selected
+        status, _, raw = await post_stream(
+            client, f"{url}/v1/completions", {**selected, "stream": True}
+        )
+        assert status == 200
+        error, done = sse_payloads(raw)
+        assert (json.loads(error), done) == ({"error": refusal}, "[DONE]")
+    assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 2 * 3}
