@@ -258,6 +258,8 @@ class Api:
             self._sglang_check_completion_max_tokens(body["max_tokens"])
         model = body.get("model")
         if self.sglang:
+            if not chat:
+                self._sglang_check_prompt(body)
             self._sglang_check_lora(body, stream)
         elif model is not None and model != e.spec.model:
             raise ApiError(
@@ -343,9 +345,20 @@ class Api:
                 "messages or the completion to fit within the limit.",
                 streamed=stream,
             )
-        if self.sglang and room is not None and leg == "prefill":
-            max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
-        if isinstance(min_tokens, int) and min_tokens > max_tokens:
+        if self.sglang:
+            # SamplingParams.verify in its tokenizer manager, against the request's own
+            # bound: a prefill server sets max_new_tokens to 1 only later, in its
+            # bootstrap queue, and checks nothing after that.
+            if isinstance(min_tokens, int) and min_tokens > max_tokens:
+                raise ApiError(
+                    400,
+                    f"min_new_tokens must be in [0, max_new_tokens({max_tokens})], got "
+                    f"{min_tokens}.",
+                    streamed=stream,
+                )
+            if room is not None and leg == "prefill":
+                max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
+        elif isinstance(min_tokens, int) and min_tokens > max_tokens:
             raise ApiError(
                 400,
                 f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
@@ -373,6 +386,16 @@ class Api:
             max_tokens=max_tokens,
             header_faults=header_faults,
         )
+
+    def _sglang_check_prompt(self, body: dict[str, Any]) -> None:
+        """SGLang's CompletionRequest requires `prompt` (FastAPI refuses a body without
+        it), and its `_validate_request` an unempty one, before anything else runs (so
+        never after a stream's 200)."""
+        if "prompt" not in body:
+            raise _validation_error(("body", "prompt"), "missing", "Field required", body)
+        prompt = body["prompt"]
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            raise ApiError(400, "Prompt cannot be empty")
 
     def _sglang_check_lora(self, body: dict[str, Any], stream: bool) -> None:
         """SGLang does not check `model` against the name it serves: its OpenAI routes
@@ -570,7 +593,7 @@ class Api:
             if messages is not None:
                 if not isinstance(messages, list):
                     raise _validation_error(
-                        ("body", "messages"), "list_type", "Input should be a valid list", body
+                        ("body", "messages"), "list_type", "Input should be a valid list", messages
                     )
                 ids = self.e.tokenizer.encode(self._chat_text(messages, body))
                 return {"tokens": ids, "count": len(ids)}

@@ -197,7 +197,7 @@ async def test_missing_room_and_flat_errors(
     for engine in (fleet[0], fleet[1]):
         # A disaggregated server refuses a plain request, streamed or not, and one that
         # names a bootstrap server but no room; nothing is scheduled.
-        body = pd_body(fleet[0], 1)
+        body = {**pd_body(fleet[0], 1), "prompt": "x"}
         del body["bootstrap_room"]
         for request in (body, plain, {**plain, "stream": True}):
             r = await client.post(f"{engine.url}/v1/completions", json=request)
@@ -385,6 +385,9 @@ async def test_a_newer_sglang_tokenize_renders_chat_as_its_completions_do(
         both = await client.post(f"{url}/tokenize", json=body)
         assert both.status_code == 400
         assert "Exactly one of 'prompt' or 'messages' must be provided." in both.json()["message"]
+    # Pydantic reports the field's value as the input, not the body.
+    text = await client.post(f"{url}/tokenize", json={"messages": "Hi"})
+    assert "'msg': 'Input should be a valid list', 'input': 'Hi'}" in text.json()["message"]
     # Prompts are counted as before.
     assert (await client.post(f"{url}/tokenize", json={"prompt": "Hello world"})).json()[
         "count"
@@ -483,3 +486,43 @@ async def test_any_model_name_is_served_and_an_adapter_is_refused(
         error, done = sse_payloads(raw)
         assert (json.loads(error), done) == ({"error": refusal}, "[DONE]")
     assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 2 * 3}
+
+
+async def test_min_tokens_is_checked_against_the_request_in_sglang_words(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SamplingParams.verify in its tokenizer manager: against the request's max_tokens,
+    # also on a prefill server, which forces max_new_tokens to 1 only afterwards.
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
+    p, d = fleet[0], fleet[1]
+    body = pd_body(p, 31, min_tokens=7)
+    results: dict[str, httpx.Response] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post_leg, client, d, body, results, "d")
+        nursery.start_soon(post_leg, client, p, body, results, "p")
+    message = "min_new_tokens must be in [0, max_new_tokens(6)], got 7."
+    for leg in ("p", "d"):
+        assert (results[leg].status_code, results[leg].json()) == (400, flat(message))
+    body = pd_body(p, 32, min_tokens=4)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post_leg, client, d, body, results, "d")
+        nursery.start_soon(post_leg, client, p, body, results, "p")
+    assert results["p"].status_code == 200, results["p"].text
+    assert results["d"].json()["usage"]["completion_tokens"] == 6
+
+
+async def test_a_completion_prompt_is_required_and_not_empty(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # CompletionRequest requires `prompt`; `_validate_request` refuses an empty one, both
+    # before a stream starts.
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = f"{engine.url}/v1/completions"
+    empty: tuple[object, ...] = ("", [], [""], [[]])
+    for prompt in empty:
+        for stream in (False, True):
+            r = await client.post(url, json={"prompt": prompt, "stream": stream})
+            assert (r.status_code, r.json()) == (400, flat("Prompt cannot be empty"))
+    r = await client.post(url, json={"max_tokens": 2})
+    assert (r.status_code, r.json()["type"]) == (400, "Bad Request")
+    assert "'loc': ('body', 'prompt'), 'msg': 'Field required'" in r.json()["message"]
