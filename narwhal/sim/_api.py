@@ -253,9 +253,9 @@ class Api:
                 header_faults = parse_faults(json.loads(raw), per_request=True)
             except (ValueError, FaultSpecError) as exc:
                 raise ApiError(400, f"invalid X-Sim-Fault header: {exc}") from None
-        stream = bool(body.get("stream") or False)
         if self.sglang and not chat and "max_tokens" in body:
             self._sglang_check_completion_max_tokens(body["max_tokens"])
+        stream = bool(body.get("stream") or False)
         model = body.get("model")
         if self.sglang:
             if not chat:
@@ -275,10 +275,16 @@ class Api:
                 type_="Bad Request",
                 param="body",
             )
-        include_usage = False
+        include_usage = continuous_usage = False
         if stream and isinstance(stream_options, dict):
             # vLLM defaults include_usage to True, SGLang to False (§4.4, §5.5).
             include_usage = bool(stream_options.get("include_usage", not self.sglang))
+            # vLLM adds the running usage to every chunk, only when include_usage (§4.4).
+            continuous_usage = (
+                include_usage
+                and not self.sglang
+                and bool(stream_options.get("continuous_usage_stats"))
+            )
 
         leg, remote, room, hold_kv = self._leg(body)
         prompt_tokens, prompt_key = self._prompt(body, chat=chat)
@@ -380,6 +386,7 @@ class Api:
             hold_kv=hold_kv,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
             chat=chat,
             prompt_tokens=prompt_tokens,
             prompt_key=prompt_key,
@@ -739,6 +746,7 @@ class Api:
 class _Plan:
     __slots__ = (
         "chat",
+        "continuous_usage",
         "header_faults",
         "hold_kv",
         "include_usage",
@@ -760,6 +768,7 @@ class _Plan:
         hold_kv: bool,
         stream: bool,
         include_usage: bool,
+        continuous_usage: bool,
         chat: bool,
         prompt_tokens: int,
         prompt_key: str,
@@ -772,6 +781,7 @@ class _Plan:
         self.hold_kv = hold_kv
         self.stream = stream
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.chat = chat
         self.prompt_tokens = prompt_tokens
         self.prompt_key = prompt_key
@@ -953,12 +963,29 @@ class _Run:
         return outcome, status
 
     def _role_chunk(self) -> bytes:
-        return (
-            b"data: "
-            + self.head.encode()
-            + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-            + b'"logprobs":null,"finish_reason":null}]}\n\n'
+        chunk = (
+            self.head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            '"logprobs":null,"finish_reason":null}]}'
         )
+        if self.plan.continuous_usage:
+            chunk = self._with_usage(chunk, 0)
+        return b"data: " + chunk.encode() + b"\n\n"
+
+    def _with_usage(self, chunk: str, completion_tokens: int) -> str:
+        """`chunk` with the usage so far (stream_options.continuous_usage_stats). A
+        completion chunk is dumped with every field, so its usage has its null
+        prompt_tokens_details and replaces the null; a chat chunk is dumped without unset
+        fields (§4.2, §4.3)."""
+        p = self.plan.prompt_tokens
+        usage: dict[str, Any] = {
+            "prompt_tokens": p,
+            "total_tokens": p + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        if not self.plan.chat:
+            usage["prompt_tokens_details"] = None
+            return chunk.removesuffix('"usage":null}') + '"usage":' + _j(usage) + "}"
+        return chunk[:-1] + ',"usage":' + _j(usage) + "}"
 
     async def _emit(self) -> tuple[str, int]:
         e, ctx, plan = self.e, self.ctx, self.plan
@@ -1022,6 +1049,8 @@ class _Run:
             out += self._role_chunk()
         text = _j(self.text.text(start, end))
         chunk = self.pre + text + (self.last if final else self.mid)
+        if self.plan.continuous_usage:
+            chunk = self._with_usage(chunk, end)
         out += b"data: " + chunk.encode() + b"\n\n"
         await self.resp.send_chunk(out)
 

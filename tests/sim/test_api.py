@@ -152,6 +152,60 @@ async def test_chat_stream_framing_and_usage_default(
     assert all(c["choices"] for c in sse_json(raw))
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # vLLM: with include_usage (its default once stream_options is there), every chunk also
+    # carries the usage so far; a completion chunk with its null prompt_tokens_details
+    # (dumped with every field), a chat chunk without (§4.2-4.4).
+    fleet = await start_fleet(engines=1, speed=20.0)
+    url = fleet[0].url
+    options = {"continuous_usage_stats": True}
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "stream_options": options}
+    *chunks, final = sse_json((await post_stream(client, f"{url}/v1/completions", body))[2])
+    prompt = final["usage"]["prompt_tokens"]
+    sent = 0
+    for chunk in chunks:
+        sent += chunk["choices"][0]["text"].count(" ")
+        details = {"prompt_tokens_details": None}
+        assert chunk["usage"] == {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + sent,
+            "completion_tokens": sent,
+            **details,
+        }
+    assert (sent, final["choices"]) == (4, [])
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": options,
+    }
+    role, *chunks, final = sse_json(
+        (await post_stream(client, f"{url}/v1/chat/completions", chat))[2]
+    )
+    prompt = final["usage"]["prompt_tokens"]
+    assert role["usage"] == {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt,
+        "completion_tokens": 0,
+    }
+    sent = 0
+    for chunk in chunks:
+        # An event may carry several tokens when the emitter falls behind the steps.
+        sent += len(chunk["choices"][0]["delta"]["content"].split())
+        assert chunk["usage"] == {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + sent,
+            "completion_tokens": sent,
+        }
+    assert sent == 3
+    # Without include_usage, none at all.
+    chat["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    raw = (await post_stream(client, f"{url}/v1/chat/completions", chat))[2]
+    assert all("usage" not in c for c in sse_json(raw))
+
+
 async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
     fleet = await start_fleet(engines=1, **FAST)
     r = await client.post(
