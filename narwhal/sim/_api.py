@@ -253,8 +253,21 @@ class Api:
                 header_faults = parse_faults(json.loads(raw), per_request=True)
             except (ValueError, FaultSpecError) as exc:
                 raise ApiError(400, f"invalid X-Sim-Fault header: {exc}") from None
-        if self.sglang and not chat and "max_tokens" in body:
-            self._sglang_check_completion_max_tokens(body["max_tokens"])
+        if self.sglang:
+            # Its request models declare `stream: bool = False` and `n: int = 1`, so
+            # FastAPI refuses a null for either (protocol.py@9b116dff).
+            for key, kind, msg in (
+                ("stream", "bool_type", "Input should be a valid boolean"),
+                ("n", "int_type", "Input should be a valid integer"),
+            ):
+                if key in body and body[key] is None:
+                    raise _validation_error(("body", key), kind, msg, None)
+            if not chat and "max_tokens" in body:
+                self._sglang_check_completion_max_tokens(body["max_tokens"])
+        n = body.get("n")
+        if n is not None and n != 1:
+            # The engines answer n choices; one simulated request is one sequence.
+            raise ApiError(400, f"n={n!r} is not simulated; send one choice per request", param="n")
         stream = bool(body.get("stream") or False)
         model = body.get("model")
         if self.sglang:

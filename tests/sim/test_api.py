@@ -254,6 +254,8 @@ async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.A
             "model",
             "The model `nope` does not exist.",
         ),
+        # A sim limit, said as one rather than answered with a single choice.
+        ({"prompt": "x", "n": 2}, 400, "n", "n=2 is not simulated; send one choice per request"),
     ],
 )
 async def test_validation_errors_use_the_nested_envelope(

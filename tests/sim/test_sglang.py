@@ -526,3 +526,21 @@ async def test_a_completion_prompt_is_required_and_not_empty(
     r = await client.post(url, json={"max_tokens": 2})
     assert (r.status_code, r.json()["type"]) == (400, "Bad Request")
     assert "'loc': ('body', 'prompt'), 'msg': 'Field required'" in r.json()["message"]
+
+
+async def test_a_null_stream_or_n_is_refused(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's request models declare `stream: bool = False` and `n: int = 1`: FastAPI
+    # refuses a null (which vLLM's chat takes as the default).
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for key, error in (
+        ("stream", "'type': 'bool_type', 'loc': ('body', 'stream'), 'msg': 'Input should be a"),
+        ("n", "'type': 'int_type', 'loc': ('body', 'n'), 'msg': 'Input should be a valid"),
+    ):
+        r = await client.post(f"{engine.url}/v1/chat/completions", json={**chat, key: None})
+        assert (r.status_code, r.json()["type"]) == (400, "Bad Request")
+        assert error in r.json()["message"]
+    r = await client.post(f"{engine.url}/v1/chat/completions", json={**chat, "n": 1})
+    assert r.status_code == 200
