@@ -368,23 +368,16 @@ class Api:
             # SamplingParams.verify in its tokenizer manager, against the request's own
             # bound: a prefill server sets max_new_tokens to 1 only later, in its
             # bootstrap queue, and checks nothing after that.
-            if isinstance(min_tokens, int) and min_tokens > max_tokens:
+            if isinstance(min_tokens, int) and not 0 <= min_tokens <= max_tokens:
+                upper = "max_new_tokens" if min_tokens < 0 else f"max_new_tokens({max_tokens})"
                 raise ApiError(
                     400,
-                    f"min_new_tokens must be in [0, max_new_tokens({max_tokens})], got "
-                    f"{min_tokens}.",
+                    f"min_new_tokens must be in [0, {upper}], got {min_tokens}.",
                     streamed=stream,
                 )
             if room is not None and leg == "prefill":
                 max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
-        elif isinstance(min_tokens, int) and min_tokens > max_tokens:
-            raise ApiError(
-                400,
-                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
-                f"{min_tokens}. (parameter=min_tokens, value={min_tokens})",
-                param="min_tokens",
-            )
-        if prompt_tokens + max_tokens > limit:
+        if not self.sglang and prompt_tokens + max_tokens > limit:
             raise ApiError(
                 400,
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
@@ -392,6 +385,22 @@ class Api:
                 f"{prompt_tokens} input tokens ({max_tokens} > {limit} - {prompt_tokens}).",
                 param="max_tokens",
             )
+        if not self.sglang and isinstance(min_tokens, int):
+            # SamplingParams._verify_args, built after the serving layer's context check.
+            if min_tokens < 0:
+                raise ApiError(
+                    400,
+                    f"min_tokens must be greater than or equal to 0, got {min_tokens}. "
+                    f"(parameter=min_tokens, value={min_tokens})",
+                    param="min_tokens",
+                )
+            if min_tokens > max_tokens:
+                raise ApiError(
+                    400,
+                    f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                    f"{min_tokens}. (parameter=min_tokens, value={min_tokens})",
+                    param="min_tokens",
+                )
         return _Plan(
             leg=leg,
             remote=remote,

@@ -248,6 +248,19 @@ async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.A
             "max_tokens",
             "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
         ),
+        # The context is checked before the sampling parameters are built.
+        (
+            {"prompt": "word " * 8000, "max_tokens": 1000, "min_tokens": 2000},
+            400,
+            "max_tokens",
+            "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
+        ),
+        (
+            {"prompt": "x", "min_tokens": -1},
+            400,
+            "min_tokens",
+            "min_tokens must be greater than or equal to 0, got -1.",
+        ),
         (
             {"model": "nope", "prompt": "x"},
             404,

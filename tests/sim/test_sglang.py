@@ -503,6 +503,10 @@ async def test_min_tokens_is_checked_against_the_request_in_sglang_words(
     message = "min_new_tokens must be in [0, max_new_tokens(6)], got 7."
     for leg in ("p", "d"):
         assert (results[leg].status_code, results[leg].json()) == (400, flat(message))
+    negative = {"prompt": "x", "min_tokens": -1}
+    r = await client.post(f"{p.url}/v1/completions", json={**negative, "bootstrap_room": 33})
+    message = "min_new_tokens must be in [0, max_new_tokens], got -1."
+    assert (r.status_code, r.json()) == (400, flat(message))
     body = pd_body(p, 32, min_tokens=4)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(post_leg, client, d, body, results, "d")
