@@ -83,6 +83,15 @@ def parser() -> argparse.ArgumentParser:
         help="generated tokens per streamed event (SGLang --stream-interval)",
     )
     p.add_argument(
+        "--unbounded-max-tokens",
+        type=_bound,
+        default=256,
+        metavar="N|context",
+        help="tokens generated for a request that sets no output bound (a chat without "
+        "max_tokens, a vLLM completion with max_tokens null), within the context (default "
+        "256; `context` runs it to the context, as the real engines do)",
+    )
+    p.add_argument(
         "--tokenize-messages",
         action="store_true",
         help="SGLang: play a newer build, whose /tokenize also takes chat messages (an "
@@ -100,6 +109,18 @@ def parser() -> argparse.ArgumentParser:
         help="instant engines (SimTiming.zero) for router-overhead measurements",
     )
     return p
+
+
+def _bound(text: str) -> int | None:
+    if text == "context":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor `context`") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
 
 
 def load_profile(path: str) -> SimTiming:
@@ -163,6 +184,7 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
         "stream_interval": args.stream_interval,
         "stock_version": args.stock_version,
         "tokenize_messages": args.tokenize_messages,
+        "unbounded_max_tokens": args.unbounded_max_tokens,
         "api_key": args.api_key,
     }
     if args.build:

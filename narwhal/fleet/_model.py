@@ -11,9 +11,10 @@ It is judged by that answer, not by /v1/models alone: a name a LoRA resolver wou
 is absent from /v1/models until first asked for, and SGLang's OpenAI routes do not check
 the name (its serving_base validates the request's fields, not `model`; newer builds read
 a `base:adapter` name as a LoRA adapter), so an absent name does not mean a refused
-request. (narwhal-sim refuses an unknown name on both dialects.) Recovery reads
-/v1/models at each good probe while the engine is out, and readmits it once the model is
-listed (`narwhal.recovery`).
+request. (narwhal-sim does the same: its vLLM engines refuse an unknown name, its SGLang
+ones take any plain name and refuse an adapter with 400.) Recovery reads /v1/models at each
+good probe while the engine is out, and readmits it once the model is listed
+(`narwhal.recovery`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,14 @@ build whose ``/tokenize`` requires a ``prompt`` (a messages body gets FastAPI's 
 with ``tokenize_messages`` (CLI ``--tokenize-messages``) a newer one whose ``/tokenize``
 also counts chat ``messages`` as its chat completions render them.
 
+Requests are validated as each engine does (notes §3.4, §5.5): a vLLM engine refuses a
+``model`` other than its own with 404; an SGLang one takes any name and refuses a
+``base:adapter`` LoRA selection, as SGLang without ``--enable-lora`` does. A request that
+sets no output bound (a chat without ``max_tokens``, a vLLM completion with ``max_tokens:
+null``, which SGLang refuses) generates ``unbounded_max_tokens`` tokens (default 256, CLI
+``--unbounded-max-tokens``) within the context; the engines run it to the context, which
+``None`` (CLI ``context``) does too. ``n`` other than 1 is refused as not simulated.
+
 `SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
 H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,
 SGLang timeouts) by K. `SimTiming.zero()` is an instant engine whose steps still take

@@ -53,10 +53,16 @@ def _j(obj: Any) -> str:
     return json.dumps(obj, separators=_COMPACT)
 
 
-def _validation_error(loc: tuple[str, ...], kind: str, msg: str, body: object) -> ApiError:
+def _validation_error(
+    loc: tuple[str, ...], kind: str, msg: str, value: object, cause: Exception | None = None
+) -> ApiError:
     """FastAPI's refusal of a body its pydantic model rejects, as SGLang's validation
-    handler answers it: 400, "Bad Request", the error's text then its list's."""
-    error = {"type": kind, "loc": loc, "msg": msg, "input": body}
+    handler answers it: 400, "Bad Request", the error's text then its list's. `value` is
+    what pydantic reports as the input (the field's value; the body for a missing field),
+    `cause` a field validator's exception."""
+    error: dict[str, object] = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    if cause is not None:
+        error["ctx"] = {"error": cause}
     return ApiError(400, f"1 validation error:\n  {error!r} {[error]!r}", type_="Bad Request")
 
 
@@ -247,12 +253,31 @@ class Api:
                 header_faults = parse_faults(json.loads(raw), per_request=True)
             except (ValueError, FaultSpecError) as exc:
                 raise ApiError(400, f"invalid X-Sim-Fault header: {exc}") from None
+        if self.sglang:
+            # Its request models declare `stream: bool = False` and `n: int = 1`, so
+            # FastAPI refuses a null for either (protocol.py@9b116dff).
+            for key, kind, msg in (
+                ("stream", "bool_type", "Input should be a valid boolean"),
+                ("n", "int_type", "Input should be a valid integer"),
+            ):
+                if key in body and body[key] is None:
+                    raise _validation_error(("body", key), kind, msg, None)
+            if not chat and "max_tokens" in body:
+                self._sglang_check_completion_max_tokens(body["max_tokens"])
+        n = body.get("n")
+        if n is not None and n != 1:
+            # The engines answer n choices; one simulated request is one sequence.
+            raise ApiError(400, f"n={n!r} is not simulated; send one choice per request", param="n")
+        stream = bool(body.get("stream") or False)
         model = body.get("model")
-        if model is not None and model != e.spec.model:
+        if self.sglang:
+            if not chat:
+                self._sglang_check_prompt(body)
+            self._sglang_check_lora(body, stream)
+        elif model is not None and model != e.spec.model:
             raise ApiError(
                 404, f"The model `{model}` does not exist.", type_="NotFoundError", param="model"
             )
-        stream = bool(body.get("stream") or False)
         stream_options = body.get("stream_options")
         if stream_options is not None and not stream and not self.sglang:
             # A pydantic model validator in vLLM, so FastAPI's validation handler answers.
@@ -263,10 +288,16 @@ class Api:
                 type_="Bad Request",
                 param="body",
             )
-        include_usage = False
+        include_usage = continuous_usage = False
         if stream and isinstance(stream_options, dict):
             # vLLM defaults include_usage to True, SGLang to False (§4.4, §5.5).
             include_usage = bool(stream_options.get("include_usage", not self.sglang))
+            # vLLM adds the running usage to every chunk, only when include_usage (§4.4).
+            continuous_usage = (
+                include_usage
+                and not self.sglang
+                and bool(stream_options.get("continuous_usage_stats"))
+            )
 
         leg, remote, room, hold_kv = self._leg(body)
         prompt_tokens, prompt_key = self._prompt(body, chat=chat)
@@ -299,11 +330,23 @@ class Api:
                 "messages.",
                 param="input_tokens",
             )
-        max_tokens = body.get("max_completion_tokens") if chat else None
+        min_tokens = body.get("min_tokens") or 0
+        if chat:
+            max_tokens = body.get("max_completion_tokens")
+            if max_tokens is None:
+                max_tokens = body.get("max_tokens")
+        elif "max_tokens" not in body:
+            max_tokens = 16  # vLLM's and SGLang's CompletionRequest default
+        else:
+            max_tokens = body["max_tokens"]
         if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = min(256, limit - prompt_tokens) if chat else 16
+            # No bound (vLLM's get_max_tokens: the context, or a generation config's
+            # max_new_tokens); see SimEngineSpec.unbounded_max_tokens.
+            max_tokens = limit - prompt_tokens
+            bound = e.spec.unbounded_max_tokens
+            if bound is not None:
+                floor = min_tokens if isinstance(min_tokens, int) else 0
+                max_tokens = min(max_tokens, max(bound, floor))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(
                 400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
@@ -321,17 +364,20 @@ class Api:
                 "messages or the completion to fit within the limit.",
                 streamed=stream,
             )
-        if self.sglang and room is not None and leg == "prefill":
-            max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
-        min_tokens = body.get("min_tokens") or 0
-        if isinstance(min_tokens, int) and min_tokens > max_tokens:
-            raise ApiError(
-                400,
-                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
-                f"{min_tokens}. (parameter=min_tokens, value={min_tokens})",
-                param="min_tokens",
-            )
-        if prompt_tokens + max_tokens > limit:
+        if self.sglang:
+            # SamplingParams.verify in its tokenizer manager, against the request's own
+            # bound: a prefill server sets max_new_tokens to 1 only later, in its
+            # bootstrap queue, and checks nothing after that.
+            if isinstance(min_tokens, int) and not 0 <= min_tokens <= max_tokens:
+                upper = "max_new_tokens" if min_tokens < 0 else f"max_new_tokens({max_tokens})"
+                raise ApiError(
+                    400,
+                    f"min_new_tokens must be in [0, {upper}], got {min_tokens}.",
+                    streamed=stream,
+                )
+            if room is not None and leg == "prefill":
+                max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
+        if not self.sglang and prompt_tokens + max_tokens > limit:
             raise ApiError(
                 400,
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
@@ -339,6 +385,22 @@ class Api:
                 f"{prompt_tokens} input tokens ({max_tokens} > {limit} - {prompt_tokens}).",
                 param="max_tokens",
             )
+        if not self.sglang and isinstance(min_tokens, int):
+            # SamplingParams._verify_args, built after the serving layer's context check.
+            if min_tokens < 0:
+                raise ApiError(
+                    400,
+                    f"min_tokens must be greater than or equal to 0, got {min_tokens}. "
+                    f"(parameter=min_tokens, value={min_tokens})",
+                    param="min_tokens",
+                )
+            if min_tokens > max_tokens:
+                raise ApiError(
+                    400,
+                    f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                    f"{min_tokens}. (parameter=min_tokens, value={min_tokens})",
+                    param="min_tokens",
+                )
         return _Plan(
             leg=leg,
             remote=remote,
@@ -346,12 +408,67 @@ class Api:
             hold_kv=hold_kv,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
             chat=chat,
             prompt_tokens=prompt_tokens,
             prompt_key=prompt_key,
             max_tokens=max_tokens,
             header_faults=header_faults,
         )
+
+    def _sglang_check_prompt(self, body: dict[str, Any]) -> None:
+        """SGLang's CompletionRequest requires `prompt` (FastAPI refuses a body without
+        it), and its `_validate_request` an unempty one, before anything else runs (so
+        never after a stream's 200)."""
+        if "prompt" not in body:
+            raise _validation_error(("body", "prompt"), "missing", "Field required", body)
+        prompt = body["prompt"]
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            raise ApiError(400, "Prompt cannot be empty")
+
+    def _sglang_check_lora(self, body: dict[str, Any], stream: bool) -> None:
+        """SGLang does not check `model` against the name it serves: its OpenAI routes
+        take any name. Newer builds read `base:adapter` as a LoRA adapter selection,
+        ahead of the request's own `lora_path` (sgl-project/sglang
+        python/sglang/srt/entrypoints/openai/serving_completions.py@004c82e0, the same in
+        serving_chat: `_validate_request` checks the prompt only, and
+        `_resolve_lora_path(request.model, request.lora_path)` in serving_base splits the
+        name at its first colon, an empty adapter meaning none). Its tokenizer manager
+        (`_validate_and_resolve_lora`) then refuses any adapter on a server launched
+        without --enable-lora, which every simulated one is, with a ValueError: 400, or an
+        error event after a stream's 200, like the context check after it."""
+        model = body.get("model")
+        adapter: object = None
+        if isinstance(model, str) and ":" in model:
+            adapter = model.split(":", 1)[1].strip() or None
+        if adapter is None:
+            adapter = body.get("lora_path")
+            if isinstance(adapter, list):
+                adapter = next((a for a in adapter if a), None)
+        if adapter:
+            raise ApiError(
+                400,
+                f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please "
+                "launch the server with --enable-lora flag and preload adapters using "
+                "--lora-paths or /load_lora_adapter endpoint.",
+                streamed=stream,
+            )
+
+    @staticmethod
+    def _sglang_check_completion_max_tokens(value: object) -> None:
+        """SGLang's CompletionRequest declares `max_tokens: int = 16` with a validator
+        that it be positive (protocol.py): FastAPI refuses null or 0 before SGLang's code
+        runs, where vLLM reads null as no bound."""
+        if value is None:
+            raise _validation_error(
+                ("body", "max_tokens"), "int_type", "Input should be a valid integer", None
+            )
+        count = json_int(value)
+        if count is not None and count <= 0:
+            cause = ValueError("max_tokens must be positive")
+            raise _validation_error(
+                ("body", "max_tokens"), "value_error", f"Value error, {cause}", count, cause
+            )
 
     def _leg(self, body: dict[str, Any]) -> tuple[str, Any, int | None, bool]:
         """(leg, remote KV, bootstrap room, hold KV after finishing)."""
@@ -443,7 +560,9 @@ class Api:
             await self.send_error(resp, ApiError(400, "request body must be a JSON object"))
             return
         model = body.get("model")
-        if model is not None and model != e.spec.model:
+        if model is not None and model != e.spec.model and not self.sglang:
+            # SGLang's /tokenize, like its completions, takes any name (serving_tokenize.py
+            # @0351c1fa reads only the prompt).
             await self.send_error(
                 resp, ApiError(404, f"The model `{model}` does not exist.", param="model")
             )
@@ -503,7 +622,7 @@ class Api:
             if messages is not None:
                 if not isinstance(messages, list):
                     raise _validation_error(
-                        ("body", "messages"), "list_type", "Input should be a valid list", body
+                        ("body", "messages"), "list_type", "Input should be a valid list", messages
                     )
                 ids = self.e.tokenizer.encode(self._chat_text(messages, body))
                 return {"tokens": ids, "count": len(ids)}
@@ -649,6 +768,7 @@ class Api:
 class _Plan:
     __slots__ = (
         "chat",
+        "continuous_usage",
         "header_faults",
         "hold_kv",
         "include_usage",
@@ -670,6 +790,7 @@ class _Plan:
         hold_kv: bool,
         stream: bool,
         include_usage: bool,
+        continuous_usage: bool,
         chat: bool,
         prompt_tokens: int,
         prompt_key: str,
@@ -682,6 +803,7 @@ class _Plan:
         self.hold_kv = hold_kv
         self.stream = stream
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.chat = chat
         self.prompt_tokens = prompt_tokens
         self.prompt_key = prompt_key
@@ -863,12 +985,29 @@ class _Run:
         return outcome, status
 
     def _role_chunk(self) -> bytes:
-        return (
-            b"data: "
-            + self.head.encode()
-            + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-            + b'"logprobs":null,"finish_reason":null}]}\n\n'
+        chunk = (
+            self.head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            '"logprobs":null,"finish_reason":null}]}'
         )
+        if self.plan.continuous_usage:
+            chunk = self._with_usage(chunk, 0)
+        return b"data: " + chunk.encode() + b"\n\n"
+
+    def _with_usage(self, chunk: str, completion_tokens: int) -> str:
+        """`chunk` with the usage so far (stream_options.continuous_usage_stats). A
+        completion chunk is dumped with every field, so its usage has its null
+        prompt_tokens_details and replaces the null; a chat chunk is dumped without unset
+        fields (§4.2, §4.3)."""
+        p = self.plan.prompt_tokens
+        usage: dict[str, Any] = {
+            "prompt_tokens": p,
+            "total_tokens": p + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        if not self.plan.chat:
+            usage["prompt_tokens_details"] = None
+            return chunk.removesuffix('"usage":null}') + '"usage":' + _j(usage) + "}"
+        return chunk[:-1] + ',"usage":' + _j(usage) + "}"
 
     async def _emit(self) -> tuple[str, int]:
         e, ctx, plan = self.e, self.ctx, self.plan
@@ -932,6 +1071,8 @@ class _Run:
             out += self._role_chunk()
         text = _j(self.text.text(start, end))
         chunk = self.pre + text + (self.last if final else self.mid)
+        if self.plan.continuous_usage:
+            chunk = self._with_usage(chunk, end)
         out += b"data: " + chunk.encode() + b"\n\n"
         await self.resp.send_chunk(out)
 

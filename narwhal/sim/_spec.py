@@ -56,6 +56,15 @@ class SimEngineSpec:
     # /version as stock vLLM and SGLang answer it: the version alone, no build or instance
     # id, so a restart shows only in /metrics (vLLM) or as an unreachable period.
     stock_version: bool = False
+    # The output bound of a request that sets none: a chat without max_tokens or
+    # max_completion_tokens (both dialects) or a vLLM completion with max_tokens null (an
+    # absent one is 16). It generates min(this, context - prompt) tokens, at least its
+    # min_tokens. The real engines run such a request to the context (vLLM: unless the
+    # model's generation_config.json sets max_new_tokens, which caps every request, bounded
+    # or not). A simulated fleet keeps a chat answer's order instead, so that a test or a
+    # benchmark that leaves the bound out does not decode thousands of tokens per request;
+    # None runs to the context as the engines do.
+    unbounded_max_tokens: int | None = attrs.field(default=256, validator=_optional_positive_int)
     # vLLM --max-num-queued-reqs (waiting + running); None means unbounded, as vLLM's default.
     max_num_queued: int | None = attrs.field(default=None, validator=_optional_positive_int)
     timing: SimTiming = attrs.Factory(SimTiming)

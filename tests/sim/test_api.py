@@ -61,6 +61,38 @@ async def test_default_max_tokens(start_fleet: StartFleet, client: httpx.AsyncCl
     assert body["usage"]["completion_tokens"] == 300 - body["usage"]["prompt_tokens"]
 
 
+async def test_a_request_without_an_output_bound(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # vLLM reads a completion's max_tokens null as no bound, as a chat without one: the
+    # sim runs both to SimEngineSpec.unbounded_max_tokens (256) within the context, at
+    # least to their min_tokens; an absent max_tokens is the completion's default, 16.
+    timing = SimTiming(max_model_len=400)
+    fleet = await start_fleet(engines=2, speed=200.0, timing=timing)
+    bounded = fleet[0].url
+
+    async def generated(url: str, path: str, **body: object) -> tuple[int, int]:
+        r = await client.post(f"{url}/v1/{path}", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return usage["prompt_tokens"], usage["completion_tokens"]
+
+    chat = [{"role": "user", "content": "Hi"}]
+    assert await generated(bounded, "completions", prompt="hi", max_tokens=None) == (2, 256)
+    assert await generated(bounded, "completions", prompt="hi") == (2, 16)
+    assert (await generated(bounded, "chat/completions", messages=chat))[1] == 256
+    assert (await generated(bounded, "chat/completions", messages=chat, max_tokens=None))[1] == 256
+    done = await generated(bounded, "completions", prompt="hi", max_tokens=None, min_tokens=300)
+    assert done == (2, 300)
+    # Unset (CLI --unbounded-max-tokens context), they run to the context as vLLM does.
+    spec = SimEngineSpec(timing=timing, unbounded_max_tokens=None)
+    (engine,) = await start_fleet(engines=1, speed=200.0, spec=spec)
+    prompt, output = await generated(engine.url, "completions", prompt="hi", max_tokens=None)
+    assert prompt + output == 400
+    prompt, output = await generated(engine.url, "chat/completions", messages=chat)
+    assert prompt + output == 400
+
+
 async def test_completion_stream_framing(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
@@ -120,6 +152,60 @@ async def test_chat_stream_framing_and_usage_default(
     assert all(c["choices"] for c in sse_json(raw))
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # vLLM: with include_usage (its default once stream_options is there), every chunk also
+    # carries the usage so far; a completion chunk with its null prompt_tokens_details
+    # (dumped with every field), a chat chunk without (§4.2-4.4).
+    fleet = await start_fleet(engines=1, speed=20.0)
+    url = fleet[0].url
+    options = {"continuous_usage_stats": True}
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "stream_options": options}
+    *chunks, final = sse_json((await post_stream(client, f"{url}/v1/completions", body))[2])
+    prompt = final["usage"]["prompt_tokens"]
+    sent = 0
+    for chunk in chunks:
+        sent += chunk["choices"][0]["text"].count(" ")
+        details = {"prompt_tokens_details": None}
+        assert chunk["usage"] == {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + sent,
+            "completion_tokens": sent,
+            **details,
+        }
+    assert (sent, final["choices"]) == (4, [])
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": options,
+    }
+    role, *chunks, final = sse_json(
+        (await post_stream(client, f"{url}/v1/chat/completions", chat))[2]
+    )
+    prompt = final["usage"]["prompt_tokens"]
+    assert role["usage"] == {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt,
+        "completion_tokens": 0,
+    }
+    sent = 0
+    for chunk in chunks:
+        # An event may carry several tokens when the emitter falls behind the steps.
+        sent += len(chunk["choices"][0]["delta"]["content"].split())
+        assert chunk["usage"] == {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + sent,
+            "completion_tokens": sent,
+        }
+    assert sent == 3
+    # Without include_usage, none at all.
+    chat["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    raw = (await post_stream(client, f"{url}/v1/chat/completions", chat))[2]
+    assert all("usage" not in c for c in sse_json(raw))
+
+
 async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
     fleet = await start_fleet(engines=1, **FAST)
     r = await client.post(
@@ -162,12 +248,27 @@ async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.A
             "max_tokens",
             "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
         ),
+        # The context is checked before the sampling parameters are built.
+        (
+            {"prompt": "word " * 8000, "max_tokens": 1000, "min_tokens": 2000},
+            400,
+            "max_tokens",
+            "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
+        ),
+        (
+            {"prompt": "x", "min_tokens": -1},
+            400,
+            "min_tokens",
+            "min_tokens must be greater than or equal to 0, got -1.",
+        ),
         (
             {"model": "nope", "prompt": "x"},
             404,
             "model",
             "The model `nope` does not exist.",
         ),
+        # A sim limit, said as one rather than answered with a single choice.
+        ({"prompt": "x", "n": 2}, 400, "n", "n=2 is not simulated; send one choice per request"),
     ],
 )
 async def test_validation_errors_use_the_nested_envelope(

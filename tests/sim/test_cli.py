@@ -99,6 +99,11 @@ def test_cli_options_reach_the_engine_spec() -> None:
     assert not spec.tokenize_messages
     newer = sim_cli.parser().parse_args(["--dialect", "sglang", "--tokenize-messages"])
     assert sim_cli.spec_from_args(newer).tokenize_messages
+    # A request without an output bound: 256 tokens by default, or a count, or the context.
+    assert spec.unbounded_max_tokens == 256
+    for option, bound in (("64", 64), ("context", None)):
+        bounded = sim_cli.parser().parse_args(["--unbounded-max-tokens", option])
+        assert sim_cli.spec_from_args(bounded).unbounded_max_tokens == bound
     with pytest.raises(ValueError, match="--engines is 0; must be >= 1"):
         sim_cli.spec_from_args(sim_cli.parser().parse_args(["--engines", "0"]))
 

@@ -197,15 +197,12 @@ async def test_missing_room_and_flat_errors(
     for engine in (fleet[0], fleet[1]):
         # A disaggregated server refuses a plain request, streamed or not, and one that
         # names a bootstrap server but no room; nothing is scheduled.
-        body = pd_body(fleet[0], 1)
+        body = {**pd_body(fleet[0], 1), "prompt": "x"}
         del body["bootstrap_room"]
         for request in (body, plain, {**plain, "stream": True}):
             r = await client.post(f"{engine.url}/v1/completions", json=request)
             assert (r.status_code, r.json()) == (400, refusal)
         assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 0}
-    r = await client.post(f"{fleet[0].url}/v1/completions", json={"model": "nope", "prompt": "x"})
-    assert r.status_code == 404
-    assert r.json()["object"] == "error"
     # An aggregate server (no --disaggregation-mode) runs plain requests; stream_options
     # default to no usage.
     aggregate = fleet[2]
@@ -388,6 +385,9 @@ async def test_a_newer_sglang_tokenize_renders_chat_as_its_completions_do(
         both = await client.post(f"{url}/tokenize", json=body)
         assert both.status_code == 400
         assert "Exactly one of 'prompt' or 'messages' must be provided." in both.json()["message"]
+    # Pydantic reports the field's value as the input, not the body.
+    text = await client.post(f"{url}/tokenize", json={"messages": "Hi"})
+    assert "'msg': 'Input should be a valid list', 'input': 'Hi'}" in text.json()["message"]
     # Prompts are counted as before.
     assert (await client.post(f"{url}/tokenize", json={"prompt": "Hello world"})).json()[
         "count"
@@ -409,3 +409,142 @@ async def test_only_vllm_completions_honour_add_special_tokens(
     # vLLM's CompletionRequest takes add_special_tokens; SGLang's has no such field and
     # always adds the BOS.
     assert await charged(add_special_tokens=False) == await charged() - (dialect == "vllm")
+
+
+def flat(message: str, type_: str = "BadRequestError") -> dict[str, Any]:
+    return {"object": "error", "message": message, "type": type_, "param": None, "code": 400}
+
+
+async def test_a_completion_max_tokens_is_an_integer(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = f"{engine.url}/v1/completions"
+    # CompletionRequest.max_tokens is `int = 16` with a positive validator: FastAPI refuses
+    # null (which vLLM reads as no bound) and 0, streamed or not, through SGLang's
+    # validation handler.
+    for value, error in (
+        (
+            None,
+            "{'type': 'int_type', 'loc': ('body', 'max_tokens'), 'msg': 'Input should be a "
+            "valid integer', 'input': None}",
+        ),
+        (
+            0,
+            "{'type': 'value_error', 'loc': ('body', 'max_tokens'), 'msg': 'Value error, "
+            "max_tokens must be positive', 'input': 0, 'ctx': {'error': ValueError('max_tokens "
+            "must be positive')}}",
+        ),
+    ):
+        for stream in (False, True):
+            r = await client.post(url, json={"prompt": "x", "max_tokens": value, "stream": stream})
+            message = f"1 validation error:\n  {error} [{error}]"
+            assert (r.status_code, r.json()) == (400, flat(message, "Bad Request"))
+    # A chat's max_tokens is optional: null is no bound (256 tokens in the sim).
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": None}
+    r = await client.post(f"{engine.url}/v1/chat/completions", json=chat)
+    assert r.json()["usage"]["completion_tokens"] == 256
+    assert engine.state()["counters"]["rejected_invalid"] == 4
+
+
+async def test_any_model_name_is_served_and_an_adapter_is_refused(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's OpenAI routes do not check `model` (vLLM answers 404); newer builds read
+    # `base:adapter` as a LoRA adapter, refused by a server launched without --enable-lora
+    # (as its tokenizer manager refuses it: 400, or after a stream's 200).
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = engine.url
+    for name in ("nope", "sim-llama:", "sim-llama: "):
+        for path, body in (
+            ("completions", {"model": name, "prompt": "x", "max_tokens": 2}),
+            ("chat/completions", {"model": name, "messages": [{"role": "user", "content": "x"}]}),
+        ):
+            r = await client.post(f"{url}/v1/{path}", json=body)
+            assert r.status_code == 200, (name, path, r.text)
+            assert r.json()["model"] == engine.engine.spec.model
+    tok = await client.post(f"{url}/tokenize", json={"model": "nope", "prompt": "Hello world"})
+    assert tok.json()["count"] == 3
+    refusal = flat(
+        "LoRA adapter 'sql-expert' was requested, but LoRA is not enabled. Please launch the "
+        "server with --enable-lora flag and preload adapters using --lora-paths or "
+        "/load_lora_adapter endpoint."
+    )
+    adapters: tuple[dict[str, Any], ...] = (
+        {"model": "nope:sql-expert", "prompt": "x"},
+        {"model": "nope: sql-expert ", "prompt": "x", "lora_path": "other"},
+        {"model": "nope", "prompt": "x", "lora_path": "sql-expert"},
+        {"prompt": "x", "lora_path": [None, "sql-expert"]},
+    )
+    for selected in adapters:
+        r = await client.post(f"{url}/v1/completions", json=selected)
+        assert (r.status_code, r.json()) == (400, refusal), selected
+        status, _, raw = await post_stream(
+            client, f"{url}/v1/completions", {**selected, "stream": True}
+        )
+        assert status == 200
+        error, done = sse_payloads(raw)
+        assert (json.loads(error), done) == ({"error": refusal}, "[DONE]")
+    assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 2 * 3}
+
+
+async def test_min_tokens_is_checked_against_the_request_in_sglang_words(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SamplingParams.verify in its tokenizer manager: against the request's max_tokens,
+    # also on a prefill server, which forces max_new_tokens to 1 only afterwards.
+    fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
+    p, d = fleet[0], fleet[1]
+    body = pd_body(p, 31, min_tokens=7)
+    results: dict[str, httpx.Response] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post_leg, client, d, body, results, "d")
+        nursery.start_soon(post_leg, client, p, body, results, "p")
+    message = "min_new_tokens must be in [0, max_new_tokens(6)], got 7."
+    for leg in ("p", "d"):
+        assert (results[leg].status_code, results[leg].json()) == (400, flat(message))
+    negative = {"prompt": "x", "min_tokens": -1}
+    r = await client.post(f"{p.url}/v1/completions", json={**negative, "bootstrap_room": 33})
+    message = "min_new_tokens must be in [0, max_new_tokens], got -1."
+    assert (r.status_code, r.json()) == (400, flat(message))
+    body = pd_body(p, 32, min_tokens=4)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post_leg, client, d, body, results, "d")
+        nursery.start_soon(post_leg, client, p, body, results, "p")
+    assert results["p"].status_code == 200, results["p"].text
+    assert results["d"].json()["usage"]["completion_tokens"] == 6
+
+
+async def test_a_completion_prompt_is_required_and_not_empty(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # CompletionRequest requires `prompt`; `_validate_request` refuses an empty one, both
+    # before a stream starts.
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = f"{engine.url}/v1/completions"
+    empty: tuple[object, ...] = ("", [], [""], [[]])
+    for prompt in empty:
+        for stream in (False, True):
+            r = await client.post(url, json={"prompt": prompt, "stream": stream})
+            assert (r.status_code, r.json()) == (400, flat("Prompt cannot be empty"))
+    r = await client.post(url, json={"max_tokens": 2})
+    assert (r.status_code, r.json()["type"]) == (400, "Bad Request")
+    assert "'loc': ('body', 'prompt'), 'msg': 'Field required'" in r.json()["message"]
+
+
+async def test_a_null_stream_or_n_is_refused(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang's request models declare `stream: bool = False` and `n: int = 1`: FastAPI
+    # refuses a null (which vLLM's chat takes as the default).
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for key, error in (
+        ("stream", "'type': 'bool_type', 'loc': ('body', 'stream'), 'msg': 'Input should be a"),
+        ("n", "'type': 'int_type', 'loc': ('body', 'n'), 'msg': 'Input should be a valid"),
+    ):
+        r = await client.post(f"{engine.url}/v1/chat/completions", json={**chat, key: None})
+        assert (r.status_code, r.json()["type"]) == (400, "Bad Request")
+        assert error in r.json()["message"]
+    r = await client.post(f"{engine.url}/v1/chat/completions", json={**chat, "n": 1})
+    assert r.status_code == 200
