@@ -32,6 +32,9 @@ Transfer-Encoding other than chunked) is answered by hypercorn itself, with a ba
 400/431/501 and no body. `_ClientProtocolErrors`, the h11 connection H11Protocol is given,
 reports it (counted and logged by the caller) and gives that answer the error envelope.
 
+The same connection holds h11's head limit to complete heads: h11 checks it only while
+a head is still arriving, so a larger head that came in one read was served.
+
 This relies on hypercorn's TCPServer/WorkerContext classes (TCPServer's _read_data and
 idle_task, H11Protocol's can_read and connection, and that H11Protocol answers a
 RemoteProtocolError from its connection's next_event by sending a Response with the
@@ -249,9 +252,19 @@ def _ignore_protocol_error(error: MalformedRequest) -> None:
     pass
 
 
+class _Refused(h11.RemoteProtocolError):
+    """A request h11 parsed that Narwhal does not serve, raised where h11 raises its own
+    errors so that hypercorn answers it the same way."""
+
+    def __init__(self, error: MalformedRequest) -> None:
+        super().__init__(error.message, error_status_hint=error.status)
+        self.error = error
+
+
 class _ClientProtocolErrors(h11.Connection):
     """The h11 server connection of one client connection, which reports the client's
-    protocol errors and answers them with the error envelope.
+    protocol errors and answers them with the error envelope, and hands hypercorn only
+    requests with a head within the limit.
 
     hypercorn's H11Protocol answers a RemoteProtocolError from `next_event` with a
     response of the error's status hint, `content-length: 0` and `connection: close`,
@@ -260,6 +273,15 @@ class _ClientProtocolErrors(h11.Connection):
     instance's `send` is only replaced then, so the request path's sends (every response
     chunk) cost nothing more. An error because the client closed in the middle of a
     request is a disconnect, not reported: nothing reaches the client anyway.
+
+    A request h11 parsed is refused the same way (`_Refused`) when its head is over the
+    limit. h11 bounds only a head still arriving (its buffer, when it needs more data),
+    so a larger head that arrived whole in one read, up to 64 kB, was served. The head's
+    exact size is what was buffered when it began (`_head_bytes`: what was left at
+    `start_next_cycle`, plus every byte received until h11 parsed it) less what is left
+    after it. Counting uses h11's public interface only; the buffer is copied
+    (`trailing_data`) at a new cycle, which is nearly always empty, and after a head
+    only when what was buffered exceeds the limit.
     """
 
     def __init__(
@@ -269,26 +291,56 @@ class _ClientProtocolErrors(h11.Connection):
         self._max_head = max_incomplete_event_size
         self._report = report
         self._error: MalformedRequest | None = None
+        self._head_bytes = 0
+
+    def receive_data(self, data: bytes) -> None:
+        if self.their_state is h11.IDLE:
+            self._head_bytes += len(data)
+        super().receive_data(data)
+
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        # A pipelined request's bytes, already received.
+        self._head_bytes = len(self.trailing_data[0])
 
     def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         try:
-            return super().next_event()
+            if self.their_state is not h11.IDLE:
+                return super().next_event()
+            event = super().next_event()
+            if type(event) is h11.Request:
+                return self._admit(event)
+            return event
         except h11.RemoteProtocolError as exc:
             if self._error is None and not self.trailing_data[1]:
-                self._error = self._describe(exc)
+                self._error = exc.error if isinstance(exc, _Refused) else self._describe(exc)
                 self.send = self._send_enveloped  # type: ignore[method-assign,assignment]
                 self._report(self._error)
             raise
 
+    def _admit(self, request: h11.Request) -> h11.Request:
+        if (
+            self._head_bytes > self._max_head
+            and self._head_bytes - len(self.trailing_data[0]) > self._max_head
+        ):
+            raise _Refused(self._head_too_large())
+        return request
+
+    def _head_too_large(self) -> MalformedRequest:
+        return MalformedRequest(
+            f"request head larger than {self._max_head} bytes",
+            status=431,
+            code=_PROTOCOL_ERROR_CODES[431],
+        )
+
     def _describe(self, exc: h11.RemoteProtocolError) -> MalformedRequest:
         status = exc.error_status_hint
         if status == 431:
-            message = f"request head larger than {self._max_head} bytes"
-        else:
-            reason = str(exc)
-            if len(reason) > _PROTOCOL_ERROR_CHARS:
-                reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."
-            message = f"malformed HTTP/1.1 request: {reason}"
+            return self._head_too_large()
+        reason = str(exc)
+        if len(reason) > _PROTOCOL_ERROR_CHARS:
+            reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."
+        message = f"malformed HTTP/1.1 request: {reason}"
         return MalformedRequest(message, status=status, code=_PROTOCOL_ERROR_CODES.get(status))
 
     def _send_enveloped(self, event: h11.Event) -> bytes | None:

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, MutableMapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any, cast
 
@@ -342,8 +342,8 @@ def _waiting_client(host: str, port: int) -> socket.socket:
 
 
 @asynccontextmanager
-async def _limited(app: Any, limit: OpenConnections) -> AsyncIterator[tuple[str, int]]:
-    """The app served on a loopback port with `limit` on open connections, until exit."""
+async def _served(app: Any, **options: Any) -> AsyncIterator[tuple[str, int]]:
+    """The app served on a loopback port (with serve_app's `options`), until exit."""
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         ((host, port),) = await nursery.start(
@@ -354,11 +354,16 @@ async def _limited(app: Any, limit: OpenConnections) -> AsyncIterator[tuple[str,
                 port=0,
                 client_stall_s=1.0,
                 shutdown=shutdown,
-                open_connections=limit,
+                **options,
             )
         )
         yield host, port
         shutdown.set()
+
+
+def _limited(app: Any, limit: OpenConnections) -> AbstractAsyncContextManager[tuple[str, int]]:
+    """The app served on a loopback port with `limit` on open connections, until exit."""
+    return _served(app, open_connections=limit)
 
 
 async def _reply(client: socket.socket) -> bytes:
@@ -463,6 +468,13 @@ async def _read_to_end(client: trio.SocketStream) -> bytes:
             "request_head_too_large",
         ),
         (
+            # Complete, in one read: h11 itself checks only a head still arriving.
+            b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n",
+            431,
+            "request head larger than 16384 bytes",
+            "request_head_too_large",
+        ),
+        (
             b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
             501,
             "malformed HTTP/1.1 request: Only Transfer-Encoding: chunked is supported",
@@ -541,3 +553,58 @@ async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_er
             await _answered(client)
         shutdown.set()
     assert reported == []
+
+
+def _head(size: int, version: bytes = b"1.1") -> bytes:
+    """A GET whose head is `size` bytes, its blank line included."""
+    start = b"GET / HTTP/" + version + b"\r\nhost: x\r\nx-pad: "
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+_HEAD_TOO_LARGE = b'"code":"request_head_too_large"'
+
+
+@pytest.mark.parametrize("arrival", ["in one write", "in two writes", "behind a request"])
+async def test_the_head_limit_holds_however_the_head_arrives(arrival: str) -> None:
+    # A head that is complete in one read was served, whatever its size (h11 bounds its
+    # buffer only while it waits for more): 16 kB, then 16 kB more, made 32 kB.
+    big = _head(30000)
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        if arrival == "in two writes":
+            await client.send_all(big[:16000])
+            await trio.testing.wait_all_tasks_blocked()  # the server has read it, and waits
+            await client.send_all(big[16000:])
+        elif arrival == "behind a request":
+            await client.send_all(_GET + big)
+        else:
+            await client.send_all(big)
+        reply = await _read_to_end(client)
+    assert reply.count(b"HTTP/1.1 200") == (arrival == "behind a request")
+    assert reply.count(b"HTTP/1.1 431") == reply.count(_HEAD_TOO_LARGE) == 1
+    assert [e.status for e in reported] == [431]
+
+
+async def test_the_head_limit_counts_the_head_alone() -> None:
+    # A head of exactly the limit is served; so is one that arrives in the same read as
+    # the large body before it, or with another request behind it.
+    body = b"b" * 40000
+    post = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(_head(16384) + post + _head(16384) + _GET)
+        reply = b""
+        with trio.fail_after(5):
+            while reply.count(b"hello") < 4:
+                reply += await client.receive_some(65536)
+        await client.send_all(_head(16385))
+        reply = await _read_to_end(client)
+    assert reply.startswith(b"HTTP/1.1 431")
+    assert _HEAD_TOO_LARGE in reply
+    assert [e.status for e in reported] == [431]
