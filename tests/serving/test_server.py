@@ -12,6 +12,10 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any, cast
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import httpx
 import pytest
 import trio
@@ -475,6 +479,14 @@ async def _read_to_end(client: trio.SocketStream) -> bytes:
             "request_head_too_large",
         ),
         (
+            # h11 parses any HTTP/d.d request line, and served this one as HTTP/1.1
+            # (with no Host, which only 1.1 requires).
+            b"GET / HTTP/2.0\r\n\r\n",
+            505,
+            "HTTP/2.0 request refused: this listener serves HTTP/1.1 only",
+            "http_version_not_supported",
+        ),
+        (
             b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
             501,
             "malformed HTTP/1.1 request: Only Transfer-Encoding: chunked is supported",
@@ -608,3 +620,81 @@ async def test_the_head_limit_counts_the_head_alone() -> None:
     assert reply.startswith(b"HTTP/1.1 431")
     assert _HEAD_TOO_LARGE in reply
     assert [e.status for e in reported] == [431]
+
+
+class _Recording:
+    """Answers hello, noting the HTTP version and headers each request came with."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, list[tuple[bytes, bytes]]]] = []
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("http only")
+        self.requests.append((scope["http_version"], list(scope["headers"])))
+        await _hello(scope, receive, send)
+
+
+_H2C_UPGRADE = (
+    b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+    b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+)
+
+
+async def test_an_h2c_upgrade_is_ignored_and_the_request_served_as_http_1_1() -> None:
+    # hypercorn answered 101 Switching Protocols and went on in HTTP/2 frames.
+    app = _Recording()
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(app, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        reply = b""
+        for answered, request in enumerate(
+            [
+                _H2C_UPGRADE,
+                _H2C_UPGRADE.replace(b"Upgrade: h2c", b"Upgrade: foo, H2C"),
+                _GET,  # the connection goes on in HTTP/1.1
+            ],
+            start=1,
+        ):
+            await client.send_all(request)
+            with trio.fail_after(5):
+                while reply.count(b"hello") < answered:
+                    reply += await client.receive_some(65536)
+    assert reply.count(b"HTTP/1.1 200") == 3
+    assert b" 101 " not in reply
+    assert reported == []
+    assert [version for version, _ in app.requests] == ["1.1"] * 3
+    assert [name for name, _ in app.requests[0][1]] == [b"host", b"connection", b"http2-settings"]
+
+
+async def test_a_client_opening_with_the_http2_preface_is_told_to_use_http_1_1() -> None:
+    # h11 parses the preface's first line, `PRI * HTTP/2.0`, as a request, on which
+    # hypercorn switched the connection to HTTP/2 and served the request.
+    h2_client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2_client.initiate_connection()
+    request = [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+    h2_client.send_headers(1, request, end_stream=True)
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(h2_client.data_to_send())
+        reply = await _read_to_end(client)
+    message = (
+        "HTTP/2 connection preface (prior knowledge) refused with GOAWAY HTTP_1_1_REQUIRED: "
+        "this listener serves HTTP/1.1 only"
+    )
+    settings, goaway = h2_client.receive_data(reply)
+    assert isinstance(settings, h2.events.RemoteSettingsChanged)
+    assert isinstance(goaway, h2.events.ConnectionTerminated)
+    assert (goaway.error_code, goaway.last_stream_id, goaway.additional_data) == (
+        h2.errors.ErrorCodes.HTTP_1_1_REQUIRED,
+        0,
+        message.encode(),
+    )
+    assert [(e.status, e.code, e.message) for e in reported] == [
+        (505, "http_version_not_supported", message)
+    ]
