@@ -97,6 +97,10 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, e
 # accept() errors about one connection that died in the backlog: skip it.
 _ACCEPT_SKIP_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 _ACCEPT_CAPACITY_PAUSE_S = 0.1
+# After a protocol error's answer, what is read (and dropped) of the client's bytes
+# before the connection closes: see _StallBoundTCPServer._linger.
+_LINGER_S = 1.0
+_LINGER_BYTES = 256 * 1024
 
 
 def accept_pending(
@@ -367,6 +371,7 @@ class _ClientProtocolErrors(h11.Connection):
         self._report = report
         self._error: MalformedRequest | None = None
         self._answer: bytes | None = None  # the error's answer, when not HTTP/1.1
+        self.answered = False  # a protocol error's answer went out: the client must read it
         self._head_bytes = 0
 
     def receive_data(self, data: bytes) -> None:
@@ -429,6 +434,7 @@ class _ClientProtocolErrors(h11.Connection):
         if error is None or not isinstance(event, h11.Response):
             return super().send(event)
         self._error = None  # one answer
+        self.answered = True
         if self._answer is not None:
             super().send(event)  # h11 follows the answer hypercorn sends, and its end
             return self._answer
@@ -501,6 +507,8 @@ class _StallBoundTCPServer(TCPServer):
 
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
+            if isinstance(event, Closed):
+                await self._linger()
             await super().protocol_send(event)
             return
         data = memoryview(event.data)
@@ -542,6 +550,34 @@ class _StallBoundTCPServer(TCPServer):
                 await self.protocol.handle(Closed())
         finally:
             self.send_lock.release()
+
+    async def _linger(self) -> None:
+        """Before a connection closes after a protocol error's answer, end the sending
+        side and read until the client closes (at most _LINGER_S and _LINGER_BYTES).
+
+        Closing a socket with unread bytes resets the connection, and a client still
+        sending (an HTTP/2 client's frames after its preface, the rest of an oversized
+        head or of a body) then fails its write and never reads the answer: an HTTP/2
+        client through httpx posting a body reported a broken pipe, not the GOAWAY. The
+        bounds keep what a refused client can hold (its connection slot) small. This
+        runs in the read loop's task (H11Protocol closes from its handling of the bytes
+        it was given), so nothing else is reading the stream."""
+        protocol = getattr(self.protocol, "protocol", None)
+        connection = getattr(protocol, "connection", None)
+        if not isinstance(connection, _ClientProtocolErrors) or not connection.answered:
+            return
+        connection.answered = False  # hypercorn may report the close more than once
+        try:
+            await self.stream.send_eof()
+            dropped = 0
+            with trio.move_on_after(_LINGER_S):
+                while dropped < _LINGER_BYTES:
+                    data = await self.stream.receive_some(MAX_RECV)
+                    if not data:
+                        break
+                    dropped += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
 
 
 async def serve_app(

@@ -698,3 +698,28 @@ async def test_a_client_opening_with_the_http2_preface_is_told_to_use_http_1_1()
     assert [(e.status, e.code, e.message) for e in reported] == [
         (505, "http_version_not_supported", message)
     ]
+
+
+async def test_a_refused_client_that_is_still_sending_gets_to_read_its_answer() -> None:
+    # The server closed with the client's later bytes unread, which resets the
+    # connection: the client's next write failed (broken pipe) before it read its
+    # answer, as an HTTP/2 client through httpx did with its request frames.
+    h2_client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2_client.initiate_connection()
+    async with (
+        _served(_hello) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(h2_client.data_to_send())
+        await trio.testing.wait_all_tasks_blocked()  # answered
+        request = [(":method", "POST"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+        h2_client.send_headers(1, request)
+        await client.send_all(h2_client.data_to_send())
+        await trio.testing.wait_all_tasks_blocked()
+        h2_client.send_data(1, b"x" * 1000, end_stream=True)
+        await client.send_all(h2_client.data_to_send())
+        await client.send_eof()
+        reply = await _read_to_end(client)
+    _, goaway = h2_client.receive_data(reply)
+    assert isinstance(goaway, h2.events.ConnectionTerminated)
+    assert goaway.error_code == h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
