@@ -70,9 +70,11 @@ class BadRequest(NarwhalError):
 
 
 class MalformedRequest(NarwhalError):
-    """HTTP/1.1 the server could not parse (h11's error), or an upgrade it does not
-    speak; `status` is h11's hint (400, 431 for an oversized head, 501 for a
-    Transfer-Encoding other than chunked). The connection closes after the answer."""
+    """HTTP/1.1 the server could not parse (h11's error), a version or an upgrade it does
+    not speak; `status` is h11's hint (400, 431 for an oversized head, 501 for a
+    Transfer-Encoding other than chunked) or 505 for a request of another HTTP version
+    than 1.x (HTTP/2's connection preface among them). The connection closes after the
+    answer."""
 
     type = "invalid_request_error"
     default_code = "malformed_request"

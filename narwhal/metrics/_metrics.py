@@ -172,7 +172,8 @@ class Metrics:
             "narwhal_client_protocol_errors",
             "Client requests answered with an error before reaching Narwhal's routes, by "
             "status: HTTP/1.1 that could not be parsed (400), a request head over 16 kB "
-            "(431), a Transfer-Encoding other than chunked (501), a websocket upgrade (400).",
+            "(431), a Transfer-Encoding other than chunked (501), a websocket upgrade (400), "
+            "a request of another HTTP version than 1.x or HTTP/2's connection preface (505).",
             ["status"],
             registry=registry,
         )

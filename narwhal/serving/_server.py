@@ -32,6 +32,22 @@ Transfer-Encoding other than chunked) is answered by hypercorn itself, with a ba
 400/431/501 and no body. `_ClientProtocolErrors`, the h11 connection H11Protocol is given,
 reports it (counted and logged by the caller) and gives that answer the error envelope.
 
+The listener speaks HTTP/1.1 only. hypercorn's H11Protocol switches a connection to
+HTTP/2 when the request h11 hands it is `PRI * HTTP/2.0` (the first line of HTTP/2's
+connection preface, which h11 parses as a request) or carries `Upgrade: h2c`, and it has
+no setting to turn either off (`alpn_protocols` is for TLS, which Narwhal does not
+serve). The same h11 connection therefore hands it no such request: a request line of
+another major version than 1 is refused 505 through the error path above (the preface
+is answered in HTTP/2, a GOAWAY with HTTP_1_1_REQUIRED, and counted as a 505), and an
+`Upgrade: h2c` header is dropped, so the request is served as the HTTP/1.1 request it
+also is (RFC 9110 7.8 lets a server ignore an upgrade). Both act on the events
+H11Protocol reads from the connection it is given, before it looks at them: no
+hypercorn code is patched, and hypercorn 0.18's only ways into HTTP/2 on a connection
+without TLS are these two requests (tests/serving/test_server.py fails if a later one
+serves HTTP/2 to an h2c or a prior-knowledge client). The same connection also
+holds h11's head limit to complete heads: h11 checks it only while a head is still
+arriving, so a larger head that came in one read was served.
+
 This relies on hypercorn's TCPServer/WorkerContext classes (TCPServer's _read_data and
 idle_task, H11Protocol's can_read and connection, and that H11Protocol answers a
 RemoteProtocolError from its connection's next_event by sending a Response with the
@@ -81,6 +97,10 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, e
 # accept() errors about one connection that died in the backlog: skip it.
 _ACCEPT_SKIP_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 _ACCEPT_CAPACITY_PAUSE_S = 0.1
+# After a protocol error's answer, what is read (and dropped) of the client's bytes
+# before the connection closes: see _StallBoundTCPServer._linger.
+_LINGER_S = 1.0
+_LINGER_BYTES = 256 * 1024
 
 
 def accept_pending(
@@ -249,9 +269,78 @@ def _ignore_protocol_error(error: MalformedRequest) -> None:
     pass
 
 
+class _Refused(h11.RemoteProtocolError):
+    """A request h11 parsed that Narwhal does not serve, raised where h11 raises its own
+    errors so that hypercorn answers it the same way."""
+
+    def __init__(self, error: MalformedRequest) -> None:
+        super().__init__(error.message, error_status_hint=error.status)
+        self.error = error
+
+
+def _is_h2_preface(request: h11.Request) -> bool:
+    return request.method == b"PRI" and request.target == b"*" and request.http_version == b"2.0"
+
+
+def _refuse_version(request: h11.Request) -> MalformedRequest:
+    if _is_h2_preface(request):
+        # Logged as "answered 505" with the HTTP/1.1 refusals; the client sees a GOAWAY.
+        message = (
+            "HTTP/2 connection preface (prior knowledge) refused with GOAWAY "
+            "HTTP_1_1_REQUIRED: this listener serves HTTP/1.1 only"
+        )
+    else:
+        version = request.http_version.decode("ascii")
+        message = f"HTTP/{version} request refused: this listener serves HTTP/1.1 only"
+    return MalformedRequest(message, status=505, code="http_version_not_supported")
+
+
+def _h2_frame(kind: int, payload: bytes) -> bytes:
+    # RFC 9113 4.1: 24-bit length, type, flags (none here), stream 0 (the connection).
+    return len(payload).to_bytes(3, "big") + bytes([kind, 0]) + bytes(4) + payload
+
+
+def _h2_refusal(message: str) -> bytes:
+    """What a client that opened with HTTP/2's preface is answered, in HTTP/2: the
+    server's preface (an empty SETTINGS frame, which must come first) and a GOAWAY with
+    HTTP_1_1_REQUIRED, no stream processed, and `message` as its debug data. An
+    HTTP/1.1 response reaches such a client as a malformed frame (curl 7.88: "Empty
+    reply from server"); this it reports as what it is (curl: "received GOAWAY,
+    error=13"; h2: ConnectionTerminated with HTTP_1_1_REQUIRED and the message)."""
+    no_stream, http_1_1_required = 0, 0xD
+    goaway = no_stream.to_bytes(4, "big") + http_1_1_required.to_bytes(4, "big")
+    return _h2_frame(0x4, b"") + _h2_frame(0x7, goaway + message.encode())
+
+
+def _offers_h2c(name: bytes, value: bytes) -> bool:
+    return name.lower() == b"upgrade" and any(
+        token.strip().lower() == b"h2c" for token in value.split(b",")
+    )
+
+
+def _without_h2c_upgrade(request: h11.Request) -> h11.Request:
+    """`request` without an `Upgrade` header that offers h2c (or `request` itself)."""
+    # This runs for every request: a list of the raw headers and a length test cost
+    # about 3 µs for a typical client's dozen headers, iterating `request.headers`
+    # (a Sequence, one __getitem__ per header) nearly twice that.
+    headers = request.headers.raw_items()
+    for name, value in headers:
+        if len(name) == 7 and _offers_h2c(name, value):
+            break
+    else:
+        return request
+    return h11.Request(
+        method=request.method,
+        target=request.target,
+        headers=[(name, value) for name, value in headers if not _offers_h2c(name, value)],
+        http_version=request.http_version,
+    )
+
+
 class _ClientProtocolErrors(h11.Connection):
     """The h11 server connection of one client connection, which reports the client's
-    protocol errors and answers them with the error envelope.
+    protocol errors and answers them with the error envelope, and hands hypercorn only
+    HTTP/1.x requests with a head within the limit.
 
     hypercorn's H11Protocol answers a RemoteProtocolError from `next_event` with a
     response of the error's status hint, `content-length: 0` and `connection: close`,
@@ -260,6 +349,18 @@ class _ClientProtocolErrors(h11.Connection):
     instance's `send` is only replaced then, so the request path's sends (every response
     chunk) cost nothing more. An error because the client closed in the middle of a
     request is a disconnect, not reported: nothing reaches the client anyway.
+
+    A request h11 parsed is refused the same way (`_Refused`) when its head is over the
+    limit, or its version is not HTTP/1.x. h11 bounds only a head still arriving (its
+    buffer, when it needs more data), so a larger head that arrived whole in one read,
+    up to 64 kB, was served. The head's exact size is what was buffered when it began
+    (`_head_bytes`: what was left at `start_next_cycle`, plus every byte received until
+    h11 parsed it) less what is left after it. Counting uses h11's public interface
+    only; the buffer is copied (`trailing_data`) at a new cycle, which is nearly always
+    empty, and after a head only when what was buffered exceeds the limit.
+
+    An `Upgrade: h2c` header is dropped from the request handed on; HTTP/2's preface is
+    refused in HTTP/2 (`_answer`, which replaces the HTTP/1.1 response hypercorn sends).
     """
 
     def __init__(
@@ -269,26 +370,63 @@ class _ClientProtocolErrors(h11.Connection):
         self._max_head = max_incomplete_event_size
         self._report = report
         self._error: MalformedRequest | None = None
+        self._answer: bytes | None = None  # the error's answer, when not HTTP/1.1
+        self.answered = False  # a protocol error's answer went out: the client must read it
+        self._head_bytes = 0
+
+    def receive_data(self, data: bytes) -> None:
+        if self.their_state is h11.IDLE:
+            self._head_bytes += len(data)
+        super().receive_data(data)
+
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        # A pipelined request's bytes, already received.
+        self._head_bytes = len(self.trailing_data[0])
 
     def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         try:
-            return super().next_event()
+            if self.their_state is not h11.IDLE:
+                return super().next_event()
+            event = super().next_event()
+            if type(event) is h11.Request:
+                return self._admit(event)
+            return event
         except h11.RemoteProtocolError as exc:
             if self._error is None and not self.trailing_data[1]:
-                self._error = self._describe(exc)
+                self._error = exc.error if isinstance(exc, _Refused) else self._describe(exc)
                 self.send = self._send_enveloped  # type: ignore[method-assign,assignment]
                 self._report(self._error)
             raise
 
+    def _admit(self, request: h11.Request) -> h11.Request:
+        if (
+            self._head_bytes > self._max_head
+            and self._head_bytes - len(self.trailing_data[0]) > self._max_head
+        ):
+            raise _Refused(self._head_too_large())
+        if not request.http_version.startswith(b"1."):
+            error = _refuse_version(request)
+            if _is_h2_preface(request):
+                self._answer = _h2_refusal(error.message)
+            raise _Refused(error)
+        return _without_h2c_upgrade(request)
+
+    def _head_too_large(self) -> MalformedRequest:
+        return MalformedRequest(
+            f"request head larger than {self._max_head} bytes",
+            status=431,
+            code=_PROTOCOL_ERROR_CODES[431],
+        )
+
     def _describe(self, exc: h11.RemoteProtocolError) -> MalformedRequest:
         status = exc.error_status_hint
         if status == 431:
-            message = f"request head larger than {self._max_head} bytes"
-        else:
-            reason = str(exc)
-            if len(reason) > _PROTOCOL_ERROR_CHARS:
-                reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."
-            message = f"malformed HTTP/1.1 request: {reason}"
+            return self._head_too_large()
+        reason = str(exc)
+        if len(reason) > _PROTOCOL_ERROR_CHARS:
+            reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."
+        message = f"malformed HTTP/1.1 request: {reason}"
         return MalformedRequest(message, status=status, code=_PROTOCOL_ERROR_CODES.get(status))
 
     def _send_enveloped(self, event: h11.Event) -> bytes | None:
@@ -296,6 +434,10 @@ class _ClientProtocolErrors(h11.Connection):
         if error is None or not isinstance(event, h11.Response):
             return super().send(event)
         self._error = None  # one answer
+        self.answered = True
+        if self._answer is not None:
+            super().send(event)  # h11 follows the answer hypercorn sends, and its end
+            return self._answer
         body = json_bytes(error.envelope())
         kept = [
             (name, value)
@@ -365,6 +507,8 @@ class _StallBoundTCPServer(TCPServer):
 
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
+            if isinstance(event, Closed):
+                await self._linger()
             await super().protocol_send(event)
             return
         data = memoryview(event.data)
@@ -406,6 +550,34 @@ class _StallBoundTCPServer(TCPServer):
                 await self.protocol.handle(Closed())
         finally:
             self.send_lock.release()
+
+    async def _linger(self) -> None:
+        """Before a connection closes after a protocol error's answer, end the sending
+        side and read until the client closes (at most _LINGER_S and _LINGER_BYTES).
+
+        Closing a socket with unread bytes resets the connection, and a client still
+        sending (an HTTP/2 client's frames after its preface, the rest of an oversized
+        head or of a body) then fails its write and never reads the answer: an HTTP/2
+        client through httpx posting a body reported a broken pipe, not the GOAWAY. The
+        bounds keep what a refused client can hold (its connection slot) small. This
+        runs in the read loop's task (H11Protocol closes from its handling of the bytes
+        it was given), so nothing else is reading the stream."""
+        protocol = getattr(self.protocol, "protocol", None)
+        connection = getattr(protocol, "connection", None)
+        if not isinstance(connection, _ClientProtocolErrors) or not connection.answered:
+            return
+        connection.answered = False  # hypercorn may report the close more than once
+        try:
+            await self.stream.send_eof()
+            dropped = 0
+            with trio.move_on_after(_LINGER_S):
+                while dropped < _LINGER_BYTES:
+                    data = await self.stream.receive_some(MAX_RECV)
+                    if not data:
+                        break
+                    dropped += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
 
 
 async def serve_app(

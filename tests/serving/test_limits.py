@@ -433,6 +433,8 @@ async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged
         b"GET /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\n"
         b"upgrade: websocket\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
         b"sec-websocket-version: 13\r\n\r\n",
+        # A request line of HTTP/2.0: served as HTTP/1.1 (without the Host 1.1 requires).
+        b"GET /v1/models HTTP/2.0\r\n\r\n",
     ]:
         async with await trio.open_tcp_stream(host, port) as client:
             await client.send_all(raw)
@@ -459,11 +461,21 @@ async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged
                 "code": "upgrade_unsupported",
             },
         ),
+        (
+            b"HTTP/1.1 505 ",
+            b"application/json",
+            {
+                "message": "HTTP/2.0 request refused: this listener serves HTTP/1.1 only",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "http_version_not_supported",
+            },
+        ),
     ]
-    assert 'narwhal_client_protocol_errors_total{status="400"} 2.0' in (
-        stack.ctx.metrics.render().decode()
-    )
-    assert (await stack.state())["connections"]["protocol_errors"] == {"400": 2}
+    metrics = stack.ctx.metrics.render().decode()
+    assert 'narwhal_client_protocol_errors_total{status="400"} 2.0' in metrics
+    assert 'narwhal_client_protocol_errors_total{status="505"} 1.0' in metrics
+    assert (await stack.state())["connections"]["protocol_errors"] == {"400": 2, "505": 1}
     assert [
         (r.levelname, r.getMessage(), getattr(r, "code", None))
         for r in caplog.records
@@ -479,6 +491,12 @@ async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged
             "client protocol error, answered 400: narwhal serves HTTP only; a websocket "
             "upgrade is not supported",
             "upgrade_unsupported",
+        ),
+        (
+            "INFO",
+            "client protocol error, answered 505: HTTP/2.0 request refused: this listener "
+            "serves HTTP/1.1 only",
+            "http_version_not_supported",
         ),
     ]
 

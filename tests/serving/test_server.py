@@ -8,10 +8,14 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, MutableMapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any, cast
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import httpx
 import pytest
 import trio
@@ -342,8 +346,8 @@ def _waiting_client(host: str, port: int) -> socket.socket:
 
 
 @asynccontextmanager
-async def _limited(app: Any, limit: OpenConnections) -> AsyncIterator[tuple[str, int]]:
-    """The app served on a loopback port with `limit` on open connections, until exit."""
+async def _served(app: Any, **options: Any) -> AsyncIterator[tuple[str, int]]:
+    """The app served on a loopback port (with serve_app's `options`), until exit."""
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         ((host, port),) = await nursery.start(
@@ -354,11 +358,16 @@ async def _limited(app: Any, limit: OpenConnections) -> AsyncIterator[tuple[str,
                 port=0,
                 client_stall_s=1.0,
                 shutdown=shutdown,
-                open_connections=limit,
+                **options,
             )
         )
         yield host, port
         shutdown.set()
+
+
+def _limited(app: Any, limit: OpenConnections) -> AbstractAsyncContextManager[tuple[str, int]]:
+    """The app served on a loopback port with `limit` on open connections, until exit."""
+    return _served(app, open_connections=limit)
 
 
 async def _reply(client: socket.socket) -> bytes:
@@ -463,6 +472,21 @@ async def _read_to_end(client: trio.SocketStream) -> bytes:
             "request_head_too_large",
         ),
         (
+            # Complete, in one read: h11 itself checks only a head still arriving.
+            b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n",
+            431,
+            "request head larger than 16384 bytes",
+            "request_head_too_large",
+        ),
+        (
+            # h11 parses any HTTP/d.d request line, and served this one as HTTP/1.1
+            # (with no Host, which only 1.1 requires).
+            b"GET / HTTP/2.0\r\n\r\n",
+            505,
+            "HTTP/2.0 request refused: this listener serves HTTP/1.1 only",
+            "http_version_not_supported",
+        ),
+        (
             b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
             501,
             "malformed HTTP/1.1 request: Only Transfer-Encoding: chunked is supported",
@@ -541,3 +565,161 @@ async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_er
             await _answered(client)
         shutdown.set()
     assert reported == []
+
+
+def _head(size: int, version: bytes = b"1.1") -> bytes:
+    """A GET whose head is `size` bytes, its blank line included."""
+    start = b"GET / HTTP/" + version + b"\r\nhost: x\r\nx-pad: "
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+_HEAD_TOO_LARGE = b'"code":"request_head_too_large"'
+
+
+@pytest.mark.parametrize("arrival", ["in one write", "in two writes", "behind a request"])
+async def test_the_head_limit_holds_however_the_head_arrives(arrival: str) -> None:
+    # A head that is complete in one read was served, whatever its size (h11 bounds its
+    # buffer only while it waits for more): 16 kB, then 16 kB more, made 32 kB.
+    big = _head(30000)
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        if arrival == "in two writes":
+            await client.send_all(big[:16000])
+            await trio.testing.wait_all_tasks_blocked()  # the server has read it, and waits
+            await client.send_all(big[16000:])
+        elif arrival == "behind a request":
+            await client.send_all(_GET + big)
+        else:
+            await client.send_all(big)
+        reply = await _read_to_end(client)
+    assert reply.count(b"HTTP/1.1 200") == (arrival == "behind a request")
+    assert reply.count(b"HTTP/1.1 431") == reply.count(_HEAD_TOO_LARGE) == 1
+    assert [e.status for e in reported] == [431]
+
+
+async def test_the_head_limit_counts_the_head_alone() -> None:
+    # A head of exactly the limit is served; so is one that arrives in the same read as
+    # the large body before it, or with another request behind it.
+    body = b"b" * 40000
+    post = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(_head(16384) + post + _head(16384) + _GET)
+        reply = b""
+        with trio.fail_after(5):
+            while reply.count(b"hello") < 4:
+                reply += await client.receive_some(65536)
+        await client.send_all(_head(16385))
+        reply = await _read_to_end(client)
+    assert reply.startswith(b"HTTP/1.1 431")
+    assert _HEAD_TOO_LARGE in reply
+    assert [e.status for e in reported] == [431]
+
+
+class _Recording:
+    """Answers hello, noting the HTTP version and headers each request came with."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, list[tuple[bytes, bytes]]]] = []
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("http only")
+        self.requests.append((scope["http_version"], list(scope["headers"])))
+        await _hello(scope, receive, send)
+
+
+_H2C_UPGRADE = (
+    b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+    b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+)
+
+
+async def test_an_h2c_upgrade_is_ignored_and_the_request_served_as_http_1_1() -> None:
+    # hypercorn answered 101 Switching Protocols and went on in HTTP/2 frames.
+    app = _Recording()
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(app, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        reply = b""
+        for answered, request in enumerate(
+            [
+                _H2C_UPGRADE,
+                _H2C_UPGRADE.replace(b"Upgrade: h2c", b"Upgrade: foo, H2C"),
+                _GET,  # the connection goes on in HTTP/1.1
+            ],
+            start=1,
+        ):
+            await client.send_all(request)
+            with trio.fail_after(5):
+                while reply.count(b"hello") < answered:
+                    reply += await client.receive_some(65536)
+    assert reply.count(b"HTTP/1.1 200") == 3
+    assert b" 101 " not in reply
+    assert reported == []
+    assert [version for version, _ in app.requests] == ["1.1"] * 3
+    assert [name for name, _ in app.requests[0][1]] == [b"host", b"connection", b"http2-settings"]
+
+
+async def test_a_client_opening_with_the_http2_preface_is_told_to_use_http_1_1() -> None:
+    # h11 parses the preface's first line, `PRI * HTTP/2.0`, as a request, on which
+    # hypercorn switched the connection to HTTP/2 and served the request.
+    h2_client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2_client.initiate_connection()
+    request = [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+    h2_client.send_headers(1, request, end_stream=True)
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(h2_client.data_to_send())
+        reply = await _read_to_end(client)
+    message = (
+        "HTTP/2 connection preface (prior knowledge) refused with GOAWAY HTTP_1_1_REQUIRED: "
+        "this listener serves HTTP/1.1 only"
+    )
+    settings, goaway = h2_client.receive_data(reply)
+    assert isinstance(settings, h2.events.RemoteSettingsChanged)
+    assert isinstance(goaway, h2.events.ConnectionTerminated)
+    assert (goaway.error_code, goaway.last_stream_id, goaway.additional_data) == (
+        h2.errors.ErrorCodes.HTTP_1_1_REQUIRED,
+        0,
+        message.encode(),
+    )
+    assert [(e.status, e.code, e.message) for e in reported] == [
+        (505, "http_version_not_supported", message)
+    ]
+
+
+async def test_a_refused_client_that_is_still_sending_gets_to_read_its_answer() -> None:
+    # The server closed with the client's later bytes unread, which resets the
+    # connection: the client's next write failed (broken pipe) before it read its
+    # answer, as an HTTP/2 client through httpx did with its request frames.
+    h2_client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2_client.initiate_connection()
+    async with (
+        _served(_hello) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(h2_client.data_to_send())
+        await trio.testing.wait_all_tasks_blocked()  # answered
+        request = [(":method", "POST"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+        h2_client.send_headers(1, request)
+        await client.send_all(h2_client.data_to_send())
+        await trio.testing.wait_all_tasks_blocked()
+        h2_client.send_data(1, b"x" * 1000, end_stream=True)
+        await client.send_all(h2_client.data_to_send())
+        await client.send_eof()
+        reply = await _read_to_end(client)
+    _, goaway = h2_client.receive_data(reply)
+    assert isinstance(goaway, h2.events.ConnectionTerminated)
+    assert goaway.error_code == h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
