@@ -562,6 +562,17 @@ async def test_a_burst_spreads_over_decode_engines(start_stack: StartStack) -> N
     await settled(stack)
 
 
+# The fake open-file limit the stack runs under, and what a cap of 4 with two engines needs.
+OPEN_FILES = {
+    "soft": 65536,
+    "hard": 65536,
+    "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
+    "reserve": 2 * (2 + 4) + 179,
+    "raised_from": None,
+    "note": None,
+}
+
+
 async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -593,14 +604,7 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "accept_failing": False,
         "accept_failures_total": 0,
         "protocol_errors": {},
-        "open_files": {
-            "soft": 65536,
-            "hard": 65536,
-            "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
-            "reserve": 2 * (2 + 4) + 179,
-            "raised_from": None,
-            "note": None,
-        },
+        "open_files": OPEN_FILES,
     }
     metrics = stack.ctx.metrics.render().decode()
     assert 'narwhal_client_connections{state="idle"} 4.0' in metrics
@@ -628,14 +632,7 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
         "accept_failing": False,
         "accept_failures_total": 0,
         "protocol_errors": {},
-        "open_files": {
-            "soft": 65536,
-            "hard": 65536,
-            "needed": 4 + 2 * (2 + 4) + 179,  # two engines' pools, and the rest
-            "reserve": 2 * (2 + 4) + 179,
-            "raised_from": None,
-            "note": None,
-        },
+        "open_files": OPEN_FILES,
     }
     assert [
         (r.levelname, r.getMessage())
