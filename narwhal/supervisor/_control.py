@@ -6,7 +6,7 @@
   usable profile cannot price anything, so the daemon refuses to start (or, on reload,
   keeps the profiles it has). A usable profile whose fit misses its own measurements
   (`narwhal.profiles.POOR_FIT_RESIDUAL_P90`) is used, with one warning per engine and
-  phase each time the store is loaded.
+  phase. A reload warns only of what is new (`ProfileFindings.since`).
 - The role controller runs as a monitor pass handler: each pass hands it the demand
   events the request path recorded since the last pass, then lets it decide.
 - Signals from the request path (first-token timeouts, TTFT breaches, decode token gaps)
@@ -26,7 +26,13 @@ from ..config import Config
 from ..controller import Controller
 from ..fleet import EngineState
 from ..probe import with_live_builds
-from ..profiles import DecodeCorrection, FleetProfiles, load_profiles
+from ..profiles import (
+    DecodeCorrection,
+    FleetProfiles,
+    PoorFit,
+    ProfileStore,
+    load_profiles,
+)
 from ..recovery import LegObservation, MonitorPass, Predictor
 from ..serving import DecodeGaps, ServingContext
 
@@ -42,26 +48,90 @@ class ProfilesUnavailable(Exception):
     """Predictive admission is configured but no engine has a usable profile."""
 
 
-async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, list[str]]:
-    check = await trio.to_thread.run_sync(load_profiles, config.profiles.path, config)
+@attrs.frozen
+class ProfileNews:
+    """What a load of the profile store has to say, given the previous load's findings:
+    what to warn of, what went away, and how many it leaves unsaid."""
+
+    problems: tuple[str, ...] = ()
+    poor_fits: tuple[PoorFit, ...] = ()
+    cleared_problems: tuple[str, ...] = ()
+    cleared_fits: tuple[PoorFit, ...] = ()
+    unchanged_problems: int = 0
+    unchanged_fits: int = 0
+
+
+@attrs.frozen
+class ProfileFindings:
+    """What one load of the profile store found wrong: its problems and poor fits, and
+    the store it found them in (None: missing or unreadable).
+
+    A reload re-reads the store each time, and most often nothing about it changed: the
+    same warnings at every reload (a soak reloads every few seconds, an operator's
+    automation at each key rotation) teach whoever reads the log to skip WARNING lines.
+    So at a reload (`since`), what the previous load of the same store found is not said
+    again, only counted (/narwhal/state lists it all); what went away is said once; and
+    everything a changed store holds is new: whoever re-ran narwhal-profile wants to
+    hear what is still wrong.
+    """
+
+    path: str
+    store: ProfileStore | None
+    problems: tuple[str, ...]
+    # None: the load gave no usable profile, so no fit was judged, and none went away.
+    poor_fits: tuple[PoorFit, ...] | None
+
+    def since(self, previous: ProfileFindings | None) -> ProfileNews:
+        fits = self.poor_fits or ()
+        if previous is None:
+            return ProfileNews(self.problems, fits)
+        same = (previous.path, previous.store) == (self.path, self.store)
+        said_problems = set(previous.problems) if same else set()
+        said_fits = set(previous.poor_fits or ()) if same else set()
+        judged = {(fit.engine, fit.phase) for fit in fits}
+        return ProfileNews(
+            problems=tuple(p for p in self.problems if p not in said_problems),
+            poor_fits=tuple(fit for fit in fits if fit not in said_fits),
+            cleared_problems=tuple(p for p in previous.problems if p not in self.problems),
+            cleared_fits=()
+            if self.poor_fits is None
+            else tuple(
+                fit for fit in previous.poor_fits or () if (fit.engine, fit.phase) not in judged
+            ),
+            unchanged_problems=sum(p in said_problems for p in self.problems),
+            unchanged_fits=sum(fit in said_fits for fit in fits),
+        )
+
+
+async def load_fleet_profiles(
+    config: Config, previous: ProfileFindings | None = None
+) -> tuple[FleetProfiles | None, ProfileFindings]:
+    """Load and check profiles.path, and log what is wrong with it: everything at start
+    (`previous` None), what changed since `previous` at a reload."""
+    path = config.profiles.path
+    check = await trio.to_thread.run_sync(load_profiles, path, config)
     # A profile measured on another build than the engine runs now is stale (README).
     check = await with_live_builds(check, config)
-    for message in check.messages:
+    profiles = None
+    if check.usable:
+        profiles = FleetProfiles(
+            check, correction=DecodeCorrection.from_config(config.controller.reactive)
+        )
+    fits = tuple(profiles.poor_fits()) if profiles is not None else None
+    found = ProfileFindings(path, check.store, check.messages, fits)
+    news = found.since(previous)
+    for message in news.problems:
         log.warning("profile: %s", message, extra={"event": "profile_problem", "problem": message})
-    if not check.usable:
-        return None, list(check.messages)
-    profiles = FleetProfiles(
-        check, correction=DecodeCorrection.from_config(config.controller.reactive)
-    )
-    log.info(
-        "profiles loaded from %s: %d/%d engines usable",
-        config.profiles.path,
-        len(check.usable),
-        len(check.configured),
-        extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
-    )
-    # Used all the same (it is the best measurement there is), but said once per load.
-    for fit in profiles.poor_fits():
+    if profiles is not None:
+        log.info(
+            "profiles loaded from %s: %d/%d engines usable",
+            path,
+            len(check.usable),
+            len(check.configured),
+            extra={"event": "profiles_loaded", "usable": sorted(check.usable)},
+        )
+    # Used all the same (it is the best measurement there is), but said.
+    for fit in news.poor_fits:
         log.warning(
             "profile: %s",
             fit.message(),
@@ -72,7 +142,34 @@ async def load_fleet_profiles(config: Config) -> tuple[FleetProfiles | None, lis
                 "residual_p90": round(fit.residual_p90, 4),
             },
         )
-    return profiles, list(check.messages)
+    for message in news.cleared_problems:
+        log.info(
+            "profile: cleared since the last load: %s",
+            message,
+            extra={"event": "profile_problem_cleared", "problem": message},
+        )
+    for fit in news.cleared_fits:
+        log.info(
+            "profile: cleared since the last load: engine %r: poor %s fit (residual p90 %.1f%%)",
+            fit.engine,
+            fit.phase,
+            100 * fit.residual_p90,
+            extra={"event": "profile_poor_fit_cleared", "engine": fit.engine, "phase": fit.phase},
+        )
+    if news.unchanged_problems or news.unchanged_fits:
+        log.info(
+            "profile: %d problem(s) and %d poor fit(s) unchanged since the last load of %s, "
+            "not logged again; /narwhal/state lists them (profiles)",
+            news.unchanged_problems,
+            news.unchanged_fits,
+            path,
+            extra={
+                "event": "profile_unchanged",
+                "problems": news.unchanged_problems,
+                "poor_fits": news.unchanged_fits,
+            },
+        )
+    return profiles, found
 
 
 async def recheck_profile_build(ctx: ServingContext, engine: EngineState) -> None:

@@ -56,6 +56,7 @@ from ..serving import (
 )
 from ._control import (
     ControlLink,
+    ProfileFindings,
     install_profiles,
     load_fleet_profiles,
     profile_predictor,
@@ -103,6 +104,8 @@ class Supervisor:
         # at each reload (tests pass their own).
         self.open_files = open_files or OpenFileLimit()
         self.profile_problems: list[str] = []
+        # What the last load of profiles.path reported: a reload logs only what changed.
+        self.profile_findings: ProfileFindings | None = None
         self.link: ControlLink | None = None
         self.ctx: ServingContext | None = None
         self.recovery: Recovery | None = None
@@ -143,7 +146,9 @@ class Supervisor:
         if self.injected_profiles is not None:
             install_profiles(ctx, self.injected_profiles, config)
         else:
-            profiles, self.profile_problems = await load_fleet_profiles(config)
+            profiles, found = await load_fleet_profiles(config)
+            self.profile_findings = found
+            self.profile_problems = list(found.problems)
             install_profiles(ctx, profiles, config)
         link = ControlLink(ctx)
         self.link = link
@@ -404,7 +409,9 @@ class Supervisor:
         if self.injected_profiles is not None:
             return
         previous = ctx.profiles
-        profiles, problems = await load_fleet_profiles(config)
+        profiles, found = await load_fleet_profiles(config, self.profile_findings)
+        self.profile_findings = found
+        problems = list(found.problems)
         if profiles is None and config.serving.admission == "predictive":
             # Keep pricing with what we have rather than refuse every request; but not a
             # replaced engine (another url or dialect) with its predecessor's profile.
@@ -436,7 +443,8 @@ class Supervisor:
         # (None: the profile does not know it).
         caps: dict[str, int | None] = {}
         # Fits that miss their own measurements (`narwhal.profiles.POOR_FIT_RESIDUAL_P90`):
-        # used all the same, and logged at each load; here for whoever reads the state.
+        # used all the same, and logged when a load first finds them; here for whoever
+        # reads the state.
         poor: list[dict[str, object]] = []
         if isinstance(source, FleetProfiles):
             usable = sorted(source.check.usable)

@@ -54,18 +54,18 @@ async def test_a_profile_of_another_build_is_not_used_by_the_daemon(
     live, old = await save_with_e1_stale(config, urls, path)
 
     start = trio.current_time()
-    profiles, problems = await load_fleet_profiles(config)
+    profiles, found = await load_fleet_profiles(config)
     assert trio.current_time() - start < 2.0
     assert profiles is not None
     assert profiles.check.usable == {"e0", "e2"}
     assert profiles.profile("e1") is None
-    assert problems == [
+    assert found.problems == (
         f"engine 'e1': build is {live!r} but the profile was measured on {old!r}; the profile "
         "is stale, run narwhal-profile again",
         f"engine 'e2': build not verified (no identity answer in 0.5 s "
         f"(engine.health_timeout_s)); its profile, measured on {live!r}, is used until a "
         "reload can compare them",
-    ]
+    )
 
 
 async def test_predictive_admission_refuses_a_fleet_of_stale_profiles(
@@ -76,9 +76,9 @@ async def test_predictive_admission_refuses_a_fleet_of_stale_profiles(
     config = config_for({"e0": fleet[0].url}, profiles=str(path))
     live = await build_of(config)
     save_profiles(store_for({"e0": fleet[0].url}, build=live.replace("[b2]", "[b1]")), path)
-    profiles, problems = await load_fleet_profiles(config)
+    profiles, found = await load_fleet_profiles(config)
     assert profiles is None
-    (problem,) = problems
+    (problem,) = found.problems
     assert problem.startswith(f"engine 'e0': build is {live!r} but the profile was measured on")
 
 
@@ -109,7 +109,7 @@ async def test_an_engine_restarted_on_another_build_loses_its_profile_before_rel
     )
 
 
-async def test_a_poor_fit_is_used_and_logged_once_per_load(
+async def test_a_poor_fit_is_used_and_logged_at_load(
     start_fleet: StartFleet, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     fleet = await start_fleet(engines=2, speed=50.0)
@@ -125,10 +125,10 @@ async def test_a_poor_fit_is_used_and_logged_once_per_load(
     }
     save_profiles(attrs.evolve(store, engines=engines), path)
     with caplog.at_level(logging.INFO, logger="narwhal.control"):
-        profiles, problems = await load_fleet_profiles(config)
+        profiles, found = await load_fleet_profiles(config)
     assert profiles is not None
     assert profiles.check.usable == {"e0", "e1"}
-    assert problems == []
+    assert found.problems == ()
     warned = [
         (r.levelno, r.__dict__.get("engine"), r.__dict__.get("phase"), r.getMessage())
         for r in caplog.records
