@@ -9,8 +9,9 @@ the connection when it cannot complete. A write interrupted after some bytes wen
 also aborts the connection, because the HTTP stream is no longer well formed.
 
 The same class also trims hypercorn's per-request and per-chunk scheduling costs (a
-synchronous first write attempt, a cheaper keep-alive idle timer, no read scope when
-there is no read timeout); behaviour is hypercorn's.
+synchronous first write attempt, a cheaper keep-alive idle timer, no scope per read:
+`serve_app` refuses hypercorn's read_timeout, which this read loop would not apply);
+behaviour is hypercorn's.
 
 Connections are accepted in bursts (`accept_pending`): trio's serve_listeners accepts one
 connection per pass of the scheduler, so while the router is busy (a flood of requests on
@@ -481,9 +482,6 @@ class _StallBoundTCPServer(TCPServer):
             await self.idle_task.stop()
 
     async def _read_until_closed(self) -> None:
-        if self.config.read_timeout is not None:
-            await super()._read_data()
-            return
         if isinstance(h11_protocol := getattr(self.protocol, "protocol", None), H11Protocol):
             h11_protocol.can_read = _ClientWatch(self.stream.socket)
             # Nothing has been read yet: the connection hypercorn made is still unused.
@@ -491,7 +489,8 @@ class _StallBoundTCPServer(TCPServer):
                 max_incomplete_event_size=self.config.h11_max_incomplete_size,
                 report=self.protocol_error,
             )
-        # hypercorn's loop without its per-read `fail_after(inf)` scope.
+        # hypercorn's loop without its per-read `fail_after(inf)` scope (serve_app
+        # refuses a read_timeout, which this loop would not apply).
         while True:
             try:
                 data = await self.stream.receive_some(MAX_RECV)
@@ -604,6 +603,16 @@ async def serve_app(
     config.graceful_timeout = graceful_timeout_s
     config.accesslog = None
     config.errorlog = None
+    if config.read_timeout is not None:
+        # _StallBoundTCPServer's read loop replaces hypercorn's, which is the only one
+        # that applies read_timeout: installing it regardless would ignore the setting,
+        # and keeping hypercorn's loop for it (as this module once did) silently left
+        # out the error envelope, the HTTP/1.1-only rule and the head limit.
+        raise RuntimeError(
+            f"hypercorn read_timeout={config.read_timeout} is not supported: narwhal's "
+            "read loop, which envelopes protocol errors, serves HTTP/1.1 only and "
+            "holds the head limit, does not apply it"
+        )
     context = WorkerContext(None)
     wrapped = ASGIWrapper(cast(ASGIFramework, app))
     listeners = await trio.open_tcp_listeners(port, host=host)

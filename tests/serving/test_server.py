@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -20,6 +21,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from hypercorn.config import Config as HypercornConfig
 
 from narwhal._errors import MalformedRequest
 from narwhal.serving import serve_app
@@ -723,3 +725,19 @@ async def test_a_refused_client_that_is_still_sending_gets_to_read_its_answer() 
     _, goaway = h2_client.receive_data(reply)
     assert isinstance(goaway, h2.events.ConnectionTerminated)
     assert goaway.error_code == h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
+
+
+async def test_a_hypercorn_read_timeout_is_refused_not_served_without_narwhal_s_read_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # hypercorn's Config takes its defaults from class attributes. With a read_timeout
+    # the server kept hypercorn's read loop, without the error envelope, the HTTP/1.1
+    # only rule and the head limit, and nothing said so.
+    monkeypatch.setattr(HypercornConfig, "read_timeout", 5.0)
+    message = (
+        "hypercorn read_timeout=5.0 is not supported: narwhal's read loop, which "
+        "envelopes protocol errors, serves HTTP/1.1 only and holds the head limit, "
+        "does not apply it"
+    )
+    with pytest.raises(RuntimeError, match=rf"^{re.escape(message)}$"), trio.fail_after(5):
+        await serve_app(_hello, host="127.0.0.1", port=0, client_stall_s=1.0, shutdown=trio.Event())
