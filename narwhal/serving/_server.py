@@ -9,8 +9,9 @@ the connection when it cannot complete. A write interrupted after some bytes wen
 also aborts the connection, because the HTTP stream is no longer well formed.
 
 The same class also trims hypercorn's per-request and per-chunk scheduling costs (a
-synchronous first write attempt, a cheaper keep-alive idle timer, no read scope when
-there is no read timeout); behaviour is hypercorn's.
+synchronous first write attempt, a cheaper keep-alive idle timer, no scope per read:
+`serve_app` refuses hypercorn's read_timeout, which this read loop would not apply);
+behaviour is hypercorn's.
 
 Connections are accepted in bursts (`accept_pending`): trio's serve_listeners accepts one
 connection per pass of the scheduler, so while the router is busy (a flood of requests on
@@ -48,10 +49,20 @@ serves HTTP/2 to an h2c or a prior-knowledge client). The same connection also
 holds h11's head limit to complete heads: h11 checks it only while a head is still
 arriving, so a larger head that came in one read was served.
 
+A connection that closes after an answer its client may still be sending to (a
+protocol error's, or the app's to a request whose body it left unread: a 413 over
+serving.max_request_bytes, a 408 at serving.body_timeout_s, a 429 or 503 before the
+body) first ends its sending side and reads and drops what the client sends, for at
+most 1 s and 256 kB (`_StallBoundTCPServer._linger`): closing with the client's bytes
+unread resets the connection, and the client's next write fails before it reads why.
+hypercorn closes after the app's answer from the app's task, so the read loop, the
+only task that may read the stream, is stopped and lingers and closes instead.
+
 This relies on hypercorn's TCPServer/WorkerContext classes (TCPServer's _read_data and
-idle_task, H11Protocol's can_read and connection, and that H11Protocol answers a
+idle_task, H11Protocol's can_read and connection, that H11Protocol answers a
 RemoteProtocolError from its connection's next_event by sending a Response with the
-error's status hint through the same connection), which are not documented API;
+error's status hint through the same connection, and that it reports the end of a
+connection through `send(Closed())`), which are not documented API;
 tests/serving/test_server.py fails if a hypercorn upgrade changes them.
 """
 
@@ -465,6 +476,9 @@ class _StallBoundTCPServer(TCPServer):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        # The read loop's task and scope, while it runs: see protocol_send.
+        self._reader: trio.lowlevel.Task | None = None
+        self._reading = trio.CancelScope()
         self.idle_task = _IdleTask(  # type: ignore[assignment]
             self.open_connections, self.stream, self.stream.socket.close
         )
@@ -481,9 +495,6 @@ class _StallBoundTCPServer(TCPServer):
             await self.idle_task.stop()
 
     async def _read_until_closed(self) -> None:
-        if self.config.read_timeout is not None:
-            await super()._read_data()
-            return
         if isinstance(h11_protocol := getattr(self.protocol, "protocol", None), H11Protocol):
             h11_protocol.can_read = _ClientWatch(self.stream.socket)
             # Nothing has been read yet: the connection hypercorn made is still unused.
@@ -491,24 +502,39 @@ class _StallBoundTCPServer(TCPServer):
                 max_incomplete_event_size=self.config.h11_max_incomplete_size,
                 report=self.protocol_error,
             )
-        # hypercorn's loop without its per-read `fail_after(inf)` scope.
-        while True:
-            try:
-                data = await self.stream.receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                break
-            try:
-                await self.protocol.handle(RawData(bytes(data)))
-            except _ClientLeft:
-                break
-            if data == b"":
-                break
+        self._reader = trio.lowlevel.current_task()
+        # hypercorn's loop without its per-read `fail_after(inf)` scope (serve_app
+        # refuses a read_timeout, which this loop would not apply).
+        with self._reading:
+            while True:
+                try:
+                    data = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                try:
+                    await self.protocol.handle(RawData(bytes(data)))
+                except _ClientLeft:
+                    break
+                if data == b"":
+                    break
+        self._reader = None
+        if self._reading.cancelled_caught:
+            # The app answered with the request's body unread: see protocol_send.
+            await self._linger()
+            await super().protocol_send(Closed())
         await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
-            if isinstance(event, Closed):
-                await self._linger()
+            if isinstance(event, Closed) and self._answered_while_sending():
+                if trio.lowlevel.current_task() is not self._reader:
+                    if self._reader is not None:
+                        # The app's task answered; only the read loop may read the
+                        # stream, so it stops, lingers and closes.
+                        self._reading.cancel()
+                        return
+                else:
+                    await self._linger()
             await super().protocol_send(event)
             return
         data = memoryview(event.data)
@@ -551,22 +577,37 @@ class _StallBoundTCPServer(TCPServer):
         finally:
             self.send_lock.release()
 
+    def _answered_while_sending(self) -> bool:
+        """Whether the connection closes after an answer the client may still be
+        sending to: a protocol error's, or the app's to a request whose body it did not
+        read to the end (a 413 over serving.max_request_bytes, a 408 at
+        serving.body_timeout_s, a 429 or 503 before the body, a 404 with a body)."""
+        protocol = getattr(self.protocol, "protocol", None)
+        connection = getattr(protocol, "connection", None)
+        if not isinstance(connection, _ClientProtocolErrors):
+            return False
+        if connection.answered:
+            connection.answered = False  # hypercorn may report the close more than once
+            return True
+        return connection.their_state is h11.SEND_BODY and connection.our_state in (
+            h11.DONE,
+            h11.MUST_CLOSE,
+        )
+
     async def _linger(self) -> None:
-        """Before a connection closes after a protocol error's answer, end the sending
-        side and read until the client closes (at most _LINGER_S and _LINGER_BYTES).
+        """Before a connection closes after an answer the client may still be sending
+        to, end the sending side and read until the client closes (at most _LINGER_S
+        and _LINGER_BYTES).
 
         Closing a socket with unread bytes resets the connection, and a client still
         sending (an HTTP/2 client's frames after its preface, the rest of an oversized
-        head or of a body) then fails its write and never reads the answer: an HTTP/2
-        client through httpx posting a body reported a broken pipe, not the GOAWAY. The
-        bounds keep what a refused client can hold (its connection slot) small. This
-        runs in the read loop's task (H11Protocol closes from its handling of the bytes
-        it was given), so nothing else is reading the stream."""
-        protocol = getattr(self.protocol, "protocol", None)
-        connection = getattr(protocol, "connection", None)
-        if not isinstance(connection, _ClientProtocolErrors) or not connection.answered:
-            return
-        connection.answered = False  # hypercorn may report the close more than once
+        head, or of a body the app refused) then fails its next write: an HTTP/2 client
+        through httpx posting a body reported a broken pipe, not the GOAWAY, and a
+        client that stops at the failed write never reads its 413 or 408 (httpx's
+        HTTP/1.1 client reads on after one). Linux keeps an answer that arrived before
+        the reset readable, but RFC 9112 9.6 warns that a reset may erase it first.
+        The bounds keep what a refused client can hold (its connection slot) small.
+        This runs in the read loop's task, so nothing else is reading the stream."""
         try:
             await self.stream.send_eof()
             dropped = 0
@@ -604,6 +645,16 @@ async def serve_app(
     config.graceful_timeout = graceful_timeout_s
     config.accesslog = None
     config.errorlog = None
+    if config.read_timeout is not None:
+        # _StallBoundTCPServer's read loop replaces hypercorn's, which is the only one
+        # that applies read_timeout: installing it regardless would ignore the setting,
+        # and keeping hypercorn's loop for it (as this module once did) silently left
+        # out the error envelope, the HTTP/1.1-only rule and the head limit.
+        raise RuntimeError(
+            f"hypercorn read_timeout={config.read_timeout} is not supported: narwhal's "
+            "read loop, which envelopes protocol errors, serves HTTP/1.1 only and "
+            "holds the head limit, does not apply it"
+        )
     context = WorkerContext(None)
     wrapped = ASGIWrapper(cast(ASGIFramework, app))
     listeners = await trio.open_tcp_listeners(port, host=host)

@@ -45,6 +45,8 @@ class Exchange:
     hung_up: str | None = None
     # The client's own bound ran out: the router kept it waiting past every deadline.
     timed_out: bool = False
+    # A write of the request failed: the router answered and closed while it was sent.
+    upload_cut: bool = False
     first_output_at: float | None = None
     _changed: trio.Event = attrs.Factory(trio.Event)
 
@@ -220,6 +222,7 @@ async def _send_request(
         # The router may answer (413, 504) and close before the upload ends; the
         # response, if any, is still in our receive buffer.
         ex.cut = f"send failed: {exc!r}"
+        ex.upload_cut = True
 
 
 async def _read_response(sock: trio.SocketStream, conn: h11.Connection, ex: Exchange) -> None:

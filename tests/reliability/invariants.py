@@ -18,7 +18,9 @@ well_formed       every request ended with a success (a JSON body with choices, 
                   on are exempt; a client that had to give up waiting is a violation.
 deadline          no request lived longer than serving.request_timeout_s plus a small
                   bound (the last write, bounded by serving.client_stall_s), measured on
-                  the client.
+                  the client. A client whose upload was cut by the answer (it reads only
+                  once a write fails, as httpx does) may take the server's linger
+                  after that answer (at most 1 s) longer.
 no_retry_after_output
                   a stream the client saw any output on had exactly one decode leg
                   (over every engine, by request id); a committed stream never more
@@ -63,6 +65,7 @@ import attrs
 import trio
 
 from narwhal.serving import ServingContext
+from narwhal.serving._server import _LINGER_S
 
 from .client import Exchange, is_error_event
 
@@ -309,10 +312,13 @@ def check_clients(
             well_formed.fail(f"{ex.request_id} ({ex.label or 'no label'}): {v.why}")
         deadline.checked += 1
         longest = max(longest, ex.duration)
-        if ex.duration > request_timeout_s + slack_s:
+        # The server reads and drops what such a client still sends before it
+        # closes, so its write fails, and it reads its answer, up to _LINGER_S later.
+        slack = slack_s + (_LINGER_S if ex.upload_cut else 0.0)
+        if ex.duration > request_timeout_s + slack:
             deadline.fail(
                 f"{ex.request_id} lived {ex.duration:.3f}s > "
-                f"request_timeout_s={request_timeout_s} + {slack_s}"
+                f"request_timeout_s={request_timeout_s} + {slack}"
             )
     deadline.notes["longest_s"] = round(longest, 3)
     return verdicts

@@ -113,6 +113,29 @@ async def test_body_over_the_limit_is_refused_before_it_is_read(start_stack: Sta
     await sock.aclose()
 
 
+async def test_a_client_refused_while_sending_its_body_can_finish_and_read_the_answer(
+    start_stack: StartStack,
+) -> None:
+    # The connection closed with the rest of the body unread, which reset it: the
+    # client's next write failed (broken pipe), and a client that stops there never
+    # read the 413 it had been sent.
+    stack = await start_stack(serving={"max_request_bytes": 1000})
+    sock = await send_raw_request(
+        stack.url, "/v1/completions", b"x" * 1000, headers={"content-length": "100000"}
+    )
+    status, headers, body = await read_response(sock)
+    assert status.startswith(b"HTTP/1.1 413")
+    assert headers[b"connection"] == b"close"
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    await assert_closed(sock)  # its sending side, at the answer
+    # The first write after the server's close would still succeed (the reset it
+    # provokes fails the next one).
+    await sock.send_all(b"x" * 1000)
+    await sock.send_all(b"x" * 98000)
+    await sock.send_eof()
+    await sock.aclose()
+
+
 async def test_response_over_the_limit_fails_the_attempt(start_stack: StartStack) -> None:
     stack = await start_stack(serving={"max_response_bytes": 200})
     response = await post(stack, {"max_tokens": 50})

@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -20,6 +21,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from hypercorn.config import Config as HypercornConfig
 
 from narwhal._errors import MalformedRequest
 from narwhal.serving import serve_app
@@ -723,3 +725,81 @@ async def test_a_refused_client_that_is_still_sending_gets_to_read_its_answer() 
     _, goaway = h2_client.receive_data(reply)
     assert isinstance(goaway, h2.events.ConnectionTerminated)
     assert goaway.error_code == h2.errors.ErrorCodes.HTTP_1_1_REQUIRED
+
+
+_TOO_LARGE = b'{"error":{"code":"request_too_large"}}'
+
+
+async def _refuse_unread(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    """Answers 413 without reading the body, as the app does for one over
+    serving.max_request_bytes."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"%d" % len(_TOO_LARGE)), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": _TOO_LARGE})
+
+
+_UNREAD_HEAD = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 200000\r\n\r\n"
+
+
+async def test_a_client_the_app_refused_while_it_sends_its_body_gets_to_read_the_answer() -> None:
+    # The server closed with the body's later bytes unread, which resets the
+    # connection: the client's next write failed (broken pipe) before it read its
+    # answer. The kernel kept the answer readable here, but a client that stops at the
+    # failed write never reads it, and a reset may take it with it (RFC 9112 9.6).
+    async with (
+        _served(_refuse_unread) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(_UNREAD_HEAD + b"x" * 1000)
+        await trio.testing.wait_all_tasks_blocked()  # answered
+        for _ in range(4):
+            await client.send_all(b"x" * 49750)
+            await trio.testing.wait_all_tasks_blocked()
+        await client.send_eof()
+        reply = await _read_to_end(client)
+    assert reply.startswith(b"HTTP/1.1 413 ")
+    assert reply.endswith(b"\r\n\r\n" + _TOO_LARGE)
+
+
+async def test_a_client_the_app_refused_is_waited_for_a_second_at_most(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with (
+        _served(_refuse_unread) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(_UNREAD_HEAD)
+        reply = b""
+        while not reply.endswith(_TOO_LARGE):
+            reply += await client.receive_some(65536)
+        answered = trio.current_time()
+        # The server ended its side at the answer; it closes when the linger ends, and
+        # a write then fails.
+        assert await client.receive_some(65536) == b""
+        await trio.sleep(0.999)
+        for _ in range(2):  # the first write after a close would still succeed
+            await client.send_all(b"x")
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(0.002)
+        await client.send_all(b"x")  # the server's kernel answers it with a reset
+        with pytest.raises(trio.BrokenResourceError):
+            await client.send_all(b"x")
+    assert trio.current_time() - answered == pytest.approx(1.001)
+
+
+async def test_a_hypercorn_read_timeout_is_refused_not_served_without_narwhal_s_read_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # hypercorn's Config takes its defaults from class attributes. With a read_timeout
+    # the server kept hypercorn's read loop, without the error envelope, the HTTP/1.1
+    # only rule and the head limit, and nothing said so.
+    monkeypatch.setattr(HypercornConfig, "read_timeout", 5.0)
+    message = (
+        "hypercorn read_timeout=5.0 is not supported: narwhal's read loop, which "
+        "envelopes protocol errors, serves HTTP/1.1 only and holds the head limit, "
+        "does not apply it"
+    )
+    with pytest.raises(RuntimeError, match=rf"^{re.escape(message)}$"), trio.fail_after(5):
+        await serve_app(_hello, host="127.0.0.1", port=0, client_stall_s=1.0, shutdown=trio.Event())
