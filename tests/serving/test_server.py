@@ -509,23 +509,12 @@ async def test_a_request_h11_cannot_parse_is_reported_and_answered_with_the_enve
 ) -> None:
     # hypercorn answers it itself: the answer had no body, and nothing in Narwhal heard of it.
     reported: list[MalformedRequest] = []
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        ((host, port),) = await nursery.start(
-            partial(
-                serve_app,
-                _hello,
-                host="127.0.0.1",
-                port=0,
-                client_stall_s=1.0,
-                shutdown=shutdown,
-                protocol_error=reported.append,
-            )
-        )
-        async with await trio.open_tcp_stream(host, port) as client:
-            await client.send_all(raw)
-            reply = await _read_to_end(client)
-        shutdown.set()
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(raw)
+        reply = await _read_to_end(client)
     head, _, body = reply.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     assert lines[0] == b"HTTP/1.1 %d " % status
@@ -545,19 +534,7 @@ async def test_a_request_h11_cannot_parse_is_reported_and_answered_with_the_enve
 
 async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_error() -> None:
     reported: list[MalformedRequest] = []
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        ((host, port),) = await nursery.start(
-            partial(
-                serve_app,
-                _hello,
-                host="127.0.0.1",
-                port=0,
-                client_stall_s=1.0,
-                shutdown=shutdown,
-                protocol_error=reported.append,
-            )
-        )
+    async with _served(_hello, protocol_error=reported.append) as (host, port):
         async with await trio.open_tcp_stream(host, port) as client:
             await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n")
             await client.send_eof()
@@ -565,7 +542,6 @@ async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_er
         # The same server answers well-formed requests as before, without reporting.
         async with await trio.open_tcp_stream(host, port) as client:
             await _answered(client)
-        shutdown.set()
     assert reported == []
 
 
