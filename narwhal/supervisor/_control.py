@@ -172,18 +172,19 @@ async def load_fleet_profiles(
     return profiles, found
 
 
-async def recheck_profile_build(ctx: ServingContext, engine: EngineState) -> None:
+async def recheck_profile_build(ctx: ServingContext, engine: EngineState) -> list[str]:
     """After `engine` restarted (and before it is back in placement): drop its profile
     if the engine now runs another build, as a start or a reload would have. An engine
     relaunched on an upgraded build between reloads was otherwise priced with the old
-    build's profile until the next reload."""
+    build's profile until the next reload. Returns the problems found (none when the
+    build is unchanged)."""
     source = ctx.profiles
     if not isinstance(source, FleetProfiles) or engine.id not in source.check.usable:
-        return
+        return []
     one = attrs.evolve(source.check, usable=frozenset({engine.id}), messages=())
     checked = await with_live_builds(one, ctx.config)
     if engine.id in checked.usable:
-        return
+        return []
     source.check = attrs.evolve(
         source.check,
         usable=source.check.usable - {engine.id},
@@ -195,6 +196,7 @@ async def recheck_profile_build(ctx: ServingContext, engine: EngineState) -> Non
             message,
             extra={"event": "profile_problem", "problem": message, "engine": engine.id},
         )
+    return list(checked.messages)
 
 
 def install_profiles(ctx: ServingContext, profiles: ProfileSource | None, config: Config) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any
 
 import trio
@@ -157,7 +156,7 @@ class Supervisor:
             ctx, prober=self.prober, predictor=self.predictor or profile_predictor(ctx)
         )
         self.recovery = recovery
-        recovery.before_release = partial(recheck_profile_build, ctx)
+        recovery.before_release = self._recheck_profile_build
         ctx.leg_observer = recovery
         monitor = Monitor(ctx, recovery, self.prober, on_degraded=self._degraded_changed)
         # Always: without a controller the pass still drains the demand events.
@@ -472,6 +471,12 @@ class Supervisor:
             "max_num_seqs": caps,
             "poor_fits": poor,
         }
+
+    async def _recheck_profile_build(self, engine: EngineState) -> None:
+        """Recovery's `before_release`: `recheck_profile_build`, whose problems the
+        state's `profiles.problems` lists with the last load's until the next load."""
+        assert self.ctx is not None
+        self.profile_problems += await recheck_profile_build(self.ctx, engine)
 
     def _retire(self, engine: EngineState) -> None:
         assert self._nursery is not None

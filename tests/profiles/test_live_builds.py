@@ -97,16 +97,42 @@ async def test_an_engine_restarted_on_another_build_loses_its_profile_before_rel
     install_profiles(ctx, FleetProfiles(load_profiles(str(path), config)), config)
     assert isinstance(ctx.profiles, FleetProfiles)
     assert ctx.profiles.check.usable == {"e0", "e1"}  # as loaded before the upgrade
+    found = {}
     for engine_id in ("e0", "e1"):
         engine = ctx.fleet.get(engine_id)
         assert engine is not None
-        await recheck_profile_build(ctx, engine)
+        found[engine_id] = await recheck_profile_build(ctx, engine)
     assert ctx.profiles.check.usable == {"e0"}
     assert ctx.profiles.prefill_curve("e1") is None
-    assert ctx.profiles.check.messages[-1] == (
+    stale = (
         f"engine 'e1': build is {live!r} but the profile was measured on {old!r}; the profile "
         "is stale, run narwhal-profile again"
     )
+    assert ctx.profiles.check.messages[-1] == stale
+    assert found == {"e0": [], "e1": [stale]}
+
+
+async def test_a_profile_dropped_after_a_restart_is_listed_in_the_state(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    # Recovery's before_release is the supervisor's: the stale build found there is a
+    # profile problem like one found at a load, in /narwhal/state until the next load.
+    fleet = await start_fleet(engines=2, speed=50.0, build="b2")
+    urls = {"e0": fleet[0].url, "e1": fleet[1].url}
+    path = tmp_path / "profiles.json"
+    config = config_for(urls, profiles=str(path))
+    await save_with_e1_stale(config, urls, path)
+    supervisor = Supervisor(config)
+    supervisor.ctx = ServingContext(config)
+    install_profiles(supervisor.ctx, FleetProfiles(load_profiles(str(path), config)), config)
+    supervisor.profile_problems = ["a problem of the last load"]
+    e1 = supervisor.ctx.fleet.get("e1")
+    assert e1 is not None
+    await supervisor._recheck_profile_build(e1)
+    problems = supervisor._profiles_state()["problems"]
+    assert isinstance(problems, list)
+    assert problems[0] == "a problem of the last load"
+    assert [p.startswith("engine 'e1': build is ") for p in problems[1:]] == [True]
 
 
 async def test_a_poor_fit_is_used_and_logged_at_load(
