@@ -160,7 +160,7 @@ class EngineState:
         self._drained = False  # operator (narwhalctl drain)
         # Why the engine refuses Narwhal's API key (HTTP 401/403), set by whichever request
         # met the refusal (`key_refused`); cleared by recovery when the key is accepted
-        # again, or by a reload.
+        # again, or by a reload that changes the key.
         self._auth_refused: str | None = None
         # Refusals recorded so far (`key_refused`): a key check clears `auth_refused` only
         # if none arrived while it was under way.
@@ -168,7 +168,7 @@ class EngineState:
         # Why the engine does not serve the configured engines[].model, set when it
         # answered a leg 404 naming the model (`model_refused`); cleared by recovery when
         # its /v1/models lists the model again (read at each good probe until then), or
-        # by a reload of the engine.
+        # by a reload that changes the model.
         self._model_missing: str | None = None
         # Refusals recorded so far: a /v1/models reading clears `model_missing` only if
         # none arrived while it was under way.
@@ -244,10 +244,13 @@ class EngineState:
 
     def reconfigure(self, spec: EngineSpec, config: Config) -> None:
         """Apply a reloaded config in place: resident requests keep their reservations."""
+        # Another model or key is another question; an unchanged one keeps its answer, or
+        # each reload would send the engine one more request it refuses (recovery's
+        # /v1/models read and key check readmit it when it changes its mind).
         if spec.model != self.spec.model:
-            # Another model is another question (an unchanged one keeps its answer, or
-            # each reload would send the engine one more request it refuses).
             self.model_missing = None
+        if spec.api_key_text() != self.spec.api_key_text():
+            self.auth_refused = None
         self.spec = spec
         engine_cfg = config.engine
         self.serving_pool.resize(config.serving.max_connections)
@@ -258,7 +261,6 @@ class EngineState:
                 pool_timeout_s=engine_cfg.pool_timeout_s,
             )
             pool.set_api_key(spec.api_key_text())
-        self.auth_refused = None
         # A reload may point the id at another server.
         self.context_due = True
         self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from narwhal.config import Config
+from narwhal.config import Config, Secret
 from narwhal.ctl import CtlRequest
 from narwhal.fleet import EngineState, Role, key_refused, model_refused
 from narwhal.recovery import (
@@ -818,6 +818,18 @@ async def test_an_engine_that_does_not_list_its_model_is_named_once_and_kept_in_
         "requests for it (vLLM answers 404), the first refused one takes it out of "
         "placement: check the engine's --served-model-name"
     ]
+
+
+async def test_a_reload_forgets_a_key_refusal_only_when_it_changes_the_key() -> None:
+    # An unchanged key would be refused again: one more failed leg and ERROR per reload.
+    cfg = config()
+    engine = ServingContext(cfg).fleet.get("p0")
+    assert engine is not None
+    key_refused(engine, 401, "Unauthorized", cfg)
+    engine.reconfigure(cfg.engines[0], cfg)
+    assert str(engine.unavailable_reason(0.0)).startswith("auth refused: ")
+    engine.reconfigure(attrs.evolve(cfg.engines[0], api_key=Secret("sk-new")), cfg)
+    assert engine.unavailable_reason(0.0) is None
 
 
 async def test_a_reload_forgets_a_model_refusal_only_when_it_changes_the_model() -> None:
