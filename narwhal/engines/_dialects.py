@@ -382,12 +382,20 @@ class TokenizeScan:
         return limit
 
 
-def lists_model(answer: object, model: str) -> bool | None:
-    """Whether a /v1/models answer lists `model`; None when it is no model list."""
+def _model_cards(answer: object) -> list[dict[str, object]] | None:
+    """The model cards of a /v1/models answer; None when it has no `data` list."""
     cards = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(cards, list):
         return None
-    return any(isinstance(card, dict) and card.get("id") == model for card in cards)
+    return [card for card in cards if isinstance(card, dict)]
+
+
+def lists_model(answer: object, model: str) -> bool | None:
+    """Whether a /v1/models answer lists `model`; None when it is no model list."""
+    cards = _model_cards(answer)
+    if cards is None:
+        return None
+    return any(card.get("id") == model for card in cards)
 
 
 def card_context(answer: object, model: str) -> int | str:
@@ -399,17 +407,17 @@ def card_context(answer: object, model: str) -> int | str:
     against, where /tokenize's `max_model_len` is only the tokenizer's and
     /get_server_info's `context_length` only the --context-length flag (null unless
     set)."""
-    cards = answer.get("data") if isinstance(answer, dict) else None
-    if not isinstance(cards, list):
+    cards = _model_cards(answer)
+    if cards is None:
         return "its /v1/models answer has no `data` list"
     for card in cards:
-        if isinstance(card, dict) and card.get("id") == model:
+        if card.get("id") == model:
             value = card.get("max_model_len")
             length = json_int(value)
             if length is not None and length > 0:
                 return length
             return f"its /v1/models card for {model!r} has no positive max_model_len ({value!r})"
-    listed = ", ".join(repr(card.get("id")) for card in cards if isinstance(card, dict))
+    listed = ", ".join(repr(card.get("id")) for card in cards)
     return f"its /v1/models answer lists no model {model!r} (it lists {listed or 'none'})"
 
 

@@ -565,11 +565,11 @@ class _Leg:
         return _LegFailed(detail, self.engine, own=not self.paired, deadline_s=deadline_s)
 
     def status(self, status: int, raw: bytes) -> _LegFailed:
+        info = parse_error_body(status, raw)
         if status in ENGINE_AUTH_STATUSES:
             # The engine's own refusal, whatever the partner did; not a failure either.
-            refusal = KeyRefusal(self.engine, status, parse_error_body(status, raw).message)
+            refusal = KeyRefusal(self.engine, status, info.message)
             return _LegRefused(_refused_detail(self.where, refusal), refusal)
-        info = parse_error_body(status, raw)
         if names_model(status, info):
             # Launched under another name: refused whatever the partner did, and no
             # failure of its health either.

@@ -708,19 +708,18 @@ class Flow:
                     if status == 200:
                         return await self._read_tokenize(response, len(payload), engine, request)
                     raw = await response.aread(_ERROR_BODY_LIMIT)
+                    info = parse_error_body(status, raw)
                     if status in ENGINE_AUTH_STATUSES:
                         # SGLang guards /tokenize with --api-key (vLLM leaves it open):
                         # the engine would refuse the request's legs too.
-                        key_refused(engine, status, parse_error_body(status, raw).message, config)
+                        key_refused(engine, status, info.message, config)
                         return "engine_auth"
-                    info = parse_error_body(status, raw)
-                    message = info.message
                     if names_model(status, info):
                         # vLLM's /tokenize checks the model as its completions do.
-                        model_refused(engine, message, config)
+                        model_refused(engine, info.message, config)
                         return "engine_model"
                     if request.kind == "chat" and chat_tokenize_refused(
-                        engine.dialect, status, message
+                        engine.dialect, status, info.message
                     ):
                         self._chat_refused(engine, status)
                         return "unsupported"
