@@ -82,12 +82,11 @@ async def test_predictive_admission_refuses_a_fleet_of_stale_profiles(
     assert problem.startswith(f"engine 'e0': build is {live!r} but the profile was measured on")
 
 
-async def test_an_engine_restarted_on_another_build_loses_its_profile_before_release(
+async def loaded_before_upgrade(
     start_fleet: StartFleet, tmp_path: Path
-) -> None:
-    # Loaded while e1 still ran b1; it was then relaunched on b2 (an upgrade between
-    # reloads). Recovery holds a restarted engine until verified, and before it lets it go
-    # the supervisor compares builds again: the old profile is not priced with.
+) -> tuple[ServingContext, str, str]:
+    """Two engines on build b2, priced with a store in which e1's profile is b1's, as
+    loaded before e1 was upgraded; (the context, the live build, e1's profile build)."""
     fleet = await start_fleet(engines=2, speed=50.0, build="b2")
     urls = {"e0": fleet[0].url, "e1": fleet[1].url}
     path = tmp_path / "profiles.json"
@@ -95,6 +94,16 @@ async def test_an_engine_restarted_on_another_build_loses_its_profile_before_rel
     live, old = await save_with_e1_stale(config, urls, path)
     ctx = ServingContext(config)
     install_profiles(ctx, FleetProfiles(load_profiles(str(path), config)), config)
+    return ctx, live, old
+
+
+async def test_an_engine_restarted_on_another_build_loses_its_profile_before_release(
+    start_fleet: StartFleet, tmp_path: Path
+) -> None:
+    # Loaded while e1 still ran b1; it was then relaunched on b2 (an upgrade between
+    # reloads). Recovery holds a restarted engine until verified, and before it lets it go
+    # the supervisor compares builds again: the old profile is not priced with.
+    ctx, live, old = await loaded_before_upgrade(start_fleet, tmp_path)
     assert isinstance(ctx.profiles, FleetProfiles)
     assert ctx.profiles.check.usable == {"e0", "e1"}  # as loaded before the upgrade
     found = {}
@@ -117,14 +126,9 @@ async def test_a_profile_dropped_after_a_restart_is_listed_in_the_state(
 ) -> None:
     # Recovery's before_release is the supervisor's: the stale build found there is a
     # profile problem like one found at a load, in /narwhal/state until the next load.
-    fleet = await start_fleet(engines=2, speed=50.0, build="b2")
-    urls = {"e0": fleet[0].url, "e1": fleet[1].url}
-    path = tmp_path / "profiles.json"
-    config = config_for(urls, profiles=str(path))
-    await save_with_e1_stale(config, urls, path)
-    supervisor = Supervisor(config)
-    supervisor.ctx = ServingContext(config)
-    install_profiles(supervisor.ctx, FleetProfiles(load_profiles(str(path), config)), config)
+    ctx, _, _ = await loaded_before_upgrade(start_fleet, tmp_path)
+    supervisor = Supervisor(ctx.config)
+    supervisor.ctx = ctx
     supervisor.profile_problems = ["a problem of the last load"]
     e1 = supervisor.ctx.fleet.get("e1")
     assert e1 is not None
