@@ -4,6 +4,13 @@ import pytest
 import trio.testing
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-engine tests run last, so their engines (several GB, slow to start) are up
+    only after the fast tier has run and never compete with its timing-sensitive tests."""
+    items.sort(key=lambda item: item.get_closest_marker("real") is not None)
+
+
 @pytest.fixture
 def io_clock() -> trio.testing.MockClock:
     """A mock clock for tests that also do real socket I/O.

@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
 # The one test command (README "Run the tests"; CI calls exactly this).
+#
+#   bash tools/test.sh [--no-real] [PYTEST ARGS...]
+#
 # Creates ./.venv if needed, installs Narwhal with its test extras from the package
-# registries, then lints, type-checks and runs the suite. Extra args go to pytest.
+# registries, lints and type-checks, creates the real engines' venv (.venv-vllm,
+# tools/engines/vllm-venv.sh), then runs the suite: the fast tier first, the real-engine
+# tier (tests/real, real vLLM engines) last. `--no-real` skips the engines' venv and the
+# real tier, for quick local runs; CI never passes it. Other args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+real=1
+args=()
+for arg in "$@"; do
+    if [ "$arg" = "--no-real" ]; then
+        real=0
+    else
+        args+=("$arg")
+    fi
+done
 python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
@@ -13,4 +28,9 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-.venv/bin/pytest "$@"
+if [ "$real" = 0 ]; then
+    exec .venv/bin/pytest -m "not slow and not real" "${args[@]}"
+fi
+# A failed install fails the run here, saying why; the tier never skips silently.
+bash tools/engines/vllm-venv.sh
+exec .venv/bin/pytest "${args[@]}"

@@ -1,0 +1,127 @@
+"""The real-engine tier: Narwhal against real vLLM engines (see `engines.py`).
+
+Every test under tests/real is marked `real`; `bash tools/test.sh --no-real` deselects them
+for a quick local run, CI always runs them. The engines are started once per session, after
+the rest of the suite has run (the root conftest orders real tests last), and reaped at the
+end; when a test failed, the engines' log paths and tails are printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from narwhal.config import Config, load_config
+from narwhal.serving import ServingContext
+from narwhal.supervisor import Supervisor
+
+from ..support import FakeFileLimit
+from .engines import MODEL_NAME, Engine, RealFleet, real_fleet
+
+MODEL = MODEL_NAME
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealFleet]:
+    """Two aggregate vLLM engines and one NixlConnector P/D pair, up for the session."""
+    with real_fleet(tmp_path_factory.mktemp("vllm-fleet")) as fleet:
+        yield fleet
+        if request.session.testsfailed:
+            for engine in fleet.engines.values():
+                print(f"\n--- engine {engine.name} ({engine.url}) log: {engine.log}")
+                print(engine.tail(40))
+
+
+@pytest.fixture
+def vllm(vllm_fleet: RealFleet) -> RealFleet:
+    """The session's fleet, every engine healthy (a test before may have restarted one)."""
+    vllm_fleet.wait_ready()
+    return vllm_fleet
+
+
+def engine_entry(engine: Engine, role: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": engine.name,
+        "url": engine.url,
+        "role": role,
+        "model": MODEL,
+        "dialect": "vllm",
+        **extra,
+    }
+
+
+def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "engines": entries,
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "serving": {"admission": "open"},
+        "controller": {"enabled": False},
+    }
+    for key, value in sections.items():
+        document[key] = {**document.get(key, {}), **value}
+    return document
+
+
+def aggregate_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
+    return real_config([engine_entry(e, "both") for e in fleet.aggregate], **sections)
+
+
+def pair_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
+    prefill, decode = fleet.pair
+    return real_config(
+        [engine_entry(prefill, "prefill"), engine_entry(decode, "decode")], **sections
+    )
+
+
+@attrs.define
+class RealStack:
+    supervisor: Supervisor
+    config: Config
+
+    @property
+    def url(self) -> str:
+        return self.supervisor.url
+
+    @property
+    def ctx(self) -> ServingContext:
+        assert self.supervisor.ctx is not None
+        return self.supervisor.ctx
+
+    async def state(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            response = await client.get(f"{self.url}/narwhal/state")
+        response.raise_for_status()
+        document: dict[str, Any] = response.json()
+        return document
+
+
+@asynccontextmanager
+async def narwhal_in_front(
+    document: dict[str, Any], profiles: Any = None
+) -> AsyncIterator[RealStack]:
+    """An in-process Narwhal serving `document`'s engines, cancelled on exit."""
+    config = load_config(document)
+    async with trio.open_nursery() as nursery:
+        supervisor: Supervisor = await nursery.start(
+            Supervisor(config, profiles=profiles, open_files=FakeFileLimit().limit()).run
+        )
+        try:
+            yield RealStack(supervisor, config)
+        finally:
+            nursery.cancel_scope.cancel()

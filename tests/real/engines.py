@@ -1,0 +1,395 @@
+"""Real vLLM engines for the real-engine tier: launch, wait, kill, restart, reap.
+
+The engines run from their own venv (`tools/engines/vllm-venv.sh`, default `.venv-vllm`,
+or `NARWHAL_VLLM_VENV`), on free loopback ports, serving the tiny random-weight model that
+`tools/engines/tiny_model.py` builds at test time. The fleet is:
+
+- ``agg0``, ``agg1``: aggregate engines, no KV connector;
+- ``prefill``, ``decode``: one NixlConnector P/D pair (`kv_buffer_device: cpu`, each with
+  its own side-channel port).
+
+A developer can keep one fleet up between test runs and point the tier at it:
+
+    .venv/bin/python -m tests.real.engines up --state /tmp/real-fleet.json
+    NARWHAL_REAL_FLEET=/tmp/real-fleet.json bash tools/test.sh tests/real
+
+The state file names each engine's url, pid, argv and log, so tests that kill an engine can
+relaunch it the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny-llama"
+CONTEXT = 2048
+# Start-up is 35-60 s per engine on a quiet box and ~100 s when four start at once on
+# two cores; the bound is for a box loaded by the rest of the suite as well.
+READY_WITHIN_S = 480.0
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+class EngineSetupError(RuntimeError):
+    """The engines' venv is missing or broken, or an engine did not come up."""
+
+
+def venv() -> Path:
+    return Path(os.environ.get("NARWHAL_VLLM_VENV", ROOT / ".venv-vllm"))
+
+
+def engine_python() -> Path:
+    python = venv() / "bin" / "python"
+    if not python.exists():
+        raise EngineSetupError(
+            f"no engine venv at {venv()}: run `bash tools/engines/vllm-venv.sh` "
+            "(the README's test command does)"
+        )
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def build_model(out: Path) -> Path:
+    """The tiny model, built with the engines' own Python (it has torch and transformers)."""
+    result = subprocess.run(
+        [str(engine_python()), str(ROOT / "tools" / "engines" / "tiny_model.py"), str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    if result.returncode != 0:
+        raise EngineSetupError(f"building the tiny model failed:\n{result.stderr[-4000:]}")
+    return out
+
+
+@attrs.define
+class Engine:
+    """One vLLM API server process (and its engine core child)."""
+
+    name: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+    pid: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            out.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
+            out.flush()
+            self.process = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.pid = self.process.pid
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        if self.pid is None:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, within_s: float = READY_WITHIN_S) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise EngineSetupError(f"engine {self.name} exited:\n{self.tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        raise EngineSetupError(f"engine {self.name} not healthy in {within_s} s:\n{self.tail()}")
+
+    def children(self) -> list[int]:
+        """Pids of the API server's descendants (the engine core is one of them)."""
+        if self.pid is None:
+            return []
+        found: list[int] = []
+        todo = [self.pid]
+        while todo:
+            parent = todo.pop()
+            path = Path(f"/proc/{parent}/task/{parent}/children")
+            try:
+                kids = [int(p) for p in path.read_text().split()]
+            except OSError:
+                kids = []
+            found.extend(kids)
+            todo.extend(kids)
+        return found
+
+    def engine_core_pid(self) -> int:
+        """The EngineCore process (vLLM v1 runs the model outside the API server)."""
+        for pid in self.children():
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if "EngineCore" in name or b"EngineCore" in cmdline:
+                return pid
+        raise EngineSetupError(f"engine {self.name}: no EngineCore among {self.children()}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.process is not None:
+            self.process.wait(timeout=grace_s)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+        self.wait_ready()
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return f"(no log at {self.log})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
+            return str(answer.read().decode())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "port": self.port,
+            "pid": self.pid,
+            "argv": self.argv,
+            "env": self.env,
+            "log": str(self.log),
+        }
+
+    @classmethod
+    def attach(cls, described: dict[str, Any]) -> Engine:
+        return cls(
+            name=described["name"],
+            port=described["port"],
+            argv=list(described["argv"]),
+            env=dict(described["env"]),
+            log=Path(described["log"]),
+            pid=described["pid"],
+        )
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "NARWHAL_", "PYTEST"))}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+def engine_argv(model: Path, port: int, *, kv: dict[str, Any] | None = None) -> list[str]:
+    argv = [
+        str(engine_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(CONTEXT),
+        "--max-num-seqs",
+        "16",
+    ]
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv)]
+    return argv
+
+
+@attrs.define
+class RealFleet:
+    """The tier's four engines, by name."""
+
+    engines: dict[str, Engine]
+    model: Path
+    directory: Path
+
+    def __getitem__(self, name: str) -> Engine:
+        return self.engines[name]
+
+    @property
+    def aggregate(self) -> list[Engine]:
+        return [self.engines["agg0"], self.engines["agg1"]]
+
+    @property
+    def pair(self) -> tuple[Engine, Engine]:
+        return self.engines["prefill"], self.engines["decode"]
+
+    def wait_ready(self) -> None:
+        for engine in self.engines.values():
+            if not engine.healthy():
+                engine.wait_ready()
+
+    def stop(self) -> None:
+        for engine in self.engines.values():
+            engine.stop()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "directory": str(self.directory),
+            "engines": [e.describe() for e in self.engines.values()],
+        }
+
+    @classmethod
+    def attach(cls, state: Path) -> RealFleet:
+        described = json.loads(state.read_text())
+        engines = {d["name"]: Engine.attach(d) for d in described["engines"]}
+        return cls(engines, Path(described["model"]), Path(described["directory"]))
+
+    @classmethod
+    def launch(cls, directory: Path, names: Sequence[str] | None = None) -> RealFleet:
+        model = build_model(directory / "model")
+        wanted = set(names or ("agg0", "agg1", "prefill", "decode"))
+        engines: dict[str, Engine] = {}
+        for name in ("agg0", "agg1", "prefill", "decode"):
+            if name not in wanted:
+                continue
+            port = free_port()
+            extra: dict[str, str] = {}
+            kv = None
+            if name in ("prefill", "decode"):
+                kv = NIXL
+                extra["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+                extra["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            engines[name] = Engine(
+                name=name,
+                port=port,
+                argv=engine_argv(model, port, kv=kv),
+                env=engine_env(extra),
+                log=directory / f"{name}.log",
+            )
+        fleet = cls(engines, model, directory)
+        try:
+            for engine in engines.values():
+                engine.start()
+            fleet.wait_ready()
+        except BaseException:
+            fleet.stop()
+            raise
+        return fleet
+
+
+@contextmanager
+def real_fleet(directory: Path | None = None) -> Iterator[RealFleet]:
+    """The fleet named by NARWHAL_REAL_FLEET (left running), or a new one (reaped)."""
+    state = os.environ.get("NARWHAL_REAL_FLEET")
+    if state:
+        fleet = RealFleet.attach(Path(state))
+        fleet.wait_ready()
+        yield fleet
+        return
+    own = directory or Path(tempfile.mkdtemp(prefix="nw-real-"))
+    fleet = RealFleet.launch(own)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def _up(args: argparse.Namespace) -> None:
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="nw-real-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    fleet = RealFleet.launch(directory, args.engines)
+    Path(args.state).write_text(json.dumps(fleet.describe(), indent=2) + "\n")
+    took = time.monotonic() - started
+    print(f"fleet up in {took:.0f} s; state in {args.state}", flush=True)
+    for engine in fleet.engines.values():
+        print(f"  {engine.name}: {engine.url} pid {engine.pid} log {engine.log}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        RealFleet.attach(Path(args.state)).stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run the real-engine tier's vLLM fleet.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="launch the fleet and keep it up until interrupted")
+    up.add_argument("--state", required=True, help="where to write the fleet's state file")
+    up.add_argument("--dir", help="folder for the model and the logs")
+    up.add_argument("--engines", nargs="*", help="a subset of agg0 agg1 prefill decode")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        _up(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

