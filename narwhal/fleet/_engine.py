@@ -286,7 +286,7 @@ class EngineState:
     def fixed_role(self) -> str | None:
         """Why nothing may change this engine's role at run time, or None. Only the
         configuration, which records how the engine was launched, sets it then."""
-        return self.dialect.fixed_role
+        return self.dialect.fixed_role or self.spec.launch_fixes_role
 
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""

@@ -1306,7 +1306,7 @@ class Recovery:
             candidates = [e for e in answering if _refusal(e) is None]
             standby = True
             if not candidates:
-                role = subject.dialect.fixed_role
+                role = subject.fixed_role
                 refused = "; ".join(f"{e.id} {_refusal(e)}" for e in answering)
                 missing = (
                     f"no {other} engine that answers its health probe takes narwhal's API "

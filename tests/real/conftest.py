@@ -72,6 +72,10 @@ def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any
         "listen": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
         "controller": {"enabled": False},
+        # CPU engines on a two-core box shared with the test process: a first token or a
+        # probe answer can take seconds when the box is busy. The tier checks behaviour;
+        # tests of a timer set their own.
+        "engine": {"first_token_timeout_s": 30.0, "health_timeout_s": 20.0},
     }
     for key, value in sections.items():
         document[key] = {**document.get(key, {}), **value}
@@ -79,11 +83,14 @@ def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any
 
 
 def aggregate_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
+    sections.setdefault("profiles", {"path": str(fleet.directory / "no-profiles.json")})
     return real_config([engine_entry(e, "both") for e in fleet.aggregate], **sections)
 
 
 def pair_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
     prefill, decode = fleet.pair
+    # Not the repository's runs/profiles.json, which profiles the simulated demo fleet.
+    sections.setdefault("profiles", {"path": str(fleet.directory / "no-profiles.json")})
     return real_config(
         [engine_entry(prefill, "prefill"), engine_entry(decode, "decode")], **sections
     )
