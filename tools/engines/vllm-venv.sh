@@ -25,19 +25,25 @@ stamp="$venv/.narwhal-stamp"
 # The pins alone: editing this script's comments must not cost a 3.5 GB reinstall.
 want="$( (echo "$VLLM $NIXL $TORCH"; cat "$here/vllm-constraints.txt") | sha256sum | cut -d' ' -f1)"
 
+modules="torch transformers tokenizers nixl vllm vllm.entrypoints.openai.api_server"
+
 check() {
-    local failed=0
+    local failed=0 version
+    version="$("$venv/bin/python" -c "
+import ${modules// /, }
+print(vllm.__version__)" 2>/dev/null || true)"
+    if [ "$version" = "$VLLM" ]; then
+        return 0
+    fi
     # Each import on its own, so the message names the one that broke.
-    for module in torch transformers tokenizers nixl vllm vllm.entrypoints.openai.api_server; do
+    for module in $modules; do
         if ! out="$("$venv/bin/python" -c "import $module" 2>&1)"; then
             echo "vllm-venv: 'import $module' failed in $venv:" >&2
             echo "$out" | tail -5 >&2
             failed=1
         fi
     done
-    local version
-    version="$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)"
-    if [ "$failed" = 0 ] && [ "$version" != "$VLLM" ]; then
+    if [ "$failed" = 0 ]; then
         echo "vllm-venv: vllm is $version in $venv; the tier is pinned to $VLLM" >&2
         failed=1
     fi
