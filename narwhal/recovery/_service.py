@@ -783,6 +783,7 @@ class Recovery:
             await self._identity_refused(record, result.refusal, result.detail)
         elif result.identity is not None:
             record.identity_refused = False
+            engine.version = dict(result.identity).get("version")
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
             log.log(

@@ -104,9 +104,9 @@ from ._client import (
     watch_disconnect,
 )
 from ._context import DecodeGaps, DemandEvent, RequestRecord, ServingContext, log
+from ._context_check import check_context, output_bound, widest_context
 from ._request import (
     ClientRequest,
-    context_overflow,
     parse_body,
     request_id_from_header,
     truncated_prompt,
@@ -503,8 +503,9 @@ class Flow:
     def _offered(
         self, request: ClientRequest, tokens: int, *, admitted: bool, reason: str | None = None
     ) -> None:
+        bound = output_bound(request.max_tokens, tokens, widest_context(self._available()))
         self.ctx.demand_events.append(
-            DemandEvent(trio.current_time(), tokens, request.max_tokens, admitted, reason)
+            DemandEvent(trio.current_time(), tokens, bound, admitted, reason)
         )
 
     def _admit_predictively(
@@ -643,30 +644,21 @@ class Flow:
         record: RequestRecord,
         available: list[EngineState],
     ) -> None:
-        """Refuse, before any leg, a request whose exact prompt length `count`, or it and
-        its max_tokens, do not fit the context (`context_overflow`).
-
-        The context is the largest an available engine reports: placement may pick any
-        of them, and one no engine could take is certain to be refused, by the prefill
-        engine or the decode engine. Where engines differ, a request past a smaller one's
-        context is left to that engine. Where none reports one (`EngineState.context_note`
-        says why), nothing is checked and the engine refuses it itself, as before the
-        check: counted as `unknown` and kept on the record."""
+        """Refuse, before any leg, a request whose exact prompt length `count` every
+        available engine would refuse for its context, by its build's rule
+        (`check_context`): placement may pick any of them, and one no engine would take
+        is certain to be refused, by the prefill engine or the decode engine. A request
+        only some would refuse is left to those. Where none reports its context
+        (`EngineState.context_note` says why), nothing is checked and the engine refuses
+        it itself: counted as `unknown` and kept on the record."""
         ctx = self.ctx
-        known = [engine for engine in available if engine.context_length is not None]
-        if not known:
-            ctx.context_checks["unknown"] += 1
-            ctx.metrics.context_checks_by("unknown").inc()
-            record.context_unchecked = "no available engine reports its context length"
-            return
-        widest = max(known, key=lambda e: e.context_length or 0)
-        assert widest.context_length is not None
-        overflow = context_overflow(request, count, widest.context_length, widest.dialect)
-        result = "passed" if overflow is None else "refused"
+        result, refusal = check_context(request, count, available)
         ctx.context_checks[result] += 1
         ctx.metrics.context_checks_by(result).inc()
-        if overflow is not None:
-            raise overflow
+        if result == "unknown":
+            record.context_unchecked = "no available engine reports its context length"
+        if refusal is not None:
+            raise refusal
 
     def _tokenizer_engine(self, kind: EndpointKind) -> EngineState | str:
         """The engine to ask, or why there is none: `no_engine`, or `unsupported` when
@@ -1329,7 +1321,8 @@ class Flow:
         if unstreamed is not None:
             self.ctx.unstreamed_legs[unstreamed] += 1
             self.ctx.metrics.unstreamed_legs_by(unstreamed).inc()
-            with engine.unstreamed_decode(request.max_tokens, trio.current_time()):
+            bound = output_bound(request.max_tokens, record.prompt_tokens, engine.context_length)
+            with engine.unstreamed_decode(bound, trio.current_time()):
                 raw = await self._json_leg(
                     engine,
                     phase,
@@ -1422,7 +1415,8 @@ async def _relay(
     reported: int | None = None
     done = False
     path = ENDPOINT_PATHS[request.kind]
-    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, request.max_tokens)
+    bound = output_bound(request.max_tokens, record.prompt_tokens, engine.context_length)
+    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, bound)
     with timer, growth or nullcontext():
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:

@@ -10,7 +10,7 @@ import attrs
 
 from .._errors import BadRequest
 from .._values import json_int
-from ..engines import Dialect, EndpointKind, Json
+from ..engines import EndpointKind, Json
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # The fields an engine pair uses to find each other (vLLM's KV handoff, SGLang's
@@ -136,59 +136,6 @@ def parse_body(
         arrival=arrival,
         deadline=deadline,
     )
-
-
-def context_overflow(
-    request: ClientRequest, prompt_tokens: int, context: int, dialect: Dialect
-) -> BadRequest | None:
-    """What the engine would answer, in its words, when the prompt, or the prompt and the
-    requested output, do not fit its context; None when they do.
-
-    Asked before anything is sent. vLLM's prefill leg asks for one token, so only the
-    decode engine would see the overflow, after the prefill's work and, for a stream,
-    after the 200 (manual 4.3), as an error event where vLLM alone answers 400 (notes §3,
-    `_validate_input`). SGLang's tokenizer manager refuses it on both servers of a pair
-    (the prefill server sets max_new_tokens to 1 only after that check), but for a
-    stream after its own 200, as an error event (its completion stream generator).
-
-    The rule is the one every build of either engine refuses by: a prompt of at least
-    the context, or prompt plus output past it. Older SGLang builds refused a total
-    equal to the context too, and under EAGLE speculative decoding SGLang counts some
-    reserved draft tokens as input: what only some builds refuse is left to the engine.
-    (An SGLang server started with --allow-auto-truncate refuses nothing: recovery
-    reports no context length for it, `truncates_requests`.)"""
-    if prompt_tokens >= context:
-        if dialect.name == "sglang":
-            message = (
-                f"The input ({prompt_tokens} tokens) is longer than the model's context "
-                f"length ({context} tokens)."
-            )
-        else:
-            message = (
-                f"This model's maximum context length is {context} tokens. However, your "
-                f"request has {prompt_tokens} input tokens. Please reduce the length of the "
-                "input messages."
-            )
-        return BadRequest(message, code="context_length_exceeded", param="input_tokens")
-    wanted = request.max_tokens
-    if wanted is None or prompt_tokens + wanted <= context:
-        return None
-    key = request.max_tokens_field
-    if dialect.name == "sglang":
-        message = (
-            "Requested token count exceeds the model's maximum context length of "
-            f"{context} tokens. You requested a total of {prompt_tokens + wanted} tokens: "
-            f"{prompt_tokens} tokens from the input messages and {wanted} tokens for the "
-            "completion. Please reduce the number of tokens in the input messages or the "
-            "completion to fit within the limit."
-        )
-    else:
-        message = (
-            f"'{key}' is too large: {wanted}. This model's maximum context length is "
-            f"{context} tokens and your request has {prompt_tokens} input tokens ({wanted} "
-            f"> {context} - {prompt_tokens})."
-        )
-    return BadRequest(message, code="context_length_exceeded", param=key)
 
 
 def truncated_prompt(request: ClientRequest, prompt_tokens: int, context: int | None) -> int:
