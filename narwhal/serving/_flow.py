@@ -19,9 +19,11 @@ deadline, which is cheaper than a scope per chunk.
 What the client sees: before the response starts, failures are HTTP errors with an
 OpenAI-style envelope. A streaming response commits 200 just before the decode stream
 opens; from then on any failure is a terminal `data: {"error": ...}` event with no
-`[DONE]`. Retries happen only before that commit (or, for non-streaming requests,
-before the body is sent), only for transient failures, within serving.max_attempts and
-the retry budget.
+`[DONE]`, but for a client error before the stream's first bytes (an engine refusing
+the request inside its stream, as vLLM does a streamed request's validation error),
+which is still the HTTP error it is (`ClientChannel`). Retries happen only before that
+commit (or, for non-streaming requests, before the body is sent), only for transient
+failures, within serving.max_attempts and the retry budget.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .._errors import (
     Unavailable,
     client_status_for_engine_status,
 )
+from .._values import json_int
 from ..admission import (
     PathQuote,
     Priced,
@@ -1228,18 +1231,12 @@ class Flow:
             )
         if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
             return _transfer_failed(engine, phase, info.message)
-        client_error = 400 <= status < 500 and status not in (408, 429)
-        return EngineFailed(
+        return _engine_refused(
+            engine,
+            phase,
+            status,
             f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",
-            status=client_status_for_engine_status(status),
-            engine_id=engine.id,
-            phase=phase,
-            retryable=status in RETRYABLE_ENGINE_STATUSES,
-            # The request's own fault (400, 404, 422...) says nothing about the engine.
-            counts_against_engine=not client_error and status != 429,
-            code="engine_rejected_request" if client_error else f"engine_http_{status}",
-            param=info.param if client_error else None,
-            error_type="invalid_request_error" if client_error else None,
+            info.param,
         )
 
     async def _json_leg(
@@ -1707,17 +1704,54 @@ def _failed(
 
 def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
     """An error event inside a 200 stream (manual 4.3: engines report late errors so).
-    Transient like the HTTP 500 the engine sends when not streaming (a KV load failure,
-    say): _attempts retries it only while nothing reached the client."""
-    message = (event.error or {}).get("message", "engine error")
+
+    One whose `code` is a client error's status (vLLM 0.32 sends a streamed request's
+    validation error so: `logprobs` above 20, token ids out of the vocabulary, ...; SGLang
+    its ValueErrors) is the engine refusing the request, as its HTTP 4xx would be
+    (`_engine_refused`): the client's, never retried nor counted against the engine.
+    Anything else is transient like the HTTP 500 the engine sends when not streaming (a
+    KV load failure, say): _attempts retries it only while nothing reached the client."""
+    error = event.error or {}
+    message = error.get("message", "engine error")
     if isinstance(message, str) and _kv_transfer_failed(engine, phase, message):
         return _transfer_failed(engine, phase, message)
+    status = json_int(error.get("code"))
+    if status is not None and 400 <= status < 500:
+        param = error.get("param")
+        return _engine_refused(
+            engine,
+            phase,
+            status,
+            f"{phase} engine {engine.id} returned {status} in its stream: {message}",
+            param if isinstance(param, str) else None,
+        )
     return _failed(
         engine,
         phase,
         "engine_stream_error",
         f"engine reported an error mid-stream: {message}",
         retryable=True,
+    )
+
+
+def _engine_refused(
+    engine: EngineState, phase: LegPhase, status: int, message: str, param: str | None
+) -> EngineFailed:
+    """An engine's error status, in an HTTP answer or a stream's error event: the client's
+    own fault for a 4xx other than 408 and 429 (400, 404, 422...), which says nothing
+    about the engine, is neither retried nor counted against it; a 429 (busy, not broken)
+    is retried and not counted; the rest are the engine's."""
+    client_error = 400 <= status < 500 and status not in (408, 429)
+    return EngineFailed(
+        message,
+        status=client_status_for_engine_status(status),
+        engine_id=engine.id,
+        phase=phase,
+        retryable=status in RETRYABLE_ENGINE_STATUSES,
+        counts_against_engine=not client_error and status != 429,
+        code="engine_rejected_request" if client_error else f"engine_http_{status}",
+        param=param if client_error else None,
+        error_type="invalid_request_error" if client_error else None,
     )
 
 
