@@ -24,6 +24,9 @@ the request inside its stream, as vLLM does a streamed request's validation erro
 which is still the HTTP error it is (`ClientChannel`). Retries happen only before that
 commit (or, for non-streaming requests, before the body is sent), only for transient
 failures, within serving.max_attempts and the retry budget.
+
+On a vLLM fleet, what the decode engine would refuse though its prefill engine would not
+is refused before any leg (`decode_refusal`).
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ from ._context import DecodeGaps, DemandEvent, RequestRecord, ServingContext, lo
 from ._request import (
     ClientRequest,
     context_overflow,
+    decode_refusal,
     parse_body,
     request_id_from_header,
     truncated_prompt,
@@ -482,6 +486,10 @@ class Flow:
             raise NotFound(f"the model `{request.model}` does not exist", param="model")
         if ctx.degraded_reason is not None:
             raise Unavailable(f"narwhal is degraded: {ctx.degraded_reason}", code="degraded")
+        if all(engine.dialect.name == "vllm" for engine in ctx.fleet):
+            refusal = decode_refusal(request)
+            if refusal is not None:
+                raise refusal
         record.stage = "tokenizing"
         tokens, method = await self._count_tokens(request, config, record)
         record.prompt_tokens = tokens

@@ -138,6 +138,51 @@ def parse_body(
     )
 
 
+def decode_refusal(request: ClientRequest) -> BadRequest | None:
+    """What vLLM's decode engine would refuse (400) that its prefill engine would not,
+    in vLLM's words; None when there is none of it.
+
+    The prefill leg is the body with `stream: false`, no `stream_options`, `max_tokens`
+    1 and `min_tokens` at most 1 (`vllm_prefill_body`), so the checks vLLM makes of
+    those fields pass there and fail only at the decode leg: after a prefill, whose KV
+    the producer then holds for a decode that never comes until its lease runs out, and
+    for a stream after the 200. The rules are vLLM 0.32's request validators (completion
+    and chat `validate_stream_options`, `check_logprobs`) and SamplingParams' check of
+    min_tokens against max_tokens; each rule is older than 0.32. Every other check vLLM
+    makes sees the same fields on both legs, and the prefill engine refuses first.
+    A min_tokens against a completion's `max_tokens: null`, or a chat without a bound,
+    is left to the engine (its bound then depends on the prompt)."""
+    body = request.body
+    if body.get("stream_options") and not request.stream:
+        return BadRequest(
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+            param="stream_options",
+        )
+    prompt_logprobs = body.get("prompt_logprobs")
+    if (
+        request.stream
+        and isinstance(prompt_logprobs, int | float)
+        and not isinstance(prompt_logprobs, bool)
+        and (prompt_logprobs > 0 or prompt_logprobs == -1)
+    ):
+        return BadRequest(
+            "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
+            param="prompt_logprobs",
+        )
+    min_tokens = json_int(body.get("min_tokens"))
+    if (
+        min_tokens is not None
+        and request.max_tokens is not None
+        and min_tokens > request.max_tokens
+    ):
+        return BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={request.max_tokens}, "
+            f"got {min_tokens}.",
+            param="min_tokens",
+        )
+    return None
+
+
 def context_overflow(
     request: ClientRequest, prompt_tokens: int, context: int, dialect: Dialect
 ) -> BadRequest | None:
