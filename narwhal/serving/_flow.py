@@ -25,6 +25,9 @@ which is still the HTTP error it is (`ClientChannel`). Retries happen only befor
 commit (or, for non-streaming requests, before the body is sent), only for transient
 failures, within serving.max_attempts and the retry budget.
 
+Requests that only one engine can serve well (`ClientRequest.one_engine`: n > 1,
+prompt_logprobs) go to an aggregate engine; without one, a vLLM pair's decode engine
+alone serves prompt_logprobs (it computes the prompt either way), and n > 1 is refused.
 On a vLLM fleet, what the decode engine would refuse though its prefill engine would not
 is refused before any leg (`decode_refusal`).
 """
@@ -43,6 +46,7 @@ import trio
 from .._errors import (
     ENGINE_AUTH_STATUSES,
     RETRYABLE_ENGINE_STATUSES,
+    BadRequest,
     EngineFailed,
     Expired,
     NarwhalError,
@@ -180,7 +184,7 @@ class _KvGrowth:
     def __init__(self, ctx: ServingContext, engine: EngineState, cap: int | None) -> None:
         self.ctx = ctx
         self.engine = engine
-        self.cap = math.inf if cap is None else cap  # the request's max_tokens
+        self.cap = math.inf if cap is None else cap  # the request's output bound
         self.tokens = 0  # counted into engine.decode_tokens
         self.estimate = 0.0
         self.reported: int | None = None  # usage.completion_tokens, once the engine sent it
@@ -490,6 +494,13 @@ class Flow:
             refusal = decode_refusal(request)
             if refusal is not None:
                 raise refusal
+        if request.one_engine == "n" and not self._has_aggregate():
+            raise BadRequest(
+                f"n={request.n} is served only by an aggregate engine (role `both`), and the "
+                "fleet has none: a prefill/decode pair hands over the KV of one sequence, "
+                "not n",
+                param="n",
+            )
         record.stage = "tokenizing"
         tokens, method = await self._count_tokens(request, config, record)
         record.prompt_tokens = tokens
@@ -511,11 +522,19 @@ class Flow:
                 self._offered(request, tokens, admitted=False, reason=refusal.code)
             raise
 
+    def _has_aggregate(self) -> bool:
+        """Whether the fleet has an engine in the `both` role now (in placement or not)."""
+        return any(engine.role == "both" for engine in self.ctx.fleet)
+
+    def _aggregate_only(self, request: ClientRequest) -> bool:
+        """Whether the request goes to an aggregate engine alone (`one_engine`)."""
+        return request.one_engine is not None and self._has_aggregate()
+
     def _offered(
         self, request: ClientRequest, tokens: int, *, admitted: bool, reason: str | None = None
     ) -> None:
         self.ctx.demand_events.append(
-            DemandEvent(trio.current_time(), tokens, request.max_tokens, admitted, reason)
+            DemandEvent(trio.current_time(), tokens, request.output_limit, admitted, reason)
         )
 
     def _admit_predictively(
@@ -539,6 +558,8 @@ class Flow:
             prompt_tokens=tokens,
             handoff_s=ctx.profiles.handoff_s(tokens),
         )
+        if self._aggregate_only(request):
+            quotes = [quote for quote in quotes if quote.mode == "aggregate"]
         verdict = judge(
             quotes,
             prompt_tokens=tokens,
@@ -808,10 +829,13 @@ class Flow:
         # while another one can take it, never the only one (see _transfer_failed).
         avoided: set[str] = set()
         attempt = 0
+        aggregate_only = self._aggregate_only(request)
         while True:
             attempt += 1
             record.attempts = attempt
             views = ctx.fleet.views(trio.current_time())
+            if aggregate_only:
+                views = tuple(view for view in views if view.role == "both")
             policy = self._policy(tokens, config)
             placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
             if isinstance(placement, NoPlacement) and avoided:
@@ -834,6 +858,10 @@ class Flow:
             decode = ctx.fleet.get(placement.decode)
             assert decode is not None
             prefill = None if placement.prefill is None else ctx.fleet.get(placement.prefill)
+            if prefill is not None and _decode_alone(request, decode):
+                # The decode engine computes the prompt itself: no prefill leg.
+                prefill = None
+                record.prefill_engine = None
             try:
                 await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
@@ -1334,7 +1362,7 @@ class Flow:
         if unstreamed is not None:
             self.ctx.unstreamed_legs[unstreamed] += 1
             self.ctx.metrics.unstreamed_legs_by(unstreamed).inc()
-            with engine.unstreamed_decode(request.max_tokens, trio.current_time()):
+            with engine.unstreamed_decode(request.output_limit, trio.current_time()):
                 raw = await self._json_leg(
                     engine,
                     phase,
@@ -1427,7 +1455,7 @@ async def _relay(
     reported: int | None = None
     done = False
     path = ENDPOINT_PATHS[request.kind]
-    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, request.max_tokens)
+    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, request.output_limit)
     with timer, growth or nullcontext():
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:
@@ -1532,6 +1560,11 @@ async def _relay(
             scale = (tokens - 1) / (reported - 1)
             gaps = [gap * scale for gap in gaps]
             generated = reported
+    if request.n > 1:
+        # n sequences' events interleave, several per decode step: their gaps are not
+        # one sequence's token interval, and a sequence made a share of the tokens.
+        gaps = []
+        generated //= request.n
     summary = load.summary(gaps)  # one per stream: the controller, correction and residual
     if summary is not None:
         ctx.signals.decode_gaps(engine, summary)
@@ -1761,6 +1794,14 @@ def _engine_refused(
         param=param if client_error else None,
         error_type="invalid_request_error" if client_error else None,
     )
+
+
+def _decode_alone(request: ClientRequest, decode: EngineState) -> bool:
+    """Whether a vLLM pair's decode engine serves the request without a prefill leg: it
+    recomputes a prompt whose logprobs are asked for anyway (`one_engine`), and takes a
+    request without handoff params as an aggregate one (vLLM's own proxies send it so).
+    An SGLang decode server refuses a request without a bootstrap room."""
+    return request.one_engine == "prompt_logprobs" and not decode.dialect.concurrent_legs
 
 
 # How SGLang reports that a bootstrap pair's KV transfer failed, on either server: its

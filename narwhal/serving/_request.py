@@ -49,6 +49,33 @@ class ClientRequest:
     truncate_prompt_tokens: int | None
     arrival: float
     deadline: float
+    # Sequences asked for (`n`): each generates up to `max_tokens`.
+    n: int = 1
+
+    @property
+    def output_limit(self) -> int | None:
+        """The most tokens the engine may generate for the whole request (its n
+        sequences); None: no bound but the context."""
+        return None if self.max_tokens is None else self.max_tokens * self.n
+
+    @property
+    def one_engine(self) -> str | None:
+        """The field that keeps this request from a prefill/decode pair, or None.
+
+        - `n` above 1: a pair hands over one sequence's KV. Given to vLLM's prefill
+          engine, n > 1 makes n sequences whose KV the producer holds, and the decode
+          engine takes one; the other n - 1 stay pinned until their lease runs out
+          (NixlConnector, 30 s). Given only to the decode engine, its n sequences all
+          read the one producer request, whose blocks are freed at the first reader's
+          notice: the others may read freed blocks. An aggregate engine serves it.
+        - `prompt_logprobs`: vLLM's decode engine recomputes the whole prompt for them
+          instead of loading the KV it was handed, so a prefill leg is work done twice
+          (the decode engine still frees the producer's blocks)."""
+        if self.n > 1:
+            return "n"
+        if self.body.get("prompt_logprobs") is not None:
+            return "prompt_logprobs"
+        return None
 
 
 def request_id_from_header(value: bytes | None) -> str:
@@ -112,10 +139,7 @@ def parse_body(
                 f"'{key}' is set by the router for each engine leg; clients may not send it",
                 param=key,
             )
-    n = body.get("n", 1)
-    if n != 1:
-        # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.
-        raise BadRequest("only n=1 is supported", param="n")
+    n = _samples(body)
     max_tokens_field, max_tokens = _max_tokens(body, kind)
     if kind == "chat":
         chars = _chat_chars(body)
@@ -135,7 +159,37 @@ def parse_body(
         truncate_prompt_tokens=json_int(body.get("truncate_prompt_tokens")),
         arrival=arrival,
         deadline=deadline,
+        n=n,
     )
+
+
+def _samples(body: Json) -> int:
+    """The request's `n`, checked with `best_of` beside it.
+
+    `best_of` asks the engine to generate that many sequences and return the n best.
+    vLLM's V1 engine has no such thing: it takes the field and ignores it, answering n
+    sequences chosen among nothing, at the cost a client asking for best_of=1000 did not
+    expect to be spared either. So a `best_of` above n is refused rather than passed on;
+    one of at most n asks for nothing more than n and goes on as sent."""
+    n = body.get("n", 1)
+    count = json_int(n)
+    if count is None or count < 1:
+        raise BadRequest(f"'n' must be a positive integer, not {n!r}", param="n")
+    best_of = body.get("best_of")
+    if best_of is None:
+        return count
+    choices = json_int(best_of)
+    if choices is None or choices < 1:
+        raise BadRequest(f"'best_of' must be a positive integer, not {best_of!r}", param="best_of")
+    if choices > count:
+        raise BadRequest(
+            f"'best_of' is not supported: best_of={choices} asks for the best {count} of "
+            f"{choices} sequences, and vLLM's V1 engine ignores best_of (it would return "
+            f"{count} sequence(s) and choose among none); ask for n={choices} and choose "
+            "among them",
+            param="best_of",
+        )
+    return count
 
 
 def decode_refusal(request: ClientRequest) -> BadRequest | None:

@@ -408,7 +408,7 @@ async def test_queue_wait_is_capped_by_the_request_deadline(start_stack: StartSt
         ),
         (
             json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(),
-            "only n=1 is supported",
+            "n=2 is served only by an aggregate engine (role `both`)",
             "n",
         ),
         # Engine pairing fields: from a client they would make an engine hold KV for a
