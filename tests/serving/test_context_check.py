@@ -24,10 +24,8 @@ from .conftest import MODEL, Stack, StartStack
 from .test_failures import PROMPT, post, settled, sse_events, tokenize
 from .test_request_parsing import chat_request, request
 
-# The build the stack tests below assume: the simulator reports vLLM 0.29.0 on /version
-# (`narwhal.sim._spec.ENGINE_VERSION`) and refuses prompt + max_tokens over its context
-# as vLLM did before 0.32. Once the simulator plays 0.32 by default, these tests must ask
-# it for this build (its vLLM version option); `older_build` fails until they do.
+# The build the stack tests below ask the simulator to play: it reports vLLM 0.29.0 on
+# /version and refuses prompt + max_tokens over its context as vLLM did before 0.32.
 OLDER_VLLM = "0.29.0"
 
 
@@ -223,7 +221,7 @@ async def test_output_past_the_context_is_refused_before_any_leg(
 ) -> None:
     # The prefill leg asks for one token, so only the decode engine would see the overflow:
     # after the prefill's work, and for a stream after the 200, as an error event.
-    stack = await older_build(await start_stack())
+    stack = await older_build(await start_stack(sim={"vllm_version": OLDER_VLLM}))
     response = await post(stack, {"max_tokens": 8190, "stream": stream})  # 8192 in the sim
     assert response.status_code == 400
     error = response.json()["error"]
@@ -245,7 +243,7 @@ async def test_output_past_the_context_is_refused_before_any_leg(
 async def test_a_chat_prompt_past_the_context_is_refused_with_the_field_it_used(
     start_stack: StartStack,
 ) -> None:
-    stack = await older_build(await start_stack())
+    stack = await older_build(await start_stack(sim={"vllm_version": OLDER_VLLM}))
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.post(
             f"{stack.url}/v1/chat/completions",
@@ -288,7 +286,7 @@ async def test_a_token_id_prompt_past_the_context_is_refused_before_any_leg(
     # Token ids are counted as sent, without /tokenize: the check needs the context length
     # from the engines' /v1/models cards. Without it the decode engine said it, after the
     # prefill's work and, for a stream, after the 200.
-    stack = await older_build(await start_stack())
+    stack = await older_build(await start_stack(sim={"vllm_version": OLDER_VLLM}))
 
     def ids(count: int) -> list[int] | list[list[int]]:
         return [[5] * count] if batch else [5] * count
@@ -328,7 +326,7 @@ async def test_a_completion_without_max_tokens_is_checked_with_the_engines_defau
     # the context. Taken as unbounded, it went to the prefill engine and the decode engine
     # refused it: a 400 after the prefill's work or, for a stream, an error event after
     # the 200. The refusal names the prompt: the client sent no max_tokens.
-    stack = await older_build(await start_stack())
+    stack = await older_build(await start_stack(sim={"vllm_version": OLDER_VLLM}))
     response = await post(stack, {"prompt": [5] * 8177, "stream": stream})
     assert response.status_code == 400
     error = response.json()["error"]
@@ -353,7 +351,7 @@ async def test_a_prompt_vllm_truncates_is_checked_at_the_length_it_runs(
     # vLLM keeps the last truncate_prompt_tokens tokens before its own checks. Counted
     # whole, these prompts were refused with 400 context_length_exceeded (and priced at
     # a length the engine never runs).
-    stack = await older_build(await start_stack())
+    stack = await older_build(await start_stack(sim={"vllm_version": OLDER_VLLM}))
     usage = {"stream_options": {"include_usage": True}} if stream else {}
     for prompt in ([5] * 9000, "fox " * 10_000):
         body = {"prompt": prompt, "truncate_prompt_tokens": 1000, "max_tokens": 8, **usage}
@@ -373,7 +371,7 @@ async def test_a_prompt_vllm_truncates_is_checked_at_the_length_it_runs(
 async def test_without_a_context_length_the_engine_refuses_as_before(
     start_stack: StartStack,
 ) -> None:
-    stack = await older_build(await start_stack())
+    stack = await older_build(await start_stack(sim={"vllm_version": OLDER_VLLM}))
     for state in stack.ctx.fleet:
         # As recovery records an engine whose /v1/models card has no max_model_len.
         state.set_context(None, "its /v1/models card for 'm' has no positive max_model_len")

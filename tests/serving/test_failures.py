@@ -123,7 +123,7 @@ async def test_client_errors_from_the_engine_keep_their_status(start_stack: Star
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["code"] == "engine_rejected_request"
-    assert "maximum context length" in error["message"]
+    assert "cannot be greater than max_model_len=8192" in error["message"]
 
 
 async def tokenize(stack: Stack) -> dict[str, Any]:
