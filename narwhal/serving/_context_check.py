@@ -30,12 +30,11 @@ See
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Literal
 
 from .._errors import BadRequest
-from ..engines import Dialect
+from ..engines import Dialect, release
 from ..fleet import EngineState
 from ._request import ClientRequest
 
@@ -45,18 +44,14 @@ CheckResult = Literal["passed", "refused", "unknown"]
 # The first vLLM release seen to serve prompt + max_tokens over the context, capped
 # (0.32.0, on the real-engine tier); the builds before it refused the total.
 VLLM_CAPPED_FROM = (0, 32)
-_RELEASE = re.compile(r"v?(\d+)\.(\d+)")
 
 
 def context_rule(dialect: Dialect, version: str | None) -> ContextRule:
     """The rule an engine of `dialect` reporting `version` on /version refuses by."""
     if dialect.name != "vllm":
         return "total"
-    release = _RELEASE.match(version or "")
-    if release is None:
-        return "prompt"
-    major, minor = int(release.group(1)), int(release.group(2))
-    return "prompt" if (major, minor) >= VLLM_CAPPED_FROM else "total"
+    found = release(version)
+    return "prompt" if found is None or found >= VLLM_CAPPED_FROM else "total"
 
 
 def engine_rule(engine: EngineState) -> ContextRule:

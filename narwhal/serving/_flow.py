@@ -1624,7 +1624,7 @@ def _leg_body(request: ClientRequest, engine: EngineState) -> tuple[Json, bool, 
     """The body a decode (or aggregate) leg sends, whether its usage chunk is the
     router's alone (not relayed), and, for a leg sent without streaming, why."""
     if request.stream:
-        body, own_usage = with_usage_report(request.body, engine.dialect)
+        body, own_usage = with_usage_report(request.body, engine.dialect, engine.version)
         return body, own_usage, None
     reason = unassemblable_reason(request.kind, request.body)
     if reason is not None:

@@ -497,3 +497,32 @@ async def test_narwhals_model_card_carries_the_engines_max_model_len(vllm: RealF
             cards = (await client.get(f"{stack.url}/v1/models")).json()["data"]
     assert own["max_model_len"] == CONTEXT
     assert [(c["id"], c["max_model_len"]) for c in cards] == [(MODEL, CONTEXT)]
+
+
+async def stream_chunks(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
+        assert answer.status_code == 200
+        raw = b"".join([part async for part in answer.aiter_raw()])
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(payload) for payload in payloads[:-1]]
+
+
+async def test_an_empty_stream_options_relays_what_the_engine_sends(vllm: RealFleet) -> None:
+    # vLLM 0.32's include_usage defaults to false: no usage chunk from the engine, so none
+    # through Narwhal either, which still asks for one for its own token accounting.
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 6, "stream": True}
+    body["stream_options"] = {}
+    async with (
+        narwhal_in_front(aggregate_config(vllm)) as stack,
+        httpx.AsyncClient(timeout=60) as client,
+    ):
+        direct = await stream_chunks(client, vllm.aggregate[0].url, body)
+        relayed = await stream_chunks(client, stack.url, body)
+        asked = await stream_chunks(
+            client, stack.url, {**body, "stream_options": {"include_usage": True}}
+        )
+    assert all(chunk["choices"] for chunk in direct)
+    assert all(chunk["choices"] for chunk in relayed)
+    assert asked[-1]["choices"] == []
+    assert asked[-1]["usage"]["completion_tokens"] == 6

@@ -83,6 +83,22 @@ async def test_the_usage_chunk_reaches_only_clients_that_asked_for_it(
     assert all(chunk["choices"] and chunk["usage"] is None for chunk in chunks)
 
 
+async def test_an_empty_stream_options_gets_no_usage_chunk_from_vllm_0_32(
+    start_stack: StartStack,
+) -> None:
+    # vLLM 0.32's include_usage defaults to false: the client gets no usage chunk, as from
+    # the engine itself, and the router still counts the tokens from the chunk it asked for.
+    stack = await packing_stack(start_stack)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    chunks = await stream(stack, stream_options={})
+    assert all(chunk["choices"] for chunk in chunks)
+    assert len(chunks) < 40  # about 100 / 4 events
+    await settled(stack)
+    freed = stack.ctx.kv_turnover.current(decode, trio.current_time())
+    assert 570 < freed <= 600
+
+
 async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> None:
     stack = await packing_stack(start_stack)
     recorder = GapRecorder()
