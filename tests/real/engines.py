@@ -318,6 +318,9 @@ def engine_argv(model: Path, port: int, *, kv: dict[str, Any] | None = None) -> 
         str(CONTEXT),
         "--max-num-seqs",
         "16",
+        # No torch.compile: it took 15-18 s of each start (and every restart recompiles:
+        # vLLM 0.32's AOT cache fails to load on CPU); the tiny model gains nothing by it.
+        "--enforce-eager",
     ]
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv)]
@@ -349,13 +352,20 @@ class RealFleet:
                 engine.wait_ready()
 
     def heal(self) -> list[str]:
-        """Relaunch every engine that is gone (a test killed it and failed before its own
-        restart), then wait for all to be healthy; the names of those relaunched."""
-        gone = [engine for engine in self.engines.values() if not engine.alive()]
-        for engine in gone:
-            engine.restart()
-        self.wait_ready()
-        return [engine.name for engine in gone]
+        """Wait for every engine to be healthy, relaunching each that is gone or going
+        (a test killed it and failed before its own restart); the names relaunched."""
+        relaunched = []
+        for engine in self.engines.values():
+            if engine.healthy():
+                continue
+            try:
+                engine.wait_ready()
+            except EngineSetupError:
+                if engine.alive():
+                    raise  # up but never healthy: a real failure, not a leftover
+                engine.restart()
+                relaunched.append(engine.name)
+        return relaunched
 
     def stop(self) -> None:
         for engine in self.engines.values():
@@ -413,7 +423,7 @@ def real_fleet(directory: Path | None = None) -> Iterator[RealFleet]:
     state = os.environ.get("NARWHAL_REAL_FLEET")
     if state:
         fleet = RealFleet.attach(Path(state))
-        fleet.wait_ready()
+        fleet.heal()
         yield fleet
         return
     own = directory or Path(tempfile.mkdtemp(prefix="nw-real-"))
