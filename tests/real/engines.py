@@ -14,7 +14,9 @@ A developer can keep one fleet up between test runs and point the tier at it:
     NARWHAL_REAL_FLEET=/tmp/real-fleet.json bash tools/test.sh tests/real
 
 The state file names each engine's url, pid, argv and log, so tests that kill an engine can
-relaunch it the same way.
+relaunch it the same way; an engine attached from a state file writes its new pid back to
+that file whenever it is started again (`Engine.restart`), so the file stays valid for the
+next run and for `up`'s own reaping.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class Engine:
     log: Path
     process: subprocess.Popen[bytes] | None = None
     pid: int | None = None
+    # The fleet's state file when attached from one: a restart records its new pid there.
+    state: Path | None = None
 
     @property
     def url(self) -> str:
@@ -117,6 +121,8 @@ class Engine:
                 start_new_session=True,
             )
         self.pid = self.process.pid
+        if self.state is not None:
+            record_pid(self.state, self.name, self.pid)
 
     def alive(self) -> bool:
         if self.process is not None:
@@ -124,10 +130,12 @@ class Engine:
         if self.pid is None:
             return False
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
             return False
-        return True
+        # An attached engine is another process's child (`up`'s): once dead it stays a
+        # zombie until that process reaps it, and a signal 0 to a zombie succeeds.
+        return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
     def healthy(self) -> bool:
         try:
@@ -210,6 +218,22 @@ class Engine:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as answer:
             return str(answer.read().decode())
 
+    def log_size(self) -> int:
+        try:
+            return self.log.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int, lines: int = 80) -> str:
+        """The last `lines` lines the engine logged after byte `offset` of its log."""
+        try:
+            with self.log.open("rb") as log:
+                log.seek(offset)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return f"(no log at {self.log})"
+        return "\n".join(text.splitlines()[-lines:])
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -221,7 +245,7 @@ class Engine:
         }
 
     @classmethod
-    def attach(cls, described: dict[str, Any]) -> Engine:
+    def attach(cls, described: dict[str, Any], state: Path | None = None) -> Engine:
         return cls(
             name=described["name"],
             port=described["port"],
@@ -229,7 +253,38 @@ class Engine:
             env=dict(described["env"]),
             log=Path(described["log"]),
             pid=described["pid"],
+            state=state,
         )
+
+
+def record_pid(state: Path, name: str, pid: int) -> None:
+    """Write engine `name`'s new pid into the fleet's state file (atomically)."""
+    described = json.loads(state.read_text())
+    for entry in described["engines"]:
+        if entry["name"] == name:
+            entry["pid"] = pid
+    fresh = state.with_name(f".{state.name}.{os.getpid()}")
+    fresh.write_text(json.dumps(described, indent=2) + "\n")
+    fresh.replace(state)
+
+
+def sample(metrics: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`, in Prometheus text.
+
+    Raises KeyError when no sample matches: a metric the engine does not export is a
+    finding, not a zero."""
+    total = 0.0
+    found = False
+    for line in metrics.splitlines():
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{key}="{want}"' in head for key, want in labels.items()):
+            total += float(value)
+            found = True
+    if not found:
+        raise KeyError(f"no sample of {name} with {labels} in the engine's /metrics")
+    return total
 
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -267,6 +322,9 @@ def engine_argv(model: Path, port: int, *, kv: dict[str, Any] | None = None) -> 
         str(CONTEXT),
         "--max-num-seqs",
         "16",
+        # No torch.compile: it took 15-18 s of each start (and every restart recompiles:
+        # vLLM 0.32's AOT cache fails to load on CPU); the tiny model gains nothing by it.
+        "--enforce-eager",
     ]
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv)]
@@ -297,6 +355,22 @@ class RealFleet:
             if not engine.healthy():
                 engine.wait_ready()
 
+    def heal(self) -> list[str]:
+        """Wait for every engine to be healthy, relaunching each that is gone or going
+        (a test killed it and failed before its own restart); the names relaunched."""
+        relaunched = []
+        for engine in self.engines.values():
+            if engine.healthy():
+                continue
+            try:
+                engine.wait_ready()
+            except EngineSetupError:
+                if engine.alive():
+                    raise  # up but never healthy: a real failure, not a leftover
+                engine.restart()
+                relaunched.append(engine.name)
+        return relaunched
+
     def stop(self) -> None:
         for engine in self.engines.values():
             engine.stop()
@@ -311,7 +385,7 @@ class RealFleet:
     @classmethod
     def attach(cls, state: Path) -> RealFleet:
         described = json.loads(state.read_text())
-        engines = {d["name"]: Engine.attach(d) for d in described["engines"]}
+        engines = {d["name"]: Engine.attach(d, state) for d in described["engines"]}
         return cls(engines, Path(described["model"]), Path(described["directory"]))
 
     @classmethod
@@ -353,7 +427,7 @@ def real_fleet(directory: Path | None = None) -> Iterator[RealFleet]:
     state = os.environ.get("NARWHAL_REAL_FLEET")
     if state:
         fleet = RealFleet.attach(Path(state))
-        fleet.wait_ready()
+        fleet.heal()
         yield fleet
         return
     own = directory or Path(tempfile.mkdtemp(prefix="nw-real-"))

