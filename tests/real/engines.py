@@ -257,6 +257,57 @@ class Engine:
         )
 
 
+def post(url: str, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            document: dict[str, Any] = json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        raise EngineSetupError(f"{url}: HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+    except OSError as exc:
+        raise EngineSetupError(f"{url}: {exc}") from None
+    return document
+
+
+def warm_pair(prefill: Engine, decode: Engine, *, timeout_s: float = READY_WITHIN_S) -> None:
+    """One handoff from `prefill` to `decode`, as Narwhal's two legs make it.
+
+    NIXL connects a pair at its first handoff (a handshake over the side channel, then
+    UCX); on a loaded 2-core box that has taken minutes. Paying it here keeps it out of
+    the first test's deadlines, and a pair that cannot hand off fails the session
+    saying so, with both logs."""
+    body = {"model": MODEL_NAME, "prompt": "def warm():\n    return 1\n", "max_tokens": 1}
+    leg = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    try:
+        first = post(
+            f"{prefill.url}/v1/completions",
+            {**body, "kv_transfer_params": leg},
+            timeout_s=timeout_s,
+        )
+        params = first.get("kv_transfer_params")
+        if not params:
+            raise EngineSetupError(f"the prefill leg gave no kv_transfer_params: {first}")
+        post(
+            f"{decode.url}/v1/completions",
+            {**body, "kv_transfer_params": params},
+            timeout_s=timeout_s,
+        )
+    except EngineSetupError as exc:
+        raise EngineSetupError(
+            f"the pair's first handoff failed: {exc}\n--- {prefill.name}:\n{prefill.tail(30)}"
+            f"\n--- {decode.name}:\n{decode.tail(30)}"
+        ) from None
+
+
 def record_pid(state: Path, name: str, pid: int) -> None:
     """Write engine `name`'s new pid into the fleet's state file (atomically)."""
     described = json.loads(state.read_text())
@@ -415,6 +466,8 @@ class RealFleet:
             for engine in engines.values():
                 engine.start()
             fleet.wait_ready()
+            if "prefill" in engines and "decode" in engines:
+                warm_pair(engines["prefill"], engines["decode"])
         except BaseException:
             fleet.stop()
             raise
@@ -439,6 +492,9 @@ def real_fleet(directory: Path | None = None) -> Iterator[RealFleet]:
 
 
 def _up(args: argparse.Namespace) -> None:
+    # SIGTERM (a plain `kill`) reaps the fleet like Ctrl-C; it used to end `up` alone and
+    # leave its engines running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     directory = Path(args.dir or tempfile.mkdtemp(prefix="nw-real-"))
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
