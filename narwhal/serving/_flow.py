@@ -1448,8 +1448,10 @@ async def _relay(
     reported: int | None = None
     done = False
     path = ENDPOINT_PATHS[request.kind]
-    bound = _output_bound(request, record.prompt_tokens, engine.context_length)
-    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, bound)
+    growth = None
+    if phase != "prefill":
+        bound = _output_bound(request, record.prompt_tokens, engine.context_length)
+        growth = _KvGrowth(ctx, engine, bound)
     with timer, growth or nullcontext():
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:
