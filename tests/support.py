@@ -5,17 +5,42 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 import httpx
 import trio
 
 from narwhal.fleet import EngineState, EngineView
-from narwhal.serving import DecodeGaps, OpenFileLimit
+from narwhal.serving import DecodeGaps, OpenFileLimit, ServingContext
 from narwhal.sim import Fleet
+from narwhal.supervisor import Supervisor
 
 StartFleet = Callable[..., Awaitable[Fleet]]
+
+
+class InFront:
+    """What a test reads of a Narwhal running in-process in front of a fleet (simulated
+    or real): its url, its serving context and its `/narwhal/state`."""
+
+    supervisor: Supervisor
+    state_timeout_s: ClassVar[float] = 5.0
+
+    @property
+    def url(self) -> str:
+        return self.supervisor.url
+
+    @property
+    def ctx(self) -> ServingContext:
+        assert self.supervisor.ctx is not None
+        return self.supervisor.ctx
+
+    async def state(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=self.state_timeout_s) as client:
+            response = await client.get(f"{self.url}/narwhal/state")
+        response.raise_for_status()
+        document: dict[str, Any] = response.json()
+        return document
 
 
 class FakeFileLimit:

@@ -13,18 +13,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Generator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
-import httpx
 import pytest
 import trio
 
 from narwhal.config import Config, load_config
-from narwhal.serving import ServingContext
 from narwhal.supervisor import Supervisor
 
-from ..support import FakeFileLimit
+from ..support import FakeFileLimit, InFront
 from .engines import MODEL_NAME, Engine, RealFleet, real_fleet
 
 MODEL = MODEL_NAME
@@ -122,25 +120,11 @@ def pair_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
 
 
 @attrs.define
-class RealStack:
+class RealStack(InFront):
     supervisor: Supervisor
     config: Config
-
-    @property
-    def url(self) -> str:
-        return self.supervisor.url
-
-    @property
-    def ctx(self) -> ServingContext:
-        assert self.supervisor.ctx is not None
-        return self.supervisor.ctx
-
-    async def state(self) -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            response = await client.get(f"{self.url}/narwhal/state")
-        response.raise_for_status()
-        document: dict[str, Any] = response.json()
-        return document
+    # A CPU engine's probe can hold the router's loop a moment on a busy two-core box.
+    state_timeout_s: ClassVar[float] = 10.0
 
 
 @asynccontextmanager

@@ -5,42 +5,24 @@ from functools import partial
 from typing import Any
 
 import attrs
-import httpx
 import pytest
 import trio
 
 from narwhal.config import Config, load_config
-from narwhal.serving import ServingContext
 from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet
 from narwhal.sim._spec import Dialect
 from narwhal.supervisor import Supervisor
 
-from ..support import FakeFileLimit
+from ..support import FakeFileLimit, InFront
 
 MODEL = "sim-llama-3-8b"
 
 
 @attrs.define
-class Stack:
+class Stack(InFront):
     fleet: Fleet
     supervisor: Supervisor
     config: Config
-
-    @property
-    def url(self) -> str:
-        return self.supervisor.url
-
-    @property
-    def ctx(self) -> ServingContext:
-        assert self.supervisor.ctx is not None
-        return self.supervisor.ctx
-
-    async def state(self) -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            response = await client.get(f"{self.url}/narwhal/state")
-        response.raise_for_status()
-        document: dict[str, Any] = response.json()
-        return document
 
 
 async def pd_sim_fleet(
