@@ -39,6 +39,8 @@ from typing import Any
 
 import attrs
 
+from narwhal.engines._dialects import vllm_decode_body, vllm_prefill_body
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
 CONTEXT = 2048
@@ -279,26 +281,14 @@ def warm_pair(prefill: Engine, decode: Engine, *, timeout_s: float = READY_WITHI
     the first test's deadlines, and a pair that cannot hand off fails the session
     saying so, with both logs."""
     body = {"model": MODEL_NAME, "prompt": "def warm():\n    return 1\n", "max_tokens": 1}
-    leg = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
     try:
-        first = post(
-            f"{prefill.url}/v1/completions",
-            {**body, "kv_transfer_params": leg},
-            timeout_s=timeout_s,
-        )
+        first = post(f"{prefill.url}/v1/completions", vllm_prefill_body(body), timeout_s=timeout_s)
         params = first.get("kv_transfer_params")
         if not params:
             raise EngineSetupError(f"the prefill leg gave no kv_transfer_params: {first}")
         post(
             f"{decode.url}/v1/completions",
-            {**body, "kv_transfer_params": params},
+            vllm_decode_body(body, params),
             timeout_s=timeout_s,
         )
     except EngineSetupError as exc:
@@ -479,16 +469,22 @@ class RealFleet:
 
 
 @contextmanager
-def real_fleet(directory: Path | None = None) -> Iterator[RealFleet]:
-    """The fleet named by NARWHAL_REAL_FLEET (left running), or a new one (reaped)."""
-    state = os.environ.get("NARWHAL_REAL_FLEET")
+def real_fleet(
+    directory: Path | None = None,
+    names: Sequence[str] | None = None,
+    *,
+    state: str | None = None,
+) -> Iterator[RealFleet]:
+    """The fleet of the state file `state` (default NARWHAL_REAL_FLEET), left running, or
+    a new one of `names` (default all four), reaped at the end."""
+    state = state or os.environ.get("NARWHAL_REAL_FLEET")
     if state:
         fleet = RealFleet.attach(Path(state))
         fleet.heal()
         yield fleet
         return
     own = directory or Path(tempfile.mkdtemp(prefix="nw-real-"))
-    fleet = RealFleet.launch(own)
+    fleet = RealFleet.launch(own, names)
     try:
         yield fleet
     finally:

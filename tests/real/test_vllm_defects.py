@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from ..support import sse_payloads
+from .client import counter, sse_events
 from .conftest import (
     MODEL,
     RealStack,
@@ -27,25 +28,13 @@ from .conftest import (
     pair_config,
     real_config,
 )
-from .engines import CONTEXT, Engine, RealFleet
+from .engines import CONTEXT, RealFleet
 
 PROMPT = "def main():\n    import os\n    return os.getcwd()\n"
 # vLLM's NIXL producer holds a handoff's KV blocks this long before it counts them
 # expired (`vllm:nixl_num_kv_expired_reqs`); its expiry check runs every few seconds.
 NIXL_LEASE_S = 30.0
 LEASE_MARGIN_S = 8.0
-
-
-def metric(engine: Engine, name: str, **labels: str) -> float:
-    """The sum of an engine's samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in engine.metrics().splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        sample, value = line.rsplit(" ", 1)
-        if all(f'{key}="{want}"' in sample for key, want in labels.items()):
-            total += float(value)
-    return total
 
 
 async def narwhal_metric(client: httpx.AsyncClient, stack: RealStack, name: str) -> float:
@@ -218,8 +207,8 @@ async def test_requests_the_decode_engine_would_refuse_are_refused_before_any_pr
         for kind, body, _, message in cases:
             own = await direct.post(f"{decode.url}{PATHS[kind]}", json={"model": MODEL, **body})
             assert engine_refusal(own) == message
-    prompt_tokens = metric(prefill, "vllm:prompt_tokens_total")
-    expired = metric(prefill, "vllm:nixl_num_kv_expired_reqs_total")
+    prompt_tokens = await counter(prefill, "vllm:prompt_tokens_total")
+    expired = await counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")
     answers = []
     async with (
         narwhal_in_front(pair_config(vllm)) as stack,
@@ -229,7 +218,7 @@ async def test_requests_the_decode_engine_would_refuse_are_refused_before_any_pr
             answers.append(
                 await client.post(f"{stack.url}{PATHS[kind]}", json={"model": MODEL, **body})
             )
-        prompt_tokens_after = metric(prefill, "vllm:prompt_tokens_total")
+        prompt_tokens_after = await counter(prefill, "vllm:prompt_tokens_total")
         producer = stack.ctx.fleet.get("prefill")
         assert producer is not None
         legs = producer.legs_started
@@ -237,14 +226,14 @@ async def test_requests_the_decode_engine_would_refuse_are_refused_before_any_pr
         with trio.fail_after(NIXL_LEASE_S + LEASE_MARGIN_S + 30):
             deadline = trio.current_time() + NIXL_LEASE_S + LEASE_MARGIN_S
             while trio.current_time() < deadline:
-                if metric(prefill, "vllm:nixl_num_kv_expired_reqs_total") != expired:
+                if await counter(prefill, "vllm:nixl_num_kv_expired_reqs_total") != expired:
                     break
                 await trio.sleep(2.0)
     # No prefill ran, and no producer held KV for a decode that never came. (The engine's
     # counters are the whole engine's: the tier runs one test at a time.)
     assert legs == 0
     assert prompt_tokens_after == prompt_tokens
-    assert metric(prefill, "vllm:nixl_num_kv_expired_reqs_total") == expired
+    assert await counter(prefill, "vllm:nixl_num_kv_expired_reqs_total") == expired
     assert [a.status_code for a in answers] == [400] * len(cases), [a.text for a in answers]
     for answer, (kind, body, param, message) in zip(answers, cases, strict=True):
         error = error_of(answer)
@@ -333,7 +322,7 @@ async def test_n_on_a_pair_alone_is_refused_before_any_prefill(vllm: RealFleet) 
     # n children all read the one producer request, which frees its blocks at the first
     # reader's notice. So a fleet of pairs refuses it.
     prefill, _ = vllm.pair
-    prompt_tokens = metric(prefill, "vllm:prompt_tokens_total")
+    prompt_tokens = await counter(prefill, "vllm:prompt_tokens_total")
     async with (
         narwhal_in_front(pair_config(vllm)) as stack,
         httpx.AsyncClient(timeout=60) as client,
@@ -346,7 +335,7 @@ async def test_n_on_a_pair_alone_is_refused_before_any_prefill(vllm: RealFleet) 
     error = error_of(answer)
     assert error["param"] == "n"
     assert "role `both`" in error["message"]
-    assert metric(prefill, "vllm:prompt_tokens_total") == prompt_tokens
+    assert await counter(prefill, "vllm:prompt_tokens_total") == prompt_tokens
 
 
 async def test_prompt_logprobs_run_on_one_engine(
@@ -357,8 +346,8 @@ async def test_prompt_logprobs_run_on_one_engine(
     caplog.set_level(logging.INFO, logger="narwhal")
     prefill, decode = vllm.pair
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 1}
-    prompt_tokens = metric(prefill, "vllm:prompt_tokens_total")
-    local = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    prompt_tokens = await counter(prefill, "vllm:prompt_tokens_total")
+    local = await counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     async with httpx.AsyncClient(timeout=60) as client:
         async with narwhal_in_front(pair_config(vllm)) as stack:
             alone = await client.post(f"{stack.url}/v1/completions", json=body)
@@ -371,8 +360,8 @@ async def test_prompt_logprobs_run_on_one_engine(
         assert len(choice["prompt_logprobs"]) == answer.json()["usage"]["prompt_tokens"]
     # The pair's decode engine alone, then the aggregate engine; never a prefill leg.
     assert finished(caplog) == [(None, "decode"), (None, "agg0")]
-    assert metric(prefill, "vllm:prompt_tokens_total") == prompt_tokens
-    computed = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert await counter(prefill, "vllm:prompt_tokens_total") == prompt_tokens
+    computed = await counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     assert computed - local == alone.json()["usage"]["prompt_tokens"]
 
 
@@ -503,9 +492,7 @@ async def stream_chunks(client: httpx.AsyncClient, url: str, body: dict[str, Any
     async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
         assert answer.status_code == 200
         raw = b"".join([part async for part in answer.aiter_raw()])
-    payloads = sse_payloads(raw)
-    assert payloads[-1] == "[DONE]"
-    return [json.loads(payload) for payload in payloads[:-1]]
+    return sse_events(raw)
 
 
 async def test_an_empty_stream_options_relays_what_the_engine_sends(vllm: RealFleet) -> None:

@@ -8,30 +8,24 @@ fleet needs when Narwhal's controller may flip its engines' roles.
 
 from __future__ import annotations
 
-import re
-import urllib.request
-
 import httpx
 import pytest
 
 from narwhal.ctl import CtlError, CtlRequest
 from narwhal.supervisor._operations import Operations
 
+from .client import counter
 from .conftest import MODEL, RealStack, narwhal_in_front, pair_config
 from .engines import Engine, RealFleet
 
-_SOURCE = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([a-z_]+)"[^}]*\} (\S+)$')
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
-def prompt_tokens_by_source(engine: Engine) -> dict[str, float]:
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    found = {}
-    for line in text.splitlines():
-        if match := _SOURCE.match(line):
-            found[match[1]] = float(match[2])
-    assert found, "vllm:prompt_tokens_by_source_total missing from /metrics"
-    return found
+async def prompt_tokens_by_source(engine: Engine) -> dict[str, float]:
+    return {
+        source: await counter(engine, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in SOURCES
+    }
 
 
 async def complete(stack: RealStack, prompt: str) -> int:
@@ -51,18 +45,18 @@ async def test_a_kv_both_pair_serves_handoffs_in_either_direction(vllm: RealFlee
         operations = Operations(stack.supervisor)
         # A distinct prompt per direction, so prefix caching cannot stand in for the
         # transfer on the receiving engine.
-        before = prompt_tokens_by_source(decode)
+        before = await prompt_tokens_by_source(decode)
         tokens = await complete(stack, "def forward(self, x):\n    return x\n" * 6)
-        after = prompt_tokens_by_source(decode)
+        after = await prompt_tokens_by_source(decode)
         assert after["external_kv_transfer"] - before["external_kv_transfer"] == tokens
         assert after["local_compute"] == before["local_compute"]
 
         await operations(CtlRequest("pin", prefill.name, "decode"))
         await operations(CtlRequest("pin", decode.name, "prefill"))
         try:
-            before = prompt_tokens_by_source(prefill)
+            before = await prompt_tokens_by_source(prefill)
             tokens = await complete(stack, "class Reader(io.RawIOBase):\n    pass\n" * 6)
-            after = prompt_tokens_by_source(prefill)
+            after = await prompt_tokens_by_source(prefill)
         finally:
             await operations(CtlRequest("pin", prefill.name, "prefill"))
             await operations(CtlRequest("pin", decode.name, "decode"))

@@ -36,7 +36,7 @@ from tests.conformance.harness import (  # noqa: E402
     load_recorded,
     run_corpus,
 )
-from tests.real.engines import RealFleet  # noqa: E402
+from tests.real.engines import real_fleet  # noqa: E402
 
 # The corpus' engine names -> the real fleet's.
 FLEET_NAMES = {"plain": "agg0", "prefill": "prefill", "decode": "decode"}
@@ -61,21 +61,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RECORDED), help="where to write the recording")
     parser.add_argument("--check", action="store_true", help="compare, do not write")
     args = parser.parse_args(argv)
-    state = args.fleet or os.environ.get("NARWHAL_REAL_FLEET")
-    own: RealFleet | None = None
-    if state:
-        fleet = RealFleet.attach(Path(state))
-        fleet.wait_ready()
-    else:
+    directory = None
+    if not (args.fleet or os.environ.get("NARWHAL_REAL_FLEET")):
         directory = Path(tempfile.mkdtemp(prefix="nw-conformance-"))
         print(f"launching agg0, prefill, decode in {directory} ...", flush=True)
-        fleet = own = RealFleet.launch(directory, list(FLEET_NAMES.values()))
-    try:
+    with real_fleet(directory, list(FLEET_NAMES.values()), state=args.fleet) as fleet:
         urls = {case_engine: fleet[name].url for case_engine, name in FLEET_NAMES.items()}
         recording = trio.run(partial(record, urls))
-    finally:
-        if own is not None:
-            own.stop()
     if args.check:
         recorded = load_recorded(Path(args.out))
         lines = []
