@@ -153,7 +153,8 @@ async def test_an_engine_crash_mid_stream_ejects_it_until_it_is_relaunched(
         await operate(stack, "drain", "agg0")
         rest: list[str] = []
         for _ in range(ATTEMPTS):
-            before = await counter(agg1, "vllm:generation_tokens_total")
+            # Settled, so that a stream an earlier test left ending is not counted here.
+            before = await settled([agg1])
             with trio.fail_after(120):
                 async with open_sse(stack.url, "/v1/completions", long_stream()) as reader:
                     assert reader.status == 200
@@ -161,7 +162,9 @@ async def test_an_engine_crash_mid_stream_ejects_it_until_it_is_relaunched(
                         assert await reader.event() is not None
                     with stopped_cores([agg1]):
                         made = await counter(agg1, "vllm:generation_tokens_total") - before
-                        if made >= LONG / 2:
+                        # Unfinished is all a crash needs: a core killed with the stream
+                        # short of LONG must end it with an error event.
+                        if made >= LONG - 8:
                             continue
                         os.kill(agg1.engine_core_pid(), signal.SIGKILL)
                     await operate(stack, "undrain", "agg0")
@@ -169,7 +172,7 @@ async def test_an_engine_crash_mid_stream_ejects_it_until_it_is_relaunched(
                         rest.append(event)
             break
         else:
-            pytest.fail(f"{ATTEMPTS} streams were half made before the client read 3 events")
+            pytest.fail(f"{ATTEMPTS} streams were all made before the client read 3 events")
         # One terminal error event and no [DONE]; tokens before it are allowed.
         assert "[DONE]" not in rest, rest[-4:]
         assert rest, "the stream ended without an error event"
