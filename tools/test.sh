@@ -4,10 +4,11 @@
 #   bash tools/test.sh [--no-real] [PYTEST ARGS...]
 #
 # Creates ./.venv if needed, installs Narwhal with its test extras from the package
-# registries, lints and type-checks, creates the real engines' venv if needed
-# (tools/engines/vllm-venv.sh, in ~/.cache/narwhal), then runs the suite: the fast tier
-# first, the real-engine tier (tests/real, real vLLM engines) last. `--no-real` skips the
-# real tier, for quick local runs; CI never passes it. Other args go to pytest.
+# registries, lints and type-checks, creates the real engines' venvs if needed
+# (tools/engines/vllm-venv.sh and sglang-venv.sh, in ~/.cache/narwhal), then runs the
+# suite: the fast tier first, the real-engine tier (tests/real, real vLLM engines, then
+# real SGLang engines) last. `--no-real` skips the real tier, for quick local runs; CI
+# never passes it. Other args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 real=1
@@ -33,4 +34,5 @@ if [ "$real" = 0 ]; then
 fi
 # A failed install fails the run here, saying why; the tier never skips silently.
 bash tools/engines/vllm-venv.sh
+bash tools/engines/sglang-venv.sh
 exec .venv/bin/pytest "${args[@]}"

@@ -14,6 +14,8 @@ import json
 
 import attrs
 
+from ._errors import client_message
+
 
 class SseKind(enum.Enum):
     DATA = "data"
@@ -102,6 +104,12 @@ def _classify(block: bytes, raw: bytes) -> SseEvent:
 
 
 def _error_fields(error: object) -> dict[str, object]:
+    """An error event's fields, its message without a Python traceback (`client_message`)."""
     if isinstance(error, dict):
-        return {str(k): v for k, v in error.items()}
-    return {"message": str(error)}
+        fields = {str(k): v for k, v in error.items()}
+    else:
+        fields = {"message": str(error)}
+    message = fields.get("message")
+    if isinstance(message, str):
+        fields["message"] = client_message(message)
+    return fields

@@ -469,6 +469,13 @@ def metrics_row(engine_id: str, dialect: str, status: int, raw: bytes) -> CheckR
         )
         if present
     ]
+    if sample.gauges_pending:
+        note = (
+            "a fresh SGLang server publishes its running and waiting gauges once its "
+            "scheduler first reports (a decode server: after 40 decode steps); the monitor "
+            "reads no load until then"
+        )
+        return CheckRow("metrics", engine_id, "pass", "not yet published", _METRICS_BOUND, note)
     measured = f"running {sample.running:g}, waiting {sample.waiting:g}"
     if not signals:
         note = (

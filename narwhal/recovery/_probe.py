@@ -140,6 +140,10 @@ class LoadSample:
     # The prompt-token counter per series (its label text, one per rank): it restarts
     # from zero with the engine. None when absent.
     prompt_tokens: tuple[tuple[str, float], ...] | None = None
+    # The engine has not published its running and waiting gauges yet, which a fresh
+    # SGLang server does only once its scheduler first reports (a decode server after
+    # 40 decode steps or an idle tick, `_GAUGES_LATER`): read as no load, not a fault.
+    gauges_pending: bool = False
 
 
 @attrs.frozen
@@ -653,6 +657,12 @@ _LOAD_NAMES: dict[str, tuple[str, str, str]] = {
 _PROMPT_COUNTER = {"vllm": "vllm:prompt_tokens_total", "sglang": "sglang:prompt_tokens_total"}
 # Older vLLM builds only have the deprecated name.
 _KV_FALLBACK = {"vllm": "vllm:gpu_cache_usage_perc"}
+# SGLang (0.5.23) sets its load gauges only when its scheduler reports: a prefill or
+# aggregate server at its first batch, a decode server after 40 decode steps or at an
+# idle tick after serving. Until then its /metrics has the rest of its metrics (it was
+# started with --enable-metrics), among them this one, set at start-up: a page with it
+# and without the gauges is a fresh server's.
+_GAUGES_LATER = {"sglang": "sglang:max_total_num_tokens"}
 _START_TIME = "process_start_time_seconds"
 
 
@@ -661,11 +671,15 @@ def parse_load(raw: bytes, dialect: str) -> LoadSample:
     fullest rank) and, when reported, the process start time and the prompt-token counter
     of each rank, from Prometheus text. Only the wanted lines are parsed: a vLLM /metrics
     page is ~100 KB and is read every monitor pass. The last two only feed restart
-    detection, so a malformed value there is skipped rather than failing the scrape."""
+    detection, so a malformed value there is skipped rather than failing the scrape. A
+    fresh SGLang server's page without the gauges reads as no load, `gauges_pending`."""
     running_name, waiting_name, kv_name = _LOAD_NAMES.get(dialect, _LOAD_NAMES["vllm"])
     kv_fallback = _KV_FALLBACK.get(dialect)
     prompt_name = _PROMPT_COUNTER.get(dialect, _PROMPT_COUNTER["vllm"])
+    later = _GAUGES_LATER.get(dialect)
     optional = {_START_TIME, prompt_name}
+    if later:
+        optional.add(later)
     wanted = {running_name, waiting_name, kv_name, *optional}
     if kv_fallback:
         wanted.add(kv_fallback)
@@ -705,15 +719,19 @@ def parse_load(raw: bytes, dialect: str) -> LoadSample:
             prompt.append((line[end:labels_end], value))
         else:
             found.setdefault(name, []).append(value)
+    pending = False
     if running_name not in found or waiting_name not in found:
         missing = [n for n in (running_name, waiting_name) if n not in found]
-        raise ScrapeError(f"GET /metrics lacks {', '.join(missing)}")
+        if len(missing) < 2 or later not in found:
+            raise ScrapeError(f"GET /metrics lacks {', '.join(missing)}")
+        pending = True
     kv_values = found.get(kv_name) or (found.get(kv_fallback) if kv_fallback else None)
     started = found.get(_START_TIME)
     return LoadSample(
-        running=sum(found[running_name]),
-        waiting=sum(found[waiting_name]),
+        running=sum(found.get(running_name, [])),
+        waiting=sum(found.get(waiting_name, [])),
         kv_usage=max(kv_values) if kv_values else None,
         started_at=max(started) if started else None,
         prompt_tokens=tuple(prompt) if prompt else None,
+        gauges_pending=pending,
     )

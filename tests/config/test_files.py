@@ -32,6 +32,13 @@ def test_shipped_configs_load(name: str) -> None:
     assert [spec.role for spec in config.engines] == ["prefill", "prefill", "decode", "decode"]
 
 
+@pytest.mark.parametrize("name", ["vllm-pd.json", "sglang-pd.json"])
+def test_the_real_engine_quick_start_configs_load(name: str) -> None:
+    config = load_config_file(REPO / "conf" / name)
+    assert [spec.role for spec in config.engines] == ["prefill", "decode"]
+    assert {spec.dialect for spec in config.engines} == {name.split("-")[0]}
+
+
 def test_missing_file_names_the_path(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "absent.json"
     assert _messages(path) == [f"{path}: no such file"]

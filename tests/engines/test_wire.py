@@ -98,6 +98,58 @@ def test_error_bodies_in_every_shape(body: bytes, message: str, kind: str | None
     assert (info.status, info.message, info.type) == (503, message, kind)
 
 
+# SGLang 0.5.23's answer to `max_tokens: null` (HTTP 400): its message ends with the frame
+# that raised, naming a file of the engine's installation.
+SGLANG_TRACEBACK = (
+    b'{"object":"error","message":"1 validation error:\\n  {\'type\': \'int_type\', \'loc\': '
+    b"('body', 'max_tokens'), 'msg': 'Input should be a valid integer', 'input': None}\\n\\n  "
+    b'File \\"/root/venv/lib/python3.11/site-packages/sglang/srt/entrypoints/http_server.py\\", '
+    b"line 1860, in openai_v1_completions\\n    POST /v1/completions [{'type': 'int_type'}]\","
+    b'"type":"Bad Request","param":null,"code":400}'
+)
+SGLANG_SHORT = (
+    "1 validation error:\n  {'type': 'int_type', 'loc': ('body', 'max_tokens'), "
+    "'msg': 'Input should be a valid integer', 'input': None}"
+)
+
+
+def test_an_engine_message_reaches_no_client_with_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    info = parse_error_body(400, SGLANG_TRACEBACK)
+    assert (info.message, info.type) == (SGLANG_SHORT, "Bad Request")
+    [event] = SseScanner().feed(
+        b'data: {"error": ' + json.dumps(json.loads(SGLANG_TRACEBACK)).encode() + b"}\n\n"
+    )
+    assert event.kind is SseKind.ERROR
+    assert event.error is not None
+    assert event.error["message"] == SGLANG_SHORT
+    # The whole message is the operator's, in the log.
+    logged = [r.getMessage() for r in caplog.records if r.name == "narwhal.engines"]
+    assert len(logged) == 2
+    assert all('http_server.py", line 1860, in openai_v1_completions' in m for m in logged)
+
+
+@pytest.mark.parametrize(
+    ("message", "short"),
+    [
+        (
+            'Traceback (most recent call last):\n  File "/srv/a.py", line 3, in f\n'
+            "    raise ValueError(x)\nValueError: boom",
+            "ValueError: boom",
+        ),
+        (
+            'Traceback (most recent call last):\n  File "/srv/a.py", line 3, in f',
+            "the engine reported an internal error (its traceback is in Narwhal's log)",
+        ),
+        ("cannot load /opt/engine/lib/python3.11/loader.py: boom", "cannot load loader.py: boom"),
+        ("prompt is too long (/v1/completions)", "prompt is too long (/v1/completions)"),
+    ],
+)
+def test_tracebacks_and_source_paths_are_cut(message: str, short: str) -> None:
+    assert parse_error_body(500, json.dumps({"message": message}).encode()).message == short
+
+
 def test_vllm_prefill_leg_rewrites_exactly_what_the_protocol_needs() -> None:
     client = {
         "model": "m",

@@ -353,6 +353,9 @@ def test_metrics_row_names_what_the_monitor_could_not_read() -> None:
         "would report this engine missing every pass (vLLM publishes them unless started "
         "with --disable-log-stats)"
     )
+    fresh = metrics_row("e1", "sglang", 200, b'sglang:max_total_num_tokens{tp_rank="0"} 8192.0\n')
+    assert (fresh.status, fresh.measured) == ("pass", "not yet published")
+    assert fresh.note.startswith("a fresh SGLang server publishes its running and waiting ")
     sglang = metrics_row("e1", "sglang", 200, b"")
     assert sglang.status == "fail"
     assert sglang.note.endswith("(SGLang publishes them when started with --enable-metrics)")

@@ -304,6 +304,32 @@ def test_parse_load_reads_the_prompt_counter_per_series_and_skips_bad_optional_v
     assert (sample.running, sample.started_at, sample.prompt_tokens) == (5.0, None, None)
 
 
+# A fresh SGLang 0.5.23 decode server's /metrics (excerpt): the load gauges come only once
+# its scheduler first reports.
+FRESH_SGLANG_DECODE = (
+    b"# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.\n"
+    b"# TYPE sglang:max_total_num_tokens gauge\n"
+    b'sglang:max_total_num_tokens{engine_type="decode",model_name="tiny-llama",'
+    b'moe_ep_rank="0",pp_rank="0",tp_rank="0"} 8192.0\n'
+)
+
+
+def test_parse_load_reads_a_fresh_sglang_server_as_not_yet_loaded() -> None:
+    sample = parse_load(FRESH_SGLANG_DECODE, "sglang")
+    assert (sample.running, sample.waiting, sample.kv_usage) == (0.0, 0.0, None)
+    assert sample.gauges_pending
+    assert not parse_load(
+        b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\n", "sglang"
+    ).gauges_pending
+    # One gauge without the other, or a page that is not a fresh SGLang server's, is a fault.
+    with pytest.raises(ScrapeError, match=r"^GET /metrics lacks sglang:num_queue_reqs$"):
+        parse_load(FRESH_SGLANG_DECODE + b"sglang:num_running_reqs 1\n", "sglang")
+    with pytest.raises(ScrapeError, match=r"^GET /metrics lacks sglang:num_running_reqs, "):
+        parse_load(b"process_start_time_seconds 7\n", "sglang")
+    with pytest.raises(ScrapeError, match=r"^GET /metrics lacks vllm:num_requests_running, "):
+        parse_load(FRESH_SGLANG_DECODE, "vllm")
+
+
 def test_parse_load_sglang_names_and_missing_gauges() -> None:
     sample = parse_load(b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\n", "sglang")
     assert (sample.running, sample.waiting, sample.kv_usage) == (1.0, 2.0, None)
