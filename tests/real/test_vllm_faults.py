@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -22,7 +20,7 @@ from narwhal.ctl import CtlRequest
 from narwhal.supervisor._operations import Operations
 
 from ..support import open_sse
-from .client import counter, post_json, unique_text
+from .client import counter, post_json, stopped_cores, unique_text
 from .conftest import MODEL, RealStack, aggregate_config, narwhal_in_front, pair_config
 from .engines import Engine, RealFleet
 
@@ -76,23 +74,6 @@ async def wait_available(
 async def operate(stack: RealStack, command: str, engine: str) -> None:
     """What `narwhalctl COMMAND ENGINE` does, without the socket."""
     await Operations(stack.supervisor)(CtlRequest(command=command, engine=engine))
-
-
-@contextmanager
-def stopped_cores(engines: list[Engine]) -> Iterator[None]:
-    """The engines' cores stopped (SIGSTOP) for the block: their API servers still answer
-    and take aborts, which their cores then process first when continued (SIGCONT)."""
-    cores = [engine.engine_core_pid() for engine in engines]
-    try:
-        for core in cores:
-            os.kill(core, signal.SIGSTOP)
-        yield
-    finally:
-        for core in cores:
-            try:
-                os.kill(core, signal.SIGCONT)
-            except ProcessLookupError:
-                pass  # killed meanwhile
 
 
 # An engine makes a whole stream in a second or two on a quiet box, faster than Narwhal

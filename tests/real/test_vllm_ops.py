@@ -22,8 +22,8 @@ import pytest
 import trio
 
 from ..ops.daemon import Launch, launcher
-from ..support import post_stream
-from .client import counter, post_json, sse_events, unique_text
+from ..support import open_sse, post_stream
+from .client import counter, post_json, sse_events, stopped_cores, unique_text
 from .conftest import MODEL, aggregate_config, narwhal_in_front, pair_config
 from .engines import RealFleet
 
@@ -69,12 +69,11 @@ async def test_profile_and_check_the_pair_then_serve_it_with_predictive_admissio
     vllm: RealFleet, tmp_path: Path
 ) -> None:
     store = tmp_path / "profiles.json"
+    # No serving.handoff_timeout_s: narwhal-check warns (a handoff may outlive the 30 s
+    # lease), but a cap below the lease expired handoffs that NIXL took 5-30 s to make on
+    # this loaded box, and its check waits that long per pair.
     document = pair_config(
-        vllm,
-        profiles={"path": str(store)},
-        # Below the engines' 30 s lease, as narwhal-check asks.
-        serving={"admission": "predictive", "handoff_timeout_s": 5.0},
-        slo=SLO,
+        vllm, profiles={"path": str(store)}, serving={"admission": "predictive"}, slo=SLO
     )
     config = tmp_path / "narwhal.json"
     config.write_text(json.dumps(document))
@@ -137,10 +136,13 @@ async def launch(short_tmp: Path) -> AsyncIterator[Launch]:
         yield start
 
 
-STREAM_TOKENS = 300
+STREAM_TOKENS = 1000
 
 
-async def stream(url: str, results: list[dict[str, Any]]) -> None:
+async def stream(
+    url: str, started: trio.MemorySendChannel[None], results: list[dict[str, Any]]
+) -> None:
+    """One streamed completion: says when its first event came, then reads it to the end."""
     body = {
         "model": MODEL,
         "prompt": unique_text(20),
@@ -149,51 +151,62 @@ async def stream(url: str, results: list[dict[str, Any]]) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    async with httpx.AsyncClient(timeout=120.0) as client:
-        status, _, raw = await post_stream(client, f"{url}/v1/completions", body)
-    assert status == 200, raw
-    results.append(sse_events(raw)[-1]["usage"])  # and the framing, [DONE] included
+    async with open_sse(url, "/v1/completions", body) as reader:
+        assert reader.status == 200
+        first = await reader.event()
+        assert first is not None
+        events = [first]
+        await started.send(None)
+        while (event := await reader.event()) is not None:
+            events.append(event)
+    assert events[-1] == "[DONE]", events[-3:]
+    results.append(json.loads(events[-2])["usage"])
 
 
 async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
     vllm: RealFleet, launch: Launch
 ) -> None:
-    agg0, agg1 = vllm.aggregate
     initial = aggregate_config(vllm)
     daemon = await launch(initial)
-    changed = {
-        **initial,
-        "engines": [e for e in initial["engines"] if e["id"] == "agg0"],
-        "serving": {**initial["serving"], "max_connections": 64},
-    }
     results: list[dict[str, Any]] = []
+    send, receive = trio.open_memory_channel[None](4)
     with trio.fail_after(240):
-        async with trio.open_nursery() as clients:
+        async with trio.open_nursery() as clients, send:
             for _ in range(4):
-                clients.start_soon(stream, daemon.url, results)
-            # Wait until both engines have streams resident, then reload.
-            while True:
+                clients.start_soon(stream, daemon.url, send.clone(), results)
+            for _ in range(4):
+                await receive.receive()
+            # Every stream has begun. The engines would finish them within a second or
+            # two; stopped, they keep the streams resident through the reload.
+            with stopped_cores(vllm.aggregate):
                 state = await daemon.state()
                 active = {e["id"]: e["decode"]["active"] for e in state["engines"]}
-                if active.get("agg0", 0) >= 1 and active.get("agg1", 0) >= 1:
-                    break
-                await trio.sleep(0.1)
-            daemon.write_config(changed)
-            daemon.signal(signal.SIGHUP)
-            await daemon.message("RELOADING=1")
-            await daemon.message("READY=1")
-            state = await daemon.state()
-            last = state["supervisor"]["reloads"][-1]
-            assert (last["applied"], last["trigger"]) == (True, "SIGHUP"), last
-            assert 'engines[agg1]: "present" -> "removed"' in last["changes"], last
-            assert [e["id"] for e in state["engines"]] == ["agg0"]
-            assert state["admission"]["max_admitted"] == 64
+                # The engine with most streams leaves; the other stays. (A stream can be
+                # over before the stop when the test process was held up meanwhile.)
+                gone = max(sorted(active), key=lambda engine: active[engine])
+                assert active[gone] >= 1, active
+                kept = next(e for e in active if e != gone)
+                changed = {
+                    **initial,
+                    "engines": [e for e in initial["engines"] if e["id"] == kept],
+                    "serving": {**initial["serving"], "max_connections": 64},
+                }
+                daemon.write_config(changed)
+                daemon.signal(signal.SIGHUP)
+                await daemon.message("RELOADING=1")
+                await daemon.message("READY=1")
+                state = await daemon.state()
+                last = state["supervisor"]["reloads"][-1]
+                assert (last["applied"], last["trigger"]) == (True, "SIGHUP"), last
+                assert f'engines[{gone}]: "present" -> "removed"' in last["changes"], last
+                assert [e["id"] for e in state["engines"]] == [kept]
+                assert state["admission"]["max_admitted"] == 64
     # Nothing dropped: every stream ran to its end, on the removed engine too.
     assert [u["completion_tokens"] for u in results] == [STREAM_TOKENS] * 4
-    assert daemon.events("engine_retired")[0]["engine"] == "agg1"
+    assert [e["engine"] for e in daemon.events("engine_retired")] == [gone]
 
-    # New work goes to agg0 only.
-    before = await counter(agg1, "vllm:generation_tokens_total")
+    # New work goes to the engine kept only.
+    before = await counter(vllm[gone], "vllm:generation_tokens_total")
     async with httpx.AsyncClient(timeout=120.0) as client:
         for _ in range(2):
             got = await post_json(
@@ -202,8 +215,7 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
                 {"model": MODEL, "prompt": unique_text(8), "max_tokens": 4},
             )
             assert got["usage"]["completion_tokens"] == 4
-    assert await counter(agg1, "vllm:generation_tokens_total") == before
-    assert agg0.healthy()
+    assert await counter(vllm[gone], "vllm:generation_tokens_total") == before
     daemon.signal(signal.SIGTERM)
     with trio.fail_after(30):
         assert await daemon.process.wait() == 0
