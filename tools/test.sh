@@ -4,9 +4,9 @@
 #   bash tools/test.sh [--no-real] [PYTEST ARGS...]
 #
 # Creates ./.venv if needed, installs Narwhal with its test extras from the package
-# registries, lints and type-checks, creates the real engines' venv (.venv-vllm,
-# tools/engines/vllm-venv.sh), then runs the suite: the fast tier first, the real-engine
-# tier (tests/real, real vLLM engines) last. `--no-real` skips the engines' venv and the
+# registries, lints and type-checks, creates the real engines' venv if needed
+# (tools/engines/vllm-venv.sh, in ~/.cache/narwhal), then runs the suite: the fast tier
+# first, the real-engine tier (tests/real, real vLLM engines) last. `--no-real` skips the
 # real tier, for quick local runs; CI never passes it. Other args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

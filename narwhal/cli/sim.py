@@ -15,12 +15,16 @@ import trio
 
 from narwhal.sim import (
     DEFAULT_MODEL,
+    DEFAULT_VLLM_VERSION,
     DISAGGREGATION_MODES,
+    VLLM_BUILDS,
     DisaggregationMode,
     SimEngineSpec,
     SimTiming,
     serve_fleet,
 )
+
+_KV_CONNECTORS = {"nixl": True, "none": False}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,6 +47,20 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="SGLang launch mode, null (aggregate, the default), prefill or decode: one "
         "for every engine, or one per engine (e.g. prefill,decode,decode)",
+    )
+    p.add_argument(
+        "--vllm-version",
+        choices=tuple(VLLM_BUILDS),
+        default=DEFAULT_VLLM_VERSION,
+        help=f"vLLM build whose behaviour the engines play (default {DEFAULT_VLLM_VERSION})",
+    )
+    p.add_argument(
+        "--kv-connector",
+        metavar="KIND[,KIND...]",
+        default=None,
+        help="vLLM engines' KV connector, nixl (the default) or none (an aggregate-only "
+        "engine: no KV handoff, kv_transfer_params null): one for every engine, or one per "
+        "engine (e.g. none,none,nixl,nixl)",
     )
     p.add_argument(
         "--speed",
@@ -88,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N|context",
         help="tokens generated for a request that sets no output bound (a chat without "
-        "max_tokens, a vLLM completion with max_tokens null), within the context (default "
+        "max_tokens, a vLLM 0.29 completion with max_tokens null), within the context (default "
         "256; `context` runs it to the context, as the real engines do)",
     )
     p.add_argument(
@@ -144,6 +162,7 @@ async def _run(
     host: str,
     port: int,
     modes: Sequence[DisaggregationMode] | None = None,
+    connectors: Sequence[bool] | None = None,
 ) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -155,6 +174,7 @@ async def _run(
                     port=port,
                     spec=spec,
                     disaggregation_modes=modes,
+                    kv_connectors=connectors,
                 )
             )
             for handle in fleet:
@@ -186,6 +206,7 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
         "tokenize_messages": args.tokenize_messages,
         "unbounded_max_tokens": args.unbounded_max_tokens,
         "api_key": args.api_key,
+        "vllm_version": args.vllm_version,
     }
     if args.build:
         fields["build"] = args.build
@@ -217,17 +238,45 @@ def modes_from_args(args: argparse.Namespace) -> tuple[DisaggregationMode, ...] 
     return tuple(modes)
 
 
+def connectors_from_args(args: argparse.Namespace) -> tuple[bool, ...] | None:
+    """Whether each engine has a KV connector (--kv-connector), or None when not given;
+    ValueError names a bad value."""
+    if args.kv_connector is None:
+        return None
+    kinds = [raw.strip() for raw in args.kv_connector.split(",")]
+    for kind in kinds:
+        if kind not in _KV_CONNECTORS:
+            raise ValueError(f"--kv-connector {kind!r} is not one of {', '.join(_KV_CONNECTORS)}")
+    if len(kinds) == 1:
+        kinds *= args.engines
+    if len(kinds) != args.engines:
+        raise ValueError(
+            f"--kv-connector gives {len(kinds)} kinds for {args.engines} engines; "
+            "give one, or one per engine"
+        )
+    return tuple(_KV_CONNECTORS[kind] for kind in kinds)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         spec = spec_from_args(args)
         modes = modes_from_args(args)
+        connectors = connectors_from_args(args)
     except (OSError, ValueError, TypeError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2
     try:
         trio.run(
-            partial(_run, spec, engines=args.engines, host=args.host, port=args.port, modes=modes)
+            partial(
+                _run,
+                spec,
+                engines=args.engines,
+                host=args.host,
+                port=args.port,
+                modes=modes,
+                connectors=connectors,
+            )
         )
     except BaseExceptionGroup as group:
         # Binding happens inside the fleet's nursery, so a busy port arrives in a group.

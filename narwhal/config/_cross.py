@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from ..engines._dialects import dialect_for
-from ._model import Config
+from ._model import Config, EngineSpec
 
 
 @attrs.frozen
@@ -40,6 +40,7 @@ def cross_rules() -> tuple[CrossRule, ...]:
         CrossRule(_one_dialect, ()),
         CrossRule(_one_model, ()),
         CrossRule(_bootstrap_ports, ("engines[].bootstrap_port",)),
+        CrossRule(_kv_roles, ("engines[].kv_role",)),
         CrossRule(_role_floors, ("controller.min_prefill", "controller.min_decode")),
         CrossRule(_retry_cap, ("serving.retry_base_s", "serving.retry_cap_s")),
         CrossRule(
@@ -221,6 +222,28 @@ def _bootstrap_ports(cfg: Config) -> list[str]:
     return out
 
 
+def _kv_roles(cfg: Config) -> list[str]:
+    """`kv_role` is set only on vLLM engines, and an explicit producer or consumer role
+    matches the engine's role: `kv_producer` serves prefill, `kv_consumer` decode."""
+    out: list[str] = []
+    wants = {"kv_producer": "prefill", "kv_consumer": "decode"}
+    for index, spec in enumerate(cfg.engines):
+        if spec.kv_role is None:
+            continue
+        where = f"engines[{index}].kv_role"
+        if spec.dialect != "vllm":
+            out.append(
+                f"{where}: {spec.kv_role!r} is only used by the vllm dialect "
+                f"(dialect is {spec.dialect!r})"
+            )
+        elif spec.kv_role in wants and spec.role != wants[spec.kv_role]:
+            out.append(
+                f"{where}: {spec.kv_role!r} fixes the engine's role to "
+                f"{wants[spec.kv_role]!r}, but its role is {spec.role!r}"
+            )
+    return out
+
+
 def _role_floors(cfg: Config) -> list[str]:
     """`controller.min_prefill` and `controller.min_decode` fit the configured fleet
     (manual 7.2): `min_prefill + min_decode` is at most the number of engines, except that
@@ -239,7 +262,7 @@ def _role_floors(cfg: Config) -> list[str]:
     def capable(phase: str) -> int:
         return sum(
             spec.role in (phase, "both")
-            or (moves and spec.role in ("prefill", "decode") and not _fixed_role(spec.dialect))
+            or (moves and spec.role in ("prefill", "decode") and not _fixed_role(spec))
             for spec in cfg.engines
         )
 
@@ -266,10 +289,10 @@ def _role_floors(cfg: Config) -> list[str]:
     return out
 
 
-def _fixed_role(dialect: str) -> bool:
-    """Whether an engine of `dialect` keeps its launch role (an SGLang server's is its
-    launch mode): the controller never moves one."""
-    return dialect_for(dialect).fixed_role is not None
+def _fixed_role(spec: EngineSpec) -> bool:
+    """Whether the engine keeps its launch role (an SGLang server's is its launch mode, a
+    vLLM engine's an explicit kv_role): the controller never moves one."""
+    return dialect_for(spec.dialect).fixed_role is not None or spec.launch_fixes_role is not None
 
 
 def _open_connections(cfg: Config) -> list[str]:

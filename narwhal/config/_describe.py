@@ -69,11 +69,15 @@ def _type_name(tp: Any) -> str:
         return "list of objects"
     if origin in (Union, types.UnionType):
         (inner,) = (arg for arg in get_args(tp) if arg is not type(None))
-        return f"{_TYPE_NAMES[inner]} or null"
+        return f"{_type_name(inner)} or null"
     return _TYPE_NAMES[tp]
 
 
 def _allowed(tp: Any, rules: tuple[Any, ...]) -> str:
+    if get_origin(tp) in (Union, types.UnionType):
+        (inner,) = (arg for arg in get_args(tp) if arg is not type(None))
+        if get_origin(inner) is Literal:
+            return _allowed(inner, rules) + ", null"
     if get_origin(tp) is Literal:
         return ", ".join(json.dumps(choice) for choice in get_args(tp))
     if tp is bool:

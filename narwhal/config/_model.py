@@ -26,6 +26,7 @@ from ._rules import (
 
 Dialect = Literal["vllm", "sglang"]
 Role = Literal["prefill", "decode", "both"]
+KvRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 Admission = Literal["predictive", "open"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 T = TypeVar("T")
@@ -65,6 +66,17 @@ def _f(default: T, *rules: Rule, doc: str) -> T:
 class EngineSpec:
     """One engine of the fleet (`engines` is a list of these)."""
 
+    @property
+    def launch_fixes_role(self) -> str | None:
+        """Why this vLLM engine's launch fixes its role, or None (the dialect may still)."""
+        if self.kv_role in ("kv_producer", "kv_consumer"):
+            return (
+                f"a vllm engine launched with kv_role {self.kv_role!r} keeps the role it was "
+                "launched for (vLLM's explicit NixlConnector roles); relaunch it with "
+                "kv_both, or with the other kv_role, and change engines[].kv_role"
+            )
+        return None
+
     id: str = attrs.field(
         metadata=_meta(
             doc="Unique, non-blank engine name used by placement, state, metrics and narwhalctl."
@@ -98,6 +110,16 @@ class EngineSpec:
             "SGLang only: the engine's prefill bootstrap-server port "
             "(`--disaggregation-bootstrap-port`). `null` means SGLang's default, 8998, "
             "which the router then sends. Rejected for vLLM engines."
+        ),
+    )
+    kv_role: KvRole | None = attrs.field(
+        default=None,
+        metadata=_meta(
+            doc="vLLM only: the `kv_role` the engine was launched with in `--kv-transfer-config`. "
+            "`kv_producer` (role `prefill`) and `kv_consumer` (role `decode`) fix its role: "
+            "neither the controller nor `narwhalctl pin` changes it, as for SGLang. `null` "
+            "or `kv_both` leaves it movable; vLLM 0.32 deprecates `kv_both` for "
+            "NixlConnector but still serves either leg with any `kv_role`."
         ),
     )
     prefill_concurrency: int | None = _f(

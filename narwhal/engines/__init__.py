@@ -9,6 +9,7 @@ from ._dialects import (
     EndpointKind as EndpointKind,
     Json as Json,
     dialect_for as dialect_for,
+    release as release,
 )
 from ._errors import EngineErrorInfo as EngineErrorInfo, parse_error_body as parse_error_body
 from ._sse import SseEvent as SseEvent, SseKind as SseKind, SseScanner as SseScanner

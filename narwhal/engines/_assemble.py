@@ -9,10 +9,12 @@ text, logprobs and token ids are slices of the final ones, and the finishing chu
 carries finish_reason and stop_reason (vLLM) or matched_stop (SGLang). Chat deltas add
 role, content, reasoning and tool-call fragments; a tool call's id, type and name come
 once, its arguments in pieces, all keyed by the call's index. The non-streaming
-response has fields no chunk carries (vLLM: service_tier, system_fingerprint,
-kv_transfer_params, the message's refusal/annotations/audio...); they are null (or the
-empty tool_calls list) for a request that streams, and are filled in here per dialect
-so a client sees the same keys either way.
+response has fields no chunk carries; they are null for a request that streams, and are
+filled in here per dialect, in the engine's order, so a client sees the same document
+either way. vLLM's are those of 0.32 (checked against a real engine by
+tests/real/test_vllm_defects.py): `ec_transfer_params`, `metrics`, each choice's
+`routed_experts`, the usage's `completion_tokens_details`, and a chat message with
+`reasoning` and no `tool_calls` key when it made no call.
 
 Some requests have a non-streaming answer a stream cannot give: see
 `unassemblable_reason`.
@@ -24,25 +26,67 @@ from typing import Literal
 
 from ._dialects import EndpointKind, Json
 
-# What a non-streaming response holds that its chunks do not. A key the chunks did
-# carry keeps the chunks' value.
-_VLLM_TOP: Json = {"service_tier": None, "system_fingerprint": None, "kv_transfer_params": None}
-_VLLM_COMPLETION_CHOICE: Json = {
-    "logprobs": None,
-    "finish_reason": None,
-    "stop_reason": None,
-    "token_ids": None,
-    "prompt_logprobs": None,
-    "prompt_token_ids": None,
-}
-_VLLM_CHAT_CHOICE: Json = {"logprobs": None, "finish_reason": None, "stop_reason": None}
-_VLLM_MESSAGE: Json = {
-    "refusal": None,
-    "annotations": None,
-    "audio": None,
-    "function_call": None,
-    "reasoning_content": None,
-}
+# What a non-streaming response holds that its chunks do not, in the engine's order
+# (vLLM 0.32's response models). A key the chunks did carry keeps the chunks' value;
+# `choices` and `usage` are filled in where they stand.
+_VLLM_COMPLETION_TOP = (
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "service_tier",
+    "system_fingerprint",
+    "usage",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+)
+_VLLM_CHAT_TOP = (
+    *_VLLM_COMPLETION_TOP[:8],
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "prompt_text",
+    *_VLLM_COMPLETION_TOP[8:],
+)
+_VLLM_COMPLETION_CHOICE = (
+    "index",
+    "text",
+    "logprobs",
+    "finish_reason",
+    "stop_reason",
+    "token_ids",
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "routed_experts",
+)
+_VLLM_CHAT_CHOICE = (
+    "index",
+    "message",
+    "logprobs",
+    "finish_reason",
+    "stop_reason",
+    "token_ids",
+    "routed_experts",
+)
+# `tool_calls` only when the message made a call (vLLM drops the empty list).
+_VLLM_MESSAGE = (
+    "role",
+    "content",
+    "refusal",
+    "annotations",
+    "audio",
+    "function_call",
+    "tool_calls",
+    "reasoning",
+)
+_VLLM_USAGE = (
+    "prompt_tokens",
+    "total_tokens",
+    "completion_tokens",
+    "prompt_tokens_details",
+    "completion_tokens_details",
+)
 _SGLANG_COMPLETION_CHOICE: Json = {"logprobs": None, "finish_reason": None, "matched_stop": None}
 _SGLANG_CHAT_CHOICE: Json = _SGLANG_COMPLETION_CHOICE
 _SGLANG_MESSAGE: Json = {"reasoning_content": None, "tool_calls": None}
@@ -131,22 +175,25 @@ class ResponseAssembler:
         out.update({k: v for k, v in self._top.items() if k not in out})
         out["choices"] = [_joined(self._choice(self._choices[i])) for i in sorted(self._choices)]
         vllm = self._dialect == "vllm"
-        if vllm:
-            _defaults(out, _VLLM_TOP)
-            if self._kind == "chat":
-                _defaults(out, {"prompt_logprobs": None})
         if isinstance(self._usage, dict):
-            usage = dict(self._usage)
-            usage.setdefault("prompt_tokens_details", None)
-            out["usage"] = usage
-        return out
+            if vllm:
+                out["usage"] = _in_order(self._usage, _VLLM_USAGE)
+            else:
+                usage = dict(self._usage)
+                usage.setdefault("prompt_tokens_details", None)
+                out["usage"] = usage
+        if not vllm:
+            return out
+        return _in_order(out, _VLLM_CHAT_TOP if self._kind == "chat" else _VLLM_COMPLETION_TOP)
 
     def _choice(self, merged: Json) -> Json:
         vllm = self._dialect == "vllm"
         if self._kind != "chat":
             choice = dict(merged)
             choice.setdefault("text", "")
-            _defaults(choice, _VLLM_COMPLETION_CHOICE if vllm else _SGLANG_COMPLETION_CHOICE)
+            if vllm:
+                return _in_order(choice, _VLLM_COMPLETION_CHOICE)
+            _defaults(choice, _SGLANG_COMPLETION_CHOICE)
             return choice
         choice = {k: v for k, v in merged.items() if k not in ("delta", "calls")}
         delta = merged.get("delta")
@@ -156,13 +203,30 @@ class ResponseAssembler:
         calls = merged.get("calls")
         if isinstance(calls, dict) and calls:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
-        elif vllm:
-            message["tool_calls"] = []
-        _defaults(message, _VLLM_MESSAGE if vllm else _SGLANG_MESSAGE)
-        ordered: Json = {"index": choice.pop("index"), "message": message}
+        choice["message"] = message
+        if vllm:
+            choice["message"] = _in_order(message, _VLLM_MESSAGE, omit=("tool_calls",))
+            return _in_order(choice, _VLLM_CHAT_CHOICE)
+        _defaults(message, _SGLANG_MESSAGE)
+        ordered: Json = {"index": choice.pop("index"), "message": choice.pop("message")}
         ordered.update(choice)
-        _defaults(ordered, _VLLM_CHAT_CHOICE if vllm else _SGLANG_CHAT_CHOICE)
+        _defaults(ordered, _SGLANG_CHAT_CHOICE)
         return ordered
+
+
+def _in_order(document: Json, keys: tuple[str, ...], omit: tuple[str, ...] = ()) -> Json:
+    """`document` with `keys` first, in that order, each null where it had none (but
+    those in `omit`, left out then), and its other keys after them."""
+    out: Json = {}
+    for key in keys:
+        if key in document:
+            out[key] = document[key]
+        elif key not in omit:
+            out[key] = None
+    for key, value in document.items():
+        if key not in out:
+            out[key] = value
+    return out
 
 
 def _keep(target: Json, key: str, value: object) -> None:
@@ -203,6 +267,9 @@ def _merge_chat(merged: Json, choice: Json) -> None:
             continue
         if key == "logprobs" and isinstance(value, dict):
             _merge_logprobs(merged, value)
+            continue
+        if key == "token_ids":
+            _extend_list(merged, key, value)
             continue
         _keep(merged, key, value)
 

@@ -185,7 +185,29 @@ def new_bootstrap_room() -> int:
     return secrets.randbits(63)
 
 
-def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
+_RELEASE = re.compile(r"v?(\d+)\.(\d+)")
+# vLLM 0.32's StreamOptions.include_usage defaults to false; the builds before it read a
+# present stream_options as asking for usage (engine-protocols notes §4.4).
+VLLM_USAGE_OPT_IN_FROM = (0, 32)
+
+
+def release(version: str | None) -> tuple[int, int] | None:
+    """The (major, minor) release an engine's /version names, or None when it names none."""
+    found = _RELEASE.match(version or "")
+    return None if found is None else (int(found.group(1)), int(found.group(2)))
+
+
+def usage_by_default(dialect: Dialect, version: str | None) -> bool:
+    """Whether a stream_options without include_usage asks this engine for the usage
+    chunk: only on vLLM builds known to be older than 0.32 (an unknown build is read as a
+    current one)."""
+    found = release(version)
+    return dialect.name == "vllm" and found is not None and found < VLLM_USAGE_OPT_IN_FROM
+
+
+def with_usage_report(
+    body: Json, dialect: Dialect, version: str | None = None
+) -> tuple[Json, bool]:
     """A streamed leg's body, asking the engine for its final usage chunk, and whether
     that chunk is the router's alone (the client did not ask for it, so it is not relayed).
 
@@ -194,8 +216,9 @@ def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
     accepts several tokens per step, and SGLang batches them by --stream-interval. Counting
     events would under-count resident KV and over-state the token interval.
 
-    `include_usage` defaults to true in vLLM once `stream_options` is present and to false
-    in SGLang (engine-protocols notes §4.4, §5). `continuous_usage_stats` is left out when
+    `include_usage` defaults to false in SGLang and in vLLM from 0.32, and to true in
+    older vLLM builds once `stream_options` is present (`usage_by_default`; `version` is
+    the engine's /version). `continuous_usage_stats` is left out when
     the router adds the chunk, or the client would see usage in every chunk. A
     `stream_options` that is neither an object nor null is left for the engine to refuse.
     A vLLM run with --enable-force-include-usage sends usage to every stream; through the
@@ -205,7 +228,7 @@ def with_usage_report(body: Json, dialect: Dialect) -> tuple[Json, bool]:
     if options is None:
         added: Json = {"include_usage": True}
     elif isinstance(options, dict):
-        if options.get("include_usage", dialect.name == "vllm"):
+        if options.get("include_usage", usage_by_default(dialect, version)):
             return body, False
         added = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
         added["include_usage"] = True

@@ -182,6 +182,10 @@ class EngineState:
         self.context_length: int | None = None
         self.context_note = "not read yet"
         self.context_due = True
+        # The engine's version as its /version reported it at recovery's last health probe
+        # that read one; None until then, or when it does not say. The context check
+        # applies the rule of that build (`narwhal.serving.context_rule`).
+        self.version: str | None = None
         self.held_until = -math.inf  # restart hold, set by recovery
         self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
         self.ejected: str | None = None  # health ejection reason, set by recovery
@@ -286,7 +290,7 @@ class EngineState:
     def fixed_role(self) -> str | None:
         """Why nothing may change this engine's role at run time, or None. Only the
         configuration, which records how the engine was launched, sets it then."""
-        return self.dialect.fixed_role
+        return self.dialect.fixed_role or self.spec.launch_fixes_role
 
     def unavailable_reason(self, now: float, phase: Phase | None = None) -> str | None:
         """Why the engine takes no new work (of `phase`, if given) now, or None."""

@@ -17,8 +17,10 @@ from ._client import (
     EngineClient as EngineClient,
     HandoffResult as HandoffResult,
     Identity as Identity,
+    KvConnector as KvConnector,
     ProbeError as ProbeError,
     crossed_handoff as crossed_handoff,
+    kv_connectors as kv_connectors,
 )
 from ._sweep import (
     SweepFailed as SweepFailed,

@@ -28,10 +28,18 @@ measured number and the limit it was held to):
   (`crossed_pairs`: every ordered pair of distinct engines, the self pair for one engine;
   for SGLang prefill/decode servers only prefill -> decode), each leg within
   ``engine.first_token_timeout_s`` (prefill: the whole leg; decode: to the first token).
+  A vLLM engine that answers the router's prefill leg with ``kv_transfer_params: null``
+  has no KV connector and is in no pair: one row for it, a skip (``n/a: no KV
+  connector``) for an aggregate engine (role both), a fail for a prefill or decode one.
+  Its ``lease`` and ``handoff-wait`` rows are skips too, and so is ``first-token`` when
+  no pair is left.
 * ``lease``: the producer's KV lease, measured: a prefill whose KV is never pulled, then
   the time until the producer's ``vllm:nixl_num_kv_expired_reqs`` counter shows the
   release. The verified lease is a lower bound (from the prefill response to the last
   poll before the release was seen); ``serving.handoff_timeout_s`` must be below it.
+  Measured before the pairs (its row is listed after them): that prefill is also what
+  tells an engine without a KV connector. With ``--no-lease`` each engine gets one
+  prefill leg for that alone, which the others pull (`kv_connectors`).
 * ``handoff-wait``: a decode sent ``serving.handoff_timeout_s`` after its prefill started
   still succeeds (the cap is safe in practice, not only on paper), once per engine as the
   producer, with the next engine in the config as the consumer. SGLang sends both legs at
@@ -67,10 +75,12 @@ from ..profiles import (
 )
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
 from ._client import (
+    NULL_PARAMS,
     EngineClient,
     ProbeError,
     crossed_handoff,
     decode_leg,
+    kv_connectors,
     mode_mismatch,
     prefill_leg,
 )
@@ -243,11 +253,14 @@ async def _run(
     # prompt stays inside max_model_len.
     cpt = min(ratios) if ratios else 3.0
     builds = await _profiles(config, clients, healthy, store, store_problems, plan, rows)
-    samples = await _pairs(config, clients, healthy, launched, builds, cpt, plan, rows)
+    leased = await _leases(config, clients, healthy, plan)
+    none, leases = leased.none, leased.leases
+    samples = await _pairs(config, clients, healthy, launched, builds, none, cpt, plan, rows)
     p99 = max(samples) if samples else None
-    leases = await _leases(config, clients, healthy, plan, rows)
-    await _handoff_wait(config, clients, healthy, leases, plan, rows)
-    _first_token(config, p99, store, rows)
+    for engine_id in clients:
+        rows.add(leased.rows[engine_id])
+    await _handoff_wait(config, clients, healthy, none, leases, plan, rows)
+    _first_token(config, p99, store, none, rows)
     return CheckReport(tuple(rows.rows), leases, p99, builds)
 
 
@@ -530,6 +543,24 @@ async def _profiles(
     return builds
 
 
+NO_CONNECTOR = "n/a: no KV connector"
+
+
+async def _connectors(
+    clients: dict[str, EngineClient], healthy: set[str], plan: CheckPlan
+) -> dict[str, str]:
+    """The healthy vLLM engines without a KV connector (`kv_connectors`), each with what
+    showed it. An engine whose probe failed is not among them: its pairs fail saying why.
+    One whose probe ran out of time neither."""
+    checked = [c for e, c in clients.items() if e in healthy]
+    prompt = TextMaker(f"check/{plan.seed}/connectors").text(_VERIFY_PROMPT_TOKENS * 4)
+    answer = await _bounded(
+        plan.request_timeout_s * max(1, len(checked)), kv_connectors(checked, prompt)
+    )
+    found = answer.value or {}
+    return {e: c.detail for e, c in found.items() if c.present is False}
+
+
 def _handoff_sizes(plan: CheckPlan, max_model_len: int) -> list[int]:
     # Texts are sized with a chars/token ratio measured on one short text; keep a margin
     # so the longest prompt stays inside max_model_len on a tokenizer that disagrees.
@@ -545,19 +576,34 @@ async def _pairs(
     healthy: set[str],
     launched: set[str],
     builds: dict[str, str],
+    none: dict[str, str],
     cpt: float,
     plan: CheckPlan,
     rows: _Rows,
 ) -> list[float]:
     """Verification legs and first-token samples on every crossed pair (sequentially, so
-    pairs do not load each other's engines)."""
+    pairs do not load each other's engines). An engine without a KV connector (`none`)
+    joins no pair: for an aggregate engine (role both) that is how it serves, and its
+    row says the check does not apply; a prefill or decode engine without one fails."""
     limit = config.engine.first_token_timeout_s
     bound = f"each leg < {_s(limit)} (engine.first_token_timeout_s)"
     firsts: list[float] = []
     max_len = _max_model_len(builds)
     texts = TextMaker(f"check/{plan.seed}/pairs")
-    pairs = crossed_pairs(config.engines)
-    if not pairs:
+    for spec in config.engines:
+        if spec.id not in none:
+            continue
+        if spec.role == "both":
+            note = f"{none[spec.id]}; an aggregate engine, in no crossed pair"
+            rows.add(CheckRow("handoff", spec.id, "skip", NO_CONNECTOR, bound, note))
+        else:
+            note = (
+                f"{none[spec.id]}; a {spec.role} engine hands KV over only with a KV connector "
+                "(vLLM --kv-transfer-config), or its role should be both"
+            )
+            rows.add(CheckRow("handoff", spec.id, "fail", "no KV connector", bound, note))
+    pairs = crossed_pairs(config.engines, no_connector=frozenset(none))
+    if not pairs and not none:
         rows.add(
             CheckRow(
                 "handoff",
@@ -692,43 +738,53 @@ async def _sample(p: EngineClient, d: EngineClient, prompt: str, plan: CheckPlan
     return result.first_token_s
 
 
+@attrs.frozen
+class _LeaseRows:
+    """The lease rows (added after the handoff rows), the verified leases, and the vLLM
+    engines without a KV connector with what showed it."""
+
+    rows: dict[str, CheckRow]
+    leases: dict[str, float]
+    none: dict[str, str]
+
+
 async def _leases(
-    config: Config,
-    clients: dict[str, EngineClient],
-    healthy: set[str],
-    plan: CheckPlan,
-    rows: _Rows,
-) -> dict[str, float]:
+    config: Config, clients: dict[str, EngineClient], healthy: set[str], plan: CheckPlan
+) -> _LeaseRows:
+    """Measured before the pairs: a lease row's prefill leg is also how an engine shows
+    it has no KV connector (`kv_transfer_params: null`), which the pairs need to know.
+    Its KV is left for the lease to run out, as it must be, and the row ends when it
+    has, so no other leg overlaps it. Without a lease measurement (--no-lease) the
+    engines are probed (`kv_connectors`) instead."""
     cap = config.serving.handoff_timeout_s
-    leases: dict[str, float] = {}
-    found: dict[str, CheckRow] = {}
+    bound = f"> {_s(cap)} (serving.handoff_timeout_s)"
+    out = _LeaseRows({}, {}, {})
+    if not plan.measure_lease:
+        out = attrs.evolve(out, none=await _connectors(clients, healthy, plan))
 
     async def one(client: EngineClient) -> None:
-        found[client.id] = await _lease(client, config, plan, leases)
+        out.rows[client.id] = await _lease(client, config, plan, out)
 
     async with trio.open_nursery() as nursery:
         for engine_id, client in clients.items():
-            if engine_id in healthy:
-                nursery.start_soon(one, client)
-    for engine_id in clients:
-        if engine_id in found:
-            rows.add(found[engine_id])
-        else:
-            rows.add(
-                CheckRow(
-                    "lease",
-                    engine_id,
-                    "fail",
-                    "not measured",
-                    f"> {_s(cap)} (serving.handoff_timeout_s)",
-                    "unhealthy",
+            if engine_id not in healthy:
+                out.rows[engine_id] = CheckRow(
+                    "lease", engine_id, "fail", "not measured", bound, "unhealthy"
                 )
-            )
-    return leases
+            elif engine_id in out.none:
+                out.rows[engine_id] = _no_connector_lease(engine_id, bound, out.none)
+            else:
+                nursery.start_soon(one, client)
+    return out
+
+
+def _no_connector_lease(engine_id: str, bound: str, none: dict[str, str]) -> CheckRow:
+    note = f"{none[engine_id]}: it holds no KV for a handoff"
+    return CheckRow("lease", engine_id, "skip", NO_CONNECTOR, bound, note)
 
 
 async def _lease(
-    client: EngineClient, config: Config, plan: CheckPlan, leases: dict[str, float]
+    client: EngineClient, config: Config, plan: CheckPlan, out: _LeaseRows
 ) -> CheckRow:
     serving = config.serving
     cap = serving.handoff_timeout_s
@@ -746,6 +802,16 @@ async def _lease(
         return CheckRow("lease", client.id, "skip", "not measured", bound, "--no-lease")
     before = await _bounded(plan.request_timeout_s, client.gauges())
     counter = before.value.kv_expired if before.value is not None else None
+    prompt = TextMaker(f"check/{plan.seed}/lease/{client.id}").text(_VERIFY_PROMPT_TOKENS * 4)
+    leg = await _bounded(plan.request_timeout_s, prefill_leg(client, prompt))
+    if leg.value is None:
+        return CheckRow("lease", client.id, "fail", "prefill failed", bound, leg.why)
+    prefill, params = leg.value
+    if prefill.error is not None:
+        return CheckRow("lease", client.id, "fail", "prefill failed", bound, prefill.error)
+    if params is None:
+        out.none[client.id] = NULL_PARAMS
+        return _no_connector_lease(client.id, bound, out.none)
     if counter is None:
         return CheckRow(
             "lease",
@@ -755,14 +821,6 @@ async def _lease(
             bound,
             "the engine exposes no vllm:nixl_num_kv_expired_reqs counter",
         )
-    prompt = TextMaker(f"check/{plan.seed}/lease/{client.id}").text(_VERIFY_PROMPT_TOKENS * 4)
-    leg = await _bounded(plan.request_timeout_s, prefill_leg(client, prompt))
-    if leg.value is None:
-        return CheckRow("lease", client.id, "fail", "prefill failed", bound, leg.why)
-    prefill, params = leg.value
-    if prefill.error is not None or params is None:
-        why = prefill.error or "no kv_transfer_params"
-        return CheckRow("lease", client.id, "fail", "prefill failed", bound, why)
     answered = trio.current_time()
     last_unchanged = answered
     released_at = None
@@ -787,7 +845,7 @@ async def _lease(
             "the producer did not release an abandoned handoff within --lease-max-s",
         )
     lease = max(0.0, last_unchanged - answered)
-    leases[client.id] = lease
+    out.leases[client.id] = lease
     seen = f"verified >= {_ms(lease)} (release seen at {_ms(released_at - answered)})"
     if cap > 0:
         status: Status = "pass" if cap < lease else "fail"
@@ -813,17 +871,28 @@ async def _handoff_wait(
     config: Config,
     clients: dict[str, EngineClient],
     healthy: set[str],
+    none: dict[str, str],
     leases: dict[str, float],
     plan: CheckPlan,
     rows: _Rows,
 ) -> None:
     cap = config.serving.handoff_timeout_s
-    ids = list(clients)
+    # Engines without a KV connector take no handoff: the consumer is the next one that can.
+    ids = [e for e in clients if e not in none]
     results: dict[str, CheckRow] = {}
 
     async def one(p: EngineClient, d: EngineClient) -> None:
         results[p.id] = await _wait_leg(p, d, cap, config.engine.first_token_timeout_s, plan)
 
+    for engine_id in none:
+        results[engine_id] = CheckRow(
+            "handoff-wait",
+            engine_id,
+            "skip",
+            NO_CONNECTOR,
+            f"decode ok {_s(cap)} after prefill start (serving.handoff_timeout_s)",
+            f"{none[engine_id]}: it hands no KV over",
+        )
     async with trio.open_nursery() as nursery:
         for i, p_id in enumerate(ids):
             d_id = ids[(i + 1) % len(ids)]
@@ -845,6 +914,9 @@ async def _handoff_wait(
                 results[p_id] = CheckRow(
                     "handoff-wait", target, "skip", "n/a", "serving.handoff_timeout_s=0", "no cap"
                 )
+            elif p_id == d_id and len(clients) > 1:
+                note = "no other engine has a KV connector to take its handoff"
+                results[p_id] = CheckRow("handoff-wait", p_id, "skip", "n/a", bound, note)
             elif p_id not in healthy or d_id not in healthy:
                 results[p_id] = CheckRow(
                     "handoff-wait", target, "fail", "not attempted", bound, "engine unhealthy"
@@ -855,8 +927,8 @@ async def _handoff_wait(
                 )
             else:
                 nursery.start_soon(one, clients[p_id], clients[d_id])
-    for p_id in ids:
-        rows.add(results[p_id])
+    for engine_id in clients:
+        rows.add(results[engine_id])
 
 
 async def _wait_leg(
@@ -893,12 +965,20 @@ async def _wait_leg(
 
 
 def _first_token(
-    config: Config, p99: float | None, store: ProfileStore | None, rows: _Rows
+    config: Config,
+    p99: float | None,
+    store: ProfileStore | None,
+    none: dict[str, str],
+    rows: _Rows,
 ) -> None:
     limit = config.engine.first_token_timeout_s
     bound = f"< {_s(limit)} (engine.first_token_timeout_s)"
     profiled = store.max_handoff_p99_s() if store is not None else None
     values = [v for v in (p99, profiled) if v is not None and math.isfinite(v)]
+    if not values and none and not crossed_pairs(config.engines, no_connector=frozenset(none)):
+        note = "no crossed pair: no engine pair has KV connectors to hand KV over"
+        rows.add(CheckRow("first-token", "fleet", "skip", NO_CONNECTOR, bound, note))
+        return
     if not values:
         rows.add(
             CheckRow("first-token", "fleet", "fail", "no measurement", bound, "no crossed pair")

@@ -13,7 +13,7 @@ Every call here is unbounded in time by design: deadlines belong to the caller
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import attrs
@@ -48,6 +48,7 @@ from ..profiles import build_identity, pd_server
 from ._prom import Sample, first_labels, first_value, parse_metrics
 
 R = TypeVar("R", "Completion", "StreamResult")
+NULL_PARAMS = "it answered the router's prefill leg with kv_transfer_params: null"
 
 _BODY_LIMIT = 64 * 1024 * 1024
 _JSON = (b"content-type", b"application/json")
@@ -579,6 +580,58 @@ async def decode_leg(
 ) -> StreamResult:
     body = vllm_decode_body(d.completion_body(prompt, max_tokens, stream=True), kv_params)
     return await d.stream(body, kind="decode")
+
+
+@attrs.frozen
+class KvConnector:
+    """What a vLLM engine's answer to the router's prefill leg says of its KV connector:
+    `present` True (it answered with `kv_transfer_params`), False (`kv_transfer_params:
+    null`: it has no connector, or one that hands nothing over) or None (the leg failed,
+    `detail` says how)."""
+
+    present: bool | None
+    detail: str
+
+    @property
+    def stored(self) -> str:
+        """The profile store's `kv_connector` value ("" when not known)."""
+        return {True: "present", False: "none", None: ""}[self.present]
+
+
+async def kv_connectors(clients: Sequence[EngineClient], prompt: str) -> dict[str, KvConnector]:
+    """Which vLLM engines have a KV connector: each gets the router's prefill leg (one
+    token of `prompt`, KV kept for a remote decode) in turn, and its answer says
+    (`KvConnector`). SGLang engines pair by bootstrap rooms instead and are left out.
+
+    An engine configured `both` may or may not have one (a NixlConnector engine plays
+    either role), so the answer, not the configuration, is what tells. An engine that
+    has one then holds the prompt's KV for a decode that would pull it; left alone, the
+    lease would run out and count as an expired handoff, which a lease measurement
+    started soon after (narwhal-check right after narwhal-profile) would take for its
+    own. So the engines found to have one pull each other's in a ring, in config order
+    (each the next one's; a one-engine fleet its own, its self pair): the same handoffs,
+    both ways, that the crossed pairs measured next make. A lone engine with one in a
+    larger fleet has nobody to pull its KV and keeps it until its lease ends. The caller
+    bounds the time."""
+    out: dict[str, KvConnector] = {}
+    held: list[tuple[EngineClient, Json]] = []
+    vllm = [c for c in clients if c.spec.dialect == "vllm"]
+    for client in vllm:
+        prefill, params = await prefill_leg(client, prompt)
+        if prefill.error is not None:
+            out[client.id] = KvConnector(None, f"the prefill leg failed: {prefill.error}")
+        elif params is None:
+            out[client.id] = KvConnector(False, NULL_PARAMS)
+        else:
+            out[client.id] = KvConnector(
+                True, "it answered the router's prefill leg with kv_transfer_params"
+            )
+            held.append((client, params))
+    if len(held) > 1 or len(vllm) == 1:
+        for i, (_, params) in enumerate(held):
+            consumer = held[(i + 1) % len(held)][0]
+            await decode_leg(consumer, prompt, params, max_tokens=1)
+    return out
 
 
 async def crossed_handoff(

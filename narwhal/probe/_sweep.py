@@ -32,10 +32,17 @@ What is measured, and how (everything is wall-clock as a client of the engine se
   its own (SGLang's ``/get_server_info`` ``max_running_requests``).
   The default batches reach 256, vLLM's usual ``max_num_seqs``: the role controller only
   moves to a split whose decode batches lie inside the measured domain.
+  A point whose probe brings too few gaps (the engine sent its tokens in a few bursts,
+  as a CPU-starved vLLM API server does) is measured again, at most twice, and then
+  skipped; the fit takes the points measured.
+* KV connector: each vLLM engine gets the router's P leg once; one that answers with
+  ``kv_transfer_params: null`` has no KV connector (an aggregate engine): it is
+  profiled on itself alone and joins no crossed pair (`kv_connectors`).
 * Crossed handoff: for every ordered pair (i, j), i ≠ j (every pair when there is one
-  engine: (i, i)), the router's P leg on i and its decode leg on j, across context sizes
-  up to max_model_len; timed from the prefill response to the first decode token, and
-  from opening the decode request to the first token.
+  engine: (i, i)), of engines that can hand KV over, the router's P leg on i and its
+  decode leg on j, across context sizes up to max_model_len; timed from the prefill
+  response to the first decode token, and from opening the decode request to the first
+  token. A fleet without such a pair (every engine aggregate) stores no handoff.
 
 SGLang servers launched as prefill or decode (configured role ``prefill``/``decode``)
 answer only bootstrap pairs, each request paired with the first engine of the other role
@@ -84,7 +91,15 @@ from ..profiles import (
     fit_prefill,
     handoff_profile,
 )
-from ._client import EngineClient, Identity, ProbeError, crossed_handoff, mode_mismatch
+from ._client import (
+    EngineClient,
+    Identity,
+    KvConnector,
+    ProbeError,
+    crossed_handoff,
+    kv_connectors,
+    mode_mismatch,
+)
 from ._texts import TextMaker
 
 Progress = Callable[[str], None]
@@ -92,6 +107,8 @@ T = TypeVar("T")
 
 # Gaps of a decode point that must at least be measured for its median to count.
 _MIN_GAPS = 4
+# Further tries of a decode point whose probe gave fewer (`TooFewGaps`).
+_GAP_RETRIES = 2
 _IDLE_WAIT_S = 30.0
 _IDLE_POLL_S = 0.01
 _CAP_POLL_S = 0.05
@@ -208,6 +225,10 @@ class SweepFailed(Exception):
     """The sweep could not finish; the message names the engine and the step."""
 
 
+class TooFewGaps(ProbeError):
+    """A decode probe's tokens came in too few reads to measure the point's gaps."""
+
+
 class DecodePointTooLarge(ProbeError):
     """The engine would not run a decode point's requests at once; `running` is the
     number it settled at while the rest waited."""
@@ -281,9 +302,12 @@ async def _profile(
         async with trio.open_nursery() as nursery:
             for engine_id in engine_ids:
                 nursery.start_soon(one, engine_id)
-    handoffs = await _handoffs(clients, crossed_pairs(config.engines), measured, plan, clock)
+    connectors = await _connectors(clients, plan, clock)
+    none = frozenset(e for e, c in connectors.items() if c.present is False)
+    pairs = crossed_pairs(config.engines, no_connector=none)
+    handoffs = await _handoffs(clients, pairs, measured, plan, clock)
     profiles = {
-        engine_id: _engine_profile(clients[engine_id], m, measured)
+        engine_id: _engine_profile(clients[engine_id], m, measured, connectors.get(engine_id))
         for engine_id, m in measured.items()
     }
     by_dialect: dict[str, list[float]] = {}
@@ -339,8 +363,35 @@ def _assign_partners(clients: dict[str, EngineClient]) -> bool:
     return any(c.pd_role is not None for c in clients.values())
 
 
+async def _connectors(
+    clients: dict[str, EngineClient], plan: SweepPlan, clock: _Clock
+) -> dict[str, KvConnector]:
+    """Which vLLM engines have a KV connector (`kv_connectors`), said for each. One
+    without is profiled on itself alone: its prefill and decode models are its own
+    plain requests' (measured above), and it joins no crossed pair."""
+    found = await _within(
+        plan.request_timeout_s * max(1, len(clients)),
+        "KV connector probes (the router's prefill leg)",
+        kv_connectors(list(clients.values()), TextMaker(f"{plan.seed}/connectors").text(64)),
+    )
+    for engine_id, connector in found.items():
+        if connector.present is None:
+            raise SweepFailed(f"engine {engine_id!r}: KV connector probe: {connector.detail}")
+        if connector.present:
+            clock.say(f"{engine_id}: KV connector present ({connector.detail})")
+        else:
+            clock.say(
+                f"{engine_id}: no KV connector ({connector.detail}): profiled on itself, "
+                "in no crossed pair"
+            )
+    return found
+
+
 def _engine_profile(
-    client: EngineClient, m: EngineMeasurement, measured: dict[str, EngineMeasurement]
+    client: EngineClient,
+    m: EngineMeasurement,
+    measured: dict[str, EngineMeasurement],
+    connector: KvConnector | None,
 ) -> EngineProfile:
     prefill, decode = m.prefill, m.decode
     prefill_source = decode_source = ""
@@ -383,6 +434,7 @@ def _engine_profile(
         chars_per_token=m.chars_per_token,
         prefill_source=prefill_source,
         decode_source=decode_source,
+        kv_connector="" if connector is None else connector.stored,
     )
 
 
@@ -652,7 +704,7 @@ async def measure_decode_point(
         raise ProbeError(f"engine {client.id!r}: decode probe failed: {result.error}")
     gaps = result.gaps[plan.decode_skip : plan.decode_skip + count]
     if len(gaps) < min(_MIN_GAPS, count):
-        raise ProbeError(
+        raise TooFewGaps(
             f"engine {client.id!r}: decode probe gave {len(gaps)} gaps; need {_MIN_GAPS}"
         )
     probe_prompt = result.prompt_tokens or context
@@ -713,14 +765,19 @@ async def _decode_sweep(
                 f"KV tokens, over {plan.kv_budget:.0%} of capacity {capacity}"
             )
             continue
-        await wait_idle(client, plan)
         try:
-            point, estimate = await measure_decode_point(
+            point, estimate = await _decode_point(
                 client, texts, cpt, identity, active, context, plan
             )
         except DecodePointTooLarge as exc:
             cap = exc.running if cap is None else min(cap, exc.running)
             clock.say(f"{client.id}: decode point {active} x {context} tokens skipped: {exc}")
+            continue
+        except TooFewGaps as exc:
+            clock.say(
+                f"{client.id}: decode point {active} x {context} tokens skipped: {exc} "
+                f"in {1 + _GAP_RETRIES} tries (the engine sends its tokens in bursts)"
+            )
             continue
         points.append(point)
         if estimate is not None:
@@ -745,6 +802,28 @@ async def _decode_sweep(
     # Points over the KV budget were skipped, so with a known capacity a point the engine
     # would not run whole met its max_num_seqs, not its KV cache.
     return model, estimate, cap if capacity else None
+
+
+async def _decode_point(
+    client: EngineClient,
+    texts: TextMaker,
+    cpt: float,
+    identity: Identity,
+    active: int,
+    context: int,
+    plan: SweepPlan,
+) -> tuple[DecodePoint, float | None]:
+    """`measure_decode_point` on an idle engine, measured again (at most `_GAP_RETRIES`
+    times) when its probe's tokens came in too few reads (`TooFewGaps`)."""
+    retries = 0
+    while True:
+        await wait_idle(client, plan)
+        try:
+            return await measure_decode_point(client, texts, cpt, identity, active, context, plan)
+        except TooFewGaps:
+            retries += 1
+            if retries > _GAP_RETRIES:
+                raise
 
 
 def ordered_pairs(engine_ids: Sequence[str]) -> list[tuple[str, str]]:

@@ -51,4 +51,5 @@ from ._store import (
     store_from_json as store_from_json,
     store_to_json as store_to_json,
     verify_builds as verify_builds,
+    without_connector as without_connector,
 )

@@ -447,6 +447,14 @@ def handoff_profile(
     return HandoffProfile(prefill=prefill, decode=decode, buckets=tuple(merged))
 
 
+KV_CONNECTOR = ("", "present", "none")
+
+
+def _kv_connector(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
+    if value not in KV_CONNECTOR:
+        raise ValueError(f"{attr.name} is {value!r}; must be 'present', 'none' or ''")
+
+
 def build_identity(
     *, dialect: str, version: str, build: str = "", model: str, max_model_len: int
 ) -> str:
@@ -491,3 +499,8 @@ class EngineProfile:
     # partner's work or is its partner's (see narwhal.probe's sweep).
     prefill_source: str = ""
     decode_source: str = ""
+    # What the engine's answer to the router's prefill leg said of its KV connector:
+    # "present" (it answered with kv_transfer_params), "none" (kv_transfer_params: null:
+    # it can hand no KV over, so no crossed pair includes it; an aggregate engine) or ""
+    # (not known: an SGLang engine, which pairs by bootstrap rooms, or an older store).
+    kv_connector: str = attrs.field(default="", validator=_kv_connector)

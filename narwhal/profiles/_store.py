@@ -44,7 +44,9 @@ Schema version 1 (times in seconds, sizes in tokens; abridged)::
 ``max_num_seqs`` (0: unknown) and its source are optional: stores written before they
 existed load with the engine's cap unknown. So are ``prefill_source``/``decode_source``
 ("" for a model measured on the idle engine itself; otherwise how it was obtained, for an
-SGLang prefill or decode server that serves requests only in bootstrap pairs). So are a
+SGLang prefill or decode server that serves requests only in bootstrap pairs). So is
+``kv_connector`` ("present", "none" for a vLLM engine that answered the router's prefill
+leg with ``kv_transfer_params: null``, "" when not known), and so are a
 model's ``points`` and ``spread_p50``/``p90``/``max``: in a store written before them,
 ``residual_*`` mixed model error with per-gap (per-repeat) scatter; such a model loads
 with ``points`` 0, which says so, and its fit is not judged (`narwhal.profiles._quality`).
@@ -53,7 +55,8 @@ already tells the two meanings apart. Fields a reader does not know are ignored 
 named), so a store a later narwhal-profile wrote with more fields stays usable after a
 rollback; a field whose meaning changes takes a new schema version.
 
-Handoff profiles exist for the `crossed_pairs` of the configuration.
+Handoff profiles exist for the `crossed_pairs` of the configuration, leaving out the
+engines whose profile says they have no KV connector.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set as AbstractSet
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -218,6 +221,7 @@ def store_to_json(store: ProfileStore) -> dict[str, object]:
             "max_num_seqs_source": p.max_num_seqs_source,
             "prefill_source": p.prefill_source,
             "decode_source": p.decode_source,
+            "kv_connector": p.kv_connector,
             "chars_per_token": p.chars_per_token,
             "prefill": attrs.asdict(p.prefill),
             "decode": attrs.asdict(p.decode),
@@ -347,6 +351,7 @@ _ENGINE_OPTIONAL: dict[str, type] = {
     "max_num_seqs_source": str,
     "prefill_source": str,
     "decode_source": str,
+    "kv_connector": str,
 }
 _ENGINE_FIELDS = {**_ENGINE_SCALARS, **_ENGINE_OPTIONAL}
 
@@ -704,7 +709,7 @@ def check_store(store: ProfileStore | None, problems: list[str], config: Config)
         f"engine {engine_id!r}: profiled in the store but not in the config (ignored)"
         for engine_id in sorted(set(store.engines) - set(configured))
     )
-    pairs = crossed_pairs(config.engines)
+    pairs = crossed_pairs(config.engines, no_connector=without_connector(store))
     messages.extend(
         f"pair {p!r} -> {d!r}: no crossed-handoff profile in the store; run narwhal-profile"
         for p, d in pairs
@@ -722,19 +727,31 @@ def pd_server(spec: EngineSpec) -> str | None:
     return None
 
 
-def crossed_pairs(engines: Sequence[EngineSpec]) -> list[tuple[str, str]]:
+def without_connector(store: ProfileStore) -> frozenset[str]:
+    """The profiled engines that have no KV connector (`EngineProfile.kv_connector`)."""
+    return frozenset(e for e, p in store.engines.items() if p.kv_connector == "none")
+
+
+def crossed_pairs(
+    engines: Sequence[EngineSpec], *, no_connector: AbstractSet[str] = frozenset()
+) -> list[tuple[str, str]]:
     """The ordered (prefill, decode) pairs a handoff can be measured on and the router
     can place: every pair of distinct engines (the self pair for a one-engine fleet),
     except that an SGLang prefill or decode server joins only bootstrap pairs in its
     launched role, opposite a server of the other role. An aggregate SGLang server never
-    joins a bootstrap room, so it pairs only with another aggregate one."""
+    joins a bootstrap room, so it pairs only with another aggregate one. A vLLM engine
+    in `no_connector` (it answered the prefill leg with ``kv_transfer_params: null``) can
+    hand no KV over, nor take any: it is in no pair."""
     if len(engines) == 1:
-        return [] if pd_server(engines[0]) else [(engines[0].id, engines[0].id)]
+        lone = engines[0]
+        return [] if pd_server(lone) or lone.id in no_connector else [(lone.id, lone.id)]
     return [
         (p.id, d.id)
         for p in engines
         for d in engines
         if p.id != d.id
+        and p.id not in no_connector
+        and d.id not in no_connector
         and (
             (pd_server(p), pd_server(d)) == ("prefill", "decode")
             if pd_server(p) or pd_server(d)

@@ -783,6 +783,7 @@ class Recovery:
             await self._identity_refused(record, result.refusal, result.detail)
         elif result.identity is not None:
             record.identity_refused = False
+            engine.version = dict(result.identity).get("version")
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
             log.log(
@@ -1306,7 +1307,7 @@ class Recovery:
             candidates = [e for e in answering if _refusal(e) is None]
             standby = True
             if not candidates:
-                role = subject.dialect.fixed_role
+                role = subject.fixed_role
                 refused = "; ".join(f"{e.id} {_refusal(e)}" for e in answering)
                 missing = (
                     f"no {other} engine that answers its health probe takes narwhal's API "

@@ -6,6 +6,11 @@ from ._context import (
     RequestRecord as RequestRecord,
     ServingContext as ServingContext,
 )
+from ._context_check import (
+    ContextRule as ContextRule,
+    context_rule as context_rule,
+    output_bound as output_bound,
+)
 from ._descriptors import (
     DescriptorBudget as DescriptorBudget,
     DescriptorLimitError as DescriptorLimitError,

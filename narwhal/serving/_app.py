@@ -158,11 +158,28 @@ class App:
 
     async def _models(self, send: Send, request_id: str) -> None:
         data = [
-            {"id": model, "object": "model", "created": 0, "owned_by": "narwhal"}
+            {
+                "id": model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "narwhal",
+                "max_model_len": self._model_context(model),
+            }
             for model in self.ctx.models
         ]
         body = json_bytes({"object": "list", "data": data})
         await ClientChannel(send, request_id).send_json(200, body)
+
+    def _model_context(self, model: str) -> int | None:
+        """The context a request for `model` fits whichever engine serves it: the least
+        `max_model_len` its engines' cards report (vLLM's card carries its own); None
+        while none has reported one."""
+        lengths = [
+            engine.context_length
+            for engine in self.ctx.fleet
+            if engine.spec.model == model and engine.context_length is not None
+        ]
+        return min(lengths) if lengths else None
 
     async def _metrics(self, send: Send) -> None:
         body = self.ctx.metrics.render()

@@ -46,7 +46,14 @@ def json_bytes(document: object) -> bytes:
 
 
 class ClientChannel:
-    """One response. `started` means the status line is out: no more HTTP errors.
+    """One response. `started` means the response is committed: no other status, no
+    retry.
+
+    A stream's status line goes out with its first bytes (`start_stream` only commits
+    it), so until then a client error (a 4xx: an engine refusing the request inside its
+    stream, which comes before any output) can still be answered as the HTTP error it
+    is (`send_error`). A client therefore gets a stream's headers with its first event,
+    not before the engine has answered.
 
     With `close_connection` the response says `connection: close`. Callers set it while
     the request's body may be unread: hypercorn cannot reuse a
@@ -55,7 +62,15 @@ class ClientChannel:
     request on it and sees "server disconnected without sending a response".
     """
 
-    __slots__ = ("_request_id", "_send", "close_connection", "finished", "started", "status")
+    __slots__ = (
+        "_request_id",
+        "_send",
+        "_stream_pending",
+        "close_connection",
+        "finished",
+        "started",
+        "status",
+    )
 
     def __init__(self, send: Send, request_id: str, *, close_connection: bool = False) -> None:
         self._send = send
@@ -64,6 +79,8 @@ class ClientChannel:
         self.started = False
         self.finished = False
         self.status = 0
+        # A stream committed whose status line has not gone out yet.
+        self._stream_pending = False
 
     async def _start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -80,6 +97,7 @@ class ClientChannel:
     async def send_json(
         self, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
+        self._stream_pending = False
         await self._start(
             status,
             [
@@ -92,34 +110,53 @@ class ClientChannel:
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def start_stream(self) -> None:
+        """Commit a 200 event stream; its status line goes out with its first bytes."""
+        self.started = True
+        self.status = 200
+        self._stream_pending = True
+        await trio.lowlevel.checkpoint()
+
+    async def _stream_head(self) -> None:
+        self._stream_pending = False
         await self._start(
             200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         )
 
     async def send_chunk(self, data: bytes) -> None:
+        if self._stream_pending:
+            await self._stream_head()
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self) -> None:
+        if self._stream_pending:
+            await self._stream_head()
         self.finished = True
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def send_error(self, error: NarwhalError) -> None:
         """An HTTP error before the response started, else a terminal SSE error event.
 
-        The error event is never followed by `data: [DONE]`: clients must be able to
+        A client error (4xx) on a stream whose status line has not gone out yet is an
+        HTTP error too. The error event carries the status the error would have had
+        (`status`), and is never followed by `data: [DONE]`: clients must be able to
         tell a failed stream from a finished one (manual 4.3).
         """
         if self.finished:
             return
-        envelope = json_bytes(error.envelope())
-        if not self.started:
-            await self.send_json(error.status, envelope, error.headers())
+        if not self.started or (self._stream_pending and 400 <= error.status < 500):
+            await self.send_json(error.status, json_bytes(error.envelope()), error.headers())
             return
+        if self._stream_pending:
+            await self._stream_head()
+        envelope = error.envelope()
+        fields = envelope["error"]
+        assert isinstance(fields, dict)
+        event = {"error": {**fields, "status": error.status}}
         self.finished = True
         await self._send(
             {
                 "type": "http.response.body",
-                "body": b"data: " + envelope + b"\n\n",
+                "body": b"data: " + json_bytes(event) + b"\n\n",
                 "more_body": False,
             }
         )

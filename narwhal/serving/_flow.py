@@ -19,9 +19,17 @@ deadline, which is cheaper than a scope per chunk.
 What the client sees: before the response starts, failures are HTTP errors with an
 OpenAI-style envelope. A streaming response commits 200 just before the decode stream
 opens; from then on any failure is a terminal `data: {"error": ...}` event with no
-`[DONE]`. Retries happen only before that commit (or, for non-streaming requests,
-before the body is sent), only for transient failures, within serving.max_attempts and
-the retry budget.
+`[DONE]`, but for a client error before the stream's first bytes (an engine refusing
+the request inside its stream, as vLLM does a streamed request's validation error),
+which is still the HTTP error it is (`ClientChannel`). Retries happen only before that
+commit (or, for non-streaming requests, before the body is sent), only for transient
+failures, within serving.max_attempts and the retry budget.
+
+Requests that only one engine can serve well (`ClientRequest.one_engine`: n > 1,
+prompt_logprobs) go to an aggregate engine; without one, a vLLM pair's decode engine
+alone serves prompt_logprobs (it computes the prompt either way), and n > 1 is refused.
+On a vLLM fleet, what the decode engine would refuse though its prefill engine would not
+is refused before any leg (`decode_refusal`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import trio
 from .._errors import (
     ENGINE_AUTH_STATUSES,
     RETRYABLE_ENGINE_STATUSES,
+    BadRequest,
     EngineFailed,
     Expired,
     NarwhalError,
@@ -47,6 +56,7 @@ from .._errors import (
     Unavailable,
     client_status_for_engine_status,
 )
+from .._values import json_int
 from ..admission import (
     PathQuote,
     Priced,
@@ -104,9 +114,10 @@ from ._client import (
     watch_disconnect,
 )
 from ._context import DecodeGaps, DemandEvent, RequestRecord, ServingContext, log
+from ._context_check import check_context, output_bound, widest_context
 from ._request import (
     ClientRequest,
-    context_overflow,
+    decode_refusal,
     parse_body,
     request_id_from_header,
     truncated_prompt,
@@ -173,7 +184,7 @@ class _KvGrowth:
     def __init__(self, ctx: ServingContext, engine: EngineState, cap: int | None) -> None:
         self.ctx = ctx
         self.engine = engine
-        self.cap = math.inf if cap is None else cap  # the request's max_tokens
+        self.cap = math.inf if cap is None else cap  # the request's output bound
         self.tokens = 0  # counted into engine.decode_tokens
         self.estimate = 0.0
         self.reported: int | None = None  # usage.completion_tokens, once the engine sent it
@@ -479,6 +490,17 @@ class Flow:
             raise NotFound(f"the model `{request.model}` does not exist", param="model")
         if ctx.degraded_reason is not None:
             raise Unavailable(f"narwhal is degraded: {ctx.degraded_reason}", code="degraded")
+        if all(engine.dialect.name == "vllm" for engine in ctx.fleet):
+            refusal = decode_refusal(request)
+            if refusal is not None:
+                raise refusal
+        if request.one_engine == "n" and not self._has_aggregate():
+            raise BadRequest(
+                f"n={request.n} is served only by an aggregate engine (role `both`), and the "
+                "fleet has none: a prefill/decode pair hands over the KV of one sequence, "
+                "not n",
+                param="n",
+            )
         record.stage = "tokenizing"
         tokens, method = await self._count_tokens(request, config, record)
         record.prompt_tokens = tokens
@@ -500,11 +522,20 @@ class Flow:
                 self._offered(request, tokens, admitted=False, reason=refusal.code)
             raise
 
+    def _has_aggregate(self) -> bool:
+        """Whether the fleet has an engine in the `both` role now (in placement or not)."""
+        return any(engine.role == "both" for engine in self.ctx.fleet)
+
+    def _aggregate_only(self, request: ClientRequest) -> bool:
+        """Whether the request goes to an aggregate engine alone (`one_engine`)."""
+        return request.one_engine is not None and self._has_aggregate()
+
     def _offered(
         self, request: ClientRequest, tokens: int, *, admitted: bool, reason: str | None = None
     ) -> None:
+        bound = _output_bound(request, tokens, widest_context(self._available()))
         self.ctx.demand_events.append(
-            DemandEvent(trio.current_time(), tokens, request.max_tokens, admitted, reason)
+            DemandEvent(trio.current_time(), tokens, bound, admitted, reason)
         )
 
     def _admit_predictively(
@@ -528,6 +559,8 @@ class Flow:
             prompt_tokens=tokens,
             handoff_s=ctx.profiles.handoff_s(tokens),
         )
+        if self._aggregate_only(request):
+            quotes = [quote for quote in quotes if quote.mode == "aggregate"]
         verdict = judge(
             quotes,
             prompt_tokens=tokens,
@@ -643,30 +676,21 @@ class Flow:
         record: RequestRecord,
         available: list[EngineState],
     ) -> None:
-        """Refuse, before any leg, a request whose exact prompt length `count`, or it and
-        its max_tokens, do not fit the context (`context_overflow`).
-
-        The context is the largest an available engine reports: placement may pick any
-        of them, and one no engine could take is certain to be refused, by the prefill
-        engine or the decode engine. Where engines differ, a request past a smaller one's
-        context is left to that engine. Where none reports one (`EngineState.context_note`
-        says why), nothing is checked and the engine refuses it itself, as before the
-        check: counted as `unknown` and kept on the record."""
+        """Refuse, before any leg, a request whose exact prompt length `count` every
+        available engine would refuse for its context, by its build's rule
+        (`check_context`): placement may pick any of them, and one no engine would take
+        is certain to be refused, by the prefill engine or the decode engine. A request
+        only some would refuse is left to those. Where none reports its context
+        (`EngineState.context_note` says why), nothing is checked and the engine refuses
+        it itself: counted as `unknown` and kept on the record."""
         ctx = self.ctx
-        known = [engine for engine in available if engine.context_length is not None]
-        if not known:
-            ctx.context_checks["unknown"] += 1
-            ctx.metrics.context_checks_by("unknown").inc()
-            record.context_unchecked = "no available engine reports its context length"
-            return
-        widest = max(known, key=lambda e: e.context_length or 0)
-        assert widest.context_length is not None
-        overflow = context_overflow(request, count, widest.context_length, widest.dialect)
-        result = "passed" if overflow is None else "refused"
+        result, refusal = check_context(request, count, available)
         ctx.context_checks[result] += 1
         ctx.metrics.context_checks_by(result).inc()
-        if overflow is not None:
-            raise overflow
+        if result == "unknown":
+            record.context_unchecked = "no available engine reports its context length"
+        if refusal is not None:
+            raise refusal
 
     def _tokenizer_engine(self, kind: EndpointKind) -> EngineState | str:
         """The engine to ask, or why there is none: `no_engine`, or `unsupported` when
@@ -797,10 +821,13 @@ class Flow:
         # while another one can take it, never the only one (see _transfer_failed).
         avoided: set[str] = set()
         attempt = 0
+        aggregate_only = self._aggregate_only(request)
         while True:
             attempt += 1
             record.attempts = attempt
             views = ctx.fleet.views(trio.current_time())
+            if aggregate_only:
+                views = tuple(view for view in views if view.role == "both")
             policy = self._policy(tokens, config)
             placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
             if isinstance(placement, NoPlacement) and avoided:
@@ -823,6 +850,10 @@ class Flow:
             decode = ctx.fleet.get(placement.decode)
             assert decode is not None
             prefill = None if placement.prefill is None else ctx.fleet.get(placement.prefill)
+            if prefill is not None and _decode_alone(request, decode):
+                # The decode engine computes the prompt itself: no prefill leg.
+                prefill = None
+                record.prefill_engine = None
             try:
                 await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
@@ -1228,18 +1259,12 @@ class Flow:
             )
         if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
             return _transfer_failed(engine, phase, info.message)
-        client_error = 400 <= status < 500 and status not in (408, 429)
-        return EngineFailed(
+        return _engine_refused(
+            engine,
+            phase,
+            status,
             f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",
-            status=client_status_for_engine_status(status),
-            engine_id=engine.id,
-            phase=phase,
-            retryable=status in RETRYABLE_ENGINE_STATUSES,
-            # The request's own fault (400, 404, 422...) says nothing about the engine.
-            counts_against_engine=not client_error and status != 429,
-            code="engine_rejected_request" if client_error else f"engine_http_{status}",
-            param=info.param if client_error else None,
-            error_type="invalid_request_error" if client_error else None,
+            info.param,
         )
 
     async def _json_leg(
@@ -1329,7 +1354,8 @@ class Flow:
         if unstreamed is not None:
             self.ctx.unstreamed_legs[unstreamed] += 1
             self.ctx.metrics.unstreamed_legs_by(unstreamed).inc()
-            with engine.unstreamed_decode(request.max_tokens, trio.current_time()):
+            bound = _output_bound(request, record.prompt_tokens, engine.context_length)
+            with engine.unstreamed_decode(bound, trio.current_time()):
                 raw = await self._json_leg(
                     engine,
                     phase,
@@ -1422,7 +1448,8 @@ async def _relay(
     reported: int | None = None
     done = False
     path = ENDPOINT_PATHS[request.kind]
-    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, request.max_tokens)
+    bound = _output_bound(request, record.prompt_tokens, engine.context_length)
+    growth = None if phase == "prefill" else _KvGrowth(ctx, engine, bound)
     with timer, growth or nullcontext():
         async with flow._engine_request(engine, phase, path, body, request) as response:
             if response.status != 200:
@@ -1527,6 +1554,11 @@ async def _relay(
             scale = (tokens - 1) / (reported - 1)
             gaps = [gap * scale for gap in gaps]
             generated = reported
+    if request.n > 1:
+        # n sequences' events interleave, several per decode step: their gaps are not
+        # one sequence's token interval, and a sequence made a share of the tokens.
+        gaps = []
+        generated //= request.n
     summary = load.summary(gaps)  # one per stream: the controller, correction and residual
     if summary is not None:
         ctx.signals.decode_gaps(engine, summary)
@@ -1579,11 +1611,20 @@ async def _relay(
     await client.end_stream()
 
 
+def _output_bound(
+    request: ClientRequest, prompt_tokens: int | None, context: int | None
+) -> int | None:
+    """The most tokens the request's n sequences can generate, each capped by the room its
+    prompt leaves in the context; None: no bound but the context."""
+    bound = output_bound(request.max_tokens, prompt_tokens, context)
+    return None if bound is None else bound * request.n
+
+
 def _leg_body(request: ClientRequest, engine: EngineState) -> tuple[Json, bool, str | None]:
     """The body a decode (or aggregate) leg sends, whether its usage chunk is the
     router's alone (not relayed), and, for a leg sent without streaming, why."""
     if request.stream:
-        body, own_usage = with_usage_report(request.body, engine.dialect)
+        body, own_usage = with_usage_report(request.body, engine.dialect, engine.version)
         return body, own_usage, None
     reason = unassemblable_reason(request.kind, request.body)
     if reason is not None:
@@ -1707,11 +1748,27 @@ def _failed(
 
 def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
     """An error event inside a 200 stream (manual 4.3: engines report late errors so).
-    Transient like the HTTP 500 the engine sends when not streaming (a KV load failure,
-    say): _attempts retries it only while nothing reached the client."""
-    message = (event.error or {}).get("message", "engine error")
+
+    One whose `code` is a client error's status (vLLM 0.32 sends a streamed request's
+    validation error so: `logprobs` above 20, token ids out of the vocabulary, ...; SGLang
+    its ValueErrors) is the engine refusing the request, as its HTTP 4xx would be
+    (`_engine_refused`): the client's, never retried nor counted against the engine.
+    Anything else is transient like the HTTP 500 the engine sends when not streaming (a
+    KV load failure, say): _attempts retries it only while nothing reached the client."""
+    error = event.error or {}
+    message = error.get("message", "engine error")
     if isinstance(message, str) and _kv_transfer_failed(engine, phase, message):
         return _transfer_failed(engine, phase, message)
+    status = json_int(error.get("code"))
+    if status is not None and 400 <= status < 500:
+        param = error.get("param")
+        return _engine_refused(
+            engine,
+            phase,
+            status,
+            f"{phase} engine {engine.id} returned {status} in its stream: {message}",
+            param if isinstance(param, str) else None,
+        )
     return _failed(
         engine,
         phase,
@@ -1719,6 +1776,35 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
         f"engine reported an error mid-stream: {message}",
         retryable=True,
     )
+
+
+def _engine_refused(
+    engine: EngineState, phase: LegPhase, status: int, message: str, param: str | None
+) -> EngineFailed:
+    """An engine's error status, in an HTTP answer or a stream's error event: the client's
+    own fault for a 4xx other than 408 and 429 (400, 404, 422...), which says nothing
+    about the engine, is neither retried nor counted against it; a 429 (busy, not broken)
+    is retried and not counted; the rest are the engine's."""
+    client_error = 400 <= status < 500 and status not in (408, 429)
+    return EngineFailed(
+        message,
+        status=client_status_for_engine_status(status),
+        engine_id=engine.id,
+        phase=phase,
+        retryable=status in RETRYABLE_ENGINE_STATUSES,
+        counts_against_engine=not client_error and status != 429,
+        code="engine_rejected_request" if client_error else f"engine_http_{status}",
+        param=param if client_error else None,
+        error_type="invalid_request_error" if client_error else None,
+    )
+
+
+def _decode_alone(request: ClientRequest, decode: EngineState) -> bool:
+    """Whether a vLLM pair's decode engine serves the request without a prefill leg: it
+    recomputes a prompt whose logprobs are asked for anyway (`one_engine`), and takes a
+    request without handoff params as an aggregate one (vLLM's own proxies send it so).
+    An SGLang decode server refuses a request without a bootstrap room."""
+    return request.one_engine == "prompt_logprobs" and not decode.dialect.concurrent_legs
 
 
 # How SGLang reports that a bootstrap pair's KV transfer failed, on either server: its

@@ -10,7 +10,7 @@ import attrs
 
 from .._errors import BadRequest
 from .._values import json_int
-from ..engines import Dialect, EndpointKind, Json
+from ..engines import EndpointKind, Json
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # The fields an engine pair uses to find each other (vLLM's KV handoff, SGLang's
@@ -49,6 +49,27 @@ class ClientRequest:
     truncate_prompt_tokens: int | None
     arrival: float
     deadline: float
+    # Sequences asked for (`n`): each generates up to `max_tokens`.
+    n: int = 1
+
+    @property
+    def one_engine(self) -> str | None:
+        """The field that keeps this request from a prefill/decode pair, or None.
+
+        - `n` above 1: a pair hands over one sequence's KV. Given to vLLM's prefill
+          engine, n > 1 makes n sequences whose KV the producer holds, and the decode
+          engine takes one; the other n - 1 stay pinned until their lease runs out
+          (NixlConnector, 30 s). Given only to the decode engine, its n sequences all
+          read the one producer request, whose blocks are freed at the first reader's
+          notice: the others may read freed blocks. An aggregate engine serves it.
+        - `prompt_logprobs`: vLLM's decode engine recomputes the whole prompt for them
+          instead of loading the KV it was handed, so a prefill leg is work done twice
+          (the decode engine still frees the producer's blocks)."""
+        if self.n > 1:
+            return "n"
+        if self.body.get("prompt_logprobs") is not None:
+            return "prompt_logprobs"
+        return None
 
 
 def request_id_from_header(value: bytes | None) -> str:
@@ -112,10 +133,7 @@ def parse_body(
                 f"'{key}' is set by the router for each engine leg; clients may not send it",
                 param=key,
             )
-    n = body.get("n", 1)
-    if n != 1:
-        # One request is one prefill/decode pair; n > 1 would fan out KV handoffs.
-        raise BadRequest("only n=1 is supported", param="n")
+    n = _samples(body)
     max_tokens_field, max_tokens = _max_tokens(body, kind)
     if kind == "chat":
         chars = _chat_chars(body)
@@ -135,60 +153,82 @@ def parse_body(
         truncate_prompt_tokens=json_int(body.get("truncate_prompt_tokens")),
         arrival=arrival,
         deadline=deadline,
+        n=n,
     )
 
 
-def context_overflow(
-    request: ClientRequest, prompt_tokens: int, context: int, dialect: Dialect
-) -> BadRequest | None:
-    """What the engine would answer, in its words, when the prompt, or the prompt and the
-    requested output, do not fit its context; None when they do.
+def _samples(body: Json) -> int:
+    """The request's `n`, checked with `best_of` beside it.
 
-    Asked before anything is sent. vLLM's prefill leg asks for one token, so only the
-    decode engine would see the overflow, after the prefill's work and, for a stream,
-    after the 200 (manual 4.3), as an error event where vLLM alone answers 400 (notes §3,
-    `_validate_input`). SGLang's tokenizer manager refuses it on both servers of a pair
-    (the prefill server sets max_new_tokens to 1 only after that check), but for a
-    stream after its own 200, as an error event (its completion stream generator).
+    `best_of` asks the engine to generate that many sequences and return the n best.
+    vLLM's V1 engine has no such thing: it takes the field and ignores it, answering n
+    sequences chosen among nothing, at the cost a client asking for best_of=1000 did not
+    expect to be spared either. So a `best_of` above n is refused rather than passed on;
+    one of at most n asks for nothing more than n and goes on as sent."""
+    n = body.get("n", 1)
+    count = json_int(n)
+    if count is None or count < 1:
+        raise BadRequest(f"'n' must be a positive integer, not {n!r}", param="n")
+    best_of = body.get("best_of")
+    if best_of is None:
+        return count
+    choices = json_int(best_of)
+    if choices is None or choices < 1:
+        raise BadRequest(f"'best_of' must be a positive integer, not {best_of!r}", param="best_of")
+    if choices > count:
+        raise BadRequest(
+            f"'best_of' is not supported: best_of={choices} asks for the best {count} of "
+            f"{choices} sequences, and vLLM's V1 engine ignores best_of (it would return "
+            f"{count} sequence(s) and choose among none); ask for n={choices} and choose "
+            "among them",
+            param="best_of",
+        )
+    return count
 
-    The rule is the one every build of either engine refuses by: a prompt of at least
-    the context, or prompt plus output past it. Older SGLang builds refused a total
-    equal to the context too, and under EAGLE speculative decoding SGLang counts some
-    reserved draft tokens as input: what only some builds refuse is left to the engine.
-    (An SGLang server started with --allow-auto-truncate refuses nothing: recovery
-    reports no context length for it, `truncates_requests`.)"""
-    if prompt_tokens >= context:
-        if dialect.name == "sglang":
-            message = (
-                f"The input ({prompt_tokens} tokens) is longer than the model's context "
-                f"length ({context} tokens)."
-            )
-        else:
-            message = (
-                f"This model's maximum context length is {context} tokens. However, your "
-                f"request has {prompt_tokens} input tokens. Please reduce the length of the "
-                "input messages."
-            )
-        return BadRequest(message, code="context_length_exceeded", param="input_tokens")
-    wanted = request.max_tokens
-    if wanted is None or prompt_tokens + wanted <= context:
-        return None
-    key = request.max_tokens_field
-    if dialect.name == "sglang":
-        message = (
-            "Requested token count exceeds the model's maximum context length of "
-            f"{context} tokens. You requested a total of {prompt_tokens + wanted} tokens: "
-            f"{prompt_tokens} tokens from the input messages and {wanted} tokens for the "
-            "completion. Please reduce the number of tokens in the input messages or the "
-            "completion to fit within the limit."
+
+def decode_refusal(request: ClientRequest) -> BadRequest | None:
+    """What vLLM's decode engine would refuse (400) that its prefill engine would not,
+    in vLLM's words; None when there is none of it.
+
+    The prefill leg is the body with `stream: false`, no `stream_options`, `max_tokens`
+    1 and `min_tokens` at most 1 (`vllm_prefill_body`), so the checks vLLM makes of
+    those fields pass there and fail only at the decode leg: after a prefill, whose KV
+    the producer then holds for a decode that never comes until its lease runs out, and
+    for a stream after the 200. The rules are vLLM 0.32's request validators (completion
+    and chat `validate_stream_options`, `check_logprobs`) and SamplingParams' check of
+    min_tokens against max_tokens; each rule is older than 0.32. Every other check vLLM
+    makes sees the same fields on both legs, and the prefill engine refuses first.
+    A min_tokens against a completion's `max_tokens: null`, or a chat without a bound,
+    is left to the engine (its bound then depends on the prompt)."""
+    body = request.body
+    if body.get("stream_options") and not request.stream:
+        return BadRequest(
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+            param="stream_options",
         )
-    else:
-        message = (
-            f"'{key}' is too large: {wanted}. This model's maximum context length is "
-            f"{context} tokens and your request has {prompt_tokens} input tokens ({wanted} "
-            f"> {context} - {prompt_tokens})."
+    prompt_logprobs = body.get("prompt_logprobs")
+    if (
+        request.stream
+        and isinstance(prompt_logprobs, int | float)
+        and not isinstance(prompt_logprobs, bool)
+        and (prompt_logprobs > 0 or prompt_logprobs == -1)
+    ):
+        return BadRequest(
+            "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
+            param="prompt_logprobs",
         )
-    return BadRequest(message, code="context_length_exceeded", param=key)
+    min_tokens = json_int(body.get("min_tokens"))
+    if (
+        min_tokens is not None
+        and request.max_tokens is not None
+        and min_tokens > request.max_tokens
+    ):
+        return BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={request.max_tokens}, "
+            f"got {min_tokens}.",
+            param="min_tokens",
+        )
+    return None
 
 
 def truncated_prompt(request: ClientRequest, prompt_tokens: int, context: int | None) -> int:

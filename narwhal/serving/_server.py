@@ -74,6 +74,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from functools import partial
+from http import HTTPStatus
 from typing import Any, cast
 
 import h11
@@ -372,6 +373,7 @@ class _ClientProtocolErrors(h11.Connection):
 
     An `Upgrade: h2c` header is dropped from the request handed on; HTTP/2's preface is
     refused in HTTP/2 (`_answer`, which replaces the HTTP/1.1 response hypercorn sends).
+    Every status line gets its status's reason phrase (`_with_reason`).
     """
 
     def __init__(
@@ -394,6 +396,10 @@ class _ClientProtocolErrors(h11.Connection):
         super().start_next_cycle()
         # A pipelined request's bytes, already received.
         self._head_bytes = len(self.trailing_data[0])
+
+    def send_with_data_passthrough(self, event: h11.Event) -> list[bytes] | None:
+        # Every send goes through here: the request path's and the envelope's.
+        return super().send_with_data_passthrough(_with_reason(event))
 
     def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         try:
@@ -462,9 +468,30 @@ class _ClientProtocolErrors(h11.Connection):
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
             ],
-            reason=event.reason,
         )
         return (super().send(head) or b"") + (super().send(h11.Data(data=body)) or b"")
+
+
+def _with_reason(event: h11.Event) -> h11.Event:
+    """A response with the reason phrase of its status (`200 OK`), when it has none.
+
+    hypercorn builds its h11 responses from the status code alone, and h11 writes the
+    reason it is given, so every status line went out as `HTTP/1.1 200 ` with no phrase.
+    RFC 9112 4 allows that, but some load tools (and proxies' access logs) read a
+    status line without its phrase as a failed request. A status with no registered
+    phrase keeps an empty one."""
+    if not isinstance(event, h11.Response | h11.InformationalResponse) or event.reason:
+        return event
+    try:
+        phrase = HTTPStatus(event.status_code).phrase
+    except ValueError:
+        return event
+    return type(event)(
+        status_code=event.status_code,
+        headers=event.headers,
+        http_version=event.http_version,
+        reason=phrase,
+    )
 
 
 class _StallBoundTCPServer(TCPServer):

@@ -12,6 +12,7 @@ from .. import __version__
 from ..engines import PoolStatistics
 from ..fleet import EngineState
 from ._context import ServingContext
+from ._context_check import engine_rule
 from ._slo import attainment
 
 _LISTED_REQUESTS = 200
@@ -56,8 +57,14 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
             "slots_in_use": engine.decode_limiter.borrowed_tokens,
         },
         "handoffs_pending": engine.handoffs_pending,
-        # What requests are checked against before any leg (null: nothing; `note` why).
-        "context": {"length": engine.context_length, "note": engine.context_note},
+        # What requests are checked against before any leg (null: nothing; `note` why),
+        # and by which rule of the engine's build (`version`, from its /version).
+        "context": {
+            "length": engine.context_length,
+            "note": engine.context_note,
+            "rule": engine_rule(engine),
+            "version": engine.version,
+        },
         "pools": {
             "serving": _pool(engine.serving_pool.statistics()),
             "control": _pool(engine.control_pool.statistics()),

@@ -21,11 +21,25 @@ In-process use (stable API)::
         await fleet[2].restart()      # drop in-flight work and KV, new instance id
 
 `serve_fleet(*, engines, host="127.0.0.1", port=0, spec=None, dialect=None, speed=None,
-lease_s=None, model=None, seed=None, build=None, max_num_queued=None, timing=None,
-disaggregation_modes=None, task_status)` serves until cancelled. ``port=0`` gives each
-engine its own free port below the kernel's ephemeral range (so a restarted engine can bind
-it again); a base port gives consecutive ports. Keyword options
-override fields of `SimEngineSpec`.
+lease_s=None, model=None, seed=None, build=None, vllm_version=None, max_num_queued=None,
+timing=None, disaggregation_modes=None, kv_connectors=None, api_key=None, task_status)`
+serves until cancelled. ``port=0`` gives each engine its own free port below the kernel's
+ephemeral range (so a restarted engine can bind it again); a base port gives consecutive
+ports. Keyword options override fields of `SimEngineSpec`.
+
+vLLM builds: a vLLM engine plays the build ``vllm_version`` names (CLI ``--vllm-version``),
+one of `VLLM_BUILDS`; Narwhal supports vLLM 0.29 and 0.32. ``"0.32.0"`` (the default) is
+checked against answers recorded on real vLLM 0.32.0 (tests/conformance): it serves a
+prompt + ``max_tokens`` over the context with the output capped, refusing only a prompt
+alone over it or ``max_tokens`` above ``max_model_len``, reads a completion's
+``max_tokens: null`` as 16, and answers with 0.32's fields. ``"0.29.0"`` plays the
+behaviour shared/notes/engine-protocols.md describes (such a request refused, null
+unbounded, 0.29's fields). `_vllm` has the table. Both builds serve ``n > 1``, logprobs and
+stop strings, and send the engine's own input checks (token ids out of vocabulary, logprobs
+above 20) after a stream's 200 as an error event with code 400, then ``[DONE]``. A vLLM
+engine has a KV connector unless its spec's ``kv_connector`` is false (``kv_connectors=``
+per engine, CLI ``--kv-connector none``): without one it serves a P/D leg as a plain
+request (``kv_transfer_params`` null, no lease kept) and exports no ``vllm:nixl_*`` metrics.
 
 SGLang roles are fixed at launch, as in SGLang (engine-protocols notes §5.1): each engine
 has a ``disaggregation_mode`` (``disaggregation_modes=["prefill", "decode"]``, CLI
@@ -41,10 +55,11 @@ also counts chat ``messages`` as its chat completions render them.
 Requests are validated as each engine does (notes §3.4, §5.5): a vLLM engine refuses a
 ``model`` other than its own with 404; an SGLang one takes any name and refuses a
 ``base:adapter`` LoRA selection, as SGLang without ``--enable-lora`` does. A request that
-sets no output bound (a chat without ``max_tokens``, a vLLM completion with ``max_tokens:
-null``, which SGLang refuses) generates ``unbounded_max_tokens`` tokens (default 256, CLI
-``--unbounded-max-tokens``) within the context; the engines run it to the context, which
-``None`` (CLI ``context``) does too. ``n`` other than 1 is refused as not simulated.
+sets no output bound (a chat without ``max_tokens``; on vLLM 0.29 a completion with
+``max_tokens: null``, which SGLang refuses) generates ``unbounded_max_tokens`` tokens
+(default 256, CLI ``--unbounded-max-tokens``) within the context; the engines run it to the
+context, which ``None`` (CLI ``context``) does too. SGLang's ``n`` other than 1 is refused
+as not simulated.
 
 `SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
 H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,
@@ -99,3 +114,8 @@ from ._spec import (
 )
 from ._timing import SimTiming as SimTiming
 from ._tokenizer import Tokenizer as Tokenizer, render_chat as render_chat
+from ._vllm import (
+    DEFAULT_VLLM_VERSION as DEFAULT_VLLM_VERSION,
+    VLLM_BUILDS as VLLM_BUILDS,
+    VllmBuild as VllmBuild,
+)

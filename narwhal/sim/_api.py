@@ -8,18 +8,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import zlib
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from .._values import json_int
 from ._core import CoreRequest, ReqState
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import DropConnection, HttpRequest, Responder
+from ._output import Choice, Shapes, chat_logprobs, completion_logprobs, plan_choices, usage
 from ._records import RemoteKV, ReqCtx
 from ._spec import ENGINE_VERSION
-from ._tokenizer import BOS, OutputText, piece_id, render_chat
+from ._tokenizer import BOS, VOCAB_SIZE, piece_id, render_chat
 
 if TYPE_CHECKING:
     from ._engine import SimEngine
@@ -40,6 +43,8 @@ _DEFAULT_MESSAGES = {
 # What SGLang's /tokenize reports as max_model_len: its tokenizer's model_max_length
 # (notes §5.4), here a Llama-3.1 tokenizer config's, whatever the server's context.
 _TOKENIZER_MAX_LENGTH = 131072
+# vLLM's --max-logprobs default.
+_MAX_LOGPROBS = 20
 _KV_PARAM_KEYS = (
     "remote_block_ids",
     "remote_engine_id",
@@ -51,6 +56,23 @@ _KV_PARAM_KEYS = (
 
 def _j(obj: Any) -> str:
     return json.dumps(obj, separators=_COMPACT)
+
+
+def _token_prompt(prompt: object) -> bool:
+    """Whether a completion prompt is one list of token ids."""
+    return (
+        isinstance(prompt, list) and bool(prompt) and all(json_int(t) is not None for t in prompt)
+    )
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    """The request's stop strings (a string or a list of them; empty ones never match)."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        return []
+    return [s for s in stop if isinstance(s, str) and s]
 
 
 def _validation_error(
@@ -119,10 +141,15 @@ class Api:
         body = self.error_body(err.status, err.message, type_=err.type, param=err.param)
         await resp.send_json(err.status, body, headers=headers)
 
-    def sse_error(self, status: int, message: str, type_: str | None = None) -> bytes:
-        body = self.error_body(status, message, type_=type_)
+    def sse_error(
+        self, status: int, message: str, type_: str | None = None, param: str | None = None
+    ) -> bytes:
+        body = self.error_body(status, message, type_=type_, param=param)
         if self.sglang:
             body = {"error": body}
+        elif self.e.spec.vllm.wire_032:
+            # create_streaming_error_response: json.dumps with its default separators.
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
         return b"data: " + _j(body).encode() + b"\n\n"
 
     # -- /v1/completions and /v1/chat/completions -----------------------------------------
@@ -137,7 +164,7 @@ class Api:
             self._fail_room(req, err.message)
             if err.streamed:
                 await resp.start_stream(200, headers=echo)
-                event = self.sse_error(err.status, err.message, type_=err.type)
+                event = self.sse_error(err.status, err.message, type_=err.type, param=err.param)
                 await resp.end_stream(event + b"data: [DONE]\n\n")
                 return
             await self.send_error(resp, err, echo)
@@ -164,26 +191,39 @@ class Api:
         limit = e.spec.max_num_queued
         if limit is not None:
             queued = len(e.core.running) + len(e.core.waiting) + len(e.core.pulling) + e.pending
-            if queued >= limit:
+            if queued + plan.n > limit:
                 # vLLM >= 0.29 admission control: QueueOverflowError is a GracefulHTTPError,
-                # so `type` is the HTTP phrase (§3.4).
+                # so `type` is the HTTP phrase (§3.4); n choices take n places.
                 e.counters.rejected_queue_full += 1
                 self._fail_room(req, "queue full")
                 e.record(
                     None, request_id=xrid, phase=leg, outcome="error", status=503, armed_fault=armed
                 )
                 msg = (
-                    f"The engine's request queue is full ({queued} queued, "
+                    "The engine is currently busy and cannot accept new requests. Please "
+                    "try again later or on a different instance."
+                    if e.spec.vllm.wire_032
+                    else f"The engine's request queue is full ({queued} queued, "
                     f"max_num_queued_reqs={limit}); retry on another instance."
                 )
                 await self.send_error(resp, ApiError(503, msg, type_="Service Unavailable"), echo)
                 return
         prefix = "chatcmpl" if chat else "cmpl"
         response_id = f"{prefix}-{xrid}"
+        choices = plan_choices(
+            e.spec.seed,
+            plan.prompt_key,
+            n=plan.n,
+            max_tokens=plan.max_tokens,
+            min_tokens=plan.min_tokens,
+            stops=plan.stops,
+            include_stop=plan.include_stop,
+        )
         core = CoreRequest(
             rid=f"{response_id}-{e.new_hex()}",
             prompt_tokens=plan.prompt_tokens,
-            max_tokens=plan.max_tokens,
+            # The n choices decode in step; the sequence runs until the last one ends.
+            max_tokens=max(c.limit for c in choices),
             hold_kv=plan.hold_kv,
             remote_kv=plan.remote is not None,
         )
@@ -204,7 +244,7 @@ class Api:
         core.owner = ctx
         e.counters.requests[leg] += 1
         e.metrics.prompt_tokens += plan.prompt_tokens
-        run = _Run(self, ctx, resp, plan, response_id, echo)
+        run = _Run(self, ctx, resp, plan, response_id, echo, choices)
         outcome, status = "aborted", 499
         try:
             outcome, status = await run.serve()
@@ -264,34 +304,31 @@ class Api:
                     raise _validation_error(("body", key), kind, msg, None)
             if not chat and "max_tokens" in body:
                 self._sglang_check_completion_max_tokens(body["max_tokens"])
-        n = body.get("n")
-        if n is not None and n != 1:
-            # The engines answer n choices; one simulated request is one sequence.
-            raise ApiError(400, f"n={n!r} is not simulated; send one choice per request", param="n")
         stream = bool(body.get("stream") or False)
         model = body.get("model")
+        build = e.spec.vllm
         if self.sglang:
+            n = body.get("n")
+            if n is not None and n != 1:
+                raise ApiError(
+                    400, f"n={n!r} is not simulated; send one choice per request", param="n"
+                )
             if not chat:
                 self._sglang_check_prompt(body)
             self._sglang_check_lora(body, stream)
-        elif model is not None and model != e.spec.model:
-            raise ApiError(
-                404, f"The model `{model}` does not exist.", type_="NotFoundError", param="model"
-            )
+        else:
+            self._vllm_check_body(body, stream=stream, chat=chat)
+            if model is not None and model != e.spec.model:
+                message = f"The model `{model}` does not exist."
+                if build.wire_032:
+                    message += f" Valid aliases: {e.spec.model}."
+                raise ApiError(404, message, type_="NotFoundError", param="model")
         stream_options = body.get("stream_options")
-        if stream_options is not None and not stream and not self.sglang:
-            # A pydantic model validator in vLLM, so FastAPI's validation handler answers.
-            raise ApiError(
-                400,
-                "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': "
-                "'Value error, Stream options can only be defined when `stream=True`.'}",
-                type_="Bad Request",
-                param="body",
-            )
         include_usage = continuous_usage = False
         if stream and isinstance(stream_options, dict):
-            # vLLM defaults include_usage to True, SGLang to False (§4.4, §5.5).
-            include_usage = bool(stream_options.get("include_usage", not self.sglang))
+            # Its default: vLLM 0.29 true (notes §4.4), 0.32 false; SGLang false (§5.5).
+            default = build.include_usage_default and not self.sglang
+            include_usage = bool(stream_options.get("include_usage", default))
             # vLLM adds the running usage to every chunk, only when include_usage (§4.4).
             continuous_usage = (
                 include_usage
@@ -304,9 +341,19 @@ class Api:
         limit = e.spec.timing.max_model_len
         keep = json_int(body.get("truncate_prompt_tokens"))
         if not self.sglang and keep is not None:
-            # vLLM keeps the prompt's last `keep` tokens (-1: max_model_len) before any
-            # other check; SGLang's request models have no such field.
-            keep = limit if keep == -1 else keep
+            # vLLM keeps the prompt's last `keep` tokens before any other check (-1: as
+            # many as fit, 0.32 holding one back for the output); SGLang's request models
+            # have no such field.
+            if build.wire_032 and keep > limit:
+                raise ApiError(
+                    400,
+                    f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+                    f"{limit}. Please request a smaller truncation size. "
+                    f"(parameter=truncate_prompt_tokens, value={keep})",
+                    param="truncate_prompt_tokens",
+                )
+            if keep == -1:
+                keep = limit - 1 if build.wire_032 else limit
             if keep > limit:
                 raise ApiError(
                     400,
@@ -315,7 +362,27 @@ class Api:
                 )
             if keep >= 1:
                 prompt_tokens = min(prompt_tokens, keep)
-        if prompt_tokens >= limit:
+        min_tokens = body.get("min_tokens") or 0
+        if chat:
+            max_tokens = body.get("max_completion_tokens")
+            bound_param = "max_tokens" if max_tokens is None else "max_completion_tokens"
+            if max_tokens is None:
+                max_tokens = body.get("max_tokens")
+        else:
+            bound_param = "max_tokens"
+            # vLLM's and SGLang's CompletionRequest default; vLLM 0.32 reads null as it.
+            max_tokens = body.get("max_tokens", 16)
+            if max_tokens is None and not self.sglang and build.null_max_tokens_is_default:
+                max_tokens = 16
+        if not self.sglang and build.context_rule == "prompt_alone":
+            max_tokens = self._fit_output(
+                max_tokens,
+                bound_param,
+                prompt_tokens,
+                limit,
+                token_prompt=not chat and _token_prompt(body.get("prompt")),
+            )
+        elif prompt_tokens >= limit:
             if self.sglang:
                 raise ApiError(
                     400,
@@ -330,15 +397,6 @@ class Api:
                 "messages.",
                 param="input_tokens",
             )
-        min_tokens = body.get("min_tokens") or 0
-        if chat:
-            max_tokens = body.get("max_completion_tokens")
-            if max_tokens is None:
-                max_tokens = body.get("max_tokens")
-        elif "max_tokens" not in body:
-            max_tokens = 16  # vLLM's and SGLang's CompletionRequest default
-        else:
-            max_tokens = body["max_tokens"]
         if max_tokens is None:
             # No bound (vLLM's get_max_tokens: the context, or a generation config's
             # max_new_tokens); see SimEngineSpec.unbounded_max_tokens.
@@ -348,9 +406,10 @@ class Api:
                 floor = min_tokens if isinstance(min_tokens, int) else 0
                 max_tokens = min(max_tokens, max(bound, floor))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ApiError(
-                400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
-            )
+            message = f"max_tokens must be at least 1, got {max_tokens}."
+            if build.wire_032 and not self.sglang:
+                message += f" (parameter=max_tokens, value={max_tokens})"
+            raise ApiError(400, message, param="max_tokens")
         if self.sglang and prompt_tokens + max_tokens > limit:
             # Its tokenizer manager's check (newer builds: a total equal to the context
             # passes), on a prefill server too: that sets max_new_tokens to 1 later, in
@@ -377,7 +436,11 @@ class Api:
                 )
             if room is not None and leg == "prefill":
                 max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
-        if not self.sglang and prompt_tokens + max_tokens > limit:
+        if (
+            not self.sglang
+            and build.context_rule == "prompt_and_output"
+            and prompt_tokens + max_tokens > limit
+        ):
             raise ApiError(
                 400,
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
@@ -385,22 +448,13 @@ class Api:
                 f"{prompt_tokens} input tokens ({max_tokens} > {limit} - {prompt_tokens}).",
                 param="max_tokens",
             )
-        if not self.sglang and isinstance(min_tokens, int):
-            # SamplingParams._verify_args, built after the serving layer's context check.
-            if min_tokens < 0:
-                raise ApiError(
-                    400,
-                    f"min_tokens must be greater than or equal to 0, got {min_tokens}. "
-                    f"(parameter=min_tokens, value={min_tokens})",
-                    param="min_tokens",
-                )
-            if min_tokens > max_tokens:
-                raise ApiError(
-                    400,
-                    f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
-                    f"{min_tokens}. (parameter=min_tokens, value={min_tokens})",
-                    param="min_tokens",
-                )
+        n = 1
+        top: int | None = None
+        if not self.sglang:
+            n = self._vllm_check_sampling(body, max_tokens, min_tokens)
+            # The engine's input checks, inside its generator: after a stream's 200.
+            top = self._vllm_check_inputs(body, chat=chat, stream=stream)
+        stops = _stops(body) if not self.sglang else []
         return _Plan(
             leg=leg,
             remote=remote,
@@ -414,7 +468,163 @@ class Api:
             prompt_key=prompt_key,
             max_tokens=max_tokens,
             header_faults=header_faults,
+            n=n,
+            top_logprobs=top,
+            stops=stops,
+            include_stop=bool(body.get("include_stop_str_in_output")),
+            min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
         )
+
+    def _vllm_check_body(self, body: dict[str, Any], *, stream: bool, chat: bool) -> None:
+        """vLLM's request-model validators, before anything else runs."""
+        build = self.e.spec.vllm
+        stream_options = body.get("stream_options")
+        if build.wire_032:
+            # A VLLMValidationError in a model validator; `{}` passes (it checks truth).
+            if stream_options and not stream:
+                raise ApiError(
+                    400,
+                    "Stream options can only be defined when `stream=True`. "
+                    "(parameter=stream_options)",
+                    param="stream_options",
+                )
+        elif stream_options is not None and not stream:
+            # A pydantic model validator in vLLM, so FastAPI's validation handler answers.
+            raise ApiError(
+                400,
+                "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': "
+                "'Value error, Stream options can only be defined when `stream=True`.'}",
+                type_="Bad Request",
+                param="body",
+            )
+        name = "top_logprobs" if chat else "logprobs"
+        value = body.get(name)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ApiError(
+                400,
+                f"`{name}` must be an integer. (parameter={name}, value={value})",
+                param=name,
+            )
+        if value < 0 and value != -1:
+            raise ApiError(
+                400,
+                f"`{name}` must be a positive value or -1. (parameter={name}, value={value})",
+                param=name,
+            )
+        if chat and value != 0 and not body.get("logprobs"):
+            raise ApiError(
+                400,
+                "when using `top_logprobs`, `logprobs` must be set to true. "
+                f"(parameter=top_logprobs, value={value})",
+                param="top_logprobs",
+            )
+
+    def _fit_output(
+        self,
+        max_tokens: Any,
+        param: str,
+        prompt_tokens: int,
+        limit: int,
+        *,
+        token_prompt: bool,
+    ) -> Any:
+        """vLLM 0.32's context rule: a bound above max_model_len and a prompt alone over
+        the context are refused; otherwise the output is capped at what the context leaves
+        (a prompt of exactly the context leaves 0, refused by the sampling check)."""
+        count = json_int(max_tokens)
+        if count is not None and count > limit:
+            raise ApiError(
+                400,
+                f"{param}={count} cannot be greater than max_model_len={limit}. Please "
+                f"request fewer output tokens. (parameter={param}, value={count})",
+                param=param,
+            )
+        if prompt_tokens > limit:
+            # A text prompt is tokenized with truncation at the context + 1, so its count
+            # stops there; a prompt of token ids is counted in full.
+            shown = prompt_tokens if token_prompt else limit + 1
+            qualifier = "" if token_prompt else "at least "
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt contains {qualifier}{shown} input tokens, which exceeds this limit "
+                "even without any output tokens. Please reduce the length of the input "
+                f"prompt. (parameter=input_tokens, value={shown})",
+                param="input_tokens",
+            )
+        if count is not None:
+            return min(count, limit - prompt_tokens)
+        return max_tokens
+
+    def _vllm_check_sampling(self, body: dict[str, Any], max_tokens: int, min_tokens: Any) -> int:
+        """SamplingParams' own checks, after the context check, before the stream: the
+        number of choices (n)."""
+        n = body.get("n")
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ApiError(400, f"n must be an int, but is of type {type(n)}")
+        if n < 1:
+            raise ApiError(400, f"n must be at least 1, got {n}.")
+        temperature = body.get("temperature")
+        if isinstance(temperature, int | float) and not isinstance(temperature, bool):
+            if temperature < 0:
+                raise ApiError(
+                    400,
+                    f"temperature must be non-negative, got {float(temperature)}. "
+                    f"(parameter=temperature, value={float(temperature)})",
+                    param="temperature",
+                )
+            if temperature > 2:
+                raise ApiError(
+                    400,
+                    f"temperature must be in [0, 2], got {float(temperature)}. "
+                    f"(parameter=temperature, value={float(temperature)})",
+                    param="temperature",
+                )
+        if isinstance(min_tokens, int) and not 0 <= min_tokens <= max_tokens:
+            message = (
+                f"min_tokens must be greater than or equal to 0, got {min_tokens}."
+                if min_tokens < 0
+                else f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                f"{min_tokens}."
+            )
+            if self.e.spec.vllm.wire_032:
+                # Raised without a parameter: no suffix, param null.
+                raise ApiError(400, message)
+            message += f" (parameter=min_tokens, value={min_tokens})"
+            raise ApiError(400, message, param="min_tokens")
+        return n
+
+    def _vllm_check_inputs(self, body: dict[str, Any], *, chat: bool, stream: bool) -> int | None:
+        """The engine's input processor, inside its generator (an error event after a
+        stream's 200): the logprobs asked for, then the prompt's token ids. Returns how
+        many top logprobs each token carries (None: no logprobs)."""
+        if chat:
+            top = (json_int(body.get("top_logprobs")) or 0) if body.get("logprobs") else None
+        else:
+            top = json_int(body.get("logprobs"))
+        if top is not None:
+            asked = VOCAB_SIZE if top == -1 else top
+            if asked > _MAX_LOGPROBS:
+                raise ApiError(
+                    400,
+                    f"Requested sample logprobs of {asked}, which is greater than max "
+                    f"allowed: {_MAX_LOGPROBS} (parameter=logprobs, value={asked})",
+                    param="logprobs",
+                    streamed=stream,
+                )
+        prompt = None if chat else body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if _token_prompt(prompt):
+            assert isinstance(prompt, list)
+            ids = [json_int(t) or 0 for t in prompt]
+            wrong = min(ids) if min(ids) < 0 else max(ids)
+            if not 0 <= wrong < VOCAB_SIZE:
+                raise ApiError(400, f"Token id {wrong} is out of vocabulary", streamed=stream)
+        return top
 
     def _sglang_check_prompt(self, body: dict[str, Any]) -> None:
         """SGLang's CompletionRequest requires `prompt` (FastAPI refuses a body without
@@ -497,7 +707,9 @@ class Api:
                 )
             return "decode", RemoteKV(host=host, port=port, num_tokens=0, room=room), room, False
         params = body.get("kv_transfer_params")
-        if not isinstance(params, dict):
+        if not isinstance(params, dict) or not e.spec.kv_connector:
+            # Without a connector vLLM serves the request as any other: no KV is kept
+            # for a decoder, none is pulled from a producer.
             return "aggregate", None, None, False
         if params.get("do_remote_decode"):
             return "prefill", None, None, True
@@ -523,6 +735,12 @@ class Api:
         tok = self.e.tokenizer
         if chat:
             messages = body.get("messages")
+            if isinstance(messages, list) and not messages and self.e.spec.vllm.wire_032:
+                raise ApiError(
+                    400,
+                    "Cannot apply chat template to an empty conversation. Provide at least "
+                    "one message.",
+                )
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list", param="messages")
             text = self._chat_text(messages, body)
@@ -563,9 +781,10 @@ class Api:
         if model is not None and model != e.spec.model and not self.sglang:
             # SGLang's /tokenize, like its completions, takes any name (serving_tokenize.py
             # @0351c1fa reads only the prompt).
-            await self.send_error(
-                resp, ApiError(404, f"The model `{model}` does not exist.", param="model")
-            )
+            message = f"The model `{model}` does not exist."
+            if e.spec.vllm.wire_032:
+                message += f" Valid aliases: {e.spec.model}."
+            await self.send_error(resp, ApiError(404, message, param="model"))
             return
         limit = e.spec.timing.max_model_len
         if self.sglang:
@@ -765,50 +984,26 @@ class Api:
         )
 
 
+@attrs.define(kw_only=True)
 class _Plan:
-    __slots__ = (
-        "chat",
-        "continuous_usage",
-        "header_faults",
-        "hold_kv",
-        "include_usage",
-        "leg",
-        "max_tokens",
-        "prompt_key",
-        "prompt_tokens",
-        "remote",
-        "room",
-        "stream",
-    )
-
-    def __init__(
-        self,
-        *,
-        leg: str,
-        remote: Any,
-        room: int | None,
-        hold_kv: bool,
-        stream: bool,
-        include_usage: bool,
-        continuous_usage: bool,
-        chat: bool,
-        prompt_tokens: int,
-        prompt_key: str,
-        max_tokens: int,
-        header_faults: FaultSpec | None,
-    ) -> None:
-        self.leg = leg
-        self.remote = remote
-        self.room = room
-        self.hold_kv = hold_kv
-        self.stream = stream
-        self.include_usage = include_usage
-        self.continuous_usage = continuous_usage
-        self.chat = chat
-        self.prompt_tokens = prompt_tokens
-        self.prompt_key = prompt_key
-        self.max_tokens = max_tokens
-        self.header_faults = header_faults
+    leg: str
+    remote: Any
+    room: int | None
+    hold_kv: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    chat: bool
+    prompt_tokens: int
+    prompt_key: str
+    max_tokens: int
+    header_faults: FaultSpec | None
+    # vLLM: the number of choices, top logprobs per token (None: none), stop strings.
+    n: int = 1
+    top_logprobs: int | None = None
+    stops: list[str] = attrs.Factory(list)
+    include_stop: bool = False
+    min_tokens: int = 0
 
 
 class _Run:
@@ -822,6 +1017,7 @@ class _Run:
         plan: _Plan,
         response_id: str,
         echo: list[tuple[str, str]],
+        choices: list[Choice],
     ) -> None:
         self.api = api
         self.e = api.e
@@ -830,50 +1026,31 @@ class _Run:
         self.plan = plan
         self.response_id = response_id
         self.echo = echo
+        self.choices = choices
         self.sent = 0
         self.crashed = False
         self.settled = False
         self.created = int(time.time())
-        self.text = OutputText(self.e.spec.seed, plan.prompt_key)
         if plan.remote is not None:
             plan.remote.num_tokens = plan.remote.num_tokens or plan.prompt_tokens
-        self._templates()
-
-    def _templates(self) -> None:
-        head = (
-            f'{{"id":{_j(self.response_id)},"object":"%s","created":{self.created},'
-            f'"model":{_j(self.e.spec.model)},'
+        spec = self.e.spec
+        build = spec.vllm
+        fingerprint = None
+        if build.wire_032:
+            # vllm-<version>-<hash of the engine's configuration>.
+            config = f"{spec.model}\x00{spec.kv_connector}\x00{spec.timing.max_model_len}"
+            fingerprint = f"vllm-{build.version}-{zlib.crc32(config.encode()):08x}"
+        self.shapes = Shapes(
+            sglang=api.sglang,
+            build=build,
+            chat=plan.chat,
+            model=spec.model,
+            response_id=response_id,
+            created=self.created,
+            fingerprint=fingerprint,
+            include_usage=plan.include_usage,
+            continuous_usage=plan.continuous_usage,
         )
-        sg = self.api.sglang
-        if self.plan.chat:
-            self.head = head % "chat.completion.chunk"
-            self.pre = self.head + '"choices":[{"index":0,"delta":{"content":'
-            if sg:
-                self.mid = (
-                    '},"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}'
-                )
-                self.last = (
-                    '},"logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":null}'
-                )
-            else:
-                # Chat chunks are dumped with exclude_unset (§4.3).
-                self.mid = '},"logprobs":null,"finish_reason":null}]}'
-                self.last = '},"logprobs":null,"finish_reason":"length","stop_reason":null}]}'
-        else:
-            self.head = head % "text_completion"
-            self.pre = self.head + '"choices":[{"index":0,"text":'
-            if sg:
-                self.mid = (
-                    ',"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}'
-                )
-                self.last = (
-                    ',"logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":null}'
-                )
-            else:
-                # Completion chunks are dumped with every field, nulls included (§4.2).
-                tail = ',"prompt_token_ids":null,"token_ids":null}],"usage":null}'
-                self.mid = ',"logprobs":null,"finish_reason":null,"stop_reason":null' + tail
-                self.last = ',"logprobs":null,"finish_reason":"length","stop_reason":null' + tail
 
     # -- the request's life ---------------------------------------------------------------
     async def serve(self) -> tuple[str, int]:
@@ -974,7 +1151,7 @@ class _Run:
         if self.plan.stream:
             out = b""
             if self.plan.chat and not self.api.sglang and self.sent == 0:
-                out += self._role_chunk()
+                out += self._role_chunks()
             out += self.api.sse_error(status, message, "InternalServerError")
             self.settle(outcome, 200)
             await self.resp.end_stream(out + b"data: [DONE]\n\n")
@@ -984,30 +1161,13 @@ class _Run:
         await self.api.send_error(self.resp, err, self.echo)
         return outcome, status
 
-    def _role_chunk(self) -> bytes:
-        chunk = (
-            self.head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-            '"logprobs":null,"finish_reason":null}]}'
+    def _role_chunks(self) -> bytes:
+        """A chat stream's first events: one role chunk per choice."""
+        so_far = usage(self.plan.prompt_tokens, 0) if self.plan.continuous_usage else None
+        return b"".join(
+            b"data: " + self.shapes.role_chunk(c.index, so_far).encode() + b"\n\n"
+            for c in self.choices
         )
-        if self.plan.continuous_usage:
-            chunk = self._with_usage(chunk, 0)
-        return b"data: " + chunk.encode() + b"\n\n"
-
-    def _with_usage(self, chunk: str, completion_tokens: int) -> str:
-        """`chunk` with the usage so far (stream_options.continuous_usage_stats). A
-        completion chunk is dumped with every field, so its usage has its null
-        prompt_tokens_details and replaces the null; a chat chunk is dumped without unset
-        fields (§4.2, §4.3)."""
-        p = self.plan.prompt_tokens
-        usage: dict[str, Any] = {
-            "prompt_tokens": p,
-            "total_tokens": p + completion_tokens,
-            "completion_tokens": completion_tokens,
-        }
-        if not self.plan.chat:
-            usage["prompt_tokens_details"] = None
-            return chunk.removesuffix('"usage":null}') + '"usage":' + _j(usage) + "}"
-        return chunk[:-1] + ',"usage":' + _j(usage) + "}"
 
     async def _emit(self) -> tuple[str, int]:
         e, ctx, plan = self.e, self.ctx, self.plan
@@ -1056,38 +1216,51 @@ class _Run:
                 for limit in (crash_at, error_at, stall_at):
                     if limit is not None and limit > sent:
                         upto = min(upto, limit)
-                final = state is ReqState.FINISHED and upto == max_tokens
                 if stream:
-                    await self._send_tokens(sent, upto, final)
+                    await self._send_tokens(sent, upto)
                 self.sent = upto
                 continue
             if state is ReqState.FINISHED:
                 return await self._finish()
             await ctx.wait_change()
 
-    async def _send_tokens(self, start: int, end: int, final: bool) -> None:
+    async def _send_tokens(self, start: int, end: int) -> None:
+        """Tokens [start, end) of the sequence: one chunk per choice still generating."""
         out = b""
         if start == 0 and self.plan.chat:
-            out += self._role_chunk()
-        text = _j(self.text.text(start, end))
-        chunk = self.pre + text + (self.last if final else self.mid)
-        if self.plan.continuous_usage:
-            chunk = self._with_usage(chunk, end)
-        out += b"data: " + chunk.encode() + b"\n\n"
+            out += self._role_chunks()
+        top = self.plan.top_logprobs
+        chat = self.plan.chat
+        continuous = self.plan.continuous_usage
+        for choice in self.choices:
+            first, last = min(start, choice.limit), min(end, choice.limit)
+            if last <= first:
+                continue
+            logprobs = None
+            if top is not None:
+                make = chat_logprobs if chat else completion_logprobs
+                logprobs = make(choice, first, last, top)
+            text = choice.piece(first, last)
+            chunk = self.shapes.token_chunk(
+                choice,
+                text,
+                logprobs,
+                final=last >= choice.limit,
+                usage_so_far=usage(self.plan.prompt_tokens, last) if continuous else None,
+            )
+            out += b"data: " + chunk.encode() + b"\n\n"
         await self.resp.send_chunk(out)
 
     def _usage(self) -> dict[str, Any]:
-        p = self.plan.prompt_tokens
-        c = self.sent
-        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+        completion = sum(min(self.sent, c.limit) for c in self.choices)
+        return usage(self.plan.prompt_tokens, completion)
 
     async def _finish(self) -> tuple[str, int]:
         plan = self.plan
         if plan.stream:
             out = b""
             if plan.include_usage:
-                usage = (self.head + '"choices":[],"usage":' + _j(self._usage()) + "}").encode()
-                out += b"data: " + usage + b"\n\n"
+                out += b"data: " + self.shapes.usage_chunk(self._usage()).encode() + b"\n\n"
             self.settle("ok", 200)
             await self.resp.end_stream(out + b"data: [DONE]\n\n")
             return "ok", 200
@@ -1102,7 +1275,7 @@ class _Run:
             return None
         e = self.e
         # Newer vLLM pull mode (§1.4): one block list per KV-cache group.
-        return {
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [list(lease.blocks)],
@@ -1117,57 +1290,17 @@ class _Run:
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
         }
+        if e.spec.vllm.wire_032:
+            # No prefix-cache hits are simulated.
+            params["remote_prefill_cached_tokens"] = 0
+        return params
 
     def _body(self) -> bytes:
-        text = self.text.text(0, self.sent)
-        usage: dict[str, Any] = {**self._usage(), "prompt_tokens_details": None}
-        sg = self.api.sglang
-        out: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "chat.completion" if self.plan.chat else "text_completion",
-            "created": self.created,
-            "model": self.e.spec.model,
-        }
-        if self.plan.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if sg:
-                message.update({"reasoning_content": None, "tool_calls": None})
-            else:
-                message.update(
-                    {
-                        "refusal": None,
-                        "annotations": None,
-                        "audio": None,
-                        "function_call": None,
-                        "tool_calls": [],
-                        "reasoning_content": None,
-                    }
-                )
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": "length",
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        if sg:
-            choice["matched_stop"] = None
-        else:
-            choice["stop_reason"] = None
-            if not self.plan.chat:
-                # CompletionResponseChoice dumps every field; the streamed choices carry
-                # the same token_ids/prompt_token_ids keys (§4.2).
-                choice.update(
-                    {"token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
-                )
-        out["choices"] = [choice]
-        if not sg:
-            out["service_tier"] = None
-            out["system_fingerprint"] = None
-        out["usage"] = usage
-        if not sg:
-            if self.plan.chat:
-                out["prompt_logprobs"] = None
-            out["kv_transfer_params"] = self._kv_params()
-        return _j(out).encode()
+        top = self.plan.top_logprobs
+        make = chat_logprobs if self.plan.chat else completion_logprobs
+        parts = []
+        for choice in self.choices:
+            end = min(self.sent, choice.limit)
+            logprobs = None if top is None else make(choice, 0, end, top)
+            parts.append((choice, choice.piece(0, end), logprobs))
+        return self.shapes.body(parts, self._usage(), self._kv_params())

@@ -30,7 +30,7 @@ from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import HttpRequest, Responder
 from ._metrics import EngineMetrics, Gauges, make_registry, render
 from ._records import PHASES, Counters, Lease, RemoteKV, ReqCtx, Room
-from ._spec import ENGINE_VERSION, SimEngineSpec
+from ._spec import SimEngineSpec
 from ._timing import Noise
 from ._tokenizer import Tokenizer
 
@@ -92,6 +92,7 @@ class SimEngine:
                 "num_gpu_blocks": str(timing.total_blocks),
             },
             started_at=self.started_at,
+            kv_connector=spec.kv_connector,
         )
         self.outcomes: deque[dict[str, Any]] = deque(maxlen=spec.outcome_ring)
         self.expired_leases: deque[str] = deque(maxlen=_EXPIRED_RING)
@@ -598,10 +599,11 @@ class SimEngine:
         healthy = self.healthy()
         if not healthy:
             self.counters.health_failures_served += 1
-        await resp.send(200 if healthy else 503, b"")
+        # An empty body without a content type, as uvicorn sends FastAPI's Response().
+        await resp.send(200 if healthy else 503, b"", content_type=None)
 
     async def _version(self, req: HttpRequest, resp: Responder) -> None:
-        document = {"version": ENGINE_VERSION[self.spec.dialect]}
+        document = {"version": self.spec.version}
         if not self.spec.stock_version:
             document.update(build=self.spec.build, instance_id=self.instance_id)
         await resp.send_json(200, document)

@@ -94,10 +94,12 @@ class Fleet:
         spec: SimEngineSpec,
         host: str,
         modes: Sequence[DisaggregationMode] | None = None,
+        kv_connectors: Sequence[bool] | None = None,
     ) -> None:
         self.spec = spec
         self.host = host
         self.modes = tuple(modes) if modes is not None else None
+        self.kv_connectors = tuple(kv_connectors) if kv_connectors is not None else None
         self.engines: list[EngineHandle] = []
         # Per-engine keys set by EngineHandle.set_api_key, over the spec's.
         self.api_keys: dict[int, str | None] = {}
@@ -123,6 +125,8 @@ class Fleet:
         if self.modes is not None:
             # A restart relaunches the engine in the same mode, as a supervisor would.
             spec = attrs.evolve(spec, disaggregation_mode=self.modes[index])
+        if self.kv_connectors is not None:
+            spec = attrs.evolve(spec, kv_connector=self.kv_connectors[index])
         if index in self.api_keys:
             spec = attrs.evolve(spec, api_key=self.api_keys[index])
         return SimEngine(
@@ -175,9 +179,11 @@ async def serve_fleet(
     model: str | None = None,
     seed: int | None = None,
     build: str | None = None,
+    vllm_version: str | None = None,
     max_num_queued: int | None = None,
     timing: SimTiming | None = None,
     disaggregation_modes: Sequence[DisaggregationMode] | None = None,
+    kv_connectors: Sequence[bool] | None = None,
     api_key: str | None = None,
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -188,7 +194,9 @@ async def serve_fleet(
     port gives consecutive ports. Keyword options override fields of ``spec``; engine i runs
     with seed ``seed + i`` so their noise differs. ``disaggregation_modes`` gives each
     SGLang engine its launch mode (one per engine); without it every engine has the
-    spec's ``disaggregation_mode``.
+    spec's ``disaggregation_mode``. ``kv_connectors`` says, one per engine, which vLLM
+    engines have a KV connector (an aggregate-only engine has none); without it every
+    engine has the spec's ``kv_connector`` (default: one).
     """
     if engines < 1:
         raise ValueError(f"engines is {engines}; must be >= 1")
@@ -196,6 +204,10 @@ async def serve_fleet(
         raise ValueError(
             f"{len(disaggregation_modes)} disaggregation modes for {engines} engines; "
             "give one per engine"
+        )
+    if kv_connectors is not None and len(kv_connectors) != engines:
+        raise ValueError(
+            f"{len(kv_connectors)} kv_connectors for {engines} engines; give one per engine"
         )
     base = spec or SimEngineSpec()
     overrides: dict[str, Any] = {
@@ -207,6 +219,7 @@ async def serve_fleet(
             "model": model,
             "seed": seed,
             "build": build,
+            "vllm_version": vllm_version,
             "max_num_queued": max_num_queued,
             "timing": timing,
             "api_key": api_key,
@@ -217,7 +230,7 @@ async def serve_fleet(
     for mode in disaggregation_modes or ():
         # Raises here, not in the nursery, when a mode does not suit the dialect.
         attrs.evolve(shared, disaggregation_mode=mode)
-    fleet = Fleet(shared, host, disaggregation_modes)
+    fleet = Fleet(shared, host, disaggregation_modes, kv_connectors)
     async with trio.open_nursery() as nursery:
         fleet._nursery = nursery
         for i in range(engines):

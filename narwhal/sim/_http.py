@@ -82,10 +82,12 @@ class Responder:
         status: int,
         body: bytes,
         *,
-        content_type: str = "application/json",
+        content_type: str | None = "application/json",
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
-        hdrs = [("content-type", content_type), ("content-length", str(len(body)))]
+        hdrs = [("content-length", str(len(body)))]
+        if content_type is not None:
+            hdrs.insert(0, ("content-type", content_type))
         if headers:
             hdrs.extend(headers)
         data = self._head(status, hdrs)

@@ -146,8 +146,10 @@ class _Collector:
         engine: str,
         cache_info: dict[str, str] | None = None,
         started_at: float | None = None,
+        kv_connector: bool = True,
     ) -> None:
         self._m = metrics
+        self._kv_connector = kv_connector
         self._gauges = gauges
         self._started_at = started_at
         self._sglang = dialect == "sglang"
@@ -214,7 +216,8 @@ class _Collector:
         yield hist("time_to_first_token_seconds", "Time to first token in seconds.", m.ttft)
         yield hist("inter_token_latency_seconds", "Inter-token latency in seconds.", m.itl)
         yield hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.", m.e2e)
-        if not self._sglang:
+        if not self._sglang and self._kv_connector:
+            # NixlConnector's own series: an engine without a connector has none.
             yield counter(
                 "nixl_num_kv_expired_reqs",
                 "Requests whose KV blocks expired before a decoder pulled them.",
@@ -224,15 +227,15 @@ class _Collector:
                 "nixl_num_failed_transfers", "Failed NIXL KV transfers.", m.failed_transfers
             )
             yield hist("nixl_xfer_time_seconds", "KV transfer time in seconds.", m.xfer)
-            if self._started_at is not None:
-                # vLLM with one API server serves prometheus_client's default registry,
-                # whose process collector adds this (unprefixed, unlabelled). SGLang and
-                # multi-API-server vLLM use multiprocess mode, which has no process metrics.
-                yield GaugeMetricFamily(
-                    "process_start_time_seconds",
-                    "Start time of the process since unix epoch in seconds.",
-                    value=self._started_at,
-                )
+        if not self._sglang and self._started_at is not None:
+            # vLLM with one API server serves prometheus_client's default registry,
+            # whose process collector adds this (unprefixed, unlabelled). SGLang and
+            # multi-API-server vLLM use multiprocess mode, which has no process metrics.
+            yield GaugeMetricFamily(
+                "process_start_time_seconds",
+                "Start time of the process since unix epoch in seconds.",
+                value=self._started_at,
+            )
 
 
 def make_registry(
@@ -244,6 +247,7 @@ def make_registry(
     engine: str,
     cache_info: dict[str, str] | None = None,
     started_at: float | None = None,
+    kv_connector: bool = True,
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
@@ -255,6 +259,7 @@ def make_registry(
             engine=engine,
             cache_info=cache_info,
             started_at=started_at,
+            kv_connector=kv_connector,
         )
     )
     return registry

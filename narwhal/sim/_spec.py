@@ -8,14 +8,16 @@ import attrs
 
 from .. import __version__
 from ._timing import SimTiming
+from ._vllm import DEFAULT_VLLM_VERSION, VLLM_BUILDS, VllmBuild
 
 Dialect = Literal["vllm", "sglang"]
 # SGLang's --disaggregation-mode; "null" (its default) is an ordinary aggregate server.
 DisaggregationMode = Literal["null", "prefill", "decode"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "decode")
 
-# The engine versions whose wire behaviour the simulator follows (engine-protocols.md).
-ENGINE_VERSION = {"vllm": "0.29.0", "sglang": "0.5.9"}
+# The engine versions whose wire behaviour the simulator follows by default; a vLLM
+# engine plays the build its spec's vllm_version names (`_vllm.VLLM_BUILDS`).
+ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.9"}
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
 
@@ -47,6 +49,16 @@ class SimEngineSpec:
     disaggregation_mode: DisaggregationMode = attrs.field(
         default="null", validator=attrs.validators.in_(DISAGGREGATION_MODES)
     )
+    # The vLLM build a vllm engine plays (`_vllm.VLLM_BUILDS`): its /version and every
+    # behaviour that differs between the builds Narwhal supports.
+    vllm_version: str = attrs.field(
+        default=DEFAULT_VLLM_VERSION, validator=attrs.validators.in_(tuple(VLLM_BUILDS))
+    )
+    # Whether a vllm engine was launched with a KV connector (--kv-transfer-config). Without
+    # one it serves a P/D leg's kv_transfer_params as an ordinary request: a prefill leg
+    # generates its max_tokens and answers kv_transfer_params null, a decode leg computes
+    # the prompt itself, and /metrics has no nixl_* series. SGLang engines ignore it.
+    kv_connector: bool = True
     model: str = DEFAULT_MODEL
     speed: float = attrs.field(default=1.0, validator=_positive)
     # vLLM kv_lease_duration (NIXL lease on produced KV, §2.2).
@@ -57,7 +69,7 @@ class SimEngineSpec:
     # id, so a restart shows only in /metrics (vLLM) or as an unreachable period.
     stock_version: bool = False
     # The output bound of a request that sets none: a chat without max_tokens or
-    # max_completion_tokens (both dialects) or a vLLM completion with max_tokens null (an
+    # max_completion_tokens (both dialects) or a vLLM 0.29 completion with max_tokens null (an
     # absent one is 16). It generates min(this, context - prompt) tokens, at least its
     # min_tokens. The real engines run such a request to the context (vLLM: unless the
     # model's generation_config.json sets max_new_tokens, which caps every request, bounded
@@ -94,6 +106,15 @@ class SimEngineSpec:
                 f"disaggregation_mode is {self.disaggregation_mode!r}; only sglang engines "
                 "have a launch role (vllm takes the leg each request names)"
             )
+
+    @property
+    def vllm(self) -> VllmBuild:
+        return VLLM_BUILDS[self.vllm_version]
+
+    @property
+    def version(self) -> str:
+        """What /version reports: the vLLM build played, or the SGLang version."""
+        return self.vllm_version if self.dialect == "vllm" else ENGINE_VERSION["sglang"]
 
     def scaled(self, seconds: float) -> float:
         """Wall-clock seconds for a model duration."""

@@ -154,3 +154,8 @@ class OutputText:
 
     def text(self, start: int, end: int) -> str:
         return "".join(self.token(i) for i in range(start, end))
+
+    def alternative(self, i: int, rank: int) -> str:
+        """The `rank`-th other word the engine might have sampled as token i (rank >= 1;
+        a word other than token i's for every rank below the vocabulary's size)."""
+        return " " + _WORDS[(self._offset + 7 * i + rank) % len(_WORDS)]

@@ -389,3 +389,40 @@ def test_open_connections_exceed_the_retained_request_ceiling() -> None:
         "serving.queue_capacity = 12, the retained-request ceiling"
     ]
     load_config(document(listen={"max_open_connections": 13}, serving=serving))
+
+
+def test_kv_role_is_for_vllm_only() -> None:
+    engines = [engine(0, "prefill", dialect="sglang"), engine(1, "decode", dialect="sglang")]
+    engines[0]["kv_role"] = "kv_producer"
+    assert problems(document(engines=engines)) == [
+        "engines[0].kv_role: 'kv_producer' is only used by the vllm dialect (dialect is 'sglang')"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("role", "kv_role", "wants"),
+    [("decode", "kv_producer", "prefill"), ("both", "kv_consumer", "decode")],
+)
+def test_an_explicit_kv_role_matches_the_engines_role(role: str, kv_role: str, wants: str) -> None:
+    doc = with_value(document(), "engines[0].role", role)
+    doc = with_value(doc, "engines[0].kv_role", kv_role)
+    assert (
+        f"engines[0].kv_role: {kv_role!r} fixes the engine's role to {wants!r}, but its role is {role!r}"
+        in problems(doc)
+    )
+
+
+def test_engines_launched_with_explicit_kv_roles_are_not_counted_as_movable() -> None:
+    engines = [engine(0, "prefill"), engine(1, "decode")]
+    engines[0]["kv_role"] = "kv_producer"
+    engines[1]["kv_role"] = "kv_consumer"
+    load_config(document(engines=engines, controller={"min_prefill": 1, "min_decode": 1}))
+    movable = [engine(0, "prefill"), engine(1, "decode"), engine(2, "decode")]
+    doc = document(engines=movable, controller={"min_prefill": 2, "min_decode": 1})
+    load_config(doc)
+    for entry in movable[1:]:
+        entry["kv_role"] = "kv_consumer"
+    assert problems(doc) == [
+        "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both' "
+        "or that the controller can move there"
+    ]

@@ -27,6 +27,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engines[].role": ("both", '"prefill", "decode", "both"'),
     "engines[].model": ("default", ""),
     "engines[].bootstrap_port": (None, "1..65535"),
+    "engines[].kv_role": (None, '"kv_both", "kv_producer", "kv_consumer", null'),
     "engines[].prefill_concurrency": (None, ">= 0"),
     "engines[].decode_concurrency": (None, ">= 0"),
     "engines[].api_key_file": (None, ""),

@@ -20,4 +20,4 @@ def test_reference_lists_every_field_and_cross_rule() -> None:
     text = render()
     for field in describe_fields():
         assert f"| `{field.path}` |" in text
-    assert "15. `recovery.health.min_samples` is at most" in text
+    assert "16. `recovery.health.min_samples` is at most" in text

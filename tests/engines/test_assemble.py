@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from narwhal.engines._assemble import ResponseAssembler, unassemblable_reason
@@ -25,8 +26,8 @@ def test_vllm_chat_tool_call_is_merged_by_index() -> None:
     call = {"index": 0, "id": "chatcmpl-tool-a", "type": "function"}
     chunks = [
         delta({"role": "assistant", "content": ""}, finish_reason=None),
-        delta({"reasoning_content": "need "}),
-        delta({"reasoning_content": "weather"}),
+        delta({"reasoning": "need "}),
+        delta({"reasoning": "weather"}),
         delta({"tool_calls": [{**call, "function": {"name": "get_weather"}}]}),
         delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
         delta(
@@ -49,51 +50,84 @@ def test_vllm_chat_tool_call_is_merged_by_index() -> None:
             "usage": {"prompt_tokens": 5, "total_tokens": 9, "completion_tokens": 4},
         },
     ]
-    assert assemble("chat", "vllm", chunks) == {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 17,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": "",
-                    "reasoning_content": "need weather",
-                    "tool_calls": [
-                        {
-                            "id": "chatcmpl-tool-a",
-                            "type": "function",
-                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                        },
-                        {
-                            "id": "chatcmpl-tool-b",
-                            "type": "function",
-                            "function": {"name": "now", "arguments": "{}"},
-                        },
-                    ],
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                },
-                "logprobs": None,
-                "finish_reason": "tool_calls",
-                "stop_reason": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "kv_transfer_params": None,
-        "prompt_logprobs": None,
-        "usage": {
-            "prompt_tokens": 5,
-            "total_tokens": 9,
-            "completion_tokens": 4,
-            "prompt_tokens_details": None,
-        },
+    document = assemble("chat", "vllm", chunks)
+    # vLLM 0.32's non-streaming answer, field for field and in its order.
+    assert json.dumps(document) == json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 17,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": "",
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [
+                            {
+                                "id": "chatcmpl-tool-a",
+                                "type": "function",
+                                "function": {
+                                    "name": "get_weather",
+                                    "arguments": '{"city": "Paris"}',
+                                },
+                            },
+                            {
+                                "id": "chatcmpl-tool-b",
+                                "type": "function",
+                                "function": {"name": "now", "arguments": "{}"},
+                            },
+                        ],
+                        "reasoning": "need weather",
+                    },
+                    "logprobs": None,
+                    "finish_reason": "tool_calls",
+                    "stop_reason": None,
+                    "token_ids": None,
+                    "routed_experts": None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {
+                "prompt_tokens": 5,
+                "total_tokens": 9,
+                "completion_tokens": 4,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    )
+
+
+def test_a_vllm_chat_message_without_a_call_has_no_tool_calls_key() -> None:
+    chunks = [
+        delta({"role": "assistant", "content": ""}, token_ids=None),
+        delta({"content": "Par"}, token_ids=[7]),
+        delta({"content": "is"}, token_ids=[8, 9], finish_reason="stop", stop_reason=None),
+    ]
+    (choice,) = assemble("chat", "vllm", chunks)["choices"]
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "Paris",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
     }
+    assert choice["token_ids"] == [7, 8, 9]
 
 
 def test_vllm_chat_logprobs_content_is_concatenated() -> None:
@@ -139,22 +173,43 @@ def test_vllm_completion_text_logprobs_and_token_ids_are_concatenated() -> None:
     )
     assert document["object"] == "text_completion"
     (choice,) = document["choices"]
-    assert choice == {
-        "index": 0,
-        "text": " a b",
-        "logprobs": {
-            "text_offset": [1, 2],
-            "token_logprobs": [-0.1, -0.2],
-            "tokens": [" a", " b"],
-            "top_logprobs": [{" a": -0.1}, {" b": -0.2}],
-        },
-        "finish_reason": "length",
-        "stop_reason": None,
-        "prompt_token_ids": None,
-        "token_ids": [1, 2],
-        "prompt_logprobs": None,
+    # vLLM 0.32's choice, in its order.
+    assert json.dumps(choice) == json.dumps(
+        {
+            "index": 0,
+            "text": " a b",
+            "logprobs": {
+                "text_offset": [1, 2],
+                "token_logprobs": [-0.1, -0.2],
+                "tokens": [" a", " b"],
+                "top_logprobs": [{" a": -0.1}, {" b": -0.2}],
+            },
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [1, 2],
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+    )
+    assert document["usage"] == {
+        **usage,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
-    assert document["usage"] == {**usage, "prompt_tokens_details": None}
+    assert list(document) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ]
 
 
 def test_sglang_chat_keeps_matched_stop_and_its_own_message_fields() -> None:

@@ -349,8 +349,9 @@ def test_usage_counts_are_read_from_the_usage_object_only() -> None:
         # Absent (or null): neither engine would send usage; the router asks, and keeps it.
         (None, VLLM, {"include_usage": True}, True),
         (None, SGLANG, {"include_usage": True}, True),
-        # Present and empty: vLLM sends usage (include_usage defaults on), SGLang does not.
-        ({}, VLLM, {}, False),
+        # Present and empty: neither SGLang nor vLLM 0.32 sends usage (include_usage
+        # defaults off); the router asks and keeps it. Older vLLM builds default it on.
+        ({}, VLLM, {"include_usage": True}, True),
         ({}, SGLANG, {"include_usage": True}, True),
         ({"include_usage": True}, SGLANG, {"include_usage": True}, False),
         # Asked not to: ask anyway, without continuous stats the client did not get.
@@ -377,6 +378,19 @@ def test_streamed_legs_ask_for_the_usage_chunk(
     assert own is ours
     assert leg["stream_options"] == (options if sent is None else sent)
     assert leg["prompt"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("version", "by_default"),
+    [("0.29.0", True), ("0.31.2", True), ("0.32.0", False), ("0.33.1rc1", False), (None, False)],
+)
+def test_an_empty_stream_options_asks_older_vllm_builds_for_usage(
+    version: str | None, by_default: bool
+) -> None:
+    body = {"prompt": "x", "stream": True, "stream_options": {}}
+    leg, own = with_usage_report(body, VLLM, version)
+    assert own is not by_default
+    assert leg["stream_options"] == ({} if by_default else {"include_usage": True})
 
 
 def test_the_context_length_is_the_served_models_card() -> None:

@@ -231,7 +231,7 @@ async def test_profile_missing_or_stale(start_fleet: StartFleet, tmp_path: Path,
     else:
         assert profile["e0"].measured == "stale"
         assert profile["e0"].note == (
-            "engine build is 'vllm 0.29.0 [build-2] model=sim-llama-3-8b max_model_len=8192', "
+            "engine build is 'vllm 0.32.0 [build-2] model=sim-llama-3-8b max_model_len=8192', "
             "profiled on 'vllm 0.29.0 [build-1] model=sim-llama-3-8b max_model_len=8192'; "
             "run narwhal-profile again"
         )

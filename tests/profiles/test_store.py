@@ -414,3 +414,52 @@ def test_sglang_prefill_decode_servers_pair_only_prefill_to_decode() -> None:
     check = check_store(store, [], three)
     assert check.messages == ()
     assert check.usable == {"p0", "d0", "d1"}
+
+
+def test_engines_without_a_kv_connector_are_in_no_pair(tmp_path: Path) -> None:
+    # vLLM engines that answered the router's prefill leg with kv_transfer_params: null
+    # (an aggregate engine): each is profiled on itself, and no handoff is asked for.
+    urls = {e: f"http://127.0.0.1:{8100 + i}" for i, e in enumerate(("a0", "a1", "p0", "d0"))}
+    config = config_for(urls)
+    assert crossed_pairs(config.engines, no_connector={"a0", "a1"}) == [
+        ("p0", "d0"),
+        ("d0", "p0"),
+    ]
+    assert crossed_pairs(config.engines, no_connector=set(urls)) == []
+    # The self pair is a one-engine fleet's, not what is left of a larger one.
+    assert crossed_pairs(config.engines, no_connector={"a0", "a1", "d0"}) == []
+    lone = config_for({"a0": urls["a0"]})
+    assert crossed_pairs(lone.engines) == [("a0", "a0")]
+    assert crossed_pairs(lone.engines, no_connector={"a0"}) == []
+    aggregate = {e: urls[e] for e in ("a0", "a1")}
+    store = store_for(aggregate)
+    store = attrs.evolve(
+        store,
+        engines={e: attrs.evolve(p, kv_connector="none") for e, p in store.engines.items()},
+        handoffs={},
+    )
+    path = tmp_path / "profiles.json"
+    save_profiles(store, path)
+    assert json.loads(path.read_text())["engines"]["a0"]["kv_connector"] == "none"
+    check = load_profiles(path, config_for(aggregate))
+    assert check.ok, check.messages
+    assert check.store == store
+    # Not known (an older store, or the field left out): every pair is asked for.
+    document: Any = store_to_json(store)
+    for fields in document["engines"].values():
+        del fields["kv_connector"]
+    old, problems = store_from_json(document)
+    assert problems == []
+    assert old is not None
+    assert {p.kv_connector for p in old.engines.values()} == {""}
+    assert check_store(old, [], config_for(aggregate)).messages == (
+        "pair 'a0' -> 'a1': no crossed-handoff profile in the store; run narwhal-profile",
+        "pair 'a1' -> 'a0': no crossed-handoff profile in the store; run narwhal-profile",
+    )
+    document["engines"]["a0"]["kv_connector"] = "maybe"
+    bad, problems = store_from_json(document)
+    assert bad is not None
+    assert set(bad.engines) == {"a1"}
+    assert problems == [
+        "profile store: engines.a0: kv_connector is 'maybe'; must be 'present', 'none' or ''"
+    ]

@@ -41,7 +41,8 @@ async def test_profile_recovers_the_sim_law(start_fleet: StartFleet, tmp_path: P
     for engine_id, profile in store.engines.items():
         assert profile.url == urls[engine_id]
         assert profile.build == (
-            f"vllm 0.29.0 [{fleet[0].engine.spec.build}] model=sim-llama-3-8b max_model_len=8192"
+            f"vllm {fleet[0].engine.spec.vllm_version} [{fleet[0].engine.spec.build}] "
+            "model=sim-llama-3-8b max_model_len=8192"
         )
         assert profile.max_model_len == 8192
         assert profile.kv_capacity_tokens == LAW.kv_capacity_tokens

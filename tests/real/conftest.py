@@ -96,10 +96,11 @@ def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any
         "listen": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
         "controller": {"enabled": False},
-        # A first token on this shared 2-core box can take seconds (a NIXL transfer starved
-        # of CPU took 40 s once): the tests assert behaviour, not latency, and a leg cut
-        # at the default 2.5 s would count against a healthy engine.
-        "engine": {"first_token_timeout_s": 60.0},
+        # CPU engines on a two-core box shared with the test process: a first token or a
+        # probe answer can take seconds (a NIXL transfer starved of CPU took 40 s once).
+        # The tier asserts behaviour, not latency, and a leg cut at the default 2.5 s
+        # would count against a healthy engine; tests of a timer set their own.
+        "engine": {"first_token_timeout_s": 60.0, "health_timeout_s": 20.0},
     }
     for key, value in sections.items():
         document[key] = {**document.get(key, {}), **value}
@@ -107,11 +108,14 @@ def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any
 
 
 def aggregate_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
+    sections.setdefault("profiles", {"path": str(fleet.directory / "no-profiles.json")})
     return real_config([engine_entry(e, "both") for e in fleet.aggregate], **sections)
 
 
 def pair_config(fleet: RealFleet, **sections: Any) -> dict[str, Any]:
     prefill, decode = fleet.pair
+    # Not the repository's runs/profiles.json, which profiles the simulated demo fleet.
+    sections.setdefault("profiles", {"path": str(fleet.directory / "no-profiles.json")})
     return real_config(
         [engine_entry(prefill, "prefill"), engine_entry(decode, "decode")], **sections
     )

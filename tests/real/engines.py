@@ -1,7 +1,7 @@
 """Real vLLM engines for the real-engine tier: launch, wait, kill, restart, reap.
 
-The engines run from their own venv (`tools/engines/vllm-venv.sh`, default `.venv-vllm`,
-or `NARWHAL_VLLM_VENV`), on free loopback ports, serving the tiny random-weight model that
+The engines run from their own venv (`tools/engines/vllm-venv.sh`, default
+`~/.cache/narwhal/vllm-venv`, or `NARWHAL_VLLM_VENV`), on free loopback ports, serving the tiny random-weight model that
 `tools/engines/tiny_model.py` builds at test time. The fleet is:
 
 - ``agg0``, ``agg1``: aggregate engines, no KV connector;
@@ -53,7 +53,11 @@ class EngineSetupError(RuntimeError):
 
 
 def venv() -> Path:
-    return Path(os.environ.get("NARWHAL_VLLM_VENV", ROOT / ".venv-vllm"))
+    """Where tools/engines/vllm-venv.sh puts the engines' venv (the same default)."""
+    if "NARWHAL_VLLM_VENV" in os.environ:
+        return Path(os.environ["NARWHAL_VLLM_VENV"])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "narwhal" / "vllm-venv"
 
 
 def engine_python() -> Path:
@@ -351,7 +355,11 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def engine_argv(model: Path, port: int, *, kv: dict[str, Any] | None = None) -> list[str]:
-    argv = [
+    # NIXL's progress thread polls a core even when the engine is idle (UCX backend, no
+    # setting reaches it through vLLM's NixlConnector): a connector engine runs niced, so
+    # its polling yields to the test process and the other engines on a two-core box.
+    argv = ["nice", "-n", "15"] if kv is not None else []
+    argv += [
         str(engine_python()),
         "-m",
         "vllm.entrypoints.openai.api_server",

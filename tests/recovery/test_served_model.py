@@ -16,7 +16,9 @@ from ..support import wait_for
 from .conftest import StartStack
 from .test_sim_faults import prober_pair
 
-REFUSED = f"HTTP 404: The model `{MODEL}` does not exist."
+# vLLM 0.32's refusal by an engine launched as "another-model".
+REFUSAL = f"The model `{MODEL}` does not exist. Valid aliases: another-model."
+REFUSED = f"HTTP 404: {REFUSAL}"
 
 
 def reason(stack: Stack, engine_id: str) -> str | None:
@@ -95,7 +97,7 @@ async def test_a_verification_leg_refused_for_the_model_is_a_refusal_not_a_failu
     assert await prober.verify(pair, config) == VerifyResult(
         "refused",
         f"prefill on p0, decode on d0: decode leg on d0 returned {REFUSED}",
-        refusal=ModelRefusal(d0, f"The model `{MODEL}` does not exist."),
+        refusal=ModelRefusal(d0, REFUSAL),
     )
     for engine in (p0, d0):
         await engine.aclose()

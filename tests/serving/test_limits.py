@@ -408,7 +408,7 @@ async def test_queue_wait_is_capped_by_the_request_deadline(start_stack: StartSt
         ),
         (
             json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(),
-            "only n=1 is supported",
+            "n=2 is served only by an aggregate engine (role `both`)",
             "n",
         ),
         # Engine pairing fields: from a client they would make an engine hold KV for a
@@ -465,7 +465,7 @@ async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged
             replies.append((status, headers[b"content-type"], json.loads(body)["error"]))
     assert replies == [
         (
-            b"HTTP/1.1 400 ",
+            b"HTTP/1.1 400 Bad Request",
             b"application/json",
             {
                 "message": "malformed HTTP/1.1 request: bad Content-Length",
@@ -475,7 +475,7 @@ async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged
             },
         ),
         (
-            b"HTTP/1.1 400 ",
+            b"HTTP/1.1 400 Bad Request",
             b"application/json",
             {
                 "message": "narwhal serves HTTP only; a websocket upgrade is not supported",
@@ -485,7 +485,7 @@ async def test_requests_the_server_cannot_parse_are_enveloped_counted_and_logged
             },
         ),
         (
-            b"HTTP/1.1 505 ",
+            b"HTTP/1.1 505 HTTP Version Not Supported",
             b"application/json",
             {
                 "message": "HTTP/2.0 request refused: this listener serves HTTP/1.1 only",

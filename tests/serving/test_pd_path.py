@@ -147,6 +147,12 @@ async def test_exact_count_differs_from_the_chars_estimate(start_stack: StartSta
 
 async def test_models_health_and_metrics(start_stack: StartStack) -> None:
     stack = await start_stack(["prefill", "decode"])
+    await wait_for(lambda: all(e.context_length is not None for e in stack.ctx.fleet))
+    # Engines of one model with different contexts: the card has the one both take.
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    assert decode.context_length is not None
+    decode.set_context(decode.context_length - 1000, "a smaller engine")
     async with httpx.AsyncClient(timeout=10) as client:
         models = (await client.get(f"{stack.url}/v1/models")).json()
         health = await client.get(f"{stack.url}/health")
@@ -156,7 +162,9 @@ async def test_models_health_and_metrics(start_stack: StartStack) -> None:
         )
         metrics = (await client.get(f"{stack.url}/metrics")).text
         missing = await client.get(f"{stack.url}/v2/nothing")
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [
+        (MODEL, decode.context_length)
+    ]
     assert health.status_code == 200
     assert 'narwhal_requests_total{endpoint="completions",outcome="ok"} 1.0' in metrics
     assert 'narwhal_engine_role{engine="p0",role="prefill"} 1.0' in metrics

@@ -8,10 +8,9 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from narwhal._errors import BadRequest
-from narwhal.engines import SGLANG, VLLM, Dialect, EndpointKind
+from narwhal.engines import EndpointKind
 from narwhal.serving._request import (
     ClientRequest,
-    context_overflow,
     parse_body,
     request_id_from_header,
     truncated_prompt,
@@ -148,24 +147,6 @@ def test_truncate_prompt_tokens_is_the_prompt_vllm_runs(
     assert truncated_prompt(request(truncate_prompt_tokens=keep), 500, context) == min(500, runs)
 
 
-@pytest.mark.parametrize("dialect", [VLLM, SGLANG])
-def test_the_context_check_refuses_what_every_build_refuses(dialect: Dialect) -> None:
-    # A prompt that fills the context, or output past it; a total equal to it passes
-    # (older SGLang builds refused that too: the engine says so itself).
-    assert context_overflow(request(max_tokens=100), 8092, 8192, dialect) is None
-    assert context_overflow(request(max_tokens=None), 8191, 8192, dialect) is None
-    output = context_overflow(request(max_tokens=101), 8092, 8192, dialect)
-    assert output is not None
-    assert (output.status, output.code, output.param) == (
-        400,
-        "context_length_exceeded",
-        "max_tokens",
-    )
-    prompt = context_overflow(request(max_tokens=1), 8192, 8192, dialect)
-    assert prompt is not None
-    assert (prompt.code, prompt.param) == ("context_length_exceeded", "input_tokens")
-
-
 def test_a_completion_without_max_tokens_is_bounded_by_the_engines_default() -> None:
     # Both engines stop it at 16 tokens; taken as unbounded, it was neither checked
     # against the context nor priced as the short request it is.
@@ -178,69 +159,11 @@ def test_a_completion_without_max_tokens_is_bounded_by_the_engines_default() -> 
     assert chat_request().max_tokens is None
 
 
-@pytest.mark.parametrize(
-    ("dialect", "message"),
-    [
-        (
-            VLLM,
-            "'max_tokens' is too large: 16. This model's maximum context length is 8192 tokens "
-            "and your request has 8177 input tokens (16 > 8192 - 8177).",
-        ),
-        (
-            SGLANG,
-            "Requested token count exceeds the model's maximum context length of 8192 tokens. "
-            "You requested a total of 8193 tokens: 8177 tokens from the input messages and 16 "
-            "tokens for the completion. Please reduce the number of tokens in the input "
-            "messages or the completion to fit within the limit.",
-        ),
-    ],
-)
-def test_the_context_check_counts_a_completions_default_output(
-    dialect: Dialect, message: str
-) -> None:
-    assert context_overflow(request(), 8176, 8192, dialect) is None
-    overflow = context_overflow(request(), 8177, 8192, dialect)
-    assert overflow is not None
-    assert (overflow.status, overflow.code, overflow.param, overflow.message) == (
-        400,
-        "context_length_exceeded",
-        "max_tokens",
-        message,
-    )
-    for unbounded in (chat_request(), request(max_tokens=None)):
-        assert context_overflow(unbounded, 8191, 8192, dialect) is None
-
-
 def test_a_completion_is_bounded_by_its_max_tokens_alone() -> None:
     # max_completion_tokens is chat's name: neither engine's completion request has the
     # field, and both ignore it there. Read first, it was checked against the context,
     # named in the refusal and priced, for a bound the engine never applies.
     both = request(max_completion_tokens=500, max_tokens=10)
     assert (both.max_tokens_field, both.max_tokens) == ("max_tokens", 10)
-    assert context_overflow(both, 8000, 8192, VLLM) is None
     assert request(max_completion_tokens=0, max_tokens=10).max_tokens == 10
     assert request(max_completion_tokens=500).max_tokens == 16
-
-
-def test_the_context_check_speaks_each_engines_words() -> None:
-    chat = chat_request(max_completion_tokens=200)
-    vllm, sglang = (context_overflow(chat, 8000, 8192, d) for d in (VLLM, SGLANG))
-    assert vllm is not None
-    assert sglang is not None
-    assert vllm.param == sglang.param == "max_completion_tokens"
-    assert vllm.message == (
-        "'max_completion_tokens' is too large: 200. This model's maximum context length is "
-        "8192 tokens and your request has 8000 input tokens (200 > 8192 - 8000)."
-    )
-    assert sglang.message == (
-        "Requested token count exceeds the model's maximum context length of 8192 tokens. "
-        "You requested a total of 8200 tokens: 8000 tokens from the input messages and 200 "
-        "tokens for the completion. Please reduce the number of tokens in the input messages "
-        "or the completion to fit within the limit."
-    )
-    long = (context_overflow(chat, 9000, 8192, d) for d in (VLLM, SGLANG))
-    assert [e.message for e in long if e is not None] == [
-        "This model's maximum context length is 8192 tokens. However, your request has 9000 "
-        "input tokens. Please reduce the length of the input messages.",
-        "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
-    ]

@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
+from http import HTTPStatus
 from typing import Any, cast
 
 import h2.config
@@ -517,7 +518,7 @@ async def test_a_request_h11_cannot_parse_is_reported_and_answered_with_the_enve
         reply = await _read_to_end(client)
     head, _, body = reply.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
-    assert lines[0] == b"HTTP/1.1 %d " % status
+    assert lines[0] == b"HTTP/1.1 %d %s" % (status, HTTPStatus(status).phrase.encode())
     assert {b"connection: close", b"content-type: application/json"} <= set(lines)
     assert b"content-length: %d" % len(body) in lines
     envelope = {
@@ -530,6 +531,40 @@ async def test_a_request_h11_cannot_parse_is_reported_and_answered_with_the_enve
     }
     assert json.loads(body) == envelope
     assert [(e.status, e.envelope()) for e in reported] == [(status, envelope)]
+
+
+async def _status(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    """Answers with the status its path names (`/404`), after reading the body."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body", False):
+        pass
+    status = int(scope["path"].strip("/"))
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status_lines"),
+    [
+        (b"GET /200 HTTP/1.1\r\nhost: x\r\n\r\n", [b"HTTP/1.1 200 OK"]),
+        (b"GET /404 HTTP/1.1\r\nhost: x\r\n\r\n", [b"HTTP/1.1 404 Not Found"]),
+        (b"GET /503 HTTP/1.0\r\n\r\n", [b"HTTP/1.1 503 Service Unavailable"]),
+        # No registered phrase: an empty one, as before.
+        (b"GET /599 HTTP/1.1\r\nhost: x\r\n\r\n", [b"HTTP/1.1 599 "]),
+    ],
+)
+async def test_status_lines_carry_the_reason_phrase_of_their_status(
+    request_head: bytes, status_lines: list[bytes]
+) -> None:
+    # hypercorn gave h11 no reason, and every status line went out as `HTTP/1.1 200 `.
+    async with _served(_status) as (host, port), await trio.open_tcp_stream(host, port) as client:
+        await client.send_all(request_head)
+        reply = b""
+        with trio.fail_after(5):
+            while b"hello" not in reply:
+                reply += await client.receive_some(65536)
+    assert re.findall(rb"(HTTP/1\.1 [^\r]*)\r\n", reply) == status_lines
 
 
 async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_error() -> None:
@@ -735,7 +770,7 @@ async def test_a_client_the_app_refused_while_it_sends_its_body_gets_to_read_the
             await trio.testing.wait_all_tasks_blocked()
         await client.send_eof()
         reply = await _read_to_end(client)
-    assert reply.startswith(b"HTTP/1.1 413 ")
+    assert reply.startswith(b"HTTP/1.1 413 Request Entity Too Large\r\n")
     assert reply.endswith(b"\r\n\r\n" + _TOO_LARGE)
 
 

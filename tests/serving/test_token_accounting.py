@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -32,12 +33,17 @@ from .test_predictive import predictive_stack
 INTERVAL = 4
 
 
-async def packing_stack(start_stack: StartStack, interval: int = INTERVAL) -> Stack:
+async def packing_stack(
+    start_stack: StartStack, interval: int = INTERVAL, *, vllm_version: str | None = None
+) -> Stack:
     """A P/D pair at real speed whose decode engine sends `interval` tokens an event."""
+    spec = SimEngineSpec(stream_interval=interval)
+    if vllm_version is not None:
+        spec = attrs.evolve(spec, vllm_version=vllm_version)
     return await start_stack(
         ["prefill", "decode"],
         speed=1.0,
-        sim={"spec": SimEngineSpec(stream_interval=interval)},
+        sim={"spec": spec},
         slo={"ttft_s": 5.0},  # the KV turnover window: long enough to read it back whole
     )
 
@@ -57,7 +63,9 @@ async def stream(stack: Stack, **extra: object) -> list[dict[str, Any]]:
 async def test_the_usage_chunk_reaches_only_clients_that_asked_for_it(
     start_stack: StartStack,
 ) -> None:
-    stack = await packing_stack(start_stack)
+    # Pinned to vLLM 0.29, whose include_usage is true once stream_options is there: the
+    # router passes `{}` on as is (on 0.32, where it means false, no usage chunk comes).
+    stack = await packing_stack(start_stack, vllm_version="0.29.0")
     # No stream_options: the router asked for usage, so it keeps the chunk to itself.
     chunks = await stream(stack)
     assert all(chunk["choices"] for chunk in chunks)
@@ -73,6 +81,22 @@ async def test_the_usage_chunk_reaches_only_clients_that_asked_for_it(
         stack, stream_options={"include_usage": False, "continuous_usage_stats": True}
     )
     assert all(chunk["choices"] and chunk["usage"] is None for chunk in chunks)
+
+
+async def test_an_empty_stream_options_gets_no_usage_chunk_from_vllm_0_32(
+    start_stack: StartStack,
+) -> None:
+    # vLLM 0.32's include_usage defaults to false: the client gets no usage chunk, as from
+    # the engine itself, and the router still counts the tokens from the chunk it asked for.
+    stack = await packing_stack(start_stack)
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    chunks = await stream(stack, stream_options={})
+    assert all(chunk["choices"] for chunk in chunks)
+    assert len(chunks) < 40  # about 100 / 4 events
+    await settled(stack)
+    freed = stack.ctx.kv_turnover.current(decode, trio.current_time())
+    assert 570 < freed <= 600
 
 
 async def test_packed_events_count_as_their_tokens(start_stack: StartStack) -> None:

@@ -61,14 +61,16 @@ async def test_default_max_tokens(start_fleet: StartFleet, client: httpx.AsyncCl
     assert body["usage"]["completion_tokens"] == 300 - body["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize(("vllm_version", "null_completion"), [("0.32.0", 16), ("0.29.0", 256)])
 async def test_a_request_without_an_output_bound(
-    start_fleet: StartFleet, client: httpx.AsyncClient
+    start_fleet: StartFleet, client: httpx.AsyncClient, vllm_version: str, null_completion: int
 ) -> None:
-    # vLLM reads a completion's max_tokens null as no bound, as a chat without one: the
-    # sim runs both to SimEngineSpec.unbounded_max_tokens (256) within the context, at
-    # least to their min_tokens; an absent max_tokens is the completion's default, 16.
+    # A chat without max_tokens has no bound: the sim runs it to
+    # SimEngineSpec.unbounded_max_tokens (256) within the context, at least to its
+    # min_tokens. A completion's absent max_tokens is its default, 16; vLLM 0.32 reads a
+    # null one as that default too, 0.29 as no bound.
     timing = SimTiming(max_model_len=400)
-    fleet = await start_fleet(engines=2, speed=200.0, timing=timing)
+    fleet = await start_fleet(engines=2, speed=200.0, timing=timing, vllm_version=vllm_version)
     bounded = fleet[0].url
 
     async def generated(url: str, path: str, **body: object) -> tuple[int, int]:
@@ -78,24 +80,28 @@ async def test_a_request_without_an_output_bound(
         return usage["prompt_tokens"], usage["completion_tokens"]
 
     chat = [{"role": "user", "content": "Hi"}]
-    assert await generated(bounded, "completions", prompt="hi", max_tokens=None) == (2, 256)
+    null = await generated(bounded, "completions", prompt="hi", max_tokens=None)
+    assert null == (2, null_completion)
     assert await generated(bounded, "completions", prompt="hi") == (2, 16)
     assert (await generated(bounded, "chat/completions", messages=chat))[1] == 256
     assert (await generated(bounded, "chat/completions", messages=chat, max_tokens=None))[1] == 256
-    done = await generated(bounded, "completions", prompt="hi", max_tokens=None, min_tokens=300)
-    assert done == (2, 300)
+    done = await generated(bounded, "chat/completions", messages=chat, min_tokens=300)
+    assert done[1] == 300
     # Unset (CLI --unbounded-max-tokens context), they run to the context as vLLM does.
-    spec = SimEngineSpec(timing=timing, unbounded_max_tokens=None)
+    spec = SimEngineSpec(timing=timing, unbounded_max_tokens=None, vllm_version=vllm_version)
     (engine,) = await start_fleet(engines=1, speed=200.0, spec=spec)
-    prompt, output = await generated(engine.url, "completions", prompt="hi", max_tokens=None)
-    assert prompt + output == 400
     prompt, output = await generated(engine.url, "chat/completions", messages=chat)
     assert prompt + output == 400
+    if null_completion != 16:
+        prompt, output = await generated(engine.url, "completions", prompt="hi", max_tokens=None)
+        assert prompt + output == 400
 
 
 async def test_completion_stream_framing(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
+    # vLLM 0.32: a chunk has no usage key unless it carries usage, the last one carries
+    # the system fingerprint, and `"stream_options": {}` leaves include_usage false.
     fleet = await start_fleet(engines=1, speed=5.0)
     url = fleet[0].url
     status, headers, raw = await post_stream(
@@ -106,6 +112,37 @@ async def test_completion_stream_framing(
     assert status == 200
     assert headers["content-type"].startswith("text/event-stream")
     assert headers["transfer-encoding"] == "chunked"
+    tokens = sse_json(raw)
+    for chunk in tokens:
+        (choice,) = chunk["choices"]
+        assert set(choice) == {
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+            "prompt_token_ids",
+            "token_ids",
+        }
+        assert "usage" not in chunk
+    assert [c["choices"][0]["finish_reason"] for c in tokens][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in tokens[:-1])
+    assert "".join(c["choices"][0]["text"] for c in tokens).count(" ") == 5
+    assert tokens[-1]["system_fingerprint"].startswith("vllm-0.32.0-")
+    assert all("system_fingerprint" not in c for c in tokens[:-1])
+
+
+async def test_completion_stream_framing_on_vllm_029(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, speed=5.0, vllm_version="0.29.0")
+    url = fleet[0].url
+    status, _, raw = await post_stream(
+        client,
+        f"{url}/v1/completions",
+        {"prompt": "Hello", "max_tokens": 5, "stream": True, "stream_options": {}},
+    )
+    assert status == 200
     chunks = sse_json(raw)
     *tokens, usage = chunks
     for chunk in tokens:
@@ -124,7 +161,7 @@ async def test_completion_stream_framing(
     assert [c["choices"][0]["finish_reason"] for c in tokens][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in tokens[:-1])
     assert "".join(c["choices"][0]["text"] for c in tokens).count(" ") == 5
-    # `"stream_options": {}` means include_usage=True in vLLM.
+    # `"stream_options": {}` means include_usage=True in vLLM 0.29.
     assert usage["choices"] == []
     assert usage["usage"]["completion_tokens"] == 5
 
@@ -152,27 +189,44 @@ async def test_chat_stream_framing_and_usage_default(
     assert all(c["choices"] for c in sse_json(raw))
 
 
+@pytest.mark.parametrize(
+    ("vllm_version", "options", "completion_details", "chat_details"),
+    [
+        # 0.32: include_usage is false unless set; a completion chunk's usage has the
+        # counts only (set fields), a chat chunk's a null completion_tokens_details.
+        (
+            "0.32.0",
+            {"include_usage": True, "continuous_usage_stats": True},
+            {},
+            {"completion_tokens_details": None},
+        ),
+        # 0.29: include_usage is true once stream_options is there; a completion chunk
+        # is dumped with every field, so its usage has a null prompt_tokens_details.
+        ("0.29.0", {"continuous_usage_stats": True}, {"prompt_tokens_details": None}, {}),
+    ],
+)
 async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
-    start_fleet: StartFleet, client: httpx.AsyncClient
+    start_fleet: StartFleet,
+    client: httpx.AsyncClient,
+    vllm_version: str,
+    options: dict[str, bool],
+    completion_details: dict[str, None],
+    chat_details: dict[str, None],
 ) -> None:
-    # vLLM: with include_usage (its default once stream_options is there), every chunk also
-    # carries the usage so far; a completion chunk with its null prompt_tokens_details
-    # (dumped with every field), a chat chunk without (§4.2-4.4).
-    fleet = await start_fleet(engines=1, speed=20.0)
+    # vLLM: with include_usage, every chunk also carries the usage so far (§4.2-4.4).
+    fleet = await start_fleet(engines=1, speed=20.0, vllm_version=vllm_version)
     url = fleet[0].url
-    options = {"continuous_usage_stats": True}
     body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "stream_options": options}
     *chunks, final = sse_json((await post_stream(client, f"{url}/v1/completions", body))[2])
     prompt = final["usage"]["prompt_tokens"]
     sent = 0
     for chunk in chunks:
         sent += chunk["choices"][0]["text"].count(" ")
-        details = {"prompt_tokens_details": None}
         assert chunk["usage"] == {
             "prompt_tokens": prompt,
             "total_tokens": prompt + sent,
             "completion_tokens": sent,
-            **details,
+            **completion_details,
         }
     assert (sent, final["choices"]) == (4, [])
     chat = {
@@ -189,6 +243,7 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
         "prompt_tokens": prompt,
         "total_tokens": prompt,
         "completion_tokens": 0,
+        **chat_details,
     }
     sent = 0
     for chunk in chunks:
@@ -198,6 +253,7 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
             "prompt_tokens": prompt,
             "total_tokens": prompt + sent,
             "completion_tokens": sent,
+            **chat_details,
         }
     assert sent == 3
     # Without include_usage, none at all.
@@ -221,65 +277,122 @@ async def test_chat_non_streaming_shape(start_fleet: StartFleet, client: httpx.A
     assert body["usage"]["completion_tokens"] == 3
 
 
+_VALIDATION_032 = [
+    (
+        {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
+        400,
+        None,
+        "min_tokens must be less than or equal to max_tokens=2, got 5.",
+    ),
+    (
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+    ),
+    # A text prompt is tokenized only to the context + 1.
+    (
+        {"prompt": "word " * 9000, "max_tokens": 1},
+        400,
+        "input_tokens",
+        "This model's maximum context length is 8192 tokens. However, your prompt contains "
+        "at least 8193 input tokens, which exceeds this limit even without any output tokens.",
+    ),
+    (
+        {"prompt": [7] * 8200, "max_tokens": 1},
+        400,
+        "input_tokens",
+        "This model's maximum context length is 8192 tokens. However, your prompt contains "
+        "8200 input tokens,",
+    ),
+    # A prompt of exactly the context leaves no output.
+    (
+        {"prompt": [7] * 8192, "max_tokens": 1},
+        400,
+        "max_tokens",
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+    ),
+    (
+        {"prompt": "x", "max_tokens": 9000},
+        400,
+        "max_tokens",
+        "max_tokens=9000 cannot be greater than max_model_len=8192. Please request fewer "
+        "output tokens. (parameter=max_tokens, value=9000)",
+    ),
+    ({"prompt": "x", "min_tokens": -1}, 400, None, "min_tokens must be greater than or equal to 0"),
+    (
+        {"model": "nope", "prompt": "x"},
+        404,
+        "model",
+        f"The model `nope` does not exist. Valid aliases: {DEFAULT_MODEL}.",
+    ),
+    ({"prompt": "x", "n": 0}, 400, None, "n must be at least 1, got 0."),
+    (
+        {"prompt": "x", "logprobs": 21},
+        400,
+        "logprobs",
+        "Requested sample logprobs of 21, which is greater than max allowed: 20 "
+        "(parameter=logprobs, value=21)",
+    ),
+    ({"prompt": [1, 10**6]}, 400, None, "Token id 1000000 is out of vocabulary"),
+    (
+        {"prompt": "x", "temperature": -1},
+        400,
+        "temperature",
+        "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+    ),
+]
+_VALIDATION_029 = [
+    (
+        {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
+        400,
+        "min_tokens",
+        "min_tokens must be less than or equal to max_tokens=2, got 5.",
+    ),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "body", "1 validation error"),
+    (
+        {"prompt": "word " * 9000, "max_tokens": 1},
+        400,
+        "input_tokens",
+        "This model's maximum context length is 8192 tokens. However, your request has",
+    ),
+    (
+        {"prompt": "word " * 8000, "max_tokens": 1000},
+        400,
+        "max_tokens",
+        "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
+    ),
+    # The context is checked before the sampling parameters are built.
+    (
+        {"prompt": "word " * 8000, "max_tokens": 1000, "min_tokens": 2000},
+        400,
+        "max_tokens",
+        "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
+    ),
+    (
+        {"prompt": "x", "min_tokens": -1},
+        400,
+        "min_tokens",
+        "min_tokens must be greater than or equal to 0, got -1.",
+    ),
+    ({"model": "nope", "prompt": "x"}, 404, "model", "The model `nope` does not exist."),
+]
+
+
 @pytest.mark.parametrize(
-    ("body", "status", "param", "message"),
-    [
-        (
-            {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
-            400,
-            "min_tokens",
-            "min_tokens must be less than or equal to max_tokens=2, got 5.",
-        ),
-        (
-            {"prompt": "x", "stream_options": {"include_usage": True}},
-            400,
-            "body",
-            "1 validation error",
-        ),
-        (
-            {"prompt": "word " * 9000, "max_tokens": 1},
-            400,
-            "input_tokens",
-            "This model's maximum context length is 8192 tokens. However, your request has",
-        ),
-        (
-            {"prompt": "word " * 8000, "max_tokens": 1000},
-            400,
-            "max_tokens",
-            "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
-        ),
-        # The context is checked before the sampling parameters are built.
-        (
-            {"prompt": "word " * 8000, "max_tokens": 1000, "min_tokens": 2000},
-            400,
-            "max_tokens",
-            "'max_tokens' or 'max_completion_tokens' is too large: 1000.",
-        ),
-        (
-            {"prompt": "x", "min_tokens": -1},
-            400,
-            "min_tokens",
-            "min_tokens must be greater than or equal to 0, got -1.",
-        ),
-        (
-            {"model": "nope", "prompt": "x"},
-            404,
-            "model",
-            "The model `nope` does not exist.",
-        ),
-        # A sim limit, said as one rather than answered with a single choice.
-        ({"prompt": "x", "n": 2}, 400, "n", "n=2 is not simulated; send one choice per request"),
-    ],
+    ("vllm_version", "body", "status", "param", "message"),
+    [("0.32.0", *case) for case in _VALIDATION_032] + [("0.29.0", *c) for c in _VALIDATION_029],
 )
 async def test_validation_errors_use_the_nested_envelope(
     start_fleet: StartFleet,
     client: httpx.AsyncClient,
+    vllm_version: str,
     body: dict[str, object],
     status: int,
-    param: str,
+    param: str | None,
     message: str,
 ) -> None:
-    fleet = await start_fleet(engines=1, **FAST)
+    fleet = await start_fleet(engines=1, vllm_version=vllm_version, **FAST)
     r = await client.post(f"{fleet[0].url}/v1/completions", json=body)
     assert r.status_code == status
     err = r.json()["error"]
@@ -295,6 +408,54 @@ async def test_validation_errors_use_the_nested_envelope(
     else:
         assert err["type"] == "BadRequestError"
     assert fleet[0].state()["counters"]["rejected_invalid"] == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [1, 10**6], "max_tokens": 2},
+        {"prompt": "x", "max_tokens": 2, "logprobs": 21},
+        {"prompt": "x", "max_tokens": 2, "logprobs": -1},
+    ],
+)
+async def test_the_engines_input_checks_answer_a_stream_with_an_error_event(
+    start_fleet: StartFleet, client: httpx.AsyncClient, body: dict[str, object]
+) -> None:
+    # vLLM checks token ids and logprobs in its engine's generator, after a stream's 200:
+    # one error event with code 400, then [DONE] (both builds).
+    fleet = await start_fleet(engines=1, **FAST)
+    status, headers, raw = await post_stream(
+        client, f"{fleet[0].url}/v1/completions", {**body, "stream": True}
+    )
+    assert status == 200
+    assert headers["content-type"].startswith("text/event-stream")
+    event, done = raw.split(b"\n\n")[:2]
+    assert done == b"data: [DONE]"
+    assert raw.endswith(b"data: [DONE]\n\n")
+    err = json.loads(event.removeprefix(b"data: "))["error"]
+    assert (err["code"], err["type"]) == (400, "BadRequestError")
+
+
+async def test_prompt_and_output_over_the_context_is_served_capped_on_vllm_032(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(engines=1, timing=SimTiming(max_model_len=300), speed=200.0)
+    url = fleet[0].url
+    r = await client.post(f"{url}/v1/completions", json={"prompt": [7] * 290, "max_tokens": 100})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"] == {
+        "prompt_tokens": 290,
+        "total_tokens": 300,
+        "completion_tokens": 10,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    assert body["choices"][0]["finish_reason"] == "length"
+    chat = {"messages": [{"role": "user", "content": "word " * 250}], "max_tokens": 100}
+    r = await client.post(f"{url}/v1/chat/completions", json=chat)
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 300
 
 
 async def test_queue_limit_answers_503(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
@@ -465,10 +626,11 @@ async def test_stream_interval_packs_tokens_into_events(
     # SGLang --stream-interval, and vLLM when its API server falls behind: one event
     # carries several tokens. The first token still goes out on its own.
     fleet = await start_fleet(engines=1, spec=SimEngineSpec(stream_interval=3), speed=5.0)
+    options = {"include_usage": True}
     _, _, raw = await post_stream(
         client,
         f"{fleet[0].url}/v1/completions",
-        {"prompt": "Hello", "max_tokens": 10, "stream": True, "stream_options": {}},
+        {"prompt": "Hello", "max_tokens": 10, "stream": True, "stream_options": options},
     )
     *tokens, usage = sse_json(raw)
     first, *middle, last = [c["choices"][0]["text"].count(" ") for c in tokens]

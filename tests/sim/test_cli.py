@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -126,3 +127,26 @@ def test_cli_gives_each_sglang_engine_its_launch_mode() -> None:
         modes(*sglang, "--disaggregation-mode", "both")
     with pytest.raises(ValueError, match=r"needs --dialect sglang$"):
         modes("--disaggregation-mode", "prefill")
+
+
+def test_cli_plays_a_vllm_build_and_gives_each_engine_its_connector() -> None:
+    def args(*argv: str) -> argparse.Namespace:
+        return sim_cli.parser().parse_args(list(argv))
+
+    assert sim_cli.spec_from_args(args()).vllm_version == "0.32.0"
+    assert sim_cli.spec_from_args(args("--vllm-version", "0.29.0")).vllm_version == "0.29.0"
+    with pytest.raises(SystemExit):
+        args("--vllm-version", "0.30.0")
+    assert sim_cli.connectors_from_args(args("--engines", "2")) is None
+    four = ("--engines", "4", "--kv-connector")
+    assert sim_cli.connectors_from_args(args(*four, "none,none,nixl,nixl")) == (
+        False,
+        False,
+        True,
+        True,
+    )
+    assert sim_cli.connectors_from_args(args(*four, "none")) == (False,) * 4
+    with pytest.raises(ValueError, match=r"^--kv-connector gives 2 kinds for 4 engines"):
+        sim_cli.connectors_from_args(args(*four, "none,nixl"))
+    with pytest.raises(ValueError, match=r"^--kv-connector 'lmcache' is not one of nixl, none$"):
+        sim_cli.connectors_from_args(args(*four, "lmcache"))

