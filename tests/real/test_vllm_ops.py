@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from ..ops.daemon import Launch, launcher
-from ..support import open_sse, post_stream
+from ..support import open_sse, post_stream, wait_for
 from .client import counter, post_json, sse_events, stopped_cores, unique_text
 from .conftest import MODEL, aggregate_config, narwhal_in_front, pair_config
 from .engines import RealFleet
@@ -51,8 +51,10 @@ PROFILE_ARGS = [
 # The lease (vLLM's 30 s KV lease on the producer) is not measured: 30 s of the tier's
 # budget for a fact of the engine build, not of Narwhal.
 CHECK_ARGS = ["--handoff-samples", "1", "--handoff-sizes", "64", "--no-lease", "--quiet"]
-# Targets this CPU box can meet: a handoff's first token takes ~0.1-1 s here.
-SLO = {"ttft_s": 20.0, "tpot_s": 2.0}
+# Targets this box always meets: a handoff's first token takes 0.1-1 s here, but a NIXL
+# transfer has stalled for 145 s (UCX on a loaded 2-core box), and admission then
+# projects the next requests' first tokens from that lag.
+SLO = {"ttft_s": 600.0, "tpot_s": 10.0}
 
 
 async def run_command(module: str, *args: str) -> tuple[int, str, str]:
@@ -203,6 +205,8 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
                 assert state["admission"]["max_admitted"] == 64
     # Nothing dropped: every stream ran to its end, on the removed engine too.
     assert [u["completion_tokens"] for u in results] == [STREAM_TOKENS] * 4
+    # Retirement is checked on a timer after the engine's last stream ends, then logged.
+    await wait_for(lambda: bool(daemon.events("engine_retired")), within_s=30)
     assert [e["engine"] for e in daemon.events("engine_retired")] == [gone]
 
     # New work goes to the engine kept only.

@@ -248,11 +248,6 @@ async def test_a_completion_that_fills_the_context_exactly_is_served(
     assert got["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (issue 28 §3, context check): Narwhal refuses with 400 a prompt whose "
-    "max_tokens passes the context, which vLLM 0.32 serves with its output capped",
-)
 async def test_a_completion_whose_max_tokens_passes_the_context_is_served_capped(
     front: Front, client: httpx.AsyncClient
 ) -> None:
