@@ -170,29 +170,31 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
 ) -> None:
     initial = aggregate_config(vllm)
     daemon = await launch(initial)
+    changed = {
+        **initial,
+        "engines": [e for e in initial["engines"] if e["id"] == "agg0"],
+        "serving": {**initial["serving"], "max_connections": 64},
+    }
     results: list[dict[str, Any]] = []
     send, receive = trio.open_memory_channel[None](4)
+    # Placement chooses freely between two idle engines: agg0 is drained while the
+    # streams start, so that they run on agg1, the engine the reload removes.
+    assert (await daemon.ctl("drain", "agg0")).returncode == 0
     with trio.fail_after(240):
         async with trio.open_nursery() as clients, send:
             for _ in range(4):
                 clients.start_soon(stream, daemon.url, send.clone(), results)
             for _ in range(4):
                 await receive.receive()
-            # Every stream has begun. The engines would finish them within a second or
-            # two; stopped, they keep the streams resident through the reload.
-            with stopped_cores(vllm.aggregate):
+            # Every stream has begun. agg1 would finish them within a second or two;
+            # with its core stopped, they stay resident on it through the reload.
+            with stopped_cores([vllm["agg1"]]):
                 state = await daemon.state()
                 active = {e["id"]: e["decode"]["active"] for e in state["engines"]}
-                # The engine with most streams leaves; the other stays. (A stream can be
-                # over before the stop when the test process was held up meanwhile.)
-                gone = max(sorted(active), key=lambda engine: active[engine])
-                assert active[gone] >= 1, active
-                kept = next(e for e in active if e != gone)
-                changed = {
-                    **initial,
-                    "engines": [e for e in initial["engines"] if e["id"] == kept],
-                    "serving": {**initial["serving"], "max_connections": 64},
-                }
+                # (One can be over before the stop when the test process was held up.)
+                assert active["agg0"] == 0, active
+                assert active["agg1"] >= 1, active
+                assert (await daemon.ctl("undrain", "agg0")).returncode == 0
                 daemon.write_config(changed)
                 daemon.signal(signal.SIGHUP)
                 await daemon.message("RELOADING=1")
@@ -200,17 +202,18 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
                 state = await daemon.state()
                 last = state["supervisor"]["reloads"][-1]
                 assert (last["applied"], last["trigger"]) == (True, "SIGHUP"), last
-                assert f'engines[{gone}]: "present" -> "removed"' in last["changes"], last
-                assert [e["id"] for e in state["engines"]] == [kept]
+                assert 'engines[agg1]: "present" -> "removed"' in last["changes"], last
+                assert [e["id"] for e in state["engines"]] == ["agg0"]
                 assert state["admission"]["max_admitted"] == 64
     # Nothing dropped: every stream ran to its end, on the removed engine too.
     assert [u["completion_tokens"] for u in results] == [STREAM_TOKENS] * 4
     # Retirement is checked on a timer after the engine's last stream ends, then logged.
     await wait_for(lambda: bool(daemon.events("engine_retired")), within_s=30)
-    assert [e["engine"] for e in daemon.events("engine_retired")] == [gone]
+    assert [e["engine"] for e in daemon.events("engine_retired")] == ["agg1"]
 
-    # New work goes to the engine kept only.
-    before = await counter(vllm[gone], "vllm:generation_tokens_total")
+    # New work goes to agg0 only.
+    agg1 = vllm["agg1"]
+    before = await counter(agg1, "vllm:generation_tokens_total")
     async with httpx.AsyncClient(timeout=120.0) as client:
         for _ in range(2):
             got = await post_json(
@@ -219,7 +222,7 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
                 {"model": MODEL, "prompt": unique_text(8), "max_tokens": 4},
             )
             assert got["usage"]["completion_tokens"] == 4
-    assert await counter(vllm[gone], "vllm:generation_tokens_total") == before
+    assert await counter(agg1, "vllm:generation_tokens_total") == before
     daemon.signal(signal.SIGTERM)
     with trio.fail_after(30):
         assert await daemon.process.wait() == 0
