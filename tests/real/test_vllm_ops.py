@@ -184,16 +184,13 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
         async with trio.open_nursery() as clients, send:
             for _ in range(4):
                 clients.start_soon(stream, daemon.url, send.clone(), results)
-            for _ in range(4):
-                await receive.receive()
-            # Every stream has begun. agg1 would finish them within a second or two;
-            # with its core stopped, they stay resident on it through the reload.
+            await receive.receive()
+            # A stream has begun on agg1, which would finish it within a second. With
+            # agg1's core stopped it stays there through the reload, with whichever of
+            # the others reached agg1 before the stop (the rest go to agg0 after it).
             with stopped_cores([vllm["agg1"]]):
-                state = await daemon.state()
-                active = {e["id"]: e["decode"]["active"] for e in state["engines"]}
-                # (One can be over before the stop when the test process was held up.)
-                assert active["agg0"] == 0, active
-                assert active["agg1"] >= 1, active
+                resident = await counter(vllm["agg1"], "vllm:num_requests_running")
+                assert resident >= 1
                 assert (await daemon.ctl("undrain", "agg0")).returncode == 0
                 daemon.write_config(changed)
                 daemon.signal(signal.SIGHUP)
