@@ -10,6 +10,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -151,3 +154,20 @@ def streamed_text(events: list[dict[str, Any]], *, chat: bool = False) -> str:
 
 def finish_reasons(events: list[dict[str, Any]]) -> list[str]:
     return [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+
+
+@contextmanager
+def stopped_cores(engines: list[Engine]) -> Iterator[None]:
+    """The engines' cores stopped (SIGSTOP) for the block: their API servers still answer
+    and take aborts, which their cores then process first when continued (SIGCONT)."""
+    cores = [engine.engine_core_pid() for engine in engines]
+    try:
+        for core in cores:
+            os.kill(core, signal.SIGSTOP)
+        yield
+    finally:
+        for core in cores:
+            try:
+                os.kill(core, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # killed meanwhile
