@@ -387,6 +387,17 @@ class Engine:
         ),
     )
     tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")
+    vocab_size: int | None = _f(
+        None,
+        Between(1, 100_000_000),
+        doc=(
+            "The model's vocabulary size: a prompt of token ids may use 0 to `vocab_size` - 1 "
+            "and any other id is refused (400, param `prompt`) before an engine sees it. "
+            "SGLang 0.5.23 does not check them: one id out of range kills its scheduler and "
+            "the server exits. `null` checks only that ids are not negative (vLLM refuses "
+            "the rest itself)."
+        ),
+    )
     chars_per_token: float = _f(
         3.8,
         Positive(),

@@ -243,6 +243,10 @@ async def _run(
         ratio = await _tokenize(clients[engine_id], eng.tokenize_timeout_s, plan, rows)
         if ratio is not None:
             ratios.append(ratio)
+    if eng.vocab_size is None:
+        for engine_id, client in clients.items():
+            if client.spec.dialect == "sglang":
+                rows.add(_unchecked_vocabulary(engine_id))
     for engine_id, client in clients.items():
         rows.add(
             await _metrics(client, eng.health_timeout_s)
@@ -435,6 +439,21 @@ async def _chat_tokenize(client: EngineClient, limit: float, text: str) -> tuple
 
 
 _METRICS_BOUND = "load gauges within engine.health_timeout_s (the monitor's scrape)"
+
+
+def _unchecked_vocabulary(engine_id: str) -> CheckRow:
+    """SGLang (0.5.23) does not check a prompt's token ids: one its model lacks kills the
+    scheduler. Without engine.vocab_size Narwhal can refuse only negative ones."""
+    return CheckRow(
+        "vocabulary",
+        engine_id,
+        "warn",
+        "token ids unchecked",
+        "engine.vocab_size set",
+        "SGLang passes a prompt's token ids to the model unchecked and one out of range "
+        "kills its scheduler: set engine.vocab_size (the model config's vocab_size) so "
+        "Narwhal refuses them",
+    )
 
 
 async def _metrics(client: EngineClient, limit: float) -> CheckRow:

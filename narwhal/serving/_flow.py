@@ -432,6 +432,7 @@ class Flow:
                     models=self.ctx.models,
                     arrival=record.arrival,
                     deadline=deadline,
+                    vocab_size=config.engine.vocab_size,
                 )
             except ClientGone:
                 return "client_disconnected"

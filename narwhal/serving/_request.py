@@ -89,6 +89,7 @@ def parse_body(
     models: tuple[str, ...],
     arrival: float,
     deadline: float,
+    vocab_size: int | None = None,
 ) -> ClientRequest:
     try:
         # Decode explicitly: json.loads on bytes would guess UTF-16/32 from a BOM.
@@ -139,7 +140,7 @@ def parse_body(
         chars = _chat_chars(body)
         token_ids = None
     else:
-        chars, token_ids = _prompt_size(body)
+        chars, token_ids = _prompt_size(body, vocab_size)
     return ClientRequest(
         id=request_id,
         kind=kind,
@@ -269,7 +270,7 @@ def _max_tokens(body: Json, kind: EndpointKind) -> tuple[str, int | None]:
     return "max_tokens", None
 
 
-def _prompt_size(body: Json) -> tuple[int, int | None]:
+def _prompt_size(body: Json, vocab_size: int | None) -> tuple[int, int | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return len(prompt), None
@@ -278,12 +279,30 @@ def _prompt_size(body: Json) -> tuple[int, int | None]:
         prompt = prompt[0]
         if isinstance(prompt, str):
             return len(prompt), None
-    if isinstance(prompt, list) and prompt and all(json_int(t) is not None for t in prompt):
-        return 0, len(prompt)
+    if isinstance(prompt, list) and prompt:
+        ids = [i for i in map(json_int, prompt) if i is not None]
+        if len(ids) == len(prompt):
+            _check_vocabulary(ids, vocab_size)
+            return 0, len(prompt)
     raise BadRequest(
         "'prompt' must be a string or a list of token ids (batched prompts are not supported)",
         param="prompt",
     )
+
+
+def _check_vocabulary(ids: list[int], vocab_size: int | None) -> None:
+    """Refuse a token id no model has (negative) or this one lacks (engine.vocab_size):
+    SGLang 0.5.23 passes ids to its embedding unchecked, and one out of range kills the
+    scheduler, so the request must never reach an engine (nor be retried onto another)."""
+    top = vocab_size - 1 if vocab_size is not None else None
+    for index, token in enumerate(ids):
+        if token < 0 or (top is not None and token > top):
+            allowed = f"0..{top} (engine.vocab_size {vocab_size})" if top is not None else ">= 0"
+            raise BadRequest(
+                f"'prompt' token id {token} at index {index} is outside the vocabulary: "
+                f"ids must be {allowed}",
+                param="prompt",
+            )
 
 
 def _chat_chars(body: Json) -> int:

@@ -69,6 +69,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engine.first_token_timeout_s": (2.5, "> 0"),
     "engine.tokenize": (True, "true, false"),
     "engine.tokenize_timeout_s": (2.0, "> 0"),
+    "engine.vocab_size": (None, "1..100000000"),
     "engine.chars_per_token": (3.8, "> 0"),
     # (model) prefill backlog pricing
     "engine.prefill_chunk_tokens": (2048, ">= 1"),

@@ -326,9 +326,18 @@ async def test_the_tokenize_row_says_whether_an_sglang_build_counts_chat(
     spec = SimEngineSpec(dialect="sglang", tokenize_messages=newer)
     fleet = await start_fleet(engines=1, speed=4.0, spec=spec)
     config = sglang_config(fleet, tmp_path)
+    # The vocabulary row rides along: only a fleet without engine.vocab_size gets it.
+    vocab_size = 32000 if newer else None
+    config = attrs.evolve(config, engine=attrs.evolve(config.engine, vocab_size=vocab_size))
     report = await run_check(config, attrs.evolve(PLAN, measure_lease=False), store_problems=[])
     row = rows(report, "tokenize")["e0"]
     assert row.status == "pass", format_table(report.rows)
+    if vocab_size is None:
+        vocabulary = rows(report, "vocabulary")["e0"]
+        assert (vocabulary.status, vocabulary.measured) == ("warn", "token ids unchecked")
+        assert "set engine.vocab_size" in vocabulary.note
+    else:
+        assert rows(report, "vocabulary") == {}
     prompt_note, chat_note = row.note.split("; ")
     assert prompt_note.startswith("= usage.prompt_tokens ")
     if newer:

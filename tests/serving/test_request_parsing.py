@@ -113,6 +113,47 @@ def test_a_batch_or_a_malformed_id_list_is_refused(prompt: object) -> None:
     assert result.param == "prompt"
 
 
+@pytest.mark.parametrize(
+    ("prompt", "vocab_size", "refused"),
+    [
+        ([1, 31999], 32000, None),
+        (
+            [1, 32000],
+            32000,
+            "token id 32000 at index 1 is outside the vocabulary: ids must be "
+            "0..31999 (engine.vocab_size 32000)",
+        ),
+        ([[5, 999999]], 32000, "token id 999999 at index 1"),
+        ([1, 999999], None, None),  # unknown vocabulary: the engine's to check
+        ([3, -1], None, "token id -1 at index 1 is outside the vocabulary: ids must be >= 0"),
+        ([-7], 32000, "token id -7 at index 0"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_never_reaches_an_engine(
+    prompt: list[object], vocab_size: int | None, refused: str | None
+) -> None:
+    # SGLang 0.5.23's scheduler dies on an id its embedding lacks (the server exits).
+    raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+    try:
+        result: ClientRequest | BadRequest = parse_body(
+            raw,
+            kind="completions",
+            request_id="r",
+            models=("m",),
+            arrival=0.0,
+            deadline=1.0,
+            vocab_size=vocab_size,
+        )
+    except BadRequest as exc:
+        result = exc
+    if refused is None:
+        assert isinstance(result, ClientRequest), result
+    else:
+        assert isinstance(result, BadRequest)
+        assert result.param == "prompt"
+        assert refused in result.message
+
+
 def request(**body: object) -> ClientRequest:
     result = parse(json.dumps({"model": "m", "prompt": "x", **body}).encode(), "completions")
     assert isinstance(result, ClientRequest), result

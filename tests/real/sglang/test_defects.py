@@ -18,6 +18,7 @@ relaunches the decode server first.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -152,3 +153,37 @@ async def test_n_is_served_on_the_aggregate_engine_and_refused_on_a_pair_alone(
         # Refused before any leg: neither server of the pair saw it.
         after = [await total(e, "sglang:prompt_tokens_total") for e in (prefill, decode)]
         assert after == before
+
+
+async def test_a_token_id_outside_the_vocabulary_never_reaches_the_engine(
+    sglang: SGLangFleet,
+) -> None:
+    # SGLang 0.5.23 gives prompt ids to its embedding unchecked: one id past the vocabulary
+    # raises in the scheduler and the server exits (found by the conformance corpus). With
+    # engine.vocab_size Narwhal refuses the request; the engine never sees it.
+    vocab_size = json.loads((sglang.model / "config.json").read_text())["vocab_size"]
+    agg = sglang["agg"]
+    before = await total(agg, "sglang:prompt_tokens_total")
+    config = aggregate_config(sglang, engine={"vocab_size": vocab_size})
+    async with (
+        httpx.AsyncClient(timeout=120.0) as client,
+        narwhal_in_front(config) as stack,
+    ):
+        for stream in (False, True):
+            refused = await client.post(
+                f"{stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": [1, vocab_size], "max_tokens": 4, "stream": stream},
+            )
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "prompt", error
+            assert f"token id {vocab_size} at index 1 is outside the vocabulary" in error["message"]
+        # The engine is up and serves the last id there is.
+        served = await post_json(
+            client,
+            f"{stack.url}/v1/completions",
+            {"model": MODEL, "prompt": [1, vocab_size - 1], "max_tokens": 2, "ignore_eos": True},
+        )
+    assert served["usage"]["completion_tokens"] == 2
+    assert agg.alive()
+    assert await total(agg, "sglang:prompt_tokens_total") == before + 2
