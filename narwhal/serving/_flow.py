@@ -312,8 +312,9 @@ class Flow:
             engine_details=config.serving.expose_engine_details,
         )
         if refusal is not None:
-            # Before anything else: a client without the key learns nothing of the state.
-            await self._refuse(client, endpoint, refusal, receive, headers)
+            # Before anything else: a client without the key learns nothing of the state,
+            # and gets nothing more of the router (its body unread, its connection closed).
+            await self._refuse(client, endpoint, refusal, receive, headers, keep_connection=False)
             return
         if not ctx.accepting:
             await self._refuse(

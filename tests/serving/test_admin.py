@@ -272,6 +272,11 @@ async def _representative_errors(stack: Stack) -> dict[str, str]:
     """A client's error message for each kind of failure that names an engine in the log:
     by code (a stream's terminal event for `engine_stream_error`)."""
     seen: dict[str, str] = {}
+    failing = {"on": False}
+
+    async def fail_the_pass(result: object) -> None:
+        if failing["on"]:
+            raise RuntimeError(f"engine {DECODE_ID}: GET {decode.url}/metrics failed")
 
     async def record(**body: Any) -> None:
         response = await complete(stack, **body)
@@ -283,6 +288,8 @@ async def _representative_errors(stack: Stack) -> dict[str, str]:
         seen[error["code"]] = error["message"]
 
     prefill, decode = stack.fleet
+    assert stack.supervisor.monitor is not None
+    stack.supervisor.monitor.add_handler("test", fail_the_pass)
     engine = stack.ctx.fleet.get(PREFILL_ID)
     assert engine is not None
     await wait_for(lambda: engine.unavailable_reason(trio.current_time()) is None)
@@ -293,18 +300,19 @@ async def _representative_errors(stack: Stack) -> dict[str, str]:
     engine.drained = True  # the only prefill engine: nothing to place on
     await record()
     engine.drained = False
-    stack.ctx.degraded_reason = (
-        f"5 consecutive monitor passes failed (controller.monitor_failure_limit=5); last: "
-        f"engine {DECODE_ID}: GET {decode.url}/metrics failed"
-    )
+    # A monitor pass handler failing, naming an engine and its url, degrades the router.
+    failing["on"] = True
+    await wait_for(lambda: stack.ctx.degraded_reason is not None)
     await record()
     health = (await get(f"{stack.url}/health")).json()
     seen["health"] = health["reason"]
-    stack.ctx.degraded_reason = None
+    failing["on"] = False
+    await wait_for(lambda: stack.ctx.degraded_reason is None)
     await prefill.go_down()
     await record()
     await prefill.come_up()
     await wait_for(lambda: engine.unavailable_reason(trio.current_time()) is None)
+    await wait_for(lambda: stack.ctx.degraded_reason is None)
     # Last: the engine is out until its key check passes, a probe interval later.
     prefill.set_api_key("a-key-narwhal-does-not-send")
     await record()
@@ -321,6 +329,8 @@ async def test_client_errors_name_no_engine_unless_the_setting_allows_it(
         tmp_path,
         # Keep the failing prefill engine in placement, so that every case reaches it.
         recovery={"breaker": {"failure_threshold": 1000}, "health": {"interval_s": 0.1}},
+        # Degraded after 3 failed passes: the engine down a moment below stays short of it.
+        controller={"monitor_interval_s": 0.1, "monitor_failure_limit": 3},
     )
     hidden = await _representative_errors(stack)
     assert hidden == {
@@ -348,9 +358,9 @@ async def test_client_errors_name_no_engine_unless_the_setting_allows_it(
     shown = await _representative_errors(stack)
     assert shown["engine_http_500"].startswith(f"prefill engine {PREFILL_ID} returned HTTP 500")
     assert shown["no_engine_available"] == f"no prefill engine is available ({PREFILL_ID}: drained)"
-    assert shown["degraded"].endswith(
-        f"engine {DECODE_ID}: GET {stack.fleet[1].url}/metrics failed"
-    )
+    failure = f"engine {DECODE_ID}: GET {stack.fleet[1].url}/metrics failed"
+    assert shown["degraded"].endswith(failure)
+    assert shown["health"].endswith(failure)
     assert f"127.0.0.1:{stack.fleet[0].port}" in shown["engine_unreachable"]
 
 
