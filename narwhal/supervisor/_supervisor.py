@@ -43,7 +43,7 @@ from typing import Any
 import trio
 from prometheus_client import Counter
 
-from .._errors import Unavailable
+from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
 from ..config import Config, ConfigError, ReloadPlan, diff, keep_running, load_config_file
 from ..ctl import ControlServer
@@ -273,7 +273,7 @@ class Supervisor:
         except OSError as exc:
             raise ListenError(
                 f"cannot listen on {section}.host:{section}.port = {address.host}:"
-                f"{address.port}: {exc.strerror or exc}"
+                f"{address.port}: {os_reason(exc)}"
             ) from None
         return bound
 

@@ -25,7 +25,7 @@ import trio
 
 from narwhal.config import load_config
 from narwhal.sim import Fleet, serve_fleet
-from narwhal.supervisor import Supervisor
+from narwhal.supervisor import ListenError, Supervisor
 
 from ..support import FakeFileLimit, wait_for
 from .conftest import MODEL, Stack, fleet_config
@@ -388,3 +388,25 @@ def test_an_admin_listener_off_loopback_without_a_token_is_warned_of(
         if warned
         else []
     )
+
+
+async def test_an_admin_port_in_use_stops_startup_naming_its_settings(
+    nursery: trio.Nursery,
+) -> None:
+    (taken,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = taken.socket.getsockname()[1]
+    fleet: Fleet = await nursery.start(partial(serve_fleet, engines=2, speed=20.0, model=MODEL))
+    document = fleet_config(fleet, ["prefill", "decode"], admin={"port": port})
+    supervisor = Supervisor(load_config(document), open_files=FakeFileLimit().limit())
+    try:
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(
+                ListenError,
+                match=rf"^cannot listen on admin\.host:admin\.port = 127\.0\.0\.1:{port}: "
+                "address already in use$",
+            ),
+            flatten_subgroups=True,
+        ):
+            await supervisor.run()
+    finally:
+        await taken.aclose()
