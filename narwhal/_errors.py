@@ -3,6 +3,11 @@
 A few semantic classes rather than one per cause; `code` is the machine-readable
 reason (`queue_full`, `expired`, `first_token_timeout`, ...) and the message names the
 limit and the value that was hit.
+
+Messages are written for the operator and logged whole. One that names an engine (its
+id or url), or what only the operator should see (a file path, the monitor's last
+failure), carries `public` too: the same sentence without those, which is what a client
+is told unless serving.expose_engine_details is on (`envelope(engine_details=...)`).
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ class NarwhalError(Exception):
         param: str | None = None,
         retry_after_s: float | None = None,
         final: bool = False,
+        public: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        # `message` without engine ids, urls and other internals; None: it has none.
+        self.public = public
         self.code = code or self.default_code
         self.param = param
         self.retry_after_s = retry_after_s
@@ -42,10 +50,18 @@ class NarwhalError(Exception):
         # SDKs obey; they retry every 429 otherwise, twice by default.
         self.final = final
 
-    def envelope(self) -> Json:
+    def note(self, text: str) -> None:
+        """Append `text` (no internals in it) to the message a client gets, either form."""
+        self.message += text
+        if self.public is not None:
+            self.public += text
+
+    def envelope(self, *, engine_details: bool = False) -> Json:
+        """The client's answer; with `engine_details`, the message the operator reads."""
+        message = self.message if engine_details or self.public is None else self.public
         return {
             "error": {
-                "message": self.message,
+                "message": message,
                 "type": self.type,
                 "param": self.param,
                 "code": self.code,
@@ -88,6 +104,26 @@ class NotFound(NarwhalError):
     status = 404
     type = "invalid_request_error"
     default_code = "not_found"
+
+
+class Unauthorized(NarwhalError):
+    """A request without the credentials its listener asks for (listen.api_keys for the
+    client routes, admin.token for the admin surface): 401 with `WWW-Authenticate`
+    (RFC 6750 3), as OpenAI answers a missing or wrong API key."""
+
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+    def __init__(self, message: str, *, code: str, invalid: bool) -> None:
+        super().__init__(message, code=code)
+        self.invalid = invalid
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        challenge = b'Bearer realm="narwhal"'
+        if self.invalid:
+            challenge += b', error="invalid_token"'
+        return [*super().headers(), (b"www-authenticate", challenge)]
 
 
 class PayloadTooLarge(NarwhalError):
@@ -137,7 +173,8 @@ class EngineFailed(NarwhalError):
     that engine and only that phase's breaker counts it. `deadline_s`: the failure is
     a deadline of that many seconds that expired (recovery asks whether the router's
     own event loop explains it). `partner_id`: the other engine of the pair, set by the
-    request path on a failed KV transfer, which either engine may have caused.
+    request path on a failed KV transfer, which either engine may have caused. `public`
+    (required: the message names the engine) is the message without its id or url.
     """
 
     type = "server_error"
@@ -155,10 +192,11 @@ class EngineFailed(NarwhalError):
         code: str | None = None,
         param: str | None = None,
         error_type: str | None = None,
+        public: str,
         exclude_on_retry: bool = True,
         deadline_s: float | None = None,
     ) -> None:
-        super().__init__(message, code=code, param=param)
+        super().__init__(message, code=code, param=param, public=public)
         self.exclude_on_retry = exclude_on_retry
         self.deadline_s = deadline_s
         self.status = status

@@ -3,8 +3,9 @@
 `python -m narwhal.demo` (README: `bash tools/demo.sh`) starts `narwhal-sim` for the
 fleet in conf/demo.json, starts `narwhal serve --config conf/demo.json`, sends a short
 mix of chat and code-completion style requests (streaming and not), prints a summary
-(outcomes, TTFT/TPOT percentiles) and the final /narwhal/state, and stops everything it
-started, by PID, even when something fails.
+(outcomes, TTFT/TPOT percentiles) and the final /narwhal/state, read on the admin
+listener (admin.host:admin.port, with admin.token if the config sets one), and stops
+everything it started, by PID, even when something fails.
 """
 
 from __future__ import annotations
@@ -216,6 +217,9 @@ async def _wait_ready(client: httpx.AsyncClient, url: str, within_s: float) -> N
 
 async def drive(config: Config, *, requests: int, concurrency: int, seed: int) -> int:
     url = f"http://{config.listen.host}:{config.listen.port}"
+    admin = f"http://{config.admin.host}:{config.admin.port}"
+    token = config.admin.bearer_token()
+    admin_headers = {} if token is None else {"authorization": f"Bearer {token.reveal()}"}
     model = config.engines[0].model
     jobs = workload(requests, seed)
     results: list[Result] = []
@@ -234,7 +238,7 @@ async def drive(config: Config, *, requests: int, concurrency: int, seed: int) -
                 for index, job in enumerate(jobs):
                     nursery.start_soon(one, index, job)
         elapsed = trio.current_time() - started
-        state = (await client.get(url + "/narwhal/state")).json()
+        state = (await client.get(admin + "/narwhal/state", headers=admin_headers)).json()
     outcomes = Counter(r.outcome for r in results)
     print("\n== Narwhal demo: summary ==")
     print(

@@ -21,7 +21,8 @@ StartFleet = Callable[..., Awaitable[Fleet]]
 
 class InFront:
     """What a test reads of a Narwhal running in-process in front of a fleet (simulated
-    or real): its url, its serving context and its `/narwhal/state`."""
+    or real): its client url, its admin url, its serving context, and its `/narwhal/state`
+    and `/metrics` (read on the admin listener, with its token when one is set)."""
 
     supervisor: Supervisor
     state_timeout_s: ClassVar[float] = 5.0
@@ -31,16 +32,30 @@ class InFront:
         return self.supervisor.url
 
     @property
+    def admin_url(self) -> str:
+        return self.supervisor.admin_url
+
+    @property
     def ctx(self) -> ServingContext:
         assert self.supervisor.ctx is not None
         return self.supervisor.ctx
 
-    async def state(self) -> dict[str, Any]:
+    def admin_headers(self) -> dict[str, str]:
+        token = self.ctx.config.admin.bearer_token()
+        return {} if token is None else {"authorization": f"Bearer {token.reveal()}"}
+
+    async def _admin_get(self, path: str) -> httpx.Response:
         async with httpx.AsyncClient(timeout=self.state_timeout_s) as client:
-            response = await client.get(f"{self.url}/narwhal/state")
+            response = await client.get(f"{self.admin_url}{path}", headers=self.admin_headers())
         response.raise_for_status()
-        document: dict[str, Any] = response.json()
+        return response
+
+    async def state(self) -> dict[str, Any]:
+        document: dict[str, Any] = (await self._admin_get("/narwhal/state")).json()
         return document
+
+    async def metrics(self) -> str:
+        return (await self._admin_get("/metrics")).text
 
 
 class FakeFileLimit:

@@ -175,9 +175,10 @@ def _human_state(state: dict[str, Any]) -> str:
     supervisor = state.get("supervisor") or {}
     recovery = (state.get("recovery") or {}).get("engines", {})
     listen = ", ".join(supervisor.get("listen") or []) or "?"
+    admin = ", ".join(supervisor.get("admin") or []) or "?"
     status = "accepting" if head["accepting"] else "not accepting (shutting down)"
     lines = [
-        f"narwhal {head['version']}  up {head['uptime_s']:.0f}s  {listen}  {status}",
+        f"narwhal {head['version']}  up {head['uptime_s']:.0f}s  {listen}  {status}  admin {admin}",
         f"degraded: {head['degraded'] or 'no'}",
         "",
     ]

@@ -14,7 +14,7 @@ from .. import _logging
 from ..config import Config, ConfigError, config_to_dict, load_config_file
 from ..ctl import ControlSocketError
 from ..serving import DescriptorLimitError
-from ..supervisor import Notifier, ProfilesUnavailable, Supervisor
+from ..supervisor import ListenError, Notifier, ProfilesUnavailable, Supervisor
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,12 +78,11 @@ def _run_serve(path: str) -> int:
     problems: list[str] = []
     try:
         trio.run(_serve, config, path)
-    except* (ControlSocketError, ProfilesUnavailable, DescriptorLimitError) as group:
+    except* (ControlSocketError, ProfilesUnavailable, DescriptorLimitError, ListenError) as group:
         problems.extend(str(exc) for exc in _leaves(group))
     except* OSError as group:
-        # Binding the listen address happens inside the supervisor's nursery.
-        listen = f"{config.listen.host}:{config.listen.port}"
-        problems.extend(f"cannot listen on {listen}: {exc}" for exc in _leaves(group))
+        # Binding an address is a ListenError, which names its settings.
+        problems.extend(str(exc) for exc in _leaves(group))
     for problem in problems:
         print(f"narwhal: {problem}", file=sys.stderr)
     return 1 if problems else 0

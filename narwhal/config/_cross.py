@@ -105,6 +105,8 @@ def cross_rules() -> tuple[CrossRule, ...]:
                 "serving.queue_capacity",
             ),
         ),
+        CrossRule(_admin_token, ()),
+        CrossRule(_admin_port, ("listen.host", "listen.port", "admin.host", "admin.port")),
     )
 
 
@@ -308,6 +310,35 @@ def _open_connections(cfg: Config) -> list[str]:
             f"serving.queue_capacity = {ceiling}, the retained-request ceiling"
         ]
     return []
+
+
+def _admin_token(cfg: Config) -> list[str]:
+    """At most one of `admin.token` and `admin.token_file` is set."""
+    if cfg.admin.token is not None and cfg.admin.token_file is not None:
+        return [
+            "admin.token_file: set, and so is admin.token; the admin listener takes one "
+            "token: keep the file and drop admin.token"
+        ]
+    return []
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+def _admin_port(cfg: Config) -> list[str]:
+    """The admin listener does not take the client listener's port (`admin.port` differs
+    from `listen.port` unless one of them is `0`, or both hosts are other, specific
+    addresses)."""
+    listen, admin = cfg.listen, cfg.admin
+    if admin.port == 0 or admin.port != listen.port:
+        return []
+    hosts = {listen.host.strip(), admin.host.strip()}
+    if len(hosts) == 2 and hosts.isdisjoint(_WILDCARDS):
+        return []
+    return [
+        f"admin.port: {admin.port} is listen.port too, on {admin.host}; the admin listener "
+        "needs a port of its own"
+    ]
 
 
 def _retry_cap(cfg: Config) -> list[str]:

@@ -10,9 +10,15 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import attrs
 
-from ._model import RESOLVED, Config
+from ._model import RESOLVED, Config, Secret
 
-_TYPE_NAMES: dict[object, str] = {int: "integer", float: "number", bool: "boolean", str: "string"}
+_TYPE_NAMES: dict[object, str] = {
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    str: "string",
+    Secret: "string",
+}
 
 
 @attrs.frozen
@@ -57,7 +63,7 @@ def _describe(cls: type[Any], section: str) -> Iterator[FieldDoc]:
             allowed=_allowed(tp, metadata.get("rules", ())),
             doc=metadata["doc"],
         )
-        if get_origin(tp) is tuple:
+        if get_origin(tp) is tuple and get_args(tp)[0] is not Secret:
             yield from _describe(get_args(tp)[0], f"{path}[]")
 
 
@@ -66,7 +72,7 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "string"
     if origin is tuple:
-        return "list of objects"
+        return "list of strings" if get_args(tp)[0] is Secret else "list of objects"
     if origin in (Union, types.UnionType):
         (inner,) = (arg for arg in get_args(tp) if arg is not type(None))
         return f"{_type_name(inner)} or null"

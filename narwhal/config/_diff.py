@@ -6,9 +6,10 @@ The plan sorts every difference into what the supervisor does with it:
   admission gate, phase limiters, connection pools, the retry budget), recovery and
   monitor settings are read afresh, and request timeouts apply to requests that arrive
   after the reload, because each request snapshots the config at ingress;
-- settings that need a restart (`restart_required`): the HTTP listen address, the
-  control socket path and `controller.enabled` (the controller and its demand history
-  are built at start). The running values stay in force and the plan says so;
+- settings that need a restart (`restart_required`): the HTTP listen address, the admin
+  listener's, the control socket path and `controller.enabled` (the controller and its
+  demand history are built at start). The running values stay in force and the plan
+  says so;
 - engines, matched by id: `engines_added` get a first health probe and then placement;
   `engines_removed` leave placement at once and keep their resident requests until
   those finish, then their pools close; `engines_replaced` changed `url` or `dialect`,
@@ -16,7 +17,9 @@ The plan sorts every difference into what the supervisor does with it:
   `engines_reconfigured` changed other fields, applied to the live engine in place.
   A changed configured `role` is listed in `role_changes`: the live role follows it
   unless an operator pinned the engine. A changed engine API key (its file now holds
-  another key) reconfigures the engine; its change reads `<redacted> -> <redacted>`.
+  another key) reconfigures the engine; its change reads `<redacted> -> <redacted>`, as
+  does a changed admin token or client key list (inline or read from its file), which
+  applies to the next request.
 """
 
 from __future__ import annotations
@@ -27,9 +30,16 @@ from typing import Any
 import attrs
 
 from ._load import config_to_dict
-from ._model import Config, Secret
+from ._model import SECRET, Config, Secret
 
-RESTART_REQUIRED = ("listen.host", "listen.port", "ctl.socket", "controller.enabled")
+RESTART_REQUIRED = (
+    "listen.host",
+    "listen.port",
+    "admin.host",
+    "admin.port",
+    "ctl.socket",
+    "controller.enabled",
+)
 # An engine whose endpoint or wire format changed is a different engine to talk to.
 _REPLACING_FIELDS = ("url", "dialect")
 _SHOW_LIMIT = 60
@@ -122,6 +132,24 @@ def _keep(new: Any, running: Any, paths: list[list[str]]) -> Any:
     return attrs.evolve(new, **changes)
 
 
+def _secret_changes(old: Any, new: Any, path: str = "") -> list[Change]:
+    """Changed credentials outside the engines (the admin token, the clients' keys),
+    inline or read from a file, named by the setting that holds them."""
+    out: list[Change] = []
+    for field in attrs.fields(type(old)):
+        before, after = getattr(old, field.name), getattr(new, field.name)
+        here = f"{path}.{field.name}" if path else field.name
+        if field.metadata.get(SECRET):
+            if before != after:
+                # Those read from a file change under the name of the file's setting.
+                source = field.metadata.get("source")
+                name = here if source is None else f"{path}.{source}"
+                out.append(Change(name, before, after))
+        elif attrs.has(type(before)) and not isinstance(before, Secret):
+            out.extend(_secret_changes(before, after, here))
+    return out
+
+
 def diff(old: Config, new: Config) -> ReloadPlan:
     before = config_to_dict(old)
     after = config_to_dict(new)
@@ -130,6 +158,10 @@ def diff(old: Config, new: Config) -> ReloadPlan:
 
     settings: list[Change] = []
     _walk(before, after, "", settings)
+    secrets = _secret_changes(old, new)
+    # The dicts show secrets redacted: a changed list length would show there too.
+    shown = {change.path for change in secrets}
+    settings = [*(c for c in settings if c.path not in shown), *secrets]
     restart = tuple(c for c in settings if c.path in RESTART_REQUIRED)
     changes = [c for c in settings if c.path not in RESTART_REQUIRED]
 

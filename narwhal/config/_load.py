@@ -22,7 +22,7 @@ import math
 import os
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import attrs
 import cattrs
@@ -40,7 +40,9 @@ from .._errors import os_reason
 from ._cross import cross_rules
 from ._model import RESOLVED, Config, Ctl, Secret
 from ._paths import Path, field_pattern, format_path
+from ._secrets import MAX_CLIENT_KEYS, read_keys, read_token
 
+T = TypeVar("T")
 _INT64 = 2**63
 _SHOW_LIMIT = 40
 # Repairing a document can expose a deeper problem (a replaced engine now lacks its
@@ -72,8 +74,9 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
 
     Raises ConfigError listing every problem, each message starting with the dotted path
     of the offending value (`source` stands for the whole document). Blocking: it reads
-    the API key files the document names, unless `api_keys` is false (a caller that only
-    needs other settings, run by a user who may not read the key); engines then have none.
+    the credential files the document names (engine API keys, the admin token, the
+    clients' keys), unless `api_keys` is false (a caller that only needs other settings,
+    run by a user who may not read them); those credentials are then left out.
     """
     converter = _make_converter()
     try:
@@ -94,6 +97,8 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
     if api_keys:
         config, key_problems = _with_api_keys(config)
         messages.extend(key_problems)
+        config, credential_problems = _with_credential_files(config, broken)
+        messages.extend(credential_problems)
     if messages:
         raise ConfigError(messages, source=source)
     return config
@@ -185,6 +190,35 @@ def _with_api_keys(config: Config) -> tuple[Config, list[str]]:
     return attrs.evolve(config, engines=tuple(engines)), problems
 
 
+def _with_credential_files(config: Config, broken: set[str]) -> tuple[Config, list[str]]:
+    """`config` with the clients' keys and the admin token read from the files it names
+    (but a path that broke its own rule, in `broken`). Read on every load, so a reload
+    picks up rotated ones."""
+    problems: list[str] = []
+
+    def read(
+        setting: str, path: str | None, reader: Callable[[str], tuple[T, str | None]]
+    ) -> T | None:
+        if path is None or setting in broken:
+            return None
+        value, problem = reader(path)
+        if problem is not None:
+            problems.append(f"{setting}: {problem}")
+        return value
+
+    keys = read("listen.api_keys_file", config.listen.api_keys_file, read_keys)
+    listen = attrs.evolve(config.listen, file_api_keys=keys or ())
+    token = read("admin.token_file", config.admin.token_file, read_token)
+    admin = attrs.evolve(config.admin, file_token=token)
+    count = len(set(listen.client_keys()))
+    if count > MAX_CLIENT_KEYS:
+        problems.append(
+            f"listen.api_keys: {count} keys with listen.api_keys_file's; at most "
+            f"{MAX_CLIENT_KEYS} in all"
+        )
+    return attrs.evolve(config, admin=admin, listen=listen), problems
+
+
 def read_api_key(path: str) -> tuple[Secret | None, str | None]:
     """The key in the file at `path`, or why it cannot be used (a message without it)."""
     shown = json.dumps(path)
@@ -236,28 +270,52 @@ def _walk(node: attrs.AttrsInstance, path: Path, out: list[Problem]) -> None:
             continue
         value = getattr(node, field.name)
         here = (*path, field.name)
-        if attrs.has(type(value)):
+        if _is_section(value):
             _walk(value, here, out)
         elif isinstance(value, tuple):
             for index, item in enumerate(value):
-                _walk(item, (*here, index), out)
+                if _is_section(item):
+                    _walk(item, (*here, index), out)
+                else:
+                    _check(field, item, (*here, index), out)
         elif value is not None:
-            for rule in field.metadata.get("rules", ()):
-                text = rule.check(value)
-                if text is not None:
-                    out.append(Problem(here, text))
+            _check(field, value, here, out)
+
+
+def _is_section(value: object) -> bool:
+    """An object of the document (a section, an engine), not a value (a Secret is attrs
+    too)."""
+    return attrs.has(type(value)) and not isinstance(value, Secret)
+
+
+def _check(field: attrs.Attribute[Any], value: object, path: Path, out: list[Problem]) -> None:
+    for rule in field.metadata.get("rules", ()):
+        text = rule.check(value)
+        if text is not None:
+            out.append(Problem(path, text))
 
 
 # --- structuring --------------------------------------------------------------------------
 
 
 class _Mismatch(ValueError):
-    """A JSON value of the wrong type (or magnitude) for its field."""
+    """A JSON value of the wrong type (or magnitude) for its field. `secret`: the value
+    is a credential's, shown only by its JSON type."""
 
-    def __init__(self, expected: str, value: object, hint: str = "") -> None:
+    def __init__(self, expected: str, value: object, hint: str = "", *, secret: bool = False):
         self.expected = expected
         self.value = value
-        super().__init__(f"expected {expected}, got {_show(value)}{hint}")
+        self.secret = secret
+        shown = f"{_kind(value)} (not shown: a credential)" if secret else _show(value)
+        super().__init__(f"expected {expected}, got {shown}{hint}")
+
+
+def _kind(value: object) -> str:
+    """What JSON calls `value`'s type, with its article."""
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return "null" if value is None else kinds.get(type(value), "a value")
 
 
 def _show(value: object) -> str:
@@ -279,6 +337,8 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(float, _structure_float)
     converter.register_structure_hook(bool, _structure_bool)
     converter.register_structure_hook(str, _structure_str)
+    converter.register_structure_hook(Secret, _structure_secret)
+    converter.register_unstructure_hook(Secret, str)
     converter.register_structure_hook_factory(_is_literal, _literal_hook)
     converter.register_structure_hook_factory(
         _is_optional, lambda tp: _optional_hook(converter, tp)
@@ -337,6 +397,12 @@ def _structure_str(value: object, _: object) -> str:
     return value
 
 
+def _structure_secret(value: object, _: object) -> Secret:
+    if not isinstance(value, str):
+        raise _Mismatch("a string", value, secret=True)
+    return Secret(value)
+
+
 def _is_literal(tp: Any) -> bool:
     return get_origin(tp) is Literal
 
@@ -375,7 +441,7 @@ def _optional_hook(
         try:
             structured: object = structure_inner(value, inner)
         except _Mismatch as exc:
-            raise _Mismatch(f"{exc.expected} or null", value) from None
+            raise _Mismatch(f"{exc.expected} or null", value, secret=exc.secret) from None
         return structured
 
     return structure
@@ -518,6 +584,8 @@ def _schema_at(path: Path) -> tuple[Any, bool]:
 def _placeholder(tp: Any) -> object:
     # Required values exist only for str fields and list items (objects); the
     # placeholders carry no range rules, so they add no messages of their own.
+    if tp is Secret:
+        return "placeholder"  # passes the credential rule, so it adds no message
     if attrs.has(tp):
         return {}
     if tp is str:

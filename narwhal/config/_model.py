@@ -16,6 +16,7 @@ import attrs
 from ._rules import (
     AtLeast,
     Between,
+    Credential,
     NonNegative,
     Positive,
     Rule,
@@ -34,6 +35,8 @@ T = TypeVar("T")
 # Marks a field the loader fills in from elsewhere (a file the document names): it is
 # not a key of the document, not in `config_to_dict`, and not in the reference.
 RESOLVED = "resolved"
+# Marks a field holding credentials (Secret values): rendered redacted, compared apart.
+SECRET = "secret"
 
 
 @attrs.frozen(repr=False)
@@ -60,6 +63,16 @@ def _f(default: T, *rules: Rule, doc: str) -> T:
     # Typed as the default so the attrs mypy plugin sees a plain default value.
     field: T = attrs.field(default=default, metadata=_meta(*rules, doc=doc))
     return field
+
+
+def _secret(doc: str) -> dict[str, object]:
+    """Metadata of a credential the document may hold inline (a string, or a list)."""
+    return {**_meta(Credential(), doc=doc), SECRET: True}
+
+
+def _resolved_secret(source: str) -> dict[str, object]:
+    """Metadata of a credential the loader reads from the file the field `source` names."""
+    return {RESOLVED: True, SECRET: True, "source": source, "doc": f"Read from `{source}`."}
 
 
 @attrs.frozen(kw_only=True)
@@ -173,7 +186,7 @@ class Slo:
 
 @attrs.frozen(kw_only=True)
 class Listen:
-    """The router's HTTP listener."""
+    """The router's HTTP listener for clients: the OpenAI routes and `/health`."""
 
     host: str = _f("127.0.0.1", Text(), doc="Address the HTTP server binds.")
     port: int = _f(8000, Between(0, 65535), doc="HTTP port; `0` picks a free port.")
@@ -192,7 +205,7 @@ class Listen:
             "sockets to about 60 MB (about 14 kB each). At start and at a reload the soft "
             "open-file limit (RLIMIT_NOFILE) is raised, up to the hard limit, to this plus "
             "a reserve: each engine's pools (`serving.max_connections` plus its control "
-            "pool share) and 179 for sockets and files. Under a hard limit without room "
+            "pool share) and 200 for sockets and files. Under a hard limit without room "
             "for it, fewer connections are kept open (the hard limit less the reserve; a "
             "WARNING, and `connections.limit` against `configured_limit` in "
             "`/narwhal/state`); one that leaves no more than `serving.max_connections + "
@@ -201,6 +214,88 @@ class Listen:
             "connections back until enough have closed."
         ),
     )
+
+    api_keys: tuple[Secret, ...] = attrs.field(
+        default=(),
+        metadata=_secret(
+            "API keys a client must send, one of them, as `Authorization: Bearer KEY` (what "
+            "OpenAI's SDKs send as their `api_key`) on every `/v1/` route; `/health` stays "
+            "open for load balancers. A request without a key, or with another, is answered "
+            "401 `missing_api_key` or `invalid_api_key` with `WWW-Authenticate: Bearer`, "
+            "before anything else is looked at, and counted in "
+            "`narwhal_refusals_total{reason}`. With no key here or in `listen.api_keys_file`, "
+            "no key is asked. Keys are compared in constant time and never shown (logs, "
+            "`narwhal validate`, `/narwhal/state` and reload changes say `<redacted>`); "
+            "keeping them in `listen.api_keys_file` keeps them out of this file too. A "
+            "reload applies them to the next request."
+        ),
+    )
+    api_keys_file: str | None = _f(
+        None,
+        Text(),
+        doc=(
+            "File of API keys clients may send, one per line (blank lines and lines "
+            "starting with `#` are skipped), taken with `listen.api_keys`; `null` reads "
+            "none. A regular file of at most 1 MiB, read again at each reload, which an "
+            "unreadable or malformed file, or one holding no key, rejects (the running keys "
+            "stay). At most 1000 keys in all. A relative path is taken from the working "
+            "directory."
+        ),
+    )
+    file_api_keys: tuple[Secret, ...] = attrs.field(
+        default=(), metadata=_resolved_secret("api_keys_file")
+    )
+
+    def client_keys(self) -> tuple[Secret, ...]:
+        """Every key a client may send; empty when none is asked."""
+        return self.api_keys + self.file_api_keys
+
+
+@attrs.frozen(kw_only=True)
+class Admin:
+    """The admin listener, apart from the clients' port: `GET /narwhal/state` (engines and
+    their urls, requests in flight with their placement, the configuration's effects) and
+    `GET /metrics` (Prometheus), which the client listener does not serve."""
+
+    host: str = _f(
+        "127.0.0.1",
+        Text(),
+        doc=(
+            "Address the admin listener binds: loopback by default. On another address, "
+            "set `admin.token` or `admin.token_file`; without one a WARNING says who can "
+            "read the state. Needs a restart."
+        ),
+    )
+    port: int = _f(
+        8001,
+        Between(0, 65535),
+        doc="Admin port; `0` picks a free port. Not the client port. Needs a restart.",
+    )
+    token: Secret | None = attrs.field(
+        default=None,
+        metadata=_secret(
+            "Bearer token the admin routes ask for (`Authorization: Bearer TOKEN`; "
+            "Prometheus: `authorization.credentials_file`); `null` asks none. A request "
+            "without it, or with another, is answered 401 `missing_token` or "
+            "`invalid_token`. Compared in constant time, never shown. At most one of "
+            "`admin.token` and `admin.token_file`. A reload applies it."
+        ),
+    )
+    token_file: str | None = _f(
+        None,
+        Text(),
+        doc=(
+            "File holding the admin token: one line of printable ASCII without spaces (one "
+            "trailing newline is ignored), a regular file of at most 4096 bytes, read again "
+            "at each reload (an unreadable or malformed one rejects the reload and the "
+            "running token stays). A relative path is taken from the working directory."
+        ),
+    )
+    file_token: Secret | None = attrs.field(default=None, metadata=_resolved_secret("token_file"))
+
+    def bearer_token(self) -> Secret | None:
+        """The token the admin routes ask for; None when they ask none."""
+        return self.token if self.token is not None else self.file_token
 
 
 @attrs.frozen(kw_only=True)
@@ -342,6 +437,18 @@ class Serving:
         doc="End-to-end completion deadline from HTTP ingress through response delivery.",
     )
     prefill_timeout_s: float = _f(120.0, Positive(), doc="Prefill-leg deadline.")
+    expose_engine_details: bool = _f(
+        False,
+        doc=(
+            "Let client-facing error messages name the engine (its id) and what only the "
+            "operator should read: the engine's host and port in a connect failure, an "
+            "SGLang pair's transfer endpoints, the monitor's last failure, file paths. "
+            "Off, a client reads the same message without them (`prefill engine returned "
+            "HTTP 500: ...`, not `prefill engine p0 returned ...`); the engine's own words "
+            "about the request stay, and the log always has the whole message. A reload "
+            "applies it to the next request."
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -794,6 +901,7 @@ class Config:
     engines: tuple[EngineSpec, ...] = _f((), doc="The engine fleet; at least one engine.")
     slo: Slo = attrs.field(factory=Slo)
     listen: Listen = attrs.field(factory=Listen)
+    admin: Admin = attrs.field(factory=Admin)
     ctl: Ctl = attrs.field(factory=Ctl)
     log: Log = attrs.field(factory=Log)
     serving: Serving = attrs.field(factory=Serving)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Protocol
 
 import attrs
 
@@ -137,4 +138,44 @@ class SocketPath:
         return f"non-empty, at most {UNIX_PATH_MAX} bytes"
 
 
-Rule = Positive | NonNegative | AtLeast | Between | ZeroOrAtLeast | Text | SocketPath
+# The longest key or token taken: an OpenAI key is about 170 characters.
+CREDENTIAL_MAX = 1024
+# What vLLM and SGLang compare after "Bearer ", and what an HTTP header carries unchanged:
+# visible ASCII. Spaces and other whitespace would be trimmed or split by HTTP parsers on
+# the way, control characters and line breaks would inject headers, and non-ASCII text is
+# decoded differently by the two ends.
+CREDENTIAL_CHARS = frozenset(range(0x21, 0x7F))
+
+
+def credential_problem(raw: bytes) -> str | None:
+    """Why `raw` cannot be a key or token sent as `Authorization: Bearer`, in words that
+    never quote it; None when it can."""
+    if not raw:
+        return "is empty"
+    if not CREDENTIAL_CHARS.issuperset(raw):
+        return (
+            "holds a character that cannot be sent in an HTTP header (space, line break, "
+            "control or non-ASCII character); expected printable ASCII"
+        )
+    if len(raw) > CREDENTIAL_MAX:
+        return f"is {len(raw)} characters long; at most {CREDENTIAL_MAX}"
+    return None
+
+
+class _Revealable(Protocol):
+    def reveal(self) -> str: ...
+
+
+@attrs.frozen
+class Credential:
+    """A key or token (a `Secret`): what `credential_problem` takes, and never shown."""
+
+    def check(self, value: _Revealable) -> str | None:
+        problem = credential_problem(value.reveal().encode())
+        return None if problem is None else f"the credential {problem}"
+
+    def describe(self) -> str:
+        return f"printable ASCII without spaces, 1..{CREDENTIAL_MAX} characters"
+
+
+Rule = Positive | NonNegative | AtLeast | Between | ZeroOrAtLeast | Text | SocketPath | Credential

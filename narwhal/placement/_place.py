@@ -32,9 +32,11 @@ class Placement:
 
 @attrs.frozen
 class NoPlacement:
-    """Why no engine could take the request: the first filter that left nothing."""
+    """Why no engine could take the request: the first filter that left nothing.
+    `public`: the reason without engine ids, for a client (None: it names none)."""
 
     reason: str
+    public: str | None = attrs.field(default=None, eq=False)
 
 
 # A projected-SLO predicate and a cost per engine; the defaults are load-based until the
@@ -73,21 +75,23 @@ def _pick(
     slo_ok: SloCheck,
     cost: Cost,
     phase: Phase,
-) -> tuple[EngineView | None, bool, str | None]:
-    """(engine, meets its projected SLO, reason when none)."""
+) -> tuple[EngineView | None, bool, NoPlacement | None]:
+    """(engine, meets its projected SLO, why none)."""
     by_role = [v for v in views if v.role in roles]
     if not by_role:
-        return None, False, f"no engine has the {phase} role"
+        return None, False, NoPlacement(f"no engine has the {phase} role")
     gate: Phase = (
         "aggregate" if phase == "aggregate" else ("prefill" if phase == "prefill" else "decode")
     )
     available = [v for v in by_role if v.blocked(gate) is None]
     if not available:
         reasons = sorted({f"{v.id}: {v.blocked(phase)}" for v in by_role})
-        return None, False, f"no {phase} engine is available ({'; '.join(reasons)})"
+        public = f"no {phase} engine is available"
+        return None, False, NoPlacement(f"{public} ({'; '.join(reasons)})", public)
     allowed = [v for v in available if v.id not in excluded]
     if not allowed:
-        return None, False, f"every available {phase} engine already failed this request"
+        reason = f"every available {phase} engine already failed this request"
+        return None, False, NoPlacement(reason)
     compliant = [v for v in allowed if slo_ok(v)]
     pool = compliant or allowed
     best = min(pool, key=lambda v: (cost(v), v.id))
@@ -122,5 +126,5 @@ def choose(
         return Placement("aggregate", None, both.id, unserved=not both_meets)
     has_pairs = any(v.role in ("prefill", "decode") for v in views)
     if has_pairs:
-        return NoPlacement(prefill_reason or decode_reason or "no engine pair")
-    return NoPlacement(both_reason or "no engine")
+        return prefill_reason or decode_reason or NoPlacement("no engine pair")
+    return both_reason or NoPlacement("no engine")

@@ -1,6 +1,7 @@
-"""The serving side: the ASGI app, the request flow and the HTTP server."""
+"""The serving side: the ASGI apps (clients', admin), the request flow and the HTTP server."""
 
-from ._app import App as App
+from ._app import AdminApp as AdminApp, App as App
+from ._connections import OpenConnections as OpenConnections
 from ._context import (
     DecodeGaps as DecodeGaps,
     RequestRecord as RequestRecord,
@@ -12,6 +13,7 @@ from ._context_check import (
     output_bound as output_bound,
 )
 from ._descriptors import (
+    ADMIN_MAX_CONNECTIONS as ADMIN_MAX_CONNECTIONS,
     DescriptorBudget as DescriptorBudget,
     DescriptorLimitError as DescriptorLimitError,
     OpenFileLimit as OpenFileLimit,

@@ -1,4 +1,17 @@
-"""The ASGI application: OpenAI-compatible completions plus Narwhal's own endpoints."""
+"""The ASGI applications of Narwhal's two HTTP listeners.
+
+`App` (listen.host:listen.port) serves clients: the OpenAI-compatible completions,
+`/v1/models` and `/health`. `AdminApp` (admin.host:admin.port) serves the operator:
+`/narwhal/state` and `/metrics`, which name engines, their urls and the requests in
+flight with their placement, so the client listener answers them 404 like any path it
+does not serve.
+
+Each listener asks for its own bearer credential when the configuration sets one
+(`_auth`): listen.api_keys on every `/v1/` route (`/health` stays open for load
+balancers), admin.token on every admin route. The check comes before routing, so a
+client without it learns nothing (not even which paths exist), and a completion
+request refused for it is counted with the other refusals before the body.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +20,9 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from .._errors import MalformedRequest, NarwhalError, NotFound
+from ._auth import ADMIN_TOKEN, CLIENT_KEYS, BearerCheck
 from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
-from ._context import ServingContext
+from ._context import DEGRADED_PUBLIC, ServingContext
 from ._flow import Flow
 from ._request import request_id_from_header
 from ._state import live_gauges, state_document
@@ -18,11 +32,13 @@ log = logging.getLogger("narwhal.app")
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 # The methods each route answers. HEAD is GET without the body, which hypercorn leaves
 # out of the response (RFC 9110 9.3.2: a server answering GET answers HEAD too).
-_ROUTES = {
+_READ = ("GET", "HEAD")
+_CLIENT_ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",),
     "/v1/chat/completions": ("POST",),
-    **dict.fromkeys(("/health", "/v1/models", "/narwhal/state", "/metrics"), ("GET", "HEAD")),
+    **dict.fromkeys(("/health", "/v1/models"), _READ),
 }
+_ADMIN_ROUTES: dict[str, tuple[str, ...]] = dict.fromkeys(("/narwhal/state", "/metrics"), _READ)
 
 
 class MethodNotAllowed(NarwhalError):
@@ -41,8 +57,8 @@ class MethodNotAllowed(NarwhalError):
         return [*super().headers(), (b"allow", ", ".join(self.allowed).encode())]
 
 
-def _refusal(method: str, path: str) -> NarwhalError:
-    allowed = _ROUTES.get(path)
+def _refusal(routes: dict[str, tuple[str, ...]], method: str, path: str) -> NarwhalError:
+    allowed = routes.get(path)
     if allowed is None:
         return NotFound(f"no route for {method} {path}")
     return MethodNotAllowed(
@@ -74,11 +90,11 @@ def _closing(send: Send) -> Send:
     return send_closing
 
 
-class App:
+class _Listener:
+    """What both listeners do with a request before and after their routes."""
+
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        self.flow = Flow(ctx)
-        ctx.metrics.add_live_gauges(lambda: live_gauges(ctx))
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -87,8 +103,6 @@ class App:
         if scope["type"] != "http":
             # No lifespan protocol: hypercorn continues without it when the app raises.
             raise RuntimeError(f"narwhal serves http only, not {scope['type']}")
-        method = scope["method"]
-        path = scope["path"]
         headers = scope.get("headers", [])
         request_id = request_id_from_header(
             next((v for k, v in headers if k == b"x-request-id"), None)
@@ -97,27 +111,25 @@ class App:
         if _framing_conflicts(headers):
             send = _closing(send)
         try:
-            if method == "POST" and path == "/v1/completions":
-                await self.flow.handle("completions", dict(scope), receive, send)
-            elif method == "POST" and path == "/v1/chat/completions":
-                await self.flow.handle("chat", dict(scope), receive, send)
-            elif method not in ("GET", "HEAD"):
-                raise _refusal(method, path)
-            elif path == "/health":
-                await self._health(send, request_id)
-            elif path == "/v1/models":
-                await self._models(send, request_id)
-            elif path == "/narwhal/state":
-                body = json_bytes(state_document(self.ctx))
-                await ClientChannel(send, request_id).send_json(200, body)
-            elif path == "/metrics":
-                await self._metrics(send)
-            else:
-                raise _refusal(method, path)
+            await self._route(scope, headers, request_id, receive, send)
         except NarwhalError as exc:
             # Only routes that never read a body get here (the flow answers its own errors).
             channel = ClientChannel(send, request_id, close_connection=has_body(headers))
             await channel.send_error(exc)
+
+    async def _route(
+        self,
+        scope: MutableMapping[str, Any],
+        headers: list[tuple[bytes, bytes]],
+        request_id: str,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        raise NotImplementedError
+
+    def _counted(self, refusal: NarwhalError) -> NarwhalError:
+        self.ctx.metrics.refusals.labels(refusal.code).inc()
+        return refusal
 
     async def _refuse_upgrade(
         self, scope: MutableMapping[str, Any], receive: Receive, send: Send
@@ -147,9 +159,53 @@ class App:
         )
         await send({"type": "websocket.http.response.body", "body": body})
 
+
+class App(_Listener):
+    """The client listener."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        super().__init__(ctx)
+        self.flow = Flow(ctx)
+        self.keys = BearerCheck(lambda config: config.listen.client_keys(), CLIENT_KEYS)
+
+    async def _route(
+        self,
+        scope: MutableMapping[str, Any],
+        headers: list[tuple[bytes, bytes]],
+        request_id: str,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        method = scope["method"]
+        path = scope["path"]
+        refusal = None
+        if path.startswith("/v1/"):
+            refusal = self.keys.refusal(self.ctx.config, headers)
+        if method == "POST" and path == "/v1/completions":
+            await self.flow.handle("completions", dict(scope), receive, send, refusal=refusal)
+        elif method == "POST" and path == "/v1/chat/completions":
+            await self.flow.handle("chat", dict(scope), receive, send, refusal=refusal)
+        elif refusal is not None:
+            raise self._counted(refusal)
+        elif method not in _READ:
+            raise _refusal(_CLIENT_ROUTES, method, path)
+        elif path == "/health":
+            await self._health(send, request_id)
+        elif path == "/v1/models":
+            await self._models(send, request_id)
+        elif path in _ADMIN_ROUTES:
+            raise NotFound(
+                f"no route for {method} {path}: narwhal serves it on its admin listener "
+                "(admin.host, admin.port), not to clients"
+            )
+        else:
+            raise _refusal(_CLIENT_ROUTES, method, path)
+
     async def _health(self, send: Send, request_id: str) -> None:
         ctx = self.ctx
         reason = ctx.degraded_reason
+        if reason is not None and not ctx.config.serving.expose_engine_details:
+            reason = f"degraded: {DEGRADED_PUBLIC}"
         if reason is None and not ctx.accepting:
             reason = "shutting down"
         status = 200 if reason is None else 503
@@ -181,7 +237,37 @@ class App:
         ]
         return min(lengths) if lengths else None
 
-    async def _metrics(self, send: Send) -> None:
+
+class AdminApp(_Listener):
+    """The admin listener: the state document and the Prometheus metrics."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        super().__init__(ctx)
+        self.token = BearerCheck(
+            lambda config: [] if (token := config.admin.bearer_token()) is None else [token],
+            ADMIN_TOKEN,
+        )
+        ctx.metrics.add_live_gauges(lambda: live_gauges(ctx))
+
+    async def _route(
+        self,
+        scope: MutableMapping[str, Any],
+        headers: list[tuple[bytes, bytes]],
+        request_id: str,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        method = scope["method"]
+        path = scope["path"]
+        refusal = self.token.refusal(self.ctx.config, headers)
+        if refusal is not None:
+            raise self._counted(refusal)
+        if method not in _READ or path not in _ADMIN_ROUTES:
+            raise _refusal(_ADMIN_ROUTES, method, path)
+        if path == "/narwhal/state":
+            body = json_bytes(state_document(self.ctx))
+            await ClientChannel(send, request_id).send_json(200, body)
+            return
         body = self.ctx.metrics.render()
         await send(
             {

@@ -60,6 +60,9 @@ class ClientChannel:
     connection whose request it has not read to the end and closes it after the response,
     and a pooling client (httpx, the OpenAI SDKs) that was not told so sends its next
     request on it and sees "server disconnected without sending a response".
+
+    An error's message goes out without the engine ids and urls it may name unless
+    `engine_details` (serving.expose_engine_details; see `NarwhalError.public`).
     """
 
     __slots__ = (
@@ -67,15 +70,24 @@ class ClientChannel:
         "_send",
         "_stream_pending",
         "close_connection",
+        "engine_details",
         "finished",
         "started",
         "status",
     )
 
-    def __init__(self, send: Send, request_id: str, *, close_connection: bool = False) -> None:
+    def __init__(
+        self,
+        send: Send,
+        request_id: str,
+        *,
+        close_connection: bool = False,
+        engine_details: bool = False,
+    ) -> None:
         self._send = send
         self._request_id = request_id.encode()
         self.close_connection = close_connection
+        self.engine_details = engine_details
         self.started = False
         self.finished = False
         self.status = 0
@@ -143,12 +155,12 @@ class ClientChannel:
         """
         if self.finished:
             return
+        envelope = error.envelope(engine_details=self.engine_details)
         if not self.started or (self._stream_pending and 400 <= error.status < 500):
-            await self.send_json(error.status, json_bytes(error.envelope()), error.headers())
+            await self.send_json(error.status, json_bytes(envelope), error.headers())
             return
         if self._stream_pending:
             await self._stream_head()
-        envelope = error.envelope()
         fields = envelope["error"]
         assert isinstance(fields, dict)
         event = {"error": {**fields, "status": error.status}}

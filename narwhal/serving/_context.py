@@ -32,6 +32,10 @@ from ._slo import SloTally, slo_result
 
 log = logging.getLogger("narwhal.request")
 
+# Why a degraded Narwhal refuses, as a client is told it (`degraded_reason` is the
+# operator's, naming the monitor's last failure).
+DEGRADED_PUBLIC = "its monitor passes keep failing (controller.monitor_failure_limit)"
+
 
 @attrs.frozen
 class DecodeGaps:
@@ -252,7 +256,8 @@ class ServingContext:
         self.models = tuple(sorted({spec.model for spec in config.engines}))
         self.started_at = trio.current_time()
         # Set by the supervisor when Narwhal cannot make sound decisions (manual 7:
-        # monitor failures); new admissions are refused with this reason.
+        # monitor failures); new admissions are refused with this reason. It quotes the
+        # monitor's last failure, which names an engine: clients get DEGRADED_PUBLIC.
         self.degraded_reason: str | None = None
         self.accepting = True
         # Other subsystems (controller, recovery) add sections to /narwhal/state.

@@ -48,6 +48,9 @@ from ..ctl import MAX_CONNECTIONS as CTL_MAX_CONNECTIONS
 log = logging.getLogger("narwhal.server")
 
 UNLIMITED = resource.RLIM_INFINITY
+# Connections the admin listener keeps open at once (a Prometheus scraper, a few
+# operators): at the limit the one idle longest makes room, as on the client listener.
+ADMIN_MAX_CONNECTIONS = 16
 
 # Descriptors besides client connections and engine pools, each at its most at once.
 OTHER_DESCRIPTORS_BY_USE = MappingProxyType(
@@ -59,11 +62,14 @@ OTHER_DESCRIPTORS_BY_USE = MappingProxyType(
         # Up to two listeners (IPv4 and IPv6 for a wildcard host), each with the
         # descriptor the accept loop duplicates to accept without yielding.
         "listening sockets": 4,
+        # The same for the admin listener, its connections and a newcomer evicting one.
+        "admin listener": 4 + ADMIN_MAX_CONNECTIONS + 1,
         # The listener, its MAX_CONNECTIONS clients and a newcomer evicting one of them.
         "control socket": 1 + CTL_MAX_CONNECTIONS + 1,
         "systemd notify socket": 1,
-        # The config file, an engine's api_key_file, the profile store and its lock,
-        # read at start and at a reload.
+        # The config file, an engine's api_key_file (or the admin token or client keys
+        # file: the loader reads one at a time), the profile store and its lock, read at
+        # start and at a reload.
         "files": 4,
         # An engine given by host name is resolved in a worker thread (trio allows 40 at
         # once), each with a resolver socket and a file such as /etc/hosts open.

@@ -113,7 +113,14 @@ from ._client import (
     read_body,
     watch_disconnect,
 )
-from ._context import DecodeGaps, DemandEvent, RequestRecord, ServingContext, log
+from ._context import (
+    DEGRADED_PUBLIC,
+    DecodeGaps,
+    DemandEvent,
+    RequestRecord,
+    ServingContext,
+    log,
+)
 from ._context_check import check_context, output_bound, widest_context
 from ._request import (
     ClientRequest,
@@ -287,14 +294,28 @@ class Flow:
         scope: dict[str, object],
         receive: Receive,
         send: Send,
+        *,
+        refusal: NarwhalError | None = None,
     ) -> None:
+        """Serve one completion request; `refusal`: the app refused it already (its API
+        key), answered and counted here like the other refusals before the body."""
         ctx = self.ctx
         config = ctx.config  # one snapshot per request: a reload applies to new requests
         arrival = trio.current_time()
         headers = scope.get("headers", [])
         assert isinstance(headers, list)
         request_id = request_id_from_header(_header(headers, b"x-request-id"))
-        client = ClientChannel(send, request_id, close_connection=has_body(headers))
+        client = ClientChannel(
+            send,
+            request_id,
+            close_connection=has_body(headers),
+            engine_details=config.serving.expose_engine_details,
+        )
+        if refusal is not None:
+            # Before anything else: a client without the key learns nothing of the state,
+            # and gets nothing more of the router (its body unread, its connection closed).
+            await self._refuse(client, endpoint, refusal, receive, headers, keep_connection=False)
+            return
         if not ctx.accepting:
             await self._refuse(
                 client,
@@ -490,7 +511,11 @@ class Flow:
         if request.model not in ctx.models:
             raise NotFound(f"the model `{request.model}` does not exist", param="model")
         if ctx.degraded_reason is not None:
-            raise Unavailable(f"narwhal is degraded: {ctx.degraded_reason}", code="degraded")
+            raise Unavailable(
+                f"narwhal is degraded: {ctx.degraded_reason}",
+                code="degraded",
+                public=f"narwhal is degraded: {DEGRADED_PUBLIC}",
+            )
         if all(engine.dialect.name == "vllm" for engine in ctx.fleet):
             refusal = decode_refusal(request)
             if refusal is not None:
@@ -554,6 +579,8 @@ class Flow:
                 f"(profiles.path={config.profiles.path}); run narwhal-profile, or set "
                 "serving.admission to open",
                 code="no_profile",
+                public="serving.admission is predictive but no usable engine profile is "
+                "loaded; run narwhal-profile, or set serving.admission to open",
             )
         quotes = quote_paths(
             self._priced(ctx.profiles).values(),
@@ -836,7 +863,9 @@ class Flow:
             if isinstance(placement, NoPlacement) and excluded:
                 placement = choose(views, excluded=frozenset(), policy=policy)
             if isinstance(placement, NoPlacement):
-                raise Unavailable(placement.reason, code="no_engine_available")
+                raise Unavailable(
+                    placement.reason, code="no_engine_available", public=placement.public
+                )
             if placement.unserved:
                 # Manual 5: every candidate misses its projected SLO; run on the cheapest.
                 ctx.unserved_placements += 1
@@ -870,7 +899,7 @@ class Flow:
                 if client.started or not failure.retryable or attempt >= serving.max_attempts:
                     raise
                 if not ctx.retry_budget.try_spend():
-                    failure.message += " (retry budget exhausted)"
+                    failure.note(" (retry budget exhausted)")
                     raise
                 if failure.exclude_on_retry:
                     excluded.add(failure.engine_id)
@@ -982,6 +1011,9 @@ class Flow:
                 "decode",
                 "handoff_expired",
                 f"kv handoff from {prefill.id} expired after {age:.3f}s "
+                f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
+                "the prefill must be redone",
+                public=f"kv handoff expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
                 status=503,
@@ -1208,7 +1240,8 @@ class Flow:
                 engine,
                 phase,
                 "engine_unreachable",
-                str(exc),
+                str(exc),  # names the engine's host and port
+                public="could not connect to the engine",
                 retryable=True,
                 deadline_s=exc.timeout_s,
             ) from None
@@ -1218,7 +1251,12 @@ class Flow:
             ) from None
         except PoolTimeout as exc:
             # Local starvation is not the engine's fault and is not retried (manual 4.2).
-            raise Unavailable(str(exc), code="pool_exhausted") from None
+            raise Unavailable(
+                str(exc),
+                code="pool_exhausted",
+                public=f"no connection to a {phase} engine within engine.pool_timeout_s="
+                f"{self.ctx.config.engine.pool_timeout_s}",
+            ) from None
 
     async def _status_failure(
         self, engine: EngineState, phase: LegPhase, response: Response
@@ -1237,6 +1275,8 @@ class Flow:
             why = key_refused(engine, status, info.message, self.ctx.config)
             return EngineFailed(
                 f"{phase} engine {engine.id} {why}",
+                public=f"{phase} engine refused narwhal's API key (HTTP {status}): the "
+                "router's configuration is at fault, not the request",
                 status=client_status_for_engine_status(status),
                 engine_id=engine.id,
                 phase=phase,
@@ -1251,6 +1291,8 @@ class Flow:
             why = model_refused(engine, info.message, self.ctx.config)
             return EngineFailed(
                 f"{phase} engine {engine.id} {why}",
+                public=f"{phase} engine does not serve model {engine.spec.model!r}: the "
+                "router's configuration is at fault, not the request",
                 status=502,
                 engine_id=engine.id,
                 phase=phase,
@@ -1261,11 +1303,7 @@ class Flow:
         if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
             return _transfer_failed(engine, phase, info.message)
         return _engine_refused(
-            engine,
-            phase,
-            status,
-            f"{phase} engine {engine.id} returned HTTP {status}: {info.message}",
-            info.param,
+            engine, phase, status, f"returned HTTP {status}: {info.message}", info.param
         )
 
     async def _json_leg(
@@ -1728,6 +1766,7 @@ def _failed(
     code: str,
     detail: str,
     *,
+    public: str | None = None,
     status: int = 502,
     retryable: bool = False,
     counts: bool = True,
@@ -1735,9 +1774,11 @@ def _failed(
     deadline_s: float | None = None,
 ) -> EngineFailed:
     """An engine leg's failure. `retryable` means transient (manual 4.2); whether a retry
-    happens also depends on visible output, attempts and the budget (see _attempts)."""
+    happens also depends on visible output, attempts and the budget (see _attempts).
+    `public`: `detail` for a client, when `detail` names the engine or its address."""
     return EngineFailed(
         f"{phase} engine {engine.id}: {detail}",
+        public=f"{phase} engine: {detail if public is None else public}",
         status=status,
         engine_id=engine.id,
         phase=phase,
@@ -1769,7 +1810,7 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
             engine,
             phase,
             status,
-            f"{phase} engine {engine.id} returned {status} in its stream: {message}",
+            f"returned {status} in its stream: {message}",
             param if isinstance(param, str) else None,
         )
     return _failed(
@@ -1782,15 +1823,18 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
 
 
 def _engine_refused(
-    engine: EngineState, phase: LegPhase, status: int, message: str, param: str | None
+    engine: EngineState, phase: LegPhase, status: int, answer: str, param: str | None
 ) -> EngineFailed:
-    """An engine's error status, in an HTTP answer or a stream's error event: the client's
-    own fault for a 4xx other than 408 and 429 (400, 404, 422...), which says nothing
-    about the engine, is neither retried nor counted against it; a 429 (busy, not broken)
-    is retried and not counted; the rest are the engine's."""
+    """An engine's error status, in an HTTP answer or a stream's error event (`answer`,
+    in the engine's words): the client's own fault for a 4xx other than 408 and 429 (400,
+    404, 422...), which says nothing about the engine, is neither retried nor counted
+    against it; a 429 (busy, not broken) is retried and not counted; the rest are the
+    engine's. The engine's words go to the client either way: they are about the request
+    the client sent, as the engine would have answered it."""
     client_error = 400 <= status < 500 and status not in (408, 429)
     return EngineFailed(
-        message,
+        f"{phase} engine {engine.id} {answer}",
+        public=f"{phase} engine {answer}",
         status=client_status_for_engine_status(status),
         engine_id=engine.id,
         phase=phase,
@@ -1840,6 +1884,8 @@ def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> Engi
         phase,
         _TRANSFER_FAILED,
         f"the bootstrap pair's KV transfer failed: {message}",
+        # SGLang's words name the pair's transfer endpoints (host:port).
+        public="the bootstrap pair's KV transfer failed",
         retryable=True,
         counts=False,
         exclude=False,

@@ -4,4 +4,8 @@ from ._control import ProfilesUnavailable as ProfilesUnavailable
 from ._notify import Notifier as Notifier
 from ._operations import Operations as Operations
 from ._reload import ReloadResult as ReloadResult, apply_config as apply_config
-from ._supervisor import CLEANUP_S as CLEANUP_S, Supervisor as Supervisor
+from ._supervisor import (
+    CLEANUP_S as CLEANUP_S,
+    ListenError as ListenError,
+    Supervisor as Supervisor,
+)

@@ -9,8 +9,11 @@ when it is ready, so a failure stops startup before the daemon claims to be read
    quarantine, health ejection, restart holds, verifications);
 3. the monitor loop and its pass handlers (the role controller registers one), and the
    event-loop lag probe (`serving._lag`, which recovery also consults);
-4. the HTTP listener. Then READY=1 goes to systemd and `run` reports started with the
-   supervisor itself as the value (tests and the daemon read `bound` and `url`).
+4. the admin listener (admin.host:admin.port: /narwhal/state and /metrics), then the
+   client listener (listen.host:listen.port). A port that cannot be bound stops startup
+   with a `ListenError` naming its settings. Then READY=1 goes to systemd and `run`
+   reports started with the supervisor itself as the value (tests and the daemon read
+   `url` and `admin_url`).
 
 Before any of them, the process's open-file limit is fitted to listen.max_open_connections
 (`serving._descriptors`: raised if it can be, the connection limit lowered if it cannot, and
@@ -22,8 +25,9 @@ file is read and READY=1 after, whether it was applied or rejected. Once shutdow
 requested, a reload is refused (and one under way ends without READY=1). See `_reload`.
 
 Shutdown (`request_shutdown()`, SIGTERM): STOPPING=1; new requests get 503
-`shutting_down` (the listener stays open during the drain so clients get that answer
-rather than a refused connection, and /health says so to load balancers); requests in
+`shutting_down` (the listeners stay open during the drain so clients get that answer
+rather than a refused connection, /health says so to load balancers, and the admin
+routes show the drain); requests in
 flight get up to recovery.shutdown_grace_s to finish; whatever is left is then
 cancelled, each reporting `shutting_down` (a stream as its terminal error event);
 after CLEANUP_S for those last writes, connections close and the services stop. A
@@ -39,7 +43,7 @@ from typing import Any
 import trio
 from prometheus_client import Counter
 
-from .._errors import Unavailable
+from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
 from ..config import Config, ConfigError, ReloadPlan, diff, keep_running, load_config_file
 from ..ctl import ControlServer
@@ -47,8 +51,11 @@ from ..fleet import EngineState, Role
 from ..profiles import FleetProfiles
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import (
+    ADMIN_MAX_CONNECTIONS,
+    AdminApp,
     App,
     DescriptorLimitError,
+    OpenConnections,
     OpenFileLimit,
     ServingContext,
     serve_app,
@@ -70,6 +77,13 @@ log = logging.getLogger("narwhal.supervisor")
 
 # Bound on the last writes after the grace (terminal error events) and on closing.
 CLEANUP_S = 2.0
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+class ListenError(Exception):
+    """A listener's address cannot be bound; the message names its settings."""
+
+
 # How often a retiring engine is checked for resident work. Its counters belong to
 # the request path and have no wakeup of their own; retiring is rare and bounded by
 # serving.request_timeout_s, so a slow check is the simple, cheap choice.
@@ -110,6 +124,7 @@ class Supervisor:
         self.recovery: Recovery | None = None
         self.monitor: Monitor | None = None
         self.bound: list[tuple[str, int]] = []
+        self.admin_bound: list[tuple[str, int]] = []
         self.reloads: list[dict[str, object]] = []
         # Configured role changes a reload could not apply because the engine was pinned:
         # `unpin` applies them (the newest per engine).
@@ -124,8 +139,13 @@ class Supervisor:
 
     @property
     def url(self) -> str:
-        host, port = self.bound[0]
-        return f"http://{host}:{port}"
+        """The client listener's first address."""
+        return _url(self.bound[0])
+
+    @property
+    def admin_url(self) -> str:
+        """The admin listener's first address (/narwhal/state, /metrics)."""
+        return _url(self.admin_bound[0])
 
     def request_shutdown(self) -> None:
         """First call: graceful drain. Second call: skip what is left of the grace."""
@@ -183,7 +203,7 @@ class Supervisor:
             registry=ctx.metrics.registry,
         )
         stop_server = trio.Event()
-        server_done = trio.Event()
+        servers_done = [trio.Event(), trio.Event()]
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -194,20 +214,30 @@ class Supervisor:
                 await nursery.start(recovery.run)
                 await nursery.start(monitor.run)
                 await nursery.start(ctx.loop_lag.run)
-                self.bound = await nursery.start(
-                    self._serve_http, App(ctx), stop_server, server_done
+                # The admin listener first: the state and metrics of a router that
+                # serves clients must be readable.
+                admin = AdminApp(ctx)
+                admin_connections = OpenConnections(ADMIN_MAX_CONNECTIONS)
+                self.admin_bound = await self._listen(
+                    nursery, admin, "admin", admin_connections, stop_server, servers_done[0]
+                )
+                self.bound = await self._listen(
+                    nursery, App(ctx), "listen", ctx.connections, stop_server, servers_done[1]
                 )
                 await nursery.start(self.notifier.watchdog)
                 log.info(
-                    "listening on %s",
+                    "listening on %s; admin on %s",
                     self.url,
+                    self.admin_url,
                     extra={
                         "event": "listening",
                         "url": self.url,
+                        "admin_url": self.admin_url,
                         "ctl_socket": config.ctl.socket if self.serve_ctl else None,
                         "engines": len(ctx.fleet),
                     },
                 )
+                self._warn_open_admin(config)
                 self.notifier.ready(self._status_line())
                 self._started.set()
                 task_status.started(self)
@@ -215,7 +245,8 @@ class Supervisor:
                 await self._drain(ctx)
                 stop_server.set()
                 with trio.move_on_after(CLEANUP_S + 1.0):
-                    await server_done.wait()
+                    for done in servers_done:
+                        await done.wait()
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
@@ -223,31 +254,70 @@ class Supervisor:
             self.notifier.close()
             log.info("stopped", extra={"event": "stopped"})
 
+    async def _listen(
+        self,
+        nursery: trio.Nursery,
+        app: App | AdminApp,
+        section: str,
+        connections: OpenConnections,
+        stop: trio.Event,
+        done: trio.Event,
+    ) -> list[tuple[str, int]]:
+        """Serve `app` on the address of the `section` settings ("listen", "admin");
+        the bound addresses. An address that cannot be bound is a ListenError."""
+        address = self.config.listen if section == "listen" else self.config.admin
+        try:
+            bound: list[tuple[str, int]] = await nursery.start(
+                self._serve_http, app, address.host, address.port, connections, stop, done
+            )
+        except OSError as exc:
+            raise ListenError(
+                f"cannot listen on {section}.host:{section}.port = {address.host}:"
+                f"{address.port}: {os_reason(exc)}"
+            ) from None
+        return bound
+
     async def _serve_http(
         self,
-        app: App,
+        app: App | AdminApp,
+        host: str,
+        port: int,
+        connections: OpenConnections,
         stop: trio.Event,
         done: trio.Event,
         *,
         task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        config = self.config
         try:
             await serve_app(
                 app,
-                host=config.listen.host,
-                port=config.listen.port,
+                host=host,
+                port=port,
                 # The running value: a reload changes it for open connections too.
                 client_stall_s=lambda: self.config.serving.client_stall_s,
                 shutdown=stop,
                 # The drain happened before `stop`; this only bounds the last writes.
                 graceful_timeout_s=CLEANUP_S,
-                open_connections=app.ctx.connections,
+                open_connections=connections,
                 protocol_error=app.ctx.client_protocol_error,
                 task_status=task_status,
             )
         finally:
             done.set()
+
+    @staticmethod
+    def _warn_open_admin(config: Config) -> None:
+        """One WARNING when the admin listener is off loopback and asks no token."""
+        admin = config.admin
+        if admin.host in _LOOPBACK or admin.bearer_token() is not None:
+            return
+        log.warning(
+            "the admin listener on %s:%d asks no token: whoever reaches it reads every "
+            "engine's url and the requests in flight; set admin.token_file",
+            admin.host,
+            admin.port,
+            extra={"event": "admin_open", "host": admin.host, "port": admin.port},
+        )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -518,7 +588,7 @@ class Supervisor:
         now = trio.current_time()
         engines = list(ctx.fleet)
         available = sum(1 for e in engines if e.unavailable_reason(now) is None)
-        where = self.url if self.bound else "(not listening)"
+        where = f"{self.url}; admin on {self.admin_url}" if self.bound else "(not listening)"
         text = f"listening on {where}; {available}/{len(engines)} engines available"
         if ctx.degraded_reason is not None:
             text += f"; degraded: {ctx.degraded_reason}"
@@ -537,7 +607,8 @@ class Supervisor:
     def _state(self) -> dict[str, object]:
         ctx = self.ctx
         return {
-            "listen": [f"http://{host}:{port}" for host, port in self.bound],
+            "listen": [_url(address) for address in self.bound],
+            "admin": [_url(address) for address in self.admin_bound],
             "ctl_socket": self.config.ctl.socket if self.serve_ctl else None,
             "config_path": self.config_path,
             "stopping": self.stopping,
@@ -549,6 +620,11 @@ class Supervisor:
             "notify": {"socket": self.notifier.address, "sent": self.notifier.sent[-5:]},
             "loop": ctx.loop_lag.state() if ctx is not None else None,
         }
+
+
+def _url(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:

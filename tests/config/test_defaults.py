@@ -38,6 +38,13 @@ SPEC: dict[str, tuple[Any, str]] = {
     "listen.host": ("127.0.0.1", "non-empty"),
     "listen.port": (8000, "0..65535"),
     "listen.max_open_connections": (4096, ">= 1"),  # (model) open client sockets
+    # (model) issue 29 item 5: client keys and the admin listener
+    "listen.api_keys": ([], "printable ASCII without spaces, 1..1024 characters"),
+    "listen.api_keys_file": (None, "non-empty"),
+    "admin.host": ("127.0.0.1", "non-empty"),
+    "admin.port": (8001, "0..65535"),
+    "admin.token": (None, "printable ASCII without spaces, 1..1024 characters"),
+    "admin.token_file": (None, "non-empty"),
     "ctl.socket": ("runs/narwhal.sock", "non-empty, at most 107 bytes"),
     "log.level": ("info", '"debug", "info", "warning", "error"'),
     # manual 4.1
@@ -62,6 +69,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     # manual 6
     "serving.request_timeout_s": (600.0, "> 0"),
     "serving.prefill_timeout_s": (120.0, "> 0"),
+    "serving.expose_engine_details": (False, "true, false"),  # (model) issue 29 item 5
     # manual 4.1
     "engine.control_connections": (0, ">= 0"),
     # manual 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from narwhal.config import RESTART_REQUIRED, Config, diff, keep_running, load_config
@@ -110,6 +111,7 @@ def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() 
     running = config()
     new = config(
         listen={"host": "0.0.0.0", "port": 9999},
+        admin={"host": "0.0.0.0", "port": 9998},
         ctl={"socket": "/run/n.sock"},
         controller={"enabled": False, "advisory": True},
         serving={"max_connections": 64},
@@ -118,7 +120,34 @@ def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() 
     assert [c.path for c in diff(running, new).restart_required] == list(RESTART_REQUIRED)
     assert diff(running, kept).restart_required == ()
     assert kept.listen == running.listen
+    assert kept.admin == running.admin
     assert kept.ctl == running.ctl
     assert kept.controller.enabled is True
     assert kept.controller.advisory is True
     assert kept.serving.max_connections == 64
+
+
+def test_changed_credentials_apply_and_read_redacted(tmp_path: Path) -> None:
+    """Inline or read from a file, a changed admin token or client key list applies on
+    reload (it is not restart-required) and is named without its value."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\n")
+    running = config(admin={"token": "token-one"}, listen={"api_keys_file": str(keys)})
+    keys.write_text("key-one\nkey-two\n")
+    new = config(admin={"token": "token-two"}, listen={"api_keys_file": str(keys)})
+    plan = diff(running, new)
+    assert plan.restart_required == ()
+    assert plan.summary() == [
+        'listen.api_keys_file: ["<redacted>"] -> ["<redacted>", "<redacted>"]',
+        'admin.token: "<redacted>" -> "<redacted>"',
+    ]
+    assert "token-" not in repr(plan)
+    assert "key-" not in repr(plan)
+    assert diff(
+        new, config(admin={"token": "token-two"}, listen={"api_keys_file": str(keys)})
+    ).empty
+
+
+def test_a_changed_inline_key_list_is_one_redacted_change() -> None:
+    plan = diff(config(listen={"api_keys": ["a-key"]}), config(listen={"api_keys": ["b-key", "c"]}))
+    assert plan.summary() == ['listen.api_keys: ["<redacted>"] -> ["<redacted>", "<redacted>"]']

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import trio
 
-_URL = re.compile(r"listening on (http://[0-9.]+:[0-9]+)")
+_URL = re.compile(r"listening on (http://[0-9.]+:[0-9]+); admin on (http://[0-9.]+:[0-9]+)")
 
 
 @attrs.define
@@ -31,6 +31,7 @@ class Daemon:
     notify: trio.socket.SocketType
     messages: list[str] = attrs.Factory(list)
     url: str = ""
+    admin_url: str = ""
 
     @property
     def ctl_path(self) -> Path:
@@ -135,7 +136,7 @@ async def launcher(directory: Path) -> AsyncIterator[Launch]:
         message = await daemon.message("READY=1", within_s=30)
         match = _URL.search(message)
         assert match is not None, message
-        daemon.url = match.group(1)
+        daemon.url, daemon.admin_url = match.group(1), match.group(2)
         return daemon
 
     try:

@@ -46,6 +46,7 @@ def document(fleet: Fleet, roles: list[str], **sections: Any) -> dict[str, Any]:
             if role != "-"
         ],
         "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
         "recovery": {"health": {"interval_s": 0.2}},
         # Operator actions are what these tests watch; the role controller would
@@ -376,8 +377,8 @@ async def test_a_control_socket_that_cannot_be_created_is_reported_as_ctl_socket
 
 
 def _small(fleet: Fleet) -> dict[str, Any]:
-    """A daemon that needs 819 descriptors: 600 client connections, and a reserve of 219
-    (two engines' serving pools of 16 and control pools of 4, and 179 for the rest)."""
+    """A daemon that needs 840 descriptors: 600 client connections, and a reserve of 240
+    (two engines' serving pools of 16 and control pools of 4, and 200 for the rest)."""
     return document(
         fleet,
         ["prefill", "decode"],
@@ -400,14 +401,14 @@ async def test_the_daemon_raises_a_low_soft_open_file_limit_to_what_it_needs(
     fleet = await start_fleet(nursery, 2)
     daemon = await launch(_small(fleet), open_files=(256, None))
     soft, hard = _open_files_limit(daemon.process.pid)
-    assert soft == 819
+    assert soft == 840
     state = await daemon.state()
     assert state["connections"]["limit"] == state["connections"]["configured_limit"] == 600
     assert state["connections"]["open_files"] == {
-        "soft": 819,
+        "soft": 840,
         "hard": hard,
-        "needed": 819,
-        "reserve": 219,
+        "needed": 840,
+        "reserve": 240,
         "raised_from": 256,
         "note": None,
     }
@@ -416,7 +417,7 @@ async def test_the_daemon_raises_a_low_soft_open_file_limit_to_what_it_needs(
         "info",
         "raised",
         256,
-        819,
+        840,
     )
 
 
@@ -426,18 +427,18 @@ async def test_under_a_low_hard_open_file_limit_the_daemon_serves_fewer_connecti
     fleet = await start_fleet(nursery, 2)
     daemon = await launch(_small(fleet), open_files=(300, 300))
     state = await daemon.state()
-    assert (state["connections"]["limit"], state["connections"]["configured_limit"]) == (81, 600)
+    assert (state["connections"]["limit"], state["connections"]["configured_limit"]) == (60, 600)
     async with httpx.AsyncClient(timeout=10) as client:
-        metrics = (await client.get(f"{daemon.url}/metrics")).text
-    assert "narwhal_client_connection_limit 81.0" in metrics
+        metrics = (await client.get(f"{daemon.admin_url}/metrics")).text
+    assert "narwhal_client_connection_limit 60.0" in metrics
     assert "narwhal_client_connection_limit_configured 600.0" in metrics
     (event,) = daemon.events("open_file_limit")
     assert (event["level"], event["message"]) == (
         "warning",
         "listen.max_open_connections=600 does not fit the open-file limit (RLIMIT_NOFILE, "
-        "hard 300): with 219 descriptors for engine pools, sockets and files, at most 81 "
+        "hard 300): with 240 descriptors for engine pools, sockets and files, at most 60 "
         "client connections are kept open; raise the hard limit (LimitNOFILE= in the unit, "
-        "ulimit -Hn) to 819 for all of them",
+        "ulimit -Hn) to 840 for all of them",
     )
 
 
@@ -449,9 +450,9 @@ async def test_the_daemon_refuses_to_start_without_descriptors_for_its_retained_
     with trio.fail_after(20):
         assert await daemon.process.wait() == 1
     assert daemon.log_path.read_text().splitlines()[-1] == (
-        "narwhal: the hard open-file limit (RLIMIT_NOFILE) is 200: with 219 descriptors for "
+        "narwhal: the hard open-file limit (RLIMIT_NOFILE) is 200: with 240 descriptors for "
         "engine pools, sockets and files, it leaves room for 0 client connections, which "
         "must exceed serving.max_connections + serving.queue_capacity = 16; "
-        "listen.max_open_connections=600 needs 819 in all: raise the hard limit "
+        "listen.max_open_connections=600 needs 840 in all: raise the hard limit "
         "(LimitNOFILE= in the unit, ulimit -Hn) to at least that"
     )

@@ -47,6 +47,7 @@ def pair_document(stack: Stack) -> dict[str, Any]:
                 {"id": "d1", "url": fleet[1].url, "role": "decode", "model": MODEL},
             ],
             "listen": {"host": "127.0.0.1", "port": 0},
+            "admin": {"host": "127.0.0.1", "port": 0},
             "serving": {"admission": "open"},
         },
         FAST,
@@ -380,7 +381,12 @@ async def test_a_reload_keeps_the_decode_corrections_of_the_engines_it_left_alon
     store = tmp_path / "profiles.json"
     save_profiles(store_for(urls), store)
     document = merge(
-        config_document(urls, profiles=str(store), listen={"host": "127.0.0.1", "port": 0}),
+        config_document(
+            urls,
+            profiles=str(store),
+            listen={"host": "127.0.0.1", "port": 0},
+            admin={"host": "127.0.0.1", "port": 0},
+        ),
         FAST,
     )
     path = tmp_path / "narwhal.json"
@@ -420,11 +426,12 @@ async def test_start_and_reload_fit_the_open_file_limit_to_the_connection_limit(
                 {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode", "model": MODEL},
             ],
             "listen": {"host": "127.0.0.1", "port": 0, "max_open_connections": 600},
+            "admin": {"host": "127.0.0.1", "port": 0},
             "serving": {"admission": "open", "max_connections": 16},
         },
         FAST,
     )
-    reserve = 2 * (16 + 4) + 179  # two engines' serving and control pools, and the rest
+    reserve = 2 * (16 + 4) + 200  # two engines' serving and control pools, and the rest
     path = tmp_path / "narwhal.json"
     write(path, document)
     files = FakeFileLimit(soft=256, hard=2000)
@@ -444,7 +451,7 @@ async def test_start_and_reload_fit_the_open_file_limit_to_the_connection_limit(
         assert (ctx.connections.limit, ctx.connections.configured_limit) == (2000 - reserve, 1900)
         section = state_document(ctx)["connections"]
         assert isinstance(section, dict)
-        assert (section["limit"], section["configured_limit"]) == (1781, 1900)
+        assert (section["limit"], section["configured_limit"]) == (1760, 1900)
         assert section["open_files"] == {
             "soft": 2000,
             "hard": 2000,
@@ -454,7 +461,7 @@ async def test_start_and_reload_fit_the_open_file_limit_to_the_connection_limit(
             "note": None,
         }
         metrics = ctx.metrics.render().decode()
-        assert "narwhal_client_connection_limit 1781.0" in metrics
+        assert "narwhal_client_connection_limit 1760.0" in metrics
         assert "narwhal_client_connection_limit_configured 1900.0" in metrics
 
         # Too little left for the retained requests' connections: rejected, as a
@@ -469,14 +476,14 @@ async def test_start_and_reload_fit_the_open_file_limit_to_the_connection_limit(
         result = await supervisor.reload()
         assert not result.applied
         assert result.errors == (
-            "the hard open-file limit (RLIMIT_NOFILE) is 2000: with 1787 descriptors for "
-            "engine pools, sockets and files, it leaves room for 213 client connections, "
+            "the hard open-file limit (RLIMIT_NOFILE) is 2000: with 1808 descriptors for "
+            "engine pools, sockets and files, it leaves room for 192 client connections, "
             "which must exceed serving.max_connections + serving.queue_capacity = 800; "
-            "listen.max_open_connections=1900 needs 3687 in all: raise the hard limit "
+            "listen.max_open_connections=1900 needs 3708 in all: raise the hard limit "
             "(LimitNOFILE= in the unit, ulimit -Hn) to at least that",
         )
         assert ctx.config.serving.max_connections == 16
-        assert (ctx.connections.limit, files.set_to[-1]) == (1781, (2000, 2000))
+        assert (ctx.connections.limit, files.set_to[-1]) == (1760, (2000, 2000))
         supervisor.request_shutdown()
     assert [
         (r.levelname, getattr(r, "outcome", None))

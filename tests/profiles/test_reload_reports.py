@@ -122,6 +122,7 @@ async def test_reloads_of_an_unchanged_store_warn_of_nothing_new(
             urls,
             profiles=str(store_path),
             listen={"host": "127.0.0.1", "port": 0},
+            admin={"host": "127.0.0.1", "port": 0},
             serving={"admission": "open"},
         ),
         FAST,

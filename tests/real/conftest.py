@@ -92,6 +92,7 @@ def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any
     document: dict[str, Any] = {
         "engines": entries,
         "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
         "controller": {"enabled": False},
         # CPU engines on a two-core box shared with the test process: a first token or a

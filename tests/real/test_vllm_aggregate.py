@@ -87,7 +87,7 @@ async def test_an_aggregate_fleet_is_profiled_checked_and_served_predictively(
                 answer = await client.post(f"{stack.url}/v1/completions", json=body)
             assert answer.status_code == 200, answer.text
         with trio.fail_after(30):
-            metrics = (await client.get(f"{stack.url}/metrics")).text
+            metrics = (await client.get(f"{stack.admin_url}/metrics")).text
     # The streamed request's first token was compared with its admission's projection.
     (count,) = [
         float(line.split()[-1])

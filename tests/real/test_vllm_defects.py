@@ -39,7 +39,7 @@ LEASE_MARGIN_S = 8.0
 
 async def narwhal_metric(client: httpx.AsyncClient, stack: RealStack, name: str) -> float:
     """The sum of Narwhal's own samples of `name` on its /metrics."""
-    text = (await client.get(f"{stack.url}/metrics")).text
+    text = (await client.get(f"{stack.admin_url}/metrics")).text
     pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
     return sum(float(match[2]) for match in pattern.finditer(text))
 

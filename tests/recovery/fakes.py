@@ -179,6 +179,7 @@ def first_token_timeout(engine: str, phase: str, deadline_s: float) -> EngineFai
         retryable=True,
         counts_against_engine=True,
         code="first_token_timeout",
+        public=f"{phase} engine: no first token within engine.first_token_timeout_s={deadline_s}",
         deadline_s=deadline_s,
     )
 
@@ -192,6 +193,7 @@ def failure(engine: str, phase: str, *, status: int = 502, counts: bool = True) 
         retryable=True,
         counts_against_engine=counts,
         code=f"engine_http_{status}",
+        public=f"{phase} engine returned HTTP {status}",
     )
 
 
@@ -211,6 +213,7 @@ def unreachable(engine: str, phase: str, timeout_s: float | None = None) -> Engi
         retryable=True,
         counts_against_engine=True,
         code="engine_unreachable",
+        public=f"{phase} engine: could not connect",
         deadline_s=timeout_s,
     )
 

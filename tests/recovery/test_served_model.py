@@ -43,7 +43,8 @@ async def test_an_engine_serving_another_model_leaves_placement_and_comes_back_w
     before = requests(stack, 0, "prefill")
     second = await complete(stack)
     assert second.status_code == 503, second.text
-    assert "model not served" in second.json()["error"]["message"]
+    # The client learns only that no engine could take it; the state says why.
+    assert second.json()["error"]["message"] == "no prefill engine is available"
     await trio.sleep(0.3)  # several probe intervals (0.05 s)
     assert requests(stack, 0, "prefill") == before
     assert reason(stack, "p0") == f"model not served: {REFUSED}"

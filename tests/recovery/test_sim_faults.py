@@ -249,7 +249,8 @@ async def test_engine_down_at_startup_is_kept_probed_and_readmitted(
     assert (reason(stack, "d1") or "").startswith("ejected: failed its first probe (startup): ")
     response = await post(stack)
     assert response.status_code == 503
-    assert "d1: ejected: failed its first probe" in response.json()["error"]["message"]
+    # The client learns no engine's name or state (serving.expose_engine_details).
+    assert response.json()["error"]["message"] == "no decode engine is available"
     await stack.fleet[1].come_up()
     await wait_for(lambda: available(stack, "d1"))
     assert (await post(stack)).status_code == 200
@@ -269,7 +270,8 @@ async def test_decode_failures_open_the_decode_breaker_only_and_verification_clo
     assert state["p0"]["breakers"]["decode"]["state"] == "closed"
     response = await post(stack)
     assert response.status_code == 503
-    assert "d1: decode breaker" in response.json()["error"]["message"]
+    assert response.json()["error"]["message"] == "no decode engine is available"
+    assert (reason(stack, "d1") or "").startswith("decode breaker")
     # While the fault stays, verification fails and the breaker reopens.
     await wait_for(lambda: recovery(stack, "d1").breakers["decode"].opened_total >= 2)
     stack.fleet[1].clear_faults()
@@ -277,7 +279,7 @@ async def test_decode_failures_open_the_decode_breaker_only_and_verification_clo
     assert recovery(stack, "d1").last_verification["outcome"] == "ok"
     assert (await post(stack, {"stream": True})).status_code == 200
     async with httpx.AsyncClient() as client:
-        metrics = (await client.get(f"{stack.url}/metrics")).text
+        metrics = (await client.get(f"{stack.admin_url}/metrics")).text
     assert (
         'narwhal_recovery_transitions_total{engine="d1",from="closed",kind="breaker",'
         'phase="decode",to="open"} 1.0' in metrics
@@ -545,10 +547,14 @@ async def test_degraded_state_refuses_admission_with_the_reason(start_stack: Sta
     assert response.status_code == 503
     error = response.json()["error"]
     assert error["code"] == "degraded"
+    # The monitor's last failure is the operator's (the state, the log): the client gets
+    # the reason without it (serving.expose_engine_details).
     assert error["message"] == (
-        "narwhal is degraded: 2 consecutive monitor passes failed "
-        "(controller.monitor_failure_limit=2); last: pass handler 'controller' raised "
-        "RuntimeError: profile store unreadable"
+        "narwhal is degraded: its monitor passes keep failing (controller.monitor_failure_limit)"
+    )
+    assert stack.ctx.degraded_reason == (
+        "2 consecutive monitor passes failed (controller.monitor_failure_limit=2); last: pass "
+        "handler 'controller' raised RuntimeError: profile store unreadable"
     )
     async with httpx.AsyncClient() as client:
         health = await client.get(f"{stack.url}/health")

@@ -1,17 +1,22 @@
 """A hostile engine (hostile.py) on either side of a P/D pair: whatever it sends, the
-client gets a success or a well-formed error within its deadline, the router hangs up
-on every leg it gives up on, and nothing stays held."""
+client gets a success or a well-formed error within its deadline that names neither the
+engine nor its address, the router hangs up on every leg it gives up on, and nothing
+stays held. And hostile clients: without the API key (or with a wrong one, in every
+shape) they get 401 and no engine work, and the admin surface is not on their port."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
 from ..support import wait_for
 from . import hostile as h
-from .campaign import StartCampaign, start_beside_hostile
+from .campaign import Campaign, StartCampaign, start_beside_hostile
+from .client import Exchange, is_error_event
 
 TIMEOUT_S = 1.5
 SETTINGS: dict[str, Any] = {
@@ -120,5 +125,86 @@ async def test_hostile_engine(
     assert [c.label_of(ex) for ex in c.exchanges] == [expect] * 2
     legs = [leg for leg in engine.legs if leg.leg == side]
     assert [leg.ended for leg in legs] == [leg_end] * 2, legs
+    # The log names the hostile engine; the client's message does not.
+    host_port = engine.url.removeprefix("http://")
+    for message in filter(None, map(error_message, c.exchanges)):
+        assert " engine h" not in message, message
+        assert host_port not in message, message
     if expect.endswith(":expired"):
         assert all(TIMEOUT_S <= ex.duration < TIMEOUT_S + 1.0 for ex in c.exchanges)
+
+
+def error_message(ex: Exchange) -> str | None:
+    """The message of the error a client got: an HTTP error's, or a stream's last event's."""
+    if ex.status != 200:
+        document = json.loads(ex.body)
+    else:
+        events = ex.events()
+        if not events or not is_error_event(events[-1]):
+            return None
+        document = json.loads(events[-1])
+    message: str = document["error"]["message"]
+    return message
+
+
+KEY = "sk-campaign-0123456789abcdef"
+TOKEN = "admin-campaign-token-0123"
+# What a client without the key tries: (Authorization headers, the code it must get).
+WRONG_KEYS: list[tuple[list[tuple[str, str]], str]] = [
+    ([], "missing_api_key"),
+    ([("authorization", "Bearer")], "missing_api_key"),
+    ([("authorization", f"Basic {KEY}")], "missing_api_key"),
+    ([("authorization", f"Bearer {KEY[:-1]}")], "invalid_api_key"),  # a prefix
+    ([("authorization", f"Bearer {KEY}x")], "invalid_api_key"),  # one byte more
+    ([("authorization", f"Bearer {KEY.upper()}")], "invalid_api_key"),
+    ([("authorization", f"Bearer {TOKEN}")], "invalid_api_key"),  # the admin's token
+    ([("authorization", "Bearer " + "k" * 8000)], "invalid_api_key"),
+    ([("authorization", f"Bearer {KEY}"), ("authorization", "Bearer x")], "invalid_api_key"),
+    ([("authorization", f"Bearer {KEY}\x7f")], "invalid_api_key"),
+]
+
+
+async def test_hostile_clients_without_the_key_get_401_and_no_admin_surface(
+    start: StartCampaign,
+) -> None:
+    c: Campaign = await start(
+        "hostile-clients",
+        ["prefill", "decode"],
+        listen={"api_keys": [KEY]},
+        admin={"token": TOKEN},
+    )
+    honest = [("authorization", f"Bearer {KEY}")]
+
+    async def plan(i: int) -> None:
+        if i % 3 == 0:
+            await c.send(i, c.body(stream=i % 2 == 0, max_tokens=4), headers=honest)
+            return
+        headers, code = WRONG_KEYS[i % len(WRONG_KEYS)]
+        await c.send(i, c.body(stream=i % 2 == 0), label=code, headers=headers)
+
+    await c.run(60, plan, concurrency=6, within_s=30)
+    report = await c.check()
+    report.assert_ok()
+    for ex in c.exchanges:
+        expected = "ok" if not ex.label else f"error:{ex.label}"
+        assert c.label_of(ex) == expected, (ex.label, ex.status, ex.body[:200])
+        if ex.label:
+            assert ex.status == 401
+            assert ex.headers["www-authenticate"].startswith("Bearer")
+    # Only the honest requests reached an engine.
+    assert c.total("requests") == 2 * sum(1 for ex in c.exchanges if not ex.label)
+    # The admin surface is not on the client port, key or no key; on its own listener
+    # it wants its token, not a client's key.
+    stack = c.stack
+    async with httpx.AsyncClient(timeout=10) as client:
+        for path in ("/narwhal/state", "/metrics"):
+            for headers in ({}, dict(honest), {"authorization": f"Bearer {TOKEN}"}):
+                answer = await client.get(f"{stack.url}{path}", headers=headers)
+                assert answer.status_code == 404, (path, headers)
+                assert answer.json()["error"]["code"] == "not_found"
+            admin = await client.get(f"{stack.admin_url}{path}", headers=dict(honest))
+            assert (admin.status_code, admin.json()["error"]["code"]) == (401, "invalid_token")
+            assert (await client.get(f"{stack.admin_url}{path}")).status_code == 401
+        state = await stack.state()
+    assert KEY not in json.dumps(state)
+    assert TOKEN not in json.dumps(state)

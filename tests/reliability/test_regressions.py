@@ -73,7 +73,7 @@ async def test_a_non_json_200_from_a_decode_engine_is_not_relayed_as_json(
     # The leg is asked as a stream (manual 6); a JSON answer is named for what it is.
     assert error["code"] == "engine_bad_response"
     assert error["message"] == (
-        "decode engine h: answered a streaming request with application/json, not an event stream"
+        "decode engine: answered a streaming request with application/json, not an event stream"
     )
 
 

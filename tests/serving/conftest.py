@@ -60,6 +60,7 @@ def fleet_config(fleet: Fleet, roles: list[str], **sections: Any) -> dict[str, A
     document: dict[str, Any] = {
         "engines": engines,
         "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
         "serving": {"admission": "open"},
         # The role controller is tested on its own; here it would move engines under
         # tests that place requests on purpose. Tests that want it pass controller=...

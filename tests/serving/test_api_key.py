@@ -124,7 +124,13 @@ async def test_a_refused_tokenize_takes_the_engine_out_like_a_refused_leg(
     nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # SGLang guards /tokenize; p0, first in config order, counts the prompt.
-    stack = await sglang_stack(nursery, api_key=KEY, engine={"api_key_file": key_file(tmp_path)})
+    # The operator's view of the refusal (serving.expose_engine_details): it names why.
+    stack = await sglang_stack(
+        nursery,
+        api_key=KEY,
+        engine={"api_key_file": key_file(tmp_path)},
+        expose_engine_details=True,
+    )
     stack.fleet[0].set_api_key(ROTATED)
     response = await complete(stack)
     # The estimate stands in for the count, and the only prefill engine is out.
@@ -163,7 +169,8 @@ async def test_a_proxy_refusing_vllm_tokenize_fails_the_request_over(
 
 async def test_a_secured_fleet_without_a_configured_key_says_so(start_stack: StartStack) -> None:
     # The engines' health routes are open, so they look healthy; their /v1 routes are not.
-    stack = await start_stack(sim={"api_key": KEY})
+    # With serving.expose_engine_details, the answer names the engine and the fix.
+    stack = await start_stack(sim={"api_key": KEY}, serving={"expose_engine_details": True})
     response = await complete(stack)
     assert response.status_code == 502
     error = response.json()["error"]

@@ -39,14 +39,14 @@ def _config(engines: int = 2, **sections: Any) -> Config:
 def test_the_reserve_is_each_engines_two_pools_and_the_rest() -> None:
     # Defaults: a serving pool of serving.max_connections=512 per engine and a control
     # pool of two per engine with a minimum of four.
-    assert OTHER_DESCRIPTORS == 179
-    assert descriptor_reserve(_config(engines=2)) == 2 * (512 + 4) + 179
-    assert descriptor_reserve(_config(engines=3)) == 3 * (512 + 6) + 179
+    assert OTHER_DESCRIPTORS == 200
+    assert descriptor_reserve(_config(engines=2)) == 2 * (512 + 4) + 200
+    assert descriptor_reserve(_config(engines=3)) == 3 * (512 + 6) + 200
     assert (
         descriptor_reserve(
             _config(engines=3, serving={"max_connections": 16}, engine={"control_connections": 10})
         )
-        == 3 * (16 + 10) + 179
+        == 3 * (16 + 10) + 200
     )
 
 
@@ -109,18 +109,18 @@ def test_a_limit_with_no_room_for_the_retained_requests_connections_is_refused()
 def test_fit_raises_the_soft_limit_of_the_process() -> None:
     limit = FakeFileLimit(soft=1024, hard=524288)
     budget = limit.limit().fit(_config(engines=2))
-    assert limit.set_to == [(5307, 524288)]
-    assert (budget.soft, budget.effective, budget.reserve) == (5307, 4096, 1211)
+    assert limit.set_to == [(5328, 524288)]
+    assert (budget.soft, budget.effective, budget.reserve) == (5328, 4096, 1232)
     assert budget.to_json() == {
-        "soft": 5307,
+        "soft": 5328,
         "hard": 524288,
-        "needed": 5307,
-        "reserve": 1211,
+        "needed": 5328,
+        "reserve": 1232,
         "raised_from": 1024,
         "note": None,
     }
     again = limit.limit().fit(_config(engines=2))  # as at a reload that changed nothing
-    assert (limit.set_to, again.raised) == ([(5307, 524288)], False)
+    assert (limit.set_to, again.raised) == ([(5328, 524288)], False)
 
 
 def test_fit_changes_nothing_when_it_refuses() -> None:
@@ -138,11 +138,11 @@ def test_when_setrlimit_refuses_the_soft_limit_found_is_the_one_fitted() -> None
     assert (budget.soft, budget.hard, budget.effective, budget.raised) == (
         4096,
         UNLIMITED,
-        4096 - 1211,
+        4096 - 1232,
         False,
     )
     assert budget.note == (
-        "raising the soft limit to 5307 failed: [Errno 1] Operation not permitted"
+        "raising the soft limit to 5328 failed: [Errno 1] Operation not permitted"
     )
     assert budget.to_json()["hard"] is None
     with pytest.raises(

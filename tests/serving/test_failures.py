@@ -80,7 +80,7 @@ async def test_prefill_engine_errors_are_mapped_not_passed_through(
     assert response.status_code == client_status
     error = response.json()["error"]
     assert error["code"] == code
-    assert error["message"].startswith(f"prefill engine p0 returned HTTP {status}: ")
+    assert error["message"].startswith(f"prefill engine returned HTTP {status}: ")
     assert stack.fleet[1].state()["counters"]["requests"]["decode"] == 0
     await settled(stack)
 
@@ -183,7 +183,8 @@ async def test_prefill_engine_down(start_stack: StartStack) -> None:
     assert response.status_code == 502
     error = response.json()["error"]
     assert error["code"] == "engine_unreachable"
-    assert "connection refused" in error["message"]
+    # The log has the engine and its address (connection refused); the client neither.
+    assert error["message"] == "prefill engine: could not connect to the engine"
 
 
 async def test_expired_kv_lease_fails_the_decode(start_stack: StartStack) -> None:

@@ -102,8 +102,8 @@ async def test_a_running_router_reports_loop_lag_and_process_metrics(
 ) -> None:
     stack = await start_stack()
     async with httpx.AsyncClient() as client:
-        metrics = (await client.get(f"{stack.url}/metrics")).text
-        state = (await client.get(f"{stack.url}/narwhal/state")).json()
+        metrics = (await client.get(f"{stack.admin_url}/metrics")).text
+        state = (await client.get(f"{stack.admin_url}/narwhal/state")).json()
     assert "narwhal_event_loop_lag_seconds_bucket" in metrics
     assert "process_cpu_seconds_total" in metrics
     loop = state["supervisor"]["loop"]

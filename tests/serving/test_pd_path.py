@@ -160,7 +160,7 @@ async def test_models_health_and_metrics(start_stack: StartStack) -> None:
             f"{stack.url}/v1/completions",
             json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True},
         )
-        metrics = (await client.get(f"{stack.url}/metrics")).text
+        metrics = (await client.get(f"{stack.admin_url}/metrics")).text
         missing = await client.get(f"{stack.url}/v2/nothing")
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [
         (MODEL, decode.context_length)

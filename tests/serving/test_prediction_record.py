@@ -45,7 +45,7 @@ async def served_line(
 
 async def error_samples(stack: Stack) -> float:
     async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(f"{stack.url}/metrics")).text
+        text = (await client.get(f"{stack.admin_url}/metrics")).text
     for line in text.splitlines():
         if line.startswith("narwhal_ttft_prediction_error_ratio_count"):
             return float(line.split()[-1])

@@ -96,6 +96,7 @@ async def test_predictive_admission_needs_a_usable_profile_to_start(tmp_path: Pa
             {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode", "model": MODEL},
         ],
         "listen": {"port": 0},
+        "admin": {"port": 0},
         "serving": {"admission": "predictive"},
         "profiles": {"path": str(tmp_path / "missing.json")},
     }

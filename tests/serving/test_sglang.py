@@ -188,7 +188,7 @@ async def test_an_error_event_in_the_prefill_stream_fails_the_prefill(
     response = await stream(stack, 4)
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "engine_stream_error"
-    assert "prefill engine p0" in response.json()["error"]["message"]
+    assert response.json()["error"]["message"].startswith("prefill engine: ")
     metrics = stack.ctx.metrics.render().decode()
     assert (
         'narwhal_engine_failures_total{code="engine_stream_error",engine="p0",phase="prefill"} 1.0'

@@ -192,7 +192,7 @@ async def test_an_older_sglang_build_is_asked_about_chat_once(
         await client.post(
             f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
         )
-        metrics = (await client.get(f"{stack.url}/metrics")).text
+        metrics = (await client.get(f"{stack.admin_url}/metrics")).text
     # Its /tokenize answers messages with 400 (`prompt` is required): each engine is asked
     # once, and once both have refused, chat requests are estimated without a round trip.
     assert asked == [0, 1]

@@ -271,7 +271,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
         warm = await harness.warm_up(url)
         if any(s != 200 for s in warm):
             raise RuntimeError(f"warm-up requests through {url} answered {warm}")
-        sampler = harness.Sampler(urls, roles, url, speed, 2.0)
+        sampler = harness.Sampler(urls, roles, harness.admin_url(config), speed, 2.0)
         flags = {
             "url": url,
             "workload": workload_file,

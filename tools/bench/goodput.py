@@ -376,7 +376,7 @@ async def run_one(
                 extra=extra,
             )
             url = await harness.start_narwhal(procs, config, run_dir)
-            narwhal_url = url
+            narwhal_url = harness.admin_url(config)
         else:
             exe = harness.vllm_router_binary(settings.vllm_router_venv)
             if exe is None:

@@ -202,6 +202,8 @@ def narwhal_config(
             for i, (url, role) in enumerate(zip(urls, roles, strict=True))
         ],
         "listen": {"host": "127.0.0.1", "port": port},
+        # /narwhal/state, which the sampler reads, is served there (`admin_url`).
+        "admin": {"host": "127.0.0.1", "port": 0 if port == 0 else free_port()},
         "ctl": {"socket": socket_path},
         "log": {"level": "warning"},
         "slo": {"ttft_s": wall(ttft_slo_s), "tpot_s": wall(tpot_slo_s)},
@@ -234,6 +236,11 @@ async def wait_http_ok(url: str, within_s: float, proc: trio.Process) -> None:
                 except httpx.HTTPError:
                     pass
                 await trio.sleep(0.2)
+
+
+def admin_url(config: dict[str, Any]) -> str:
+    """Where the Narwhal `config` serves /narwhal/state and /metrics."""
+    return f"http://127.0.0.1:{config['admin']['port']}"
 
 
 async def start_narwhal(procs: Procs, config: dict[str, Any], run_dir: Path) -> str:

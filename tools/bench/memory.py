@@ -219,7 +219,7 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
         url = await harness.start_narwhal(procs, config, run_dir)
         narwhal = next(p for name, p in procs.started if name == "narwhal")
         await harness.warm_up(url, count=1)
-        watch = Watch(narwhal.pid, url + "/narwhal/state")
+        watch = Watch(narwhal.pid, harness.admin_url(config) + "/narwhal/state")
         spec = {
             "url": url,
             "requests": requests,

@@ -209,7 +209,9 @@ def request_body(mode: str, plan: Plan) -> dict[str, Json]:
     }
 
 
-def narwhal_config(prefill_url: str, decode_url: str, port: int) -> dict[str, Json]:
+def narwhal_config(
+    prefill_url: str, decode_url: str, port: int, admin_port: int | None = None
+) -> dict[str, Json]:
     """Defaults except what a benchmark on a bare loopback fleet needs.
 
     - admission "open": predictive admission prices against measured profiles, which a
@@ -222,7 +224,8 @@ def narwhal_config(prefill_url: str, decode_url: str, port: int) -> dict[str, Js
       end those streams with first_token_timeout error events, which is not the path
       being measured (vllm-router has no such deadline by default).
     Everything else (tokenisation via /tokenize, per-request logging at info, metrics)
-    is Narwhal's default behaviour and is part of what is measured.
+    is Narwhal's default behaviour and is part of what is measured. /metrics is on the
+    admin listener, at `admin_port` (default: a free port).
     """
     return {
         "engines": [
@@ -230,6 +233,7 @@ def narwhal_config(prefill_url: str, decode_url: str, port: int) -> dict[str, Js
             {"id": "d0", "url": decode_url, "role": "decode", "model": MODEL},
         ],
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": free_port() if admin_port is None else admin_port},
         "ctl": {"socket": str(LOGS / "narwhal.sock")},
         "serving": {"admission": "open", "max_connections": 1024},
         "engine": {"first_token_timeout_s": 60.0},
@@ -466,6 +470,8 @@ class Endpoints:
     decode: tuple[str, int]
     sim_pid: int
     routers: dict[str, tuple[tuple[str, int], subprocess.Popen[bytes]]] = attrs.Factory(dict)
+    # Narwhal's admin listener (/metrics), once it runs.
+    narwhal_admin: tuple[str, int] | None = None
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -522,9 +528,9 @@ def cell_once(
 def loop_lag(endpoints: Endpoints, target: str) -> tuple[float, float] | None:
     """(sum, count) of Narwhal's narwhal_event_loop_lag_seconds; None for other targets
     or when the scrape fails."""
-    if target != "narwhal" or target not in endpoints.routers:
+    if target != "narwhal" or endpoints.narwhal_admin is None:
         return None
-    (host, port), _ = endpoints.routers[target]
+    host, port = endpoints.narwhal_admin
     try:
         with httpx.Client(timeout=5.0) as client:
             text = client.get(f"http://{host}:{port}/metrics").text
@@ -657,6 +663,7 @@ def start_narwhal(procs: Processes, endpoints: Endpoints, logs: Path) -> dict[st
     )
     wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=60)
     endpoints.routers["narwhal"] = (("127.0.0.1", port), proc)
+    endpoints.narwhal_admin = ("127.0.0.1", int(config["admin"]["port"]))
     return config
 
 

@@ -70,6 +70,7 @@ SLACK_S = 1.0
 
 BASE: dict[str, Any] = {
     "listen": {"host": "127.0.0.1", "port": 0},
+    "admin": {"host": "127.0.0.1", "port": 0},
     "serving": {
         "admission": "open",
         "request_timeout_s": 4.0,
@@ -378,6 +379,7 @@ class Daemon:
         self.process: trio.Process | None = None
         self.notify = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
         self.url = ""
+        self.admin_url = ""  # /narwhal/state and /metrics
 
     def write(self, document: dict[str, Any]) -> None:
         tmp = self.config_path.with_suffix(".tmp")
@@ -400,13 +402,16 @@ class Daemon:
         with trio.fail_after(60):
             while True:
                 text = (await self.notify.recv(65536)).decode()
-                match = re.search(r"listening on (http://[0-9.]+:[0-9]+)", text)
+                match = re.search(
+                    r"listening on (http://[0-9.]+:[0-9]+); admin on (http://[0-9.]+:[0-9]+)", text
+                )
                 if "READY=1" in text.split("\n") and match is not None:
-                    self.url = match.group(1)
+                    self.url, self.admin_url = match.group(1), match.group(2)
                     return
 
     async def get(self, path: str) -> Any:
-        host, port = self.url.split("://", 1)[1].split(":")
+        """An admin route's answer: the state document, or the /metrics text."""
+        host, port = self.admin_url.split("://", 1)[1].split(":")
         with trio.fail_after(30):
             response = await sim_request(host, int(port), "GET", path, max_body=1 << 28)
         if path == "/metrics":

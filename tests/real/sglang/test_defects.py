@@ -103,7 +103,7 @@ async def test_an_engine_traceback_never_reaches_the_client(
     assert not [mark for mark in TRACEBACK_MARKS if mark in answer.text], answer.text
     error = answer.json()["error"]
     assert error["message"] == (
-        "aggregate engine agg returned HTTP 400: 1 validation error:\n  {'type': 'int_type', "
+        "aggregate engine returned HTTP 400: 1 validation error:\n  {'type': 'int_type', "
         "'loc': ('body', 'max_tokens'), 'msg': 'Input should be a valid integer', "
         "'input': None}"
     ), error

@@ -178,7 +178,7 @@ async def test_a_decode_server_killed_mid_stream_is_ejected_until_it_is_relaunch
         last = json.loads(rest[-1])
         assert set(last) == {"error"}, last
         assert last["error"]["code"] == "engine_connection_lost", last
-        assert last["error"]["message"].startswith("decode engine decode: engine closed "), last
+        assert last["error"]["message"].startswith("decode engine: engine closed "), last
         assert all("error" not in json.loads(e) for e in rest[:-1])
 
         gone = await wait_available(stack, "decode", False, within_s=30)

@@ -1,0 +1,102 @@
+"""Credentials the configuration names by file: the admin token and the clients' API keys.
+
+Owns: reading such a file (bounded) and parsing it, one token or one key per line, into
+`Secret`s. Problems are returned as text that names the file but never quotes its
+content (a key on a wrong line is named by its line number).
+
+Invariants: only a regular file is read, opened without blocking (a FIFO or a device at
+that path would hang the loader, and with it a reload), and at most `limit` bytes of it.
+The reader is local to these files; the engines' `read_api_key` still opens its file
+plainly (issue 29, item 3, makes one bounded reader for every file Narwhal reads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from .._errors import os_reason
+from ._model import Secret
+from ._rules import credential_problem
+
+# A token is one short line; a bigger file is the wrong file.
+TOKEN_FILE_LIMIT = 4096
+# Enough for MAX_CLIENT_KEYS keys of the longest length the rules take.
+KEYS_FILE_LIMIT = 1 << 20
+# Each request compares its key with every configured one (in constant time): this
+# bounds that work, about 60 ns a key.
+MAX_CLIENT_KEYS = 1000
+
+
+def read_bounded(path: str, limit: int) -> tuple[bytes | None, str | None]:
+    """The content of the regular file at `path` if it holds at most `limit` bytes, or
+    why not (a message that names the file, for a setting's problem)."""
+    shown = json.dumps(path)
+    try:
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, f"{shown}: no such file"
+    except OSError as exc:
+        return None, f"{shown}: cannot read file: {os_reason(exc)}"
+    except ValueError:
+        return None, f"{shown}: a path cannot contain a NUL character"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, f"{shown}: not a regular file"
+        parts: list[bytes] = []
+        size = 0
+        while size <= limit:
+            part = os.read(fd, limit + 1 - size)
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+    except OSError as exc:
+        return None, f"{shown}: cannot read file: {os_reason(exc)}"
+    finally:
+        os.close(fd)
+    if size > limit:
+        return None, f"{shown}: larger than {limit} bytes"
+    return b"".join(parts), None
+
+
+def read_token(path: str) -> tuple[Secret | None, str | None]:
+    """The one-line token in the file at `path` (one trailing newline ignored), or why it
+    cannot be used."""
+    raw, problem = read_bounded(path, TOKEN_FILE_LIMIT)
+    if raw is None:
+        return None, problem
+    if raw.endswith(b"\r\n"):
+        raw = raw[:-2]
+    elif raw.endswith(b"\n"):
+        raw = raw[:-1]
+    problem = credential_problem(raw)
+    if problem is not None:
+        return None, f"{json.dumps(path)}: the token {problem}; expected one line, the token"
+    return Secret(raw.decode("ascii")), None
+
+
+def read_keys(path: str) -> tuple[tuple[Secret, ...], str | None]:
+    """The keys in the file at `path`, one per line (blank lines and `#` comments
+    skipped), or why they cannot be used."""
+    raw, problem = read_bounded(path, KEYS_FILE_LIMIT)
+    if raw is None:
+        return (), problem
+    shown = json.dumps(path)
+    keys: list[Secret] = []
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        line = line.removesuffix(b"\r")
+        if not line.strip() or line.startswith(b"#"):
+            continue
+        problem = credential_problem(line)
+        if problem is not None:
+            return (), f"{shown}: line {number}: the key {problem}"
+        keys.append(Secret(line.decode("ascii")))
+    if not keys:
+        return (), (
+            f"{shown}: holds no key; expected one per line (to ask clients for none, set "
+            "listen.api_keys_file to null)"
+        )
+    return tuple(keys), None
