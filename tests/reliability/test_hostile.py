@@ -1,9 +1,11 @@
 """A hostile engine (hostile.py) on either side of a P/D pair: whatever it sends, the
 client gets a success or a well-formed error within its deadline, the router hangs up
-on every leg it gives up on, and nothing stays held."""
+on every leg it gives up on, and nothing stays held. Then clients that use HTTP/1.1's
+corners (RFC 9112) against a live router, under load: the same promises hold."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -122,3 +124,63 @@ async def test_hostile_engine(
     assert [leg.ended for leg in legs] == [leg_end] * 2, legs
     if expect.endswith(":expired"):
         assert all(TIMEOUT_S <= ex.duration < TIMEOUT_S + 1.0 for ex in c.exchanges)
+
+
+# ------------------------------------------------------------------ hostile clients
+
+# (how the client sends its request, what it must see)
+WIRE_CASES: list[tuple[dict[str, Any], str]] = [
+    # RFC 9112 2.2: empty lines before a request line are ignored.
+    ({"before": b"\r\n\r\n"}, "ok"),
+    # 9.6: what follows a request that closes its connection is dropped unread.
+    (
+        {
+            "headers": [("connection", "close")],
+            "after": b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + b"GARBAGE" * 2000,
+        },
+        "ok",
+    ),
+    # A client with nothing more to send ends its side (`nc -N`) and reads its answer.
+    ({"half_close": True}, "ok"),
+    # One that ends its side in the middle of the body is told so.
+    ({"stall_body": True, "half_close": True}, "error:request_incomplete"),
+]
+
+
+async def _raw(host: str, port: int, request: bytes) -> bytes:
+    """What a client that sends `request` and half-closes reads back."""
+    async with await trio.open_tcp_stream(host, port) as client:
+        await client.send_all(request)
+        await client.send_eof()
+        reply = b""
+        with trio.fail_after(5):
+            while chunk := await client.receive_some(65536):
+                reply += chunk
+    return reply
+
+
+async def test_hostile_clients_on_the_wire(start: StartCampaign) -> None:
+    c = await start("wire", ["prefill", "decode"])
+    host, port = c.stack.supervisor.bound[0]
+
+    async def plan(i: int) -> None:
+        options, _ = WIRE_CASES[i % len(WIRE_CASES)]
+        stream = i // len(WIRE_CASES) % 2 == 1
+        await c.send(i, c.body(stream=stream), label=str(i % len(WIRE_CASES)), **options)
+
+    await c.run(8 * len(WIRE_CASES), plan, concurrency=4, within_s=30)
+    for ex in c.exchanges:
+        assert c.label_of(ex) == WIRE_CASES[int(ex.label)][1], (ex.label, ex.cut, ex.body[:200])
+    # Beside them, outside the exchanges (none of these reaches the app's accounting):
+    # a head cut short by a half-close, and an HTTP/1.0 request with bytes behind it.
+    cut = await _raw(host, port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-")
+    assert cut.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert json.loads(cut.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_incomplete"
+    old = await _raw(host, port, b"GET /health HTTP/1.0\r\n\r\nGET /health HTTP/1.0\r\n\r\n")
+    assert old.count(b"HTTP/1.1 ") == 1
+    assert old.startswith(b"HTTP/1.1 200 OK\r\n")
+    report = await c.check()
+    report.assert_ok()
+    cut_short = sum(ex.label == str(len(WIRE_CASES) - 1) for ex in c.exchanges)
+    state = await c.stack.state()
+    assert state["connections"]["protocol_errors"] == {"400": cut_short + 1}
