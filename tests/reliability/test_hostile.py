@@ -1,17 +1,21 @@
 """A hostile engine (hostile.py) on either side of a P/D pair: whatever it sends, the
 client gets a success or a well-formed error within its deadline, the router hangs up
 on every leg it gives up on, and nothing stays held. Then clients that use HTTP/1.1's
-corners (RFC 9112) against a live router, under load: the same promises hold."""
+corners (RFC 9112), and reloads that meet a file that is not one, against a live
+router under load: the same promises hold."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from ..support import wait_for
+from narwhal.config import config_to_dict
+
+from ..support import fifo, wait_for
 from . import hostile as h
 from .campaign import StartCampaign, start_beside_hostile
 
@@ -184,3 +188,45 @@ async def test_hostile_clients_on_the_wire(start: StartCampaign) -> None:
     cut_short = sum(ex.label == str(len(WIRE_CASES) - 1) for ex in c.exchanges)
     state = await c.stack.state()
     assert state["connections"]["protocol_errors"] == {"400": cut_short + 1}
+
+
+async def test_reloads_that_meet_a_named_pipe_leave_serving_alone(
+    start: StartCampaign, tmp_path: Path
+) -> None:
+    # A reload read the FIFO, waiting for a writer: it never ended, and every later
+    # reload and the shutdown waited behind it.
+    c = await start("fifo", ["prefill", "decode"])
+    supervisor = c.stack.supervisor
+    path = tmp_path / "narwhal.json"
+    supervisor.config_path = str(path)
+    document = config_to_dict(c.config)
+    problem = (
+        f"engine.api_key_file: {json.dumps(str(tmp_path / 'key'))}: cannot read file: it is "
+        "a named pipe, not a regular file"
+    )
+    reloads = 0
+
+    async def plan(i: int) -> None:
+        await c.send(i, c.body(stream=i % 2 == 0))
+
+    async def reload_meanwhile() -> None:
+        nonlocal reloads
+        with fifo(tmp_path / "key") as key:
+            piped = {**document, "engine": {**document["engine"], "api_key_file": key}}
+            for attempts in (2, 3, 2):
+                valid = {**document, "serving": {**document["serving"], "max_attempts": attempts}}
+                for doc, expected in ((piped, (False, (problem,))), (valid, (True, ()))):
+                    path.write_text(json.dumps(doc))
+                    with trio.fail_after(5):
+                        result = await supervisor.reload("SIGHUP")
+                    assert (result.applied, result.errors) == expected
+                    reloads += 1
+                    await trio.sleep(0.05)  # spread over the load
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reload_meanwhile)
+        await c.run(24, plan, concurrency=4, within_s=30)
+    report = await c.check()
+    report.assert_ok()
+    assert {c.label_of(ex) for ex in c.exchanges} == {"ok"}
+    assert reloads == 6
