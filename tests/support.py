@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any, ClassVar
 
 import h11
@@ -245,3 +248,32 @@ class GapRecorder:
 
     def decode_gaps(self, engine: EngineState, gaps: DecodeGaps) -> None:
         self.summaries.append(gaps)
+
+
+@contextmanager
+def fifo(path: Path, *, unblock_every_s: float = 30.0) -> Iterator[str]:
+    """A FIFO at `path` that nobody writes to (its path, as a string). Opening it to read
+    waits for a writer: every `unblock_every_s` (real time) and at exit one comes and
+    goes, so a reader left waiting (code that did not refuse FIFOs) gets an empty file
+    and the test fails instead of hanging."""
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def unblock() -> None:
+        try:
+            writer = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            pass  # no reader waiting: ENXIO
+        else:
+            os.close(writer)
+
+    def watchdog() -> None:
+        while not done.wait(unblock_every_s):
+            unblock()
+
+    threading.Thread(target=watchdog, name="fifo watchdog", daemon=True).start()
+    try:
+        yield str(path)
+    finally:
+        done.set()
+        unblock()

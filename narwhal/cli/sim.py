@@ -13,6 +13,7 @@ from typing import Any, cast
 import attrs
 import trio
 
+from narwhal._files import read_file
 from narwhal.sim import (
     DEFAULT_MODEL,
     DEFAULT_VLLM_VERSION,
@@ -25,6 +26,8 @@ from narwhal.sim import (
 )
 
 _KV_CONNECTORS = {"nixl": True, "none": False}
+# A timing profile is a few SimTiming fields, or a profile store's engine entry.
+_PROFILE_LIMIT = 1024 * 1024
 
 
 def parser() -> argparse.ArgumentParser:
@@ -142,8 +145,7 @@ def _bound(text: str) -> int | None:
 
 
 def load_profile(path: str) -> SimTiming:
-    with open(path, encoding="utf-8") as fh:
-        data: Any = json.load(fh)
+    data: Any = json.loads(read_file(path, limit=_PROFILE_LIMIT))
     if isinstance(data, dict) and isinstance(data.get("timing"), dict):
         data = data["timing"]
     if not isinstance(data, dict):

@@ -37,6 +37,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from .._errors import os_reason
+from .._files import FileTooLarge, read_file
 from ._cross import cross_rules
 from ._model import RESOLVED, Config, Ctl, Secret
 from ._paths import Path, field_pattern, format_path
@@ -49,7 +50,9 @@ _SHOW_LIMIT = 40
 # required keys); the schema is three levels deep, so a few rounds always suffice.
 _REPAIR_ROUNDS = 4
 # An API key is one short token; a bigger file is the wrong file.
-_KEY_FILE_LIMIT = 4096
+KEY_FILE_LIMIT = 4096
+# A configuration of thousands of engines is a few hundred kB.
+CONFIG_FILE_LIMIT = 4 * 1024 * 1024
 # What vLLM and SGLang compare after "Bearer ": visible ASCII. Spaces and other
 # whitespace would be trimmed or split by HTTP parsers on the way, control characters
 # and line breaks would inject headers, and non-ASCII text is decoded differently by
@@ -107,7 +110,8 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
 def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> Config:
     """Read, parse and check a JSON configuration file (`api_keys`: see `load_config`).
 
-    Blocking: from async code call it through `trio.to_thread.run_sync`.
+    Blocking, though within bounds (`narwhal._files.read_file`, for this file and every
+    key file): from async code call it through `trio.to_thread.run_sync`.
     """
     source = os.fspath(path)
     document, duplicates = _parse_json(_read_text(path, source), source)
@@ -145,8 +149,7 @@ def load_ctl_socket(path: str | os.PathLike[str]) -> str:
 
 def _read_text(path: str | os.PathLike[str], source: str) -> str:
     try:
-        with open(path, encoding="utf-8") as stream:
-            return stream.read()
+        return read_file(path, limit=CONFIG_FILE_LIMIT).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError([f"{source}: no such file"], source=source) from None
     except UnicodeDecodeError as exc:
@@ -223,17 +226,16 @@ def read_api_key(path: str) -> tuple[Secret | None, str | None]:
     """The key in the file at `path`, or why it cannot be used (a message without it)."""
     shown = json.dumps(path)
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read(_KEY_FILE_LIMIT + 1)
+        raw = read_file(path, limit=KEY_FILE_LIMIT)
     except FileNotFoundError:
         return None, f"{shown}: no such file"
+    except FileTooLarge:
+        return None, f"{shown}: larger than {KEY_FILE_LIMIT} bytes; expected one line, the key"
     except OSError as exc:
         reason = os_reason(exc)
         return None, f"{shown}: cannot read file: {reason}"
     except ValueError:
         return None, f"{shown}: a path cannot contain a NUL character"
-    if len(raw) > _KEY_FILE_LIMIT:
-        return None, f"{shown}: larger than {_KEY_FILE_LIMIT} bytes; expected one line, the key"
     # Editors and `echo` end the file with a newline; the key is the line before it.
     if raw.endswith(b"\r\n"):
         raw = raw[:-2]

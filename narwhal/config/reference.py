@@ -9,8 +9,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 
+from .._files import READ_TIMEOUT_S
 from ._cross import cross_rules
 from ._describe import FieldDoc, describe_fields
+from ._load import CONFIG_FILE_LIMIT, KEY_FILE_LIMIT
+
+_FILES = f"""\
+Every file Narwhal reads (this document, the API key files, the profile store) must be
+a regular file, not a named pipe or a device, read within {READ_TIMEOUT_S:g} s, and this
+document at most {CONFIG_FILE_LIMIT} bytes, a key file {KEY_FILE_LIMIT}. Another is refused
+at once, with a message that names it and the rule, as an unreadable file is."""
 
 _INTRO = """\
 # Narwhal configuration reference
@@ -36,6 +44,8 @@ The loader is strict:
   A cross-field rule is skipped while one of its fields is outside its own range, so
   one mistake is reported once.
 
+{files}
+
 Examples: [`narwhal.json`](narwhal.json) is a four-engine vLLM fleet (two prefill, two
 decode) with bounded serving enabled: a bounded admission queue with its timeout,
 measured per-phase concurrency, a KV-handoff cap below vLLM's default 30 s KV lease,
@@ -51,7 +61,7 @@ def render() -> str:
 
 
 def _render() -> Iterator[str]:
-    yield _INTRO
+    yield _INTRO.replace("{files}", _FILES)
     section: str | None = None
     for field in describe_fields():
         if field.section != section:

@@ -72,6 +72,8 @@ from typing import Any, TypeVar, cast
 
 import attrs
 
+from .._errors import os_reason
+from .._files import read_file
 from ..config import Config, EngineSpec
 from ._models import (
     DecodeModel,
@@ -83,6 +85,9 @@ from ._models import (
 )
 
 SCHEMA_VERSION = 1
+# What a store may weigh: a few kB per engine and per crossed pair, so tens of MB is
+# thousands of pairs (a larger file is the wrong file).
+STORE_FILE_LIMIT = 64 * 1024 * 1024
 
 T = TypeVar("T")
 
@@ -595,11 +600,12 @@ def read_store(path: str | os.PathLike[str]) -> tuple[ProfileStore | None, list[
     """Read and parse a store file; (None, [why]) when it is missing or unreadable."""
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as stream:
-            text = stream.read()
+        text = read_file(source, limit=STORE_FILE_LIMIT).decode("utf-8")
     except FileNotFoundError:
         return None, [f"{source}: profile store is missing; run narwhal-profile --config FILE"]
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        return None, [f"{source}: cannot read profile store: {os_reason(exc)}"]
+    except UnicodeDecodeError as exc:
         return None, [f"{source}: cannot read profile store: {exc}"]
     try:
         document = json.loads(text)

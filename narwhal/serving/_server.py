@@ -28,10 +28,19 @@ never seen to leave, so its request would hold its engines until a timer ends it
 its engine leg would be charged with the failure. `_ClientWatch` replaces that event
 and watches the socket for the end of the connection meanwhile.
 
+The end of a client's stream is not always the client leaving: one that half-closed
+after a complete request (`shutdown(SHUT_WR)`, `nc -N`) still reads its answer, and the
+connection closes after it. Both send the same FIN, so until the answer begins such a
+connection is written an interim `100 Continue`, which a client that closed instead
+answers with a reset: it is gone, and its request cancelled as before (`_until_gone`).
+A request the end of stream cuts short is answered 400 `request_incomplete`.
+
 A request h11 cannot parse (a bad request line or header, a head over hypercorn's 16 kB, a
 Transfer-Encoding other than chunked) is answered by hypercorn itself, with a bare
 400/431/501 and no body. `_ClientProtocolErrors`, the h11 connection H11Protocol is given,
 reports it (counted and logged by the caller) and gives that answer the error envelope.
+It also follows RFC 9112 where h11 is stricter: empty lines before a request line are
+ignored, and what follows a request that closes its connection is dropped unread.
 
 The listener speaks HTTP/1.1 only. hypercorn's H11Protocol switches a connection to
 HTTP/2 when the request h11 hands it is `PRI * HTTP/2.0` (the first line of HTTP/2's
@@ -50,20 +59,23 @@ holds h11's head limit to complete heads: h11 checks it only while a head is sti
 arriving, so a larger head that came in one read was served.
 
 A connection that closes after an answer its client may still be sending to (a
-protocol error's, or the app's to a request whose body it left unread: a 413 over
+protocol error's, the app's to a request whose body it left unread: a 413 over
 serving.max_request_bytes, a 408 at serving.body_timeout_s, a 429 or 503 before the
-body) first ends its sending side and reads and drops what the client sends, for at
-most 1 s and 256 kB (`_StallBoundTCPServer._linger`): closing with the client's bytes
-unread resets the connection, and the client's next write fails before it reads why.
-hypercorn closes after the app's answer from the app's task, so the read loop, the
-only task that may read the stream, is stopped and lingers and closes instead.
+body; or one to a request that closes its connection with more bytes behind it) first
+ends its sending side and reads and drops what the client sends, for at most 1 s and
+256 kB (`_StallBoundTCPServer._linger`): closing with the client's bytes unread resets
+the connection, and the client's next write fails before it reads why. hypercorn
+closes after the app's answer from the app's task, so the read loop, the only task
+that may read the stream, is stopped and lingers and closes instead.
 
 This relies on hypercorn's TCPServer/WorkerContext classes (TCPServer's _read_data and
 idle_task, H11Protocol's can_read and connection, that H11Protocol answers a
 RemoteProtocolError from its connection's next_event by sending a Response with the
 error's status hint through the same connection, and that it reports the end of a
-connection through `send(Closed())`), which are not documented API;
-tests/serving/test_server.py fails if a hypercorn upgrade changes them.
+connection through `send(Closed())`), which are not documented API, and on h11's
+private receive buffer (`_ClientProtocolErrors._drop_buffered`);
+tests/serving/test_server.py fails if a hypercorn or h11 upgrade changes them. Telling
+a reset from an end of stream takes epoll (`_wait_reset`): the server runs on Linux.
 """
 
 from __future__ import annotations
@@ -71,6 +83,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from functools import partial
@@ -81,7 +94,7 @@ import h11
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
@@ -239,16 +252,21 @@ class _ClientWatch(EventWrapper):
 
     The protocol waits on it, inside the connection's read loop, while a response is
     being produced and the next request's bytes are already buffered. Meanwhile this
-    peeks at the socket: an end of stream or a reset raises `_ClientLeft` out of the
-    protocol to the read loop, which then reports the connection closed, as it does for
-    a client that leaves between requests. Peeking consumes nothing, so when more bytes
-    are waiting in the kernel the end cannot be seen behind them without reading them,
-    and the watch stops (the write of the response still notices a closed connection).
+    peeks at the socket: a reset, or an end of stream after which `until_gone` returns
+    (the client closed, not half-closed: see `_StallBoundTCPServer._until_gone`), raises
+    `_ClientLeft` out of the protocol to the read loop, which then reports the
+    connection closed, as it does for a client that leaves between requests. Peeking
+    consumes nothing, so when more bytes are waiting in the kernel the end cannot be
+    seen behind them without reading them, and the watch stops (the write of the
+    response still notices a closed connection).
     """
 
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    def __init__(
+        self, sock: trio.socket.SocketType, until_gone: Callable[[], Awaitable[None]]
+    ) -> None:
         super().__init__()
         self._socket = sock
+        self._until_gone = until_gone
         self._watch: trio.CancelScope | None = None
 
     async def set(self) -> None:
@@ -266,15 +284,33 @@ class _ClientWatch(EventWrapper):
                 # ClosedResourceError: a failed write closed the socket under us.
                 raise _ClientLeft from None
             if not peeked:
+                await self._until_gone()
                 raise _ClientLeft
         self._watch = None
         await super().wait()
+
+
+async def _wait_reset(sock: trio.socket.SocketType) -> None:
+    """Until the connection fails (reset by the peer, or closed on both sides).
+
+    At the end of the client's stream the socket is readable for good and writable while
+    its buffer has room, so neither wait can tell a reset. An epoll instance watching it
+    for no event still reports EPOLLERR and EPOLLHUP, and is itself readable then."""
+    with select.epoll() as watch:
+        watch.register(sock.fileno(), 0)
+        await trio.lowlevel.wait_readable(watch.fileno())
 
 
 # h11's message names what it could not parse, and quotes up to a whole header line of
 # the client's bytes: the answer and the log keep this much of it.
 _PROTOCOL_ERROR_CHARS = 200
 _PROTOCOL_ERROR_CODES = {431: "request_head_too_large", 501: "unsupported_transfer_encoding"}
+# How h11 words a request its client's end of stream cut short: in the head, and in the
+# body (followed by what it was missing, in brackets).
+_CUT_SHORT = (
+    "peer unexpectedly closed connection",
+    "peer closed connection without sending complete message body",
+)
 
 
 def _ignore_protocol_error(error: MalformedRequest) -> None:
@@ -359,8 +395,18 @@ class _ClientProtocolErrors(h11.Connection):
     sent through `send`, then closes. The error is recorded where h11 raises it, and
     from then on `send` turns that response into one with the envelope as its body: the
     instance's `send` is only replaced then, so the request path's sends (every response
-    chunk) cost nothing more. An error because the client closed in the middle of a
-    request is a disconnect, not reported: nothing reaches the client anyway.
+    chunk) cost nothing more. A request cut short by the end of the client's stream is
+    such an error too (400 `request_incomplete`): a client that half-closed still reads
+    the answer. Once its answer has begun, the client may stop sending (after a 413), and
+    that is no error.
+
+    RFC 9112 is followed where h11 is stricter: empty lines before a request line are
+    ignored (2.2; h11 refused "no request line received"), and what follows a request
+    that closes the connection (`Connection: close`, HTTP/1.0) is dropped unread (9.6: it
+    is never processed; h11 refused "Got data when expecting EOF", in place of the
+    answer). Either way `unread` then makes the close linger, so that a client still
+    sending gets to read its answer. Neither h11 nor hypercorn has a public way to drop
+    bytes h11 has buffered (`_drop_buffered`, h11's private receive buffer).
 
     A request h11 parsed is refused the same way (`_Refused`) when its head is over the
     limit, or its version is not HTTP/1.x. h11 bounds only a head still arriving (its
@@ -384,36 +430,60 @@ class _ClientProtocolErrors(h11.Connection):
         self._report = report
         self._error: MalformedRequest | None = None
         self._answer: bytes | None = None  # the error's answer, when not HTTP/1.1
-        self.answered = False  # a protocol error's answer went out: the client must read it
+        # The client may be sending what will not be read (after a protocol error's
+        # answer, or a request that closes the connection): it must get to read its answer.
+        self.unread = False
         self._head_bytes = 0
 
     def receive_data(self, data: bytes) -> None:
-        if self.their_state is h11.IDLE:
+        state = self.their_state
+        if state is h11.IDLE:
+            if not self._head_bytes and data:
+                data = data.lstrip(b"\r\n")  # empty lines before a request line
+                if not data:
+                    return
             self._head_bytes += len(data)
+        elif state is h11.MUST_CLOSE and data:
+            self.unread = True
+            return
         super().receive_data(data)
 
     def start_next_cycle(self) -> None:
         super().start_next_cycle()
-        # A pipelined request's bytes, already received.
-        self._head_bytes = len(self.trailing_data[0])
+        # A pipelined request's bytes, already received, and any empty lines before it.
+        pipelined = self.trailing_data[0]
+        head = pipelined.lstrip(b"\r\n")
+        if len(head) < len(pipelined):
+            self._drop_buffered(len(pipelined) - len(head))
+        self._head_bytes = len(head)
+
+    def _drop_buffered(self, count: int) -> None:
+        self._receive_buffer.maybe_extract_at_most(count)
 
     def send_with_data_passthrough(self, event: h11.Event) -> list[bytes] | None:
         # Every send goes through here: the request path's and the envelope's.
         return super().send_with_data_passthrough(_with_reason(event))
 
     def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        state = self.their_state
         try:
-            if self.their_state is not h11.IDLE:
+            if state is not h11.IDLE:
+                if state is h11.MUST_CLOSE and (buffered := len(self.trailing_data[0])):
+                    # What came with the request's end, before receive_data dropped more.
+                    self.unread = True
+                    self._drop_buffered(buffered)
                 return super().next_event()
             event = super().next_event()
             if type(event) is h11.Request:
                 return self._admit(event)
             return event
         except h11.RemoteProtocolError as exc:
-            if self._error is None and not self.trailing_data[1]:
-                self._error = exc.error if isinstance(exc, _Refused) else self._describe(exc)
-                self.send = self._send_enveloped  # type: ignore[method-assign,assignment]
-                self._report(self._error)
+            if self._error is None:
+                error = exc.error if isinstance(exc, _Refused) else self._describe(exc, state)
+                if error is not None:
+                    self._error = error
+                    self.send = self._send_enveloped  # type: ignore[method-assign,assignment]
+                    self._report(error)
             raise
 
     def _admit(self, request: h11.Request) -> h11.Request:
@@ -436,11 +506,25 @@ class _ClientProtocolErrors(h11.Connection):
             code=_PROTOCOL_ERROR_CODES[431],
         )
 
-    def _describe(self, exc: h11.RemoteProtocolError) -> MalformedRequest:
+    def _describe(self, exc: h11.RemoteProtocolError, state: object) -> MalformedRequest | None:
+        """What the client is answered for the error h11 found in its request (`state`:
+        the client's state then), or None when it is not the client's error: a request
+        cut short after its answer began."""
         status = exc.error_status_hint
         if status == 431:
             return self._head_too_large()
         reason = str(exc)
+        if reason.startswith(_CUT_SHORT):
+            if self.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+                return None
+            part = "head" if state is h11.IDLE else "body"
+            missing = reason.removeprefix(_CUT_SHORT[1]) if state is h11.SEND_BODY else ""
+            return MalformedRequest(
+                "incomplete request: the client ended its side of the connection in the "
+                f"request {part}{missing}",
+                status=400,
+                code="request_incomplete",
+            )
         if len(reason) > _PROTOCOL_ERROR_CHARS:
             reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."
         message = f"malformed HTTP/1.1 request: {reason}"
@@ -451,7 +535,7 @@ class _ClientProtocolErrors(h11.Connection):
         if error is None or not isinstance(event, h11.Response):
             return super().send(event)
         self._error = None  # one answer
-        self.answered = True
+        self.unread = True
         if self._answer is not None:
             super().send(event)  # h11 follows the answer hypercorn sends, and its end
             return self._answer
@@ -506,6 +590,12 @@ class _StallBoundTCPServer(TCPServer):
         # The read loop's task and scope, while it runs: see protocol_send.
         self._reader: trio.lowlevel.Task | None = None
         self._reading = trio.CancelScope()
+        self._connection: _ClientProtocolErrors | None = None
+        # While a half-closed client's answer is awaited (`_answered_before_gone`), and
+        # while a reset is waited for (`_until_gone`): see protocol_send and _close_socket.
+        self._answering: trio.CancelScope | None = None
+        self._resetting: trio.CancelScope | None = None
+        self._socket_closed = False
         self.idle_task = _IdleTask(  # type: ignore[assignment]
             self.open_connections, self.stream, self.stream.socket.close
         )
@@ -523,12 +613,13 @@ class _StallBoundTCPServer(TCPServer):
 
     async def _read_until_closed(self) -> None:
         if isinstance(h11_protocol := getattr(self.protocol, "protocol", None), H11Protocol):
-            h11_protocol.can_read = _ClientWatch(self.stream.socket)
+            h11_protocol.can_read = _ClientWatch(self.stream.socket, self._until_gone)
             # Nothing has been read yet: the connection hypercorn made is still unused.
-            h11_protocol.connection = _ClientProtocolErrors(
+            self._connection = _ClientProtocolErrors(
                 max_incomplete_event_size=self.config.h11_max_incomplete_size,
                 report=self.protocol_error,
             )
+            h11_protocol.connection = self._connection
         self._reader = trio.lowlevel.current_task()
         # hypercorn's loop without its per-read `fail_after(inf)` scope (serve_app
         # refuses a read_timeout, which this loop would not apply).
@@ -537,6 +628,8 @@ class _StallBoundTCPServer(TCPServer):
                 try:
                     data = await self.stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                if not data and self._answer_pending() and not await self._answered_before_gone():
                     break
                 try:
                     await self.protocol.handle(RawData(bytes(data)))
@@ -551,8 +644,67 @@ class _StallBoundTCPServer(TCPServer):
             await super().protocol_send(Closed())
         await self.protocol.handle(Closed())
 
+    def _answer_pending(self) -> bool:
+        """Whether the client's request has arrived whole and its answer has not begun."""
+        connection = self._connection
+        return (
+            connection is not None
+            and connection.their_state in (h11.DONE, h11.MUST_CLOSE)
+            and connection.our_state is h11.SEND_RESPONSE
+        )
+
+    async def _answered_before_gone(self) -> bool:
+        """At the end of the client's stream with its answer pending: True once the
+        answer is complete (the connection goes idle or closes), False if the client is
+        gone first. The end is then handed to the protocol, or the connection reported
+        closed, as at any other end of stream."""
+        with trio.CancelScope() as answering:
+            self._answering = answering
+            await self._until_gone()
+        self._answering = None
+        return answering.cancelled_caught
+
+    async def _until_gone(self) -> None:
+        """After the end of the client's stream with a request in flight: returns once
+        the client is seen gone (else it waits, to be cancelled when the answer is out).
+
+        A client that half-closed (`shutdown(SHUT_WR)`, `nc -N`: it has nothing more
+        to send) is waiting for its answer; one that closed is gone, and its engine work
+        should stop. Both send the same FIN. They differ once something is written to
+        them: a closed socket's kernel answers with a reset. So before its answer has
+        begun, an HTTP/1.1 client is written an interim `100 Continue`, which RFC 9110
+        15.2 requires it to read past whether it asked for one or not (an HTTP/1.0
+        client may not be sent one: it is seen gone at the write of its answer). The
+        reset comes a round trip later; the answer's writes provoke it too.
+
+        Once the answer has begun nothing more can be written to tell (a stream may be
+        stalled for seconds), so an end of stream then is the client leaving, as it was
+        before. A half-closing client sends its end with its request, long before."""
+        connection = self._connection
+        if connection is None or connection.our_state is not h11.SEND_RESPONSE:
+            return
+        if connection.their_http_version != b"1.0":
+            probe = connection.send(h11.InformationalResponse(status_code=100, headers=[]))
+            await self.protocol_send(RawData(probe or b""))
+        with trio.CancelScope() as self._resetting:
+            if not self._socket_closed:
+                await _wait_reset(self.stream.socket)
+        self._resetting = None
+
+    def _close_socket(self) -> None:
+        """Close the socket under the protocol (a write failed or stalled); a wait for a
+        reset ends with it, the socket's epoll registration going with it."""
+        self.stream.socket.close()
+        self._socket_closed = True
+        if self._resetting is not None:
+            self._resetting.cancel()
+
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
+            if self._answering is not None and (
+                isinstance(event, Closed) or (isinstance(event, Updated) and event.idle)
+            ):
+                self._answering.cancel()  # the half-closed client's answer is out
             if isinstance(event, Closed) and self._answered_while_sending():
                 if trio.lowlevel.current_task() is not self._reader:
                     if self._reader is not None:
@@ -579,7 +731,7 @@ class _StallBoundTCPServer(TCPServer):
             except BlockingIOError:
                 pass
             except OSError:
-                self.stream.socket.close()
+                self._close_socket()
                 await self.protocol.handle(Closed())
                 return
             if sent == len(data):
@@ -596,10 +748,10 @@ class _StallBoundTCPServer(TCPServer):
                 aborted = True
             except BaseException:
                 if sent:
-                    self.stream.socket.close()
+                    self._close_socket()
                 raise
             if aborted:
-                self.stream.socket.close()
+                self._close_socket()
                 await self.protocol.handle(Closed())
         finally:
             self.send_lock.release()
@@ -609,12 +761,11 @@ class _StallBoundTCPServer(TCPServer):
         sending to: a protocol error's, or the app's to a request whose body it did not
         read to the end (a 413 over serving.max_request_bytes, a 408 at
         serving.body_timeout_s, a 429 or 503 before the body, a 404 with a body)."""
-        protocol = getattr(self.protocol, "protocol", None)
-        connection = getattr(protocol, "connection", None)
-        if not isinstance(connection, _ClientProtocolErrors):
+        connection = self._connection
+        if connection is None:
             return False
-        if connection.answered:
-            connection.answered = False  # hypercorn may report the close more than once
+        if connection.unread:
+            connection.unread = False  # hypercorn may report the close more than once
             return True
         return connection.their_state is h11.SEND_BODY and connection.our_state in (
             h11.DONE,

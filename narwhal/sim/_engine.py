@@ -23,6 +23,7 @@ import attrs
 import h11
 import trio
 
+from .._files import read_file
 from . import _http
 from ._api import Api
 from ._core import SchedulerCore
@@ -833,8 +834,7 @@ _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 @functools.cache
 def _ephemeral_low() -> int:
     try:
-        with open(_EPHEMERAL_RANGE) as f:
-            return int(f.read().split()[0])
+        return int(read_file(_EPHEMERAL_RANGE, limit=64).split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default; elsewhere a port that is taken is skipped anyway
 

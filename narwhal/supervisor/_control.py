@@ -109,7 +109,8 @@ async def load_fleet_profiles(
     """Load and check profiles.path, and log what is wrong with it: everything at start
     (`previous` None), what changed since `previous` at a reload."""
     path = config.profiles.path
-    check = await trio.to_thread.run_sync(load_profiles, path, config)
+    # Abandoned if cancelled: a shutdown during a reload waits on no file.
+    check = await trio.to_thread.run_sync(load_profiles, path, config, abandon_on_cancel=True)
     # A profile measured on another build than the engine runs now is stale (README).
     check = await with_live_builds(check, config)
     profiles = None

@@ -22,7 +22,9 @@ for its configuration before applying it, and is rejected where startup would st
 
 Reload (SIGHUP, `narwhalctl reload`, `reload()`): one at a time; RELOADING=1 before the
 file is read and READY=1 after, whether it was applied or rejected. Once shutdown has been
-requested, a reload is refused (and one under way ends without READY=1). See `_reload`.
+requested, a reload is refused (and one under way ends without READY=1). Its file reads
+are bounded (`narwhal._files`), and a cancelled reload abandons the thread reading them:
+a shutdown never waits on one. See `_reload`.
 
 Shutdown (`request_shutdown()`, SIGTERM): STOPPING=1; new requests get 503
 `shutting_down` (the listeners stay open during the drain so clients get that answer
@@ -411,7 +413,9 @@ class Supervisor:
             return ReloadResult(False, "<none>", (message,), trigger=trigger)
         log.info("reloading %s", path, extra={**extra, "outcome": "started"})
         try:
-            new = await trio.to_thread.run_sync(load_config_file, path)
+            # Abandoned if cancelled (shutdown): each read is bounded, but a shutdown
+            # waits on no file.
+            new = await trio.to_thread.run_sync(load_config_file, path, abandon_on_cancel=True)
         except ConfigError as exc:
             for problem in exc.messages:
                 log.error(

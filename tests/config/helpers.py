@@ -31,6 +31,7 @@ def run_validate(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
         text=True,
         check=False,
         cwd=REPO,
+        timeout=60,  # a validation that hangs fails its test
     )
 
 

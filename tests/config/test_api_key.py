@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
+from functools import partial
 
 import pytest
+import trio
 
 from narwhal.config import ConfigError, config_to_dict, diff, load_config, load_config_file
 
+from ..support import fifo
 from .helpers import document, engine, run_validate
 
 KEY = "sk-narwhal-0123456789abcdef"
@@ -116,6 +119,26 @@ def test_missing_and_unreadable_files_name_the_field(tmp_path: pathlib.Path) -> 
     assert _messages(doc) == [
         f"engine.api_key_file: {json.dumps(str(tmp_path))}: cannot read file: is a directory",
         'engines[1].api_key_file: "/nonexistent/key": no such file',
+    ]
+
+
+async def test_a_fifo_is_refused_not_waited_for(tmp_path: pathlib.Path) -> None:
+    # Opening a FIFO to read waits for a writer: validation, and a reload, hung forever.
+    with fifo(tmp_path / "key") as path:
+        load = partial(load_config, document(engine={"api_key_file": path}))
+        with trio.fail_after(5), pytest.raises(ConfigError) as info:
+            await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+    assert info.value.messages == [
+        f"engine.api_key_file: {json.dumps(path)}: cannot read file: it is a named pipe, not a "
+        "regular file"
+    ]
+
+
+def test_a_device_is_not_a_key_file() -> None:
+    # /dev/zero was read up to the size limit; /dev/stdin would have waited on a terminal.
+    assert _messages(document(engine={"api_key_file": "/dev/zero"})) == [
+        'engine.api_key_file: "/dev/zero": cannot read file: it is a character device, not '
+        "a regular file"
     ]
 
 

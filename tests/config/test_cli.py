@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from .helpers import REPO, run_validate
+from ..support import fifo
+from .helpers import REPO, document, run_validate
 
 
 @pytest.mark.parametrize("name", ["narwhal.json", "demo.json"])
@@ -51,4 +52,19 @@ def test_missing_config_file(tmp_path: pathlib.Path) -> None:
     assert proc.stderr.splitlines() == [
         f"narwhal: 1 problem(s) in {path}:",
         f"{path}: no such file",
+    ]
+
+
+def test_a_fifo_as_api_key_file_fails_validation_at_once(tmp_path: pathlib.Path) -> None:
+    # `narwhal validate` waited for a writer to the FIFO, forever.
+    with fifo(tmp_path / "key") as key:
+        path = tmp_path / "narwhal.json"
+        path.write_text(json.dumps(document(engine={"api_key_file": key})))
+        proc = run_validate(path)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"narwhal: 1 problem(s) in {path}:",
+        f"engine.api_key_file: {json.dumps(key)}: cannot read file: it is a named pipe, not a "
+        "regular file",
     ]

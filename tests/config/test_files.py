@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+from functools import partial
 
 import pytest
+import trio
 
 from narwhal.config import ConfigError, load_config_file
 
+from ..support import fifo
 from .helpers import REPO, document
 
 
@@ -46,6 +49,33 @@ def test_missing_file_names_the_path(tmp_path: pathlib.Path) -> None:
 
 def test_directory_is_not_a_file(tmp_path: pathlib.Path) -> None:
     assert _messages(tmp_path) == [f"{tmp_path}: cannot read file: is a directory"]
+
+
+async def test_a_fifo_is_refused_not_waited_for(tmp_path: pathlib.Path) -> None:
+    with fifo(tmp_path / "narwhal.json") as path:
+        load = partial(load_config_file, path)
+        with trio.fail_after(5), pytest.raises(ConfigError) as info:
+            await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+    assert info.value.messages == [
+        f"{path}: cannot read file: it is a named pipe, not a regular file"
+    ]
+
+
+def test_a_device_is_not_a_config_file() -> None:
+    # /dev/null read as an empty document; /dev/zero was read until memory ran out.
+    assert _messages(pathlib.Path("/dev/null")) == [
+        "/dev/null: cannot read file: it is a character device, not a regular file"
+    ]
+
+
+def test_a_file_over_the_size_limit_is_refused_unread(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "huge.json"
+    text = json.dumps(document())
+    path.write_text(text + " " * (4 * 1024 * 1024 - len(text)))
+    assert load_config_file(path).engines[0].id == "e0"  # 4 MiB exactly
+    with path.open("a") as more:
+        more.write(" ")
+    assert _messages(path) == [f"{path}: cannot read file: larger than 4194304 bytes"]
 
 
 def test_binary_file(tmp_path: pathlib.Path) -> None:

@@ -19,7 +19,7 @@ import trio
 from narwhal.sim import Fleet, serve_fleet
 
 from ..serving.conftest import MODEL
-from ..support import open_sse
+from ..support import fifo, open_sse
 from .daemon import Launch, launcher
 
 STREAM = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8, "stream": True}
@@ -340,6 +340,46 @@ async def test_sigterm_drains_in_flight_streams_refuses_new_work_and_notifies(
     assert not daemon.ctl_path.exists()
     assert [e["outcome"] for e in daemon.events("shutdown")] == ["draining", "drained"]
     assert sum(m == "WATCHDOG=1" for m in daemon.messages) >= 1
+
+
+async def test_a_reload_that_meets_a_named_pipe_is_rejected_and_the_daemon_stays_operable(
+    nursery: trio.Nursery, launch: Launch
+) -> None:
+    # The reload opened the FIFO to read it and waited for a writer, forever: later
+    # SIGHUPs queued behind it, narwhalctl reload got no answer, and SIGTERM did not end
+    # the process.
+    fleet = await start_fleet(nursery, 2)
+    doc = document(fleet, ["prefill", "decode"])
+    daemon = await launch(doc)
+    with fifo(daemon.directory / "key") as key:
+        piped = {**doc, "engine": {"api_key_file": key}}
+        problem = (
+            f"engine.api_key_file: {json.dumps(key)}: cannot read file: it is a named pipe, "
+            "not a regular file"
+        )
+        daemon.write_config(piped)
+        daemon.signal(signal.SIGHUP)
+        await daemon.message("RELOADING=1")
+        await daemon.message("READY=1")
+        code, _, err = text(await daemon.ctl("reload"))
+        await daemon.message("RELOADING=1")
+        await daemon.message("READY=1")
+        assert code == 1
+        assert err == (
+            f"narwhalctl: reload of {daemon.config_path} rejected; the running configuration "
+            f"is kept\n  {problem}\n"
+        )
+        daemon.write_config({**doc, "serving": {"admission": "open", "max_connections": 48}})
+        daemon.signal(signal.SIGHUP)
+        await daemon.message("RELOADING=1")
+        await daemon.message("READY=1")
+        assert (await daemon.state())["admission"]["max_admitted"] == 48
+        daemon.write_config(piped)
+        daemon.signal(signal.SIGHUP)
+        daemon.signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            assert await daemon.process.wait() == 0
+    assert [e["problem"] for e in daemon.events("reload_error")][:2] == [problem, problem]
 
 
 async def test_daemon_refuses_to_start_on_a_control_path_that_is_not_a_socket(

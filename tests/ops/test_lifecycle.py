@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,10 +14,10 @@ import httpx
 import pytest
 import trio
 
-from narwhal.config import load_config
+from narwhal.config import Config, load_config
 from narwhal.profiles import FleetProfiles, save_profiles
 from narwhal.serving import ServingContext, state_document
-from narwhal.supervisor import Notifier, Supervisor
+from narwhal.supervisor import Notifier, Supervisor, _supervisor
 
 from ..profiles.helpers import config_document, store_for
 from ..recovery.conftest import FAST, StartStack, start_stack as start_stack
@@ -306,6 +307,46 @@ async def test_a_reload_during_the_shutdown_drain_is_refused_and_sends_no_ready(
     sent = [message.split("\n")[0] for message in notifier.sent]
     # It used to be READY, STOPPING, RELOADING, READY: "up again" while stopping.
     assert sent == ["READY=1", "STOPPING=1"]
+
+
+async def test_shutdown_does_not_wait_for_a_reload_stuck_reading_a_file(
+    start_stack: StartStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A read that does not return (a file of a stalled network filesystem: read_file
+    # gives up on it in time, but its thread stays until the filesystem answers). The
+    # cancelled reload waited for its thread, and the daemon did not stop.
+    stack = await start_stack()
+    document = pair_document(stack)
+    path = tmp_path / "narwhal.json"
+    write(path, document)
+    reading = threading.Event()
+    release = threading.Event()
+
+    def stuck(config_path: str) -> Config:
+        reading.set()
+        release.wait()
+        return load_config(document)
+
+    monkeypatch.setattr(_supervisor, "load_config_file", stuck)
+    # Without the fix nothing else would end the wait, and the test with it.
+    watchdog = threading.Timer(30, release.set)
+    watchdog.start()
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                supervisor: Supervisor = await nursery.start(
+                    Supervisor(load_config(document), config_path=str(path)).run
+                )
+                # As `narwhal serve` runs a SIGHUP's reload, and cancels it once stopped.
+                async with trio.open_nursery() as signals:
+                    signals.start_soon(supervisor.reload, "SIGHUP")
+                    await trio.to_thread.run_sync(reading.wait)
+                    supervisor.request_shutdown()
+                    signals.cancel_scope.cancel()
+        assert not release.is_set()
+    finally:
+        release.set()
+        watchdog.cancel()
 
 
 async def test_a_rejected_reload_shows_in_the_systemd_status_until_one_applies(

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 import pytest
+import trio
 
 from narwhal.profiles import (
     SCHEMA_VERSION,
     MeasuredFacts,
     ProfileStore,
+    _store,
     check_store,
     crossed_pairs,
     load_profiles,
@@ -24,6 +27,7 @@ from narwhal.profiles import (
     verify_builds,
 )
 
+from ..support import fifo
 from .helpers import BUILD, MODEL, config_for, decode, engine, prefill, store_for
 
 URLS = {"p0": "http://127.0.0.1:8100", "d0": "http://127.0.0.1:8101"}
@@ -84,6 +88,27 @@ def test_missing_file(tmp_path: Path) -> None:
     )
     assert check.profile("p0") is None
     assert check.mean_profile() is None
+
+
+async def test_a_fifo_is_reported_not_waited_for(tmp_path: Path) -> None:
+    # A reload reads the store again: opening a FIFO to read waits for a writer.
+    with fifo(tmp_path / "profiles.json") as path, trio.fail_after(5):
+        load = partial(load_profiles, path, config_for(URLS))
+        check = await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+    assert check.messages == (
+        f"{path}: cannot read profile store: it is a named pipe, not a regular file",
+    )
+
+
+def test_a_store_over_the_size_limit_is_reported_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "profiles.json"
+    save_profiles(store_for(URLS), path)
+    monkeypatch.setattr(_store, "STORE_FILE_LIMIT", path.stat().st_size - 1)
+    assert load_profiles(path, config_for(URLS)).messages == (
+        f"{path}: cannot read profile store: larger than {path.stat().st_size - 1} bytes",
+    )
 
 
 def test_default_path_comes_from_the_config(tmp_path: Path) -> None:

@@ -118,6 +118,9 @@ async def exchange(
     body_pieces: int = 1,
     body_pause_s: float = 0.0,
     stall_body: bool = False,
+    before: bytes = b"",
+    after: bytes = b"",
+    half_close: bool = False,
     hang_up: HangUp | None = None,
     read: bool = True,
     receive_buffer: int | None = None,
@@ -128,7 +131,9 @@ async def exchange(
 
     `body_pieces`/`body_pause_s` trickle the body (a slow uploader); `stall_body`
     sends half of it and then nothing, without ever ending the request. Without
-    `content_length` the body goes chunked. `read=False` with a small `receive_buffer`
+    `content_length` the body goes chunked. `before` goes ahead of the request head and
+    `after` right behind it, in the same writes; `half_close` ends the sending side once
+    the request is sent (`shutdown(SHUT_WR)`, as `nc -N` does), and the client reads on. `read=False` with a small `receive_buffer`
     is a client that stops reading (the router must disconnect it); it needs a
     `hang_up` to end. Network errors never escape: they are what the exchange records.
     `on_start` gets the exchange as soon as it exists, to watch it while it runs.
@@ -168,9 +173,13 @@ async def exchange(
                 if stall_body:
                     out = conn.send(h11.Request(method="POST", target=path, headers=head)) or b""
                     out += conn.send(h11.Data(data=raw[: len(raw) // 2])) or b""
-                    await sock.send_all(out)
+                    await sock.send_all(before + out)
                 else:
-                    await _send_request(sock, conn, path, head, raw, body_pieces, body_pause_s, ex)
+                    await _send_request(
+                        sock, conn, path, head, raw, body_pieces, body_pause_s, ex, before, after
+                    )
+                if half_close and not ex.upload_cut:
+                    await sock.send_eof()
                 if read:
                     await _read_response(sock, conn, ex)
                     nursery.cancel_scope.cancel()
@@ -204,8 +213,10 @@ async def _send_request(
     pieces: int,
     pause_s: float,
     ex: Exchange,
+    before: bytes = b"",
+    after: bytes = b"",
 ) -> None:
-    out = conn.send(h11.Request(method="POST", target=path, headers=head)) or b""
+    out = before + (conn.send(h11.Request(method="POST", target=path, headers=head)) or b"")
     size = max(1, -(-len(raw) // max(1, pieces)))
     parts = [raw[i : i + size] for i in range(0, len(raw), size)] or [b""]
     try:
@@ -213,7 +224,7 @@ async def _send_request(
             if part:
                 out += conn.send(h11.Data(data=part)) or b""
             if index == len(parts) - 1:
-                out += conn.send(h11.EndOfMessage()) or b""
+                out += (conn.send(h11.EndOfMessage()) or b"") + after
             await sock.send_all(out)
             out = b""
             if pause_s and index < len(parts) - 1:

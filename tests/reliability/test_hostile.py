@@ -2,18 +2,23 @@
 client gets a success or a well-formed error within its deadline that names neither the
 engine nor its address, the router hangs up on every leg it gives up on, and nothing
 stays held. And hostile clients: without the API key (or with a wrong one, in every
-shape) they get 401 and no engine work, and the admin surface is not on their port."""
+shape) they get 401 and no engine work, and the admin surface is not on their port.
+Then clients that use HTTP/1.1's corners (RFC 9112), and reloads that meet a file that
+is not one, against a live router under load: the same promises hold."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from ..support import wait_for
+from narwhal.config import config_to_dict
+
+from ..support import fifo, wait_for
 from . import hostile as h
 from .campaign import Campaign, StartCampaign, start_beside_hostile
 from .client import Exchange, is_error_event
@@ -208,3 +213,105 @@ async def test_hostile_clients_without_the_key_get_401_and_no_admin_surface(
         state = await stack.state()
     assert KEY not in json.dumps(state)
     assert TOKEN not in json.dumps(state)
+
+
+# ------------------------------------------------------------------ hostile clients
+
+# (how the client sends its request, what it must see)
+WIRE_CASES: list[tuple[dict[str, Any], str]] = [
+    # RFC 9112 2.2: empty lines before a request line are ignored.
+    ({"before": b"\r\n\r\n"}, "ok"),
+    # 9.6: what follows a request that closes its connection is dropped unread.
+    (
+        {
+            "headers": [("connection", "close")],
+            "after": b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + b"GARBAGE" * 2000,
+        },
+        "ok",
+    ),
+    # A client with nothing more to send ends its side (`nc -N`) and reads its answer.
+    ({"half_close": True}, "ok"),
+    # One that ends its side in the middle of the body is told so.
+    ({"stall_body": True, "half_close": True}, "error:request_incomplete"),
+]
+
+
+async def _raw(host: str, port: int, request: bytes) -> bytes:
+    """What a client that sends `request` and half-closes reads back."""
+    async with await trio.open_tcp_stream(host, port) as client:
+        await client.send_all(request)
+        await client.send_eof()
+        reply = b""
+        with trio.fail_after(5):
+            while chunk := await client.receive_some(65536):
+                reply += chunk
+    return reply
+
+
+async def test_hostile_clients_on_the_wire(start: StartCampaign) -> None:
+    c = await start("wire", ["prefill", "decode"])
+    host, port = c.stack.supervisor.bound[0]
+
+    async def plan(i: int) -> None:
+        options, _ = WIRE_CASES[i % len(WIRE_CASES)]
+        stream = i // len(WIRE_CASES) % 2 == 1
+        await c.send(i, c.body(stream=stream), label=str(i % len(WIRE_CASES)), **options)
+
+    await c.run(8 * len(WIRE_CASES), plan, concurrency=4, within_s=30)
+    for ex in c.exchanges:
+        assert c.label_of(ex) == WIRE_CASES[int(ex.label)][1], (ex.label, ex.cut, ex.body[:200])
+    # Beside them, outside the exchanges (none of these reaches the app's accounting):
+    # a head cut short by a half-close, and an HTTP/1.0 request with bytes behind it.
+    cut = await _raw(host, port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-")
+    assert cut.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert json.loads(cut.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_incomplete"
+    old = await _raw(host, port, b"GET /health HTTP/1.0\r\n\r\nGET /health HTTP/1.0\r\n\r\n")
+    assert old.count(b"HTTP/1.1 ") == 1
+    assert old.startswith(b"HTTP/1.1 200 OK\r\n")
+    report = await c.check()
+    report.assert_ok()
+    cut_short = sum(ex.label == str(len(WIRE_CASES) - 1) for ex in c.exchanges)
+    state = await c.stack.state()
+    assert state["connections"]["protocol_errors"] == {"400": cut_short + 1}
+
+
+async def test_reloads_that_meet_a_named_pipe_leave_serving_alone(
+    start: StartCampaign, tmp_path: Path
+) -> None:
+    # A reload read the FIFO, waiting for a writer: it never ended, and every later
+    # reload and the shutdown waited behind it.
+    c = await start("fifo", ["prefill", "decode"])
+    supervisor = c.stack.supervisor
+    path = tmp_path / "narwhal.json"
+    supervisor.config_path = str(path)
+    document = config_to_dict(c.config)
+    problem = (
+        f"engine.api_key_file: {json.dumps(str(tmp_path / 'key'))}: cannot read file: it is "
+        "a named pipe, not a regular file"
+    )
+    reloads = 0
+
+    async def plan(i: int) -> None:
+        await c.send(i, c.body(stream=i % 2 == 0))
+
+    async def reload_meanwhile() -> None:
+        nonlocal reloads
+        with fifo(tmp_path / "key") as key:
+            piped = {**document, "engine": {**document["engine"], "api_key_file": key}}
+            for attempts in (2, 3, 2):
+                valid = {**document, "serving": {**document["serving"], "max_attempts": attempts}}
+                for doc, expected in ((piped, (False, (problem,))), (valid, (True, ()))):
+                    path.write_text(json.dumps(doc))
+                    with trio.fail_after(5):
+                        result = await supervisor.reload("SIGHUP")
+                    assert (result.applied, result.errors) == expected
+                    reloads += 1
+                    await trio.sleep(0.05)  # spread over the load
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reload_meanwhile)
+        await c.run(24, plan, concurrency=4, within_s=30)
+    report = await c.check()
+    report.assert_ok()
+    assert {c.label_of(ex) for ex in c.exchanges} == {"ok"}
+    assert reloads == 6

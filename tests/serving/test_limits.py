@@ -646,8 +646,15 @@ async def test_at_listen_max_open_connections_a_slowloris_connection_makes_room(
     await wait_for(lambda: connections.statistics().open == 2)
     state = await stack.state()
     # The same but for the counts: 2 open and idle, under the limit (the state is read on
-    # the admin listener, whose connections these are not).
-    assert state["connections"] == {**at_limit, "open": 2, "idle": 2, "at_limit": False}
+    # the admin listener, whose connections these are not); and the two that left in the
+    # middle of their heads, each a request cut short.
+    assert state["connections"] == {
+        **at_limit,
+        "open": 2,
+        "idle": 2,
+        "at_limit": False,
+        "protocol_errors": {"400": 2},
+    }
     assert [
         (r.levelname, r.getMessage())
         for r in caplog.records

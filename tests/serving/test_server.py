@@ -256,11 +256,12 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 
 @pytest.mark.parametrize("closed_by", ["client", "server"])
 async def test_the_watch_ends_with_the_connection_whichever_side_ends_it(closed_by: str) -> None:
-    # The client's end, and the server's own close after a failed write: either one
-    # must reach the read loop as the client leaving, never as another exception.
+    # The client's end (once it is seen gone, here at once), and the server's own close
+    # after a failed write: either one must reach the read loop as the client leaving,
+    # never as another exception.
     ours, theirs = trio.socket.socketpair()
     with ours, theirs:
-        watch = _ClientWatch(ours)
+        watch = _ClientWatch(ours, trio.lowlevel.checkpoint)
         await watch.clear()
         left: list[bool] = []
 
@@ -277,10 +278,22 @@ async def test_the_watch_ends_with_the_connection_whichever_side_ends_it(closed_
         assert left == [True]
 
 
+async def test_the_watch_is_an_event_when_a_half_closed_client_is_not_gone() -> None:
+    ours, theirs = trio.socket.socketpair()
+    with ours, theirs:
+        watch = _ClientWatch(ours, trio.sleep_forever)
+        await watch.clear()
+        theirs.shutdown(socket.SHUT_WR)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            await watch.set()
+
+
 async def test_the_watch_is_an_event_when_the_client_stays() -> None:
     ours, theirs = trio.socket.socketpair()
     with ours, theirs:
-        watch = _ClientWatch(ours)
+        watch = _ClientWatch(ours, trio.lowlevel.checkpoint)
         await watch.clear()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch.wait)
@@ -567,17 +580,193 @@ async def test_status_lines_carry_the_reason_phrase_of_their_status(
     assert re.findall(rb"(HTTP/1\.1 [^\r]*)\r\n", reply) == status_lines
 
 
-async def test_a_client_that_closes_in_the_middle_of_a_request_is_no_protocol_error() -> None:
+@pytest.mark.parametrize(
+    ("sent", "part", "detail"),
+    [
+        (b"GET / HTTP/1.1\r\nhost: x\r\n", "head", ""),
+        (b"GET / HTT", "head", ""),
+        (
+            b"POST /200 HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc",
+            "body",
+            " (received 3 bytes, expected 10)",
+        ),
+        (
+            b"POST /200 HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab",
+            "body",
+            " (incomplete chunked read)",
+        ),
+    ],
+)
+async def test_a_request_cut_short_by_a_half_close_is_answered_with_the_envelope(
+    sent: bytes, part: str, detail: str
+) -> None:
+    # A client that ends its sending side in the middle of a request still reads: it
+    # got a bare 400, and nothing counted or logged it.
     reported: list[MalformedRequest] = []
-    async with _served(_hello, protocol_error=reported.append) as (host, port):
+    async with _served(_status, protocol_error=reported.append) as (host, port):
         async with await trio.open_tcp_stream(host, port) as client:
-            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n")
+            await client.send_all(sent)
             await client.send_eof()
-            await _read_to_end(client)
+            reply = await _read_to_end(client)
         # The same server answers well-formed requests as before, without reporting.
         async with await trio.open_tcp_stream(host, port) as client:
-            await _answered(client)
+            await client.send_all(b"GET /200 HTTP/1.1\r\nhost: x\r\n\r\n")
+            await _hello_received(client)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    message = (
+        f"incomplete request: the client ended its side of the connection in the "
+        f"request {part}{detail}"
+    )
+    envelope = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_incomplete",
+        }
+    }
+    assert json.loads(body) == envelope
+    assert [(e.status, e.envelope()) for e in reported] == [(400, envelope)]
+
+
+_POST_ABC = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc"
+
+
+@pytest.mark.parametrize(
+    "writes",
+    [
+        [b"\r\n" + _GET],
+        [b"\r\n\r\n" + _GET],
+        [b"\n" + _GET],
+        [b"\r", b"\n" + _GET],
+        [b"\r\n", _GET],
+        # After a POST body, as old clients send it (RFC 9112 2.2), in the same write as
+        # the next request.
+        [_POST_ABC + b"\r\n" + _GET],
+        [_GET, b"\r\n", _GET],
+    ],
+)
+async def test_empty_lines_before_a_request_line_are_ignored(writes: list[bytes]) -> None:
+    # RFC 9112 2.2: a server SHOULD ignore at least one empty line received before the
+    # request line. They were refused, 400 "no request line received".
+    reported: list[MalformedRequest] = []
+    expected = sum(write.count(b"HTTP/1.1\r\n") for write in writes)
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        reply = b""
+        for write in writes:
+            await client.send_all(write)
+            await trio.testing.wait_all_tasks_blocked()  # read apart
+        with trio.fail_after(5):
+            while reply.count(b"hello") < expected:
+                reply += await client.receive_some(65536)
+    assert reply.count(b"HTTP/1.1 200 OK") == expected
     assert reported == []
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET / HTTP/1.0\r\n\r\n",
+    ],
+)
+@pytest.mark.parametrize("after", [_GET, b"GARBAGE\r\n\r\n", b"\x00" * 100_000])
+async def test_what_follows_a_request_that_closes_its_connection_is_dropped(
+    request_head: bytes, after: bytes
+) -> None:
+    # RFC 9112 9.6: a server that receives `close` MUST NOT process further requests on
+    # that connection; it answers this one and closes. What followed it was refused
+    # instead (400 "Got data when expecting EOF"), and the request went unanswered.
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_hello, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(request_head + after)
+        reply = await _read_to_end(client)
+    assert reply.count(b"HTTP/1.1 ") == 1
+    assert reply.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"hello" in reply
+    assert reported == []
+
+
+async def test_bytes_sent_while_a_closing_request_is_answered_are_dropped() -> None:
+    app = _Holding()
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(app, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        await app.started.wait()
+        await client.send_all(_GET + b"GARBAGE" * 1000)
+        await trio.testing.wait_all_tasks_blocked()
+        app.release.set()
+        await _hello_received(client)
+        # The client can finish sending and still read the rest: the answer is not reset.
+        await client.send_all(b"x" * 100_000)
+        await client.send_eof()
+        await _read_to_end(client)
+    assert not app.disconnected.is_set()
+    assert reported == []
+
+
+@pytest.mark.parametrize(
+    ("sent", "answers", "probed"),
+    [
+        (b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n", 1, True),
+        (b"POST /hold HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n", 1, True),
+        (b"GET /hold HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", 1, True),
+        # HTTP/1.0 has no interim responses (RFC 9110 15.2).
+        (b"GET /hold HTTP/1.0\r\n\r\n", 1, False),
+        # Pipelined: the second request is still buffered when the client half-closes.
+        (_PIPELINED, 2, True),
+    ],
+)
+async def test_a_complete_request_followed_by_a_half_close_is_answered(
+    sent: bytes, answers: int, probed: bool
+) -> None:
+    # A client that ends its sending side after its request (`nc -N`, `shutdown(SHUT_WR)`)
+    # still reads. The end of its stream was taken for the client leaving, and the
+    # request was cancelled unanswered.
+    app = _Holding()
+    async with (
+        _served(app) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(sent)
+        await client.send_eof()
+        await app.started.wait()
+        await trio.testing.wait_all_tasks_blocked()  # the server has seen the end
+        app.release.set()
+        reply = await _read_to_end(client)
+    assert not app.disconnected.is_set()
+    assert reply.count(b"hello") == reply.count(b"HTTP/1.1 200 OK\r\n") == answers
+    # An answer waited for is preceded by `100 Continue`: see the next test.
+    continued = b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert reply.startswith(continued + b"HTTP/1.1 200 OK\r\n" if probed else b"HTTP/1.1 200 OK")
+    assert (continued in reply) == probed
+
+
+@pytest.mark.parametrize("sent", [b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n", _PIPELINED])
+async def test_a_client_that_closes_after_a_complete_request_is_seen_to_leave(
+    sent: bytes,
+) -> None:
+    # Its end of stream is the same as a half-close's: the server tells them apart by
+    # writing an interim `100 Continue`, which the kernel of a closed client answers
+    # with a reset.
+    app = _Holding()
+    async with _served(app) as (host, port):
+        client = await trio.open_tcp_stream(host, port)
+        await client.send_all(sent)
+        await app.started.wait()
+        await client.aclose()
+        with trio.fail_after(5):
+            await app.disconnected.wait()
 
 
 def _head(size: int, version: bytes = b"1.1") -> bytes:
@@ -772,6 +961,21 @@ async def test_a_client_the_app_refused_while_it_sends_its_body_gets_to_read_the
         reply = await _read_to_end(client)
     assert reply.startswith(b"HTTP/1.1 413 Request Entity Too Large\r\n")
     assert reply.endswith(b"\r\n\r\n" + _TOO_LARGE)
+
+
+async def test_a_client_may_stop_sending_once_its_answer_has_begun() -> None:
+    # The app refused the body unread: a client that then ends its side made no error.
+    reported: list[MalformedRequest] = []
+    async with (
+        _served(_refuse_unread, protocol_error=reported.append) as (host, port),
+        await trio.open_tcp_stream(host, port) as client,
+    ):
+        await client.send_all(_UNREAD_HEAD + b"x" * 1000)
+        await trio.testing.wait_all_tasks_blocked()  # answered
+        await client.send_eof()
+        reply = await _read_to_end(client)
+    assert reply.startswith(b"HTTP/1.1 413 Request Entity Too Large\r\n")
+    assert reported == []
 
 
 async def test_a_client_the_app_refused_is_waited_for_a_second_at_most(
