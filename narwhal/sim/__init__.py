@@ -108,6 +108,7 @@ from ._fleet import EngineHandle as EngineHandle, Fleet as Fleet, serve_fleet as
 from ._spec import (
     DEFAULT_MODEL as DEFAULT_MODEL,
     DISAGGREGATION_MODES as DISAGGREGATION_MODES,
+    ENGINE_VERSION as ENGINE_VERSION,
     Dialect as Dialect,
     DisaggregationMode as DisaggregationMode,
     SimEngineSpec as SimEngineSpec,

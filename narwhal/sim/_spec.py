@@ -17,7 +17,7 @@ DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "deco
 
 # The engine versions whose wire behaviour the simulator follows by default; a vLLM
 # engine plays the build its spec's vllm_version names (`_vllm.VLLM_BUILDS`).
-ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.9"}
+ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.23"}
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
 
