@@ -1047,7 +1047,9 @@ class Recovery:
         record = self._record_for(engine)
         if record is None:
             return
-        restarted = record.identity.observe_metrics(sample.started_at, sample.prompt_tokens)
+        restarted = record.identity.observe_metrics(
+            sample.started_at, sample.prompt_tokens, sample.gauges_pending
+        )
         if restarted is not None:
             self._start_hold(record, restarted)
             if self._alone(record) is not None:
