@@ -781,9 +781,12 @@ class Recovery:
             return result
         if result.refusal is not None:
             await self._identity_refused(record, result.refusal, result.detail)
-        elif result.identity is not None:
+        elif result.outcome == "ok":
+            # /version answered without refusing the key, if with no identity (SGLang
+            # 0.5.23 has no /version: 404).
             record.identity_refused = False
-            engine.version = dict(result.identity).get("version")
+            if result.identity is not None:
+                engine.version = dict(result.identity).get("version")
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
             log.log(
