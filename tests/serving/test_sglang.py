@@ -308,11 +308,12 @@ async def test_a_retry_after_a_failed_kv_transfer_takes_another_prefill_server(
 async def test_a_request_past_the_context_is_refused_before_either_leg(
     nursery: trio.Nursery, stream: bool
 ) -> None:
-    # SGLang's /tokenize reports its tokenizer's limit (131072 in the sim), not the server's
-    # context (8192, on its /v1/models card): nothing was checked, and both servers refused
-    # the pair, a stream with a 200 and an error event, which read as the prefill
-    # engine's failure (502).
-    stack = await sglang_stack(nursery)
+    # SGLang's /tokenize reports its tokenizer's limit (a Llama-3.1 tokenizer's 131072),
+    # not the server's context (8192, on its /v1/models card): nothing was checked, and
+    # both servers refused the pair (older builds: a stream with a 200 and an error event,
+    # which read as the prefill engine's failure, 502).
+    spec = SimEngineSpec(dialect="sglang", tokenizer_max_length=131072)
+    stack = await sglang_stack(nursery, spec)
     async with httpx.AsyncClient(timeout=20) as client:
         answer = await client.post(f"{stack.fleet[0].url}/tokenize", json={"prompt": "hello"})
         count = answer.json()["count"]
