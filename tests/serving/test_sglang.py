@@ -28,12 +28,14 @@ async def sglang_stack(
     config_path: Path | None = None,
     api_key: str | None = None,
     engine: dict[str, Any] | None = None,
+    roles: tuple[str, ...] = ("prefill", "decode"),
     **serving: Any,
 ) -> Stack:
-    """A 1P1D SGLang fleet (launched in those modes; `api_key`: started with --api-key)
-    and a Narwhal in front of it; `engine` is the config's engine section."""
-    fleet = await pd_sim_fleet(nursery, "sglang", spec=spec, api_key=api_key)
-    document = fleet_config(fleet, ["prefill", "decode"], serving=serving, engine=engine or {})
+    """An SGLang fleet, by default 1P1D (launched in their roles' modes; `api_key`:
+    started with --api-key), and a Narwhal in front of it; `engine` is the config's
+    engine section."""
+    fleet = await pd_sim_fleet(nursery, "sglang", spec=spec, api_key=api_key, roles=roles)
+    document = fleet_config(fleet, list(roles), serving=serving, engine=engine or {})
     for entry, handle in zip(document["engines"], fleet, strict=True):
         entry["dialect"] = "sglang"
         # narwhal-sim serves the bootstrap endpoints on the engine's HTTP port.
@@ -354,3 +356,33 @@ async def test_a_request_past_the_context_is_refused_before_either_leg(
         assert fits.status_code == 200
     state = await settled(stack)
     assert state["requests"]["context_checks"] == {"passed": 1, "refused": 2}
+
+
+async def test_n_choices_are_served_by_the_aggregate_engine_as_it_answers_them(
+    nursery: trio.Nursery,
+) -> None:
+    # SGLang 0.5.23 serves n > 1 on an aggregate server; a bootstrap pair given it answers
+    # neither leg (tests/real/sglang/test_defects.py), so the pair is never sent it.
+    stack = await sglang_stack(nursery, roles=("prefill", "decode", "both"))
+    aggregate = stack.fleet[2]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "n": 2}
+    async with httpx.AsyncClient(timeout=20) as client:
+        got = await client.post(f"{stack.url}/v1/completions", json=body)
+        streamed = await client.post(f"{stack.url}/v1/completions", json={**body, "stream": True})
+        native = await client.post(f"{aggregate.url}/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    # The engine's own answer but its weight versions, which no chunk carries.
+    expected = {k: v for k, v in native.json().items() if k not in ("id", "created", "metadata")}
+    assert {k: v for k, v in got.json().items() if k not in ("id", "created")} == expected
+    assert expected["usage"]["completion_tokens"] == 6
+    finished = sorted(
+        (c["index"], c["finish_reason"])
+        for event in sse_json(streamed.content)
+        for c in event["choices"]
+        if c["finish_reason"]
+    )
+    assert finished == [(0, "length"), (1, "length")]
+    for handle in (stack.fleet[0], stack.fleet[1]):
+        assert sum(handle.state()["counters"]["requests"].values()) == 0
+    await settled(stack)
+
