@@ -386,3 +386,31 @@ async def test_n_choices_are_served_by_the_aggregate_engine_as_it_answers_them(
         assert sum(handle.state()["counters"]["requests"].values()) == 0
     await settled(stack)
 
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_the_scheduler_refuses_is_answered_with_its_refusal(
+    nursery: trio.Nursery, stream: bool
+) -> None:
+    # Within the context with its output, but at or past SGLang's longest request less 5
+    # tokens: the servers' schedulers refuse it, a stream with a 200 and an error event.
+    # The client gets the refusal's status, not a failed pair.
+    stack = await sglang_stack(nursery)
+    body = {"model": MODEL, "prompt": [5] * 8190, "max_tokens": 1, "stream": stream}
+    async with httpx.AsyncClient(timeout=20) as client:
+        response = await client.post(f"{stack.url}/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    # Both legs are refused at once; the first refusal read is the answer.
+    leg, refusal = error.pop("message").split(" returned 400 in its stream: ")
+    assert leg in ("prefill engine p0", "decode engine d1")
+    assert refusal == (
+        "Input length (8190 tokens) exceeds the maximum allowed length (8186 tokens). Use a "
+        "shorter input or enable --allow-auto-truncate."
+    )
+    assert error == {
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "engine_rejected_request",
+    }
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"engine_rejected_request": 1}
