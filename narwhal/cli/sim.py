@@ -114,9 +114,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenize-messages",
-        action="store_true",
-        help="SGLang: play a newer build, whose /tokenize also takes chat messages (an "
-        "older one requires a prompt and answers messages with 400)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="SGLang: whether /tokenize also takes chat messages, as 0.5.23's does "
+        "(--no-tokenize-messages plays an older build, which requires a prompt and answers "
+        "messages with 400)",
     )
     p.add_argument(
         "--api-key",

@@ -14,7 +14,12 @@ filled in here per dialect, in the engine's order, so a client sees the same doc
 either way. vLLM's are those of 0.32 (checked against a real engine by
 tests/real/test_vllm_defects.py): `ec_transfer_params`, `metrics`, each choice's
 `routed_experts`, the usage's `completion_tokens_details`, and a chat message with
-`reasoning` and no `tool_calls` key when it made no call.
+`reasoning` and no `tool_calls` key when it made no call. SGLang's are those of 0.5.23
+(tests/conformance/recorded-sglang.json): each choice's `matched_stop`, a chat message's
+`reasoning_content` (and `tool_calls` only when it made a call), and the usage's
+`prompt_tokens_details` and `completion_tokens_details` around its `reasoning_tokens`. Its
+top-level `metadata` (the weight versions that generated the first choice) is in no
+chunk and no other answer: an assembled SGLang answer has none.
 
 Some requests have a non-streaming answer a stream cannot give: see
 `unassemblable_reason`.
@@ -89,7 +94,17 @@ _VLLM_USAGE = (
 )
 _SGLANG_COMPLETION_CHOICE: Json = {"logprobs": None, "finish_reason": None, "matched_stop": None}
 _SGLANG_CHAT_CHOICE: Json = _SGLANG_COMPLETION_CHOICE
-_SGLANG_MESSAGE: Json = {"reasoning_content": None, "tool_calls": None}
+_SGLANG_MESSAGE = ("role", "content", "reasoning_content", "tool_calls")
+# 0.5.23's usage, whose streamed form leaves its null details out of a completion's; one
+# without reasoning_tokens is an older build's, kept as it came with its prompt details.
+_SGLANG_USAGE = (
+    "prompt_tokens",
+    "total_tokens",
+    "completion_tokens",
+    "prompt_tokens_details",
+    "reasoning_tokens",
+    "completion_tokens_details",
+)
 
 # Delta fields whose pieces are concatenated; any other delta field keeps its last
 # non-null value.
@@ -178,10 +193,10 @@ class ResponseAssembler:
         if isinstance(self._usage, dict):
             if vllm:
                 out["usage"] = _in_order(self._usage, _VLLM_USAGE)
+            elif "reasoning_tokens" in self._usage:
+                out["usage"] = _in_order(self._usage, _SGLANG_USAGE)
             else:
-                usage = dict(self._usage)
-                usage.setdefault("prompt_tokens_details", None)
-                out["usage"] = usage
+                out["usage"] = _in_order(self._usage, _SGLANG_USAGE[:4])
         if not vllm:
             return out
         return _in_order(out, _VLLM_CHAT_TOP if self._kind == "chat" else _VLLM_COMPLETION_TOP)
@@ -207,7 +222,7 @@ class ResponseAssembler:
         if vllm:
             choice["message"] = _in_order(message, _VLLM_MESSAGE, omit=("tool_calls",))
             return _in_order(choice, _VLLM_CHAT_CHOICE)
-        _defaults(message, _SGLANG_MESSAGE)
+        choice["message"] = _in_order(message, _SGLANG_MESSAGE, omit=("tool_calls",))
         ordered: Json = {"index": choice.pop("index"), "message": choice.pop("message")}
         ordered.update(choice)
         _defaults(ordered, _SGLANG_CHAT_CHOICE)

@@ -33,8 +33,9 @@ Restart holds (`RestartHold`, `IdentityTracker`)
   An engine has restarted when any of these shows it: GET /version reports another
   instance id, build or version; it answers again after being unreachable, unless its
   /version names the instance id it named before (unreachable, not restarted); its /metrics
-  reports another `process_start_time_seconds`; or its prompt-token counter
-  (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards. Its KV and
+  reports another `process_start_time_seconds`; its prompt-token counter
+  (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards; or its load
+  gauges went missing after it had published them (SGLang). Its KV and
   any handoff in flight are gone and its warm-up state is unknown. It is held out of
   placement for recovery.restart_hold_s and then until a verification pair passes. While
   no other engine in placement takes its role's work, the wait ends at its first good
@@ -47,7 +48,10 @@ Restart holds (`RestartHold`, `IdentityTracker`)
   several API servers and SGLang use prometheus multiprocess mode, which has no process
   metrics, but a counter restarts from zero with its process (Prometheus reads a decrease
   as a reset the same way): an engine that had prefilled anything is seen restarting by
-  its first scrape, which comes before it has prefilled as much again.
+  its first scrape, which comes before it has prefilled as much again. SGLang 0.5.23's
+  counters are labelled, so a fresh process has no series until it serves a request; but
+  it has no load gauges either until its scheduler first reports, and a process that has
+  published them keeps them: gauges gone missing show a restart before any request.
 """
 
 from __future__ import annotations
@@ -288,6 +292,9 @@ class IdentityTracker:
         self.unreachable = False
         self.start_time: float | None = None
         self.prompt_tokens: dict[str, float] | None = None
+        # The engine's /metrics had its load gauges (an SGLang server publishes them once
+        # its scheduler has reported, for the life of its process).
+        self.gauges_published = False
         # A restart was detected: the next identity seen is the new instance's baseline.
         self._identity_stale = False
 
@@ -323,15 +330,25 @@ class IdentityTracker:
         return instance is not None and instance == dict(self.identity).get("instance_id")
 
     def observe_metrics(
-        self, start_time: float | None, prompt_tokens: Iterable[tuple[str, float]] | None
+        self,
+        start_time: float | None,
+        prompt_tokens: Iterable[tuple[str, float]] | None,
+        gauges_pending: bool = False,
     ) -> str | None:
         """Record one /metrics scrape: `process_start_time_seconds` and the prompt-token
         counter per series (label text, value), each None when the engine does not report
-        it; returns why the engine is considered restarted, or None.
+        it, and whether its load gauges are not published yet (a fresh SGLang server's);
+        returns why the engine is considered restarted, or None.
 
         Only a series seen in both scrapes is compared, so a rank whose series appears or
         disappears is not a reset."""
         reason: str | None = None
+        if gauges_pending and self.gauges_published:
+            reason = (
+                "its load gauges went missing (a fresh process publishes them only once its "
+                "scheduler has reported)"
+            )
+        self.gauges_published = not gauges_pending
         if start_time is not None:
             known, self.start_time = self.start_time, start_time
             if known is not None and start_time != known:
@@ -351,6 +368,7 @@ class IdentityTracker:
         self.unreachable = False
         self.start_time = None
         self.prompt_tokens = None
+        self.gauges_published = False
         self._identity_stale = True
 
     def snapshot(self) -> dict[str, object]:

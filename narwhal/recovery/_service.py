@@ -781,9 +781,12 @@ class Recovery:
             return result
         if result.refusal is not None:
             await self._identity_refused(record, result.refusal, result.detail)
-        elif result.identity is not None:
+        elif result.outcome == "ok":
+            # /version answered without refusing the key, if with no identity (SGLang
+            # 0.5.23 has no /version: 404).
             record.identity_refused = False
-            engine.version = dict(result.identity).get("version")
+            if result.identity is not None:
+                engine.version = dict(result.identity).get("version")
         restarted = record.identity.observe(result.reachable, result.identity)
         if result.outcome == "failed":
             log.log(
@@ -1047,7 +1050,9 @@ class Recovery:
         record = self._record_for(engine)
         if record is None:
             return
-        restarted = record.identity.observe_metrics(sample.started_at, sample.prompt_tokens)
+        restarted = record.identity.observe_metrics(
+            sample.started_at, sample.prompt_tokens, sample.gauges_pending
+        )
         if restarted is not None:
             self._start_hold(record, restarted)
             if self._alone(record) is not None:

@@ -41,16 +41,20 @@ engine has a KV connector unless its spec's ``kv_connector`` is false (``kv_conn
 per engine, CLI ``--kv-connector none``): without one it serves a P/D leg as a plain
 request (``kv_transfer_params`` null, no lease kept) and exports no ``vllm:nixl_*`` metrics.
 
-SGLang roles are fixed at launch, as in SGLang (engine-protocols notes §5.1): each engine
-has a ``disaggregation_mode`` (``disaggregation_modes=["prefill", "decode"]``, CLI
-``--disaggregation-mode prefill,decode``). A ``"null"`` engine (the default) is an
-aggregate server and ignores bootstrap fields; a prefill or decode one serves only its
-own leg of a bootstrap pair and answers a request without ``bootstrap_room`` with 400 in
-SGLang's flat error shape. The simulator has no API that changes a role. vLLM engines
-take the leg each request's ``kv_transfer_params`` names. An SGLang engine plays an older
-build whose ``/tokenize`` requires a ``prompt`` (a messages body gets FastAPI's 400), or
-with ``tokenize_messages`` (CLI ``--tokenize-messages``) a newer one whose ``/tokenize``
-also counts chat ``messages`` as its chat completions render them.
+SGLang engines play SGLang 0.5.23, checked against answers recorded on it
+(tests/conformance; `_sglang` has its rules). Roles are fixed at launch, as in SGLang
+(engine-protocols notes §5.1): each engine has a ``disaggregation_mode``
+(``disaggregation_modes=["prefill", "decode"]``, CLI ``--disaggregation-mode
+prefill,decode``). A ``"null"`` engine (the default) is an aggregate server and ignores
+bootstrap fields; a prefill or decode one serves only its own leg of a bootstrap pair and
+answers a request without ``bootstrap_room`` with 400 in SGLang's flat error shape. The
+simulator has no API that changes a role. vLLM engines take the leg each request's
+``kv_transfer_params`` names. An SGLang engine's ``/tokenize`` counts chat ``messages``
+as its chat completions render them; ``tokenize_messages=False`` (CLI
+``--no-tokenize-messages``) plays an older build, which requires a ``prompt`` (a messages
+body gets FastAPI's 400). It has no ``/version`` (404; ``/get_server_info`` names the
+version) and publishes its load gauges only once its scheduler has reported (a decode
+server after 40 decode steps).
 
 Requests are validated as each engine does (notes §3.4, §5.5): a vLLM engine refuses a
 ``model`` other than its own with 404; an SGLang one takes any name and refuses a
@@ -58,8 +62,8 @@ Requests are validated as each engine does (notes §3.4, §5.5): a vLLM engine r
 sets no output bound (a chat without ``max_tokens``; on vLLM 0.29 a completion with
 ``max_tokens: null``, which SGLang refuses) generates ``unbounded_max_tokens`` tokens
 (default 256, CLI ``--unbounded-max-tokens``) within the context; the engines run it to the
-context, which ``None`` (CLI ``context``) does too. SGLang's ``n`` other than 1 is refused
-as not simulated.
+context, which ``None`` (CLI ``context``) does too. SGLang serves ``n > 1`` on an
+aggregate server; a bootstrap pair given it never answers, as SGLang's does not.
 
 `SimTiming` is the latency law in seconds at speed 1 (defaults: Llama-3-8B bf16 on one
 H100); ``--speed K`` / ``speed=K`` divides every duration (steps, KV transfer, lease,
@@ -108,6 +112,7 @@ from ._fleet import EngineHandle as EngineHandle, Fleet as Fleet, serve_fleet as
 from ._spec import (
     DEFAULT_MODEL as DEFAULT_MODEL,
     DISAGGREGATION_MODES as DISAGGREGATION_MODES,
+    ENGINE_VERSION as ENGINE_VERSION,
     Dialect as Dialect,
     DisaggregationMode as DisaggregationMode,
     SimEngineSpec as SimEngineSpec,

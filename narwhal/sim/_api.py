@@ -19,8 +19,17 @@ from .._values import json_int
 from ._core import CoreRequest, ReqState
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import DropConnection, HttpRequest, Responder
+from ._metrics import count_streaming
 from ._output import Choice, Shapes, chat_logprobs, completion_logprobs, plan_choices, usage
 from ._records import RemoteKV, ReqCtx
+from ._sglang import (
+    SglangShapes,
+    chat_logprobs as sglang_chat_logprobs,
+    completion_logprobs as sglang_completion_logprobs,
+    error_event,
+    max_request_input,
+    sampling_refusal,
+)
 from ._spec import ENGINE_VERSION
 from ._tokenizer import BOS, VOCAB_SIZE, piece_id, render_chat
 
@@ -40,9 +49,6 @@ _DEFAULT_MESSAGES = {
     503: "The server is overloaded or not ready yet.",
     429: "Too many requests",
 }
-# What SGLang's /tokenize reports as max_model_len: its tokenizer's model_max_length
-# (notes §5.4), here a Llama-3.1 tokenizer config's, whatever the server's context.
-_TOKENIZER_MAX_LENGTH = 131072
 # vLLM's --max-logprobs default.
 _MAX_LOGPROBS = 20
 _KV_PARAM_KEYS = (
@@ -103,8 +109,8 @@ class ApiError(Exception):
         self.message = message
         self.type = type_
         self.param = param
-        # Found after a stream's 200 (SGLang's tokenizer manager checks a request inside
-        # its completion stream generator): sent as an error event, then [DONE].
+        # Found after a stream's 200 (vLLM's input processor, inside its generator;
+        # SGLang's scheduler, which aborts the request): an error event, then [DONE].
         self.streamed = streamed
 
 
@@ -144,10 +150,10 @@ class Api:
     def sse_error(
         self, status: int, message: str, type_: str | None = None, param: str | None = None
     ) -> bytes:
-        body = self.error_body(status, message, type_=type_, param=param)
         if self.sglang:
-            body = {"error": body}
-        elif self.e.spec.vllm.wire_032:
+            return error_event(status, message)
+        body = self.error_body(status, message, type_=type_, param=param)
+        if self.e.spec.vllm.wire_032:
             # create_streaming_error_response: json.dumps with its default separators.
             return b"data: " + json.dumps(body).encode() + b"\n\n"
         return b"data: " + _j(body).encode() + b"\n\n"
@@ -156,7 +162,8 @@ class Api:
     async def generate(self, req: HttpRequest, resp: Responder, *, chat: bool) -> None:
         e = self.e
         xrid = req.headers.get("x-request-id") or uuid.uuid4().hex
-        echo = [("x-request-id", xrid)]
+        # vLLM answers with the request's id; SGLang sends no such header.
+        echo = [] if self.sglang else [("x-request-id", xrid)]
         try:
             plan = self._parse(req, chat=chat)
         except ApiError as err:
@@ -208,8 +215,19 @@ class Api:
                 )
                 await self.send_error(resp, ApiError(503, msg, type_="Service Unavailable"), echo)
                 return
-        prefix = "chatcmpl" if chat else "cmpl"
-        response_id = f"{prefix}-{xrid}"
+        if self.sglang and plan.n > 1 and e.spec.disaggregation_mode != "null":
+            await self._hang(xrid, leg)
+            return
+        if self.sglang:
+            # Its request id, a uuid's hex; a streamed choice has one of its own.
+            ids = [e.new_hex(32) for _ in range(plan.n if plan.stream else 1)]
+            response_id = ids[0]
+            internal_id = response_id
+        else:
+            prefix = "chatcmpl" if chat else "cmpl"
+            response_id = f"{prefix}-{xrid}"
+            ids = [response_id]
+            internal_id = f"{response_id}-{e.new_hex()}"
         choices = plan_choices(
             e.spec.seed,
             plan.prompt_key,
@@ -220,7 +238,7 @@ class Api:
             include_stop=plan.include_stop,
         )
         core = CoreRequest(
-            rid=f"{response_id}-{e.new_hex()}",
+            rid=internal_id,
             prompt_tokens=plan.prompt_tokens,
             # The n choices decode in step; the sequence runs until the last one ends.
             max_tokens=max(c.limit for c in choices),
@@ -236,6 +254,7 @@ class Api:
             faults=faults,
             armed_fault=armed,
             remote=plan.remote,
+            stream=plan.stream,
         )
         ctx.lease_s = e.lease_for(faults)
         if plan.room is not None and leg == "prefill":
@@ -244,7 +263,8 @@ class Api:
         core.owner = ctx
         e.counters.requests[leg] += 1
         e.metrics.prompt_tokens += plan.prompt_tokens
-        run = _Run(self, ctx, resp, plan, response_id, echo, choices)
+        count_streaming(e.metrics.streaming_prompt_tokens, plan.stream, plan.prompt_tokens)
+        run = _Run(self, ctx, resp, plan, ids, echo, choices)
         outcome, status = "aborted", 499
         try:
             outcome, status = await run.serve()
@@ -262,6 +282,18 @@ class Api:
             if outcome == "aborted" and resp.started:
                 status = resp.status
             run.settle(outcome, status)
+
+    async def _hang(self, request_id: str, leg: str) -> None:
+        """SGLang's bootstrap pair given n > 1: neither server answers (seen on 0.5.23:
+        nothing within 60 s), the request held until its client leaves."""
+        e = self.e
+        e.counters.requests[leg] += 1
+        e.pending += 1
+        try:
+            await trio.sleep_forever()
+        finally:
+            e.pending -= 1
+            e.record(None, request_id=request_id, phase=leg, outcome="aborted", status=499)
 
     def _fail_room(self, req: HttpRequest, reason: str) -> None:
         """An SGLang prefill request that never starts must still fail its decoder's wait."""
@@ -307,15 +339,12 @@ class Api:
         stream = bool(body.get("stream") or False)
         model = body.get("model")
         build = e.spec.vllm
+        n = 1
         if self.sglang:
-            n = body.get("n")
-            if n is not None and n != 1:
-                raise ApiError(
-                    400, f"n={n!r} is not simulated; send one choice per request", param="n"
-                )
+            n = self._sglang_choices(body.get("n", 1), stream=stream)
             if not chat:
                 self._sglang_check_prompt(body)
-            self._sglang_check_lora(body, stream)
+            self._sglang_check_lora(body)
         else:
             self._vllm_check_body(body, stream=stream, chat=chat)
             if model is not None and model != e.spec.model:
@@ -329,11 +358,10 @@ class Api:
             # Its default: vLLM 0.29 true (notes §4.4), 0.32 false; SGLang false (§5.5).
             default = build.include_usage_default and not self.sglang
             include_usage = bool(stream_options.get("include_usage", default))
-            # vLLM adds the running usage to every chunk, only when include_usage (§4.4).
-            continuous_usage = (
-                include_usage
-                and not self.sglang
-                and bool(stream_options.get("continuous_usage_stats"))
+            # The running usage on every chunk: vLLM only with include_usage (§4.4),
+            # SGLang either way.
+            continuous_usage = (include_usage or self.sglang) and bool(
+                stream_options.get("continuous_usage_stats")
             )
 
         leg, remote, room, hold_kv = self._leg(body)
@@ -388,7 +416,6 @@ class Api:
                     400,
                     f"The input ({prompt_tokens} tokens) is longer than the "
                     f"model's context length ({limit} tokens).",
-                    streamed=stream,
                 )
             raise ApiError(
                 400,
@@ -421,17 +448,24 @@ class Api:
                 f"tokens: {prompt_tokens} tokens from the input messages and {max_tokens} "
                 "tokens for the completion. Please reduce the number of tokens in the input "
                 "messages or the completion to fit within the limit.",
-                streamed=stream,
             )
         if self.sglang:
             # SamplingParams.verify in its tokenizer manager, against the request's own
             # bound: a prefill server sets max_new_tokens to 1 only later, in its
             # bootstrap queue, and checks nothing after that.
-            if isinstance(min_tokens, int) and not 0 <= min_tokens <= max_tokens:
-                upper = "max_new_tokens" if min_tokens < 0 else f"max_new_tokens({max_tokens})"
+            floor = min_tokens if isinstance(min_tokens, int) else 0
+            refusal = sampling_refusal(body, max_tokens, floor)
+            if refusal is not None:
+                raise ApiError(400, refusal)
+            bound = max_request_input(limit, e.spec.timing.kv_capacity_tokens)
+            if prompt_tokens >= bound:
+                # Its scheduler's own check, after the tokenizer manager's: it aborts the
+                # request, which a stream reports after its 200.
                 raise ApiError(
                     400,
-                    f"min_new_tokens must be in [0, {upper}], got {min_tokens}.",
+                    f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed "
+                    f"length ({bound} tokens). Use a shorter input or enable "
+                    "--allow-auto-truncate.",
                     streamed=stream,
                 )
             if room is not None and leg == "prefill":
@@ -448,13 +482,14 @@ class Api:
                 f"{prompt_tokens} input tokens ({max_tokens} > {limit} - {prompt_tokens}).",
                 param="max_tokens",
             )
-        n = 1
         top: int | None = None
-        if not self.sglang:
+        if self.sglang:
+            top = self._sglang_top_logprobs(body, chat=chat)
+        else:
             n = self._vllm_check_sampling(body, max_tokens, min_tokens)
             # The engine's input checks, inside its generator: after a stream's 200.
             top = self._vllm_check_inputs(body, chat=chat, stream=stream)
-        stops = _stops(body) if not self.sglang else []
+        stops = _stops(body)
         return _Plan(
             leg=leg,
             remote=remote,
@@ -471,8 +506,14 @@ class Api:
             n=n,
             top_logprobs=top,
             stops=stops,
-            include_stop=bool(body.get("include_stop_str_in_output")),
-            min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
+            # SGLang's spelling of it.
+            include_stop=bool(
+                body.get("no_stop_trim" if self.sglang else "include_stop_str_in_output")
+            ),
+            # SGLang's min_new_tokens only keeps end-of-sequence tokens out: a stop string
+            # ends a choice from its first token on.
+            min_tokens=0 if self.sglang or not isinstance(min_tokens, int) else min_tokens,
+            model=self._answered_model(model),
         )
 
     def _vllm_check_body(self, body: dict[str, Any], *, stream: bool, chat: bool) -> None:
@@ -626,6 +667,39 @@ class Api:
                 raise ApiError(400, f"Token id {wrong} is out of vocabulary", streamed=stream)
         return top
 
+    def _answered_model(self, model: object) -> str:
+        """The model an answer names: vLLM its own (it refuses others), SGLang the
+        request's, "default" when it names none (its request models' default)."""
+        if not self.sglang:
+            return self.e.spec.model
+        if model is None:
+            return "default"
+        return model if isinstance(model, str) else self.e.spec.model
+
+    @staticmethod
+    def _sglang_choices(value: object, *, stream: bool) -> int:
+        """The choices SGLang serves for `n` (`n: int = 1` in its request models): n
+        above 1 as asked, else one. Its non-streaming answer of n=0 divides by n
+        (`range(0, len, n)` in its usage processor) once the request has run; the
+        simulator answers it without running it."""
+        n = json_int(value)
+        if n is None:
+            raise _validation_error(
+                ("body", "n"), "int_type", "Input should be a valid integer", value
+            )
+        if n == 0 and not stream:
+            raise ApiError(400, "range() arg 3 must not be zero", type_="BadRequest")
+        return max(n, 1)
+
+    @staticmethod
+    def _sglang_top_logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+        """How many top logprobs SGLang sends per token (None: no logprobs): a
+        completion's `logprobs`, a chat's `top_logprobs` (0 unless set) once `logprobs`
+        is true. It has no upper bound."""
+        if chat:
+            return (json_int(body.get("top_logprobs")) or 0) if body.get("logprobs") else None
+        return json_int(body.get("logprobs"))
+
     def _sglang_check_prompt(self, body: dict[str, Any]) -> None:
         """SGLang's CompletionRequest requires `prompt` (FastAPI refuses a body without
         it), and its `_validate_request` an unempty one, before anything else runs (so
@@ -636,7 +710,7 @@ class Api:
         if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
             raise ApiError(400, "Prompt cannot be empty")
 
-    def _sglang_check_lora(self, body: dict[str, Any], stream: bool) -> None:
+    def _sglang_check_lora(self, body: dict[str, Any]) -> None:
         """SGLang does not check `model` against the name it serves: its OpenAI routes
         take any name. Newer builds read `base:adapter` as a LoRA adapter selection,
         ahead of the request's own `lora_path` (sgl-project/sglang
@@ -645,8 +719,8 @@ class Api:
         `_resolve_lora_path(request.model, request.lora_path)` in serving_base splits the
         name at its first colon, an empty adapter meaning none). Its tokenizer manager
         (`_validate_and_resolve_lora`) then refuses any adapter on a server launched
-        without --enable-lora, which every simulated one is, with a ValueError: 400, or an
-        error event after a stream's 200, like the context check after it."""
+        without --enable-lora, which every simulated one is, with a ValueError: 400, streamed
+        or not, like the context check after it."""
         model = body.get("model")
         adapter: object = None
         if isinstance(model, str) and ":" in model:
@@ -661,7 +735,6 @@ class Api:
                 f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please "
                 "launch the server with --enable-lora flag and preload adapters using "
                 "--lora-paths or /load_lora_adapter endpoint.",
-                streamed=stream,
             )
 
     @staticmethod
@@ -793,7 +866,9 @@ class Api:
             except ApiError as err:
                 await self.send_error(resp, err)
                 return
-            await resp.send_json(200, {**answer, "max_model_len": _TOKENIZER_MAX_LENGTH})
+            # Its tokenizer's model_max_length (notes §5.4), not the server's context.
+            length = e.spec.tokenizer_max_length or limit
+            await resp.send_json(200, {**answer, "max_model_len": length})
             return
         if "messages" in body:
             messages = body["messages"]
@@ -899,10 +974,10 @@ class Api:
             "created": created,
             "owned_by": "sglang" if self.sglang else "vllm",
             "root": e.spec.model,
+            "parent": None,
             "max_model_len": e.spec.timing.max_model_len,
         }
         if not self.sglang:
-            card["parent"] = None
             card["permission"] = [
                 {
                     "id": f"modelperm-{e.instance_id.replace('-', '')}",
@@ -998,12 +1073,14 @@ class _Plan:
     prompt_key: str
     max_tokens: int
     header_faults: FaultSpec | None
-    # vLLM: the number of choices, top logprobs per token (None: none), stop strings.
+    # The number of choices, top logprobs per token (None: none), stop strings.
     n: int = 1
     top_logprobs: int | None = None
     stops: list[str] = attrs.Factory(list)
     include_stop: bool = False
     min_tokens: int = 0
+    # The model the answer names.
+    model: str = ""
 
 
 class _Run:
@@ -1015,7 +1092,7 @@ class _Run:
         ctx: ReqCtx,
         resp: Responder,
         plan: _Plan,
-        response_id: str,
+        ids: list[str],
         echo: list[tuple[str, str]],
         choices: list[Choice],
     ) -> None:
@@ -1024,7 +1101,6 @@ class _Run:
         self.ctx = ctx
         self.resp = resp
         self.plan = plan
-        self.response_id = response_id
         self.echo = echo
         self.choices = choices
         self.sent = 0
@@ -1033,6 +1109,16 @@ class _Run:
         self.created = int(time.time())
         if plan.remote is not None:
             plan.remote.num_tokens = plan.remote.num_tokens or plan.prompt_tokens
+        self.shapes: Shapes | SglangShapes
+        if api.sglang:
+            self.shapes = SglangShapes(
+                chat=plan.chat,
+                model=plan.model,
+                ids=ids,
+                created=self.created,
+                continuous_usage=plan.continuous_usage,
+            )
+            return
         spec = self.e.spec
         build = spec.vllm
         fingerprint = None
@@ -1041,11 +1127,10 @@ class _Run:
             config = f"{spec.model}\x00{spec.kv_connector}\x00{spec.timing.max_model_len}"
             fingerprint = f"vllm-{build.version}-{zlib.crc32(config.encode()):08x}"
         self.shapes = Shapes(
-            sglang=api.sglang,
             build=build,
             chat=plan.chat,
-            model=spec.model,
-            response_id=response_id,
+            model=plan.model,
+            response_id=ids[0],
             created=self.created,
             fingerprint=fingerprint,
             include_usage=plan.include_usage,
@@ -1067,8 +1152,9 @@ class _Run:
                 await trio.sleep(f.slow_first_token_s)
             finally:
                 e.pending -= 1
-        if plan.stream:
-            # vLLM's StreamingResponse sends the 200 and headers before the first token.
+        if plan.stream and not self.api.sglang:
+            # vLLM's StreamingResponse sends the 200 and headers before the first token;
+            # SGLang's handler waits for the first chunk (`_send`).
             await self.resp.start_stream(200, headers=self.echo)
         room = ctx.room
         if room is not None:
@@ -1082,9 +1168,12 @@ class _Run:
                 e.pending -= 1
             if wait.cancelled_caught:
                 room.fail("bootstrap timeout")
+                # SGLang 0.5.23's words (disaggregation/prefill.py, common/conn.py).
                 msg = (
-                    f"KVTransferError(bootstrap_room={room.room}): Request {ctx.internal_id} "
-                    "timed out waiting for the decode instance to bootstrap"
+                    f"Prefill bootstrap failed for request rank=0 req.rid={ctx.internal_id!r} "
+                    f"req.bootstrap_room={room.room} with exception "
+                    f"KVTransferError(bootstrap_room={room.room}): Request {room.room} timed "
+                    f"out after {e.spec.bootstrap_timeout_s:.1f}s in KVPoll.Bootstrapping"
                 )
                 return await self._fail(500, msg)
         e.core.add(core)
@@ -1121,9 +1210,11 @@ class _Run:
                 if "Aborted" in reason
                 else "Failed to get kvcache from prefill instance, it might be dead"
             )
+            # SGLang 0.5.23's words (disaggregation/decode.py).
             msg = (
-                f"Decode transfer failed for request rank=0 rid={ctx.internal_id} "
-                f"bootstrap_room={rk.room} with exception "
+                f"Decode transfer failed for request rank=0 "
+                f"decode_req.req.rid={ctx.internal_id!r} "
+                f"decode_req.req.bootstrap_room={rk.room} with exception "
                 f"KVTransferError(bootstrap_room={rk.room}): {cause}"
             )
         else:
@@ -1147,16 +1238,32 @@ class _Run:
             tokens=self.sent,
         )
 
+    async def _send(self, data: bytes, *, last: bool = False) -> None:
+        """Stream bytes, sending the 200 and headers first if no chunk went out yet."""
+        if not self.resp.started:
+            await self.resp.start_stream(200, headers=self.echo)
+        if last:
+            await self.resp.end_stream(data)
+        else:
+            await self.resp.send_chunk(data)
+
     async def _fail(self, status: int, message: str, outcome: str = "error") -> tuple[str, int]:
+        sglang = self.api.sglang
         if self.plan.stream:
             out = b""
-            if self.plan.chat and not self.api.sglang and self.sent == 0:
+            if self.plan.chat and not sglang and self.sent == 0:
                 out += self._role_chunks()
             out += self.api.sse_error(status, message, "InternalServerError")
+            if sglang and self.plan.include_usage:
+                # SGLang's generator leaves its loop at the error and goes on to its
+                # usage chunk.
+                out += b"data: " + self.shapes.usage_chunk(self._usage()).encode() + b"\n\n"
             self.settle(outcome, 200)
-            await self.resp.end_stream(out + b"data: [DONE]\n\n")
+            await self._send(out + b"data: [DONE]\n\n", last=True)
             return outcome, 200
-        err = ApiError(status, message, type_="InternalServerError")
+        # SGLang: an abort's status other than 400 comes as an HTTPException, whose
+        # status its handler names as the type.
+        err = ApiError(status, message, type_=str(status) if sglang else "InternalServerError")
         self.settle(outcome, status)
         await self.api.send_error(self.resp, err, self.echo)
         return outcome, status
@@ -1224,22 +1331,28 @@ class _Run:
                 return await self._finish()
             await ctx.wait_change()
 
+    def _logprobs(self, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
+        """A choice's logprobs for tokens [start, end), in its engine's shape."""
+        top = self.plan.top_logprobs
+        if top is None:
+            return None
+        if self.api.sglang:
+            make = sglang_chat_logprobs if self.plan.chat else sglang_completion_logprobs
+        else:
+            make = chat_logprobs if self.plan.chat else completion_logprobs
+        return make(choice, start, end, top)
+
     async def _send_tokens(self, start: int, end: int) -> None:
         """Tokens [start, end) of the sequence: one chunk per choice still generating."""
         out = b""
         if start == 0 and self.plan.chat:
             out += self._role_chunks()
-        top = self.plan.top_logprobs
-        chat = self.plan.chat
         continuous = self.plan.continuous_usage
         for choice in self.choices:
             first, last = min(start, choice.limit), min(end, choice.limit)
             if last <= first:
                 continue
-            logprobs = None
-            if top is not None:
-                make = chat_logprobs if chat else completion_logprobs
-                logprobs = make(choice, first, last, top)
+            logprobs = self._logprobs(choice, first, last)
             text = choice.piece(first, last)
             chunk = self.shapes.token_chunk(
                 choice,
@@ -1249,7 +1362,7 @@ class _Run:
                 usage_so_far=usage(self.plan.prompt_tokens, last) if continuous else None,
             )
             out += b"data: " + chunk.encode() + b"\n\n"
-        await self.resp.send_chunk(out)
+        await self._send(out)
 
     def _usage(self) -> dict[str, Any]:
         completion = sum(min(self.sent, c.limit) for c in self.choices)
@@ -1258,11 +1371,11 @@ class _Run:
     async def _finish(self) -> tuple[str, int]:
         plan = self.plan
         if plan.stream:
-            out = b""
+            out = self.shapes.finish_chunks(self.choices).encode()
             if plan.include_usage:
                 out += b"data: " + self.shapes.usage_chunk(self._usage()).encode() + b"\n\n"
             self.settle("ok", 200)
-            await self.resp.end_stream(out + b"data: [DONE]\n\n")
+            await self._send(out + b"data: [DONE]\n\n", last=True)
             return "ok", 200
         body = self._body()
         self.settle("ok", 200)
@@ -1296,11 +1409,9 @@ class _Run:
         return params
 
     def _body(self) -> bytes:
-        top = self.plan.top_logprobs
-        make = chat_logprobs if self.plan.chat else completion_logprobs
         parts = []
         for choice in self.choices:
             end = min(self.sent, choice.limit)
-            logprobs = None if top is None else make(choice, 0, end, top)
+            logprobs = self._logprobs(choice, 0, end)
             parts.append((choice, choice.piece(0, end), logprobs))
         return self.shapes.body(parts, self._usage(), self._kv_params())

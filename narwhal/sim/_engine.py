@@ -29,7 +29,7 @@ from ._api import Api
 from ._core import SchedulerCore
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import HttpRequest, Responder
-from ._metrics import EngineMetrics, Gauges, make_registry, render
+from ._metrics import EngineMetrics, Gauges, count_streaming, make_registry, render
 from ._records import PHASES, Counters, Lease, RemoteKV, ReqCtx, Room
 from ._spec import SimEngineSpec
 from ._timing import Noise
@@ -45,6 +45,8 @@ _PULL_SLACK_S = 10.0
 _MAX_ROOMS = 65_536
 _MIN_HEARTBEAT_S = 0.001
 _EXPIRED_RING = 1_000
+# SGLang's --decode-log-interval: a decode server reports its load every this many steps.
+_DECODE_LOG_INTERVAL = 40
 
 
 class SimEngine:
@@ -94,7 +96,14 @@ class SimEngine:
             },
             started_at=self.started_at,
             kv_connector=spec.kv_connector,
+            # SGLang's label of its server mode.
+            engine_type=spec.disaggregation_mode.replace("null", "unified"),
         )
+        # SGLang sets its load gauges when its scheduler first reports: at its first batch,
+        # on a decode server at its first log interval or its first idle tick after
+        # serving (`_note_report`). vLLM has them from the start.
+        self.load_reported = spec.dialect == "vllm"
+        self._decode_steps = 0
         self.outcomes: deque[dict[str, Any]] = deque(maxlen=spec.outcome_ring)
         self.expired_leases: deque[str] = deque(maxlen=_EXPIRED_RING)
         self.leases: dict[str, Lease] = {}
@@ -212,6 +221,8 @@ class SimEngine:
             plan = core.schedule()
             for r in plan.pulls:
                 r.owner.wake()
+            if not self.load_reported:
+                self._note_report(plan.empty, bool(plan.decodes))
             if plan.empty:
                 prev_end = None
                 await self._wakeup.wait()
@@ -244,12 +255,25 @@ class SimEngine:
                 ctx.last_token_at = now
                 ctx.event.set()
             metrics.generation_tokens += len(result.progressed)
+            if self.spec.dialect == "sglang":
+                for r in result.progressed:
+                    count_streaming(metrics.streaming_generation_tokens, r.owner.stream)
             for r in result.finished:
                 ctx = r.owner
                 metrics.e2e.observe(now - ctx.arrival)
                 if r.hold_kv:
                     self._create_lease(ctx, now)
             prev_end = end
+
+    def _note_report(self, idle: bool, decodes: bool) -> None:
+        """Whether this step is the SGLang scheduler's first load report."""
+        if idle:
+            self.load_reported = self._decode_steps > 0
+        elif self.spec.disaggregation_mode != "decode":
+            self.load_reported = True
+        elif decodes:
+            self._decode_steps += 1
+            self.load_reported = self._decode_steps >= _DECODE_LOG_INTERVAL
 
     # -- KV leases (producer side) ---------------------------------------------------------
     def _create_lease(self, ctx: ReqCtx, now: float) -> None:
@@ -458,6 +482,7 @@ class SimEngine:
             # Like vLLM, only requests that reached the engine count as finished.
             reason = {"ok": "length", "aborted": "abort"}.get(outcome, "error")
             self.metrics.success[reason] = self.metrics.success.get(reason, 0) + 1
+            count_streaming(self.metrics.streaming_requests, ctx.stream)
         self.outcomes.append(
             {
                 "request_id": request_id,
@@ -482,6 +507,9 @@ class SimEngine:
             waiting=len(core.waiting) + len(core.pulling) + self.pending,
             kv_usage=core.kv_usage,
             preemptions=core.preemptions,
+            used_tokens=core.resident_tokens(),
+            capacity_tokens=core.timing.kv_capacity_tokens,
+            published=self.load_reported,
         )
 
     def state(self, *, outcomes: int | None = None) -> dict[str, Any]:
@@ -545,7 +573,6 @@ class SimEngine:
             ("POST", "/tokenize"): api.tokenize,
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): api.models,
-            ("GET", "/version"): self._version,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/_sim/state"): self._state,
             ("GET", "/_sim/faults"): self._get_faults,
@@ -557,7 +584,10 @@ class SimEngine:
             ("POST", "/_sim/nixl/release"): self._nixl_release,
             ("POST", "/_sim/bootstrap/transfer"): self._bootstrap_transfer,
         }
-        if self.spec.dialect == "sglang":
+        if self.spec.dialect == "vllm":
+            # SGLang 0.5.23 has no /version (404): /get_server_info says its version.
+            routes[("GET", "/version")] = self._version
+        else:
             routes.update(
                 {
                     ("POST", "/v1/tokenize"): api.tokenize,

@@ -3,6 +3,12 @@
 Histograms are plain bucket arrays fed from the step loop (one observation per token, so
 prometheus_client's locked objects would cost more than the simulated work); a custom
 collector on the engine's own CollectorRegistry renders them at scrape time.
+
+SGLang's series are 0.5.23's names and labels (the gauges per scheduler rank, the counters
+per `is_streaming`); its load gauges appear only once its scheduler has reported
+(`Gauges.published`), and a counter's series once it has counted, as prometheus_client
+shows a labelled metric only from its first use. It has no request_success counter and no
+process_start_time_seconds (its metrics are multiprocess).
 """
 
 from __future__ import annotations
@@ -121,6 +127,10 @@ class EngineMetrics:
     xfer: Histogram = attrs.Factory(lambda: Histogram(XFER_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # SGLang's counters by is_streaming ("true", "false"): the series seen so far.
+    streaming_prompt_tokens: dict[str, int] = attrs.Factory(dict)
+    streaming_generation_tokens: dict[str, int] = attrs.Factory(dict)
+    streaming_requests: dict[str, int] = attrs.Factory(dict)
     # finished_reason -> count ("length", "abort", "error").
     success: dict[str, int] = attrs.Factory(dict)
     kv_expired: int = 0
@@ -133,6 +143,16 @@ class Gauges:
     waiting: int
     kv_usage: float
     preemptions: int
+    used_tokens: int = 0
+    capacity_tokens: int = 0
+    # SGLang: whether its scheduler has reported its load yet (a fresh server has not).
+    published: bool = True
+
+
+def count_streaming(counts: dict[str, int], stream: bool, value: int = 1) -> None:
+    """Add to an SGLang counter's series for `is_streaming`."""
+    key = "true" if stream else "false"
+    counts[key] = counts.get(key, 0) + value
 
 
 class _Collector:
@@ -147,9 +167,11 @@ class _Collector:
         cache_info: dict[str, str] | None = None,
         started_at: float | None = None,
         kv_connector: bool = True,
+        engine_type: str = "unified",
     ) -> None:
         self._m = metrics
         self._kv_connector = kv_connector
+        self._engine_type = engine_type
         self._gauges = gauges
         self._started_at = started_at
         self._sglang = dialect == "sglang"
@@ -158,11 +180,14 @@ class _Collector:
         self._cache_info = dict(cache_info or {})
 
     def collect(self) -> Iterator[Any]:
+        if self._sglang:
+            yield from self._collect_sglang()
+            return
         m = self._m
         g = self._gauges()
         labels = ["model_name", "engine"]
         values = [self._model, self._engine]
-        p = "sglang:" if self._sglang else "vllm:"
+        p = "vllm:"
 
         def gauge(name: str, doc: str, value: float) -> Any:
             fam = GaugeMetricFamily(p + name, doc, labels=labels)
@@ -179,28 +204,21 @@ class _Collector:
             fam.add_metric(values, h.cumulative(), h.sum)
             return fam
 
-        if self._sglang:
-            yield gauge("num_running_reqs", "Running requests.", g.running)
-            yield gauge("num_queue_reqs", "Queued requests.", g.waiting)
-            yield gauge("token_usage", "KV cache usage (0..1).", g.kv_usage)
-        else:
-            yield gauge("num_requests_running", "Requests in execution batches.", g.running)
-            yield gauge("num_requests_waiting", "Requests waiting to be processed.", g.waiting)
-            yield gauge(
-                "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage
+        yield gauge("num_requests_running", "Requests in execution batches.", g.running)
+        yield gauge("num_requests_waiting", "Requests waiting to be processed.", g.waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
+        yield counter("num_preemptions", "Cumulative number of preemptions.", g.preemptions)
+        if self._cache_info:
+            # vLLM publishes its cache config as an info-style gauge whose labels carry
+            # the values; capacity = num_gpu_blocks x block_size tokens.
+            keys = sorted(self._cache_info)
+            info = GaugeMetricFamily(
+                p + "cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[*keys, "engine"],
             )
-            yield counter("num_preemptions", "Cumulative number of preemptions.", g.preemptions)
-            if self._cache_info:
-                # vLLM publishes its cache config as an info-style gauge whose labels carry
-                # the values; capacity = num_gpu_blocks x block_size tokens.
-                keys = sorted(self._cache_info)
-                info = GaugeMetricFamily(
-                    p + "cache_config_info",
-                    "Information of the LLMEngine CacheConfig",
-                    labels=[*keys, "engine"],
-                )
-                info.add_metric([*(self._cache_info[k] for k in keys), self._engine], 1.0)
-                yield info
+            info.add_metric([*(self._cache_info[k] for k in keys), self._engine], 1.0)
+            yield info
         yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
         yield counter(
             "generation_tokens", "Number of generation tokens processed.", m.generation_tokens
@@ -216,7 +234,7 @@ class _Collector:
         yield hist("time_to_first_token_seconds", "Time to first token in seconds.", m.ttft)
         yield hist("inter_token_latency_seconds", "Inter-token latency in seconds.", m.itl)
         yield hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.", m.e2e)
-        if not self._sglang and self._kv_connector:
+        if self._kv_connector:
             # NixlConnector's own series: an engine without a connector has none.
             yield counter(
                 "nixl_num_kv_expired_reqs",
@@ -227,7 +245,7 @@ class _Collector:
                 "nixl_num_failed_transfers", "Failed NIXL KV transfers.", m.failed_transfers
             )
             yield hist("nixl_xfer_time_seconds", "KV transfer time in seconds.", m.xfer)
-        if not self._sglang and self._started_at is not None:
+        if self._started_at is not None:
             # vLLM with one API server serves prometheus_client's default registry,
             # whose process collector adds this (unprefixed, unlabelled). SGLang and
             # multi-API-server vLLM use multiprocess mode, which has no process metrics.
@@ -236,6 +254,58 @@ class _Collector:
                 "Start time of the process since unix epoch in seconds.",
                 value=self._started_at,
             )
+
+    def _collect_sglang(self) -> Iterator[Any]:
+        m = self._m
+        g = self._gauges()
+        model, kind = self._model, self._engine_type
+        rank_labels = ["engine_type", "model_name", "moe_ep_rank", "pp_rank", "tp_rank"]
+        rank = [kind, model, "0", "0", "0"]
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            fam = GaugeMetricFamily("sglang:" + name, doc, labels=rank_labels)
+            fam.add_metric(rank, value)
+            return fam
+
+        yield gauge(
+            "max_total_num_tokens",
+            "Maximum total number of tokens in the KV cache pool.",
+            g.capacity_tokens,
+        )
+        if g.published:
+            yield gauge("num_running_reqs", "The number of running requests.", g.running)
+            yield gauge("num_used_tokens", "The number of used tokens.", g.used_tokens)
+            yield gauge("token_usage", "The token usage.", g.kv_usage)
+            yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", g.waiting)
+        for name, doc, counts in (
+            ("prompt_tokens", "Number of prefill tokens processed.", m.streaming_prompt_tokens),
+            (
+                "generation_tokens",
+                "Number of generation tokens processed.",
+                m.streaming_generation_tokens,
+            ),
+            ("num_requests", "Number of requests processed.", m.streaming_requests),
+        ):
+            fam = CounterMetricFamily(
+                "sglang:" + name, doc, labels=["engine_type", "is_streaming", "model_name"]
+            )
+            for streaming in sorted(counts):
+                fam.add_metric([kind, streaming, model], counts[streaming])
+            yield fam
+        labels = ["engine_type", "model_name"]
+        for name, doc, h in (
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
+            ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl),
+            (
+                "e2e_request_latency_seconds",
+                "Histogram of End-to-end request latency in seconds",
+                m.e2e,
+            ),
+        ):
+            histogram = HistogramMetricFamily("sglang:" + name, doc, labels=labels)
+            if h.count:
+                histogram.add_metric([kind, model], h.cumulative(), h.sum)
+            yield histogram
 
 
 def make_registry(
@@ -248,6 +318,7 @@ def make_registry(
     cache_info: dict[str, str] | None = None,
     started_at: float | None = None,
     kv_connector: bool = True,
+    engine_type: str = "unified",
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
@@ -260,6 +331,7 @@ def make_registry(
             cache_info=cache_info,
             started_at=started_at,
             kv_connector=kv_connector,
+            engine_type=engine_type,
         )
     )
     return registry

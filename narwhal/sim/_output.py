@@ -3,7 +3,7 @@
 Owns: `Choice` (one of a request's ``n`` sequences: its words, where it stops and why),
 `plan_choices` (stop strings found ahead of time in the deterministic output), logprobs
 in both of vLLM's shapes, and `Shapes` (the stream chunks and non-streaming body of one
-request, in its engine's dialect and vLLM build).
+request, as its vLLM build sends them; `_sglang.SglangShapes` has SGLang's).
 Invariants: the ``n`` choices of a request decode in step, on one scheduler sequence (one
 sequence's cost, where vLLM decodes n); a choice's text never reaches past its stop string
 (or past its end, with ``include_stop_str_in_output``); the chunks of the default case are
@@ -28,21 +28,21 @@ _COMPACT = (",", ":")
 _SLOT = re.compile(r'"\\u0000(\w+)\\u0000"')
 
 
-def _j(obj: Any) -> str:
+def compact(obj: Any) -> str:
     return json.dumps(obj, separators=_COMPACT)
 
 
-def _slot(name: str) -> str:
+def slot(name: str) -> str:
     return f"\x00{name}\x00"
 
 
-class _Template:
+class Template:
     """A JSON document with named slots, filled with already-encoded JSON values."""
 
     __slots__ = ("parts",)
 
     def __init__(self, obj: Any) -> None:
-        self.parts = _SLOT.split(_j(obj))
+        self.parts = _SLOT.split(compact(obj))
 
     def fill(self, **values: str) -> str:
         parts = self.parts
@@ -212,7 +212,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class Shapes:
-    """The chunks and body of one request, as its engine (dialect, vLLM build) sends them.
+    """The chunks and body of one request, as its vLLM build sends them.
 
     A chunk method returns the event's JSON (without ``data: ``); values are filled into
     templates cached per choice index and finish state."""
@@ -220,7 +220,6 @@ class Shapes:
     def __init__(
         self,
         *,
-        sglang: bool,
         build: VllmBuild,
         chat: bool,
         model: str,
@@ -230,8 +229,7 @@ class Shapes:
         include_usage: bool,
         continuous_usage: bool,
     ) -> None:
-        self.sglang = sglang
-        self.new = build.wire_032 and not sglang
+        self.new = build.wire_032
         self.chat = chat
         self.fingerprint = fingerprint
         self.include_usage = include_usage
@@ -242,7 +240,7 @@ class Shapes:
             "created": created,
             "model": model,
         }
-        self._cache: dict[tuple[Any, ...], _Template] = {}
+        self._cache: dict[tuple[Any, ...], Template] = {}
 
     # -- stream chunks ------------------------------------------------------------------
     def role_chunk(self, index: int, usage_so_far: dict[str, int] | None) -> str:
@@ -261,10 +259,10 @@ class Shapes:
                 ],
             }
             if usage_so_far is not None:
-                chunk["usage"] = _slot("usage")
+                chunk["usage"] = slot("usage")
             if self.new:
                 chunk.update({"prompt_token_ids": None, "prompt_text": None})
-            template = self._cache[key] = _Template(chunk)
+            template = self._cache[key] = Template(chunk)
         return template.fill(usage=self._usage_json(usage_so_far))
 
     def token_chunk(
@@ -280,12 +278,12 @@ class Shapes:
         key = ("tokens", choice.index, final, stop, usage_so_far is not None)
         template = self._cache.get(key)
         if template is None:
-            template = self._cache[key] = _Template(
+            template = self._cache[key] = Template(
                 self._token_chunk(choice, final, stop, usage_so_far is not None)
             )
         return template.fill(
-            text=_j(text),
-            logprobs="null" if logprobs is None else _j(logprobs),
+            text=compact(text),
+            logprobs="null" if logprobs is None else compact(logprobs),
             usage=self._usage_json(usage_so_far),
         )
 
@@ -295,16 +293,12 @@ class Shapes:
         finish = choice.finish_reason if final else None
         body: dict[str, Any] = {"index": choice.index}
         if self.chat:
-            body["delta"] = {"content": _slot("text")}
+            body["delta"] = {"content": slot("text")}
         else:
-            body["text"] = _slot("text")
-        body["logprobs"] = _slot("logprobs")
+            body["text"] = slot("text")
+        body["logprobs"] = slot("logprobs")
         body["finish_reason"] = finish
         chunk: dict[str, Any] = {**self.head, "choices": [body]}
-        if self.sglang:
-            body["matched_stop"] = None
-            chunk["usage"] = None
-            return chunk
         if not self.chat:
             # Completion choices carry every field, nulls included (§4.2).
             body.update({"stop_reason": stop, "prompt_token_ids": None, "token_ids": None})
@@ -315,18 +309,22 @@ class Shapes:
         if not self.new and not self.chat:
             chunk["usage"] = None
         if with_usage:
-            chunk["usage"] = _slot("usage")
+            chunk["usage"] = slot("usage")
         if self.new and final and not self.include_usage and self.fingerprint is not None:
             # 0.32 stamps its fingerprint on a choice's last chunk unless a usage chunk
             # follows, which then carries it.
             chunk["system_fingerprint"] = self.fingerprint
         return chunk
 
+    def finish_chunks(self, choices: Sequence[Choice]) -> str:
+        """Events after the last token chunks: none (a choice's last chunk ends it)."""
+        return ""
+
     def usage_chunk(self, totals: dict[str, int]) -> str:
         chunk: dict[str, Any] = {**self.head, "choices": [], "usage": totals}
         if self.new and self.fingerprint is not None:
             chunk["system_fingerprint"] = self.fingerprint
-        return _j(chunk)
+        return compact(chunk)
 
     def _usage_json(self, so_far: dict[str, int] | None) -> str:
         """Continuous usage as each build dumps it: a 0.29 completion chunk replaces its
@@ -335,10 +333,10 @@ class Shapes:
         if so_far is None:
             return "null"
         if self.new and self.chat:
-            return _j({**so_far, "completion_tokens_details": None})
+            return compact({**so_far, "completion_tokens_details": None})
         if not self.new and not self.chat:
-            return _j({**so_far, "prompt_tokens_details": None})
-        return _j(so_far)
+            return compact({**so_far, "prompt_tokens_details": None})
+        return compact(so_far)
 
     # -- non-streaming body -------------------------------------------------------------
     def body(
@@ -352,9 +350,6 @@ class Shapes:
             "object": "chat.completion" if self.chat else "text_completion",
         }
         out["choices"] = [self._body_choice(c, text, lp) for c, text, lp in choices]
-        if self.sglang:
-            out["usage"] = {**totals, "prompt_tokens_details": None}
-            return _j(out).encode()
         out["service_tier"] = None
         out["system_fingerprint"] = self.fingerprint
         details: dict[str, Any] = {"prompt_tokens_details": None}
@@ -368,33 +363,31 @@ class Shapes:
         out["kv_transfer_params"] = kv_transfer_params
         if self.new:
             out.update({"ec_transfer_params": None, "metrics": None})
-        return _j(out).encode()
+        return compact(out).encode()
 
     def _body_choice(
         self, choice: Choice, text: str, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.sglang:
-                message.update({"reasoning_content": None, "tool_calls": None})
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            if self.new:
+                # 0.32 leaves an empty tool_calls out and names the field reasoning.
+                message["reasoning"] = None
             else:
-                message.update(
-                    {"refusal": None, "annotations": None, "audio": None, "function_call": None}
-                )
-                if self.new:
-                    # 0.32 leaves an empty tool_calls out and names the field reasoning.
-                    message["reasoning"] = None
-                else:
-                    message.update({"tool_calls": [], "reasoning_content": None})
+                message.update({"tool_calls": [], "reasoning_content": None})
             out["message"] = message
         else:
             out["text"] = text
         out["logprobs"] = logprobs
         out["finish_reason"] = choice.finish_reason
-        if self.sglang:
-            out["matched_stop"] = None
-            return out
         out["stop_reason"] = choice.stop
         if not self.chat:
             # CompletionResponseChoice dumps every field; the streamed choices carry

@@ -118,6 +118,8 @@ class ReqCtx:
     # Set when the engine fails the request after it was accepted (KV load failure).
     failure: str | None = None
     failure_outcome: str = "error"
+    # Whether its answer streams (SGLang counts its tokens by it).
+    stream: bool = False
 
     def wake(self) -> None:
         self.event.set()

@@ -17,7 +17,7 @@ DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "deco
 
 # The engine versions whose wire behaviour the simulator follows by default; a vLLM
 # engine plays the build its spec's vllm_version names (`_vllm.VLLM_BUILDS`).
-ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.9"}
+ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.23"}
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
 
@@ -65,8 +65,9 @@ class SimEngineSpec:
     lease_s: float = attrs.field(default=30.0, validator=_positive)
     seed: int = 0
     build: str = f"narwhal-sim {__version__}"
-    # /version as stock vLLM and SGLang answer it: the version alone, no build or instance
-    # id, so a restart shows only in /metrics (vLLM) or as an unreachable period.
+    # The version as the stock engines report it (vLLM's /version, SGLang's
+    # /get_server_info): the version alone, no build or instance id, so a restart shows
+    # only in /metrics or as an unreachable period.
     stock_version: bool = False
     # The output bound of a request that sets none: a chat without max_tokens or
     # max_completion_tokens (both dialects) or a vLLM 0.29 completion with max_tokens null (an
@@ -90,10 +91,15 @@ class SimEngineSpec:
     # deltas) or speculative decoding accepts several tokens in one step.
     stream_interval: int = attrs.field(default=1, validator=_optional_positive_int)
     # SGLang: whether /tokenize also takes chat `messages`, rendered as the chat completion
-    # renders them, as newer builds' does (TokenizeRequest, sglang protocol.py@004c82e0).
+    # renders them, as 0.5.23's does (TokenizeRequest, sglang protocol.py@004c82e0).
     # False plays an older build, whose /tokenize requires `prompt` and answers a messages
     # body with FastAPI's validation error (400). vLLM's /tokenize always takes messages.
-    tokenize_messages: bool = False
+    tokenize_messages: bool = True
+    # SGLang's /tokenize `max_model_len`: its tokenizer's model_max_length, or None for
+    # the server's context, which SGLang reports when the tokenizer config's is past a
+    # 64-bit integer (as the default model's, 1e30, is). A Llama-3.1 tokenizer says 131072
+    # whatever the server's context.
+    tokenizer_max_length: int | None = attrs.field(default=None, validator=_optional_positive_int)
     # The engine's --api-key: requests to the routes the real engine guards must carry
     # `Authorization: Bearer <api_key>` or get its 401 (see `_engine.requires_api_key`).
     api_key: str | None = None
@@ -113,7 +119,7 @@ class SimEngineSpec:
 
     @property
     def version(self) -> str:
-        """What /version reports: the vLLM build played, or the SGLang version."""
+        """The version the engine reports: the vLLM build played, or the SGLang version."""
         return self.vllm_version if self.dialect == "vllm" else ENGINE_VERSION["sglang"]
 
     def scaled(self, seconds: float) -> float:

@@ -14,8 +14,12 @@ repeats of one shape in a row kept once (the engine packs tokens into events as 
 behind), so the comparison holds whatever the pace; a stream that sent a choice's tokens
 all in its last chunk is sent again, as it shows no middle chunk. /metrics is the
 presence of each metric name Narwhal reads.
-See: tools/engines/record_conformance.py (records `recorded.json` from real vLLM),
-test_sim.py (the simulator against the recording), tests/real/test_conformance.py.
+Both engine families answer the one corpus (a case's `dialects` keeps it to some), each
+recorded apart: `recorded.json` (vLLM), `recorded-sglang.json` (SGLang; its "prefill" and
+"decode" engines are a Mooncake pair's servers, asked only for /get_server_info: a pair's
+/metrics changes with what it has served, and SGLang has no single-request P/D leg).
+See: tools/engines/record_conformance.py (records from real engines), test_sim.py (the
+simulator against the recordings), tests/real/test_conformance.py.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import httpx
 
 HERE = Path(__file__).parent
 CORPUS = HERE / "corpus.json"
-RECORDED = HERE / "recorded.json"
+# Each engine family's recorded answers.
+RECORDED = {"vllm": HERE / "recorded.json", "sglang": HERE / "recorded-sglang.json"}
+DIALECTS = tuple(RECORDED)
 # Engine names of the corpus: no KV connector, and the two ends of a NixlConnector pair.
 ENGINES = ("plain", "prefill", "decode")
 # A token id every vocabulary has, for prompts of token ids.
@@ -41,19 +47,29 @@ REQUEST_TIMEOUT_S = 120.0
 # Sends of a stream case whose tokens the engine merged into each choice's last chunk.
 STREAM_ATTEMPTS = 4
 
-# The metric samples Narwhal reads (probe, recovery, profiles): test_sim checks that this
-# list covers every name in narwhal/ outside the simulator.
-NARWHAL_METRICS = (
-    "process_start_time_seconds",
-    "vllm:cache_config_info",
-    "vllm:gpu_cache_usage_perc",
-    "vllm:kv_cache_usage_perc",
-    "vllm:nixl_num_kv_expired_reqs",
-    "vllm:nixl_num_kv_expired_reqs_total",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:prompt_tokens_total",
-)
+# The metric samples Narwhal reads (probe, recovery, profiles), by engine family: test_sim
+# checks that these lists cover every name in narwhal/ outside the simulator.
+NARWHAL_METRICS = {
+    "vllm": (
+        "process_start_time_seconds",
+        "vllm:cache_config_info",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        "vllm:nixl_num_kv_expired_reqs",
+        "vllm:nixl_num_kv_expired_reqs_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+    ),
+    "sglang": (
+        "process_start_time_seconds",
+        "sglang:max_total_num_tokens",
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:prompt_tokens_total",
+        "sglang:token_usage",
+    ),
+}
 # cache_config_info labels Narwhal reads (the KV capacity).
 CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks")
 
@@ -91,6 +107,11 @@ class Case:
     path: str
     body: Json = None
     exact: tuple[str, ...] = ()
+    # The engine families the case is sent to (a vLLM P/D leg means nothing to SGLang).
+    dialects: tuple[str, ...] = DIALECTS
+    # The keys of a JSON answer that are compared (none: all); SGLang's /get_server_info
+    # is every server argument, most of which Narwhal never reads.
+    fields: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -112,9 +133,13 @@ def load_corpus(path: Path = CORPUS) -> Corpus:
             path=raw["path"],
             body=raw.get("body"),
             exact=tuple(raw.get("exact", ())),
+            dialects=tuple(raw.get("dialects", DIALECTS)),
+            fields=tuple(raw.get("fields", ())),
         )
         if case.engine not in ENGINES:
             raise ValueError(f"case {case.name!r}: engine {case.engine!r} is not one of {ENGINES}")
+        if not set(case.dialects) <= set(DIALECTS):
+            raise ValueError(f"case {case.name!r}: dialects {case.dialects} not in {DIALECTS}")
         cases.append(case)
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
@@ -146,14 +171,15 @@ async def run_corpus(
     urls: Mapping[str, str],
     corpus: Corpus,
     *,
+    dialect: str = "vllm",
     only: Callable[[Case], bool] | None = None,
 ) -> dict[str, Json]:
-    """Every case (or those `only` keeps) sent in corpus order to the engine its `engine`
-    names in `urls`; the normalised answers by case name."""
+    """Every case of the `dialect` (or those `only` keeps) sent in corpus order to the
+    engine its `engine` names in `urls`; the normalised answers by case name."""
     answers: dict[str, Json] = {}
     kv_params: dict[str, Json] = {}
     for case in corpus.cases:
-        if only is not None and not only(case):
+        if dialect not in case.dialects or (only is not None and not only(case)):
             continue
         body = expand(case.body, kv_params) if case.body is not None else None
         url = urls[case.engine] + case.path
@@ -175,8 +201,19 @@ async def run_corpus(
             response.reason_phrase,
             response.headers.get("content-type"),
             raw,
+            dialect,
         )
     return answers
+
+
+async def engine_version(client: httpx.AsyncClient, url: str, dialect: str) -> str:
+    """The version the engine at `url` reports (SGLang 0.5.23 has no /version)."""
+    path = "/version" if dialect == "vllm" else "/get_server_info"
+    response = await client.get(url + path, timeout=REQUEST_TIMEOUT_S)
+    response.raise_for_status()
+    version = response.json()["version"]
+    assert isinstance(version, str), version
+    return version
 
 
 def _token_by_token(raw: bytes) -> bool:
@@ -204,16 +241,24 @@ def _token_by_token(raw: bytes) -> bool:
 
 
 def normalise(
-    case: Case, status: int, reason: str, content_type: str | None, raw: bytes
+    case: Case,
+    status: int,
+    reason: str,
+    content_type: str | None,
+    raw: bytes,
+    dialect: str = "vllm",
 ) -> dict[str, Json]:
     media = None if content_type is None else content_type.split(";")[0].strip()
     out: dict[str, Json] = {"status": status, "reason": reason, "media_type": media}
     if case.path == "/metrics" and status == 200:
-        out["metrics"] = _metric_names(raw.decode())
+        out["metrics"] = _metric_names(raw.decode(), dialect)
     elif media == "text/event-stream":
         out["stream"] = _stream(raw.decode(), case.exact)
     elif media == "application/json" and raw:
-        out["body"] = shape(json.loads(raw), case.exact)
+        document = json.loads(raw)
+        if case.fields and isinstance(document, dict):
+            document = {k: document[k] for k in case.fields if k in document}
+        out["body"] = shape(document, case.exact)
     else:
         out["body_bytes"] = len(raw)
     return out
@@ -290,16 +335,17 @@ def _group_choices(events: list[Json]) -> list[Json]:
     return out
 
 
-def _metric_names(text: str) -> dict[str, Json]:
+def _metric_names(text: str, dialect: str) -> dict[str, Json]:
     seen: dict[str, set[str]] = {}
     for line in text.splitlines():
         match = _METRIC_LINE.match(line)
         if match:
             labels = set(_LABEL.findall(match.group(2) or ""))
             seen.setdefault(match.group(1), set()).update(labels)
-    out: dict[str, Json] = {name: name in seen for name in NARWHAL_METRICS}
-    info = seen.get("vllm:cache_config_info", set())
-    out["vllm:cache_config_info labels"] = [k for k in CACHE_INFO_LABELS if k in info]
+    out: dict[str, Json] = {name: name in seen for name in NARWHAL_METRICS[dialect]}
+    if dialect == "vllm":
+        info = seen.get("vllm:cache_config_info", set())
+        out["vllm:cache_config_info labels"] = [k for k in CACHE_INFO_LABELS if k in info]
     return out
 
 
@@ -331,7 +377,7 @@ def _short(value: Json) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def load_recorded(path: Path = RECORDED) -> dict[str, Json]:
+def load_recorded(path: Path = RECORDED["vllm"]) -> dict[str, Json]:
     doc: dict[str, Json] = json.loads(path.read_text())
     return doc
 

@@ -213,50 +213,73 @@ def test_vllm_completion_text_logprobs_and_token_ids_are_concatenated() -> None:
 
 
 def test_sglang_chat_keeps_matched_stop_and_its_own_message_fields() -> None:
-    head = {**HEAD, "usage": None}
+    # SGLang 0.5.23's chunks (tests/conformance/recorded-sglang.json): every delta has
+    # reasoning_content null, the finish_reason comes in a chunk of its own.
+    def chunk(d: dict[str, Any], **choice: Any) -> dict[str, Any]:
+        body = {"index": 0, "delta": {"reasoning_content": None, **d}, "logprobs": None}
+        return {
+            **HEAD,
+            "choices": [{**body, "finish_reason": None, "matched_stop": None, **choice}],
+        }
+
+    usage = {"prompt_tokens": 5, "total_tokens": 6, "completion_tokens": 1}
+    details = {"prompt_tokens_details": None, "reasoning_tokens": 0}
     chunks = [
-        {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "matched_stop": None,
-                }
-            ],
-        },
-        {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"content": "hi"},
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                    "matched_stop": 2,
-                }
-            ],
-        },
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "hi"}),
+        chunk({}, finish_reason="stop", matched_stop=2),
+        {**HEAD, "choices": [], "usage": {**usage, **details, "completion_tokens_details": None}},
     ]
     document = assemble("chat", "sglang", chunks)
-    assert document["choices"] == [
+    assert document == {
+        **HEAD,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi", "reasoning_content": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+                "matched_stop": 2,
+            }
+        ],
+        "usage": {**usage, **details, "completion_tokens_details": None},
+    }
+    assert "tool_calls" not in document["choices"][0]["message"]  # no call made
+
+
+def test_sglang_completion_usage_has_the_null_details_its_stream_leaves_out() -> None:
+    choice = {"index": 0, "text": "hi", "logprobs": None}
+    chunks = [
+        {**CHEAD, "choices": [{**choice, "finish_reason": "length", "matched_stop": None}]},
+        # A completion's usage chunk is dumped without its null fields.
         {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": "hi",
-                "reasoning_content": None,
-                "tool_calls": None,
+            **CHEAD,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": 1,
+                "total_tokens": 6,
+                "reasoning_tokens": 0,
             },
-            "logprobs": None,
-            "finish_reason": "stop",
-            "matched_stop": 2,
-        }
+        },
     ]
-    assert "service_tier" not in document
-    assert "usage" not in document  # none was streamed
+    usage = assemble("completions", "sglang", chunks)["usage"]
+    assert list(usage.items()) == [
+        ("prompt_tokens", 5),
+        ("total_tokens", 6),
+        ("completion_tokens", 1),
+        ("prompt_tokens_details", None),
+        ("reasoning_tokens", 0),
+        ("completion_tokens_details", None),
+    ]
+    # An older build's usage has no reasoning_tokens: its shape is kept.
+    older = {"prompt_tokens": 5, "total_tokens": 6, "completion_tokens": 1}
+    chunks[1] = {**CHEAD, "choices": [], "usage": older}
+    assert assemble("completions", "sglang", chunks)["usage"] == {
+        **older,
+        "prompt_tokens_details": None,
+    }
 
 
 def test_requests_a_stream_cannot_answer() -> None:

@@ -302,7 +302,7 @@ async def test_sglang_fleet_profiles_and_checks(start_fleet: StartFleet, tmp_pat
     save_profiles(store, config.profiles.path)
     assert store.chars_per_token.keys() == {"sglang"}
     for profile in store.engines.values():
-        assert profile.build.startswith("sglang 0.5.9 [")
+        assert profile.build.startswith("sglang 0.5.23 [")
         assert profile.kv_capacity_source == "sglang /get_server_info max_total_num_tokens"
         assert profile.max_num_seqs == SimTiming().max_num_seqs
         assert profile.max_num_seqs_source == "sglang /get_server_info max_running_requests"

@@ -237,9 +237,12 @@ class SGLangFleet(RealFleet):
 
 
 @contextmanager
-def sglang_fleet(directory: Path | None = None) -> Iterator[SGLangFleet]:
-    """The fleet named by NARWHAL_SGLANG_FLEET (left running), or a new one (reaped)."""
-    state = os.environ.get("NARWHAL_SGLANG_FLEET")
+def sglang_fleet(
+    directory: Path | None = None, *, state: str | None = None
+) -> Iterator[SGLangFleet]:
+    """The fleet of the state file `state` (default NARWHAL_SGLANG_FLEET), left running,
+    or a new one, reaped at the end."""
+    state = state or os.environ.get("NARWHAL_SGLANG_FLEET")
     if state:
         fleet = SGLangFleet.attach(Path(state))
         fleet.heal()

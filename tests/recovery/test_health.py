@@ -197,6 +197,23 @@ def test_a_prompt_token_counter_going_backwards_is_a_restart() -> None:
     )
 
 
+def test_load_gauges_gone_missing_are_a_restart() -> None:
+    # SGLang 0.5.23: a fresh process has no load gauges (nor counter series) until its
+    # scheduler reports, and keeps them once it has.
+    tracker = IdentityTracker()
+    assert tracker.observe_metrics(None, None, gauges_pending=True) is None  # fresh
+    assert tracker.observe_metrics(None, [("", 40.0)]) is None
+    assert tracker.observe_metrics(None, None, gauges_pending=True) == (
+        "its load gauges went missing (a fresh process publishes them only once its scheduler "
+        "has reported)"
+    )
+    assert tracker.observe_metrics(None, None, gauges_pending=True) is None  # still fresh
+    assert tracker.observe_metrics(None, None) is None
+    # A restart seen another way: the new process's missing gauges are not a second one.
+    tracker.new_instance()
+    assert tracker.observe_metrics(None, None, gauges_pending=True) is None
+
+
 def test_after_a_detected_restart_every_signal_starts_from_the_new_instance() -> None:
     tracker = IdentityTracker()
     old = (("instance_id", "a"),)

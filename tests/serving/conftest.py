@@ -25,22 +25,29 @@ class Stack(InFront):
     config: Config
 
 
+# The SGLang launch mode of an engine in each role.
+SGLANG_MODES: dict[str, DisaggregationMode] = {
+    "prefill": "prefill",
+    "decode": "decode",
+    "both": "null",
+}
+
+
 async def pd_sim_fleet(
     nursery: trio.Nursery,
     dialect: Dialect = "vllm",
     *,
     spec: SimEngineSpec | None = None,
     api_key: str | None = None,
+    roles: tuple[str, ...] = ("prefill", "decode"),
 ) -> Fleet:
-    """Two simulated engines for a 1P1D fleet (SGLang's launched as a prefill and a decode
-    server); `api_key`: started with --api-key."""
-    modes: tuple[DisaggregationMode, ...] | None = (
-        ("prefill", "decode") if dialect == "sglang" else None
-    )
+    """Simulated engines for `roles`, by default a 1P1D fleet (SGLang's launched in their
+    roles' modes); `api_key`: started with --api-key."""
+    modes = [SGLANG_MODES[role] for role in roles] if dialect == "sglang" else None
     fleet: Fleet = await nursery.start(
         partial(
             serve_fleet,
-            engines=2,
+            engines=len(roles),
             speed=20.0,
             model=MODEL,
             dialect=dialect,

@@ -28,12 +28,14 @@ async def sglang_stack(
     config_path: Path | None = None,
     api_key: str | None = None,
     engine: dict[str, Any] | None = None,
+    roles: tuple[str, ...] = ("prefill", "decode"),
     **serving: Any,
 ) -> Stack:
-    """A 1P1D SGLang fleet (launched in those modes; `api_key`: started with --api-key)
-    and a Narwhal in front of it; `engine` is the config's engine section."""
-    fleet = await pd_sim_fleet(nursery, "sglang", spec=spec, api_key=api_key)
-    document = fleet_config(fleet, ["prefill", "decode"], serving=serving, engine=engine or {})
+    """An SGLang fleet, by default 1P1D (launched in their roles' modes; `api_key`:
+    started with --api-key), and a Narwhal in front of it; `engine` is the config's
+    engine section."""
+    fleet = await pd_sim_fleet(nursery, "sglang", spec=spec, api_key=api_key, roles=roles)
+    document = fleet_config(fleet, list(roles), serving=serving, engine=engine or {})
     for entry, handle in zip(document["engines"], fleet, strict=True):
         entry["dialect"] = "sglang"
         # narwhal-sim serves the bootstrap endpoints on the engine's HTTP port.
@@ -308,11 +310,12 @@ async def test_a_retry_after_a_failed_kv_transfer_takes_another_prefill_server(
 async def test_a_request_past_the_context_is_refused_before_either_leg(
     nursery: trio.Nursery, stream: bool
 ) -> None:
-    # SGLang's /tokenize reports its tokenizer's limit (131072 in the sim), not the server's
-    # context (8192, on its /v1/models card): nothing was checked, and both servers refused
-    # the pair, a stream with a 200 and an error event, which read as the prefill
-    # engine's failure (502).
-    stack = await sglang_stack(nursery)
+    # SGLang's /tokenize reports its tokenizer's limit (a Llama-3.1 tokenizer's 131072),
+    # not the server's context (8192, on its /v1/models card): nothing was checked, and
+    # both servers refused the pair (older builds: a stream with a 200 and an error event,
+    # which read as the prefill engine's failure, 502).
+    spec = SimEngineSpec(dialect="sglang", tokenizer_max_length=131072)
+    stack = await sglang_stack(nursery, spec)
     async with httpx.AsyncClient(timeout=20) as client:
         answer = await client.post(f"{stack.fleet[0].url}/tokenize", json={"prompt": "hello"})
         count = answer.json()["count"]
@@ -353,3 +356,61 @@ async def test_a_request_past_the_context_is_refused_before_either_leg(
         assert fits.status_code == 200
     state = await settled(stack)
     assert state["requests"]["context_checks"] == {"passed": 1, "refused": 2}
+
+
+async def test_n_choices_are_served_by_the_aggregate_engine_as_it_answers_them(
+    nursery: trio.Nursery,
+) -> None:
+    # SGLang 0.5.23 serves n > 1 on an aggregate server; a bootstrap pair given it answers
+    # neither leg (tests/real/sglang/test_defects.py), so the pair is never sent it.
+    stack = await sglang_stack(nursery, roles=("prefill", "decode", "both"))
+    aggregate = stack.fleet[2]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "n": 2}
+    async with httpx.AsyncClient(timeout=20) as client:
+        got = await client.post(f"{stack.url}/v1/completions", json=body)
+        streamed = await client.post(f"{stack.url}/v1/completions", json={**body, "stream": True})
+        native = await client.post(f"{aggregate.url}/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    # The engine's own answer but its weight versions, which no chunk carries.
+    expected = {k: v for k, v in native.json().items() if k not in ("id", "created", "metadata")}
+    assert {k: v for k, v in got.json().items() if k not in ("id", "created")} == expected
+    assert expected["usage"]["completion_tokens"] == 6
+    finished = sorted(
+        (c["index"], c["finish_reason"])
+        for event in sse_json(streamed.content)
+        for c in event["choices"]
+        if c["finish_reason"]
+    )
+    assert finished == [(0, "length"), (1, "length")]
+    for handle in (stack.fleet[0], stack.fleet[1]):
+        assert sum(handle.state()["counters"]["requests"].values()) == 0
+    await settled(stack)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_the_scheduler_refuses_is_answered_with_its_refusal(
+    nursery: trio.Nursery, stream: bool
+) -> None:
+    # Within the context with its output, but at or past SGLang's longest request less 5
+    # tokens: the servers' schedulers refuse it, a stream with a 200 and an error event.
+    # The client gets the refusal's status, not a failed pair.
+    stack = await sglang_stack(nursery)
+    body = {"model": MODEL, "prompt": [5] * 8190, "max_tokens": 1, "stream": stream}
+    async with httpx.AsyncClient(timeout=20) as client:
+        response = await client.post(f"{stack.url}/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    # Both legs are refused at once; the first refusal read is the answer.
+    leg, refusal = error.pop("message").split(" returned 400 in its stream: ")
+    assert leg in ("prefill engine p0", "decode engine d1")
+    assert refusal == (
+        "Input length (8190 tokens) exceeds the maximum allowed length (8186 tokens). Use a "
+        "shorter input or enable --allow-auto-truncate."
+    )
+    assert error == {
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "engine_rejected_request",
+    }
+    state = await settled(stack)
+    assert state["requests"]["outcomes"] == {"engine_rejected_request": 1}

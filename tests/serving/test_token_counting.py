@@ -122,6 +122,8 @@ async def test_a_chat_continuing_its_last_message_is_counted_as_rendered(
 
 
 PROSE = "tokenisation of ordinary english prose " * 10
+# An SGLang build before /tokenize took chat messages (0.5.23's does).
+OLDER_SGLANG = SimEngineSpec(dialect="sglang", tokenize_messages=False)
 
 
 async def pd_stack(start_stack: StartStack, nursery: trio.Nursery, dialect: str) -> Stack:
@@ -183,7 +185,7 @@ def chat_asks(stack: Stack) -> list[int]:
 async def test_an_older_sglang_build_is_asked_about_chat_once(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stack = await sglang_stack(nursery)
+    stack = await sglang_stack(nursery, OLDER_SGLANG)
     bodies = [tokenize_bodies(handle) for handle in stack.fleet]
     asked = chat_asks(stack)
     for _ in range(4):
@@ -217,7 +219,7 @@ async def test_an_sglang_chat_refusal_is_forgotten_when_the_engine_may_have_chan
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     path = tmp_path / "narwhal.json"
-    stack = await sglang_stack(nursery, config_path=path)
+    stack = await sglang_stack(nursery, OLDER_SGLANG, config_path=path)
     asked = chat_asks(stack)
     for _ in range(3):
         await chat(stack)
@@ -239,7 +241,7 @@ async def test_an_sglang_chat_refusal_is_forgotten_when_the_engine_may_have_chan
 
 
 async def test_a_newer_sglang_build_counts_chat_exactly(nursery: trio.Nursery) -> None:
-    stack = await sglang_stack(nursery, SimEngineSpec(dialect="sglang", tokenize_messages=True))
+    stack = await sglang_stack(nursery)
     bodies = [tokenize_bodies(handle) for handle in stack.fleet]
     await tools_are_counted(stack, {"reasoning_effort": "low"})
     assert [b for per_engine in bodies for b in per_engine] == [
@@ -303,7 +305,7 @@ async def test_a_fallback_names_a_failed_tokenize(start_stack: StartStack) -> No
 
 
 async def test_an_estimate_in_flight_shows_its_reason(nursery: trio.Nursery) -> None:
-    stack = await sglang_stack(nursery)
+    stack = await sglang_stack(nursery, OLDER_SGLANG)
     for handle in stack.fleet:
         handle.set_faults(stall_before_first_token_s=30)
 
@@ -328,7 +330,7 @@ async def test_an_estimate_in_flight_shows_its_reason(nursery: trio.Nursery) -> 
 
 
 async def test_an_sglang_chat_estimate_includes_its_tool_schemas(nursery: trio.Nursery) -> None:
-    stack = await sglang_stack(nursery)
+    stack = await sglang_stack(nursery, OLDER_SGLANG)
     plain = await priced_and_charged(
         stack, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}
     )

@@ -96,10 +96,10 @@ def test_cli_options_reach_the_engine_spec() -> None:
         "sglang",
     )
     assert not sim_cli.spec_from_args(sim_cli.parser().parse_args([])).stock_version
-    # An older SGLang build's /tokenize by default; a newer one's takes messages too.
-    assert not spec.tokenize_messages
-    newer = sim_cli.parser().parse_args(["--dialect", "sglang", "--tokenize-messages"])
-    assert sim_cli.spec_from_args(newer).tokenize_messages
+    # SGLang 0.5.23's /tokenize, which takes messages too, by default; an older one's not.
+    assert spec.tokenize_messages
+    older = sim_cli.parser().parse_args(["--dialect", "sglang", "--no-tokenize-messages"])
+    assert not sim_cli.spec_from_args(older).tokenize_messages
     # A request without an output bound: 256 tokens by default, or a count, or the context.
     assert spec.unbounded_max_tokens == 256
     for option, bound in (("64", 64), ("context", None)):

@@ -13,7 +13,7 @@ import trio
 
 from narwhal.sim import EngineHandle, SimEngineSpec
 
-from ..support import StartFleet, post_stream, sse_json, sse_payloads, wait_for
+from ..support import StartFleet, open_sse, post_stream, sse_json, sse_payloads, wait_for
 
 # Engine 0 launched with --disaggregation-mode prefill, engine 1 with decode.
 PD = ("prefill", "decode")
@@ -105,8 +105,10 @@ async def test_prefill_failure_fails_the_decode(
     payloads = sse_payloads(raw)
     assert payloads[-1] == "[DONE]"
     err = sse_json(raw)[-1]["error"]
-    assert err["object"] == "error"
-    assert err["code"] == 500
+    # An abort's error event: the status's name as type, json.dumps' spacing.
+    assert (err["object"], err["type"], err["code"]) == ("error", "INTERNAL_SERVER_ERROR", 500)
+    assert b'{"error": {"object": "error", ' in raw
+    assert "decode_req.req.bootstrap_room=99 with exception " in err["message"]
     assert "KVTransferError(bootstrap_room=99)" in err["message"]
     assert d.state()["outcomes"][-1]["outcome"] == "error"
 
@@ -121,6 +123,8 @@ async def test_prefill_failure_fails_the_decode(
     err_body = httpx.Response(500, content=raw).json()
     assert set(err_body) == {"object", "message", "type", "param", "code"}
     assert "Decode transfer failed" in err_body["message"]
+    # Raised as an HTTPException, whose status SGLang's handler names as the type.
+    assert err_body["type"] == "500"
 
 
 async def long_prompt_pair(
@@ -216,12 +220,12 @@ async def test_missing_room_and_flat_errors(
     assert aggregate.state()["counters"]["requests"]["aggregate"] == 1
 
 
-async def test_a_request_past_the_context_is_refused_by_both_servers_a_stream_after_its_200(
+async def test_a_request_past_the_context_is_refused_by_both_servers_before_a_stream(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
     # SGLang's tokenizer manager checks the request as sent, on a prefill server too
-    # (max_new_tokens becomes 1 later, in its bootstrap queue), inside the completion
-    # stream generator for a stream: 200, an error event, [DONE].
+    # (max_new_tokens becomes 1 later, in its bootstrap queue). 0.5.23's handler starts
+    # the response generator before it answers, so a stream is refused with a 400 too.
     fleet = await start_fleet(engines=2, dialect="sglang", speed=20.0, disaggregation_modes=PD)
     p, d = fleet[0], fleet[1]
 
@@ -247,9 +251,7 @@ async def test_a_request_past_the_context_is_refused_by_both_servers_a_stream_af
         status, _, raw = await post_stream(
             client, f"{engine.url}/v1/completions", {**ids(room, 8000, 193), "stream": True}
         )
-        assert status == 200
-        error, done = sse_payloads(raw)
-        assert (json.loads(error), done) == ({"error": refusal}, "[DONE]")
+        assert (status, json.loads(raw)) == (400, refusal)
     r = await client.post(f"{d.url}/v1/completions", json=ids(23, 8192, 1))
     assert r.json()["message"] == (
         "The input (8192 tokens) is longer than the model's context length (8192 tokens)."
@@ -263,6 +265,31 @@ async def test_a_request_past_the_context_is_refused_by_both_servers_a_stream_af
                 partial(client.post, f"{engine.url}/v1/completions", json=ids(24, 8000, 192))
             )
     assert d.state()["counters"]["completed"]["decode"] == 1
+
+
+async def test_the_scheduler_refuses_a_prompt_near_the_context_a_stream_after_its_200(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # Past the tokenizer manager, SGLang's scheduler refuses a prompt of its longest
+    # request (context - 1) less 5 tokens or more: it aborts the request, which a stream
+    # reports after its 200 (the status's name as type, json.dumps' spacing).
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = f"{engine.url}/v1/completions"
+    message = (
+        "Input length (8186 tokens) exceeds the maximum allowed length (8186 tokens). Use a "
+        "shorter input or enable --allow-auto-truncate."
+    )
+    body = {"prompt": [5] * 8186, "max_tokens": 6}
+    r = await client.post(url, json=body)
+    assert (r.status_code, r.json()) == (400, flat(message))
+    status, _, raw = await post_stream(client, url, {**body, "stream": True})
+    assert status == 200
+    assert raw == (
+        b'data: {"error": {"object": "error", "message": "' + message.encode() + b'", '
+        b'"type": "BAD_REQUEST", "param": null, "code": 400}}\n\ndata: [DONE]\n\n'
+    )
+    r = await client.post(url, json={**body, "prompt": [5] * 8185})
+    assert r.json()["usage"]["completion_tokens"] == 6
 
 
 async def test_an_engine_serves_only_the_leg_it_was_launched_for(
@@ -317,17 +344,16 @@ async def test_sglang_endpoints(start_fleet: StartFleet, client: httpx.AsyncClie
     models = (await client.get(f"{url}/v1/models")).json()
     assert models["data"][0]["owned_by"] == "sglang"
     tok = (await client.post(f"{url}/tokenize", json={"prompt": "Hello world"})).json()
-    assert set(tok) == {"tokens", "count", "max_model_len"}
-    assert tok["count"] == 3
-    metrics = (await client.get(f"{url}/metrics")).text
-    assert "sglang:num_running_reqs" in metrics
+    assert tok == {"tokens": tok["tokens"], "count": 3, "max_model_len": 8192}
     assert (await client.post(f"{url}/flush_cache")).text.startswith("Cache flushed.")
+    assert (await client.get(f"{url}/version")).status_code == 404
 
 
 async def test_an_older_sglang_tokenize_takes_prompts_only(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    spec = SimEngineSpec(dialect="sglang", tokenize_messages=False, tokenizer_max_length=131072)
+    fleet = await start_fleet(engines=1, spec=spec, speed=20.0)
     url = fleet[0].url
     messages = [{"role": "user", "content": "Hello world"}]
     refused = await client.post(f"{url}/tokenize", json={"messages": messages})
@@ -346,18 +372,17 @@ async def test_an_older_sglang_tokenize_takes_prompts_only(
     # A list gets a list of counts, one per prompt; special tokens are added to each.
     many = (await client.post(f"{url}/tokenize", json={"prompt": ["Hello world", "Hi"]})).json()
     assert many["count"] == [3, 2]
+    # A Llama-3.1 tokenizer's limit, whatever the server's context.
+    assert many["max_model_len"] == 131072
     assert [len(ids) for ids in many["tokens"]] == [3, 2]
     bare = {"prompt": ["Hello world"], "add_special_tokens": False}
     assert (await client.post(f"{url}/tokenize", json=bare)).json()["count"] == [2]
 
 
-NEWER = SimEngineSpec(dialect="sglang", tokenize_messages=True)
-
-
-async def test_a_newer_sglang_tokenize_renders_chat_as_its_completions_do(
+async def test_sglang_tokenize_renders_chat_as_its_completions_do(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    fleet = await start_fleet(engines=1, spec=NEWER, speed=20.0)
+    fleet = await start_fleet(engines=1, dialect="sglang", speed=20.0)
     url = fleet[0].url
     messages = [{"role": "user", "content": "Is it raining in Tromso?"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -450,9 +475,10 @@ async def test_a_completion_max_tokens_is_an_integer(
 async def test_any_model_name_is_served_and_an_adapter_is_refused(
     start_fleet: StartFleet, client: httpx.AsyncClient
 ) -> None:
-    # SGLang's OpenAI routes do not check `model` (vLLM answers 404); newer builds read
-    # `base:adapter` as a LoRA adapter, refused by a server launched without --enable-lora
-    # (as its tokenizer manager refuses it: 400, or after a stream's 200).
+    # SGLang's OpenAI routes do not check `model` (vLLM answers 404) and answer in its
+    # name; newer builds read `base:adapter` as a LoRA adapter, refused by a server
+    # launched without --enable-lora (as its tokenizer manager refuses it: 400, streamed
+    # or not).
     (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
     url = engine.url
     for name in ("nope", "sim-llama:", "sim-llama: "):
@@ -462,7 +488,7 @@ async def test_any_model_name_is_served_and_an_adapter_is_refused(
         ):
             r = await client.post(f"{url}/v1/{path}", json=body)
             assert r.status_code == 200, (name, path, r.text)
-            assert r.json()["model"] == engine.engine.spec.model
+            assert r.json()["model"] == name
     tok = await client.post(f"{url}/tokenize", json={"model": "nope", "prompt": "Hello world"})
     assert tok.json()["count"] == 3
     refusal = flat(
@@ -482,10 +508,10 @@ async def test_any_model_name_is_served_and_an_adapter_is_refused(
         status, _, raw = await post_stream(
             client, f"{url}/v1/completions", {**selected, "stream": True}
         )
-        assert status == 200
-        error, done = sse_payloads(raw)
-        assert (json.loads(error), done) == ({"error": refusal}, "[DONE]")
-    assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 2 * 3}
+        assert (status, json.loads(raw)) == (400, refusal)
+    unnamed = await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert unnamed.json()["model"] == "default"
+    assert engine.state()["counters"]["requests"] == {"prefill": 0, "decode": 0, "aggregate": 7}
 
 
 async def test_min_tokens_is_checked_against_the_request_in_sglang_words(
@@ -548,3 +574,133 @@ async def test_a_null_stream_or_n_is_refused(
         assert error in r.json()["message"]
     r = await client.post(f"{engine.url}/v1/chat/completions", json={**chat, "n": 1})
     assert r.status_code == 200
+
+
+async def test_an_aggregate_server_serves_n_choices_and_a_pair_never_answers_them(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    fleet = await start_fleet(
+        engines=3, dialect="sglang", speed=20.0, disaggregation_modes=("prefill", "decode", "null")
+    )
+    p, d, aggregate = fleet[0], fleet[1], fleet[2]
+    url = f"{aggregate.url}/v1/completions"
+    body = {"prompt": "x", "max_tokens": 3, "n": 2}
+    r = await client.post(url, json=body)
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert "x-request-id" not in r.headers  # SGLang sends none
+    status, _, raw = await post_stream(client, url, {**body, "stream": True})
+    assert status == 200
+    chunks = sse_json(raw)
+    # Each streamed choice carries an id of its own.
+    ids = {c["choices"][0]["index"]: c["id"] for c in chunks}
+    assert len(set(ids.values())) == 2
+    # n=0: its usage processor divides by it once the request has run; a stream has no
+    # usage to count and serves one choice.
+    r = await client.post(url, json={**body, "n": 0})
+    assert (r.status_code, r.json()) == (400, flat("range() arg 3 must not be zero", "BadRequest"))
+    status, _, raw = await post_stream(client, url, {**body, "n": 0, "stream": True})
+    assert {c["choices"][0]["index"] for c in sse_json(raw)} == {0}
+    # A bootstrap pair given n > 1 answers neither leg (SGLang 0.5.23: nothing within 60 s),
+    # until the client leaves.
+    pair = pd_body(p, 41, n=2)
+    async with trio.open_nursery() as nursery:
+        for engine in (p, d):
+            nursery.start_soon(partial(client.post, f"{engine.url}/v1/chat/completions", json=pair))
+        await wait_for(lambda: p.state()["waiting"] == 1 and d.state()["waiting"] == 1)
+        nursery.cancel_scope.cancel()
+    await wait_for(lambda: p.state()["waiting"] == d.state()["waiting"] == 0)
+    assert p.state()["counters"]["aborted"]["prefill"] == 1
+    assert d.state()["counters"]["aborted"]["decode"] == 1
+
+
+async def test_sampling_parameters_are_refused_before_a_stream(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SamplingParams.verify, in its order, in its tokenizer manager: a 400, streamed or not.
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    url = f"{engine.url}/v1/chat/completions"
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for extra, message in (
+        ({"temperature": -1}, "temperature must be a non-negative finite number, got -1.0."),
+        (
+            {"temperature": -0.5, "top_p": 0},
+            "temperature must be a non-negative finite number, got -0.5.",
+        ),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0."),
+        ({"min_p": 2}, "min_p must be in [0, 1], got 2.0."),
+        ({"top_k": -5}, "top_k must be -1 (disable) or at least 1, got -5."),
+        ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2], got 3.0."),
+        ({"presence_penalty": -3}, "presence_penalty must be in [-2, 2], got -3.0."),
+        (
+            {"repetition_penalty": 0},
+            "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0.",
+        ),
+    ):
+        for stream in (False, True):
+            r = await client.post(url, json={**chat, **extra, "stream": stream})
+            assert (r.status_code, r.json()) == (400, flat(message)), extra
+    # Only a negative temperature is refused (vLLM also refuses one above 2); -1 and null
+    # are top_k's "whole vocabulary".
+    served: tuple[dict[str, Any], ...] = (
+        {"temperature": 3},
+        {"top_k": -1},
+        {"top_k": None, "temperature": None},
+    )
+    for extra in served:
+        r = await client.post(url, json={**chat, **extra})
+        assert r.status_code == 200, (extra, r.text)
+
+
+async def test_a_stream_answers_its_200_with_its_first_chunk(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    # SGLang 0.5.23's handler waits for the response generator's first chunk (which
+    # is how a refusal there becomes a 400) before it sends the status and headers.
+    (engine,) = await start_fleet(engines=1, dialect="sglang", speed=20.0)
+    stall = {"X-Sim-Fault": json.dumps({"stall_before_first_token_s": 0.3})}
+    started = trio.current_time()
+    async with open_sse(engine.url, "/v1/completions", {"prompt": "x", "stream": True}, stall):
+        assert trio.current_time() - started >= 0.3
+
+
+async def test_a_fresh_server_publishes_its_load_gauges_once_its_scheduler_reports(
+    start_fleet: StartFleet, client: httpx.AsyncClient
+) -> None:
+    gauges = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage")
+    # Decode steps of 30 ms: the 40th comes well after the stream's first tokens.
+    fleet = await start_fleet(
+        engines=3, dialect="sglang", speed=0.2, disaggregation_modes=("null", "prefill", "decode")
+    )
+    aggregate, p, d = fleet[0], fleet[1], fleet[2]
+
+    async def page(engine: EngineHandle) -> str:
+        return (await client.get(f"{engine.url}/metrics")).text
+
+    for engine in fleet:
+        fresh = await page(engine)
+        assert "sglang:max_total_num_tokens{" in fresh
+        assert not [name for name in gauges if name in fresh]
+        assert "sglang:prompt_tokens_total{" not in fresh  # a labelled counter, unused yet
+    # An aggregate (or prefill) server reports at its first batch.
+    r = await client.post(f"{aggregate.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200
+    served = await page(aggregate)
+    assert all(name in served for name in gauges)
+    assert (
+        'sglang:prompt_tokens_total{engine_type="unified",is_streaming="false",'
+        f'model_name="{aggregate.engine.spec.model}"}}'
+    ) in served
+    # A decode server at its 40th decode step, or at its first idle tick after serving.
+    body = pd_body(p, 51, max_tokens=60, stream=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(client.post, f"{p.url}/v1/chat/completions", json=body))
+        async with open_sse(d.url, "/v1/chat/completions", body) as reader:
+            await reader.event()
+            await reader.event()
+            assert not [name for name in gauges if name in await page(d)]
+            while await reader.event() is not None:
+                pass
+    served = await page(d)
+    assert all(name in served for name in gauges)
+    assert 'sglang:num_running_reqs{engine_type="decode",' in served

@@ -1,25 +1,27 @@
-"""Record real vLLM's answers to the conformance corpus (tests/conformance/recorded.json).
+"""Record real engines' answers to the conformance corpus (tests/conformance/recorded*.json).
 
-Run it when the vLLM pin moves (tools/engines/vllm-constraints.txt), then commit the new
-recording and make narwhal-sim follow it (a build in narwhal/sim/_vllm.py):
+Run it when an engine pin moves (tools/engines/vllm-constraints.txt or
+sglang-constraints.txt), then commit the new recording and make narwhal-sim follow it:
 
-    .venv/bin/python tools/engines/record_conformance.py             # own engines
+    .venv/bin/python tools/engines/record_conformance.py                   # vLLM, own engines
+    .venv/bin/python tools/engines/record_conformance.py --dialect sglang
     NARWHAL_REAL_FLEET=/tmp/real-fleet.json .venv/bin/python tools/engines/record_conformance.py
 
-Without NARWHAL_REAL_FLEET (or --fleet) it launches the three engines the corpus needs
-(an aggregate one and a NixlConnector pair, ~10 GB, minutes) from the engines' venv and
-stops them at the end. `--check` compares the live answers with the recording instead of
-writing it, and exits 1 listing the differences.
+Without a state file (--fleet, or NARWHAL_REAL_FLEET / NARWHAL_SGLANG_FLEET) it launches the
+three engines the corpus needs (vLLM: an aggregate engine and a NixlConnector pair, ~10 GB;
+SGLang: an aggregate engine and a Mooncake pair, ~5 GB) from the engines' venv and stops them
+at the end. `--check` compares the live answers with the recording instead of writing it,
+and exits 1 listing the differences.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -30,62 +32,79 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.conformance.harness import (  # noqa: E402
+    DIALECTS,
     RECORDED,
     compare,
+    engine_version,
     load_corpus,
     load_recorded,
     run_corpus,
 )
 from tests.real.engines import real_fleet  # noqa: E402
+from tests.real.sglang_engines import sglang_fleet  # noqa: E402
 
-# The corpus' engine names -> the real fleet's.
-FLEET_NAMES = {"plain": "agg0", "prefill": "prefill", "decode": "decode"}
+# The corpus' engine names -> each family's fleet's.
+FLEET_NAMES = {
+    "vllm": {"plain": "agg0", "prefill": "prefill", "decode": "decode"},
+    "sglang": {"plain": "agg", "prefill": "prefill", "decode": "decode"},
+}
 
 
-async def record(urls: dict[str, str]) -> dict[str, object]:
+@contextmanager
+def engine_urls(dialect: str, state: str | None) -> Iterator[dict[str, str]]:
+    """The corpus' engine names -> URLs, of the fleet in `state` or of one launched here."""
+    names = FLEET_NAMES[dialect]
+    directory = None
+    if not state:
+        directory = Path(tempfile.mkdtemp(prefix=f"nw-conformance-{dialect}-"))
+        print(f"launching {', '.join(names.values())} in {directory} ...", flush=True)
+    if dialect == "vllm":
+        fleet_cm = real_fleet(directory, list(names.values()), state=state)
+    else:
+        fleet_cm = sglang_fleet(directory, state=state)
+    with fleet_cm as fleet:
+        yield {case_engine: fleet[name].url for case_engine, name in names.items()}
+
+
+async def record(urls: Mapping[str, str], dialect: str) -> dict[str, object]:
     corpus = load_corpus()
     async with httpx.AsyncClient() as client:
-        version = (await client.get(urls["plain"] + "/version")).json()["version"]
-        answers = await run_corpus(client, urls, corpus)
+        version = await engine_version(client, urls["plain"], dialect)
+        answers = await run_corpus(client, urls, corpus, dialect=dialect)
     return {
-        "about": "Real vLLM's answers to tests/conformance/corpus.json, normalised "
+        "about": f"Real {dialect}'s answers to tests/conformance/corpus.json, normalised "
         "(tests/conformance/harness.py); written by tools/engines/record_conformance.py.",
-        "vllm_version": version,
+        f"{dialect}_version": version,
         "answers": answers,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fleet", help="state file of a running fleet (NARWHAL_REAL_FLEET)")
-    parser.add_argument("--out", default=str(RECORDED), help="where to write the recording")
+    parser.add_argument("--dialect", choices=DIALECTS, default="vllm", help="engine family")
+    parser.add_argument("--fleet", help="state file of a running fleet of that family")
+    parser.add_argument("--out", help="where to write the recording (default: the family's)")
     parser.add_argument("--check", action="store_true", help="compare, do not write")
     args = parser.parse_args(argv)
-    directory = None
-    if not (args.fleet or os.environ.get("NARWHAL_REAL_FLEET")):
-        directory = Path(tempfile.mkdtemp(prefix="nw-conformance-"))
-        print(f"launching agg0, prefill, decode in {directory} ...", flush=True)
-    with real_fleet(directory, list(FLEET_NAMES.values()), state=args.fleet) as fleet:
-        urls = {case_engine: fleet[name].url for case_engine, name in FLEET_NAMES.items()}
-        recording = trio.run(partial(record, urls))
+    out = Path(args.out) if args.out else RECORDED[args.dialect]
+    key = f"{args.dialect}_version"
+    with engine_urls(args.dialect, args.fleet) as urls:
+        recording = trio.run(partial(record, urls, args.dialect))
+    answers = recording["answers"]
+    assert isinstance(answers, dict)
     if args.check:
-        recorded = load_recorded(Path(args.out))
+        recorded = load_recorded(out)
         lines = []
-        if recorded["vllm_version"] != recording["vllm_version"]:
+        if recorded[key] != recording[key]:
             lines.append(
-                f"vLLM {recording['vllm_version']} answers; the recording is of "
-                f"{recorded['vllm_version']}"
+                f"{args.dialect} {recording[key]} answers; the recording is of {recorded[key]}"
             )
-        answers = recording["answers"]
-        assert isinstance(answers, dict)
         lines += compare(recorded["answers"], answers)
         for line in lines:
             print(line)
         return 1 if lines else 0
-    Path(args.out).write_text(json.dumps(recording, indent=1, sort_keys=True) + "\n")
-    answers = recording["answers"]
-    assert isinstance(answers, dict)
-    print(f"recorded {len(answers)} answers of vLLM {recording['vllm_version']} in {args.out}")
+    out.write_text(json.dumps(recording, indent=1, sort_keys=True) + "\n")
+    print(f"recorded {len(answers)} answers of {args.dialect} {recording[key]} in {out}")
     return 0
 
 
