@@ -4,19 +4,17 @@ Owns: reading such a file (bounded) and parsing it, one token or one key per lin
 `Secret`s. Problems are returned as text that names the file but never quotes its
 content (a key on a wrong line is named by its line number).
 
-Invariants: only a regular file is read, opened without blocking (a FIFO or a device at
-that path would hang the loader, and with it a reload), and at most `limit` bytes of it.
-The reader is local to these files; the engines' `read_api_key` still opens its file
-plainly (issue 29, item 3, makes one bounded reader for every file Narwhal reads).
+Invariants: files are read by `narwhal._files.read_file` (a regular file only, opened
+without blocking, at most `limit` bytes, within its time bound), as every file Narwhal
+reads is.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 
 from .._errors import os_reason
+from .._files import FileRefused, read_file
 from ._model import Secret
 from ._rules import credential_problem
 
@@ -30,36 +28,22 @@ MAX_CLIENT_KEYS = 1000
 
 
 def read_bounded(path: str, limit: int) -> tuple[bytes | None, str | None]:
-    """The content of the regular file at `path` if it holds at most `limit` bytes, or
-    why not (a message that names the file, for a setting's problem)."""
+    """The content of the regular file at `path` if it holds at most `limit` bytes
+    (`read_file`'s bounds), or why not: a message that names the file, for a setting's
+    problem."""
     shown = json.dumps(path)
     try:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return read_file(path, limit=limit), None
     except FileNotFoundError:
         return None, f"{shown}: no such file"
+    except IsADirectoryError:
+        return None, f"{shown}: it is a directory, not a regular file"
+    except FileRefused as exc:
+        return None, f"{shown}: {exc.strerror}"
     except OSError as exc:
         return None, f"{shown}: cannot read file: {os_reason(exc)}"
     except ValueError:
         return None, f"{shown}: a path cannot contain a NUL character"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, f"{shown}: not a regular file"
-        parts: list[bytes] = []
-        size = 0
-        while size <= limit:
-            part = os.read(fd, limit + 1 - size)
-            if not part:
-                break
-            parts.append(part)
-            size += len(part)
-    except OSError as exc:
-        return None, f"{shown}: cannot read file: {os_reason(exc)}"
-    finally:
-        os.close(fd)
-    if size > limit:
-        return None, f"{shown}: larger than {limit} bytes"
-    return b"".join(parts), None
 
 
 def read_token(path: str) -> tuple[Secret | None, str | None]:

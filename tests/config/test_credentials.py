@@ -180,7 +180,7 @@ def test_missing_and_non_regular_files_are_refused(tmp_path: pathlib.Path) -> No
     directory = str(tmp_path)
     found = problems(document(admin={"token_file": missing}, listen={"api_keys_file": directory}))
     assert found == [
-        f"listen.api_keys_file: {json.dumps(directory)}: not a regular file",
+        f"listen.api_keys_file: {json.dumps(directory)}: it is a directory, not a regular file",
         f"admin.token_file: {json.dumps(missing)}: no such file",
     ]
 
@@ -193,7 +193,9 @@ async def test_a_fifo_is_refused_at_once_rather_than_waited_on(tmp_path: pathlib
         found = await trio.to_thread.run_sync(
             problems, document(admin={"token_file": str(fifo)}), abandon_on_cancel=True
         )
-    assert found == [f"admin.token_file: {json.dumps(str(fifo))}: not a regular file"]
+    assert found == [
+        f"admin.token_file: {json.dumps(str(fifo))}: it is a named pipe, not a regular file"
+    ]
 
 
 def test_validate_shows_no_credential(tmp_path: pathlib.Path) -> None:
