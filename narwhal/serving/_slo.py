@@ -35,6 +35,7 @@ _CLIENT_OUTCOMES = frozenset(
         "not_found",
         "request_too_large",
         "body_timeout",
+        "pending_bodies_per_client",
         "context_length_exceeded",
         "engine_rejected_request",
     }
