@@ -27,11 +27,15 @@ from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
 from ._connections import OpenConnections
 from ._descriptors import DescriptorBudget, report
-from ._lag import LoopLag
+from ._lag import LoopLag, Paced
 from ._per_client import PerClient
 from ._slo import SloTally, slo_result
 
 log = logging.getLogger("narwhal.request")
+
+# Answers to requests a deadline ended, at most this many per pass of the scheduler
+# (`Paced`): each is a few hundred µs of work, so a pass stays within a few ms.
+DEADLINE_ANSWERS_PER_PASS = 16
 
 
 @attrs.frozen
@@ -240,6 +244,7 @@ class ServingContext:
             bound="reads at most {limit} at once",
             code="pending_bodies_per_client",
         )
+        self.deadline_answers = Paced(DEADLINE_ANSWERS_PER_PASS)
         # Requests the HTTP server could not parse, and upgrades it refused, by status.
         self.protocol_errors: Counter[int] = Counter()
         # The open-file limit against listen.max_open_connections (`apply_descriptors`);

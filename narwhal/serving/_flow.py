@@ -446,6 +446,8 @@ class Flow:
                 finally:
                     body_read()
                 if body_scope.cancelled_caught:
+                    # Bodies that arrived together time out together: see Paced.
+                    await self.ctx.deadline_answers.turn()
                     raise _body_timeout("serving.body_timeout_s", serving.body_timeout_s)
                 reading_body = False
                 client.close_connection = False
@@ -489,7 +491,9 @@ class Flow:
             # Outside the expired scope; the write itself is bounded by the client
             # stall limit, so this cannot hang. A body still arriving when the request's
             # deadline passes (at or before serving.body_timeout_s) is the same client
-            # fault as one past the body's own deadline.
+            # fault as one past the body's own deadline. Deadlines that expire together
+            # are answered a few at a time: see Paced.
+            await self.ctx.deadline_answers.turn()
             error = record.abort
             if error is None and reading_body:
                 error = _body_timeout("serving.request_timeout_s", serving.request_timeout_s)
