@@ -207,16 +207,18 @@ class Listen:
         doc=(
             "Most connections one client address may have open at once (an IPv6 address "
             "counts by its /64 prefix). `0` derives twice the retained-request ceiling "
-            "(`serving.max_connections + serving.queue_capacity`), at most "
+            "(`serving.max_connections + serving.queue_capacity`), at least 64 and at most "
             "`listen.max_open_connections`: 1024 at the defaults, so one client alone can "
             "still hold a connection for every retained request and as many idle ones, "
             "and one address can take no more than a quarter of the default limit from "
-            "everyone else. A connection over it is answered at once, before its request "
-            "is read, with 429 `connections_per_client` (`Retry-After: 1`, `connection: "
-            "close`) and closed; it counts in "
-            "`narwhal_client_connections_refused_total`, and each address's refusals are "
-            "logged once when they begin and once when they end. Behind a reverse proxy "
-            "every client has the proxy's address: set it to `listen.max_open_connections` "
+            "everyone else. At the limit a new connection from that address takes the "
+            "place of that address's own connection idle longest, which is closed; when "
+            "none of its connections is idle, the new one is answered at once, before its "
+            "request is read, with 429 `connections_per_client` (`Retry-After: 1`, "
+            "`connection: close`) and closed. Such refusals count in "
+            "`narwhal_client_connections_refused_total`, and each address's are logged "
+            "once when they begin and once when they end. Behind a reverse proxy every "
+            "client has the proxy's address: set it to `listen.max_open_connections` "
             "there. A reload applies it to new connections."
         ),
     )
@@ -845,10 +847,11 @@ class Config:
 
     def connections_per_client(self) -> int:
         """`listen.max_open_connections_per_client`; `0` derives twice the retained-request
-        ceiling, at most `listen.max_open_connections`."""
+        ceiling, at least 64 and at most `listen.max_open_connections`."""
         if self.listen.max_open_connections_per_client:
             return self.listen.max_open_connections_per_client
-        return min(self.listen.max_open_connections, 2 * self.serving.retained_ceiling)
+        derived = max(64, 2 * self.serving.retained_ceiling)
+        return min(self.listen.max_open_connections, derived)
 
     def engine_by_id(self, engine_id: str) -> EngineSpec | None:
         for spec in self.engines:

@@ -26,10 +26,12 @@ holding the router at the limit then makes one pair of lines, not one per connec
 One address may have at most listen.max_open_connections_per_client of them open
 (`per_client`, see `serving._per_client`): otherwise one client trickling request heads on
 every connection it can open takes the whole table, and each new connection of its
-closes the connection idle longest, someone else's keep-alive connection. A connection
-over that limit is still accepted, answered 429 at once and closed by the accept loop
-(`opened` says so); until it has closed it counts as open, and it is the first closed
-to make room: its answer has been written already.
+closes the connection idle longest, someone else's keep-alive connection. At its limit a
+new connection from that address takes the place of that address's own connection idle
+longest, as at listen.max_open_connections; with none of them idle, it is accepted,
+answered 429 at once and closed by the accept loop (`opened` says so). Until it has
+closed it counts as open, and it is the first closed to make room: its answer has been
+written already.
 
 The limit in force can be lower than listen.max_open_connections (`configured`) when the
 process's open-file limit leaves no room for that many (`serving._descriptors`); the log
@@ -122,9 +124,11 @@ class OpenConnections:
         # what closes it; and those closed here whose tasks have not ended yet.
         self._idle: dict[Hashable, Callable[[], None]] = {}
         # Connections refused at accept while they are answered and closed, likewise;
-        # and what counts each served one out of its client's count.
+        # each served one's client and what counts it out of that client's count; and
+        # each client's idle connections, longest idle first.
         self._refusing: dict[Hashable, Callable[[], None]] = {}
-        self._clients: dict[Hashable, Callable[[], None]] = {}
+        self._clients: dict[Hashable, tuple[str, Callable[[], None]]] = {}
+        self._idle_of: dict[str, dict[Hashable, None]] = {}
         self._shed: set[Hashable] = set()
         self._room = trio.lowlevel.ParkingLot()
 
@@ -167,14 +171,18 @@ class OpenConnections:
         if not closable:
             return False
         key = next(iter(closable))
-        close = closable.pop(key)
+        self._close_now(key, closable.pop(key))
+        return True
+
+    def _close_now(self, key: Hashable, close: Callable[[], None]) -> None:
+        """Close connection `key` to make room; it counts out at once."""
+        self._forget_idle(key)
         self._count_out(key)
         self._shed.add(key)
         self._open -= 1
         self._shed_total += 1
         self._on_shed()
         close()
-        return True
 
     async def wait_room(self) -> None:
         """Return once `make_room()` can succeed: a connection closed or went idle, or
@@ -257,16 +265,21 @@ class OpenConnections:
         )
 
     def opened(self, key: Hashable, client: str) -> Refused | None:
-        """Connection `key` was accepted from `client` (a `client_key`). None: serve it.
-        Else the refusal to answer it with, counted and logged: `client` has
-        listen.max_open_connections_per_client open already. Either way it counts as
-        open until `closed`."""
+        """Connection `key` was accepted from `client` (a `client_key`). None: serve it,
+        after closing `client`'s own connection idle longest if it has
+        listen.max_open_connections_per_client open. Else, with none of them idle, the
+        refusal to answer it with, counted and logged. Either way it counts as open until
+        `closed`."""
         self._open += 1
         if self.per_client.full(client):
-            refusal = self.per_client.refusal(client)
-            self.per_client.refused(client)
-            return refusal
-        self._clients[key] = self.per_client.hold(client)
+            idle = self._idle_of.get(client)
+            if not idle:
+                refusal = self.per_client.refusal(client)
+                self.per_client.refused(client)
+                return refusal
+            oldest = next(iter(idle))
+            self._close_now(oldest, self._idle.pop(oldest))
+        self._clients[key] = (client, self.per_client.hold(client))
         return None
 
     def refusing(self, key: Hashable, close: Callable[[], None]) -> None:
@@ -279,16 +292,23 @@ class OpenConnections:
         """Connection `key` has no request in flight from now; `close` closes it."""
         self._idle.pop(key, None)
         self._idle[key] = close
+        served = self._clients.get(key)
+        if served is not None:
+            mine = self._idle_of.setdefault(served[0], {})
+            mine.pop(key, None)
+            mine[key] = None
         if self._room:
             self._room.unpark_all()
 
     def busy(self, key: Hashable) -> None:
         """Connection `key` has a request in flight, or is ending."""
         self._idle.pop(key, None)
+        self._forget_idle(key)
 
     def closed(self, key: Hashable) -> None:
         self._idle.pop(key, None)
         self._refusing.pop(key, None)
+        self._forget_idle(key)
         self._count_out(key)
         if key in self._shed:
             self._shed.discard(key)  # counted out when it was shed
@@ -298,11 +318,21 @@ class OpenConnections:
         if self._room and self.room():
             self._room.unpark_all()
 
+    def _forget_idle(self, key: Hashable) -> None:
+        served = self._clients.get(key)
+        if served is None:
+            return
+        mine = self._idle_of.get(served[0])
+        if mine is not None:
+            mine.pop(key, None)
+            if not mine:
+                del self._idle_of[served[0]]
+
     def _count_out(self, key: Hashable) -> None:
         """Connection `key` no longer counts against its client's limit."""
-        release = self._clients.pop(key, None)
-        if release is not None:
-            release()
+        served = self._clients.pop(key, None)
+        if served is not None:
+            served[1]()
 
     def _maybe_clear(self) -> None:
         if self._at_limit and self._open <= self._limit - max(1, self._limit // 10):

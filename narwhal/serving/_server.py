@@ -19,11 +19,12 @@ established connections, each pass taking hundreds of ms) new connections wait i
 kernel's backlog for seconds before their first byte is read. One readiness wake-up now
 accepts everything pending, up to `ACCEPT_BURST` and the room listen.max_open_connections
 leaves (`OpenConnections`): at that limit the longest-idle connection is closed to make
-room for a new one, and with none idle new ones wait in the backlog. A connection from an
-address that has listen.max_open_connections_per_client open already is answered 429
-`connections_per_client` at once, before its request is read (there is no request to
-wait for yet, and waiting for one would let a client that trickles its head hold the
-connection), and closed as a refused request's connection is (`_linger`).
+room for a new one, and with none idle new ones wait in the backlog. Likewise per client
+address at listen.max_open_connections_per_client, among that address's connections; with
+none of them idle, the new one is answered 429 `connections_per_client` at once, before
+its request is read (there is no request to wait for yet, and waiting for one would let
+a client that trickles its head hold the connection), and closed as a refused request's
+connection is (`_linger`).
 
 hypercorn's HTTP/1.1 protocol stops reading a connection while a request is in flight
 and bytes of another one (pipelined, or stray bytes after a body) are already buffered:

@@ -201,8 +201,9 @@ def test_control_connections_zero_derives_two_per_engine_with_a_minimum_of_four(
         ({}, {}, 1024, 64),
         # A connection table smaller than twice the ceiling bounds the derivation.
         ({"max_open_connections": 1500}, {"max_connections": 1000}, 1500, 125),
-        # A small ceiling: bodies keep a floor of 8.
-        ({"max_open_connections": 40}, {"max_connections": 16}, 32, 8),
+        # A small ceiling: floors of 64 and 8.
+        ({}, {"max_connections": 16}, 64, 8),
+        ({"max_open_connections": 40}, {"max_connections": 16}, 40, 8),
         # Explicit values are taken as they are.
         (
             {"max_open_connections_per_client": 7},

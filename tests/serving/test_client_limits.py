@@ -16,7 +16,7 @@ import trio.testing
 from ..support import wait_for
 from .conftest import MODEL, StartStack
 from .test_failures import settled
-from .test_limits import read_response
+from .test_limits import assert_closed, read_response
 
 OTHER = "127.0.0.2"
 BODY = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 2}).encode()
@@ -136,8 +136,11 @@ async def test_connections_from_one_address_leave_room_for_the_others(
     # One address opens as many connections as the router keeps open (40) and trickles a
     # request head on each: at the limit, a new connection used to close the connection
     # idle longest, which was another client's keep-alive connection. One address may
-    # have 16 open (twice the retained ceiling of 8); the rest are answered 429 at once.
-    stack = await start_stack(listen={"max_open_connections": 40}, serving={"max_connections": 8})
+    # have 16 open; past that, each new one takes the place of its own oldest.
+    stack = await start_stack(
+        listen={"max_open_connections": 40, "max_open_connections_per_client": 16},
+        serving={"max_connections": 8},
+    )
     host, port = stack.supervisor.bound[0]
     other = await trio.open_tcp_stream(host, port, local_address=OTHER)
     health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -145,32 +148,66 @@ async def test_connections_from_one_address_leave_room_for_the_others(
     status, _, _ = await read_response(other)
     assert status.startswith(b"HTTP/1.1 200")
     greedy = []
-    answers: list[Answer] = []
-    async with trio.open_nursery() as nursery:
-        for _ in range(40):
-            sock = await trio.open_tcp_stream(host, port)
-            await sock.send_all(b"GET /health HTTP/1.1\r\n")
-            greedy.append(sock)
-            nursery.start_soon(answer_of, sock, answers)
+    for _ in range(40):
+        sock = await trio.open_tcp_stream(host, port)
+        await sock.send_all(b"GET /health HTTP/1.1\r\n")
+        greedy.append(sock)
         await trio.testing.wait_all_tasks_blocked()
-        # The other client's connection is still open, and serves its next request.
-        await other.send_all(health)
-        status, _, _ = await read_response(other)
-        assert status.startswith(b"HTTP/1.1 200")
-        await wait_for(lambda: len(answers) == 24)
-        assert_refused(
-            answers,
-            "client 127.0.0.1 already has 16 connections open: narwhal keeps at most 16 open "
-            "from one client address (listen.max_open_connections_per_client)",
-            "connections_per_client",
-        )
-        stats = stack.ctx.connections.statistics()
-        assert stats.per_client.busiest == 16
-        assert stats.per_client.refused == 24
-        metrics = stack.ctx.metrics.render().decode()
-        assert "narwhal_client_connections_refused_total 24.0" in metrics
-        nursery.cancel_scope.cancel()
+    # The other client's connection is still open, and serves its next request.
+    await other.send_all(health)
+    status, _, _ = await read_response(other)
+    assert status.startswith(b"HTTP/1.1 200")
+    for sock in greedy[:24]:
+        await assert_closed(sock)
+    stats = stack.ctx.connections.statistics()
+    assert (stats.open, stats.shed, stats.per_client.busiest) == (17, 24, 16)
+    assert stats.per_client.refused == 0
     for sock in [*greedy, other]:
         await sock.aclose()
     await wait_for(lambda: stack.ctx.connections.statistics().open == 0)
     assert stack.ctx.connections.statistics().per_client.clients == 0
+
+
+async def test_a_connection_over_the_limit_with_none_idle_is_answered_429_at_once(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every connection of the address has a request in flight (bodies still arriving):
+    # there is none of its own to close, and the new one is answered before its request.
+    caplog.set_level(logging.INFO, logger="narwhal.server")
+    stack = await start_stack(
+        listen={"max_open_connections_per_client": 4}, serving={"max_connections": 8}
+    )
+    host, port = stack.supervisor.bound[0]
+    slow = []
+    for _ in range(4):
+        sock = await trio.open_tcp_stream(host, port)
+        await sock.send_all(post_head(1000) + b"{")
+        slow.append(sock)
+    await wait_for(lambda: stack.ctx.retained == 4)
+    refused = await trio.open_tcp_stream(host, port)
+    answer = await read_response(refused)
+    assert_refused(
+        [answer],
+        "client 127.0.0.1 already has 4 connections open: narwhal keeps at most 4 open "
+        "from one client address (listen.max_open_connections_per_client)",
+        "connections_per_client",
+    )
+    await assert_closed(refused)
+    await served_from(host, port, OTHER)
+    assert stack.ctx.connections.statistics().per_client.refused == 1
+    metrics = stack.ctx.metrics.render().decode()
+    assert "narwhal_client_connections_refused_total 1.0" in metrics
+    assert [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if getattr(r, "event", None) == "client_limit"
+    ] == [
+        (
+            "WARNING",
+            "client 127.0.0.1 has 4 connections open, listen.max_open_connections_per_client"
+            "=4: more are refused with 429 connections_per_client",
+        )
+    ]
+    for sock in [*slow, refused]:
+        await sock.aclose()
+    await settled(stack)

@@ -216,3 +216,26 @@ async def test_a_refused_connection_being_answered_wakes_a_waiting_accept_loop(
         assert woke == []
         connections.refusing("b", lambda: None)
     assert woke == [1]
+
+
+async def test_a_client_at_its_limit_makes_room_with_its_own_longest_idle_connection() -> None:
+    # As at listen.max_open_connections, but among its own: a pooling client or a
+    # gateway keeps connections it does not use, and a new one replaces the oldest.
+    closed: list[str] = []
+    shed: list[int] = []
+    connections = OpenConnections(10, per_client=2, on_shed=lambda: shed.append(1))
+    for key in ("a1", "a2", "b1"):
+        connections.opened(key, "192.0.2.1" if key.startswith("a") else "192.0.2.2")
+        connections.idle(key, partial(closed.append, key))
+    connections.idle("a1", partial(closed.append, "a1"))  # idle again: a2 is now the oldest
+    assert connections.opened("a3", "192.0.2.1") is None
+    assert closed == ["a2"]
+    connections.busy("a1")
+    connections.busy("a3")
+    # All of its connections in use: refused; the other client's idle one is not touched.
+    assert connections.opened("a4", "192.0.2.1") is not None
+    assert closed == ["a2"]
+    connections.closed("a2")  # its task ends: counted out when it was closed
+    stats = connections.statistics()
+    assert (stats.open, stats.shed, len(shed)) == (4, 1, 1)
+    assert (stats.per_client.counted, stats.per_client.refused) == (3, 1)
