@@ -214,6 +214,27 @@ class Listen:
             "connections back until enough have closed."
         ),
     )
+    max_open_connections_per_client: int = _f(
+        0,
+        NonNegative(),
+        doc=(
+            "Most connections one client address may have open at once (an IPv6 address "
+            "counts by its /64 prefix). `0` derives twice the retained-request ceiling "
+            "(`serving.max_connections + serving.queue_capacity`), at least 64 and at most "
+            "`listen.max_open_connections`: 1024 at the defaults, so one client alone can "
+            "still hold a connection for every retained request and as many idle ones, "
+            "and one address can take no more than a quarter of the default limit from "
+            "everyone else. At the limit a new connection from that address takes the "
+            "place of that address's own connection idle longest, which is closed; when "
+            "none of its connections is idle, the new one is answered at once, before its "
+            "request is read, with 429 `connections_per_client` (`Retry-After: 1`, "
+            "`connection: close`) and closed. Such refusals count in "
+            "`narwhal_client_connections_refused_total`, and each address's are logged "
+            "once when they begin and once when they end. Behind a reverse proxy every "
+            "client has the proxy's address: set it to `listen.max_open_connections` "
+            "there. A reload applies it to new connections."
+        ),
+    )
 
     api_keys: tuple[Secret, ...] = attrs.field(
         default=(),
@@ -431,6 +452,27 @@ class Serving:
             "then names."
         ),
     )
+    max_pending_bodies_per_client: int = _f(
+        0,
+        NonNegative(),
+        doc=(
+            "Most completion requests from one client address (an IPv6 address counts by "
+            "its /64 prefix) whose bodies are still arriving at once. `0` derives an "
+            "eighth of the retained-request ceiling (`serving.max_connections + "
+            "serving.queue_capacity`), at least 8: 64 at the defaults. Each such request "
+            "holds a retained request until its body is complete or "
+            "`serving.body_timeout_s`, so without this one address sending slow bodies "
+            "held the whole ceiling and everyone else got 429 `retained_ceiling`. A "
+            "request over it is refused before its body is read, with 429 "
+            "`pending_bodies_per_client` (`Retry-After: 1`, its connection closed), and "
+            "is not an SLO miss; each address's refusals are logged once when they begin "
+            "and once when they end. An honest client's body arrives in milliseconds, so "
+            "even one sending hundreds of requests a second has few pending at once. "
+            "Behind a reverse proxy that streams bodies through unbuffered, every client "
+            "has the proxy's address: raise it to the ceiling there. A reload applies it "
+            "to new requests."
+        ),
+    )
     request_timeout_s: float = _f(
         600.0,
         Positive(),
@@ -449,6 +491,18 @@ class Serving:
             "applies it to the next request."
         ),
     )
+
+    @property
+    def retained_ceiling(self) -> int:
+        """The most completion requests retained at once (manual 4.2)."""
+        return self.max_connections + self.queue_capacity
+
+    def pending_bodies_per_client(self) -> int:
+        """`max_pending_bodies_per_client`; `0` derives an eighth of the retained-request
+        ceiling, at least 8."""
+        if self.max_pending_bodies_per_client:
+            return self.max_pending_bodies_per_client
+        return max(8, self.retained_ceiling // 8)
 
 
 @attrs.frozen(kw_only=True)
@@ -909,6 +963,14 @@ class Config:
     controller: Controller = attrs.field(factory=Controller)
     recovery: Recovery = attrs.field(factory=Recovery)
     profiles: Profiles = attrs.field(factory=Profiles)
+
+    def connections_per_client(self) -> int:
+        """`listen.max_open_connections_per_client`; `0` derives twice the retained-request
+        ceiling, at least 64 and at most `listen.max_open_connections`."""
+        if self.listen.max_open_connections_per_client:
+            return self.listen.max_open_connections_per_client
+        derived = max(64, 2 * self.serving.retained_ceiling)
+        return min(self.listen.max_open_connections, derived)
 
     def engine_by_id(self, engine_id: str) -> EngineSpec | None:
         for spec in self.engines:

@@ -160,6 +160,13 @@ class Metrics:
             "listen.max_open_connections.",
             registry=registry,
         )
+        self.client_connections_refused = Counter(
+            "narwhal_client_connections_refused",
+            "Client connections answered 429 connections_per_client and closed at accept: "
+            "their address had listen.max_open_connections_per_client open already, none "
+            "of them idle.",
+            registry=registry,
+        )
         self.client_accept_failures = Counter(
             "narwhal_client_accept_failures",
             "accept() calls on the HTTP listener that failed for want of descriptors or "

@@ -1,4 +1,5 @@
-"""Open client connections, bounded by listen.max_open_connections.
+"""Open client connections, bounded by listen.max_open_connections, and per client
+address by listen.max_open_connections_per_client.
 
 The retained-request ceiling (manual 4.2) bounds requests, not sockets: a connection
 that sends nothing, or trickles its request head (hypercorn's keep-alive timer keeps
@@ -21,6 +22,16 @@ per connection and tell clients nothing better.
 Being at the limit is logged once (WARNING) when a waiting connection first finds it,
 and once (INFO) when the open count has fallen a tenth of the limit below it: a flood
 holding the router at the limit then makes one pair of lines, not one per connection.
+
+One address may have at most listen.max_open_connections_per_client of them open
+(`per_client`, see `serving._per_client`): otherwise one client trickling request heads on
+every connection it can open takes the whole table, and each new connection of its
+closes the connection idle longest, someone else's keep-alive connection. At its limit a
+new connection from that address takes the place of that address's own connection idle
+longest, as at listen.max_open_connections; with none of them idle, it is accepted,
+answered 429 at once and closed by the accept loop (`opened` says so). Until it has
+closed it counts as open, and it is the first closed to make room: its answer has been
+written already.
 
 The limit in force can be lower than listen.max_open_connections (`configured`) when the
 process's open-file limit leaves no room for that many (`serving._descriptors`); the log
@@ -45,6 +56,9 @@ from collections.abc import Callable, Hashable
 import attrs
 import trio
 
+from .._errors import Refused
+from ._per_client import PerClient, PerClientStatistics
+
 log = logging.getLogger("narwhal.server")
 
 
@@ -59,6 +73,7 @@ class ConnectionStatistics:
     shed: int
     accept_failing: bool
     accept_failures: int
+    per_client: PerClientStatistics
 
 
 def _nothing() -> None:
@@ -76,10 +91,22 @@ class OpenConnections:
         self,
         limit: int,
         *,
+        per_client: int | None = None,
         on_limit_reached: Callable[[], None] = _nothing,
         on_shed: Callable[[], None] = _nothing,
         on_accept_failed: Callable[[str], None] = _ignore,
+        on_client_refused: Callable[[], None] = _nothing,
     ) -> None:
+        """`per_client`: listen.max_open_connections_per_client in force (None: `limit`);
+        a reload sets `per_client.limit`."""
+        self.per_client = PerClient(
+            limit if per_client is None else per_client,
+            noun="connections open",
+            setting="listen.max_open_connections_per_client",
+            bound="keeps at most {limit} open",
+            code="connections_per_client",
+            on_refused=on_client_refused,
+        )
         self._limit = limit
         self._configured = limit
         self._open = 0
@@ -96,6 +123,12 @@ class OpenConnections:
         # Idle connections, longest idle first (dicts keep insertion order), each with
         # what closes it; and those closed here whose tasks have not ended yet.
         self._idle: dict[Hashable, Callable[[], None]] = {}
+        # Connections refused at accept while they are answered and closed, likewise;
+        # each served one's client and what counts it out of that client's count; and
+        # each client's idle connections, longest idle first.
+        self._refusing: dict[Hashable, Callable[[], None]] = {}
+        self._clients: dict[Hashable, tuple[str, Callable[[], None]]] = {}
+        self._idle_of: dict[str, dict[Hashable, None]] = {}
         self._shed: set[Hashable] = set()
         self._room = trio.lowlevel.ParkingLot()
 
@@ -130,25 +163,31 @@ class OpenConnections:
         return max(0, self._limit - self._open)
 
     def make_room(self) -> bool:
-        """Whether a connection may be accepted now, after closing the longest-idle
-        connection if there is no room."""
+        """Whether a connection may be accepted now, after closing a refused connection
+        or else the longest-idle one if there is no room."""
         if self.room():
             return True
-        if not self._idle:
+        closable = self._refusing or self._idle
+        if not closable:
             return False
-        key = next(iter(self._idle))
-        close = self._idle.pop(key)
+        key = next(iter(closable))
+        self._close_now(key, closable.pop(key))
+        return True
+
+    def _close_now(self, key: Hashable, close: Callable[[], None]) -> None:
+        """Close connection `key` to make room; it counts out at once."""
+        self._forget_idle(key)
+        self._count_out(key)
         self._shed.add(key)
         self._open -= 1
         self._shed_total += 1
         self._on_shed()
         close()
-        return True
 
     async def wait_room(self) -> None:
         """Return once `make_room()` can succeed: a connection closed or went idle, or
         the limit rose."""
-        while not (self.room() or self._idle):
+        while not (self.room() or self._idle or self._refusing):
             await self._room.park()
 
     def limit_reached(self) -> None:
@@ -225,22 +264,52 @@ class OpenConnections:
             },
         )
 
-    def opened(self) -> None:
+    def opened(self, key: Hashable, client: str) -> Refused | None:
+        """Connection `key` was accepted from `client` (a `client_key`). None: serve it,
+        after closing `client`'s own connection idle longest if it has
+        listen.max_open_connections_per_client open. Else, with none of them idle, the
+        refusal to answer it with, counted and logged. Either way it counts as open until
+        `closed`."""
         self._open += 1
+        if self.per_client.full(client):
+            idle = self._idle_of.get(client)
+            if not idle:
+                refusal = self.per_client.refusal(client)
+                self.per_client.refused(client)
+                return refusal
+            oldest = next(iter(idle))
+            self._close_now(oldest, self._idle.pop(oldest))
+        self._clients[key] = (client, self.per_client.hold(client))
+        return None
+
+    def refusing(self, key: Hashable, close: Callable[[], None]) -> None:
+        """Refused connection `key` is being answered and closed; `close` closes it now."""
+        self._refusing[key] = close
+        if self._room:
+            self._room.unpark_all()
 
     def idle(self, key: Hashable, close: Callable[[], None]) -> None:
         """Connection `key` has no request in flight from now; `close` closes it."""
         self._idle.pop(key, None)
         self._idle[key] = close
+        served = self._clients.get(key)
+        if served is not None:
+            mine = self._idle_of.setdefault(served[0], {})
+            mine.pop(key, None)
+            mine[key] = None
         if self._room:
             self._room.unpark_all()
 
     def busy(self, key: Hashable) -> None:
         """Connection `key` has a request in flight, or is ending."""
         self._idle.pop(key, None)
+        self._forget_idle(key)
 
     def closed(self, key: Hashable) -> None:
         self._idle.pop(key, None)
+        self._refusing.pop(key, None)
+        self._forget_idle(key)
+        self._count_out(key)
         if key in self._shed:
             self._shed.discard(key)  # counted out when it was shed
             return
@@ -248,6 +317,22 @@ class OpenConnections:
         self._maybe_clear()
         if self._room and self.room():
             self._room.unpark_all()
+
+    def _forget_idle(self, key: Hashable) -> None:
+        served = self._clients.get(key)
+        if served is None:
+            return
+        mine = self._idle_of.get(served[0])
+        if mine is not None:
+            mine.pop(key, None)
+            if not mine:
+                del self._idle_of[served[0]]
+
+    def _count_out(self, key: Hashable) -> None:
+        """Connection `key` no longer counts against its client's limit."""
+        served = self._clients.pop(key, None)
+        if served is not None:
+            served[1]()
 
     def _maybe_clear(self) -> None:
         if self._at_limit and self._open <= self._limit - max(1, self._limit // 10):
@@ -276,4 +361,5 @@ class OpenConnections:
             shed=self._shed_total,
             accept_failing=self._failing_since is not None,
             accept_failures=self._accept_failures,
+            per_client=self.per_client.statistics(),
         )

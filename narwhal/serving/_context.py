@@ -27,7 +27,8 @@ from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
 from ._connections import OpenConnections
 from ._descriptors import DescriptorBudget, report
-from ._lag import LoopLag
+from ._lag import LoopLag, Paced
+from ._per_client import PerClient
 from ._slo import SloTally, slo_result
 
 log = logging.getLogger("narwhal.request")
@@ -35,6 +36,9 @@ log = logging.getLogger("narwhal.request")
 # Why a degraded Narwhal refuses, as a client is told it (`degraded_reason` is the
 # operator's, naming the monitor's last failure).
 DEGRADED_PUBLIC = "its monitor passes keep failing (controller.monitor_failure_limit)"
+# Answers to requests a deadline ended, at most this many per pass of the scheduler
+# (`Paced`): each is a few hundred µs of work, so a pass stays within a few ms.
+DEADLINE_ANSWERS_PER_PASS = 16
 
 
 @attrs.frozen
@@ -228,10 +232,22 @@ class ServingContext:
         self.rng = random.Random(seed)
         self.connections = OpenConnections(
             config.listen.max_open_connections,
+            per_client=config.connections_per_client(),
             on_limit_reached=self.metrics.client_connection_limit_reached.inc,
             on_shed=self.metrics.client_connections_shed.inc,
             on_accept_failed=lambda name: self.metrics.client_accept_failures.labels(name).inc(),
+            on_client_refused=self.metrics.client_connections_refused.inc,
         )
+        # Completion requests whose bodies are still arriving, per client address: each
+        # holds a retained request, so one client must not hold them all.
+        self.pending_bodies = PerClient(
+            config.serving.pending_bodies_per_client(),
+            noun="request bodies arriving",
+            setting="serving.max_pending_bodies_per_client",
+            bound="reads at most {limit} at once",
+            code="pending_bodies_per_client",
+        )
+        self.deadline_answers = Paced(DEADLINE_ANSWERS_PER_PASS)
         # Requests the HTTP server could not parse, and upgrades it refused, by status.
         self.protocol_errors: Counter[int] = Counter()
         # The open-file limit against listen.max_open_connections (`apply_descriptors`);
@@ -317,10 +333,15 @@ class ServingContext:
         self.descriptors = budget
         self.connections.set_limit(budget.effective, configured=budget.configured)
 
+    def apply_client_limits(self, config: Config) -> None:
+        """Enforce `config`'s limits per client address from now on (a reload); what is
+        open or arriving already stays."""
+        self.connections.per_client.limit = config.connections_per_client()
+        self.pending_bodies.limit = config.serving.pending_bodies_per_client()
+
     @property
     def retained_ceiling(self) -> int:
-        serving = self.config.serving
-        return serving.max_connections + serving.queue_capacity
+        return self.config.serving.retained_ceiling
 
     def chars_per_token(self, config: Config) -> tuple[float, str]:
         """The token-count fallback's ratio and where it comes from."""

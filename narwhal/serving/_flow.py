@@ -122,6 +122,7 @@ from ._context import (
     log,
 )
 from ._context_check import check_context, output_bound, widest_context
+from ._per_client import client_key
 from ._request import (
     ClientRequest,
     decode_refusal,
@@ -138,6 +139,14 @@ _SATURATED_RETRY_AFTER_S = 1.0
 # Gaps kept per stream for the decode correction; a window this size is plenty for a
 # median, and it bounds the memory of very long generations.
 _MAX_GAPS = 256
+
+
+def _client_address(scope: dict[str, object]) -> str:
+    """The address the client's limits count it under (`client_key`)."""
+    peer = scope.get("client")
+    if isinstance(peer, list | tuple) and peer and isinstance(peer[0], str):
+        return client_key(peer[0])
+    return ""
 
 
 def _body_timeout(limit: str, value: float) -> RequestTimeout:
@@ -343,13 +352,22 @@ class Flow:
                 headers,
             )
             return
+        address = _client_address(scope)
+        if ctx.pending_bodies.full(address):
+            # Below the ceiling, so that one client's slow bodies cannot reach it. Its
+            # body is not waited for: the client has enough of them arriving already.
+            refusal = ctx.pending_bodies.refusal(address)
+            ctx.pending_bodies.refused(address)
+            await self._refuse(client, endpoint, refusal, receive, headers, keep_connection=False)
+            return
         record = RequestRecord(id=request_id, endpoint=endpoint, arrival=arrival)
         ctx.retained += 1
         ctx.records[id(record)] = record
+        body_read = ctx.pending_bodies.hold(address)
         outcome = "client_disconnected"
         try:
             outcome = await self._handle_retained(
-                endpoint, config, headers, receive, client, record
+                endpoint, config, headers, receive, client, record, body_read
             )
         except Exception:
             # A bug must still produce a well-formed error, never a dropped connection.
@@ -360,6 +378,7 @@ class Flow:
                     NarwhalError(f"internal error serving request {request_id}")
                 )
         finally:
+            body_read()
             ctx.retained -= 1
             del ctx.records[id(record)]
             ctx.finished(outcome, record)
@@ -427,7 +446,9 @@ class Flow:
         receive: Receive,
         client: ClientChannel,
         record: RequestRecord,
+        body_read: Callable[[], None],
     ) -> str:
+        """`body_read` counts the request out of its client's bodies still arriving."""
         serving = config.serving
         deadline = record.arrival + serving.request_timeout_s
         gone = False
@@ -438,11 +459,16 @@ class Flow:
             try:
                 # One deadline for the whole body, not a gap between chunks: a byte a
                 # second would reset a gap timer forever while holding a retained slot.
-                with trio.move_on_at(record.arrival + serving.body_timeout_s) as body_scope:
-                    raw = await read_body(
-                        receive, content_length(headers), serving.max_request_bytes
-                    )
+                try:
+                    with trio.move_on_at(record.arrival + serving.body_timeout_s) as body_scope:
+                        raw = await read_body(
+                            receive, content_length(headers), serving.max_request_bytes
+                        )
+                finally:
+                    body_read()
                 if body_scope.cancelled_caught:
+                    # Bodies that arrived together time out together: see Paced.
+                    await self.ctx.deadline_answers.turn()
                     raise _body_timeout("serving.body_timeout_s", serving.body_timeout_s)
                 reading_body = False
                 client.close_connection = False
@@ -487,7 +513,9 @@ class Flow:
             # Outside the expired scope; the write itself is bounded by the client
             # stall limit, so this cannot hang. A body still arriving when the request's
             # deadline passes (at or before serving.body_timeout_s) is the same client
-            # fault as one past the body's own deadline.
+            # fault as one past the body's own deadline. Deadlines that expire together
+            # are answered a few at a time: see Paced.
+            await self.ctx.deadline_answers.turn()
             error = record.abort
             if error is None and reading_body:
                 error = _body_timeout("serving.request_timeout_s", serving.request_timeout_s)

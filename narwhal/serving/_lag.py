@@ -26,6 +26,10 @@ was measured: a leg waits on the loop about a dozen times, so at that lag the ro
 alone can spend the whole deadline. For this the probe also records how late its timer
 fired (one long synchronous stall shows only there), and a probe that is due but has
 not run yet counts with its wait so far.
+
+Pacing (`Paced`). Work that many tasks become ready for in the same pass (answers to
+requests whose deadlines expired together) is spread over passes, so that the loop
+keeps polling I/O meanwhile.
 """
 
 from __future__ import annotations
@@ -123,3 +127,27 @@ class LoopLag:
             "lag_p99_s": at(0.99),
             "lag_max_s": at(1.0),
         }
+
+
+class Paced:
+    """Work that many tasks become ready for at once, at most `per_pass` per pass of the
+    scheduler.
+
+    trio runs every task that is runnable when a pass begins before it polls for I/O
+    again. Request deadlines that expire together (a slowloris's POSTs, opened together,
+    reach serving.body_timeout_s together) make that many tasks runnable in one pass,
+    and each answers, logs and counts its request in one step: no other client is read
+    or written until all of them are done (with 2,048 of them another client waited up
+    to 0.67 s, tools/bench/body_timeouts.py). `turn()` returns in a later pass than the
+    one it is called in, to at most `per_pass` callers per pass, so I/O is polled
+    between them. It is a CapacityLimiter taken and given back at once: acquiring yields
+    even when a token is free, and a token given back goes to the longest waiter, which
+    then runs in the next pass.
+    """
+
+    def __init__(self, per_pass: int) -> None:
+        self._limiter = trio.CapacityLimiter(per_pass)
+
+    async def turn(self) -> None:
+        async with self._limiter:
+            pass

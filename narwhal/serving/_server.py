@@ -19,7 +19,12 @@ established connections, each pass taking hundreds of ms) new connections wait i
 kernel's backlog for seconds before their first byte is read. One readiness wake-up now
 accepts everything pending, up to `ACCEPT_BURST` and the room listen.max_open_connections
 leaves (`OpenConnections`): at that limit the longest-idle connection is closed to make
-room for a new one, and with none idle new ones wait in the backlog.
+room for a new one, and with none idle new ones wait in the backlog. Likewise per client
+address at listen.max_open_connections_per_client, among that address's connections; with
+none of them idle, the new one is answered 429 `connections_per_client` at once, before
+its request is read (there is no request to wait for yet, and waiting for one would let
+a client that trickles its head hold the connection), and closed as a refused request's
+connection is (`_linger`).
 
 hypercorn's HTTP/1.1 protocol stops reading a connection while a request is in flight
 and bytes of another one (pipelined, or stray bytes after a body) are already buffered:
@@ -63,7 +68,7 @@ protocol error's, the app's to a request whose body it left unread: a 413 over
 serving.max_request_bytes, a 408 at serving.body_timeout_s, a 429 or 503 before the
 body; or one to a request that closes its connection with more bytes behind it) first
 ends its sending side and reads and drops what the client sends, for at most 1 s and
-256 kB (`_StallBoundTCPServer._linger`): closing with the client's bytes unread resets
+256 kB (`_linger`): closing with the client's bytes unread resets
 the connection, and the client's next write fails before it reads why. hypercorn
 closes after the app's answer from the app's task, so the read loop, the only task
 that may read the stream, is stopped and lingers and closes instead.
@@ -101,10 +106,11 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
 
-from .._errors import MalformedRequest
+from .._errors import MalformedRequest, NarwhalError
 from ..config import Listen
 from ._client import json_bytes
 from ._connections import OpenConnections
+from ._per_client import client_key
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -123,21 +129,22 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, e
 _ACCEPT_SKIP_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 _ACCEPT_CAPACITY_PAUSE_S = 0.1
 # After a protocol error's answer, what is read (and dropped) of the client's bytes
-# before the connection closes: see _StallBoundTCPServer._linger.
+# before the connection closes: see _linger.
 _LINGER_S = 1.0
 _LINGER_BYTES = 256 * 1024
 
 
 def accept_pending(
     listening: socket.socket, limit: int
-) -> tuple[list[trio.SocketStream], int | None]:
-    """Every connection waiting on a non-blocking listening socket, up to `limit`,
-    without yielding; and the errno that stopped it early if the process or system ran
-    out of descriptors or memory (None: the backlog was emptied, or `limit` reached)."""
-    streams: list[trio.SocketStream] = []
+) -> tuple[list[tuple[trio.SocketStream, str]], int | None]:
+    """Every connection waiting on a non-blocking listening socket, up to `limit`, with
+    its client's host, without yielding; and the errno that stopped it early if the
+    process or system ran out of descriptors or memory (None: the backlog was emptied,
+    or `limit` reached)."""
+    streams: list[tuple[trio.SocketStream, str]] = []
     while len(streams) < limit:
         try:
-            conn, _ = listening.accept()
+            conn, address = listening.accept()
         except BlockingIOError:
             break
         except OSError as exc:
@@ -146,7 +153,8 @@ def accept_pending(
             if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
                 return streams, exc.errno
             raise
-        streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+        streams.append((stream, str(address[0])))
     return streams, None
 
 
@@ -155,6 +163,65 @@ async def _serve_connection(
 ) -> None:
     try:
         await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
+        open_connections.closed(stream)
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Before a connection closes after an answer the client may still be sending to,
+    end the sending side and read until the client closes (at most _LINGER_S and
+    _LINGER_BYTES).
+
+    Closing a socket with unread bytes resets the connection, and a client still
+    sending (an HTTP/2 client's frames after its preface, the rest of an oversized
+    head, or of a body the app refused) then fails its next write: an HTTP/2 client
+    through httpx posting a body reported a broken pipe, not the GOAWAY, and a
+    client that stops at the failed write never reads its 413 or 408 (httpx's
+    HTTP/1.1 client reads on after one). Linux keeps an answer that arrived before
+    the reset readable, but RFC 9112 9.6 warns that a reset may erase it first.
+    The bounds keep what a refused client can hold (its connection slot) small.
+    This runs in the task that reads the stream (the read loop's, or the refusal's),
+    so nothing else is reading it."""
+    try:
+        await stream.send_eof()
+        dropped = 0
+        with trio.move_on_after(_LINGER_S):
+            while dropped < _LINGER_BYTES:
+                data = await stream.receive_some(MAX_RECV)
+                if not data:
+                    break
+                dropped += len(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+        pass
+
+
+def _answer(error: NarwhalError) -> bytes:
+    """`error` as a whole HTTP/1.1 response that closes its connection."""
+    body = json_bytes(error.envelope())
+    head = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}".encode(),
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        *(name + b": " + value for name, value in error.headers()),
+        b"connection: close",
+    ]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+async def _refuse_connection(
+    stream: trio.SocketStream, error: NarwhalError, open_connections: OpenConnections
+) -> None:
+    """Answer a connection refused at accept with `error` without reading its request,
+    and close it once the client has read it (at most _LINGER_S). The answer fits an
+    empty socket buffer, so it goes out at once."""
+    open_connections.refusing(stream, stream.socket.close)
+    try:
+        with trio.move_on_after(_LINGER_S):
+            await stream.send_all(_answer(error))
+        await _linger(stream)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
     finally:
         await trio.aclose_forcefully(stream)
         open_connections.closed(stream)
@@ -188,9 +255,12 @@ async def _accept_until_cancelled(
             while not open_connections.make_room():
                 await open_connections.wait_room()
         streams, failed = accept_pending(listening, min(ACCEPT_BURST, open_connections.room()))
-        for stream in streams:
-            open_connections.opened()
-            connections.start_soon(_serve_connection, handler, stream, open_connections)
+        for stream, host in streams:
+            refusal = open_connections.opened(stream, client_key(host))
+            if refusal is None:
+                connections.start_soon(_serve_connection, handler, stream, open_connections)
+            else:
+                connections.start_soon(_refuse_connection, stream, refusal, open_connections)
         if failed is None:
             open_connections.accepted_all()
             continue
@@ -773,30 +843,9 @@ class _StallBoundTCPServer(TCPServer):
         )
 
     async def _linger(self) -> None:
-        """Before a connection closes after an answer the client may still be sending
-        to, end the sending side and read until the client closes (at most _LINGER_S
-        and _LINGER_BYTES).
-
-        Closing a socket with unread bytes resets the connection, and a client still
-        sending (an HTTP/2 client's frames after its preface, the rest of an oversized
-        head, or of a body the app refused) then fails its next write: an HTTP/2 client
-        through httpx posting a body reported a broken pipe, not the GOAWAY, and a
-        client that stops at the failed write never reads its 413 or 408 (httpx's
-        HTTP/1.1 client reads on after one). Linux keeps an answer that arrived before
-        the reset readable, but RFC 9112 9.6 warns that a reset may erase it first.
-        The bounds keep what a refused client can hold (its connection slot) small.
-        This runs in the read loop's task, so nothing else is reading the stream."""
-        try:
-            await self.stream.send_eof()
-            dropped = 0
-            with trio.move_on_after(_LINGER_S):
-                while dropped < _LINGER_BYTES:
-                    data = await self.stream.receive_some(MAX_RECV)
-                    if not data:
-                        break
-                    dropped += len(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-            pass
+        """`_linger` in the read loop's task (hypercorn types its stream for TLS, which
+        Narwhal does not serve)."""
+        await _linger(cast(trio.SocketStream, self.stream))
 
 
 async def serve_app(

@@ -38,6 +38,7 @@ _CLIENT_OUTCOMES = frozenset(
         "invalid_api_key",
         "request_too_large",
         "body_timeout",
+        "pending_bodies_per_client",
         "context_length_exceeded",
         "engine_rejected_request",
     }

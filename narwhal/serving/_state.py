@@ -13,6 +13,7 @@ from ..engines import PoolStatistics
 from ..fleet import EngineState
 from ._context import ServingContext
 from ._context_check import engine_rule
+from ._per_client import PerClientStatistics
 from ._slo import attainment
 
 _LISTED_REQUESTS = 200
@@ -89,6 +90,17 @@ def slo_state(ctx: ServingContext, now: float) -> dict[str, object]:
     }
 
 
+def _per_client(stats: PerClientStatistics) -> dict[str, object]:
+    return {
+        "limit_per_client": stats.limit,
+        "counted": stats.counted,
+        "clients": stats.clients,
+        "busiest": stats.busiest,
+        "refused_total": stats.refused,
+        "refusing": stats.refusing,
+    }
+
+
 def state_document(ctx: ServingContext) -> dict[str, object]:
     now = trio.current_time()
     gate = ctx.gate.statistics()
@@ -143,6 +155,10 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 str(status): count for status, count in sorted(ctx.protocol_errors.items())
             },
             "open_files": None if ctx.descriptors is None else ctx.descriptors.to_json(),
+        },
+        "clients": {
+            "connections": _per_client(connections.per_client),
+            "pending_bodies": _per_client(ctx.pending_bodies.statistics()),
         },
         "retry_budget": {
             "level": round(budget.level, 3),
@@ -222,6 +238,13 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
         "listen.max_open_connections as configured.",
         [],
         [([], connections.configured_limit)],
+    )
+    yield (
+        "narwhal_request_bodies_pending",
+        "Completion requests whose bodies are still arriving (at most "
+        "serving.max_pending_bodies_per_client from one client address).",
+        [],
+        [([], ctx.pending_bodies.statistics().counted)],
     )
     yield "narwhal_retry_budget", "Retry credits available.", [], [([], ctx.retry_budget.level)]
     share = ctx.slo.attainment(trio.current_time())

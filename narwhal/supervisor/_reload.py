@@ -96,6 +96,7 @@ async def apply_config(
         max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
     )
     ctx.apply_descriptors(descriptors)
+    ctx.apply_client_limits(effective)
     ctx.retry_budget.reconfigure(
         maximum=float(serving.retry_budget), replenish=serving.retry_replenish
     )

@@ -45,6 +45,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "admin.port": (8001, "0..65535"),
     "admin.token": (None, "printable ASCII without spaces, 1..1024 characters"),
     "admin.token_file": (None, "non-empty"),
+    "listen.max_open_connections_per_client": (0, ">= 0"),  # (model) 0 derives
     "ctl.socket": ("runs/narwhal.sock", "non-empty, at most 107 bytes"),
     "log.level": ("info", '"debug", "info", "warning", "error"'),
     # manual 4.1
@@ -66,6 +67,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "serving.max_response_bytes": (16777216, ">= 1"),
     "serving.client_stall_s": (0.5, "> 0"),  # (model) manual 4.3 client backpressure
     "serving.body_timeout_s": (30.0, "> 0"),  # (model) manual 4.2 bodies being read
+    "serving.max_pending_bodies_per_client": (0, ">= 0"),  # (model) 0 derives
     # manual 6
     "serving.request_timeout_s": (600.0, "> 0"),
     "serving.prefill_timeout_s": (120.0, "> 0"),
@@ -199,3 +201,32 @@ def test_control_connections_zero_derives_two_per_engine_with_a_minimum_of_four(
     )
     assert config.engine.control_pool_size(engines) == total
     assert control_share(config) == each
+
+
+@pytest.mark.parametrize(
+    ("listen", "serving", "connections", "bodies"),
+    [
+        # The defaults: twice the retained-request ceiling of 512, an eighth of it.
+        ({}, {}, 1024, 64),
+        # A connection table smaller than twice the ceiling bounds the derivation.
+        ({"max_open_connections": 1500}, {"max_connections": 1000}, 1500, 125),
+        # A small ceiling: floors of 64 and 8.
+        ({}, {"max_connections": 16}, 64, 8),
+        ({"max_open_connections": 40}, {"max_connections": 16}, 40, 8),
+        # Explicit values are taken as they are.
+        (
+            {"max_open_connections_per_client": 7},
+            {"max_pending_bodies_per_client": 3},
+            7,
+            3,
+        ),
+    ],
+)
+def test_per_client_limits_zero_derives_from_the_retained_ceiling(
+    listen: dict[str, int], serving: dict[str, int], connections: int, bodies: int
+) -> None:
+    config = load_config(
+        document(engines=[{"id": "a", "url": "http://h:1"}], listen=listen, serving=serving)
+    )
+    assert config.connections_per_client() == connections
+    assert config.serving.pending_bodies_per_client() == bodies

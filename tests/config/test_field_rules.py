@@ -42,6 +42,11 @@ _BASE = document(
         ("serving.retry_replenish", -0.1, "serving.retry_replenish: -0.1 is outside 0.0..1.0"),
         ("serving.max_request_bytes", 0, "serving.max_request_bytes: 0 must be at least 1"),
         ("serving.max_response_bytes", 0, "serving.max_response_bytes: 0 must be at least 1"),
+        (
+            "serving.max_pending_bodies_per_client",
+            -1,
+            "serving.max_pending_bodies_per_client: -1 must be nonnegative",
+        ),
         ("engine.control_connections", -1, "engine.control_connections: -1 must be nonnegative"),
         (
             "engine.decode_read_timeout_s",
@@ -57,6 +62,11 @@ _BASE = document(
             "listen.max_open_connections",
             0,
             "listen.max_open_connections: 0 must be at least 1",
+        ),
+        (
+            "listen.max_open_connections_per_client",
+            -1,
+            "listen.max_open_connections_per_client: -1 must be nonnegative",
         ),
         ("controller.monitor_interval_s", 0, "controller.monitor_interval_s: 0.0 must be positive"),
         (

@@ -141,7 +141,11 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             new = merge(
                 base,
                 {
-                    "serving": {"max_connections": 32, "request_timeout_s": 30.0},
+                    "serving": {
+                        "max_connections": 32,
+                        "request_timeout_s": 30.0,
+                        "max_pending_bodies_per_client": 5,
+                    },
                     "slo": {"ttft_s": 0.75},
                 },
             )
@@ -161,6 +165,8 @@ async def test_reload_adds_and_retires_engines_while_resident_work_finishes(
             assert [e.id for e in ctx.fleet.retiring] == ["d1"]
             assert ctx.gate.statistics().max_admitted == 32
             assert ctx.connections.limit == 100  # applied in place, unlike the port
+            # Per client: as set, and derived from the new ceiling (twice 32).
+            assert (ctx.pending_bodies.limit, ctx.connections.per_client.limit) == (5, 64)
             assert ctx.config.serving.request_timeout_s == 30.0
             # Decode-side load signals average over the new TTFT target's timescale.
             assert ctx.first_token_lags.tau_s == ctx.kv_turnover.tau_s == 0.75

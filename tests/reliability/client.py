@@ -124,6 +124,7 @@ async def exchange(
     hang_up: HangUp | None = None,
     read: bool = True,
     receive_buffer: int | None = None,
+    local_address: str | None = None,
     give_up_s: float = 30.0,
     on_start: Callable[[Exchange], None] | None = None,
 ) -> Exchange:
@@ -137,6 +138,7 @@ async def exchange(
     is a client that stops reading (the router must disconnect it); it needs a
     `hang_up` to end. Network errors never escape: they are what the exchange records.
     `on_start` gets the exchange as soon as it exists, to watch it while it runs.
+    `local_address` is the client's own (another loopback address is another client).
     """
     assert read or hang_up is not None, "a client that never reads needs a hang_up"
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -151,7 +153,7 @@ async def exchange(
     sock: trio.SocketStream | None = None
     try:
         with trio.move_on_after(give_up_s) as bound:
-            sock = await _connect(host, port, receive_buffer)
+            sock = await _connect(host, port, receive_buffer, local_address)
             head = [
                 ("host", f"{host}:{port}"),
                 ("content-type", "application/json"),
@@ -195,11 +197,15 @@ async def exchange(
     return ex
 
 
-async def _connect(host: str, port: int, receive_buffer: int | None) -> trio.SocketStream:
+async def _connect(
+    host: str, port: int, receive_buffer: int | None, local_address: str | None
+) -> trio.SocketStream:
     if receive_buffer is None:
-        return await trio.open_tcp_stream(host, port)
+        return await trio.open_tcp_stream(host, port, local_address=local_address)
     sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    if local_address is not None:
+        await sock.bind((local_address, 0))
     await sock.connect((host, port))
     return trio.SocketStream(sock)
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from typing import Any
+
 import httpx
 import pytest
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from narwhal.serving._lag import EXCUSE_FLOOR_S, LAG_PROBE_S, LAG_WINDOW, LoopLag
+from narwhal.config import load_config
+from narwhal.serving import ServingContext
+from narwhal.serving._app import App
+from narwhal.serving._context import DEADLINE_ANSWERS_PER_PASS
+from narwhal.serving._lag import EXCUSE_FLOOR_S, LAG_PROBE_S, LAG_WINDOW, LoopLag, Paced
 
 from .conftest import StartStack
 
@@ -110,3 +117,99 @@ async def test_a_running_router_reports_loop_lag_and_process_metrics(
     assert loop["probe_interval_s"] == LAG_PROBE_S
     assert isinstance(loop["samples"], int)
     assert set(loop) == {"probe_interval_s", "samples", "lag_p50_s", "lag_p99_s", "lag_max_s"}
+
+
+class _Passes(trio.abc.Instrument):
+    """Counts passes of the scheduler: each begins after a poll for I/O."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.count += 1
+
+
+async def test_paced_work_takes_a_few_tasks_per_pass_of_the_scheduler() -> None:
+    # Hundreds of deadlines that expire together make their tasks runnable in one pass,
+    # which then polls no I/O until all of them have answered: paced, they answer a few
+    # per pass, none in the pass it became ready in.
+    passes = _Passes()
+    paced = Paced(3)
+    took: list[tuple[int, int]] = []  # (task, pass)
+    ready = trio.Event()
+
+    async def answer(index: int) -> None:
+        await ready.wait()
+        called = passes.count
+        await paced.turn()
+        assert passes.count > called
+        took.append((index, passes.count))
+
+    trio.lowlevel.add_instrument(passes)
+    try:
+        async with trio.open_nursery() as nursery:
+            for index in range(10):
+                nursery.start_soon(answer, index)
+            await trio.testing.wait_all_tasks_blocked()
+            ready.set()
+    finally:
+        trio.lowlevel.remove_instrument(passes)
+    per_pass: dict[int, int] = {}
+    for _, at in took:
+        per_pass[at] = per_pass.get(at, 0) + 1
+    assert sorted(per_pass.values(), reverse=True) == [3, 3, 3, 1]
+    assert len(took) == 10
+
+
+async def test_body_timeouts_that_expire_together_are_answered_a_few_per_pass(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 48 requests whose bodies never come, all arrived at the same moment: their
+    # serving.body_timeout_s expires in one pass, and their 408s used to go out in it too.
+    ctx = ServingContext(
+        load_config(
+            {
+                "engines": [
+                    {"id": "p0", "url": "http://127.0.0.1:1", "role": "prefill"},
+                    {"id": "d0", "url": "http://127.0.0.1:2", "role": "decode"},
+                ],
+                "serving": {"admission": "open", "body_timeout_s": 5.0},
+            }
+        )
+    )
+    app = App(ctx)
+    passes = _Passes()
+    answered: list[tuple[int, int]] = []  # (status, pass)
+
+    async def never() -> MutableMapping[str, Any]:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            answered.append((message["status"], passes.count))
+
+    async def request(index: int) -> None:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"content-length", b"100")],
+            "client": (f"192.0.2.{index}", 40000),
+        }
+        await app(scope, never, send)
+
+    trio.lowlevel.add_instrument(passes)
+    try:
+        async with trio.open_nursery() as nursery:
+            for index in range(48):
+                nursery.start_soon(request, index)
+    finally:
+        trio.lowlevel.remove_instrument(passes)
+    assert trio.current_time() == 5.0
+    assert [status for status, _ in answered] == [408] * 48
+    per_pass: dict[int, int] = {}
+    for _, at in answered:
+        per_pass[at] = per_pass.get(at, 0) + 1
+    assert max(per_pass.values()) == DEADLINE_ANSWERS_PER_PASS
+    assert len(per_pass) == 48 // DEADLINE_ANSWERS_PER_PASS

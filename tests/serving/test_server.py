@@ -53,7 +53,8 @@ async def test_every_pending_connection_is_accepted_without_yielding() -> None:
             rest, stopped_again = accept_pending(listening, 10)
             assert (len(first), len(rest), stopped, stopped_again) == (3, 2, None, None)
             assert accept_pending(listening, 10) == ([], None)
-            for stream in first + rest:
+            assert {host for _, host in first + rest} == {"127.0.0.1"}
+            for stream, _ in first + rest:
                 stream.socket.close()
         finally:
             for client in clients:
