@@ -402,7 +402,7 @@ async def test_a_prompt_the_scheduler_refuses_is_answered_with_its_refusal(
     error = response.json()["error"]
     # Both legs are refused at once; the first refusal read is the answer.
     leg, refusal = error.pop("message").split(" returned 400 in its stream: ")
-    assert leg in ("prefill engine p0", "decode engine d1")
+    assert leg in ("prefill engine", "decode engine")  # no engine id: expose_engine_details
     assert refusal == (
         "Input length (8190 tokens) exceeds the maximum allowed length (8186 tokens). Use a "
         "shorter input or enable --allow-auto-truncate."
