@@ -54,7 +54,7 @@ Monitoring-stage failure
   starved to read the answers in time) fails one pass per engine.health_timeout_s, not
   one per interval, and a fleet that refuses every connection one pass per interval.
   controller.monitor_failure_limit consecutive failed passes put Narwhal in the degraded
-  state: `ServingContext.degraded_reason` names the cause and new admissions get a 503
+  state: `MonitorHost.degraded_reason` names the cause and new admissions get a 503
   with code `degraded`; requests already admitted continue. The first pass that
   succeeds clears it. The monitor is the only writer of `degraded_reason`.
 
@@ -73,7 +73,7 @@ import trio
 from prometheus_client import Counter
 
 from ..fleet import EngineState
-from ..serving import ServingContext
+from ._host import MonitorHost
 from ._probe import LoadSample, Prober, ScrapeError
 from ._service import Recovery
 
@@ -133,7 +133,7 @@ class _Scrape:
 class Monitor:
     def __init__(
         self,
-        ctx: ServingContext,
+        ctx: MonitorHost,
         recovery: Recovery,
         prober: Prober,
         *,

@@ -65,7 +65,7 @@ from prometheus_client import Counter
 from .._errors import EngineFailed
 from ..config import Config
 from ..fleet import EngineState, Phase, key_refused, model_refused
-from ..serving import DecodeGaps, ServingContext
+from ..signals import DecodeGaps
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._health import (
     HealthTracker,
@@ -75,6 +75,7 @@ from ._health import (
     Verdict,
     VerdictChange,
 )
+from ._host import RecoveryHost
 from ._probe import (
     HttpProber,
     KeyCheck,
@@ -332,7 +333,7 @@ class Recovery:
 
     def __init__(
         self,
-        ctx: ServingContext,
+        ctx: RecoveryHost,
         *,
         prober: Prober | None = None,
         predictor: Predictor | None = None,
