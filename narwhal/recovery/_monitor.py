@@ -73,8 +73,8 @@ import trio
 from prometheus_client import Counter
 
 from ..fleet import EngineState
+from ._evidence import LoadSample, Prober, ScrapeError
 from ._host import MonitorHost
-from ._probe import LoadSample, Prober, ScrapeError
 from ._service import Recovery
 
 log = logging.getLogger("narwhal.monitor")

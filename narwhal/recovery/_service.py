@@ -67,17 +67,7 @@ from ..config import Config
 from ..fleet import EngineState, Phase, key_refused, model_refused
 from ..signals import DecodeGaps
 from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
-from ._health import (
-    HealthTracker,
-    IdentityTracker,
-    ResidualWindow,
-    RestartHold,
-    Verdict,
-    VerdictChange,
-)
-from ._host import RecoveryHost
-from ._probe import (
-    HttpProber,
+from ._evidence import (
     KeyCheck,
     KeyRefusal,
     LoadSample,
@@ -87,6 +77,16 @@ from ._probe import (
     VerifyPair,
     VerifyResult,
 )
+from ._health import (
+    HealthTracker,
+    IdentityTracker,
+    ResidualWindow,
+    RestartHold,
+    Verdict,
+    VerdictChange,
+)
+from ._host import RecoveryHost
+from ._probe import HttpProber
 
 log = logging.getLogger("narwhal.recovery")
 
