@@ -38,9 +38,5 @@ from ._monitor import (
     PassHandler as PassHandler,
 )
 from ._probe import HttpProber as HttpProber
-from ._service import (
-    EngineRecovery as EngineRecovery,
-    LegObservation as LegObservation,
-    Predictor as Predictor,
-    Recovery as Recovery,
-)
+from ._record import EngineRecovery as EngineRecovery, LegObservation as LegObservation
+from ._service import Predictor as Predictor, Recovery as Recovery

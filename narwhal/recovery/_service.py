@@ -60,13 +60,12 @@ from typing import TypeVar
 
 import attrs
 import trio
-from prometheus_client import Counter
 
 from .._errors import EngineFailed
 from ..config import Config
 from ..fleet import EngineState, Phase, key_refused, model_refused
 from ..signals import DecodeGaps
-from ._breaker import Breaker, BreakerEvent, BreakerSettings, BreakerState, Transition
+from ._breaker import BreakerEvent, BreakerSettings, BreakerState, Transition
 from ._evidence import (
     KeyCheck,
     KeyRefusal,
@@ -77,29 +76,18 @@ from ._evidence import (
     VerifyPair,
     VerifyResult,
 )
+from ._expose import RecoveryMetrics, live_gauges, state_document
 from ._health import (
-    HealthTracker,
-    IdentityTracker,
-    ResidualWindow,
-    RestartHold,
     Verdict,
     VerdictChange,
 )
 from ._host import RecoveryHost
 from ._probe import HttpProber
+from ._record import PHASES, EngineRecovery, LegObservation
 
 log = logging.getLogger("narwhal.recovery")
 
-PHASES = ("prefill", "decode")
 _RECENT_CHANGES = 200
-# Successful legs kept per engine between two monitor passes. The profile predicts only
-# some legs (uncontended prefill legs inside its domain, decode legs with enough clean
-# token gaps at a load inside its domain), and on a busy engine most legs
-# are not of that kind; keeping only the last one would let a busy, slow engine's
-# residuals go missing most passes, while a few dozen cover a pass at any load the
-# fleet can serve.
-_PENDING_LEGS = 64
-_TRANSFER_FAILURES = 1024
 # EngineFailed.code of an SGLang pair's failed KV transfer (serving's _transfer_failed).
 _TRANSFER_FAILED = "kv_transfer_failed"
 # EngineFailed.code of a leg that could not connect (serving's _engine_request).
@@ -114,31 +102,6 @@ def _resent(result: VerifyResult) -> bool:
     """A verification pair that failed at once is sent again (`Recovery._verify`); one
     that ran out engine.first_token_timeout_s has waited its deadline already."""
     return result.outcome == "failed" and result.deadline_s is None
-
-
-@attrs.frozen
-class LegObservation:
-    """One successful engine leg and the router-side load on the engine as it ended."""
-
-    engine_id: str
-    phase: str
-    duration_s: float
-    at: float
-    prompt_tokens: int
-    prefill_inflight: int
-    prefill_tokens_inflight: int
-    decode_active: int
-    decode_tokens: int
-    contended: bool = False  # another leg shared the engine during this one
-    gaps: DecodeGaps | None = None  # a streamed leg's token intervals
-
-    @property
-    def observed_s(self) -> float:
-        """What a residual compares with the prediction: a decode leg's median token
-        interval (its duration is its output's length), any other leg's duration."""
-        if self.phase == "decode" and self.gaps is not None:
-            return self.gaps.median_s
-        return self.duration_s
 
 
 _R = TypeVar("_R", ProbeResult, VerifyResult)
@@ -185,122 +148,6 @@ def _latest_predicted(
     return None
 
 
-class EngineRecovery:
-    """Recovery's bookkeeping for one `EngineState` instance."""
-
-    def __init__(self, engine: EngineState, config: Config) -> None:
-        self.engine = engine
-        settings = BreakerSettings.from_config(config.recovery.breaker)
-        self.breakers = {phase: Breaker(engine.id, phase, settings) for phase in PHASES}
-        self.health = HealthTracker()
-        self.hold = RestartHold()
-        self.identity = IdentityTracker()
-        self.residuals = ResidualWindow()
-        self.pending: deque[LegObservation] = deque(maxlen=_PENDING_LEGS)
-        # Ejected for latency: good probes do not count toward readmission before this,
-        # unless no other engine in placement takes its role's work.
-        self.latency_until = -math.inf
-        self.latency_cuts_total = 0
-        # Readmission verifications of this instance that failed in a row, and when the
-        # next may run (`Recovery._verify_due`).
-        self.failed_verifications = 0
-        self.readmit_after = -math.inf
-        self.readmit_wait_s = 0.0
-        # When this engine's SGLang pairs failed their KV transfer, within the breaker
-        # window (`Recovery._transfer_failed`).
-        # (time, leg number, partner) of each; legs are numbered by answered legs and these.
-        self.transfer_failures: deque[tuple[float, int, str]] = deque(maxlen=_TRANSFER_FAILURES)
-        self.legs_seen = 0
-        self.wake = trio.Event()
-        self.scope: trio.CancelScope | None = None
-        self.next_verify_at = -math.inf
-        self.quarantine_active = False
-        # When a leg last failed to connect (`Recovery._unreachable`); only a probe sent
-        # after it may return the engine to placement.
-        self.unreachable_at = -math.inf
-        self.probe_now = False
-        self.last_probe: ProbeResult | None = None
-        self.last_probe_at: float | None = None
-        # The identity check's refusal was logged; until /version answers again.
-        self.identity_refused = False
-        self.last_key_check: KeyCheck | None = None
-        self.last_key_check_at: float | None = None
-        self.last_verification: dict[str, object] | None = None
-        engine.phase_gates.update(self.breakers)
-
-    def readmission_wanted(self) -> bool:
-        verdict = self.health.verdict
-        return verdict is Verdict.VERIFYING or (self.hold.active and verdict is Verdict.UP)
-
-    def waiting(self, now: float) -> bool:
-        """Out of placement and waiting to be verified for readmission: ejected, or held
-        for the rest of recovery.restart_hold_s (what `Recovery._alone` can cut short)."""
-        return self.health.verdict is Verdict.EJECTED or self.hold.waiting(now)
-
-    def breaker_wanted(self) -> bool:
-        # While ejected or held, the readmission verification comes first.
-        return (
-            self.health.verdict is Verdict.UP
-            and not self.hold.active
-            and any(b.state is BreakerState.HALF_OPEN for b in self.breakers.values())
-        )
-
-    def next_due(self, *, backoff_cut: bool = False) -> float:
-        """When the engine's loop has something to do next; with `backoff_cut`, a
-        readmission verification does not wait for `readmit_after`
-        (`Recovery._backoff_cut`)."""
-        times = [due for b in self.breakers.values() if (due := b.due()) is not None]
-        if self.quarantine_active:
-            times.append(self.engine.quarantined_until)
-        # While the engine refuses Narwhal's key its legs would be refused too: the key
-        # check (after each good probe) comes first.
-        if self.engine.auth_refused is None:
-            if self.readmission_wanted():
-                hold_due = self.hold.verify_after if self.hold.active else -math.inf
-                backoff = -math.inf if backoff_cut else self.readmit_after
-                times.append(max(self.next_verify_at, hold_due, backoff))
-            if self.breaker_wanted():
-                times.append(self.next_verify_at)
-        return min(times, default=math.inf)
-
-    def snapshot(self, now: float, *, backoff_cut: bool = False) -> dict[str, object]:
-        engine = self.engine
-        # With the backoff cut, the next verification waits only for a probe interval
-        # after the last (`next_verify_at`).
-        verify_at = self.next_verify_at if backoff_cut else self.readmit_after
-        return {
-            "breakers": {phase: b.snapshot(now) for phase, b in self.breakers.items()},
-            "health": {
-                **self.health.snapshot(),
-                "readmission_in_s": round(self.latency_until - now, 3)
-                if now < self.latency_until
-                else None,
-                "latency_cut_short_total": self.latency_cuts_total,
-                "failed_verifications": self.failed_verifications,
-                "verify_in_s": round(verify_at - now, 3) if now < verify_at else None,
-                "last_probe": _last(self.last_probe, self.last_probe_at, now),
-            },
-            "auth": {
-                "refused": engine.auth_refused,
-                "last_check": _last(self.last_key_check, self.last_key_check_at, now),
-            },
-            "ejected": engine.ejected,
-            "unreachable": engine.unreachable,
-            "hold": self.hold.snapshot(now),
-            "quarantine": {
-                "active": now < engine.quarantined_until,
-                "remaining_s": round(max(0.0, engine.quarantined_until - now), 3)
-                if now < engine.quarantined_until
-                else None,
-            },
-            "identity": self.identity.snapshot(),
-            "residuals": self.residuals.snapshot(),
-            "last_verification": self.last_verification,
-            "drained": engine.drained,
-            "pinned": engine.pinned,
-        }
-
-
 def _refusal(engine: EngineState) -> str | None:
     """Why `engine` would refuse a verification leg whatever its health: Narwhal's key
     (`fleet.key_refused`) or the model (`fleet.model_refused`)."""
@@ -314,18 +161,6 @@ def _refusal(engine: EngineState) -> str | None:
 def _work(engine: EngineState) -> Phase:
     """The work of `engine`'s role, as placement names it."""
     return "aggregate" if engine.role == "both" else engine.role
-
-
-def _last(
-    result: ProbeResult | KeyCheck | None, at: float | None, now: float
-) -> dict[str, object] | None:
-    if result is None:
-        return None
-    return {
-        "outcome": result.outcome,
-        "detail": result.detail,
-        "age_s": round(now - (at or now), 3),
-    }
 
 
 class Recovery:
@@ -352,49 +187,7 @@ class Recovery:
         self._nursery: trio.Nursery | None = None
         self._verify_seq = 0
         self.recent_changes: deque[dict[str, object]] = deque(maxlen=_RECENT_CHANGES)
-        registry = ctx.metrics.registry
-        self._m_transitions = Counter(
-            "narwhal_recovery_transitions",
-            "Recovery verdict changes by engine, kind (breaker, health, hold, quarantine, "
-            "reachability), phase and states.",
-            ["engine", "kind", "phase", "from", "to"],
-            registry=registry,
-        )
-        self._m_probes = Counter(
-            "narwhal_health_probes",
-            "Health probes by engine and outcome (ok, failed, inconclusive).",
-            ["engine", "outcome"],
-            registry=registry,
-        )
-        self._m_verifications = Counter(
-            "narwhal_verifications",
-            "Verification leg pairs by engine, purpose (breaker, readmission) and outcome "
-            "(ok, failed, inconclusive, refused: a leg refused narwhal's API key; retried: "
-            "failed at once and sent again, only the second pair counts).",
-            ["engine", "purpose", "outcome"],
-            registry=registry,
-        )
-        self._m_key_checks = Counter(
-            "narwhal_auth_checks",
-            "API key checks of engines that refused narwhal's key, or whose /version did, "
-            "by engine and outcome (accepted, refused, failed, inconclusive).",
-            ["engine", "outcome"],
-            registry=registry,
-        )
-        self._m_excused = Counter(
-            "narwhal_router_lag_excused",
-            "Evidence against an engine set aside because the router's own event loop "
-            "lagged at least a tenth of the deadline or duration meanwhile, by engine and "
-            "evidence (health_probe, verification, leg_failure, residual).",
-            ["engine", "evidence"],
-            registry=registry,
-        )
-        self._m_counted = Counter(
-            "narwhal_counted_failures",
-            "Engine leg failures counted against the engine (breakers, quarantine).",
-            ["engine", "phase"],
-            registry=registry,
-        )
+        self.metrics = RecoveryMetrics.register(ctx.metrics.registry)
         ctx.metrics.add_live_gauges(self._gauges)
         ctx.fleet.watch(self.placement_changed)
 
@@ -479,7 +272,7 @@ class Recovery:
             return
         if self.ctx.loop_lag.excuse(duration_s, since=now - duration_s) is not None:
             # Its duration is partly the router's.
-            self._m_excused.labels(engine.id, "residual").inc()
+            self.metrics.excused.labels(engine.id, "residual").inc()
             return
         record.pending.append(
             LegObservation(
@@ -505,7 +298,7 @@ class Recovery:
             excuse = self.ctx.loop_lag.excuse(failure.deadline_s)
         if not failure.counts_against_engine or excuse is not None:
             if excuse is not None:
-                self._m_excused.labels(engine.id, "leg_failure").inc()
+                self.metrics.excused.labels(engine.id, "leg_failure").inc()
             log.log(
                 logging.DEBUG if excuse is None else logging.INFO,
                 "leg failure not counted against %s: %s%s",
@@ -554,7 +347,7 @@ class Recovery:
         """A failure counted against the engine: its phase's breaker and quarantine."""
         engine = record.engine
         now = trio.current_time()
-        self._m_counted.labels(engine.id, phase).inc()
+        self.metrics.counted.labels(engine.id, phase).inc()
         # An aggregate leg ran both phases on this engine; either may have failed.
         phases = PHASES if phase == "aggregate" else (phase,) if phase in PHASES else ()
         for name in phases:
@@ -766,7 +559,7 @@ class Recovery:
         result = self._excused(engine, "health_probe", started, result)
         record.last_probe = result
         record.last_probe_at = trio.current_time()
-        self._m_probes.labels(engine.id, result.outcome).inc()
+        self.metrics.probes.labels(engine.id, result.outcome).inc()
         fields = {
             "event": "probe",
             "engine": engine.id,
@@ -1041,7 +834,7 @@ class Recovery:
     def _key_checked(self, record: EngineRecovery, result: KeyCheck) -> None:
         record.last_key_check = result
         record.last_key_check_at = trio.current_time()
-        self._m_key_checks.labels(record.engine.id, result.outcome).inc()
+        self.metrics.key_checks.labels(record.engine.id, result.outcome).inc()
 
     def observe_metrics(self, engine: EngineState, sample: LoadSample) -> None:
         """The monitor scraped `engine`'s /metrics: a restart may show there."""
@@ -1196,7 +989,7 @@ class Recovery:
         excuse = self.ctx.loop_lag.excuse(result.deadline_s, since=started)
         if excuse is None:
             return result
-        self._m_excused.labels(engine.id, evidence).inc()
+        self.metrics.excused.labels(engine.id, evidence).inc()
         return attrs.evolve(result, outcome="inconclusive", detail=f"{result.detail}; {excuse}")
 
     def _interval(self) -> float:
@@ -1245,7 +1038,7 @@ class Recovery:
         duration = trio.current_time() - started
         retried = retry and _resent(result)
         outcome = "retried" if retried else result.outcome
-        self._m_verifications.labels(subject.id, purpose, outcome).inc()
+        self.metrics.verifications.labels(subject.id, purpose, outcome).inc()
         verification: dict[str, object] = {
             "request_id": request_id,
             "purpose": purpose,
@@ -1497,7 +1290,7 @@ class Recovery:
     def _changed(
         self, engine_id: str, kind: str, phase: str | None, old: str, new: str, reason: str
     ) -> None:
-        self._m_transitions.labels(engine_id, kind, phase or "", old, new).inc()
+        self.metrics.transitions.labels(engine_id, kind, phase or "", old, new).inc()
         entry: dict[str, object] = {
             "at": round(trio.current_time() - self.ctx.started_at, 6),
             "engine": engine_id,
@@ -1527,48 +1320,7 @@ class Recovery:
 
     def state(self) -> dict[str, object]:
         now = trio.current_time()
-        return {
-            "engines": {
-                engine_id: record.snapshot(now, backoff_cut=self._backoff_cut(record, now))
-                for engine_id, record in self._records.items()
-            },
-            "recent_changes": list(self.recent_changes)[-50:],
-        }
+        return state_document(self._records, self.recent_changes, self._backoff_cut, now)
 
     def _gauges(self) -> Iterator[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
-        now = trio.current_time()
-        records = list(self._records.values())
-        codes = {BreakerState.CLOSED: 0.0, BreakerState.OPEN: 1.0, BreakerState.HALF_OPEN: 2.0}
-        yield (
-            "narwhal_breaker_state",
-            "Circuit breaker per engine and phase: 0 closed, 1 open, 2 half-open.",
-            ["engine", "phase"],
-            [
-                ([r.engine.id, phase], codes[b.state])
-                for r in records
-                for phase, b in r.breakers.items()
-            ],
-        )
-        flags: list[tuple[str, str, Callable[[EngineRecovery], bool]]] = [
-            ("ejected", "1 while health-ejected.", lambda r: r.engine.ejected is not None),
-            ("held", "1 while under a restart hold.", lambda r: r.hold.active),
-            (
-                "unreachable",
-                "1 while out after a leg could not connect, until a probe answers.",
-                lambda r: r.engine.unreachable is not None,
-            ),
-            (
-                "quarantined",
-                "1 while quarantined after a failure.",
-                lambda r: now < r.engine.quarantined_until,
-            ),
-            ("drained", "1 while drained by the operator.", lambda r: r.engine.drained),
-            ("pinned", "1 while pinned by the operator.", lambda r: r.engine.pinned),
-        ]
-        for name, help_text, test in flags:
-            yield (
-                f"narwhal_engine_{name}",
-                help_text,
-                ["engine"],
-                [([r.engine.id], float(test(r))) for r in records],
-            )
+        return live_gauges(list(self._records.values()), trio.current_time())
