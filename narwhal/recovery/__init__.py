@@ -30,6 +30,7 @@ from ._health import (
     Verdict as Verdict,
     VerdictChange as VerdictChange,
 )
+from ._legs import Predictor as Predictor
 from ._load import METRICS_BODY_LIMIT as METRICS_BODY_LIMIT, parse_load as parse_load
 from ._monitor import (
     EngineObservation as EngineObservation,
@@ -39,4 +40,4 @@ from ._monitor import (
 )
 from ._probe import HttpProber as HttpProber
 from ._record import EngineRecovery as EngineRecovery, LegObservation as LegObservation
-from ._service import Predictor as Predictor, Recovery as Recovery
+from ._service import Recovery as Recovery

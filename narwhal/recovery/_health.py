@@ -9,7 +9,7 @@ Health verdict (`HealthTracker`)
              (a peer router drops such an engine for good).
   verifying  recovery.health.readmit_successes consecutive good probes after an
              ejection, or one when no other engine in placement takes the work of the
-             engine's role (`Recovery._last_of_role`): every request that needs that role
+             engine's role (`Verdicts.last_of_role`): every request that needs that role
              is refused meanwhile, so each further probe interval is an outage of the
              whole service. Readmission waits for one verification leg pair to pass
              either way; that pair, not the probe streak, is what shows the engine serves.

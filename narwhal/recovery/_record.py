@@ -81,12 +81,12 @@ class EngineRecovery:
         self.latency_until = -math.inf
         self.latency_cuts_total = 0
         # Readmission verifications of this instance that failed in a row, and when the
-        # next may run (`Recovery._verify_due`).
+        # next may run (`Verification.verify_due`).
         self.failed_verifications = 0
         self.readmit_after = -math.inf
         self.readmit_wait_s = 0.0
         # When this engine's SGLang pairs failed their KV transfer, within the breaker
-        # window (`Recovery._transfer_failed`).
+        # window (`TransferAttribution`).
         # (time, leg number, partner) of each; legs are numbered by answered legs and these.
         self.transfer_failures: deque[tuple[float, int, str]] = deque(maxlen=_TRANSFER_FAILURES)
         self.legs_seen = 0
@@ -94,7 +94,7 @@ class EngineRecovery:
         self.scope: trio.CancelScope | None = None
         self.next_verify_at = -math.inf
         self.quarantine_active = False
-        # When a leg last failed to connect (`Recovery._unreachable`); only a probe sent
+        # When a leg last failed to connect (`LegAccounting._unreachable`); only a probe sent
         # after it may return the engine to placement.
         self.unreachable_at = -math.inf
         self.probe_now = False
@@ -113,7 +113,7 @@ class EngineRecovery:
 
     def waiting(self, now: float) -> bool:
         """Out of placement and waiting to be verified for readmission: ejected, or held
-        for the rest of recovery.restart_hold_s (what `Recovery._alone` can cut short)."""
+        for the rest of recovery.restart_hold_s (what `Verdicts.alone` can cut short)."""
         return self.health.verdict is Verdict.EJECTED or self.hold.waiting(now)
 
     def breaker_wanted(self) -> bool:
@@ -127,7 +127,7 @@ class EngineRecovery:
     def next_due(self, *, backoff_cut: bool = False) -> float:
         """When the engine's loop has something to do next; with `backoff_cut`, a
         readmission verification does not wait for `readmit_after`
-        (`Recovery._backoff_cut`)."""
+        (`Verdicts.backoff_cut`)."""
         times = [due for b in self.breakers.values() if (due := b.due()) is not None]
         if self.quarantine_active:
             times.append(self.engine.quarantined_until)
