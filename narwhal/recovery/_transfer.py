@@ -13,7 +13,8 @@ Invariants
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import trio
 
@@ -28,6 +29,36 @@ TRANSFER_FAILED = "kv_transfer_failed"
 
 # (record, phase, message, code): counts a failure against the record's engine.
 Count = Callable[[EngineRecovery, str, str, str], None]
+# (when, leg number, partner id) of one failed transfer (`EngineRecovery.transfer_failures`).
+TransferFailure = tuple[float, int, str]
+
+
+def suspect(
+    failures: Sequence[TransferFailure],
+    legs_seen: int,
+    *,
+    threshold: int,
+    ratio: float,
+    available: Callable[[], int],
+) -> tuple[int, int] | None:
+    """(failed, legs) when an engine's own transfer failures make it the suspect, or None.
+
+    `failures` are the engine's failed transfers within the breaker window, oldest
+    first, as (time, leg number, partner); `legs_seen` numbers its legs so far;
+    `available` counts the engines of the other role that could pair with it. A suspect
+    failed `threshold` transfers (recovery.breaker.failure_threshold), they are at least
+    `ratio` (recovery.breaker.failure_ratio) of its legs since the first of them, and
+    they were with at least two partners, or with every one available if fewer. Whether
+    its peers' transfers work is the caller's to check (`_transferring_peer`)."""
+    if len(failures) < threshold:
+        return None
+    failed, legs = threshold, legs_seen - failures[-threshold][1] + 1
+    if failed < ratio * legs:
+        return None
+    partners = {partner for _, _, partner in list(failures)[-threshold:]}
+    if len(partners) < min(2, available()):
+        return None
+    return failed, legs
 
 
 class TransferAttribution:
@@ -58,7 +89,7 @@ class TransferAttribution:
         broken engine fails its transfers with that one engine only (and, since a decode
         engine that fails fast looks idle and draws most pairs, a large share of its
         recent legs), so it is not counted; an engine alone in its role is never
-        counted, as before (nothing to compare it with). Once counted, its breaker and
+        counted (nothing to compare it with). Once counted, its breaker and
         quarantine judge it as they do any engine's failures."""
         now = trio.current_time()
         window = self.ctx.config.recovery.breaker.window_s
@@ -79,15 +110,16 @@ class TransferAttribution:
         settings = self.ctx.config.recovery.breaker
         ratio, threshold = settings.failure_ratio, settings.failure_threshold
         for record, phase in involved:
-            recent = record.transfer_failures
-            if len(recent) < threshold:
+            share = suspect(
+                record.transfer_failures,
+                record.legs_seen,
+                threshold=threshold,
+                ratio=ratio,
+                available=partial(self._partners_available, record.engine),
+            )
+            if share is None:
                 continue
-            failed, legs = threshold, record.legs_seen - recent[-threshold][1] + 1
-            if failed < ratio * legs:
-                continue
-            partners = {partner for _, _, partner in list(recent)[-threshold:]}
-            if len(partners) < min(2, self._partners_available(record.engine)):
-                continue
+            failed, legs = share
             peer = self._transferring_peer(record, phase, now, ratio / 2)
             if peer is None:
                 continue

@@ -2,7 +2,7 @@
 
 Owns
   `Verification`: when a verification is due (`verify_due`), which engines run its pair
-  (`_pair`), whose fault a failed pair is (`_attribute`), and the backoff after
+  (`_pair`), whose fault a failed pair is (`attribute`), and the backoff after
   readmission verifications that failed in a row (`_verification_failed`). It holds
   `before_release`, awaited before a restarted engine's hold is lifted.
 
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
 from ..fleet import EngineState, Phase, key_refused, model_refused
 from ._breaker import BreakerEvent, BreakerState
-from ._evidence import ModelRefusal, Prober, VerifyPair, VerifyResult
+from ._evidence import ModelRefusal, Prober, VerifyOutcome, VerifyPair, VerifyResult
 from ._record import PHASES, EngineRecovery
 from ._verdicts import Verdicts, work
 
@@ -42,13 +42,31 @@ log = logging.getLogger("narwhal.recovery")
 _VERIFY_BACKOFF_MAX = 8
 
 
-def _resent(result: VerifyResult) -> bool:
+# What a breaker's verification tells it: "refused" (a leg refused Narwhal's key or the
+# model) says nothing of the engine's health, no more than "inconclusive" does.
+BREAKER_EVENTS: Mapping[VerifyOutcome, BreakerEvent] = {
+    "ok": BreakerEvent.VERIFY_OK,
+    "failed": BreakerEvent.VERIFY_FAILED,
+    "inconclusive": BreakerEvent.VERIFY_INCONCLUSIVE,
+    "refused": BreakerEvent.VERIFY_INCONCLUSIVE,
+}
+
+
+def backoff_wait(failed: int, interval: float) -> float:
+    """How long after the last readmission verification the next waits once `failed`
+    (at least two) failed in a row: twice as long as the one before, from one probe
+    `interval` up to _VERIFY_BACKOFF_MAX of them."""
+    doubling: int = 2 ** (failed - 1)
+    return interval * min(doubling, _VERIFY_BACKOFF_MAX)
+
+
+def resent(result: VerifyResult) -> bool:
     """A verification pair that failed at once is sent again (`_verify`); one
     that ran out engine.first_token_timeout_s has waited its deadline already."""
     return result.outcome == "failed" and result.deadline_s is None
 
 
-def _attribute(pair: VerifyPair, result: VerifyResult) -> VerifyResult:
+def attribute(pair: VerifyPair, result: VerifyResult) -> VerifyResult:
     """A failed pair with a standby partner is a failed verification of the subject only
     when the failure is certainly the subject's own (`VerifyResult.culprit`).
 
@@ -131,12 +149,7 @@ class Verification:
                 if breaker.state is not BreakerState.HALF_OPEN:
                     continue
                 result = await self._verify(record, "breaker", breaker.phase)
-                event = {
-                    "ok": BreakerEvent.VERIFY_OK,
-                    "failed": BreakerEvent.VERIFY_FAILED,
-                    "inconclusive": BreakerEvent.VERIFY_INCONCLUSIVE,
-                    "refused": BreakerEvent.VERIFY_INCONCLUSIVE,
-                }[result.outcome]
+                event = BREAKER_EVENTS[result.outcome]
                 transition = breaker.handle(event, trio.current_time(), result.detail)
                 if transition is not None:
                     self.verdicts.breaker_changed(transition)
@@ -163,7 +176,7 @@ class Verification:
         if failed < 2:
             return ""
         interval = self.verdicts.interval()
-        wait = interval * min(2 ** (failed - 1), _VERIFY_BACKOFF_MAX)
+        wait = backoff_wait(failed, interval)
         record.readmit_after = trio.current_time() + wait
         record.readmit_wait_s = wait
         detail = (
@@ -200,7 +213,7 @@ class Verification:
         waited its deadline already, and a stalled engine would hold its loop twice as
         long."""
         result = await self._verify_once(record, purpose, phase, retry=True)
-        if _resent(result):
+        if resent(result):
             result = await self._verify_once(record, purpose, phase, retry=False)
         return result
 
@@ -219,7 +232,7 @@ class Verification:
         else:
             partner, standby = pair.partner, pair.standby
             result = await self.prober.verify(pair, self.ctx.config)
-            result = _attribute(
+            result = attribute(
                 pair, self.verdicts.excused(subject, "verification", started, result)
             )
         refusal = result.refusal
@@ -228,7 +241,7 @@ class Verification:
         elif refusal is not None:
             key_refused(refusal.engine, refusal.status, refusal.message, self.ctx.config)
         duration = trio.current_time() - started
-        retried = retry and _resent(result)
+        retried = retry and resent(result)
         outcome = "retried" if retried else result.outcome
         self.metrics.verifications.labels(subject.id, purpose, outcome).inc()
         verification: dict[str, object] = {
@@ -268,7 +281,7 @@ class Verification:
         engine that refuses Narwhal's API key is passed over, since its leg would be
         refused; when only such engines answer, the skip names them. A standby
         partner is no known-good reference, so only a failure certainly the subject's
-        counts against it (`_attribute`); a pair that passes readmits the subject alone,
+        counts against it (`attribute`); a pair that passes readmits the subject alone,
         the partner waits for its own verification.
         """
         if phase not in PHASES or subject.role == "both":
