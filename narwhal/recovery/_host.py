@@ -5,7 +5,7 @@ Owns
   recovery never imports serving.
 
 Invariants
-  Read each time, never copied: a reload replaces `config` in place of the old one.
+  Read each time, never copied: a reload replaces `config`.
   The monitor is the only writer of `degraded_reason`.
 """
 

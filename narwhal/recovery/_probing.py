@@ -18,10 +18,15 @@ Invariants
   restart hold and a verification) when it comes up.
 
 Errors
-  A /version refused for Narwhal's API key marks the engine auth-refused unless a key
-  check at once accepts the key (then only /version is guarded more); it is logged once
-  until /version answers again. HTTP 200 on the key check clears the refusal (one
-  `engine_auth_recovered` log line); anything else keeps it.
+  A /version refused for Narwhal's API key (SGLang guards it) marks the engine
+  auth-refused unless a key check at once accepts the key (then only /version is guarded
+  more); it is logged once until /version answers again. While the engine refuses the
+  key (`EngineState.auth_refused`, set on a 401/403 by the request path or by recovery's
+  own requests), each good probe is followed by a key check: GET /v1/models, which the
+  engine guards with its --api-key where it leaves its health route open. HTTP 200
+  clears the refusal and the engine takes work again (one `engine_auth_recovered` log
+  line); a refusal keeps it out, and any other failure too, the health probes judging
+  the engine itself.
 """
 
 from __future__ import annotations

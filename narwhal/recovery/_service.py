@@ -3,9 +3,9 @@
 Owns
   `Recovery`, the supervisor's service and the request path's `LegObserver`: it adopts
   each engine instance (`EngineRecovery`, its breakers installed as `phase_gates`) and
-  runs one probe loop per engine. Three of `EngineState`'s availability flags are
-  recovery's (`ejected`, `held_until`, `quarantined_until`, and `unreachable`); drains
-  and pins belong to the operator (narwhalctl), `removed` to reload.
+  runs one probe loop per engine. Four of `EngineState`'s availability flags are
+  recovery's (`ejected`, `held_until`, `quarantined_until`, `unreachable`); drains and
+  pins belong to the operator (narwhalctl), `removed` to reload.
 
 Invariants
   The work is split along its seams, each owning its part of the record:
