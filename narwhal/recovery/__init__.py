@@ -9,25 +9,8 @@ from ._breaker import (
     BreakerState as BreakerState,
     Transition as Transition,
 )
-from ._health import (
-    HealthTracker as HealthTracker,
-    Identity as Identity,
-    IdentityTracker as IdentityTracker,
-    ResidualWindow as ResidualWindow,
-    RestartHold as RestartHold,
-    Verdict as Verdict,
-    VerdictChange as VerdictChange,
-)
-from ._monitor import (
-    EngineObservation as EngineObservation,
-    Monitor as Monitor,
-    MonitorPass as MonitorPass,
-    PassHandler as PassHandler,
-)
-from ._probe import (
-    METRICS_BODY_LIMIT as METRICS_BODY_LIMIT,
+from ._evidence import (
     ContextReading as ContextReading,
-    HttpProber as HttpProber,
     KeyCheck as KeyCheck,
     KeyRefusal as KeyRefusal,
     LoadSample as LoadSample,
@@ -37,11 +20,24 @@ from ._probe import (
     ScrapeError as ScrapeError,
     VerifyPair as VerifyPair,
     VerifyResult as VerifyResult,
-    parse_load as parse_load,
 )
-from ._service import (
-    EngineRecovery as EngineRecovery,
-    LegObservation as LegObservation,
-    Predictor as Predictor,
-    Recovery as Recovery,
+from ._health import (
+    HealthTracker as HealthTracker,
+    Identity as Identity,
+    IdentityTracker as IdentityTracker,
+    ResidualWindow as ResidualWindow,
+    RestartHold as RestartHold,
+    Verdict as Verdict,
+    VerdictChange as VerdictChange,
 )
+from ._legs import Predictor as Predictor
+from ._load import METRICS_BODY_LIMIT as METRICS_BODY_LIMIT, parse_load as parse_load
+from ._monitor import (
+    EngineObservation as EngineObservation,
+    Monitor as Monitor,
+    MonitorPass as MonitorPass,
+    PassHandler as PassHandler,
+)
+from ._probe import HttpProber as HttpProber
+from ._record import EngineRecovery as EngineRecovery, LegObservation as LegObservation
+from ._service import Recovery as Recovery

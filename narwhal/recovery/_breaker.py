@@ -1,32 +1,25 @@
 """Circuit breakers, one per engine per phase: an explicit, pure state machine.
 
-A breaker guards one phase (prefill or decode) of one engine. It never sees a socket or
-a clock: the recovery service feeds it events with the current time and acts on the
-transitions it returns, so every path through it is a row of `TRANSITIONS` and can be
-tested without I/O.
+Owns
+  `Breaker` (one phase, prefill or decode, of one engine), the `TRANSITIONS` table every
+  path through it is a row of, and `RECORDED`, where a failure is remembered.
 
-States
-  closed     placement may use the phase.
-  open       the phase takes no new work; resident requests finish where they are.
-  half_open  recovery.breaker.open_s has passed and a functional verification runs on
-             the control pool (a complete prefill leg and a complete decode leg, each
-             bounded by engine.first_token_timeout_s); still no new work.
-
-What counts
-  Only failures whose `EngineFailed.counts_against_engine` is true: transport failures,
-  engine 5xx, timeouts, broken streams. Client errors (4xx caused by the request) and
-  429 (the engine is busy, not broken) never reach a breaker. A failure is charged to
+Invariants
+  A breaker never sees a socket or a clock: recovery feeds it events with the current
+  time and acts on the transitions it returns, so it is tested without I/O.
+  Only failures whose `EngineFailed.counts_against_engine` is true reach it: transport
+  failures, engine 5xx, timeouts, broken streams. Client errors (4xx caused by the
+  request) and 429 (the engine is busy, not broken) never do. A failure is charged to
   the phase of the leg that failed, so a prefill failure never touches the decode
-  breaker of the pair's decode engine (a peer router opens both). An aggregate leg ran
-  both phases on one engine and is charged to both of that engine's breakers.
-
-Counting is by window, not by streak: the breaker opens when, within
-recovery.breaker.window_s, at least recovery.breaker.failure_threshold counted failures
-happened AND they are at least recovery.breaker.failure_ratio of the phase's legs there.
-The ratio matters at volume: an engine serving a hundred legs a second with one fault
-in a thousand reaches any count in a window, and must stay in service. Failure times
-are kept only up to the threshold, and legs are counted in ten buckets per window, so
-memory stays bounded under any rate.
+  breaker of the pair's decode engine (a peer router opens both); an aggregate leg ran
+  both phases on one engine and is charged to both of its breakers.
+  Counting is by window, not by streak: the breaker opens when, within
+  recovery.breaker.window_s, at least recovery.breaker.failure_threshold counted
+  failures happened AND they are at least recovery.breaker.failure_ratio of the phase's
+  legs there. The ratio matters at volume: an engine serving a hundred legs a second
+  with one fault in a thousand reaches any count in a window, and must stay in service.
+  Failure times are kept only up to the threshold, and legs are counted in ten buckets
+  per window, so memory stays bounded under any rate.
 """
 
 from __future__ import annotations
@@ -41,6 +34,12 @@ from ..config import Breaker as BreakerConfig
 
 
 class BreakerState(enum.Enum):
+    """closed: placement may use the phase. open: the phase takes no new work; resident
+    requests finish where they are. half_open: recovery.breaker.open_s has passed and a
+    functional verification runs on the control pool (a complete prefill leg and a
+    complete decode leg, each bounded by engine.first_token_timeout_s); still no new
+    work."""
+
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"

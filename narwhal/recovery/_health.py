@@ -1,57 +1,15 @@
 """Per-engine health verdicts, latency residuals and restart holds. Pure: no I/O, no clock.
 
-Health verdict (`HealthTracker`)
-  up         the engine may take work (other flags permitting).
-  ejected    recovery.health.failure_threshold consecutive failed /health probes, a
-             failed first probe at startup, a failed readmission verification, or a
-             latency-residual ejection. Nothing is placed on it; probing continues, so an
-             engine that is down at startup is kept and readmitted when it comes up
-             (a peer router drops such an engine for good).
-  verifying  recovery.health.readmit_successes consecutive good probes after an
-             ejection, or one when no other engine in placement takes the work of the
-             engine's role (`Recovery._last_of_role`): every request that needs that role
-             is refused meanwhile, so each further probe interval is an outage of the
-             whole service. Readmission waits for one verification leg pair to pass
-             either way; that pair, not the probe streak, is what shows the engine serves.
-             An engine ejected for latency waits recovery.health.window_s before its good
-             probes count, unless its role has no other engine in placement.
+Owns
+  `HealthTracker` (the health verdict: up, ejected, verifying), `ResidualWindow` (latency
+  residuals against the profile), `RestartHold` and `IdentityTracker` (restarts).
 
-A probe that could not run because the control pool was exhausted is no evidence either
-way and leaves the verdict and the streaks unchanged (manual 4.1).
-
-Latency residuals (`ResidualWindow`)
-  The ratio of an observed leg latency to the latency the engine's profile predicts for
-  it: a prefill leg's duration, a decode leg's median token interval (against the
-  profile's interval at the engine's load during the stream). Each monitor pass
-  contributes at most one per engine (manual 7), so a window of recovery.health.window_s
-  holds at most window_s / controller.monitor_interval_s of them; once it holds
-  recovery.health.min_samples, a median ratio at or above recovery.health.eject_ratio
-  ejects the engine. The median, not the mean: one slow leg behind a long prompt must
-  not eject a healthy engine.
-
-Restart holds (`RestartHold`, `IdentityTracker`)
-  An engine has restarted when any of these shows it: GET /version reports another
-  instance id, build or version; it answers again after being unreachable, unless its
-  /version names the instance id it named before (unreachable, not restarted); its /metrics
-  reports another `process_start_time_seconds`; its prompt-token counter
-  (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards; or its load
-  gauges went missing after it had published them (SGLang). Its KV and
-  any handoff in flight are gone and its warm-up state is unknown. It is held out of
-  placement for recovery.restart_hold_s and then until a verification pair passes. While
-  no other engine in placement takes its role's work, the wait ends at its first good
-  probe (`RestartHold.cut`): a cold engine beats refusing all of that work.
-
-  Stock vLLM and SGLang report only their version on /version, so a restart quicker than
-  the health probe interval leaves no trace there; the monitor reads /metrics every pass.
-  vLLM with one API server (its default) serves prometheus_client's process collector,
-  whose `process_start_time_seconds` is fixed for the life of a process. vLLM with
-  several API servers and SGLang use prometheus multiprocess mode, which has no process
-  metrics, but a counter restarts from zero with its process (Prometheus reads a decrease
-  as a reset the same way): an engine that had prefilled anything is seen restarting by
-  its first scrape, which comes before it has prefilled as much again. SGLang 0.5.23's
-  counters are labelled, so a fresh process has no series until it serves a request; but
-  it has no load gauges either until its scheduler first reports, and a process that has
-  published them keeps them: gauges gone missing show a restart before any request.
+Invariants
+  Every method takes the time and the settings it needs; none reads a clock or sends a
+  request, so each can be tested without sockets. A change of verdict is returned
+  (`VerdictChange`), never logged here: the caller reports it (`Verdicts.changed`).
+  A probe that could not run because the control pool was exhausted is no evidence either
+  way and leaves the verdict and the streaks unchanged (manual 4.1).
 """
 
 from __future__ import annotations
@@ -82,6 +40,24 @@ class VerdictChange:
 
 
 class HealthTracker:
+    """One engine's health verdict.
+
+    up         the engine may take work (other flags permitting).
+    ejected    recovery.health.failure_threshold consecutive failed /health probes, a
+               failed first probe at startup, a failed readmission verification, or a
+               latency-residual ejection. Nothing is placed on it; probing continues, so an
+               engine that is down at startup is kept and readmitted when it comes up
+               (a peer router drops such an engine for good).
+    verifying  recovery.health.readmit_successes consecutive good probes after an
+               ejection, or one when no other engine in placement takes the work of the
+               engine's role (`Verdicts.last_of_role`): every request that needs that role
+               is refused meanwhile, so each further probe interval is an outage of the
+               whole service. Readmission waits for one verification leg pair to pass
+               either way; that pair, not the probe streak, is what shows the engine serves.
+               An engine ejected for latency waits recovery.health.window_s before its good
+               probes count, unless its role has no other engine in placement.
+    """
+
     def __init__(self) -> None:
         self.verdict = Verdict.UP
         self.reason: str | None = None
@@ -182,6 +158,18 @@ _MAX_RESIDUALS = 4096
 
 
 class ResidualWindow:
+    """One engine's latency residuals within recovery.health.window_s.
+
+    The ratio of an observed leg latency to the latency the engine's profile predicts for
+    it: a prefill leg's duration, a decode leg's median token interval (against the
+    profile's interval at the engine's load during the stream). Each monitor pass
+    contributes at most one per engine (manual 7), so a window of recovery.health.window_s
+    holds at most window_s / controller.monitor_interval_s of them; once it holds
+    recovery.health.min_samples, a median ratio at or above recovery.health.eject_ratio
+    ejects the engine. The median, not the mean: one slow leg behind a long prompt must
+    not eject a healthy engine.
+    """
+
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=_MAX_RESIDUALS)
 
@@ -228,7 +216,14 @@ class ResidualWindow:
 
 
 class RestartHold:
-    """Set on a detected restart; lifted only by a passing verification."""
+    """Set on a detected restart (`IdentityTracker`); lifted only by a passing verification.
+
+    A restarted engine's KV and any handoff in flight are gone and its warm-up state is
+    unknown. It is held out of placement for recovery.restart_hold_s and then until a
+    verification pair passes. While no other engine in placement takes its role's work,
+    the wait ends at its first good probe (`cut`): a cold engine beats refusing all of
+    that work.
+    """
 
     def __init__(self) -> None:
         self.active = False
@@ -285,7 +280,27 @@ class RestartHold:
 
 class IdentityTracker:
     """Notices restarts from /version identity changes, unreachable periods, and
-    /metrics process start times and counter resets."""
+    /metrics process start times and counter resets.
+
+    An engine has restarted when any of these shows it: GET /version reports another
+    instance id, build or version; it answers again after being unreachable, unless its
+    /version names the instance id it named before (unreachable, not restarted); its
+    /metrics reports another `process_start_time_seconds`; its prompt-token counter
+    (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`) went backwards; or its load
+    gauges went missing after it had published them (SGLang).
+
+    Stock vLLM and SGLang report only their version on /version, so a restart quicker than
+    the health probe interval leaves no trace there; the monitor reads /metrics every pass.
+    vLLM with one API server (its default) serves prometheus_client's process collector,
+    whose `process_start_time_seconds` is fixed for the life of a process. vLLM with
+    several API servers and SGLang use prometheus multiprocess mode, which has no process
+    metrics, but a counter restarts from zero with its process (Prometheus reads a decrease
+    as a reset the same way): an engine that had prefilled anything is seen restarting by
+    its first scrape, which comes before it has prefilled as much again. SGLang 0.5.23's
+    counters are labelled, so a fresh process has no series until it serves a request; but
+    it has no load gauges either until its scheduler first reports, and a process that has
+    published them keeps them: gauges gone missing show a restart before any request.
+    """
 
     def __init__(self) -> None:
         self.identity: Identity | None = None

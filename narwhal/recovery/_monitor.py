@@ -1,43 +1,26 @@
 """The monitor loop: one pass every controller.monitor_interval_s gathers what role
 control needs and hands it to the registered pass handlers.
 
-A pass has four stages:
+Owns
+  `Monitor` (its passes, failure streak and the degraded state they set) and
+  `MonitorPass`, what one pass hands its handlers. A pass has four stages:
+  1. load: GET /metrics of every engine not being removed (`Scrapes`): running and
+     waiting requests and KV-cache usage (`vllm:num_requests_running`,
+     `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, or SGLang's
+     equivalents); recovery reads a changed `process_start_time_seconds` or a
+     prompt-token counter that went backwards as a restart (`_health`);
+  2. residuals: at most one latency residual per engine (recovery's residual stage);
+  3. verdicts: each engine's availability and health verdict, frozen into `MonitorPass`;
+  4. handlers: every registered handler is awaited with the pass, each bounded by
+     max(controller.monitor_interval_s, engine.health_timeout_s).
 
-1. load: GET /metrics of every engine that is not being removed, concurrently on the
-   control pools, each bounded by engine.health_timeout_s but not waited for that long
-   (Scrapes, below); running and waiting requests and KV-cache usage
-   (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
-   `vllm:kv_cache_usage_perc`, or SGLang's equivalents). Recovery reads a changed
-   `process_start_time_seconds` or a prompt-token counter that went backwards as a
-   restart (`_health`);
-2. residuals: at most one latency residual per engine (recovery's residual stage);
-3. verdicts: each engine's availability and health verdict, frozen into `MonitorPass`;
-4. handlers: every registered handler is awaited with the pass, each bounded by
-   max(controller.monitor_interval_s, engine.health_timeout_s).
+Invariants
+  Passes start controller.monitor_interval_s apart; one that overruns (a slow handler)
+  is followed by the next at once, not by a burst of catch-up passes, so a slow pass
+  delays later ones and can undersample a residual window (manual 7). The monitor is
+  the only writer of `MonitorHost.degraded_reason`.
 
-Scrapes
-  Scrapes run in the monitor's own nursery, not in the pass: when they ran in the pass,
-  one engine whose /metrics accepted the connection and never answered held every pass,
-  and so the residual stage and the role controller for the whole fleet, for
-  engine.health_timeout_s. Each engine has at most one scrape in flight. A pass
-  1. takes, for each engine, the outcome of its scrape that finished since the last
-     pass took one (a late answer to an earlier pass's scrape);
-  2. starts a scrape of every engine that has none in flight;
-  3. waits for those of its own scrapes whose engine has no outcome yet, until they
-     have all finished or half of controller.monitor_interval_s has passed (the rest of
-     the interval is the other stages'), and takes the outcomes of those that finished;
-  4. reports each engine still without an outcome as in flight: its load is missing
-     (`load` None, never an earlier sample, so it is not mistaken for an idle engine),
-     `load_pending_s` says how long its scrape has been out, and `load_error` repeats
-     its previous scrape's failure, if that failed.
-  A scrape's outcome is acted on when it arrives, whichever pass takes it: recovery
-  sees a restart at once, and a failure is logged once (and again when the engine
-  answers) as before. So an engine whose /metrics hangs delays at most the first pass
-  after it hangs, by half an interval, and is scraped again every
-  engine.health_timeout_s; one that answers after its pass stopped waiting is observed
-  by the next pass, with a sample at most an interval old.
-
-Monitoring-stage failure
+Errors (monitoring-stage failures)
   A pass fails when any of these happens, and only then:
   - a stage raised (a bug, or data the stage cannot interpret);
   - no engine could be observed: every engine's /metrics failed (down, exhausted
@@ -49,32 +32,28 @@ Monitoring-stage failure
   - a pass handler raised or overran its bound (the role controller could not decide).
   A pass that observed no engine and took no failure (scrapes are in flight, within
   their engine.health_timeout_s) has no new evidence: it is inconclusive, neither
-  counting a failure nor clearing one. So each failed scrape is counted once, as when
-  passes waited for the scrapes: a fleet whose every /metrics hangs (or a router too
-  starved to read the answers in time) fails one pass per engine.health_timeout_s, not
-  one per interval, and a fleet that refuses every connection one pass per interval.
-  controller.monitor_failure_limit consecutive failed passes put Narwhal in the degraded
-  state: `ServingContext.degraded_reason` names the cause and new admissions get a 503
-  with code `degraded`; requests already admitted continue. The first pass that
-  succeeds clears it. The monitor is the only writer of `degraded_reason`.
-
-Passes start controller.monitor_interval_s apart; a pass that overruns (a slow handler)
-is followed by the next one at once (not by a burst of catch-up passes), so a slow pass
-delays later ones and can undersample a residual window (manual 7).
+  counting a failure nor clearing one. So each failed scrape is counted once: a fleet
+  whose every /metrics hangs (or a router too starved to read the answers in time)
+  fails one pass per engine.health_timeout_s, not one per interval, and a fleet that
+  refuses every connection one pass per interval. controller.monitor_failure_limit
+  consecutive failed passes put Narwhal in the degraded state: `degraded_reason` names
+  the cause and new admissions get a 503 with code `degraded`; requests already
+  admitted continue. The first pass that succeeds clears it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import attrs
 import trio
 from prometheus_client import Counter
 
 from ..fleet import EngineState
-from ..serving import ServingContext
-from ._probe import LoadSample, Prober, ScrapeError
+from ._evidence import LoadSample, Prober
+from ._host import MonitorHost
+from ._scrapes import Scrapes
 from ._service import Recovery
 
 log = logging.getLogger("narwhal.monitor")
@@ -116,24 +95,10 @@ class MonitorPass:
 PassHandler = Callable[[MonitorPass], Awaitable[None]]
 
 
-@attrs.define(eq=False)
-class _Scrape:
-    """One engine's /metrics scrape, from its start until a pass takes its outcome."""
-
-    engine: EngineState
-    pass_number: int
-    started_at: float
-    done: trio.Event = attrs.Factory(trio.Event)
-    sample: LoadSample | None = None
-    error: str | None = None
-    # The load stage raised (not a ScrapeError): a monitoring-stage failure.
-    raised: str | None = None
-
-
 class Monitor:
     def __init__(
         self,
-        ctx: ServingContext,
+        ctx: MonitorHost,
         recovery: Recovery,
         prober: Prober,
         *,
@@ -153,11 +118,7 @@ class Monitor:
         # inconclusive pass neither clears the failure count nor explains it, so the
         # state keeps the failures a degraded reason comes from.
         self.last_failed: tuple[int, tuple[str, ...]] | None = None
-        # Engines whose last finished scrape failed, with that scrape (logged once).
-        self.unscraped: dict[str, _Scrape] = {}
-        # Each engine's scrape that is in flight, or finished and not yet taken by a pass:
-        # at most one per engine.
-        self._scrapes: dict[str, _Scrape] = {}
+        self.scrapes = Scrapes(ctx, prober, recovery.observe_metrics)
         registry = ctx.metrics.registry
         self._m_passes = Counter(
             "narwhal_monitor_passes",
@@ -167,6 +128,11 @@ class Monitor:
             registry=registry,
         )
         ctx.metrics.add_live_gauges(self._gauges)
+
+    @property
+    def unscraped(self) -> Mapping[str, object]:
+        """Engines whose last finished scrape failed (`Scrapes.unscraped`)."""
+        return self.scrapes.unscraped
 
     def add_handler(self, name: str, handler: PassHandler) -> None:
         """Register a pass handler (the role controller); called after every pass."""
@@ -194,44 +160,13 @@ class Monitor:
         started = trio.current_time()
         failures: list[str] = []
         engines = [engine for engine in self.ctx.fleet if not engine.removed]
-        loads: dict[str, LoadSample] = {}
-        errors: dict[str, str] = {}
-        taken: set[str] = set()
-        self._forget_scrapes(engines)
-        for engine in engines:
-            scrape = self._scrapes.get(engine.id)
-            if scrape is not None and scrape.done.is_set():
-                self._take(scrape, taken, loads, errors, failures)
-        for engine in engines:
-            if engine.id not in self._scrapes:
-                scrape = _Scrape(engine, number, started)
-                self._scrapes[engine.id] = scrape
-                scrapes.start_soon(self._scrape, scrape)
-        awaited = [
-            scrape
-            for scrape in self._scrapes.values()
-            if scrape.pass_number == number and scrape.engine.id not in taken
-        ]
-        with trio.move_on_at(started + self.ctx.config.controller.monitor_interval_s / 2):
-            for scrape in awaited:
-                await scrape.done.wait()
-        for scrape in awaited:
-            if scrape.done.is_set():
-                self._take(scrape, taken, loads, errors, failures)
-        # Failures of scrapes this pass took: each failure is counted by one pass only.
-        new_failures = bool(errors)
-        now = trio.current_time()
-        pending: dict[str, float] = {}
-        for engine in engines:
-            if engine.id not in taken:
-                pending[engine.id] = now - self._scrapes[engine.id].started_at
-                failed = self.unscraped.get(engine.id)
-                if failed is not None:
-                    errors[engine.id] = str(failed.error)
+        gathered = await self.scrapes.gather(scrapes, engines, number, started)
+        failures.extend(gathered.failures)
+        loads, errors, pending = gathered.loads, gathered.errors, gathered.pending
         inconclusive = False
         if engines and not loads:
-            if new_failures and all(e.id in errors for e in engines):
-                failures.append(self._unobserved(engines, errors))
+            if gathered.new_failures and all(e.id in errors for e in engines):
+                failures.append(self.scrapes.unobserved(engines, errors))
             else:
                 inconclusive = True
         residuals: dict[str, float] = {}
@@ -258,114 +193,13 @@ class Monitor:
         self._account(number, tuple(failures), inconclusive=inconclusive)
         return result
 
-    def _forget_scrapes(self, engines: list[EngineState]) -> None:
-        """Drop the scrapes of engines a reload removed or replaced: a scrape still in
-        flight for one runs out on its own (engine.health_timeout_s), unseen, and an
-        engine added again under the same id is logged afresh when it fails."""
-        current = {engine.id: engine for engine in engines}
-        for scrapes in (self._scrapes, self.unscraped):
-            for engine_id, scrape in list(scrapes.items()):
-                if current.get(engine_id) is not scrape.engine:
-                    del scrapes[engine_id]
-
-    def _take(
-        self,
-        scrape: _Scrape,
-        taken: set[str],
-        loads: dict[str, LoadSample],
-        errors: dict[str, str],
-        failures: list[str],
-    ) -> None:
-        """Make a finished scrape's outcome this pass's observation of its engine."""
-        engine_id = scrape.engine.id
-        del self._scrapes[engine_id]
-        taken.add(engine_id)
-        if scrape.sample is not None:
-            loads[engine_id] = scrape.sample
-        if scrape.error is not None:
-            errors[engine_id] = scrape.error
-        if scrape.raised is not None:
-            failures.append(scrape.raised)
-
-    def _unobserved(self, engines: list[EngineState], errors: dict[str, str]) -> str:
-        failure = (
-            "no engine could be observed ("
-            + "; ".join(f"{e.id}: {errors.get(e.id, 'no answer')}" for e in engines)
-            + ")"
-        )
-        # Still a failure (the pass has no load to decide on), but say whose: under a
-        # client flood the degraded reason would otherwise point at the engines. The
-        # failures reported may be those of scrapes earlier passes started.
-        since = min(
-            [s.started_at for e in engines if (s := self.unscraped.get(e.id)) is not None],
-            default=trio.current_time(),
-        )
-        timeout = self.ctx.config.engine.health_timeout_s
-        lag = self.ctx.loop_lag.starved(timeout, since=since)
-        if lag is not None:
-            failure += (
-                f"; the router's own event loop lagged {lag:.3g} s while the scrapes ran "
-                "(router overload)"
-            )
-        return failure
-
-    async def _scrape(self, scrape: _Scrape) -> None:
-        engine = scrape.engine
-        try:
-            scrape.sample = sample = await self.prober.scrape(engine, self.ctx.config)
-            self.recovery.observe_metrics(engine, sample)
-        except ScrapeError as exc:
-            scrape.error = str(exc)
-            self._scrape_failed(scrape)
-        except Exception as exc:
-            log.exception("monitor load stage failed for %s", engine.id)
-            scrape.error = f"internal error: {exc!r}"
-            scrape.raised = f"load stage raised {type(exc).__name__} for {engine.id}: {exc}"
-        else:
-            self._scraped(scrape)
-        finally:
-            scrape.done.set()
-
-    def _scrape_failed(self, scrape: _Scrape) -> None:
-        """One engine's /metrics could not be read: not a monitor failure, but its load
-        is missing from role control and a restart shows there no more, which the
-        operator should hear of once (its health probes judge the engine itself)."""
-        engine = scrape.engine
-        if self._scrapes.get(engine.id) is not scrape:
-            return  # the engine was removed or replaced meanwhile
-        detail = str(scrape.error)
-        logged = engine.id in self.unscraped
-        self.unscraped[engine.id] = scrape
-        if logged:
-            return
-        log.warning(
-            "monitor cannot read the /metrics of %s: %s; its load is missing from role "
-            "control and a restart shows only on /version or when it stops answering",
-            engine.id,
-            detail,
-            extra={"event": "scrape", "engine": engine.id, "outcome": "failed", "detail": detail},
-        )
-
-    def _scraped(self, scrape: _Scrape) -> None:
-        engine = scrape.engine
-        if self._scrapes.get(engine.id) is not scrape:
-            return
-        failed = self.unscraped.pop(engine.id, None)
-        if failed is not None:
-            log.info(
-                "monitor reads the /metrics of %s again (it failed with: %s)",
-                engine.id,
-                failed.error,
-                extra={"event": "scrape", "engine": engine.id, "outcome": "ok"},
-            )
-
     def _observe(
         self,
         engines: list[EngineState],
-        loads: dict[str, LoadSample],
-        errors: dict[str, str],
+        loads: Mapping[str, LoadSample],
+        errors: Mapping[str, str],
         residuals: dict[str, float],
-        pending: dict[str, float],
+        pending: Mapping[str, float],
     ) -> tuple[EngineObservation, ...]:
         now = trio.current_time()
         out = []

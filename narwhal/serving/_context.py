@@ -25,6 +25,7 @@ from ..config import Config
 from ..engines._dialects import ChatTokenizeRefusals
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
+from ..signals import DecodeGaps as DecodeGaps, LegObserver as LegObserver
 from ._connections import OpenConnections
 from ._descriptors import DescriptorBudget, report
 from ._lag import LoopLag, Paced
@@ -39,56 +40,6 @@ DEGRADED_PUBLIC = "its monitor passes keep failing (controller.monitor_failure_l
 # Answers to requests a deadline ended, at most this many per pass of the scheduler
 # (`Paced`): each is a few hundred µs of work, so a pass stays within a few ms.
 DEADLINE_ANSWERS_PER_PASS = 16
-
-
-@attrs.frozen
-class DecodeGaps:
-    """A streamed decode leg's token intervals and the engine's load while they were
-    measured, summarised once as the stream ends for all that judge them: the role
-    controller (the median interval), the live decode correction (`positive` and
-    `positive_median_s`) and a latency residual against the decode profile (recovery).
-
-    The gaps are from the first token on (the KV wait and the prefill come before it),
-    at most the stream's first 256, rescaled to tokens when events carried several. The
-    load is the router's view of the engine at each read that brought them
-    (`EngineState.decode_active`, `decode_tokens`), weighted by the gaps each read gave:
-    its mean and its heaviest.
-
-    The correction counts only positive gaps (`DecodeCorrection`, rule 1): two reads at
-    one clock reading give gaps of zero, which the median of all the gaps keeps. With
-    none positive, `positive_median_s` is 0 and no correction takes the window."""
-
-    count: int
-    median_s: float
-    positive: int
-    positive_median_s: float
-    mean_active: float
-    mean_kv_tokens: float
-    max_active: int
-    max_kv_tokens: int
-
-
-class LegObserver(Protocol):
-    """Told the outcome of every engine leg; recovery implements it (breakers,
-    quarantine, latency residuals). Must not block: it runs on the request path.
-
-    `contended` is true when another leg shared the engine at any moment of this one:
-    its duration then includes work the profile does not price. `gaps` summarises a
-    streamed leg's token intervals (the summary the serving signals got), None when it
-    had none or when they are not the engine's alone (see `_GapLoad`)."""
-
-    def leg_ok(
-        self,
-        engine: EngineState,
-        phase: str,
-        duration_s: float,
-        *,
-        prompt_tokens: int = 0,
-        contended: bool = False,
-        gaps: DecodeGaps | None = None,
-    ) -> None: ...
-
-    def leg_failed(self, engine: EngineState, phase: str, failure: EngineFailed) -> None: ...
 
 
 class ServingSignals(Protocol):
