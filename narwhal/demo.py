@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import trio
 
+from .cli._common import closed_pipe_is_quiet
 from .config import Config, ConfigError, load_config_file
 from .engines._dialects import usage_tokens
 
@@ -269,6 +270,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=5)
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="narwhal-demo", description=__doc__)
     parser.add_argument("--config", default="conf/demo.json")

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..ctl import CtlProtocolError, CtlRequest, DaemonUnreachable, call
-from ._common import positive_seconds
+from ._common import closed_pipe_is_quiet, positive_seconds
 
 DEFAULT_SOCKET = "runs/narwhal.sock"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PROTOCOL = 0, 1, 2, 3, 4
@@ -95,6 +95,7 @@ def _socket_path(args: argparse.Namespace) -> str:
     return os.environ.get("NARWHAL_CTL_SOCKET") or DEFAULT_SOCKET
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     request = CtlRequest(args.command, getattr(args, "engine", None), getattr(args, "role", None))
