@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import trio
 
+from .cli._common import closed_pipe_is_quiet
 from .config import Config, ConfigError, load_config_file
 from .engines._dialects import usage_tokens
 
@@ -215,7 +216,12 @@ async def _wait_ready(client: httpx.AsyncClient, url: str, within_s: float) -> N
             await trio.sleep(0.1)
 
 
-async def drive(config: Config, *, requests: int, concurrency: int, seed: int) -> int:
+async def drive(
+    config: Config, *, requests: int, concurrency: int, seed: int
+) -> tuple[list[str], str | None]:
+    """Run the workload; print the final /narwhal/state. Returns the summary lines, which
+    the caller prints last (after the fleet has stopped), and why the run failed, if it
+    did."""
     url = f"http://{config.listen.host}:{config.listen.port}"
     admin = f"http://{config.admin.host}:{config.admin.port}"
     token = config.admin.bearer_token()
@@ -240,18 +246,22 @@ async def drive(config: Config, *, requests: int, concurrency: int, seed: int) -
         elapsed = trio.current_time() - started
         state = (await client.get(admin + "/narwhal/state", headers=admin_headers)).json()
     outcomes = Counter(r.outcome for r in results)
-    print("\n== Narwhal demo: summary ==")
-    print(
-        f"requests          {len(results)} in {elapsed:.1f} s ({len(results) / elapsed:.1f} req/s)"
-    )
-    print(f"outcomes          {dict(sorted(outcomes.items()))}")
-    print(f"streamed TTFT     {_percentiles([r.ttft_s for r in results if r.ttft_s is not None])}")
-    print(f"streamed TPOT     {_percentiles([r.tpot_s for r in results if r.tpot_s is not None])}")
-    durations = [r.duration_s for r in results if not r.job.stream and r.outcome == "ok"]
-    print(f"non-stream total  {_percentiles(durations)}")
     print("\n== /narwhal/state at the end ==")
     print(json.dumps(state, indent=2))
-    return 0 if outcomes.get("ok", 0) == len(results) else 1
+    durations = [r.duration_s for r in results if not r.job.stream and r.outcome == "ok"]
+    summary = [
+        "\n== Narwhal demo: summary ==",
+        f"requests          {len(results)} in {elapsed:.1f} s ({len(results) / elapsed:.1f} req/s)",
+        f"outcomes          {dict(sorted(outcomes.items()))}",
+        f"streamed TTFT     {_percentiles([r.ttft_s for r in results if r.ttft_s is not None])}",
+        f"streamed TPOT     {_percentiles([r.tpot_s for r in results if r.tpot_s is not None])}",
+        f"non-stream total  {_percentiles(durations)}",
+    ]
+    failed = len(results) - outcomes.get("ok", 0)
+    if not failed:
+        return summary, None
+    others = {k: v for k, v in sorted(outcomes.items()) if k != "ok"}
+    return summary, f"{failed} of {len(results)} requests did not succeed: {others}"
 
 
 def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -269,6 +279,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=5)
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="narwhal-demo", description=__doc__)
     parser.add_argument("--config", default="conf/demo.json")
@@ -315,24 +326,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{ports[0]}-{ports[-1]}, narwhal on {config.listen.host}:{config.listen.port}; "
             f"logs in {logs}/"
         )
-        code = trio.run(
+        summary, failure = trio.run(
             lambda: drive(
                 config, requests=args.requests, concurrency=args.concurrency, seed=args.seed
             )
         )
     except trio.TooSlowError:
-        print(f"narwhal-demo: timed out; see {logs}/", file=sys.stderr)
-        code = 1
+        summary, failure = [], "the workload did not finish in time"
     finally:
         for process in reversed(started):
             _stop(process)
+    reasons = [] if failure is None else [failure]
     for process, name in zip(started, ("narwhal-sim", "narwhal serve"), strict=False):
         if process.returncode not in (0, -signal.SIGTERM):
-            print(
-                f"narwhal-demo: {name} exited with {process.returncode}; see {logs}/",
-                file=sys.stderr,
-            )
-    return code
+            reasons.append(f"{name} exited with {process.returncode}")
+    # The summary is what a person looks for: last, after the state document.
+    for line in summary:
+        print(line)
+    if reasons:
+        print(f"narwhal-demo: failed: {'; '.join(reasons)}; see {logs}/", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

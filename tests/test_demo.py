@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,32 @@ def test_demo_runs_the_fleet_router_and_workload() -> None:
     assert "outcomes          {'ok': 12}" in proc.stdout
     assert '"retained": 0' in proc.stdout  # the final /narwhal/state is printed
     assert proc.stderr == ""
+    # The summary comes last, after the state document, where a person looks first.
+    lines = proc.stdout.rstrip("\n").splitlines()
+    assert lines[-6] == "== Narwhal demo: summary ==", lines[-8:]
+    assert lines[-1].startswith("non-stream total  ")
+
+
+def test_a_failed_demo_says_why(tmp_path: Path) -> None:
+    document = json.loads((REPO / "conf" / "demo.json").read_text())
+    # Too short for any request: every one fails, and the demo exits 1.
+    document["serving"]["request_timeout_s"] = 0.05
+    config = tmp_path / "demo.json"
+    config.write_text(json.dumps(document))
+    proc = subprocess.run(
+        [sys.executable, "-m", "narwhal.demo", "--requests", "4", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.startswith("narwhal-demo: failed: 4 of 4 requests did not succeed: {"), (
+        proc.stderr
+    )
+    assert proc.stderr.endswith("; see runs/demo/\n")
+    assert proc.stdout.rstrip("\n").splitlines()[-6] == "== Narwhal demo: summary =="
 
 
 async def test_demo_tpot_counts_tokens_not_events() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import signal
@@ -8,10 +9,42 @@ import sys
 import tempfile
 import threading
 from collections.abc import Awaitable, Callable
+from typing import ParamSpec
 
 import trio
 
 from .._errors import os_reason
+
+P = ParamSpec("P")
+
+
+def closed_pipe_is_quiet(main: Callable[P, int]) -> Callable[P, int]:
+    """A command's `main` that ends quietly (status 0) when its reader goes away.
+
+    `narwhalctl state | head` closes the pipe after ten lines; the next write raised
+    BrokenPipeError, shown as a traceback, and so did the interpreter's last flush of
+    stdout. The reader chose to stop reading, which is no error of the command's. A write
+    inside trio arrives wrapped in an exception group: only a group of nothing but closed
+    pipes is taken for one.
+    """
+
+    @functools.wraps(main)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except BrokenPipeError:
+            pass
+        except BaseExceptionGroup as group:
+            if group.split(BrokenPipeError)[1] is not None:
+                raise
+        # Python flushes stdout again at exit: point it at /dev/null so that flush of
+        # what is still buffered fails quietly too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+    return wrapper
 
 
 def not_implemented(command: str, issue: int) -> int:

@@ -31,7 +31,14 @@ from .._errors import os_reason
 from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
 from ..profiles import StoreBusy, lock_store, read_store, save_profiles
-from ._common import count, interruptible, positive_seconds, signal_exit, unwritable
+from ._common import (
+    closed_pipe_is_quiet,
+    count,
+    interruptible,
+    positive_seconds,
+    signal_exit,
+    unwritable,
+)
 from .profile import _sizes
 
 
@@ -129,6 +136,7 @@ def _interrupted(record: bool, name: str) -> int:
     return signal_exit(name)
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:

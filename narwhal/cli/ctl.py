@@ -2,7 +2,7 @@
 
     narwhalctl [--socket PATH | --config FILE] [--json] [--timeout S] COMMAND
 
-Commands: state | drain ENGINE | undrain ENGINE | pin ENGINE prefill|decode |
+Commands: state | proposals | drain ENGINE | undrain ENGINE | pin ENGINE prefill|decode |
 unpin ENGINE | reload.
 
 The socket is --socket, else ctl.socket of --config FILE (the only setting read and
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..ctl import CtlProtocolError, CtlRequest, DaemonUnreachable, call
-from ._common import positive_seconds
+from ._common import closed_pipe_is_quiet, positive_seconds
 
 DEFAULT_SOCKET = "runs/narwhal.sock"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PROTOCOL = 0, 1, 2, 3, 4
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("state", help="engines, breakers, health, holds and more")
+    sub.add_parser("proposals", help="advisory role control: the role changes it proposes")
     for name, text in (
         ("drain", "stop placing new work on ENGINE; resident work finishes"),
         ("undrain", "let ENGINE take new work again"),
@@ -95,6 +96,7 @@ def _socket_path(args: argparse.Namespace) -> str:
     return os.environ.get("NARWHAL_CTL_SOCKET") or DEFAULT_SOCKET
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     request = CtlRequest(args.command, getattr(args, "engine", None), getattr(args, "role", None))
@@ -135,6 +137,8 @@ def _print_error(error: dict[str, Any]) -> None:
 def _human(command: str, result: Any) -> str:
     if command == "state":
         return _human_state(result)
+    if command == "proposals":
+        return _human_proposals(result)
     if command == "reload":
         # Settings that need a restart are listed but not applied: counting them as
         # changes made a reload that applied nothing read like one that did.
@@ -168,6 +172,39 @@ def _human(command: str, result: Any) -> str:
     if result.get("warning"):
         text += f"\nwarning: {result['warning']}"
     return text
+
+
+def _human_proposals(view: dict[str, Any]) -> str:
+    if not view["enabled"]:
+        return "role control is off (controller.enabled is false): nothing is proposed"
+    lines = []
+    if not view["advisory"]:
+        lines.append(
+            "role control is not advisory: its changes are applied (see `narwhalctl state` "
+            "or /narwhal/state controller.flips)"
+        )
+    proposals = view["proposals"]
+    if not proposals and view["advisory"]:
+        lines.append("no role change proposed yet")
+    for p in proposals:
+        before, after = p["before"], p["after"]
+        lines.append(
+            f"{p['wall_time']}  {p['engine']} {p['from']} -> {p['to']}  "
+            f"{before['prefill']}P:{before['decode']}D -> {after['prefill']}P:{after['decode']}D  "
+            f"{p['caller']}: {p['reason']}"
+        )
+        if p.get("detail"):
+            lines.append(f"    {p['detail']}")
+    now = view.get("now")
+    if now is not None:
+        split = now["split"]
+        line = (
+            f"last evaluated {now['wall_time']}: {split['current']['prefill']}P:"
+            f"{split['current']['decode']}D, proposed {split['proposed']['prefill']}P:"
+            f"{split['proposed']['decode']}D ({now['result']}"
+        )
+        lines.append(line + (f", {now['gate']})" if now.get("gate") else ")"))
+    return "\n".join(lines)
 
 
 def _human_state(state: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from ..config import Config, ConfigError, config_to_dict, load_config_file
 from ..ctl import ControlSocketError
 from ..serving import DescriptorLimitError
 from ..supervisor import ListenError, Notifier, ProfilesUnavailable, Supervisor
+from ._common import closed_pipe_is_quiet
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,10 +44,7 @@ def _validate(path: str) -> int:
     config = _load(path)
     if config is None:
         return 1
-    try:
-        print(json.dumps(config_to_dict(config), indent=2))
-    except BrokenPipeError:
-        pass  # `narwhal validate ... | head` closed the pipe; not an error
+    print(json.dumps(config_to_dict(config), indent=2))
     return 0
 
 
@@ -95,6 +93,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return out
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "validate":

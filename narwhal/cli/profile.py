@@ -34,7 +34,7 @@ from ..profiles import (
     read_store,
     save_profiles,
 )
-from ._common import interruptible, signal_exit, unwritable
+from ._common import closed_pipe_is_quiet, interruptible, signal_exit, unwritable
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -164,6 +164,7 @@ def _interrupted(out: str, name: str) -> int:
     return signal_exit(name)
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:

@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from narwhal._files import read_file
+from narwhal.cli._common import closed_pipe_is_quiet
 from narwhal.sim import (
     DEFAULT_MODEL,
     DEFAULT_VLLM_VERSION,
@@ -261,6 +262,7 @@ def connectors_from_args(args: argparse.Namespace) -> tuple[bool, ...] | None:
     return tuple(_KV_CONNECTORS[kind] for kind in kinds)
 
 
+@closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -285,8 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseExceptionGroup as group:
         # Binding happens inside the fleet's nursery, so a busy port arrives in a group.
         matched, rest = group.split(OSError)
-        if matched is None or rest is not None:
-            raise
+        if matched is None or rest is not None or matched.split(BrokenPipeError)[1] is None:
+            raise  # a closed stdout is closed_pipe_is_quiet's
         for err in _leaves(matched):
             print(f"narwhal-sim: {err}", file=sys.stderr)
         return 1

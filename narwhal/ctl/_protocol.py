@@ -6,7 +6,7 @@ with `message_too_large` and the connection is closed, since the stream cannot b
 resynchronised); responses by MAX_RESPONSE_BYTES on the client side.
 
 Request:  {"command": "pin", "engine": "p0", "role": "prefill"}
-          commands and their fields: state; drain, undrain, unpin: engine;
+          commands and their fields: state, proposals; drain, undrain, unpin: engine;
           pin: engine and role ("prefill" or "decode"); reload. Unknown keys are refused.
 Response: {"ok": true, "command": "pin", "result": {...}}
           {"ok": false, "command": "pin", "error": {"code": "unknown_engine", "message": "..."}}
@@ -27,9 +27,10 @@ import attrs
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
-Command = Literal["state", "drain", "undrain", "pin", "unpin", "reload"]
+Command = Literal["state", "proposals", "drain", "undrain", "pin", "unpin", "reload"]
 FIELDS: dict[str, tuple[str, ...]] = {
     "state": (),
+    "proposals": (),
     "drain": ("engine",),
     "undrain": ("engine",),
     "pin": ("engine", "role"),

@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import textwrap
 from collections.abc import Awaitable, Callable
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar, get_args
 
 import attrs
 import trio
@@ -1023,14 +1024,51 @@ def _first_token(
     rows.add(CheckRow("first-token", "fleet", status, f"p99 {_ms(worst)}", bound, note, worst))
 
 
-def format_table(rows: tuple[CheckRow, ...] | list[CheckRow]) -> str:
+TABLE_WIDTH = 100
+# Widest each column but the note may grow before its cells wrap (together, with their
+# gaps, one 100-column line): without a cap one long engine id or limit pushed every
+# note off the terminal. The note takes what is left of the line when that is at least
+# _NOTE_MIN, else it goes on the lines under its row, indented.
+_COLUMN_CAPS = (12, 18, 6, 18, 36)
+_NOTE_MIN = 30
+_NOTE_INDENT = "    "
+
+
+def format_table(rows: tuple[CheckRow, ...] | list[CheckRow], width: int = TABLE_WIDTH) -> str:
+    """The rows as a table no wider than `width` (long cells wrapped at spaces where they
+    can be), and a last line that counts the results."""
     header = ("check", "engine/pair", "result", "measured", "limit", "note")
     table = [header] + [
         (r.check, r.target, r.status.upper(), r.measured, r.limit, r.note) for r in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    widths = [min(cap, max(len(row[i]) for row in table)) for i, cap in enumerate(_COLUMN_CAPS)]
+    note_at = sum(widths) + 2 * len(widths)
+    beside = width - note_at >= _NOTE_MIN
     lines = []
     for row in table:
-        cells = [row[i].ljust(widths[i]) for i in range(5)]
-        lines.append("  ".join(cells) + ("  " + row[5] if row[5] else ""))
-    return "\n".join(line.rstrip() for line in lines)
+        cells = [_wrap(cell, w) for cell, w in zip(row, widths, strict=False)]
+        note = _wrap(row[5], width - note_at) if beside else []
+        for n in range(max(len(note), *(len(cell) for cell in cells))):
+            parts = [
+                (cell[n] if n < len(cell) else "").ljust(w)
+                for cell, w in zip(cells, widths, strict=True)
+            ]
+            parts.append(note[n] if n < len(note) else "")
+            lines.append("  ".join(parts).rstrip())
+        if not beside and row[5]:
+            lines.extend(_NOTE_INDENT + line for line in _wrap(row[5], width - len(_NOTE_INDENT)))
+    lines.append(summary_line(rows))
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width, break_on_hyphens=False) or [""]
+
+
+def summary_line(rows: tuple[CheckRow, ...] | list[CheckRow]) -> str:
+    """`12 checks: 10 pass, 1 warn, 1 fail, 0 skip`: the verdict at a glance."""
+    counts = dict.fromkeys(get_args(Status), 0)
+    for row in rows:
+        counts[row.status] += 1
+    tally = ", ".join(f"{n} {status}" for status, n in counts.items())
+    return f"{len(rows)} checks: {tally}"

@@ -13,6 +13,9 @@
   router cannot make an SGLang prefill server decode, it can only send it requests that
   fail, so any other role is refused (`role_fixed`) and nothing changes.
 - `state`: the /narwhal/state document.
+- `proposals`: advisory mode's proposed role changes (the flip history's unapplied
+  records), each stamped with the wall-clock time it was made: the daemon's own times
+  are monotonic seconds, which mean nothing to a person reading them later.
 - `reload`: the same as SIGHUP; an invalid file is refused with every problem listed.
 
 Each change is logged (`"event": "operator"`) with the engine, the command and the
@@ -23,7 +26,9 @@ command still succeeds and its result carries a warning.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import time
 from typing import TYPE_CHECKING, cast
 
 import trio
@@ -53,6 +58,13 @@ class Operations:
         command = request.command
         if command == "state":
             return state_document(self.ctx)
+        if command == "proposals":
+            section = dict(self.ctx.state_providers).get("controller")
+            return proposals_view(
+                section() if section is not None else None,
+                monotonic_now=trio.current_time(),
+                wall_now=time.time(),
+            )
         if command == "reload":
             reloaded = await self.supervisor.reload(trigger="narwhalctl")
             if not reloaded.applied:
@@ -162,3 +174,46 @@ class Operations:
                 "resident": engine.resident_work,
             },
         )
+
+
+def proposals_view(section: object, *, monotonic_now: float, wall_now: float) -> dict[str, object]:
+    """The `proposals` result from the controller's state section (None: no controller).
+
+    Each proposal keeps its record's fields and gains `wall_time` (ISO 8601, local time
+    with its offset) and `age_s`; the last evaluation's proposed split comes along, so
+    an operator sees what the controller would do now, not only what it said before.
+    """
+    if not isinstance(section, dict):
+        return {"enabled": False, "advisory": False, "proposals": [], "now": None}
+
+    def wall(monotonic: float) -> str:
+        stamp = wall_now - (monotonic_now - monotonic)
+        moment = datetime.datetime.fromtimestamp(stamp, tz=datetime.UTC).astimezone()
+        return moment.isoformat(timespec="seconds")
+
+    history = (section.get("flips") or {}).get("history") or []
+    proposals = [
+        {
+            **record,
+            "wall_time": wall(record["time"]),
+            "age_s": round(monotonic_now - record["time"], 3),
+        }
+        for record in history
+        if not record.get("applied")
+    ]
+    now: dict[str, object] | None = None
+    if "split" in section:
+        now = {
+            "wall_time": wall(section["time"]),
+            "split": section["split"],
+            "result": section.get("result"),
+            "reason": section.get("reason"),
+            "gate": section.get("gate"),
+            "move": section.get("move"),
+        }
+    return {
+        "enabled": section.get("enabled", False),
+        "advisory": section.get("advisory", False),
+        "proposals": proposals,
+        "now": now,
+    }

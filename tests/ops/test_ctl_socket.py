@@ -210,7 +210,7 @@ async def test_malformed_requests_get_errors_and_the_connection_carries_on(
     assert [r.get("error", {}).get("message") for r in responses[:7]] == [
         "request is not JSON: Expecting value: line 1 column 1 (char 0)",
         "request must be a JSON object",
-        "unknown command 'explode'; commands: state, drain, undrain, pin, unpin, reload",
+        "unknown command 'explode'; commands: state, proposals, drain, undrain, pin, unpin, reload",
         "drain: `engine` must be a non-empty string",
         "drain: unexpected field(s) force",
         "pin: role is 'both'; must be prefill or decode",
