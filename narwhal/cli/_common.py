@@ -11,7 +11,13 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from .. import __version__
 from .._errors import os_reason
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version`: the program and the installed Narwhal version, exit 0."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 
 def not_implemented(command: str, issue: int) -> int:

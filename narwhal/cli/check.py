@@ -31,7 +31,7 @@ from .._errors import os_reason
 from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
 from ..profiles import StoreBusy, lock_store, read_store, save_profiles
-from ._common import count, interruptible, positive_seconds, signal_exit, unwritable
+from ._common import add_version, count, interruptible, positive_seconds, signal_exit, unwritable
 from .profile import _sizes
 
 
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-lease", action="store_true", help="skip the lease measurement")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_version(p)
     return p
 
 
