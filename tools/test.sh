@@ -4,7 +4,8 @@
 #   bash tools/test.sh [--no-real] [PYTEST ARGS...]
 #
 # Creates ./.venv if needed, installs Narwhal with its test extras from the package
-# registries, lints and type-checks, creates the real engines' venvs if needed
+# registries, lints and type-checks, checks the Prometheus rules (installing promtool
+# with apt-get if needed), creates the real engines' venvs if needed
 # (tools/engines/vllm-venv.sh and sglang-venv.sh, in ~/.cache/narwhal), then runs the
 # suite: the fast tier first, the real-engine tier (tests/real, real vLLM engines, then
 # real SGLang engines) last. `--no-real` skips the real tier, for quick local runs; CI
@@ -29,6 +30,14 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+# promtool (Debian's `prometheus` package) checks conf/prometheus; tests/release requires it.
+if ! command -v promtool >/dev/null; then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -q
+    $sudo apt-get install -y -q --no-install-recommends prometheus
+fi
+promtool check rules conf/prometheus/*.rules.yml
 if [ "$real" = 0 ]; then
     exec .venv/bin/pytest -m "not slow and not real" "${args[@]}"
 fi

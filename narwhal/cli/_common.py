@@ -13,6 +13,7 @@ from typing import ParamSpec
 
 import trio
 
+from .. import __version__
 from .._errors import os_reason
 
 P = ParamSpec("P")
@@ -45,6 +46,11 @@ def closed_pipe_is_quiet(main: Callable[P, int]) -> Callable[P, int]:
         return 0
 
     return wrapper
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version`: the program and the installed Narwhal version, exit 0."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 
 def not_implemented(command: str, issue: int) -> int:

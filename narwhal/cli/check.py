@@ -32,6 +32,7 @@ from ..config import Config, ConfigError, load_config_file
 from ..probe import CheckPlan, format_table, run_check
 from ..profiles import StoreBusy, lock_store, read_store, save_profiles
 from ._common import (
+    add_version,
     closed_pipe_is_quiet,
     count,
     interruptible,
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-lease", action="store_true", help="skip the lease measurement")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_version(p)
     return p
 
 

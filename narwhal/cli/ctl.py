@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..ctl import CtlProtocolError, CtlRequest, DaemonUnreachable, call
-from ._common import closed_pipe_is_quiet, positive_seconds
+from ._common import add_version, closed_pipe_is_quiet, positive_seconds
 
 DEFAULT_SOCKET = "runs/narwhal.sock"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PROTOCOL = 0, 1, 2, 3, 4
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("engine", metavar="ENGINE")
     pin.add_argument("role", choices=("prefill", "decode"))
     sub.add_parser("reload", help="re-read the config file (like SIGHUP)")
+    add_version(parser)
     return parser
 
 

@@ -15,7 +15,7 @@ from ..config import Config, ConfigError, config_to_dict, load_config_file
 from ..ctl import ControlSocketError
 from ..serving import DescriptorLimitError
 from ..supervisor import ListenError, Notifier, ProfilesUnavailable, Supervisor
-from ._common import closed_pipe_is_quiet
+from ._common import add_version, closed_pipe_is_quiet
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument("--config", required=True, help="path to the JSON config file")
+    add_version(parser)
     return parser
 
 

@@ -34,7 +34,7 @@ from ..profiles import (
     read_store,
     save_profiles,
 )
-from ._common import closed_pipe_is_quiet, interruptible, signal_exit, unwritable
+from ._common import add_version, closed_pipe_is_quiet, interruptible, signal_exit, unwritable
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, help="prompt text seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_version(p)
     return p
 
 

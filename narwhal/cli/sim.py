@@ -26,6 +26,8 @@ from narwhal.sim import (
     serve_fleet,
 )
 
+from ._common import add_version
+
 _KV_CONNECTORS = {"nixl": True, "none": False}
 # A timing profile is a few SimTiming fields, or a profile store's engine entry.
 _PROFILE_LIMIT = 1024 * 1024
@@ -132,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instant engines (SimTiming.zero) for router-overhead measurements",
     )
+    add_version(p)
     return p
 
 

@@ -6,7 +6,6 @@ from typing import Any, Literal
 
 import attrs
 
-from .. import __version__
 from ._timing import SimTiming
 from ._vllm import DEFAULT_VLLM_VERSION, VLLM_BUILDS, VllmBuild
 
@@ -19,6 +18,7 @@ DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "deco
 # engine plays the build its spec's vllm_version names (`_vllm.VLLM_BUILDS`).
 ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.23"}
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+SIM_BUILD = "narwhal-sim 0.1.0.dev0"
 
 
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
@@ -64,7 +64,10 @@ class SimEngineSpec:
     # vLLM kv_lease_duration (NIXL lease on produced KV, §2.2).
     lease_s: float = attrs.field(default=30.0, validator=_positive)
     seed: int = 0
-    build: str = f"narwhal-sim {__version__}"
+    # Not Narwhal's version, which changes with every commit (git describe): a profile
+    # store is refused when the build it measured changes, and runs/profiles.json (the
+    # demo's) was measured on this one. Change it when the simulator's timing changes.
+    build: str = SIM_BUILD
     # The version as the stock engines report it (vLLM's /version, SGLang's
     # /get_server_info): the version alone, no build or instance id, so a restart shows
     # only in /metrics or as an unreachable period.
