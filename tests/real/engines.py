@@ -273,29 +273,47 @@ def post(url: str, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
     return document
 
 
+# Tries of the pair's first handoff (see warm_pair).
+WARM_ATTEMPTS = 3
+
+
 def warm_pair(prefill: Engine, decode: Engine, *, timeout_s: float = READY_WITHIN_S) -> None:
     """One handoff from `prefill` to `decode`, as Narwhal's two legs make it.
 
     NIXL connects a pair at its first handoff (a handshake over the side channel, then
     UCX); on a loaded 2-core box that has taken minutes. Paying it here keeps it out of
     the first test's deadlines, and a pair that cannot hand off fails the session
-    saying so, with both logs."""
-    body = {"model": MODEL_NAME, "prompt": "def warm():\n    return 1\n", "max_tokens": 1}
-    try:
-        first = post(f"{prefill.url}/v1/completions", vllm_prefill_body(body), timeout_s=timeout_s)
-        params = first.get("kv_transfer_params")
-        if not params:
-            raise EngineSetupError(f"the prefill leg gave no kv_transfer_params: {first}")
-        post(
-            f"{decode.url}/v1/completions",
-            vllm_decode_body(body, params),
-            timeout_s=timeout_s,
-        )
-    except EngineSetupError as exc:
-        raise EngineSetupError(
-            f"the pair's first handoff failed: {exc}\n--- {prefill.name}:\n{prefill.tail(30)}"
-            f"\n--- {decode.name}:\n{decode.tail(30)}"
-        ) from None
+    saying so, with both logs. The handshake itself may fail once (the decode side's
+    ZMQ request to the prefill's side channel answered `Resource temporarily
+    unavailable`, and vLLM fails that request with a KV load failure): the handoff is
+    made again, up to `WARM_ATTEMPTS` times, each with a new prompt."""
+    failures: list[str] = []
+    for attempt in range(WARM_ATTEMPTS):
+        body = {
+            "model": MODEL_NAME,
+            "prompt": f"def warm_{attempt}():\n    return 1\n",
+            "max_tokens": 1,
+        }
+        try:
+            first = post(
+                f"{prefill.url}/v1/completions", vllm_prefill_body(body), timeout_s=timeout_s
+            )
+            params = first.get("kv_transfer_params")
+            if not params:
+                raise EngineSetupError(f"the prefill leg gave no kv_transfer_params: {first}")
+            post(
+                f"{decode.url}/v1/completions",
+                vllm_decode_body(body, params),
+                timeout_s=timeout_s,
+            )
+            return
+        except EngineSetupError as exc:
+            failures.append(str(exc))
+            time.sleep(2.0)
+    raise EngineSetupError(
+        f"the pair's first handoff failed {WARM_ATTEMPTS} times: {failures}"
+        f"\n--- {prefill.name}:\n{prefill.tail(30)}\n--- {decode.name}:\n{decode.tail(30)}"
+    )
 
 
 def record_pid(state: Path, name: str, pid: int) -> None:

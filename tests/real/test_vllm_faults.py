@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ from narwhal.ctl import CtlRequest
 from narwhal.supervisor._operations import Operations
 
 from ..support import open_sse
-from .client import counter, post_json, stopped_cores, unique_text
+from .client import counter, post_json, stopped_cores, unique_text, yielding_cores
 from .conftest import MODEL, RealStack, aggregate_config, narwhal_in_front, pair_config
 from .engines import Engine, RealFleet
 
@@ -76,6 +77,13 @@ async def operate(stack: RealStack, command: str, engine: str) -> None:
     await Operations(stack.supervisor)(CtlRequest(command=command, engine=engine))
 
 
+def yielding(engines: list[Engine], attempts: range) -> Iterator[int]:
+    """`attempts`, each made with the engines' cores yielding the CPU (`yielding_cores`)."""
+    for attempt in attempts:
+        with yielding_cores(engines):
+            yield attempt
+
+
 # An engine makes a whole stream in a second or two on a quiet box, faster than Narwhal
 # and the client relay it; a stall of the test process (the box is shared) can let it
 # finish before the client has read its third event. So each fault is staged with the
@@ -94,7 +102,7 @@ async def test_a_client_disconnect_stops_the_engine_generating(vllm: RealFleet, 
         config, engines, cores = pair_config(vllm), list(vllm.pair), [vllm["decode"]]
     tries: list[float] = []  # tokens made by the stop, per attempt
     async with narwhal_in_front(config) as stack:
-        for _ in range(ATTEMPTS):
+        for _ in yielding(cores, range(ATTEMPTS)):
             before = await settled(engines)
             with trio.fail_after(120):
                 async with open_sse(stack.url, "/v1/completions", long_stream()) as reader:
@@ -136,7 +144,7 @@ async def test_an_engine_crash_mid_stream_ejects_it_until_it_is_relaunched(
         await operate(stack, "drain", "agg0")
         rest: list[str] = []
         tries: list[float] = []  # tokens made by the stop, per attempt
-        for _ in range(ATTEMPTS):
+        for _ in yielding([agg1], range(ATTEMPTS)):
             # Settled, so that a stream an earlier test left ending is not counted here.
             before = await settled([agg1])
             with trio.fail_after(120):

@@ -94,15 +94,23 @@ async def test_profile_and_check_the_pair_then_serve_it_with_predictive_admissio
             "narwhal.cli.check", "--config", str(config), *CHECK_ARGS
         )
     # A row's notes may go on indented lines under it, and a count ends the table.
-    rows = [
-        row
-        for row in (line.split() for line in out.splitlines()[1:] if line[:1].strip())
-        if len(row) > 2 and row[2] in ("PASS", "FAIL", "WARN", "SKIP")
-    ]
+    # A pair's target is "prefill -> decode": (check, target, status) is read up to the
+    # status word.
+    statuses = ("PASS", "FAIL", "WARN", "SKIP")
+    rows = []
+    for line in out.splitlines()[1:]:
+        words = line.split()
+        if line[:1].strip() and any(word in statuses for word in words[2:]):
+            at = next(i for i, word in enumerate(words) if i >= 2 and word in statuses)
+            rows.append((words[0], " ".join(words[1:at]), words[at]))
     failed = [row for row in rows if row[2] == "FAIL"]
     assert (code, failed) == (0, []), out + err
     checked = {(row[0], row[1]) for row in rows}
-    assert {("handoff", "prefill"), ("tokenize", "decode"), ("metrics", "prefill")} <= checked
+    assert {
+        ("handoff", "prefill -> decode"),
+        ("tokenize", "decode"),
+        ("metrics", "prefill"),
+    } <= checked, out
 
     async with (
         narwhal_in_front(document) as stack,
