@@ -273,7 +273,7 @@ class ServingContext:
         self.first_token_lags: FirstTokenLag[EngineState] = FirstTokenLag(tau_s=config.slo.ttft_s)
         self.kv_turnover: KvTurnover[EngineState] = KvTurnover(tau_s=config.slo.ttft_s)
         self.projection_errors = ProjectionErrors(
-            quantile=config.slo.percentile,
+            percentile=config.slo.percentile,
             budget_s=ttft_budget_s(config.slo.ttft_s, config.serving.admission_margin),
         )
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)

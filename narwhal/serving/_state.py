@@ -32,9 +32,10 @@ def _window(stats: WindowStatistics) -> dict[str, object]:
 
 
 def _projection_errors(stats: ErrorStatistics) -> dict[str, object]:
-    """What admission adds to a projection: on a path with backlog, and on one without,
-    by prompt size (tokens)."""
+    """What admission adds to a projection (the `quantile` of recent overruns): on a path
+    with backlog, and on one without, by prompt size (tokens)."""
     return {
+        "quantile": round(stats.quantile, 6),
         "backlog": _window(stats.backlog),
         "idle_by_prompt_tokens": {band: _window(w) for band, w in stats.idle.items()},
     }

@@ -385,7 +385,11 @@ def backlogged(errors: ProjectionErrors, now: float) -> float:
 
 
 def test_projection_errors_allow_for_the_recent_overrun_quantile_in_seconds() -> None:
-    errors = ProjectionErrors(quantile=0.9, budget_s=0.5)
+    # The quantile is half way from slo.percentile to 1: misses at the edge of the budget
+    # at half the rate the SLO allows.
+    assert ProjectionErrors().quantile == pytest.approx(0.95)
+    errors = ProjectionErrors(percentile=0.8, budget_s=0.5)
+    assert errors.quantile == pytest.approx(0.9)
     for _ in range(ERROR_MIN_SAMPLES - 1):
         errors.observe(50, 0.1, 0.05, 0.2, now=0.0)
     assert backlogged(errors, 0.0) == 0.0  # too few samples to trust
@@ -395,9 +399,9 @@ def test_projection_errors_allow_for_the_recent_overrun_quantile_in_seconds() ->
     for k in range(ERROR_WINDOW):
         errors.observe(50, 0.1, 0.05, 0.125 if k % 20 else 0.4, now=1.0)
     assert backlogged(errors, 1.0) == pytest.approx(0.025)
-    errors.reconfigure(0.95, budget_s=0.5)
+    errors.reconfigure(0.9, budget_s=0.5)
     assert backlogged(errors, 1.0) == pytest.approx(0.25)  # 300 ms, capped at half the budget
-    errors.reconfigure(0.95, budget_s=1.0)
+    errors.reconfigure(0.9, budget_s=1.0)
     assert backlogged(errors, 1.0) == pytest.approx(0.3)
     # Pessimistic projections never loosen admission.
     for _ in range(ERROR_WINDOW):
@@ -414,7 +418,7 @@ def added(errors: ProjectionErrors, prompt_tokens: int, now: float) -> tuple[flo
 
 
 def test_with_no_backlog_only_errors_of_the_same_size_with_none_count() -> None:
-    errors = ProjectionErrors(quantile=0.9, budget_s=0.5)
+    errors = ProjectionErrors(percentile=0.8, budget_s=0.5)
     # Short chats on idle paths run 2.5x over their 20 ms projections: a fixed 30 ms.
     for _ in range(100):
         errors.observe(40, 0.02, 0.0, 0.05, now=0.0)
@@ -473,7 +477,7 @@ def test_prompt_size_bands_double_from_128_tokens() -> None:
 
 
 def test_a_burst_of_errors_is_forgotten_after_the_window() -> None:
-    errors = ProjectionErrors(quantile=0.9)
+    errors = ProjectionErrors(percentile=0.8)
     for _ in range(ERROR_MIN_SAMPLES):
         errors.observe(50, 0.1, 0.0, 0.18, now=10.0)
     assert added(errors, 50, 10.0 + ERROR_WINDOW_S) == pytest.approx((0.08, 0.08))
