@@ -2,9 +2,12 @@
 
 from ._gate import AdmissionGate as AdmissionGate, GateStatistics as GateStatistics
 from ._pricing import (
+    NO_ALLOWANCE as NO_ALLOWANCE,
+    Allowance as Allowance,
     BacklogBook as BacklogBook,
     DecodeCurve as DecodeCurve,
     DecodeSide as DecodeSide,
+    ErrorStatistics as ErrorStatistics,
     FirstTokenLag as FirstTokenLag,
     KvTurnover as KvTurnover,
     PathQuote as PathQuote,
@@ -13,11 +16,15 @@ from ._pricing import (
     ProfileSource as ProfileSource,
     ProjectionErrors as ProjectionErrors,
     Verdict as Verdict,
+    WindowStatistics as WindowStatistics,
+    band_label as band_label,
+    error_band as error_band,
     judge as judge,
     placement_policy as placement_policy,
     price_fleet as price_fleet,
     quote_paths as quote_paths,
     shared_overhead_s as shared_overhead_s,
+    ttft_budget_s as ttft_budget_s,
     unstreamed_tokens as unstreamed_tokens,
 )
 from ._retry import (

@@ -20,6 +20,7 @@ from ..admission import (
     ProfileSource,
     ProjectionErrors,
     RetryBudget,
+    ttft_budget_s,
 )
 from ..config import Config
 from ..engines._dialects import ChatTokenizeRefusals
@@ -243,7 +244,10 @@ class ServingContext:
         self.backlog: BacklogBook[EngineState] = BacklogBook()
         self.first_token_lags: FirstTokenLag[EngineState] = FirstTokenLag(tau_s=config.slo.ttft_s)
         self.kv_turnover: KvTurnover[EngineState] = KvTurnover(tau_s=config.slo.ttft_s)
-        self.projection_errors = ProjectionErrors(quantile=config.slo.percentile)
+        self.projection_errors = ProjectionErrors(
+            percentile=config.slo.percentile,
+            budget_s=ttft_budget_s(config.slo.ttft_s, config.serving.admission_margin),
+        )
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
 
@@ -261,6 +265,18 @@ class ServingContext:
         if result is not None:
             self.slo.record(result, trio.current_time())
             self.metrics.slo_requests.labels(result).inc()
+
+    def projection_observed(self, record: RequestRecord, now: float) -> None:
+        """Compare a finished request's projected TTFT with the one it had: for the
+        error histogram and for what admission allows for at its prompt size."""
+        projected = record.projected_ttft_s
+        observed = record.observed_ttft_s
+        if projected is None or observed is None or observed <= 0:
+            return
+        self.metrics.ttft_prediction_error.observe((projected - observed) / observed)
+        self.projection_errors.observe(
+            record.prompt_tokens or 0, projected, record.projected_wait_s or 0.0, observed, now
+        )
 
     def client_protocol_error(self, error: MalformedRequest) -> None:
         """A request that was not HTTP/1.1 Narwhal can serve, answered with `error`."""

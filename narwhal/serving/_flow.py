@@ -67,6 +67,7 @@ from ..admission import (
     price_fleet,
     quote_paths,
     shared_overhead_s,
+    ttft_budget_s,
 )
 from ..config import Config
 from ..engines import (
@@ -384,11 +385,9 @@ class Flow:
             ctx.finished(outcome, record)
             ctx.metrics.requests_by(endpoint, outcome).inc()
             ctx.metrics.request_duration_by(endpoint).observe(trio.current_time() - arrival)
+            ctx.projection_observed(record, trio.current_time())
             projected = record.projected_ttft_s
             observed = record.observed_ttft_s
-            if projected is not None and observed is not None and observed > 0:
-                ctx.metrics.ttft_prediction_error.observe((projected - observed) / observed)
-                ctx.projection_errors.observe(projected, observed, trio.current_time())
             log.info(
                 "request finished",
                 extra={
@@ -622,7 +621,7 @@ class Flow:
             prompt_tokens=tokens,
             ttft_target_s=config.slo.ttft_s,
             margin=config.serving.admission_margin,
-            error_factor=ctx.projection_errors.factor(trio.current_time()),
+            allowance=ctx.projection_errors.allowance(tokens, trio.current_time()),
         )
         if verdict.admitted:
             return quotes
@@ -661,7 +660,7 @@ class Flow:
             self._priced(ctx.profiles),
             prompt_tokens=tokens,
             handoff_s=ctx.profiles.handoff_s(tokens),
-            ttft_budget_s=config.slo.ttft_s * (1.0 + config.serving.admission_margin),
+            ttft_budget_s=ttft_budget_s(config.slo.ttft_s, config.serving.admission_margin),
             tpot_target_s=config.slo.tpot_s,
         )
 

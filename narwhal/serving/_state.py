@@ -9,6 +9,7 @@ import attrs
 import trio
 
 from .. import __version__
+from ..admission import ErrorStatistics, WindowStatistics, ttft_budget_s
 from ..engines import PoolStatistics
 from ..fleet import EngineState
 from ._context import ServingContext
@@ -25,6 +26,20 @@ def _limit(value: float) -> int | None:
 
 def _pool(stats: PoolStatistics) -> dict[str, int]:
     return attrs.asdict(stats)
+
+
+def _window(stats: WindowStatistics) -> dict[str, object]:
+    return {"samples": stats.samples, "overrun_s": round(stats.overrun_s, 6)}
+
+
+def _projection_errors(stats: ErrorStatistics) -> dict[str, object]:
+    """What admission adds to a projection (the `quantile` of recent overruns): on a path
+    with backlog, and on one without, by prompt size (tokens)."""
+    return {
+        "quantile": round(stats.quantile, 6),
+        "backlog": _window(stats.backlog),
+        "idle_by_prompt_tokens": {band: _window(w) for band, w in stats.idle.items()},
+    }
 
 
 def engine_state(engine: EngineState, now: float) -> dict[str, object]:
@@ -120,7 +135,9 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
             "mode": ctx.config.serving.admission,
             "retained": ctx.retained,
             "retained_ceiling": ctx.retained_ceiling,
-            "ttft_budget_s": ctx.config.slo.ttft_s * (1.0 + ctx.config.serving.admission_margin),
+            "ttft_budget_s": ttft_budget_s(
+                ctx.config.slo.ttft_s, ctx.config.serving.admission_margin
+            ),
             "admitted": gate.admitted,
             "max_admitted": gate.max_admitted,
             "queue_depth": gate.waiting,
@@ -135,7 +152,7 @@ def state_document(ctx: ServingContext) -> dict[str, object]:
                 engine_id: round(lag, 6)
                 for engine_id, lag in sorted(signals.first_token_lag_s.items())
             },
-            "projection_error_factor": round(ctx.projection_errors.factor(now), 4),
+            "projection_errors": _projection_errors(ctx.projection_errors.statistics(now)),
             "decode_kv_release_tokens_per_s": {
                 engine_id: round(rate, 1)
                 for engine_id, rate in sorted(signals.kv_release_per_s.items())

@@ -33,6 +33,7 @@ from typing import cast
 import attrs
 import trio
 
+from ..admission import ttft_budget_s
 from ..config import Config, ReloadPlan, keep_running
 from ..fleet import EngineState, Role
 from ..recovery import Recovery
@@ -103,7 +104,10 @@ async def apply_config(
     # Load signals are averaged over the TTFT target's timescale.
     ctx.first_token_lags.tau_s = effective.slo.ttft_s
     ctx.kv_turnover.tau_s = effective.slo.ttft_s
-    ctx.projection_errors.reconfigure(effective.slo.percentile)
+    ctx.projection_errors.reconfigure(
+        effective.slo.percentile,
+        ttft_budget_s(effective.slo.ttft_s, effective.serving.admission_margin),
+    )
     ctx.slo.window_s = effective.controller.reactive.window_s
 
     for engine_id in plan.engines_removed:

@@ -8,18 +8,24 @@ import attrs
 import pytest
 
 from narwhal.admission import (
+    NO_ALLOWANCE,
+    Allowance,
     BacklogBook,
     FirstTokenLag,
     KvTurnover,
     PathQuote,
     Priced,
     ProjectionErrors,
+    WindowStatistics,
+    band_label,
+    error_band,
     judge,
     placement_policy,
     quote_paths,
     shared_overhead_s,
 )
 from narwhal.admission._pricing import (
+    ERROR_BANDS,
     ERROR_MIN_SAMPLES,
     ERROR_WINDOW,
     ERROR_WINDOW_S,
@@ -373,53 +379,142 @@ def test_kv_turnover_is_a_decayed_release_rate() -> None:
     assert kv.rate_per_s("d0", 14.0) > 0
 
 
-def test_projection_errors_scale_admission_by_the_recent_overrun_quantile() -> None:
-    errors = ProjectionErrors(quantile=0.9)
+def backlogged(errors: ProjectionErrors, now: float) -> float:
+    """What is added on a path with backlog (any prompt size)."""
+    return errors.allowance(50, now).backlog_s
+
+
+def test_projection_errors_allow_for_the_recent_overrun_quantile_in_seconds() -> None:
+    # The quantile is half way from slo.percentile to 1: misses at the edge of the budget
+    # at half the rate the SLO allows.
+    assert ProjectionErrors().quantile == pytest.approx(0.95)
+    errors = ProjectionErrors(percentile=0.8, budget_s=0.5)
+    assert errors.quantile == pytest.approx(0.9)
     for _ in range(ERROR_MIN_SAMPLES - 1):
-        errors.observe(0.1, 0.2, now=0.0)
-    assert errors.factor(0.0) == 1.0  # too few samples to trust
-    errors.observe(0.1, 0.2, now=0.0)
-    assert errors.factor(0.0) == pytest.approx(2.0)
-    # 95 % of recent first tokens came within 1.25x of their projection, 5 % at 3x.
+        errors.observe(50, 0.1, 0.05, 0.2, now=0.0)
+    assert backlogged(errors, 0.0) == 0.0  # too few samples to trust
+    errors.observe(50, 0.1, 0.05, 0.2, now=0.0)
+    assert backlogged(errors, 0.0) == pytest.approx(0.1)
+    # 95 % of recent first tokens came within 25 ms of their projection, 5 % 300 ms over.
     for k in range(ERROR_WINDOW):
-        errors.observe(0.1, 0.125 if k % 20 else 0.3, now=1.0)
-    assert errors.factor(1.0) == pytest.approx(1.25)
-    errors.reconfigure(0.95)
-    assert errors.factor(1.0) == pytest.approx(2.0)  # 3x, capped at ERROR_FACTOR_MAX
+        errors.observe(50, 0.1, 0.05, 0.125 if k % 20 else 0.4, now=1.0)
+    assert backlogged(errors, 1.0) == pytest.approx(0.025)
+    errors.reconfigure(0.9, budget_s=0.5)
+    assert backlogged(errors, 1.0) == pytest.approx(0.25)  # 300 ms, capped at half the budget
+    errors.reconfigure(0.9, budget_s=1.0)
+    assert backlogged(errors, 1.0) == pytest.approx(0.3)
     # Pessimistic projections never loosen admission.
     for _ in range(ERROR_WINDOW):
-        errors.observe(0.2, 0.1, now=2.0)
-    assert errors.factor(2.0) == 1.0
-    errors.observe(0.0, 0.1, now=2.0)  # nothing to compare
-    assert len(errors.samples) == ERROR_WINDOW
+        errors.observe(50, 0.2, 0.05, 0.1, now=2.0)
+    assert backlogged(errors, 2.0) == 0.0
+    errors.observe(50, 0.0, 0.0, 0.1, now=2.0)  # nothing to compare
+    assert errors.statistics(2.0).backlog.samples == ERROR_WINDOW
+
+
+def added(errors: ProjectionErrors, prompt_tokens: int, now: float) -> tuple[float, float]:
+    """(with backlog, without) for a prompt of `prompt_tokens`."""
+    allowance = errors.allowance(prompt_tokens, now)
+    return allowance.backlog_s, allowance.idle_s
+
+
+def test_with_no_backlog_only_errors_of_the_same_size_with_none_count() -> None:
+    errors = ProjectionErrors(percentile=0.8, budget_s=0.5)
+    # Short chats on idle paths run 2.5x over their 20 ms projections: a fixed 30 ms.
+    for _ in range(100):
+        errors.observe(40, 0.02, 0.0, 0.05, now=0.0)
+    assert added(errors, 100, 0.0) == pytest.approx((0.03, 0.03))
+    # A 6000-token prompt on an idle engine is judged by its own size's record: none.
+    assert added(errors, 6000, 0.0) == pytest.approx((0.03, 0.0))
+    assert added(errors, 128, 0.0) == pytest.approx((0.03, 0.0))
+    # So, projected at 400 ms, it is admitted (x2.5, capped at x2, made it 800 ms); with
+    # 10 ms of backlog the chats' 30 ms counts: the load is everyone's.
+    idle = PathQuote("p0", "disaggregated", 0.0, ttft_s=0.4, idle_ttft_s=0.4, in_domain=True)
+    busy = PathQuote("p1", "disaggregated", 0.01, ttft_s=0.41, idle_ttft_s=0.4, in_domain=True)
+    allowance = errors.allowance(6000, 0.0)
+    verdict = judge([idle], prompt_tokens=6000, ttft_target_s=0.5, margin=0.0, allowance=allowance)
+    assert verdict.admitted
+    verdict = judge([busy], prompt_tokens=6000, ttft_target_s=0.43, margin=0.0, allowance=allowance)
+    assert verdict.code == "ttft_budget"
+    assert verdict.retry_after_s == pytest.approx(0.41 + 0.03 - 0.43)
+    # The idle path wins once the allowances are counted, though it projects more.
+    cheap = attrs.evolve(busy, ttft_s=0.39)
+    verdict = judge(
+        [cheap, idle], prompt_tokens=6000, ttft_target_s=0.4, margin=0.0, allowance=allowance
+    )
+    assert (verdict.admitted, verdict.quote) == (True, idle)
+    # Streams that had backlog teach the paths with backlog only; 4096-8191-token ones
+    # that had none teach that band.
+    for _ in range(ERROR_MIN_SAMPLES):
+        errors.observe(5000, 0.4, 0.2, 0.6, now=1.0)
+    assert added(errors, 6000, 1.0) == pytest.approx((0.2, 0.0))
+    for _ in range(ERROR_MIN_SAMPLES):
+        errors.observe(5000, 0.4, 0.0, 0.46, now=1.0)
+    assert added(errors, 6000, 1.0) == pytest.approx((0.2, 0.06))
+    assert added(errors, 40, 1.0) == pytest.approx((0.2, 0.03))
+    stats = errors.statistics(1.0)
+    assert stats.backlog.samples == 100 + 2 * ERROR_MIN_SAMPLES
+    idle_bands = {band: (w.samples, w.overrun_s) for band, w in stats.idle.items()}
+    assert idle_bands == {
+        "0-127": (100, pytest.approx(0.03)),
+        "4096-8191": (ERROR_MIN_SAMPLES, pytest.approx(0.06)),
+    }
+
+
+def test_projection_errors_hold_at_most_a_window_per_band_and_one_for_backlog() -> None:
+    errors = ProjectionErrors()
+    for k in range(3 * ERROR_WINDOW):
+        for tokens in (64 << band for band in range(ERROR_BANDS + 3)):
+            errors.observe(tokens, 0.1, 0.0, 0.2, now=k * 0.001)
+    stats = errors.statistics(1.0)
+    assert stats.backlog.samples == ERROR_WINDOW
+    assert [w.samples for w in stats.idle.values()] == [ERROR_WINDOW] * ERROR_BANDS
+
+
+def test_prompt_size_bands_double_from_128_tokens() -> None:
+    cases = [(0, "0-127"), (127, "0-127"), (128, "128-255"), (255, "128-255")]
+    cases += [(4096, "4096-8191"), (32767, "16384-32767"), (32768, "32768+"), (10**6, "32768+")]
+    assert [(n, band_label(error_band(n))) for n, _ in cases] == cases
 
 
 def test_a_burst_of_errors_is_forgotten_after_the_window() -> None:
-    errors = ProjectionErrors(quantile=0.9)
+    errors = ProjectionErrors(percentile=0.8)
     for _ in range(ERROR_MIN_SAMPLES):
-        errors.observe(0.1, 0.18, now=10.0)
-    assert errors.factor(10.0 + ERROR_WINDOW_S) == pytest.approx(1.8)
+        errors.observe(50, 0.1, 0.0, 0.18, now=10.0)
+    assert added(errors, 50, 10.0 + ERROR_WINDOW_S) == pytest.approx((0.08, 0.08))
     # A quiet service: no new streams, the burst ages out and admission loosens again.
-    assert errors.factor(10.1 + ERROR_WINDOW_S) == 1.0
-    assert not errors.samples
+    assert errors.allowance(50, 10.1 + ERROR_WINDOW_S) == NO_ALLOWANCE
+    stats = errors.statistics(10.1 + ERROR_WINDOW_S)
+    assert (stats.backlog, stats.idle) == (WindowStatistics(0, 0.0), {})
 
 
-def test_judge_applies_the_error_factor_to_the_backlog_not_to_the_prompt() -> None:
+def test_judge_adds_the_allowance_to_the_projection_but_judges_the_prompt_without_it() -> None:
     quote = PathQuote(
         "p0", "disaggregated", wait_s=0.2, ttft_s=0.4, idle_ttft_s=0.2, in_domain=True
     )
     assert judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0).admitted
-    verdict = judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=1.5)
+    allowance = Allowance(backlog_s=0.2, idle_s=0.05)
+    verdict = judge([quote], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, allowance=allowance)
     assert not verdict.admitted
     assert verdict.code == "ttft_budget"
-    assert "0.600s allowing for recent projection error x1.50" in verdict.message
-    assert verdict.retry_after_s == pytest.approx(0.1)
-    # An idle projection inside the budget is not the prompt's fault, whatever the factor.
-    idle = PathQuote(
-        "p0", "disaggregated", wait_s=0.0, ttft_s=0.45, idle_ttft_s=0.45, in_domain=True
+    assert verdict.message == (
+        "projected time to first token 0.400s (0.600s allowing for the 0.200s by which "
+        "recent first tokens ran over their projections) exceeds the TTFT budget 0.500s "
+        "(slo.ttft_s=0.5 with serving.admission_margin=0.0); 0.200s of it is backlog on "
+        "the cheapest path"
     )
-    verdict = judge([idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, error_factor=2.0)
+    assert verdict.retry_after_s == pytest.approx(0.1)
+    # An idle projection inside the budget is not the prompt's fault, whatever its
+    # size's recent error.
+    idle = PathQuote(
+        "p0", "disaggregated", wait_s=0.0, ttft_s=0.47, idle_ttft_s=0.47, in_domain=True
+    )
+    verdict = judge([idle], prompt_tokens=10, ttft_target_s=0.5, margin=0.0, allowance=allowance)
     assert verdict.code == "ttft_budget"
+    assert verdict.message.startswith(
+        "projected time to first token 0.470s (0.520s allowing for the 0.050s by which "
+        "recent first tokens of 0-127-token prompts with no backlog ran over their "
+        "projections) exceeds"
+    )
 
 
 def test_overdue_backlog_counts_as_long_again_as_it_is_late() -> None:

@@ -62,6 +62,9 @@ def test_error_stats() -> None:
     assert stats["abs_error_ms"]["p50"] == pytest.approx(100.0)
     assert stats["rel_error_p90"] == pytest.approx(0.41)  # between 20 % and 50 %
     assert stats["observed_ms"]["n"] == 4
+    # Overruns -100, +100, 0, -200 ms; ratios 0.83, 1.11, 1.0, 0.67.
+    assert stats["overrun_ms_p90"] == pytest.approx(70.0)
+    assert stats["ratio_p90"] == pytest.approx(1.078, abs=1e-3)
     assert accuracy.error_stats([], []) == {"n": 0}
 
 
@@ -94,6 +97,41 @@ def test_summarize_level_splits_by_domain_and_attempt_in_model_time() -> None:
     assert out["out_of_domain"]["projected_ms"]["p50"] == 100.0
     assert out["observed_prefill_ms"]["mean"] == 150.0
     assert out["observed_after_prefill_ms"]["mean"] == 50.0
+    # By prompt size, in admission's error bands.
+    by_size = out["by_prompt_tokens"]
+    assert {label: a["n"] for label, a in by_size.items()} == {"0-127": 2, "8192-16383": 1}
+    assert by_size["0-127"]["overrun_ms_p90"] == pytest.approx(280.0)
+    # Without the projection's wait logged, a request is in neither of the wait splits.
+    assert (out["backlog"]["n"], out["no_backlog"]["n"]) == (0, 0)
+
+
+def test_summarize_level_splits_by_backlog() -> None:
+    preds = [
+        accuracy.Prediction(0.0, 0.1, 0.2, True, 10, 1, wait_s=0.0),
+        accuracy.Prediction(0.0, 0.3, 0.35, True, 10, 1, wait_s=0.2),
+        accuracy.Prediction(0.0, 0.4, 0.44, True, 5000, 1, wait_s=0.0),
+    ]
+    out = accuracy.summarize_level(preds, speed=1.0)
+    assert (out["backlog"]["n"], out["no_backlog"]["n"]) == (1, 2)
+    idle = out["by_prompt_tokens_no_backlog"]
+    assert {label: a["n"] for label, a in idle.items()} == {"0-127": 1, "4096-8191": 1}
+    assert out["by_prompt_tokens"]["0-127"]["n"] == 2
+
+
+def test_the_band_table_lists_each_size_per_level() -> None:
+    preds = [
+        accuracy.Prediction(0.0, 0.1, 0.2, True, 10, 1),
+        accuracy.Prediction(0.0, 0.4, 0.44, True, 5000, 1),
+    ]
+    levels = [
+        {"load": 0.3, "accuracy": accuracy.summarize_level(preds, speed=1.0)},
+        {"load": 0.6, "accuracy": accuracy.summarize_level(preds[:1], speed=1.0)},
+    ]
+    rows = accuracy.band_table({"result": {"levels": levels}}).splitlines()
+    assert rows[2:] == [
+        "| 0-127 | 1 / 50.0 % / 100.0 / 2.0 | 1 / 50.0 % / 100.0 / 2.0 |",
+        "| 4096-8191 | 1 / 9.1 % / 40.0 / 1.1 | 0 |",
+    ]
 
 
 def test_parse_mix() -> None:

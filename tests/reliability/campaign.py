@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import trio
 
+from narwhal.admission import ProfileSource
 from narwhal.config import Config, load_config
 from narwhal.sim import Fleet, SimEngine, SimEngineSpec, serve_fleet
 from narwhal.supervisor import Supervisor
@@ -271,10 +272,12 @@ async def start_campaign(
     speed: float = 20.0,
     sim: dict[str, Any] | None = None,
     extra_engines: list[dict[str, Any]] | None = None,
+    profiles: ProfileSource | None = None,
     **sections: Any,
 ) -> Campaign:
     """`extra_engines` are engine specs (id, url, role) placed before the simulated
-    ones in the config: engines that are not simulators (tests/reliability/hostile.py)."""
+    ones in the config: engines that are not simulators (tests/reliability/hostile.py).
+    `profiles` prices predictive admission (serving.admission: predictive)."""
     roles = roles or ["prefill", "prefill", "decode", "decode"]
     # A ring large enough for every leg of the longest campaign.
     spec = SimEngineSpec(outcome_ring=200_000)
@@ -285,7 +288,7 @@ async def start_campaign(
     for spec in reversed(extra_engines or []):
         document["engines"].insert(0, {"model": MODEL, **spec})
     config = load_config(document)
-    supervisor: Supervisor = await nursery.start(Supervisor(config).run)
+    supervisor: Supervisor = await nursery.start(Supervisor(config, profiles=profiles).run)
     stack = Stack(fleet, supervisor, config)
     campaign = Campaign(name, stack, random.Random(seed))
     campaign.outcomes_before = dict(stack.ctx.outcomes)

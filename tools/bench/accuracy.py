@@ -15,7 +15,10 @@ Narwhal logs, per request, the projected TTFT of the path its first attempt took
 at admission) and the TTFT it observed (arrival to the first token relayed to the client);
 this script reads those log lines and summarises the admitted, served requests per level:
 n, MAPE, absolute error p50/p90/p99, relative error p90, bias (mean of projected - observed),
-split into prompts inside and outside the profile's measured domain.
+split into prompts inside and outside the profile's measured domain, and by prompt size in
+the bands admission learns its projection error in (`narwhal.admission.error_band`), with
+each band's p90 overrun (observed - projected, what admission adds) and p90 ratio
+(observed / projected).
 
 Times are model time (the simulator's clock at speed 1: wall x speed), in ms. Writes
 runs/bench/accuracy.json and runs/bench/accuracy.png; logs, the generated configs and the
@@ -42,6 +45,7 @@ import goodput_workload as gw
 import numpy as np
 import trio
 
+from narwhal.admission import band_label, error_band
 from narwhal.sim import SimTiming
 
 Json = Any
@@ -62,6 +66,7 @@ class Prediction:
     prompt_tokens: int | None
     attempts: int
     prefill_s: float | None = None  # arrival to the prefill leg's answer
+    wait_s: float | None = None  # the part of the projection that was load
 
 
 def request_lines(lines: Iterable[str]) -> list[dict[str, Json]]:
@@ -95,6 +100,7 @@ def predictions(entries: Iterable[dict[str, Json]]) -> list[Prediction]:
                 prompt_tokens=e.get("prompt_tokens"),
                 attempts=int(e.get("attempts") or 1),
                 prefill_s=e.get("prefill_s"),
+                wait_s=e.get("projected_wait_s"),
             )
         )
     out.sort(key=lambda p: p.arrival)
@@ -106,7 +112,9 @@ def error_stats(projected: Sequence[float], observed: Sequence[float]) -> dict[s
 
     MAPE = mean |projected - observed| / observed; the absolute error's p50/p90/p99; the
     p90 of the relative error |projected - observed| / observed; bias = mean signed error
-    projected - observed (positive: the prediction was pessimistic).
+    projected - observed (positive: the prediction was pessimistic); the p90 of the
+    overrun observed - projected and of the ratio observed / projected (what admission
+    would allow for as seconds added, and as a factor).
     """
     if not projected:
         return {"n": 0}
@@ -123,6 +131,8 @@ def error_stats(projected: Sequence[float], observed: Sequence[float]) -> dict[s
         "rel_error_p90": round(float(np.percentile(relative, 90)), 4),
         "bias_ms": round(float(signed.mean()) * 1000, 2),
         "bias_rel": round(float((signed / o).mean()), 4),
+        "overrun_ms_p90": round(float(np.percentile(-signed, 90)) * 1000, 2),
+        "ratio_p90": round(float(np.percentile(o / p, 90)), 3) if (p > 0).all() else None,
         "projected_ms": benchkit.summarize(list(p * 1000), digits=2),
         "observed_ms": benchkit.summarize(list(o * 1000), digits=2),
     }
@@ -159,12 +169,26 @@ def summarize_level(preds: Sequence[Prediction], speed: float) -> dict[str, Json
             [p.projected_s * speed for p in sel], [p.observed_s * speed for p in sel]
         )
 
+    def by_size(sel: Sequence[Prediction]) -> dict[str, Json]:
+        bands: dict[int, list[Prediction]] = {}
+        for p in sel:
+            if p.prompt_tokens is not None:
+                bands.setdefault(error_band(p.prompt_tokens), []).append(p)
+        return {band_label(b): stats(bands[b]) for b in sorted(bands)}
+
     split = [p for p in preds if p.prefill_s is not None]
+    idle = [p for p in preds if p.wait_s == 0]
     return {
         "all": stats(preds),
         "first_attempt": stats([p for p in preds if p.attempts == 1]),
         "in_domain": stats([p for p in preds if p.in_domain is True]),
         "out_of_domain": stats([p for p in preds if p.in_domain is False]),
+        # Admission allows for the overrun of every recent request on a path with
+        # backlog, and for that of requests of the same size on one without.
+        "backlog": stats([p for p in preds if p.wait_s]),
+        "no_backlog": stats(idle),
+        "by_prompt_tokens": by_size(preds),
+        "by_prompt_tokens_no_backlog": by_size(idle),
         # Where the observed time went: until the prefill leg answered (queueing in the
         # router and on the engine included), and after it (handoff, first decode step,
         # relay), which the projection prices as the handoff estimate plus one step.
@@ -398,6 +422,28 @@ def table(doc: Json) -> str:
             f"| {a['bias_ms']:+} | {_pct(inside.get('mape'))} / {_pct(outside.get('mape'))} "
             f"({outside['n']}) | {a['observed_ms']['p50']} / {a['observed_ms']['p90']} |"
         )
+    return "\n".join([*lines, "", band_table(doc)])
+
+
+def band_table(doc: Json) -> str:
+    """MAPE by prompt size, per level: where the projection's error lies."""
+    levels = doc["result"]["levels"]
+    head = " | ".join(f"{lv['load']}: n / MAPE / overrun p90 ms / ratio p90" for lv in levels)
+    lines = [f"| prompt tokens | {head} |", "|---:|" + "---:|" * len(levels)]
+    labels = sorted(
+        {b for lv in levels for b in lv["accuracy"].get("by_prompt_tokens", {})},
+        key=lambda label: int(label.split("-")[0].rstrip("+")),
+    )
+    for label in labels:
+        cells = []
+        for lv in levels:
+            a = lv["accuracy"].get("by_prompt_tokens", {}).get(label, {"n": 0})
+            cells.append(
+                f"{a['n']} / {_pct(a['mape'])} / {a['overrun_ms_p90']} / {a['ratio_p90']}"
+                if a["n"]
+                else "0"
+            )
+        lines.append(f"| {label} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
