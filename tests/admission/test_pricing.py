@@ -453,11 +453,11 @@ def test_with_no_backlog_only_errors_of_the_same_size_with_none_count() -> None:
     assert added(errors, 40, 1.0) == pytest.approx((0.2, 0.03))
     stats = errors.statistics(1.0)
     assert stats.backlog.samples == 100 + 2 * ERROR_MIN_SAMPLES
-    idle_bands = {band: (w.samples, w.overrun_s) for band, w in stats.idle.items()}
-    assert idle_bands == {
-        "0-127": (100, pytest.approx(0.03)),
-        "4096-8191": (ERROR_MIN_SAMPLES, pytest.approx(0.06)),
+    assert {band: w.samples for band, w in stats.idle.items()} == {
+        "0-127": 100,
+        "4096-8191": ERROR_MIN_SAMPLES,
     }
+    assert [w.overrun_s for w in stats.idle.values()] == pytest.approx([0.03, 0.06])
 
 
 def test_projection_errors_hold_at_most_a_window_per_band_and_one_for_backlog() -> None:
