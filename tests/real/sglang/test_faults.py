@@ -140,7 +140,9 @@ async def test_a_client_disconnect_stops_the_engine_generating(
         else:
             pytest.fail(f"{ATTEMPTS} streams were half made before the client read 3 events")
         stopped = await settled(engines)
-    assert made >= 2
+    # Three events are the first token (prefill) and two decoded ones; the counter may
+    # not show the last yet: SGLang streams a step's tokens before it reports the step.
+    assert made >= 1
     assert stopped - before < made + LONG / 4, (made, stopped - before)
 
 
