@@ -61,7 +61,10 @@ async def context_checks(stack: RealStack) -> dict[str, int]:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_output_past_the_context_is_served_capped(vllm: RealFleet, stream: bool) -> None:
     usage = {"stream_options": {"include_usage": True}} if stream else {}
-    async with narwhal_in_front(aggregate_config(vllm)) as stack, httpx.AsyncClient() as client:
+    async with (
+        narwhal_in_front(aggregate_config(vllm)) as stack,
+        httpx.AsyncClient(timeout=120.0) as client,
+    ):
         over = {"prompt": ids(CONTEXT - 48), "max_tokens": 100, "stream": stream, **usage}
         response = await complete(client, stack.url, over)
         assert answered(response, stream) == ("length", 48)
@@ -78,7 +81,7 @@ async def test_output_past_the_context_is_served_capped_through_a_nixl_pair(
     # The decode leg is the one that sees the whole max_tokens; the prefill leg asks for one.
     # A NIXL pull of 2000 tokens on a busy 2-core box can take seconds.
     config = pair_config(vllm, engine={"first_token_timeout_s": 60.0})
-    async with narwhal_in_front(config) as stack, httpx.AsyncClient() as client:
+    async with narwhal_in_front(config) as stack, httpx.AsyncClient(timeout=120.0) as client:
         body = {
             "prompt": ids(CONTEXT - 30),
             "max_tokens": 200,
@@ -93,7 +96,10 @@ async def test_what_the_engine_refuses_is_refused_up_front_naming_only_what_was_
     vllm: RealFleet,
 ) -> None:
     engine = vllm.aggregate[0]
-    async with narwhal_in_front(aggregate_config(vllm)) as stack, httpx.AsyncClient() as client:
+    async with (
+        narwhal_in_front(aggregate_config(vllm)) as stack,
+        httpx.AsyncClient(timeout=120.0) as client,
+    ):
         # max_tokens above the context, and a prompt past it: the engine's own words.
         for body in (
             {"prompt": ids(10), "max_tokens": CONTEXT + 1},
