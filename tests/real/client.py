@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -156,42 +157,60 @@ def finish_reasons(events: list[dict[str, Any]]) -> list[str]:
     return [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
 
 
-@contextmanager
-def stopped_cores(engines: list[Engine]) -> Iterator[None]:
-    """The engines' cores stopped (SIGSTOP) for the block: their API servers still answer
-    and take aborts, which their cores then process first when continued (SIGCONT)."""
-    cores = [engine.engine_core_pid() for engine in engines]
-    try:
-        for core in cores:
-            os.kill(core, signal.SIGSTOP)
-        yield
-    finally:
-        for core in cores:
-            try:
-                os.kill(core, signal.SIGCONT)
-            except ProcessLookupError:
-                pass  # killed meanwhile
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass  # killed meanwhile: the crash tests do that
 
 
-@contextmanager
-def yielding_cores(engines: list[Engine]) -> Iterator[None]:
-    """The engines' cores at the lowest CPU priority for the block (nice 19).
+class Throttle:
+    """Model processes (vLLM's EngineCore, SGLang's scheduler) let run for `share` of each
+    `period_s` and stopped (SIGSTOP) for the rest, by a thread of the test process.
 
-    The tiny model makes a whole 1500-token stream in a second or two; on a two-core box
-    whose other core the rest of the fleet keeps busy, the test process and Narwhal could
-    wait that long for a turn, and the client then read its first events only after the
-    engine had finished (a fault test staged at the third event had nothing to stop). A
-    core that yields the CPU to them keeps the stream in progress while they read."""
-    cores = [engine.engine_core_pid() for engine in engines]
-    before = {}
-    try:
-        for core in cores:
-            before[core] = os.getpriority(os.PRIO_PROCESS, core)
-            os.setpriority(os.PRIO_PROCESS, core, 19)
-        yield
-    finally:
-        for core, niceness in before.items():
-            try:
-                os.setpriority(os.PRIO_PROCESS, core, niceness)
-            except ProcessLookupError:
-                pass  # killed meanwhile
+    The tiny model makes a whole 1500-token stream in a few seconds, and a test staged at
+    a stream's third event must find it still in progress. Neither a lower CPU priority
+    nor retries were enough: in CI every attempt finished before the client read three
+    events. Throttled, the engine is slower than any stall of Narwhal or the client, and
+    the box's CPU goes to them. While stopped, the API servers still answer (metrics,
+    aborts); the cores take what arrived first when continued."""
+
+    def __init__(self, pids: list[int], *, share: float = 0.2, period_s: float = 0.1) -> None:
+        self._pids = pids
+        self._on_s = period_s * share
+        self._off_s = period_s - self._on_s
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._pace, name="throttle", daemon=True)
+
+    def __enter__(self) -> Throttle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._end_pacing()
+        _signal(self._pids, signal.SIGCONT)
+
+    def _pace(self) -> None:
+        while True:
+            _signal(self._pids, signal.SIGCONT)
+            if self._halt.wait(self._on_s):
+                break
+            _signal(self._pids, signal.SIGSTOP)
+            if self._halt.wait(self._off_s):
+                break
+        _signal(self._pids, signal.SIGSTOP)
+
+    def _end_pacing(self) -> None:
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join()  # at most one slice: the wait above wakes at once
+
+    @contextmanager
+    def stopped(self) -> Iterator[None]:
+        """Stopped for the block, then running at full speed: pacing does not resume."""
+        self._end_pacing()
+        try:
+            yield
+        finally:
+            _signal(self._pids, signal.SIGCONT)

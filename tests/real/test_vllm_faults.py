@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from narwhal.ctl import CtlRequest
 from narwhal.supervisor._operations import Operations
 
 from ..support import open_sse
-from .client import counter, post_json, stopped_cores, unique_text, yielding_cores
+from .client import Throttle, counter, post_json, unique_text
 from .conftest import MODEL, RealStack, aggregate_config, narwhal_in_front, pair_config
 from .engines import Engine, RealFleet
 
@@ -77,18 +76,13 @@ async def operate(stack: RealStack, command: str, engine: str) -> None:
     await Operations(stack.supervisor)(CtlRequest(command=command, engine=engine))
 
 
-def yielding(engines: list[Engine], attempts: range) -> Iterator[int]:
-    """`attempts`, each made with the engines' cores yielding the CPU (`yielding_cores`)."""
-    for attempt in attempts:
-        with yielding_cores(engines):
-            yield attempt
+def throttled(engines: list[Engine]) -> Throttle:
+    return Throttle([engine.engine_core_pid() for engine in engines])
 
 
-# An engine makes a whole stream in a second or two on a quiet box, faster than Narwhal
-# and the client relay it; a stall of the test process (the box is shared) can let it
-# finish before the client has read its third event. So each fault is staged with the
-# engine cores stopped (SIGSTOP) after the third event, and only when the engines have
-# made less than half the stream by then: otherwise the stream is dropped and sent again.
+# The engine cores are throttled while a stream starts (`Throttle`), then stopped
+# (SIGSTOP) after the client's third event to stage the fault, which needs a stream in
+# progress: if the engines made half of it by then anyway, it is dropped and sent again.
 ATTEMPTS = 3
 
 
@@ -102,16 +96,16 @@ async def test_a_client_disconnect_stops_the_engine_generating(vllm: RealFleet, 
         config, engines, cores = pair_config(vllm), list(vllm.pair), [vllm["decode"]]
     tries: list[float] = []  # tokens made by the stop, per attempt
     async with narwhal_in_front(config) as stack:
-        for _ in yielding(cores, range(ATTEMPTS)):
+        for _ in range(ATTEMPTS):
             before = await settled(engines)
-            with trio.fail_after(120):
+            with trio.fail_after(120), throttled(cores) as throttle:
                 async with open_sse(stack.url, "/v1/completions", long_stream()) as reader:
                     assert reader.status == 200
                     for _ in range(3):
                         event = await reader.event()
                         assert event is not None
                         assert json.loads(event)["choices"][0]["text"] is not None
-                    with stopped_cores(cores):
+                    with throttle.stopped():
                         made = await generated(engines) - before
                         tries.append(made)
                         if made >= LONG / 2:
@@ -144,15 +138,15 @@ async def test_an_engine_crash_mid_stream_ejects_it_until_it_is_relaunched(
         await operate(stack, "drain", "agg0")
         rest: list[str] = []
         tries: list[float] = []  # tokens made by the stop, per attempt
-        for _ in yielding([agg1], range(ATTEMPTS)):
+        for _ in range(ATTEMPTS):
             # Settled, so that a stream an earlier test left ending is not counted here.
             before = await settled([agg1])
-            with trio.fail_after(120):
+            with trio.fail_after(120), throttled([agg1]) as throttle:
                 async with open_sse(stack.url, "/v1/completions", long_stream()) as reader:
                     assert reader.status == 200
                     for _ in range(3):
                         assert await reader.event() is not None
-                    with stopped_cores([agg1]):
+                    with throttle.stopped():
                         made = await counter(agg1, "vllm:generation_tokens_total") - before
                         tries.append(made)
                         # Unfinished is all a crash needs: a core killed with the stream

@@ -23,7 +23,7 @@ import trio
 
 from ..ops.daemon import Launch, launcher
 from ..support import open_sse, post_stream, wait_for
-from .client import counter, post_json, sse_events, stopped_cores, unique_text
+from .client import Throttle, counter, post_json, sse_events, unique_text
 from .conftest import MODEL, aggregate_config, narwhal_in_front, pair_config
 from .engines import RealFleet
 
@@ -193,15 +193,16 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
     # Placement chooses freely between two idle engines: agg0 is drained while the
     # streams start, so that they run on agg1, the engine the reload removes.
     assert (await daemon.ctl("drain", "agg0")).returncode == 0
-    with trio.fail_after(240):
+    with trio.fail_after(240), Throttle([vllm["agg1"].engine_core_pid()]) as throttle:
         async with trio.open_nursery() as clients, send:
             for _ in range(4):
                 clients.start_soon(stream, daemon.url, send.clone(), results)
             await receive.receive()
-            # A stream has begun on agg1, which would finish it within a second. With
-            # agg1's core stopped it stays there through the reload, with whichever of
-            # the others reached agg1 before the stop (the rest go to agg0 after it).
-            with stopped_cores([vllm["agg1"]]):
+            # A stream has begun on agg1, throttled so that it is still running (at full
+            # speed agg1 makes it in a second). With agg1's core stopped it stays there
+            # through the reload, with whichever of the others reached agg1 before the
+            # stop (the rest go to agg0 after it).
+            with throttle.stopped():
                 resident = await counter(vllm["agg1"], "vllm:num_requests_running")
                 assert resident >= 1
                 assert (await daemon.ctl("undrain", "agg0")).returncode == 0

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +19,16 @@ import pytest
 import trio
 
 from ...support import open_sse
-from ..client import post_json, unique_text
+from ..client import Throttle, post_json, unique_text
 from ..conftest import MODEL, RealStack, narwhal_in_front
 from ..engines import Engine
 from ..sglang_engines import SGLangFleet
 from .conftest import aggregate_config, pair_config, total
 
 LONG = 1500  # tokens a stream is asked for; the tests end it long before
-# An engine makes a whole stream in a few seconds, faster than a stalled test process (the
-# box is shared) may read its third event: each fault is staged with the schedulers
-# stopped (SIGSTOP) after the third event, and only when less than half the stream was
-# made by then; otherwise the stream is dropped and sent again.
+# The schedulers are throttled while a stream starts (`Throttle`), then stopped (SIGSTOP)
+# after the client's third event to stage the fault, which needs a stream in progress: if
+# the engines made half of it by then anyway, it is dropped and sent again.
 ATTEMPTS = 3
 
 
@@ -74,21 +71,8 @@ def scheduler_pid(engine: Engine) -> int:
     raise AssertionError(f"engine {engine.name}: no sglang::scheduler among {engine.children()}")
 
 
-@contextmanager
-def stopped_schedulers(engines: list[Engine]) -> Iterator[None]:
-    """The engines' schedulers stopped for the block: their HTTP servers still answer and
-    pass aborts on, which the schedulers then take first when continued."""
-    pids = [scheduler_pid(engine) for engine in engines]
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        yield
-    finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass  # killed meanwhile
+def throttled(engines: list[Engine]) -> Throttle:
+    return Throttle([scheduler_pid(engine) for engine in engines])
 
 
 async def engine_state(stack: RealStack, engine_id: str) -> dict[str, Any]:
@@ -120,14 +104,14 @@ async def test_a_client_disconnect_stops_the_engine_generating(
     async with narwhal_in_front(config) as stack:
         for _ in range(ATTEMPTS):
             before = await settled(engines)
-            with trio.fail_after(120):
+            with trio.fail_after(120), throttled(engines) as throttle:
                 async with open_sse(stack.url, "/v1/completions", long_stream()) as reader:
                     assert reader.status == 200
                     for _ in range(3):
                         event = await reader.event()
                         assert event is not None
                         assert json.loads(event)["choices"][0]["text"] is not None
-                    with stopped_schedulers(engines):
+                    with throttle.stopped():
                         made = await decoded(engines) - before
                         if made >= LONG / 2:
                             continue
@@ -158,12 +142,12 @@ async def test_a_decode_server_killed_mid_stream_is_ejected_until_it_is_relaunch
         rest: list[str] = []
         for _ in range(ATTEMPTS):
             before = await decoded([decode])
-            with trio.fail_after(120):
+            with trio.fail_after(120), throttled([decode]) as throttle:
                 async with open_sse(stack.url, "/v1/completions", long_stream()) as reader:
                     assert reader.status == 200
                     for _ in range(3):
                         assert await reader.event() is not None
-                    with stopped_schedulers([decode]):
+                    with throttle.stopped():
                         made = await decoded([decode]) - before
                         if made >= LONG / 2:
                             continue
