@@ -15,6 +15,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -205,9 +206,19 @@ def _percentiles(values: Sequence[float]) -> str:
     return f"p50 {p50:7.1f} ms   p90 {p90:7.1f} ms   p99 {p99:7.1f} ms   (n={len(values)})"
 
 
-async def _wait_ready(client: httpx.AsyncClient, url: str, within_s: float) -> None:
+class ServeEnded(Exception):
+    """The demo's own `narwhal serve` exited before it was ready."""
+
+
+async def _wait_ready(
+    client: httpx.AsyncClient, url: str, within_s: float, serve: subprocess.Popen[bytes]
+) -> None:
+    # The process is checked first at each turn: another router answering on these ports
+    # must not be taken for ours (the port check at start-up leaves a short race).
     with trio.fail_after(within_s):
         while True:
+            if serve.poll() is not None:
+                raise ServeEnded("narwhal serve ended before it was ready")
             try:
                 if (await client.get(url)).status_code == 200:
                     return
@@ -217,7 +228,7 @@ async def _wait_ready(client: httpx.AsyncClient, url: str, within_s: float) -> N
 
 
 async def drive(
-    config: Config, *, requests: int, concurrency: int, seed: int
+    config: Config, serve: subprocess.Popen[bytes], *, requests: int, concurrency: int, seed: int
 ) -> tuple[list[str], str | None]:
     """Run the workload; print the final /narwhal/state. Returns the summary lines, which
     the caller prints last (after the fleet has stopped), and why the run failed, if it
@@ -231,7 +242,7 @@ async def drive(
     results: list[Result] = []
     limiter = trio.CapacityLimiter(concurrency)
     async with httpx.AsyncClient(timeout=config.serving.request_timeout_s + 5) as client:
-        await _wait_ready(client, url + "/health", 30.0)
+        await _wait_ready(client, url + "/health", 30.0, serve)
         started = trio.current_time()
 
         async def one(index: int, job: Job) -> None:
@@ -262,6 +273,34 @@ async def drive(
         return summary, None
     others = {k: v for k, v in sorted(outcomes.items()) if k != "ok"}
     return summary, f"{failed} of {len(results)} requests did not succeed: {others}"
+
+
+def busy_ports(config: Config) -> list[str]:
+    """The ports the demo would listen on that something else holds, each named with the
+    field that sets it; the demo starts nothing then, rather than measure someone else's
+    router."""
+    wanted = [
+        (config.listen.host, config.listen.port, "listen.port"),
+        (config.admin.host, config.admin.port, "admin.port"),
+    ]
+    wanted += [(*spec.origin(), f"engines[{spec.id}].url") for spec in config.engines]
+    busy = []
+    for host, port, field in wanted:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                busy.append(f"{host}:{port} ({field}): {exc.strerror}")
+    return busy
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -297,6 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ports != list(range(ports[0], ports[0] + len(ports))):
         print("narwhal-demo: the demo fleet needs consecutive engine ports", file=sys.stderr)
         return 1
+    busy = busy_ports(config)
+    if busy:
+        print(
+            f"narwhal-demo: ports in use: {'; '.join(busy)}. Stop what holds them (another "
+            "narwhal or demo?) or pass --config with other ports.",
+            file=sys.stderr,
+        )
+        return 1
     logs = Path("runs/demo")
     logs.mkdir(parents=True, exist_ok=True)
     python = sys.executable
@@ -328,18 +375,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         summary, failure = trio.run(
             lambda: drive(
-                config, requests=args.requests, concurrency=args.concurrency, seed=args.seed
+                config,
+                started[1],
+                requests=args.requests,
+                concurrency=args.concurrency,
+                seed=args.seed,
             )
         )
     except trio.TooSlowError:
         summary, failure = [], "the workload did not finish in time"
+    except ServeEnded as exc:
+        summary, failure = [], str(exc)
     finally:
         for process in reversed(started):
             _stop(process)
     reasons = [] if failure is None else [failure]
-    for process, name in zip(started, ("narwhal-sim", "narwhal serve"), strict=False):
+    for process, (name, log) in zip(
+        started, (("narwhal-sim", "sim"), ("narwhal serve", "narwhal")), strict=False
+    ):
         if process.returncode not in (0, -signal.SIGTERM):
-            reasons.append(f"{name} exited with {process.returncode}")
+            said = _last_line(logs / f"{log}.log")
+            reasons.append(
+                f"{name} exited with {process.returncode}" + (f" ({said})" if said else "")
+            )
     # The summary is what a person looks for: last, after the state document.
     for line in summary:
         print(line)
