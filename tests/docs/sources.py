@@ -351,3 +351,141 @@ def _site_status(
     if callee in classes:
         return classes[callee].status
     return defaults.get(callee)
+
+
+# ------------------------------------------------------------------ log events
+
+_LEVELS = {"debug", "info", "warning", "error", "critical"}
+_METHODS = {**{level: level for level in _LEVELS}, "exception": "error"}
+
+
+@attrs.define
+class EventUse:
+    """Where a structured log event is logged, at which levels, with which fields (those
+    the source names; a `**spread` of something computed adds more)."""
+
+    sites: list[str] = attrs.field(factory=list)
+    levels: set[str] = attrs.field(factory=set)
+    fields: set[str] = attrs.field(factory=set)
+
+
+def logging_modules() -> Iterator[tuple[Path, ast.Module]]:
+    """Every module of the daemon and its tools, but the simulator (its own program)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] != "sim":
+            yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _scopes(tree: ast.Module) -> Iterator[ast.AST]:
+    yield tree
+    yield from (
+        node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    )
+
+
+def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of `scope`, not those of functions nested in it."""
+    for child in ast.iter_child_nodes(scope):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        yield child
+        yield from _own_nodes(child)
+
+
+def _levels_in(expr: ast.expr) -> set[str]:
+    return {
+        node.attr.lower()
+        for node in ast.walk(expr)
+        if isinstance(node, ast.Attribute) and node.attr.lower() in _LEVELS
+    }
+
+
+def _dict_event(node: ast.Dict) -> str | None:
+    for key, value in zip(node.keys, node.values, strict=True):
+        if isinstance(key, ast.Constant) and key.value == "event":
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                return value.value
+            raise UnreadableSource(f"an event named by `{ast.unparse(value)}`")
+    return None
+
+
+def log_events(sources: Iterable[tuple[Path, ast.Module]] | None = None) -> dict[str, EventUse]:
+    """Every structured log event (`extra={"event": ...}`) of the daemon (or `sources`).
+
+    Each logging call with `extra=` must name its event in a dict literal, directly or
+    through a local dict it spreads or passes; its level is the method's, or for
+    `log.log(LEVEL, ...)` the `logging.X` constants LEVEL can be."""
+    found: dict[str, EventUse] = {}
+    for path, tree in logging_modules() if sources is None else sources:
+        for scope in _scopes(tree):
+            nodes = list(_own_nodes(scope))
+            dicts: dict[str, list[ast.Dict]] = {}
+            levels: dict[str, set[str]] = {}
+            for node in nodes:
+                target, value = None, None
+                if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                    target, value = node.targets[0], node.value
+                elif isinstance(node, ast.AnnAssign):
+                    target, value = node.target, node.value
+                if not isinstance(target, ast.Name) or value is None:
+                    continue
+                if isinstance(value, ast.Dict):
+                    dicts.setdefault(target.id, []).append(value)
+                elif _levels_in(value):
+                    levels.setdefault(target.id, set()).update(_levels_in(value))
+            for node in nodes:
+                if isinstance(node, ast.Call):
+                    _log_call(node, path, dicts, levels, found)
+    return found
+
+
+def _log_call(
+    call: ast.Call,
+    path: Path,
+    dicts: dict[str, list[ast.Dict]],
+    levels: dict[str, set[str]],
+    found: dict[str, EventUse],
+) -> None:
+    func = call.func
+    extra = next((kw.value for kw in call.keywords if kw.arg == "extra"), None)
+    if extra is None or not isinstance(func, ast.Attribute):
+        return
+    at = where(path, call)
+    if func.attr == "log":
+        level_expr = call.args[0]
+        called = (
+            levels.get(level_expr.id, set())
+            if isinstance(level_expr, ast.Name)
+            else _levels_in(level_expr)
+        )
+    elif func.attr in _METHODS:
+        called = {_METHODS[func.attr]}
+    else:
+        return
+    if not called:
+        raise UnreadableSource(f"{at}: cannot tell the level of this log call")
+    # The dicts this call's extra is made of: its own literal and those it spreads or names.
+    parts: list[ast.Dict] = []
+    if isinstance(extra, ast.Name):
+        parts = dicts.get(extra.id, [])
+    elif isinstance(extra, ast.Dict):
+        parts = [extra]
+        for key, value in zip(extra.keys, extra.values, strict=True):
+            if key is None and isinstance(value, ast.Name):
+                parts.extend(dicts.get(value.id, []))
+    events = {event for part in parts if (event := _dict_event(part)) is not None}
+    if isinstance(extra, ast.Dict) and (own := _dict_event(extra)) is not None:
+        events = {own}  # `{**extra, "event": "other"}` renames the spread's event
+    if not events:
+        raise UnreadableSource(f"{at}: a log call with extra= but no event it names")
+    fields = {
+        key.value
+        for part in parts
+        for key in part.keys
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value != "event"
+    }
+    for event in events:
+        use = found.setdefault(event, EventUse())
+        use.sites.append(at)
+        use.levels |= called
+        use.fields |= fields
