@@ -1,6 +1,6 @@
 """The configuration model: one frozen attrs class per section.
 
-Every field of the product manual's tables is here with the manual's default. Ranges
+Every setting is here with its default (docs/design.md has the rules they serve). Ranges
 are attached as metadata (see `_rules`) and cross-field rules live in `_cross`; both
 are enforced by `load_config`, which reports every problem at once. The `doc` text of
 each field is the meaning column of the generated `docs/configuration.md` (at most two
@@ -347,7 +347,8 @@ class Log:
 
 @attrs.frozen(kw_only=True)
 class Serving:
-    """Admission, waiting, phase concurrency, retries, byte limits and deadlines (manual 4, 6)."""
+    """Admission, waiting, phase concurrency, retries, byte limits and deadlines
+    (docs/design.md#bounded-serving, #deadlines)."""
 
     admission: Admission = attrs.field(
         default="predictive",
@@ -502,7 +503,7 @@ class Serving:
 
     @property
     def retained_ceiling(self) -> int:
-        """The most completion requests retained at once (manual 4.2)."""
+        """The most completion requests retained at once (docs/design.md#retained-ceiling)."""
         return self.max_connections + self.queue_capacity
 
     def pending_bodies_per_client(self) -> int:
@@ -515,7 +516,7 @@ class Serving:
 
 @attrs.frozen(kw_only=True)
 class Engine:
-    """How the router talks to engines over HTTP (manual 4.1, 6)."""
+    """How the router talks to engines over HTTP (docs/design.md#admission, #deadlines)."""
 
     control_connections: int = _f(
         0,
@@ -614,7 +615,7 @@ class Engine:
     )
 
     def control_pool_size(self, engine_count: int) -> int:
-        """`0` derives two per engine with a minimum of four (manual 4.1)."""
+        """`0` derives two per engine with a minimum of four (docs/design.md#admission)."""
         if self.control_connections:
             return self.control_connections
         return max(4, 2 * engine_count)
@@ -797,7 +798,7 @@ class Recovery:
 
 @attrs.frozen(kw_only=True)
 class Thresholds:
-    """Role-control thresholds (manual 7)."""
+    """Role-control thresholds (docs/design.md#role-control)."""
 
     expand: float = _f(
         1.0, Positive(), doc="SLO-relative pool load that initiates reactive expansion."
@@ -841,7 +842,8 @@ class Thresholds:
 
 @attrs.frozen(kw_only=True)
 class Reactive:
-    """Reactive-controller parameters (manual 7.5-7.7)."""
+    """Reactive-controller parameters (docs/design.md#adjacent-splits, #evidence-gate,
+    #reactive-parameters)."""
 
     window_s: float = _f(120.0, Positive(), doc="Demand-estimation window.")
     confirmations: int = _f(
@@ -920,7 +922,7 @@ class Reactive:
 
 @attrs.frozen(kw_only=True)
 class Controller:
-    """Role control (manual 7)."""
+    """Role control (docs/design.md#role-control)."""
 
     enabled: bool = _f(
         True,

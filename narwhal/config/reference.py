@@ -90,17 +90,17 @@ def _render() -> Iterator[str]:
     yield from _section(section)
     yield "\n## Cross-field rules\n\n"
     for number, rule in enumerate(cross_rules(), start=1):
-        yield f"{number}. {' '.join(rule.doc.split())}\n"
+        yield f"{number}. {_links(' '.join(rule.doc.split()))}\n"
 
 
 def _section(fields: list[FieldDoc]) -> Iterator[str]:
     first = fields[0]
     title = f"`{first.section}`" if first.section else "Top level"
-    yield f"\n## {title}\n\n{' '.join(first.section_doc.split())}\n\n"
+    yield f"\n## {title}\n\n{_links(' '.join(first.section_doc.split()))}\n\n"
     yield "| Field | Type | Default | Allowed | On reload | Meaning |\n"
     yield "|---|---|---|---|---|---|\n"
     for field in fields:
-        meaning = _cell(field.doc)
+        meaning = _links(_cell(field.doc))
         if field.notes:
             meaning += f" ([more](#{note_anchor(field.path)}))"
         yield (
@@ -112,7 +112,23 @@ def _section(fields: list[FieldDoc]) -> Iterator[str]:
         yield "\nNotes:\n\n"
     for field in noted:
         anchor = note_anchor(field.path)
-        yield f'- <a id="{anchor}"></a>`{field.path}`: {" ".join(field.notes.split())}\n'
+        yield f'- <a id="{anchor}"></a>`{field.path}`: {_links(" ".join(field.notes.split()))}\n'
+
+
+_DESIGN = re.compile(r"docs/design\.md((?:#[a-z0-9-]+)(?:, #[a-z0-9-]+)*)")
+
+
+def _links(text: str) -> str:
+    """Code cites the design rules by anchor (`docs/design.md` then `#anchor`, more
+    anchors after a comma); this page links them."""
+
+    def link(match: re.Match[str]) -> str:
+        anchors = match.group(1).replace(",", " ").split()
+        return ", ".join(
+            f"[{anchor.lstrip('#').replace('-', ' ')}](design.md{anchor})" for anchor in anchors
+        )
+
+    return _DESIGN.sub(link, text)
 
 
 def note_anchor(path: str) -> str:
