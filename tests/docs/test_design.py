@@ -77,8 +77,9 @@ def test_links_resolve(page: str) -> None:
     assert not broken, f"docs/{page}: {broken}"
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", [page for page in PAGES if page != "configuration.md"])
 def test_table_cells_stay_within_two_sentences(page: str) -> None:
+    """(The generated reference has its own test, which says where the rest goes.)"""
     long = [
         f"{table.heading}: {cell[:60]}..."
         for table in tables(read(page))
