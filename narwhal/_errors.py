@@ -168,13 +168,13 @@ class Expired(NarwhalError):
 class EngineFailed(NarwhalError):
     """An engine leg failed; status is what the client should see for it.
 
-    `retryable` follows manual 4.2: transport failures and engine 408/429/500/502/503/504
-    before visible output. `engine_id` and `phase` say which leg, so the retry excludes
-    that engine and only that phase's breaker counts it. `deadline_s`: the failure is
-    a deadline of that many seconds that expired (recovery asks whether the router's
-    own event loop explains it). `partner_id`: the other engine of the pair, set by the
-    request path on a failed KV transfer, which either engine may have caused. `public`
-    (required: the message names the engine) is the message without its id or url.
+    `retryable` follows docs/design.md#retries: transport failures and engine
+    408/429/500/502/503/504 before visible output. `engine_id` and `phase` say which leg, so the
+    retry excludes that engine and only that phase's breaker counts it. `deadline_s`: the failure is
+    a deadline of that many seconds that expired (recovery asks whether the router's own event loop
+    explains it). `partner_id`: the other engine of the pair, set by the request path on a failed KV
+    transfer, which either engine may have caused. `public` (required: the message names the engine)
+    is the message without its id or url.
     """
 
     type = "server_error"

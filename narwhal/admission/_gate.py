@@ -1,5 +1,5 @@
 """The global admission gate: at most serving.max_connections admitted requests, and a
-bounded FIFO of requests waiting for a slot (manual 4.2).
+bounded FIFO of requests waiting for a slot (docs/design.md#waiting-and-phase-concurrency).
 
 trio's CapacityLimiter wakes waiters in arrival order, so the queue is FIFO without any
 bookkeeping of our own; the capacity bound is checked before a request starts to wait.
@@ -50,7 +50,8 @@ class AdmissionGate:
 
         Raises Refused when the gate is saturated and the queue is full (or disabled),
         or when the wait exceeds queue_timeout_s. The caller's deadline scope caps the
-        wait too (manual 4.2: the queue timeout is capped by the request deadline).
+        wait too (docs/design.md#waiting-and-phase-concurrency: the queue timeout is capped by the
+        request deadline).
         """
         borrower = object()
         started = trio.current_time()

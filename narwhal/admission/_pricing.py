@@ -1,4 +1,5 @@
-"""Predictive admission: price every prefill path against the TTFT target (manual 4.1).
+"""Predictive admission: price every prefill path against the TTFT target
+(docs/design.md#admission).
 
 Pure: a decision is a function of engine views, their profiles, the prefill backlog each
 engine already has, and the request's prompt length. No trio, no I/O.
@@ -34,7 +35,7 @@ cheapest path's backlog has drained enough to fit.
 
 Aggregate (single-engine) paths are only offered inside the region the profile measured:
 an aggregate engine mixes prefill chunks into its decode steps, so an extrapolated
-prediction there is not safe to admit on (manual 4.1).
+prediction there is not safe to admit on (docs/design.md#admission).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Priced:
     prefill: PrefillCurve | None
     decode: DecodeCurve | None
     backlog_s: float = 0.0
-    # Bounded live/profile ratio of decode intervals (manual 7.1); 1.0 = as profiled.
+    # Bounded live/profile ratio of decode intervals (docs/design.md#pool-load); 1.0 = as profiled.
     decode_correction: float = 1.0
 
     # Recent decode-side first-token latency observed on this engine, decayed.
@@ -693,7 +694,7 @@ def placement_policy(
     ttft_budget_s: float,
     tpot_target_s: float,
 ) -> Policy:
-    """Placement's projected-SLO filters and costs (manual 5), from the same prices.
+    """Placement's projected-SLO filters and costs (docs/design.md#placement), from the same prices.
 
     A prefill engine complies when its path's projected TTFT fits the budget; a decode
     engine when its projected interval with this request added fits the TPOT target.

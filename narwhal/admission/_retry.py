@@ -1,4 +1,4 @@
-"""Retry budget and backoff (manual 4.2). Pure: no trio, no clock."""
+"""Retry budget and backoff (docs/design.md#retries). Pure: no trio, no clock."""
 
 from __future__ import annotations
 

@@ -4,9 +4,11 @@ from ._describe import FieldDoc as FieldDoc, describe_fields as describe_fields
 from ._diff import (
     RESTART_REQUIRED as RESTART_REQUIRED,
     Change as Change,
+    ReloadEffect as ReloadEffect,
     ReloadPlan as ReloadPlan,
     diff as diff,
     keep_running as keep_running,
+    reload_effect as reload_effect,
 )
 from ._load import (
     ConfigError as ConfigError,

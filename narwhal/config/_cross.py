@@ -188,7 +188,8 @@ def _one_dialect(cfg: Config) -> list[str]:
 
 def _one_model(cfg: Config) -> list[str]:
     """All engines serve one model: KV computed for one model is meaningless to another,
-    and demand pricing uses the mean profile across the fleet (manual 7.7)."""
+    and demand pricing uses the mean profile across the fleet
+    (docs/design.md#reactive-parameters)."""
     return _agree_with_first(cfg, "model", "all engines must serve one model")
 
 
@@ -248,14 +249,14 @@ def _kv_roles(cfg: Config) -> list[str]:
 
 def _role_floors(cfg: Config) -> list[str]:
     """`controller.min_prefill` and `controller.min_decode` fit the configured fleet
-    (manual 7.2): `min_prefill + min_decode` is at most the number of engines, except that
-    a single engine with role `both` and both floors 1 is accepted: it serves aggregate
-    inference. And enough engines can ever serve each phase: role `prefill` or `both` for
-    prefill, `decode` or `both` for decode, or a `prefill` or `decode` engine the
-    controller may move there. A configured split below a floor is otherwise the
-    controller's to restore (floor recovery, one engine per pass), as after an ejection;
-    where nothing can move (`controller.enabled` false, `controller.advisory`, or engines
-    whose launch fixes their role, as SGLang's does) it could never be met."""
+    (docs/design.md#role-floors): `min_prefill + min_decode` is at most the number of engines,
+    except that a single engine with role `both` and both floors 1 is accepted: it serves aggregate
+    inference. And enough engines can ever serve each phase: role `prefill` or `both` for prefill,
+    `decode` or `both` for decode, or a `prefill` or `decode` engine the controller may move there.
+    A configured split below a floor is otherwise the controller's to restore (floor recovery, one
+    engine per pass), as after an ejection; where nothing can move (`controller.enabled` false,
+    `controller.advisory`, or engines whose launch fixes their role, as SGLang's does) it could
+    never be met."""
     if not cfg.engines:
         return []
     ctl = cfg.controller
@@ -411,7 +412,7 @@ def _handoff_cap(cfg: Config) -> list[str]:
 def _admission_overrides(cfg: Config) -> list[str]:
     """Admission overrides (`serving.prefill_concurrency`, `serving.decode_concurrency`
     and each engine's overrides) are at most `serving.max_connections`, keeping admission
-    within the dispatch pool (manual 4.1)."""
+    within the dispatch pool (docs/design.md#admission)."""
     limit = cfg.serving.max_connections
     named: list[tuple[str, int | None]] = [
         ("serving.prefill_concurrency", cfg.serving.prefill_concurrency),
@@ -469,7 +470,7 @@ def _decode_correction(cfg: Config) -> list[str]:
 def _health_samples(cfg: Config) -> list[str]:
     """`recovery.health.min_samples` is at most
     floor(`recovery.health.window_s` / `controller.monitor_interval_s`): each monitor
-    pass contributes at most one residual per engine (manual 7)."""
+    pass contributes at most one residual per engine (docs/design.md#role-control)."""
     health = cfg.recovery.health
     interval = cfg.controller.monitor_interval_s
     # Operators write decimals: 0.3 / 0.1 must floor to 3, which binary floats get wrong

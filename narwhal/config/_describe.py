@@ -10,6 +10,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import attrs
 
+from ._diff import ReloadEffect, reload_effect
 from ._model import RESOLVED, Config, Secret
 
 _TYPE_NAMES: dict[object, str] = {
@@ -34,6 +35,10 @@ class FieldDoc:
     allowed: str
     """The field's own range or choices; cross-field rules are described separately."""
     doc: str
+    """At most two sentences: the reference's meaning cell."""
+    notes: str
+    """The rest, printed under the section's table; "" when there is none."""
+    reload: ReloadEffect
 
 
 def describe_fields() -> Iterator[FieldDoc]:
@@ -62,6 +67,8 @@ def _describe(cls: type[Any], section: str) -> Iterator[FieldDoc]:
             default=None if field.default is attrs.NOTHING else json.dumps(field.default),
             allowed=_allowed(tp, metadata.get("rules", ())),
             doc=metadata["doc"],
+            notes=metadata.get("notes", ""),
+            reload=reload_effect(path),
         )
         if get_origin(tp) is tuple and get_args(tp)[0] is not Secret:
             yield from _describe(get_args(tp)[0], f"{path}[]")

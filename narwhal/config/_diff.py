@@ -25,7 +25,7 @@ The plan sorts every difference into what the supervisor does with it:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -42,6 +42,22 @@ RESTART_REQUIRED = (
 )
 # An engine whose endpoint or wire format changed is a different engine to talk to.
 _REPLACING_FIELDS = ("url", "dialect")
+ReloadEffect = Literal["applies", "restart", "new engine"]
+
+
+def reload_effect(path: str) -> ReloadEffect:
+    """What a reload does with a change of the field at `path` (`engines[].url` for an
+    engine's): apply it, keep the running value until a restart, or retire the engine
+    for a new instance (an engine whose id changed is another engine: removed, added).
+    The configuration reference prints it; a test checks it against `diff`."""
+    if path in RESTART_REQUIRED:
+        return "restart"
+    field = path.removeprefix("engines[].")
+    if field != path and field in (*_REPLACING_FIELDS, "id"):
+        return "new engine"
+    return "applies"
+
+
 _SHOW_LIMIT = 60
 
 

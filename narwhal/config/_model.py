@@ -1,9 +1,10 @@
 """The configuration model: one frozen attrs class per section.
 
-Every field of the product manual's tables is here with the manual's default. Ranges
+Every setting is here with its default (docs/design.md has the rules they serve). Ranges
 are attached as metadata (see `_rules`) and cross-field rules live in `_cross`; both
 are enforced by `load_config`, which reports every problem at once. The `doc` text of
-each field is the meaning column of the generated `conf/CONFIGURATION.md`.
+each field is the meaning column of the generated `docs/configuration.md` (at most two
+sentences, a test checks); its `notes` go under the section's table.
 """
 
 from __future__ import annotations
@@ -55,19 +56,21 @@ class Secret:
     __str__ = __repr__
 
 
-def _meta(*rules: Rule, doc: str) -> dict[str, object]:
-    return {"rules": rules, "doc": doc}
+def _meta(*rules: Rule, doc: str, notes: str = "") -> dict[str, object]:
+    """`doc`: the reference's meaning cell, at most two sentences; `notes`: the rest,
+    printed under the section's table."""
+    return {"rules": rules, "doc": doc, "notes": notes}
 
 
-def _f(default: T, *rules: Rule, doc: str) -> T:
+def _f(default: T, *rules: Rule, doc: str, notes: str = "") -> T:
     # Typed as the default so the attrs mypy plugin sees a plain default value.
-    field: T = attrs.field(default=default, metadata=_meta(*rules, doc=doc))
+    field: T = attrs.field(default=default, metadata=_meta(*rules, doc=doc, notes=notes))
     return field
 
 
-def _secret(doc: str) -> dict[str, object]:
+def _secret(doc: str, notes: str = "") -> dict[str, object]:
     """Metadata of a credential the document may hold inline (a string, or a list)."""
-    return {**_meta(Credential(), doc=doc), SECRET: True}
+    return {**_meta(Credential(), doc=doc, notes=notes), SECRET: True}
 
 
 def _resolved_secret(source: str) -> dict[str, object]:
@@ -120,19 +123,20 @@ class EngineSpec:
         None,
         Between(1, 65535),
         doc=(
-            "SGLang only: the engine's prefill bootstrap-server port "
-            "(`--disaggregation-bootstrap-port`). `null` means SGLang's default, 8998, "
-            "which the router then sends. Rejected for vLLM engines."
+            "SGLang only (rejected for vLLM engines): the engine's prefill bootstrap-server "
+            "port (`--disaggregation-bootstrap-port`). `null` means SGLang's default, 8998, "
+            "which the router then sends."
         ),
     )
     kv_role: KvRole | None = attrs.field(
         default=None,
         metadata=_meta(
             doc="vLLM only: the `kv_role` the engine was launched with in `--kv-transfer-config`. "
-            "`kv_producer` (role `prefill`) and `kv_consumer` (role `decode`) fix its role: "
-            "neither the controller nor `narwhalctl pin` changes it, as for SGLang. `null` "
-            "or `kv_both` leaves it movable; vLLM 0.32 deprecates `kv_both` for "
-            "NixlConnector but still serves either leg with any `kv_role`."
+            "`kv_producer` (role `prefill`) and `kv_consumer` (role `decode`) fix its role, as "
+            "SGLang's launch mode does; `null` or `kv_both` leaves it movable.",
+            notes="Neither the controller nor `narwhalctl pin` changes a fixed role. vLLM 0.32 "
+            "deprecates `kv_both` for NixlConnector but still serves either leg with any "
+            "`kv_role`.",
         ),
     )
     prefill_concurrency: int | None = _f(
@@ -194,23 +198,24 @@ class Listen:
         4096,
         AtLeast(1),
         doc=(
-            "Most client connections open at once, idle or not. At the limit a new "
-            "connection takes the place of the one idle longest (no request in flight: "
-            "between requests, or still sending its request head), which is closed; "
-            "when every connection has a request in flight, new ones wait in the "
-            "kernel's listen backlog until one closes or goes idle. Must "
-            "exceed `serving.max_connections + serving.queue_capacity`, so a connection "
-            "is always left for the retained-request ceiling's 429 and for `/health`. "
-            "The default is eight times that ceiling at its defaults and bounds idle "
-            "sockets to about 60 MB (about 14 kB each). At start and at a reload the soft "
-            "open-file limit (RLIMIT_NOFILE) is raised, up to the hard limit, to this plus "
-            "a reserve: each engine's pools (`serving.max_connections` plus its control "
-            "pool share) and 200 for sockets and files. Under a hard limit without room "
-            "for it, fewer connections are kept open (the hard limit less the reserve; a "
-            "WARNING, and `connections.limit` against `configured_limit` in "
-            "`/narwhal/state`); one that leaves no more than `serving.max_connections + "
-            "serving.queue_capacity` stops startup, or rejects the reload. A reload "
-            "applies it: a lower value closes nothing at once, it only holds new "
+            "Most client connections open at once, idle or not; more than "
+            "`serving.max_connections + serving.queue_capacity`. At the limit a new "
+            "connection takes the place of the one idle longest, or waits in the kernel's "
+            "listen backlog while every connection has a request in flight."
+        ),
+        notes=(
+            "An idle connection has no request in flight: it is between requests, or still "
+            "sending its request head. The room above the retained-request ceiling leaves a "
+            "connection for the ceiling's 429 and for `/health`. The default is eight times "
+            "that ceiling at its defaults and bounds idle sockets to about 60 MB (about "
+            "14 kB each). At start and at a reload the soft open-file limit (RLIMIT_NOFILE) "
+            "is raised, up to the hard limit, to this plus a reserve: each engine's pools "
+            "(`serving.max_connections` plus its control pool share) and 200 for sockets and "
+            "files. Under a hard limit without room for it, fewer connections are kept open "
+            "(the hard limit less the reserve; a WARNING, and `connections.limit` against "
+            "`configured_limit` in `/narwhal/state`); one that leaves no more than "
+            "`serving.max_connections + serving.queue_capacity` stops startup, or rejects "
+            "the reload. A lower value at a reload closes nothing at once: it only holds new "
             "connections back until enough have closed."
         ),
     )
@@ -218,49 +223,50 @@ class Listen:
         0,
         NonNegative(),
         doc=(
-            "Most connections one client address may have open at once (an IPv6 address "
-            "counts by its /64 prefix). `0` derives twice the retained-request ceiling "
-            "(`serving.max_connections + serving.queue_capacity`), at least 64 and at most "
-            "`listen.max_open_connections`: 1024 at the defaults, so one client alone can "
-            "still hold a connection for every retained request and as many idle ones, "
-            "and one address can take no more than a quarter of the default limit from "
-            "everyone else. At the limit a new connection from that address takes the "
-            "place of that address's own connection idle longest, which is closed; when "
-            "none of its connections is idle, the new one is answered at once, before its "
-            "request is read, with 429 `connections_per_client` (`Retry-After: 1`, "
-            "`connection: close`) and closed. Such refusals count in "
-            "`narwhal_client_connections_refused_total`, and each address's are logged "
-            "once when they begin and once when they end. Behind a reverse proxy every "
-            "client has the proxy's address: set it to `listen.max_open_connections` "
-            "there. A reload applies it to new connections."
+            "Most connections one client address (an IPv6 address by its /64 prefix) may "
+            "have open at once; `0` derives twice the retained-request ceiling, at least 64 "
+            "and at most `listen.max_open_connections` (1024 at the defaults). Past it a new "
+            "connection takes the place of that address's own longest-idle one, or, when "
+            "none is idle, is answered 429 `connections_per_client` and closed."
+        ),
+        notes=(
+            "The derived value lets one client alone hold a connection for every retained "
+            "request and as many idle ones, while one address takes no more than a quarter "
+            "of the default limit from everyone else. The 429 goes out at once, before the "
+            "request is read, with `Retry-After: 1` and `connection: close`. Such refusals "
+            "count in `narwhal_client_connections_refused_total`, and each address's are "
+            "logged once when they begin and once when they end (event `client_limit`). "
+            "Behind a reverse proxy every client has the proxy's address: set it to "
+            "`listen.max_open_connections` there. A reload applies it to new connections."
         ),
     )
 
     api_keys: tuple[Secret, ...] = attrs.field(
         default=(),
         metadata=_secret(
-            "API keys a client must send, one of them, as `Authorization: Bearer KEY` (what "
-            "OpenAI's SDKs send as their `api_key`) on every `/v1/` route; `/health` stays "
-            "open for load balancers. A request without a key, or with another, is answered "
-            "401 `missing_api_key` or `invalid_api_key` with `WWW-Authenticate: Bearer`, "
-            "before anything else is looked at, and counted in "
-            "`narwhal_refusals_total{reason}`. With no key here or in `listen.api_keys_file`, "
-            "no key is asked. Keys are compared in constant time and never shown (logs, "
-            "`narwhal validate`, `/narwhal/state` and reload changes say `<redacted>`); "
-            "keeping them in `listen.api_keys_file` keeps them out of this file too. A "
-            "reload applies them to the next request."
+            "API keys a client must send, one of them, as `Authorization: Bearer KEY` on every "
+            "`/v1/` route (`/health` stays open); with none here or in `listen.api_keys_file`, "
+            "none is asked. A request without one is answered 401 `missing_api_key` or "
+            "`invalid_api_key` before anything else is looked at.",
+            notes="OpenAI's SDKs send their `api_key` so. The 401 carries `WWW-Authenticate: "
+            "Bearer` and counts in `narwhal_refusals_total{reason}`. Keys are compared in "
+            "constant time and never shown (logs, `narwhal validate`, `/narwhal/state` and "
+            "reload changes say `<redacted>`); keeping them in `listen.api_keys_file` keeps "
+            "them out of this file too. A reload applies them to the next request.",
         ),
     )
     api_keys_file: str | None = _f(
         None,
         Text(),
         doc=(
-            "File of API keys clients may send, one per line (blank lines and lines "
-            "starting with `#` are skipped), taken with `listen.api_keys`; `null` reads "
-            "none. A regular file of at most 1 MiB, read again at each reload, which an "
-            "unreadable or malformed file, or one holding no key, rejects (the running keys "
-            "stay). At most 1000 keys in all. A relative path is taken from the working "
-            "directory."
+            "File of API keys clients may send, one per line (blank lines and lines starting "
+            "with `#` are skipped), taken with `listen.api_keys`; `null` reads none. It is "
+            "read again at each reload, which an unreadable or malformed file, or one "
+            "holding no key, rejects (the running keys stay)."
+        ),
+        notes=(
+            "A regular file of at most 1 MiB; at most 1000 keys in all. A relative path is "
+            "taken from the working directory."
         ),
     )
     file_api_keys: tuple[Secret, ...] = attrs.field(
@@ -284,13 +290,13 @@ class Admin:
         doc=(
             "Address the admin listener binds: loopback by default. On another address, "
             "set `admin.token` or `admin.token_file`; without one a WARNING says who can "
-            "read the state. Needs a restart."
+            "read the state."
         ),
     )
     port: int = _f(
         8001,
         Between(0, 65535),
-        doc="Admin port; `0` picks a free port. Not the client port. Needs a restart.",
+        doc="Admin port, not the client port; `0` picks a free port.",
     )
     token: Secret | None = attrs.field(
         default=None,
@@ -298,8 +304,9 @@ class Admin:
             "Bearer token the admin routes ask for (`Authorization: Bearer TOKEN`; "
             "Prometheus: `authorization.credentials_file`); `null` asks none. A request "
             "without it, or with another, is answered 401 `missing_token` or "
-            "`invalid_token`. Compared in constant time, never shown. At most one of "
-            "`admin.token` and `admin.token_file`. A reload applies it."
+            "`invalid_token`.",
+            notes="Compared in constant time and never shown. At most one of `admin.token` "
+            "and `admin.token_file`.",
         ),
     )
     token_file: str | None = _f(
@@ -340,7 +347,8 @@ class Log:
 
 @attrs.frozen(kw_only=True)
 class Serving:
-    """Admission, waiting, phase concurrency, retries, byte limits and deadlines (manual 4, 6)."""
+    """Admission, waiting, phase concurrency, retries, byte limits and deadlines
+    (docs/design.md#bounded-serving, #deadlines)."""
 
     admission: Admission = attrs.field(
         default="predictive",
@@ -377,16 +385,16 @@ class Serving:
         0,
         NonNegative(),
         doc=(
-            "Resident prefill requests per engine; `0` sets no limit. Queueing requires a "
-            "positive measured value. At most `serving.max_connections`."
+            "Resident prefill requests per engine, at most `serving.max_connections`; `0` "
+            "sets no limit. Queueing requires a positive measured value."
         ),
     )
     decode_concurrency: int = _f(
         0,
         NonNegative(),
         doc=(
-            "Resident decode requests per engine; `0` sets no limit. Queueing requires a "
-            "positive measured value. At most `serving.max_connections`. The role "
+            "Resident decode requests per engine, at most `serving.max_connections`; `0` "
+            "sets no limit. Queueing requires a positive measured value, and the role "
             "controller's projections bound each engine's decode batch by it."
         ),
     )
@@ -394,9 +402,10 @@ class Serving:
         0.0,
         NonNegative(),
         doc=(
-            "Caps KV-handoff age from the start of the prefill HTTP request. Queueing or retry "
-            "requires a positive cap below the verified backend lease (and below "
-            "`serving.request_timeout_s`). At `0` the original request deadline supplies the cap."
+            "Caps KV-handoff age from the start of the prefill HTTP request; at `0` the "
+            "original request deadline supplies the cap. Queueing or retry requires a "
+            "positive cap below the verified backend lease (and below "
+            "`serving.request_timeout_s`)."
         ),
     )
     max_attempts: int = _f(
@@ -436,9 +445,9 @@ class Serving:
         Positive(),
         doc=(
             "A write to a client that cannot complete within this time means the client "
-            "stopped reading and its socket buffer is full (manual 4.3, client "
-            "backpressure): the connection is closed at once and the request's engine "
-            "legs are cancelled."
+            "stopped reading and its socket buffer is full ([client "
+            "backpressure](design.md#streaming-failures)): the connection is closed at once "
+            "and the request's engine legs are cancelled."
         ),
     )
     body_timeout_s: float = _f(
@@ -447,30 +456,31 @@ class Serving:
         doc=(
             "Time from HTTP ingress by which the whole request body must have arrived, "
             "however it trickles in; a later body is answered 408 `body_timeout` and its "
-            "connection closed, so a slow client holds a retained request (manual 4.2) "
-            "this long at most. Capped by `serving.request_timeout_s`, the limit the 408 "
-            "then names."
+            "connection closed, so a slow client holds a [retained "
+            "request](design.md#retained-ceiling) this long at most. Capped by "
+            "`serving.request_timeout_s`, the limit the 408 then names."
         ),
     )
     max_pending_bodies_per_client: int = _f(
         0,
         NonNegative(),
         doc=(
-            "Most completion requests from one client address (an IPv6 address counts by "
-            "its /64 prefix) whose bodies are still arriving at once. `0` derives an "
-            "eighth of the retained-request ceiling (`serving.max_connections + "
-            "serving.queue_capacity`), at least 8: 64 at the defaults. Each such request "
-            "holds a retained request until its body is complete or "
-            "`serving.body_timeout_s`, so without this one address sending slow bodies "
-            "held the whole ceiling and everyone else got 429 `retained_ceiling`. A "
-            "request over it is refused before its body is read, with 429 "
-            "`pending_bodies_per_client` (`Retry-After: 1`, its connection closed), and "
-            "is not an SLO miss; each address's refusals are logged once when they begin "
-            "and once when they end. An honest client's body arrives in milliseconds, so "
-            "even one sending hundreds of requests a second has few pending at once. "
-            "Behind a reverse proxy that streams bodies through unbuffered, every client "
-            "has the proxy's address: raise it to the ceiling there. A reload applies it "
-            "to new requests."
+            "Most completion requests from one client address (an IPv6 address by its /64 "
+            "prefix) whose bodies are still arriving at once; `0` derives an eighth of the "
+            "retained-request ceiling, at least 8 (64 at the defaults). A request over it is "
+            "refused before its body is read, with 429 `pending_bodies_per_client` "
+            "(`Retry-After: 1`, its connection closed), and is not an SLO miss."
+        ),
+        notes=(
+            "Each such request holds a retained request until its body is complete or "
+            "`serving.body_timeout_s`: without this limit one address sending slow bodies "
+            "could hold the whole ceiling, and everyone else got 429 `retained_ceiling`. "
+            "Each address's refusals are logged once when they begin and once when they end "
+            "(event `client_limit`). An honest client's body arrives in milliseconds, so even "
+            "one sending hundreds of requests a second has few pending at once. Behind a "
+            "reverse proxy that streams bodies through unbuffered, every client has the "
+            "proxy's address: raise it to the ceiling there. A reload applies it to new "
+            "requests."
         ),
     )
     request_timeout_s: float = _f(
@@ -484,17 +494,16 @@ class Serving:
         doc=(
             "Let client-facing error messages name the engine (its id) and what only the "
             "operator should read: the engine's host and port in a connect failure, an "
-            "SGLang pair's transfer endpoints, the monitor's last failure, file paths. "
-            "Off, a client reads the same message without them (`prefill engine returned "
-            "HTTP 500: ...`, not `prefill engine p0 returned ...`); the engine's own words "
-            "about the request stay, and the log always has the whole message. A reload "
-            "applies it to the next request."
+            "SGLang pair's transfer endpoints, the monitor's last failure, file paths. Off, "
+            "a client reads the same message without them (`prefill engine returned HTTP "
+            "500: ...`, not `prefill engine p0 returned ...`); the engine's own words about "
+            "the request stay, and the log always has the whole message."
         ),
     )
 
     @property
     def retained_ceiling(self) -> int:
-        """The most completion requests retained at once (manual 4.2)."""
+        """The most completion requests retained at once (docs/design.md#retained-ceiling)."""
         return self.max_connections + self.queue_capacity
 
     def pending_bodies_per_client(self) -> int:
@@ -507,7 +516,7 @@ class Serving:
 
 @attrs.frozen(kw_only=True)
 class Engine:
-    """How the router talks to engines over HTTP (manual 4.1, 6)."""
+    """How the router talks to engines over HTTP (docs/design.md#admission, #deadlines)."""
 
     control_connections: int = _f(
         0,
@@ -536,15 +545,17 @@ class Engine:
     tokenize: bool = _f(
         True,
         doc=(
-            "Request the exact input length from the dialect's tokenisation endpoint. Of "
-            "SGLang's, only newer builds' takes chat messages: once an engine's refuses them, "
-            "its chat requests are estimated "
+            "Request the exact input length from the dialect's tokenisation endpoint. An "
+            "exact count (or a prompt of token ids) is checked against the engines' context "
+            "length before any leg (400 `context_length_exceeded`); an estimate is not, and "
+            "the engine refuses an over-long request itself."
+        ),
+        notes=(
+            "Of SGLang's tokenisation endpoints, only newer builds' takes chat messages: "
+            "once an engine's refuses them, its chat requests are estimated "
             '(`narwhal_token_count_fallbacks_total{reason="unsupported"}`, one log line per '
             "engine) without asking it again for 300 s, or until a reload or until it has "
-            "been out of placement (as a restart takes it). An exact count (or a prompt of "
-            "token ids) is checked against the engines' context length before any leg "
-            "(400 `context_length_exceeded`); an estimate is not, and the engine refuses "
-            "an over-long request itself."
+            "been out of placement (as a restart takes it)."
         ),
     )
     tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")
@@ -554,9 +565,11 @@ class Engine:
         doc=(
             "The model's vocabulary size: a prompt of token ids may use 0 to `vocab_size` - 1 "
             "and any other id is refused (400, param `prompt`) before an engine sees it. "
-            "SGLang 0.5.23 does not check them: one id out of range kills its scheduler and "
-            "the server exits. `null` checks only that ids are not negative (vLLM refuses "
-            "the rest itself)."
+            "`null` checks only that ids are not negative (vLLM refuses the rest itself)."
+        ),
+        notes=(
+            "Set it for SGLang: 0.5.23 does not check token ids, and one out of range kills "
+            "its scheduler and the server exits."
         ),
     )
     chars_per_token: float = _f(
@@ -592,15 +605,17 @@ class Engine:
         doc=(
             "File holding the key engines were started with (`--api-key`), sent as "
             "`Authorization: Bearer` on every engine request; `null` sends none. One line "
-            "of printable ASCII without spaces (one trailing newline is ignored). The key "
-            "itself never goes in the configuration; the file is re-read on reload, so a "
-            "rotated key takes effect then. A relative path is taken from the working "
-            "directory; under systemd, `LoadCredential=` provides the file."
+            "of printable ASCII without spaces (one trailing newline is ignored), read "
+            "again at each reload, so a rotated key takes effect then."
+        ),
+        notes=(
+            "The key itself never goes in the configuration. A relative path is taken from "
+            "the working directory; under systemd, `LoadCredential=` provides the file."
         ),
     )
 
     def control_pool_size(self, engine_count: int) -> int:
-        """`0` derives two per engine with a minimum of four (manual 4.1)."""
+        """`0` derives two per engine with a minimum of four (docs/design.md#admission)."""
         if self.control_connections:
             return self.control_connections
         return max(4, 2 * engine_count)
@@ -656,12 +671,14 @@ class Health:
         doc=(
             "Latency-residual window for ejection. An engine ejected for latency waits as "
             "long before its good probes count toward readmission "
-            "(`recovery.engines.ID.health.readmission_in_s` in `/narwhal/state`), unless no "
-            "other engine in placement takes the work of its role (as for "
-            "`recovery.health.readmit_successes`): then they count at once (slow beats "
-            "refusing all of that work), and one that answered its last probe is probed at "
-            "once when its role empties meanwhile. The health transition's reason says so, "
-            "and `recovery.engines.ID.health.latency_cut_short_total` counts it."
+            "(`recovery.engines.ID.health.readmission_in_s` in `/narwhal/state`)."
+        ),
+        notes=(
+            "While no other engine in placement takes the work of its role (as for "
+            "`recovery.health.readmit_successes`), its good probes count at once (slow "
+            "beats refusing all of that work), and one that answered its last probe is "
+            "probed at once when its role empties meanwhile. The health transition's reason "
+            "says so, and `recovery.engines.ID.health.latency_cut_short_total` counts it."
         ),
     )
     min_samples: int = _f(
@@ -690,31 +707,33 @@ class Health:
         2,
         AtLeast(1),
         doc=(
-            "Consecutive good probes before readmission verification. One good probe is "
-            "enough while no other engine in placement takes the work of the engine's role "
-            "(another engine of its role, or a `both` engine for a prefill or decode engine, "
-            "or an available prefill/decode pair for a `both` engine; one drained, held, "
-            "ejected, quarantined, unreachable or refusing the key or the model does not count), "
-            "since every request needing that role is refused meanwhile (`no_engine_available`); "
-            "the verification pair still has to pass, and a restart hold ends at the first "
-            "good probe (`recovery.restart_hold_s`). The health transition's reason says so, "
-            "and `recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` "
-            "counts it. An ejected engine that answered its last probe is probed at once "
-            "when its role empties meanwhile, however it empties: the last other engine "
-            "taking its work is ejected, unreachable, held or quarantined, its breaker "
-            "opens, `narwhalctl` drains it or pins it to another role, a reload removes or "
-            "replaces it or changes its role, the role controller moves it, or a request "
-            "finds it refusing Narwhal's API key or its model; likewise when `narwhalctl "
-            "undrain` or a "
-            "role change makes the ejected engine itself the last of its role. A "
+            "Consecutive good probes before readmission verification. One is enough while "
+            "no other engine in placement takes the work of the engine's role, since every "
+            "request needing that role is refused meanwhile (`no_engine_available`)."
+        ),
+        notes=(
+            "Another engine takes the work of the role when it has the same role, is a "
+            "`both` engine for a prefill or decode engine, or is an available "
+            "prefill/decode pair for a `both` engine; one drained, held, ejected, "
+            "quarantined, unreachable or refusing the key or the model does not count. The "
+            "verification pair still has to pass, and a restart hold ends at the first good "
+            "probe (`recovery.restart_hold_s`). The health transition's reason says so, and "
+            "`recovery.engines.ID.health.readmit_shortcuts_total` in `/narwhal/state` counts "
+            "it. An ejected engine that answered its last probe is probed at once when its "
+            "role empties meanwhile, however it empties: the last other engine taking its "
+            "work is ejected, unreachable, held or quarantined, its breaker opens, "
+            "`narwhalctl` drains it or pins it to another role, a reload removes or replaces "
+            "it or changes its role, the role controller moves it, or a request finds it "
+            "refusing Narwhal's API key or its model; likewise when `narwhalctl undrain` or "
+            "a role change makes the ejected engine itself the last of its role. A "
             "verification pair (readmission or breaker) that fails at once is sent again, "
             "and only the second pair counts (the first is "
-            '`narwhal_verifications_total{outcome="retried"}`); one '
-            "that ran out `engine.first_token_timeout_s` is not sent again. A leg answered "
-            "with HTTP 429 makes the pair inconclusive (the engine is busy, not broken): it "
-            "is verified again a probe interval later. After a failed readmission "
-            "verification the next waits a probe interval; from the second failure in a row "
-            "on, twice as long as the one before, up to 8 probe intervals "
+            '`narwhal_verifications_total{outcome="retried"}`); one that ran out '
+            "`engine.first_token_timeout_s` is not sent again. A leg answered with HTTP 429 "
+            "makes the pair inconclusive (the engine is busy, not broken): it is verified "
+            "again a probe interval later. After a failed readmission verification the next "
+            "waits a probe interval; from the second failure in a row on, twice as long as "
+            "the one before, up to 8 probe intervals "
             "(`recovery.engines.ID.health.failed_verifications` and `verify_in_s`), until a "
             "verification passes or the engine restarts. While no other engine in placement "
             "takes the work of its role the wait is one probe interval whatever the count "
@@ -758,10 +777,12 @@ class Recovery:
         5.0,
         NonNegative(),
         doc=(
-            "Hold after an engine restart before placement; then a verification pair has to "
-            "pass. An engine that answers again "
-            "after being unreachable counts as restarted unless its `/version` names the "
-            "instance id it named before (then it was unreachable, not restarted: no hold). "
+            "Hold after an engine restart before placement; then a verification pair has "
+            "to pass. An engine that answers again after being unreachable counts as "
+            "restarted unless its `/version` names the instance id it named before (then "
+            "there is no hold)."
+        ),
+        notes=(
             "While no other engine in placement takes the work of its role (as for "
             "`recovery.health.readmit_successes`), the wait ends at its first good probe "
             "(one goes out at once when the restart shows on `/metrics` or its role empties "
@@ -777,7 +798,7 @@ class Recovery:
 
 @attrs.frozen(kw_only=True)
 class Thresholds:
-    """Role-control thresholds (manual 7)."""
+    """Role-control thresholds (docs/design.md#role-control)."""
 
     expand: float = _f(
         1.0, Positive(), doc="SLO-relative pool load that initiates reactive expansion."
@@ -786,7 +807,7 @@ class Thresholds:
         0.5,
         NonNegative(),
         doc=(
-            "Maximum projected source load for ordinary consolidation. Lower than "
+            "Maximum projected source load for ordinary consolidation, lower than "
             "`controller.thresholds.expand`. Mixed-pressure D-to-P moves may exceed it."
         ),
     )
@@ -821,7 +842,8 @@ class Thresholds:
 
 @attrs.frozen(kw_only=True)
 class Reactive:
-    """Reactive-controller parameters (manual 7.5-7.7)."""
+    """Reactive-controller parameters (docs/design.md#adjacent-splits, #evidence-gate,
+    #reactive-parameters)."""
 
     window_s: float = _f(120.0, Positive(), doc="Demand-estimation window.")
     confirmations: int = _f(
@@ -900,11 +922,11 @@ class Reactive:
 
 @attrs.frozen(kw_only=True)
 class Controller:
-    """Role control (manual 7)."""
+    """Role control (docs/design.md#role-control)."""
 
     enabled: bool = _f(
         True,
-        doc="Run the role controller; `false` keeps the configured roles. Needs a restart.",
+        doc="Run the role controller; `false` keeps the configured roles.",
     )
     advisory: bool = _f(
         False,

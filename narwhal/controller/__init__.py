@@ -1,4 +1,4 @@
-"""Reactive prefill/decode role control (manual chapter 7).
+"""Reactive prefill/decode role control (docs/design.md#role-control).
 
 The decision core (`decide` and everything it reads: snapshots, state, loads, demand)
 is pure and imports no trio; `Controller` is the thin live wrapper the monitor loop

@@ -2,10 +2,10 @@
 
 A role change is one assignment to `EngineState.role`. Placement reads the role for
 every new request, so the change steers new work at once; nothing here touches resident
-work (manual 5): a decode engine turned prefill keeps streaming the requests it holds
-until they finish or are cancelled, it simply stops receiving new decode legs. A prefill
-engine turned decode finishes its in-flight prefills and keeps serving the KV handoffs
-already waiting on it.
+work (docs/design.md#placement): a decode engine turned prefill keeps streaming the requests it
+holds until they finish or are cancelled, it simply stops receiving new decode legs. A prefill
+engine turned decode finishes its in-flight prefills and keeps serving the KV handoffs already
+waiting on it.
 
 No trio import: the live engine is anything with the `RoleTarget` members.
 """
@@ -115,8 +115,9 @@ def apply_move(engine: RoleTarget, decision: Decision) -> FlipRecord:
 
 def resident_streams(engine: RoleTarget) -> int:
     """The decode streams a role change leaves on the engine: the open ones and the legs
-    placed on it whose prefill is still running or whose KV waits for a slot (manual 5:
-    placed requests keep their engine, so they start here after a move to prefill)."""
+    placed on it whose prefill is still running or whose KV waits for a slot
+    (docs/design.md#placement: placed requests keep their engine, so they start here after a move to
+    prefill)."""
     return engine.decode_active + engine.decode_pending
 
 

@@ -77,7 +77,7 @@ def _no_correction(engine_id: str) -> float:
 
 
 class Controller:
-    """Reactive role control over a live fleet (manual chapter 7).
+    """Reactive role control over a live fleet (docs/design.md#role-control).
 
     `mean_profile` and `engine_profiles` are read on every pass, so a profile reload is
     seen at the next pass (and re-prices the demand window); `decode_correction` returns

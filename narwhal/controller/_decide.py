@@ -1,4 +1,4 @@
-"""The reactive role controller's decision core (manual chapter 7): a pure function.
+"""The reactive role controller's decision core (docs/design.md#role-control): a pure function.
 
 ``decide(snapshot, state, now, config) -> Decision``. No trio, no I/O, no clock: the
 same inputs give the same decision, so every rule has a deterministic unit test. The
@@ -7,39 +7,39 @@ decision names, if any, and keeps `decision.state` for the next pass.
 
 One pass, in order
 ------------------
-1. Evidence resets (7.6). First-token timeouts and prefill-to-decode recovery moves
-   reported since the last pass reopen the consolidation evidence window now.
-2. Floors (7.2). If live capacity of a phase is below its floor, the pass is a
-   floor-recovery pass (caller ``floor-recovery``), run on every monitor pass whatever
-   `step_s` says: one eligible engine moves per pass. Decode-floor recovery skips the
-   cooldown but observes dwell; prefill-floor recovery ignores cooldown and dwell.
-   Pins, availability, both floors and advisory mode still apply. When no engine can
-   restore the floor the breach is reported and the split is kept: that is the safest
-   reachable split. Ordinary decisions resume once no floor is breached: the first
-   pass without a breach is a scheduled evaluation, whatever `step_s` says, so the
-   state shows the split that capacity returned to, not the breach that ended.
-3. Scheduling (7.7 `step_s`). An adjacent-split evaluation of both directions runs
-   when `step_s` has elapsed since the last one (caller ``scheduled``). Between
-   scheduled passes, a projected prefill TTFT breach allows one guarded evaluation of
-   the D-to-P direction only (caller ``breach-step``); the allowance renews at the next
-   scheduled evaluation. Otherwise the pass only waits (caller ``none``).
-4. Adjacent split (7.5). The current live split (k, m) and the adjacent splits
-   (k+1, m-1) and (k-1, m+1) are projected (`_load`). A proposal is an adjacent split
-   whose worst projected SLO ratio is lower by at least the movement margin (strictly
-   lower when the margin is 0); the best such split is proposed, else the split is held.
-   The proposal then passes its eligibility checks, in this order, and the first that
-   fails is the gate reported as blocking movement:
+1. Evidence resets (docs/design.md#evidence-gate). First-token timeouts and prefill-to-decode
+   recovery moves reported since the last pass reopen the consolidation evidence window now.
+2. Floors (docs/design.md#role-floors). If live capacity of a phase is below its floor, the pass is
+   a floor-recovery pass (caller ``floor-recovery``), run on every monitor pass whatever `step_s`
+   says: one eligible engine moves per pass. Decode-floor recovery skips the cooldown but observes
+   dwell; prefill-floor recovery ignores cooldown and dwell. Pins, availability, both floors and
+   advisory mode still apply. When no engine can restore the floor the breach is reported and the
+   split is kept: that is the safest reachable split. Ordinary decisions resume once no floor is
+   breached: the first pass without a breach is a scheduled evaluation, whatever `step_s` says, so
+   the state shows the split that capacity returned to, not the breach that ended.
+3. Scheduling (docs/design.md#reactive-parameters, `step_s`). An adjacent-split evaluation of both
+   directions runs when `step_s` has elapsed since the last one (caller ``scheduled``). Between
+   scheduled passes, a projected prefill TTFT breach allows one guarded evaluation of the D-to-P
+   direction only (caller ``breach-step``); the allowance renews at the next scheduled evaluation.
+   Otherwise the pass only waits (caller ``none``).
+4. Adjacent split (docs/design.md#adjacent-splits). The current live split (k, m) and the adjacent
+   splits (k+1, m-1) and (k-1, m+1) are projected (`_load`). A proposal is an adjacent split whose
+   worst projected SLO ratio is lower by at least the movement margin (strictly lower when the
+   margin is 0); the best such split is proposed, else the split is held. The proposal then passes
+   its eligibility checks, in this order, and the first that fails is the gate reported as blocking
+   movement:
    * D-to-P: decode floor; source rule (projected decode at the target <= shrink:
      ordinary; else mixed-pressure when measured prefill pressure >= expand and every
      engine has a profile); closed evidence window; decode demand not rising; a movable
-     decode engine; dwell; `flip_resident_guard`; the resident-work checks of 7.3.
+     decode engine; dwell; `flip_resident_guard`; the resident-work checks
+     (docs/design.md#resident-work).
    * P-to-D: prefill floor; projected prefill at the target <= shrink; a movable
      prefill engine; dwell; cooldown (bypassed by panic).
    A failed check clears the candidate. A passing proposal is a confirmation; the move
    happens when the confirmations reach the required count.
 
-Interpretations of the manual (each has a test named after it)
---------------------------------------------------------------
+Interpretations of the role-control rules (each has a test named after it)
+-------------------------------------------------------------------------
 * Live counts. An engine is live for a phase when its role covers the phase and that
   phase is not blocked (drained, removed, ejected, restart hold, quarantine, breaker).
   Floors count engines with role ``both`` for both phases, as the configuration rules
@@ -69,30 +69,31 @@ Interpretations of the manual (each has a test named after it)
   cleared, so confirmations accumulate only over passes on which the move was allowed.
 * Evidence gating applies to every adjacent D-to-P proposal (ordinary, mixed-pressure
   and breach-step), never to moves toward decode, and not to prefill-floor recovery,
-  whose list of constraints that still apply (7.2) does not include it.
+  whose list of constraints that still apply (docs/design.md#role-floors) does not
+  include it.
 * Evidence resets: first-token timeouts and P-to-D floor-recovery moves (the
   controller's own, and any reported in the snapshot). Ordinary P-to-D moves do not
   reset it; they are paced by the cooldown.
-* Panic (7.7 `panic_ratio`): when enabled and the decode pressure (as for urgency) is
-  at least `panic_ratio` times the TPOT target (a load of `panic_ratio`), and the
-  projected prefill load after the move is strictly below shrink, a P-to-D move
-  ignores the cooldown. Nothing else is bypassed.
+* Panic (`panic_ratio`, docs/design.md#reactive-parameters): when enabled and the decode pressure
+  (as for urgency) is at least `panic_ratio` times the TPOT target (a load of `panic_ratio`), and
+  the projected prefill load after the move is strictly below shrink, a P-to-D move ignores the
+  cooldown. Nothing else is bypassed.
 * Projected TTFT breach: signalled by admission (`FleetSnapshot.ttft_breach`) or the
   measured prefill pressure above 1.0 (the predicted work queued exceeds the target).
-* Resident-work checks (7.3) run before every D-to-P move, floor recovery included,
-  because they protect resident requests: (a) the projected decode operating point of
-  the proposed split is inside the mean profile's decode domain; (b) every decode
-  engine's resident batch, with the remaining engines' share of pending handoffs, is
-  inside its profile's decode domain; (c) the remaining decode engines' free KV holds
-  the pending handoffs and the candidate's free KV holds one mean prompt beside its
-  resident streams. Prefill-floor recovery skips a check whose inputs do not exist (no
-  profile, no priced demand) rather than leave the fleet with no prefill capacity.
+* Resident-work checks (docs/design.md#resident-work) run before every D-to-P move, floor recovery
+  included, because they protect resident requests: (a) the projected decode operating point of the
+  proposed split is inside the mean profile's decode domain; (b) every decode engine's resident
+  batch, with the remaining engines' share of pending handoffs, is inside its profile's decode
+  domain; (c) the remaining decode engines' free KV holds the pending handoffs and the candidate's
+  free KV holds one mean prompt beside its resident streams. Prefill-floor recovery skips a check
+  whose inputs do not exist (no profile, no priced demand) rather than leave the fleet with no
+  prefill capacity.
 * `flip_resident_guard` filters D-to-P candidates of adjacent decisions; floor
   recovery prefers the candidate with the fewest resident streams but is not blocked.
 * Resident decode work of a D-to-P candidate (candidate order, `flip_resident_guard`,
-  the candidate's own 7.3 checks, the flip record) is its open streams plus the decode
-  legs already placed on it that have not started: a role change moves neither (manual
-  5), so the engine turned prefill still starts every placed leg.
+  the candidate's own resident-work checks, the flip record) is its open streams plus the decode
+  legs already placed on it that have not started: a role change moves neither
+  (docs/design.md#placement), so the engine turned prefill still starts every placed leg.
 * Candidate order: D-to-P takes the decode engine with the fewest resident streams,
   then the fewest resident KV tokens, then the lowest id; P-to-D the prefill engine with
   the least predicted prefill work, then fewest in flight, then the lowest id.
@@ -514,15 +515,15 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
-# --- 7.3 resident work ----------------------------------------------------------------
+# --- resident work (docs/design.md#resident-work) ---------------------------------------
 
 
 def resident_work_check(
     p: _Pass, candidate: EngineSnapshot, target: SplitLoad | None, *, strict: bool
 ) -> _Blocked | None:
-    """Manual 7.3, before turning decode capacity into prefill capacity. Returns the
-    failing check, or None. Non-strict (prefill-floor recovery) skips a check whose
-    inputs do not exist instead of failing it."""
+    """docs/design.md#resident-work, before turning decode capacity into prefill capacity. Returns
+    the failing check, or None. Non-strict (prefill-floor recovery) skips a check whose inputs do
+    not exist instead of failing it."""
     mean = p.snap.mean_profile
     prompt_mean = p.decode_demand.prompt_tokens_mean if p.decode_demand else 0.0
     remaining = [
@@ -551,7 +552,7 @@ def resident_work_check(
                 return _Blocked("resident_batches", f"engine {e.id!r} has no profile")
             continue
         if e is candidate:
-            # Its placed decode legs start here after the move (manual 5).
+            # Its placed decode legs start here after the move (docs/design.md#placement).
             active = float(e.decode_resident)
             kv = float(e.decode_resident_tokens)
         else:
@@ -595,7 +596,7 @@ def resident_work_check(
     return None
 
 
-# --- 7.2 floors -----------------------------------------------------------------------
+# --- floors (docs/design.md#role-floors) ----------------------------------------------
 
 
 def _floor_recovery(p: _Pass) -> Decision:
@@ -669,7 +670,7 @@ def _floor_recovery(p: _Pass) -> Decision:
     return blocked(failures[0].gate, failures[0].detail)
 
 
-# --- 7.5 adjacent splits ----------------------------------------------------------------
+# --- adjacent splits (docs/design.md#adjacent-splits) -------------------------------------
 
 
 def _check_d2p(p: _Pass, target: SplitLoad) -> _Eligible | _Blocked:

@@ -1,12 +1,12 @@
-"""Offered demand (manual 7.6, 7.7): a sliding-window estimator fed arrival events, the
-arrival-evidence window that gates D-to-P consolidation, and the demand the projections
-price. Pure data structures: no trio, no I/O; time is always passed in.
+"""Offered demand (docs/design.md#evidence-gate, #reactive-parameters): a sliding-window estimator
+fed arrival events, the arrival-evidence window that gates D-to-P consolidation, and the demand the
+projections price. Pure data structures: no trio, no I/O; time is always passed in.
 
 Demand is *offered* demand: every arrival counts, admitted or refused, because a
-predictive-admission refusal is demand the fleet failed to serve (manual 7.6: refusals
-count toward offered demand while the evidence window accumulates). Each arrival carries
-its prompt tokens and its expected output tokens (the request's output budget, or a
-prediction of it).
+predictive-admission refusal is demand the fleet failed to serve (docs/design.md#evidence-gate:
+refusals count toward offered demand while the evidence window accumulates). Each arrival carries
+its prompt tokens and its expected output tokens (the request's output budget, or a prediction of
+it).
 
 Two horizons are kept: the short one is `reactive.evidence_span_s` (the rising-demand
 test's short horizon) and the long one `reactive.window_s` (the demand-estimation
@@ -63,7 +63,8 @@ class DemandEstimate:
         return self.arrivals / self.span_s if self.span_s > 0 else 0.0
 
     def floored_rate(self, demand_floor: float) -> float:
-        """Manual 7.7 `demand_floor`: the minimum accepted demand signal, in requests/s."""
+        """docs/design.md#reactive-parameters `demand_floor`: the minimum accepted demand signal, in
+        requests/s."""
         return max(self.rate, demand_floor)
 
     def prefill_work(self, demand_floor: float) -> float:
@@ -219,7 +220,7 @@ class DemandEstimator:
         )
 
 
-# --- the evidence window (manual 7.6) -------------------------------------------------
+# --- the evidence window (docs/design.md#evidence-gate) --------------------------------
 
 
 @attrs.frozen
@@ -250,7 +251,7 @@ def evidence_view(
     now: float,
     reactive: Reactive,
 ) -> EvidenceView:
-    """Manual 7.6: closed when `evidence_span_s` has elapsed with at least
+    """docs/design.md#evidence-gate: closed when `evidence_span_s` has elapsed with at least
     `evidence_min_arrivals` samples, or when `evidence_max_span_s` has elapsed.
 
     Once the span has elapsed, the samples in the evidence span since the window opened
@@ -274,7 +275,7 @@ def evidence_view(
 
 
 def demand_rising(short: DemandEstimate, long: DemandEstimate, reactive: Reactive) -> bool:
-    """Manual 7.6: once the short horizon holds `evidence_min_arrivals` samples,
+    """docs/design.md#evidence-gate: once the short horizon holds `evidence_min_arrivals` samples,
     consolidation pauses while short-horizon decode demand exceeds the long-horizon
     decode demand by more than `demand_rise_tolerance`. Decode demand is the floored
     output-token rate."""
@@ -305,9 +306,9 @@ def _larger(
 def pricing_demand(
     short: DemandEstimate, long: DemandEstimate, reactive: Reactive
 ) -> tuple[PrefillDemand, DecodeDemand]:
-    """Manual 7.6: candidate pricing uses the larger demand estimate. "Larger" is judged
-    per phase: prefill uses the horizon with more prefill work, decode the horizon with
-    the higher output-token rate."""
+    """docs/design.md#evidence-gate: candidate pricing uses the larger demand estimate. "Larger" is
+    judged per phase: prefill uses the horizon with more prefill work, decode the horizon with the
+    higher output-token rate."""
     floor = reactive.demand_floor
     pre = _larger(short, long, reactive, lambda e: e.prefill_work(floor))
     dec = _larger(short, long, reactive, lambda e: e.decode_token_rate(floor))

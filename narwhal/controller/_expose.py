@@ -1,4 +1,5 @@
-"""The controller's `/narwhal/state` section and Prometheus families (manual 7.4, 7.6).
+"""The controller's `/narwhal/state` section and Prometheus families
+(docs/design.md#advisory-rollout, #evidence-gate).
 
 Both read the same inputs: the last evaluated decision (the one that states what the
 controller proposes and what blocks it), the last pass (which may only have waited for

@@ -1,9 +1,10 @@
-"""Pool loads (manual 7.1) and the projection model for adjacent splits (manual 7.5).
+"""Pool loads (docs/design.md#pool-load) and the projection model for adjacent splits
+(docs/design.md#adjacent-splits).
 
 Pure arithmetic: no trio, no I/O, no clock.
 
-Measured loads (7.1)
---------------------
+Measured loads (docs/design.md#pool-load)
+-----------------------------------------
 * Prefill load = predicted prefill work / TTFT target. For one engine the predicted work
   is the profile-priced prefill time of what it already holds and of what waits for one of
   its router-side slots (`serving.prefill_concurrency`); the pool's *measured prefill
@@ -19,12 +20,11 @@ Measured loads (7.1)
 Projection model (the loads a split *would* have)
 -------------------------------------------------
 A split is ``k`` live prefill engines and ``m`` live decode engines. Its loads are
-projected only from the demand estimate and the *mean* profile (manual 7.7: demand
-pricing uses the mean profile across configured engines), never from the instantaneous
-measurements, so the projection of a given split is the same whichever split the fleet
-is in right now. That consistency is what keeps a stationary mix from flapping: if
-split A is projected better than B by the movement margin, B is never projected better
-than A at the same demand.
+projected only from the demand estimate and the *mean* profile (docs/design.md#reactive-parameters:
+demand pricing uses the mean profile across configured engines), never from the instantaneous
+measurements, so the projection of a given split is the same whichever split the fleet is in right
+now. That consistency is what keeps a stationary mix from flapping: if split A is projected better
+than B by the movement margin, B is never projected better than A at the same demand.
 
 Demand (see `_demand`) is the offered arrival rate λ (requests/s, admitted plus refused,
 raised to at least `reactive.demand_floor`), the first two moments of the mean-profile
@@ -36,10 +36,10 @@ the token-weighted mean KV a decoding stream holds, κ = Σ oᵢ(pᵢ + oᵢ/2) 
   ``ρ = λ·E[s] / (k·u)``; the Pollaczek–Khinchine mean wait is
   ``W = ρ/(1−ρ) · E[s²]/(2·E[s])`` and the projected TTFT is ``W + E[s]``, so
   ``prefill load = (W + E[s]) / ttft``: predicted prefill work over the TTFT target, as
-  7.1 defines it. Near saturation the queue formula explodes; above ρ = 0.98 the load is
-  the ρ = 0.98 value scaled by ρ/0.98, so an overloaded split still ranks by how
-  overloaded it is (manual 7.5: the controller keeps acting under overload). ``k = 0``
-  has load `NO_CAPACITY`.
+  docs/design.md#pool-load defines it. Near saturation the queue formula explodes; above ρ = 0.98
+  the load is the ρ = 0.98 value scaled by ρ/0.98, so an overloaded split still ranks by how
+  overloaded it is (docs/design.md#adjacent-splits: the controller keeps acting under
+  overload). ``k = 0`` has load `NO_CAPACITY`.
 * Decode, ``m`` engines. Each engine receives r = λ·E[out] / (m·u) tokens/s (demand
   inflated by 1/u, so load 1.0 means the pool meets the TPOT target at u of its
   capacity). By Little's law a steady batch of B streams that each produce one token
@@ -47,9 +47,9 @@ the token-weighted mean KV a decoding stream holds, κ = Σ oᵢ(pᵢ + oᵢ/2) 
   ``t(B) = correction · interval_s(B, κ·B)`` from the mean profile and the mean decode
   correction of the live decode engines. The controller takes the least fixed point
   (iteration from B = 0, then bisection near the critical rate). Candidate pricing
-  includes resident plus pending decode work (manual 7.6): the projected operating
+  includes resident plus pending decode work (docs/design.md#evidence-gate): the projected operating
   point is ``B' = max(B, (resident + pending)/m)`` and
-  ``K' = max(κ·B, (resident KV + pending KV)/m)``, and the load is the 7.1 formula at
+  ``K' = max(κ·B, (resident KV + pending KV)/m)``, and the load is the pool-load formula at
   ``t = correction · interval_s(B', K')``. No fixed point below the KV capacity
   (``B·κ ≤ kv_capacity``), or below the decode slots per engine when the router caps
   them (``serving.decode_concurrency``: streams beyond it wait for a slot, so a batch
@@ -81,17 +81,17 @@ _BISECTIONS = 60
 
 
 def prefill_load(work_s: float, ttft_s: float) -> float:
-    """Manual 7.1: predicted prefill work over the TTFT target."""
+    """docs/design.md#pool-load: predicted prefill work over the TTFT target."""
     return max(0.0, work_s) / ttft_s
 
 
 def corrected_idle_floor(idle_floor_s: float, correction: float) -> float:
-    """Manual 7.1: the profile's idle floor times the bounded live/profile ratio."""
+    """docs/design.md#pool-load: the profile's idle floor times the bounded live/profile ratio."""
     return idle_floor_s * correction
 
 
 def decode_load(interval_s: float, idle_floor_s: float, correction: float, tpot_s: float) -> float:
-    """Manual 7.1: the observed interval above the corrected idle floor over the
+    """docs/design.md#pool-load: the observed interval above the corrected idle floor over the
     remaining TPOT budget, at least 0; the raw interval/target ratio when the floor
     itself reaches the target."""
     floor = corrected_idle_floor(idle_floor_s, correction)
@@ -265,13 +265,13 @@ class SplitLoad:
 
     @property
     def worst(self) -> float:
-        """The worst projected SLO ratio (manual 7.5)."""
+        """The worst projected SLO ratio (docs/design.md#adjacent-splits)."""
         return max(self.prefill_load, self.decode_projection.load)
 
 
 def improves(current: float, target: float, margin: float) -> bool:
-    """Manual 7.5: the worst projected SLO ratio must fall by at least the movement
-    margin (an absolute reduction in SLO-ratio units); with a margin of 0 the reduction
+    """docs/design.md#adjacent-splits: the worst projected SLO ratio must fall by at least the
+    movement margin (an absolute reduction in SLO-ratio units); with a margin of 0 the reduction
     must still be strictly positive."""
     if margin <= 0.0:
         return target < current

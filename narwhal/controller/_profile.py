@@ -36,7 +36,7 @@ class DecodeCost(Protocol):
 
     @property
     def idle_floor_s(self) -> float:
-        """The zero-contention decode interval (manual 7.1: the idle floor)."""
+        """The zero-contention decode interval (docs/design.md#pool-load: the idle floor)."""
         ...
 
     def interval_s(self, active: float, kv_tokens: float) -> float: ...

@@ -40,8 +40,8 @@ class EngineSnapshot:
     decode_tokens: int = 0  # resident KV tokens of those streams
     # Decode legs placed here that have not started (their prefill is still running, or
     # their KV waits for a decode slot), and their prompt tokens. A role change does not
-    # move them (manual 5: they keep the engine they were placed on), so a decode engine
-    # turned prefill still starts every one of them: for the D-to-P candidate they are
+    # move them (docs/design.md#placement: they keep the engine they were placed on), so a decode
+    # engine turned prefill still starts every one of them: for the D-to-P candidate they are
     # resident work like the streams it holds.
     decode_pending: int = 0
     decode_pending_tokens: int = 0
@@ -132,7 +132,8 @@ class FleetSnapshot:
 
 
 def measured_prefill_pressure(engines: Sequence[EngineSnapshot], ttft_s: float) -> float:
-    """Manual 7.1 over the live prefill pool: mean predicted prefill work / TTFT target."""
+    """docs/design.md#pool-load over the live prefill pool: mean predicted prefill work / TTFT
+    target."""
     live = [e for e in engines if e.live_for("prefill")]
     if not live:
         return 0.0
@@ -140,8 +141,8 @@ def measured_prefill_pressure(engines: Sequence[EngineSnapshot], ttft_s: float) 
 
 
 def engine_decode_load(engine: EngineSnapshot, mean: Profile | None, tpot_s: float) -> float | None:
-    """Manual 7.1 for one engine from its measured interval; None when it reported none
-    or no profile gives its idle floor. An idle engine has load 0."""
+    """docs/design.md#pool-load for one engine from its measured interval; None when it reported
+    none or no profile gives its idle floor. An idle engine has load 0."""
     profile = engine.profile or mean
     if engine.decode_interval_s is None:
         return 0.0 if engine.decode_active == 0 else None

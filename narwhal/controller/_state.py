@@ -15,9 +15,9 @@ Rule = Literal["ordinary", "mixed-pressure"]
 
 @attrs.frozen
 class CandidateKey:
-    """What a confirmation must match (manual 7.5): the proposed split, the demand
-    completeness it was made under and the eligibility rule that admitted it. The
-    direction is implied by the split but kept for readability."""
+    """What a confirmation must match (docs/design.md#adjacent-splits): the proposed split, the
+    demand completeness it was made under and the eligibility rule that admitted it. The direction
+    is implied by the split but kept for readability."""
 
     direction: Direction
     prefill: int
@@ -39,8 +39,8 @@ class ControllerState:
     last_p2d_at: float = -math.inf
     # dwell_s: the time each engine last changed role, sorted by engine id.
     role_changed_at: tuple[tuple[str, float], ...] = ()
-    # The last pass found a floor breached (7.2). The first pass without a breach then
-    # evaluates at once, whatever step_s says: the split re-enters the adjacent path
+    # The last pass found a floor breached (docs/design.md#role-floors). The first pass without a
+    # breach then evaluates at once, whatever step_s says: the split re-enters the adjacent path
     # when capacity returns, and the breach it reported is no longer the news.
     floor_breached: bool = False
 

@@ -2,7 +2,7 @@
 
 The router sends a non-streaming client request's decode leg as a stream, so that the
 first-token and decode-gap timers see it, and answers the client with the document the
-engine would have sent had it been asked without streaming (engine-protocols notes §4).
+engine would have sent had it been asked without streaming (docs/design.md#engine-streams).
 
 vLLM and SGLang build both forms from the same generation state: a streamed choice's
 text, logprobs and token ids are slices of the final ones, and the finishing chunk

@@ -1,16 +1,17 @@
 """What each engine dialect expects on the wire, without doing any I/O.
 
-vLLM + NIXL (engine-protocols notes §1): the prefill leg is the client body with
+vLLM + NIXL (docs/design.md#vllm-nixl-handoff): the prefill leg is the client body with
 `kv_transfer_params.do_remote_decode`, `stream: false`, no `stream_options` (vLLM
 rejects it when not streaming), `max_tokens` 1 and `min_tokens` clamped to 1; the
 decode leg is the original body plus the prefill response's `kv_transfer_params`,
 passed through verbatim because its keys change between vLLM versions. Both legs carry
 the same X-Request-Id.
 
-SGLang (§5): both legs get the same body with `bootstrap_host/port/room` and are sent
-concurrently; the engines pair by room. Unlike vLLM, an SGLang server's role is fixed when
-it is launched (`--disaggregation-mode prefill|decode`, or none for an aggregate server),
-and a disaggregated one refuses any generation request without `bootstrap_room` (400).
+SGLang (docs/design.md#sglang-bootstrap): both legs get the same body with
+`bootstrap_host/port/room` and are sent concurrently; the engines pair by room. Unlike vLLM, an
+SGLang server's role is fixed when it is launched (`--disaggregation-mode prefill|decode`, or none
+for an aggregate server), and a disaggregated one refuses any generation request without
+`bootstrap_room` (400).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class Dialect:
 VLLM = Dialect(
     "vllm",
     concurrent_legs=False,
-    # TokenizeChatRequest (notes §3.1): tool schemas go into the template and can outweigh
-    # the messages. Its defaults are the chat completion's: add_generation_prompt true,
+    # TokenizeChatRequest (docs/design.md#tokenize): tool schemas go into the template and can
+    # outweigh the messages. Its defaults are the chat completion's: add_generation_prompt true,
     # continue_final_message and add_special_tokens false.
     chat_tokenize_fields=(
         "tools",
@@ -187,7 +188,7 @@ def new_bootstrap_room() -> int:
 
 _RELEASE = re.compile(r"v?(\d+)\.(\d+)")
 # vLLM 0.32's StreamOptions.include_usage defaults to false; the builds before it read a
-# present stream_options as asking for usage (engine-protocols notes §4.4).
+# present stream_options as asking for usage (docs/design.md#usage-chunks).
 VLLM_USAGE_OPT_IN_FROM = (0, 32)
 
 
@@ -425,11 +426,10 @@ def card_context(answer: object, model: str) -> int | str:
     """The context length a /v1/models answer gives `model`: its card's `max_model_len`,
     or why there is none.
 
-    vLLM's card carries its model config's max_model_len (notes §3.2); SGLang's its model
-    config's context_len (§5.4), the limit its tokenizer manager checks each request
-    against, where /tokenize's `max_model_len` is only the tokenizer's and
-    /get_server_info's `context_length` only the --context-length flag (null unless
-    set)."""
+    vLLM's card carries its model config's max_model_len (docs/design.md#model-card); SGLang's its
+    model config's context_len, the limit its tokenizer manager checks each request against, where
+    /tokenize's `max_model_len` is only the tokenizer's and /get_server_info's `context_length` only
+    the --context-length flag (null unless set)."""
     cards = _model_cards(answer)
     if cards is None:
         return "its /v1/models answer has no `data` list"

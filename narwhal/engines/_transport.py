@@ -2,11 +2,10 @@
 
 Why not httpx: httpcore 1.0.9's pool rescans every connection for every queued request
 (`_assign_requests_to_connections`), so its cost per request grows with the number of
-connections; past ~32 in flight one core is spent on pool bookkeeping (measured in
-../shared/notes/stack-feasibility.md: 63 ms CPU per request at 256 in flight). A router
-holding hundreds of concurrent LLM streams cannot afford that. This pool does O(1) work
-per request: a FIFO `CapacityLimiter` bounds connections in use, and idle keep-alive
-connections sit on a LIFO stack.
+connections; past ~32 in flight one core is spent on pool bookkeeping (measured: 63 ms
+CPU per request at 256 in flight). A router holding hundreds of concurrent LLM streams
+cannot afford that. This pool does O(1) work per request: a FIFO `CapacityLimiter` bounds
+connections in use, and idle keep-alive connections sit on a LIFO stack.
 
 Why not h11 either: a relayed token is one chunk of a chunked body, and h11's general
 state machine cost ~40 % of the router's CPU on the streaming overhead benchmark (py-spy,

@@ -23,7 +23,7 @@ Phase = Literal["prefill", "decode", "aggregate"]
 
 
 def _limit(value: int) -> float:
-    # 0 means "no per-engine limit" (manual 4.2: bounded serving is opt-in).
+    # 0 means "no per-engine limit" (docs/design.md#bounded-serving: bounded serving is opt-in).
     return math.inf if value == 0 else value
 
 
@@ -155,7 +155,7 @@ class EngineState:
         self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
         self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
         # Availability: each flag has one owner, and all of them stay in force while
-        # the role changes (manual 5).
+        # the role changes (docs/design.md#placement).
         self._removed = False  # reload dropped it from the config; resident work finishes
         self._drained = False  # operator (narwhalctl drain)
         # Why the engine refuses Narwhal's API key (HTTP 401/403), set by whichever request
@@ -410,7 +410,8 @@ def _concurrency(spec: EngineSpec, config: Config, phase: Literal["prefill", "de
 
 
 def control_share(config: Config) -> int:
-    """Each engine's slice of the control pool (manual 4.1: 0 → two per engine, min 4)."""
+    """Each engine's slice of the control pool (docs/design.md#admission: 0 → two per
+    engine, min 4)."""
     total = config.engine.control_pool_size(len(config.engines))
     return max(1, math.ceil(total / max(1, len(config.engines))))
 

@@ -129,8 +129,9 @@ class Metrics:
             "narwhal_slo_requests",
             "Offered completion requests by how they count for SLO attainment: met (TTFT "
             "and TPOT within slo.*), missed (late, or failed on the service's side), "
-            "refused (counted as a miss, manual 7.6), unmeasured (served, no first token "
-            "seen). Requests that failed through the client's own fault are not offered.",
+            "refused (counted as a miss: docs/design.md#evidence-gate), unmeasured (served, "
+            "no first token seen). Requests that failed through the client's own fault are not "
+            "offered.",
             ["result"],
             registry=registry,
         )

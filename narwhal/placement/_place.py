@@ -1,6 +1,6 @@
 """Placement: which engines run a request's phases. Pure; no trio, no I/O.
 
-Manual chapter 5: filter by role, then availability, then exclusions (engines that
+docs/design.md#placement: filter by role, then availability, then exclusions (engines that
 already failed this request), then projected SLO compliance; pick the lowest cost; break
 ties by engine id. When every candidate would miss its projected SLO the request still
 runs on the cheapest one and the placement is recorded as unserved.

@@ -80,7 +80,7 @@ def _check_bounds(inst: DecodeCorrection, attr: attrs.Attribute[float], value: f
 
 @attrs.frozen(kw_only=True)
 class DecodeCorrection:
-    """The bounded live/profile decode correction (manual 7.1, 7.7).
+    """The bounded live/profile decode correction (docs/design.md#pool-load, #reactive-parameters).
 
     A pure value: `update` returns the next state. Rules, applied in order:
 
@@ -171,7 +171,7 @@ def corrected_idle_floor_s(decode: DecodeModel, correction: DecodeCorrection) ->
 
 
 def decode_load(observed_interval_s: float, corrected_floor_s: float, tpot_s: float) -> float:
-    """Decode load (manual 7.1): the interval above the corrected floor over the TPOT
+    """Decode load (docs/design.md#pool-load): the interval above the corrected floor over the TPOT
     budget left by the floor, at least 0; the raw interval/target ratio when the floor
     itself reaches the target."""
     if tpot_s <= 0:

@@ -80,7 +80,7 @@ class FleetProfiles:
         ]
         return sum(values) / len(values) if values else 0.0
 
-    # -- live decode correction (manual 7.1, 7.7) ------------------------------------------
+    # -- live decode correction (docs/design.md#pool-load, #reactive-parameters) ---------
     def decode_correction(self, engine_id: str) -> float:
         return self.correction(engine_id).value
 

@@ -136,7 +136,7 @@ class ProfileStore:
         return max(values) if values else None
 
     def mean_profile(self, engine_ids: Iterable[str] | None = None) -> EngineProfile | None:
-        """The fleet mean profile used for demand pricing (manual 7.7).
+        """The fleet mean profile used for demand pricing (docs/design.md#reactive-parameters).
 
         The mean of the listed engines' profiles (default: all): every latency
         coefficient and the idle floor are averaged, so its predictions are the mean of the
@@ -648,7 +648,8 @@ class ProfileCheck:
         return self.store.handoff(prefill, decode)
 
     def mean_profile(self) -> EngineProfile | None:
-        """The fleet mean over the usable configured engines (manual 7.7)."""
+        """The fleet mean over the usable configured engines
+        (docs/design.md#reactive-parameters)."""
         if self.store is None:
             return None
         return self.store.mean_profile(e for e in self.configured if e in self.usable)

@@ -52,8 +52,8 @@ class BreakerEvent(enum.Enum):
     VERIFY_OK = "verify_ok"
     VERIFY_FAILED = "verify_failed"
     # No evidence either way, so the verdict stays as it was: the control pool had no free
-    # connection (manual 4.1), a standby partner may have failed the pair, or a leg was
-    # refused for Narwhal's API key (the engine is not faulty; the key check comes first).
+    # connection (docs/design.md#deadlines), a standby partner may have failed the pair, or a leg
+    # was refused for Narwhal's API key (the engine is not faulty; the key check comes first).
     VERIFY_INCONCLUSIVE = "verify_inconclusive"
 
 

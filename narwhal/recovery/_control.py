@@ -12,8 +12,8 @@ Invariants
   one out without waiting.
 
 Errors
-  `Exhausted`: no free connection; the caller reports `inconclusive` (manual 4.1: probe
-  exhaustion leaves the engine verdict unchanged). A GET that gets no answer returns the
+  `Exhausted`: no free connection; the caller reports `inconclusive` (docs/design.md#deadlines:
+  probe exhaustion leaves the engine verdict unchanged). A GET that gets no answer returns the
   failed or inconclusive `ProbeResult` instead of raising.
 """
 

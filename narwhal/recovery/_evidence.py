@@ -7,7 +7,7 @@ Owns
 
 Invariants
   Records are frozen and hold no I/O. `inconclusive` is no evidence either way: the
-  verdict it would have fed stays as it was (manual 4.1).
+  verdict it would have fed stays as it was (docs/design.md#deadlines).
 
 Errors
   `ScrapeError`: an engine's load could not be observed in this pass.

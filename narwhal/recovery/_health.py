@@ -9,7 +9,7 @@ Invariants
   request, so each can be tested without sockets. A change of verdict is returned
   (`VerdictChange`), never logged here: the caller reports it (`Verdicts.changed`).
   A probe that could not run because the control pool was exhausted is no evidence either
-  way and leaves the verdict and the streaks unchanged (manual 4.1).
+  way and leaves the verdict and the streaks unchanged (docs/design.md#deadlines).
 """
 
 from __future__ import annotations
@@ -163,11 +163,11 @@ class ResidualWindow:
     The ratio of an observed leg latency to the latency the engine's profile predicts for
     it: a prefill leg's duration, a decode leg's median token interval (against the
     profile's interval at the engine's load during the stream). Each monitor pass
-    contributes at most one per engine (manual 7), so a window of recovery.health.window_s
-    holds at most window_s / controller.monitor_interval_s of them; once it holds
-    recovery.health.min_samples, a median ratio at or above recovery.health.eject_ratio
-    ejects the engine. The median, not the mean: one slow leg behind a long prompt must
-    not eject a healthy engine.
+    contributes at most one per engine (docs/design.md#role-control), so a window of
+    recovery.health.window_s holds at most window_s / controller.monitor_interval_s of them; once it
+    holds recovery.health.min_samples, a median ratio at or above recovery.health.eject_ratio ejects
+    the engine. The median, not the mean: one slow leg behind a long prompt must not eject a healthy
+    engine.
     """
 
     def __init__(self) -> None:

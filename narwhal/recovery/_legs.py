@@ -146,8 +146,8 @@ class LegAccounting:
         An engine that refuses connections fails every leg at once, so it looks idle and
         placement sends it most new requests; until its probes had failed
         recovery.health.failure_threshold times, each of those failed (a streamed one
-        with its 200 sent, so not retried: manual 4.3). Out at once, it costs its role
-        one probe's round trip when the refusal was a blip, and its requests go to the
+        with its 200 sent, so not retried: docs/design.md#streaming-failures). Out at once, it costs
+        its role one probe's round trip when the refusal was a blip, and its requests go to the
         role's other engines meanwhile."""
         engine = record.engine
         record.unreachable_at = trio.current_time()

@@ -17,8 +17,8 @@ Owns
 Invariants
   Passes start controller.monitor_interval_s apart; one that overruns (a slow handler)
   is followed by the next at once, not by a burst of catch-up passes, so a slow pass
-  delays later ones and can undersample a residual window (manual 7). The monitor is
-  the only writer of `MonitorHost.degraded_reason`.
+  delays later ones and can undersample a residual window (docs/design.md#role-control). The monitor
+  is the only writer of `MonitorHost.degraded_reason`.
 
 Errors (monitoring-stage failures)
   A pass fails when any of these happens, and only then:

@@ -2,7 +2,7 @@
 
 Owns
   `verify_pair`: the legs of a `VerifyPair` in the engines' dialect, each bounded on its
-  own by engine.first_token_timeout_s (manual 6), and whom a failure is due to.
+  own by engine.first_token_timeout_s (docs/design.md#deadlines), and whom a failure is due to.
   - vLLM: the prefill leg asks the producer to keep its KV for a remote decode; the
     decode leg hands the returned `kv_transfer_params` to the consumer, which pulls
     the KV, so a verification exercises exactly the handoff real traffic uses and
@@ -11,9 +11,9 @@ Owns
   - A local pair (role `both`, or no available partner of the other role): a one-token
     non-streaming completion (prefill) and a one-token streamed one (decode) on the
     subject. Never on an SGLang prefill or decode server: its role is fixed at launch
-    and it answers a request without bootstrap_room with 400 (engine-protocols notes
-    §5.2); recovery never builds one, and one handed here is reported inconclusive,
-    unsent.
+    and it answers a request without bootstrap_room with 400
+    (docs/design.md#sglang-bootstrap); recovery never builds one, and one handed here is reported
+    inconclusive, unsent.
 
 Invariants
   The decode leg must deliver at least one generated event and the `[DONE]` terminator.

@@ -175,7 +175,7 @@ class Verdicts:
         """No other engine in placement takes the work of `engine`'s role now, so without
         it every request that needs that role is refused (`no_engine_available`).
 
-        What placement does with a role (manual 5, `placement.choose`): a prefill or
+        What placement does with a role (docs/design.md#placement, `placement.choose`): a prefill or
         decode engine's work is that phase of a pair, and when no pair is available it
         goes to a `both` engine as aggregate work; a `both` engine's work goes to a pair
         when one is available, else to another `both` engine. A peer counts when it

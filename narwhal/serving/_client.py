@@ -151,7 +151,7 @@ class ClientChannel:
         A client error (4xx) on a stream whose status line has not gone out yet is an
         HTTP error too. The error event carries the status the error would have had
         (`status`), and is never followed by `data: [DONE]`: clients must be able to
-        tell a failed stream from a finished one (manual 4.3).
+        tell a failed stream from a finished one (docs/design.md#streaming-failures).
         """
         if self.finished:
             return

@@ -1,11 +1,11 @@
 """Open client connections, bounded by listen.max_open_connections, and per client
 address by listen.max_open_connections_per_client.
 
-The retained-request ceiling (manual 4.2) bounds requests, not sockets: a connection
-that sends nothing, or trickles its request head (hypercorn's keep-alive timer keeps
-running until a whole head has arrived, so it lives for the keep-alive timeout), holds
-a socket, a task and hypercorn/h11 state (about 14 kB) with no request to count. The
-accept loop asks `room()` before accepting and takes at most that many.
+The retained-request ceiling (docs/design.md#retained-ceiling) bounds requests, not sockets: a
+connection that sends nothing, or trickles its request head (hypercorn's keep-alive timer keeps
+running until a whole head has arrived, so it lives for the keep-alive timeout), holds a socket, a
+task and hypercorn/h11 state (about 14 kB) with no request to count. The accept loop asks `room()`
+before accepting and takes at most that many.
 
 At the limit, with a connection waiting, `make_room()` closes the connection that has
 been idle longest (no request in flight: between requests, or not yet through its

@@ -140,7 +140,8 @@ class RequestRecord:
 class DemandEvent:
     """One offered request once its admission was decided: the controller's demand input.
 
-    Refusals are offered demand too (manual 7.6), so they are recorded, not dropped.
+    Refusals are offered demand too (docs/design.md#evidence-gate), so they are recorded, not
+    dropped.
     """
 
     at: float
@@ -223,9 +224,10 @@ class ServingContext:
         self.chat_tokenize_refusals: ChatTokenizeRefusals[EngineState] = ChatTokenizeRefusals()
         self.models = tuple(sorted({spec.model for spec in config.engines}))
         self.started_at = trio.current_time()
-        # Set by the supervisor when Narwhal cannot make sound decisions (manual 7:
-        # monitor failures); new admissions are refused with this reason. It quotes the
-        # monitor's last failure, which names an engine: clients get DEGRADED_PUBLIC.
+        # Set by the supervisor when Narwhal cannot make sound decisions
+        # (docs/design.md#role-control: monitor failures); new admissions are refused with this
+        # reason. It quotes the monitor's last failure, which names an engine: clients get
+        # DEGRADED_PUBLIC.
         self.degraded_reason: str | None = None
         self.accepting = True
         # Other subsystems (controller, recovery) add sections to /narwhal/state.

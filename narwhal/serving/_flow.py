@@ -1,4 +1,5 @@
-"""One completion request, from ingress to the last byte (manual 4.2, 4.3, 5, 6).
+"""One completion request, from ingress to the last byte (docs/design.md#retries,
+#streaming-failures, #placement, #deadlines).
 
 Each request is one trio nursery inside one deadline scope (serving.request_timeout_s,
 from ingress through tokenisation, queueing, backoff, engine work and client writes).
@@ -338,7 +339,7 @@ class Flow:
             )
             return
         if ctx.retained >= ctx.retained_ceiling:
-            # Manual 4.2: past the ceiling, refuse before parsing the body.
+            # docs/design.md#retained-ceiling: past the ceiling, refuse before parsing the body.
             ctx.unsized_offers += 1
             await self._refuse(
                 client,
@@ -419,7 +420,8 @@ class Flow:
         *,
         keep_connection: bool = True,
     ) -> None:
-        """Refuse a request whose body is not parsed (manual 4.2: before body parsing).
+        """Refuse a request whose body is not parsed (docs/design.md#retained-ceiling: before body
+        parsing).
 
         The body is still read and dropped when that is cheap, so that a client's pooled
         connection survives the refusal: a flood of 429s does not become a flood of new
@@ -594,7 +596,8 @@ class Flow:
     def _admit_predictively(
         self, request: ClientRequest, tokens: int, config: Config
     ) -> list[PathQuote]:
-        """Manual 4.1: refuse with 429 when the cheapest prefill path misses the budget.
+        """docs/design.md#admission: refuse with 429 when the cheapest prefill path misses the
+        budget.
 
         Returns every path's quote, so the projection of the path placement picks can be
         recorded and compared with the TTFT the client saw.
@@ -628,7 +631,8 @@ class Flow:
         assert verdict.code is not None
         self._offered(request, tokens, admitted=False, reason=verdict.code)
         if verdict.code == "ttft_budget":
-            # Manual 7.7: a projected TTFT breach allows one guarded D-to-P evaluation.
+            # docs/design.md#reactive-parameters: a projected TTFT breach allows one guarded D-to-P
+            # evaluation.
             ctx.signals.ttft_breach()
         if verdict.code == "no_priced_path":
             raise Unavailable(verdict.message, code=verdict.code)
@@ -868,7 +872,7 @@ class Flow:
         # Engines whose leg failed: a retry goes elsewhere while another engine can take
         # it. When none can (the role's others are out), it goes back to the engine that
         # failed, as any HTTP retry would: a transient failure is worth the attempt
-        # (manual 4.2), and refusing the request as `no_engine_available` would blame a
+        # (docs/design.md#retries), and refusing the request as `no_engine_available` would blame a
         # fleet that still has an engine. An engine taken out of placement meanwhile
         # (unreachable, breaker, quarantine, ejection) is not placeable either way.
         excluded: set[str] = set()
@@ -894,7 +898,8 @@ class Flow:
                     placement.reason, code="no_engine_available", public=placement.public
                 )
             if placement.unserved:
-                # Manual 5: every candidate misses its projected SLO; run on the cheapest.
+                # docs/design.md#placement: every candidate misses its projected SLO; run on the
+                # cheapest.
                 ctx.unserved_placements += 1
                 ctx.metrics.unserved_placements.inc()
             record.prefill_engine = placement.prefill
@@ -992,8 +997,8 @@ class Flow:
         record.stage = "prefill"
         handoff_cap = serving.handoff_timeout_s or math.inf  # 0: the deadline is the cap
         async with self._phase_slot(prefill, "prefill", tokens):
-            # Manual 4.2: the handoff's age counts from the prefill HTTP request, not from
-            # the wait for a prefill slot before it (no KV exists yet during that wait).
+            # docs/design.md#retries: the handoff's age counts from the prefill HTTP request, not
+            # from the wait for a prefill slot before it (no KV exists yet during that wait).
             prefill_started = trio.current_time()
             raw = await self._json_leg(
                 prefill,
@@ -1277,7 +1282,8 @@ class Flow:
                 engine, phase, "engine_connection_lost", str(exc), retryable=True
             ) from None
         except PoolTimeout as exc:
-            # Local starvation is not the engine's fault and is not retried (manual 4.2).
+            # Local starvation is not the engine's fault and is not retried
+            # (docs/design.md#retries).
             raise Unavailable(
                 str(exc),
                 code="pool_exhausted",
@@ -1449,7 +1455,8 @@ class Flow:
         if not request.stream:
             sink = collector = _Collector(engine, phase, request, config.serving.max_response_bytes)
         elif hold_until is None:
-            await client.start_stream()  # manual 4.3: commit 200 before decode starts
+            # docs/design.md#streaming-failures: commit 200 before decode starts.
+            await client.start_stream()
         if timer is None:
             timer = trio.CancelScope(deadline=trio.current_time() + first_token_budget)
         if phase == "decode" and not engine.dialect.concurrent_legs:
@@ -1654,7 +1661,7 @@ async def _relay(
             f"engine was silent for engine.decode_read_timeout_s="
             f"{config.engine.decode_read_timeout_s}",
             status=504,
-            # A timeout is transient (manual 4.2). A stream's client has seen its first
+            # A timeout is transient (docs/design.md#retries). A stream's client has seen its first
             # token by now, so only a non-streaming request, with nothing shown, retries.
             retryable=True,
             deadline_s=gap,
@@ -1800,9 +1807,9 @@ def _failed(
     exclude: bool = True,
     deadline_s: float | None = None,
 ) -> EngineFailed:
-    """An engine leg's failure. `retryable` means transient (manual 4.2); whether a retry
-    happens also depends on visible output, attempts and the budget (see _attempts).
-    `public`: `detail` for a client, when `detail` names the engine or its address."""
+    """An engine leg's failure. `retryable` means transient (docs/design.md#retries); whether a
+    retry happens also depends on visible output, attempts and the budget (see _attempts). `public`:
+    `detail` for a client, when `detail` names the engine or its address."""
     return EngineFailed(
         f"{phase} engine {engine.id}: {detail}",
         public=f"{phase} engine: {detail if public is None else public}",
@@ -1818,7 +1825,8 @@ def _failed(
 
 
 def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
-    """An error event inside a 200 stream (manual 4.3: engines report late errors so).
+    """An error event inside a 200 stream (docs/design.md#streaming-failures: engines report late
+    errors so).
 
     One whose `code` is a client error's status (vLLM 0.32 sends a streamed request's
     validation error so: `logprobs` above 20, token ids out of the vocabulary, ...; SGLang

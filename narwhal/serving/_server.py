@@ -3,10 +3,10 @@
 hypercorn's trio TCPServer writes every response chunk inside a shielded cancel scope.
 A client that stops reading fills its socket buffer, `send_all` blocks, and the shield
 means no deadline can interrupt it: the request would hold its engine stream forever.
-Manual 4.3 wants the opposite (client backpressure closes the connection immediately),
-so the connection class below bounds each write by serving.client_stall_s and aborts
-the connection when it cannot complete. A write interrupted after some bytes went out
-also aborts the connection, because the HTTP stream is no longer well formed.
+docs/design.md#streaming-failures wants the opposite (client backpressure closes the connection
+immediately), so the connection class below bounds each write by serving.client_stall_s and aborts
+the connection when it cannot complete. A write interrupted after some bytes went out also aborts
+the connection, because the HTTP stream is no longer well formed.
 
 The same class also trims hypercorn's per-request and per-chunk scheduling costs (a
 synchronous first write attempt, a cheaper keep-alive idle timer, no scope per read:

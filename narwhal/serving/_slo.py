@@ -2,13 +2,12 @@
 
 DistServe's measure: of the requests offered, the share served within both targets
 (TTFT within slo.ttft_s, TPOT within slo.tpot_s). A request Narwhal refused counts as
-a miss, as manual 7.6 has predictive-admission refusals count, and so does one that
-failed on the engines' side or ran out of time. A request whose failure was the
-client's own (a malformed body, an unknown model, a client that left, no valid API key)
-was never offered service, and is not counted. A served request whose first token the
-router did not see (a non-streaming engine request, kept for the few requests a stream
-cannot answer) is `unmeasured`: neither a hit nor a miss; one output token has no TPOT
-to miss.
+a miss, as docs/design.md#evidence-gate has predictive-admission refusals count, and so does one
+that failed on the engines' side or ran out of time. A request whose failure was the client's own (a
+malformed body, an unknown model, a client that left, no valid API key) was never offered service,
+and is not counted. A served request whose first token the router did not see (a non-streaming
+engine request, kept for the few requests a stream cannot answer) is `unmeasured`: neither a hit nor
+a miss; one output token has no TPOT to miss.
 
 `SloTally` keeps the counts over the last `window_s` seconds in whole one-second buckets
 (so the window spans up to one second more), and its memory is bounded by the window,

@@ -2,8 +2,8 @@
 
 Each simulated engine is a continuous-batching scheduler (`SchedulerCore`) behind an h11 +
 trio HTTP server that speaks vLLM's (or SGLang's) OpenAI API, P/D handoff and auxiliary
-endpoints. Wire shapes follow ``shared/notes/engine-protocols.md``; the latency law follows
-``shared/notes/controllers-and-traces.md`` §3.
+endpoints. Wire shapes follow docs/design.md#engine-wire-facts; the latency law is
+docs/design.md#simulated-latency.
 
 In-process use (stable API)::
 
@@ -33,7 +33,7 @@ checked against answers recorded on real vLLM 0.32.0 (tests/conformance): it ser
 prompt + ``max_tokens`` over the context with the output capped, refusing only a prompt
 alone over it or ``max_tokens`` above ``max_model_len``, reads a completion's
 ``max_tokens: null`` as 16, and answers with 0.32's fields. ``"0.29.0"`` plays the
-behaviour shared/notes/engine-protocols.md describes (such a request refused, null
+behaviour docs/design.md#engine-wire-facts describes (such a request refused, null
 unbounded, 0.29's fields). `_vllm` has the table. Both builds serve ``n > 1``, logprobs and
 stop strings, and send the engine's own input checks (token ids out of vocabulary, logprobs
 above 20) after a stream's 200 as an error event with code 400, then ``[DONE]``. A vLLM
@@ -43,7 +43,7 @@ request (``kv_transfer_params`` null, no lease kept) and exports no ``vllm:nixl_
 
 SGLang engines play SGLang 0.5.23, checked against answers recorded on it
 (tests/conformance; `_sglang` has its rules). Roles are fixed at launch, as in SGLang
-(engine-protocols notes §5.1): each engine has a ``disaggregation_mode``
+(docs/design.md#sglang-bootstrap): each engine has a ``disaggregation_mode``
 (``disaggregation_modes=["prefill", "decode"]``, CLI ``--disaggregation-mode
 prefill,decode``). A ``"null"`` engine (the default) is an aggregate server and ignores
 bootstrap fields; a prefill or decode one serves only its own leg of a bootstrap pair and
@@ -56,7 +56,7 @@ body gets FastAPI's 400). It has no ``/version`` (404; ``/get_server_info`` name
 version) and publishes its load gauges only once its scheduler has reported (a decode
 server after 40 decode steps).
 
-Requests are validated as each engine does (notes §3.4, §5.5): a vLLM engine refuses a
+Requests are validated as each engine does (docs/design.md#engine-errors): a vLLM engine refuses a
 ``model`` other than its own with 404; an SGLang one takes any name and refuses a
 ``base:adapter`` LoRA selection, as SGLang without ``--enable-lora`` does. A request that
 sets no output bound (a chat without ``max_tokens``; on vLLM 0.29 a completion with

@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoints of a simulated engine, in vLLM's or SGLang's dialect.
 
-Wire shapes follow engine-protocols.md; the section is cited where a detail matters.
+Wire shapes follow docs/design.md#engine-wire-facts.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Api:
             except ValueError:
                 type_ = "InternalServerError" if status >= 500 else "BadRequestError"
         if self.sglang:
-            # SGLang keeps the flat pre-0.10.1 vLLM shape (§5.5).
+            # SGLang keeps the flat pre-0.10.1 vLLM shape.
             return {
                 "object": "error",
                 "message": message,
@@ -200,7 +200,7 @@ class Api:
             queued = len(e.core.running) + len(e.core.waiting) + len(e.core.pulling) + e.pending
             if queued + plan.n > limit:
                 # vLLM >= 0.29 admission control: QueueOverflowError is a GracefulHTTPError,
-                # so `type` is the HTTP phrase (§3.4); n choices take n places.
+                # so `type` is the HTTP phrase; n choices take n places.
                 e.counters.rejected_queue_full += 1
                 self._fail_room(req, "queue full")
                 e.record(
@@ -355,10 +355,10 @@ class Api:
         stream_options = body.get("stream_options")
         include_usage = continuous_usage = False
         if stream and isinstance(stream_options, dict):
-            # Its default: vLLM 0.29 true (notes §4.4), 0.32 false; SGLang false (§5.5).
+            # Its default: vLLM 0.29 true, 0.32 false; SGLang false (docs/design.md#usage-chunks).
             default = build.include_usage_default and not self.sglang
             include_usage = bool(stream_options.get("include_usage", default))
-            # The running usage on every chunk: vLLM only with include_usage (§4.4),
+            # The running usage on every chunk: vLLM only with include_usage,
             # SGLang either way.
             continuous_usage = (include_usage or self.sglang) and bool(
                 stream_options.get("continuous_usage_stats")
@@ -469,7 +469,7 @@ class Api:
                     streamed=stream,
                 )
             if room is not None and leg == "prefill":
-                max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1 (§5.2)
+                max_tokens = 1  # SGLang's prefill server forces max_new_tokens=1
         if (
             not self.sglang
             and build.context_rule == "prompt_and_output"
@@ -757,7 +757,7 @@ class Api:
         """(leg, remote KV, bootstrap room, hold KV after finishing)."""
         e = self.e
         if self.sglang:
-            # The leg is the server's launch mode (§5.1), whatever the body says: an
+            # The leg is the server's launch mode, whatever the body says: an
             # aggregate server ignores bootstrap fields, a disaggregated one needs them.
             mode = e.spec.disaggregation_mode
             if mode == "null":
@@ -766,7 +766,7 @@ class Api:
             port = body.get("bootstrap_port")
             room = body.get("bootstrap_room")
             if room is None:
-                # SGLang's spelling (§5.2).
+                # SGLang's spelling.
                 raise ApiError(
                     400, "Invalid request: Disaggregated request received without boostrap room id"
                 )
@@ -866,7 +866,7 @@ class Api:
             except ApiError as err:
                 await self.send_error(resp, err)
                 return
-            # Its tokenizer's model_max_length (notes §5.4), not the server's context.
+            # Its tokenizer's model_max_length (docs/design.md#tokenize), not the server's context.
             length = e.spec.tokenizer_max_length or limit
             await resp.send_json(200, {**answer, "max_model_len": length})
             return
@@ -898,7 +898,7 @@ class Api:
         )
 
     def _sglang_tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        """SGLang's /tokenize answer, less max_model_len (notes §5.4; sglang protocol.py
+        """SGLang's /tokenize answer, less max_model_len (sglang protocol.py
         TokenizeRequest, serving_tokenize.py). `prompt` is a string or a list of strings,
         each counted with add_special_tokens (default true). A newer build
         (`SimEngineSpec.tokenize_messages`) takes `messages` instead, rendered as its chat
@@ -1143,7 +1143,7 @@ class _Run:
         core = ctx.core
         f = ctx.faults
         if ctx.remote is not None:
-            # Heartbeats start as soon as the decoder has the request (§2.2).
+            # Heartbeats start as soon as the decoder has the request (docs/design.md#kv-lease).
             e.awaiting_kv.add(ctx)
         if f is not None and f.slow_first_token_s:
             e.counters.slow_first_tokens_injected += 1
@@ -1159,7 +1159,7 @@ class _Run:
         room = ctx.room
         if room is not None:
             # SGLang prefill: the request sits in the bootstrap queue until its decoder
-            # registers for the room (§5.3).
+            # registers for the room.
             e.pending += 1
             try:
                 with trio.move_on_after(e.spec.scaled(e.spec.bootstrap_timeout_s)) as wait:
@@ -1218,7 +1218,8 @@ class _Run:
                 f"KVTransferError(bootstrap_room={rk.room}): {cause}"
             )
         else:
-            # kv_load_failure_policy=fail: FINISHED_ERROR -> GenerationError -> 500 (§2.3).
+            # kv_load_failure_policy=fail: FINISHED_ERROR -> GenerationError -> 500
+            # (docs/design.md#kv-lease).
             msg = "Internal server error"
         return await self._fail(500, msg, outcome)
 
@@ -1387,7 +1388,7 @@ class _Run:
         if lease is None or self.api.sglang:
             return None
         e = self.e
-        # Newer vLLM pull mode (§1.4): one block list per KV-cache group.
+        # Newer vLLM pull mode: one block list per KV-cache group.
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,

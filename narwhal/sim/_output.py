@@ -8,7 +8,7 @@ Invariants: the ``n`` choices of a request decode in step, on one scheduler sequ
 sequence's cost, where vLLM decodes n); a choice's text never reaches past its stop string
 (or past its end, with ``include_stop_str_in_output``); the chunks of the default case are
 filled templates, so that a benchmark's simulator spends no json.dumps per token.
-See: `_vllm` for what differs between vLLM builds; engine-protocols.md §4 (0.29 shapes);
+See: `_vllm` for what differs between vLLM builds; docs/design.md#engine-streams (0.29 shapes);
 tests/conformance (0.32 shapes, recorded on real vLLM).
 """
 
@@ -300,7 +300,7 @@ class Shapes:
         body["finish_reason"] = finish
         chunk: dict[str, Any] = {**self.head, "choices": [body]}
         if not self.chat:
-            # Completion choices carry every field, nulls included (§4.2).
+            # Completion choices carry every field, nulls included.
             body.update({"stop_reason": stop, "prompt_token_ids": None, "token_ids": None})
         elif final:
             body["stop_reason"] = stop
@@ -391,7 +391,7 @@ class Shapes:
         out["stop_reason"] = choice.stop
         if not self.chat:
             # CompletionResponseChoice dumps every field; the streamed choices carry
-            # the same token_ids/prompt_token_ids keys (§4.2).
+            # the same token_ids/prompt_token_ids keys.
             out.update({"token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None})
         elif self.new:
             out["token_ids"] = None

@@ -52,7 +52,7 @@ class Counters:
 
 @attrs.define(eq=False)
 class Lease:
-    """KV blocks a producer keeps for a decoder (vLLM NIXL lease, §2.2)."""
+    """KV blocks a producer keeps for a decoder (vLLM NIXL lease, docs/design.md#kv-lease)."""
 
     id: str
     request_id: str

@@ -7,7 +7,7 @@ after a stream's 200).
 Invariants: every shape is SGLang 0.5.23's, as recorded in
 tests/conformance/recorded-sglang.json; the chunks are filled templates, as `_output`'s
 (no json.dumps per token).
-See: `_api` (where each rule applies), shared/notes/real-sglang.md, and the real engine's
+See: `_api` (where each rule applies), and the real engine's
 python/sglang/srt/entrypoints/openai/serving_{completions,chat}.py, sampling_params.py.
 
 The rules, as SGLang 0.5.23 follows them:

@@ -42,10 +42,10 @@ class SimEngineSpec:
     dialect: Dialect = attrs.field(
         default="vllm", validator=attrs.validators.in_(("vllm", "sglang"))
     )
-    # SGLang --disaggregation-mode, fixed for the engine's life (§5.1): a prefill or
-    # decode server takes only its own leg of a bootstrap pair and answers a request
-    # without bootstrap_room with 400; "null" serves every request as aggregate. vLLM has
-    # no launch role (each request names its leg, §1.1), so it must stay "null".
+    # SGLang --disaggregation-mode, fixed for the engine's life (docs/design.md#sglang-bootstrap): a
+    # prefill or decode server takes only its own leg of a bootstrap pair and answers a request
+    # without bootstrap_room with 400; "null" serves every request as aggregate. vLLM has no launch
+    # role (each request names its leg, docs/design.md#vllm-nixl-handoff), so it must stay "null".
     disaggregation_mode: DisaggregationMode = attrs.field(
         default="null", validator=attrs.validators.in_(DISAGGREGATION_MODES)
     )
@@ -61,7 +61,7 @@ class SimEngineSpec:
     kv_connector: bool = True
     model: str = DEFAULT_MODEL
     speed: float = attrs.field(default=1.0, validator=_positive)
-    # vLLM kv_lease_duration (NIXL lease on produced KV, §2.2).
+    # vLLM kv_lease_duration (NIXL lease on produced KV, docs/design.md#kv-lease).
     lease_s: float = attrs.field(default=30.0, validator=_positive)
     seed: int = 0
     # Not Narwhal's version, which changes with every commit (git describe): a profile
@@ -86,7 +86,8 @@ class SimEngineSpec:
     timing: SimTiming = attrs.Factory(SimTiming)
     # uvicorn's default keep-alive timeout (vLLM VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
     keep_alive_s: float = attrs.field(default=5.0, validator=_positive)
-    # SGLang SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / WAITING_TIMEOUT (§5.3).
+    # SGLang SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / WAITING_TIMEOUT
+    # (docs/design.md#sglang-bootstrap).
     bootstrap_timeout_s: float = attrs.field(default=300.0, validator=_positive)
     waiting_timeout_s: float = attrs.field(default=300.0, validator=_positive)
     # Generated tokens per streamed event (SGLang --stream-interval). vLLM packs tokens the

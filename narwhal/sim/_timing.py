@@ -1,7 +1,7 @@
 """The latency law of a simulated engine, as plain arithmetic.
 
-Shapes and default coefficients come from controllers-and-traces.md §3 (Llama-3-8B bf16 on one
-H100, TP1). Everything here is in *model* seconds, i.e. at speed 1; the engine divides by its
+Shapes and default coefficients are those of docs/design.md#simulated-latency (Llama-3-8B bf16 on
+one H100, TP1). Everything here is in *model* seconds, i.e. at speed 1; the engine divides by its
 speed factor when it sleeps.
 """
 
@@ -40,8 +40,8 @@ class SimTiming:
         + decode_kv_token_s·K + decode_seq_s·B
 
     where K is the KV held by the B requests that decode in the step. A step that only
-    prefills one chunk [0, n) costs exactly ``a + b·n + c·n²`` (§3.2); a pure decode step costs
-    exactly ``t0 + α·K + β·B`` (§3.3). The quadratic term is split as ``e² − s²`` so that the
+    prefills one chunk [0, n) costs exactly ``a + b·n + c·n²``; a pure decode step costs
+    exactly ``t0 + α·K + β·B``. The quadratic term is split as ``e² − s²`` so that the
     chunks of a long prompt add up to ``c·n²``; each chunk is a separate forward pass and so
     pays ``step_base_s`` again, as chunked prefill does on a real engine.
     """
@@ -116,7 +116,7 @@ class SimTiming:
         return total
 
     def decode_step_s(self, kv_tokens: float, batch: float) -> float:
-        """A pure decode step: ``t0 + α·K + β·B`` (§3.3)."""
+        """A pure decode step: ``t0 + α·K + β·B``."""
         law = self.step_base_s + self.decode_kv_token_s * kv_tokens + self.decode_seq_s * batch
         return max(law, self.min_step_s)
 
@@ -131,7 +131,7 @@ class SimTiming:
         return max(law, self.min_step_s)
 
     def kv_transfer_s(self, tokens: int) -> float:
-        """``0.5 ms + bytes / link bandwidth`` (§3.4), charged to TTFT on the decode side."""
+        """``0.5 ms + bytes / link bandwidth``, charged to TTFT on the decode side."""
         return self.kv_transfer_base_s + tokens * self.kv_bytes_per_token / self.kv_link_bytes_per_s
 
 

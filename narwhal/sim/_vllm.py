@@ -4,7 +4,7 @@ Owns: `VLLM_BUILDS` (version -> `VllmBuild`), `DEFAULT_VLLM_VERSION`.
 Invariants: a behaviour that differs between the builds Narwhal supports is a field here,
 read by `_api` where it answers; what every build does alike has no field.
 See: tests/conformance (the 0.32 build checked against answers recorded on real vLLM),
-shared/notes/engine-protocols.md (what the 0.29 build plays, as the notes describe it).
+docs/design.md#engine-wire-facts (what the 0.29 build plays).
 
 Rules, per build:
 
@@ -19,7 +19,7 @@ max_tokens above max_model_len         refused as over the context refused on it
 completion ``max_tokens: null``        no bound                    16, as a missing one
 ``stream_options`` with no ``stream``  pydantic's wording          refused only when not {}
 ``stream_options.include_usage``       true unless false           false unless true
-answer and chunk fields                engine-protocols.md §4      vLLM 0.32 (ec_transfer_params,
+answer and chunk fields                0.29's chunk shapes       vLLM 0.32 (ec_transfer_params,
                                                                    metrics, routed_experts,
                                                                    system_fingerprint, ...)
 unknown model                          "does not exist."           "... Valid aliases: m."

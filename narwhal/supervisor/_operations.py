@@ -5,7 +5,7 @@
   it. The operator owns this flag; recovery, reload and the controller leave it alone.
 - `pin ENGINE prefill|decode`: sets the engine's role now and marks it pinned: the role
   controller must not move it and a reload's configured role change waits for `unpin`.
-  Resident requests keep their engine (manual 5: a live role change affects new
+  Resident requests keep their engine (docs/design.md#placement: a live role change affects new
   placement only). `unpin` clears the mark and keeps the current role, unless a reload
   changed the engine's configured role while it was pinned: that role applies at
   `unpin` (the result's `role` and `previous_role` say so). An engine whose
@@ -109,8 +109,8 @@ class Operations:
             return result
         if command == "unpin":
             result = self._flag(engine, "pinned", False)
-            # A reload's role change that waited for the pin to go (manual 5: resident
-            # requests keep their engine; new placement sees the role at once).
+            # A reload's role change that waited for the pin to go (docs/design.md#placement:
+            # resident requests keep their engine; new placement sees the role at once).
             configured = self.supervisor.deferred_roles.pop(engine.id, None)
             if configured is not None and configured != engine.role:
                 old_role = engine.role

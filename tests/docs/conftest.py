@@ -1,0 +1,1 @@
+from ..serving.conftest import start_stack as start_stack

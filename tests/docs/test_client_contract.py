@@ -1,0 +1,104 @@
+"""docs/client-contract.md lists exactly the error codes the daemon can emit, with the
+statuses the source gives them, and its stream table names only codes of that list."""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+
+import pytest
+
+from .markdown import code_spans, read, table
+from .sources import REPO, UnreadableSource, error_codes
+
+PAGE = "client-contract.md"
+
+
+def _codes_table() -> dict[str, dict[str, str]]:
+    rows = table(read(PAGE), "Error codes").rows
+    return {code_spans(row["Code"])[0]: row for row in rows}
+
+
+def _statuses(cell: str) -> set[int]:
+    return {int(number) for number in re.findall(r"\b[1-5]\d\d\b", cell)}
+
+
+def test_the_table_lists_every_code_the_daemon_can_emit() -> None:
+    emitted = error_codes()
+    documented = _codes_table()
+    missing = {code: use.sites[0] for code, use in emitted.items() if code not in documented}
+    assert not missing, f"emitted, not in docs/{PAGE} (code: first site): {missing}"
+
+
+def test_the_table_names_no_code_the_daemon_cannot_emit() -> None:
+    extra = set(_codes_table()) - set(error_codes())
+    assert not extra, f"docs/{PAGE} lists codes nothing emits: {sorted(extra)}"
+
+
+def test_each_code_has_the_statuses_the_source_gives_it() -> None:
+    documented = _codes_table()
+    wrong = {
+        code: (sorted(use.statuses), documented[code]["Status"])
+        for code, use in error_codes().items()
+        if code in documented and not use.statuses <= _statuses(documented[code]["Status"])
+    }
+    assert not wrong, f"code: (statuses in the source, the page's Status cell): {wrong}"
+
+
+def test_terminal_stream_events_are_codes_of_the_table_with_their_statuses() -> None:
+    documented = _codes_table()
+    for row in table(read(PAGE), "Streams").rows:
+        for code in code_spans(row["Terminal event `code`"]):
+            assert code in documented, code
+            assert _statuses(row["`status`"]) <= _statuses(documented[code]["Status"]), code
+
+
+# ------------------------------------------------------------------ the collector
+
+
+def _codes_in(source: str) -> dict[str, set[int]]:
+    tree = ast.parse(textwrap.dedent(source))
+    return {
+        code: use.statuses
+        for code, use in error_codes([(REPO / "narwhal" / "example.py", tree)]).items()
+    }
+
+
+ERRORS = """
+    class NarwhalError(Exception):
+        status = 500
+        default_code = "internal_error"
+    class Refused(NarwhalError):
+        status = 429
+        default_code = "overloaded"
+"""
+
+
+def test_the_collector_follows_literals_defaults_tables_and_helpers() -> None:
+    found = _codes_in(
+        ERRORS
+        + """
+    TABLE = {431: "head_too_large", 501: "bad_encoding"}
+    FAILED = "engine_failed"
+    def _failed(engine, phase, code, *, status=502): ...
+    def refuse(status):
+        raise Refused("full", code="queue_full")
+        raise Refused("plain")
+        raise _failed(engine, "decode", FAILED, status=504)
+        raise _failed(engine, "decode", f"engine_http_{status}")
+        raise NarwhalError("head", code=TABLE[431])
+    """
+    )
+    assert found == {
+        "queue_full": {429},
+        "overloaded": {429},
+        "engine_failed": {504},
+        "engine_http_<status>": {502},
+        "head_too_large": {500},
+    }
+
+
+def test_the_collector_refuses_a_code_it_cannot_read() -> None:
+    with pytest.raises(UnreadableSource, match=r"example\.py:\d+: .*`pick\(\)`"):
+        _codes_in(ERRORS + "    Refused('x', code=pick())\n")
