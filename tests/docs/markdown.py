@@ -1,9 +1,10 @@
 """Reading the docs' Markdown the way the docs tests need: tables by heading, sentences,
-anchors."""
+headings' anchors as GitHub renders them, and links outside code."""
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 
 import attrs
@@ -85,20 +86,68 @@ def sentences(text: str) -> list[str]:
     return [part for part in _BOUNDARY.split(plain) if part.strip()] if plain else []
 
 
-def anchors(text: str) -> set[str]:
-    """Explicit `<a id="...">` anchors and GitHub's heading slugs."""
-    found = set(re.findall(r'<a id="([^"]+)"', text))
-    for line in text.splitlines():
-        if line.startswith("#"):
-            found.add(slug(line.lstrip("#").strip()))
-    return found
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_CODE_SPAN = re.compile(r"(`+).*?\1")
+_INLINE_LINK = re.compile(
+    r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)"
+)
+_REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
+_HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"", re.IGNORECASE)
+_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def pages(root: Path = REPO) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def _prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks."""
+    lines = []
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append((number, line))
+    return lines
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to -."""
-    text = heading.strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces
+    to hyphens (letters, digits, `_` and `-` are kept)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link keeps its text
+    text = text.replace("`", "").strip().lower()
+    kept = (c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors a page offers: its headings' slugs (a repeated one gets -1, -2, ...)
+    and explicit `<a name=...>`/`<a id=...>` targets."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for _, line in _prose_lines(text):
+        heading = _HEADING.match(line)
+        if heading:
+            base = slug(heading.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+        found.update(_HTML_ANCHOR.findall(line))
+    return found
+
+
+def links(text: str) -> list[tuple[int, str]]:
+    """(line number, target) of every inline or reference-definition link in prose."""
+    found: list[tuple[int, str]] = []
+    for number, line in _prose_lines(text):
+        prose = _CODE_SPAN.sub("", line)
+        found.extend((number, target) for target in _INLINE_LINK.findall(prose))
+        reference = _REFERENCE.match(prose)
+        if reference:
+            found.append((number, reference.group(1)))
+    return found
 
 
 def doc_paths() -> list[Path]:
