@@ -20,18 +20,13 @@ from ._core import CoreRequest, ReqState
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import DropConnection, HttpRequest, Responder
 from ._metrics import count_streaming
-from ._output import Choice, Shapes, chat_logprobs, completion_logprobs, plan_choices, usage
+from ._output import Choice, Shapes, plan_choices, usage
 from ._records import RemoteKV, ReqCtx
-from ._sglang import (
-    SglangShapes,
-    chat_logprobs as sglang_chat_logprobs,
-    completion_logprobs as sglang_completion_logprobs,
-    error_event,
-    max_request_input,
-    sampling_refusal,
-)
+from ._sglang_checks import max_request_input, sampling_refusal
+from ._sglang_wire import SglangShapes, error_event
 from ._spec import ENGINE_VERSION
 from ._tokenizer import BOS, VOCAB_SIZE, piece_id, render_chat
+from ._vllm_wire import VllmShapes
 
 if TYPE_CHECKING:
     from ._engine import SimEngine
@@ -1109,14 +1104,10 @@ class _Run:
         self.created = int(time.time())
         if plan.remote is not None:
             plan.remote.num_tokens = plan.remote.num_tokens or plan.prompt_tokens
-        self.shapes: Shapes | SglangShapes
+        self.shapes: Shapes
         if api.sglang:
             self.shapes = SglangShapes(
-                chat=plan.chat,
-                model=plan.model,
-                ids=ids,
-                created=self.created,
-                continuous_usage=plan.continuous_usage,
+                chat=plan.chat, model=plan.model, ids=ids, created=self.created
             )
             return
         spec = self.e.spec
@@ -1126,7 +1117,7 @@ class _Run:
             # vllm-<version>-<hash of the engine's configuration>.
             config = f"{spec.model}\x00{spec.kv_connector}\x00{spec.timing.max_model_len}"
             fingerprint = f"vllm-{build.version}-{zlib.crc32(config.encode()):08x}"
-        self.shapes = Shapes(
+        self.shapes = VllmShapes(
             build=build,
             chat=plan.chat,
             model=plan.model,
@@ -1134,7 +1125,6 @@ class _Run:
             created=self.created,
             fingerprint=fingerprint,
             include_usage=plan.include_usage,
-            continuous_usage=plan.continuous_usage,
         )
 
     # -- the request's life ---------------------------------------------------------------
@@ -1336,11 +1326,7 @@ class _Run:
         top = self.plan.top_logprobs
         if top is None:
             return None
-        if self.api.sglang:
-            make = sglang_chat_logprobs if self.plan.chat else sglang_completion_logprobs
-        else:
-            make = chat_logprobs if self.plan.chat else completion_logprobs
-        return make(choice, start, end, top)
+        return self.shapes.logprobs(choice, start, end, top)
 
     async def _send_tokens(self, start: int, end: int) -> None:
         """Tokens [start, end) of the sequence: one chunk per choice still generating."""
