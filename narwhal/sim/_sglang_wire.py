@@ -2,8 +2,8 @@
 and the error event of a stream.
 
 Owns: `SglangShapes` (the chunks and non-streaming body of one request), SGLang's
-logprobs shapes, `usage_of` (its usage object) and `error_event` (an error sent after a
-stream's 200).
+logprobs shapes, `usage_of` (its usage object), `error_event` (an error sent after a
+stream's 200) and `SglangCollector` (its /metrics).
 Invariants: every shape is SGLang 0.5.23's, as recorded in
 tests/conformance/recorded-sglang.json; `_output.Shapes` fills the chunk templates
 described here.
@@ -21,10 +21,13 @@ See: the real engine's python/sglang/srt/entrypoints/openai/serving_{completions
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from ._metrics import Collector, EngineMetrics, Gauges
 from ._output import Choice, Shapes, compact, slot
 
 # The weight version an engine reports when nobody updated its weights.
@@ -205,3 +208,76 @@ class SglangShapes(Shapes):
             },
         }
         return compact(out).encode()
+
+
+class SglangCollector(Collector):
+    """SGLang 0.5.23's /metrics: the gauges per scheduler rank, the counters per
+    `is_streaming`. Its load gauges appear only once its scheduler has reported
+    (`Gauges.published`), and a counter's series once it has counted, as
+    prometheus_client shows a labelled metric only from its first use. It has no
+    request_success counter and no process_start_time_seconds (its metrics are
+    multiprocess). `engine_type` is its server mode's label."""
+
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        gauges: Callable[[], Gauges],
+        *,
+        model: str,
+        engine: str,
+        engine_type: str,
+    ) -> None:
+        super().__init__(metrics, gauges, model=model, engine=engine)
+        self._engine_type = engine_type
+
+    def collect(self) -> Iterator[Any]:
+        m = self._m
+        g = self._gauges()
+        model, kind = self._model, self._engine_type
+        rank_labels = ["engine_type", "model_name", "moe_ep_rank", "pp_rank", "tp_rank"]
+        rank = [kind, model, "0", "0", "0"]
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            fam = GaugeMetricFamily("sglang:" + name, doc, labels=rank_labels)
+            fam.add_metric(rank, value)
+            return fam
+
+        yield gauge(
+            "max_total_num_tokens",
+            "Maximum total number of tokens in the KV cache pool.",
+            g.capacity_tokens,
+        )
+        if g.published:
+            yield gauge("num_running_reqs", "The number of running requests.", g.running)
+            yield gauge("num_used_tokens", "The number of used tokens.", g.used_tokens)
+            yield gauge("token_usage", "The token usage.", g.kv_usage)
+            yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", g.waiting)
+        for name, doc, counts in (
+            ("prompt_tokens", "Number of prefill tokens processed.", m.streaming_prompt_tokens),
+            (
+                "generation_tokens",
+                "Number of generation tokens processed.",
+                m.streaming_generation_tokens,
+            ),
+            ("num_requests", "Number of requests processed.", m.streaming_requests),
+        ):
+            fam = CounterMetricFamily(
+                "sglang:" + name, doc, labels=["engine_type", "is_streaming", "model_name"]
+            )
+            for streaming in sorted(counts):
+                fam.add_metric([kind, streaming, model], counts[streaming])
+            yield fam
+        labels = ["engine_type", "model_name"]
+        for name, doc, h in (
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
+            ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl),
+            (
+                "e2e_request_latency_seconds",
+                "Histogram of End-to-end request latency in seconds",
+                m.e2e,
+            ),
+        ):
+            histogram = HistogramMetricFamily("sglang:" + name, doc, labels=labels)
+            if h.count:
+                histogram.add_metric([kind, model], h.cumulative(), h.sum)
+            yield histogram

@@ -1,20 +1,23 @@
 """What a simulated vLLM engine sends back for a generation: chunks, bodies and logprobs.
 
 Owns: `VllmShapes` (the stream chunks and non-streaming body of one request, as its vLLM
-build sends them) and vLLM's two logprobs shapes.
+build sends them), vLLM's two logprobs shapes, and `VllmCollector` (its /metrics).
 Invariants: a 0.29 build sends the shapes engine-protocols.md §4 describes, a 0.32 build
 the ones recorded on real vLLM 0.32 (tests/conformance/recorded.json); `_output.Shapes`
 fills the chunk templates described here.
-See: `_vllm` for what differs between builds.
+See: `_vllm_builds` for what differs between builds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from ._metrics import Collector, EngineMetrics, Gauges, Histogram
 from ._output import Choice, Shapes, compact, slot
-from ._vllm import VllmBuild
+from ._vllm_builds import VllmBuild
 
 
 def completion_logprobs(choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
@@ -215,3 +218,96 @@ class VllmShapes(Shapes):
         if self.new:
             out["routed_experts"] = None
         return out
+
+
+class VllmCollector(Collector):
+    """vLLM's /metrics: ``vllm:`` series labelled by model and engine, NixlConnector's
+    only with a KV connector, and the process start time of a one-API-server vLLM."""
+
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        gauges: Callable[[], Gauges],
+        *,
+        model: str,
+        engine: str,
+        cache_info: dict[str, str],
+        started_at: float,
+        kv_connector: bool,
+    ) -> None:
+        super().__init__(metrics, gauges, model=model, engine=engine)
+        self._cache_info = dict(cache_info)
+        self._started_at = started_at
+        self._kv_connector = kv_connector
+
+    def collect(self) -> Iterator[Any]:
+        m = self._m
+        g = self._gauges()
+        labels = ["model_name", "engine"]
+        values = [self._model, self._engine]
+        p = "vllm:"
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            fam = GaugeMetricFamily(p + name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        def counter(name: str, doc: str, value: float) -> Any:
+            fam = CounterMetricFamily(p + name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        def hist(name: str, doc: str, h: Histogram) -> Any:
+            fam = HistogramMetricFamily(p + name, doc, labels=labels)
+            fam.add_metric(values, h.cumulative(), h.sum)
+            return fam
+
+        yield gauge("num_requests_running", "Requests in execution batches.", g.running)
+        yield gauge("num_requests_waiting", "Requests waiting to be processed.", g.waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
+        yield counter("num_preemptions", "Cumulative number of preemptions.", g.preemptions)
+        if self._cache_info:
+            # vLLM publishes its cache config as an info-style gauge whose labels carry
+            # the values; capacity = num_gpu_blocks x block_size tokens.
+            keys = sorted(self._cache_info)
+            info = GaugeMetricFamily(
+                p + "cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[*keys, "engine"],
+            )
+            info.add_metric([*(self._cache_info[k] for k in keys), self._engine], 1.0)
+            yield info
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
+        yield counter(
+            "generation_tokens", "Number of generation tokens processed.", m.generation_tokens
+        )
+        fam = CounterMetricFamily(
+            p + "request_success",
+            "Count of finished requests.",
+            labels=[*labels, "finished_reason"],
+        )
+        for reason in sorted(m.success):
+            fam.add_metric([*values, reason], m.success[reason])
+        yield fam
+        yield hist("time_to_first_token_seconds", "Time to first token in seconds.", m.ttft)
+        yield hist("inter_token_latency_seconds", "Inter-token latency in seconds.", m.itl)
+        yield hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.", m.e2e)
+        if self._kv_connector:
+            # NixlConnector's own series: an engine without a connector has none.
+            yield counter(
+                "nixl_num_kv_expired_reqs",
+                "Requests whose KV blocks expired before a decoder pulled them.",
+                m.kv_expired,
+            )
+            yield counter(
+                "nixl_num_failed_transfers", "Failed NIXL KV transfers.", m.failed_transfers
+            )
+            yield hist("nixl_xfer_time_seconds", "KV transfer time in seconds.", m.xfer)
+        # vLLM with one API server serves prometheus_client's default registry, whose
+        # process collector adds this (unprefixed, unlabelled). SGLang and
+        # multi-API-server vLLM use multiprocess mode, which has no process metrics.
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            value=self._started_at,
+        )
