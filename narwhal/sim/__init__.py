@@ -34,7 +34,7 @@ prompt + ``max_tokens`` over the context with the output capped, refusing only a
 alone over it or ``max_tokens`` above ``max_model_len``, reads a completion's
 ``max_tokens: null`` as 16, and answers with 0.32's fields. ``"0.29.0"`` plays the
 behaviour docs/design.md#engine-wire-facts describes (such a request refused, null
-unbounded, 0.29's fields). `_vllm` has the table. Both builds serve ``n > 1``, logprobs and
+unbounded, 0.29's fields). `_vllm_builds` has the table. Both builds serve ``n > 1``, logprobs and
 stop strings, and send the engine's own input checks (token ids out of vocabulary, logprobs
 above 20) after a stream's 200 as an error event with code 400, then ``[DONE]``. A vLLM
 engine has a KV connector unless its spec's ``kv_connector`` is false (``kv_connectors=``
@@ -119,7 +119,7 @@ from ._spec import (
 )
 from ._timing import SimTiming as SimTiming
 from ._tokenizer import Tokenizer as Tokenizer, render_chat as render_chat
-from ._vllm import (
+from ._vllm_builds import (
     DEFAULT_VLLM_VERSION as DEFAULT_VLLM_VERSION,
     VLLM_BUILDS as VLLM_BUILDS,
     VllmBuild as VllmBuild,

@@ -9,7 +9,9 @@ client that closes its connection while its request is being served.
 
 from __future__ import annotations
 
+import functools
 import json
+import random
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -17,6 +19,8 @@ from typing import Any
 import attrs
 import h11
 import trio
+
+from .._files import read_file
 
 MAX_BODY = 32 * 1024 * 1024
 _READ = 65536
@@ -372,3 +376,31 @@ async def request(
     finally:
         with trio.move_on_after(1.0, shield=True):
             await trio.aclose_forcefully(stream)
+
+
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+@functools.cache
+def _ephemeral_low() -> int:
+    try:
+        return int(read_file(_EPHEMERAL_RANGE, limit=64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a port that is taken is skipped anyway
+
+
+async def listen_outside_ephemeral_range(host: str) -> list[trio.SocketListener]:
+    """Listeners on a free port below the kernel's ephemeral range.
+
+    A simulated engine that goes down and comes up binds its port again. An ephemeral
+    port may meanwhile be the source port of one of the router's outgoing connections,
+    and then the bind fails (EADDRINUSE). Ports below the range are never handed out as
+    source ports, so only another listener can hold one, and that is tried again here."""
+    low = _ephemeral_low()
+    ports = random.Random().sample(range(max(1024, low - 12_000), low), 64)
+    for port in ports:
+        try:
+            return await trio.open_tcp_listeners(port, host=host)
+        except OSError:
+            continue
+    return await trio.open_tcp_listeners(0, host=host)

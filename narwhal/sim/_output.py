@@ -1,19 +1,19 @@
-"""What a simulated engine sends back for a generation: its choices, chunks and bodies.
+"""What a simulated engine sends back for a generation, in either engine's shapes.
 
 Owns: `Choice` (one of a request's ``n`` sequences: its words, where it stops and why),
-`plan_choices` (stop strings found ahead of time in the deterministic output), logprobs
-in both of vLLM's shapes, and `Shapes` (the stream chunks and non-streaming body of one
-request, as its vLLM build sends them; `_sglang.SglangShapes` has SGLang's).
+`plan_choices` (stop strings found ahead of time in the deterministic output), `usage`,
+and `Shapes`, the one chunk builder: a dialect's subclass (`_vllm_wire.VllmShapes`,
+`_sglang_wire.SglangShapes`) describes its chunks and body, `Shapes` caches and fills them.
 Invariants: the ``n`` choices of a request decode in step, on one scheduler sequence (one
 sequence's cost, where vLLM decodes n); a choice's text never reaches past its stop string
-(or past its end, with ``include_stop_str_in_output``); the chunks of the default case are
-filled templates, so that a benchmark's simulator spends no json.dumps per token.
-See: `_vllm` for what differs between vLLM builds; docs/design.md#engine-streams (0.29 shapes);
-tests/conformance (0.32 shapes, recorded on real vLLM).
+(or past its end, with ``include_stop_str_in_output``); token and role chunks are filled
+templates, so that a benchmark's simulator spends no json.dumps per token.
+See: tests/conformance (the shapes, recorded on the real engines).
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import zlib
@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._tokenizer import OutputText
-from ._vllm import VllmBuild
 
 _COMPACT = (",", ":")
 # A template value: a string json.dumps writes as "\u0000name\u0000", filled at send time.
@@ -153,56 +152,6 @@ def plan_choices(
     return choices
 
 
-def completion_logprobs(choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
-    """vLLM's completion logprobs for tokens [start, end): the sampled token and `top`
-    others at each position (text_offset counts from the choice's first character)."""
-    offsets: list[int] = []
-    tokens: list[str] = []
-    values: list[float] = []
-    tops: list[dict[str, float]] = []
-    offset = choice.chars
-    for i in range(start, end):
-        token = choice.text.token(i)
-        offsets.append(offset)
-        offset += len(token)
-        tokens.append(token)
-        values.append(choice.logprob(i, 0))
-        entry = {token: values[-1]}
-        for rank in range(1, top + 1):
-            entry[choice.text.alternative(i, rank)] = choice.logprob(i, rank)
-        tops.append(entry)
-    return {
-        "text_offset": offsets,
-        "token_logprobs": values,
-        "tokens": tokens,
-        "top_logprobs": tops,
-    }
-
-
-def chat_logprobs(choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
-    """vLLM's chat logprobs for tokens [start, end): `top` candidates at each position,
-    the sampled one first."""
-    content: list[dict[str, Any]] = []
-    for i in range(start, end):
-        token = choice.text.token(i)
-        candidates = [(token, choice.logprob(i, 0))]
-        candidates += [
-            (choice.text.alternative(i, rank), choice.logprob(i, rank)) for rank in range(1, top)
-        ]
-        content.append(
-            {
-                "token": token,
-                "logprob": candidates[0][1],
-                "bytes": list(token.encode()),
-                "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode())}
-                    for t, lp in candidates[:top]
-                ],
-            }
-        )
-    return {"content": content}
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -211,58 +160,44 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class Shapes:
-    """The chunks and body of one request, as its vLLM build sends them.
+class Shapes(abc.ABC):
+    """The chunks and body of one request, in its engine's shapes.
 
-    A chunk method returns the event's JSON (without ``data: ``); values are filled into
-    templates cached per choice index and finish state."""
+    A chunk method returns the event's JSON (without ``data: ``). Token and role chunks
+    are filled templates: a subclass describes each one once per choice index, finish
+    state and usage (`_role_chunk`, `_token_chunk`, with `slot` values) and this class
+    caches and fills it, so that a stream spends no json.dumps on a chunk's fixed parts.
+    """
 
-    def __init__(
-        self,
-        *,
-        build: VllmBuild,
-        chat: bool,
-        model: str,
-        response_id: str,
-        created: int,
-        fingerprint: str | None,
-        include_usage: bool,
-        continuous_usage: bool,
-    ) -> None:
-        self.new = build.wire_032
+    # Whether a choice's last token chunk carries its finish_reason (else a chunk of
+    # its own does, `finish_chunks`).
+    finish_in_token_chunk = True
+
+    def __init__(self, *, chat: bool, model: str, ids: Sequence[str], created: int) -> None:
         self.chat = chat
-        self.fingerprint = fingerprint
-        self.include_usage = include_usage
-        self.continuous_usage = continuous_usage
-        self.head: dict[str, Any] = {
-            "id": response_id,
-            "object": ("chat.completion.chunk" if chat else "text_completion"),
-            "created": created,
-            "model": model,
-        }
+        self.model = model
+        # One per choice, or one for them all (the body has the first).
+        self.ids = ids
+        self.created = created
+        self.object = "chat.completion.chunk" if chat else "text_completion"
         self._cache: dict[tuple[Any, ...], Template] = {}
+
+    def _head(self, index: int) -> dict[str, Any]:
+        return {
+            "id": self.ids[min(index, len(self.ids) - 1)],
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+        }
 
     # -- stream chunks ------------------------------------------------------------------
     def role_chunk(self, index: int, usage_so_far: dict[str, int] | None) -> str:
         key = ("role", index, usage_so_far is not None)
         template = self._cache.get(key)
         if template is None:
-            chunk: dict[str, Any] = {
-                **self.head,
-                "choices": [
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-            if usage_so_far is not None:
-                chunk["usage"] = slot("usage")
-            if self.new:
-                chunk.update({"prompt_token_ids": None, "prompt_text": None})
-            template = self._cache[key] = Template(chunk)
+            template = self._cache[key] = Template(
+                self._role_chunk(index, usage_so_far is not None)
+            )
         return template.fill(usage=self._usage_json(usage_so_far))
 
     def token_chunk(
@@ -274,12 +209,12 @@ class Shapes:
         final: bool,
         usage_so_far: dict[str, int] | None,
     ) -> str:
-        stop = choice.stop if final else None
-        key = ("tokens", choice.index, final, stop, usage_so_far is not None)
+        final = final and self.finish_in_token_chunk
+        key = ("tokens", choice.index, final, usage_so_far is not None)
         template = self._cache.get(key)
         if template is None:
             template = self._cache[key] = Template(
-                self._token_chunk(choice, final, stop, usage_so_far is not None)
+                self._token_chunk(choice, final, usage_so_far is not None)
             )
         return template.fill(
             text=compact(text),
@@ -287,114 +222,41 @@ class Shapes:
             usage=self._usage_json(usage_so_far),
         )
 
-    def _token_chunk(
-        self, choice: Choice, final: bool, stop: str | None, with_usage: bool
-    ) -> dict[str, Any]:
-        finish = choice.finish_reason if final else None
-        body: dict[str, Any] = {"index": choice.index}
-        if self.chat:
-            body["delta"] = {"content": slot("text")}
-        else:
-            body["text"] = slot("text")
-        body["logprobs"] = slot("logprobs")
-        body["finish_reason"] = finish
-        chunk: dict[str, Any] = {**self.head, "choices": [body]}
-        if not self.chat:
-            # Completion choices carry every field, nulls included.
-            body.update({"stop_reason": stop, "prompt_token_ids": None, "token_ids": None})
-        elif final:
-            body["stop_reason"] = stop
-        if self.chat and self.new:
-            body["token_ids"] = None
-        if not self.new and not self.chat:
-            chunk["usage"] = None
-        if with_usage:
-            chunk["usage"] = slot("usage")
-        if self.new and final and not self.include_usage and self.fingerprint is not None:
-            # 0.32 stamps its fingerprint on a choice's last chunk unless a usage chunk
-            # follows, which then carries it.
-            chunk["system_fingerprint"] = self.fingerprint
-        return chunk
+    @abc.abstractmethod
+    def _role_chunk(self, index: int, with_usage: bool) -> dict[str, Any]:
+        """A chat choice's first chunk; a ``slot("usage")`` where it carries usage."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _token_chunk(self, choice: Choice, final: bool, with_usage: bool) -> dict[str, Any]:
+        """A chunk of a choice's tokens, with ``slot("text")``, ``slot("logprobs")`` and,
+        where it carries usage, ``slot("usage")``."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _usage_json(self, so_far: dict[str, int] | None) -> str:
+        """A chunk's running usage, encoded."""
+        raise NotImplementedError
 
     def finish_chunks(self, choices: Sequence[Choice]) -> str:
-        """Events after the last token chunks: none (a choice's last chunk ends it)."""
+        """Events after the last token chunks (``data: `` lines); none by default."""
         return ""
 
+    @abc.abstractmethod
     def usage_chunk(self, totals: dict[str, int]) -> str:
-        chunk: dict[str, Any] = {**self.head, "choices": [], "usage": totals}
-        if self.new and self.fingerprint is not None:
-            chunk["system_fingerprint"] = self.fingerprint
-        return compact(chunk)
+        raise NotImplementedError
 
-    def _usage_json(self, so_far: dict[str, int] | None) -> str:
-        """Continuous usage as each build dumps it: a 0.29 completion chunk replaces its
-        null usage with one that has a null prompt_tokens_details; a 0.32 chat chunk's
-        usage has a null completion_tokens_details; the others have the counts only."""
-        if so_far is None:
-            return "null"
-        if self.new and self.chat:
-            return compact({**so_far, "completion_tokens_details": None})
-        if not self.new and not self.chat:
-            return compact({**so_far, "prompt_tokens_details": None})
-        return compact(so_far)
+    @abc.abstractmethod
+    def logprobs(self, choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
+        """A choice's logprobs for tokens [start, end), `top` alternatives at each."""
+        raise NotImplementedError
 
     # -- non-streaming body -------------------------------------------------------------
+    @abc.abstractmethod
     def body(
         self,
         choices: Sequence[tuple[Choice, str, dict[str, Any] | None]],
         totals: dict[str, int],
         kv_transfer_params: dict[str, Any] | None,
     ) -> bytes:
-        out: dict[str, Any] = {
-            **self.head,
-            "object": "chat.completion" if self.chat else "text_completion",
-        }
-        out["choices"] = [self._body_choice(c, text, lp) for c, text, lp in choices]
-        out["service_tier"] = None
-        out["system_fingerprint"] = self.fingerprint
-        details: dict[str, Any] = {"prompt_tokens_details": None}
-        if self.new:
-            details["completion_tokens_details"] = None
-        out["usage"] = {**totals, **details}
-        if self.chat:
-            out["prompt_logprobs"] = None
-            if self.new:
-                out.update({"prompt_token_ids": None, "prompt_text": None})
-        out["kv_transfer_params"] = kv_transfer_params
-        if self.new:
-            out.update({"ec_transfer_params": None, "metrics": None})
-        return compact(out).encode()
-
-    def _body_choice(
-        self, choice: Choice, text: str, logprobs: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": choice.index}
-        if self.chat:
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-            }
-            if self.new:
-                # 0.32 leaves an empty tool_calls out and names the field reasoning.
-                message["reasoning"] = None
-            else:
-                message.update({"tool_calls": [], "reasoning_content": None})
-            out["message"] = message
-        else:
-            out["text"] = text
-        out["logprobs"] = logprobs
-        out["finish_reason"] = choice.finish_reason
-        out["stop_reason"] = choice.stop
-        if not self.chat:
-            # CompletionResponseChoice dumps every field; the streamed choices carry
-            # the same token_ids/prompt_token_ids keys.
-            out.update({"token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None})
-        elif self.new:
-            out["token_ids"] = None
-        if self.new:
-            out["routed_experts"] = None
-        return out
+        raise NotImplementedError

@@ -7,15 +7,21 @@ from typing import Any, Literal
 import attrs
 
 from ._timing import SimTiming
-from ._vllm import DEFAULT_VLLM_VERSION, VLLM_BUILDS, VllmBuild
+from ._vllm_builds import DEFAULT_VLLM_VERSION, VLLM_BUILDS, VllmBuild
 
 Dialect = Literal["vllm", "sglang"]
 # SGLang's --disaggregation-mode; "null" (its default) is an ordinary aggregate server.
 DisaggregationMode = Literal["null", "prefill", "decode"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "decode")
+# The launch modes each dialect has: vLLM none (each request names its leg:
+# docs/design.md#vllm-nixl-handoff).
+LAUNCH_MODES: dict[Dialect, tuple[DisaggregationMode, ...]] = {
+    "vllm": ("null",),
+    "sglang": DISAGGREGATION_MODES,
+}
 
 # The engine versions whose wire behaviour the simulator follows by default; a vLLM
-# engine plays the build its spec's vllm_version names (`_vllm.VLLM_BUILDS`).
+# engine plays the build its spec's vllm_version names (`_vllm_builds.VLLM_BUILDS`).
 ENGINE_VERSION = {"vllm": DEFAULT_VLLM_VERSION, "sglang": "0.5.23"}
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 SIM_BUILD = "narwhal-sim 0.1.0.dev0"
@@ -49,7 +55,7 @@ class SimEngineSpec:
     disaggregation_mode: DisaggregationMode = attrs.field(
         default="null", validator=attrs.validators.in_(DISAGGREGATION_MODES)
     )
-    # The vLLM build a vllm engine plays (`_vllm.VLLM_BUILDS`): its /version and every
+    # The vLLM build a vllm engine plays (`_vllm_builds.VLLM_BUILDS`): its /version and every
     # behaviour that differs between the builds Narwhal supports.
     vllm_version: str = attrs.field(
         default=DEFAULT_VLLM_VERSION, validator=attrs.validators.in_(tuple(VLLM_BUILDS))
@@ -105,13 +111,13 @@ class SimEngineSpec:
     # whatever the server's context.
     tokenizer_max_length: int | None = attrs.field(default=None, validator=_optional_positive_int)
     # The engine's --api-key: requests to the routes the real engine guards must carry
-    # `Authorization: Bearer <api_key>` or get its 401 (see `_engine.requires_api_key`).
+    # `Authorization: Bearer <api_key>` or get its 401 (see `EngineProtocol.requires_api_key`).
     api_key: str | None = None
     # Bound on the per-request outcome ring kept for /_sim/state.
     outcome_ring: int = attrs.field(default=10_000, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.dialect != "sglang" and self.disaggregation_mode != "null":
+        if self.disaggregation_mode not in LAUNCH_MODES[self.dialect]:
             raise ValueError(
                 f"disaggregation_mode is {self.disaggregation_mode!r}; only sglang engines "
                 "have a launch role (vllm takes the leg each request names)"
@@ -120,11 +126,6 @@ class SimEngineSpec:
     @property
     def vllm(self) -> VllmBuild:
         return VLLM_BUILDS[self.vllm_version]
-
-    @property
-    def version(self) -> str:
-        """The version the engine reports: the vLLM build played, or the SGLang version."""
-        return self.vllm_version if self.dialect == "vllm" else ENGINE_VERSION["sglang"]
 
     def scaled(self, seconds: float) -> float:
         """Wall-clock seconds for a model duration."""

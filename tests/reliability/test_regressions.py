@@ -15,6 +15,7 @@ from narwhal.ctl import CtlError
 from narwhal.ctl._protocol import parse_request
 from narwhal.sim import Fleet, serve_fleet
 from narwhal.sim._http import request
+from narwhal.sim._vllm import VLLMProtocol
 
 from . import hostile
 from .campaign import StartCampaign, start_beside_hostile
@@ -47,7 +48,8 @@ async def test_sim_side_channel_reports_a_reset_as_a_protocol_error(
         await request("127.0.0.1", port, "POST", "/_sim/nixl/heartbeat", {"x": 1})
     fleet: Fleet = await nursery.start(partial(serve_fleet, engines=1))
     engine = fleet[0].engine
-    await engine._send_heartbeat("127.0.0.1", port, "producer", ["r1"])
+    assert isinstance(engine.protocol, VLLMProtocol)
+    await engine.protocol.send_heartbeat("127.0.0.1", port, "producer", ["r1"])
     assert engine.counters.heartbeats_failed == 1
 
 
