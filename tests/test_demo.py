@@ -39,6 +39,9 @@ def test_a_failed_demo_says_why(tmp_path: Path) -> None:
     document = json.loads((REPO / "conf" / "demo.json").read_text())
     # Too short for any request: every one fails, and the demo exits 1.
     document["serving"]["request_timeout_s"] = 0.05
+    # The copy's relative paths would be taken from its own folder: point them back.
+    document["profiles"]["path"] = str(REPO / "runs" / "profiles.json")
+    document["ctl"]["socket"] = str(tmp_path / "demo.sock")
     config = tmp_path / "demo.json"
     config.write_text(json.dumps(document))
     proc = subprocess.run(

@@ -41,6 +41,7 @@ from .._files import FileTooLarge, read_file
 from ._cross import cross_rules
 from ._model import RESOLVED, Config, Ctl, Secret
 from ._paths import Path, field_pattern, format_path
+from ._resolve import config_folder, resolve_paths
 from ._secrets import MAX_CLIENT_KEYS, read_keys, read_token
 
 T = TypeVar("T")
@@ -72,7 +73,13 @@ class ConfigError(Exception):
         return "\n".join(self.messages)
 
 
-def load_config(document: object, *, source: str = "<config>", api_keys: bool = True) -> Config:
+def load_config(
+    document: object,
+    *,
+    source: str = "<config>",
+    api_keys: bool = True,
+    folder: str | None = None,
+) -> Config:
     """Structure and check an already-parsed JSON value.
 
     Raises ConfigError listing every problem, each message starting with the dotted path
@@ -80,15 +87,17 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
     the credential files the document names (engine API keys, the admin token, the
     clients' keys), unless `api_keys` is false (a caller that only needs other settings,
     run by a user who may not read them); those credentials are then left out.
+    `folder`: the folder relative paths are taken from (`_resolve`); None leaves them
+    relative, to the working directory.
     """
     converter = _make_converter()
     try:
-        config = converter.structure(document, Config)
+        config = _resolved(converter.structure(document, Config), folder)
     except (BaseValidationError, _Mismatch) as exc:
         problems = _structure_problems(exc, ())
         repaired = _repaired_config(converter, document, problems)
         if repaired is not None:
-            problems.extend(field_problems(repaired))
+            problems.extend(field_problems(_resolved(repaired, folder)))
         raise ConfigError(_in_document_order(document, problems, source), source=source) from None
 
     problems = field_problems(config)
@@ -109,6 +118,7 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
 
 def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> Config:
     """Read, parse and check a JSON configuration file (`api_keys`: see `load_config`).
+    Its relative paths are taken from its folder, not the working directory.
 
     Blocking, though within bounds (`narwhal._files.read_file`, for this file and every
     key file): from async code call it through `trio.to_thread.run_sync`.
@@ -116,7 +126,7 @@ def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> 
     source = os.fspath(path)
     document, duplicates = _parse_json(_read_text(path, source), source)
     try:
-        config = load_config(document, source=source, api_keys=api_keys)
+        config = load_config(document, source=source, api_keys=api_keys, folder=config_folder(path))
     except ConfigError as exc:
         raise ConfigError(duplicates + exc.messages, source=source) from None
     if duplicates:
@@ -125,7 +135,8 @@ def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> 
 
 
 def load_ctl_socket(path: str | os.PathLike[str]) -> str:
-    """The control socket path a configuration file names, checking only `ctl`.
+    """The control socket path a configuration file names (a relative one taken from
+    the file's folder, as the daemon takes it), checking only `ctl`.
 
     For narwhalctl, which needs nothing else: whether the rest of the file is valid is
     the running daemon's to judge (a reload of it is refused with every problem), and a
@@ -137,7 +148,9 @@ def load_ctl_socket(path: str | os.PathLike[str]) -> str:
         raise ConfigError([f"{source}: expected an object, got {_show(document)}"], source=source)
     problems: list[Problem] = []
     try:
-        ctl = _make_converter().structure(document.get("ctl", {}), Ctl)
+        ctl = resolve_paths(
+            _make_converter().structure(document.get("ctl", {}), Ctl), config_folder(path)
+        )
     except (BaseValidationError, _Mismatch) as exc:
         problems = _structure_problems(exc, ("ctl",))
     else:
@@ -145,6 +158,10 @@ def load_ctl_socket(path: str | os.PathLike[str]) -> str:
     if problems:
         raise ConfigError(_in_document_order(document, problems, source), source=source)
     return ctl.socket
+
+
+def _resolved(config: Config, folder: str | None) -> Config:
+    return config if folder is None else resolve_paths(config, folder)
 
 
 def _read_text(path: str | os.PathLike[str], source: str) -> str:

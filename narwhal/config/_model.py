@@ -37,6 +37,11 @@ T = TypeVar("T")
 RESOLVED = "resolved"
 # Marks a field holding credentials (Secret values): rendered redacted, compared apart.
 SECRET = "secret"
+# Marks a file path: a relative one is taken from the folder of the configuration file
+# (`_resolve`), so the daemon, a reload and every command agree wherever they run.
+PATH = "path"
+# What every path field's doc says of it (the reference explains the rest).
+RELATIVE = " A relative path is taken from the config file's folder."
 
 
 @attrs.frozen(repr=False)
@@ -62,6 +67,13 @@ def _meta(*rules: Rule, doc: str) -> dict[str, object]:
 def _f(default: T, *rules: Rule, doc: str) -> T:
     # Typed as the default so the attrs mypy plugin sees a plain default value.
     field: T = attrs.field(default=default, metadata=_meta(*rules, doc=doc))
+    return field
+
+
+def _path(default: T, *rules: Rule, doc: str) -> T:
+    field: T = attrs.field(
+        default=default, metadata={**_meta(*rules, doc=doc + RELATIVE), PATH: True}
+    )
     return field
 
 
@@ -145,7 +157,7 @@ class EngineSpec:
         NonNegative(),
         doc="Override of `serving.decode_concurrency` for this engine; `null` inherits it.",
     )
-    api_key_file: str | None = _f(
+    api_key_file: str | None = _path(
         None,
         doc=(
             "Override of `engine.api_key_file` for this engine (an engine started with its "
@@ -251,7 +263,7 @@ class Listen:
             "reload applies them to the next request."
         ),
     )
-    api_keys_file: str | None = _f(
+    api_keys_file: str | None = _path(
         None,
         Text(),
         doc=(
@@ -259,8 +271,7 @@ class Listen:
             "starting with `#` are skipped), taken with `listen.api_keys`; `null` reads "
             "none. A regular file of at most 1 MiB, read again at each reload, which an "
             "unreadable or malformed file, or one holding no key, rejects (the running keys "
-            "stay). At most 1000 keys in all. A relative path is taken from the working "
-            "directory."
+            "stay). At most 1000 keys in all."
         ),
     )
     file_api_keys: tuple[Secret, ...] = attrs.field(
@@ -302,14 +313,14 @@ class Admin:
             "`admin.token` and `admin.token_file`. A reload applies it."
         ),
     )
-    token_file: str | None = _f(
+    token_file: str | None = _path(
         None,
         Text(),
         doc=(
             "File holding the admin token: one line of printable ASCII without spaces (one "
             "trailing newline is ignored), a regular file of at most 4096 bytes, read again "
             "at each reload (an unreadable or malformed one rejects the reload and the "
-            "running token stays). A relative path is taken from the working directory."
+            "running token stays)."
         ),
     )
     file_token: Secret | None = attrs.field(default=None, metadata=_resolved_secret("token_file"))
@@ -323,11 +334,10 @@ class Admin:
 class Ctl:
     """The narwhalctl control socket."""
 
-    socket: str = _f(
+    socket: str = _path(
         "runs/narwhal.sock",
         SocketPath(),
-        doc="Path of the AF_UNIX control socket; a relative path is taken from the "
-        "daemon's working directory.",
+        doc="Path of the AF_UNIX control socket, which `narwhalctl --config` reads too.",
     )
 
 
@@ -587,15 +597,15 @@ class Engine:
         Positive(),
         doc="Deadline for preflight, breaker and readmission health probes.",
     )
-    api_key_file: str | None = _f(
+    api_key_file: str | None = _path(
         None,
         doc=(
             "File holding the key engines were started with (`--api-key`), sent as "
             "`Authorization: Bearer` on every engine request; `null` sends none. One line "
             "of printable ASCII without spaces (one trailing newline is ignored). The key "
             "itself never goes in the configuration; the file is re-read on reload, so a "
-            "rotated key takes effect then. A relative path is taken from the working "
-            "directory; under systemd, `LoadCredential=` provides the file."
+            "rotated key takes effect then. Under systemd, `LoadCredential=` provides the "
+            "file."
         ),
     )
 
@@ -610,7 +620,7 @@ class Engine:
 class Profiles:
     """Engine latency profiles."""
 
-    path: str = _f(
+    path: str = _path(
         "runs/profiles.json",
         Text(),
         doc="Profile store read by the router and written by `narwhal-profile`.",

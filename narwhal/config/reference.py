@@ -53,6 +53,13 @@ two attempts per request with a retry budget, and role control in advisory mode
 (manual 7.4). [`demo.json`](demo.json) is the simulated fleet the demo runs.
 
 Fields ending in `_s` are durations in seconds.
+
+A relative file path (`ctl.socket`, `profiles.path`, the key and token files), written or
+left at its default, is taken from the folder of the configuration file, not from the
+working directory of whoever reads it: the daemon, a reload, `narwhalctl --config`,
+`narwhal-profile` and `narwhal-check` agree wherever they run, and `narwhal validate`
+prints the paths they use. A configuration without a file (one built in code) keeps them
+relative to the working directory.
 """
 
 

@@ -47,7 +47,16 @@ from prometheus_client import Counter
 
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
-from ..config import Config, ConfigError, ReloadPlan, diff, keep_running, load_config_file
+from ..config import (
+    Config,
+    ConfigError,
+    ReloadPlan,
+    config_folder,
+    diff,
+    keep_running,
+    load_config_file,
+    resolve_paths,
+)
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
 from ..profiles import FleetProfiles
@@ -106,7 +115,11 @@ class Supervisor:
         profiles: ProfileSource | None = None,
         open_files: OpenFileLimit | None = None,
     ) -> None:
-        self.config = config
+        # Relative paths as a reload of `config_path` will take them (from its folder):
+        # a config built in code must not see its paths "change" at the first reload.
+        self.config = (
+            config if config_path is None else resolve_paths(config, config_folder(config_path))
+        )
         self.config_path = config_path
         self.serve_ctl = serve_ctl
         self.notifier = notifier or Notifier(None)
