@@ -286,10 +286,7 @@ class Supervisor:
                 self._serve_http, app, address.host, address.port, connections, stop, done
             )
         except OSError as exc:
-            raise ListenError(
-                f"cannot listen on {section}.host:{section}.port = {address.host}:"
-                f"{address.port}: {os_reason(exc)}"
-            ) from None
+            raise ListenError(listen_refusal(section, address.host, address.port, exc)) from None
         return bound
 
     async def _serve_http(
@@ -323,16 +320,14 @@ class Supervisor:
     @staticmethod
     def _warn_open_admin(config: Config) -> None:
         """One WARNING when the admin listener is off loopback and asks no token."""
-        admin = config.admin
-        if admin.host in _LOOPBACK or admin.bearer_token() is not None:
-            return
-        log.warning(
-            "the admin listener on %s:%d asks no token: whoever reaches it reads every "
-            "engine's url and the requests in flight; set admin.token_file",
-            admin.host,
-            admin.port,
-            extra={"event": "admin_open", "host": admin.host, "port": admin.port},
-        )
+        warning = open_admin_warning(config)
+        if warning is not None:
+            admin = config.admin
+            log.warning(
+                "%s",
+                warning,
+                extra={"event": "admin_open", "host": admin.host, "port": admin.port},
+            )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -637,6 +632,22 @@ class Supervisor:
             "notify": {"socket": self.notifier.address, "sent": self.notifier.sent[-5:]},
             "loop": ctx.loop_lag.state() if ctx is not None else None,
         }
+
+
+def listen_refusal(section: str, host: str, port: int, exc: OSError) -> str:
+    """Why the `section` listener ("listen", "admin") cannot have its address."""
+    return f"cannot listen on {section}.host:{section}.port = {host}:{port}: {os_reason(exc)}"
+
+
+def open_admin_warning(config: Config) -> str | None:
+    """The warning for an admin listener off loopback that asks no token, or None."""
+    admin = config.admin
+    if admin.host in _LOOPBACK or admin.bearer_token() is not None:
+        return None
+    return (
+        f"the admin listener on {admin.host}:{admin.port} asks no token: whoever reaches it "
+        "reads every engine's url and the requests in flight; set admin.token_file"
+    )
 
 
 def _url(address: tuple[str, int]) -> str:
