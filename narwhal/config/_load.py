@@ -105,7 +105,11 @@ def load_config(
         structured = converter.structure(document, Config)
     except (BaseValidationError, _Mismatch) as exc:
         problems = _structure_problems(exc, ())
-        repaired, replaced = _repaired_config(converter, document, problems)
+        # A document that is no object holds nothing to check further.
+        whole = any(not problem.path for problem in problems)
+        repaired, replaced = (
+            (None, set()) if whole else _repaired_config(converter, document, problems)
+        )
         if repaired is None:
             raise ConfigError(
                 _in_document_order(document, problems, source), source=source
@@ -466,8 +470,13 @@ def _literal_hook(tp: Any) -> Callable[[object, object], str]:
 
 
 def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    close = _closest(word, candidates)
+    return f"; did you mean {close!r}?" if close is not None else ""
+
+
+def _closest(word: str, candidates: Sequence[str]) -> str | None:
     close = difflib.get_close_matches(word, candidates, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
 
 
 def _is_optional(tp: Any) -> bool:
@@ -580,10 +589,8 @@ def _unknown_keys(exc: ForbiddenExtraKeysError, path: Path) -> list[Problem]:
     known = [field.name for field in attrs.fields(exc.cl) if not field.metadata.get(RESOLVED)]
     out: list[Problem] = []
     for key in sorted(exc.extra_fields):
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        meant = close[0] if close else None
-        out.append(Problem((*path, key), "unknown key" + hint, "unknown", meant))
+        hint = _did_you_mean(key, known)
+        out.append(Problem((*path, key), "unknown key" + hint, "unknown", _closest(key, known)))
     return out
 
 

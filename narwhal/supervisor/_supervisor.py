@@ -15,6 +15,9 @@ when it is ready, so a failure stops startup before the daemon claims to be read
    reports started with the supervisor itself as the value (tests and the daemon read
    `url` and `admin_url`).
 
+Each reason startup stops (and each it starts degraded for) is decided by a function
+`narwhal validate` asks too, before the daemon runs (`_preflight`).
+
 Before any of them, the process's open-file limit is fitted to listen.max_open_connections
 (`serving._descriptors`: raised if it can be, the connection limit lowered if it cannot, and
 startup stopped if not even the retained requests' connections fit); a reload does the same

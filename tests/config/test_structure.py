@@ -168,6 +168,7 @@ def test_source_names_the_whole_document() -> None:
         load_config([], source="conf/x.json")
     assert info.value.messages == ["conf/x.json: expected an object, got []"]
     assert info.value.source == "conf/x.json"
+    assert info.value.unchecked == []  # nothing of the file to check further
 
 
 def test_three_mistakes_give_exactly_three_path_named_messages() -> None:
