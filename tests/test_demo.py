@@ -48,6 +48,9 @@ def _demo_config(tmp_path: Path, **changes: object) -> tuple[dict[str, Any], Pat
     document["serving"]["admission"] = "open"
     document["listen"]["port"] = _free_port()
     document.setdefault("admin", {})["port"] = _free_port()
+    # The copy's relative paths would be taken from its own folder: point them back.
+    document["profiles"]["path"] = str(REPO / "runs" / "profiles.json")
+    document["ctl"]["socket"] = str(tmp_path / "demo.sock")
     document.update(changes)
     config = tmp_path / "demo.json"
     config.write_text(json.dumps(document))

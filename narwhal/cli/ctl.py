@@ -5,10 +5,16 @@
 Commands: state | proposals | drain ENGINE | undrain ENGINE | pin ENGINE prefill|decode |
 unpin ENGINE | reload.
 
-The socket is --socket, else ctl.socket of --config FILE (the only setting read and
-checked there), else $NARWHAL_CTL_SOCKET, else runs/narwhal.sock; a relative path is
-relative to the current directory (the daemon resolves ctl.socket against its own
-working directory).
+The socket is found from any directory: --socket PATH, else ctl.socket of --config FILE
+(the only setting read and checked there; a relative one taken from FILE's folder, as
+the daemon takes it), else $NARWHAL_CTL_SOCKET, else ctl.socket of $NARWHAL_CONFIG (the
+container image sets it), else the first that answers of the packaged default
+/run/narwhal/narwhal.sock (conf/narwhal.json, the systemd unit, the container) and
+runs/narwhal.sock in the current directory (a development daemon's default). A relative
+--socket or $NARWHAL_CTL_SOCKET is the current directory's. When none answers, every
+path tried is said with why: no such file (no narwhal listens there), not a socket,
+permission denied (the socket is the service user's: run narwhalctl as that user), or
+connection refused (a stale socket: the daemon is down).
 
 Output is for people by default; --json prints the daemon's response object as is, or,
 when there is none, one of the same shape: {"ok": false, "error": {"code":
@@ -19,7 +25,7 @@ Exit codes:
   1  the daemon refused the command (unknown engine, invalid config on reload, ...)
   2  usage error
   3  no daemon answers: socket missing, stale (connection refused), not a socket,
-     permission denied
+     permission denied (the JSON error's "tried" lists each path, its source and reason)
   4  the daemon did not answer properly (timeout, malformed or oversized response)
 """
 
@@ -29,12 +35,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..ctl import CtlProtocolError, CtlRequest, DaemonUnreachable, call
 from ._common import add_version, closed_pipe_is_quiet, positive_seconds
 
+# Tried in order when nothing names the socket: the packaged install's (conf/narwhal.json,
+# conf/narwhal.service, the Dockerfile), then a development daemon's default ctl.socket.
+PACKAGED_SOCKET = "/run/narwhal/narwhal.sock"
 DEFAULT_SOCKET = "runs/narwhal.sock"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PROTOCOL = 0, 1, 2, 3, 4
 
@@ -48,7 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH", help="control socket path")
-    where.add_argument("--config", metavar="FILE", help="read ctl.socket from this config")
+    where.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read ctl.socket from this config (default: $NARWHAL_CONFIG)",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw JSON response")
     parser.add_argument(
         "--timeout",
@@ -76,38 +89,60 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _socket_path(args: argparse.Namespace) -> str:
+def socket_candidates(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> list[tuple[str, str]]:
+    """The socket paths to try, in order, each with where it came from (for messages):
+    one when something names it, else the defaults."""
     if args.socket:
-        return str(args.socket)
+        return [(os.path.abspath(args.socket), "--socket")]
     if args.config:
-        from ..config import ConfigError, load_ctl_socket
+        return [(_config_socket(args.config, "--config"), f"ctl.socket of {args.config}")]
+    if environ.get("NARWHAL_CTL_SOCKET"):
+        return [(os.path.abspath(environ["NARWHAL_CTL_SOCKET"]), "$NARWHAL_CTL_SOCKET")]
+    if environ.get("NARWHAL_CONFIG"):
+        config = environ["NARWHAL_CONFIG"]
+        return [(_config_socket(config, "$NARWHAL_CONFIG"), f"ctl.socket of {config}")]
+    return [
+        (PACKAGED_SOCKET, "the packaged default"),
+        (os.path.abspath(DEFAULT_SOCKET), f"{DEFAULT_SOCKET} in the current directory"),
+    ]
 
-        try:
-            # Only ctl.socket is read and checked: the rest of the file is the daemon's
-            # to judge, so a broken file still reaches it (`systemctl reload` runs
-            # `narwhalctl --config FILE reload`: a rejected file must be rejected by the
-            # daemon, which reports every problem and keeps its configuration), and an
-            # operator need not be able to read the engines' API key file.
-            return load_ctl_socket(args.config)
-        except ConfigError as exc:
-            print(f"narwhalctl: cannot use --config {args.config}:", file=sys.stderr)
-            for message in exc.messages:
-                print(f"  {message}", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE) from None
-    return os.environ.get("NARWHAL_CTL_SOCKET") or DEFAULT_SOCKET
+
+def _config_socket(path: str, named_by: str) -> str:
+    from ..config import ConfigError, load_ctl_socket
+
+    try:
+        # Only ctl.socket is read and checked: the rest of the file is the daemon's to
+        # judge, so a broken file still reaches it (`systemctl reload` runs `narwhalctl
+        # --config FILE reload`: a rejected file must be rejected by the daemon, which
+        # reports every problem and keeps its configuration), and an operator need not
+        # be able to read the engines' API key file.
+        return load_ctl_socket(path)
+    except ConfigError as exc:
+        print(f"narwhalctl: cannot use {named_by} {path}:", file=sys.stderr)
+        for message in exc.messages:
+            print(f"  {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 @closed_pipe_is_quiet
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     request = CtlRequest(args.command, getattr(args, "engine", None), getattr(args, "role", None))
-    path = _socket_path(args)
-    try:
-        response = call(path, request, timeout_s=args.timeout)
-    except DaemonUnreachable as exc:
-        return _failed(args.json, "daemon_unreachable", str(exc), EXIT_UNREACHABLE)
-    except CtlProtocolError as exc:
-        return _failed(args.json, "protocol_error", str(exc), EXIT_PROTOCOL)
+    candidates = socket_candidates(args)
+    tried: list[tuple[DaemonUnreachable, str]] = []
+    for path, source in candidates:
+        try:
+            response = call(path, request, timeout_s=args.timeout)
+        except DaemonUnreachable as exc:
+            tried.append((exc, source))
+            continue
+        except CtlProtocolError as exc:
+            return _failed(args.json, "protocol_error", str(exc), EXIT_PROTOCOL)
+        break
+    else:
+        return _unreachable(args.json, tried)
     if args.json:
         print(json.dumps(response, indent=2))
         return EXIT_OK if response["ok"] else EXIT_REFUSED
@@ -118,13 +153,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_OK
 
 
-def _failed(as_json: bool, code: str, message: str, status: int) -> int:
+def _failed(as_json: bool, code: str, message: str, status: int, **details: object) -> int:
     """No answer from the daemon: said on stderr and, for --json, as a response of the
     usual shape on stdout, so a script parsing stdout reads a failure, not nothing."""
     print(f"narwhalctl: {message}", file=sys.stderr)
     if as_json:
-        print(json.dumps({"ok": False, "error": {"code": code, "message": message}}, indent=2))
+        error = {"code": code, "message": message, **details}
+        print(json.dumps({"ok": False, "error": error}, indent=2))
     return status
+
+
+def _unreachable(as_json: bool, tried: list[tuple[DaemonUnreachable, str]]) -> int:
+    """Every path tried, where it came from and why nothing answered there."""
+    if len(tried) == 1:
+        ((exc, source),) = tried
+        message = f"cannot reach narwhal ({source}): {exc}"
+    else:
+        lines = [f"  {exc.path} ({source}): {exc.detail}" for exc, source in tried]
+        message = "\n".join(
+            [
+                "cannot reach narwhal; tried:",
+                *lines,
+                "name its socket with --config FILE (the daemon's config), --socket PATH or "
+                "$NARWHAL_CTL_SOCKET",
+            ]
+        )
+    details = [{"path": exc.path, "source": source, "reason": exc.reason} for exc, source in tried]
+    return _failed(as_json, "daemon_unreachable", message, EXIT_UNREACHABLE, tried=details)
 
 
 def _print_error(error: dict[str, Any]) -> None:

@@ -35,3 +35,4 @@ from ._model import (
     Slo as Slo,
     Thresholds as Thresholds,
 )
+from ._resolve import config_folder as config_folder, resolve_paths as resolve_paths

@@ -1,9 +1,12 @@
 """Cross-field rules: invariants that relate two or more fields.
 
 Each rule is a small function from a structured `Config` to messages; the loader runs
-them all and collects every message. A rule names the fields it reads so the loader can
-skip it when one of them already broke its own range rule: comparing against a value
-that is itself wrong only adds a second, misleading message for one mistake.
+them all and collects every message. A rule names every field it reads (`reads`), so the
+loader can skip it when one of them is invalid (mistyped, missing, or out of its own
+range) and a default or placeholder stands in for it: comparing against a value that is
+not the file's only adds a second, misleading message for one mistake.
+tests/config/test_cross_rules.py records what each rule reads and fails when `reads`
+leaves a field out.
 """
 
 from __future__ import annotations
@@ -24,24 +27,45 @@ from ._model import Config, EngineSpec
 class CrossRule:
     check: Callable[[Config], list[str]]
     reads: tuple[str, ...]
-    """Field patterns (`engines[].url`) whose own range failures make this rule moot."""
+    """Field patterns (`engines[].url`) of every value the rule reads."""
 
     @property
     def doc(self) -> str:
         return inspect.getdoc(self.check) or ""
 
+    def hidden_by(self, broken: set[str]) -> list[str]:
+        """The invalid values (field patterns, a whole section or list among them) that
+        this rule reads; the rule waits until there are none."""
+        return sorted(
+            bad
+            for bad in broken
+            if bad == ""
+            or any(read == bad or read.startswith((f"{bad}.", f"{bad}[")) for read in self.reads)
+        )
+
 
 def cross_rules() -> tuple[CrossRule, ...]:
     """Every cross-field rule, in the order its messages are reported."""
     return (
-        CrossRule(_engines_present, ()),
-        CrossRule(_engine_ids, ()),
-        CrossRule(_engine_urls, ()),
-        CrossRule(_one_dialect, ()),
-        CrossRule(_one_model, ()),
-        CrossRule(_bootstrap_ports, ("engines[].bootstrap_port",)),
-        CrossRule(_kv_roles, ("engines[].kv_role",)),
-        CrossRule(_role_floors, ("controller.min_prefill", "controller.min_decode")),
+        CrossRule(_engines_present, ("engines",)),
+        CrossRule(_engine_ids, ("engines[].id",)),
+        CrossRule(_engine_urls, ("engines[].url",)),
+        CrossRule(_one_dialect, ("engines[].dialect",)),
+        CrossRule(_one_model, ("engines[].model",)),
+        CrossRule(_bootstrap_ports, ("engines[].bootstrap_port", "engines[].dialect")),
+        CrossRule(_kv_roles, ("engines[].kv_role", "engines[].dialect", "engines[].role")),
+        CrossRule(
+            _role_floors,
+            (
+                "controller.min_prefill",
+                "controller.min_decode",
+                "controller.enabled",
+                "controller.advisory",
+                "engines[].role",
+                "engines[].dialect",
+                "engines[].kv_role",
+            ),
+        ),
         CrossRule(_retry_cap, ("serving.retry_base_s", "serving.retry_cap_s")),
         CrossRule(
             _queueing,
@@ -105,7 +129,7 @@ def cross_rules() -> tuple[CrossRule, ...]:
                 "serving.queue_capacity",
             ),
         ),
-        CrossRule(_admin_token, ()),
+        CrossRule(_admin_token, ("admin.token", "admin.token_file")),
         CrossRule(_admin_port, ("listen.host", "listen.port", "admin.host", "admin.port")),
     )
 

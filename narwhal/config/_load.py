@@ -1,17 +1,19 @@
 """Loading a JSON configuration document into a `Config`, reporting every problem at once.
 
-Three checks, each collecting rather than stopping at the first failure:
+Three checks in one pass, each collecting rather than stopping at the first failure:
 
 1. structuring with a private cattrs converter: strict JSON types and unknown keys;
 2. the per-field range rules from the model metadata, by a walker over the result;
 3. the cross-field rules of `_cross`.
 
-When structuring fails there is no `Config` to walk, yet an operator who mistyped one key
-should still learn that another value is out of range. So the loader repairs a copy of
-the document (drops unknown and mistyped keys, so they take their defaults, and fills
-required ones with placeholders) and walks that. Cross-field rules wait for a fully typed
-document: comparing a default that stands in for a mistyped value would report a problem
-that is not in the file.
+When structuring fails there is no `Config` to check, yet an operator who mistyped one
+key should still learn everything else that is wrong. So the loader repairs a copy of the
+document (drops unknown and mistyped keys, so they take their defaults, and fills required
+ones with placeholders) and checks that, field rules and cross-field rules alike. A
+cross-field rule that reads a value standing in for an invalid one (a mistyped, missing
+or out-of-range value, or the key an unknown one was probably meant as) is not run: its
+verdict would be about a value that is not in the file. `ConfigError.unchecked` names
+those values, so the operator knows a second run may find more.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .._files import FileTooLarge, read_file
 from ._cross import cross_rules
 from ._model import RESOLVED, Config, Ctl, Secret
 from ._paths import Path, field_pattern, format_path
+from ._resolve import config_folder, resolve_paths
 from ._secrets import MAX_CLIENT_KEYS, read_keys, read_token
 
 T = TypeVar("T")
@@ -61,18 +64,29 @@ _KEY_CHARS = frozenset(range(0x21, 0x7F))
 
 
 class ConfigError(Exception):
-    """A configuration document is invalid; `messages` holds one line per problem."""
+    """A configuration document is invalid; `messages` holds one line per problem.
+    `unchecked`: the invalid values (field patterns, `engines[].url`) that kept
+    cross-field rules from running, so a run once they are fixed may find more."""
 
-    def __init__(self, messages: Sequence[str], *, source: str = "<config>") -> None:
+    def __init__(
+        self, messages: Sequence[str], *, source: str = "<config>", unchecked: Sequence[str] = ()
+    ) -> None:
         self.messages = list(messages)
         self.source = source
+        self.unchecked = list(unchecked)
         super().__init__("\n".join(self.messages))
 
     def __str__(self) -> str:
         return "\n".join(self.messages)
 
 
-def load_config(document: object, *, source: str = "<config>", api_keys: bool = True) -> Config:
+def load_config(
+    document: object,
+    *,
+    source: str = "<config>",
+    api_keys: bool = True,
+    folder: str | None = None,
+) -> Config:
     """Structure and check an already-parsed JSON value.
 
     Raises ConfigError listing every problem, each message starting with the dotted path
@@ -80,22 +94,37 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
     the credential files the document names (engine API keys, the admin token, the
     clients' keys), unless `api_keys` is false (a caller that only needs other settings,
     run by a user who may not read them); those credentials are then left out.
+    `folder`: the folder relative paths are taken from (`_resolve`); None leaves them
+    relative, to the working directory.
     """
     converter = _make_converter()
+    problems: list[Problem] = []
+    # Field patterns of the values a repair replaced, in every round.
+    replaced: set[str] = set()
     try:
-        config = converter.structure(document, Config)
+        structured = converter.structure(document, Config)
     except (BaseValidationError, _Mismatch) as exc:
         problems = _structure_problems(exc, ())
-        repaired = _repaired_config(converter, document, problems)
-        if repaired is not None:
-            problems.extend(field_problems(repaired))
-        raise ConfigError(_in_document_order(document, problems, source), source=source) from None
-
-    problems = field_problems(config)
+        # A document that is no object holds nothing to check further.
+        whole = any(not problem.path for problem in problems)
+        repaired, replaced = (
+            (None, set()) if whole else _repaired_config(converter, document, problems)
+        )
+        if repaired is None:
+            raise ConfigError(
+                _in_document_order(document, problems, source), source=source
+            ) from None
+        structured = repaired
+    config = _resolved(structured, folder)
+    problems.extend(field_problems(config))
     messages = _in_document_order(document, problems, source)
-    broken = {field_pattern(problem.path) for problem in problems}
+    broken = replaced | {field_pattern(problem.path) for problem in problems}
+    unchecked: set[str] = set()
     for rule in cross_rules():
-        if broken.isdisjoint(rule.reads):
+        hidden = rule.hidden_by(broken)
+        if hidden:
+            unchecked.update(hidden)
+        else:
             messages.extend(rule.check(config))
     if api_keys:
         config, key_problems = _with_api_keys(config)
@@ -103,12 +132,13 @@ def load_config(document: object, *, source: str = "<config>", api_keys: bool = 
         config, credential_problems = _with_credential_files(config, broken)
         messages.extend(credential_problems)
     if messages:
-        raise ConfigError(messages, source=source)
+        raise ConfigError(messages, source=source, unchecked=sorted(unchecked))
     return config
 
 
 def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> Config:
     """Read, parse and check a JSON configuration file (`api_keys`: see `load_config`).
+    Its relative paths are taken from its folder, not the working directory.
 
     Blocking, though within bounds (`narwhal._files.read_file`, for this file and every
     key file): from async code call it through `trio.to_thread.run_sync`.
@@ -116,16 +146,19 @@ def load_config_file(path: str | os.PathLike[str], *, api_keys: bool = True) -> 
     source = os.fspath(path)
     document, duplicates = _parse_json(_read_text(path, source), source)
     try:
-        config = load_config(document, source=source, api_keys=api_keys)
+        config = load_config(document, source=source, api_keys=api_keys, folder=config_folder(path))
     except ConfigError as exc:
-        raise ConfigError(duplicates + exc.messages, source=source) from None
+        raise ConfigError(
+            duplicates + exc.messages, source=source, unchecked=exc.unchecked
+        ) from None
     if duplicates:
         raise ConfigError(duplicates, source=source)
     return config
 
 
 def load_ctl_socket(path: str | os.PathLike[str]) -> str:
-    """The control socket path a configuration file names, checking only `ctl`.
+    """The control socket path a configuration file names (a relative one taken from
+    the file's folder, as the daemon takes it), checking only `ctl`.
 
     For narwhalctl, which needs nothing else: whether the rest of the file is valid is
     the running daemon's to judge (a reload of it is refused with every problem), and a
@@ -137,7 +170,9 @@ def load_ctl_socket(path: str | os.PathLike[str]) -> str:
         raise ConfigError([f"{source}: expected an object, got {_show(document)}"], source=source)
     problems: list[Problem] = []
     try:
-        ctl = _make_converter().structure(document.get("ctl", {}), Ctl)
+        ctl = resolve_paths(
+            _make_converter().structure(document.get("ctl", {}), Ctl), config_folder(path)
+        )
     except (BaseValidationError, _Mismatch) as exc:
         problems = _structure_problems(exc, ("ctl",))
     else:
@@ -145,6 +180,10 @@ def load_ctl_socket(path: str | os.PathLike[str]) -> str:
     if problems:
         raise ConfigError(_in_document_order(document, problems, source), source=source)
     return ctl.socket
+
+
+def _resolved(config: Config, folder: str | None) -> Config:
+    return config if folder is None else resolve_paths(config, folder)
 
 
 def _read_text(path: str | os.PathLike[str], source: str) -> str:
@@ -257,6 +296,14 @@ class Problem:
     path: Path
     text: str
     kind: Literal["invalid", "unknown", "missing"] = "invalid"
+    # For an unknown key: the known key it is close to, probably the one meant.
+    meant: str | None = None
+
+    def pattern(self) -> str:
+        """The field pattern of the value this problem leaves standing in for the file's."""
+        if self.meant is not None:
+            return field_pattern((*self.path[:-1], self.meant))
+        return field_pattern(self.path)
 
 
 def field_problems(config: Config) -> list[Problem]:
@@ -423,8 +470,13 @@ def _literal_hook(tp: Any) -> Callable[[object, object], str]:
 
 
 def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    close = _closest(word, candidates)
+    return f"; did you mean {close!r}?" if close is not None else ""
+
+
+def _closest(word: str, candidates: Sequence[str]) -> str | None:
     close = difflib.get_close_matches(word, candidates, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
 
 
 def _is_optional(tp: Any) -> bool:
@@ -535,10 +587,11 @@ def _structure_problems(exc: BaseException, path: Path) -> list[Problem]:
 
 def _unknown_keys(exc: ForbiddenExtraKeysError, path: Path) -> list[Problem]:
     known = [field.name for field in attrs.fields(exc.cl) if not field.metadata.get(RESOLVED)]
-    return [
-        Problem((*path, key), "unknown key" + _did_you_mean(key, known), "unknown")
-        for key in sorted(exc.extra_fields)
-    ]
+    out: list[Problem] = []
+    for key in sorted(exc.extra_fields):
+        hint = _did_you_mean(key, known)
+        out.append(Problem((*path, key), "unknown key" + hint, "unknown", _closest(key, known)))
+    return out
 
 
 # --- repair, so field rules can run despite structure errors ------------------------------
@@ -548,15 +601,19 @@ _DELETE = object()
 
 def _repaired_config(
     converter: cattrs.Converter, document: object, problems: list[Problem]
-) -> Config | None:
+) -> tuple[Config | None, set[str]]:
+    """The document repaired until it structures (None if it still does not), and the
+    field patterns of every value the repair replaced."""
+    replaced: set[str] = set()
     for _ in range(_REPAIR_ROUNDS):
         for problem in problems:
+            replaced.add(problem.pattern())
             document = _repair(document, problem)
         try:
-            return converter.structure(document, Config)
+            return converter.structure(document, Config), replaced
         except (BaseValidationError, _Mismatch) as exc:
             problems = _structure_problems(exc, ())
-    return None
+    return None, replaced
 
 
 def _repair(document: object, problem: Problem) -> object:
@@ -584,14 +641,16 @@ def _schema_at(path: Path) -> tuple[Any, bool]:
 
 
 def _placeholder(tp: Any) -> object:
-    # Required values exist only for str fields and list items (objects); the
-    # placeholders carry no range rules, so they add no messages of their own.
+    # Required values exist only for str fields, list items (objects) and `engines`;
+    # the placeholders carry no range rules, so they add no messages of their own.
     if tp is Secret:
         return "placeholder"  # passes the credential rule, so it adds no message
     if attrs.has(tp):
         return {}
     if tp is str:
         return ""
+    if get_origin(tp) is tuple:
+        return []
     return None
 
 

@@ -38,6 +38,11 @@ T = TypeVar("T")
 RESOLVED = "resolved"
 # Marks a field holding credentials (Secret values): rendered redacted, compared apart.
 SECRET = "secret"
+# Marks a file path: a relative one is taken from the folder of the configuration file
+# (`_resolve`), so the daemon, a reload and every command agree wherever they run.
+PATH = "path"
+# What every path field's doc says of it (the reference explains the rest).
+RELATIVE = " A relative path is taken from the config file's folder."
 
 
 @attrs.frozen(repr=False)
@@ -65,6 +70,14 @@ def _meta(*rules: Rule, doc: str, notes: str = "") -> dict[str, object]:
 def _f(default: T, *rules: Rule, doc: str, notes: str = "") -> T:
     # Typed as the default so the attrs mypy plugin sees a plain default value.
     field: T = attrs.field(default=default, metadata=_meta(*rules, doc=doc, notes=notes))
+    return field
+
+
+def _path(default: T, *rules: Rule, doc: str, notes: str = "") -> T:
+    field: T = attrs.field(
+        default=default,
+        metadata={**_meta(*rules, doc=doc, notes=(notes + RELATIVE).strip()), PATH: True},
+    )
     return field
 
 
@@ -149,7 +162,7 @@ class EngineSpec:
         NonNegative(),
         doc="Override of `serving.decode_concurrency` for this engine; `null` inherits it.",
     )
-    api_key_file: str | None = _f(
+    api_key_file: str | None = _path(
         None,
         doc=(
             "Override of `engine.api_key_file` for this engine (an engine started with its "
@@ -255,7 +268,7 @@ class Listen:
             "them out of this file too. A reload applies them to the next request.",
         ),
     )
-    api_keys_file: str | None = _f(
+    api_keys_file: str | None = _path(
         None,
         Text(),
         doc=(
@@ -264,10 +277,7 @@ class Listen:
             "read again at each reload, which an unreadable or malformed file, or one "
             "holding no key, rejects (the running keys stay)."
         ),
-        notes=(
-            "A regular file of at most 1 MiB; at most 1000 keys in all. A relative path is "
-            "taken from the working directory."
-        ),
+        notes=("A regular file of at most 1 MiB; at most 1000 keys in all."),
     )
     file_api_keys: tuple[Secret, ...] = attrs.field(
         default=(), metadata=_resolved_secret("api_keys_file")
@@ -309,14 +319,14 @@ class Admin:
             "and `admin.token_file`.",
         ),
     )
-    token_file: str | None = _f(
+    token_file: str | None = _path(
         None,
         Text(),
         doc=(
             "File holding the admin token: one line of printable ASCII without spaces (one "
             "trailing newline is ignored), a regular file of at most 4096 bytes, read again "
             "at each reload (an unreadable or malformed one rejects the reload and the "
-            "running token stays). A relative path is taken from the working directory."
+            "running token stays)."
         ),
     )
     file_token: Secret | None = attrs.field(default=None, metadata=_resolved_secret("token_file"))
@@ -330,11 +340,10 @@ class Admin:
 class Ctl:
     """The narwhalctl control socket."""
 
-    socket: str = _f(
+    socket: str = _path(
         "runs/narwhal.sock",
         SocketPath(),
-        doc="Path of the AF_UNIX control socket; a relative path is taken from the "
-        "daemon's working directory.",
+        doc="Path of the AF_UNIX control socket, which `narwhalctl --config` reads too.",
     )
 
 
@@ -600,7 +609,7 @@ class Engine:
         Positive(),
         doc="Deadline for preflight, breaker and readmission health probes.",
     )
-    api_key_file: str | None = _f(
+    api_key_file: str | None = _path(
         None,
         doc=(
             "File holding the key engines were started with (`--api-key`), sent as "
@@ -609,8 +618,8 @@ class Engine:
             "again at each reload, so a rotated key takes effect then."
         ),
         notes=(
-            "The key itself never goes in the configuration. A relative path is taken from "
-            "the working directory; under systemd, `LoadCredential=` provides the file."
+            "The key itself never goes in the configuration. Under systemd, `LoadCredential=` "
+            "provides the file."
         ),
     )
 
@@ -625,7 +634,7 @@ class Engine:
 class Profiles:
     """Engine latency profiles."""
 
-    path: str = _f(
+    path: str = _path(
         "runs/profiles.json",
         Text(),
         doc="Profile store read by the router and written by `narwhal-profile`.",

@@ -120,7 +120,8 @@ class Text:
 
 @attrs.frozen
 class SocketPath:
-    """An AF_UNIX socket path, which the kernel bounds (a relative path as written)."""
+    """An AF_UNIX socket path, which the kernel bounds: the path as it is bound, so a
+    relative one once taken from the config file's folder."""
 
     def check(self, value: str) -> str | None:
         problem = Text().check(value)

@@ -35,7 +35,11 @@ A Narwhal configuration is one JSON object. Every key except `engines` is option
 and takes the default listed below. `narwhal validate --config FILE` checks a file and
 prints the effective configuration, defaults filled in; on failure it prints every
 problem at once, each starting with the dotted path of the offending value
-(`serving.max_attempts`, `engines[2].url`).
+(`serving.max_attempts`, `engines[2].url`), and exits 1. A valid file is then checked
+against this host as `narwhal serve` would meet it (the profile store, the control
+socket, the listen addresses, the open-file limit): each reason serve would refuse to
+start or start degraded is a warning naming its setting and the fix, with exit status 2
+(`--file-only` skips this, for CI).
 
 The loader is strict:
 
@@ -44,10 +48,11 @@ The loader is strict:
 - types are exact: `"3"` is not an integer, `true` is not a number and `1` is not a
   boolean; integers are accepted where a number is expected, `3.0` is not accepted
   where an integer is; `NaN` and `Infinity` are rejected;
-- every field is checked against its own range (the *Allowed* column), then the
-  configuration as a whole against the cross-field rules at the end of this page.
-  A cross-field rule is skipped while one of its fields is outside its own range, so
-  one mistake is reported once.
+- every field is checked against its own range (the *Allowed* column), and the
+  configuration as a whole against the cross-field rules at the end of this page, in
+  the same pass. A cross-field rule waits while a value it reads is invalid (mistyped,
+  missing or outside its own range), so one mistake is reported once; the last line
+  names those values.
 
 {files}
 
@@ -71,6 +76,13 @@ two attempts per request with a retry budget, and role control in advisory mode
 simulated fleet the demo runs.
 
 Fields ending in `_s` are durations in seconds.
+
+A relative file path (`ctl.socket`, `profiles.path`, the key and token files), written or
+left at its default, is taken from the folder of the configuration file, not from the
+working directory of whoever reads it: the daemon, a reload, `narwhalctl --config`,
+`narwhal-profile` and `narwhal-check` agree wherever they run, and `narwhal validate`
+prints the paths they use. A configuration without a file (one built in code) keeps them
+relative to the working directory.
 """
 
 

@@ -22,5 +22,6 @@ from ._server import (
     ControlServer as ControlServer,
     ControlSocketError as ControlSocketError,
     create_socket as create_socket,
+    inspect_path as inspect_path,
     prepare_path as prepare_path,
 )

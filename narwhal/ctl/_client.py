@@ -1,4 +1,11 @@
-"""A blocking client for the control socket (narwhalctl is a short-lived CLI)."""
+"""A blocking client for the control socket (narwhalctl is a short-lived CLI).
+
+Errors: `DaemonUnreachable` when nothing answers on the path, saying why and what that
+means for the daemon (`reason`): no such file (none listens there: down, or its
+ctl.socket is another path), not a socket, permission denied (the socket or its folder
+is the service user's: the daemon may well be running), connection refused on a socket
+(stale: the daemon is down). `CtlProtocolError` once connected.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,21 @@ import json
 import os
 import socket
 import stat
-from typing import Any
+from typing import Any, Literal
 
 from ._protocol import MAX_RESPONSE_BYTES, CtlRequest, encode
 
+Reason = Literal["missing", "not_a_socket", "permission_denied", "stale", "error"]
+
 
 class DaemonUnreachable(Exception):
-    """No daemon answers on the socket path (not running, stale socket, not a socket)."""
+    """No daemon answers on `path`; `reason` says why, the message what it means."""
+
+    def __init__(self, path: str, reason: Reason, message: str) -> None:
+        self.path = path
+        self.reason = reason
+        self.detail = message
+        super().__init__(f"{path}: {message}")
 
 
 class CtlProtocolError(Exception):
@@ -28,22 +43,33 @@ def call(path: str, request: CtlRequest, *, timeout_s: float) -> dict[str, Any]:
             sock.connect(path)
         except FileNotFoundError:
             raise DaemonUnreachable(
-                f"no control socket at {path}: narwhal is not running "
-                "(or ctl.socket points elsewhere)"
+                path,
+                "missing",
+                "no such file: no narwhal listens there (it is not running, or its "
+                "ctl.socket is another path)",
             ) from None
         except ConnectionRefusedError:
             if not _is_socket(path):
-                raise DaemonUnreachable(f"{path} is not a socket (check ctl.socket)") from None
+                raise DaemonUnreachable(
+                    path, "not_a_socket", "not a socket: ctl.socket names something else"
+                ) from None
             raise DaemonUnreachable(
-                f"nothing is listening on {path}: narwhal is not running (stale socket)"
+                path,
+                "stale",
+                "connection refused: a stale socket, nothing listens; narwhal is down "
+                "(killed or crashed: it removes its socket when it stops)",
             ) from None
         except PermissionError:
             raise DaemonUnreachable(
-                f"permission denied on {path}: run narwhalctl as the daemon's user"
+                path,
+                "permission_denied",
+                "permission denied: the socket is the service user's, and narwhal may well "
+                "be running; run narwhalctl as that user (sudo -u narwhal narwhalctl ..., "
+                "see docs/deploy-systemd.md)",
             ) from None
         except OSError as exc:
             reason = (exc.strerror or str(exc)).lower()
-            raise DaemonUnreachable(f"cannot connect to {path}: {reason}") from None
+            raise DaemonUnreachable(path, "error", f"cannot connect: {reason}") from None
         try:
             sock.sendall(encode(request.to_json()))
             raw = _read_line(sock)

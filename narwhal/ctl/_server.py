@@ -35,6 +35,7 @@ import socket
 import stat
 import struct
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import trio
 
@@ -82,11 +83,50 @@ def _oserror(path: str, what: str, exc: OSError) -> ControlSocketError:
     return _refuse(path, f"{what}: {reason}{where}")
 
 
-def prepare_path(path: str) -> None:
-    """Make `path` free for our socket, or raise ControlSocketError. Blocking."""
+PathState = Literal["absent", "stale", "live"]
+IN_USE = "is in use: another process (a running narwhal?) answers on it"
+
+
+def inspect_path(path: str) -> PathState:
+    """What is at `path`: nothing, a stale socket of ours (nobody answers on it), or a
+    socket a live process answers on (whoever owns it: root's `narwhal validate` asks
+    too, of the service user's socket). Anything else is a ControlSocketError. Reads
+    only; blocking."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        raise _oserror(path, "cannot be checked", exc) from None
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, "is a symbolic link")
+    if not stat.S_ISSOCK(info.st_mode):
+        raise _refuse(path, "exists and is not a socket")
+    ours = info.st_uid == os.geteuid()
+    foreign = f"is a socket owned by uid {info.st_uid}, not by us ({os.geteuid()})"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        if not ours:
+            raise _refuse(path, foreign) from None
+        return "stale"
+    except OSError as exc:
+        raise _refuse(
+            path, foreign if not ours else f"cannot be checked ({exc.strerror or exc})"
+        ) from None
+    finally:
+        probe.close()
+    return "live"
+
+
+def prepare_path(path: str) -> None:
+    """Make `path` free for our socket, or raise ControlSocketError. Blocking."""
+    state = inspect_path(path)
+    if state == "live":
+        raise _refuse(path, IN_USE)
+    if state == "absent":
         parent = os.path.dirname(path)
         if parent:
             try:
@@ -96,26 +136,6 @@ def prepare_path(path: str) -> None:
                 # OSError here would be reported as the HTTP listener's.
                 raise _oserror(path, "cannot be created", exc) from None
         return
-    except OSError as exc:
-        raise _oserror(path, "cannot be checked", exc) from None
-    if stat.S_ISLNK(info.st_mode):
-        raise _refuse(path, "is a symbolic link")
-    if not stat.S_ISSOCK(info.st_mode):
-        raise _refuse(path, "exists and is not a socket")
-    if info.st_uid != os.geteuid():
-        raise _refuse(path, f"is a socket owned by uid {info.st_uid}, not by us ({os.geteuid()})")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        pass  # stale: nobody is listening
-    except OSError as exc:
-        raise _refuse(path, f"cannot be checked ({exc.strerror or exc})") from None
-    else:
-        raise _refuse(path, "is in use: another process (a running narwhal?) answers on it")
-    finally:
-        probe.close()
     log.info(
         "replacing stale control socket %s",
         path,

@@ -17,6 +17,7 @@ from ._descriptors import (
     DescriptorBudget as DescriptorBudget,
     DescriptorLimitError as DescriptorLimitError,
     OpenFileLimit as OpenFileLimit,
+    capped_warning as capped_warning,
 )
 from ._server import serve_app as serve_app
 from ._state import state_document as state_document

@@ -201,30 +201,58 @@ class OpenFileLimit:
         self._get = get
         self._set = set
 
+    def plan(self, config: Config) -> DescriptorBudget:
+        """The budget for `config` under the limits in force, changing nothing (`narwhal
+        validate` asks this too). Raises DescriptorLimitError when the limit leaves no
+        room for the retained-request ceiling's connections."""
+        soft, hard = self._get()
+        budget = plan_descriptors(
+            configured=config.listen.max_open_connections,
+            reserve=descriptor_reserve(config),
+            soft=soft,
+            hard=hard,
+        )
+        check_budget(budget, ceiling=_ceiling(config))
+        return budget
+
     def fit(self, config: Config) -> DescriptorBudget:
         """The budget for `config`, with the soft limit raised to it. Raises
         DescriptorLimitError, having changed nothing, when the limit leaves no room for
         the retained-request ceiling's connections."""
-        soft, hard = self._get()
-        configured = config.listen.max_open_connections
-        reserve = descriptor_reserve(config)
-        ceiling = config.serving.max_connections + config.serving.queue_capacity
-        budget = plan_descriptors(configured=configured, reserve=reserve, soft=soft, hard=hard)
-        check_budget(budget, ceiling=ceiling)
+        budget = self.plan(config)
         if not budget.raised:
             return budget
         try:
-            self._set(budget.soft, hard)
+            self._set(budget.soft, budget.hard)
         except (OSError, ValueError) as exc:
             # Linux refuses a soft limit above fs.nr_open even under an unlimited hard
             # limit; serve within the soft limit found, and say why.
+            found = budget.previous_soft
             budget = attrs.evolve(
-                plan_descriptors(configured=configured, reserve=reserve, soft=soft, hard=soft),
-                hard=hard,
+                plan_descriptors(
+                    configured=budget.configured, reserve=budget.reserve, soft=found, hard=found
+                ),
+                hard=budget.hard,
                 note=f"raising the soft limit to {budget.soft} failed: {exc}",
             )
-            check_budget(budget, ceiling=ceiling)
+            check_budget(budget, ceiling=_ceiling(config))
         return budget
+
+
+def _ceiling(config: Config) -> int:
+    return config.serving.max_connections + config.serving.queue_capacity
+
+
+def capped_warning(budget: DescriptorBudget) -> str:
+    """What a budget with fewer client connections than configured (`capped`) costs,
+    and the fix: logged by the daemon, reported by `narwhal validate`."""
+    return (
+        f"listen.max_open_connections={budget.configured} does not fit the open-file limit "
+        f"(RLIMIT_NOFILE, hard {_text(budget.hard)}): with {budget.reserve} descriptors for "
+        f"engine pools, sockets and files, at most {budget.effective} client connections "
+        f"are kept open; raise the hard limit (LimitNOFILE= in the unit, ulimit -Hn) to "
+        f"{budget.needed} for all of them" + (f" ({budget.note})" if budget.note else "")
+    )
 
 
 def report(budget: DescriptorBudget, previous: DescriptorBudget | None) -> None:
@@ -254,16 +282,8 @@ def report(budget: DescriptorBudget, previous: DescriptorBudget | None) -> None:
         and (previous.effective, previous.configured) == (budget.effective, budget.configured)
     ):
         log.warning(
-            "listen.max_open_connections=%d does not fit the open-file limit "
-            "(RLIMIT_NOFILE, hard %s): with %d descriptors for engine pools, sockets and "
-            "files, at most %d client connections are kept open; raise the hard limit "
-            "(LimitNOFILE= in the unit, ulimit -Hn) to %d for all of them%s",
-            budget.configured,
-            _text(budget.hard),
-            budget.reserve,
-            budget.effective,
-            budget.needed,
-            f" ({budget.note})" if budget.note else "",
+            "%s",
+            capped_warning(budget),
             extra={**extra, "outcome": "capped", "needed": budget.needed},
         )
     elif was_capped and not budget.capped:

@@ -3,6 +3,7 @@
 from ._control import ProfilesUnavailable as ProfilesUnavailable
 from ._notify import Notifier as Notifier
 from ._operations import Operations as Operations
+from ._preflight import Finding as Finding, Preflight as Preflight, preflight as preflight
 from ._reload import ReloadResult as ReloadResult, apply_config as apply_config
 from ._supervisor import (
     CLEANUP_S as CLEANUP_S,

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -30,6 +31,7 @@ from ..profiles import (
     DecodeCorrection,
     FleetProfiles,
     PoorFit,
+    ProfileCheck,
     ProfileStore,
     load_profiles,
 )
@@ -113,11 +115,7 @@ async def load_fleet_profiles(
     check = await trio.to_thread.run_sync(load_profiles, path, config, abandon_on_cancel=True)
     # A profile measured on another build than the engine runs now is stale (README).
     check = await with_live_builds(check, config)
-    profiles = None
-    if check.usable:
-        profiles = FleetProfiles(
-            check, correction=DecodeCorrection.from_config(config.controller.reactive)
-        )
+    profiles = fleet_profiles(config, check)
     fits = tuple(profiles.poor_fits()) if profiles is not None else None
     found = ProfileFindings(path, check.store, check.messages, fits)
     news = found.since(previous)
@@ -173,6 +171,13 @@ async def load_fleet_profiles(
     return profiles, found
 
 
+def fleet_profiles(config: Config, check: ProfileCheck) -> FleetProfiles | None:
+    """What prices with the usable profiles of `check`; None when there is none."""
+    if not check.usable:
+        return None
+    return FleetProfiles(check, correction=DecodeCorrection.from_config(config.controller.reactive))
+
+
 async def recheck_profile_build(ctx: ServingContext, engine: EngineState) -> list[str]:
     """After `engine` restarted (and before it is back in placement): drop its profile
     if the engine now runs another build, as a start or a reload would have. An engine
@@ -221,13 +226,23 @@ def install_profiles(ctx: ServingContext, profiles: ProfileSource | None, config
 
 
 def require_profiles(config: Config, profiles: ProfileSource | None, problems: list[str]) -> None:
-    if config.serving.admission == "predictive" and profiles is None:
-        detail = "; ".join(problems) or "no engine has a usable profile"
-        raise ProfilesUnavailable(
-            f"serving.admission is predictive but profiles.path={config.profiles.path!r} "
-            f"gives no usable profile ({detail}); run narwhal-profile, or set "
-            "serving.admission to open"
-        )
+    refusal = profiles_refusal(config, usable=profiles is not None, problems=problems)
+    if refusal is not None:
+        raise ProfilesUnavailable(refusal)
+
+
+def profiles_refusal(config: Config, *, usable: bool, problems: Sequence[str]) -> str | None:
+    """Why the daemon cannot start with `config` when the profile store gives a usable
+    profile or none (`usable`), as loading it found (`problems`); None when it can.
+    `narwhal validate` asks this too."""
+    if config.serving.admission != "predictive" or usable:
+        return None
+    detail = "; ".join(problems) or "no engine has a usable profile"
+    return (
+        f"serving.admission is predictive but profiles.path={config.profiles.path!r} "
+        f"gives no usable profile ({detail}); run narwhal-profile, or set "
+        "serving.admission to open"
+    )
 
 
 class ControlLink:

@@ -15,6 +15,9 @@ when it is ready, so a failure stops startup before the daemon claims to be read
    reports started with the supervisor itself as the value (tests and the daemon read
    `url` and `admin_url`).
 
+Each reason startup stops (and each it starts degraded for) is decided by a function
+`narwhal validate` asks too, before the daemon runs (`_preflight`).
+
 Before any of them, the process's open-file limit is fitted to listen.max_open_connections
 (`serving._descriptors`: raised if it can be, the connection limit lowered if it cannot, and
 startup stopped if not even the retained requests' connections fit); a reload does the same
@@ -47,7 +50,16 @@ from prometheus_client import Counter
 
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
-from ..config import Config, ConfigError, ReloadPlan, diff, keep_running, load_config_file
+from ..config import (
+    Config,
+    ConfigError,
+    ReloadPlan,
+    config_folder,
+    diff,
+    keep_running,
+    load_config_file,
+    resolve_paths,
+)
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
 from ..profiles import FleetProfiles
@@ -106,7 +118,11 @@ class Supervisor:
         profiles: ProfileSource | None = None,
         open_files: OpenFileLimit | None = None,
     ) -> None:
-        self.config = config
+        # Relative paths as a reload of `config_path` will take them (from its folder):
+        # a config built in code must not see its paths "change" at the first reload.
+        self.config = (
+            config if config_path is None else resolve_paths(config, config_folder(config_path))
+        )
         self.config_path = config_path
         self.serve_ctl = serve_ctl
         self.notifier = notifier or Notifier(None)
@@ -273,10 +289,7 @@ class Supervisor:
                 self._serve_http, app, address.host, address.port, connections, stop, done
             )
         except OSError as exc:
-            raise ListenError(
-                f"cannot listen on {section}.host:{section}.port = {address.host}:"
-                f"{address.port}: {os_reason(exc)}"
-            ) from None
+            raise ListenError(listen_refusal(section, address.host, address.port, exc)) from None
         return bound
 
     async def _serve_http(
@@ -310,16 +323,14 @@ class Supervisor:
     @staticmethod
     def _warn_open_admin(config: Config) -> None:
         """One WARNING when the admin listener is off loopback and asks no token."""
-        admin = config.admin
-        if admin.host in _LOOPBACK or admin.bearer_token() is not None:
-            return
-        log.warning(
-            "the admin listener on %s:%d asks no token: whoever reaches it reads every "
-            "engine's url and the requests in flight; set admin.token_file",
-            admin.host,
-            admin.port,
-            extra={"event": "admin_open", "host": admin.host, "port": admin.port},
-        )
+        warning = open_admin_warning(config)
+        if warning is not None:
+            admin = config.admin
+            log.warning(
+                "%s",
+                warning,
+                extra={"event": "admin_open", "host": admin.host, "port": admin.port},
+            )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -624,6 +635,22 @@ class Supervisor:
             "notify": {"socket": self.notifier.address, "sent": self.notifier.sent[-5:]},
             "loop": ctx.loop_lag.state() if ctx is not None else None,
         }
+
+
+def listen_refusal(section: str, host: str, port: int, exc: OSError) -> str:
+    """Why the `section` listener ("listen", "admin") cannot have its address."""
+    return f"cannot listen on {section}.host:{section}.port = {host}:{port}: {os_reason(exc)}"
+
+
+def open_admin_warning(config: Config) -> str | None:
+    """The warning for an admin listener off loopback that asks no token, or None."""
+    admin = config.admin
+    if admin.host in _LOOPBACK or admin.bearer_token() is not None:
+        return None
+    return (
+        f"the admin listener on {admin.host}:{admin.port} asks no token: whoever reaches it "
+        "reads every engine's url and the requests in flight; set admin.token_file"
+    )
 
 
 def _url(address: tuple[str, int]) -> str:

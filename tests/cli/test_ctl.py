@@ -28,7 +28,7 @@ def test_a_positive_timeout_reaches_the_socket(capsys: pytest.CaptureFixture[str
     assert ctl.main(["--socket", "/nonexistent/ctl.sock", "--timeout", "0.5", "state"]) == (
         ctl.EXIT_UNREACHABLE
     )
-    assert "no control socket at /nonexistent/ctl.sock" in capsys.readouterr().err
+    assert "(--socket): /nonexistent/ctl.sock: no such file" in capsys.readouterr().err
 
 
 def test_json_output_says_the_daemon_is_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,7 +39,10 @@ def test_json_output_says_the_daemon_is_unreachable(capsys: pytest.CaptureFixtur
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False
     assert out["error"]["code"] == "daemon_unreachable"
-    assert "no control socket at /nonexistent/ctl.sock" in out["error"]["message"]
+    assert "/nonexistent/ctl.sock: no such file" in out["error"]["message"]
+    assert out["error"]["tried"] == [
+        {"path": "/nonexistent/ctl.sock", "source": "--socket", "reason": "missing"}
+    ]
 
 
 def test_config_is_read_for_its_control_socket_alone(
@@ -52,7 +55,7 @@ def test_config_is_read_for_its_control_socket_alone(
     socket = tmp_path / "ctl.sock"
     path.write_text(json.dumps({"serving": {"max_connections": 0}, "ctl": {"socket": str(socket)}}))
     assert ctl.main(["--config", str(path), "reload"]) == ctl.EXIT_UNREACHABLE
-    assert f"no control socket at {socket}" in capsys.readouterr().err
+    assert f"(ctl.socket of {path}): {socket}: no such file" in capsys.readouterr().err
     # ... but a control socket it cannot use is a usage error naming the field.
     path.write_text(json.dumps({"ctl": {"socket": ""}, "bogus": 1}))
     with pytest.raises(SystemExit) as exit_info:
@@ -61,6 +64,35 @@ def test_config_is_read_for_its_control_socket_alone(
     assert capsys.readouterr().err == (
         f'narwhalctl: cannot use --config {path}:\n  ctl.socket: "" must not be empty\n'
     )
+
+
+def test_the_socket_is_looked_for_where_the_operator_named_it_else_at_the_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "narwhal.json"
+    config.write_text(json.dumps({"ctl": {"socket": "ctl.sock"}}))
+    monkeypatch.chdir("/")
+
+    def tried(*argv: str, **environ: str) -> list[tuple[str, str]]:
+        return ctl.socket_candidates(ctl._parser().parse_args([*argv, "state"]), environ)
+
+    env = {"NARWHAL_CTL_SOCKET": "/e/ctl.sock", "NARWHAL_CONFIG": "/nonexistent.json"}
+    assert tried("--socket", "s.sock", **env) == [("/s.sock", "--socket")]
+    assert tried("--config", str(config), **env) == [
+        (f"{tmp_path}/ctl.sock", f"ctl.socket of {config}")
+    ]
+    assert tried(**env) == [("/e/ctl.sock", "$NARWHAL_CTL_SOCKET")]
+    assert tried(NARWHAL_CONFIG=str(config)) == [
+        (f"{tmp_path}/ctl.sock", f"ctl.socket of {config}")
+    ]
+    assert tried() == [
+        ("/run/narwhal/narwhal.sock", "the packaged default"),
+        ("/runs/narwhal.sock", "runs/narwhal.sock in the current directory"),
+    ]
+    # The packaged default is the example config's, which the systemd unit and the
+    # container image use.
+    packaged = json.loads((Path(__file__).parents[2] / "conf" / "narwhal.json").read_text())
+    assert packaged["ctl"]["socket"] == ctl.PACKAGED_SOCKET
 
 
 def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() -> None:

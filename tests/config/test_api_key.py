@@ -243,7 +243,7 @@ def test_narwhalctl_finds_the_socket_without_reading_the_key(tmp_path: pathlib.P
     doc["ctl"] = {"socket": str(tmp_path / "n.sock")}
     path.write_text(json.dumps(doc))
     args = ctl._parser().parse_args(["--config", str(path), "state"])
-    assert ctl._socket_path(args) == str(tmp_path / "n.sock")
+    assert ctl.socket_candidates(args) == [(str(tmp_path / "n.sock"), f"ctl.socket of {path}")]
     config = load_config_file(path, api_keys=False)
     assert [spec.api_key for spec in config.engines] == [None, None]
     with pytest.raises(ConfigError):

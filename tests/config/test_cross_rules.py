@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+import attrs
 import pytest
 
 from narwhal.config import load_config
+from narwhal.config._cross import CrossRule, cross_rules
 
 from .helpers import document, engine, fleet, problems, with_value
 
@@ -426,3 +429,58 @@ def test_engines_launched_with_explicit_kv_roles_are_not_counted_as_movable() ->
         "controller.min_prefill: 2 exceeds the 1 engine(s) with role 'prefill' or 'both' "
         "or that the controller can move there"
     ]
+
+
+class _Recorder:
+    """A section of a `Config` that records the field pattern of every value read
+    through it (properties are run on the recorder, so what they read counts too)."""
+
+    def __init__(self, node: object, path: str, seen: set[str]) -> None:
+        self._node, self._path, self._seen = node, path, seen
+
+    def __getattr__(self, name: str) -> Any:
+        static = inspect.getattr_static(self._node, name)
+        if isinstance(static, property) and static.fget is not None:
+            return static.fget(self)
+        value = getattr(self._node, name)
+        here = f"{self._path}.{name}" if self._path else name
+        if attrs.has(type(value)):
+            return _Recorder(value, here, self._seen)
+        if isinstance(value, tuple) and value and attrs.has(type(value[0])):
+            return tuple(_Recorder(item, f"{here}[]", self._seen) for item in value)
+        self._seen.add(here)
+        return value
+
+
+_SAMPLES = [
+    document(),
+    document(
+        engines=[
+            engine(0, "prefill", dialect="sglang", bootstrap_port=9000, prefill_concurrency=2),
+            engine(1, "decode", dialect="sglang", decode_concurrency=3),
+        ],
+        serving={
+            "queue_capacity": 8,
+            "queue_timeout_s": 1.0,
+            "prefill_concurrency": 4,
+            "decode_concurrency": 4,
+            "max_attempts": 2,
+            "handoff_timeout_s": 5.0,
+        },
+        admin={"token": "t0123456789"},
+    ),
+    document(
+        engines=[engine(0, "prefill", kv_role="kv_producer"), engine(1, "decode")],
+        controller={"advisory": True},
+    ),
+]
+
+
+@pytest.mark.parametrize("rule", cross_rules(), ids=lambda rule: rule.check.__name__)
+def test_every_rule_names_every_field_it_reads(rule: CrossRule) -> None:
+    # The loader skips a rule while a value it reads is invalid only if `reads` names it:
+    # a field left out would be judged at the default standing in for the file's value.
+    for sample in _SAMPLES:
+        seen: set[str] = set()
+        rule.check(_Recorder(load_config(sample), "", seen))  # type: ignore[arg-type]
+        assert seen <= set(rule.reads), sorted(seen - set(rule.reads))

@@ -152,6 +152,8 @@ def test_required_engine_keys() -> None:
     assert problems({"engines": [{"role": "prefill"}]}) == [
         "engines[0].id: required key is missing",
         "engines[0].url: required key is missing",
+        # In the same pass: one prefill engine cannot meet both floors.
+        "controller: min_prefill + min_decode = 2 exceeds the 1 configured engine(s)",
     ]
 
 
@@ -166,6 +168,7 @@ def test_source_names_the_whole_document() -> None:
         load_config([], source="conf/x.json")
     assert info.value.messages == ["conf/x.json: expected an object, got []"]
     assert info.value.source == "conf/x.json"
+    assert info.value.unchecked == []  # nothing of the file to check further
 
 
 def test_three_mistakes_give_exactly_three_path_named_messages() -> None:
@@ -212,11 +215,53 @@ def test_range_rules_still_run_beside_type_errors_in_broken_engines() -> None:
     ]
 
 
-def test_cross_rules_wait_for_a_well_typed_document() -> None:
+def test_a_cross_rule_waits_for_the_values_it_reads_to_be_valid() -> None:
     # shrink >= expand would be a cross-rule problem, but expand's type is wrong: the
     # default standing in for it must not produce a message about a value not in the file.
     doc = document(controller={"thresholds": {"expand": "1", "shrink": 2.0}})
-    assert problems(doc) == ['controller.thresholds.expand: expected a number, got "1"']
+    with pytest.raises(ConfigError) as info:
+        load_config(doc)
+    assert info.value.messages == ['controller.thresholds.expand: expected a number, got "1"']
+    assert info.value.unchecked == ["controller.thresholds.expand"]
+
+
+def test_cross_rules_run_beside_type_errors_on_the_repaired_document() -> None:
+    # They waited for a fully typed document: one mistyped value hid every cross-field
+    # problem until a second run.
+    doc = document(
+        serving={"request_timeout_s": "30", "retry_base_s": 2.0},
+        controller={"thresholds": {"shrink": 1.5}},
+        engines=[engine(0, "prefill"), engine(0, "decode")],
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(doc)
+    assert info.value.messages == [
+        'serving.request_timeout_s: expected a number, got "30"',
+        "engines[1].id: duplicate id 'e0'",
+        "engines[1].url: 'http://127.0.0.1:8100' is the same engine as engines[0].url",
+        "serving.retry_cap_s: 1.0 must be at least the base value serving.retry_base_s=2.0",
+        "controller.thresholds.shrink: 1.5 must be lower than controller.thresholds.expand=1.0",
+    ]
+    # The request deadline's own rule (the handoff cap below it) waits for it.
+    assert info.value.unchecked == ["serving.request_timeout_s"]
+
+
+def test_a_mistyped_engine_hides_only_the_rules_that_read_engines() -> None:
+    doc = document(engines=[7, engine(1, "decode")], admin={"port": 8000})
+    with pytest.raises(ConfigError) as info:
+        load_config(doc)
+    assert info.value.messages == [
+        "engines[0]: expected an object, got 7",
+        "admin.port: 8000 is listen.port too, on 127.0.0.1; the admin listener needs a "
+        "port of its own",
+    ]
+    assert "engines[]" in info.value.unchecked
+
+
+def test_an_unknown_key_hides_the_rules_that_read_the_key_it_was_meant_as() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(document(serving={"max_attempt": 3}))
+    assert info.value.unchecked == ["serving.max_attempts"]
 
 
 def test_the_input_document_is_not_modified() -> None:

@@ -101,9 +101,11 @@ async def launcher(directory: Path) -> AsyncIterator[Launch]:
         env: dict[str, str] | None = None,
         ready: bool = True,
         open_files: tuple[int, int | None] | None = None,
+        cwd: Path | None = None,
     ) -> Daemon:
         """`open_files`: the daemon's soft and hard RLIMIT_NOFILE (None: inherited),
-        set by a shell that then execs it, so this process's own is left alone."""
+        set by a shell that then execs it, so this process's own is left alone. `cwd`:
+        its working directory (None: this process's)."""
         sub = directory / f"d{len(started)}"
         sub.mkdir()
         document = {"ctl": {"socket": str(sub / "ctl.sock")}, **document}
@@ -128,6 +130,7 @@ async def launcher(directory: Path) -> AsyncIterator[Launch]:
                 stdout=log,
                 stderr=log,
                 env=environment,
+                cwd=cwd,
             )
         daemon = Daemon(process, sub, notify)
         started.append(daemon)
