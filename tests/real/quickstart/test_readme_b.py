@@ -67,11 +67,15 @@ def test_quick_start_b_serves_a_completion_through_a_real_vllm_pair(tmp_path: Pa
     assert process.returncode == 0, output[-LOG_TAIL:] + logs
 
     # The one curl: a completion of the pair, through Narwhal.
-    answer = next(json.loads(line) for line in output.splitlines() if line.startswith('{"id":'))
-    assert answer["model"] == "tiny-llama", answer
-    assert answer["usage"]["completion_tokens"] >= 1, answer
-    # `narwhalctl state`: both engines, in their roles, available.
-    state = json.loads(output[output.rindex('\n{\n  "') + 1 :])
-    roles = {e["id"]: (e["role"], e["available"]) for e in state["engines"]}
-    assert roles == {"p0": ("prefill", True), "d0": ("decode", True)}, roles
-    assert state["requests"]["in_flight"] == 0, state["requests"]
+    answers = [json.loads(line) for line in output.splitlines() if line.startswith('{"id":')]
+    assert len(answers) == 1, output[-LOG_TAIL:]
+    assert answers[0]["model"] == "tiny-llama", answers
+    assert answers[0]["usage"]["completion_tokens"] >= 1, answers
+    # `narwhalctl state`: both engines in their roles, available, nothing in flight.
+    table = output[output.rindex("\nENGINE ") + 1 :].splitlines()
+    rows = {line.split()[0]: line.split()[1:5] for line in table[1:3]}
+    assert rows == {
+        "p0": ["prefill", "yes", "closed/closed", "up"],
+        "d0": ["decode", "yes", "closed/closed", "up"],
+    }, "\n".join(table)
+    assert "degraded: no" in output, output[-LOG_TAIL:]
