@@ -10,4 +10,10 @@ from ._engine import (
     Role as Role,
     control_share as control_share,
 )
+from ._load import (
+    Claim as Claim,
+    EngineLoad as EngineLoad,
+    Generated as Generated,
+    LoadStatistics as LoadStatistics,
+)
 from ._model import model_refused as model_refused, names_model as names_model

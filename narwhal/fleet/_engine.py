@@ -17,6 +17,7 @@ import trio
 
 from ..config import Config, EngineSpec
 from ..engines import ConnectionPool, Dialect, dialect_for
+from ._load import EngineLoad
 
 Role = Literal["prefill", "decode", "both"]
 Phase = Literal["prefill", "decode", "aggregate"]
@@ -121,6 +122,21 @@ class _Watched(Generic[_V]):
             engine._changed()
 
 
+class _Counter:
+    """Transitional: an `EngineLoad` counter under its old `EngineState` name, until its
+    writers take claims instead."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, engine: EngineState, owner: type) -> int:
+        value: int = getattr(engine.load, self.slot)
+        return value
+
+    def __set__(self, engine: EngineState, value: int) -> None:
+        setattr(engine.load, self.slot, value)
+
+
 class EngineState:
     """One engine as the router sees it; created from config, mutated in place on reload."""
 
@@ -195,37 +211,15 @@ class EngineState:
         # Circuit breakers per phase, installed by recovery; absent means always closed.
         self.phase_gates: dict[str, PhaseGate] = {}
         # Load the router itself put on the engine.
-        self.prefill_inflight = 0
-        self.prefill_tokens_inflight = 0
-        # Every leg ever started here (any phase): a leg that sees it unchanged at its end
-        # ran without another leg starting beside it (latency residuals need that).
-        self.legs_started = 0
-        # Decode legs sent after their prefill and still waiting for a first token, by
-        # start time; insertion order is start order, so the first value is the oldest.
-        self._awaiting_first_token: dict[object, float] = {}
-        self.decode_active = 0
-        self.decode_tokens = 0
-        self.handoffs_pending = 0
-        # Placed but not started: prefills waiting for a slot, decodes whose prefill
-        # has not finished. Placement sees them as load; resident counts do not.
-        self.prefill_queued = 0
-        self.prefill_queued_tokens = 0
-        self.decode_pending = 0
-        self.decode_pending_tokens = 0
+        self.load = EngineLoad()
         # Generated tokens per streamed event, learnt from the engines' usage reports
         # (`observe_packing`): streamed legs grow resident KV by this much per event.
         self.tokens_per_event = 1.0
-        # Non-streaming decode legs running here (`unstreamed_decode`): count, sum of
-        # start times, sum of bounded max_tokens, count of unbounded ones.
-        self.unstreamed_legs = 0
-        self._unstreamed_since = 0.0
-        self._unstreamed_cap = 0
-        self._unstreamed_unbounded = 0
 
     def __repr__(self) -> str:
         return (
             f"<EngineState {self.id} {self.role} "
-            f"[prefill {self.prefill_inflight}, decode {self.decode_active}"
+            f"[prefill {self.load.prefill_inflight}, decode {self.load.decode_active}"
             f"{', drained' if self.drained else ''}]>"
         )
 
@@ -241,6 +235,31 @@ class EngineState:
     removed = _Watched[bool]()
     auth_refused = _Watched[str | None](onset_only=True)
     model_missing = _Watched[str | None](onset_only=True)
+
+    legs_started = _Counter()
+    prefill_queued = _Counter()
+    prefill_queued_tokens = _Counter()
+    prefill_inflight = _Counter()
+    prefill_tokens_inflight = _Counter()
+    handoffs_pending = _Counter()
+    decode_pending = _Counter()
+    decode_pending_tokens = _Counter()
+    decode_active = _Counter()
+    decode_tokens = _Counter()
+    unstreamed_legs = _Counter()
+
+    @contextlib.contextmanager
+    def first_token_watch(self, since: float) -> Iterator[Callable[[], None]]:
+        with self.load.awaiting_first_token(since) as claim:
+            yield claim.release
+
+    @contextlib.contextmanager
+    def unstreamed_decode(self, max_new_tokens: int | None, since: float) -> Iterator[None]:
+        with self.load.unstreamed_decode(max_new_tokens, since):
+            yield
+
+    def first_token_wait_s(self, now: float) -> float:
+        return self.load.first_token_wait_s(now)
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -282,9 +301,7 @@ class EngineState:
         """Requests that still need this engine: legs in flight or placed on it, KV
         handoffs waiting for their decode, and connections (a tokenize call holds one
         without a phase slot)."""
-        legs = self.prefill_inflight + self.decode_active + self.handoffs_pending
-        legs += self.decode_pending + self.prefill_queued
-        return max(legs, self.serving_pool.in_use)
+        return max(self.load.placed, self.serving_pool.in_use)
 
     @property
     def fixed_role(self) -> str | None:
@@ -319,43 +336,6 @@ class EngineState:
                 return reason
         return None
 
-    @contextlib.contextmanager
-    def first_token_watch(self, since: float) -> Iterator[Callable[[], None]]:
-        """Count a decode leg as waiting for its first token until the yielded callable
-        is called (the token came) or the leg ends."""
-        key = object()
-        self._awaiting_first_token[key] = since
-
-        def seen() -> None:
-            self._awaiting_first_token.pop(key, None)
-
-        try:
-            yield seen
-        finally:
-            seen()
-
-    @contextlib.contextmanager
-    def unstreamed_decode(self, max_new_tokens: int | None, since: float) -> Iterator[None]:
-        """Count a non-streaming decode leg while it runs: pricing estimates the KV it
-        generates from its age (`EngineView.unstreamed_age_s`), since no token is seen
-        until the whole body arrives."""
-        self.unstreamed_legs += 1
-        self._unstreamed_since += since
-        if max_new_tokens is None:
-            self._unstreamed_unbounded += 1
-        else:
-            self._unstreamed_cap += max_new_tokens
-        try:
-            yield
-        finally:
-            self.unstreamed_legs -= 1
-            # Reset rather than subtract at zero: float sums of clock values drift.
-            self._unstreamed_since = self._unstreamed_since - since if self.unstreamed_legs else 0.0
-            if max_new_tokens is None:
-                self._unstreamed_unbounded -= 1
-            else:
-                self._unstreamed_cap -= max_new_tokens
-
     def observe_packing(self, events: int, tokens: int) -> None:
         """A finished stream's token events and the generated tokens its engine reported.
 
@@ -369,31 +349,23 @@ class EngineState:
         ratio = min(PACKING_MAX, max(1.0, tokens / events))
         self.tokens_per_event += PACKING_ALPHA * (ratio - self.tokens_per_event)
 
-    def first_token_wait_s(self, now: float) -> float:
-        for since in self._awaiting_first_token.values():
-            return max(0.0, now - since)
-        return 0.0
-
     def view(self, now: float) -> EngineView:
+        load = self.load
         return EngineView(
             id=self.id,
             role=self._role,
             prefill_blocked=self.unavailable_reason(now, "prefill"),
             decode_blocked=self.unavailable_reason(now, "decode"),
-            prefill_inflight=self.prefill_inflight,
-            prefill_tokens_inflight=self.prefill_tokens_inflight + self.prefill_queued_tokens,
+            prefill_inflight=load.prefill_inflight,
+            prefill_tokens_inflight=load.prefill_tokens_inflight + load.prefill_queued_tokens,
             prefill_slots_free=self.prefill_limiter.available_tokens,
-            decode_active=self.decode_active + self.decode_pending,
-            decode_tokens=self.decode_tokens + self.decode_pending_tokens,
+            decode_active=load.decode_active + load.decode_pending,
+            decode_tokens=load.decode_tokens + load.decode_pending_tokens,
             decode_slots_free=self.decode_limiter.available_tokens,
-            handoffs_pending=self.handoffs_pending,
-            first_token_wait_s=self.first_token_wait_s(now),
-            unstreamed_age_s=(
-                max(0.0, self.unstreamed_legs * now - self._unstreamed_since)
-                if self.unstreamed_legs
-                else 0.0
-            ),
-            unstreamed_cap=math.inf if self._unstreamed_unbounded else float(self._unstreamed_cap),
+            handoffs_pending=load.handoffs_pending,
+            first_token_wait_s=load.first_token_wait_s(now),
+            unstreamed_age_s=load.unstreamed_age_s(now),
+            unstreamed_cap=load.unstreamed_cap,
         )
 
     async def aclose(self) -> None:

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from narwhal._errors import EngineFailed
-from narwhal.fleet import EngineState
+from narwhal.fleet import EngineLoad, EngineState
 from narwhal.fleet._engine import PACKING_MAX
 from narwhal.serving import DecodeGaps
 from narwhal.serving._flow import _GapLoad, _KvGrowth, _usage_report
@@ -161,6 +161,7 @@ async def test_a_decode_legs_gap_summary_is_per_token_with_the_load_it_ran_at(
 
 def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> None:
     engine = EngineState.__new__(EngineState)
+    engine.load = EngineLoad()
     engine.decode_active, engine.decode_tokens, engine.prefill_inflight = 2, 1000, 0
     load = _GapLoad()
     load.add(engine, 3)
@@ -198,6 +199,7 @@ def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_ga
     # Two reads at one clock reading give zero gaps: the controller's and a residual's
     # median keeps them, the correction's samples are the positive ones (its rule 1).
     engine = EngineState.__new__(EngineState)
+    engine.load = EngineLoad()
     engine.decode_active, engine.decode_tokens, engine.prefill_inflight = 1, 100, 0
     load = _GapLoad()
     load.add(engine, 5)
@@ -293,6 +295,7 @@ def test_packing_ratio_is_a_bounded_moving_average() -> None:
 
 def test_running_growth_never_passes_max_tokens() -> None:
     engine = EngineState.__new__(EngineState)
+    engine.load = EngineLoad()
     engine.tokens_per_event = 4.0
     engine.decode_tokens = 0
     growth = _KvGrowth(None, engine, cap=10)  # type: ignore[arg-type]  # no ctx until exit
