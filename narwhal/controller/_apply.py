@@ -21,6 +21,15 @@ import attrs
 from ._decide import Caller, Decision, Move, Reason, Split
 
 
+class DecodeLoad(Protocol):
+    """The members of `narwhal.fleet.EngineLoad` a role change reads."""
+
+    @property
+    def decode_active(self) -> int: ...
+    @property
+    def decode_pending(self) -> int: ...
+
+
 class RoleTarget(Protocol):
     """The members of `narwhal.fleet.EngineState` that a role change reads or writes."""
 
@@ -29,8 +38,9 @@ class RoleTarget(Protocol):
     pinned: bool
     drained: bool
     removed: bool
-    decode_active: int
-    decode_pending: int
+
+    @property
+    def load(self) -> DecodeLoad: ...
 
     @property
     def fixed_role(self) -> str | None: ...
@@ -117,7 +127,7 @@ def resident_streams(engine: RoleTarget) -> int:
     """The decode streams a role change leaves on the engine: the open ones and the legs
     placed on it whose prefill is still running or whose KV waits for a slot (manual 5:
     placed requests keep their engine, so they start here after a move to prefill)."""
-    return engine.decode_active + engine.decode_pending
+    return engine.load.decode_active + engine.load.decode_pending
 
 
 def flip_record(decision: Decision, *, resident_streams: int, applied: bool) -> FlipRecord:

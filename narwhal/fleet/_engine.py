@@ -7,7 +7,6 @@ stay pure functions of a snapshot and a clock value.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Generic, Literal, Protocol, TypeVar, overload
@@ -122,21 +121,6 @@ class _Watched(Generic[_V]):
             engine._changed()
 
 
-class _Counter:
-    """Transitional: an `EngineLoad` counter under its old `EngineState` name, until its
-    writers take claims instead."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_{name}"
-
-    def __get__(self, engine: EngineState, owner: type) -> int:
-        value: int = getattr(engine.load, self.slot)
-        return value
-
-    def __set__(self, engine: EngineState, value: int) -> None:
-        setattr(engine.load, self.slot, value)
-
-
 class EngineState:
     """One engine as the router sees it; created from config, mutated in place on reload."""
 
@@ -235,31 +219,6 @@ class EngineState:
     removed = _Watched[bool]()
     auth_refused = _Watched[str | None](onset_only=True)
     model_missing = _Watched[str | None](onset_only=True)
-
-    legs_started = _Counter()
-    prefill_queued = _Counter()
-    prefill_queued_tokens = _Counter()
-    prefill_inflight = _Counter()
-    prefill_tokens_inflight = _Counter()
-    handoffs_pending = _Counter()
-    decode_pending = _Counter()
-    decode_pending_tokens = _Counter()
-    decode_active = _Counter()
-    decode_tokens = _Counter()
-    unstreamed_legs = _Counter()
-
-    @contextlib.contextmanager
-    def first_token_watch(self, since: float) -> Iterator[Callable[[], None]]:
-        with self.load.awaiting_first_token(since) as claim:
-            yield claim.release
-
-    @contextlib.contextmanager
-    def unstreamed_decode(self, max_new_tokens: int | None, since: float) -> Iterator[None]:
-        with self.load.unstreamed_decode(max_new_tokens, since):
-            yield
-
-    def first_token_wait_s(self, now: float) -> float:
-        return self.load.first_token_wait_s(now)
 
     def _changed(self) -> None:
         if self._on_change is not None:

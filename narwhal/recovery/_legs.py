@@ -89,6 +89,7 @@ class LegAccounting:
             # Its duration is partly the router's.
             self.metrics.excused.labels(engine.id, "residual").inc()
             return
+        load = engine.load.statistics()
         record.pending.append(
             LegObservation(
                 engine_id=engine.id,
@@ -96,11 +97,11 @@ class LegAccounting:
                 duration_s=duration_s,
                 at=trio.current_time(),
                 prompt_tokens=prompt_tokens,
-                prefill_inflight=engine.prefill_inflight,
+                prefill_inflight=load.prefill_inflight,
                 contended=contended,
-                prefill_tokens_inflight=engine.prefill_tokens_inflight,
-                decode_active=engine.decode_active,
-                decode_tokens=engine.decode_tokens,
+                prefill_tokens_inflight=load.prefill_tokens_inflight,
+                decode_active=load.decode_active,
+                decode_tokens=load.decode_tokens,
                 gaps=gaps,
             )
         )

@@ -322,7 +322,7 @@ class Verification:
             candidates,
             key=lambda e: (
                 e.control_pool.statistics().in_use,
-                e.prefill_inflight + e.decode_active,
+                e.load.prefill_inflight + e.load.decode_active,
                 e.id,
             ),
         )

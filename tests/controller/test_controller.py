@@ -17,6 +17,7 @@ from narwhal.controller import Controller, Profile, prefill_work_s
 from narwhal.fleet import EngineState, Fleet
 from narwhal.metrics import Metrics
 
+from ..support import claims
 from .helpers import DECODE_URGENT, PREFILL_HEAVY, PROFILE, config
 
 
@@ -109,13 +110,10 @@ def test_flip_record_counts_decode_legs_placed_on_the_engine_before_the_move() -
     # whole prefill before the leg starts (`decode_pending`); after a move to prefill the
     # leg still starts there. d0 holds no stream but four such legs, d1 one stream.
     _, fleet, ctl = setup("PPDDDD")
-    get(fleet, "d0").decode_pending = 4
-    get(fleet, "d0").decode_pending_tokens = 1600
-    get(fleet, "d1").decode_active = 1
-    get(fleet, "d1").decode_tokens = 400
+    claims(get(fleet, "d0").load.decode_placed, 4, 1600)
+    claims(get(fleet, "d1").load.decode, 1, 400)
     for engine_id in ("d2", "d3"):
-        get(fleet, engine_id).decode_active = 6
-        get(fleet, engine_id).decode_tokens = 2400
+        claims(get(fleet, engine_id).load.decode, 6, 2400)
     offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
     d = ctl.step(200.0)
     assert d is not None
@@ -133,7 +131,7 @@ def test_flip_record_counts_decode_legs_placed_on_the_engine_before_the_move() -
 def test_advisory_record_counts_decode_legs_placed_on_the_engine() -> None:
     _, fleet, ctl = setup("PPDD", advisory=True)
     for engine_id in ("d0", "d1"):
-        get(fleet, engine_id).decode_pending = 2
+        claims(get(fleet, engine_id).load.decode_placed, 2)
     offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
     d = ctl.step(200.0)
     assert d is not None
@@ -145,8 +143,7 @@ def test_advisory_record_counts_decode_legs_placed_on_the_engine() -> None:
 
 def busy_decoders(fleet: Fleet, *engine_ids: str) -> None:
     for engine_id in engine_ids:
-        get(fleet, engine_id).decode_active = 3
-        get(fleet, engine_id).decode_tokens = 1200
+        claims(get(fleet, engine_id).load.decode, 3, 1200)
 
 
 def moves_of(ctl: Controller, engine_id: str, times: range) -> list[float]:
@@ -361,7 +358,7 @@ def test_ttft_breach_signal_allows_one_breach_step() -> None:
 
 def test_decode_intervals_feed_the_measured_decode_load() -> None:
     _, fleet, ctl = setup()
-    get(fleet, "d0").decode_active = 4
+    claims(get(fleet, "d0").load.decode, 4)
     ctl.observe_decode_interval("d0", 0.02)
     ctl.observe_decode_interval("d0", 0.04)  # mean 30 ms: load (0.03 - 0.01) / 0.04
     d = ctl.step(1.0)
@@ -377,9 +374,9 @@ def test_prefills_waiting_for_a_router_slot_are_measured_prefill_work() -> None:
     ctl = Controller(cfg, fleet, mean_profile=lambda: PROFILE, started_at=0.0)
     p0 = fleet.get("p0")
     assert p0 is not None
-    p0.prefill_inflight, p0.prefill_tokens_inflight = 1, 400
+    claims(p0.load.prefill, 1, 400)
     idle = ctl.snapshot(1.0)
-    p0.prefill_queued, p0.prefill_queued_tokens = 3, 1200
+    claims(p0.load.prefill_queue, 3, 1200)
     queued = ctl.snapshot(1.0)
     assert queued.engines[0].prefill_work_s == pytest.approx(prefill_work_s(PROFILE, 4, 1600))
     assert queued.prefill_pressure == pytest.approx(4 * idle.prefill_pressure)
@@ -454,8 +451,8 @@ def test_an_engines_own_max_num_seqs_bounds_its_decode_slots() -> None:
 def test_snapshots_count_the_kv_non_streaming_decode_legs_have_made() -> None:
     _, fleet, ctl = setup()
     d0 = get(fleet, "d0")
-    d0.decode_active, d0.decode_tokens = 1, 1_000
-    with d0.unstreamed_decode(10_000, since=0.0):
+    claims(d0.load.decode, 1, 1_000)
+    with d0.load.unstreamed_decode(10_000, since=0.0):
         snap = ctl.snapshot(10.0)
         step = PROFILE.decode.interval_s(1, 1_000)  # correction 1: nothing observed yet
         (seen,) = [e for e in snap.engines if e.id == "d0"]

@@ -1953,7 +1953,7 @@ async def test_a_decode_engine_is_judged_by_its_token_interval_at_its_load(
     # predicted at that load (15 ms), d0 would look seven times too slow.
     rig = await profiled(nursery, residual_config())
     d0, d1 = rig.engine("d0"), rig.engine("d1")
-    assert d0.decode_active == d1.decode_active == 0
+    assert d0.load.decode_active == d1.load.decode_active == 0
     for pass_number in range(3):
         rig.recovery.leg_ok(d0, "decode", 4.0, gaps=decode_gaps(0.11))
         rig.recovery.leg_ok(d1, "decode", 12.0, gaps=decode_gaps(0.33))
