@@ -35,9 +35,13 @@ class RoleTarget(Protocol):
 
     id: str
     role: Literal["prefill", "decode", "both"]
-    pinned: bool
-    drained: bool
-    removed: bool
+
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def drained(self) -> bool: ...
+    @property
+    def removed(self) -> bool: ...
 
     @property
     def load(self) -> DecodeLoad: ...

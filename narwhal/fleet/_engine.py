@@ -1,15 +1,33 @@
-"""The router's live view of each engine: pools, phase limiters, role, availability, load.
+"""Each engine as the router sees it, and the view of it placement reads.
 
-Everything here is bookkeeping that the request path and the supervisor mutate; the
-decisions (placement, admission, role control) read frozen snapshots of it, so they
-stay pure functions of a snapshot and a clock value.
+Owns
+  `EngineState`: an engine's pools, phase limiters, role, availability flags and what
+  it says of its context; its load is an `EngineLoad` ledger (`_load.py`). `EngineView`,
+  one engine at one instant. `Fleet`, the engines in config order.
+
+Invariants
+  Each availability flag has one owner and changes only through the methods named
+  after it: `operator_*` (narwhalctl), `reload_*` and `operator_intent_from` (a
+  reload), `note_*` (whichever request met a refused key or model, through
+  `key_refused` and `model_refused`) and `recovery_*`; everyone else reads a property.
+  Flags stay in force while the role changes (manual 5). A change that may leave a role
+  without an engine reaches the fleet's one watcher at once (`Fleet.watch`).
+  Decisions (placement, admission, role control) read frozen views of all this, so they
+  stay pure functions of a snapshot and a clock value.
+
+Errors
+  ValueError from `Fleet.add` (an id twice) and `Fleet.watch` (a second watcher).
+
+See
+  tests/fleet/test_owners.py (nothing outside narwhal/fleet stores a flag or a count),
+  tests/fleet/test_watch.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Generic, Literal, Protocol, TypeVar, overload
+from typing import Literal, Protocol
 
 import attrs
 import trio
@@ -89,38 +107,6 @@ PACKING_ALPHA = 0.2
 PACKING_MAX = 16.0
 
 
-_V = TypeVar("_V")
-
-
-class _Watched(Generic[_V]):
-    """An `EngineState` attribute (kept in `_NAME`) whose changes reach the fleet's
-    watcher (`EngineState._changed`): every change, or with `onset_only` only one from
-    None to a value (a refusal starting)."""
-
-    def __init__(self, *, onset_only: bool = False) -> None:
-        self.onset_only = onset_only
-        self.slot = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_{name}"
-
-    @overload
-    def __get__(self, engine: None, owner: type) -> _Watched[_V]: ...
-    @overload
-    def __get__(self, engine: EngineState, owner: type) -> _V: ...
-    def __get__(self, engine: EngineState | None, owner: type) -> _V | _Watched[_V]:
-        if engine is None:
-            return self
-        value: _V = getattr(engine, self.slot)
-        return value
-
-    def __set__(self, engine: EngineState, value: _V) -> None:
-        old = getattr(engine, self.slot)
-        setattr(engine, self.slot, value)
-        if (old is None and value is not None) if self.onset_only else old != value:
-            engine._changed()
-
-
 class EngineState:
     """One engine as the router sees it; created from config, mutated in place on reload."""
 
@@ -154,26 +140,18 @@ class EngineState:
         self._role: Role = spec.role
         self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
         self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
-        # Availability: each flag has one owner, and all of them stay in force while
-        # the role changes (manual 5).
-        self._removed = False  # reload dropped it from the config; resident work finishes
-        self._drained = False  # operator (narwhalctl drain)
-        # Why the engine refuses Narwhal's API key (HTTP 401/403), set by whichever request
-        # met the refusal (`key_refused`); cleared by recovery when the key is accepted
-        # again, or by a reload that changes the key.
+        # Availability, each flag behind its owner's methods (module docstring).
+        self._removed = False
+        self._drained = False
+        self._pinned = False
         self._auth_refused: str | None = None
-        # Refusals recorded so far (`key_refused`): a key check clears `auth_refused` only
-        # if none arrived while it was under way.
-        self.auth_refusals = 0
-        # Why the engine does not serve the configured engines[].model, set when it
-        # answered a leg 404 naming the model (`model_refused`); cleared by recovery when
-        # its /v1/models lists the model again (read at each good probe until then), or
-        # by a reload that changes the model.
+        self._auth_refusals = 0
         self._model_missing: str | None = None
-        # Refusals recorded so far: a /v1/models reading clears `model_missing` only if
-        # none arrived while it was under way.
-        self.model_refusals = 0
-        self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
+        self._model_refusals = 0
+        self._held_until = -math.inf
+        self._quarantined_until = -math.inf
+        self._ejected: str | None = None
+        self._unreachable: str | None = None
         # The context length the engine refuses requests beyond (`set_context`): read by
         # recovery at a good probe while `context_due` (the first one, and the first after
         # a failed probe or a restart), and from each vLLM /tokenize answer. None, with
@@ -186,12 +164,6 @@ class EngineState:
         # that read one; None until then, or when it does not say. The context check
         # applies the rule of that build (`narwhal.serving.context_rule`).
         self.version: str | None = None
-        self.held_until = -math.inf  # restart hold, set by recovery
-        self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
-        self.ejected: str | None = None  # health ejection reason, set by recovery
-        # A leg could not connect to the engine; set by recovery until a health probe
-        # sent after it answers.
-        self.unreachable: str | None = None
         # Circuit breakers per phase, installed by recovery; absent means always closed.
         self.phase_gates: dict[str, PhaseGate] = {}
         # Load the router itself put on the engine.
@@ -207,18 +179,167 @@ class EngineState:
             f"{', drained' if self.drained else ''}]>"
         )
 
-    # The flags recovery does not own, and the role, report their changes to the fleet's
+    # The role and the flags recovery does not own report their changes to the fleet's
     # watcher (`Fleet.watch`): the operator (drain, pin), a reload, the role controller
     # and the request path (a refused key or model) each change them in their own
     # place, and recovery must hear of every change that may leave a role without an
     # engine. Only changes that may do that, or that may make a waiting engine the last
     # of its role (an undrain, a role change), are reported: a refusal's clearing
     # returns an engine.
-    role = _Watched[Role]()
-    drained = _Watched[bool]()
-    removed = _Watched[bool]()
-    auth_refused = _Watched[str | None](onset_only=True)
-    model_missing = _Watched[str | None](onset_only=True)
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @role.setter
+    def role(self, role: Role) -> None:
+        if role != self._role:
+            self._role = role
+            self._changed()
+
+    # ------------------------------------------------------------ the operator's
+
+    @property
+    def drained(self) -> bool:
+        """narwhalctl drain: no new work; resident requests finish."""
+        return self._drained
+
+    @property
+    def pinned(self) -> bool:
+        """narwhalctl pin: the role controller leaves the engine's role alone."""
+        return self._pinned
+
+    def operator_drain(self) -> None:
+        self._set_drained(True)
+
+    def operator_undrain(self) -> None:
+        self._set_drained(False)
+
+    def operator_pin(self) -> None:
+        self._pinned = True
+
+    def operator_unpin(self) -> None:
+        self._pinned = False
+
+    def operator_intent_from(self, retired: EngineState) -> None:
+        """A reload replaced `retired` (same id, another url) with this engine: what the
+        operator set survives, drained or pinned, and a pinned role unless this
+        engine's role is fixed by how it was launched."""
+        self._set_drained(retired.drained)
+        self._pinned = retired.pinned
+        if retired.pinned and self.fixed_role is None:
+            self.role = retired.role
+
+    def _set_drained(self, drained: bool) -> None:
+        if drained != self._drained:
+            self._drained = drained
+            self._changed()
+
+    # ------------------------------------------------------------ a reload's
+
+    @property
+    def removed(self) -> bool:
+        """A reload dropped the engine from the config; resident work finishes."""
+        return self._removed
+
+    def reload_remove(self) -> None:
+        """Out of placement for good (`Fleet.retire`)."""
+        if not self._removed:
+            self._removed = True
+            self._changed()
+
+    # ------------------------------------------------------------ refusals
+
+    @property
+    def auth_refused(self) -> str | None:
+        """Why the engine refuses Narwhal's API key (HTTP 401/403): noted by whichever
+        request met the refusal (`key_refused`); cleared by recovery when the key is
+        accepted again, or by a reload that changes the key."""
+        return self._auth_refused
+
+    @property
+    def auth_refusals(self) -> int:
+        """Key refusals noted so far: a key check clears `auth_refused` only if none
+        arrived while it was under way."""
+        return self._auth_refusals
+
+    @property
+    def model_missing(self) -> str | None:
+        """Why the engine does not serve the configured engines[].model: noted when it
+        answered a leg 404 naming the model (`model_refused`); cleared by recovery when
+        its /v1/models lists the model again (read at each good probe until then), or by
+        a reload that changes the model."""
+        return self._model_missing
+
+    @property
+    def model_refusals(self) -> int:
+        """Model refusals noted so far: a /v1/models reading clears `model_missing` only
+        if none arrived while it was under way."""
+        return self._model_refusals
+
+    def note_key_refused(self, reason: str) -> None:
+        """Only `narwhal.fleet.key_refused` calls this, for any request that met it."""
+        onset = self._auth_refused is None
+        self._auth_refused = reason
+        self._auth_refusals += 1
+        if onset:
+            self._changed()
+
+    def note_model_missing(self, reason: str) -> None:
+        """Only `narwhal.fleet.model_refused` calls this, for any leg that met it."""
+        onset = self._model_missing is None
+        self._model_missing = reason
+        self._model_refusals += 1
+        if onset:
+            self._changed()
+
+    # ------------------------------------------------------------ recovery's
+
+    @property
+    def ejected(self) -> str | None:
+        """Why recovery's health verdict has the engine out (ejected or verifying)."""
+        return self._ejected
+
+    @property
+    def unreachable(self) -> str | None:
+        """A leg could not connect: out until a health probe sent after it answers."""
+        return self._unreachable
+
+    @property
+    def held_until(self) -> float:
+        """A restart hold: out until recovery's verification releases it."""
+        return self._held_until
+
+    @property
+    def quarantined_until(self) -> float:
+        """recovery.failure_quarantine_s after a counted failure."""
+        return self._quarantined_until
+
+    def recovery_eject(self, reason: str) -> None:
+        self._ejected = reason
+
+    def recovery_readmit(self) -> None:
+        self._ejected = None
+
+    def recovery_unreachable(self, reason: str) -> None:
+        self._unreachable = reason
+
+    def recovery_reachable(self) -> None:
+        self._unreachable = None
+
+    def recovery_hold(self) -> None:
+        self._held_until = math.inf
+
+    def recovery_release_hold(self) -> None:
+        self._held_until = -math.inf
+
+    def recovery_quarantine(self, until: float) -> None:
+        self._quarantined_until = until
+
+    def recovery_key_accepted(self) -> None:
+        self._auth_refused = None
+
+    def recovery_model_listed(self) -> None:
+        self._model_missing = None
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -230,9 +351,9 @@ class EngineState:
         # each reload would send the engine one more request it refuses (recovery's
         # /v1/models read and key check readmit it when it changes its mind).
         if spec.model != self.spec.model:
-            self.model_missing = None
+            self._model_missing = None
         if spec.api_key_text() != self.spec.api_key_text():
-            self.auth_refused = None
+            self._auth_refused = None
         self.spec = spec
         engine_cfg = config.engine
         self.serving_pool.resize(config.serving.max_connections)
@@ -280,13 +401,13 @@ class EngineState:
             return f"auth refused: {self._auth_refused}"
         if self._model_missing is not None:
             return f"model not served: {self._model_missing}"
-        if self.ejected is not None:
-            return f"ejected: {self.ejected}"
-        if self.unreachable is not None:
-            return f"unreachable: {self.unreachable}"
-        if now < self.held_until:
+        if self._ejected is not None:
+            return f"ejected: {self._ejected}"
+        if self._unreachable is not None:
+            return f"unreachable: {self._unreachable}"
+        if now < self._held_until:
             return "restart hold"
-        if now < self.quarantined_until:
+        if now < self._quarantined_until:
             return "quarantined"
         phases = ("prefill", "decode") if phase in (None, "aggregate") else (phase,)
         for name in phases:
@@ -400,7 +521,7 @@ class Fleet:
     def retire(self, engine_id: str) -> EngineState | None:
         engine = self._engines.pop(engine_id, None)
         if engine is not None:
-            engine.removed = True
+            engine.reload_remove()
             self.retiring.append(engine)
         return engine
 

@@ -156,7 +156,9 @@ class LegAccounting:
         record.wake.set()
         if engine.unreachable is not None:
             return
-        engine.unreachable = f"{phase} leg could not connect ({message}); until a probe answers"
+        engine.recovery_unreachable(
+            f"{phase} leg could not connect ({message}); until a probe answers"
+        )
         self.verdicts.changed(engine.id, "reachability", None, "reachable", "unreachable", message)
 
     def count(self, record: EngineRecovery, phase: str, message: str, code: str) -> None:
@@ -202,7 +204,7 @@ class LegAccounting:
                         f"recovery.failure_quarantine_s={quarantine_s}",
                     )
                 record.quarantine_active = True
-                engine.quarantined_until = until
+                engine.recovery_quarantine(until)
         record.wake.set()
 
     def residual_pass(self, now: float) -> dict[str, float]:

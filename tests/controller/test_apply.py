@@ -66,27 +66,27 @@ class OpenBreaker:
 
 
 def _pin(e: EngineState) -> None:
-    e.pinned = True
+    e.operator_pin()
 
 
 def _drain(e: EngineState) -> None:
-    e.drained = True
+    e.operator_drain()
 
 
 def _remove(e: EngineState) -> None:
-    e.removed = True
+    e.reload_remove()
 
 
 def _eject(e: EngineState) -> None:
-    e.ejected = "latency residual"
+    e.recovery_eject("latency residual")
 
 
 def _hold(e: EngineState) -> None:
-    e.held_until = NOW + 5.0
+    e.recovery_hold()
 
 
 def _quarantine(e: EngineState) -> None:
-    e.quarantined_until = NOW + 5.0
+    e.recovery_quarantine(NOW + 5.0)
 
 
 def _breaker(e: EngineState) -> None:

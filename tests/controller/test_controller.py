@@ -170,9 +170,10 @@ def test_dwell_holds_an_engine_an_operator_pin_moved_after_it_is_unpinned() -> N
     assert d is not None
     assert d.result == "hold"
     p0 = get(fleet, "p0")
-    p0.role, p0.pinned = "decode", True  # narwhalctl pin p0 decode
+    p0.role = "decode"  # narwhalctl pin p0 decode
+    p0.operator_pin()
     assert moves_of(ctl, "p0", range(185, 195, 5)) == []
-    p0.pinned = False  # narwhalctl unpin p0
+    p0.operator_unpin()  # narwhalctl unpin p0
     assert moves_of(ctl, "p0", range(195, 245, 5)) == []
     assert p0.role == "decode"
     snap = ctl.last_snapshot
@@ -197,18 +198,18 @@ def test_state_stops_reporting_a_floor_breach_at_the_pass_after_it_ends() -> Non
     # scheduled evaluation.
     _, fleet, ctl = setup("PPDD", step_s=30.0, min_decode=2)
     for engine_id in ("p0", "p1"):
-        get(fleet, engine_id).pinned = True
+        get(fleet, engine_id).operator_pin()
     offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
     d = ctl.step(100.0)
     assert d is not None
     assert d.move is None
     for engine_id in ("d0", "d1"):
-        get(fleet, engine_id).drained = True
+        get(fleet, engine_id).operator_drain()
     ctl.step(104.0)
     section = ctl.state_section()
     assert (section["caller"], section["result"]) == ("floor-recovery", "breach")
     for engine_id in ("d0", "d1"):
-        get(fleet, engine_id).drained = False
+        get(fleet, engine_id).operator_undrain()
     ctl.step(108.0)
     section = ctl.state_section()
     assert section["result"] != "breach"
@@ -226,7 +227,7 @@ def test_state_stops_reporting_a_floor_breach_at_the_pass_after_it_ends() -> Non
 
 def test_state_section_exposes_every_manual_field() -> None:
     _, fleet, ctl = setup()
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
     ctl.step(100.0)
     section = ctl.state_section()
@@ -265,7 +266,7 @@ def test_state_section_exposes_every_manual_field() -> None:
 
 def test_floor_recovery_is_recorded_in_flip_history() -> None:
     _, fleet, ctl = setup("PPPD")
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     d = ctl.step(1.0)
     assert d is not None
     assert d.caller == "floor-recovery"
@@ -293,7 +294,7 @@ def test_a_configured_split_below_a_floor_is_restored_from_the_first_pass() -> N
 
 def test_flip_history_limit_applies_to_recovery_and_ordinary_changes() -> None:
     _, fleet, ctl = setup("PPPPD", flip_history=2, min_decode=3, dwell_s=0.0)
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     for t in (1.0, 2.0, 3.0):
         ctl.step(t)
     assert ctl.history.total == 3
@@ -552,7 +553,7 @@ async def test_an_sglang_fleet_keeps_its_launch_roles_and_says_why(
 
 def test_floor_recovery_never_flips_an_sglang_engine() -> None:
     fleet, ctl = sglang_setup("PPPD")
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     d = ctl.step(1.0)
     assert d is not None
     assert (d.caller, d.result, d.reason, d.gate) == (
