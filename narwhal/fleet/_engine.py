@@ -107,6 +107,25 @@ PACKING_ALPHA = 0.2
 PACKING_MAX = 16.0
 
 
+class _Refusal:
+    """Why an engine refuses something every request needs, noted by whichever request
+    met it, and how many were noted: a check clears it only if none arrived while it
+    was under way."""
+
+    __slots__ = ("count", "reason")
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.count = 0
+
+    def note(self, reason: str) -> bool:
+        """True at the onset: a refusal where there was none."""
+        onset = self.reason is None
+        self.reason = reason
+        self.count += 1
+        return onset
+
+
 class EngineState:
     """One engine as the router sees it; created from config, mutated in place on reload."""
 
@@ -144,10 +163,8 @@ class EngineState:
         self._removed = False
         self._drained = False
         self._pinned = False
-        self._auth_refused: str | None = None
-        self._auth_refusals = 0
-        self._model_missing: str | None = None
-        self._model_refusals = 0
+        self._key_refusal = _Refusal()
+        self._model_refusal = _Refusal()
         self._held_until = -math.inf
         self._quarantined_until = -math.inf
         self._ejected: str | None = None
@@ -254,13 +271,13 @@ class EngineState:
         """Why the engine refuses Narwhal's API key (HTTP 401/403): noted by whichever
         request met the refusal (`key_refused`); cleared by recovery when the key is
         accepted again, or by a reload that changes the key."""
-        return self._auth_refused
+        return self._key_refusal.reason
 
     @property
     def auth_refusals(self) -> int:
         """Key refusals noted so far: a key check clears `auth_refused` only if none
         arrived while it was under way."""
-        return self._auth_refusals
+        return self._key_refusal.count
 
     @property
     def model_missing(self) -> str | None:
@@ -268,28 +285,22 @@ class EngineState:
         answered a leg 404 naming the model (`model_refused`); cleared by recovery when
         its /v1/models lists the model again (read at each good probe until then), or by
         a reload that changes the model."""
-        return self._model_missing
+        return self._model_refusal.reason
 
     @property
     def model_refusals(self) -> int:
         """Model refusals noted so far: a /v1/models reading clears `model_missing` only
         if none arrived while it was under way."""
-        return self._model_refusals
+        return self._model_refusal.count
 
     def note_key_refused(self, reason: str) -> None:
         """Only `narwhal.fleet.key_refused` calls this, for any request that met it."""
-        onset = self._auth_refused is None
-        self._auth_refused = reason
-        self._auth_refusals += 1
-        if onset:
+        if self._key_refusal.note(reason):
             self._changed()
 
     def note_model_missing(self, reason: str) -> None:
         """Only `narwhal.fleet.model_refused` calls this, for any leg that met it."""
-        onset = self._model_missing is None
-        self._model_missing = reason
-        self._model_refusals += 1
-        if onset:
+        if self._model_refusal.note(reason):
             self._changed()
 
     # ------------------------------------------------------------ recovery's
@@ -336,10 +347,10 @@ class EngineState:
         self._quarantined_until = until
 
     def recovery_key_accepted(self) -> None:
-        self._auth_refused = None
+        self._key_refusal.reason = None
 
     def recovery_model_listed(self) -> None:
-        self._model_missing = None
+        self._model_refusal.reason = None
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -351,9 +362,9 @@ class EngineState:
         # each reload would send the engine one more request it refuses (recovery's
         # /v1/models read and key check readmit it when it changes its mind).
         if spec.model != self.spec.model:
-            self._model_missing = None
+            self._model_refusal.reason = None
         if spec.api_key_text() != self.spec.api_key_text():
-            self._auth_refused = None
+            self._key_refusal.reason = None
         self.spec = spec
         engine_cfg = config.engine
         self.serving_pool.resize(config.serving.max_connections)
@@ -397,10 +408,10 @@ class EngineState:
             return "removed"
         if self._drained:
             return "drained"
-        if self._auth_refused is not None:
-            return f"auth refused: {self._auth_refused}"
-        if self._model_missing is not None:
-            return f"model not served: {self._model_missing}"
+        if (refused := self._key_refusal.reason) is not None:
+            return f"auth refused: {refused}"
+        if (missing := self._model_refusal.reason) is not None:
+            return f"model not served: {missing}"
         if self._ejected is not None:
             return f"ejected: {self._ejected}"
         if self._unreachable is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import TracebackType
+from typing import Self
 
 import attrs
 
@@ -73,7 +74,7 @@ class Claim:
         if undo is not None:
             undo()
 
-    def __enter__(self) -> Claim:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -82,56 +83,63 @@ class Claim:
         self.release()
 
 
-class Generated:
+class _Tally:
+    """Legs of one kind on an engine and the tokens they hold, each leg a `Claim`."""
+
+    __slots__ = ("legs", "tokens")
+
+    def __init__(self) -> None:
+        self.legs = 0
+        self.tokens = 0
+
+    def take(self, tokens: int) -> Claim:
+        self.legs += 1
+        self.tokens += tokens
+
+        def undo() -> None:
+            self.legs -= 1
+            self.tokens -= tokens
+
+        return Claim(undo)
+
+
+class Generated(Claim):
     """A running decode leg's generated tokens, counted into its engine's `decode_tokens`
     as they are seen and given back together on release; a released claim takes no more."""
 
-    __slots__ = ("_load", "held", "tokens")
+    __slots__ = ("_decode", "tokens")
 
-    def __init__(self, load: EngineLoad) -> None:
-        self._load = load
+    def __init__(self, decode: _Tally) -> None:
+        self._decode = decode
         self.tokens = 0
-        self.held = True
+
+        def undo() -> None:
+            decode.tokens -= self.tokens
+
+        super().__init__(undo)
 
     def add(self, tokens: int) -> None:
         if self.held:
             self.tokens += tokens
-            self._load._decode_tokens += tokens
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self._load._decode_tokens -= self.tokens
-
-    def __enter__(self) -> Generated:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
+            self._decode.tokens += tokens
 
 
 class EngineLoad:
     """The ledger of one engine's load, owned by its `EngineState` (`engine.load`).
 
     Placement sees placed work as load before it runs (queued prefills, pending
-    decodes); resident counts (`EngineState.resident_work`) see it too, so a retired
-    engine closes only once nothing placed on it can still start there.
+    decodes); `EngineState.resident_work` counts it too, so a retired engine closes only
+    once nothing placed on it can still start there.
     """
 
     __slots__ = (
         "_awaiting_first_token",
-        "_decode_active",
+        "_decode",
         "_decode_pending",
-        "_decode_pending_tokens",
-        "_decode_tokens",
-        "_handoffs_pending",
+        "_handoffs",
         "_legs_started",
-        "_prefill_inflight",
+        "_prefill",
         "_prefill_queued",
-        "_prefill_queued_tokens",
-        "_prefill_tokens_inflight",
         "_unstreamed_cap",
         "_unstreamed_legs",
         "_unstreamed_since",
@@ -140,15 +148,11 @@ class EngineLoad:
 
     def __init__(self) -> None:
         self._legs_started = 0
-        self._prefill_queued = 0
-        self._prefill_queued_tokens = 0
-        self._prefill_inflight = 0
-        self._prefill_tokens_inflight = 0
-        self._handoffs_pending = 0
-        self._decode_pending = 0
-        self._decode_pending_tokens = 0
-        self._decode_active = 0
-        self._decode_tokens = 0
+        self._prefill_queued = _Tally()
+        self._prefill = _Tally()
+        self._handoffs = _Tally()
+        self._decode_pending = _Tally()
+        self._decode = _Tally()
         # Decode legs sent after their prefill and still waiting for a first token, by
         # start time; insertion order is start order, so the first value is the oldest.
         self._awaiting_first_token: dict[object, float] = {}
@@ -160,12 +164,13 @@ class EngineLoad:
         self._unstreamed_unbounded = 0
 
     def __repr__(self) -> str:
+        prefill, queued = self._prefill, self._prefill_queued
+        decode, pending = self._decode, self._decode_pending
         text = (
-            f"<EngineLoad [prefill {self._prefill_inflight} ({self._prefill_tokens_inflight} "
-            f"tokens), {self._prefill_queued} queued ({self._prefill_queued_tokens} tokens)"
-            f" | decode {self._decode_active} ({self._decode_tokens} tokens), "
-            f"{self._decode_pending} pending ({self._decode_pending_tokens} tokens)"
-            f" | {self._handoffs_pending} handoffs | {self._legs_started} legs started"
+            f"<EngineLoad [prefill {prefill.legs} ({prefill.tokens} tokens), "
+            f"{queued.legs} queued ({queued.tokens} tokens) | decode {decode.legs} "
+            f"({decode.tokens} tokens), {pending.legs} pending ({pending.tokens} tokens)"
+            f" | {self._handoffs.legs} handoffs | {self._legs_started} legs started"
         )
         if self._unstreamed_legs:
             text += f" | {self._unstreamed_legs} unstreamed"
@@ -176,15 +181,15 @@ class EngineLoad:
     def statistics(self) -> LoadStatistics:
         return LoadStatistics(
             legs_started=self._legs_started,
-            prefill_queued=self._prefill_queued,
-            prefill_queued_tokens=self._prefill_queued_tokens,
-            prefill_inflight=self._prefill_inflight,
-            prefill_tokens_inflight=self._prefill_tokens_inflight,
-            handoffs_pending=self._handoffs_pending,
-            decode_pending=self._decode_pending,
-            decode_pending_tokens=self._decode_pending_tokens,
-            decode_active=self._decode_active,
-            decode_tokens=self._decode_tokens,
+            prefill_queued=self._prefill_queued.legs,
+            prefill_queued_tokens=self._prefill_queued.tokens,
+            prefill_inflight=self._prefill.legs,
+            prefill_tokens_inflight=self._prefill.tokens,
+            handoffs_pending=self._handoffs.legs,
+            decode_pending=self._decode_pending.legs,
+            decode_pending_tokens=self._decode_pending.tokens,
+            decode_active=self._decode.legs,
+            decode_tokens=self._decode.tokens,
             unstreamed_legs=self._unstreamed_legs,
             awaiting_first_token=len(self._awaiting_first_token),
         )
@@ -193,64 +198,31 @@ class EngineLoad:
 
     def prefill_queue(self, tokens: int) -> Claim:
         """A prefill of `tokens` placed here, waiting for a phase slot."""
-        self._prefill_queued += 1
-        self._prefill_queued_tokens += tokens
-
-        def undo() -> None:
-            self._prefill_queued -= 1
-            self._prefill_queued_tokens -= tokens
-
-        return Claim(undo)
+        return self._prefill_queued.take(tokens)
 
     def prefill(self, tokens: int) -> Claim:
         """A prefill leg of `tokens` started here and running."""
         self._legs_started += 1
-        self._prefill_inflight += 1
-        self._prefill_tokens_inflight += tokens
-
-        def undo() -> None:
-            self._prefill_inflight -= 1
-            self._prefill_tokens_inflight -= tokens
-
-        return Claim(undo)
+        return self._prefill.take(tokens)
 
     def handoff(self) -> Claim:
         """Prefilled KV held here for a decode leg not sent yet."""
-        self._handoffs_pending += 1
-
-        def undo() -> None:
-            self._handoffs_pending -= 1
-
-        return Claim(undo)
+        return self._handoffs.take(0)
 
     def decode_placed(self, tokens: int) -> Claim:
         """A decode of a `tokens` prompt placed here, a whole prefill before its leg
         starts. Without it, every request placed in that window would see the same
         decode load, and the tie-break would send them all to the same engine."""
-        self._decode_pending += 1
-        self._decode_pending_tokens += tokens
-
-        def undo() -> None:
-            self._decode_pending -= 1
-            self._decode_pending_tokens -= tokens
-
-        return Claim(undo)
+        return self._decode_pending.take(tokens)
 
     def decode(self, tokens: int) -> Claim:
         """A decode leg started here and running, its `tokens` prompt resident."""
         self._legs_started += 1
-        self._decode_active += 1
-        self._decode_tokens += tokens
-
-        def undo() -> None:
-            self._decode_active -= 1
-            self._decode_tokens -= tokens
-
-        return Claim(undo)
+        return self._decode.take(tokens)
 
     def generated(self) -> Generated:
         """The KV a running streamed decode leg generates, added as its tokens are seen."""
-        return Generated(self)
+        return Generated(self._decode)
 
     def awaiting_first_token(self, since: float) -> Claim:
         """A decode leg sent at `since` that has not had its first token: released when
@@ -297,39 +269,39 @@ class EngineLoad:
 
     @property
     def prefill_queued(self) -> int:
-        return self._prefill_queued
+        return self._prefill_queued.legs
 
     @property
     def prefill_queued_tokens(self) -> int:
-        return self._prefill_queued_tokens
+        return self._prefill_queued.tokens
 
     @property
     def prefill_inflight(self) -> int:
-        return self._prefill_inflight
+        return self._prefill.legs
 
     @property
     def prefill_tokens_inflight(self) -> int:
-        return self._prefill_tokens_inflight
+        return self._prefill.tokens
 
     @property
     def handoffs_pending(self) -> int:
-        return self._handoffs_pending
+        return self._handoffs.legs
 
     @property
     def decode_pending(self) -> int:
-        return self._decode_pending
+        return self._decode_pending.legs
 
     @property
     def decode_pending_tokens(self) -> int:
-        return self._decode_pending_tokens
+        return self._decode_pending.tokens
 
     @property
     def decode_active(self) -> int:
-        return self._decode_active
+        return self._decode.legs
 
     @property
     def decode_tokens(self) -> int:
-        return self._decode_tokens
+        return self._decode.tokens
 
     @property
     def unstreamed_legs(self) -> int:
@@ -339,11 +311,11 @@ class EngineLoad:
     def placed(self) -> int:
         """Legs and handoffs that still need the engine: running, placed or waiting."""
         return (
-            self._prefill_inflight
-            + self._decode_active
-            + self._handoffs_pending
-            + self._decode_pending
-            + self._prefill_queued
+            self._prefill.legs
+            + self._decode.legs
+            + self._handoffs.legs
+            + self._decode_pending.legs
+            + self._prefill_queued.legs
         )
 
     def first_token_wait_s(self, now: float) -> float:
