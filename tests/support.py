@@ -14,7 +14,7 @@ import h11
 import httpx
 import trio
 
-from narwhal.fleet import EngineState, EngineView
+from narwhal.fleet import Claim, EngineState, EngineView
 from narwhal.serving import DecodeGaps, OpenFileLimit, ServingContext
 from narwhal.sim import Fleet
 from narwhal.supervisor import Supervisor
@@ -231,6 +231,14 @@ def engine_view(engine_id: str, role: str, **fields: object) -> EngineView:
     }
     values.update(fields)
     return EngineView(**values)  # type: ignore[arg-type]
+
+
+def claims(take: Callable[[int], Claim], count: int, tokens: int = 0) -> list[Claim]:
+    """`count` claims on an engine's load ledger sharing `tokens` as evenly as whole
+    tokens allow, as `count` requests' legs would take them:
+    `claims(engine.load.decode, 3, 1200)` is three decode streams holding 1200 tokens."""
+    share, rest = divmod(tokens, count)
+    return [take(share + (i < rest)) for i in range(count)]
 
 
 class GapRecorder:

@@ -21,16 +21,30 @@ import attrs
 from ._decide import Caller, Decision, Move, Reason, Split
 
 
+class DecodeLoad(Protocol):
+    """The members of `narwhal.fleet.EngineLoad` a role change reads."""
+
+    @property
+    def decode_active(self) -> int: ...
+    @property
+    def decode_pending(self) -> int: ...
+
+
 class RoleTarget(Protocol):
     """The members of `narwhal.fleet.EngineState` that a role change reads or writes."""
 
     id: str
     role: Literal["prefill", "decode", "both"]
-    pinned: bool
-    drained: bool
-    removed: bool
-    decode_active: int
-    decode_pending: int
+
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def drained(self) -> bool: ...
+    @property
+    def removed(self) -> bool: ...
+
+    @property
+    def load(self) -> DecodeLoad: ...
 
     @property
     def fixed_role(self) -> str | None: ...
@@ -116,9 +130,9 @@ def apply_move(engine: RoleTarget, decision: Decision) -> FlipRecord:
 def resident_streams(engine: RoleTarget) -> int:
     """The decode streams a role change leaves on the engine: the open ones and the legs
     placed on it whose prefill is still running or whose KV waits for a slot
-    (docs/design.md#placement: placed requests keep their engine, so they start here after a move to
-    prefill)."""
-    return engine.decode_active + engine.decode_pending
+    (docs/design.md#placement: placed requests keep their engine, so they start here after a
+    move to prefill)."""
+    return engine.load.decode_active + engine.load.decode_pending
 
 
 def flip_record(decision: Decision, *, resident_streams: int, applied: bool) -> FlipRecord:

@@ -180,7 +180,8 @@ class Controller:
                 max(rx.decode_correction_min, self._decode_correction(engine.id)),
             )
             unseen = 0  # KV made by non-streaming decode legs, as admission estimates it
-            if engine.unstreamed_legs and profile is not None:
+            load = engine.load.statistics()
+            if load.unstreamed_legs and profile is not None:
                 view = engine.view(now)
                 unseen = round(unstreamed_tokens(view, profile.decode, correction))
             engines.append(
@@ -192,21 +193,21 @@ class Controller:
                     pinned=engine.pinned,
                     fixed_role=engine.fixed_role,
                     since_role_change_s=self.state.since_role_change(engine.id, now),
-                    decode_active=engine.decode_active,
-                    decode_tokens=engine.decode_tokens + unseen,
-                    decode_pending=engine.decode_pending,
-                    decode_pending_tokens=engine.decode_pending_tokens,
-                    prefill_inflight=engine.prefill_inflight,
-                    prefill_tokens_inflight=engine.prefill_tokens_inflight,
+                    decode_active=load.decode_active,
+                    decode_tokens=load.decode_tokens + unseen,
+                    decode_pending=load.decode_pending,
+                    decode_pending_tokens=load.decode_pending_tokens,
+                    prefill_inflight=load.prefill_inflight,
+                    prefill_tokens_inflight=load.prefill_tokens_inflight,
                     # Prefills waiting for one of the router's slots
                     # (serving.prefill_concurrency) are work the engine will do: without
                     # them a capped pool looked idle however long its queue.
                     prefill_work_s=prefill_work_s(
                         profile or mean,
-                        engine.prefill_inflight + engine.prefill_queued,
-                        engine.prefill_tokens_inflight + engine.prefill_queued_tokens,
+                        load.prefill_inflight + load.prefill_queued,
+                        load.prefill_tokens_inflight + load.prefill_queued_tokens,
                     ),
-                    handoffs_pending=engine.handoffs_pending,
+                    handoffs_pending=load.handoffs_pending,
                     profile=profile,
                     decode_interval_s=total / count if count else None,
                     decode_correction=correction,

@@ -54,6 +54,5 @@ def key_refused(engine: EngineState, status: int, message: str, config: Config) 
             config.recovery.health.interval_s,
             extra={"event": "engine_auth_refused", "engine": engine.id},
         )
-    engine.auth_refused = explain_refusal(status, sends_key=sends_key, fix=False)
-    engine.auth_refusals += 1
+    engine.note_key_refused(explain_refusal(status, sends_key=sends_key, fix=False))
     return why

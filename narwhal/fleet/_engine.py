@@ -1,22 +1,40 @@
-"""The router's live view of each engine: pools, phase limiters, role, availability, load.
+"""Each engine as the router sees it, and the view of it placement reads.
 
-Everything here is bookkeeping that the request path and the supervisor mutate; the
-decisions (placement, admission, role control) read frozen snapshots of it, so they
-stay pure functions of a snapshot and a clock value.
+Owns
+  `EngineState`: an engine's pools, phase limiters, role, availability flags and what
+  it says of its context; its load is an `EngineLoad` ledger (`_load.py`). `EngineView`,
+  one engine at one instant.
+
+Invariants
+  Each availability flag has one owner and changes only through the methods named
+  after it: `operator_*` (narwhalctl), `reload_*` and `operator_intent_from` (a
+  reload), `note_*` (whichever request met a refused key or model, through
+  `key_refused` and `model_refused`) and `recovery_*`; everyone else reads a property.
+  Flags stay in force while the role changes (docs/design.md#placement). A change that may
+  leave a role without an engine reaches the fleet's watcher at once (`Fleet.watch`).
+  Decisions (placement, admission, role control) read frozen views of all this, so they
+  stay pure functions of a snapshot and a clock value.
+
+Errors
+  None: this is bookkeeping.
+
+See
+  tests/fleet/test_owners.py (nothing outside narwhal/fleet stores a flag or a count),
+  tests/fleet/test_watch.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
-from typing import Generic, Literal, Protocol, TypeVar, overload
+from collections.abc import Callable
+from typing import Literal, Protocol
 
 import attrs
 import trio
 
 from ..config import Config, EngineSpec
 from ..engines import ConnectionPool, Dialect, dialect_for
+from ._load import EngineLoad
 
 Role = Literal["prefill", "decode", "both"]
 Phase = Literal["prefill", "decode", "aggregate"]
@@ -89,36 +107,23 @@ PACKING_ALPHA = 0.2
 PACKING_MAX = 16.0
 
 
-_V = TypeVar("_V")
+class _Refusal:
+    """Why an engine refuses something every request needs, noted by whichever request
+    met it, and how many were noted: a check clears it only if none arrived while it
+    was under way."""
 
+    __slots__ = ("count", "reason")
 
-class _Watched(Generic[_V]):
-    """An `EngineState` attribute (kept in `_NAME`) whose changes reach the fleet's
-    watcher (`EngineState._changed`): every change, or with `onset_only` only one from
-    None to a value (a refusal starting)."""
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.count = 0
 
-    def __init__(self, *, onset_only: bool = False) -> None:
-        self.onset_only = onset_only
-        self.slot = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_{name}"
-
-    @overload
-    def __get__(self, engine: None, owner: type) -> _Watched[_V]: ...
-    @overload
-    def __get__(self, engine: EngineState, owner: type) -> _V: ...
-    def __get__(self, engine: EngineState | None, owner: type) -> _V | _Watched[_V]:
-        if engine is None:
-            return self
-        value: _V = getattr(engine, self.slot)
-        return value
-
-    def __set__(self, engine: EngineState, value: _V) -> None:
-        old = getattr(engine, self.slot)
-        setattr(engine, self.slot, value)
-        if (old is None and value is not None) if self.onset_only else old != value:
-            engine._changed()
+    def note(self, reason: str) -> bool:
+        """True at the onset: a refusal where there was none."""
+        onset = self.reason is None
+        self.reason = reason
+        self.count += 1
+        return onset
 
 
 class EngineState:
@@ -154,26 +159,16 @@ class EngineState:
         self._role: Role = spec.role
         self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
         self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
-        # Availability: each flag has one owner, and all of them stay in force while
-        # the role changes (docs/design.md#placement).
-        self._removed = False  # reload dropped it from the config; resident work finishes
-        self._drained = False  # operator (narwhalctl drain)
-        # Why the engine refuses Narwhal's API key (HTTP 401/403), set by whichever request
-        # met the refusal (`key_refused`); cleared by recovery when the key is accepted
-        # again, or by a reload that changes the key.
-        self._auth_refused: str | None = None
-        # Refusals recorded so far (`key_refused`): a key check clears `auth_refused` only
-        # if none arrived while it was under way.
-        self.auth_refusals = 0
-        # Why the engine does not serve the configured engines[].model, set when it
-        # answered a leg 404 naming the model (`model_refused`); cleared by recovery when
-        # its /v1/models lists the model again (read at each good probe until then), or
-        # by a reload that changes the model.
-        self._model_missing: str | None = None
-        # Refusals recorded so far: a /v1/models reading clears `model_missing` only if
-        # none arrived while it was under way.
-        self.model_refusals = 0
-        self.pinned = False  # operator (narwhalctl pin): the controller leaves it alone
+        # Availability, each flag behind its owner's methods (module docstring).
+        self._removed = False
+        self._drained = False
+        self._pinned = False
+        self._key_refusal = _Refusal()
+        self._model_refusal = _Refusal()
+        self._held_until = -math.inf
+        self._quarantined_until = -math.inf
+        self._ejected: str | None = None
+        self._unreachable: str | None = None
         # The context length the engine refuses requests beyond (`set_context`): read by
         # recovery at a good probe while `context_due` (the first one, and the first after
         # a failed probe or a restart), and from each vLLM /tokenize answer. None, with
@@ -186,61 +181,176 @@ class EngineState:
         # that read one; None until then, or when it does not say. The context check
         # applies the rule of that build (`narwhal.serving.context_rule`).
         self.version: str | None = None
-        self.held_until = -math.inf  # restart hold, set by recovery
-        self.quarantined_until = -math.inf  # recovery.failure_quarantine_s after a failure
-        self.ejected: str | None = None  # health ejection reason, set by recovery
-        # A leg could not connect to the engine; set by recovery until a health probe
-        # sent after it answers.
-        self.unreachable: str | None = None
         # Circuit breakers per phase, installed by recovery; absent means always closed.
         self.phase_gates: dict[str, PhaseGate] = {}
         # Load the router itself put on the engine.
-        self.prefill_inflight = 0
-        self.prefill_tokens_inflight = 0
-        # Every leg ever started here (any phase): a leg that sees it unchanged at its end
-        # ran without another leg starting beside it (latency residuals need that).
-        self.legs_started = 0
-        # Decode legs sent after their prefill and still waiting for a first token, by
-        # start time; insertion order is start order, so the first value is the oldest.
-        self._awaiting_first_token: dict[object, float] = {}
-        self.decode_active = 0
-        self.decode_tokens = 0
-        self.handoffs_pending = 0
-        # Placed but not started: prefills waiting for a slot, decodes whose prefill
-        # has not finished. Placement sees them as load; resident counts do not.
-        self.prefill_queued = 0
-        self.prefill_queued_tokens = 0
-        self.decode_pending = 0
-        self.decode_pending_tokens = 0
+        self.load = EngineLoad()
         # Generated tokens per streamed event, learnt from the engines' usage reports
         # (`observe_packing`): streamed legs grow resident KV by this much per event.
         self.tokens_per_event = 1.0
-        # Non-streaming decode legs running here (`unstreamed_decode`): count, sum of
-        # start times, sum of bounded max_tokens, count of unbounded ones.
-        self.unstreamed_legs = 0
-        self._unstreamed_since = 0.0
-        self._unstreamed_cap = 0
-        self._unstreamed_unbounded = 0
 
     def __repr__(self) -> str:
         return (
             f"<EngineState {self.id} {self.role} "
-            f"[prefill {self.prefill_inflight}, decode {self.decode_active}"
+            f"[prefill {self.load.prefill_inflight}, decode {self.load.decode_active}"
             f"{', drained' if self.drained else ''}]>"
         )
 
-    # The flags recovery does not own, and the role, report their changes to the fleet's
+    # The role and the flags recovery does not own report their changes to the fleet's
     # watcher (`Fleet.watch`): the operator (drain, pin), a reload, the role controller
     # and the request path (a refused key or model) each change them in their own
     # place, and recovery must hear of every change that may leave a role without an
     # engine. Only changes that may do that, or that may make a waiting engine the last
     # of its role (an undrain, a role change), are reported: a refusal's clearing
     # returns an engine.
-    role = _Watched[Role]()
-    drained = _Watched[bool]()
-    removed = _Watched[bool]()
-    auth_refused = _Watched[str | None](onset_only=True)
-    model_missing = _Watched[str | None](onset_only=True)
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @role.setter
+    def role(self, role: Role) -> None:
+        if role != self._role:
+            self._role = role
+            self._changed()
+
+    # ------------------------------------------------------------ the operator's
+
+    @property
+    def drained(self) -> bool:
+        """narwhalctl drain: no new work; resident requests finish."""
+        return self._drained
+
+    @property
+    def pinned(self) -> bool:
+        """narwhalctl pin: the role controller leaves the engine's role alone."""
+        return self._pinned
+
+    def operator_drain(self) -> None:
+        self._set_drained(True)
+
+    def operator_undrain(self) -> None:
+        self._set_drained(False)
+
+    def operator_pin(self) -> None:
+        self._pinned = True
+
+    def operator_unpin(self) -> None:
+        self._pinned = False
+
+    def operator_intent_from(self, retired: EngineState) -> None:
+        """A reload replaced `retired` (same id, another url) with this engine: what the
+        operator set survives, drained or pinned, and a pinned role unless this
+        engine's role is fixed by how it was launched."""
+        self._set_drained(retired.drained)
+        self._pinned = retired.pinned
+        if retired.pinned and self.fixed_role is None:
+            self.role = retired.role
+
+    def _set_drained(self, drained: bool) -> None:
+        if drained != self._drained:
+            self._drained = drained
+            self._changed()
+
+    # ------------------------------------------------------------ a reload's
+
+    @property
+    def removed(self) -> bool:
+        """A reload dropped the engine from the config; resident work finishes."""
+        return self._removed
+
+    def reload_remove(self) -> None:
+        """Out of placement for good (`Fleet.retire`)."""
+        if not self._removed:
+            self._removed = True
+            self._changed()
+
+    # ------------------------------------------------------------ refusals
+
+    @property
+    def auth_refused(self) -> str | None:
+        """Why the engine refuses Narwhal's API key (HTTP 401/403): noted by whichever
+        request met the refusal (`key_refused`); cleared by recovery when the key is
+        accepted again, or by a reload that changes the key."""
+        return self._key_refusal.reason
+
+    @property
+    def auth_refusals(self) -> int:
+        """Key refusals noted so far: a key check clears `auth_refused` only if none
+        arrived while it was under way."""
+        return self._key_refusal.count
+
+    @property
+    def model_missing(self) -> str | None:
+        """Why the engine does not serve the configured engines[].model: noted when it
+        answered a leg 404 naming the model (`model_refused`); cleared by recovery when
+        its /v1/models lists the model again (read at each good probe until then), or by
+        a reload that changes the model."""
+        return self._model_refusal.reason
+
+    @property
+    def model_refusals(self) -> int:
+        """Model refusals noted so far: a /v1/models reading clears `model_missing` only
+        if none arrived while it was under way."""
+        return self._model_refusal.count
+
+    def note_key_refused(self, reason: str) -> None:
+        """Only `narwhal.fleet.key_refused` calls this, for any request that met it."""
+        if self._key_refusal.note(reason):
+            self._changed()
+
+    def note_model_missing(self, reason: str) -> None:
+        """Only `narwhal.fleet.model_refused` calls this, for any leg that met it."""
+        if self._model_refusal.note(reason):
+            self._changed()
+
+    # ------------------------------------------------------------ recovery's
+
+    @property
+    def ejected(self) -> str | None:
+        """Why recovery's health verdict has the engine out (ejected or verifying)."""
+        return self._ejected
+
+    @property
+    def unreachable(self) -> str | None:
+        """A leg could not connect: out until a health probe sent after it answers."""
+        return self._unreachable
+
+    @property
+    def held_until(self) -> float:
+        """A restart hold: out until recovery's verification releases it."""
+        return self._held_until
+
+    @property
+    def quarantined_until(self) -> float:
+        """recovery.failure_quarantine_s after a counted failure."""
+        return self._quarantined_until
+
+    def recovery_eject(self, reason: str) -> None:
+        self._ejected = reason
+
+    def recovery_readmit(self) -> None:
+        self._ejected = None
+
+    def recovery_unreachable(self, reason: str) -> None:
+        self._unreachable = reason
+
+    def recovery_reachable(self) -> None:
+        self._unreachable = None
+
+    def recovery_hold(self) -> None:
+        self._held_until = math.inf
+
+    def recovery_release_hold(self) -> None:
+        self._held_until = -math.inf
+
+    def recovery_quarantine(self, until: float) -> None:
+        self._quarantined_until = until
+
+    def recovery_key_accepted(self) -> None:
+        self._key_refusal.reason = None
+
+    def recovery_model_listed(self) -> None:
+        self._model_refusal.reason = None
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -252,9 +362,9 @@ class EngineState:
         # each reload would send the engine one more request it refuses (recovery's
         # /v1/models read and key check readmit it when it changes its mind).
         if spec.model != self.spec.model:
-            self.model_missing = None
+            self._model_refusal.reason = None
         if spec.api_key_text() != self.spec.api_key_text():
-            self.auth_refused = None
+            self._key_refusal.reason = None
         self.spec = spec
         engine_cfg = config.engine
         self.serving_pool.resize(config.serving.max_connections)
@@ -282,9 +392,7 @@ class EngineState:
         """Requests that still need this engine: legs in flight or placed on it, KV
         handoffs waiting for their decode, and connections (a tokenize call holds one
         without a phase slot)."""
-        legs = self.prefill_inflight + self.decode_active + self.handoffs_pending
-        legs += self.decode_pending + self.prefill_queued
-        return max(legs, self.serving_pool.in_use)
+        return max(self.load.placed, self.serving_pool.in_use)
 
     @property
     def fixed_role(self) -> str | None:
@@ -300,17 +408,17 @@ class EngineState:
             return "removed"
         if self._drained:
             return "drained"
-        if self._auth_refused is not None:
-            return f"auth refused: {self._auth_refused}"
-        if self._model_missing is not None:
-            return f"model not served: {self._model_missing}"
-        if self.ejected is not None:
-            return f"ejected: {self.ejected}"
-        if self.unreachable is not None:
-            return f"unreachable: {self.unreachable}"
-        if now < self.held_until:
+        if (refused := self._key_refusal.reason) is not None:
+            return f"auth refused: {refused}"
+        if (missing := self._model_refusal.reason) is not None:
+            return f"model not served: {missing}"
+        if self._ejected is not None:
+            return f"ejected: {self._ejected}"
+        if self._unreachable is not None:
+            return f"unreachable: {self._unreachable}"
+        if now < self._held_until:
             return "restart hold"
-        if now < self.quarantined_until:
+        if now < self._quarantined_until:
             return "quarantined"
         phases = ("prefill", "decode") if phase in (None, "aggregate") else (phase,)
         for name in phases:
@@ -318,43 +426,6 @@ class EngineState:
             if gate is not None and (reason := gate.blocked(now)) is not None:
                 return reason
         return None
-
-    @contextlib.contextmanager
-    def first_token_watch(self, since: float) -> Iterator[Callable[[], None]]:
-        """Count a decode leg as waiting for its first token until the yielded callable
-        is called (the token came) or the leg ends."""
-        key = object()
-        self._awaiting_first_token[key] = since
-
-        def seen() -> None:
-            self._awaiting_first_token.pop(key, None)
-
-        try:
-            yield seen
-        finally:
-            seen()
-
-    @contextlib.contextmanager
-    def unstreamed_decode(self, max_new_tokens: int | None, since: float) -> Iterator[None]:
-        """Count a non-streaming decode leg while it runs: pricing estimates the KV it
-        generates from its age (`EngineView.unstreamed_age_s`), since no token is seen
-        until the whole body arrives."""
-        self.unstreamed_legs += 1
-        self._unstreamed_since += since
-        if max_new_tokens is None:
-            self._unstreamed_unbounded += 1
-        else:
-            self._unstreamed_cap += max_new_tokens
-        try:
-            yield
-        finally:
-            self.unstreamed_legs -= 1
-            # Reset rather than subtract at zero: float sums of clock values drift.
-            self._unstreamed_since = self._unstreamed_since - since if self.unstreamed_legs else 0.0
-            if max_new_tokens is None:
-                self._unstreamed_unbounded -= 1
-            else:
-                self._unstreamed_cap -= max_new_tokens
 
     def observe_packing(self, events: int, tokens: int) -> None:
         """A finished stream's token events and the generated tokens its engine reported.
@@ -369,31 +440,23 @@ class EngineState:
         ratio = min(PACKING_MAX, max(1.0, tokens / events))
         self.tokens_per_event += PACKING_ALPHA * (ratio - self.tokens_per_event)
 
-    def first_token_wait_s(self, now: float) -> float:
-        for since in self._awaiting_first_token.values():
-            return max(0.0, now - since)
-        return 0.0
-
     def view(self, now: float) -> EngineView:
+        load = self.load
         return EngineView(
             id=self.id,
             role=self._role,
             prefill_blocked=self.unavailable_reason(now, "prefill"),
             decode_blocked=self.unavailable_reason(now, "decode"),
-            prefill_inflight=self.prefill_inflight,
-            prefill_tokens_inflight=self.prefill_tokens_inflight + self.prefill_queued_tokens,
+            prefill_inflight=load.prefill_inflight,
+            prefill_tokens_inflight=load.prefill_tokens_inflight + load.prefill_queued_tokens,
             prefill_slots_free=self.prefill_limiter.available_tokens,
-            decode_active=self.decode_active + self.decode_pending,
-            decode_tokens=self.decode_tokens + self.decode_pending_tokens,
+            decode_active=load.decode_active + load.decode_pending,
+            decode_tokens=load.decode_tokens + load.decode_pending_tokens,
             decode_slots_free=self.decode_limiter.available_tokens,
-            handoffs_pending=self.handoffs_pending,
-            first_token_wait_s=self.first_token_wait_s(now),
-            unstreamed_age_s=(
-                max(0.0, self.unstreamed_legs * now - self._unstreamed_since)
-                if self.unstreamed_legs
-                else 0.0
-            ),
-            unstreamed_cap=math.inf if self._unstreamed_unbounded else float(self._unstreamed_cap),
+            handoffs_pending=load.handoffs_pending,
+            first_token_wait_s=load.first_token_wait_s(now),
+            unstreamed_age_s=load.unstreamed_age_s(now),
+            unstreamed_cap=load.unstreamed_cap,
         )
 
     async def aclose(self) -> None:
@@ -414,77 +477,3 @@ def control_share(config: Config) -> int:
     engine, min 4)."""
     total = config.engine.control_pool_size(len(config.engines))
     return max(1, math.ceil(total / max(1, len(config.engines))))
-
-
-class Fleet:
-    """The engines in config order; lookups by id.
-
-    A reload adds engines with `add` and takes them out with `retire`: a retired engine
-    is marked `removed`, leaves placement at once and waits in `retiring` until its
-    resident requests are done and its pools are closed (`forget`).
-    """
-
-    def __init__(self, config: Config) -> None:
-        self._engines: dict[str, EngineState] = {}
-        self.retiring: list[EngineState] = []
-        self._watcher: Callable[[EngineState], None] | None = None
-        for spec in config.engines:
-            self.add(EngineState(spec, config))
-
-    def watch(self, watcher: Callable[[EngineState], None]) -> None:
-        """Call `watcher(engine)` whenever an engine of the fleet (a retiring one
-        included) changes role or is drained, undrained, removed, or found refusing
-        Narwhal's API key or not serving its configured model, at once and synchronously,
-        whoever made the change.
-
-        Recovery's readmission shortcuts start when an engine becomes the last to take
-        its role's work (`Recovery.placement_changed`); those changes are made by
-        narwhalctl, a reload, the role controller and the request path, so the fleet,
-        which every one of them goes through, reports them. There is one watcher."""
-        if self._watcher is not None:
-            raise ValueError("the fleet has a watcher already")
-        self._watcher = watcher
-
-    def _changed(self, engine: EngineState) -> None:
-        if self._watcher is not None:
-            self._watcher(engine)
-
-    def __iter__(self) -> Iterator[EngineState]:
-        return iter(self._engines.values())
-
-    def __len__(self) -> int:
-        return len(self._engines)
-
-    def get(self, engine_id: str) -> EngineState | None:
-        return self._engines.get(engine_id)
-
-    def views(self, now: float) -> tuple[EngineView, ...]:
-        return tuple(engine.view(now) for engine in self._engines.values())
-
-    def add(self, engine: EngineState) -> None:
-        if engine.id in self._engines:
-            raise ValueError(f"engine {engine.id!r} is already in the fleet")
-        self._engines[engine.id] = engine
-        engine._on_change = self._changed
-
-    def retire(self, engine_id: str) -> EngineState | None:
-        engine = self._engines.pop(engine_id, None)
-        if engine is not None:
-            engine.removed = True
-            self.retiring.append(engine)
-        return engine
-
-    def forget(self, engine: EngineState) -> None:
-        self.retiring = [e for e in self.retiring if e is not engine]
-        engine._on_change = None
-
-    def reorder(self, engine_ids: list[str]) -> None:
-        """Config order after a reload (placement breaks ties by id, state lists in order)."""
-        order = {engine_id: i for i, engine_id in enumerate(engine_ids)}
-        self._engines = dict(
-            sorted(self._engines.items(), key=lambda item: order.get(item[0], len(order)))
-        )
-
-    async def aclose(self) -> None:
-        for engine in [*self._engines.values(), *self.retiring]:
-            await engine.aclose()

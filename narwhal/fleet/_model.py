@@ -58,8 +58,7 @@ def model_refused(engine: EngineState, message: str, config: Config) -> str:
                 "model": engine.spec.model,
             },
         )
-    engine.model_missing = f"HTTP 404: {message}"
-    engine.model_refusals += 1
+    engine.note_model_missing(f"HTTP 404: {message}")
     # Read /v1/models at each good probe until it lists the model (`Recovery._read_context`).
     engine.context_due = True
     return why

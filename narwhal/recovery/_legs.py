@@ -89,6 +89,7 @@ class LegAccounting:
             # Its duration is partly the router's.
             self.metrics.excused.labels(engine.id, "residual").inc()
             return
+        load = engine.load.statistics()
         record.pending.append(
             LegObservation(
                 engine_id=engine.id,
@@ -96,11 +97,11 @@ class LegAccounting:
                 duration_s=duration_s,
                 at=trio.current_time(),
                 prompt_tokens=prompt_tokens,
-                prefill_inflight=engine.prefill_inflight,
+                prefill_inflight=load.prefill_inflight,
                 contended=contended,
-                prefill_tokens_inflight=engine.prefill_tokens_inflight,
-                decode_active=engine.decode_active,
-                decode_tokens=engine.decode_tokens,
+                prefill_tokens_inflight=load.prefill_tokens_inflight,
+                decode_active=load.decode_active,
+                decode_tokens=load.decode_tokens,
                 gaps=gaps,
             )
         )
@@ -155,7 +156,9 @@ class LegAccounting:
         record.wake.set()
         if engine.unreachable is not None:
             return
-        engine.unreachable = f"{phase} leg could not connect ({message}); until a probe answers"
+        engine.recovery_unreachable(
+            f"{phase} leg could not connect ({message}); until a probe answers"
+        )
         self.verdicts.changed(engine.id, "reachability", None, "reachable", "unreachable", message)
 
     def count(self, record: EngineRecovery, phase: str, message: str, code: str) -> None:
@@ -201,7 +204,7 @@ class LegAccounting:
                         f"recovery.failure_quarantine_s={quarantine_s}",
                     )
                 record.quarantine_active = True
-                engine.quarantined_until = until
+                engine.recovery_quarantine(until)
         record.wake.set()
 
     def residual_pass(self, now: float) -> dict[str, float]:

@@ -165,7 +165,7 @@ class ProbeLoop:
         engine.context_due = not reading.final
         if engine.model_missing is not None:
             if reading.listed and engine.model_refusals == refusals:
-                engine.model_missing = None
+                engine.recovery_model_listed()
                 log.info(
                     "engine %s: its /v1/models lists model %r (engines[].model) now; it "
                     "takes new work again",
@@ -252,7 +252,7 @@ class ProbeLoop:
         engine = record.engine
         if engine.unreachable is not None:
             if result.outcome == "ok" and started >= record.unreachable_at:
-                engine.unreachable = None
+                engine.recovery_reachable()
                 self.verdicts.changed(
                     engine.id, "reachability", None, "unreachable", "reachable", result.detail
                 )
@@ -352,7 +352,7 @@ class ProbeLoop:
                 extra={"event": "auth_check", **fields},
             )
             return
-        engine.auth_refused = None
+        engine.recovery_key_accepted()
         # A verification the refusal held back (a restart hold, a half-open breaker) is
         # due now that the engine takes the key.
         record.next_verify_at = -math.inf
@@ -392,7 +392,7 @@ class ProbeLoop:
         fresh = record.hold.start(now, reason, hold_s)
         record.identity.new_instance()
         record.engine.context_due = True
-        record.engine.held_until = math.inf
+        record.engine.recovery_hold()
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
         record.pending.clear()

@@ -97,7 +97,11 @@ class Verdicts:
         )
 
     def health_changed(self, record: EngineRecovery, change: VerdictChange | None) -> None:
-        record.engine.ejected = record.health.ejected_reason
+        reason = record.health.ejected_reason
+        if reason is None:
+            record.engine.recovery_readmit()
+        else:
+            record.engine.recovery_eject(reason)
         if change is None:
             return
         if change.new is Verdict.EJECTED:

@@ -23,7 +23,6 @@ Errors (as outcomes)
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable, Mapping
 
 import trio
@@ -131,7 +130,7 @@ class Verification:
                     await self.before_release(engine)
                 cut = record.hold.cut_reason
                 if record.hold.clear():
-                    engine.held_until = -math.inf
+                    engine.recovery_release_hold()
                     released = "verification passed"
                     if cut is not None:
                         released += f"; the hold was {cut}"
@@ -322,7 +321,7 @@ class Verification:
             candidates,
             key=lambda e: (
                 e.control_pool.statistics().in_use,
-                e.prefill_inflight + e.decode_active,
+                e.load.prefill_inflight + e.load.decode_active,
                 e.id,
             ),
         )

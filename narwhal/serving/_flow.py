@@ -102,7 +102,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState, key_refused, model_refused, names_model
+from ..fleet import Claim, EngineState, key_refused, model_refused, names_model
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -159,68 +159,41 @@ class _HandoffExpired(Exception):
     pass
 
 
-class _DecodePending:
-    """The decode engine's load from a request placed on it but not decoding yet.
-
-    The decode engine is chosen when the request is placed, a whole prefill before its
-    decode leg starts. Without this, every request placed in that window sees the same
-    decode load and the tie-break sends them all to the same engine.
-    """
-
-    __slots__ = ("engine", "held", "tokens")
-
-    def __init__(self, engine: EngineState, tokens: int) -> None:
-        self.engine = engine
-        self.tokens = tokens
-        self.held = True
-        engine.decode_pending += 1
-        engine.decode_pending_tokens += tokens
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.engine.decode_pending -= 1
-            self.engine.decode_pending_tokens -= self.tokens
-
-
-def _release_kv(
-    ctx: ServingContext, engine: EngineState, tokens: int, freed: int | None = None
-) -> None:
-    """Take `tokens` back out of the engine's resident count; `freed` (what the engine
-    reported, when it did) is the KV turnover, else `tokens`."""
-    engine.decode_tokens -= tokens
-    ctx.kv_freed(engine, tokens if freed is None else freed, trio.current_time())
-
-
 class _KvGrowth:
     """A streamed decode leg's generated tokens, counted into its engine's resident KV
     (`decode_tokens`, the prompt's share being held by the phase slot) while the leg
     runs: pricing reads it as the KV the engine has committed."""
 
-    __slots__ = ("cap", "ctx", "engine", "estimate", "reported", "tokens")
+    __slots__ = ("cap", "ctx", "engine", "estimate", "generated", "reported")
 
     def __init__(self, ctx: ServingContext, engine: EngineState, cap: int | None) -> None:
         self.ctx = ctx
         self.engine = engine
         self.cap = math.inf if cap is None else cap  # the request's output bound
-        self.tokens = 0  # counted into engine.decode_tokens
+        self.generated = engine.load.generated()
         self.estimate = 0.0
         self.reported: int | None = None  # usage.completion_tokens, once the engine sent it
+
+    @property
+    def tokens(self) -> int:
+        return self.generated.tokens
 
     def add(self, events: int) -> None:
         """`events` more token events: each carries the engine's recent tokens per event
         (`EngineState.tokens_per_event`), not one token."""
         self.estimate = min(self.cap, self.estimate + events * self.engine.tokens_per_event)
-        grown = int(self.estimate) - self.tokens
+        grown = int(self.estimate) - self.generated.tokens
         if grown > 0:
-            self.tokens += grown
-            self.engine.decode_tokens += grown
+            self.generated.add(grown)
 
     def __enter__(self) -> _KvGrowth:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _release_kv(self.ctx, self.engine, self.tokens, self.reported)
+        self.generated.release()
+        # The engine's report, when it sent one, is the KV turnover.
+        freed = self.generated.tokens if self.reported is None else self.reported
+        self.ctx.kv_freed(self.engine, freed, trio.current_time())
 
 
 class _GapLoad:
@@ -252,11 +225,13 @@ class _GapLoad:
     def add(self, engine: EngineState, gaps: int) -> None:
         if gaps <= 0:
             return
-        self.active += gaps * engine.decode_active
-        self.kv_tokens += gaps * engine.decode_tokens
-        self.max_active = max(self.max_active, engine.decode_active)
-        self.max_kv = max(self.max_kv, engine.decode_tokens)
-        self.prefill = self.prefill or engine.prefill_inflight > 0
+        load = engine.load
+        active, kv = load.decode_active, load.decode_tokens
+        self.active += gaps * active
+        self.kv_tokens += gaps * kv
+        self.max_active = max(self.max_active, active)
+        self.max_kv = max(self.max_kv, kv)
+        self.prefill = self.prefill or load.prefill_inflight > 0
 
     def summary(self, gaps: list[float]) -> DecodeGaps | None:
         """The stream's gaps and their load, summarised once for the serving signals and
@@ -964,8 +939,9 @@ class Flow:
         client: ClientChannel,
         record: RequestRecord,
     ) -> None:
-        pending = _DecodePending(decode, tokens)
-        try:
+        # The decode engine is chosen a whole prefill before its leg starts: placement
+        # sees the request there from now on.
+        with decode.load.decode_placed(tokens) as pending:
             if prefill is None:
                 await self._aggregate(request, tokens, decode, config, client, record, pending)
                 return
@@ -977,8 +953,6 @@ class Flow:
                 await self._vllm_pair(
                     request, tokens, prefill, decode, config, client, record, pending
                 )
-        finally:
-            pending.release()
 
     # ------------------------------------------------------------------ dialects
 
@@ -991,7 +965,7 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
-        pending: _DecodePending,
+        pending: Claim,
     ) -> None:
         serving = config.serving
         record.stage = "prefill"
@@ -1015,14 +989,12 @@ class Flow:
         record.prefilled_at = trio.current_time()
         record.stage = "handoff"
         # Until the decode request is sent, the producer holds KV blocks for us.
-        prefill.handoffs_pending += 1
-        handed_over = False
+        handoff = prefill.load.handoff()
         try:
             async with self._phase_slot(
                 decode, "decode", tokens, not_after=prefill_started + handoff_cap, pending=pending
             ):
-                prefill.handoffs_pending -= 1
-                handed_over = True
+                handoff.release()
                 body, own_usage, unstreamed = _leg_body(request, decode)
                 await self._decode_leg(
                     decode,
@@ -1056,8 +1028,7 @@ class Flow:
                 exclude=False,
             ) from None
         finally:
-            if not handed_over:
-                prefill.handoffs_pending -= 1
+            handoff.release()
 
     async def _sglang_pair(
         self,
@@ -1068,7 +1039,7 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
-        pending: _DecodePending,
+        pending: Claim,
     ) -> None:
         """Both legs at once with the same body; the engines pair by bootstrap room.
 
@@ -1161,7 +1132,7 @@ class Flow:
         config: Config,
         client: ClientChannel,
         record: RequestRecord,
-        pending: _DecodePending,
+        pending: Claim,
     ) -> None:
         """One engine does both phases: its first token includes the prefill."""
         record.stage = "decode"
@@ -1191,7 +1162,7 @@ class Flow:
         tokens: int,
         *,
         not_after: float = math.inf,
-        pending: _DecodePending | None = None,
+        pending: Claim | None = None,
     ) -> AsyncIterator[None]:
         """Hold one of the engine's phase slots (serving.*_concurrency) and account load.
 
@@ -1208,50 +1179,37 @@ class Flow:
                 curve.prefill_s(0), tokens, self.ctx.config.engine.prefill_chunk_tokens
             )
             backlog.commit(engine, curve.prefill_s(tokens), trio.current_time(), shared)
-        if phase == "prefill":
-            engine.prefill_queued += 1
-            engine.prefill_queued_tokens += tokens
+        queued = engine.load.prefill_queue(tokens) if phase == "prefill" else nullcontext()
         try:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            # A free slot is the common case; the handoff scope is only needed to wait.
-            if trio.current_time() < not_after and _acquire_nowait(limiter, borrower):
-                expired = False
-            else:
-                with trio.CancelScope(deadline=not_after) as wait:
-                    await limiter.acquire_on_behalf_of(borrower)
-                expired = wait.cancelled_caught
+            with queued:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                # A free slot is the common case; the handoff scope is only needed to wait.
+                if trio.current_time() < not_after and _acquire_nowait(limiter, borrower):
+                    expired = False
+                else:
+                    with trio.CancelScope(deadline=not_after) as wait:
+                        await limiter.acquire_on_behalf_of(borrower)
+                    expired = wait.cancelled_caught
         except BaseException:
             if phase == "prefill" and curve is not None:
                 backlog.release(engine)
             raise
-        finally:
-            if phase == "prefill":
-                engine.prefill_queued -= 1
-                engine.prefill_queued_tokens -= tokens
         if expired or trio.current_time() > not_after:
             if not expired:
                 limiter.release_on_behalf_of(borrower)
             raise _HandoffExpired
         if pending is not None:
             pending.release()
-        engine.legs_started += 1
-        if phase == "prefill":
-            engine.prefill_inflight += 1
-            engine.prefill_tokens_inflight += tokens
-        else:
-            engine.decode_active += 1
-            engine.decode_tokens += tokens
+        leg = engine.load.prefill(tokens) if phase == "prefill" else engine.load.decode(tokens)
         try:
-            yield
+            with leg:
+                yield
         finally:
-            if phase == "prefill":
-                engine.prefill_inflight -= 1
-                engine.prefill_tokens_inflight -= tokens
-                if curve is not None:
-                    backlog.release(engine)
-            else:
-                engine.decode_active -= 1
-                _release_kv(self.ctx, engine, tokens)
+            if phase == "decode":
+                # The KV the prompt held is freed with the slot.
+                self.ctx.kv_freed(engine, tokens, trio.current_time())
+            elif curve is not None:
+                backlog.release(engine)
             limiter.release_on_behalf_of(borrower)
 
     @asynccontextmanager
@@ -1383,7 +1341,7 @@ class Flow:
                 phase,
                 trio.current_time() - started,
                 prompt_tokens=prompt_tokens,
-                contended=alone is None or engine.legs_started != alone,
+                contended=alone is None or engine.load.legs_started != alone,
             )
             return raw
         raise _failed(
@@ -1427,7 +1385,7 @@ class Flow:
             self.ctx.unstreamed_legs[unstreamed] += 1
             self.ctx.metrics.unstreamed_legs_by(unstreamed).inc()
             bound = _output_bound(request, record.prompt_tokens, engine.context_length)
-            with engine.unstreamed_decode(bound, trio.current_time()):
+            with engine.load.unstreamed_decode(bound, trio.current_time()):
                 raw = await self._json_leg(
                     engine,
                     phase,
@@ -1460,10 +1418,10 @@ class Flow:
         if timer is None:
             timer = trio.CancelScope(deadline=trio.current_time() + first_token_budget)
         if phase == "decode" and not engine.dialect.concurrent_legs:
-            with engine.first_token_watch(trio.current_time()) as seen:
+            with engine.load.awaiting_first_token(trio.current_time()) as waiting:
                 await _relay(
                     self, engine, phase, body, request, config, sink, record, timer, hold_until,
-                    own_usage, first_token_seen=seen,
+                    own_usage, first_token_seen=waiting.release,
                 )  # fmt: skip
         else:
             await _relay(
@@ -1680,7 +1638,7 @@ async def _relay(
         phase,
         trio.current_time() - started,
         prompt_tokens=record.prompt_tokens or 0,
-        contended=alone is None or engine.legs_started != alone,
+        contended=alone is None or engine.load.legs_started != alone,
         gaps=summary if summary is not None and load.alone(summary) else None,
     )
     await client.end_stream()
@@ -1771,9 +1729,10 @@ def _alone(engine: EngineState) -> int | None:
     """Called inside a leg's reservation: the engine's leg count if this leg is the only
     one on it right now, else None. The leg was uncontended throughout when the count is
     unchanged at its end."""
-    if engine.prefill_inflight + engine.decode_active > 1:
+    load = engine.load
+    if load.prefill_inflight + load.decode_active > 1:
         return None
-    return engine.legs_started
+    return load.legs_started
 
 
 def _record_projection(

@@ -44,6 +44,7 @@ def _projection_errors(stats: ErrorStatistics) -> dict[str, object]:
 
 def engine_state(engine: EngineState, now: float) -> dict[str, object]:
     reason = engine.unavailable_reason(now)
+    load = engine.load.statistics()
     return {
         "id": engine.id,
         "url": engine.spec.url,
@@ -55,24 +56,24 @@ def engine_state(engine: EngineState, now: float) -> dict[str, object]:
         "drained": engine.drained,
         "pinned": engine.pinned,
         "prefill": {
-            "inflight": engine.prefill_inflight,
-            "tokens_inflight": engine.prefill_tokens_inflight,
-            "queued": engine.prefill_queued,
-            "queued_tokens": engine.prefill_queued_tokens,
+            "inflight": load.prefill_inflight,
+            "tokens_inflight": load.prefill_tokens_inflight,
+            "queued": load.prefill_queued,
+            "queued_tokens": load.prefill_queued_tokens,
             "limit": _limit(engine.prefill_limiter.total_tokens),
             "slots_in_use": engine.prefill_limiter.borrowed_tokens,
         },
         "decode": {
-            "active": engine.decode_active,
-            "tokens": engine.decode_tokens,
-            "pending": engine.decode_pending,
-            "pending_tokens": engine.decode_pending_tokens,
-            "unstreamed_legs": engine.unstreamed_legs,
+            "active": load.decode_active,
+            "tokens": load.decode_tokens,
+            "pending": load.decode_pending,
+            "pending_tokens": load.decode_pending_tokens,
+            "unstreamed_legs": load.unstreamed_legs,
             "tokens_per_event": round(engine.tokens_per_event, 3),
             "limit": _limit(engine.decode_limiter.total_tokens),
             "slots_in_use": engine.decode_limiter.borrowed_tokens,
         },
-        "handoffs_pending": engine.handoffs_pending,
+        "handoffs_pending": load.handoffs_pending,
         # What requests are checked against before any leg (null: nothing; `note` why),
         # and by which rule of the engine's build (`version`, from its /version).
         "context": {
@@ -294,19 +295,19 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
         "narwhal_engine_prefill_inflight",
         "Prefill legs in flight per engine.",
         ["engine"],
-        [([e.id], e.prefill_inflight) for e in engines],
+        [([e.id], e.load.prefill_inflight) for e in engines],
     )
     yield (
         "narwhal_engine_decode_active",
         "Decode streams active per engine.",
         ["engine"],
-        [([e.id], e.decode_active) for e in engines],
+        [([e.id], e.load.decode_active) for e in engines],
     )
     yield (
         "narwhal_engine_handoffs_pending",
         "Prefilled requests whose KV still waits on the engine for its decode leg.",
         ["engine"],
-        [([e.id], e.handoffs_pending) for e in engines],
+        [([e.id], e.load.handoffs_pending) for e in engines],
     )
     yield (
         "narwhal_engine_connections",

@@ -35,7 +35,7 @@ class DecodeGaps:
     The gaps are from the first token on (the KV wait and the prefill come before it),
     at most the stream's first 256, rescaled to tokens when events carried several. The
     load is the router's view of the engine at each read that brought them
-    (`EngineState.decode_active`, `decode_tokens`), weighted by the gaps each read gave:
+    (`EngineLoad.decode_active`, `decode_tokens`), weighted by the gaps each read gave:
     its mean and its heaviest.
 
     The correction counts only positive gaps (`DecodeCorrection`, rule 1): two reads at

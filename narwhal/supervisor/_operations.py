@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import trio
@@ -84,9 +85,9 @@ class Operations:
         assert request.engine is not None
         engine = self._engine(request.engine)
         if command == "drain":
-            return self._flag(engine, "drained", True)
+            return self._flag(engine, "drained", engine.operator_drain)
         if command == "undrain":
-            return self._flag(engine, "drained", False)
+            return self._flag(engine, "drained", engine.operator_undrain)
         if command == "pin":
             assert request.role is not None
             if engine.fixed_role is not None and request.role != engine.role:
@@ -103,12 +104,12 @@ class Operations:
             # unpin stays waiting (the pin keeps it, as a reload while pinned does).
             if old_role != engine.role:
                 self._log(engine, "role", old_role, engine.role)
-            result = self._flag(engine, "pinned", True)
+            result = self._flag(engine, "pinned", engine.operator_pin)
             result["role"] = engine.role
             result["previous_role"] = old_role
             return result
         if command == "unpin":
-            result = self._flag(engine, "pinned", False)
+            result = self._flag(engine, "pinned", engine.operator_unpin)
             # A reload's role change that waited for the pin to go (docs/design.md#placement:
             # resident requests keep their engine; new placement sees the role at once).
             configured = self.supervisor.deferred_roles.pop(engine.id, None)
@@ -135,9 +136,12 @@ class Operations:
         known = ", ".join(e.id for e in fleet) or "none"
         raise CtlError("unknown_engine", f"no engine {engine_id!r}; engines: {known}")
 
-    def _flag(self, engine: EngineState, name: str, value: bool) -> dict[str, object]:
+    def _flag(
+        self, engine: EngineState, name: str, change: Callable[[], None]
+    ) -> dict[str, object]:
         old = bool(getattr(engine, name))
-        setattr(engine, name, value)
+        change()
+        value = bool(getattr(engine, name))
         if old != value:
             self._log(engine, name, old, value)
         result: dict[str, object] = {

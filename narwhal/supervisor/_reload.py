@@ -120,10 +120,7 @@ async def apply_config(
         replacement = fresh.get(engine_id)
         if replacement is not None:
             # Operator intent survives a new url: a drained or pinned engine stays so.
-            replacement.drained = retired.drained
-            replacement.pinned = retired.pinned
-            if retired.pinned and replacement.fixed_role is None:
-                replacement.role = retired.role
+            replacement.operator_intent_from(retired)
         retire(retired)
     for engine in fresh.values():
         ctx.fleet.add(engine)

@@ -32,14 +32,14 @@ class Source:
 async def test_the_oldest_waiting_decode_leg_sets_the_wait() -> None:
     spec = EngineSpec(id="d0", url="http://127.0.0.1:9", role="decode")
     engine = EngineState(spec, Config(engines=(spec,)))
-    assert engine.first_token_wait_s(5.0) == 0.0
-    with engine.first_token_watch(1.0) as first_seen:
-        with engine.first_token_watch(2.0):
+    assert engine.load.first_token_wait_s(5.0) == 0.0
+    with engine.load.awaiting_first_token(1.0) as first:
+        with engine.load.awaiting_first_token(2.0):
             assert engine.view(5.0).first_token_wait_s == pytest.approx(4.0)
-            first_seen()  # the older leg got its token: the younger one is the oldest now
-            assert engine.first_token_wait_s(5.0) == pytest.approx(3.0)
-        assert engine.first_token_wait_s(5.0) == 0.0  # a leg that ends stops waiting
-    assert engine.first_token_wait_s(5.0) == 0.0
+            first.release()  # the older leg got its token: the younger one is the oldest now
+            assert engine.load.first_token_wait_s(5.0) == pytest.approx(3.0)
+        assert engine.load.first_token_wait_s(5.0) == 0.0  # a leg that ends stops waiting
+    assert engine.load.first_token_wait_s(5.0) == 0.0
     await engine.aclose()
 
 

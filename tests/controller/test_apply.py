@@ -15,6 +15,7 @@ from narwhal.controller._decide import Decision
 from narwhal.fleet import EngineState, Fleet
 from narwhal.placement import Placement, choose
 
+from ..support import claims
 from .helpers import PREFILL_HEAVY, config, fleet, settled, snapshot
 
 NOW = 1000.0
@@ -65,27 +66,27 @@ class OpenBreaker:
 
 
 def _pin(e: EngineState) -> None:
-    e.pinned = True
+    e.operator_pin()
 
 
 def _drain(e: EngineState) -> None:
-    e.drained = True
+    e.operator_drain()
 
 
 def _remove(e: EngineState) -> None:
-    e.removed = True
+    e.reload_remove()
 
 
 def _eject(e: EngineState) -> None:
-    e.ejected = "latency residual"
+    e.recovery_eject("latency residual")
 
 
 def _hold(e: EngineState) -> None:
-    e.held_until = NOW + 5.0
+    e.recovery_hold()
 
 
 def _quarantine(e: EngineState) -> None:
-    e.quarantined_until = NOW + 5.0
+    e.recovery_quarantine(NOW + 5.0)
 
 
 def _breaker(e: EngineState) -> None:
@@ -135,9 +136,9 @@ def test_apply_refuses_a_stale_role_or_a_non_move() -> None:
 def test_role_change_affects_new_placement_immediately_and_never_moves_resident_work() -> None:
     f = live_fleet("PDD")
     p0, d0, d1 = engine(f, "p0"), engine(f, "d0"), engine(f, "d1")
-    d0.decode_active, d0.decode_tokens = 3, 1200
-    d1.decode_active, d1.decode_tokens = 5, 2000
-    p0.prefill_tokens_inflight = 5000  # p0 busier, so a new prefill prefers d0 once it may
+    claims(d0.load.decode, 3, 1200)
+    claims(d1.load.decode, 5, 2000)
+    p0.load.prefill(5000)  # p0 busier, so a new prefill prefers d0 once it may
     assert choose(f.views(NOW)) == Placement("disaggregated", "p0", "d0")
     snap = snapshot(
         fleet(
@@ -151,7 +152,7 @@ def test_role_change_affects_new_placement_immediately_and_never_moves_resident_
     assert d.move == Move("d0", "d2p")
     apply_move(d0, d)
     # resident decode streams stay where they are and finish there
-    assert (d0.decode_active, d0.decode_tokens) == (3, 1200)
+    assert (d0.load.decode_active, d0.load.decode_tokens) == (3, 1200)
     # the very next placement sends prefill to d0 and decode only to d1
     assert choose(f.views(NOW)) == Placement("disaggregated", "d0", "d1")
 

@@ -17,6 +17,7 @@ from narwhal.controller import Controller, Profile, prefill_work_s
 from narwhal.fleet import EngineState, Fleet
 from narwhal.metrics import Metrics
 
+from ..support import claims
 from .helpers import DECODE_URGENT, PREFILL_HEAVY, PROFILE, config
 
 
@@ -109,13 +110,10 @@ def test_flip_record_counts_decode_legs_placed_on_the_engine_before_the_move() -
     # whole prefill before the leg starts (`decode_pending`); after a move to prefill the
     # leg still starts there. d0 holds no stream but four such legs, d1 one stream.
     _, fleet, ctl = setup("PPDDDD")
-    get(fleet, "d0").decode_pending = 4
-    get(fleet, "d0").decode_pending_tokens = 1600
-    get(fleet, "d1").decode_active = 1
-    get(fleet, "d1").decode_tokens = 400
+    claims(get(fleet, "d0").load.decode_placed, 4, 1600)
+    claims(get(fleet, "d1").load.decode, 1, 400)
     for engine_id in ("d2", "d3"):
-        get(fleet, engine_id).decode_active = 6
-        get(fleet, engine_id).decode_tokens = 2400
+        claims(get(fleet, engine_id).load.decode, 6, 2400)
     offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
     d = ctl.step(200.0)
     assert d is not None
@@ -133,7 +131,7 @@ def test_flip_record_counts_decode_legs_placed_on_the_engine_before_the_move() -
 def test_advisory_record_counts_decode_legs_placed_on_the_engine() -> None:
     _, fleet, ctl = setup("PPDD", advisory=True)
     for engine_id in ("d0", "d1"):
-        get(fleet, engine_id).decode_pending = 2
+        claims(get(fleet, engine_id).load.decode_placed, 2)
     offer(ctl, PREFILL_HEAVY, 0.0, 200.0)
     d = ctl.step(200.0)
     assert d is not None
@@ -145,8 +143,7 @@ def test_advisory_record_counts_decode_legs_placed_on_the_engine() -> None:
 
 def busy_decoders(fleet: Fleet, *engine_ids: str) -> None:
     for engine_id in engine_ids:
-        get(fleet, engine_id).decode_active = 3
-        get(fleet, engine_id).decode_tokens = 1200
+        claims(get(fleet, engine_id).load.decode, 3, 1200)
 
 
 def moves_of(ctl: Controller, engine_id: str, times: range) -> list[float]:
@@ -173,9 +170,10 @@ def test_dwell_holds_an_engine_an_operator_pin_moved_after_it_is_unpinned() -> N
     assert d is not None
     assert d.result == "hold"
     p0 = get(fleet, "p0")
-    p0.role, p0.pinned = "decode", True  # narwhalctl pin p0 decode
+    p0.role = "decode"  # narwhalctl pin p0 decode
+    p0.operator_pin()
     assert moves_of(ctl, "p0", range(185, 195, 5)) == []
-    p0.pinned = False  # narwhalctl unpin p0
+    p0.operator_unpin()  # narwhalctl unpin p0
     assert moves_of(ctl, "p0", range(195, 245, 5)) == []
     assert p0.role == "decode"
     snap = ctl.last_snapshot
@@ -200,18 +198,18 @@ def test_state_stops_reporting_a_floor_breach_at_the_pass_after_it_ends() -> Non
     # scheduled evaluation.
     _, fleet, ctl = setup("PPDD", step_s=30.0, min_decode=2)
     for engine_id in ("p0", "p1"):
-        get(fleet, engine_id).pinned = True
+        get(fleet, engine_id).operator_pin()
     offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
     d = ctl.step(100.0)
     assert d is not None
     assert d.move is None
     for engine_id in ("d0", "d1"):
-        get(fleet, engine_id).drained = True
+        get(fleet, engine_id).operator_drain()
     ctl.step(104.0)
     section = ctl.state_section()
     assert (section["caller"], section["result"]) == ("floor-recovery", "breach")
     for engine_id in ("d0", "d1"):
-        get(fleet, engine_id).drained = False
+        get(fleet, engine_id).operator_undrain()
     ctl.step(108.0)
     section = ctl.state_section()
     assert section["result"] != "breach"
@@ -229,7 +227,7 @@ def test_state_stops_reporting_a_floor_breach_at_the_pass_after_it_ends() -> Non
 
 def test_state_section_exposes_every_manual_field() -> None:
     _, fleet, ctl = setup()
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
     ctl.step(100.0)
     section = ctl.state_section()
@@ -268,7 +266,7 @@ def test_state_section_exposes_every_manual_field() -> None:
 
 def test_floor_recovery_is_recorded_in_flip_history() -> None:
     _, fleet, ctl = setup("PPPD")
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     d = ctl.step(1.0)
     assert d is not None
     assert d.caller == "floor-recovery"
@@ -296,7 +294,7 @@ def test_a_configured_split_below_a_floor_is_restored_from_the_first_pass() -> N
 
 def test_flip_history_limit_applies_to_recovery_and_ordinary_changes() -> None:
     _, fleet, ctl = setup("PPPPD", flip_history=2, min_decode=3, dwell_s=0.0)
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     for t in (1.0, 2.0, 3.0):
         ctl.step(t)
     assert ctl.history.total == 3
@@ -361,7 +359,7 @@ def test_ttft_breach_signal_allows_one_breach_step() -> None:
 
 def test_decode_intervals_feed_the_measured_decode_load() -> None:
     _, fleet, ctl = setup()
-    get(fleet, "d0").decode_active = 4
+    claims(get(fleet, "d0").load.decode, 4)
     ctl.observe_decode_interval("d0", 0.02)
     ctl.observe_decode_interval("d0", 0.04)  # mean 30 ms: load (0.03 - 0.01) / 0.04
     d = ctl.step(1.0)
@@ -377,9 +375,9 @@ def test_prefills_waiting_for_a_router_slot_are_measured_prefill_work() -> None:
     ctl = Controller(cfg, fleet, mean_profile=lambda: PROFILE, started_at=0.0)
     p0 = fleet.get("p0")
     assert p0 is not None
-    p0.prefill_inflight, p0.prefill_tokens_inflight = 1, 400
+    claims(p0.load.prefill, 1, 400)
     idle = ctl.snapshot(1.0)
-    p0.prefill_queued, p0.prefill_queued_tokens = 3, 1200
+    claims(p0.load.prefill_queue, 3, 1200)
     queued = ctl.snapshot(1.0)
     assert queued.engines[0].prefill_work_s == pytest.approx(prefill_work_s(PROFILE, 4, 1600))
     assert queued.prefill_pressure == pytest.approx(4 * idle.prefill_pressure)
@@ -454,8 +452,8 @@ def test_an_engines_own_max_num_seqs_bounds_its_decode_slots() -> None:
 def test_snapshots_count_the_kv_non_streaming_decode_legs_have_made() -> None:
     _, fleet, ctl = setup()
     d0 = get(fleet, "d0")
-    d0.decode_active, d0.decode_tokens = 1, 1_000
-    with d0.unstreamed_decode(10_000, since=0.0):
+    claims(d0.load.decode, 1, 1_000)
+    with d0.load.unstreamed_decode(10_000, since=0.0):
         snap = ctl.snapshot(10.0)
         step = PROFILE.decode.interval_s(1, 1_000)  # correction 1: nothing observed yet
         (seen,) = [e for e in snap.engines if e.id == "d0"]
@@ -555,7 +553,7 @@ async def test_an_sglang_fleet_keeps_its_launch_roles_and_says_why(
 
 def test_floor_recovery_never_flips_an_sglang_engine() -> None:
     fleet, ctl = sglang_setup("PPPD")
-    get(fleet, "d0").drained = True
+    get(fleet, "d0").operator_drain()
     d = ctl.step(1.0)
     assert d is not None
     assert (d.caller, d.result, d.reason, d.gate) == (

@@ -33,11 +33,11 @@ def test_role_changes_drains_removals_and_refusals_are_reported_once_each() -> N
     fleet, seen = watched()
     d0 = get(fleet, "d0")
     d0.role = "decode"  # unchanged: nothing to report
-    d0.drained = False
+    d0.operator_undrain()
     assert seen == []
     d0.role = "prefill"
-    d0.drained = True
-    d0.drained = False  # an undrained engine may be the last of its role now
+    d0.operator_drain()
+    d0.operator_undrain()  # an undrained engine may be the last of its role now
     assert [engine_id for engine_id, _ in seen] == ["d0"] * 3
     # The watcher sees the change made: the engine as it is after it.
     assert seen[0][1] == "<EngineState d0 prefill [prefill 0, decode 0]>"
@@ -45,12 +45,12 @@ def test_role_changes_drains_removals_and_refusals_are_reported_once_each() -> N
     seen.clear()
     key_refused(d0, 401, "Unauthorized", Config(engines=(d0.spec,)))
     key_refused(d0, 401, "Unauthorized", Config(engines=(d0.spec,)))  # still refused
-    d0.auth_refused = None  # back in placement: nothing leaves
+    d0.recovery_key_accepted()  # back in placement: nothing leaves
     assert [engine_id for engine_id, _ in seen] == ["d0"]
     seen.clear()
     model_refused(d0, "The model `m` does not exist.", Config(engines=(d0.spec,)))
     model_refused(d0, "The model `m` does not exist.", Config(engines=(d0.spec,)))
-    d0.model_missing = None
+    d0.recovery_model_listed()
     assert [engine_id for engine_id, _ in seen] == ["d0"]
     seen.clear()
     retired = fleet.retire("p0")
@@ -63,9 +63,9 @@ def test_an_added_engine_is_watched_and_a_forgotten_one_no_longer() -> None:
     fleet, seen = watched()
     spec = EngineSpec(id="d1", url="http://127.0.0.1:11", role="decode")
     d1 = EngineState(spec, Config(engines=(spec,)))
-    d1.drained = True  # not in the fleet yet
+    d1.operator_drain()  # not in the fleet yet
     fleet.add(d1)
-    d1.drained = False
+    d1.operator_undrain()
     fleet.retire("d1")
     fleet.forget(d1)
     d1.role = "prefill"

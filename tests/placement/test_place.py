@@ -106,6 +106,5 @@ def test_placed_but_not_started_decodes_count_as_load() -> None:
         chosen.append(placement.decode)
         engine = fleet.get(placement.decode)
         assert engine is not None
-        engine.decode_pending += 1  # what the request path does at placement
-        engine.decode_pending_tokens += 100
+        engine.load.decode_placed(100)  # what the request path does at placement
     assert chosen == ["d0", "d1", "d0", "d1"]

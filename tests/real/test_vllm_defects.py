@@ -221,7 +221,7 @@ async def test_requests_the_decode_engine_would_refuse_are_refused_before_any_pr
         prompt_tokens_after = await counter(prefill, "vllm:prompt_tokens_total")
         producer = stack.ctx.fleet.get("prefill")
         assert producer is not None
-        legs = producer.legs_started
+        legs = producer.load.legs_started
         # Past the lease a prefill's unclaimed KV would have expired by now.
         with trio.fail_after(NIXL_LEASE_S + LEASE_MARGIN_S + 30):
             deadline = trio.current_time() + NIXL_LEASE_S + LEASE_MARGIN_S

@@ -193,7 +193,7 @@ async def test_readmission_takes_readmit_successes_probes_while_another_engine_t
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [5.0]
     assert rig.reason("d0") is None
     # Now x1 goes out too: d0's next readmission needs one good probe.
-    x1.drained = True
+    x1.operator_drain()
     eject_d0(rig)
     await rig.at(8.0)  # failed probes at +6, +7, +8
     rig.prober.health_of["d0"] = HEALTHY
@@ -349,7 +349,7 @@ async def test_the_verification_backoff_is_cut_to_a_probe_interval_while_the_rol
     await rig.at(16.5)
     assert pairs_of(rig) == [t for t in (5.0, 7.0, 9.0, 13.0) for _ in range(2)]
     assert state_of(rig, "d0")["health"]["verify_in_s"] == 4.5
-    rig.engine("x1").drained = True
+    rig.engine("x1").operator_drain()
     await rig.at(16.5)
     assert pairs_of(rig)[8:] == [16.5, 16.5]
     await rig.at(19.9)
@@ -371,7 +371,7 @@ async def test_the_verification_backoff_is_cut_to_a_probe_interval_while_the_rol
         "verifying before readmission"
     )
     # x1 back in service: the backoff holds again, from d0's last pair (+19.5).
-    rig.engine("x1").drained = False
+    rig.engine("x1").operator_undrain()
     await rig.at(27.4)
     assert pairs_of(rig)[16:] == []
     assert state_of(rig, "d0")["health"]["verify_in_s"] == 0.1
@@ -869,7 +869,7 @@ async def test_a_restarted_engine_is_released_only_after_the_before_release_hook
     await rig.at(7.5)
     assert rig.reason("d0") is None
     # Alone in its role, its hold is cut short at the probe that sees the restart.
-    rig.engine("x1").drained = True
+    rig.engine("x1").operator_drain()
     rig.prober.health_of["d0"] = attrs.evolve(HEALTHY, identity=(("instance_id", "c"),))
     await rig.at(8.0)
     assert seen[1:] == [("d0", "restart hold", 8.0)]
@@ -1225,7 +1225,7 @@ async def test_a_standby_partner_refusing_the_key_or_the_model_is_skipped(
     # pair would be refused, naming p0, and d0's readmission would wait a probe interval
     # for nothing.
     if refuses == "key":
-        rig.engine("p0").auth_refused = AUTH_REFUSED
+        rig.engine("p0").note_key_refused(AUTH_REFUSED)
         rig.prober.key_of["p0"] = KEY_REFUSED
     else:
         model_refused(rig.engine("p0"), "The model `m` does not exist.", rig.ctx.config)
@@ -1247,7 +1247,7 @@ async def test_a_subject_whose_only_standby_partners_refuse_the_key_is_skipped_s
         rig.prober.health_of[engine_id] = UNHEALTHY
     await rig.at(3.0)  # both ejected
     rig.prober.health_of.clear()
-    rig.engine("p0").auth_refused = AUTH_REFUSED
+    rig.engine("p0").note_key_refused(AUTH_REFUSED)
     rig.prober.key_of["p0"] = KEY_REFUSED
     await rig.at(5.0)  # verifying, but the only prefill server refuses the key
     assert rig.prober.verifications == []
@@ -1312,7 +1312,7 @@ async def test_a_refused_key_is_checked_with_each_good_probe_until_it_is_accepte
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     rig = await start(nursery, config())
-    rig.engine("d0").auth_refused = AUTH_REFUSED  # as the request path sets it
+    rig.engine("d0").note_key_refused(AUTH_REFUSED)  # as the request path sets it
     rig.prober.key_of["d0"] = KEY_REFUSED
     await rig.at(2.5)
     # Only the refused engine is checked, right after each probe (recovery.health.interval_s).
@@ -1343,7 +1343,7 @@ async def test_a_key_check_waits_for_a_good_probe_and_only_200_clears_the_refusa
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     rig = await start(nursery, config())
-    rig.engine("d0").auth_refused = AUTH_REFUSED
+    rig.engine("d0").note_key_refused(AUTH_REFUSED)
     rig.prober.health_of["d0"] = UNHEALTHY
     await rig.at(2.0)
     assert rig.prober.key_checks == []  # the health probes judge an engine that is down
@@ -1812,12 +1812,12 @@ async def test_a_slow_engine_is_ejected_once_another_of_its_role_is_available(
 
     rig = await start(nursery, residual_config(), predictor=predictor)
     d0, d1 = rig.engine("d0"), rig.engine("d1")
-    d1.drained = True  # the other decode engine takes no new work: d0 is the last one
+    d1.operator_drain()  # the other decode engine takes no new work: d0 is the last one
     for _ in range(3):
         rig.recovery.leg_ok(d0, "decode", 0.5)
         rig.recovery.residual_pass(trio.current_time())
     assert rig.reason("d0") is None
-    d1.drained = False
+    d1.operator_undrain()
     for _ in range(3):
         rig.recovery.leg_ok(d0, "decode", 0.5)
         rig.recovery.residual_pass(trio.current_time())
@@ -1866,7 +1866,7 @@ async def test_a_latency_ejected_engine_s_good_probes_count_once_its_role_is_emp
     rig = await eject_d0_for_latency(nursery)
     await rig.at(1.5)
     assert rig.prober.verifications == []
-    rig.engine("d1").drained = True
+    rig.engine("d1").operator_drain()
     await rig.at(1.5)
     assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [1.0, 1.5]
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [1.5]
@@ -1953,7 +1953,7 @@ async def test_a_decode_engine_is_judged_by_its_token_interval_at_its_load(
     # predicted at that load (15 ms), d0 would look seven times too slow.
     rig = await profiled(nursery, residual_config())
     d0, d1 = rig.engine("d0"), rig.engine("d1")
-    assert d0.decode_active == d1.decode_active == 0
+    assert d0.load.decode_active == d1.load.decode_active == 0
     for pass_number in range(3):
         rig.recovery.leg_ok(d0, "decode", 4.0, gaps=decode_gaps(0.11))
         rig.recovery.leg_ok(d1, "decode", 12.0, gaps=decode_gaps(0.33))

@@ -422,7 +422,7 @@ async def test_an_sglang_engine_without_a_partner_is_not_verified_and_stays_out(
     stack = await start_stack(["prefill", "decode", "both"], sglang=True)
     d1 = stack.ctx.fleet.get("d1")
     assert d1 is not None
-    d1.drained = True
+    d1.operator_drain()
     stack.fleet[0].set_faults(unhealthy=True)
     await wait_for(lambda: not available(stack, "p0"))
     stack.fleet[0].clear_faults()
@@ -436,7 +436,7 @@ async def test_an_sglang_engine_without_a_partner_is_not_verified_and_stays_out(
     assert not available(stack, "p0")
     assert verification_legs(stack, 0) == []
     assert verification_legs(stack, 2) == []
-    d1.drained = False
+    d1.operator_undrain()
     await wait_for(lambda: available(stack, "p0"))
     assert verification_legs(stack, 0) == [("prefill", "ok")]
     assert verification_legs(stack, 1) == [("decode", "ok")]

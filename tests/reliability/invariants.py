@@ -64,6 +64,7 @@ from typing import Any
 import attrs
 import trio
 
+from narwhal.fleet import LoadStatistics
 from narwhal.serving import ServingContext
 from narwhal.serving._server import _LINGER_S
 
@@ -500,10 +501,13 @@ def check_context(report: Report, ctx: ServingContext) -> None:
             pool_stats = pool.statistics()
             if pool_stats.waiting or (name == "serving" and pool_stats.in_use):
                 idle.fail(f"ctx: engine {engine.id} {name} pool {pool_stats}")
-        if engine.prefill_inflight or engine.decode_active or engine.handoffs_pending:
-            idle.fail(f"ctx: {engine!r} handoffs_pending={engine.handoffs_pending}")
-        if engine.unstreamed_legs or engine.view(trio.current_time()).unstreamed_cap:
-            idle.fail(f"ctx: {engine!r} unstreamed_legs={engine.unstreamed_legs}")
+        # Every claim on the engine's load given back: queued, placed and running legs,
+        # handoffs, resident KV, first-token and unstreamed waits (leg starts only count).
+        load = engine.load.statistics()
+        if attrs.evolve(load, legs_started=0) != LoadStatistics():
+            idle.fail(f"ctx: {engine!r} load left: {load}")
+        if engine.view(trio.current_time()).unstreamed_cap:
+            idle.fail(f"ctx: {engine!r} {engine.load!r}")
 
 
 def check_accounting(

@@ -297,9 +297,9 @@ async def _representative_errors(stack: Stack) -> dict[str, str]:
     await record()
     decode.set_faults(sse_error_after_tokens=1, leg="decode", count=1)
     await record(stream=True, max_tokens=8)
-    engine.drained = True  # the only prefill engine: nothing to place on
+    engine.operator_drain()  # the only prefill engine: nothing to place on
     await record()
-    engine.drained = False
+    engine.operator_undrain()
     # A monitor pass handler failing, naming an engine and its url, degrades the router.
     failing["on"] = True
     await wait_for(lambda: stack.ctx.degraded_reason is not None)

@@ -424,7 +424,7 @@ async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv
         async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
             assert response.status_code == 200
             events = [
-                (json.loads(line[len("data: ") :]), decode.decode_tokens)
+                (json.loads(line[len("data: ") :]), decode.load.decode_tokens)
                 async for line in response.aiter_lines()
                 if line.startswith("data: {")
             ]
@@ -439,7 +439,7 @@ async def test_a_decode_leg_holds_its_prompt_and_generated_tokens_as_resident_kv
     assert any(500 < tokens <= 700 for tokens in seen)
     assert max(seen) <= 700
     state = await settled(stack)
-    assert decode.decode_tokens == 0
+    assert decode.load.decode_tokens == 0
     released = state["admission"]["decode_kv_release_tokens_per_s"]
     assert set(released) == {"d1"}
     assert released["d1"] > 0
@@ -464,7 +464,7 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ask)
-        await wait_for(lambda: decode.unstreamed_legs == 1, within_s=10.0)
+        await wait_for(lambda: decode.load.unstreamed_legs == 1, within_s=10.0)
         view = decode.view(trio.current_time())
         assert view.decode_tokens == 500  # the prompt, counted by the slot
         assert view.unstreamed_age_s > 0.0
@@ -472,7 +472,7 @@ async def test_a_non_streaming_decode_leg_is_priced_by_its_age_and_frees_its_out
     (answer,) = answers
     assert answer.status_code == 200
     assert answer.json()["usage"]["completion_tokens"] == bound
-    assert decode.unstreamed_legs == 0
+    assert decode.load.unstreamed_legs == 0
     assert decode.view(trio.current_time()).unstreamed_age_s == 0.0
     assert stack.ctx.unstreamed_legs == {"prompt_logprobs": 1}
     # 500 prompt + the generated tokens freed, decayed over slo.ttft_s = 5 s since.

@@ -180,7 +180,7 @@ async def test_a_leg_that_outlives_its_engines_retirement_leaves_nothing_in_the_
 
         ctx.first_token_lag(old, 0.5, trio.current_time())  # its first token, late
         await ended(late)  # frees its 1000 tokens of KV on the retired instance
-        assert old.decode_active == old.decode_tokens == 0
+        assert old.load.decode_active == old.load.decode_tokens == 0
         assert ctx.first_token_lags.value == ctx.kv_turnover.value == {}
         assert ctx.first_token_lags.at == ctx.kv_turnover.at == {}
         assert ctx.backlog.committed == {rig.engine("p0"): 1}  # the live engine's own
@@ -251,6 +251,6 @@ async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measure
         rig.ctx.profiles = profiles
         link = ControlLink(rig.ctx)
         d0 = rig.engine("d0")
-        assert (d0.decode_active, d0.decode_tokens) == (0, 0)  # as the stream ended
+        assert (d0.load.decode_active, d0.load.decode_tokens) == (0, 0)  # as the stream ended
         link.decode_gaps(d0, on_profile)
         assert profiles.decode_correction("d0") == pytest.approx(1.0)

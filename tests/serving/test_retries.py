@@ -119,7 +119,7 @@ async def test_expired_handoff_is_redone_with_a_fresh_prefill(start_stack: Start
     # against possibly released blocks.
     async with trio.open_nursery() as nursery:
         nursery.start_soon(post, stack, {"max_tokens": 3, "stream": True})
-        await wait_for(lambda: stack.ctx.fleet.get("d1").decode_active == 1)  # type: ignore[union-attr]
+        await wait_for(lambda: stack.ctx.fleet.get("d1").load.decode_active == 1)  # type: ignore[union-attr]
         response = await post(stack, {"max_tokens": 3})
     assert response.status_code == 200
     assert requests(stack, 0, "prefill") == 3

@@ -218,7 +218,7 @@ async def test_a_pair_holds_both_slots_before_it_sends_either_leg(nursery: trio.
 
     async with trio.open_nursery() as requests:
         requests.start_soon(one)
-        await wait_for(lambda: stack.ctx.fleet.get("d1").decode_active == 1)  # type: ignore[union-attr]
+        await wait_for(lambda: stack.ctx.fleet.get("d1").load.decode_active == 1)  # type: ignore[union-attr]
         requests.start_soon(one)
     assert statuses == [200, 200]
     assert "narwhal_engine_failures_total{" not in stack.ctx.metrics.render().decode()

@@ -19,13 +19,13 @@ import pytest
 import trio
 
 from narwhal._errors import EngineFailed
-from narwhal.fleet import EngineState
+from narwhal.fleet import EngineLoad, EngineState
 from narwhal.fleet._engine import PACKING_MAX
 from narwhal.serving import DecodeGaps
 from narwhal.serving._flow import _GapLoad, _KvGrowth, _usage_report
 from narwhal.sim import SimEngineSpec
 
-from ..support import GapRecorder
+from ..support import GapRecorder, claims
 from .conftest import MODEL, Stack, StartStack
 from .test_failures import settled
 from .test_predictive import predictive_stack
@@ -161,10 +161,11 @@ async def test_a_decode_legs_gap_summary_is_per_token_with_the_load_it_ran_at(
 
 def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> None:
     engine = EngineState.__new__(EngineState)
-    engine.decode_active, engine.decode_tokens, engine.prefill_inflight = 2, 1000, 0
+    engine.load = EngineLoad()
+    claims(engine.load.decode, 2, 1000)
     load = _GapLoad()
     load.add(engine, 3)
-    engine.decode_active, engine.decode_tokens = 6, 3000
+    claims(engine.load.decode, 4, 2000)  # 6 streams, 3000 tokens
     load.add(engine, 1)
     load.add(engine, 0)  # a read past the stream's kept gaps adds nothing
     # Within a quarter of the gaps' time (4 x 10 ms): too few gaps after it to matter.
@@ -188,7 +189,7 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     assert not load.alone(summary)
     # A prefill leg on the engine meanwhile: its chunks shared the decode steps.
     load.longest_write_s = 0.0
-    engine.prefill_inflight = 1
+    engine.load.prefill(0)
     load.add(engine, 1)
     assert not load.alone(summary)
     assert _GapLoad().summary([]) is None
@@ -198,7 +199,8 @@ def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_ga
     # Two reads at one clock reading give zero gaps: the controller's and a residual's
     # median keeps them, the correction's samples are the positive ones (its rule 1).
     engine = EngineState.__new__(EngineState)
-    engine.decode_active, engine.decode_tokens, engine.prefill_inflight = 1, 100, 0
+    engine.load = EngineLoad()
+    claims(engine.load.decode, 1, 100)
     load = _GapLoad()
     load.add(engine, 5)
     summary = load.summary([0.02, 0.0, 0.04, 0.0, 0.01])
@@ -225,11 +227,11 @@ async def resident_kv_seen(stack: Stack, tokens_per_event: float, **output: int)
         client.stream("POST", f"{stack.url}/v1/completions", json=body) as response,
     ):
         seen = [
-            decode.decode_tokens
+            decode.load.decode_tokens
             async for line in response.aiter_lines()
             if line.startswith("data: {")
         ]
-    assert decode.decode_tokens == 0
+    assert decode.load.decode_tokens == 0
     return seen
 
 
@@ -293,13 +295,13 @@ def test_packing_ratio_is_a_bounded_moving_average() -> None:
 
 def test_running_growth_never_passes_max_tokens() -> None:
     engine = EngineState.__new__(EngineState)
+    engine.load = EngineLoad()
     engine.tokens_per_event = 4.0
-    engine.decode_tokens = 0
     growth = _KvGrowth(None, engine, cap=10)  # type: ignore[arg-type]  # no ctx until exit
     growth.add(2)
-    assert engine.decode_tokens == 8
+    assert engine.load.decode_tokens == 8
     growth.add(1)  # 12 by the ratio, but the request asked for at most 10
-    assert (engine.decode_tokens, growth.tokens) == (10, 10)
+    assert (engine.load.decode_tokens, growth.tokens) == (10, 10)
     engine.tokens_per_event = 1.5
     unbounded = _KvGrowth(None, engine, cap=None)  # type: ignore[arg-type]
     unbounded.add(3)

@@ -227,9 +227,9 @@ async def test_an_sglang_chat_refusal_is_forgotten_when_the_engine_may_have_chan
     # Out of placement (drained, ejected, held after a restart) and back: asked again.
     p0 = stack.ctx.fleet.get("p0")
     assert p0 is not None
-    p0.drained = True
+    p0.operator_drain()
     await chat(stack)  # no prefill engine; counted (estimated) before that fails
-    p0.drained = False
+    p0.operator_undrain()
     await chat(stack)
     assert asked == [0, 1, 0]
     # A reload forgets every refusal.

@@ -48,7 +48,11 @@ async def main():
     link = ControlLink(ctx)
     assert link.controller is not None
     engine = ctx.fleet.get("d0")
-    engine.decode_active, engine.decode_tokens = 8, 20_000
+    if hasattr(engine, "load"):  # the load ledger: 8 streams holding 20k tokens
+        for _ in range(8):
+            engine.load.decode(2_500)
+    else:
+        engine.decode_active, engine.decode_tokens = 8, 20_000
     rng = random.Random(1)
     lists = [
         [0.02 * rng.lognormvariate(0, 0.1) for _ in range(gaps_per_stream)]
