@@ -182,9 +182,10 @@ class Reply:
     def feed(self, data: bytes, now: float) -> bool:
         """Account one read of a 200 stream; True when it brought the first text."""
         self.reads += 1
-        if not self.first_event_at and _DATA in data:
-            self.first_event_at = now
-        self.events += data.count(_DATA)
+        events = data.count(_DATA)
+        if events:
+            self.events += events
+            self.first_event_at = self.first_event_at or now
         # Joined with the previous tail so that a marker split across reads is seen.
         window = self.tail + data
         first = False
