@@ -150,3 +150,38 @@ async def test_flood_counts_answers_and_keeps_one_connection_per_worker(
     # Each worker's first request carried its connect.
     assert result["latency_s"]["ok (with connect)"]["n"] == 3
     assert result["latency_s"]["ok"]["n"] == 27
+
+
+async def _refuse_and_close(stream: trio.SocketStream) -> None:
+    """A router refusing with 429 and closing the connection after the answer."""
+    request = b""
+    while b"\r\n\r\n" not in request:
+        request += await stream.receive_some(65536)
+    body = b'{"error": {"code": "too_many_pending_bodies", "message": "m"}}'
+    head = b"HTTP/1.1 429 Too Many Requests\r\nconnection: close\r\n"
+    await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+    await stream.aclose()
+
+
+async def test_an_answer_that_closes_its_connection_is_counted_as_answered(
+    nursery: trio.Nursery,
+) -> None:
+    (listener,) = await nursery.start(
+        partial(trio.serve_tcp, _refuse_and_close, 0, host="127.0.0.1")
+    )
+    port = listener.socket.getsockname()[1]
+    spec = {
+        "mode": "flood",
+        "url": f"http://127.0.0.1:{port}",
+        "requests": 3,
+        "concurrency": 1,
+        "prompt_tokens": 4,
+        "max_tokens": 1,
+        "model": DEFAULT_MODEL,
+        "request_timeout_s": 10.0,
+        "deadline_s": 10.0,
+    }
+    result = await loadgen.flood(spec)
+    # Not "broken": h11 cannot reuse such a connection, but the answer was whole.
+    assert result["outcomes"] == {"429 too_many_pending_bodies": 3}
+    assert result["connections_opened"] == 3
