@@ -1,5 +1,6 @@
-"""The benchmark scripts in tools/bench import each other as top-level modules (they run
-as `python tools/bench/X.py`), so their directory goes on sys.path for these tests."""
+"""The benchmark scripts in tools/bench import benchkit and each other as top-level
+modules (they run as `python tools/bench/X.py`), so their folder goes on sys.path for
+these tests. The developer tools' tests (tests/bench/dev) are not in the default run."""
 
 from __future__ import annotations
 

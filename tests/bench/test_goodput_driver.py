@@ -3,9 +3,8 @@ from __future__ import annotations
 from typing import Any
 
 import goodput
-import goodput_harness as harness
-import goodput_workload as gw
 import pytest
+from benchkit import harness, workload as gw
 
 from narwhal.config import load_config
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import goodput_metrics as gm
 import pytest
+from benchkit import attainment as gm, summarize
 
 
 def _s(
@@ -79,12 +79,10 @@ def test_windows_bin_by_offered_time() -> None:
     assert w["attainment"] == [0.5, None, 1.0]
 
 
-def test_summarize_keeps_statistics_not_samples() -> None:
-    s = gm.summarize([0.1, 0.2, 0.3, 0.4], scale=1000.0)
-    assert s["n"] == 4
-    assert s["p50"] == 250.0
-    assert s["max"] == 400.0
-    assert gm.summarize([]) == {"n": 0}
+def test_latency_summaries_keep_statistics_not_samples() -> None:
+    s = summarize([0.1, 0.2, 0.3, 0.4], scale=1000.0, digits=1, with_max=True)
+    assert s == {"n": 4, "p50": 250.0, "p90": 370.0, "p99": 397.0, "mean": 250.0, "max": 400.0}
+    assert summarize([], with_max=True) == {"n": 0}
 
 
 def test_hindsight_best_prefers_goodput_then_attainment() -> None:

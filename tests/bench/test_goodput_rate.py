@@ -7,8 +7,8 @@ from typing import Any
 
 import goodput
 import goodput_rate as gr
-import goodput_workload as gw
 import pytest
+from benchkit import workload as gw
 
 
 def test_crossing_interpolates_between_the_last_pass_and_the_first_miss() -> None:

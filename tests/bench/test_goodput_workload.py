@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import goodput_workload as gw
 import numpy as np
 import pytest
+from benchkit import workload as gw
 
 from narwhal.sim import SimTiming
 

@@ -7,7 +7,6 @@ from typing import Any
 import benchkit
 import overhead
 import pytest
-import transport
 from benchkit import median, summarize
 
 from narwhal.config import load_config
@@ -109,7 +108,7 @@ def test_goals_use_the_thresholds_fixed_before_measuring() -> None:
 
 def test_rotation_changes_who_goes_first_each_repetition() -> None:
     targets = ["direct", "narwhal", "vllm-router"]
-    assert [overhead.rotated(targets, k)[0] for k in range(4)] == [
+    assert [benchkit.rotated(targets, k)[0] for k in range(4)] == [
         "direct",
         "narwhal",
         "vllm-router",
@@ -124,32 +123,23 @@ def test_benchmark_narwhal_config_is_a_valid_config() -> None:
     assert config.serving.admission == "open"
 
 
-def test_transport_flatness_compares_512_with_16_in_flight() -> None:
-    summary = [
-        {"client": "narwhal-pool", "inflight": 16, "client_cpu_ms_per_request": 0.2},
-        {"client": "narwhal-pool", "inflight": 512, "client_cpu_ms_per_request": 0.25},
-        {"client": "httpx", "inflight": 16, "client_cpu_ms_per_request": 2.0},
-        {"client": "httpx", "inflight": 512, "client_cpu_ms_per_request": 60.0},
-    ]
-    flat = transport.flatness(summary)
-    assert flat["narwhal-pool"]["ratio_512_over_16"] == 1.25
-    assert flat["httpx"]["ratio_512_over_16"] == 30.0
-    assert "httpx-sharded" not in flat
+async def _quiet(**_: object) -> tuple[float, float]:
+    return 0.0, 0.1
 
 
-def test_guard_reruns_a_disturbed_cell_and_keeps_the_least_disturbed(
+async def test_guard_reruns_a_disturbed_cell_and_keeps_the_least_disturbed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(benchkit, "wait_quiet", lambda **_: (0.0, 0.1))
+    monkeypatch.setattr(benchkit._cpu, "wait_quiet", _quiet)
     others = iter([0.9, 0.5, 0.6])
     cells: list[dict[str, Any]] = []
 
-    def once() -> dict[str, Any]:
+    async def once() -> dict[str, Any]:
         cell = {"other_cpu_share": next(others), "value": len(cells)}
         cells.append(cell)
         return cell
 
-    kept = benchkit.measure_guarded(once, attempts=3, max_other_cores=0.35, quiet_give_up_s=1)
+    kept = await benchkit.measure_guarded(once, attempts=3, max_other_cores=0.35, quiet_give_up_s=1)
     assert kept["value"] == 1
     assert kept["guard"]["kept"] == 1
     assert [a["other_cpu_share"] for a in kept["guard"]["attempts"]] == [0.9, 0.5, 0.6]
@@ -158,15 +148,15 @@ def test_guard_reruns_a_disturbed_cell_and_keeps_the_least_disturbed(
     assert summary["cells_over_guard_after_reruns"] == 1
 
 
-def test_guard_stops_at_the_first_quiet_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(benchkit, "wait_quiet", lambda **_: (0.0, 0.1))
+async def test_guard_stops_at_the_first_quiet_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(benchkit._cpu, "wait_quiet", _quiet)
     calls: list[int] = []
 
-    def once() -> dict[str, Any]:
+    async def once() -> dict[str, Any]:
         calls.append(1)
         return {"other_cpu_share": 0.1}
 
-    benchkit.measure_guarded(once, attempts=3, max_other_cores=0.35, quiet_give_up_s=1)
+    await benchkit.measure_guarded(once, attempts=3, max_other_cores=0.35, quiet_give_up_s=1)
     assert len(calls) == 1
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+import loadgen
 import memory
-import memory_flood
 import pytest
 
 STATUS = """Name:\tpython
@@ -68,7 +68,7 @@ def test_flood_summary_of_nothing() -> None:
     ],
 )
 def test_flood_outcomes_name_the_error_code(status: int, body: bytes, outcome: str) -> None:
-    assert memory_flood.outcome_of(status, body) == outcome
+    assert loadgen.outcome_of(status, body) == outcome
 
 
 def test_a_later_round_starts_from_the_previous_idle() -> None:

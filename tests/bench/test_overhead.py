@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import overhead
 import pytest
-from benchkit import Processes
+from benchkit.harness import Procs, read_lines
 
 _SHOW_AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)))"
 
 
-def _affinity_of(procs: Processes, name: str) -> str:
-    proc = procs.start(name, [sys.executable, "-c", _SHOW_AFFINITY], stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=30)
-    return out.decode().strip()
+async def _affinity_of(procs: Procs, name: str) -> str:
+    proc = await procs.start(name, [sys.executable, "-c", _SHOW_AFFINITY], stdout_pipe=True)
+    (line,) = await read_lines(proc, 1, within_s=30)
+    return line
 
 
-def test_a_named_child_runs_only_on_its_cpus_and_others_are_left_alone() -> None:
+async def test_a_named_child_runs_only_on_its_cpus_and_others_are_left_alone(
+    tmp_path: Path,
+) -> None:
     allowed = sorted(os.sched_getaffinity(0))
-    with Processes(affinity={"pinned": [allowed[0]]}) as procs:
-        assert _affinity_of(procs, "pinned") == str([allowed[0]])
-        assert _affinity_of(procs, "free") == str(allowed)
+    async with Procs(tmp_path, affinity={"pinned": [allowed[0]], "sim": [allowed[0]]}) as procs:
+        assert await _affinity_of(procs, "pinned") == str([allowed[0]])
+        # A name covers its numbered instances (the fleet's sim0, sim1).
+        assert await _affinity_of(procs, "sim1") == str([allowed[0]])
+        assert await _affinity_of(procs, "free") == str(allowed)
+        assert (tmp_path / "free.log").exists()
 
 
 def test_routers_get_the_last_cpu_alone() -> None:

@@ -34,21 +34,17 @@ import time
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import attrs
 import benchkit
 import goodput
-import goodput_harness as harness
-import goodput_metrics as gm
-import goodput_workload as gw
 import numpy as np
 import trio
+from benchkit import Json, attainment as gm, harness, workload as gw
 
 from narwhal.admission import band_label, error_band
 from narwhal.sim import SimTiming
 
-Json = Any
 OUT = benchkit.RUNS / "accuracy.json"
 
 
@@ -220,7 +216,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--traces",
         type=Path,
-        default=harness.REPO.parent / "shared" / "traces" / "azure2023",
+        default=benchkit.REPO.parent / "shared" / "traces" / "azure2023",
         help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
     )
     p.add_argument(
@@ -249,8 +245,7 @@ def level_name(load: float) -> str:
 
 
 async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
-    sources: tuple[gw.Source, ...] = ("conv", "code")
-    traces = {s: gw.load_trace(args.traces, s) for s in sources}
+    traces = goodput.load_traces(args.traces)
     slo = gw.Slo(args.ttft_slo_s, args.tpot_slo_s)
     mix = parse_mix(args.mix)
     loads = [float(x) for x in args.levels.split(",")]
@@ -261,19 +256,18 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
     bounds = gw.phase_bounds(phases)
     prefill = capacities[0].best_prefill
     speed = args.speed
-    # The load generator's input and outputs (goodput_loadgen.py's formats).
-    workload_file, rows_file, stats_file = (
-        run_dir / name for name in ("workload.json", "results.jsonl", "loadgen.json")
-    )
-    benchkit.write_json(workload_file, {"requests": [[r.t, r.prompt, r.output] for r in requests]})
-    procs = harness.Procs(run_dir, args.niceness)
     if args.profiles is not None:
         goodput.use_profiles(args.profiles)
     timings: dict[str, float] = {}
     started = time.monotonic()
-    try:
+    async with harness.Procs(run_dir, args.niceness) as procs:
         groups = await harness.start_fleet(
-            procs, engines=args.engines, sim_procs=args.sim_procs, speed=speed, seed=args.seed
+            procs,
+            engines=args.engines,
+            sim_procs=args.sim_procs,
+            speed=speed,
+            model=harness.MODEL,
+            seed=args.seed,
         )
         urls, roles = harness.assign_roles(groups, prefill)
         extra = await goodput.profile_fleet(urls, roles, run_dir)
@@ -296,53 +290,29 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
         if any(s != 200 for s in warm):
             raise RuntimeError(f"warm-up requests through {url} answered {warm}")
         sampler = harness.Sampler(urls, roles, harness.admin_url(config), speed, 2.0)
-        flags = {
-            "url": url,
-            "workload": workload_file,
-            "speed": speed,
-            "model": harness.MODEL,
-            "out": rows_file,
-            "stats": stats_file,
-            "ttft-timeout-s": 15.0,
-            "total-timeout-s": 90.0,
-        }
-        argv = [sys.executable, str(harness.HERE / "goodput_loadgen.py")]
-        argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]
-        hard_limit = (bounds[-1][2] + 90.0) / speed + 60.0
-        cpu0, busy0, wall0 = procs.cpu(), harness.system_busy_seconds(), trio.current_time()
-        launched = time.time()  # every request line after this is the workload's
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sampler.run, wall0 + 0.5)
-            loadgen = await procs.start("loadgen", argv)
-            try:
-                with trio.fail_after(hard_limit):  # the replay's own timeouts bound it
-                    await loadgen.wait()
-            finally:
-                nursery.cancel_scope.cancel()
-        if loadgen.returncode != 0:
-            raise RuntimeError(f"the load generator exited with {loadgen.returncode}")
-        wall = trio.current_time() - wall0
-        cpu1, busy = procs.cpu(), harness.system_busy_seconds() - busy0
-        await sampler.final()
-    finally:
-        await procs.stop_all()
+        run = await harness.replay(
+            procs,
+            url,
+            [(r.t, r.prompt, r.output) for r in requests],
+            speed=speed,
+            duration_s=bounds[-1][2],
+            run_dir=run_dir,
+            sampler=sampler,
+            ttft_timeout_s=15.0,
+            total_timeout_s=90.0,
+        )
     timings["total_s"] = round(time.monotonic() - started, 1)
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line]
-    loadgen_stats = json.loads(stats_file.read_text())
     entries = request_lines((run_dir / "narwhal.log").read_text().splitlines())
-    workload_entries = [e for e in entries if float(e["ts"]) - float(e["duration_s"]) >= launched]
+    workload_entries = [
+        e for e in entries if float(e["ts"]) - float(e["duration_s"]) >= run.launched
+    ]
     preds = predictions(workload_entries)
     # The load generator's clock starts with its first request; Narwhal's arrivals are on
     # the wall clock. The earliest workload arrival anchors one to the other.
     first = min((float(e["ts"]) - float(e["duration_s"]) for e in workload_entries), default=0.0)
     t0_wall = first - requests[0].t / speed
     grouped = by_level(preds, bounds, t0_wall=t0_wall, speed=speed)
-    samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], rows, speed)
-    ours = loadgen_stats["cpu_s"] + sum(
-        (cpu1[k] or 0.0) - (cpu0.get(k) or 0.0) for k in cpu1 if cpu1[k] is not None
-    )
-    steps = sum(e["steps"] for e in sampler.final_engines)
-    resets = sum(e["step_lag_resets"] for e in sampler.final_engines)
+    samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], run.rows, speed)
     levels = []
     for (name, start, end), load, cap in zip(bounds, loads, capacities, strict=True):
         sel = [s for s in samples if s.phase == name]
@@ -376,19 +346,8 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> Json:
         "unmatched_predictions": len(preds) - sum(len(v) for v in grouped.values()),
         "narwhal_request_lines": len(workload_entries),
         "faithfulness": {
-            "sim_lagged_step_fraction": round(resets / steps, 5) if steps else None,
-            "sim_max_step_lag_ms_wall": max(
-                (e["max_step_lag_s"] * 1000 for e in sampler.final_engines), default=None
-            ),
-            "loadgen_lateness_s_wall": loadgen_stats["lateness_s"],
-            "cpu_share": {
-                k: round(((cpu1[k] or 0.0) - (cpu0.get(k) or 0.0)) / wall, 3)
-                for k in cpu1
-                if cpu1[k] is not None
-            },
-            "loadgen_cpu_share": loadgen_stats["cpu_share"],
-            # Cores used meanwhile by everything else on the machine (this driver included).
-            "other_cpu_share": round(max(0.0, busy - ours) / wall, 3),
+            **harness.faithfulness(run, sampler),
+            "loadgen_cpu_share": run.loadgen["cpu_share"],
         },
         "workload": {
             "traces": str(args.traces),
@@ -452,11 +411,7 @@ def _pct(value: float | None) -> str:
 
 
 def plot(doc: Json, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchkit.pyplot()
     levels = doc["result"]["levels"]
     fig, axes = plt.subplots(1, len(levels) + 1, figsize=(4.2 * (len(levels) + 1), 4.2))
     top = max(
@@ -492,7 +447,7 @@ def plot(doc: Json, path: Path) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    run_dir = harness.REPO / "runs" / "tmp" / "accuracy" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir = benchkit.TMP / "accuracy" / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = await measure(args, run_dir)
@@ -521,7 +476,7 @@ async def run(args: argparse.Namespace) -> int:
             "profile": str(args.profiles)
             if args.profiles is not None
             else "goodput.profile_fleet (narwhal-profile on this run's fleet)",
-            "logs": str(run_dir.relative_to(harness.REPO)),
+            "logs": str(run_dir.relative_to(benchkit.REPO)),
             "units": "model time (wall x speed), ms",
         },
         "result": result,
@@ -532,11 +487,12 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.replot and not args.traces.is_dir():
+    if args.replot:
+        return benchkit.show(args.out, replot=plot, table=table)
+    if not args.traces.is_dir():
         print(f"accuracy: {args.traces} is not a directory; pass --traces DIR", file=sys.stderr)
         return 2
-    measure_all = partial(trio.run, harness.run_guarded, partial(run, args))
-    return benchkit.replot_or_run(args.out, args.replot, measure_all, plot=plot, table=table)
+    return trio.run(harness.run_guarded, partial(run, args))
 
 
 if __name__ == "__main__":

@@ -43,14 +43,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import benchkit
-import goodput_harness as harness
 import httpx
 import trio
+from benchkit import Json, harness
 
-Json = Any
 OUT = benchkit.RUNS / "body_timeouts.json"
 _DECLARED = 1000
 _SENT = 10
@@ -185,14 +183,10 @@ async def probe(spec: Json) -> None:
 
 
 def _stats(values: Sequence[float]) -> Json:
+    summary = benchkit.summarize(values, scale=1000.0, digits=2, with_max=True)
     if not values:
-        return {"n": 0}
-    ordered = sorted(values)
-
-    def q(p: float) -> float:
-        return round(ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))] * 1000, 2)
-
-    return {"n": len(values), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": q(1.0)}
+        return summary
+    return {"n": summary["n"], **{f"{k}_ms": summary[k] for k in ("p50", "p99", "max")}}
 
 
 def _lag_histogram(metrics: str) -> Json:
@@ -205,11 +199,10 @@ def _lag_histogram(metrics: str) -> Json:
 
 
 async def one_run(args: argparse.Namespace, slow: int) -> Json:
-    run_dir = benchkit.REPO / "runs" / "tmp" / "body_timeouts" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir = benchkit.TMP / "body_timeouts" / time.strftime("%Y%m%d-%H%M%S")
     await trio.Path(run_dir).mkdir(parents=True, exist_ok=True)
-    procs = harness.Procs(run_dir, args.niceness)
-    try:
-        groups = await harness.start_fleet(procs, engines=2, sim_procs=1, speed=1.0, seed=1)
+    async with harness.Procs(run_dir, args.niceness) as procs:
+        groups = await harness.start_fleet(procs, engines=2, speed=1.0, model=harness.MODEL, seed=1)
         urls, roles = harness.assign_roles(groups, 1)
         port = harness.free_port()
         config = harness.narwhal_config(
@@ -228,9 +221,9 @@ async def one_run(args: argparse.Namespace, slow: int) -> Json:
             },
         )
         url = await harness.start_narwhal(procs, config, run_dir)
-        narwhal = next(p for name, p in procs.started if name == "narwhal")
+        narwhal = procs.find("narwhal")
         await harness.warm_up(url, count=1)
-        cpu0 = harness.cpu_seconds(narwhal.pid) or 0.0
+        cpu0 = benchkit.cpu_seconds(narwhal.pid)
         me = [sys.executable, __file__]
         storm_spec = {"host": "127.0.0.1", "port": port, "slow": slow}
         storm_spec.update(addresses=args.addresses, reconnect=args.reconnect, seed=args.seed)
@@ -252,11 +245,9 @@ async def one_run(args: argparse.Namespace, slow: int) -> Json:
         records = json.loads(line)["records"]
         (line,) = await harness.read_lines(probe_proc, 1, args.body_timeout_s + args.after_s + 30)
         samples = json.loads(line)["samples"]
-        cpu1 = harness.cpu_seconds(narwhal.pid) or 0.0
+        cpu1 = benchkit.cpu_seconds(narwhal.pid)
         async with httpx.AsyncClient(timeout=10.0) as client:
-            metrics = (await client.get(url + "/metrics")).text
-    finally:
-        await procs.stop_all()
+            metrics = (await client.get(harness.admin_url(config) + "/metrics")).text
     first_round = [r for r in records if r["round"] == 0]
     answered = sorted(r["answered"] - deadline for r in first_round if r["answered"] is not None)
     statuses: dict[str, int] = {}

@@ -23,27 +23,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import attrs
 import benchkit
-import goodput_harness as harness
-import goodput_metrics as gm
-import goodput_workload as gw
 import trio
+from benchkit import Json, attainment as gm, harness, workload as gw
 
 from narwhal.sim import SimTiming
 
-Json = Any
 ENGINES = 8
 DEFAULT_SPLIT = 4  # prefill engines of the "default" split: even, what an operator starts with
 
@@ -244,60 +238,25 @@ STATIC_NAMES = [c.name for c in CONFIGURATIONS if c.name.startswith("narwhal-sta
 # ------------------------------------------------------------------------------ facts
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=harness.REPO, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def machine() -> Json:
-    return {
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
-
-
 def versions(vllm_router_venv: Path) -> Json:
+    """Package versions, the commit and vllm-router's version (None: not installed)."""
     vr = None
-    pip = vllm_router_venv / "bin" / "python"
-    if pip.exists():
+    python = vllm_router_venv / "bin" / "python"
+    if python.exists():
         out = subprocess.run(
-            [str(pip), "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
             capture_output=True,
             text=True,
             timeout=30,
         )
         vr = out.stdout.strip() or None
+    git = benchkit.git_revision()
     return {
-        "narwhal": _version("narwhal"),
-        "narwhal_commit": _git("rev-parse", "HEAD"),
-        "narwhal_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **benchkit.versions(["narwhal"]),
+        "narwhal_commit": git["commit"],
+        "narwhal_dirty": git["dirty"],
         "vllm_router": vr,
-        **{d: _version(d) for d in ("trio", "h11", "httpx", "hypercorn", "numpy")},
+        **benchkit.versions(["trio", "h11", "httpx", "hypercorn", "numpy"]),
     }
 
 
@@ -336,22 +295,16 @@ async def run_one(
     """One configuration on a fresh fleet: returns its result document."""
     run_dir = settings.out_dir / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    workload_file = run_dir / "workload.json"
-    workload_file.write_text(
-        json.dumps({"requests": [[r.t, r.prompt, r.output] for r in requests]})
-    )
-    rows_file = run_dir / "results.jsonl"
-    stats_file = run_dir / "loadgen.json"
-    procs = harness.Procs(run_dir, settings.niceness)
     speed = settings.speed
     duration = bounds[-1][2]
     started = time.monotonic()
-    try:
+    async with harness.Procs(run_dir, settings.niceness) as procs:
         groups = await harness.start_fleet(
             procs,
             engines=ENGINES,
             sim_procs=settings.sim_procs,
             speed=speed,
+            model=harness.MODEL,
             seed=settings.seed,
         )
         urls, roles = harness.assign_roles(groups, prefill)
@@ -384,66 +337,28 @@ async def run_one(
                     f"vllm-router is not installed in {settings.vllm_router_venv}; "
                     "run: bash tools/bench/install_vllm_router.sh"
                 )
-            url = await harness.start_vllm_router(procs, exe, urls, roles, port=port, speed=speed)
+            options = ["--request-timeout-secs", str(max(1, round(600.0 / speed)))]
+            options += ["--log-level", "warning"]
+            url, _ = await harness.start_vllm_router(
+                procs, exe, urls, roles, port=port, options=options
+            )
         warm = await harness.warm_up(url)
         if any(s != 200 for s in warm):
             raise RuntimeError(f"warm-up requests through {url} answered {warm}")
         sampler = harness.Sampler(urls, roles, narwhal_url, speed, settings.sample_every_s)
-        loadgen_argv = [
-            sys.executable,
-            str(harness.HERE / "goodput_loadgen.py"),
-            "--url",
+        run = await harness.replay(
+            procs,
             url,
-            "--workload",
-            str(workload_file),
-            "--speed",
-            str(speed),
-            "--model",
-            harness.MODEL,
-            "--out",
-            str(rows_file),
-            "--stats",
-            str(stats_file),
-            "--ttft-timeout-s",
-            str(settings.ttft_timeout_s),
-            "--total-timeout-s",
-            str(settings.total_timeout_s),
-        ]
-        # The replay cannot outlive its last arrival plus the client timeout.
-        hard_limit = (duration + settings.total_timeout_s) / speed + 60.0
-        cpu0 = procs.cpu()
-        busy0 = harness.system_busy_seconds()
-        wall0 = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sampler.run, wall0 + 0.5)
-            loadgen = await procs.start("loadgen", loadgen_argv)
-            with trio.move_on_after(hard_limit) as limit:
-                await loadgen.wait()
-            nursery.cancel_scope.cancel()
-        if limit.cancelled_caught:
-            raise RuntimeError(f"the load generator ran past its {hard_limit:.0f} s limit")
-        if loadgen.returncode != 0:
-            raise RuntimeError(f"the load generator exited with {loadgen.returncode}")
-        wall = trio.current_time() - wall0
-        cpu1 = procs.cpu()
-        busy = harness.system_busy_seconds() - busy0
-        await sampler.final()
-    finally:
-        await procs.stop_all()
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line]
-    samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], rows, speed)
+            [(r.t, r.prompt, r.output) for r in requests],
+            speed=speed,
+            duration_s=duration,
+            run_dir=run_dir,
+            sampler=sampler,
+            ttft_timeout_s=settings.ttft_timeout_s,
+            total_timeout_s=settings.total_timeout_s,
+        )
+    samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], run.rows, speed)
     slo = settings.slo
-    cpu_share = {
-        name: round((cpu1[name] or 0.0) - (cpu0.get(name) or 0.0), 2) / wall
-        for name in cpu1
-        if cpu1[name] is not None
-    }
-    steps = sum(e["steps"] for e in sampler.final_engines)
-    resets = sum(e["step_lag_resets"] for e in sampler.final_engines)
-    loadgen_stats = json.loads(stats_file.read_text())
-    ours = loadgen_stats["cpu_s"] + sum(
-        (cpu1[name] or 0.0) - (cpu0.get(name) or 0.0) for name in cpu1 if cpu1[name] is not None
-    )
     return {
         "status": "ran",
         "router": cfg.router,
@@ -458,27 +373,13 @@ async def run_one(
         "role_changes": role_changes(sampler.samples),
         "controller_decisions": sampler.decisions,
         "final_controller": sampler.final_controller,
-        "faithfulness": {
-            # Steps on which a sim process fell > 20 ms (wall) behind the latency law.
-            "sim_steps": steps,
-            "sim_step_lag_resets": resets,
-            "sim_lagged_step_fraction": round(resets / steps, 5) if steps else None,
-            "sim_max_step_lag_ms_wall": max(
-                (e["max_step_lag_s"] * 1000 for e in sampler.final_engines), default=None
-            ),
-            "loadgen_lateness_s_wall": loadgen_stats["lateness_s"],
-            "cpu_share": {k: round(v, 3) for k, v in cpu_share.items()},
-            # Cores used meanwhile by everything else on the machine (this driver included):
-            # other sessions' work on a shared box shows up here.
-            "other_cpu_share": round(max(0.0, busy - ours) / wall, 3),
-            "sampler_errors": sampler.errors,
-        },
+        "faithfulness": harness.faithfulness(run, sampler),
         "engines": [
             {"role": role, "legs": e["requests"], "preemptions": e["preemptions"]}
             for role, e in zip(roles, sampler.final_engines, strict=False)
         ],
         "loadgen": {
-            k: loadgen_stats[k]
+            k: run.loadgen[k]
             for k in ("cpu_ms_per_request", "cpu_us_per_chunk", "cpu_share", "chunks")
         },
     }
@@ -610,11 +511,7 @@ def markdown(doc: Json) -> str:
 
 
 def plot(doc: Json, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchkit.pyplot()
     results = doc["configurations"]
     bounds = doc["workload"]["phase_bounds"]
     best = doc["summary"].get("best_static")
@@ -681,30 +578,18 @@ def plot(doc: Json, path: Path) -> None:
 # ------------------------------------------------------------------------------- main
 
 
-def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
-    """The options goodput.py shares with goodput_rate.py (workload, fleet, SLOs, output)."""
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"phases x {QUICK_SCALE} and hopeless static splits pruned",
-    )
-    p.add_argument("--scale", type=float, default=None, help="phase length factor (overrides)")
+def fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of every benchmark that replays the traces on fresh fleets (this one,
+    goodput_rate.py and overload.py): traces, fleet, SLOs, peer and profiles."""
     p.add_argument(
         "--traces",
         type=Path,
-        default=harness.REPO.parent / "shared" / "traces" / "azure2023",
+        default=benchkit.REPO.parent / "shared" / "traces" / "azure2023",
         help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
     )
     p.add_argument("--speed", type=float, default=0.25, help="simulator speed (slow motion)")
     p.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument(
-        "--streams",
-        type=int,
-        default=1,
-        help="independent runs of each trace superposed (1: the trace's own bursts, time-"
-        "compressed; more: a bigger population of independent users, smoother)",
-    )
     p.add_argument(
         "--niceness",
         type=int,
@@ -714,13 +599,8 @@ def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
     )
     p.add_argument("--ttft-slo-s", type=float, default=0.5)
     p.add_argument("--tpot-slo-s", type=float, default=0.05)
-    p.add_argument("--overload", type=float, default=1.75, help="overload phase x capacity")
-    p.add_argument("--window-s", type=float, default=None, help="attainment window (model s)")
     p.add_argument("--assume-feature", action="append", default=[], choices=sorted(FEATURES))
-    p.add_argument("--all-splits", action="store_true", help="also run the pruned static splits")
-    p.add_argument(
-        "--vllm-router-venv", type=Path, default=harness.REPO / "runs" / "tmp" / "venv-vllm-router"
-    )
+    p.add_argument("--vllm-router-venv", type=Path, default=harness.VLLM_ROUTER_VENV)
     p.add_argument(
         "--profiles",
         type=Path,
@@ -728,6 +608,27 @@ def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
         help="a profile store measured on an identical fleet (same --speed) to reuse "
         "instead of profiling the first predictive run's fleet",
     )
+
+
+def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
+    """The options goodput.py shares with goodput_rate.py (workload, fleet, SLOs, output)."""
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"phases x {QUICK_SCALE} and hopeless static splits pruned",
+    )
+    p.add_argument("--scale", type=float, default=None, help="phase length factor (overrides)")
+    fleet_arguments(p)
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="independent runs of each trace superposed (1: the trace's own bursts, time-"
+        "compressed; more: a bigger population of independent users, smoother)",
+    )
+    p.add_argument("--overload", type=float, default=1.75, help="overload phase x capacity")
+    p.add_argument("--window-s", type=float, default=None, help="attainment window (model s)")
+    p.add_argument("--all-splits", action="store_true", help="also run the pruned static splits")
     p.add_argument("--out", type=Path, default=out)
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
     p.add_argument("--table", action="store_true", help="print --out's results as Markdown")
@@ -735,7 +636,7 @@ def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_arguments(p, out=harness.REPO / "runs" / "bench" / "goodput.json")
+    common_arguments(p, out=benchkit.RUNS / "goodput.json")
     p.add_argument("--phases", default="all", help="comma-separated phase names, or 'all'")
     p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
     p.add_argument("--rerun-aliases", action="store_true")
@@ -771,7 +672,7 @@ def settings_from(args: argparse.Namespace, slo: gw.Slo, window_s: float, kind: 
         ttft_timeout_s=15.0,
         total_timeout_s=90.0,
         vllm_router_venv=args.vllm_router_venv,
-        out_dir=harness.REPO / "runs" / "tmp" / kind / time.strftime("%Y%m%d-%H%M%S"),
+        out_dir=benchkit.TMP / kind / time.strftime("%Y%m%d-%H%M%S"),
         niceness=args.niceness,
     )
 
@@ -833,7 +734,7 @@ def result_head(benchmark: str, started: float, vllm_router_venv: Path) -> Json:
         "benchmark": benchmark,
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": round(time.monotonic() - started, 1),
-        "machine": machine(),
+        "machine": benchkit.machine(),
         "versions": versions(vllm_router_venv),
     }
 
@@ -846,12 +747,9 @@ def show_or_run(
 ) -> int:
     """--replot / --table from --out's JSON, else the benchmark itself."""
     if args.replot or args.table:
-        doc = json.loads(args.out.read_text())
-        if args.replot:
-            plot(doc, args.out.with_suffix(".png"))
-        if args.table:
-            print(markdown(doc))
-        return 0
+        return benchkit.show(
+            args.out, replot=plot if args.replot else None, table=markdown if args.table else None
+        )
     return trio.run(harness.run_guarded, partial(run, args))
 
 
@@ -974,10 +872,7 @@ async def run_all(args: argparse.Namespace) -> int:
         "configurations": results,
         "summary": summary(results, [b[0] for b in bounds]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(doc, args.out.with_suffix(".png"))
-    print(f"goodput: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    benchkit.publish(args.out, doc, plot=plot, indent=1)
     return 0
 
 

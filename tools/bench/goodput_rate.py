@@ -32,22 +32,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 import benchkit
 import goodput
-import goodput_harness as harness
-import goodput_workload as gw
+from benchkit import Json, workload as gw
 
 from narwhal.sim import SimTiming
 
-Json = Any
 DEFAULT_PHASES = "decode_heavy,prefill_heavy,drift"
 DEFAULT_RATES = "0.5,0.75,1.0,1.25,1.5,1.75,2.0,2.5"
 TARGET = 0.9
@@ -332,7 +328,6 @@ async def sweep_all(args: argparse.Namespace) -> int:
             "summary": summary(sweeps, args.target),
         }
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     # Rounds: every unfinished configuration runs its next rate, so the configurations
     # share the box's conditions as the sweep goes on.
     while True:
@@ -364,12 +359,8 @@ async def sweep_all(args: argparse.Namespace) -> int:
                 flush=True,
             )
             # Written after every run, so an interrupted sweep keeps what it measured.
-            args.out.write_text(json.dumps(document(), indent=1) + "\n")
-    doc = document()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(doc, args.out.with_suffix(".png"))
-    print(f"goodput-rate: wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+            benchkit.write_json(args.out, document(), indent=1)
+    benchkit.publish(args.out, document(), plot=plot, indent=1)
     return 0
 
 
@@ -407,11 +398,7 @@ def markdown(doc: Json) -> str:
 
 
 def plot(doc: Json, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchkit.pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
     s = doc["summary"]
     lowest = 1.0
@@ -449,7 +436,7 @@ def plot(doc: Json, path: Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    goodput.common_arguments(p, out=harness.REPO / "runs" / "bench" / "goodput-rate.json")
+    goodput.common_arguments(p, out=benchkit.RUNS / "goodput-rate.json")
     p.add_argument("--phases", default=DEFAULT_PHASES, help="comma-separated phase names")
     p.add_argument(
         "--configs",

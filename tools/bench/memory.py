@@ -8,7 +8,7 @@ requests are offered.
 For each flood size, on a fresh fleet and a fresh router: 4 simulated engines (2P2D) in slow
 motion (`--speed`, so a served request takes seconds), Narwhal with queueing on
 (max_connections 256, queue_capacity 256, queue_timeout_s 2, open admission, controller
-off), then a flood client (memory_flood.py, its own process) with `--concurrency`
+off), then a flood client (loadgen.py in flood mode, its own process) with `--concurrency`
 keep-alive sockets that sends the flood's requests as fast as the router answers them.
 Phases: idle (before), flood, drain (until nothing is retained), idle (after). Every
 ~100 ms the driver reads the router's VmRSS and VmHWM from /proc/PID/status, and a second
@@ -35,16 +35,14 @@ import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import attrs
 import benchkit
-import goodput_harness as harness
 import httpx
 import numpy as np
 import trio
+from benchkit import Json, harness
 
-Json = Any
 OUT = benchkit.RUNS / "memory.json"
 SAMPLE_EVERY_S = 0.1
 SERVING: dict[str, int | float] = {
@@ -55,6 +53,7 @@ SERVING: dict[str, int | float] = {
     "prefill_concurrency": 64,
     "decode_concurrency": 128,
 }
+CEILING = int(SERVING["max_connections"] + SERVING["queue_capacity"])  # retained requests
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -197,11 +196,10 @@ class Watch:
 
 async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> Json:
     await trio.Path(run_dir).mkdir(parents=True, exist_ok=True)
-    procs = harness.Procs(run_dir, args.niceness)
     started = time.monotonic()
-    try:
+    async with harness.Procs(run_dir, args.niceness) as procs:
         groups = await harness.start_fleet(
-            procs, engines=4, sim_procs=1, speed=args.speed, seed=args.seed
+            procs, engines=4, speed=args.speed, model=harness.MODEL, seed=args.seed
         )
         urls, roles = harness.assign_roles(groups, 2)
         config = harness.narwhal_config(
@@ -214,13 +212,18 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
             ttft_slo_s=0.5,
             tpot_slo_s=0.05,
             socket_path=str(run_dir / "narwhal.sock"),
-            extra={"serving": SERVING},
+            # The flood stands for many clients, but all of it comes from 127.0.0.1: the
+            # per-client limits are raised to the global ones, as behind a proxy.
+            extra={
+                "serving": {**SERVING, "max_pending_bodies_per_client": CEILING},
+                "listen": {"max_open_connections_per_client": 4096},
+            },
         )
         url = await harness.start_narwhal(procs, config, run_dir)
-        narwhal = next(p for name, p in procs.started if name == "narwhal")
         await harness.warm_up(url, count=1)
-        watch = Watch(narwhal.pid, harness.admin_url(config) + "/narwhal/state")
+        watch = Watch(procs.find("narwhal").pid, harness.admin_url(config) + "/narwhal/state")
         spec = {
+            "mode": "flood",
             "url": url,
             "requests": requests,
             "concurrency": args.concurrency,
@@ -230,8 +233,8 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
             "request_timeout_s": 60.0,
             "deadline_s": args.flood_limit_s,
         }
-        argv = [sys.executable, str(harness.HERE / "memory_flood.py"), json.dumps(spec)]
-        busy0 = harness.system_busy_seconds()
+        argv = [sys.executable, str(benchkit.BENCH / "loadgen.py"), json.dumps(spec)]
+        busy0 = benchkit.machine_cpu_seconds()[0]
         cpu0 = procs.cpu()
         rounds: list[dict[str, Json]] = []
         async with trio.open_nursery() as nursery:
@@ -250,14 +253,12 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
             nursery.cancel_scope.cancel()
         wall = time.monotonic() - started
         cpu1 = procs.cpu()
-        busy = harness.system_busy_seconds() - busy0
-    finally:
-        await procs.stop_all()
+        busy = benchkit.machine_cpu_seconds()[0] - busy0
     span = watch.samples[-1].t if watch.samples else 0.0
     ours = sum(r["client"]["cpu_s"] for r in rounds) + sum(
         (cpu1[k] or 0.0) - (cpu0.get(k) or 0.0) for k in cpu1 if cpu1[k] is not None
     )
-    ceiling = int(SERVING["max_connections"] + SERVING["queue_capacity"])
+    ceiling = CEILING
     return {
         "requests": requests,
         "wall_s": round(wall, 1),
@@ -317,11 +318,7 @@ def table(doc: Json) -> str:
 
 
 def plot(doc: Json, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchkit.pyplot()
     floods = doc["floods"]
     fig, axes = plt.subplots(1, len(floods), figsize=(6 * len(floods), 4.2), squeeze=False)
     top = max((max(f["series"]["rss_mib"], default=0) for f in floods), default=1) * 1.1
@@ -352,7 +349,7 @@ def plot(doc: Json, path: Path) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    run_dir = harness.REPO / "runs" / "tmp" / "memory" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir = benchkit.TMP / "memory" / time.strftime("%Y%m%d-%H%M%S")
     floods = []
     for n in (int(x) for x in args.floods.split(",")):
         print(f"memory: flood of {n} ...", flush=True)
@@ -376,7 +373,7 @@ async def run(args: argparse.Namespace) -> int:
             "idle_s": args.idle_s,
             "sample_every_s": SAMPLE_EVERY_S,
             "niceness": args.niceness,
-            "logs": str(run_dir.relative_to(harness.REPO)),
+            "logs": str(run_dir.relative_to(benchkit.REPO)),
         },
         "floods": floods,
     }
@@ -386,11 +383,12 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return benchkit.show(args.out, replot=plot, table=table)
     if args.concurrency < 1 or args.rounds < 1 or any(int(n) < 1 for n in args.floods.split(",")):
         print("memory: --floods, --rounds and --concurrency must be positive", file=sys.stderr)
         return 2
-    measure_all = partial(trio.run, harness.run_guarded, partial(run, args))
-    return benchkit.replot_or_run(args.out, args.replot, measure_all, plot=plot, table=table)
+    return trio.run(harness.run_guarded, partial(run, args))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     .venv/bin/python tools/bench/overhead.py [--quick] [--pin] [--reps N] [--targets ...]
 
 Writes runs/bench/overhead.json and runs/bench/overhead.png (--pin: overhead-pinned.*,
---quick: *-quick.*).
+--quick: *-quick.*; --replot redraws the PNG from the JSON).
 
 By default every process may run on every CPU, so on a small box a router's CPU competes
 with the simulator's and the load generator's, and added latency includes that contention.
@@ -26,10 +26,10 @@ Setup, all on loopback, each part in its own process:
   vLLM dialect; zero latency law, every scheduler step still takes 1 ms);
 - Narwhal: `python -m narwhal serve` with the two engines in P/D roles;
 - vllm-router (PyPI `vllm-router`, installed by this script into its own venv under
-  runs/bench/, never committed): `--vllm-pd-disaggregation --policy round_robin` in
+  runs/tmp/, never committed): `--vllm-pd-disaggregation --policy round_robin` in
   front of the same two engines. If it cannot be installed or started, its cells are
   skipped and the JSON says why;
-- load: tools/bench/h11load.py (raw h11 + trio sockets), one process per cell. "direct"
+- load: tools/bench/loadgen.py (raw h11 + trio sockets), one process per cell. "direct"
   means the load generator runs the same vLLM P/D protocol itself (prefill leg, then the
   decode leg with the prefill's kv_transfer_params), so router minus direct is exactly
   what the router adds.
@@ -46,10 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -57,32 +54,30 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import benchkit
 import httpx
+import trio
 from benchkit import (
+    GUARD_CORES,
     RUNS,
     Json,
-    Processes,
     disturbance,
-    free_port,
     git_revision,
+    harness,
     load_average,
     machine,
     measure_guarded,
     median,
-    read_lines,
+    rotated,
     rounded,
-    save_figure,
     versions,
-    wait_ready,
-    write_json,
 )
+from benchkit.harness import Procs, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-HERE = Path(__file__).resolve().parent
-MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the simulator's default model name
+from narwhal.sim import DEFAULT_MODEL as MODEL
+
 PROMPT = "Summarise the plot of a short story about a lighthouse keeper and a whale."
-VLLM_ROUTER_REQUIREMENT = "vllm-router>=0.1,<0.2"
-VLLM_ROUTER_VENV = RUNS / ".venv-vllm-router"
 LOGS = RUNS / "logs"
 ROUTERS = ("narwhal", "vllm-router")
 ALL_TARGETS = ("direct", "narwhal", "vllm-router")
@@ -93,9 +88,6 @@ GOAL_ADDED_TTFT_P50_MS = 1.0
 GOAL_ADDED_TTFT_AT = 64
 # "Flat" CPU per request from 64 to 512 streams: at most 25% more per request at 512.
 GOAL_FLAT_RATIO = 1.25
-# Other sessions share this box. Before each cell, wait (bounded) until it is this quiet;
-# a cell during which other processes used more than this is re-run (plan.attempts).
-GUARD_CORES = 0.35
 
 
 @attrs.frozen
@@ -223,6 +215,9 @@ def narwhal_config(
       and TTFT reaches seconds (CPU queueing, not engine time); the default 2.5 s would
       end those streams with first_token_timeout error events, which is not the path
       being measured (vllm-router has no such deadline by default).
+    - the per-client limits at the global ones: every benchmark client comes from
+      127.0.0.1, as clients behind a proxy do, and the configuration reference says to
+      raise them there;
     Everything else (tokenisation via /tokenize, per-request logging at info, metrics)
     is Narwhal's default behaviour and is part of what is measured. /metrics is on the
     admin listener, at `admin_port` (default: a free port).
@@ -232,73 +227,16 @@ def narwhal_config(
             {"id": "p0", "url": prefill_url, "role": "prefill", "model": MODEL},
             {"id": "d0", "url": decode_url, "role": "decode", "model": MODEL},
         ],
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {"host": "127.0.0.1", "port": port, "max_open_connections_per_client": 4096},
         "admin": {"host": "127.0.0.1", "port": free_port() if admin_port is None else admin_port},
         "ctl": {"socket": str(LOGS / "narwhal.sock")},
-        "serving": {"admission": "open", "max_connections": 1024},
+        "serving": {
+            "admission": "open",
+            "max_connections": 1024,
+            "max_pending_bodies_per_client": 1024 + 256,  # the retained-request ceiling
+        },
         "engine": {"first_token_timeout_s": 60.0},
     }
-
-
-# ---------------------------------------------------------------------------- vllm-router
-
-
-@attrs.define
-class PeerStatus:
-    status: str  # "ok" | "skipped"
-    version: str | None = None
-    note: str | None = None
-    install_s: float | None = None
-
-    def to_json(self) -> dict[str, Json]:
-        return {
-            "status": self.status,
-            "requirement": VLLM_ROUTER_REQUIREMENT,
-            "version": self.version,
-            "venv": str(VLLM_ROUTER_VENV.relative_to(RUNS.parents[1])),
-            "note": self.note,
-            "install_s": self.install_s,
-        }
-
-
-def ensure_vllm_router() -> PeerStatus:
-    """Install vllm-router into its own venv (reused when it is already there)."""
-    venv_python = VLLM_ROUTER_VENV / "bin" / "python"
-    started = time.monotonic()
-    try:
-        if not (VLLM_ROUTER_VENV / "bin" / "vllm-router").exists():
-            if VLLM_ROUTER_VENV.exists():
-                shutil.rmtree(VLLM_ROUTER_VENV)
-            subprocess.run(
-                [sys.executable, "-m", "venv", str(VLLM_ROUTER_VENV)],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-            subprocess.run(
-                [str(venv_python), "-m", "pip", "install", "--quiet", VLLM_ROUTER_REQUIREMENT],
-                check=True,
-                capture_output=True,
-                timeout=600,
-            )
-        version = subprocess.run(
-            [
-                str(venv_python),
-                "-c",
-                "import importlib.metadata as m; print(m.version('vllm-router'))",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = ""
-        if isinstance(exc, subprocess.CalledProcessError):
-            stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
-            detail = ": " + stderr.strip()[-500:]
-        return PeerStatus("skipped", note=f"vllm-router could not be installed ({exc}){detail}")
-    return PeerStatus("ok", version=version, install_s=round(time.monotonic() - started, 1))
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -315,8 +253,6 @@ def cell_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[s
     cpu = raw["cpu_s"]
     window = float(raw["window_s"])
     ours = sum(float(cpu.get(k, 0.0)) for k in ("router", "sim", "loadgen"))
-    machine = float(cpu.get("machine", ours))
-    interrupts = float(cpu.get("machine_irq", 0.0))
     out: dict[str, Json] = {
         "completed": completed,
         "errors": int(raw["errors"]),
@@ -327,24 +263,40 @@ def cell_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[s
         "chunks_per_stream": round(raw["events"] / completed, 2) if stream and completed else None,
         "cpu_s": dict(cpu),
         "cpu_share": {k: round(float(v) / window, 3) for k, v in cpu.items()},
-        # Cores used by processes that are not part of this benchmark (other users of
-        # the box), and by interrupt handling (loopback TCP), during the window.
-        "other_cpu_share": round(max(0.0, machine - interrupts - ours) / window, 3),
-        "irq_cpu_share": round(interrupts / window, 3),
+        **_others(cpu, window, ours),
         "sim_cpu_ms_per_request": rounded(1000 * cpu["sim"] / completed) if completed else None,
-        "router_cpu_ms_per_request": None,
-        "router_cpu_us_per_chunk": None,
-        "router_cpu_us_per_token": None,
+        **_router_cpu(cpu.get("router"), completed, raw["events"], stream=stream, tokens=tokens),
     }
-    if "router" in cpu and completed:
-        out["router_cpu_ms_per_request"] = rounded(1000 * cpu["router"] / completed)
-        if stream and raw["events"]:
-            out["router_cpu_us_per_chunk"] = rounded(1e6 * cpu["router"] / raw["events"], 1)
-            out["router_cpu_us_per_token"] = rounded(1e6 * cpu["router"] / (completed * tokens), 1)
     if raw.get("error_samples"):
         out["error_samples"] = list(raw["error_samples"])
     if raw.get("drain_cut"):
         out["drain_cut"] = True
+    return out
+
+
+def _others(cpu: Mapping[str, float], window: float, ours: float) -> dict[str, Json]:
+    """Cores used by processes that are not part of this benchmark (other users of the
+    box), and by interrupt handling (loopback TCP), during the window."""
+    interrupts = float(cpu.get("machine_irq", 0.0))
+    machine = float(cpu.get("machine", ours))
+    return {
+        "other_cpu_share": round(max(0.0, machine - interrupts - ours) / window, 3),
+        "irq_cpu_share": round(interrupts / window, 3),
+    }
+
+
+def _router_cpu(
+    router_s: float | None, completed: int, events: int, *, stream: bool, tokens: int
+) -> dict[str, Json]:
+    """The router's CPU per request, per streamed chunk and per token (None: no router)."""
+    out: dict[str, Json] = dict.fromkeys(
+        ("router_cpu_ms_per_request", "router_cpu_us_per_chunk", "router_cpu_us_per_token")
+    )
+    if router_s is not None and completed:
+        out["router_cpu_ms_per_request"] = rounded(1000 * router_s / completed)
+        if stream and events:
+            out["router_cpu_us_per_chunk"] = rounded(1e6 * router_s / events, 1)
+            out["router_cpu_us_per_token"] = rounded(1e6 * router_s / (completed * tokens), 1)
     return out
 
 
@@ -469,7 +421,7 @@ class Endpoints:
     prefill: tuple[str, int]
     decode: tuple[str, int]
     sim_pid: int
-    routers: dict[str, tuple[tuple[str, int], subprocess.Popen[bytes]]] = attrs.Factory(dict)
+    routers: dict[str, tuple[tuple[str, int], trio.Process]] = attrs.Factory(dict)
     # Narwhal's admin listener (/metrics), once it runs.
     narwhal_admin: tuple[str, int] | None = None
 
@@ -480,8 +432,19 @@ def _host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run_cell(
-    procs: Processes,
+def _url(address: tuple[str, int]) -> str:
+    return f"http://{address[0]}:{address[1]}"
+
+
+def _router(endpoints: Endpoints, target: str) -> tuple[tuple[str, int], trio.Process]:
+    address, proc = endpoints.routers[target]
+    if proc.returncode is not None:
+        raise RuntimeError(f"{target} (pid {proc.pid}) exited with {proc.returncode}")
+    return address, proc
+
+
+async def run_cell(
+    procs: Procs,
     plan: Plan,
     endpoints: Endpoints,
     target: str,
@@ -500,23 +463,21 @@ def run_cell(
     if target == "direct":
         spec.update(mode="direct", prefill=list(endpoints.prefill), decode=list(endpoints.decode))
     else:
-        (host, port), proc = endpoints.routers[target]
-        if proc.poll() is not None:
-            raise RuntimeError(f"{target} (pid {proc.pid}) exited with {proc.returncode}")
+        (host, port), proc = _router(endpoints, target)
         spec.update(mode="router", target=[host, port])
         watch["router"] = proc.pid
     spec["watch"] = watch
     limit = timing.warmup_s + timing.window_s + timing.drain_s + 60
-    return _loadgen(procs, spec, timeout_s=limit)
+    return await _loadgen(procs, spec, within_s=limit)
 
 
-def cell_once(
-    procs: Processes, plan: Plan, endpoints: Endpoints, target: str, mode: str, conc: int
+async def cell_once(
+    procs: Procs, plan: Plan, endpoints: Endpoints, target: str, mode: str, conc: int
 ) -> dict[str, Json]:
-    lag_before = loop_lag(endpoints, target)
-    raw = run_cell(procs, plan, endpoints, target, mode, conc)
+    lag_before = await loop_lag(endpoints, target)
+    raw = await run_cell(procs, plan, endpoints, target, mode, conc)
     cell = cell_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
-    lag_after = loop_lag(endpoints, target)
+    lag_after = await loop_lag(endpoints, target)
     if lag_before is not None and lag_after is not None and lag_after[1] > lag_before[1]:
         # Mean lag of Narwhal's event-loop probes over the cell (warm-up, window, drain):
         # how long each await on a request's path waited for the loop.
@@ -525,15 +486,14 @@ def cell_once(
     return cell
 
 
-def loop_lag(endpoints: Endpoints, target: str) -> tuple[float, float] | None:
+async def loop_lag(endpoints: Endpoints, target: str) -> tuple[float, float] | None:
     """(sum, count) of Narwhal's narwhal_event_loop_lag_seconds; None for other targets
     or when the scrape fails."""
     if target != "narwhal" or endpoints.narwhal_admin is None:
         return None
-    host, port = endpoints.narwhal_admin
     try:
-        with httpx.Client(timeout=5.0) as client:
-            text = client.get(f"http://{host}:{port}/metrics").text
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            text = (await client.get(_url(endpoints.narwhal_admin) + "/metrics")).text
     except httpx.HTTPError:
         return None
     for family in text_string_to_metric_families(text):
@@ -543,8 +503,8 @@ def loop_lag(endpoints: Endpoints, target: str) -> tuple[float, float] | None:
     return None
 
 
-def alternating_once(
-    procs: Processes, plan: Plan, endpoints: Endpoints, targets: Sequence[str], mode: str
+async def alternating_once(
+    procs: Procs, plan: Plan, endpoints: Endpoints, targets: Sequence[str], mode: str
 ) -> dict[str, Json]:
     """Concurrency 1, all targets alternating in short slices within one window."""
     spec: dict[str, Json] = {
@@ -563,27 +523,18 @@ def alternating_once(
                 "decode": list(endpoints.decode),
             }
         else:
-            (host, port), proc = endpoints.routers[target]
-            if proc.poll() is not None:
-                raise RuntimeError(f"{target} (pid {proc.pid}) exited with {proc.returncode}")
+            (host, port), proc = _router(endpoints, target)
             spec["targets"][target] = {"target": [host, port]}
             spec["watch"][target] = proc.pid
-    raw = _loadgen(procs, spec, timeout_s=plan.probe_window_s + 60)
+    raw = await _loadgen(procs, spec, within_s=plan.probe_window_s + 60)
     return alternating_metrics(raw, stream=mode == "stream", tokens=plan.max_tokens[mode])
 
 
 def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[str, Json]:
     """Per target metrics of one alternating probe, plus its disturbance."""
     cpu = raw["cpu_s"]
-    window = float(raw["window_s"])
     ours = sum(float(v) for k, v in cpu.items() if not k.startswith("machine"))
-    out: dict[str, Json] = {
-        "cpu_s": dict(cpu),
-        "other_cpu_share": round(
-            max(0.0, float(cpu["machine"]) - float(cpu["machine_irq"]) - ours) / window, 3
-        ),
-        "irq_cpu_share": round(float(cpu["machine_irq"]) / window, 3),
-    }
+    out: dict[str, Json] = {"cpu_s": dict(cpu), **_others(cpu, float(raw["window_s"]), ours)}
     direct = raw["targets"].get("direct")
     for name, t in raw["targets"].items():
         completed = int(t["completed"])
@@ -597,15 +548,8 @@ def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) ->
             "chunks_per_stream": round(t["events"] / completed, 2)
             if stream and completed
             else None,
-            "router_cpu_ms_per_request": None,
-            "router_cpu_us_per_chunk": None,
-            "router_cpu_us_per_token": None,
+            **_router_cpu(cpu.get(name), completed, t["events"], stream=stream, tokens=tokens),
         }
-        if name in cpu and completed:
-            cell["router_cpu_ms_per_request"] = rounded(1000 * cpu[name] / completed)
-            if stream and t["events"]:
-                cell["router_cpu_us_per_chunk"] = rounded(1e6 * cpu[name] / t["events"], 1)
-                cell["router_cpu_us_per_token"] = rounded(1e6 * cpu[name] / (completed * tokens), 1)
         if t.get("error_samples"):
             cell["error_samples"] = t["error_samples"]
         if direct is not None and name != "direct":
@@ -617,96 +561,39 @@ def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) ->
     return out
 
 
-def _loadgen(procs: Processes, spec: Mapping[str, Json], *, timeout_s: float) -> dict[str, Any]:
-    loadgen = procs.start(
-        "loadgen",
-        [sys.executable, str(HERE / "h11load.py"), json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = loadgen.communicate(timeout=timeout_s)
-    finally:
-        procs.stop(loadgen)
-    if loadgen.returncode != 0:
-        raise RuntimeError(f"load generator failed ({loadgen.returncode}): {err.decode()[-2000:]}")
-    result: dict[str, Any] = json.loads(out)
+async def _loadgen(procs: Procs, spec: Mapping[str, Json], *, within_s: float) -> dict[str, Any]:
+    argv = [sys.executable, str(benchkit.BENCH / "loadgen.py"), json.dumps(spec)]
+    result: dict[str, Any] = json.loads(await procs.run("loadgen", argv, within_s=within_s))
     return result
 
 
-def start_fleet(procs: Processes, logs: Path) -> Endpoints:
-    err = open(logs / "sim.log", "wb")  # noqa: SIM115 - lives as long as the process
-    sim = procs.start(
-        "sim",
-        [sys.executable, "-m", "narwhal.sim", "--port", "0", "--engines", "2", "--zero"],
-        stdout=subprocess.PIPE,
-        stderr=err,
-    )
-    urls = read_lines(sim, 2, timeout_s=30)
-    return Endpoints(prefill=_host_port(urls[0]), decode=_host_port(urls[1]), sim_pid=sim.pid)
+async def start_fleet(procs: Procs) -> Endpoints:
+    (urls,) = await harness.start_fleet(procs, engines=2, zero=True)
+    prefill, decode = (_host_port(u) for u in urls)
+    return Endpoints(prefill=prefill, decode=decode, sim_pid=procs.find("sim0").pid)
 
 
-def start_narwhal(procs: Processes, endpoints: Endpoints, logs: Path) -> dict[str, Json]:
+async def start_narwhal(procs: Procs, endpoints: Endpoints) -> dict[str, Json]:
     port = free_port()
-    config = narwhal_config(
-        f"http://{endpoints.prefill[0]}:{endpoints.prefill[1]}",
-        f"http://{endpoints.decode[0]}:{endpoints.decode[1]}",
-        port,
-    )
-    path = logs / "narwhal.json"
-    path.write_text(json.dumps(config, indent=2))
-    err = open(logs / "narwhal.log", "wb")  # noqa: SIM115
-    proc = procs.start(
-        "narwhal",
-        [sys.executable, "-m", "narwhal", "serve", "--config", str(path)],
-        stderr=err,
-    )
-    wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=60)
-    endpoints.routers["narwhal"] = (("127.0.0.1", port), proc)
+    config = narwhal_config(_url(endpoints.prefill), _url(endpoints.decode), port)
+    await harness.start_narwhal(procs, config, LOGS)
+    endpoints.routers["narwhal"] = (("127.0.0.1", port), procs.find("narwhal"))
     endpoints.narwhal_admin = ("127.0.0.1", int(config["admin"]["port"]))
     return config
 
 
-def vllm_router_argv(endpoints: Endpoints, port: int, metrics_port: int) -> list[str]:
-    return [
-        str(VLLM_ROUTER_VENV / "bin" / "vllm-router"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--vllm-pd-disaggregation",
-        "--prefill",
-        f"http://{endpoints.prefill[0]}:{endpoints.prefill[1]}",
-        "--decode",
-        f"http://{endpoints.decode[0]}:{endpoints.decode[1]}",
-        "--policy",
-        "round_robin",
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-    ]
-
-
-def start_vllm_router(procs: Processes, endpoints: Endpoints, logs: Path) -> list[str]:
+async def start_vllm_router(procs: Procs, endpoints: Endpoints, exe: Path) -> list[str]:
     port = free_port()
-    argv = vllm_router_argv(endpoints, port, free_port())
-    out = open(logs / "vllm-router.log", "wb")  # noqa: SIM115
-    proc = procs.start("vllm-router", argv, stdout=out, stderr=subprocess.STDOUT)
-    wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=120)
-    endpoints.routers["vllm-router"] = (("127.0.0.1", port), proc)
+    urls = [_url(endpoints.prefill), _url(endpoints.decode)]
+    _, argv = await harness.start_vllm_router(procs, exe, urls, ["prefill", "decode"], port=port)
+    endpoints.routers["vllm-router"] = (("127.0.0.1", port), procs.find("vllm-router"))
     return argv
 
 
-def rotated(items: Sequence[str], k: int) -> list[str]:
-    k %= max(1, len(items))
-    return [*items[k:], *items[:k]]
-
-
-def run(plan: Plan, out_stem: str) -> dict[str, Json]:
+async def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     LOGS.mkdir(parents=True, exist_ok=True)
     started = datetime.now(UTC)
-    peer = ensure_vllm_router() if "vllm-router" in plan.targets else None
+    peer = await harness.install_vllm_router() if "vllm-router" in plan.targets else None
     targets = [t for t in plan.targets if t != "vllm-router" or (peer and peer.status == "ok")]
     document: dict[str, Json] = {
         "benchmark": "overhead",
@@ -721,16 +608,18 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     probes: dict[str, list[dict[str, Json]]] = {}
     if plan.pinning is not None:
         os.sched_setaffinity(0, plan.pinning["driver"])
-    with Processes(affinity=plan.pinning) as procs:
-        endpoints = start_fleet(procs, LOGS)
-        narwhal_cfg = start_narwhal(procs, endpoints, LOGS) if "narwhal" in targets else None
+    async with Procs(LOGS, affinity=plan.pinning) as procs:
+        endpoints = await start_fleet(procs)
+        narwhal_cfg = await start_narwhal(procs, endpoints) if "narwhal" in targets else None
         vllm_argv: list[str] | None = None
         if "vllm-router" in targets and peer is not None:
+            exe = harness.vllm_router_binary(peer.venv)
             try:
-                vllm_argv = start_vllm_router(procs, endpoints, LOGS)
-            except RuntimeError as exc:
+                assert exe is not None
+                vllm_argv = await start_vllm_router(procs, endpoints, exe)
+            except (AssertionError, RuntimeError, trio.TooSlowError) as exc:
                 peer.status = "skipped"
-                peer.note = f"vllm-router did not start: {exc} (see runs/bench/logs)"
+                peer.note = f"vllm-router did not start: {exc!r} (see runs/bench/logs)"
                 targets.remove("vllm-router")
         if peer is not None:
             document["vllm_router"] = peer.to_json()
@@ -756,8 +645,8 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
                             end=" ",
                             flush=True,
                         )
-                        time.sleep(plan.settle_s)
-                        cell = measure_guarded(
+                        await trio.sleep(plan.settle_s)
+                        cell = await measure_guarded(
                             partial(cell_once, procs, plan, endpoints, target, mode, conc),
                             attempts=plan.attempts,
                             max_other_cores=GUARD_CORES,
@@ -768,7 +657,7 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
                     cells.setdefault((mode, conc), []).append(group)
             for mode in MODES:
                 print(f"rep {rep + 1}/{plan.reps} {mode:10} c=1 alternating", end=" ", flush=True)
-                probe = measure_guarded(
+                probe = await measure_guarded(
                     partial(alternating_once, procs, plan, endpoints, targets, mode),
                     attempts=plan.attempts,
                     max_other_cores=GUARD_CORES,
@@ -805,13 +694,7 @@ def run(plan: Plan, out_stem: str) -> dict[str, Json]:
         [c for rep in detail for c in rep["reps"]] + [p for reps in probes.values() for p in reps]
     )
     document["repetitions"] = detail
-    write_json(RUNS / f"{out_stem}.json", document)
-    plot(
-        summary,
-        RUNS / f"{out_stem}.png",
-        title=_title(document),
-        alternating=document["alternating_c1"]["summary"],
-    )
+    benchkit.publish(RUNS / f"{out_stem}.json", document, plot=plot)
     return document
 
 
@@ -860,19 +743,11 @@ def _title(document: Mapping[str, Json]) -> str:
 _COLORS = {"direct": "#7f7f7f", "narwhal": "#1f77b4", "vllm-router": "#ff7f0e"}
 
 
-def plot(
-    summary: Sequence[Mapping[str, Json]],
-    path: Path,
-    *,
-    title: str,
-    alternating: Sequence[Mapping[str, Json]] = (),
-) -> None:
-    import importlib
-
-    matplotlib = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt = importlib.import_module("matplotlib.pyplot")
-
+def plot(document: Json, path: Path) -> None:
+    """Throughput, router CPU and added TTFT per concurrency, median of repetitions."""
+    plt = benchkit.pyplot()
+    summary: Sequence[Mapping[str, Json]] = document["summary"]
+    alternating: Sequence[Mapping[str, Json]] = document["alternating_c1"]["summary"]
     concs = sorted({int(r["concurrency"]) for r in summary})
     targets = [t for t in ALL_TARGETS if any(r["target"] == t for r in summary)]
 
@@ -952,8 +827,8 @@ def plot(
     ax.set_xlabel("concurrent streams")
     ax.set_title("added TTFT vs direct, ms (bar p50, tick p99; dashed: 1 ms goal)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.suptitle(title + "\nmedian of repetitions", fontsize=11)
-    save_figure(fig, path)
+    fig.suptitle(_title(document) + "\nmedian of repetitions", fontsize=11)
+    benchkit.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------- main
@@ -975,7 +850,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "on the others; default output stem overhead-pinned",
     )
     p.add_argument("--out", default=None, help="output stem under runs/bench/")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the stem's JSON")
     args = p.parse_args(argv)
+    suffix = ("-pinned" if args.pin else "") + ("-quick" if args.quick else "")
+    stem = args.out or f"overhead{suffix}"
+    if args.replot:
+        return benchkit.show(RUNS / f"{stem}.json", replot=plot)
     targets = [t for t in args.targets.split(",") if t]
     unknown = sorted(set(targets) - set(ALL_TARGETS))
     if unknown:
@@ -985,12 +865,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     plan = make_plan(quick=args.quick, reps=args.reps, targets=targets, pinning=pinning)
-    suffix = ("-pinned" if args.pin else "") + ("-quick" if args.quick else "")
-    stem = args.out or f"overhead{suffix}"
-    document = run(plan, stem)
-    print(json.dumps({"summary": document["summary"], "goals": document["goals"]}, indent=1))
-    print(f"wrote {RUNS / (stem + '.json')} and {RUNS / (stem + '.png')}")
-    return 0
+
+    async def measure() -> int:
+        document = await run(plan, stem)
+        print(json.dumps({"summary": document["summary"], "goals": document["goals"]}, indent=1))
+        return 0
+
+    return trio.run(harness.run_guarded, measure)
 
 
 if __name__ == "__main__":

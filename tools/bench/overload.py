@@ -24,17 +24,14 @@ import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import attrs
+import benchkit
 import goodput
-import goodput_harness as harness
-import goodput_workload as gw
 import trio
+from benchkit import Json, harness, workload as gw
 
 from narwhal.sim import SimTiming
-
-Json = Any
 
 CONFIGURATIONS = [
     goodput.Configuration(
@@ -60,38 +57,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"phases x {QUICK_SCALE}")
     p.add_argument("--scale", type=float, default=None, help="phase length factor (overrides)")
     p.add_argument("--load", type=float, default=2.0, help="overload x capacity")
-    p.add_argument(
-        "--traces",
-        type=Path,
-        default=harness.REPO.parent / "shared" / "traces" / "azure2023",
-        help="directory of the Azure 2023 traces (default ../shared/traces/azure2023)",
-    )
-    p.add_argument("--speed", type=float, default=0.25, help="simulator speed (slow motion)")
-    p.add_argument("--sim-procs", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--niceness", type=int, default=-5, help="see goodput.py --niceness")
-    p.add_argument("--ttft-slo-s", type=float, default=0.5)
-    p.add_argument("--tpot-slo-s", type=float, default=0.05)
-    p.add_argument(
-        "--assume-feature", action="append", default=[], choices=sorted(goodput.FEATURES)
-    )
-    p.add_argument(
-        "--vllm-router-venv", type=Path, default=harness.REPO / "runs" / "tmp" / "venv-vllm-router"
-    )
-    p.add_argument(
-        "--profiles",
-        type=Path,
-        default=None,
-        help="a profile store measured on an identical fleet (same --speed) to reuse "
-        "instead of profiling the predictive run's fleet (see goodput.py --profiles)",
-    )
+    goodput.fleet_arguments(p)
     p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
     p.add_argument(
         "--request-log",
         action="store_true",
         help="keep Narwhal's per-request log lines in the run directory (diagnosis)",
     )
-    p.add_argument("--out", type=Path, default=harness.REPO / "runs" / "bench" / "overload.json")
+    p.add_argument("--out", type=Path, default=benchkit.RUNS / "overload.json")
     return p.parse_args(argv)
 
 
@@ -190,9 +163,7 @@ async def run_all(args: argparse.Namespace) -> int:
             name: r["verdict"] for name, r in results.items() if r.get("status") == "ran"
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"overload: wrote {args.out}", flush=True)
+    benchkit.publish(args.out, doc, indent=1)
     return 0
 
 

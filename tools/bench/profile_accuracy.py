@@ -31,13 +31,14 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
+import benchkit
 import trio
+from benchkit import harness
 
 from narwhal.config import load_config
 from narwhal.probe import (
@@ -70,37 +71,11 @@ def ape(predicted: float, observed: float) -> float:
 
 
 def mean(values: list[float]) -> float | None:
-    return round(statistics.fmean(values), 4) if values else None
+    return benchkit.rounded(benchkit.mean(values), 4)
 
 
 def median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 4) if values else None
-
-
-async def start_sim(engines: int, speed: float) -> tuple[trio.Process, list[str]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "narwhal.sim",
-        "--port",
-        "0",
-        "--engines",
-        str(engines),
-        "--speed",
-        str(speed),
-        "--model",
-        MODEL,
-    ]
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    data = b""
-    with trio.fail_after(30):
-        while data.count(b"\n") < engines:
-            chunk = await proc.stdout.receive_some(4096)
-            if not chunk:
-                raise RuntimeError("narwhal-sim exited before printing its urls")
-            data += chunk
-    return proc, data.decode().split()
+    return benchkit.rounded(benchkit.median(values), 4)
 
 
 async def held_out_prefill(
@@ -270,13 +245,15 @@ def summary(
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    load_start = os.getloadavg()
-    proc, urls = await start_sim(args.engines, args.speed)
+    load_start = benchkit.load_average()
     law = SimTiming()
     plan = SweepPlan.fast() if args.fast else SweepPlan()
     rounds: list[dict[str, Any]] = []
     stores: list[ProfileStore] = []
-    try:
+    async with harness.Procs(benchkit.TMP / "profile_accuracy") as procs:
+        (urls,) = await harness.start_fleet(
+            procs, engines=args.engines, speed=args.speed, model=MODEL
+        )
         for round_index in range(args.rounds):
             prefill: list[dict[str, Any]] = []
             decode: list[dict[str, Any]] = []
@@ -316,12 +293,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     "held_out": {"prefill": prefill, "decode": decode, "handoff": handoffs},
                 }
             )
-    finally:
-        proc.terminate()
-        with trio.move_on_after(5):
-            await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
     last = ProfileStore(
         engines={k: v for st in stores for k, v in st.engines.items()},
         handoffs={k: v for st in stores for k, v in st.handoffs.items()},
@@ -336,9 +307,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "tool": "tools/bench/profile_accuracy.py",
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
-            "cpus": os.cpu_count(),
-            "loadavg_start": [round(x, 2) for x in load_start],
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            **benchkit.machine(),
+            "loadavg_start": load_start,
+            "loadavg_end": benchkit.load_average(),
         },
         "sim": {"engines": args.engines, "speed": args.speed, "law": attrs.asdict(law)},
         "sweep": {"fast": args.fast, **last.sweep},

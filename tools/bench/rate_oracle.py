@@ -17,11 +17,10 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import goodput_harness as harness
+import benchkit
+from benchkit import Json
 
-Json = Any
 DEFAULT_SPLITS = "3p5d,4p4d,5p3d,6p2d,7p1d"  # the splits goodput_rate --quick keeps
 
 
@@ -68,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", type=Path, help="goodput_rate.py result JSON files")
     p.add_argument("--splits", default=DEFAULT_SPLITS, help="static splits the oracle needs")
-    p.add_argument("--out", type=Path, default=harness.REPO / "runs/bench/goodput-rate-oracle.json")
+    p.add_argument("--out", type=Path, default=benchkit.RUNS / "goodput-rate-oracle.json")
     args = p.parse_args(argv)
     docs = [json.loads(path.read_text()) for path in args.inputs]
     result = {
@@ -79,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": docs[-1].get("config"),
         "oracle": oracle(docs, args.splits.split(",")),
     }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    benchkit.write_json(args.out, result, indent=1)
     for rate, row in result["oracle"].items():
         splits = ", ".join(
             f"{phase} {best['split'].removeprefix('narwhal-static-')}"

@@ -36,27 +36,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Collection
 from datetime import UTC, datetime
 from functools import partial
-from importlib import metadata
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+import benchkit
 import h11
 import trio
+from benchkit import harness
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+ROOT = benchkit.REPO
+sys.path.insert(0, str(ROOT))  # the soak's client and invariants are the test suite's
 
 from narwhal.sim import DisaggregationMode, Fleet, SimEngineSpec, serve_fleet  # noqa: E402
 from narwhal.sim._http import request as sim_request  # noqa: E402
@@ -372,6 +372,9 @@ FAULT_RULE = (
 
 
 class Daemon:
+    """`narwhal serve` on a config file the soak rewrites, ready once it tells systemd's
+    notify socket (which names the ports it bound)."""
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.config_path = directory / "narwhal.json"
@@ -381,24 +384,29 @@ class Daemon:
         self.url = ""
         self.admin_url = ""  # /narwhal/state and /metrics
 
+    async def __aenter__(self) -> Daemon:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.notify.close()
+
     def write(self, document: dict[str, Any]) -> None:
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(document))
         tmp.replace(self.config_path)
 
-    async def start(self, document: dict[str, Any]) -> None:
+    async def start(self, procs: harness.Procs, document: dict[str, Any]) -> None:
         await self.notify.bind(str(self.notify_path))
         self.write(document)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
         env["NOTIFY_SOCKET"] = str(self.notify_path)
-        log = (self.directory / "daemon.log").open("wb")
-        self.process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "narwhal", "serve", "--config", str(self.config_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=env,
-        )
+        argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(self.config_path)]
+        self.process = await procs.start("narwhal", argv, env=env)
         with trio.fail_after(60):
             while True:
                 text = (await self.notify.recv(65536)).decode()
@@ -418,14 +426,11 @@ class Daemon:
             return response.body.decode()
         return response.json()
 
-    async def stop(self) -> int | None:
+    async def stop(self, procs: harness.Procs) -> int | None:
         if self.process is None:
             return None
-        self.process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(15):
-            return await self.process.wait()
-        self.process.kill()
-        return await self.process.wait()
+        await procs.stop(self.process, grace_s=15.0)
+        return self.process.returncode
 
 
 def reload_counts(metrics: str) -> dict[str, int]:
@@ -445,26 +450,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     started_wall = time.time()
     directory = Path(tempfile.mkdtemp(prefix="nw-soak-"))
-    sim = await trio.lowlevel.open_process(
-        [
-            sys.executable,
-            __file__,
-            "--serve-sim",
-            "--speed",
-            str(args.speed),
-            "--dialect",
-            args.dialect,
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-    )
-    daemon = Daemon(directory)
-    try:
-        assert sim.stdout is not None
-        line = b""
-        with trio.fail_after(60):
-            while not line.endswith(b"\n"):
-                line += await sim.stdout.receive_some(65536)
+    async with harness.Procs(directory) as procs, Daemon(directory) as daemon:
+        argv = [sys.executable, __file__, "--serve-sim", "--speed", str(args.speed)]
+        sim = await procs.start("sim", [*argv, "--dialect", args.dialect], stdout_pipe=True)
+        (line,) = await harness.read_lines(sim, 1, 60.0)
         urls: list[str] = json.loads(line)
         engines = engine_entries(args.dialect, urls)
         ctl = {"socket": str(directory / "ctl.sock")}
@@ -474,7 +463,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             for variant in variants(args.dialect)
         ]
         invalid = invalid_documents(args.dialect, documents[0])
-        await daemon.start(documents[0])
+        await daemon.start(procs, documents[0])
         timeout_s = max(d["serving"]["request_timeout_s"] for d in documents)
         exchanges: list[Exchange] = []
         injected: dict[str, int] = {}
@@ -601,22 +590,16 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         verifications = verification_counts(metrics)
         armed_legs = legs_with_armed_faults(engine_states)
         faults_set = sum(n for name, n in injected.items() if not name.startswith("not_set"))
-        code = await daemon.stop()
+        code = await daemon.stop(procs)
         visible = sum(1 for ex in exchanges if verdict(ex).visible_output)
         counters = _sum_counters(engine_states)
         return {
             "tool": "tools/bench/reliability.py",
             "measured_at": datetime.fromtimestamp(started_wall, UTC).isoformat(timespec="seconds"),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-            },
-            "versions": {
-                name: metadata.version(name)
-                for name in ("narwhal", "trio", "h11", "hypercorn", "httpx", "attrs")
-            },
+            "machine": {**benchkit.machine(), "loadavg_end": benchkit.load_average()},
+            "versions": benchkit.versions(
+                ["narwhal", "trio", "h11", "hypercorn", "httpx", "attrs"]
+            ),
             "run": {
                 "dialect": args.dialect,
                 "requests": len(exchanges),
@@ -658,15 +641,6 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "retry_budget": router_state["retry_budget"],
             "invariants": report.to_json(),
         }
-    finally:
-        if daemon.process is not None and daemon.process.returncode is None:
-            daemon.process.kill()
-        sim.send_signal(signal.SIGTERM)
-        with trio.move_on_after(10):
-            await sim.wait()
-        if sim.returncode is None:
-            sim.kill()
-        daemon.notify.close()
 
 
 def _sum_counters(states: list[dict[str, Any]]) -> dict[str, int]:

@@ -1,19 +1,25 @@
-"""tools/bench/assemble.py: its arguments, its table, and a real child measurement."""
+"""tools/bench/dev/assemble.py: its code trees, its table, and a real child measurement."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import assemble
 import pytest
 from benchkit import REPO
+from codetree import parse_code
 
 
-def test_code_trees_are_named_and_malformed_ones_refused() -> None:
-    name, tree = assemble.parse_code("before=/tmp/x")
-    assert (name, str(tree)) == ("before", "/tmp/x")
+def test_code_trees_are_named_and_malformed_ones_refused(tmp_path: Path) -> None:
+    (tmp_path / "narwhal").mkdir()
+    (tmp_path / "narwhal" / "__init__.py").touch()
+    assert parse_code(f"before={tmp_path}") == ("before", tmp_path.resolve())
     with pytest.raises(argparse.ArgumentTypeError, match="expected NAME=DIR"):
-        assemble.parse_code("/tmp/x")
+        parse_code(str(tmp_path))
+    # A tree without a narwhal package would have the child import this checkout's.
+    with pytest.raises(argparse.ArgumentTypeError, match="with DIR/narwhal/"):
+        parse_code(f"before={tmp_path / 'narwhal'}")
 
 
 def test_the_table_gives_the_cost_per_chunk() -> None:

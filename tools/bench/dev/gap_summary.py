@@ -1,6 +1,6 @@
 """What a finished decode stream's token gaps cost the request path, per stream.
 
-    .venv/bin/python tools/bench/gap_summary.py [--code NAME=DIR ...] [--streams 2000]
+    .venv/bin/python tools/bench/dev/gap_summary.py [--code NAME=DIR ...] [--streams 2000]
 
 As a streamed decode leg ends, its gaps (up to 256) serve the role controller (the
 median interval), the live decode correction (through `ControlLink.decode_gaps`) and a
@@ -15,11 +15,13 @@ pass the gap list to `decode_gaps` instead. Writes runs/bench/gap_summary.json.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
+import sys
+from functools import partial
 from pathlib import Path
 
-from benchkit import REPO, RUNS, Json, git_revision, machine, python, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchkit, one folder up
+from benchkit import REPO, RUNS
+from codetree import compare, in_child, parse_code
 
 GAPS = 256
 REPS = 5
@@ -87,21 +89,9 @@ trio.run(main)
 """
 
 
-def parse_code(text: str) -> tuple[str, Path]:
-    name, sep, directory = text.partition("=")
-    if not sep or not name or not directory:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
-    return name, Path(directory)
-
-
 def measure(tree: Path, streams: int, reps: int) -> dict[str, float]:
-    proc = subprocess.run(
-        [python(), "-c", _CHILD, str(tree), str(REPO), str(streams), str(GAPS), str(reps)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result: dict[str, float] = json.loads(proc.stdout)
+    args = (str(REPO), str(streams), str(GAPS), str(reps))
+    result: dict[str, float] = in_child(_CHILD, tree, *args)
     return result
 
 
@@ -112,15 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--out", type=Path, default=RUNS / "gap_summary.json")
     args = p.parse_args(argv)
-    trees = [("current", REPO), *args.code]
-    document: Json = {
-        "benchmark": "gap_summary",
-        "machine": machine(),
-        "git": git_revision(),
-        "config": {"gaps_per_stream": GAPS, "streams": args.streams, "reps": args.reps},
-        "results": {name: measure(tree, args.streams, args.reps) for name, tree in trees},
-    }
-    write_json(args.out, document)
+    config = {"gaps_per_stream": GAPS, "streams": args.streams, "reps": args.reps}
+    timed = partial(measure, streams=args.streams, reps=args.reps)
+    document = compare("gap_summary", config, timed, args.code, args.out)
     for name, cells in document["results"].items():
         print(f"{name}: {cells['us_per_stream']:.1f} µs per stream (best of {args.reps})")
     print(f"wrote {args.out}", flush=True)

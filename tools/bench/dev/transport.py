@@ -1,7 +1,7 @@
 """Engine transport alone: client CPU per request of Narwhal's ConnectionPool, one
 httpx.AsyncClient, and httpx sharded into many small clients, at 1-512 requests in flight.
 
-    .venv/bin/python tools/bench/transport.py [--quick] [--reps N]
+    .venv/bin/python tools/bench/dev/transport.py [--quick] [--reps N] [--replot]
 
 Writes runs/bench/transport.json and runs/bench/transport.png (--quick: *-quick.*).
 
@@ -24,13 +24,10 @@ numbers reported are medians over repetitions.
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import os
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -41,30 +38,32 @@ from typing import Any
 import attrs
 import httpx
 import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchkit, one folder up
+import benchkit
 from benchkit import (
+    GUARD_CORES,
     RUNS,
     Json,
-    Processes,
     cpu_seconds,
     disturbance,
     git_revision,
+    harness,
     load_average,
     machine,
     machine_cpu_seconds,
     measure_guarded,
     median,
-    read_lines,
+    rotated,
     rounded,
-    save_figure,
     summarize,
     versions,
-    write_json,
 )
 
 from narwhal.engines import ConnectionPool
 from narwhal.sim import DEFAULT_MODEL
 
-HERE = Path(__file__).resolve().parent
+SELF = Path(__file__).resolve()
 LOGS = RUNS / "logs"
 CLIENTS = ("narwhal-pool", "httpx", "httpx-sharded")
 INFLIGHT = (1, 16, 64, 256, 512)
@@ -74,8 +73,6 @@ BODY = json.dumps(
     {"model": DEFAULT_MODEL, "prompt": "Hello there, engine.", "max_tokens": 1}
 ).encode()
 HEADERS = [(b"content-type", b"application/json")]
-# Other sessions share this box: see overhead.GUARD_CORES.
-GUARD_CORES = 0.35
 
 # ---------------------------------------------------------------------------- worker
 
@@ -305,8 +302,8 @@ def flatness(summary: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
     return out
 
 
-def cell_once(
-    procs: Processes,
+async def cell_once(
+    procs: harness.Procs,
     plan: Plan,
     client: str,
     host: str,
@@ -314,41 +311,15 @@ def cell_once(
     inflight: int,
     sim_pid: int,
 ) -> dict[str, Json]:
-    argv = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        client,
-        "--host",
-        host,
-        "--port",
-        port,
-        "--inflight",
-        str(inflight),
-        "--warmup",
-        str(plan.warmup_s),
-        "--window",
-        str(plan.window_s),
-        "--sim-pid",
-        str(sim_pid),
-    ]
-    worker = procs.start("client", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, errout = worker.communicate(timeout=plan.warmup_s + plan.window_s + 120)
-    finally:
-        procs.stop(worker)
-    if worker.returncode != 0:
-        raise RuntimeError(f"client worker failed ({worker.returncode}): {errout.decode()[-2000:]}")
+    argv = [sys.executable, str(SELF), "--worker", client]
+    argv += ["--host", host, "--port", port, "--inflight", str(inflight)]
+    argv += ["--warmup", str(plan.warmup_s), "--window", str(plan.window_s)]
+    argv += ["--sim-pid", str(sim_pid)]
+    out = await procs.run("client", argv, within_s=plan.warmup_s + plan.window_s + 120)
     return cell_metrics(json.loads(out))
 
 
-def rotated(items: Sequence[str], k: int) -> list[str]:
-    k %= max(1, len(items))
-    return [*items[k:], *items[:k]]
-
-
-def run(plan: Plan, stem: str) -> dict[str, Json]:
-    LOGS.mkdir(parents=True, exist_ok=True)
+async def run(plan: Plan, stem: str) -> dict[str, Json]:
     document: dict[str, Json] = {
         "benchmark": "transport",
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -360,27 +331,21 @@ def run(plan: Plan, stem: str) -> dict[str, Json]:
         "load_average_before": load_average(),
     }
     cells: dict[tuple[str, int], list[dict[str, Json]]] = {}
-    with Processes() as procs:
-        err = open(LOGS / "transport-sim.log", "wb")  # noqa: SIM115 - lives with the process
-        sim = procs.start(
-            "sim",
-            [sys.executable, "-m", "narwhal.sim", "--port", "0", "--engines", "1", "--zero"],
-            stdout=subprocess.PIPE,
-            stderr=err,
-        )
-        url = read_lines(sim, 1, timeout_s=30)[0]
+    async with harness.Procs(LOGS / "transport") as procs:
+        ((url,),) = await harness.start_fleet(procs, engines=1, zero=True)
+        sim = procs.find("sim0")
         host, port = url.removeprefix("http://").rsplit(":", 1)
         document["config"]["engine"] = "python -m narwhal.sim --port 0 --engines 1 --zero"
         for rep in range(plan.reps):
             for inflight in plan.inflight:
                 for client in rotated(plan.clients, rep):
-                    time.sleep(plan.settle_s)
+                    await trio.sleep(plan.settle_s)
                     print(
                         f"rep {rep + 1}/{plan.reps} inflight={inflight:<3} {client:13}",
                         end=" ",
                         flush=True,
                     )
-                    cell = measure_guarded(
+                    cell = await measure_guarded(
                         partial(cell_once, procs, plan, client, host, port, inflight, sim.pid),
                         attempts=plan.attempts,
                         max_other_cores=GUARD_CORES,
@@ -406,18 +371,18 @@ def run(plan: Plan, stem: str) -> dict[str, Json]:
     document["repetitions"] = [
         {"client": c, "inflight": i, "reps": reps} for (c, i), reps in cells.items()
     ]
-    write_json(RUNS / f"{stem}.json", document)
-    plot(summary, RUNS / f"{stem}.png", machine_info=document["machine"])
+    benchkit.publish(RUNS / f"{stem}.json", document, plot=plot)
     return document
 
 
 _COLORS = {"narwhal-pool": "#1f77b4", "httpx": "#d62728", "httpx-sharded": "#2ca02c"}
 
 
-def plot(summary: Sequence[Mapping[str, Json]], path: Path, *, machine_info: Json) -> None:
-    matplotlib = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt = importlib.import_module("matplotlib.pyplot")
+def plot(document: Json, path: Path) -> None:
+    """Client CPU per request and requests/s by requests in flight, per client."""
+    plt = benchkit.pyplot()
+    summary: Sequence[Mapping[str, Json]] = document["summary"]
+    machine_info = document["machine"]
     fig, (ax_cpu, ax_rate) = plt.subplots(1, 2, figsize=(12, 4.8))
     for client in CLIENTS:
         rows = sorted((r for r in summary if r["client"] == client), key=lambda r: r["inflight"])
@@ -449,7 +414,7 @@ def plot(summary: Sequence[Mapping[str, Json]], path: Path, *, machine_info: Jso
         f"({machine_info['cpu_model']}, {machine_info['cores']} cores)",
         fontsize=11,
     )
-    save_figure(fig, path)
+    benchkit.save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -457,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short windows, one repetition")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     p.add_argument("--out", default=None, help="output stem under runs/bench/")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the stem's JSON")
     # Internal: one measurement cell in this process.
     p.add_argument("--worker", choices=CLIENTS, help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -482,10 +448,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     stem = args.out or ("transport-quick" if args.quick else "transport")
-    document = run(make_plan(quick=args.quick, reps=args.reps), stem)
-    print(json.dumps({"flatness": document["flatness"]}, indent=1))
-    print(f"wrote {RUNS / (stem + '.json')} and {RUNS / (stem + '.png')}")
-    return 0
+    if args.replot:
+        return benchkit.show(RUNS / f"{stem}.json", replot=plot)
+
+    async def measure() -> int:
+        document = await run(make_plan(quick=args.quick, reps=args.reps), stem)
+        print(json.dumps({"flatness": document["flatness"]}, indent=1))
+        return 0
+
+    return trio.run(harness.run_guarded, measure)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where Narwhal's CPU goes on the overhead benchmark's path, and what config changes buy.
 
-    .venv/bin/python tools/bench/profile_narwhal.py --mode stream --concurrency 64 \\
+    .venv/bin/python tools/bench/dev/profile_narwhal.py --mode stream --concurrency 64 \\
         [--variant NAME=KEY=VALUE[,KEY=VALUE...] ...] [--reps 3] [--py-spy]
 
 Starts the overhead benchmark's setup (zero-latency P/D simulator pair, Narwhal with the
@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchkit, one folder up
 import overhead
-from benchkit import RUNS, Processes, free_port, median, wait_quiet, wait_ready
+from benchkit import GUARD_CORES, RUNS, harness, median, rotated, wait_quiet
+from codetree import parse_code
 
 PROFILES = RUNS / "profiles"
 _FRAME = re.compile(r"(.*) \((.*):(\d+)\)$")
@@ -117,19 +120,70 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, patch
 
 
-def parse_code(text: str) -> tuple[str, Path]:
-    name, _, directory = text.partition("=")
-    if not name or not (Path(directory) / "narwhal" / "__init__.py").is_file():
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR/narwhal/, got {text!r}")
-    return name, Path(directory).resolve()
-
-
 def _value(text: str) -> Any:
     """A JSON literal (false, 2.5, "x") or, failing that, the text as a string."""
     try:
         return json.loads(text)
     except ValueError:
         return text
+
+
+async def measure(
+    args: argparse.Namespace, variants: dict[str, dict[str, Any]], sources: dict[str, Path]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every variant's router on one fleet, measured in turn, repetition by repetition."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    plan = overhead.make_plan(quick=False, reps=args.reps, targets=["narwhal"])
+    timing = plan.timing[args.concurrency]
+    logs = RUNS / "logs"
+    PROFILES.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    async with harness.Procs(logs) as procs:
+        endpoints = await overhead.start_fleet(procs)
+        routers = {}
+        for name, patch in variants.items():
+            port = harness.free_port()
+            config = overhead.narwhal_config(
+                overhead._url(endpoints.prefill), overhead._url(endpoints.decode), port
+            )
+            config["ctl"] = {"socket": str(logs / f"profile-{name}.sock")}
+            for section, fields in patch.items():
+                config.setdefault(section, {}).update(fields)
+            process = f"profile-{name}"
+            await harness.start_narwhal(
+                procs, config, logs, name=process, pythonpath=sources.get(name)
+            )
+            routers[name] = (("127.0.0.1", port), procs.find(process))
+        for rep in range(args.reps):
+            for name in rotated(list(variants), rep):
+                endpoints.routers = {"narwhal": routers[name]}
+                await wait_quiet(max_busy_cores=GUARD_CORES, give_up_s=10)
+                out = PROFILES / f"{name}-{args.mode}-{args.concurrency}.txt"
+                cell: dict[str, Any] = {}
+                async with trio.open_nursery() as nursery:
+                    if args.py_spy and rep == 0 and spy is not None:
+                        argv = [spy, "record", "--pid", str(routers[name][1].pid), "--gil"]
+                        argv += ["--rate", "400", "--format", "raw", "--output", str(out)]
+                        argv += ["--duration", str(int(timing.warmup_s + timing.window_s))]
+                        nursery.start_soon(
+                            partial(trio.run_process, argv, capture_stdout=True, check=False)
+                        )
+                    cell = await overhead.cell_once(
+                        procs, plan, endpoints, "narwhal", args.mode, args.concurrency
+                    )
+                if args.py_spy and rep == 0:
+                    cell["profile"] = classify(out.read_text().splitlines())
+                results[name].append(cell)
+                ttft = cell["ttft_ms"] or {}
+                print(
+                    f"rep {rep + 1} {name:12} {cell['requests_per_s']:7.1f}/s "
+                    f"router {cell['router_cpu_ms_per_request']} ms/req "
+                    f"{cell['router_cpu_us_per_chunk']} us/chunk "
+                    f"ttft p50 {ttft.get('p50')} errors {cell['errors']} "
+                    f"other {cell['other_cpu_share']}",
+                    flush=True,
+                )
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,96 +199,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants.update(args.variant)
     sources: dict[str, Path] = dict(args.code)
     variants.update((name, {}) for name in sources)
-    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
-    if args.py_spy and spy is None:
+    if args.py_spy and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         p.error("py-spy is not installed in this venv: .venv/bin/pip install py-spy")
-    plan = overhead.make_plan(quick=False, reps=args.reps, targets=["narwhal"])
-    timing = plan.timing[args.concurrency]
-    logs = RUNS / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    PROFILES.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-    with Processes() as procs:
-        endpoints = overhead.start_fleet(procs, logs)
-        routers = {}
-        for name, patch in variants.items():
-            port = free_port()
-            config = overhead.narwhal_config(
-                f"http://{endpoints.prefill[0]}:{endpoints.prefill[1]}",
-                f"http://{endpoints.decode[0]}:{endpoints.decode[1]}",
-                port,
-            )
-            config["ctl"] = {"socket": str(logs / f"profile-{name}.sock")}
-            for section, fields in patch.items():
-                config.setdefault(section, {}).update(fields)
-            path = logs / f"profile-{name}.json"
-            path.write_text(json.dumps(config, indent=2))
-            err = open(logs / f"profile-{name}.log", "wb")  # noqa: SIM115
-            argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(path)]
-            env = None
-            if name in sources:
-                # -P: the benchmark's cwd (this checkout) must not shadow PYTHONPATH.
-                argv[1:1] = ["-P"]
-                env = {**os.environ, "PYTHONPATH": str(sources[name])}
-            proc = procs.start(name, argv, stderr=err, env=env)
-            wait_ready(proc, "127.0.0.1", port, "/health", timeout_s=60)
-            routers[name] = (("127.0.0.1", port), proc)
-        for rep in range(args.reps):
-            for name in overhead.rotated(list(variants), rep):
-                endpoints.routers = {"narwhal": routers[name]}
-                wait_quiet(max_busy_cores=overhead.GUARD_CORES, give_up_s=10)
-                sampler = None
-                out = PROFILES / f"{name}-{args.mode}-{args.concurrency}.txt"
-                if args.py_spy and rep == 0 and spy is not None:
-                    sampler = subprocess.Popen(
-                        [
-                            spy,
-                            "record",
-                            "--pid",
-                            str(routers[name][1].pid),
-                            "--gil",
-                            "--rate",
-                            "400",
-                            "--duration",
-                            str(int(timing.warmup_s + timing.window_s)),
-                            "--format",
-                            "raw",
-                            "--output",
-                            str(out),
-                        ],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                cell = overhead.cell_once(
-                    procs, plan, endpoints, "narwhal", args.mode, args.concurrency
-                )
-                if sampler is not None:
-                    sampler.wait(timeout=120)
-                    cell["profile"] = classify(out.read_text().splitlines())
-                results[name].append(cell)
-                ttft = cell["ttft_ms"] or {}
-                print(
-                    f"rep {rep + 1} {name:12} {cell['requests_per_s']:7.1f}/s "
-                    f"router {cell['router_cpu_ms_per_request']} ms/req "
-                    f"{cell['router_cpu_us_per_chunk']} us/chunk "
-                    f"ttft p50 {ttft.get('p50')} errors {cell['errors']} "
-                    f"other {cell['other_cpu_share']}",
-                    flush=True,
-                )
-    report: dict[str, Any] = {"mode": args.mode, "concurrency": args.concurrency, "variants": {}}
-    for name, cells in results.items():
-        report["variants"][name] = {
-            "patch": variants[name],
-            "router_cpu_ms_per_request": median([c["router_cpu_ms_per_request"] for c in cells]),
-            "router_cpu_us_per_chunk": median([c["router_cpu_us_per_chunk"] for c in cells]),
-            "ttft_p50_ms": median([(c["ttft_ms"] or {}).get("p50") for c in cells]),
-            "latency_p50_ms": median([c["latency_ms"]["p50"] for c in cells]),
-            "requests_per_s": median([c["requests_per_s"] for c in cells]),
-            "other_cpu_share": median([c["other_cpu_share"] for c in cells]),
-            "profile": next((c["profile"] for c in cells if "profile" in c), None),
+
+    async def run() -> int:
+        results = await measure(args, variants, sources)
+        report: dict[str, Any] = {
+            "mode": args.mode,
+            "concurrency": args.concurrency,
+            "variants": {},
         }
-    print(json.dumps(report, indent=1))
-    return 0
+        for name, cells in results.items():
+            report["variants"][name] = {
+                "patch": variants[name],
+                "router_cpu_ms_per_request": median(
+                    [c["router_cpu_ms_per_request"] for c in cells]
+                ),
+                "router_cpu_us_per_chunk": median([c["router_cpu_us_per_chunk"] for c in cells]),
+                "ttft_p50_ms": median([(c["ttft_ms"] or {}).get("p50") for c in cells]),
+                "latency_p50_ms": median([c["latency_ms"]["p50"] for c in cells]),
+                "requests_per_s": median([c["requests_per_s"] for c in cells]),
+                "other_cpu_share": median([c["other_cpu_share"] for c in cells]),
+                "profile": next((c["profile"] for c in cells if "profile" in c), None),
+            }
+        print(json.dumps(report, indent=1))
+        return 0
+
+    return trio.run(harness.run_guarded, run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What assembling a non-streaming answer from its event stream costs, by answer length.
 
-    .venv/bin/python tools/bench/assemble.py [--code NAME=DIR ...] [--reps 5]
+    .venv/bin/python tools/bench/dev/assemble.py [--code NAME=DIR ...] [--reps 5]
 
 The router streams a non-streaming request's decode leg and rebuilds the engine's JSON
 answer from the chunks (`narwhal.engines._assemble`). This times `ResponseAssembler` alone
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import sys
+from functools import partial
 from pathlib import Path
 
-from benchkit import REPO, RUNS, Json, git_revision, machine, python, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchkit, one folder up
+from benchkit import RUNS, Json
+from codetree import compare, in_child, parse_code
 
 SIZES = (1_000, 4_000, 16_000)
 
@@ -56,21 +59,8 @@ print(json.dumps(out))
 """
 
 
-def parse_code(text: str) -> tuple[str, Path]:
-    name, sep, directory = text.partition("=")
-    if not sep or not name or not directory:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
-    return name, Path(directory)
-
-
 def measure(tree: Path, reps: int) -> dict[str, float]:
-    proc = subprocess.run(
-        [python(), "-c", _CHILD, str(tree), json.dumps(SIZES), str(reps)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result: dict[str, float] = json.loads(proc.stdout)
+    result: dict[str, float] = in_child(_CHILD, tree, json.dumps(SIZES), str(reps))
     return result
 
 
@@ -93,15 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", type=Path, default=RUNS / "assemble.json")
     args = p.parse_args(argv)
-    trees = [("current", REPO), *args.code]
-    document: Json = {
-        "benchmark": "assemble",
-        "machine": machine(),
-        "git": git_revision(),
-        "config": {"sizes": list(SIZES), "reps": args.reps},
-        "results": {name: measure(tree, args.reps) for name, tree in trees},
-    }
-    write_json(args.out, document)
+    config = {"sizes": list(SIZES), "reps": args.reps}
+    document = compare("assemble", config, partial(measure, reps=args.reps), args.code, args.out)
     print(table(document))
     print(f"wrote {args.out}", flush=True)
 

@@ -18,11 +18,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
-Json = Any
+from ._facts import Json
+from ._stats import summarize
 
-# Result row written by goodput_loadgen.py.
+# Result row written by loadgen.py in replay mode.
 INDEX, LATENESS, STATUS, OUTCOME, TTFT, TPOT, TOKENS, END = range(8)
 
 
@@ -74,22 +74,6 @@ def ttft_passes(s: Sample, ttft_slo: float) -> bool:
     return s.outcome == "ok" and s.ttft is not None and s.ttft <= ttft_slo
 
 
-def summarize(values: Sequence[float], *, scale: float = 1.0, digits: int = 1) -> Json:
-    """n, mean, p50, p90, p99 and max of raw samples (the raw arrays are not kept)."""
-    if not values:
-        return {"n": 0}
-    a = np.asarray(values, dtype=np.float64) * scale
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {
-        "n": len(values),
-        "mean": round(float(a.mean()), digits),
-        "p50": round(float(p50), digits),
-        "p90": round(float(p90), digits),
-        "p99": round(float(p99), digits),
-        "max": round(float(a.max()), digits),
-    }
-
-
 def _ratio(num: int, den: int) -> float | None:
     return round(num / den, 4) if den else None
 
@@ -117,9 +101,11 @@ def group_stats(
         "ttft_attainment": _ratio(ttft_ok, offered),
         "admitted_ttft_attainment": _ratio(ttft_ok_admitted, admitted),
         "outcomes": dict(sorted(outcomes.items())),
-        "ttft_ms": summarize([s.ttft for s in samples if s.ttft is not None], scale=1000.0),
+        "ttft_ms": summarize(
+            [s.ttft for s in samples if s.ttft is not None], scale=1000.0, digits=1, with_max=True
+        ),
         "tpot_ms": summarize(
-            [s.tpot for s in samples if s.tpot is not None], scale=1000.0, digits=2
+            [s.tpot for s in samples if s.tpot is not None], scale=1000.0, digits=2, with_max=True
         ),
     }
 
