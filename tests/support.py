@@ -43,6 +43,10 @@ class InFront:
         assert self.supervisor.ctx is not None
         return self.supervisor.ctx
 
+    def client(self) -> httpx.AsyncClient:
+        """A client of the client listener (relative urls), which waits up to 30 s."""
+        return httpx.AsyncClient(base_url=self.url, timeout=30)
+
     def admin_headers(self) -> dict[str, str]:
         token = self.ctx.config.admin.bearer_token()
         return {} if token is None else {"authorization": f"Bearer {token.reveal()}"}

@@ -14,6 +14,7 @@ from ._dialects import (
 from ._errors import EngineErrorInfo as EngineErrorInfo, parse_error_body as parse_error_body
 from ._sse import SseEvent as SseEvent, SseKind as SseKind, SseScanner as SseScanner
 from ._transport import (
+    Connect as Connect,
     ConnectError as ConnectError,
     ConnectionPool as ConnectionPool,
     PoolStatistics as PoolStatistics,

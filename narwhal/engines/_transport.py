@@ -19,6 +19,15 @@ complete, so a peer that is not HTTP at all is refused at its first line.
 The pool imposes no read timeouts: deadlines belong to the caller's cancel scopes. It
 does own the two timeouts that are about the pool itself, `pool_timeout_s` (waiting for
 a connection slot) and `connect_timeout_s` (TCP connect).
+
+The network is a seam: the pool opens its connections with `connect(host, port)`
+(`trio.open_tcp_stream` unless told otherwise) and speaks over whatever
+`trio.abc.Stream` it gets. Tests hand it one end of an in-memory stream pair
+(tests/engines/memory.py), so the request path runs under a MockClock with no sockets,
+as httpcore's mock backend allows. Sockets keep three fast paths the abstract stream
+has no words for (a write that skips the scheduler, a poll that finds an idle
+connection the engine closed, a close without a checkpoint); other streams go the
+general way (`_Connection`).
 """
 
 from __future__ import annotations
@@ -27,13 +36,16 @@ import errno
 import os
 import re
 import select
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 
 Headers = Sequence[tuple[bytes, bytes]]
+# How a pool opens a connection to (host, port). OSError means it could not (refused,
+# unroutable); the pool bounds it by connect_timeout_s.
+Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 _RECEIVE_BYTES = 65536
 # The response head, a chunk-size line and the trailer section may each be this long.
@@ -88,22 +100,48 @@ class PoolStatistics:
 
 
 class _Connection:
-    __slots__ = ("buffer", "eof", "last_used", "stream")
+    __slots__ = ("buffer", "eof", "last_used", "socket", "stream")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
+        # Set for a socket, whose fast paths the methods below take.
+        self.socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self.buffer = bytearray()  # received, not yet parsed
         self.eof = False
         self.last_used = trio.current_time()
 
     def peer_closed_or_spoke(self) -> bool:
-        """An idle keep-alive connection must be silent; readable means EOF or junk."""
+        """An idle keep-alive connection must be silent; readable means EOF or junk.
+
+        Only a socket can be asked without reading from it; any other stream is taken
+        as silent, and a request on one its peer closed fails as it would had the
+        engine closed it just after this check."""
+        if self.socket is None:
+            return False
         poller = select.poll()
-        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        poller.register(self.socket.fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
+    def write_now(self, data: bytes) -> int:
+        """Bytes of `data` a socket took at once, without the scheduler (0 when its buffer
+        is full, and always for another stream); OSError when the connection is broken."""
+        if self.socket is None:
+            return 0
+        try:
+            return os.write(self.socket.fileno(), data)
+        except BlockingIOError:
+            return 0
+
+    async def close(self) -> None:
+        """Close at once, even when cancelled. A socket is closed without a checkpoint:
+        this runs in the `finally` of every request that does not reuse its connection."""
+        if self.socket is not None:
+            self.socket.close()
+        else:
+            await trio.aclose_forcefully(self.stream)
+
     async def fill(self) -> None:
-        """Append what the socket has next; sets `eof` when the engine closed."""
+        """Append what the stream has next; sets `eof` when the engine closed."""
         try:
             data = await self.stream.receive_some(_RECEIVE_BYTES)
         except (trio.BrokenResourceError, OSError) as exc:
@@ -373,9 +411,12 @@ class ConnectionPool:
         pool_timeout_s: float,
         idle_ttl_s: float = 4.0,
         api_key: str | None = None,
+        connect: Connect = trio.open_tcp_stream,
     ) -> None:
         self.host = host
         self.port = port
+        # Used for each new connection, so replacing it applies from the next one.
+        self.connect = connect
         self._host_header = f"{host}:{port}".encode()
         self._auth = b""
         self.set_api_key(api_key)
@@ -484,7 +525,7 @@ class ConnectionPool:
                     conn.last_used = trio.current_time()
                     self._idle.append(conn)
                 else:
-                    conn.stream.socket.close()
+                    await conn.close()
 
     async def _checkout(self) -> _Connection:
         now = trio.current_time()
@@ -493,10 +534,10 @@ class ConnectionPool:
             if now - conn.last_used < self.idle_ttl_s and not conn.peer_closed_or_spoke():
                 self._reused_total += 1
                 return conn
-            conn.stream.socket.close()
+            await conn.close()
         try:
             with trio.fail_after(self.connect_timeout_s):
-                stream = await trio.open_tcp_stream(self.host, self.port)
+                stream = await self.connect(self.host, self.port)
         except trio.TooSlowError:
             raise ConnectError(
                 f"connect to {self.host}:{self.port} exceeded "
@@ -532,7 +573,7 @@ class ConnectionPool:
             # even after a send that completed): under load each pass is a full queue,
             # paid by every engine request before it is even sent. The wait for the
             # response head below is the request's checkpoint.
-            sent = _write_now(conn.stream, data)
+            sent = conn.write_now(data)
             if sent < len(data):
                 await conn.stream.send_all(memoryview(data)[sent:])
         except (trio.BrokenResourceError, OSError) as exc:
@@ -548,19 +589,10 @@ class ConnectionPool:
 
     async def aclose(self) -> None:
         self._closed = True
-        for conn in self._idle:
-            conn.stream.socket.close()
-        self._idle.clear()
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.close()
         await trio.lowlevel.checkpoint()
-
-
-def _write_now(stream: trio.SocketStream, data: bytes) -> int:
-    """Bytes of `data` the kernel took at once from the non-blocking socket (0 when its
-    buffer is full); OSError when the connection is broken."""
-    try:
-        return os.write(stream.socket.fileno(), data)
-    except BlockingIOError:
-        return 0
 
 
 def _reason(exc: OSError) -> str:

@@ -59,8 +59,11 @@ class SimEngine:
         port: int,
         generation: int = 0,
         on_restart: Callable[[], None] | None = None,
+        connect: _http.Connect = trio.open_tcp_stream,
     ) -> None:
         self.spec = spec
+        # How this engine reaches its peers (the KV side channel).
+        self.connect = connect
         # Mutable so a test can rotate one engine's key (EngineHandle.set_api_key).
         self.api_key = spec.api_key
         self.index = index
@@ -123,13 +126,20 @@ class SimEngine:
         return self.kv.rooms
 
     # -- lifecycle ------------------------------------------------------------------------
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, listen: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until cancelled. Without `listen` no port is opened: connections come
+        from whoever calls `serve_stream` (a test's in-memory network)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._step_loop)
             nursery.start_soon(self.kv.run_reaper)
             nursery.start_soon(self.protocol.run)
-            await nursery.start(self._serve_listener)
+            if listen:
+                await nursery.start(self._serve_listener)
+            else:
+                self.up = True
             task_status.started()
 
     async def _serve_listener(self, *, task_status: trio.TaskStatus[None]) -> None:
@@ -146,7 +156,7 @@ class SimEngine:
                     await conns.start(
                         partial(
                             trio.serve_listeners,
-                            self._on_connection,
+                            self.serve_stream,
                             listeners,
                             handler_nursery=conns,
                         )
@@ -176,7 +186,8 @@ class SimEngine:
         await trio.sleep(seconds)
         await self.come_up()
 
-    async def _on_connection(self, stream: trio.SocketStream) -> None:
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one client connection until either side closes it."""
         await _http.serve_connection(
             stream, self._dispatch, idle_timeout_s=self.spec.keep_alive_s, stats=self.http_stats
         )

@@ -132,6 +132,9 @@ class Responder:
 
 
 Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
+# How an engine opens a connection to a peer (host, port): TCP unless a test's in-memory
+# network stands in for it.
+Connect = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 
 @attrs.define
@@ -143,7 +146,7 @@ class ServerStats:
 
 
 async def serve_connection(
-    stream: trio.SocketStream, handler: Handler, *, idle_timeout_s: float, stats: ServerStats
+    stream: trio.abc.Stream, handler: Handler, *, idle_timeout_s: float, stats: ServerStats
 ) -> None:
     """Serve one keep-alive connection until either side closes it."""
     stats.connections += 1
@@ -159,7 +162,7 @@ async def serve_connection(
 
 
 async def _serve(
-    stream: trio.SocketStream, handler: Handler, idle_timeout_s: float, stats: ServerStats
+    stream: trio.abc.Stream, handler: Handler, idle_timeout_s: float, stats: ServerStats
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
     while True:
@@ -190,14 +193,14 @@ async def _serve(
             return
 
 
-async def _read_request(stream: trio.SocketStream, conn: h11.Connection) -> HttpRequest | None:
+async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> HttpRequest | None:
     head: h11.Request | None = None
     body = bytearray()
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            data = await stream.receive_some(_READ)
-            conn.receive_data(data)
+            # A socket's bytes are taken as they are; a memory stream's bytearray copied.
+            conn.receive_data(bytes(await stream.receive_some(_READ)))
             continue
         if isinstance(event, h11.Request):
             head = event
@@ -223,7 +226,7 @@ async def _read_request(stream: trio.SocketStream, conn: h11.Connection) -> Http
 
 
 async def _send_bad_request(
-    stream: trio.SocketStream, conn: h11.Connection, exc: h11.RemoteProtocolError
+    stream: trio.abc.Stream, conn: h11.Connection, exc: h11.RemoteProtocolError
 ) -> None:
     if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
         return
@@ -247,7 +250,7 @@ async def _send_bad_request(
 
 
 async def _run_handler(
-    stream: trio.SocketStream,
+    stream: trio.abc.Stream,
     conn: h11.Connection,
     handler: Handler,
     request: HttpRequest,
@@ -271,7 +274,7 @@ async def _run_handler(
             # A pipelined next request: keep it for the next cycle, within bounds.
             buffered += len(data)
             try:
-                conn.receive_data(data)
+                conn.receive_data(bytes(data))
             except RuntimeError:
                 return
             if buffered > _MAX_PIPELINED:
@@ -327,12 +330,13 @@ async def request(
     *,
     headers: dict[str, str] | None = None,
     max_body: int = 4 * 1024 * 1024,
+    connect: Connect = trio.open_tcp_stream,
 ) -> ClientResponse:
     """One request on a fresh connection (engine-to-engine side channel; callers time out).
 
     Raises OSError when the peer is unreachable and h11.RemoteProtocolError on a broken reply.
     """
-    stream = await trio.open_tcp_stream(host, port)
+    stream = await connect(host, port)
     try:
         conn = h11.Connection(h11.CLIENT)
         payload = b"" if body is None else json.dumps(body).encode()
@@ -357,7 +361,7 @@ async def request(
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 try:
-                    conn.receive_data(await stream.receive_some(_READ))
+                    conn.receive_data(bytes(await stream.receive_some(_READ)))
                 except trio.BrokenResourceError as exc:
                     # A reset (the peer restarting, say) is a broken reply too.
                     raise h11.RemoteProtocolError(f"connection broken: {exc}") from None

@@ -278,7 +278,9 @@ class KvStore:
         path, body, limit = self.e.protocol.kv_request(rk)
         try:
             with trio.fail_after(limit):
-                resp = await _http.request(rk.host, rk.port, "POST", path, body)
+                resp = await _http.request(
+                    rk.host, rk.port, "POST", path, body, connect=self.e.connect
+                )
         except trio.TooSlowError:
             return "timed out waiting for KV"
         except (OSError, h11.ProtocolError):

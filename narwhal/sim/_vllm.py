@@ -336,7 +336,14 @@ class VLLMProtocol(EngineProtocol):
         body = {"engine_id": remote.engine_id, "request_ids": [remote.request_id]}
         try:
             with trio.fail_after(_CONTROL_TIMEOUT_S):
-                await _http.request(remote.host, remote.port, "POST", "/_sim/nixl/release", body)
+                await _http.request(
+                    remote.host,
+                    remote.port,
+                    "POST",
+                    "/_sim/nixl/release",
+                    body,
+                    connect=self.e.connect,
+                )
         except (OSError, trio.TooSlowError, h11.ProtocolError):
             pass
 
@@ -388,7 +395,9 @@ class VLLMProtocol(EngineProtocol):
         body = {"engine_id": engine_id, "request_ids": ids}
         try:
             with trio.fail_after(_CONTROL_TIMEOUT_S):
-                await _http.request(host, port, "POST", "/_sim/nixl/heartbeat", body)
+                await _http.request(
+                    host, port, "POST", "/_sim/nixl/heartbeat", body, connect=self.e.connect
+                )
         except (OSError, trio.TooSlowError, h11.ProtocolError):
             counters.heartbeats_failed += 1
 

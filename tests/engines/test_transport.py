@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Awaitable, Callable
 from functools import partial
 
 import h11
@@ -16,8 +16,9 @@ from narwhal.engines._transport import (
     RemoteProtocolError,
     ResponseTooLarge,
 )
+from narwhal.sim import SimEngineSpec
 
-Handler = Callable[[trio.SocketStream, h11.Connection, h11.Request, bytes], Awaitable[None]]
+from .memory import Handler, MemoryNetwork, ScriptedEngine, respond, start_head
 
 
 class LoopbackServer:
@@ -36,72 +37,15 @@ class LoopbackServer:
         raise NotImplementedError
 
 
-class TinyServer(LoopbackServer):
-    """A raw h11 server whose per-request behaviour each test scripts."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.disconnects = 0
-        self.disconnected = trio.Event()
-        self.port = 0
-
-    def _disconnect(self) -> None:
-        self.disconnects += 1
-        self.disconnected.set()
+class TinyServer(ScriptedEngine, LoopbackServer):
+    """A scripted engine on a loopback socket."""
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        conn = h11.Connection(h11.SERVER)
-        try:
-            while True:
-                request: h11.Request | None = None
-                body = b""
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        data = await stream.receive_some(65536)
-                        if not data:
-                            self._disconnect()
-                            return
-                        conn.receive_data(data)
-                    elif isinstance(event, h11.Request):
-                        request = event
-                    elif isinstance(event, h11.Data):
-                        body += event.data
-                    elif isinstance(event, h11.EndOfMessage):
-                        break
-                    elif isinstance(event, h11.ConnectionClosed):
-                        self._disconnect()
-                        return
-                assert request is not None
-                await self.handler(stream, conn, request, body)
-                if conn.our_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self._disconnect()
-        finally:
-            await trio.aclose_forcefully(stream)
-
-
-async def respond(
-    stream: trio.SocketStream, conn: h11.Connection, status: int, chunks: list[bytes]
-) -> None:
-    data = conn.send(h11.Response(status_code=status, headers=[("transfer-encoding", "chunked")]))
-    assert data is not None
-    await stream.send_all(data)
-    for chunk in chunks:
-        part = conn.send(h11.Data(data=chunk))
-        assert part is not None
-        await stream.send_all(part)
-    end = conn.send(h11.EndOfMessage())
-    assert end is not None
-    await stream.send_all(end)
+        await self.serve_stream(stream)
 
 
 async def echo(
-    stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+    stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
 ) -> None:
     await respond(stream, conn, 200, [req.method + b" " + req.target + b" ", body])
 
@@ -110,6 +54,18 @@ async def start(nursery: trio.Nursery, handler: Handler) -> TinyServer:
     server = TinyServer(handler)
     await nursery.start(server.serve)
     return server
+
+
+# Where `on_memory` serves its engine.
+PORT = 8000
+JSON = [(b"content-type", b"application/json")]
+
+
+def on_memory(nursery: trio.Nursery, handler: Handler) -> MemoryNetwork:
+    """A network with a scripted engine at PORT."""
+    network = MemoryNetwork(nursery)
+    network.serve(PORT, ScriptedEngine(handler).serve_stream)
+    return network
 
 
 def pool_for(server: TinyServer, **kwargs: float) -> ConnectionPool:
@@ -144,7 +100,7 @@ async def test_body_chunks_arrive_as_sent(nursery: trio.Nursery) -> None:
     gate = trio.Event()
 
     async def two_parts(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         data = conn.send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
         assert data is not None
@@ -180,7 +136,7 @@ async def test_sending_a_request_costs_no_pass_through_the_scheduler(
     # Under load every pass is a full queue of other requests' work, so the path to a
     # first token should wait on the loop only for answers, never after its own writes.
     async def at_once(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         head = conn.send(
             h11.Response(status_code=200, headers=[("content-length", str(len(body)))])
@@ -208,7 +164,7 @@ async def test_sending_a_request_costs_no_pass_through_the_scheduler(
 
 async def test_a_body_larger_than_the_socket_buffers_arrives_whole(nursery: trio.Nursery) -> None:
     async def length(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         await trio.sleep(0.05)  # the client's first write fills the buffers and stops
         await respond(stream, conn, 200, [b"%d %d" % (len(body), hash(body) & 0xFFFF)])
@@ -220,18 +176,17 @@ async def test_a_body_larger_than_the_socket_buffers_arrives_whole(nursery: trio
 
 
 async def test_pool_timeout_when_every_connection_is_in_use(
-    nursery: trio.Nursery, io_clock: trio.testing.MockClock
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     release = trio.Event()
 
     async def held(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         await release.wait()
         await respond(stream, conn, 200, [b"ok"])
 
-    server = await start(nursery, held)
-    pool = pool_for(server, max_connections=1, pool_timeout_s=5.0)
+    pool = on_memory(nursery, held).pool(PORT, max_connections=1, pool_timeout_s=5.0)
 
     async def hold_one() -> None:
         async with pool.request(b"GET", b"/") as response:
@@ -244,7 +199,7 @@ async def test_pool_timeout_when_every_connection_is_in_use(
     with pytest.raises(PoolTimeout, match=r"engine.pool_timeout_s=5.0"):
         async with pool.request(b"GET", b"/"):
             pass
-    assert trio.current_time() - started == pytest.approx(5.0)
+    assert trio.current_time() - started == 5.0
     assert pool.statistics().in_use == 1
     release.set()
 
@@ -264,28 +219,29 @@ async def test_connection_refused_is_a_connect_error() -> None:
 
 
 async def test_a_connect_that_runs_out_its_deadline_says_which(
-    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Refused outright the connect is the engine's answer; run out, it may be the
     # router's own loop that lagged, so the request path passes the deadline on for the
     # lag excuse (recovery's leg_failed).
-    async def never(*args: object, **kwargs: object) -> trio.SocketStream:
+    async def never(host: str, port: int) -> trio.abc.Stream:
         await trio.sleep_forever()
         raise AssertionError
 
-    monkeypatch.setattr(trio, "open_tcp_stream", never)
     pool = ConnectionPool(
-        "127.0.0.1", 9, max_connections=2, connect_timeout_s=1.5, pool_timeout_s=1.0
+        "127.0.0.1", 9, max_connections=2, connect_timeout_s=1.5, pool_timeout_s=1.0, connect=never
     )
     with pytest.raises(ConnectError, match=r"exceeded engine\.connect_timeout_s=1\.5") as ran_out:
         async with pool.request(b"GET", b"/"):
             pass
     assert ran_out.value.timeout_s == 1.5
+    assert trio.current_time() == 1.5
+    assert pool.statistics().in_use == 0
 
 
 async def test_engine_dropping_mid_body_is_a_protocol_error(nursery: trio.Nursery) -> None:
     async def crash(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         data = conn.send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
         assert data is not None
@@ -302,32 +258,103 @@ async def test_engine_dropping_mid_body_is_a_protocol_error(nursery: trio.Nurser
 
 
 async def test_abandoning_a_response_closes_the_connection_so_the_engine_sees_it(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     async def endless(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
-        data = conn.send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
-        assert data is not None
-        await stream.send_all(data)
+        await start_head(stream, conn, b"x" * 100)
         for _ in range(10_000):
-            await stream.send_all(conn.send(h11.Data(data=b"x" * 100)) or b"")
             await trio.sleep(0.001)
+            await stream.send_all(conn.send(h11.Data(data=b"x" * 100)) or b"")
 
-    server = await start(nursery, endless)
-    pool = pool_for(server)
+    engine = ScriptedEngine(endless)
+    network = MemoryNetwork(nursery)
+    network.serve(PORT, engine.serve_stream)
+    pool = network.pool(PORT)
     async with pool.request(b"GET", b"/") as response:
         await response.receive_some()
     with trio.fail_after(5):
-        await server.disconnected.wait()
+        await engine.disconnected.wait()
     assert pool.statistics() == pool.statistics().__class__(
         max_connections=4, in_use=0, idle=0, waiting=0, opened_total=1, reused_total=0
     )
+    # Not reused: the next request has a connection of its own.
+    async with pool.request(b"GET", b"/") as response:
+        await response.receive_some()
+    assert (engine.connections, pool.statistics().opened_total) == (2, 2)
+
+
+async def test_a_stalled_body_waits_for_the_callers_deadline_then_the_engine_sees_the_close(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The pool has no read timeout of its own (deadlines belong to the caller), and a
+    # deadline that ends a read mid-body closes the connection: the engine's cue to abort.
+    gone_at: list[float] = []
+
+    async def stall(
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
+    ) -> None:
+        await start_head(stream, conn, b"first")
+        assert await stream.receive_some(100) == b""
+        gone_at.append(trio.current_time())
+
+    pool = on_memory(nursery, stall).pool(PORT)
+    with trio.move_on_after(30) as deadline:
+        async with pool.request(b"GET", b"/") as response:
+            assert await response.receive_some() == b"first"
+            await response.receive_some()
+    assert deadline.cancelled_caught
+    await trio.testing.wait_all_tasks_blocked()
+    assert gone_at == [30.0]
+    stats = pool.statistics()
+    assert (stats.in_use, stats.idle, stats.opened_total) == (0, 0, 1)
+
+
+async def test_an_idle_connection_is_reused_until_idle_ttl_s_then_replaced(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = ScriptedEngine(echo)
+    network = MemoryNetwork(nursery)
+    network.serve(PORT, engine.serve_stream)
+    pool = network.pool(PORT, idle_ttl_s=4.0)
+    for pause_s in (0.0, 3.5, 4.0):
+        await trio.sleep(pause_s)
+        async with pool.request(b"GET", b"/") as response:
+            assert await response.aread(100) == b"GET / "
+    stats = pool.statistics()
+    assert (stats.opened_total, stats.reused_total, stats.idle) == (2, 1, 1)
+    await trio.testing.wait_all_tasks_blocked()
+    assert (engine.connections, engine.disconnects) == (2, 1)
+
+
+async def test_narwhal_sim_serves_a_pool_on_memory_streams(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The simulator's own HTTP server, on the far end of a memory stream: keep-alive
+    # between requests, and an abandoned stream aborted as over a socket.
+    network = MemoryNetwork(nursery)
+    sim = await network.serve_sim(PORT, SimEngineSpec(model="m"))
+    pool = network.pool(PORT)
+
+    def completion(max_tokens: int) -> bytes:
+        document = {"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
+        return json.dumps(document).encode()
+
+    async with pool.request(b"POST", b"/v1/completions", JSON, completion(3)) as response:
+        assert response.status == 200
+        assert (await response.aread(100_000)).endswith(b"data: [DONE]\n\n")
+    async with pool.request(b"POST", b"/v1/completions", JSON, completion(50)) as response:
+        assert (await response.receive_some()).startswith(b"data: ")
+    await trio.testing.wait_all_tasks_blocked()
+    assert [o["outcome"] for o in sim.outcomes] == ["ok", "aborted"]
+    stats = pool.statistics()
+    assert (stats.opened_total, stats.reused_total, stats.idle) == (1, 1, 0)
 
 
 async def test_idle_connection_closed_by_the_engine_is_not_reused(nursery: trio.Nursery) -> None:
     async def close_after(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         await respond(stream, conn, 200, [b"bye"])
         await stream.aclose()
@@ -346,7 +373,7 @@ async def test_idle_connection_closed_by_the_engine_is_not_reused(nursery: trio.
 
 async def test_body_over_the_limit_is_refused(nursery: trio.Nursery) -> None:
     async def big(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         await respond(stream, conn, 200, [b"a" * 600, b"b" * 600])
 
@@ -359,18 +386,17 @@ async def test_body_over_the_limit_is_refused(nursery: trio.Nursery) -> None:
 
 
 async def test_resize_in_place_applies_to_waiters(
-    nursery: trio.Nursery, io_clock: trio.testing.MockClock
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     release = trio.Event()
 
     async def held(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         await release.wait()
         await respond(stream, conn, 200, [b"ok"])
 
-    server = await start(nursery, held)
-    pool = pool_for(server, max_connections=1, pool_timeout_s=100.0)
+    pool = on_memory(nursery, held).pool(PORT, max_connections=1, pool_timeout_s=100.0)
     done: list[int] = []
 
     async def one() -> None:
@@ -571,7 +597,7 @@ async def test_the_api_key_goes_on_every_request_and_follows_set_api_key(
     seen: list[list[tuple[bytes, bytes]]] = []
 
     async def record(
-        stream: trio.SocketStream, conn: h11.Connection, req: h11.Request, body: bytes
+        stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request, body: bytes
     ) -> None:
         seen.append([(name, value) for name, value in req.headers if name == b"authorization"])
         await respond(stream, conn, 200, [b"ok"])

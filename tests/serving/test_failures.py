@@ -2,7 +2,8 @@
 
 Timings here are behaviour, not performance: a deadline must fire near its configured
 value. The bounds are generous (the box is shared) but would catch a timer that is not
-armed or armed at the wrong place.
+armed or armed at the wrong place. Tests on `start_memory_stack` run with no sockets
+under a MockClock, where a deadline fires at its exact virtual time.
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from narwhal._errors import EngineFailed
 from narwhal.engines import ConnectError
 from narwhal.fleet import EngineState
+from narwhal.serving import ServingContext
 
 from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
+from .in_memory import MemoryStack, start_memory_stack
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
 
-async def post(stack: Stack, body: dict[str, Any], **kw: Any) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=30) as client:
+async def post(stack: Stack | MemoryStack, body: dict[str, Any], **kw: Any) -> httpx.Response:
+    async with stack.client() as client:
         return await client.post(
-            f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}, **kw
+            "/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}, **kw
         )
 
 
@@ -48,11 +52,11 @@ def terminal_error(response: httpx.Response) -> dict[str, Any]:
     return error
 
 
-def phases(stack: Stack, index: int, outcome: str) -> list[str]:
+def phases(stack: Stack | MemoryStack, index: int, outcome: str) -> list[str]:
     return [o["phase"] for o in stack.fleet[index].state()["outcomes"] if o["outcome"] == outcome]
 
 
-async def settled(stack: Stack) -> dict[str, Any]:
+async def settled(stack: Stack | MemoryStack) -> dict[str, Any]:
     """Router state once every request has left (nothing retained, nothing leaked)."""
     await wait_for(lambda: stack.ctx.retained == 0)
     state = await stack.state()
@@ -227,9 +231,7 @@ class Deadlines:
     """Records which deadline each failed leg tells recovery about (`deadline_s`: recovery
     sets a deadline aside when the router's own event loop lag explains it)."""
 
-    def __init__(self, stack: Stack) -> None:
-        ctx = stack.supervisor.ctx
-        assert ctx is not None
+    def __init__(self, ctx: ServingContext) -> None:
         self.inner = ctx.leg_observer
         self.seen: list[tuple[str | None, float | None]] = []
         ctx.leg_observer = self
@@ -245,7 +247,7 @@ class Deadlines:
 async def test_prefill_timeout(start_stack: StartStack) -> None:
     stack = await start_stack(serving={"prefill_timeout_s": 0.3})
     stack.fleet[0].set_faults(stall_before_first_token_s=5, leg="prefill")
-    deadlines = Deadlines(stack)
+    deadlines = Deadlines(stack.ctx)
     started = trio.current_time()
     response = await post(stack, {"max_tokens": 3, "stream": True})
     elapsed = trio.current_time() - started
@@ -258,10 +260,12 @@ async def test_prefill_timeout(start_stack: StartStack) -> None:
     await wait_for(lambda: phases(stack, 0, "aborted") == ["prefill"])
 
 
-async def test_first_token_timeout(start_stack: StartStack) -> None:
-    stack = await start_stack(engine={"first_token_timeout_s": 0.3})
+async def test_first_token_timeout(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    stack = await start_memory_stack(nursery, engine={"first_token_timeout_s": 0.3})
     stack.fleet[1].set_faults(stall_before_first_token_s=5, leg="decode")
-    deadlines = Deadlines(stack)
+    deadlines = Deadlines(stack.ctx)
     started = trio.current_time()
     response = await post(stack, {"max_tokens": 3, "stream": True})
     elapsed = trio.current_time() - started
@@ -269,19 +273,23 @@ async def test_first_token_timeout(start_stack: StartStack) -> None:
     assert error["code"] == "first_token_timeout"
     assert "engine.first_token_timeout_s=0.3" in error["message"]
     assert 0.3 <= elapsed < 1.3
-    # What the decode leg waited for its first token: the whole budget, give or take.
+    # What the decode leg waited for its first token: the whole budget, to the tick on a
+    # MockClock.
     ((code, waited),) = deadlines.seen
     assert code == "first_token_timeout"
     assert waited is not None
     assert 0.3 <= waited < 1.3
+    assert waited == pytest.approx(0.3)
     await wait_for(lambda: phases(stack, 1, "aborted") == ["decode"])
     await settled(stack)
 
 
-async def test_decode_gap_timeout(start_stack: StartStack) -> None:
-    stack = await start_stack(engine={"decode_read_timeout_s": 0.3})
+async def test_decode_gap_timeout(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    stack = await start_memory_stack(nursery, engine={"decode_read_timeout_s": 0.3})
     stack.fleet[1].set_faults(stall_after_tokens=2, leg="decode")
-    deadlines = Deadlines(stack)
+    deadlines = Deadlines(stack.ctx)
     response = await post(stack, {"max_tokens": 20, "stream": True})
     error = terminal_error(response)
     assert error["code"] == "decode_stalled"
