@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from ..config import Config, EngineSpec
-from ..engines import ConnectionPool, Dialect, dialect_for
+from ..engines import Connect, ConnectionPool, Dialect, dialect_for
 from ._load import EngineLoad
 
 Role = Literal["prefill", "decode", "both"]
@@ -129,7 +129,9 @@ class _Refusal:
 class EngineState:
     """One engine as the router sees it; created from config, mutated in place on reload."""
 
-    def __init__(self, spec: EngineSpec, config: Config) -> None:
+    def __init__(
+        self, spec: EngineSpec, config: Config, *, connect: Connect = trio.open_tcp_stream
+    ) -> None:
         self.spec = spec
         self.id = spec.id
         self.dialect: Dialect = dialect_for(spec.dialect)
@@ -144,6 +146,7 @@ class EngineState:
             connect_timeout_s=engine_cfg.connect_timeout_s,
             pool_timeout_s=engine_cfg.pool_timeout_s,
             api_key=spec.api_key_text(),
+            connect=connect,
         )
         self.control_pool = ConnectionPool(
             self.host,
@@ -152,6 +155,7 @@ class EngineState:
             connect_timeout_s=engine_cfg.connect_timeout_s,
             pool_timeout_s=engine_cfg.pool_timeout_s,
             api_key=spec.api_key_text(),
+            connect=connect,
         )
         # Called with this engine after a change that may take it out of placement or
         # move the work it takes (`Fleet.watch`); set while it belongs to a fleet.

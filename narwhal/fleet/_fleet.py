@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import trio
+
 from ..config import Config
+from ..engines import Connect
 from ._engine import EngineState, EngineView
 
 
@@ -27,12 +30,15 @@ class Fleet:
     resident requests are done and its pools are closed (`forget`).
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, connect: Connect = trio.open_tcp_stream) -> None:
+        # How every engine's pools open connections, those a reload adds included: TCP,
+        # or a test's memory-stream network.
+        self.connect = connect
         self._engines: dict[str, EngineState] = {}
         self.retiring: list[EngineState] = []
         self._watcher: Callable[[EngineState], None] | None = None
         for spec in config.engines:
-            self.add(EngineState(spec, config))
+            self.add(EngineState(spec, config, connect=connect))
 
     def watch(self, watcher: Callable[[EngineState], None]) -> None:
         """Call `watcher(engine)` whenever an engine of the fleet (a retiring one

@@ -85,7 +85,7 @@ async def apply_config(
     for engine_id in (*plan.engines_added, *plan.engines_replaced):
         spec = effective.engine_by_id(engine_id)
         assert spec is not None
-        fresh[engine_id] = EngineState(spec, effective)
+        fresh[engine_id] = EngineState(spec, effective, connect=ctx.fleet.connect)
     async with trio.open_nursery() as nursery:
         for engine in fresh.values():
             nursery.start_soon(recovery.admit, engine)

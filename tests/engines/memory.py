@@ -77,9 +77,9 @@ class MemoryNetwork:
         )
 
     def attach(self, fleet: Fleet) -> None:
-        """Route the pools of every engine of `fleet` through this network; a fleet
-        builds its pools on TCP, and a pool's `connect` applies from its next
-        connection."""
+        """Route the pools of every engine of `fleet` through this network, those a
+        reload adds included; a pool's `connect` applies from its next connection."""
+        fleet.connect = self.connect
         for engine in fleet:
             engine.serving_pool.connect = self.connect
             engine.control_pool.connect = self.connect
