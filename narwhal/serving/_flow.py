@@ -44,6 +44,7 @@ from typing import Literal, Protocol
 
 import trio
 
+from .._codes import ErrorCode
 from .._errors import (
     ENGINE_AUTH_STATUSES,
     RETRYABLE_ENGINE_STATUSES,
@@ -306,7 +307,7 @@ class Flow:
             await self._refuse(
                 client,
                 endpoint,
-                Unavailable("narwhal is shutting down", code="shutting_down"),
+                Unavailable("narwhal is shutting down", code=ErrorCode.SHUTTING_DOWN),
                 receive,
                 headers,
                 # No connection to a daemon that is going away is worth keeping.
@@ -322,7 +323,7 @@ class Flow:
                 Refused(
                     f"narwhal retains at most serving.max_connections + serving.queue_capacity"
                     f" = {ctx.retained_ceiling} requests",
-                    code="retained_ceiling",
+                    code=ErrorCode.RETAINED_CEILING,
                     retry_after_s=_SATURATED_RETRY_AFTER_S,
                 ),
                 receive,
@@ -349,7 +350,7 @@ class Flow:
         except Exception:
             # A bug must still produce a well-formed error, never a dropped connection.
             log.exception("internal error serving request %s", request_id)
-            outcome = "internal_error"
+            outcome = ErrorCode.INTERNAL_ERROR
             with trio.move_on_after(1.0):
                 await client.send_error(
                     NarwhalError(f"internal error serving request {request_id}")
@@ -498,7 +499,7 @@ class Flow:
             elif error is None:
                 error = Expired(
                     f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
-                    code="expired",
+                    code=ErrorCode.EXPIRED,
                 )
             await client.send_error(error)
             return error.code
@@ -517,7 +518,7 @@ class Flow:
         if ctx.degraded_reason is not None:
             raise Unavailable(
                 f"narwhal is degraded: {ctx.degraded_reason}",
-                code="degraded",
+                code=ErrorCode.DEGRADED,
                 public=f"narwhal is degraded: {DEGRADED_PUBLIC}",
             )
         if all(engine.dialect.name == "vllm" for engine in ctx.fleet):
@@ -548,7 +549,7 @@ class Flow:
                 ctx.metrics.queue_wait.observe(waited)
                 await self._attempts(request, tokens, config, client, record, quotes)
         except Refused as refusal:
-            if refusal.code in ("queue_full", "queue_timeout"):
+            if refusal.code in (ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_TIMEOUT):
                 self._offered(request, tokens, admitted=False, reason=refusal.code)
             raise
 
@@ -583,7 +584,7 @@ class Flow:
                 "serving.admission is predictive but no usable engine profile is loaded "
                 f"(profiles.path={config.profiles.path}); run narwhal-profile, or set "
                 "serving.admission to open",
-                code="no_profile",
+                code=ErrorCode.NO_PROFILE,
                 public="serving.admission is predictive but no usable engine profile is "
                 "loaded; run narwhal-profile, or set serving.admission to open",
             )
@@ -605,11 +606,11 @@ class Flow:
             return quotes
         assert verdict.code is not None
         self._offered(request, tokens, admitted=False, reason=verdict.code)
-        if verdict.code == "ttft_budget":
+        if verdict.code == ErrorCode.TTFT_BUDGET:
             # docs/design.md#reactive-parameters: a projected TTFT breach allows one guarded D-to-P
             # evaluation.
             ctx.signals.ttft_breach()
-        if verdict.code == "no_priced_path":
+        if verdict.code == ErrorCode.NO_PRICED_PATH:
             raise Unavailable(verdict.message, code=verdict.code)
         raise Refused(
             verdict.message,
@@ -870,7 +871,7 @@ class Flow:
                 placement = choose(views, excluded=frozenset(), policy=policy)
             if isinstance(placement, NoPlacement):
                 raise Unavailable(
-                    placement.reason, code="no_engine_available", public=placement.public
+                    placement.reason, code=ErrorCode.NO_ENGINE_AVAILABLE, public=placement.public
                 )
             if placement.unserved:
                 # docs/design.md#placement: every candidate misses its projected SLO; run on the
@@ -895,7 +896,9 @@ class Flow:
                 await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
                 # The pair's prefill server, when its KV transfer failed.
-                transfer = placement.prefill if failure.code == _TRANSFER_FAILED else None
+                transfer = None
+                if failure.code == ErrorCode.KV_TRANSFER_FAILED:
+                    transfer = placement.prefill
                 if transfer is not None:
                     # Recovery tells which engine of the pair fails its transfers.
                     failure.partner_id = (
@@ -981,7 +984,7 @@ class Flow:
                 request,
                 config,
                 timeout_s=serving.prefill_timeout_s,
-                timeout_code="prefill_timeout",
+                timeout_code=ErrorCode.PREFILL_TIMEOUT,
                 timeout_setting="serving.prefill_timeout_s",
                 prompt_tokens=tokens,
             )
@@ -1013,7 +1016,7 @@ class Flow:
             raise _failed(
                 decode,
                 "decode",
-                "handoff_expired",
+                ErrorCode.HANDOFF_EXPIRED,
                 f"kv handoff from {prefill.id} expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
@@ -1080,7 +1083,7 @@ class Flow:
                     request,
                     config,
                     timeout_s=serving.prefill_timeout_s,
-                    timeout_code="prefill_timeout",
+                    timeout_code=ErrorCode.PREFILL_TIMEOUT,
                     timeout_setting="serving.prefill_timeout_s",
                     prompt_tokens=tokens,
                     sse=unstreamed is None,
@@ -1229,7 +1232,7 @@ class Flow:
             raise _failed(
                 engine,
                 phase,
-                "engine_unreachable",
+                ErrorCode.ENGINE_UNREACHABLE,
                 str(exc),  # names the engine's host and port
                 public="could not connect to the engine",
                 retryable=True,
@@ -1237,14 +1240,14 @@ class Flow:
             ) from None
         except RemoteProtocolError as exc:
             raise _failed(
-                engine, phase, "engine_connection_lost", str(exc), retryable=True
+                engine, phase, ErrorCode.ENGINE_CONNECTION_LOST, str(exc), retryable=True
             ) from None
         except PoolTimeout as exc:
             # Local starvation is not the engine's fault and is not retried
             # (docs/design.md#retries).
             raise Unavailable(
                 str(exc),
-                code="pool_exhausted",
+                code=ErrorCode.POOL_EXHAUSTED,
                 public=f"no connection to a {phase} engine within engine.pool_timeout_s="
                 f"{self.ctx.config.engine.pool_timeout_s}",
             ) from None
@@ -1273,7 +1276,7 @@ class Flow:
                 phase=phase,
                 retryable=True,
                 counts_against_engine=False,
-                code="engine_auth_failed",
+                code=ErrorCode.ENGINE_AUTH_FAILED,
             )
         if names_model(status, info):
             # The engine was launched under another name than engines[].model, which the
@@ -1289,7 +1292,7 @@ class Flow:
                 phase=phase,
                 retryable=True,
                 counts_against_engine=False,
-                code="engine_model_missing",
+                code=ErrorCode.ENGINE_MODEL_MISSING,
             )
         if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
             return _transfer_failed(engine, phase, info.message)
@@ -1329,7 +1332,7 @@ class Flow:
                     raise _failed(
                         engine,
                         phase,
-                        "response_too_large",
+                        ErrorCode.RESPONSE_TOO_LARGE,
                         f"response exceeds serving.max_response_bytes={limit}",
                         counts=False,
                     ) from None
@@ -1393,7 +1396,7 @@ class Flow:
                     request,
                     config,
                     timeout_s=math.inf,
-                    timeout_code="decode_timeout",
+                    timeout_code=ErrorCode.DECODE_TIMEOUT,
                     timeout_setting="",
                     prompt_tokens=record.prompt_tokens or 0,
                 )
@@ -1493,7 +1496,7 @@ async def _relay(
                 raise _failed(
                     engine,
                     phase,
-                    "engine_bad_response",
+                    ErrorCode.ENGINE_BAD_RESPONSE,
                     "answered a streaming request with application/json, not an event stream",
                 )
             while not done:
@@ -1503,7 +1506,7 @@ async def _relay(
                     raise _failed(
                         engine,
                         phase,
-                        "engine_stream_truncated",
+                        ErrorCode.ENGINE_STREAM_TRUNCATED,
                         "stream ended without the [DONE] terminator",
                         retryable=True,
                     )
@@ -1512,7 +1515,7 @@ async def _relay(
                 try:
                     events = scanner.feed(chunk)
                 except SseOverflow as exc:
-                    raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
+                    raise _failed(engine, phase, ErrorCode.ENGINE_BAD_STREAM, str(exc)) from None
                 out: list[bytes] = []
                 read_tokens = 0
                 for event in events:
@@ -1565,7 +1568,7 @@ async def _relay(
                     raise _failed(
                         engine,
                         phase,
-                        "response_too_large",
+                        ErrorCode.RESPONSE_TOO_LARGE,
                         f"pre-output buffer exceeds serving.max_response_bytes={limit}",
                     )
                 if out and (hold_until is None or hold_until.is_set()):
@@ -1605,7 +1608,7 @@ async def _relay(
             raise _failed(
                 engine,
                 phase,
-                "first_token_timeout",
+                ErrorCode.FIRST_TOKEN_TIMEOUT,
                 f"no first token within engine.first_token_timeout_s="
                 f"{config.engine.first_token_timeout_s}",
                 status=504,
@@ -1615,7 +1618,7 @@ async def _relay(
         raise _failed(
             engine,
             phase,
-            "decode_stalled",
+            ErrorCode.DECODE_STALLED,
             f"engine was silent for engine.decode_read_timeout_s="
             f"{config.engine.decode_read_timeout_s}",
             status=504,
@@ -1696,7 +1699,7 @@ class _Collector:
             raise _failed(
                 self._engine,
                 self._phase,
-                "response_too_large",
+                ErrorCode.RESPONSE_TOO_LARGE,
                 f"response exceeds serving.max_response_bytes={self._limit}",
                 counts=False,
             )
@@ -1713,7 +1716,7 @@ class _Collector:
                 raise _failed(
                     self._engine,
                     self._phase,
-                    "engine_bad_stream",
+                    ErrorCode.ENGINE_BAD_STREAM,
                     "sent an event that is not a JSON object",
                 )
             self._assembler.add(chunk)
@@ -1810,7 +1813,7 @@ def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> Engi
     return _failed(
         engine,
         phase,
-        "engine_stream_error",
+        ErrorCode.ENGINE_STREAM_ERROR,
         f"engine reported an error mid-stream: {message}",
         retryable=True,
     )
@@ -1834,7 +1837,11 @@ def _engine_refused(
         phase=phase,
         retryable=status in RETRYABLE_ENGINE_STATUSES,
         counts_against_engine=not client_error and status != 429,
-        code="engine_rejected_request" if client_error else f"engine_http_{status}",
+        code=(
+            ErrorCode.ENGINE_REJECTED_REQUEST
+            if client_error
+            else ErrorCode.ENGINE_HTTP.with_status(status)
+        ),
         param=param if client_error else None,
         error_type="invalid_request_error" if client_error else None,
     )
@@ -1853,7 +1860,6 @@ def _decode_alone(request: ClientRequest, decode: EngineState) -> bool:
 # ... with exception KVTransferError(bootstrap_room=...): Failed to get kvcache from
 # prefill instance, it might be dead") and in the prefill server's.
 _SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
-_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:
@@ -1876,7 +1882,7 @@ def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> Engi
     return _failed(
         engine,
         phase,
-        _TRANSFER_FAILED,
+        ErrorCode.KV_TRANSFER_FAILED,
         f"the bootstrap pair's KV transfer failed: {message}",
         # SGLang's words name the pair's transfer endpoints (host:port).
         public="the bootstrap pair's KV transfer failed",
@@ -1891,7 +1897,7 @@ def _raise_stream_error(engine: EngineState, phase: LegPhase, raw: bytes) -> Non
     try:
         events = SseScanner().feed(raw)
     except SseOverflow as exc:
-        raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
+        raise _failed(engine, phase, ErrorCode.ENGINE_BAD_STREAM, str(exc)) from None
     for event in events:
         if event.kind is SseKind.ERROR:
             raise _stream_error(engine, phase, event)
@@ -1965,7 +1971,7 @@ def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
         return json.loads(raw)
     except (ValueError, RecursionError):
         raise _failed(
-            engine, phase, "engine_bad_response", "returned a body that is not JSON"
+            engine, phase, ErrorCode.ENGINE_BAD_RESPONSE, "returned a body that is not JSON"
         ) from None
 
 

@@ -9,6 +9,9 @@ import textwrap
 
 import pytest
 
+from narwhal._codes import ErrorCode
+from narwhal._errors import NarwhalError
+
 from .markdown import code_spans, read, table
 from .sources import REPO, UnreadableSource, error_codes
 
@@ -66,27 +69,35 @@ def _codes_in(source: str) -> dict[str, set[int]]:
 
 
 ERRORS = """
+    class ErrorCode(enum.StrEnum):
+        INTERNAL_ERROR = "internal_error"
+        OVERLOADED = "overloaded"
+        QUEUE_FULL = "queue_full"
+        HEAD_TOO_LARGE = "head_too_large"
+        BAD_ENCODING = "bad_encoding"
+        ENGINE_FAILED = "engine_failed"
+        ENGINE_HTTP = "engine_http_<status>"
     class NarwhalError(Exception):
         status = 500
-        default_code = "internal_error"
+        default_code = ErrorCode.INTERNAL_ERROR
     class Refused(NarwhalError):
         status = 429
-        default_code = "overloaded"
+        default_code = ErrorCode.OVERLOADED
 """
 
 
-def test_the_collector_follows_literals_defaults_tables_and_helpers() -> None:
+def test_the_collector_follows_members_defaults_tables_and_helpers() -> None:
     found = _codes_in(
         ERRORS
         + """
-    TABLE = {431: "head_too_large", 501: "bad_encoding"}
-    FAILED = "engine_failed"
+    TABLE = {431: ErrorCode.HEAD_TOO_LARGE, 501: ErrorCode.BAD_ENCODING}
+    FAILED = ErrorCode.ENGINE_FAILED
     def _failed(engine, phase, code, *, status=502): ...
     def refuse(status):
-        raise Refused("full", code="queue_full")
+        raise Refused("full", code=ErrorCode.QUEUE_FULL)
         raise Refused("plain")
         raise _failed(engine, "decode", FAILED, status=504)
-        raise _failed(engine, "decode", f"engine_http_{status}")
+        raise _failed(engine, "decode", ErrorCode.ENGINE_HTTP.with_status(status))
         raise NarwhalError("head", code=TABLE[431])
     """
     )
@@ -99,6 +110,26 @@ def test_the_collector_follows_literals_defaults_tables_and_helpers() -> None:
     }
 
 
+@pytest.mark.parametrize("code", ["'queue_full'", "f'engine_http_{status}'"])
+def test_the_collector_refuses_a_code_written_as_a_string(code: str) -> None:
+    with pytest.raises(UnreadableSource, match=r"example\.py:\d+: .* written as a string"):
+        _codes_in(ERRORS + f"    Refused('x', code={code})\n")
+
+
+def test_the_collector_refuses_a_code_the_enum_does_not_have() -> None:
+    with pytest.raises(UnreadableSource, match=r"`ErrorCode\.QUEUE_EMPTY` is not a member"):
+        _codes_in(ERRORS + "    Refused('x', code=ErrorCode.QUEUE_EMPTY)\n")
+
+
 def test_the_collector_refuses_a_code_it_cannot_read() -> None:
     with pytest.raises(UnreadableSource, match=r"example\.py:\d+: .*`pick\(\)`"):
         _codes_in(ERRORS + "    Refused('x', code=pick())\n")
+
+
+def test_every_member_of_the_enum_is_emitted_or_an_error_class_default() -> None:
+    def classes(cls: type[NarwhalError]) -> list[type[NarwhalError]]:
+        return [cls, *(sub for child in cls.__subclasses__() for sub in classes(child))]
+
+    defaults = {cls.default_code for cls in classes(NarwhalError)}
+    idle = set(ErrorCode) - set(error_codes()) - defaults
+    assert not idle, f"members of ErrorCode that nothing emits: {sorted(idle)}"
