@@ -12,6 +12,7 @@ is told unless serving.expose_engine_details is on (`envelope(engine_details=...
 
 from __future__ import annotations
 
+import enum
 import math
 
 from ._codes import ErrorCode
@@ -167,16 +168,26 @@ class Expired(NarwhalError):
     default_code = ErrorCode.EXPIRED
 
 
+class Exclude(enum.Enum):
+    """What a retry of a failed leg leaves out, while another engine can take it."""
+
+    ENGINE = "engine"  # the engine whose leg failed
+    NOTHING = "nothing"  # no engine: the failure was not one's (an expired handoff)
+    PAIR_PREFILL = "pair_prefill"  # the pair's prefill server (a failed KV transfer)
+
+
 class EngineFailed(NarwhalError):
     """An engine leg failed; status is what the client should see for it.
 
-    `retryable` follows docs/design.md#retries: transport failures and engine
-    408/429/500/502/503/504 before visible output. `engine_id` and `phase` say which leg, so the
-    retry excludes that engine and only that phase's breaker counts it. `deadline_s`: the failure is
-    a deadline of that many seconds that expired (recovery asks whether the router's own event loop
-    explains it). `partner_id`: the other engine of the pair, set by the request path on a failed KV
-    transfer, which either engine may have caused. `public` (required: the message names the engine)
-    is the message without its id or url.
+    The request path makes these from its failure-policy table (serving/_failure.py), which
+    decides `status`, `code`, `retryable` (docs/design.md#retries: transient, so retried
+    before visible output), `counts_against_engine` and `exclude`. `engine_id` and `phase`
+    say which leg, so the retry excludes that engine and only that phase's breaker counts
+    it. `deadline_s`: the failure is a deadline of that many seconds that expired (recovery
+    asks whether the router's own event loop explains it). `partner_id`: the other engine
+    of the pair, set by the request path on a failed KV transfer, which either engine may
+    have caused. `public` (required: the message names the engine) is the message without
+    its id or url.
     """
 
     type = "server_error"
@@ -195,11 +206,11 @@ class EngineFailed(NarwhalError):
         param: str | None = None,
         error_type: str | None = None,
         public: str,
-        exclude_on_retry: bool = True,
+        exclude: Exclude = Exclude.ENGINE,
         deadline_s: float | None = None,
     ) -> None:
         super().__init__(message, code=code, param=param, public=public)
-        self.exclude_on_retry = exclude_on_retry
+        self.exclude = exclude
         self.deadline_s = deadline_s
         self.status = status
         self.engine_id = engine_id

@@ -47,16 +47,15 @@ import trio
 from .._codes import ErrorCode
 from .._errors import (
     ENGINE_AUTH_STATUSES,
-    RETRYABLE_ENGINE_STATUSES,
     BadRequest,
     EngineFailed,
+    Exclude,
     Expired,
     NarwhalError,
     NotFound,
     Refused,
     RequestTimeout,
     Unavailable,
-    client_status_for_engine_status,
 )
 from .._values import json_int
 from ..admission import (
@@ -125,6 +124,7 @@ from ._context import (
     log,
 )
 from ._context_check import check_context, output_bound, widest_context
+from ._failure import FailureKind, classify_answer, classify_event, leg_failure
 from ._per_client import client_key
 from ._request import (
     ClientRequest,
@@ -911,9 +911,9 @@ class Flow:
                 if not ctx.retry_budget.try_spend():
                     failure.note(" (retry budget exhausted)")
                     raise
-                if failure.exclude_on_retry:
+                if failure.exclude is Exclude.ENGINE:
                     excluded.add(failure.engine_id)
-                elif transfer is not None:
+                elif failure.exclude is Exclude.PAIR_PREFILL and transfer is not None:
                     avoided.add(transfer)
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
@@ -984,7 +984,7 @@ class Flow:
                 request,
                 config,
                 timeout_s=serving.prefill_timeout_s,
-                timeout_code=ErrorCode.PREFILL_TIMEOUT,
+                on_timeout=FailureKind.PREFILL_TIMEOUT,
                 timeout_setting="serving.prefill_timeout_s",
                 prompt_tokens=tokens,
             )
@@ -1016,19 +1016,13 @@ class Flow:
             raise _failed(
                 decode,
                 "decode",
-                ErrorCode.HANDOFF_EXPIRED,
+                FailureKind.HANDOFF_EXPIRED,
                 f"kv handoff from {prefill.id} expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
                 public=f"kv handoff expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
-                status=503,
-                retryable=True,
-                counts=False,
-                # The wait was for a decode slot, not an engine fault: the same decode
-                # engine may well have room by the time the fresh prefill is done.
-                exclude=False,
             ) from None
         finally:
             handoff.release()
@@ -1083,7 +1077,7 @@ class Flow:
                     request,
                     config,
                     timeout_s=serving.prefill_timeout_s,
-                    timeout_code=ErrorCode.PREFILL_TIMEOUT,
+                    on_timeout=FailureKind.PREFILL_TIMEOUT,
                     timeout_setting="serving.prefill_timeout_s",
                     prompt_tokens=tokens,
                     sse=unstreamed is None,
@@ -1232,16 +1226,13 @@ class Flow:
             raise _failed(
                 engine,
                 phase,
-                ErrorCode.ENGINE_UNREACHABLE,
+                FailureKind.UNREACHABLE,
                 str(exc),  # names the engine's host and port
                 public="could not connect to the engine",
-                retryable=True,
                 deadline_s=exc.timeout_s,
             ) from None
         except RemoteProtocolError as exc:
-            raise _failed(
-                engine, phase, ErrorCode.ENGINE_CONNECTION_LOST, str(exc), retryable=True
-            ) from None
+            raise _failed(engine, phase, FailureKind.CONNECTION_LOST, str(exc)) from None
         except PoolTimeout as exc:
             # Local starvation is not the engine's fault and is not retried
             # (docs/design.md#retries).
@@ -1261,44 +1252,19 @@ class Flow:
             raw = b""
         info = parse_error_body(response.status, raw)
         status = response.status
-        if status in ENGINE_AUTH_STATUSES:
-            # The engine refused Narwhal's key, not the client's request: passing the 401
-            # on would tell the client its own credentials are wrong. Nor is the engine
-            # faulty (no breaker count); the request may be retried on an engine that
-            # takes the key.
+        kind = classify_answer(info, bootstrap_pair=_bootstrap_pair(engine, phase))
+        if kind is FailureKind.KEY_REFUSED:
             why = key_refused(engine, status, info.message, self.ctx.config)
-            return EngineFailed(
-                f"{phase} engine {engine.id} {why}",
-                public=f"{phase} engine refused narwhal's API key (HTTP {status}): the "
-                "router's configuration is at fault, not the request",
-                status=client_status_for_engine_status(status),
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=False,
-                code=ErrorCode.ENGINE_AUTH_FAILED,
-            )
-        if names_model(status, info):
-            # The engine was launched under another name than engines[].model, which the
-            # client's model matched: not the client's error, nor a fault the breaker
-            # should count; another engine may serve it.
+            public = f"refused narwhal's API key (HTTP {status}): the router's configuration"
+            return _answered(engine, phase, kind, why, f"{public} is at fault, not the request")
+        if kind is FailureKind.MODEL_MISSING:
             why = model_refused(engine, info.message, self.ctx.config)
-            return EngineFailed(
-                f"{phase} engine {engine.id} {why}",
-                public=f"{phase} engine does not serve model {engine.spec.model!r}: the "
-                "router's configuration is at fault, not the request",
-                status=502,
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=False,
-                code=ErrorCode.ENGINE_MODEL_MISSING,
-            )
-        if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
+            public = f"does not serve model {engine.spec.model!r}: the router's configuration"
+            return _answered(engine, phase, kind, why, f"{public} is at fault, not the request")
+        if kind is FailureKind.TRANSFER_FAILED:
             return _transfer_failed(engine, phase, info.message)
-        return _engine_refused(
-            engine, phase, status, f"returned HTTP {status}: {info.message}", info.param
-        )
+        answer = f"returned HTTP {status}: {info.message}"
+        return _answered(engine, phase, kind, answer, status=status, param=info.param)
 
     async def _json_leg(
         self,
@@ -1309,7 +1275,7 @@ class Flow:
         config: Config,
         *,
         timeout_s: float,
-        timeout_code: str,
+        on_timeout: FailureKind,
         timeout_setting: str,
         prompt_tokens: int = 0,
         sse: bool = False,
@@ -1332,9 +1298,8 @@ class Flow:
                     raise _failed(
                         engine,
                         phase,
-                        ErrorCode.RESPONSE_TOO_LARGE,
+                        FailureKind.TOO_LARGE,
                         f"response exceeds serving.max_response_bytes={limit}",
-                        counts=False,
                     ) from None
                 if sse:
                     _raise_stream_error(engine, phase, raw)
@@ -1347,15 +1312,8 @@ class Flow:
                 contended=alone is None or engine.load.legs_started != alone,
             )
             return raw
-        raise _failed(
-            engine,
-            phase,
-            timeout_code,
-            f"exceeded {timeout_setting}={timeout_s}",
-            status=504,
-            retryable=True,
-            deadline_s=timeout_s,
-        )
+        detail = f"exceeded {timeout_setting}={timeout_s}"
+        raise _failed(engine, phase, on_timeout, detail, deadline_s=timeout_s)
 
     async def _decode_leg(
         self,
@@ -1396,7 +1354,7 @@ class Flow:
                     request,
                     config,
                     timeout_s=math.inf,
-                    timeout_code=ErrorCode.DECODE_TIMEOUT,
+                    on_timeout=FailureKind.DECODE_TIMEOUT,
                     timeout_setting="",
                     prompt_tokens=record.prompt_tokens or 0,
                 )
@@ -1496,7 +1454,7 @@ async def _relay(
                 raise _failed(
                     engine,
                     phase,
-                    ErrorCode.ENGINE_BAD_RESPONSE,
+                    FailureKind.BAD_RESPONSE,
                     "answered a streaming request with application/json, not an event stream",
                 )
             while not done:
@@ -1506,16 +1464,15 @@ async def _relay(
                     raise _failed(
                         engine,
                         phase,
-                        ErrorCode.ENGINE_STREAM_TRUNCATED,
+                        FailureKind.TRUNCATED,
                         "stream ended without the [DONE] terminator",
-                        retryable=True,
                     )
                 if first_at is not None:
                     timer.deadline = now + gap  # partial lines and metadata reset it too
                 try:
                     events = scanner.feed(chunk)
                 except SseOverflow as exc:
-                    raise _failed(engine, phase, ErrorCode.ENGINE_BAD_STREAM, str(exc)) from None
+                    raise _failed(engine, phase, FailureKind.BAD_STREAM, str(exc)) from None
                 out: list[bytes] = []
                 read_tokens = 0
                 for event in events:
@@ -1568,7 +1525,7 @@ async def _relay(
                     raise _failed(
                         engine,
                         phase,
-                        ErrorCode.RESPONSE_TOO_LARGE,
+                        FailureKind.HELD_TOO_LARGE,
                         f"pre-output buffer exceeds serving.max_response_bytes={limit}",
                     )
                 if out and (hold_until is None or hold_until.is_set()):
@@ -1608,23 +1565,19 @@ async def _relay(
             raise _failed(
                 engine,
                 phase,
-                ErrorCode.FIRST_TOKEN_TIMEOUT,
+                FailureKind.FIRST_TOKEN_TIMEOUT,
                 f"no first token within engine.first_token_timeout_s="
                 f"{config.engine.first_token_timeout_s}",
-                status=504,
-                retryable=True,
                 deadline_s=waited,
             )
+        # A stream's client has seen its first token by now, so only a non-streaming
+        # request, with nothing shown, retries.
         raise _failed(
             engine,
             phase,
-            ErrorCode.DECODE_STALLED,
+            FailureKind.DECODE_STALLED,
             f"engine was silent for engine.decode_read_timeout_s="
             f"{config.engine.decode_read_timeout_s}",
-            status=504,
-            # A timeout is transient (docs/design.md#retries). A stream's client has seen its first
-            # token by now, so only a non-streaming request, with nothing shown, retries.
-            retryable=True,
             deadline_s=gap,
         )
     if held:
@@ -1699,9 +1652,8 @@ class _Collector:
             raise _failed(
                 self._engine,
                 self._phase,
-                ErrorCode.RESPONSE_TOO_LARGE,
+                FailureKind.TOO_LARGE,
                 f"response exceeds serving.max_response_bytes={self._limit}",
-                counts=False,
             )
         # _relay hands over whole events only, and has already failed the leg on an
         # error event.
@@ -1716,7 +1668,7 @@ class _Collector:
                 raise _failed(
                     self._engine,
                     self._phase,
-                    ErrorCode.ENGINE_BAD_STREAM,
+                    FailureKind.BAD_STREAM,
                     "sent an event that is not a JSON object",
                 )
             self._assembler.add(chunk)
@@ -1759,91 +1711,63 @@ def _round(value: float | None) -> float | None:
 def _failed(
     engine: EngineState,
     phase: LegPhase,
-    code: str,
+    kind: FailureKind,
     detail: str,
     *,
     public: str | None = None,
-    status: int = 502,
-    retryable: bool = False,
-    counts: bool = True,
-    exclude: bool = True,
     deadline_s: float | None = None,
 ) -> EngineFailed:
-    """An engine leg's failure. `retryable` means transient (docs/design.md#retries); whether a
-    retry happens also depends on visible output, attempts and the budget (see _attempts). `public`:
-    `detail` for a client, when `detail` names the engine or its address."""
-    return EngineFailed(
+    """An engine leg's failure of `kind`, as FAILURE_POLICY has it. `public`: `detail` for
+    a client, when `detail` names the engine or its address."""
+    return leg_failure(
+        kind,
         f"{phase} engine {engine.id}: {detail}",
         public=f"{phase} engine: {detail if public is None else public}",
-        status=status,
         engine_id=engine.id,
         phase=phase,
-        retryable=retryable,
-        counts_against_engine=counts,
-        code=code,
-        exclude_on_retry=exclude,
         deadline_s=deadline_s,
     )
 
 
-def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
-    """An error event inside a 200 stream (docs/design.md#streaming-failures: engines report late
-    errors so).
-
-    One whose `code` is a client error's status (vLLM 0.32 sends a streamed request's
-    validation error so: `logprobs` above 20, token ids out of the vocabulary, ...; SGLang
-    its ValueErrors) is the engine refusing the request, as its HTTP 4xx would be
-    (`_engine_refused`): the client's, never retried nor counted against the engine.
-    Anything else is transient like the HTTP 500 the engine sends when not streaming (a
-    KV load failure, say): _attempts retries it only while nothing reached the client."""
-    error = event.error or {}
-    message = error.get("message", "engine error")
-    if isinstance(message, str) and _kv_transfer_failed(engine, phase, message):
-        return _transfer_failed(engine, phase, message)
-    status = json_int(error.get("code"))
-    if status is not None and 400 <= status < 500:
-        param = error.get("param")
-        return _engine_refused(
-            engine,
-            phase,
-            status,
-            f"returned {status} in its stream: {message}",
-            param if isinstance(param, str) else None,
-        )
-    return _failed(
-        engine,
-        phase,
-        ErrorCode.ENGINE_STREAM_ERROR,
-        f"engine reported an error mid-stream: {message}",
-        retryable=True,
+def _answered(
+    engine: EngineState,
+    phase: LegPhase,
+    kind: FailureKind,
+    answer: str,
+    public: str | None = None,
+    *,
+    status: int | None = None,
+    param: str | None = None,
+) -> EngineFailed:
+    """A failure the engine answered with (`answer`: what it did, in its words, which go
+    to the client too: they are about the request the client sent). `status`: the
+    engine's, for the kinds that pass it on."""
+    return leg_failure(
+        kind,
+        f"{phase} engine {engine.id} {answer}",
+        public=f"{phase} engine {answer if public is None else public}",
+        engine_id=engine.id,
+        phase=phase,
+        engine_status=status,
+        param=param,
     )
 
 
-def _engine_refused(
-    engine: EngineState, phase: LegPhase, status: int, answer: str, param: str | None
-) -> EngineFailed:
-    """An engine's error status, in an HTTP answer or a stream's error event (`answer`,
-    in the engine's words): the client's own fault for a 4xx other than 408 and 429 (400,
-    404, 422...), which says nothing about the engine, is neither retried nor counted
-    against it; a 429 (busy, not broken) is retried and not counted; the rest are the
-    engine's. The engine's words go to the client either way: they are about the request
-    the client sent, as the engine would have answered it."""
-    client_error = 400 <= status < 500 and status not in (408, 429)
-    return EngineFailed(
-        f"{phase} engine {engine.id} {answer}",
-        public=f"{phase} engine {answer}",
-        status=client_status_for_engine_status(status),
-        engine_id=engine.id,
-        phase=phase,
-        retryable=status in RETRYABLE_ENGINE_STATUSES,
-        counts_against_engine=not client_error and status != 429,
-        code=(
-            ErrorCode.ENGINE_REJECTED_REQUEST
-            if client_error
-            else ErrorCode.ENGINE_HTTP.with_status(status)
-        ),
-        param=param if client_error else None,
-        error_type="invalid_request_error" if client_error else None,
+def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
+    """An error event inside a 200 stream (docs/design.md#streaming-failures: engines
+    report late errors so); `classify_event` says what it is."""
+    error = event.error or {}
+    message = error.get("message", "engine error")
+    status = json_int(error.get("code"))
+    kind = classify_event(status, message, bootstrap_pair=_bootstrap_pair(engine, phase))
+    if kind is FailureKind.TRANSFER_FAILED:
+        return _transfer_failed(engine, phase, str(message))
+    if status is None or kind is FailureKind.STREAM_ERROR:
+        return _failed(engine, phase, kind, f"engine reported an error mid-stream: {message}")
+    param = error.get("param")
+    answer = f"returned {status} in its stream: {message}"
+    return _answered(
+        engine, phase, kind, answer, status=status, param=param if isinstance(param, str) else None
     )
 
 
@@ -1855,40 +1779,20 @@ def _decode_alone(request: ClientRequest, decode: EngineState) -> bool:
     return request.one_engine == "prompt_logprobs" and not decode.dialect.concurrent_legs
 
 
-# How SGLang reports that a bootstrap pair's KV transfer failed, on either server: its
-# KVTransferError, in the decode server's abort ("Decode transfer failed for request
-# ... with exception KVTransferError(bootstrap_room=...): Failed to get kvcache from
-# prefill instance, it might be dead") and in the prefill server's.
-_SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
-
-
-def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:
-    if not engine.dialect.concurrent_legs or phase == "aggregate":
-        return False
-    return any(words in message for words in _SGLANG_TRANSFER_FAILURE)
+def _bootstrap_pair(engine: EngineState, phase: LegPhase) -> bool:
+    """Whether the leg is one of an SGLang bootstrap pair's (`classify_answer`)."""
+    return engine.dialect.concurrent_legs and phase != "aggregate"
 
 
 def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> EngineFailed:
-    """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it.
-
-    That says the transfer failed, not which server made it fail. It is mostly the
-    prefill (SGLang's own words: "it might be dead"): when a prefill server dies, its
-    decoders' transfers fail at once and their reports often reach Narwhal before the
-    prefill leg's own broken connection does, which the first failure then cancels. So
-    it counts against neither server (a dead one fails its own legs and health probes),
-    the retry does not leave the decode server out, and leaves the prefill server out
-    only while another one can take the retry (`_attempts`): with one prefill server,
-    a transient failure is retried on it."""
+    """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it."""
     return _failed(
         engine,
         phase,
-        ErrorCode.KV_TRANSFER_FAILED,
+        FailureKind.TRANSFER_FAILED,
         f"the bootstrap pair's KV transfer failed: {message}",
         # SGLang's words name the pair's transfer endpoints (host:port).
         public="the bootstrap pair's KV transfer failed",
-        retryable=True,
-        counts=False,
-        exclude=False,
     )
 
 
@@ -1897,7 +1801,7 @@ def _raise_stream_error(engine: EngineState, phase: LegPhase, raw: bytes) -> Non
     try:
         events = SseScanner().feed(raw)
     except SseOverflow as exc:
-        raise _failed(engine, phase, ErrorCode.ENGINE_BAD_STREAM, str(exc)) from None
+        raise _failed(engine, phase, FailureKind.BAD_STREAM, str(exc)) from None
     for event in events:
         if event.kind is SseKind.ERROR:
             raise _stream_error(engine, phase, event)
@@ -1971,7 +1875,7 @@ def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
         return json.loads(raw)
     except (ValueError, RecursionError):
         raise _failed(
-            engine, phase, ErrorCode.ENGINE_BAD_RESPONSE, "returned a body that is not JSON"
+            engine, phase, FailureKind.BAD_RESPONSE, "returned a body that is not JSON"
         ) from None
 
 

@@ -321,6 +321,25 @@ def _code_positions(modules: list[_Module]) -> dict[str, list[int]]:
     return positions
 
 
+def _status_positions(modules: list[_Module]) -> dict[str, int]:
+    """attrs class name -> the position of its `status` field (a table's rows, say)."""
+    positions: dict[str, int] = {}
+    for module in modules:
+        for node in ast.walk(module.tree):
+            if not isinstance(node, ast.ClassDef) or any(
+                isinstance(item, ast.FunctionDef) and item.name == "__init__" for item in node.body
+            ):
+                continue
+            fields = [
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            ]
+            if "status" in fields:
+                positions[node.name] = fields.index("status")
+    return positions
+
+
 def _status_defaults(modules: list[_Module]) -> dict[str, int]:
     """Function name -> the default of its `status` parameter, where it has one."""
     defaults: dict[str, int] = {}
@@ -366,6 +385,7 @@ def error_codes(
     classes = _error_classes(modules)
     positions = _code_positions(modules)
     status_defaults = _status_defaults(modules)
+    status_positions = _status_positions(modules)
     found: dict[str, CodeUse] = {}
     for module in modules:
         parents = _parents(module.tree)
@@ -387,7 +407,7 @@ def error_codes(
                 if callee not in classes:
                     raise UnreadableSource(f"{at}: a code that may be None outside an error class")
                 codes.add(classes[callee].default_code)
-            status = _site_status(call, callee, classes, status_defaults)
+            status = _site_status(call, callee, classes, status_defaults, status_positions)
             for code in codes:
                 use = found.setdefault(code, CodeUse())
                 use.sites.append(at)
@@ -397,9 +417,15 @@ def error_codes(
 
 
 def _site_status(
-    call: ast.Call, callee: str, classes: dict[str, ErrorClass], defaults: dict[str, int]
+    call: ast.Call,
+    callee: str,
+    classes: dict[str, ErrorClass],
+    defaults: dict[str, int],
+    positions: dict[str, int],
 ) -> int | None:
     given = next((kw.value for kw in call.keywords if kw.arg == "status"), None)
+    if given is None and positions.get(callee, len(call.args)) < len(call.args):
+        given = call.args[positions[callee]]
     if given is not None:
         literal = given.value if isinstance(given, ast.Constant) else None
         return literal if isinstance(literal, int) else None

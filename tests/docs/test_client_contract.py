@@ -11,6 +11,7 @@ import pytest
 
 from narwhal._codes import ErrorCode
 from narwhal._errors import NarwhalError
+from narwhal.serving._failure import FAILURE_POLICY, classify_status
 
 from .markdown import code_spans, read, table
 from .sources import REPO, UnreadableSource, error_codes
@@ -77,6 +78,7 @@ ERRORS = """
         BAD_ENCODING = "bad_encoding"
         ENGINE_FAILED = "engine_failed"
         ENGINE_HTTP = "engine_http_<status>"
+        HANDOFF_EXPIRED = "handoff_expired"
     class NarwhalError(Exception):
         status = 500
         default_code = ErrorCode.INTERNAL_ERROR
@@ -86,13 +88,21 @@ ERRORS = """
 """
 
 
-def test_the_collector_follows_members_defaults_tables_and_helpers() -> None:
+def test_the_collector_follows_members_defaults_tables_rows_and_helpers() -> None:
     found = _codes_in(
         ERRORS
         + """
     TABLE = {431: ErrorCode.HEAD_TOO_LARGE, 501: ErrorCode.BAD_ENCODING}
     FAILED = ErrorCode.ENGINE_FAILED
     def _failed(engine, phase, code, *, status=502): ...
+    class Rule:
+        code: ErrorCode
+        status: int | None
+    POLICY = {
+        1: Rule(ErrorCode.HANDOFF_EXPIRED, 503),
+        2: Rule(ErrorCode.ENGINE_HTTP, FROM_ENGINE),
+        3: Rule(ErrorCode.ENGINE_HTTP, 429),
+    }
     def refuse(status):
         raise Refused("full", code=ErrorCode.QUEUE_FULL)
         raise Refused("plain")
@@ -105,7 +115,8 @@ def test_the_collector_follows_members_defaults_tables_and_helpers() -> None:
         "queue_full": {429},
         "overloaded": {429},
         "engine_failed": {504},
-        "engine_http_<status>": {502},
+        "engine_http_<status>": {502, 429},
+        "handoff_expired": {503},
         "head_too_large": {500},
     }
 
@@ -133,3 +144,28 @@ def test_every_member_of_the_enum_is_emitted_or_an_error_class_default() -> None
     defaults = {cls.default_code for cls in classes(NarwhalError)}
     idle = set(ErrorCode) - set(error_codes()) - defaults
     assert not idle, f"members of ErrorCode that nothing emits: {sorted(idle)}"
+
+
+def test_the_retries_column_is_the_failure_policys() -> None:
+    """What the page says Narwhal retries is what serving/_failure.py's table says."""
+    documented = _codes_table()
+    wrong = {
+        f"{kind.name} ({rule.code})": documented[rule.code]["Narwhal retries"]
+        for kind, rule in FAILURE_POLICY.items()
+        if rule.code is not ErrorCode.ENGINE_HTTP
+        and documented[rule.code]["Narwhal retries"] != ("yes" if rule.retry else "no")
+    }
+    assert not wrong, f"kind (code): the page's cell, against the table: {wrong}"
+    # An engine's status passed on is retried for the statuses its row lists.
+    retried = {
+        status
+        for status in range(100, 600)
+        if status != 200
+        and FAILURE_POLICY[kind := classify_status(status)].retry
+        and FAILURE_POLICY[kind].code is ErrorCode.ENGINE_HTTP
+    }
+    cell = documented[ErrorCode.ENGINE_HTTP]["Narwhal retries"]
+    listed = set()
+    for low, high in re.findall(r"\b([1-5]\d\d)(?:-([1-5]\d\d))?\b", cell):
+        listed |= set(range(int(low), int(high or low) + 1))
+    assert retried == listed, cell
