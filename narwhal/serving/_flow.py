@@ -22,9 +22,11 @@ OpenAI-style envelope. A streaming response commits 200 just before the decode s
 opens; from then on any failure is a terminal `data: {"error": ...}` event with no
 `[DONE]`, but for a client error before the stream's first bytes (an engine refusing
 the request inside its stream, as vLLM does a streamed request's validation error),
-which is still the HTTP error it is (`ClientChannel`). Retries happen only before that
-commit (or, for non-streaming requests, before the body is sent), only for transient
-failures, within serving.max_attempts and the retry budget.
+which is still the HTTP error it is (`ClientChannel`). A leg's failure is named by its
+kind here and answered as `_failure.FAILURE_POLICY` says; whether it is retried is
+`_retry.next_attempt`'s to say: only before that commit (or, for non-streaming
+requests, before the body is sent), only for transient failures, within
+serving.max_attempts, the retry budget and the request's deadline.
 
 Requests that only one engine can serve well (`ClientRequest.one_engine`: n > 1,
 prompt_logprobs) go to an aggregate engine; without one, a vLLM pair's decode engine
@@ -49,7 +51,6 @@ from .._errors import (
     ENGINE_AUTH_STATUSES,
     BadRequest,
     EngineFailed,
-    Exclude,
     Expired,
     NarwhalError,
     NotFound,
@@ -62,7 +63,6 @@ from ..admission import (
     PathQuote,
     Priced,
     ProfileSource,
-    full_jitter,
     judge,
     placement_policy,
     price_fleet,
@@ -102,7 +102,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import Claim, EngineState, key_refused, model_refused, names_model
+from ..fleet import Claim, EngineState, EngineView, key_refused, model_refused, names_model
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -133,6 +133,7 @@ from ._request import (
     request_id_from_header,
     truncated_prompt,
 )
+from ._retry import GiveUp, Reason, Tried, next_attempt
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
 _ERROR_BODY_LIMIT = 65536
@@ -844,31 +845,14 @@ class Flow:
         quotes: list[PathQuote],
     ) -> None:
         ctx = self.ctx
-        serving = config.serving
-        # Engines whose leg failed: a retry goes elsewhere while another engine can take
-        # it. When none can (the role's others are out), it goes back to the engine that
-        # failed, as any HTTP retry would: a transient failure is worth the attempt
-        # (docs/design.md#retries), and refusing the request as `no_engine_available` would blame a
-        # fleet that still has an engine. An engine taken out of placement meanwhile
-        # (unreachable, breaker, quarantine, ejection) is not placeable either way.
-        excluded: set[str] = set()
-        # Prefill servers of SGLang pairs whose KV transfer failed: left out of a retry
-        # while another one can take it, never the only one (see _transfer_failed).
-        avoided: set[str] = set()
-        attempt = 0
+        tried = Tried()
         aggregate_only = self._aggregate_only(request)
         while True:
-            attempt += 1
-            record.attempts = attempt
+            record.attempts = tried.attempts
             views = ctx.fleet.views(trio.current_time())
             if aggregate_only:
                 views = tuple(view for view in views if view.role == "both")
-            policy = self._policy(tokens, config)
-            placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
-            if isinstance(placement, NoPlacement) and avoided:
-                placement = choose(views, excluded=frozenset(excluded), policy=policy)
-            if isinstance(placement, NoPlacement) and excluded:
-                placement = choose(views, excluded=frozenset(), policy=policy)
+            placement = _place(views, tried, self._policy(tokens, config))
             if isinstance(placement, NoPlacement):
                 raise Unavailable(
                     placement.reason, code=ErrorCode.NO_ENGINE_AVAILABLE, public=placement.public
@@ -880,7 +864,7 @@ class Flow:
                 ctx.metrics.unserved_placements.inc()
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
-            if attempt == 1:
+            if tried.attempts == 1:
                 _record_projection(record, placement, quotes)
             # The instances the legs run on: a reload may replace an engine (same id,
             # another server) before a leg on it fails, and the failure is the old
@@ -895,38 +879,56 @@ class Flow:
             try:
                 await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
-                # The pair's prefill server, when its KV transfer failed.
-                transfer = None
-                if failure.code == ErrorCode.KV_TRANSFER_FAILED:
-                    transfer = placement.prefill
-                if transfer is not None:
-                    # Recovery tells which engine of the pair fails its transfers.
-                    failure.partner_id = (
-                        placement.decode if failure.engine_id == transfer else transfer
-                    )
                 failed = prefill if prefill and failure.engine_id == prefill.id else decode
-                self._count_failure(failure, failed)
-                if client.started or not failure.retryable or attempt >= serving.max_attempts:
+                self._count_failure(failure, failed, placement)
+                decision = next_attempt(
+                    failure,
+                    tried,
+                    prefill=placement.prefill,
+                    visible=client.started,
+                    serving=config.serving,
+                    budget_credits=ctx.retry_budget.level,
+                    deadline=request.deadline,
+                    now=trio.current_time(),
+                    jitter=ctx.rng.random(),
+                )
+                if isinstance(decision, GiveUp):
+                    await self._give_up(decision, failure, record, request.deadline)
                     raise
-                if not ctx.retry_budget.try_spend():
-                    failure.note(" (retry budget exhausted)")
-                    raise
-                if failure.exclude is Exclude.ENGINE:
-                    excluded.add(failure.engine_id)
-                elif failure.exclude is Exclude.PAIR_PREFILL and transfer is not None:
-                    avoided.add(transfer)
+                spent = ctx.retry_budget.try_spend()
+                assert spent  # next_attempt saw the credit, and nothing ran since
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
-                await trio.sleep(
-                    full_jitter(
-                        attempt, base_s=serving.retry_base_s, cap_s=serving.retry_cap_s, rng=ctx.rng
-                    )
-                )
+                await trio.sleep(decision.backoff_s)
+                tried = decision.tried
                 continue
             ctx.retry_budget.on_success()
             return
 
-    def _count_failure(self, failure: EngineFailed, engine: EngineState) -> None:
+    async def _give_up(
+        self, decision: GiveUp, failure: EngineFailed, record: RequestRecord, deadline: float
+    ) -> None:
+        """Before `failure` ends the request: say why in its message, count a retry the
+        budget refused, and let a deadline too close for the retry answer the client
+        (`expired`), as it would have during the backoff."""
+        if decision.reason is Reason.BUDGET_EXHAUSTED:
+            self.ctx.retry_budget.refused()
+        if decision.note:
+            failure.note(decision.note)
+        if decision.reason is Reason.DEADLINE:
+            record.stage = "backoff"
+            await trio.sleep_until(deadline)  # the request's deadline scope cancels it
+
+    def _count_failure(
+        self, failure: EngineFailed, engine: EngineState, placement: Placement
+    ) -> None:
+        """Report a failed leg on `engine`, the instance it ran on, to the metrics and to
+        recovery, which charges it as the failure's row says."""
+        if failure.code == ErrorCode.KV_TRANSFER_FAILED and placement.prefill is not None:
+            # Recovery tells which engine of the pair fails its transfers.
+            failure.partner_id = (
+                placement.decode if failure.engine_id == placement.prefill else placement.prefill
+            )
         self.ctx.metrics.engine_failures.labels(
             failure.engine_id, failure.phase, failure.code
         ).inc()
@@ -1688,6 +1690,21 @@ def _alone(engine: EngineState) -> int | None:
     if load.prefill_inflight + load.decode_active > 1:
         return None
     return load.legs_started
+
+
+def _place(views: tuple[EngineView, ...], tried: Tried, policy: Policy) -> Placement | NoPlacement:
+    """Where an attempt goes: not to an engine `tried` leaves out while another can take it.
+    When none can (the role's others are out), a retry goes back to the engine that
+    failed, as any HTTP retry would: a transient failure is worth the attempt, and
+    refusing the request as `no_engine_available` would blame a fleet that still has an
+    engine. An engine taken out of placement meanwhile (unreachable, breaker, quarantine,
+    ejection) is not placeable either way."""
+    placement = choose(views, excluded=tried.excluded | tried.avoided, policy=policy)
+    if isinstance(placement, NoPlacement) and tried.avoided:
+        placement = choose(views, excluded=tried.excluded, policy=policy)
+    if isinstance(placement, NoPlacement) and tried.excluded:
+        placement = choose(views, excluded=frozenset(), policy=policy)
+    return placement
 
 
 def _record_projection(
