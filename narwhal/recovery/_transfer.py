@@ -71,7 +71,7 @@ class TransferAttribution:
         """An SGLang pair's KV transfer failed: count it against the engine of the pair
         that fails its transfers while its peers' succeed, if either does.
 
-        The failure itself does not say which engine caused it (`_flow._transfer_failed`),
+        The failure itself does not say which engine caused it (serving `FAILURE_POLICY`),
         so it counts against neither by default. But an engine whose KV path is broken
         while it otherwise answers (a bad NIC, a wedged transfer backend) fails nearly
         every leg it is paired for, and a decode engine failing fast looks idle, so

@@ -108,8 +108,8 @@ _ENGINE, _NOTHING, _PREFILL = Exclude.ENGINE, Exclude.NOTHING, Exclude.PAIR_PREF
 # - An expired handoff waited for a decode slot, which is no engine's fault: the same
 #   decode engine may have room by the time the fresh prefill is done.
 # - An engine's 429 is busy, not broken. Timeouts and broken streams are transient.
-# - An answer too large for serving.max_response_bytes is what the request asked for;
-#   events piling up before any token (HELD_TOO_LARGE) are the engine's doing.
+# - An answer too large for serving.max_response_bytes is what the request asked for,
+#   no fault of the engine's.
 # fmt: off
 FAILURE_POLICY: Mapping[FailureKind, Rule] = {
     #                            code                               status      retry charge exclude
