@@ -1,8 +1,8 @@
 """Client-facing errors: each knows its HTTP status and its OpenAI-style envelope.
 
 A few semantic classes rather than one per cause; `code` is the machine-readable
-reason (`queue_full`, `expired`, `first_token_timeout`, ...) and the message names the
-limit and the value that was hit.
+reason, a member of `ErrorCode` (narwhal/_codes.py: `queue_full`, `expired`, ...), and
+the message names the limit and the value that was hit.
 
 Messages are written for the operator and logged whole. One that names an engine (its
 id or url), or what only the operator should see (a file path, the monitor's last
@@ -12,7 +12,10 @@ is told unless serving.expose_engine_details is on (`envelope(engine_details=...
 
 from __future__ import annotations
 
+import enum
 import math
+
+from ._codes import ErrorCode
 
 Json = dict[str, object]
 
@@ -26,7 +29,7 @@ def os_reason(exc: OSError) -> str:
 class NarwhalError(Exception):
     status = 500
     type = "server_error"
-    default_code = "internal_error"
+    default_code = ErrorCode.INTERNAL_ERROR
 
     def __init__(
         self,
@@ -82,7 +85,7 @@ class NarwhalError(Exception):
 class BadRequest(NarwhalError):
     status = 400
     type = "invalid_request_error"
-    default_code = "invalid_request"
+    default_code = ErrorCode.INVALID_REQUEST
 
 
 class MalformedRequest(NarwhalError):
@@ -93,7 +96,7 @@ class MalformedRequest(NarwhalError):
     answer."""
 
     type = "invalid_request_error"
-    default_code = "malformed_request"
+    default_code = ErrorCode.MALFORMED_REQUEST
 
     def __init__(self, message: str, *, status: int, code: str | None = None) -> None:
         super().__init__(message, code=code)
@@ -103,7 +106,7 @@ class MalformedRequest(NarwhalError):
 class NotFound(NarwhalError):
     status = 404
     type = "invalid_request_error"
-    default_code = "not_found"
+    default_code = ErrorCode.NOT_FOUND
 
 
 class Unauthorized(NarwhalError):
@@ -113,7 +116,7 @@ class Unauthorized(NarwhalError):
 
     status = 401
     type = "invalid_request_error"
-    default_code = "invalid_api_key"
+    default_code = ErrorCode.INVALID_API_KEY
 
     def __init__(self, message: str, *, code: str, invalid: bool) -> None:
         super().__init__(message, code=code)
@@ -129,7 +132,7 @@ class Unauthorized(NarwhalError):
 class PayloadTooLarge(NarwhalError):
     status = 413
     type = "invalid_request_error"
-    default_code = "request_too_large"
+    default_code = ErrorCode.REQUEST_TOO_LARGE
 
 
 class RequestTimeout(NarwhalError):
@@ -138,7 +141,7 @@ class RequestTimeout(NarwhalError):
 
     status = 408
     type = "timeout_error"
-    default_code = "body_timeout"
+    default_code = ErrorCode.BODY_TIMEOUT
 
 
 class Refused(NarwhalError):
@@ -146,7 +149,7 @@ class Refused(NarwhalError):
 
     status = 429
     type = "rate_limit_error"
-    default_code = "overloaded"
+    default_code = ErrorCode.OVERLOADED
 
 
 class Unavailable(NarwhalError):
@@ -154,7 +157,7 @@ class Unavailable(NarwhalError):
 
     status = 503
     type = "service_unavailable_error"
-    default_code = "no_engine_available"
+    default_code = ErrorCode.NO_ENGINE_AVAILABLE
 
 
 class Expired(NarwhalError):
@@ -162,23 +165,33 @@ class Expired(NarwhalError):
 
     status = 504
     type = "timeout_error"
-    default_code = "expired"
+    default_code = ErrorCode.EXPIRED
+
+
+class Exclude(enum.Enum):
+    """What a retry of a failed leg leaves out, while another engine can take it."""
+
+    ENGINE = "engine"  # the engine whose leg failed
+    NOTHING = "nothing"  # no engine: the failure was not one's (an expired handoff)
+    PAIR_PREFILL = "pair_prefill"  # the pair's prefill server (a failed KV transfer)
 
 
 class EngineFailed(NarwhalError):
     """An engine leg failed; status is what the client should see for it.
 
-    `retryable` follows docs/design.md#retries: transport failures and engine
-    408/429/500/502/503/504 before visible output. `engine_id` and `phase` say which leg, so the
-    retry excludes that engine and only that phase's breaker counts it. `deadline_s`: the failure is
-    a deadline of that many seconds that expired (recovery asks whether the router's own event loop
-    explains it). `partner_id`: the other engine of the pair, set by the request path on a failed KV
-    transfer, which either engine may have caused. `public` (required: the message names the engine)
-    is the message without its id or url.
+    The request path makes these from its failure-policy table (serving/_failure.py), which
+    decides `status`, `code`, `retryable` (docs/design.md#retries: transient, so retried
+    before visible output), `counts_against_engine` and `exclude`. `engine_id` and `phase`
+    say which leg, so the retry excludes that engine and only that phase's breaker counts
+    it. `deadline_s`: the failure is a deadline of that many seconds that expired (recovery
+    asks whether the router's own event loop explains it). `partner_id`: the other engine
+    of the pair, set by the request path on a failed KV transfer, which either engine may
+    have caused. `public` (required: the message names the engine) is the message without
+    its id or url.
     """
 
     type = "server_error"
-    default_code = "engine_error"
+    default_code = ErrorCode.ENGINE_ERROR
 
     def __init__(
         self,
@@ -193,11 +206,11 @@ class EngineFailed(NarwhalError):
         param: str | None = None,
         error_type: str | None = None,
         public: str,
-        exclude_on_retry: bool = True,
+        exclude: Exclude = Exclude.ENGINE,
         deadline_s: float | None = None,
     ) -> None:
         super().__init__(message, code=code, param=param, public=public)
-        self.exclude_on_retry = exclude_on_retry
+        self.exclude = exclude
         self.deadline_s = deadline_s
         self.status = status
         self.engine_id = engine_id

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from .._codes import ErrorCode
 from .._errors import Refused
 
 
@@ -70,13 +71,15 @@ class AdmissionGate:
                         f"admission queue is full (serving.queue_capacity="
                         f"{self.queue_capacity} requests waiting)"
                     )
-                raise Refused(message, code="queue_full", retry_after_s=retry_after_s) from None
+                raise Refused(
+                    message, code=ErrorCode.QUEUE_FULL, retry_after_s=retry_after_s
+                ) from None
             with trio.move_on_after(queue_timeout_s) as wait:
                 await self._limiter.acquire_on_behalf_of(borrower)
             if wait.cancelled_caught:
                 raise Refused(
                     f"waited serving.queue_timeout_s={queue_timeout_s} for admission",
-                    code="queue_timeout",
+                    code=ErrorCode.QUEUE_TIMEOUT,
                     retry_after_s=retry_after_s,
                 ) from None
         try:

@@ -48,6 +48,7 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
+from .._codes import ErrorCode
 from ..fleet import EngineView
 from ..placement import Policy
 
@@ -164,7 +165,7 @@ class PathQuote:
 class Verdict:
     admitted: bool
     quote: PathQuote | None
-    code: str | None = None
+    code: ErrorCode | None = None
     message: str = ""
     retry_after_s: float | None = None
     final: bool = False  # the prompt itself is over the budget: no later retry passes
@@ -448,7 +449,7 @@ def judge(
         return Verdict(
             False,
             None,
-            code="no_priced_path",
+            code=ErrorCode.NO_PRICED_PATH,
             message=(
                 f"no prefill path can be priced for a {prompt_tokens}-token prompt: every "
                 "available engine lacks a usable profile or (aggregate engines) the prompt "
@@ -465,7 +466,7 @@ def judge(
         return Verdict(
             False,
             best,
-            code="prompt_exceeds_ttft_target",
+            code=ErrorCode.PROMPT_EXCEEDS_TTFT_TARGET,
             message=(
                 f"a {prompt_tokens}-token prompt is projected to take {idle_best:.3f}s to its "
                 f"first token even on an idle engine, above the TTFT budget {budget:.3f}s "
@@ -483,7 +484,7 @@ def judge(
     return Verdict(
         False,
         best,
-        code="ttft_budget",
+        code=ErrorCode.TTFT_BUDGET,
         message=(
             f"projected time to first token {best.ttft_s:.3f}s"
             + (

@@ -38,8 +38,12 @@ class RetryBudget:
             self.level -= 1.0
             self.spent_total += 1
             return True
-        self.denied_total += 1
+        self.refused()
         return False
+
+    def refused(self) -> None:
+        """Count a retry the pool had no credit for."""
+        self.denied_total += 1
 
     def on_success(self) -> None:
         self.level = min(self.maximum, self.level + self.replenish)

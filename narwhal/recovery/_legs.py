@@ -24,19 +24,17 @@ from collections.abc import Callable
 
 import trio
 
+from .._codes import ErrorCode
 from .._errors import EngineFailed
 from ..fleet import EngineState
 from ..signals import DecodeGaps
 from ._breaker import BreakerEvent
 from ._health import Verdict
 from ._record import PHASES, EngineRecovery, LegObservation
-from ._transfer import TRANSFER_FAILED, TransferAttribution
+from ._transfer import TransferAttribution
 from ._verdicts import Verdicts
 
 log = logging.getLogger("narwhal.recovery")
-
-# EngineFailed.code of a leg that could not connect (serving's _engine_request).
-_UNREACHABLE = "engine_unreachable"
 
 # (engine, phase, observation) -> the latency the engine's profile predicts for that
 # leg's `observed_s`, or None when there is no prediction (no profile, outside the
@@ -130,14 +128,14 @@ class LegAccounting:
                     "excuse": excuse,
                 },
             )
-            if failure.code == TRANSFER_FAILED and failure.partner_id is not None:
+            if failure.code == ErrorCode.KV_TRANSFER_FAILED and failure.partner_id is not None:
                 self.transfers.failed(engine, failure, failure.partner_id)
             return
         record = self.verdicts.record_for(engine)
         if record is None:
             return
         self.count(record, phase, failure.message, failure.code)
-        if failure.code == _UNREACHABLE:
+        if failure.code == ErrorCode.ENGINE_UNREACHABLE:
             self._unreachable(record, phase, failure.message)
 
     def _unreachable(self, record: EngineRecovery, phase: str, message: str) -> None:

@@ -18,14 +18,12 @@ from functools import partial
 
 import trio
 
+from .._codes import ErrorCode
 from .._errors import EngineFailed
 from ..fleet import EngineState
 from ._health import Verdict
 from ._record import PHASES, EngineRecovery
 from ._verdicts import Verdicts
-
-# EngineFailed.code of an SGLang pair's failed KV transfer (serving's _transfer_failed).
-TRANSFER_FAILED = "kv_transfer_failed"
 
 # (record, phase, message, code): counts a failure against the record's engine.
 Count = Callable[[EngineRecovery, str, str, str], None]
@@ -73,7 +71,7 @@ class TransferAttribution:
         """An SGLang pair's KV transfer failed: count it against the engine of the pair
         that fails its transfers while its peers' succeed, if either does.
 
-        The failure itself does not say which engine caused it (`_flow._transfer_failed`),
+        The failure itself does not say which engine caused it (serving `FAILURE_POLICY`),
         so it counts against neither by default. But an engine whose KV path is broken
         while it otherwise answers (a bad NIC, a wedged transfer backend) fails nearly
         every leg it is paired for, and a decode engine failing fast looks idle, so
@@ -128,7 +126,7 @@ class TransferAttribution:
                 f"last {legs} legs failed their KV transfer within "
                 f"recovery.breaker.window_s={window}, while {peer}"
             )
-            self._count(record, phase, message, TRANSFER_FAILED)
+            self._count(record, phase, message, ErrorCode.KV_TRANSFER_FAILED)
 
     def _share(self, record: EngineRecovery, phase: str, now: float) -> tuple[int, int]:
         """(failed transfers, legs) of a peer's `phase` within the breaker window: its

@@ -19,6 +19,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+from .._codes import ErrorCode
 from .._errors import MalformedRequest, NarwhalError, NotFound
 from ._auth import ADMIN_TOKEN, CLIENT_KEYS, BearerCheck
 from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
@@ -47,7 +48,7 @@ class MethodNotAllowed(NarwhalError):
 
     status = 405
     type = "invalid_request_error"
-    default_code = "method_not_allowed"
+    default_code = ErrorCode.METHOD_NOT_ALLOWED
 
     def __init__(self, message: str, *, allowed: tuple[str, ...]) -> None:
         super().__init__(message)
@@ -143,7 +144,7 @@ class _Listener:
         error = MalformedRequest(
             "narwhal serves HTTP only; a websocket upgrade is not supported",
             status=400,
-            code="upgrade_unsupported",
+            code=ErrorCode.UPGRADE_UNSUPPORTED,
         )
         self.ctx.client_protocol_error(error)
         body = json_bytes(error.envelope())

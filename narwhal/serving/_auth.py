@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from .._codes import ErrorCode
 from .._errors import Unauthorized
 from ..config import Config, Secret
 
@@ -37,15 +38,15 @@ class Wording:
 
 
 CLIENT_KEYS = Wording(
-    "missing_api_key",
+    ErrorCode.MISSING_API_KEY,
     "an API key is required: send it as `Authorization: Bearer KEY`",
-    "invalid_api_key",
+    ErrorCode.INVALID_API_KEY,
     "incorrect API key provided",
 )
 ADMIN_TOKEN = Wording(
-    "missing_token",
+    ErrorCode.MISSING_TOKEN,
     "the admin routes require a token: send it as `Authorization: Bearer TOKEN`",
-    "invalid_token",
+    ErrorCode.INVALID_TOKEN,
     "incorrect admin token provided",
 )
 

@@ -56,6 +56,7 @@ from collections.abc import Callable, Hashable
 import attrs
 import trio
 
+from .._codes import ErrorCode
 from .._errors import Refused
 from ._per_client import PerClient, PerClientStatistics
 
@@ -104,7 +105,7 @@ class OpenConnections:
             noun="connections open",
             setting="listen.max_open_connections_per_client",
             bound="keeps at most {limit} open",
-            code="connections_per_client",
+            code=ErrorCode.CONNECTIONS_PER_CLIENT,
             on_refused=on_client_refused,
         )
         self._limit = limit

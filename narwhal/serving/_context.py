@@ -11,6 +11,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from .._codes import ErrorCode
 from .._errors import EngineFailed, MalformedRequest, NarwhalError
 from ..admission import (
     AdmissionGate,
@@ -198,7 +199,7 @@ class ServingContext:
             noun="request bodies arriving",
             setting="serving.max_pending_bodies_per_client",
             bound="reads at most {limit} at once",
-            code="pending_bodies_per_client",
+            code=ErrorCode.PENDING_BODIES_PER_CLIENT,
         )
         self.deadline_answers = Paced(DEADLINE_ANSWERS_PER_PASS)
         # Requests the HTTP server could not parse, and upgrades it refused, by status.

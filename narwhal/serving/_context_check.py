@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from .._codes import ErrorCode
 from .._errors import BadRequest
 from ..engines import Dialect, release
 from ..fleet import EngineState
@@ -92,7 +93,7 @@ def _prompt_rule(request: ClientRequest, prompt_tokens: int, context: int) -> Ba
         return BadRequest(
             f"{key}={sent} cannot be greater than max_model_len={context}. Please request "
             f"fewer output tokens.{_vllm_suffix(key, sent)}",
-            code="context_length_exceeded",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             param=key,
         )
     if prompt_tokens < context:
@@ -105,7 +106,7 @@ def _prompt_rule(request: ClientRequest, prompt_tokens: int, context: int) -> Ba
         f"This model's maximum context length is {context} tokens. However, your prompt "
         f"contains {prompt_tokens} input tokens, {why}. Please reduce the length of the "
         f"input prompt.{_vllm_suffix('input_tokens', prompt_tokens)}",
-        code="context_length_exceeded",
+        code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         param="input_tokens",
     )
 
@@ -129,7 +130,7 @@ def _total_rule(
                 f"request has {prompt_tokens} input tokens. Please reduce the length of the "
                 "input messages."
             )
-        return BadRequest(message, code="context_length_exceeded", param="input_tokens")
+        return BadRequest(message, code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, param="input_tokens")
     wanted = request.max_tokens
     if wanted is None or prompt_tokens + wanted <= context:
         return None
@@ -158,7 +159,7 @@ def _total_rule(
             f"{context} tokens and your request has {prompt_tokens} input tokens ({wanted} "
             f"> {context} - {prompt_tokens})."
         )
-    return BadRequest(message, code="context_length_exceeded", param=key)
+    return BadRequest(message, code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, param=key)
 
 
 def check_context(

@@ -22,9 +22,11 @@ OpenAI-style envelope. A streaming response commits 200 just before the decode s
 opens; from then on any failure is a terminal `data: {"error": ...}` event with no
 `[DONE]`, but for a client error before the stream's first bytes (an engine refusing
 the request inside its stream, as vLLM does a streamed request's validation error),
-which is still the HTTP error it is (`ClientChannel`). Retries happen only before that
-commit (or, for non-streaming requests, before the body is sent), only for transient
-failures, within serving.max_attempts and the retry budget.
+which is still the HTTP error it is (`ClientChannel`). A leg's failure is named by its
+kind here and answered as `_failure.FAILURE_POLICY` says; whether it is retried is
+`_retry.next_attempt`'s to say: only before that commit (or, for non-streaming
+requests, before the body is sent), only for transient failures, within
+serving.max_attempts, the retry budget and the request's deadline.
 
 Requests that only one engine can serve well (`ClientRequest.one_engine`: n > 1,
 prompt_logprobs) go to an aggregate engine; without one, a vLLM pair's decode engine
@@ -44,9 +46,9 @@ from typing import Literal, Protocol
 
 import trio
 
+from .._codes import ErrorCode
 from .._errors import (
     ENGINE_AUTH_STATUSES,
-    RETRYABLE_ENGINE_STATUSES,
     BadRequest,
     EngineFailed,
     Expired,
@@ -55,14 +57,12 @@ from .._errors import (
     Refused,
     RequestTimeout,
     Unavailable,
-    client_status_for_engine_status,
 )
 from .._values import json_int
 from ..admission import (
     PathQuote,
     Priced,
     ProfileSource,
-    full_jitter,
     judge,
     placement_policy,
     price_fleet,
@@ -102,7 +102,7 @@ from ..engines._dialects import (
     with_usage_report,
 )
 from ..engines._sse import SseOverflow
-from ..fleet import Claim, EngineState, key_refused, model_refused, names_model
+from ..fleet import Claim, EngineState, EngineView, key_refused, model_refused, names_model
 from ..placement import DEFAULT_POLICY, NoPlacement, Placement, Policy, choose
 from ._client import (
     ClientChannel,
@@ -124,6 +124,7 @@ from ._context import (
     log,
 )
 from ._context_check import check_context, output_bound, widest_context
+from ._failure import FailureKind, classify_answer, classify_event, leg_failure
 from ._per_client import client_key
 from ._request import (
     ClientRequest,
@@ -132,6 +133,7 @@ from ._request import (
     request_id_from_header,
     truncated_prompt,
 )
+from ._retry import GiveUp, Reason, Tried, next_attempt
 
 LegPhase = Literal["prefill", "decode", "aggregate"]
 _ERROR_BODY_LIMIT = 65536
@@ -306,7 +308,7 @@ class Flow:
             await self._refuse(
                 client,
                 endpoint,
-                Unavailable("narwhal is shutting down", code="shutting_down"),
+                Unavailable("narwhal is shutting down", code=ErrorCode.SHUTTING_DOWN),
                 receive,
                 headers,
                 # No connection to a daemon that is going away is worth keeping.
@@ -322,7 +324,7 @@ class Flow:
                 Refused(
                     f"narwhal retains at most serving.max_connections + serving.queue_capacity"
                     f" = {ctx.retained_ceiling} requests",
-                    code="retained_ceiling",
+                    code=ErrorCode.RETAINED_CEILING,
                     retry_after_s=_SATURATED_RETRY_AFTER_S,
                 ),
                 receive,
@@ -349,7 +351,7 @@ class Flow:
         except Exception:
             # A bug must still produce a well-formed error, never a dropped connection.
             log.exception("internal error serving request %s", request_id)
-            outcome = "internal_error"
+            outcome = ErrorCode.INTERNAL_ERROR
             with trio.move_on_after(1.0):
                 await client.send_error(
                     NarwhalError(f"internal error serving request {request_id}")
@@ -498,7 +500,7 @@ class Flow:
             elif error is None:
                 error = Expired(
                     f"request exceeded serving.request_timeout_s={serving.request_timeout_s}",
-                    code="expired",
+                    code=ErrorCode.EXPIRED,
                 )
             await client.send_error(error)
             return error.code
@@ -517,7 +519,7 @@ class Flow:
         if ctx.degraded_reason is not None:
             raise Unavailable(
                 f"narwhal is degraded: {ctx.degraded_reason}",
-                code="degraded",
+                code=ErrorCode.DEGRADED,
                 public=f"narwhal is degraded: {DEGRADED_PUBLIC}",
             )
         if all(engine.dialect.name == "vllm" for engine in ctx.fleet):
@@ -548,7 +550,7 @@ class Flow:
                 ctx.metrics.queue_wait.observe(waited)
                 await self._attempts(request, tokens, config, client, record, quotes)
         except Refused as refusal:
-            if refusal.code in ("queue_full", "queue_timeout"):
+            if refusal.code in (ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_TIMEOUT):
                 self._offered(request, tokens, admitted=False, reason=refusal.code)
             raise
 
@@ -583,7 +585,7 @@ class Flow:
                 "serving.admission is predictive but no usable engine profile is loaded "
                 f"(profiles.path={config.profiles.path}); run narwhal-profile, or set "
                 "serving.admission to open",
-                code="no_profile",
+                code=ErrorCode.NO_PROFILE,
                 public="serving.admission is predictive but no usable engine profile is "
                 "loaded; run narwhal-profile, or set serving.admission to open",
             )
@@ -605,11 +607,11 @@ class Flow:
             return quotes
         assert verdict.code is not None
         self._offered(request, tokens, admitted=False, reason=verdict.code)
-        if verdict.code == "ttft_budget":
+        if verdict.code == ErrorCode.TTFT_BUDGET:
             # docs/design.md#reactive-parameters: a projected TTFT breach allows one guarded D-to-P
             # evaluation.
             ctx.signals.ttft_breach()
-        if verdict.code == "no_priced_path":
+        if verdict.code == ErrorCode.NO_PRICED_PATH:
             raise Unavailable(verdict.message, code=verdict.code)
         raise Refused(
             verdict.message,
@@ -843,34 +845,17 @@ class Flow:
         quotes: list[PathQuote],
     ) -> None:
         ctx = self.ctx
-        serving = config.serving
-        # Engines whose leg failed: a retry goes elsewhere while another engine can take
-        # it. When none can (the role's others are out), it goes back to the engine that
-        # failed, as any HTTP retry would: a transient failure is worth the attempt
-        # (docs/design.md#retries), and refusing the request as `no_engine_available` would blame a
-        # fleet that still has an engine. An engine taken out of placement meanwhile
-        # (unreachable, breaker, quarantine, ejection) is not placeable either way.
-        excluded: set[str] = set()
-        # Prefill servers of SGLang pairs whose KV transfer failed: left out of a retry
-        # while another one can take it, never the only one (see _transfer_failed).
-        avoided: set[str] = set()
-        attempt = 0
+        tried = Tried()
         aggregate_only = self._aggregate_only(request)
         while True:
-            attempt += 1
-            record.attempts = attempt
+            record.attempts = tried.attempts
             views = ctx.fleet.views(trio.current_time())
             if aggregate_only:
                 views = tuple(view for view in views if view.role == "both")
-            policy = self._policy(tokens, config)
-            placement = choose(views, excluded=frozenset(excluded | avoided), policy=policy)
-            if isinstance(placement, NoPlacement) and avoided:
-                placement = choose(views, excluded=frozenset(excluded), policy=policy)
-            if isinstance(placement, NoPlacement) and excluded:
-                placement = choose(views, excluded=frozenset(), policy=policy)
+            placement = _place(views, tried, self._policy(tokens, config))
             if isinstance(placement, NoPlacement):
                 raise Unavailable(
-                    placement.reason, code="no_engine_available", public=placement.public
+                    placement.reason, code=ErrorCode.NO_ENGINE_AVAILABLE, public=placement.public
                 )
             if placement.unserved:
                 # docs/design.md#placement: every candidate misses its projected SLO; run on the
@@ -879,7 +864,7 @@ class Flow:
                 ctx.metrics.unserved_placements.inc()
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
-            if attempt == 1:
+            if tried.attempts == 1:
                 _record_projection(record, placement, quotes)
             # The instances the legs run on: a reload may replace an engine (same id,
             # another server) before a leg on it fails, and the failure is the old
@@ -894,36 +879,56 @@ class Flow:
             try:
                 await self._attempt(request, tokens, prefill, decode, config, client, record)
             except EngineFailed as failure:
-                # The pair's prefill server, when its KV transfer failed.
-                transfer = placement.prefill if failure.code == _TRANSFER_FAILED else None
-                if transfer is not None:
-                    # Recovery tells which engine of the pair fails its transfers.
-                    failure.partner_id = (
-                        placement.decode if failure.engine_id == transfer else transfer
-                    )
                 failed = prefill if prefill and failure.engine_id == prefill.id else decode
-                self._count_failure(failure, failed)
-                if client.started or not failure.retryable or attempt >= serving.max_attempts:
+                self._count_failure(failure, failed, placement)
+                decision = next_attempt(
+                    failure,
+                    tried,
+                    prefill=placement.prefill,
+                    visible=client.started,
+                    serving=config.serving,
+                    budget_credits=ctx.retry_budget.level,
+                    deadline=request.deadline,
+                    now=trio.current_time(),
+                    jitter=ctx.rng.random(),
+                )
+                if isinstance(decision, GiveUp):
+                    await self._give_up(decision, failure, record, request.deadline)
                     raise
-                if not ctx.retry_budget.try_spend():
-                    failure.note(" (retry budget exhausted)")
-                    raise
-                if failure.exclude_on_retry:
-                    excluded.add(failure.engine_id)
-                elif transfer is not None:
-                    avoided.add(transfer)
+                spent = ctx.retry_budget.try_spend()
+                assert spent  # next_attempt saw the credit, and nothing ran since
                 ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
-                await trio.sleep(
-                    full_jitter(
-                        attempt, base_s=serving.retry_base_s, cap_s=serving.retry_cap_s, rng=ctx.rng
-                    )
-                )
+                await trio.sleep(decision.backoff_s)
+                tried = decision.tried
                 continue
             ctx.retry_budget.on_success()
             return
 
-    def _count_failure(self, failure: EngineFailed, engine: EngineState) -> None:
+    async def _give_up(
+        self, decision: GiveUp, failure: EngineFailed, record: RequestRecord, deadline: float
+    ) -> None:
+        """Before `failure` ends the request: say why in its message, count a retry the
+        budget refused, and let a deadline too close for the retry answer the client
+        (`expired`), as it would have during the backoff."""
+        if decision.reason is Reason.BUDGET_EXHAUSTED:
+            self.ctx.retry_budget.refused()
+        if decision.note:
+            failure.note(decision.note)
+        if decision.reason is Reason.DEADLINE:
+            record.stage = "backoff"
+            await trio.sleep_until(deadline)  # the request's deadline scope cancels it
+
+    def _count_failure(
+        self, failure: EngineFailed, engine: EngineState, placement: Placement
+    ) -> None:
+        """Report a failed leg on `engine`, the instance it ran on, to the metrics and to
+        recovery, which charges it as the failure's row says."""
+        if failure.code == ErrorCode.KV_TRANSFER_FAILED and placement.prefill is not None:
+            # Recovery tells which engine of the pair fails its transfers.
+            failure.partner_id = (
+                placement.decode if failure.engine_id == placement.prefill else placement.prefill
+            )
         self.ctx.metrics.engine_failures.labels(
             failure.engine_id, failure.phase, failure.code
         ).inc()
@@ -981,7 +986,7 @@ class Flow:
                 request,
                 config,
                 timeout_s=serving.prefill_timeout_s,
-                timeout_code="prefill_timeout",
+                on_timeout=FailureKind.PREFILL_TIMEOUT,
                 timeout_setting="serving.prefill_timeout_s",
                 prompt_tokens=tokens,
             )
@@ -1013,19 +1018,13 @@ class Flow:
             raise _failed(
                 decode,
                 "decode",
-                "handoff_expired",
+                FailureKind.HANDOFF_EXPIRED,
                 f"kv handoff from {prefill.id} expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
                 public=f"kv handoff expired after {age:.3f}s "
                 f"(serving.handoff_timeout_s={serving.handoff_timeout_s}); "
                 "the prefill must be redone",
-                status=503,
-                retryable=True,
-                counts=False,
-                # The wait was for a decode slot, not an engine fault: the same decode
-                # engine may well have room by the time the fresh prefill is done.
-                exclude=False,
             ) from None
         finally:
             handoff.release()
@@ -1080,7 +1079,7 @@ class Flow:
                     request,
                     config,
                     timeout_s=serving.prefill_timeout_s,
-                    timeout_code="prefill_timeout",
+                    on_timeout=FailureKind.PREFILL_TIMEOUT,
                     timeout_setting="serving.prefill_timeout_s",
                     prompt_tokens=tokens,
                     sse=unstreamed is None,
@@ -1229,22 +1228,19 @@ class Flow:
             raise _failed(
                 engine,
                 phase,
-                "engine_unreachable",
+                FailureKind.UNREACHABLE,
                 str(exc),  # names the engine's host and port
                 public="could not connect to the engine",
-                retryable=True,
                 deadline_s=exc.timeout_s,
             ) from None
         except RemoteProtocolError as exc:
-            raise _failed(
-                engine, phase, "engine_connection_lost", str(exc), retryable=True
-            ) from None
+            raise _failed(engine, phase, FailureKind.CONNECTION_LOST, str(exc)) from None
         except PoolTimeout as exc:
             # Local starvation is not the engine's fault and is not retried
             # (docs/design.md#retries).
             raise Unavailable(
                 str(exc),
-                code="pool_exhausted",
+                code=ErrorCode.POOL_EXHAUSTED,
                 public=f"no connection to a {phase} engine within engine.pool_timeout_s="
                 f"{self.ctx.config.engine.pool_timeout_s}",
             ) from None
@@ -1258,44 +1254,19 @@ class Flow:
             raw = b""
         info = parse_error_body(response.status, raw)
         status = response.status
-        if status in ENGINE_AUTH_STATUSES:
-            # The engine refused Narwhal's key, not the client's request: passing the 401
-            # on would tell the client its own credentials are wrong. Nor is the engine
-            # faulty (no breaker count); the request may be retried on an engine that
-            # takes the key.
+        kind = classify_answer(info, bootstrap_pair=_bootstrap_pair(engine, phase))
+        if kind is FailureKind.KEY_REFUSED:
             why = key_refused(engine, status, info.message, self.ctx.config)
-            return EngineFailed(
-                f"{phase} engine {engine.id} {why}",
-                public=f"{phase} engine refused narwhal's API key (HTTP {status}): the "
-                "router's configuration is at fault, not the request",
-                status=client_status_for_engine_status(status),
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=False,
-                code="engine_auth_failed",
-            )
-        if names_model(status, info):
-            # The engine was launched under another name than engines[].model, which the
-            # client's model matched: not the client's error, nor a fault the breaker
-            # should count; another engine may serve it.
+            public = f"refused narwhal's API key (HTTP {status}): the router's configuration"
+            return _answered(engine, phase, kind, why, f"{public} is at fault, not the request")
+        if kind is FailureKind.MODEL_MISSING:
             why = model_refused(engine, info.message, self.ctx.config)
-            return EngineFailed(
-                f"{phase} engine {engine.id} {why}",
-                public=f"{phase} engine does not serve model {engine.spec.model!r}: the "
-                "router's configuration is at fault, not the request",
-                status=502,
-                engine_id=engine.id,
-                phase=phase,
-                retryable=True,
-                counts_against_engine=False,
-                code="engine_model_missing",
-            )
-        if status >= 500 and _kv_transfer_failed(engine, phase, info.message):
+            public = f"does not serve model {engine.spec.model!r}: the router's configuration"
+            return _answered(engine, phase, kind, why, f"{public} is at fault, not the request")
+        if kind is FailureKind.TRANSFER_FAILED:
             return _transfer_failed(engine, phase, info.message)
-        return _engine_refused(
-            engine, phase, status, f"returned HTTP {status}: {info.message}", info.param
-        )
+        answer = f"returned HTTP {status}: {info.message}"
+        return _answered(engine, phase, kind, answer, status=status, param=info.param)
 
     async def _json_leg(
         self,
@@ -1306,7 +1277,7 @@ class Flow:
         config: Config,
         *,
         timeout_s: float,
-        timeout_code: str,
+        on_timeout: FailureKind,
         timeout_setting: str,
         prompt_tokens: int = 0,
         sse: bool = False,
@@ -1329,9 +1300,8 @@ class Flow:
                     raise _failed(
                         engine,
                         phase,
-                        "response_too_large",
+                        FailureKind.TOO_LARGE,
                         f"response exceeds serving.max_response_bytes={limit}",
-                        counts=False,
                     ) from None
                 if sse:
                     _raise_stream_error(engine, phase, raw)
@@ -1344,15 +1314,8 @@ class Flow:
                 contended=alone is None or engine.load.legs_started != alone,
             )
             return raw
-        raise _failed(
-            engine,
-            phase,
-            timeout_code,
-            f"exceeded {timeout_setting}={timeout_s}",
-            status=504,
-            retryable=True,
-            deadline_s=timeout_s,
-        )
+        detail = f"exceeded {timeout_setting}={timeout_s}"
+        raise _failed(engine, phase, on_timeout, detail, deadline_s=timeout_s)
 
     async def _decode_leg(
         self,
@@ -1393,7 +1356,7 @@ class Flow:
                     request,
                     config,
                     timeout_s=math.inf,
-                    timeout_code="decode_timeout",
+                    on_timeout=FailureKind.DECODE_TIMEOUT,
                     timeout_setting="",
                     prompt_tokens=record.prompt_tokens or 0,
                 )
@@ -1493,7 +1456,7 @@ async def _relay(
                 raise _failed(
                     engine,
                     phase,
-                    "engine_bad_response",
+                    FailureKind.BAD_RESPONSE,
                     "answered a streaming request with application/json, not an event stream",
                 )
             while not done:
@@ -1503,16 +1466,15 @@ async def _relay(
                     raise _failed(
                         engine,
                         phase,
-                        "engine_stream_truncated",
+                        FailureKind.TRUNCATED,
                         "stream ended without the [DONE] terminator",
-                        retryable=True,
                     )
                 if first_at is not None:
                     timer.deadline = now + gap  # partial lines and metadata reset it too
                 try:
                     events = scanner.feed(chunk)
                 except SseOverflow as exc:
-                    raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
+                    raise _failed(engine, phase, FailureKind.BAD_STREAM, str(exc)) from None
                 out: list[bytes] = []
                 read_tokens = 0
                 for event in events:
@@ -1565,7 +1527,7 @@ async def _relay(
                     raise _failed(
                         engine,
                         phase,
-                        "response_too_large",
+                        FailureKind.HELD_TOO_LARGE,
                         f"pre-output buffer exceeds serving.max_response_bytes={limit}",
                     )
                 if out and (hold_until is None or hold_until.is_set()):
@@ -1605,23 +1567,19 @@ async def _relay(
             raise _failed(
                 engine,
                 phase,
-                "first_token_timeout",
+                FailureKind.FIRST_TOKEN_TIMEOUT,
                 f"no first token within engine.first_token_timeout_s="
                 f"{config.engine.first_token_timeout_s}",
-                status=504,
-                retryable=True,
                 deadline_s=waited,
             )
+        # A stream's client has seen its first token by now, so only a non-streaming
+        # request, with nothing shown, retries.
         raise _failed(
             engine,
             phase,
-            "decode_stalled",
+            FailureKind.DECODE_STALLED,
             f"engine was silent for engine.decode_read_timeout_s="
             f"{config.engine.decode_read_timeout_s}",
-            status=504,
-            # A timeout is transient (docs/design.md#retries). A stream's client has seen its first
-            # token by now, so only a non-streaming request, with nothing shown, retries.
-            retryable=True,
             deadline_s=gap,
         )
     if held:
@@ -1696,9 +1654,8 @@ class _Collector:
             raise _failed(
                 self._engine,
                 self._phase,
-                "response_too_large",
+                FailureKind.TOO_LARGE,
                 f"response exceeds serving.max_response_bytes={self._limit}",
-                counts=False,
             )
         # _relay hands over whole events only, and has already failed the leg on an
         # error event.
@@ -1713,7 +1670,7 @@ class _Collector:
                 raise _failed(
                     self._engine,
                     self._phase,
-                    "engine_bad_stream",
+                    FailureKind.BAD_STREAM,
                     "sent an event that is not a JSON object",
                 )
             self._assembler.add(chunk)
@@ -1733,6 +1690,21 @@ def _alone(engine: EngineState) -> int | None:
     if load.prefill_inflight + load.decode_active > 1:
         return None
     return load.legs_started
+
+
+def _place(views: tuple[EngineView, ...], tried: Tried, policy: Policy) -> Placement | NoPlacement:
+    """Where an attempt goes: not to an engine `tried` leaves out while another can take it.
+    When none can (the role's others are out), a retry goes back to the engine that
+    failed, as any HTTP retry would: a transient failure is worth the attempt, and
+    refusing the request as `no_engine_available` would blame a fleet that still has an
+    engine. An engine taken out of placement meanwhile (unreachable, breaker, quarantine,
+    ejection) is not placeable either way."""
+    placement = choose(views, excluded=tried.excluded | tried.avoided, policy=policy)
+    if isinstance(placement, NoPlacement) and tried.avoided:
+        placement = choose(views, excluded=tried.excluded, policy=policy)
+    if isinstance(placement, NoPlacement) and tried.excluded:
+        placement = choose(views, excluded=frozenset(), policy=policy)
+    return placement
 
 
 def _record_projection(
@@ -1756,87 +1728,63 @@ def _round(value: float | None) -> float | None:
 def _failed(
     engine: EngineState,
     phase: LegPhase,
-    code: str,
+    kind: FailureKind,
     detail: str,
     *,
     public: str | None = None,
-    status: int = 502,
-    retryable: bool = False,
-    counts: bool = True,
-    exclude: bool = True,
     deadline_s: float | None = None,
 ) -> EngineFailed:
-    """An engine leg's failure. `retryable` means transient (docs/design.md#retries); whether a
-    retry happens also depends on visible output, attempts and the budget (see _attempts). `public`:
-    `detail` for a client, when `detail` names the engine or its address."""
-    return EngineFailed(
+    """An engine leg's failure of `kind`, as FAILURE_POLICY has it. `public`: `detail` for
+    a client, when `detail` names the engine or its address."""
+    return leg_failure(
+        kind,
         f"{phase} engine {engine.id}: {detail}",
         public=f"{phase} engine: {detail if public is None else public}",
-        status=status,
         engine_id=engine.id,
         phase=phase,
-        retryable=retryable,
-        counts_against_engine=counts,
-        code=code,
-        exclude_on_retry=exclude,
         deadline_s=deadline_s,
     )
 
 
-def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
-    """An error event inside a 200 stream (docs/design.md#streaming-failures: engines report late
-    errors so).
-
-    One whose `code` is a client error's status (vLLM 0.32 sends a streamed request's
-    validation error so: `logprobs` above 20, token ids out of the vocabulary, ...; SGLang
-    its ValueErrors) is the engine refusing the request, as its HTTP 4xx would be
-    (`_engine_refused`): the client's, never retried nor counted against the engine.
-    Anything else is transient like the HTTP 500 the engine sends when not streaming (a
-    KV load failure, say): _attempts retries it only while nothing reached the client."""
-    error = event.error or {}
-    message = error.get("message", "engine error")
-    if isinstance(message, str) and _kv_transfer_failed(engine, phase, message):
-        return _transfer_failed(engine, phase, message)
-    status = json_int(error.get("code"))
-    if status is not None and 400 <= status < 500:
-        param = error.get("param")
-        return _engine_refused(
-            engine,
-            phase,
-            status,
-            f"returned {status} in its stream: {message}",
-            param if isinstance(param, str) else None,
-        )
-    return _failed(
-        engine,
-        phase,
-        "engine_stream_error",
-        f"engine reported an error mid-stream: {message}",
-        retryable=True,
+def _answered(
+    engine: EngineState,
+    phase: LegPhase,
+    kind: FailureKind,
+    answer: str,
+    public: str | None = None,
+    *,
+    status: int | None = None,
+    param: str | None = None,
+) -> EngineFailed:
+    """A failure the engine answered with (`answer`: what it did, in its words, which go
+    to the client too: they are about the request the client sent). `status`: the
+    engine's, for the kinds that pass it on."""
+    return leg_failure(
+        kind,
+        f"{phase} engine {engine.id} {answer}",
+        public=f"{phase} engine {answer if public is None else public}",
+        engine_id=engine.id,
+        phase=phase,
+        engine_status=status,
+        param=param,
     )
 
 
-def _engine_refused(
-    engine: EngineState, phase: LegPhase, status: int, answer: str, param: str | None
-) -> EngineFailed:
-    """An engine's error status, in an HTTP answer or a stream's error event (`answer`,
-    in the engine's words): the client's own fault for a 4xx other than 408 and 429 (400,
-    404, 422...), which says nothing about the engine, is neither retried nor counted
-    against it; a 429 (busy, not broken) is retried and not counted; the rest are the
-    engine's. The engine's words go to the client either way: they are about the request
-    the client sent, as the engine would have answered it."""
-    client_error = 400 <= status < 500 and status not in (408, 429)
-    return EngineFailed(
-        f"{phase} engine {engine.id} {answer}",
-        public=f"{phase} engine {answer}",
-        status=client_status_for_engine_status(status),
-        engine_id=engine.id,
-        phase=phase,
-        retryable=status in RETRYABLE_ENGINE_STATUSES,
-        counts_against_engine=not client_error and status != 429,
-        code="engine_rejected_request" if client_error else f"engine_http_{status}",
-        param=param if client_error else None,
-        error_type="invalid_request_error" if client_error else None,
+def _stream_error(engine: EngineState, phase: LegPhase, event: SseEvent) -> EngineFailed:
+    """An error event inside a 200 stream (docs/design.md#streaming-failures: engines
+    report late errors so); `classify_event` says what it is."""
+    error = event.error or {}
+    message = error.get("message", "engine error")
+    status = json_int(error.get("code"))
+    kind = classify_event(status, message, bootstrap_pair=_bootstrap_pair(engine, phase))
+    if kind is FailureKind.TRANSFER_FAILED:
+        return _transfer_failed(engine, phase, str(message))
+    if status is None or kind is FailureKind.STREAM_ERROR:
+        return _failed(engine, phase, kind, f"engine reported an error mid-stream: {message}")
+    param = error.get("param")
+    answer = f"returned {status} in its stream: {message}"
+    return _answered(
+        engine, phase, kind, answer, status=status, param=param if isinstance(param, str) else None
     )
 
 
@@ -1848,41 +1796,20 @@ def _decode_alone(request: ClientRequest, decode: EngineState) -> bool:
     return request.one_engine == "prompt_logprobs" and not decode.dialect.concurrent_legs
 
 
-# How SGLang reports that a bootstrap pair's KV transfer failed, on either server: its
-# KVTransferError, in the decode server's abort ("Decode transfer failed for request
-# ... with exception KVTransferError(bootstrap_room=...): Failed to get kvcache from
-# prefill instance, it might be dead") and in the prefill server's.
-_SGLANG_TRANSFER_FAILURE = ("KVTransferError", "Decode transfer failed")
-_TRANSFER_FAILED = "kv_transfer_failed"
-
-
-def _kv_transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> bool:
-    if not engine.dialect.concurrent_legs or phase == "aggregate":
-        return False
-    return any(words in message for words in _SGLANG_TRANSFER_FAILURE)
+def _bootstrap_pair(engine: EngineState, phase: LegPhase) -> bool:
+    """Whether the leg is one of an SGLang bootstrap pair's (`classify_answer`)."""
+    return engine.dialect.concurrent_legs and phase != "aggregate"
 
 
 def _transfer_failed(engine: EngineState, phase: LegPhase, message: str) -> EngineFailed:
-    """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it.
-
-    That says the transfer failed, not which server made it fail. It is mostly the
-    prefill (SGLang's own words: "it might be dead"): when a prefill server dies, its
-    decoders' transfers fail at once and their reports often reach Narwhal before the
-    prefill leg's own broken connection does, which the first failure then cancels. So
-    it counts against neither server (a dead one fails its own legs and health probes),
-    the retry does not leave the decode server out, and leaves the prefill server out
-    only while another one can take the retry (`_attempts`): with one prefill server,
-    a transient failure is retried on it."""
+    """An SGLang bootstrap pair's KV transfer failed, as one of its servers reports it."""
     return _failed(
         engine,
         phase,
-        _TRANSFER_FAILED,
+        FailureKind.TRANSFER_FAILED,
         f"the bootstrap pair's KV transfer failed: {message}",
         # SGLang's words name the pair's transfer endpoints (host:port).
         public="the bootstrap pair's KV transfer failed",
-        retryable=True,
-        counts=False,
-        exclude=False,
     )
 
 
@@ -1891,7 +1818,7 @@ def _raise_stream_error(engine: EngineState, phase: LegPhase, raw: bytes) -> Non
     try:
         events = SseScanner().feed(raw)
     except SseOverflow as exc:
-        raise _failed(engine, phase, "engine_bad_stream", str(exc)) from None
+        raise _failed(engine, phase, FailureKind.BAD_STREAM, str(exc)) from None
     for event in events:
         if event.kind is SseKind.ERROR:
             raise _stream_error(engine, phase, event)
@@ -1965,7 +1892,7 @@ def _loads(raw: bytes, engine: EngineState, phase: LegPhase) -> object:
         return json.loads(raw)
     except (ValueError, RecursionError):
         raise _failed(
-            engine, phase, "engine_bad_response", "returned a body that is not JSON"
+            engine, phase, FailureKind.BAD_RESPONSE, "returned a body that is not JSON"
         ) from None
 
 

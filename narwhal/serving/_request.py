@@ -8,6 +8,7 @@ import uuid
 
 import attrs
 
+from .._codes import ErrorCode
 from .._errors import BadRequest
 from .._values import json_int
 from ..engines import EndpointKind, Json
@@ -95,11 +96,13 @@ def parse_body(
         # Decode explicitly: json.loads on bytes would guess UTF-16/32 from a BOM.
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise BadRequest("request body is not valid UTF-8", code="invalid_json") from None
+        raise BadRequest("request body is not valid UTF-8", code=ErrorCode.INVALID_JSON) from None
     except RecursionError:
-        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+        raise BadRequest("request body is nested too deeply", code=ErrorCode.INVALID_JSON) from None
     except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise BadRequest(
+            f"request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON
+        ) from None
     if _ESCAPED_SURROGATE.search(raw) is not None:
         # JSON may escape half of a UTF-16 surrogate pair; such a string cannot be
         # encoded again for the engines, so it is refused here, not failed later.
@@ -108,10 +111,10 @@ def parse_body(
         except UnicodeEncodeError:
             raise BadRequest(
                 "request body contains an unpaired surrogate escape (\\ud800-\\udfff)",
-                code="invalid_json",
+                code=ErrorCode.INVALID_JSON,
             ) from None
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
+        raise BadRequest("request body must be a JSON object", code=ErrorCode.INVALID_JSON)
     for key in _NULL_MEANS_DEFAULT:
         # OpenAI's API takes null for these as "the default", and clients that serialise
         # every optional field send it; SGLang's request models (and vLLM's completions,

@@ -106,6 +106,7 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState
 
+from .._codes import ErrorCode
 from .._errors import MalformedRequest, NarwhalError
 from ..config import Listen
 from ._client import json_bytes
@@ -374,7 +375,10 @@ async def _wait_reset(sock: trio.socket.SocketType) -> None:
 # h11's message names what it could not parse, and quotes up to a whole header line of
 # the client's bytes: the answer and the log keep this much of it.
 _PROTOCOL_ERROR_CHARS = 200
-_PROTOCOL_ERROR_CODES = {431: "request_head_too_large", 501: "unsupported_transfer_encoding"}
+_PROTOCOL_ERROR_CODES = {
+    431: ErrorCode.REQUEST_HEAD_TOO_LARGE,
+    501: ErrorCode.UNSUPPORTED_TRANSFER_ENCODING,
+}
 # How h11 words a request its client's end of stream cut short: in the head, and in the
 # body (followed by what it was missing, in brackets).
 _CUT_SHORT = (
@@ -410,7 +414,7 @@ def _refuse_version(request: h11.Request) -> MalformedRequest:
     else:
         version = request.http_version.decode("ascii")
         message = f"HTTP/{version} request refused: this listener serves HTTP/1.1 only"
-    return MalformedRequest(message, status=505, code="http_version_not_supported")
+    return MalformedRequest(message, status=505, code=ErrorCode.HTTP_VERSION_NOT_SUPPORTED)
 
 
 def _h2_frame(kind: int, payload: bytes) -> bytes:
@@ -593,7 +597,7 @@ class _ClientProtocolErrors(h11.Connection):
                 "incomplete request: the client ended its side of the connection in the "
                 f"request {part}{missing}",
                 status=400,
-                code="request_incomplete",
+                code=ErrorCode.REQUEST_INCOMPLETE,
             )
         if len(reason) > _PROTOCOL_ERROR_CHARS:
             reason = reason[: _PROTOCOL_ERROR_CHARS - 3] + "..."

@@ -22,6 +22,8 @@ from typing import Literal
 
 import attrs
 
+from .._codes import ErrorCode
+
 SloResult = Literal["met", "missed", "refused", "unmeasured"]
 RESULTS: tuple[SloResult, ...] = ("met", "missed", "refused", "unmeasured")
 
@@ -30,30 +32,30 @@ RESULTS: tuple[SloResult, ...] = ("met", "missed", "refused", "unmeasured")
 _CLIENT_OUTCOMES = frozenset(
     {
         "client_disconnected",
-        "invalid_json",
-        "invalid_request",
-        "not_found",
-        "missing_api_key",
-        "invalid_api_key",
-        "request_too_large",
-        "body_timeout",
-        "pending_bodies_per_client",
-        "context_length_exceeded",
-        "engine_rejected_request",
+        ErrorCode.INVALID_JSON,
+        ErrorCode.INVALID_REQUEST,
+        ErrorCode.NOT_FOUND,
+        ErrorCode.MISSING_API_KEY,
+        ErrorCode.INVALID_API_KEY,
+        ErrorCode.REQUEST_TOO_LARGE,
+        ErrorCode.BODY_TIMEOUT,
+        ErrorCode.PENDING_BODIES_PER_CLIENT,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ErrorCode.ENGINE_REJECTED_REQUEST,
     }
 )
 # Narwhal answered without serving: admission, queue, ceiling, drain and degraded refusals.
 _REFUSALS = frozenset(
     {
-        "ttft_budget",
-        "prompt_exceeds_ttft_target",
-        "no_priced_path",
-        "no_profile",
-        "queue_full",
-        "queue_timeout",
-        "retained_ceiling",
-        "shutting_down",
-        "degraded",
+        ErrorCode.TTFT_BUDGET,
+        ErrorCode.PROMPT_EXCEEDS_TTFT_TARGET,
+        ErrorCode.NO_PRICED_PATH,
+        ErrorCode.NO_PROFILE,
+        ErrorCode.QUEUE_FULL,
+        ErrorCode.QUEUE_TIMEOUT,
+        ErrorCode.RETAINED_CEILING,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.DEGRADED,
     }
 )
 

@@ -48,6 +48,7 @@ from typing import Any
 import trio
 from prometheus_client import Counter
 
+from .._codes import ErrorCode
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
 from ..config import (
@@ -352,7 +353,7 @@ class Supervisor:
             error = Unavailable(
                 f"narwhal shut down before the request finished "
                 f"(recovery.shutdown_grace_s={grace})",
-                code="shutting_down",
+                code=ErrorCode.SHUTTING_DOWN,
             )
             cancelled = ctx.cancel_requests(error)
             log.warning(

@@ -1,6 +1,10 @@
 """What the source says Narwhal can emit, read from its syntax trees: error codes and
 log events. The docs tests compare these with the tables in docs/.
 
+Error codes have one source, the `ErrorCode` enum (narwhal/_codes.py): a code in an
+error's code position must name one of its members (or pass on a parameter, an
+attribute, a table of them), never be written as a string.
+
 The collectors fail loudly on anything they cannot read (a code or an event name that
 is neither a literal nor a pass-through they know), so that a new way of emitting one
 cannot slip past the docs: teach the collector, then document what it finds.
@@ -39,6 +43,9 @@ class UnreadableSource(Exception):
 # ------------------------------------------------------------------ error codes
 
 ERROR_ROOT = "NarwhalError"
+CODES = "ErrorCode"
+# A template member (`ENGINE_HTTP`, "engine_http_<status>") filled in: still that code.
+_FILL = "with_status"
 # The error codes clients see come from the daemon's request path; the control socket's
 # (`ctl`) are narwhalctl's, and the tools' are their own.
 _NOT_CLIENT_FACING = (*_NOT_THE_DAEMON, "ctl")
@@ -68,7 +75,9 @@ class _Module:
     path: Path
     tree: ast.Module
     constants: dict[str, ast.expr]
-    """Module-level names bound once to a literal (a string, a dict of strings)."""
+    """Module-level names bound once to a literal, a member or a dict of them."""
+    codes: dict[str, str]
+    """`ErrorCode`'s members, name -> code, wherever the sources define it."""
 
 
 def _constants(tree: ast.Module) -> dict[str, ast.expr]:
@@ -80,9 +89,51 @@ def _constants(tree: ast.Module) -> dict[str, ast.expr]:
             target, value = node.target, node.value
         else:
             continue
-        if isinstance(target, ast.Name) and isinstance(value, ast.Constant | ast.Dict):
+        if isinstance(target, ast.Name) and (
+            isinstance(value, ast.Constant | ast.Dict) or _member(value) is not None
+        ):
             found[target.id] = value
     return found
+
+
+def _member(expr: ast.expr) -> str | None:
+    """The member name of `ErrorCode.NAME`, else None."""
+    if (
+        isinstance(expr, ast.Attribute)
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id == CODES
+    ):
+        return expr.attr
+    return None
+
+
+def _enum_codes(trees: Iterable[ast.Module]) -> dict[str, str]:
+    """The members of every `class ErrorCode` in `trees`: name -> code."""
+    codes: dict[str, str] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ClassDef) and node.name == CODES):
+                continue
+            for item in node.body:
+                if (
+                    isinstance(item, ast.Assign)
+                    and len(item.targets) == 1
+                    and isinstance(item.targets[0], ast.Name)
+                    and isinstance(item.value, ast.Constant)
+                    and isinstance(item.value.value, str)
+                ):
+                    codes[item.targets[0].id] = item.value.value
+    return codes
+
+
+def _code_of(expr: ast.expr, module: _Module, at: str) -> str | None:
+    """The code `ErrorCode.NAME` stands for; None when `expr` is not a member."""
+    name = _member(expr)
+    if name is None:
+        return None
+    if name not in module.codes:
+        raise UnreadableSource(f"{at}: `{ast.unparse(expr)}` is not a member of {CODES}")
+    return module.codes[name]
 
 
 def _parents(tree: ast.Module) -> dict[ast.AST, ast.AST]:
@@ -105,21 +156,22 @@ DEFAULT = "<default>"
 def _resolve(expr: ast.expr, module: _Module, params: set[str], at: str) -> set[str]:
     """The codes `expr` (in a code position) can be. Empty: it passes through a
     parameter or an attribute whose values the call sites and constructors supply."""
-    if isinstance(expr, ast.Constant):
-        if expr.value is None:
-            return {DEFAULT}
-        if isinstance(expr.value, str):
-            return {expr.value}
-    if isinstance(expr, ast.JoinedStr):
-        return {
-            "".join(
-                str(part.value)
-                if isinstance(part, ast.Constant)
-                else f"<{ast.unparse(part.value)}>"
-                for part in expr.values
-                if isinstance(part, ast.Constant | ast.FormattedValue)
-            )
-        }
+    if isinstance(expr, ast.Constant) and expr.value is None:
+        return {DEFAULT}
+    if isinstance(expr, ast.Constant | ast.JoinedStr):
+        raise UnreadableSource(
+            f"{at}: the error code `{ast.unparse(expr)}` is written as a string; name it "
+            f"as a member of {CODES} (narwhal/_codes.py), its one source"
+        )
+    code = _code_of(expr, module, at)
+    if code is not None:
+        return {code}
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr == _FILL
+    ):
+        return _resolve(expr.func.value, module, params, at)
     if isinstance(expr, ast.IfExp):
         return _resolve(expr.body, module, params, at) | _resolve(expr.orelse, module, params, at)
     if isinstance(expr, ast.BoolOp):
@@ -128,11 +180,11 @@ def _resolve(expr: ast.expr, module: _Module, params: set[str], at: str) -> set[
         if expr.id in params and _is_code_name(expr.id):
             return set()
         constant = module.constants.get(expr.id)
-        if isinstance(constant, ast.Constant) and isinstance(constant.value, str):
-            return {constant.value}
+        if constant is not None and not isinstance(constant, ast.Dict):
+            return _resolve(constant, module, params, at)
     if isinstance(expr, ast.Attribute) and _is_code_name(expr.attr):
         return set()
-    table = _table(expr, module)
+    table = _table(expr, module, at)
     if table is not None:
         return table
     raise UnreadableSource(
@@ -141,7 +193,7 @@ def _resolve(expr: ast.expr, module: _Module, params: set[str], at: str) -> set[
     )
 
 
-def _table(expr: ast.expr, module: _Module) -> set[str] | None:
+def _table(expr: ast.expr, module: _Module, at: str) -> set[str] | None:
     """`TABLE[key]` or `TABLE.get(key)` of a module-level dict of codes."""
     name: str | None = None
     default: set[str] = set()
@@ -162,13 +214,12 @@ def _table(expr: ast.expr, module: _Module) -> set[str] | None:
     if not isinstance(table, ast.Dict):
         return None
     entries = {
-        k.value if isinstance(k, ast.Constant) else None: v.value
+        k.value if isinstance(k, ast.Constant) else None: _resolve(v, module, set(), at)
         for k, v in zip(table.keys, table.values, strict=True)
-        if isinstance(v, ast.Constant)
     }
     if key is not None:
-        return {str(entries[key])}
-    return {str(value) for value in entries.values()} | default
+        return entries[key]
+    return set().union(*entries.values()) | default
 
 
 @attrs.frozen
@@ -194,13 +245,18 @@ def _error_classes(modules: list[_Module]) -> dict[str, ErrorClass]:
             if not isinstance(node, ast.ClassDef):
                 continue
             base = next((b.id for b in node.bases if isinstance(b, ast.Name)), "")
-            attributes = {
-                target.id: item.value.value
-                for item in node.body
-                if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant)
-                for target in item.targets
-                if isinstance(target, ast.Name)
-            }
+            attributes: dict[str, object] = {}
+            for item in node.body:
+                if not isinstance(item, ast.Assign):
+                    continue
+                at = where(module.path, item)
+                for target in item.targets:
+                    if not isinstance(target, ast.Name):
+                        continue
+                    if isinstance(item.value, ast.Constant):
+                        attributes[target.id] = item.value.value
+                    elif target.id == "default_code":
+                        attributes[target.id] = _code_of(item.value, module, at)
             default = attributes.get("default_code")
             status = attributes.get("status")
             classes[node.name] = _ErrorClass(
@@ -265,6 +321,25 @@ def _code_positions(modules: list[_Module]) -> dict[str, list[int]]:
     return positions
 
 
+def _status_positions(modules: list[_Module]) -> dict[str, int]:
+    """attrs class name -> the position of its `status` field (a table's rows, say)."""
+    positions: dict[str, int] = {}
+    for module in modules:
+        for node in ast.walk(module.tree):
+            if not isinstance(node, ast.ClassDef) or any(
+                isinstance(item, ast.FunctionDef) and item.name == "__init__" for item in node.body
+            ):
+                continue
+            fields = [
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            ]
+            if "status" in fields:
+                positions[node.name] = fields.index("status")
+    return positions
+
+
 def _status_defaults(modules: list[_Module]) -> dict[str, int]:
     """Function name -> the default of its `status` parameter, where it has one."""
     defaults: dict[str, int] = {}
@@ -304,13 +379,13 @@ def error_codes(
 ) -> dict[str, CodeUse]:
     """Every error code the daemon (or `sources`) can put in an error envelope. An
     f-string's fields read `<expr>`: `engine_http_<status>`."""
-    modules = [
-        _Module(path, tree, _constants(tree))
-        for path, tree in (client_facing_modules() if sources is None else sources)
-    ]
+    given = list(client_facing_modules() if sources is None else sources)
+    members = _enum_codes(tree for _, tree in given)
+    modules = [_Module(path, tree, _constants(tree), members) for path, tree in given]
     classes = _error_classes(modules)
     positions = _code_positions(modules)
     status_defaults = _status_defaults(modules)
+    status_positions = _status_positions(modules)
     found: dict[str, CodeUse] = {}
     for module in modules:
         parents = _parents(module.tree)
@@ -332,7 +407,7 @@ def error_codes(
                 if callee not in classes:
                     raise UnreadableSource(f"{at}: a code that may be None outside an error class")
                 codes.add(classes[callee].default_code)
-            status = _site_status(call, callee, classes, status_defaults)
+            status = _site_status(call, callee, classes, status_defaults, status_positions)
             for code in codes:
                 use = found.setdefault(code, CodeUse())
                 use.sites.append(at)
@@ -342,9 +417,15 @@ def error_codes(
 
 
 def _site_status(
-    call: ast.Call, callee: str, classes: dict[str, ErrorClass], defaults: dict[str, int]
+    call: ast.Call,
+    callee: str,
+    classes: dict[str, ErrorClass],
+    defaults: dict[str, int],
+    positions: dict[str, int],
 ) -> int | None:
     given = next((kw.value for kw in call.keywords if kw.arg == "status"), None)
+    if given is None and positions.get(callee, len(call.args)) < len(call.args):
+        given = call.args[positions[callee]]
     if given is not None:
         literal = given.value if isinstance(given, ast.Constant) else None
         return literal if isinstance(literal, int) else None

@@ -14,7 +14,7 @@ import narwhal
 ROOT = Path(narwhal.__file__).parent
 # The narwhal packages each package may import (its own modules aside).
 ALLOWED = {
-    "recovery": {"_errors", "config", "engines", "fleet", "metrics", "signals"},
+    "recovery": {"_codes", "_errors", "config", "engines", "fleet", "metrics", "signals"},
     "signals": {"_errors", "fleet"},
 }
 

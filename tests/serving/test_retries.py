@@ -3,6 +3,8 @@ time, the failed engine excluded, a budget that runs out, never after output."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import trio
 
@@ -106,6 +108,32 @@ async def test_an_exhausted_budget_stops_retries(start_stack: StartStack) -> Non
         "spent_total": 1,
         "denied_total": 1,
     }
+
+
+class _LongestBackoff(random.Random):
+    """Full jitter drawing its ceiling's whole length, every time."""
+
+    def random(self) -> float:
+        return 0.999
+
+
+async def test_a_retry_that_cannot_start_before_the_deadline_spends_no_credit(
+    start_stack: StartStack,
+) -> None:
+    # The backoff (~5 s) outlasts the request (1 s): the deadline answers, as it always
+    # did, but the retry that could never start no longer spends a credit of the budget.
+    serving = {**RETRYING, "handoff_timeout_s": 0.5, "retry_base_s": 5.0, "retry_cap_s": 5.0}
+    stack = await start_stack(PD4, serving={**serving, "request_timeout_s": 1.0})
+    stack.ctx.rng = _LongestBackoff()
+    for index in (0, 1):
+        stack.fleet[index].set_faults(error_status=503, leg="prefill")
+    response = await post(stack, {"max_tokens": 3})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "expired"
+    assert requests(stack, 0, "prefill") + requests(stack, 1, "prefill") == 1
+    state = await settled(stack)
+    assert state["retry_budget"]["spent_total"] == 0
+    assert "narwhal_retries_total{" not in stack.ctx.metrics.render().decode()
 
 
 async def test_expired_handoff_is_redone_with_a_fresh_prefill(start_stack: StartStack) -> None:
