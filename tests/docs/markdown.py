@@ -97,7 +97,10 @@ _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
 def pages(root: Path = REPO) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """The documents a reader is sent to: README.md, docs/, and the benchmarks' command
+    reference, which links into docs/benchmarks.md by heading."""
+    bench = root / "tools" / "bench" / "README.md"
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md")), bench]
 
 
 def _prose_lines(text: str) -> list[tuple[int, str]]:

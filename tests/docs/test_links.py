@@ -1,5 +1,6 @@
-"""Every relative link in README.md and docs/ resolves: the file exists, and an anchor
-(`page.md#section`, `#section`) names a heading of that page, as GitHub renders it.
+"""Every relative link in README.md, docs/ and tools/bench/README.md resolves: the file
+exists, and an anchor (`page.md#section`, `#section`) names a heading of that page, as
+GitHub renders it.
 
 Links to the web (`https:`, `mailto:`) are not fetched. Links inside fenced code blocks
 and inline code are not links. An anchor into a file that is not Markdown is not checked
