@@ -7,7 +7,7 @@ engines; SLO attainment and goodput over OFFERED requests, per phase and over ti
     .venv/bin/python tools/bench/goodput.py --quick --configs narwhal-static-4p4d,vllm-router-4p4d
 
 Writes runs/bench/goodput.json and runs/bench/goodput.png; logs and raw per-request rows
-go to runs/tmp/goodput/<run>/ (not committed). See tools/bench/README.md, "Goodput".
+go to runs/tmp/goodput/<run>/ (not committed). See docs/benchmarks.md.
 
 Configurations (`CONFIGURATIONS`): Narwhal at every static split 1P7D..7P1D with the
 controller disabled and `admission: open` (the best of them in hindsight is the bar);

@@ -20,7 +20,7 @@ RSS before (idle), peak (max sampled VmRSS and the kernel's VmHWM), RSS after th
 most retained requests seen against the ceiling, RSS above the idle level per retained
 request at the peak, and the client's outcome counts. Bounded memory means the 10,000-request
 floods peak about where the 2,000-request ones do and later rounds add nothing; see
-tools/bench/README.md for what the latest run showed.
+docs/benchmarks.md for what the latest run showed.
 
 Writes runs/bench/memory.json and runs/bench/memory.png; logs go to
 runs/tmp/memory/<timestamp>/ (git-ignored).

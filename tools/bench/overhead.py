@@ -16,7 +16,7 @@ there, and in a closed loop whose bottleneck is the fleet, latency is concurrenc
 throughput (Little's law), so the difference mixes the router's own time with what its CPU
 use costs the fleet. Pinning takes the second part out but changes the box: the fleet and
 the load generator share the other CPUs (one, on a 2-CPU box, so everything is slower), and
-both routers' CPU per chunk rose when pinned (tools/bench/README.md). Pinned, "direct" is
+both routers' CPU per chunk rose when pinned (docs/benchmarks.md). Pinned, "direct" is
 also slightly handicapped: its load generator runs the P/D protocol itself (two requests
 per stream) on the fleet's CPU, where through a router it sends one. The alternating
 concurrency-1 probe is the one cell where nothing is saturated.

@@ -14,7 +14,7 @@ mid-stream error event, short KV lease, failed KV pull, an engine going down for
 moment) may be armed on an engine the router has in placement, for its next leg. So an
 outage, whose refusals come back in milliseconds, does not speed the faults up, and no
 fault is aimed at an engine out of placement, whose only legs are the router's
-verification legs (tools/bench/README.md). A few clients hang up part-way. Every
+verification legs (docs/benchmarks.md). A few clients hang up part-way. Every
 --reload-every seconds the config file is rewritten with another valid variant (or,
 one time in five, an invalid one that must be rejected) and the daemon gets SIGHUP.
 Once the load has drained the router and the engines must be idle and every invariant

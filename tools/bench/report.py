@@ -1,4 +1,4 @@
-"""Markdown tables of the latest benchmark results, for tools/bench/README.md.
+"""Markdown tables of the latest benchmark results, for docs/benchmarks.md.
 
 .venv/bin/python tools/bench/report.py [overhead|transport|accuracy|memory ...]
 """
