@@ -82,10 +82,10 @@ class Operations:
                 raise CtlError(
                     code,
                     f"reload of {reloaded.source} rejected; the running configuration is kept",
-                    details=reloaded.to_json(),
+                    details=to_json(reloaded.report()),
                     logged=True,  # by the reload, with each problem and the trigger
                 )
-            return reloaded.to_json()
+            return to_json(reloaded.report())
         assert request.engine is not None
         engine = self._engine(request.engine)
         if command == "drain":
