@@ -227,7 +227,7 @@ class StateDocument:
     slo: SloSection
     requests: RequestsSection
     engines: tuple[EngineSection, ...]
-    provided: Mapping[str, object] = attrs.field(metadata=SPLICED)
+    provided: Mapping[str, attrs.AttrsInstance] = attrs.field(metadata=SPLICED)
 
 
 def _limit(value: float) -> int | None:
