@@ -4,8 +4,10 @@ from ._describe import FieldDoc as FieldDoc, describe_fields as describe_fields
 from ._diff import (
     RESTART_REQUIRED as RESTART_REQUIRED,
     Change as Change,
+    PlanReport as PlanReport,
     ReloadEffect as ReloadEffect,
     ReloadPlan as ReloadPlan,
+    RoleChange as RoleChange,
     diff as diff,
     keep_running as keep_running,
     reload_effect as reload_effect,

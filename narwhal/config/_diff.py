@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import attrs
 
+from .._records import key
 from ._load import config_to_dict
 from ._model import SECRET, Config, Secret
 
@@ -80,6 +81,24 @@ class Change:
         return f"{self.path}: {_show(self.old)} -> {_show(self.new)}"
 
 
+@attrs.frozen(kw_only=True)
+class RoleChange:
+    engine: str
+    old: str = attrs.field(metadata=key("from"))
+    new: str = attrs.field(metadata=key("to"))
+
+
+@attrs.frozen(kw_only=True)
+class PlanReport:
+    changes: tuple[str, ...]
+    restart_required: tuple[str, ...]
+    engines_added: tuple[str, ...]
+    engines_removed: tuple[str, ...]
+    engines_replaced: tuple[str, ...]
+    engines_reconfigured: tuple[str, ...]
+    role_changes: tuple[RoleChange, ...]
+
+
 @attrs.frozen
 class ReloadPlan:
     changes: tuple[Change, ...] = ()
@@ -103,18 +122,20 @@ class ReloadPlan:
         )
         return lines
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "changes": [str(change) for change in self.changes],
-            "restart_required": [str(change) for change in self.restart_required],
-            "engines_added": list(self.engines_added),
-            "engines_removed": list(self.engines_removed),
-            "engines_replaced": list(self.engines_replaced),
-            "engines_reconfigured": list(self.engines_reconfigured),
-            "role_changes": [
-                {"engine": engine, "from": old, "to": new} for engine, old, new in self.role_changes
-            ],
-        }
+    def report(self) -> PlanReport:
+        """What narwhalctl and the state document (`supervisor.reloads[].plan`) show."""
+        return PlanReport(
+            changes=tuple(str(change) for change in self.changes),
+            restart_required=tuple(str(change) for change in self.restart_required),
+            engines_added=self.engines_added,
+            engines_removed=self.engines_removed,
+            engines_replaced=self.engines_replaced,
+            engines_reconfigured=self.engines_reconfigured,
+            role_changes=tuple(
+                RoleChange(engine=engine, old=old, new=new)
+                for engine, old, new in self.role_changes
+            ),
+        )
 
 
 def _walk(old: object, new: object, path: str, out: list[Change]) -> None:

@@ -45,9 +45,15 @@ from ._demand import (
 )
 from ._expose import (
     ControllerCounters as ControllerCounters,
+    ControllerSection as ControllerSection,
+    Evaluation as Evaluation,
     Exposure as Exposure,
+    FlipEntry as FlipEntry,
+    RoleMove as RoleMove,
+    SplitCounts as SplitCounts,
     controller_gauges as controller_gauges,
     counter_families as counter_families,
+    flip_entry as flip_entry,
     state_section as state_section,
 )
 from ._fluid import (

@@ -76,21 +76,6 @@ class FlipRecord:
     resident_streams: int
     applied: bool
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "time": round(self.time, 3),
-            "engine": self.engine,
-            "from": self.from_role,
-            "to": self.to_role,
-            "caller": self.caller,
-            "reason": self.reason,
-            "detail": self.detail,
-            "before": {"prefill": self.before.prefill, "decode": self.before.decode},
-            "after": {"prefill": self.after.prefill, "decode": self.after.decode},
-            "resident_streams": self.resident_streams,
-            "applied": self.applied,
-        }
-
 
 def check_move(engine: RoleTarget, move: Move, now: float) -> None:
     """Raise MoveRejected unless the engine may change role now: it has the role the

@@ -35,6 +35,7 @@ from ._decide import Decision, decide
 from ._demand import Arrival, DemandEstimator
 from ._expose import (
     ControllerCounters,
+    ControllerSection,
     Exposure,
     Gauge,
     controller_gauges,
@@ -351,7 +352,7 @@ class Controller:
             counters=self.counters,
         )
 
-    def state_section(self) -> dict[str, object]:
+    def state_section(self) -> ControllerSection:
         """For `ServingContext.state_providers`: ("controller", controller.state_section)."""
         return state_section(self.exposure())
 

@@ -1,9 +1,11 @@
 """The controller's `/narwhal/state` section and Prometheus families
 (docs/design.md#advisory-rollout, #evidence-gate).
 
-Both read the same inputs: the last evaluated decision (the one that states what the
-controller proposes and what blocks it), the last pass (which may only have waited for
-the next step), the snapshot it was made from (demand estimates), and the flip history.
+The section is a frozen record (`ControllerSection` and its parts), built by
+`state_section` and shown by `narwhal._records.to_json`. Section and families read the
+same inputs: the last evaluated decision (the one that states what the controller
+proposes and what blocks it), the last pass (which may only have waited for the next
+step), the snapshot it was made from (demand estimates), and the flip history.
 Gauges use the `(name, help, labels, samples)` shape of `serving._state.live_gauges`, so
 `Metrics.add_live_gauges` can register them; counters come from `counter_families`,
 which a `prometheus_client` Collector yields at scrape time.
@@ -14,16 +16,32 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator
+from typing import Literal
 
 import attrs
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from .._records import OPTIONAL, SPLICED, key
 from ..config import Config
-from ._apply import FlipHistory
-from ._decide import CALLERS, GATES, REASONS, RESULTS, Decision, Split
+from ._apply import FlipHistory, FlipRecord
+from ._decide import (
+    CALLERS,
+    GATES,
+    REASONS,
+    RESULTS,
+    Caller,
+    Decision,
+    FloorReport,
+    Gate,
+    Pool,
+    Reason,
+    Result,
+    Split,
+)
 from ._demand import DemandEstimate
 from ._load import SplitLoad
 from ._snapshot import FleetSnapshot
+from ._state import Direction, Rule
 
 Gauge = tuple[str, str, list[str], list[tuple[list[str], float]]]
 # Results after application: "move" becomes "applied" (or "failed" if the live engine
@@ -57,155 +75,316 @@ def _num(value: float, digits: int = 4) -> float | None:
     return round(value, digits) if math.isfinite(value) else None
 
 
-def _split(split: Split) -> dict[str, int]:
-    return {"prefill": split.prefill, "decode": split.decode}
+@attrs.frozen(kw_only=True)
+class LastPass:
+    """The last monitor pass's call, which may only have waited for the next step."""
+
+    time: float
+    caller: Caller
+    result: Result
+    detail: str
 
 
-def _load(load: SplitLoad | None) -> dict[str, object] | None:
+@attrs.frozen(kw_only=True)
+class SplitCounts:
+    roles: Split  # engines by role, live or not
+    current: Split  # live engines by role
+    proposed: Split
+
+
+@attrs.frozen(kw_only=True)
+class RoleMove:
+    engine: str
+    from_role: Pool = attrs.field(metadata=key("from"))
+    to_role: Pool = attrs.field(metadata=key("to"))
+
+
+@attrs.frozen(kw_only=True)
+class Candidate:
+    direction: Direction
+    split: Split
+    demand_complete: bool
+    rule: Rule
+
+
+@attrs.frozen(kw_only=True)
+class Confirmations:
+    count: int
+    required: int
+    candidate: Candidate | None
+
+
+@attrs.frozen(kw_only=True)
+class SplitProjection:
+    """Projected loads of one split (`SplitLoad`); None where not finite."""
+
+    prefill: int
+    decode: int
+    prefill_load: float | None
+    decode_load: float | None
+    worst: float | None
+    decode_batch: float | None
+    decode_kv_tokens: float | None
+    decode_interval_s: float | None
+    decode_feasible: bool
+    decode_in_domain: bool
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredLoads:
+    prefill: float | None
+    decode: float | None
+
+
+@attrs.frozen(kw_only=True)
+class ProjectedLoads:
+    current: SplitProjection | None
+    to_prefill: SplitProjection | None
+    to_decode: SplitProjection | None
+
+
+@attrs.frozen(kw_only=True)
+class PoolLoads:
+    measured: MeasuredLoads
+    projected: ProjectedLoads
+    # serving.decode_concurrency as the projections bound each engine's batch by it
+    # (None: no cap)
+    decode_slots_per_engine: float | None
+
+
+@attrs.frozen(kw_only=True)
+class Evidence:
+    state: Literal["open", "closed"]
+    opened_at: float
+    elapsed_s: float
+    samples: int
+    why: str
+
+
+@attrs.frozen(kw_only=True)
+class Cooldown:
+    last_p2d_at: float | None
+    remaining_s: float
+
+
+@attrs.frozen(kw_only=True)
+class Evaluation:
+    """The last evaluated decision (`Exposure.decision`)."""
+
+    time: float
+    split: SplitCounts
+    caller: Caller
+    reason: Reason
+    detail: str
+    result: str | None  # after application: EXPOSED_RESULTS
+    gate: Gate | None
+    rule: Rule | None
+    urgent: bool
+    move: RoleMove | None
+    confirmations: Confirmations
+    loads: PoolLoads
+    evidence: Evidence
+    floors: FloorReport
+    cooldown: Cooldown
+
+
+@attrs.frozen(kw_only=True)
+class DemandHorizon:
+    horizon_s: float
+    span_s: float | None
+    arrivals: int
+    refused: int
+    requests_per_s: float | None
+    floored_requests_per_s: float | None
+    prompt_tokens_mean: float | None
+    output_tokens_mean: float | None
+    prefill_work: float | None
+    decode_tokens_per_s: float | None
+    priced: int
+
+
+@attrs.frozen(kw_only=True)
+class Demand:
+    short: DemandHorizon
+    long: DemandHorizon
+    rising: bool
+    arrivals_total: int
+
+
+@attrs.frozen(kw_only=True)
+class FlipEntry:
+    """A `FlipRecord` as the state shows it (`flip_entry`)."""
+
+    time: float
+    engine: str
+    from_role: str = attrs.field(metadata=key("from"))
+    to_role: str = attrs.field(metadata=key("to"))
+    caller: Caller
+    reason: Reason
+    detail: str
+    before: Split
+    after: Split
+    resident_streams: int
+    applied: bool
+
+
+@attrs.frozen(kw_only=True)
+class Flips:
+    total: int
+    retained: int
+    limit: int  # controller.flip_history
+    history: tuple[FlipEntry, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ControllerSection:
+    """The `controller` section of /narwhal/state: the last pass and evaluation (none
+    before the first), the demand it saw (none before the first snapshot), the flips."""
+
+    enabled: bool
+    advisory: bool
+    last_pass: LastPass | None = attrs.field(metadata=OPTIONAL)
+    evaluation: Evaluation | None = attrs.field(metadata=SPLICED)
+    demand: Demand | None = attrs.field(metadata=OPTIONAL)
+    flips: Flips
+
+
+def flip_entry(record: FlipRecord) -> FlipEntry:
+    return FlipEntry(
+        time=round(record.time, 3),
+        engine=record.engine,
+        from_role=record.from_role,
+        to_role=record.to_role,
+        caller=record.caller,
+        reason=record.reason,
+        detail=record.detail,
+        before=record.before,
+        after=record.after,
+        resident_streams=record.resident_streams,
+        applied=record.applied,
+    )
+
+
+def _projection(load: SplitLoad | None) -> SplitProjection | None:
     if load is None:
         return None
     dp = load.decode_projection
-    return {
-        "prefill": load.prefill,
-        "decode": load.decode,
-        "prefill_load": _num(load.prefill_load),
-        "decode_load": _num(load.decode_load),
-        "worst": _num(load.worst),
-        "decode_batch": _num(dp.active, 2),
-        "decode_kv_tokens": _num(dp.kv_tokens, 0),
-        "decode_interval_s": _num(dp.interval_s, 6),
-        "decode_feasible": dp.feasible,
-        "decode_in_domain": dp.in_domain,
-    }
+    return SplitProjection(
+        prefill=load.prefill,
+        decode=load.decode,
+        prefill_load=_num(load.prefill_load),
+        decode_load=_num(load.decode_load),
+        worst=_num(load.worst),
+        decode_batch=_num(dp.active, 2),
+        decode_kv_tokens=_num(dp.kv_tokens, 0),
+        decode_interval_s=_num(dp.interval_s, 6),
+        decode_feasible=dp.feasible,
+        decode_in_domain=dp.in_domain,
+    )
 
 
-def _demand(estimate: DemandEstimate, demand_floor: float) -> dict[str, object]:
-    return {
-        "horizon_s": estimate.horizon_s,
-        "span_s": _num(estimate.span_s, 3),
-        "arrivals": estimate.arrivals,
-        "refused": estimate.refused,
-        "requests_per_s": _num(estimate.rate),
-        "floored_requests_per_s": _num(estimate.floored_rate(demand_floor)),
-        "prompt_tokens_mean": _num(estimate.prompt_tokens_mean, 1),
-        "output_tokens_mean": _num(estimate.output_tokens_mean, 1),
-        "prefill_work": _num(estimate.prefill_work(demand_floor)),
-        "decode_tokens_per_s": _num(estimate.decode_token_rate(demand_floor), 2),
-        "priced": estimate.priced,
-    }
+def _horizon(estimate: DemandEstimate, demand_floor: float) -> DemandHorizon:
+    return DemandHorizon(
+        horizon_s=estimate.horizon_s,
+        span_s=_num(estimate.span_s, 3),
+        arrivals=estimate.arrivals,
+        refused=estimate.refused,
+        requests_per_s=_num(estimate.rate),
+        floored_requests_per_s=_num(estimate.floored_rate(demand_floor)),
+        prompt_tokens_mean=_num(estimate.prompt_tokens_mean, 1),
+        output_tokens_mean=_num(estimate.output_tokens_mean, 1),
+        prefill_work=_num(estimate.prefill_work(demand_floor)),
+        decode_tokens_per_s=_num(estimate.decode_token_rate(demand_floor), 2),
+        priced=estimate.priced,
+    )
 
 
-def state_section(x: Exposure) -> dict[str, object]:
+def _evaluation(x: Exposure, d: Decision) -> Evaluation:
+    ctl = x.config.controller
+    state = x.last_pass.state if x.last_pass is not None else d.state
+    candidate = state.candidate
+    return Evaluation(
+        time=round(d.now, 3),
+        split=SplitCounts(roles=d.roles, current=d.current, proposed=d.proposed),
+        caller=d.caller,
+        reason=d.reason,
+        detail=d.detail,
+        result=x.result,
+        gate=d.gate,
+        rule=d.rule,
+        urgent=d.urgent,
+        move=None
+        if d.move is None
+        else RoleMove(engine=d.move.engine, from_role=d.move.from_role, to_role=d.move.to_role),
+        confirmations=Confirmations(
+            count=state.confirmations,
+            required=d.required,
+            candidate=None
+            if candidate is None
+            else Candidate(
+                direction=candidate.direction,
+                split=Split(prefill=candidate.prefill, decode=candidate.decode),
+                demand_complete=candidate.complete,
+                rule=candidate.rule,
+            ),
+        ),
+        loads=PoolLoads(
+            measured=MeasuredLoads(
+                prefill=_num(d.loads.measured_prefill), decode=_num(d.loads.measured_decode)
+            ),
+            projected=ProjectedLoads(
+                current=_projection(d.loads.current),
+                to_prefill=_projection(d.loads.to_prefill),
+                to_decode=_projection(d.loads.to_decode),
+            ),
+            decode_slots_per_engine=_num(d.loads.decode_slots),
+        ),
+        evidence=Evidence(
+            state="closed" if d.evidence.closed else "open",
+            opened_at=round(d.evidence.opened_at, 3),
+            elapsed_s=round(d.evidence.elapsed_s, 3),
+            samples=d.evidence.samples,
+            why=d.evidence.why,
+        ),
+        floors=d.floors,
+        cooldown=Cooldown(
+            last_p2d_at=_num(state.last_p2d_at, 3),
+            remaining_s=round(max(0.0, state.last_p2d_at + ctl.thresholds.cooldown_s - x.now), 3),
+        ),
+    )
+
+
+def state_section(x: Exposure) -> ControllerSection:
     """The `controller` section of `/narwhal/state`."""
     ctl = x.config.controller
     d = x.decision
-    out: dict[str, object] = {"enabled": ctl.enabled, "advisory": ctl.advisory}
-    if x.last_pass is not None:
-        out["last_pass"] = {
-            "time": round(x.last_pass.now, 3),
-            "caller": x.last_pass.caller,
-            "result": x.last_pass.result,
-            "detail": x.last_pass.detail,
-        }
-    if d is None:
-        out["flips"] = _flips(x)
-        return out
-    state = x.last_pass.state if x.last_pass is not None else d.state
-    candidate = state.candidate
-    out.update(
-        {
-            "time": round(d.now, 3),
-            "split": {
-                "roles": _split(d.roles),
-                "current": _split(d.current),
-                "proposed": _split(d.proposed),
-            },
-            "caller": d.caller,
-            "reason": d.reason,
-            "detail": d.detail,
-            "result": x.result,
-            "gate": d.gate,
-            "rule": d.rule,
-            "urgent": d.urgent,
-            "move": None
-            if d.move is None
-            else {"engine": d.move.engine, "from": d.move.from_role, "to": d.move.to_role},
-            "confirmations": {
-                "count": state.confirmations,
-                "required": d.required,
-                "candidate": None
-                if candidate is None
-                else {
-                    "direction": candidate.direction,
-                    "split": {"prefill": candidate.prefill, "decode": candidate.decode},
-                    "demand_complete": candidate.complete,
-                    "rule": candidate.rule,
-                },
-            },
-            "loads": {
-                "measured": {
-                    "prefill": _num(d.loads.measured_prefill),
-                    "decode": _num(d.loads.measured_decode),
-                },
-                "projected": {
-                    "current": _load(d.loads.current),
-                    "to_prefill": _load(d.loads.to_prefill),
-                    "to_decode": _load(d.loads.to_decode),
-                },
-                # serving.decode_concurrency as the projections bound each engine's
-                # batch by it (null: no cap)
-                "decode_slots_per_engine": _num(d.loads.decode_slots),
-            },
-            "evidence": {
-                "state": "closed" if d.evidence.closed else "open",
-                "opened_at": round(d.evidence.opened_at, 3),
-                "elapsed_s": round(d.evidence.elapsed_s, 3),
-                "samples": d.evidence.samples,
-                "why": d.evidence.why,
-            },
-            "floors": {
-                "min_prefill": d.floors.min_prefill,
-                "min_decode": d.floors.min_decode,
-                "live_prefill": d.floors.live_prefill,
-                "live_decode": d.floors.live_decode,
-                "breaches": [
-                    {
-                        "pool": b.pool,
-                        "floor": b.floor,
-                        "live": b.live,
-                        "reachable": b.reachable,
-                        "detail": b.detail,
-                    }
-                    for b in d.floors.breaches
-                ],
-            },
-            "cooldown": {
-                "last_p2d_at": _num(state.last_p2d_at, 3),
-                "remaining_s": round(
-                    max(0.0, state.last_p2d_at + ctl.thresholds.cooldown_s - x.now), 3
-                ),
-            },
-        }
-    )
-    if x.snapshot is not None:
+    last = x.last_pass
+    demand: Demand | None = None
+    if d is not None and x.snapshot is not None:
         floor = ctl.reactive.demand_floor
-        out["demand"] = {
-            "short": _demand(x.snapshot.short, floor),
-            "long": _demand(x.snapshot.long, floor),
-            "rising": d.demand_rising,
-            "arrivals_total": x.snapshot.arrivals_total,
-        }
-    out["flips"] = _flips(x)
-    return out
-
-
-def _flips(x: Exposure) -> dict[str, object]:
-    return {
-        "total": x.history.total,
-        "retained": len(x.history),
-        "limit": x.history.limit,
-        "history": [record.as_dict() for record in x.history],
-    }
+        demand = Demand(
+            short=_horizon(x.snapshot.short, floor),
+            long=_horizon(x.snapshot.long, floor),
+            rising=d.demand_rising,
+            arrivals_total=x.snapshot.arrivals_total,
+        )
+    return ControllerSection(
+        enabled=ctl.enabled,
+        advisory=ctl.advisory,
+        last_pass=None
+        if last is None
+        else LastPass(
+            time=round(last.now, 3), caller=last.caller, result=last.result, detail=last.detail
+        ),
+        evaluation=None if d is None else _evaluation(x, d),
+        demand=demand,
+        flips=Flips(
+            total=x.history.total,
+            retained=len(x.history),
+            limit=x.history.limit,
+            history=tuple(flip_entry(record) for record in x.history),
+        ),
+    )
 
 
 def _one_hot(values: tuple[str, ...], current: str | None) -> list[tuple[list[str], float]]:

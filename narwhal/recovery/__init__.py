@@ -21,6 +21,11 @@ from ._evidence import (
     VerifyPair as VerifyPair,
     VerifyResult as VerifyResult,
 )
+from ._expose import (
+    RecentChange as RecentChange,
+    RecoverySection as RecoverySection,
+    VerificationReport as VerificationReport,
+)
 from ._health import (
     HealthTracker as HealthTracker,
     Identity as Identity,
@@ -36,6 +41,7 @@ from ._monitor import (
     EngineObservation as EngineObservation,
     Monitor as Monitor,
     MonitorPass as MonitorPass,
+    MonitorSection as MonitorSection,
     PassHandler as PassHandler,
 )
 from ._probe import HttpProber as HttpProber

@@ -2,7 +2,8 @@
 
 Owns
   `Breaker` (one phase, prefill or decode, of one engine), the `TRANSITIONS` table every
-  path through it is a row of, and `RECORDED`, where a failure is remembered.
+  path through it is a row of, `RECORDED`, where a failure is remembered, and
+  `BreakerSnapshot`, what the state document shows of a breaker.
 
 Invariants
   A breaker never sees a socket or a clock: recovery feeds it events with the current
@@ -43,6 +44,18 @@ class BreakerState(enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+@attrs.frozen(kw_only=True)
+class BreakerSnapshot:
+    """One breaker in the state document (`recovery.engines.<id>.breakers.<phase>`)."""
+
+    state: BreakerState
+    failures_in_window: int
+    failure_threshold: int
+    reopens_in_s: float | None  # while open
+    opened_total: int
+    reason: str | None  # of the last transition
 
 
 class BreakerEvent(enum.Enum):
@@ -240,13 +253,13 @@ class Breaker:
             return f"verification failed{suffix}"
         return detail
 
-    def snapshot(self, now: float) -> dict[str, object]:
+    def snapshot(self, now: float) -> BreakerSnapshot:
         due = self.due()
-        return {
-            "state": self.state.value,
-            "failures_in_window": self.failures_in_window(now),
-            "failure_threshold": self.settings.failure_threshold,
-            "reopens_in_s": None if due is None else round(max(0.0, due - now), 3),
-            "opened_total": self.opened_total,
-            "reason": self.last_reason or None,
-        }
+        return BreakerSnapshot(
+            state=self.state,
+            failures_in_window=self.failures_in_window(now),
+            failure_threshold=self.settings.failure_threshold,
+            reopens_in_s=None if due is None else round(max(0.0, due - now), 3),
+            opened_total=self.opened_total,
+            reason=self.last_reason or None,
+        )

@@ -2,8 +2,10 @@
 
 Owns
   `RecoveryMetrics` (every recovery counter, registered once on the router's registry),
-  `engine_snapshot` and `state_document` (the state document's `recovery` section) and
-  `live_gauges` (breaker states and availability flags, read at each scrape).
+  the state document's `recovery` section as frozen records (`RecoverySection` and its
+  parts, with `RecentChange` and `VerificationReport`, which the verdicts and verifications
+  keep), built by `engine_snapshot` and `state_document`, and `live_gauges` (breaker
+  states and availability flags, read at each scrape).
 
 Invariants
   Reads only: nothing here changes a record or a verdict. Every verdict change is one
@@ -18,7 +20,9 @@ from typing import TYPE_CHECKING
 import attrs
 from prometheus_client import CollectorRegistry, Counter
 
-from ._breaker import BreakerState
+from .._records import SPLICED, key
+from ._breaker import BreakerSnapshot, BreakerState
+from ._health import HealthSnapshot, HoldSnapshot, IdentitySnapshot, ResidualSnapshot
 
 if TYPE_CHECKING:
     from ._evidence import KeyCheck, ProbeResult
@@ -84,73 +88,151 @@ class RecoveryMetrics:
         )
 
 
+@attrs.frozen(kw_only=True)
+class LastCheck:
+    """The last health probe or API key check: its outcome, and how long ago."""
+
+    outcome: str
+    detail: str
+    age_s: float
+
+
+@attrs.frozen(kw_only=True)
+class HealthSection:
+    verdict: HealthSnapshot = attrs.field(metadata=SPLICED)
+    readmission_in_s: float | None  # while the latency readmission waits
+    latency_cut_short_total: int
+    failed_verifications: int
+    verify_in_s: float | None  # until the next verification may run
+    last_probe: LastCheck | None
+
+
+@attrs.frozen(kw_only=True)
+class AuthSection:
+    refused: str | None  # why the engine refuses narwhal's API key
+    last_check: LastCheck | None
+
+
+@attrs.frozen(kw_only=True)
+class QuarantineSection:
+    active: bool
+    remaining_s: float | None
+
+
+@attrs.frozen(kw_only=True)
+class VerificationReport:
+    """The last verification pair of an engine (also logged, event `verification`)."""
+
+    request_id: str
+    purpose: str
+    phase: str
+    partner: str | None
+    standby: bool
+    outcome: str
+    detail: str
+    duration_s: float
+
+
+@attrs.frozen(kw_only=True)
+class RecentChange:
+    """One verdict change (also logged, event `verdict`); `at` counts from the start."""
+
+    at: float
+    engine: str
+    kind: str
+    phase: str | None
+    old: str = attrs.field(metadata=key("from"))
+    new: str = attrs.field(metadata=key("to"))
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryEngine:
+    """One engine's part of the `recovery` section."""
+
+    breakers: Mapping[str, BreakerSnapshot]
+    health: HealthSection
+    auth: AuthSection
+    ejected: str | None
+    unreachable: str | None
+    hold: HoldSnapshot
+    quarantine: QuarantineSection
+    identity: IdentitySnapshot
+    residuals: ResidualSnapshot
+    last_verification: VerificationReport | None
+    drained: bool
+    pinned: bool
+
+
+@attrs.frozen(kw_only=True)
+class RecoverySection:
+    engines: Mapping[str, RecoveryEngine]
+    recent_changes: tuple[RecentChange, ...]  # the last 50
+
+
 def engine_snapshot(
     record: EngineRecovery, now: float, *, backoff_cut: bool = False
-) -> dict[str, object]:
+) -> RecoveryEngine:
     """One engine's section of the state document."""
     engine = record.engine
     # With the backoff cut, the next verification waits only for a probe interval
     # after the last (`next_verify_at`).
     verify_at = record.next_verify_at if backoff_cut else record.readmit_after
-    return {
-        "breakers": {phase: b.snapshot(now) for phase, b in record.breakers.items()},
-        "health": {
-            **record.health.snapshot(),
-            "readmission_in_s": round(record.latency_until - now, 3)
+    return RecoveryEngine(
+        breakers={phase: b.snapshot(now) for phase, b in record.breakers.items()},
+        health=HealthSection(
+            verdict=record.health.snapshot(),
+            readmission_in_s=round(record.latency_until - now, 3)
             if now < record.latency_until
             else None,
-            "latency_cut_short_total": record.latency_cuts_total,
-            "failed_verifications": record.failed_verifications,
-            "verify_in_s": round(verify_at - now, 3) if now < verify_at else None,
-            "last_probe": _last(record.last_probe, record.last_probe_at, now),
-        },
-        "auth": {
-            "refused": engine.auth_refused,
-            "last_check": _last(record.last_key_check, record.last_key_check_at, now),
-        },
-        "ejected": engine.ejected,
-        "unreachable": engine.unreachable,
-        "hold": record.hold.snapshot(now),
-        "quarantine": {
-            "active": now < engine.quarantined_until,
-            "remaining_s": round(max(0.0, engine.quarantined_until - now), 3)
+            latency_cut_short_total=record.latency_cuts_total,
+            failed_verifications=record.failed_verifications,
+            verify_in_s=round(verify_at - now, 3) if now < verify_at else None,
+            last_probe=_last(record.last_probe, record.last_probe_at, now),
+        ),
+        auth=AuthSection(
+            refused=engine.auth_refused,
+            last_check=_last(record.last_key_check, record.last_key_check_at, now),
+        ),
+        ejected=engine.ejected,
+        unreachable=engine.unreachable,
+        hold=record.hold.snapshot(now),
+        quarantine=QuarantineSection(
+            active=now < engine.quarantined_until,
+            remaining_s=round(max(0.0, engine.quarantined_until - now), 3)
             if now < engine.quarantined_until
             else None,
-        },
-        "identity": record.identity.snapshot(),
-        "residuals": record.residuals.snapshot(),
-        "last_verification": record.last_verification,
-        "drained": engine.drained,
-        "pinned": engine.pinned,
-    }
+        ),
+        identity=record.identity.snapshot(),
+        residuals=record.residuals.snapshot(),
+        last_verification=record.last_verification,
+        drained=engine.drained,
+        pinned=engine.pinned,
+    )
 
 
-def _last(
-    result: ProbeResult | KeyCheck | None, at: float | None, now: float
-) -> dict[str, object] | None:
+def _last(result: ProbeResult | KeyCheck | None, at: float | None, now: float) -> LastCheck | None:
     if result is None:
         return None
-    return {
-        "outcome": result.outcome,
-        "detail": result.detail,
-        "age_s": round(now - (at or now), 3),
-    }
+    return LastCheck(
+        outcome=result.outcome, detail=result.detail, age_s=round(now - (at or now), 3)
+    )
 
 
 def state_document(
     records: Mapping[str, EngineRecovery],
-    recent_changes: Iterable[dict[str, object]],
+    recent_changes: Iterable[RecentChange],
     backoff_cut: Callable[[EngineRecovery, float], bool],
     now: float,
-) -> dict[str, object]:
+) -> RecoverySection:
     """Recovery's section of /narwhal/state."""
-    return {
-        "engines": {
+    return RecoverySection(
+        engines={
             engine_id: record.snapshot(now, backoff_cut=backoff_cut(record, now))
             for engine_id, record in records.items()
         },
-        "recent_changes": list(recent_changes)[-50:],
-    }
+        recent_changes=tuple(recent_changes)[-50:],
+    )
 
 
 def live_gauges(

@@ -2,7 +2,8 @@
 
 Owns
   `HealthTracker` (the health verdict: up, ejected, verifying), `ResidualWindow` (latency
-  residuals against the profile), `RestartHold` and `IdentityTracker` (restarts).
+  residuals against the profile), `RestartHold` and `IdentityTracker` (restarts), and
+  the frozen snapshot of each that the state document shows.
 
 Invariants
   Every method takes the time and the settings it needs; none reads a clock or sends a
@@ -17,7 +18,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -37,6 +38,16 @@ class VerdictChange:
     old: Verdict
     new: Verdict
     reason: str
+
+
+@attrs.frozen(kw_only=True)
+class HealthSnapshot:
+    verdict: Verdict
+    reason: str | None
+    consecutive_failures: int
+    good_probes: int
+    ejected_total: int
+    readmit_shortcuts_total: int
 
 
 class HealthTracker:
@@ -142,19 +153,25 @@ class HealthTracker:
             return None
         return self._to(Verdict.EJECTED, f"verification failed: {detail}")
 
-    def snapshot(self) -> dict[str, object]:
-        return {
-            "verdict": self.verdict.value,
-            "reason": self.reason,
-            "consecutive_failures": self.consecutive_failures,
-            "good_probes": self.good_probes,
-            "ejected_total": self.ejected_total,
-            "readmit_shortcuts_total": self.shortcuts_total,
-        }
+    def snapshot(self) -> HealthSnapshot:
+        return HealthSnapshot(
+            verdict=self.verdict,
+            reason=self.reason,
+            consecutive_failures=self.consecutive_failures,
+            good_probes=self.good_probes,
+            ejected_total=self.ejected_total,
+            readmit_shortcuts_total=self.shortcuts_total,
+        )
 
 
 # However the window and interval are configured, a window never holds more than this.
 _MAX_RESIDUALS = 4096
+
+
+@attrs.frozen(kw_only=True)
+class ResidualSnapshot:
+    samples: int
+    median_ratio: float | None
 
 
 class ResidualWindow:
@@ -207,12 +224,22 @@ class ResidualWindow:
             f">= recovery.health.eject_ratio={config.eject_ratio}"
         )
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> ResidualSnapshot:
         median = self.median()
-        return {
-            "samples": len(self._samples),
-            "median_ratio": None if median is None else round(median, 4),
-        }
+        return ResidualSnapshot(
+            samples=len(self._samples),
+            median_ratio=None if median is None else round(median, 4),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class HoldSnapshot:
+    active: bool
+    reason: str | None
+    verify_in_s: float | None  # while held: until the verification may run
+    cut_short: str | None  # why the wait for recovery.restart_hold_s was cut short
+    holds_total: int
+    cut_short_total: int
 
 
 class RestartHold:
@@ -267,15 +294,23 @@ class RestartHold:
         self.cut_reason = None
         return was
 
-    def snapshot(self, now: float) -> dict[str, object]:
-        return {
-            "active": self.active,
-            "reason": self.reason,
-            "verify_in_s": (round(max(0.0, self.verify_after - now), 3) if self.active else None),
-            "cut_short": self.cut_reason,
-            "holds_total": self.holds_total,
-            "cut_short_total": self.cuts_total,
-        }
+    def snapshot(self, now: float) -> HoldSnapshot:
+        return HoldSnapshot(
+            active=self.active,
+            reason=self.reason,
+            verify_in_s=(round(max(0.0, self.verify_after - now), 3) if self.active else None),
+            cut_short=self.cut_reason,
+            holds_total=self.holds_total,
+            cut_short_total=self.cuts_total,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class IdentitySnapshot:
+    identity: Mapping[str, str] | None  # what /version said
+    unreachable: bool
+    process_start_time_seconds: float | None
+    prompt_tokens_total: float | None
 
 
 class IdentityTracker:
@@ -386,15 +421,15 @@ class IdentityTracker:
         self.gauges_published = False
         self._identity_stale = True
 
-    def snapshot(self) -> dict[str, object]:
-        return {
-            "identity": dict(self.identity) if self.identity is not None else None,
-            "unreachable": self.unreachable,
-            "process_start_time_seconds": self.start_time,
-            "prompt_tokens_total": None
+    def snapshot(self) -> IdentitySnapshot:
+        return IdentitySnapshot(
+            identity=dict(self.identity) if self.identity is not None else None,
+            unreachable=self.unreachable,
+            process_start_time_seconds=self.start_time,
+            prompt_tokens_total=None
             if self.prompt_tokens is None
             else sum(self.prompt_tokens.values()),
-        }
+        )
 
 
 def _describe_change(old: Identity, new: Identity) -> str:

@@ -2,8 +2,9 @@
 control needs and hands it to the registered pass handlers.
 
 Owns
-  `Monitor` (its passes, failure streak and the degraded state they set) and
-  `MonitorPass`, what one pass hands its handlers. A pass has four stages:
+  `Monitor` (its passes, failure streak and the degraded state they set),
+  `MonitorPass`, what one pass hands its handlers, and `MonitorSection`, the state
+  document's `monitor` section. A pass has four stages:
   1. load: GET /metrics of every engine not being removed (`Scrapes`): running and
      waiting requests and KV-cache usage (`vllm:num_requests_running`,
      `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, or SGLang's
@@ -93,6 +94,47 @@ class MonitorPass:
 
 
 PassHandler = Callable[[MonitorPass], Awaitable[None]]
+
+
+@attrs.frozen(kw_only=True)
+class FailedPass:
+    number: int
+    failures: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class EngineScrape:
+    """What the pass read of one engine's load (None: its scrape failed or is out)."""
+
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    load_error: str | None
+    load_pending_s: float | None
+    residual: float | None
+
+
+@attrs.frozen(kw_only=True)
+class PassReport:
+    number: int
+    duration_s: float
+    result: str | None
+    failures: tuple[str, ...]
+    engines: Mapping[str, EngineScrape]
+
+
+@attrs.frozen(kw_only=True)
+class MonitorSection:
+    """The `monitor` section of /narwhal/state."""
+
+    interval_s: float
+    failure_limit: int
+    passes: int
+    consecutive_failures: int
+    degraded: str | None
+    last_failed_pass: FailedPass | None
+    handlers: tuple[str, ...]
+    last_pass: PassReport | None
 
 
 class Monitor:
@@ -308,41 +350,41 @@ class Monitor:
             )
         self.consecutive_failures = 0
 
-    def state(self) -> dict[str, object]:
+    def state(self) -> MonitorSection:
         last = self.last_pass
         config = self.ctx.config.controller
-        return {
-            "interval_s": config.monitor_interval_s,
-            "failure_limit": config.monitor_failure_limit,
-            "passes": self.passes,
-            "consecutive_failures": self.consecutive_failures,
-            "degraded": self.ctx.degraded_reason,
-            "last_failed_pass": None
+        return MonitorSection(
+            interval_s=config.monitor_interval_s,
+            failure_limit=config.monitor_failure_limit,
+            passes=self.passes,
+            consecutive_failures=self.consecutive_failures,
+            degraded=self.ctx.degraded_reason,
+            last_failed_pass=None
             if self.last_failed is None
-            else {"number": self.last_failed[0], "failures": list(self.last_failed[1])},
-            "handlers": [name for name, _ in self.handlers],
-            "last_pass": None
+            else FailedPass(number=self.last_failed[0], failures=self.last_failed[1]),
+            handlers=tuple(name for name, _ in self.handlers),
+            last_pass=None
             if last is None
-            else {
-                "number": last.number,
-                "duration_s": round(last.finished_at - last.started_at, 6),
-                "result": self.last_result,
-                "failures": list(self.last_failures),
-                "engines": {
-                    e.id: {
-                        "running": e.load.running if e.load else None,
-                        "waiting": e.load.waiting if e.load else None,
-                        "kv_usage": e.load.kv_usage if e.load else None,
-                        "load_error": e.load_error,
-                        "load_pending_s": None
+            else PassReport(
+                number=last.number,
+                duration_s=round(last.finished_at - last.started_at, 6),
+                result=self.last_result,
+                failures=self.last_failures,
+                engines={
+                    e.id: EngineScrape(
+                        running=e.load.running if e.load else None,
+                        waiting=e.load.waiting if e.load else None,
+                        kv_usage=e.load.kv_usage if e.load else None,
+                        load_error=e.load_error,
+                        load_pending_s=None
                         if e.load_pending_s is None
                         else round(e.load_pending_s, 6),
-                        "residual": e.residual,
-                    }
+                        residual=e.residual,
+                    )
                     for e in last.engines
                 },
-            },
-        }
+            ),
+        )
 
     def _gauges(self) -> list[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
         return [

@@ -25,7 +25,7 @@ from ..fleet import EngineState
 from ..signals import DecodeGaps
 from ._breaker import Breaker, BreakerSettings, BreakerState
 from ._evidence import KeyCheck, ProbeResult
-from ._expose import engine_snapshot
+from ._expose import RecoveryEngine, VerificationReport, engine_snapshot
 from ._health import HealthTracker, IdentityTracker, ResidualWindow, RestartHold, Verdict
 
 PHASES = ("prefill", "decode")
@@ -104,7 +104,7 @@ class EngineRecovery:
         self.identity_refused = False
         self.last_key_check: KeyCheck | None = None
         self.last_key_check_at: float | None = None
-        self.last_verification: dict[str, object] | None = None
+        self.last_verification: VerificationReport | None = None
         engine.phase_gates.update(self.breakers)
 
     def readmission_wanted(self) -> bool:
@@ -142,5 +142,5 @@ class EngineRecovery:
                 times.append(self.next_verify_at)
         return min(times, default=math.inf)
 
-    def snapshot(self, now: float, *, backoff_cut: bool = False) -> dict[str, object]:
+    def snapshot(self, now: float, *, backoff_cut: bool = False) -> RecoveryEngine:
         return engine_snapshot(self, now, backoff_cut=backoff_cut)

@@ -32,7 +32,7 @@ from ..fleet import EngineState
 from ..signals import DecodeGaps
 from ._breaker import BreakerSettings
 from ._evidence import LoadSample, Prober
-from ._expose import RecoveryMetrics, live_gauges, state_document
+from ._expose import RecoveryMetrics, RecoverySection, live_gauges, state_document
 from ._host import RecoveryHost
 from ._legs import LegAccounting, Predictor
 from ._probe import HttpProber
@@ -184,7 +184,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ introspection
 
-    def state(self) -> dict[str, object]:
+    def state(self) -> RecoverySection:
         now = trio.current_time()
         verdicts = self.verdicts
         return state_document(verdicts.records, verdicts.recent_changes, verdicts.backoff_cut, now)

@@ -29,7 +29,7 @@ import trio
 from ..fleet import EngineState, Phase
 from ._breaker import BreakerState, Transition
 from ._evidence import ProbeResult, VerifyResult
-from ._expose import RecoveryMetrics
+from ._expose import RecentChange, RecoveryMetrics
 from ._health import Verdict, VerdictChange
 from ._host import RecoveryHost
 from ._record import EngineRecovery
@@ -56,7 +56,7 @@ class Verdicts:
         # Records of engines a reload is replacing: the new instance is adopted (and
         # probed) while the old one is still in placement, until `Recovery.retire` ends it.
         self.replaced: list[EngineRecovery] = []
-        self.recent_changes: deque[dict[str, object]] = deque(maxlen=_RECENT_CHANGES)
+        self.recent_changes: deque[RecentChange] = deque(maxlen=_RECENT_CHANGES)
 
     def record_for(self, engine: EngineState) -> EngineRecovery | None:
         record = self.records.get(engine.id)
@@ -71,16 +71,17 @@ class Verdicts:
         self, engine_id: str, kind: str, phase: str | None, old: str, new: str, reason: str
     ) -> None:
         self.metrics.transitions.labels(engine_id, kind, phase or "", old, new).inc()
-        entry: dict[str, object] = {
-            "at": round(trio.current_time() - self.ctx.started_at, 6),
-            "engine": engine_id,
-            "kind": kind,
-            "phase": phase,
-            "from": old,
-            "to": new,
-            "reason": reason,
-        }
-        self.recent_changes.append(entry)
+        self.recent_changes.append(
+            RecentChange(
+                at=round(trio.current_time() - self.ctx.started_at, 6),
+                engine=engine_id,
+                kind=kind,
+                phase=phase,
+                old=old,
+                new=new,
+                reason=reason,
+            )
+        )
         worse = new in ("open", "ejected", "held", "quarantined", "unreachable")
         if worse and old in ("up", "closed", "released", "reachable"):
             self.left_placement(left=engine_id)
@@ -93,7 +94,15 @@ class Verdicts:
             old,
             new,
             reason,
-            extra={"event": "verdict", **{k: v for k, v in entry.items() if k != "at"}},
+            extra={
+                "event": "verdict",
+                "engine": engine_id,
+                "kind": kind,
+                "phase": phase,
+                "from": old,
+                "to": new,
+                "reason": reason,
+            },
         )
 
     def health_changed(self, record: EngineRecovery, change: VerdictChange | None) -> None:

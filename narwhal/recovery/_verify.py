@@ -30,6 +30,7 @@ import trio
 from ..fleet import EngineState, Phase, key_refused, model_refused
 from ._breaker import BreakerEvent, BreakerState
 from ._evidence import ModelRefusal, Prober, VerifyOutcome, VerifyPair, VerifyResult
+from ._expose import VerificationReport
 from ._record import PHASES, EngineRecovery
 from ._verdicts import Verdicts, work
 
@@ -243,16 +244,16 @@ class Verification:
         retried = retry and resent(result)
         outcome = "retried" if retried else result.outcome
         self.metrics.verifications.labels(subject.id, purpose, outcome).inc()
-        verification: dict[str, object] = {
-            "request_id": request_id,
-            "purpose": purpose,
-            "phase": phase,
-            "partner": None if partner is None else partner.id,
-            "standby": standby,
-            "outcome": outcome,
-            "detail": result.detail + ("; not counted: sending another pair" if retried else ""),
-            "duration_s": round(duration, 6),
-        }
+        verification = VerificationReport(
+            request_id=request_id,
+            purpose=purpose,
+            phase=phase,
+            partner=None if partner is None else partner.id,
+            standby=standby,
+            outcome=outcome,
+            detail=result.detail + ("; not counted: sending another pair" if retried else ""),
+            duration_s=round(duration, 6),
+        )
         record.last_verification = verification
         log.log(
             logging.INFO if result.outcome == "ok" else logging.WARNING,
@@ -261,8 +262,19 @@ class Verification:
             subject.id,
             phase,
             outcome,
-            verification["detail"],
-            extra={"event": "verification", "engine": subject.id, **verification},
+            verification.detail,
+            extra={
+                "event": "verification",
+                "engine": subject.id,
+                "request_id": verification.request_id,
+                "purpose": verification.purpose,
+                "phase": verification.phase,
+                "partner": verification.partner,
+                "standby": verification.standby,
+                "outcome": verification.outcome,
+                "detail": verification.detail,
+                "duration_s": verification.duration_s,
+            },
         )
         return result
 

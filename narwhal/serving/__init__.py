@@ -19,5 +19,11 @@ from ._descriptors import (
     OpenFileLimit as OpenFileLimit,
     capped_warning as capped_warning,
 )
+from ._lag import LagStatistics as LagStatistics
 from ._server import serve_app as serve_app
-from ._state import state_document as state_document
+from ._state import (
+    EngineSection as EngineSection,
+    StateDocument as StateDocument,
+    state as state,
+    state_document as state_document,
+)

@@ -231,8 +231,9 @@ class ServingContext:
         # DEGRADED_PUBLIC.
         self.degraded_reason: str | None = None
         self.accepting = True
-        # Other subsystems (controller, recovery) add sections to /narwhal/state.
-        self.state_providers: list[tuple[str, Callable[[], object]]] = []
+        # Other subsystems (controller, recovery) add sections to /narwhal/state: each a
+        # frozen record, shown under its key (`narwhal._records.to_json`).
+        self.state_providers: list[tuple[str, Callable[[], attrs.AttrsInstance]]] = []
         self.leg_observer: LegObserver = _NoObserver()
         self.signals: ServingSignals = _NoSignals()
         # Predictive admission: the profile source (None until profiles are loaded) and

@@ -101,6 +101,18 @@ def _text(limit: int) -> str:
     return "unlimited" if limit == UNLIMITED else str(limit)
 
 
+@attrs.frozen(kw_only=True)
+class OpenFiles:
+    """The state document's `connections.open_files` (None: unlimited)."""
+
+    soft: int | None
+    hard: int | None
+    needed: int
+    reserve: int
+    raised_from: int | None  # the soft limit found, when it was raised
+    note: str | None  # why the soft limit could not be raised
+
+
 @attrs.frozen
 class DescriptorBudget:
     """Client connections against the open-file limit, as decided by `plan_descriptors`."""
@@ -126,18 +138,18 @@ class DescriptorBudget:
     def capped(self) -> bool:
         return self.effective < self.configured
 
-    def to_json(self) -> dict[str, object]:
+    def open_files(self) -> OpenFiles:
         unlimited = {UNLIMITED: None}
-        return {
-            "soft": unlimited.get(self.soft, self.soft),
-            "hard": unlimited.get(self.hard, self.hard),
-            "needed": self.needed,
-            "reserve": self.reserve,
-            "raised_from": unlimited.get(self.previous_soft, self.previous_soft)
+        return OpenFiles(
+            soft=unlimited.get(self.soft, self.soft),
+            hard=unlimited.get(self.hard, self.hard),
+            needed=self.needed,
+            reserve=self.reserve,
+            raised_from=unlimited.get(self.previous_soft, self.previous_soft)
             if self.raised
             else None,
-            "note": self.note or None,
-        }
+            note=self.note or None,
+        )
 
 
 def plan_descriptors(*, configured: int, reserve: int, soft: int, hard: int) -> DescriptorBudget:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import attrs
 import trio
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -47,6 +48,18 @@ LAG_BUCKETS = (
 EXCUSE_SHARE = 0.1
 # Below this no lag excuses anything: timer wakeups alone run up to 1 ms late.
 EXCUSE_FLOOR_S = 0.01
+
+
+@attrs.frozen(kw_only=True)
+class LagStatistics:
+    """The last `LAG_WINDOW` probes (the state document's `supervisor.loop`); the lags
+    are None before the first."""
+
+    probe_interval_s: float
+    samples: int
+    lag_p50_s: float | None
+    lag_p99_s: float | None
+    lag_max_s: float | None
 
 
 class LoopLag:
@@ -113,20 +126,20 @@ class LoopLag:
             "against the engine"
         )
 
-    def state(self) -> dict[str, object]:
+    def state(self) -> LagStatistics:
         recent = sorted(self._recent)
         n = len(recent)
 
         def at(q: float) -> float | None:
             return round(recent[round(q * (n - 1))], 6) if n else None
 
-        return {
-            "probe_interval_s": LAG_PROBE_S,
-            "samples": n,
-            "lag_p50_s": at(0.5),
-            "lag_p99_s": at(0.99),
-            "lag_max_s": at(1.0),
-        }
+        return LagStatistics(
+            probe_interval_s=LAG_PROBE_S,
+            samples=n,
+            lag_p50_s=at(0.5),
+            lag_p99_s=at(0.99),
+            lag_max_s=at(1.0),
+        )
 
 
 class Paced:

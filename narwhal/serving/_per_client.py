@@ -30,6 +30,7 @@ import attrs
 import trio
 
 from .._errors import Refused
+from .._records import key
 
 log = logging.getLogger("narwhal.server")
 
@@ -55,11 +56,13 @@ def client_key(host: str) -> str:
 
 @attrs.frozen
 class PerClientStatistics:
-    limit: int
+    """Also the state document's `clients.connections` and `clients.pending_bodies`."""
+
+    limit: int = attrs.field(metadata=key("limit_per_client"))
     counted: int  # over every address
     clients: int  # addresses with something counted
     busiest: int  # the most one address has
-    refused: int
+    refused: int = attrs.field(metadata=key("refused_total"))
     refusing: int  # addresses whose refusals are being logged as under way
 
 

@@ -32,8 +32,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
+import attrs
 import trio
 
+from .._records import SPLICED, to_json
+from ..controller import ControllerSection, FlipEntry, RoleMove, SplitCounts
 from ..ctl import CtlError, CtlRequest
 from ..fleet import EngineState, Role
 from ..placement import NoPlacement, choose
@@ -60,12 +63,13 @@ class Operations:
         if command == "state":
             return state_document(self.ctx)
         if command == "proposals":
-            section = dict(self.ctx.state_providers).get("controller")
-            return proposals_view(
-                section() if section is not None else None,
+            controller = self.supervisor.link.controller if self.supervisor.link else None
+            view = proposals_view(
+                controller.state_section() if controller is not None else None,
                 monotonic_now=trio.current_time(),
                 wall_now=time.time(),
             )
+            return to_json(view)
         if command == "reload":
             reloaded = await self.supervisor.reload(trigger="narwhalctl")
             if not reloaded.applied:
@@ -78,10 +82,10 @@ class Operations:
                 raise CtlError(
                     code,
                     f"reload of {reloaded.source} rejected; the running configuration is kept",
-                    details=reloaded.to_json(),
+                    details=to_json(reloaded.report()),
                     logged=True,  # by the reload, with each problem and the trigger
                 )
-            return reloaded.to_json()
+            return to_json(reloaded.report())
         assert request.engine is not None
         engine = self._engine(request.engine)
         if command == "drain":
@@ -180,44 +184,71 @@ class Operations:
         )
 
 
-def proposals_view(section: object, *, monotonic_now: float, wall_now: float) -> dict[str, object]:
+@attrs.frozen(kw_only=True)
+class Proposal:
+    record: FlipEntry = attrs.field(metadata=SPLICED)
+    wall_time: str  # ISO 8601, local time with its offset
+    age_s: float
+
+
+@attrs.frozen(kw_only=True)
+class ProposalsNow:
+    """The last evaluation: what the controller would do now."""
+
+    wall_time: str
+    split: SplitCounts
+    result: str | None
+    reason: str
+    gate: str | None
+    move: RoleMove | None
+
+
+@attrs.frozen(kw_only=True)
+class Proposals:
+    enabled: bool
+    advisory: bool
+    proposals: tuple[Proposal, ...]
+    now: ProposalsNow | None
+
+
+def proposals_view(
+    section: ControllerSection | None, *, monotonic_now: float, wall_now: float
+) -> Proposals:
     """The `proposals` result from the controller's state section (None: no controller).
 
     Each proposal keeps its record's fields and gains `wall_time` (ISO 8601, local time
     with its offset) and `age_s`; the last evaluation's proposed split comes along, so
     an operator sees what the controller would do now, not only what it said before.
     """
-    if not isinstance(section, dict):
-        return {"enabled": False, "advisory": False, "proposals": [], "now": None}
+    if section is None:
+        return Proposals(enabled=False, advisory=False, proposals=(), now=None)
 
     def wall(monotonic: float) -> str:
         stamp = wall_now - (monotonic_now - monotonic)
         moment = datetime.datetime.fromtimestamp(stamp, tz=datetime.UTC).astimezone()
         return moment.isoformat(timespec="seconds")
 
-    history = (section.get("flips") or {}).get("history") or []
-    proposals = [
-        {
-            **record,
-            "wall_time": wall(record["time"]),
-            "age_s": round(monotonic_now - record["time"], 3),
-        }
-        for record in history
-        if not record.get("applied")
-    ]
-    now: dict[str, object] | None = None
-    if "split" in section:
-        now = {
-            "wall_time": wall(section["time"]),
-            "split": section["split"],
-            "result": section.get("result"),
-            "reason": section.get("reason"),
-            "gate": section.get("gate"),
-            "move": section.get("move"),
-        }
-    return {
-        "enabled": section.get("enabled", False),
-        "advisory": section.get("advisory", False),
-        "proposals": proposals,
-        "now": now,
-    }
+    evaluation = section.evaluation
+    return Proposals(
+        enabled=section.enabled,
+        advisory=section.advisory,
+        proposals=tuple(
+            Proposal(
+                record=record,
+                wall_time=wall(record.time),
+                age_s=round(monotonic_now - record.time, 3),
+            )
+            for record in section.flips.history
+            if not record.applied
+        ),
+        now=None
+        if evaluation is None
+        else ProposalsNow(
+            wall_time=wall(evaluation.time),
+            split=evaluation.split,
+            result=evaluation.result,
+            reason=evaluation.reason,
+            gate=evaluation.gate,
+            move=evaluation.move,
+        ),
+    )

@@ -34,12 +34,24 @@ import attrs
 import trio
 
 from ..admission import ttft_budget_s
-from ..config import Config, ReloadPlan, keep_running
+from ..config import Config, PlanReport, ReloadPlan, keep_running
 from ..fleet import EngineState, Role
 from ..recovery import Recovery
 from ..serving import DescriptorBudget, ServingContext
 
 log = logging.getLogger("narwhal.reload")
+
+
+@attrs.frozen(kw_only=True)
+class ReloadReport:
+    """A reload as narwhalctl and the state document (`supervisor.reloads`) show it."""
+
+    applied: bool
+    source: str
+    trigger: str
+    errors: tuple[str, ...]
+    changes: tuple[str, ...]  # one line per difference (`ReloadPlan.summary`)
+    plan: PlanReport | None
 
 
 @attrs.frozen
@@ -50,15 +62,15 @@ class ReloadResult:
     plan: ReloadPlan | None = None
     trigger: str = ""
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "applied": self.applied,
-            "source": self.source,
-            "trigger": self.trigger,
-            "errors": list(self.errors),
-            "changes": self.plan.summary() if self.plan is not None else [],
-            "plan": self.plan.to_json() if self.plan is not None else None,
-        }
+    def report(self) -> ReloadReport:
+        return ReloadReport(
+            applied=self.applied,
+            source=self.source,
+            trigger=self.trigger,
+            errors=self.errors,
+            changes=tuple(self.plan.summary()) if self.plan is not None else (),
+            plan=self.plan.report() if self.plan is not None else None,
+        )
 
 
 async def apply_config(

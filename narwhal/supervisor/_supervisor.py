@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -86,7 +87,8 @@ from ._control import (
 )
 from ._notify import Notifier
 from ._operations import Operations
-from ._reload import ReloadResult, apply_config
+from ._reload import ReloadReport, ReloadResult, apply_config
+from ._state import listener_url, profiles_section, supervisor_section
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -144,7 +146,7 @@ class Supervisor:
         self.monitor: Monitor | None = None
         self.bound: list[tuple[str, int]] = []
         self.admin_bound: list[tuple[str, int]] = []
-        self.reloads: list[dict[str, object]] = []
+        self.reloads: list[ReloadReport] = []
         # Configured role changes a reload could not apply because the engine was pinned:
         # `unpin` applies them (the newest per engine).
         self.deferred_roles: dict[str, Role] = {}
@@ -159,12 +161,12 @@ class Supervisor:
     @property
     def url(self) -> str:
         """The client listener's first address."""
-        return _url(self.bound[0])
+        return listener_url(self.bound[0])
 
     @property
     def admin_url(self) -> str:
         """The admin listener's first address (/narwhal/state, /metrics)."""
-        return _url(self.admin_bound[0])
+        return listener_url(self.admin_bound[0])
 
     def request_shutdown(self) -> None:
         """First call: graceful drain. Second call: skip what is left of the grace."""
@@ -209,10 +211,10 @@ class Supervisor:
         self.monitor = monitor
         ctx.state_providers.extend(
             [
-                ("supervisor", self._state),
+                ("supervisor", partial(supervisor_section, self)),
                 ("recovery", recovery.state),
                 ("monitor", monitor.state),
-                ("profiles", self._profiles_state),
+                ("profiles", partial(profiles_section, self)),
             ]
         )
         self._m_reloads = Counter(
@@ -409,7 +411,7 @@ class Supervisor:
         return result
 
     def _record_reload(self, result: ReloadResult) -> None:
-        self.reloads = [*self.reloads[-9:], result.to_json()]
+        self.reloads = [*self.reloads[-9:], result.report()]
         if self._m_reloads is not None:
             self._m_reloads.labels("applied" if result.applied else "rejected").inc()
 
@@ -519,45 +521,6 @@ class Supervisor:
         install_profiles(ctx, profiles, config)
         self.profile_problems = problems
 
-    def _profiles_state(self) -> dict[str, object]:
-        ctx = self.ctx
-        source = None if ctx is None else ctx.profiles
-        usable: list[str] = []
-        corrections: dict[str, float] = {}
-        # Each engine's own request cap, which bounds the controller's decode projection
-        # (None: the profile does not know it).
-        caps: dict[str, int | None] = {}
-        # Fits that miss their own measurements (`narwhal.profiles.POOR_FIT_RESIDUAL_P90`):
-        # used all the same, and logged when a load first finds them; here for whoever
-        # reads the state.
-        poor: list[dict[str, object]] = []
-        if isinstance(source, FleetProfiles):
-            usable = sorted(source.check.usable)
-            for engine_id in usable:
-                profile = source.profile(engine_id)
-                caps[engine_id] = (profile.max_num_seqs or None) if profile is not None else None
-            poor = [
-                {
-                    "engine": fit.engine,
-                    "phase": fit.phase,
-                    "residual_p90": round(fit.residual_p90, 4),
-                    "points": fit.points,
-                }
-                for fit in source.poor_fits()
-            ]
-        if ctx is not None and source is not None:
-            corrections = {e.id: round(source.decode_correction(e.id), 4) for e in ctx.fleet}
-        return {
-            "path": self.config.profiles.path,
-            "loaded": source is not None,
-            "source": "injected" if self.injected_profiles is not None else "profiles.path",
-            "usable_engines": usable,
-            "problems": self.profile_problems,
-            "decode_correction": corrections,
-            "max_num_seqs": caps,
-            "poor_fits": poor,
-        }
-
     async def _recheck_profile_build(self, engine: EngineState) -> None:
         """Recovery's `before_release`: `recheck_profile_build`, whose problems the
         state's `profiles.problems` lists with the last load's until the next load."""
@@ -609,33 +572,14 @@ class Supervisor:
         if ctx.degraded_reason is not None:
             text += f"; degraded: {ctx.degraded_reason}"
         last = self.reloads[-1] if self.reloads else None
-        if last is not None and not last["applied"]:
+        if last is not None and not last.applied:
             # A SIGHUP (`kill -HUP`) cannot report a rejection to whoever sent it:
             # `systemctl status` shows it whichever way the reload came.
-            errors = last["errors"]
-            count = len(errors) if isinstance(errors, list) else 0
-            text += f"; last reload rejected ({count} problem(s), see the journal)"
+            text += f"; last reload rejected ({len(last.errors)} problem(s), see the journal)"
         return text
 
     def _degraded_changed(self, reason: str | None) -> None:
         self.notifier.status(self._status_line())
-
-    def _state(self) -> dict[str, object]:
-        ctx = self.ctx
-        return {
-            "listen": [_url(address) for address in self.bound],
-            "admin": [_url(address) for address in self.admin_bound],
-            "ctl_socket": self.config.ctl.socket if self.serve_ctl else None,
-            "config_path": self.config_path,
-            "stopping": self.stopping,
-            "retiring_engines": [
-                {"id": e.id, "resident": e.resident_work}
-                for e in (ctx.fleet.retiring if ctx is not None else [])
-            ],
-            "reloads": self.reloads,
-            "notify": {"socket": self.notifier.address, "sent": self.notifier.sent[-5:]},
-            "loop": ctx.loop_lag.state() if ctx is not None else None,
-        }
 
 
 def listen_refusal(section: str, host: str, port: int, exc: OSError) -> str:
@@ -652,11 +596,6 @@ def open_admin_warning(config: Config) -> str | None:
         f"the admin listener on {admin.host}:{admin.port} asks no token: whoever reaches it "
         "reads every engine's url and the requests in flight; set admin.token_file"
     )
-
-
-def _url(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from narwhal._records import to_json
 from narwhal.cli import ctl
 from narwhal.config import diff, load_config
 from narwhal.supervisor._reload import ReloadResult
@@ -106,7 +107,7 @@ def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() 
     )
     result = ReloadResult(True, "/etc/narwhal/narwhal.json", plan=diff(running, new))
     # It read "reloaded ...: 2 change(s)" though nothing was applied.
-    assert ctl._human("reload", result.to_json()).splitlines() == [
+    assert ctl._human("reload", to_json(result.report())).splitlines() == [
         "reloaded /etc/narwhal/narwhal.json: 0 change(s) applied, 2 need a restart",
         "  listen.port: 8000 -> 9000 (needs a restart; the running value stays in force)",
         "  controller.enabled: true -> false (needs a restart; the running value stays in force)",
@@ -115,7 +116,7 @@ def test_a_reload_counts_applied_changes_apart_from_those_that_need_a_restart() 
         {"engines": [{"id": "a", "url": "http://127.0.0.1:9"}], "slo": {"ttft_s": 1.0}}
     )
     result = ReloadResult(True, "n.json", plan=diff(running, applied))
-    assert ctl._human("reload", result.to_json()).splitlines() == [
+    assert ctl._human("reload", to_json(result.report())).splitlines() == [
         "reloaded n.json: 1 change(s) applied",
         "  slo.ttft_s: 0.5 -> 1.0",
     ]

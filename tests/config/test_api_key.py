@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 import trio
 
+from narwhal._records import to_json
 from narwhal.config import ConfigError, config_to_dict, diff, load_config, load_config_file
 
 from ..support import fifo
@@ -187,7 +188,7 @@ def test_a_rotated_key_is_a_redacted_reload_change(tmp_path: pathlib.Path) -> No
     ]
     assert plan.engines_reconfigured == ("e0", "e1")
     assert plan.engines_replaced == ()
-    rendered = json.dumps(plan.to_json())
+    rendered = json.dumps(to_json(plan.report()))
     assert "old-key" not in rendered
     assert "new-key" not in rendered
     assert diff(new, load_config(document(engine={"api_key_file": path}))).empty
@@ -201,7 +202,7 @@ def test_adding_a_key_file_is_a_change_too(tmp_path: pathlib.Path) -> None:
         'engines[e1].api_key: null -> "<redacted>"',
     ]
     assert [(c.path, c.new) for c in plan.changes[2:]] == [("engine.api_key_file", path)]
-    assert KEY not in json.dumps(plan.to_json())
+    assert KEY not in json.dumps(to_json(plan.report()))
 
 
 def _validate(tmp_path: pathlib.Path, key_path: str) -> subprocess.CompletedProcess[str]:

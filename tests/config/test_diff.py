@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from narwhal._records import to_json
 from narwhal.config import RESTART_REQUIRED, Config, diff, keep_running, load_config
 
 
@@ -96,7 +97,9 @@ def test_engines_added_removed_replaced_reconfigured_by_id() -> None:
         'engines[d0].url: "http://127.0.0.1:9002" -> "http://127.0.0.1:9012"',
         "engines[d1].decode_concurrency: null -> 8",
     ]
-    assert plan.to_json()["role_changes"] == [{"engine": "p0", "from": "prefill", "to": "decode"}]
+    assert to_json(plan.report())["role_changes"] == [
+        {"engine": "p0", "from": "prefill", "to": "decode"}
+    ]
 
 
 def test_long_values_are_shortened_in_summaries() -> None:

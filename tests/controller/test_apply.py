@@ -9,8 +9,17 @@ import math
 import attrs
 import pytest
 
+from narwhal._records import to_json
 from narwhal.config import Config, EngineSpec
-from narwhal.controller import FlipHistory, Move, MoveRejected, apply_move, decide, flip_record
+from narwhal.controller import (
+    FlipHistory,
+    Move,
+    MoveRejected,
+    apply_move,
+    decide,
+    flip_entry,
+    flip_record,
+)
 from narwhal.controller._decide import Decision
 from narwhal.fleet import EngineState, Fleet
 from narwhal.placement import Placement, choose
@@ -174,7 +183,7 @@ def test_flip_history_is_bounded_by_controller_flip_history() -> None:
 
 def test_flip_record_serialises_plainly() -> None:
     record = flip_record(d2p_decision(), resident_streams=2, applied=False)
-    out = record.as_dict()
+    out = to_json(flip_entry(record))
     assert out["from"] == "decode"
     assert out["to"] == "prefill"
     assert out["applied"] is False

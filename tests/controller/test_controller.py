@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal._records import to_json
 from narwhal.config import Config, EngineSpec
 from narwhal.controller import Controller, Profile, prefill_work_s
 from narwhal.fleet import EngineState, Fleet
@@ -95,7 +96,7 @@ async def test_advisory_controller_keeps_roles_and_records_the_proposal(
     (record,) = list(ctl.history)
     assert not record.applied
     assert ctl.counters.proposals[("p2d", "scheduled")] == 1
-    section = ctl.state_section()
+    section = to_json(ctl.state_section())
     assert section["advisory"] is True
     assert section["result"] == "advisory"
     assert section["split"] == {
@@ -206,12 +207,12 @@ def test_state_stops_reporting_a_floor_breach_at_the_pass_after_it_ends() -> Non
     for engine_id in ("d0", "d1"):
         get(fleet, engine_id).operator_drain()
     ctl.step(104.0)
-    section = ctl.state_section()
+    section = to_json(ctl.state_section())
     assert (section["caller"], section["result"]) == ("floor-recovery", "breach")
     for engine_id in ("d0", "d1"):
         get(fleet, engine_id).operator_undrain()
     ctl.step(108.0)
-    section = ctl.state_section()
+    section = to_json(ctl.state_section())
     assert section["result"] != "breach"
     floors = section["floors"]
     assert isinstance(floors, dict)
@@ -230,7 +231,7 @@ def test_state_section_exposes_every_manual_field() -> None:
     get(fleet, "d0").operator_drain()
     offer(ctl, PREFILL_HEAVY, 0.0, 100.0)
     ctl.step(100.0)
-    section = ctl.state_section()
+    section = to_json(ctl.state_section())
     json.dumps(section, allow_nan=False)  # plain JSON: no inf/nan
     for key in (
         "enabled",
@@ -415,14 +416,14 @@ def test_snapshots_carry_the_routers_decode_slots_and_the_state_shows_them() -> 
     assert [e.decode_slots for e in ctl.snapshot(1.0).engines] == [8, 8, 8, 4]
     offer(ctl, DECODE_URGENT, 0.0, 100.0)
     ctl.step(100.0)
-    loads = ctl.state_section()["loads"]
+    loads = to_json(ctl.state_section())["loads"]
     assert isinstance(loads, dict)
     assert loads["decode_slots_per_engine"] == 7.0
     # Without serving.decode_concurrency nothing bounds the batch, and the state says so.
     _, _, free = setup("PPDD")
     offer(free, DECODE_URGENT, 0.0, 100.0)
     free.step(100.0)
-    loads = free.state_section()["loads"]
+    loads = to_json(free.state_section())["loads"]
     assert isinstance(loads, dict)
     assert loads["decode_slots_per_engine"] is None
 
@@ -484,7 +485,7 @@ def test_disabled_controller_does_nothing() -> None:
     offer(ctl, DECODE_URGENT, 0.0, 100.0)
     assert ctl.step(100.0) is None
     assert [e.role for e in fleet] == ["prefill"] * 4 + ["decode"] * 4
-    assert ctl.state_section() == {
+    assert to_json(ctl.state_section()) == {
         "enabled": False,
         "advisory": False,
         "flips": {"total": 0, "retained": 0, "limit": 1000, "history": []},
@@ -545,7 +546,7 @@ async def test_an_sglang_fleet_keeps_its_launch_roles_and_says_why(
     )
     assert [e.role for e in fleet] == ["prefill"] * 4 + ["decode"] * 4
     assert not list(ctl.history)
-    section = ctl.state_section()
+    section = to_json(ctl.state_section())
     assert section["gate"] == "fixed_role"
     assert section["result"] == "blocked"
     assert all(not e.movable for e in ctl.snapshot(201.0).engines)

@@ -1,17 +1,22 @@
 """docs/observability.md against a running Narwhal and the source: the state document's
-keys, the metric families, the log events."""
+keys (as its records convert, and as a live daemon shows them), the metric families, the
+log events."""
 
 from __future__ import annotations
 
 import ast
 import textwrap
+import typing
 from typing import Any
 
+import attrs
 import httpx
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from narwhal.serving import state_document
+from narwhal._records import json_fields
+from narwhal.serving import StateDocument, state_document
+from narwhal.supervisor import STATE_SECTIONS
 
 from ..serving import test_predictive as predictive
 from ..serving.conftest import MODEL, Stack, StartStack
@@ -72,12 +77,38 @@ def _live_keys(document: dict[str, Any]) -> set[str]:
     return keys
 
 
+def _documented_keys() -> set[str]:
+    return {code_spans(row["Key"])[0] for row in _rows("Key")}
+
+
+def _record_keys() -> set[str]:
+    """The keys the state's records convert to, as `_live_keys` reads a document: every
+    section (the serving ones, then those the supervisor adds) and its fields."""
+    sections = {**json_fields(StateDocument), **STATE_SECTIONS}
+    keys: set[str] = set()
+    for key, hint in sections.items():
+        keys.add(key)
+        if typing.get_origin(hint) is tuple:
+            (element, _) = typing.get_args(hint)
+            keys.update(f"{key}[].{child}" for child in json_fields(element))
+        elif isinstance(hint, type) and attrs.has(hint):
+            keys.update(f"{key}.{child}" for child in json_fields(hint))
+    return keys
+
+
+def test_the_state_schema_names_every_key_of_the_state_records_and_no_other() -> None:
+    records, documented = _record_keys(), _documented_keys()
+    assert not records - documented, f"in the records, not in docs/{PAGE}: {records - documented}"
+    assert not documented - records, f"in docs/{PAGE}, not in the records: {documented - records}"
+
+
 async def test_the_state_schema_names_every_key_of_a_live_state_and_no_other(
     start_stack: StartStack,
 ) -> None:
     stack = await _busy_stack(start_stack)
+    assert [key for key, _ in stack.ctx.state_providers] == list(STATE_SECTIONS)
     live = _live_keys(await stack.state())
-    documented = {code_spans(row["Key"])[0] for row in _rows("Key")}
+    documented = _documented_keys()
     assert not live - documented, f"in /narwhal/state, not in docs/{PAGE}: {live - documented}"
     assert not documented - live, f"in docs/{PAGE}, not in /narwhal/state: {documented - live}"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from narwhal._records import to_json
 from narwhal.cli import ctl
 from narwhal.supervisor._operations import proposals_view
 
@@ -27,8 +28,8 @@ def test_a_proposal_is_shown_at_the_wall_clock_time_it_was_made() -> None:
     _, _, controller = setup("PPDD", advisory=True)
     offer(controller, PREFILL_HEAVY, 0.0, 200.0)
     assert controller.step(200.0) is not None
-    view = proposals_view(
-        controller.state_section(), monotonic_now=MONOTONIC_NOW, wall_now=WALL_NOW
+    view = to_json(
+        proposals_view(controller.state_section(), monotonic_now=MONOTONIC_NOW, wall_now=WALL_NOW)
     )
     proposals = view["proposals"]
     assert isinstance(proposals, list)
@@ -46,7 +47,7 @@ def test_a_proposal_is_shown_at_the_wall_clock_time_it_was_made() -> None:
 
 
 def test_without_a_controller_nothing_is_proposed() -> None:
-    view = proposals_view(None, monotonic_now=MONOTONIC_NOW, wall_now=WALL_NOW)
+    view = to_json(proposals_view(None, monotonic_now=MONOTONIC_NOW, wall_now=WALL_NOW))
     assert ctl._human("proposals", view) == (
         "role control is off (controller.enabled is false): nothing is proposed"
     )

@@ -9,10 +9,11 @@ import attrs
 import pytest
 import trio
 
+from narwhal._records import to_json
 from narwhal.config import Config
 from narwhal.profiles import FleetProfiles, load_profiles, save_profiles
 from narwhal.serving import ServingContext
-from narwhal.supervisor import Supervisor
+from narwhal.supervisor import Supervisor, profiles_section
 from narwhal.supervisor._control import (
     install_profiles,
     load_fleet_profiles,
@@ -133,7 +134,7 @@ async def test_a_profile_dropped_after_a_restart_is_listed_in_the_state(
     e1 = supervisor.ctx.fleet.get("e1")
     assert e1 is not None
     await supervisor._recheck_profile_build(e1)
-    problems = supervisor._profiles_state()["problems"]
+    problems = to_json(profiles_section(supervisor))["problems"]
     assert isinstance(problems, list)
     assert problems[0] == "a problem of the last load"
     assert [p.startswith("engine 'e1': build is ") for p in problems[1:]] == [True]
@@ -181,6 +182,6 @@ async def test_a_poor_fit_is_used_and_logged_at_load(
     supervisor = Supervisor(config)
     supervisor.ctx = ServingContext(config)
     install_profiles(supervisor.ctx, profiles, config)
-    assert supervisor._profiles_state()["poor_fits"] == [
+    assert to_json(profiles_section(supervisor))["poor_fits"] == [
         {"engine": "e1", "phase": "decode", "residual_p90": 0.31, "points": 8}
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal._records import to_json
 from narwhal.config import Health
 from narwhal.recovery import (
     HealthTracker,
@@ -62,7 +63,7 @@ def test_one_good_probe_verifies_when_no_other_engine_takes_the_work() -> None:
         "1 good probe of recovery.health.readmit_successes=2, enough while no other engine "
         "in placement takes decode work; verifying before readmission"
     )
-    assert health.snapshot()["readmit_shortcuts_total"] == 1
+    assert health.snapshot().readmit_shortcuts_total == 1
     # A failed verification ejects it again; the next readmission is judged afresh.
     health.verify_failed("decode leg on d0 returned HTTP 500")
     assert health.probe_ok(CFG) is None
@@ -143,7 +144,7 @@ def test_coming_back_as_the_same_instance_is_no_restart() -> None:
     assert tracker.observe(True, first) is None
     assert tracker.observe(False, None) is None
     assert tracker.observe(True, first) is None
-    assert tracker.snapshot()["unreachable"] is False
+    assert tracker.snapshot().unreachable is False
     # Without an instance id (stock engines name only their version), or without an
     # answer on /version, coming back is all there is to go by.
     assert tracker.observe(False, None) is None
@@ -171,9 +172,9 @@ def test_a_new_process_start_time_is_a_restart() -> None:
     assert tracker.observe_metrics(1700000042.5, None) is None
     # A restart seen another way: the next value is the new process's, not a second one.
     tracker.new_instance()
-    assert tracker.snapshot()["process_start_time_seconds"] is None
+    assert tracker.snapshot().process_start_time_seconds is None
     assert tracker.observe_metrics(1700000099.0, None) is None
-    assert tracker.snapshot()["process_start_time_seconds"] == 1700000099.0
+    assert tracker.snapshot().process_start_time_seconds == 1700000099.0
 
 
 def test_a_prompt_token_counter_going_backwards_is_a_restart() -> None:
@@ -189,7 +190,7 @@ def test_a_prompt_token_counter_going_backwards_is_a_restart() -> None:
     assert tracker.observe_metrics(None, [(r0, 12.0), (r1, 10.0)]) == (
         'prompt_tokens_total{engine="0"} went backwards (950 -> 12)'
     )
-    assert tracker.snapshot()["prompt_tokens_total"] == 22.0
+    assert tracker.snapshot().prompt_tokens_total == 22.0
     # With both signals, the start time names the restart.
     assert tracker.observe_metrics(5.0, [(r0, 40.0)]) is None
     assert tracker.observe_metrics(6.0, [(r0, 0.0)]) == (
@@ -247,12 +248,12 @@ def test_a_cut_hold_verifies_at_once_and_a_new_restart_waits_again() -> None:
     assert hold.waiting(11.0)
     hold.cut(11.0, "cut short")
     assert (hold.waiting(11.0), hold.active, hold.verify_after) == (False, True, 11.0)
-    assert hold.snapshot(11.0)["cut_short"] == "cut short"
+    assert hold.snapshot(11.0).cut_short == "cut short"
     hold.start(12.0, "y", 5.0)  # a second restart restarts the clock, uncut
     assert (hold.waiting(12.0), hold.cut_reason, hold.cuts_total) == (True, None, 1)
     hold.cut(12.0, "cut short again")
     assert hold.clear()
-    assert hold.snapshot(12.0) == {
+    assert to_json(hold.snapshot(12.0)) == {
         "active": False,
         "reason": None,
         "verify_in_s": None,

@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal._records import to_json
 from narwhal.config import Config, Secret
 from narwhal.ctl import CtlRequest
 from narwhal.fleet import EngineState, Role, key_refused, model_refused
@@ -101,9 +102,7 @@ async def start(
 
 def changes(rig: Rig, kind: str) -> list[tuple[str, str | None, str, str]]:
     return [
-        (str(c["engine"]), c["phase"], str(c["from"]), str(c["to"]))  # type: ignore[misc]
-        for c in rig.recovery.recent_changes
-        if c["kind"] == kind
+        (c.engine, c.phase, c.old, c.new) for c in rig.recovery.recent_changes if c.kind == kind
     ]
 
 
@@ -221,15 +220,15 @@ async def test_readmission_needs_one_good_probe_and_a_verification_when_no_other
         "1 good probe of recovery.health.readmit_successes=2, enough while no other engine "
         "in placement takes decode work; verifying before readmission"
     )
-    (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
-    assert entry["reason"] == reason
+    (entry,) = [c for c in rig.recovery.recent_changes if c.new == "verifying"]
+    assert entry.reason == reason
     (logged,) = [
         r
         for r in caplog.records
         if getattr(r, "event", None) == "verdict" and r.__dict__["to"] == "verifying"
     ]
     assert logged.getMessage() == f"health d0: ejected -> verifying: {reason}"
-    engines: Any = rig.recovery.state()["engines"]
+    engines: Any = to_json(rig.recovery.state())["engines"]
     assert engines["d0"]["health"]["readmit_shortcuts_total"] == 1
     assert engines["p0"]["health"]["readmit_shortcuts_total"] == 0
 
@@ -363,7 +362,7 @@ async def test_the_verification_backoff_is_cut_to_a_probe_interval_while_the_rol
     )
     health = state_of(rig, "d0")["health"]
     assert (health["failed_verifications"], health["verify_in_s"]) == (8, 0.6)
-    verifying = [c["reason"] for c in rig.recovery.recent_changes if c["to"] == "verifying"]
+    verifying = [c.reason for c in rig.recovery.recent_changes if c.new == "verifying"]
     assert verifying[-1] == (
         "1 good probe of recovery.health.readmit_successes=2, enough while no other engine "
         "in placement takes decode work; 7 verifications failed in a row, so it would wait "
@@ -415,7 +414,7 @@ async def test_a_verification_that_fails_once_is_sent_again_and_the_second_pair_
     record = rig.recovery.record("d0")
     assert record is not None
     assert record.last_verification is not None
-    assert record.last_verification["outcome"] == "ok"
+    assert record.last_verification.outcome == "ok"
     registry = rig.ctx.metrics.registry
     counts = {
         outcome: registry.get_sample_value(
@@ -472,7 +471,7 @@ async def test_an_engine_down_at_startup_is_kept_probed_held_and_readmitted(
 
 
 def state_of(rig: Rig, engine_id: str) -> Any:
-    engines: Any = rig.recovery.state()["engines"]
+    engines: Any = to_json(rig.recovery.state())["engines"]
     return engines[engine_id]
 
 
@@ -519,8 +518,8 @@ async def test_a_restart_hold_ends_at_the_first_good_probe_when_no_other_engine_
     assert [v.at - rig.t0 for v in prober.verifications] == [4.0, 4.0, 5.0]
     assert released == [("restart hold", 5.0)]
     assert rig.reason("d0") is None
-    (release,) = [c for c in rig.recovery.recent_changes if c["to"] == "released"]
-    assert release["reason"] == f"verification passed; the hold was {CUT_1P1D}"
+    (release,) = [c for c in rig.recovery.recent_changes if c.new == "released"]
+    assert release.reason == f"verification passed; the hold was {CUT_1P1D}"
     hold = state_of(rig, "d0")["hold"]
     assert (hold["holds_total"], hold["cut_short_total"], hold["cut_short"]) == (1, 1, None)
 
@@ -543,8 +542,8 @@ async def test_a_restart_hold_is_cut_short_at_once_when_its_role_empties_during_
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [3.5]
     assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [3.0, 3.5]
     assert rig.reason("d0") is None
-    (release,) = [c for c in rig.recovery.recent_changes if c["to"] == "released"]
-    assert release["reason"] == (
+    (release,) = [c for c in rig.recovery.recent_changes if c.new == "released"]
+    assert release.reason == (
         "verification passed; the hold was cut short 3.5 s before recovery.restart_hold_s=5.0 "
         "ran out, at a good probe, while no other engine in placement takes decode work"
     )
@@ -1056,7 +1055,7 @@ def verified(rig: Rig, engine_id: str) -> tuple[list[float], dict[str, object]]:
     assert record is not None
     assert record.last_verification is not None
     times = [v.at - rig.t0 for v in rig.prober.verifications if v.subject == engine_id]
-    return times, record.last_verification
+    return times, to_json(record.last_verification)
 
 
 def health_changes(rig: Rig, engine_id: str) -> list[tuple[str, str]]:
@@ -1320,7 +1319,7 @@ async def test_a_refused_key_is_checked_with_each_good_probe_until_it_is_accepte
     assert rig.reason("d0") == f"auth refused: {AUTH_REFUSED}"
     record = rig.recovery.record("d0")
     assert record is not None
-    assert record.snapshot(trio.current_time())["auth"] == {
+    assert to_json(record.snapshot(trio.current_time()))["auth"] == {
         "refused": AUTH_REFUSED,
         "last_check": {"outcome": "refused", "detail": KEY_REFUSED.detail, "age_s": 0.5},
     }
@@ -1428,7 +1427,7 @@ async def test_a_readmission_verification_refused_for_the_key_waits_for_the_key_
     assert record is not None
     assert record.hold.active
     assert record.last_verification is not None
-    assert record.last_verification["outcome"] == "refused"
+    assert record.last_verification.outcome == "refused"
     await rig.at(4.5)
     # Not verified again while the key is refused; its key is checked instead.
     assert len(rig.prober.verifications) == 1
@@ -1527,7 +1526,7 @@ async def test_a_refused_identity_check_takes_the_engine_out_unless_the_key_chec
     assert [at - rig.t0 for _, at in rig.prober.key_checks] == [1.0, 2.0, 3.0]
     record = rig.recovery.record("d0")
     assert record is not None
-    health = record.snapshot(trio.current_time())["health"]
+    health = to_json(record.snapshot(trio.current_time()))["health"]
     assert isinstance(health, dict)
     assert health["last_probe"]["detail"] == detail
     assert record.identity.identity == HEALTHY.identity  # the last one seen
@@ -1607,8 +1606,8 @@ async def test_a_decode_engine_whose_transfers_fail_while_its_peers_work_is_coun
     transfer_failed(rig, "p1", "d1", reporter="d1")
     transfer_failed(rig, "p0", "d1", reporter="d1")
     assert rig.breaker("d1", "decode") is BreakerState.OPEN
-    (counted, *_) = [c for c in rig.recovery.recent_changes if c["kind"] == "quarantine"]
-    assert counted["engine"] == "d1"
+    (counted, *_) = [c for c in rig.recovery.recent_changes if c.kind == "quarantine"]
+    assert counted.engine == "d1"
     # The prefill servers failed only the pairs with d1, as much as each other: neither
     # is counted, nor is d0.
     for engine_id in ("p0", "p1", "d0"):
@@ -1871,8 +1870,8 @@ async def test_a_latency_ejected_engine_s_good_probes_count_once_its_role_is_emp
     assert [at - rig.t0 for e, at in rig.prober.probes if e == "d0"][-2:] == [1.0, 1.5]
     assert [v.at - rig.t0 for v in rig.prober.verifications] == [1.5]
     assert rig.reason("d0") is None
-    (entry,) = [c for c in rig.recovery.recent_changes if c["to"] == "verifying"]
-    assert entry["reason"] == (
+    (entry,) = [c for c in rig.recovery.recent_changes if c.new == "verifying"]
+    assert entry.reason == (
         "1 good probe of recovery.health.readmit_successes=2, enough while no other engine in "
         "placement takes decode work; counted 28.5 s before its latency ejection's "
         "recovery.health.window_s=30.0 ran out: slow beats refusing all decode work; "
@@ -2115,8 +2114,8 @@ async def test_a_verification_timing_out_while_the_router_is_starved_is_inconclu
     record = rig.recovery.record("d0")
     assert record is not None
     assert record.last_verification is not None
-    assert record.last_verification["outcome"] == "inconclusive"
-    assert "router overload, not held against the engine" in str(record.last_verification["detail"])
+    assert record.last_verification.outcome == "inconclusive"
+    assert "router overload, not held against the engine" in str(record.last_verification.detail)
     assert changes(rig, "health") == [
         ("d0", None, "up", "ejected"),
         ("d0", None, "ejected", "verifying"),
@@ -2360,7 +2359,7 @@ async def test_passes_that_take_no_scrape_failure_are_inconclusive(
     await rig.at(10.5)
     # An inconclusive pass since: the state still says which failures degraded it (its
     # last pass's own list is empty, and that alone read as no failure at all).
-    state = monitor.state()
+    state = to_json(monitor.state())
     assert state["last_pass"]["result"] == "inconclusive"  # type: ignore[index]
     assert state["last_pass"]["failures"] == []  # type: ignore[index]
     assert state["last_failed_pass"] == {
@@ -2382,7 +2381,7 @@ async def test_a_removed_engine_s_scrape_in_flight_is_forgotten(
         rig.ctx.fleet.retire("d0")
         await rig.at(6.5)  # its scrape ran out at +5, unseen
     assert [e.id for e in passes[-1].engines] == ["p0"]
-    assert monitor.state()["last_pass"]["failures"] == []  # type: ignore[index]
+    assert to_json(monitor.state())["last_pass"]["failures"] == []  # type: ignore[index]
     assert "d0" not in monitor.unscraped
     assert not [r for r in caplog.records if r.__dict__.get("event") == "scrape"]
     assert [at for engine_id, at in rig.prober.scrapes if engine_id == "d0"] == [0]

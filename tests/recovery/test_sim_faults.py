@@ -96,7 +96,7 @@ def verification_legs(stack: Stack, index: int) -> list[tuple[str, str]]:
 
 def transitions(stack: Stack, engine_id: str, kind: str) -> list[tuple[Any, Any]]:
     changes = stack.supervisor.recovery.recent_changes  # type: ignore[union-attr]
-    return [(c["from"], c["to"]) for c in changes if c["engine"] == engine_id and c["kind"] == kind]
+    return [(c.old, c.new) for c in changes if c.engine == engine_id and c.kind == kind]
 
 
 async def test_unhealthy_engine_is_ejected_then_readmitted_after_a_verification_pair(
@@ -116,9 +116,9 @@ async def test_unhealthy_engine_is_ejected_then_readmitted_after_a_verification_
     stack.fleet[1].clear_faults()
     await wait_for(lambda: available(stack, "d1"))
     last = recovery(stack, "d1").last_verification
-    assert last["purpose"] == "readmission"
-    assert last["outcome"] == "ok"
-    assert last["detail"] == "prefill on p0, decode on d1 completed"
+    assert last.purpose == "readmission"
+    assert last.outcome == "ok"
+    assert last.detail == "prefill on p0, decode on d1 completed"
     # The pair really ran: a prefill leg on p0 and a decode leg (pulling p0's KV) on d1.
     assert ("prefill", "ok") in verification_legs(stack, 0)
     assert verification_legs(stack, 1) == [("decode", "ok")]
@@ -161,7 +161,7 @@ async def test_an_engine_back_as_the_same_instance_is_readmitted_without_a_hold(
     await wait_for(lambda: available(stack, "d2"))
     assert recovery(stack, "d2").hold.holds_total == 0
     assert transitions(stack, "d2", "hold") == []
-    assert recovery(stack, "d2").last_verification["outcome"] == "ok"
+    assert recovery(stack, "d2").last_verification.outcome == "ok"
     assert (await post(stack)).status_code == 200
 
 
@@ -177,7 +177,7 @@ async def test_restarted_engine_is_held_until_verified(start_stack: StartStack) 
         ("identity changed (instance_id ", "answered again", "process_start_time_seconds changed")
     )
     await wait_for(lambda: available(stack, "d1"))
-    assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert recovery(stack, "d1").last_verification.outcome == "ok"
     assert (await post(stack, {"stream": True})).status_code == 200
 
 
@@ -201,7 +201,7 @@ async def test_a_quick_restart_of_a_stock_vllm_is_seen_on_its_metrics(
         f"process_start_time_seconds changed ({before!r} -> {after!r})"
     )
     await wait_for(lambda: available(stack, "d1"))
-    assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert recovery(stack, "d1").last_verification.outcome == "ok"
     assert recovery(stack, "d1").hold.holds_total == 1
     assert (await post(stack, {"stream": True})).status_code == 200
 
@@ -278,7 +278,7 @@ async def test_decode_failures_open_the_decode_breaker_only_and_verification_clo
     await wait_for(lambda: recovery(stack, "d1").breakers["decode"].opened_total >= 2)
     stack.fleet[1].clear_faults()
     await wait_for(lambda: available(stack, "d1"))
-    assert recovery(stack, "d1").last_verification["outcome"] == "ok"
+    assert recovery(stack, "d1").last_verification.outcome == "ok"
     assert (await post(stack, {"stream": True})).status_code == 200
     async with httpx.AsyncClient() as client:
         metrics = (await client.get(f"{stack.admin_url}/metrics")).text
@@ -334,7 +334,7 @@ async def test_sglang_prefill_breaker_opens_and_closes_through_a_paired_verifica
     assert recovery(stack, "d1").breakers["decode"].failures_in_window(trio.current_time()) == 0
     await wait_for(lambda: available(stack, "p0"))
     verification = recovery(stack, "p0").last_verification
-    assert verification["detail"] == "prefill on p0, decode on d1 completed"
+    assert verification.detail == "prefill on p0, decode on d1 completed"
     assert verification_legs(stack, 0) == [("prefill", "ok")]
     assert verification_legs(stack, 1) == [("decode", "ok")]
     assert (await post(stack, {"stream": True})).status_code == 200
@@ -357,11 +357,11 @@ async def test_an_sglang_fleet_down_at_startup_is_readmitted_through_real_pairs(
     # The first one readmitted had its partner on standby; the other may have found it
     # back in service by then.
     last = [recovery(stack, engine_id).last_verification for engine_id in ("p0", "d1")]
-    assert any(v["standby"] for v in last)
+    assert any(v.standby for v in last)
     for verification in last:
-        assert verification["detail"] == (
+        assert verification.detail == (
             "prefill on p0, decode on d1"
-            + (" (standby partner: itself out of service)" if verification["standby"] else "")
+            + (" (standby partner: itself out of service)" if verification.standby else "")
             + " completed"
         )
     assert (await post(stack)).status_code == 200
@@ -393,12 +393,12 @@ async def test_an_sglang_standby_partner_that_fails_its_own_leg_fails_only_itsel
         lambda: (
             verifications("p0", "inconclusive") >= 3
             and verifications("d1", "failed") >= 1
-            and blamed_on_d1.fullmatch(p0.last_verification["detail"]) is not None
+            and blamed_on_d1.fullmatch(p0.last_verification.detail) is not None
         )
     )
     assert verifications("p0", "failed") == 0
-    assert p0.last_verification["partner"] == "d1"
-    assert p0.last_verification["standby"] is True
+    assert p0.last_verification.partner == "d1"
+    assert p0.last_verification.standby is True
     # Never ejected again, so it kept its place in line: verifying, not a new streak.
     assert transitions(stack, "p0", "health") == [("up", "ejected"), ("ejected", "verifying")]
     assert p0.health.ejected_total == 1
@@ -428,8 +428,8 @@ async def test_an_sglang_engine_without_a_partner_is_not_verified_and_stays_out(
     stack.fleet[0].clear_faults()
     await wait_for(lambda: recovery(stack, "p0").last_verification is not None)
     verification = recovery(stack, "p0").last_verification
-    assert verification["outcome"] == "inconclusive"
-    assert verification["detail"].startswith(
+    assert verification.outcome == "inconclusive"
+    assert verification.detail.startswith(
         "skipped: no decode engine answers its health probe to pair with p0 (an sglang "
         "server's role is fixed when it is launched"
     )

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import trio
 
+from narwhal._records import to_json
 from narwhal.config import load_config
 from narwhal.sim import Fleet, serve_fleet
 from narwhal.supervisor import Supervisor
@@ -231,7 +232,8 @@ async def test_a_rotated_key_takes_effect_on_reload_and_never_shows(
     assert (await complete(stack)).status_code == 200
 
     state = await stack.state()
-    shown = json.dumps(state) + caplog.text + json.dumps(supervisor.reloads)
+    reloads = [to_json(reload) for reload in supervisor.reloads]
+    shown = json.dumps(state) + caplog.text + json.dumps(reloads)
     assert "<redacted>" in shown
     assert KEY not in shown
     assert ROTATED not in shown

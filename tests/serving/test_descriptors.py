@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from narwhal._records import to_json
 from narwhal.config import Config, load_config
 from narwhal.serving._descriptors import (
     OTHER_DESCRIPTORS,
@@ -111,7 +112,7 @@ def test_fit_raises_the_soft_limit_of_the_process() -> None:
     budget = limit.limit().fit(_config(engines=2))
     assert limit.set_to == [(5328, 524288)]
     assert (budget.soft, budget.effective, budget.reserve) == (5328, 4096, 1232)
-    assert budget.to_json() == {
+    assert to_json(budget.open_files()) == {
         "soft": 5328,
         "hard": 524288,
         "needed": 5328,
@@ -144,7 +145,7 @@ def test_when_setrlimit_refuses_the_soft_limit_found_is_the_one_fitted() -> None
     assert budget.note == (
         "raising the soft limit to 5328 failed: [Errno 1] Operation not permitted"
     )
-    assert budget.to_json()["hard"] is None
+    assert to_json(budget.open_files())["hard"] is None
     with pytest.raises(
         DescriptorLimitError, match=r"^the soft open-file limit \(RLIMIT_NOFILE\) is 1024: .*"
     ):

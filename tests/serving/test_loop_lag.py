@@ -33,7 +33,7 @@ async def test_the_probe_records_how_long_a_runnable_task_waits_for_the_loop(
         await nursery.start(lag.run)
         await trio.sleep(4 * LAG_PROBE_S + 0.1)
         state = lag.state()
-        assert (state["samples"], state["lag_max_s"]) == (4, 0.0)  # an idle loop
+        assert (state.samples, state.lag_max_s) == (4, 0.0)  # an idle loop
 
         async def cpu_bound() -> None:
             # Holds the loop for 10 ms each time it runs, as a busy router's batch does.
@@ -46,13 +46,13 @@ async def test_the_probe_records_how_long_a_runnable_task_waits_for_the_loop(
         state = lag.state()
         # Each probe waits out the neighbour's turns between its yield and its next run:
         # none, one or two of them, by where trio puts each in its batch.
-        assert isinstance(state["samples"], int)
-        assert state["samples"] >= 40
+        assert isinstance(state.samples, int)
+        assert state.samples >= 40
         samples = list(lag._recent)[4:]
         assert all(s in (0.0, pytest.approx(0.01), pytest.approx(0.02)) for s in samples)
         assert max(samples) >= 0.01
         assert sum(samples) >= 0.01 * len(samples) / 4
-        assert lag_count(registry) == state["samples"]
+        assert lag_count(registry) == state.samples
         nursery.cancel_scope.cancel()
 
 
@@ -70,7 +70,7 @@ async def test_one_long_stall_shows_in_how_late_the_probe_ran(
         assert lag.worst_since(start) == pytest.approx(1.85)  # due at +1.25
         await trio.sleep(1.0)
         assert lag.worst_since(start) == pytest.approx(1.85)
-        assert lag.state()["lag_max_s"] == 0.0  # the histogram measures the yield only
+        assert lag.state().lag_max_s == 0.0  # the histogram measures the yield only
         assert lag.worst_since(trio.current_time()) == 0.0  # nothing since
         nursery.cancel_scope.cancel()
 
@@ -98,10 +98,10 @@ def test_the_state_keeps_only_the_last_minute_of_probes() -> None:
         lag.observe(0.001)
     lag.observe(-0.5)  # a clock read before the deadline is on time, not early
     state = lag.state()
-    assert state["samples"] == LAG_WINDOW
-    assert (state["lag_max_s"], state["lag_p50_s"]) == (0.001, 0.001)
+    assert state.samples == LAG_WINDOW
+    assert (state.lag_max_s, state.lag_p50_s) == (0.001, 0.001)
     assert lag_count(registry) == LAG_WINDOW + 2  # the histogram keeps everything
-    assert LoopLag(CollectorRegistry()).state()["lag_p99_s"] is None
+    assert LoopLag(CollectorRegistry()).state().lag_p99_s is None
 
 
 async def test_a_running_router_reports_loop_lag_and_process_metrics(

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+from narwhal._records import to_json
 from narwhal.config import load_config
 from narwhal.fleet import EngineState
 from narwhal.sim import SimTiming
@@ -233,7 +234,7 @@ async def test_a_prefill_leg_that_shared_its_engine_is_not_judged(
     assert recovery is not None
     record = recovery.record("p0")
     assert record is not None
-    assert record.residuals.snapshot()["samples"] == 0
+    assert record.residuals.snapshot().samples == 0
     # The same slowness on legs that run alone is judged: min_samples of them would eject
     # p0, were it not the only prefill engine (then it is only said).
     with caplog.at_level(logging.WARNING, logger="narwhal.recovery"):
@@ -289,7 +290,7 @@ def residuals(stack: Stack, engine_id: str) -> dict[str, Any]:
     assert recovery is not None
     record = recovery.record(engine_id)
     assert record is not None
-    return record.residuals.snapshot()
+    return to_json(record.residuals.snapshot())
 
 
 async def test_a_decode_engine_slower_than_its_profile_is_ejected_for_latency(
