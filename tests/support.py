@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -289,3 +290,10 @@ def fifo(path: Path, *, unblock_every_s: float = 30.0) -> Iterator[str]:
     finally:
         done.set()
         unblock()
+
+
+def free_port() -> int:
+    """A loopback port free at the time of asking (the caller binds it soon after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

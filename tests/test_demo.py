@@ -15,6 +15,8 @@ import trio
 
 from narwhal.demo import Job, Result, _read_stream
 
+from .support import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -46,8 +48,8 @@ def _demo_config(tmp_path: Path, **changes: object) -> tuple[dict[str, Any], Pat
         engine["url"] = f"http://127.0.0.1:{base + offset}"
     # The demo's profile store names the default ports: admission prices nothing here.
     document["serving"]["admission"] = "open"
-    document["listen"]["port"] = _free_port()
-    document.setdefault("admin", {})["port"] = _free_port()
+    document["listen"]["port"] = free_port()
+    document.setdefault("admin", {})["port"] = free_port()
     # The copy's relative paths would be taken from its own folder: point them back.
     document["profiles"]["path"] = str(REPO / "runs" / "profiles.json")
     document["ctl"]["socket"] = str(tmp_path / "demo.sock")
@@ -57,16 +59,10 @@ def _demo_config(tmp_path: Path, **changes: object) -> tuple[dict[str, Any], Pat
     return document, config
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _free_run(count: int) -> int:
     """The first of `count` consecutive free ports (the demo's fleet needs them)."""
     for _ in range(50):
-        base = _free_port()
+        base = free_port()
         if base + count > 65535:
             continue
         probes = [socket.socket() for _ in range(count)]

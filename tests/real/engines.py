@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from typing import Any
 import attrs
 
 from narwhal.engines._dialects import vllm_decode_body, vllm_prefill_body
+
+from ..support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
@@ -70,12 +71,6 @@ def engine_python() -> Path:
             "(the README's test command does)"
         )
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def build_model(out: Path) -> Path:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import attrs
 
+from ..support import free_port
 from .engines import (
     CONTEXT,
     MODEL_NAME,
@@ -42,7 +43,6 @@ from .engines import (
     Engine,
     EngineSetupError,
     RealFleet,
-    free_port,
 )
 
 NAMES = ("agg", "prefill", "decode")
