@@ -14,6 +14,8 @@
 # admin.host stays 127.0.0.1 (the default) unless Prometheus scrapes from outside: then
 # "0.0.0.0" with admin.token_file set, and publish admin.port (8001) as well.
 # The build context has no .git, so the version is NARWHAL_VERSION (default: 0.0).
+# With the tokenizer extra, so that engine.tokenizer_path (counts and exact cache keys in
+# the router) works in the image as from a clone.
 
 ARG PYTHON=3.12
 
@@ -26,7 +28,7 @@ RUN if [ -n "$NARWHAL_VERSION" ]; then \
         export SETUPTOOLS_SCM_PRETEND_VERSION_FOR_NARWHAL="$NARWHAL_VERSION"; \
     fi \
     && python -m venv /opt/narwhal/.venv \
-    && /opt/narwhal/.venv/bin/pip install --no-cache-dir --disable-pip-version-check .
+    && /opt/narwhal/.venv/bin/pip install --no-cache-dir --disable-pip-version-check '.[tokenizer]'
 
 FROM python:${PYTHON}-slim
 # User narwhal (uid 10001). The same paths as the systemd unit (conf/narwhal.service): /opt/narwhal/.venv,

@@ -1,3 +1,3 @@
-from narwhal.cli.daemon import main
+from narwhal.cli.narwhal import main
 
 raise SystemExit(main())

@@ -1,7 +1,8 @@
 """Reading the files Narwhal is pointed at: regular files only, within a size and a time bound.
 
 Owns `read_file`, the one way Narwhal reads a file: its configuration, the engines' API
-key files, the profile store, narwhal-sim's timing profile.
+key files, the profile store, the model's tokenizer, narwhal-sim's timing profile; and
+`read_bounded`, which gives its failure as the message a setting's problem starts with.
 
 Invariants:
 - Only a regular file is read, opened non-blocking: a FIFO opened to read waits for a
@@ -21,9 +22,12 @@ within 5 s"). Callers name the file, and the setting, before it.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import threading
+
+from ._errors import os_reason
 
 # Local files are read in microseconds; a stalled filesystem is not waited for longer.
 READ_TIMEOUT_S = 5.0
@@ -66,6 +70,25 @@ def read_file(
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def read_bounded(path: str, limit: int) -> tuple[bytes | None, str | None]:
+    """The content of the regular file at `path` if it holds at most `limit` bytes
+    (`read_file`'s bounds), or why not: a message that names the file, for a setting's
+    problem."""
+    shown = json.dumps(path)
+    try:
+        return read_file(path, limit=limit), None
+    except FileNotFoundError:
+        return None, f"{shown}: no such file"
+    except IsADirectoryError:
+        return None, f"{shown}: it is a directory, not a regular file"
+    except FileRefused as exc:
+        return None, f"{shown}: {exc.strerror}"
+    except OSError as exc:
+        return None, f"{shown}: cannot read file: {os_reason(exc)}"
+    except ValueError:
+        return None, f"{shown}: a path cannot contain a NUL character"
 
 
 def _read(path: str | os.PathLike[str], limit: int) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -297,3 +298,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_HANDED_OUT: set[int] = set()
+
+
+def late_port() -> int:
+    """A loopback port free now and below the kernel's ephemeral range, for a server that
+    binds it long after it is chosen (a real engine: tens of seconds). Meanwhile any
+    outgoing connection may take a port of the ephemeral range as its source: CI lost a
+    vLLM fleet so, NIXL's side channel finding its port in use. Never the same twice."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chooser = random.Random()
+    for _ in range(1000):
+        port = chooser.randrange(20000, max(20001, low))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below {low} in 1000 tries")

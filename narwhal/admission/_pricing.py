@@ -59,6 +59,30 @@ class PrefillCurve(Protocol):
     def in_domain(self, n: int) -> bool: ...
 
 
+class PrefillLaw(Protocol):
+    def prefill_s(self, n: int) -> float: ...
+
+
+def cached_prefill_s(curve: PrefillLaw, tokens: int, cached: int) -> float:
+    """Prefill seconds of a `tokens`-token prompt whose first `cached` tokens the engine
+    holds in its prefix cache (docs/design.md#prefix-caching).
+
+    The engine computes only the new tokens, but each of them still attends to the whole
+    prompt, so the work is the curve's at `tokens` less its token-dependent part at
+    `cached`: ``a + b·(n-k) + c·(n²-k²)`` for the quadratic law, plus what the engine
+    still spends on each cached token (``h·k``, `cached_token_s`: it tokenises and
+    hashes the whole prompt). Never below the fixed cost ``prefill_s(0)``, never above
+    the uncached price. A curve without `cached_token_s` (a profile's `PrefillModel` has
+    it) keeps nothing."""
+    full = max(0.0, curve.prefill_s(tokens))
+    if cached <= 0:
+        return full
+    kept = min(cached, tokens)
+    kept_s: float = getattr(curve, "cached_token_s", 0.0)
+    saving = curve.prefill_s(kept) - curve.prefill_s(0) - kept_s * kept
+    return min(full, max(curve.prefill_s(0), full - saving, 0.0))
+
+
 class DecodeCurve(Protocol):
     # Floats: a stream's gaps are judged at the mean load over them.
     def interval_s(self, active: float, kv_tokens: float) -> float: ...
@@ -82,6 +106,21 @@ class Priced:
     # The engine's KV cache size (profile) and the tokens/s it has lately freed.
     kv_capacity_tokens: int | None = None
     kv_release_per_s: float = 0.0
+    # The leading tokens of this request's prompt the engine holds in its prefix cache.
+    cached_tokens: int = 0
+
+    def prefill_s(self, prompt_tokens: int, credit: float = 1.0) -> float:
+        """Seconds to prefill the prompt here on an idle engine, less `credit` times what
+        its cached prefix saves: 1 prices it as it is, 0 as if nothing were cached, and
+        above 1 (cache.affinity, in placement's cost only) favours the cache beyond its
+        worth. inf without a prefill profile."""
+        if self.prefill is None:
+            return math.inf
+        full = max(0.0, self.prefill.prefill_s(prompt_tokens))
+        if not self.cached_tokens or not credit:
+            return full
+        cached = cached_prefill_s(self.prefill, prompt_tokens, self.cached_tokens)
+        return full - credit * (full - cached)
 
     @property
     def decode_tokens(self) -> float:
@@ -183,12 +222,14 @@ def quote_paths(
     prompt_tokens: int,
     handoff_s: float,
     excluded: frozenset[str] = frozenset(),
+    credit: float = 1.0,
 ) -> list[PathQuote]:
     """Every prefill path a request could take now, cheapest first (ties by engine id).
 
     Disaggregated paths go through a prefill-role engine and add the handoff and the
     cheapest decode engine's first step; aggregate paths are "both" engines inside their
-    measured region.
+    measured region. Each engine's prefill is priced with `credit` of what its cached
+    prefix of the prompt saves (`Priced.prefill_s`).
     """
     engines = list(engines)
     decode_side = [
@@ -206,7 +247,7 @@ def quote_paths(
         role = priced.view.role
         if role == "prefill" and side is not None and _usable(priced, excluded, "prefill"):
             assert priced.prefill is not None
-            prefill_s = max(0.0, priced.prefill.prefill_s(prompt_tokens))
+            prefill_s = priced.prefill_s(prompt_tokens, credit)
             own = prefill_s + side.modelled_s
             wait = priced.backlog_s + side.delay_s(priced.backlog_s + prefill_s)
             quotes.append(
@@ -230,9 +271,7 @@ def quote_paths(
             )
             if not in_domain:
                 continue
-            own = max(0.0, priced.prefill.prefill_s(prompt_tokens)) + priced.first_step_s(
-                prompt_tokens
-            )
+            own = priced.prefill_s(prompt_tokens, credit) + priced.first_step_s(prompt_tokens)
             quotes.append(
                 PathQuote(
                     engine=view.id,
@@ -658,6 +697,7 @@ def unstreamed_tokens(view: EngineView, decode: DecodeCurve | None, correction: 
 
 
 _NONE: Mapping[str, float] = MappingProxyType({})
+_NO_TOKENS: Mapping[str, int] = MappingProxyType({})
 
 
 def price_fleet(
@@ -667,9 +707,11 @@ def price_fleet(
     backlog_s: Mapping[str, float] = _NONE,
     first_token_lag_s: Mapping[str, float] = _NONE,
     kv_release_per_s: Mapping[str, float] = _NONE,
+    cached_tokens: Mapping[str, int] = _NO_TOKENS,
 ) -> dict[str, Priced]:
-    """Price each engine from its view, its profile and its load signals (by engine id,
-    read from the books for the engines in the fleet now; absent is none)."""
+    """Price each engine from its view, its profile, its load signals and the prefix of
+    the prompt it holds cached (by engine id, read from the books for the engines in the
+    fleet now; absent is none)."""
     return {
         view.id: Priced(
             view,
@@ -682,6 +724,7 @@ def price_fleet(
             max(view.first_token_wait_s, first_token_lag_s.get(view.id, 0.0)),
             source.kv_capacity_tokens(view.id),
             kv_release_per_s.get(view.id, 0.0),
+            cached_tokens.get(view.id, 0),
         )
         for view in views
     }
@@ -694,23 +737,31 @@ def placement_policy(
     handoff_s: float,
     ttft_budget_s: float,
     tpot_target_s: float,
+    affinity: float = 1.0,
 ) -> Policy:
     """Placement's projected-SLO filters and costs (docs/design.md#placement), from the same prices.
 
     A prefill engine complies when its path's projected TTFT fits the budget; a decode
     engine when its projected interval with this request added fits the TPOT target.
     Costs are the projected seconds themselves, so the cheapest compliant engine wins.
+    A cached prefix takes `affinity` (cache.affinity) times what it saves off an
+    engine's cost, and at most what it saves off its projection: 0 places as if nothing
+    were cached, above 1 trades backlog for cache hits.
     """
     first_step = min(
         (p.first_step_s(prompt_tokens) for p in priced.values() if p.view.role == "decode"),
         default=0.0,
     )
 
+    credit = min(1.0, affinity)
+
     def prefill_seconds(view: EngineView) -> float:
         p = priced[view.id]
-        if p.prefill is None:
-            return math.inf
-        return p.backlog_s + max(0.0, p.prefill.prefill_s(prompt_tokens))
+        return p.backlog_s + p.prefill_s(prompt_tokens, credit)
+
+    def prefill_cost(view: EngineView) -> float:
+        p = priced[view.id]
+        return p.backlog_s + p.prefill_s(prompt_tokens, affinity)
 
     def decode_seconds(view: EngineView) -> float:
         p = priced[view.id]
@@ -727,6 +778,7 @@ def placement_policy(
     return Policy(
         prefill_ok=lambda v: prefill_seconds(v) + handoff_s + first_step <= ttft_budget_s,
         decode_ok=lambda v: decode_seconds(v) <= tpot_target_s,
-        prefill_cost=prefill_seconds,
+        # Up to 1 the cost is the projection itself: one price per engine.
+        prefill_cost=prefill_seconds if affinity <= 1.0 else prefill_cost,
         decode_cost=decode_cost,
     )

@@ -6,11 +6,12 @@ The sweep (see `narwhal.probe._sweep` for exactly what is measured) is bounded i
 and time; progress goes to stderr. The store is written atomically to ``--out`` (default:
 the config's ``profiles.path``) and read back against the config before the command
 succeeds. A fit whose model error is above `narwhal.profiles.POOR_FIT_RESIDUAL_P90` gets
-a WARNING line on stderr, even with ``--quiet``; the store is still written and the exit
-status is unchanged. The store's writer lock (``PATH.lock``) is held throughout: a second
-narwhal-profile, or a narwhal-check --record, is refused until this one ends. Facts
-recorded by ``narwhal-check --record`` in an existing store are kept when
-every engine still runs the build they were measured on.
+a WARNING line on stderr, even with ``--quiet``, and so does an engine whose prefills of
+a cached prefix miss the cached-prefill law by more than that (`narwhal.probe._cached`);
+the store is still written and the exit status is unchanged. The store's writer lock
+(``PATH.lock``) is held throughout: a second narwhal-profile, or a narwhal-check
+--record, is refused until this one ends. Facts recorded by ``narwhal-check --record`` in
+an existing store are kept when every engine still runs the build they were measured on.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import trio
 
 from .._errors import os_reason
 from ..config import Config, ConfigError, load_config_file
-from ..probe import SweepFailed, SweepPlan, carry_facts, profile_fleet
+from ..probe import SweepFailed, SweepPlan, cached_law_warning, carry_facts, profile_fleet
 from ..profiles import (
+    ProfileStore,
     StoreBusy,
     check_store,
     lock_store,
@@ -80,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--handoff-sizes", type=_sizes, help="handoff prompt sizes in tokens")
     p.add_argument("--handoff-repeats", type=int, help="handoffs per pair and size (default 4)")
     p.add_argument(
+        "--cached-repeats",
+        type=int,
+        help="requests per cached-prefill point (default 5; 0: do not measure prefix caching)",
+    )
+    p.add_argument(
         "--parallel",
         type=int,
         help="engines measured at once (default 1; SGLang prefill/decode servers: always 1)",
@@ -103,6 +110,7 @@ _OVERRIDES = {
     "kv_budget": "kv_budget",
     "handoff_sizes": "handoff_sizes",
     "handoff_repeats": "handoff_repeats",
+    "cached_repeats": "cached_repeats",
     "parallel": "parallel",
     "budget_s": "budget_s",
     "request_timeout_s": "request_timeout_s",
@@ -118,6 +126,19 @@ def plan_from_args(args: argparse.Namespace) -> SweepPlan:
         if getattr(args, option) is not None
     }
     return attrs.evolve(plan, **changes)
+
+
+def warnings(store: ProfileStore) -> list[str]:
+    """What an operator must not miss in a fresh store: poor fits, and engines whose
+    prefill of a cached prefix strays from the cached-prefill law."""
+    out: list[str] = []
+    for engine_id in sorted(store.engines):
+        profile = store.engines[engine_id]
+        out += [fit.message() for fit in poor_fits(profile)]
+        cached = cached_law_warning(engine_id, profile.cached)
+        if cached is not None:
+            out.append(cached)
+    return out
 
 
 def _err(message: str) -> None:
@@ -148,9 +169,8 @@ async def run(config: Config, plan: SweepPlan, out: str, *, quiet: bool = False)
         _err(message)
     # Even with --quiet: a poor fit is what an operator must not miss, and the progress
     # lines that also show the residuals scroll past.
-    for engine_id in sorted(store.engines):
-        for fit in poor_fits(store.engines[engine_id]):
-            _err(f"WARNING: {fit.message()}")
+    for warning in warnings(store):
+        _err(f"WARNING: {warning}")
     if not check.ok:
         return 1
     print(

@@ -21,6 +21,7 @@ from narwhal.sim import (
     DISAGGREGATION_MODES,
     VLLM_BUILDS,
     DisaggregationMode,
+    KvEventsConfig,
     SimEngineSpec,
     SimTiming,
     serve_fleet,
@@ -130,6 +131,31 @@ def parser() -> argparse.ArgumentParser:
         "(vLLM: /v1/*; SGLang: all but /health* and /metrics*)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="vLLM engines keep a prefix cache (vLLM's default; off here unless asked): "
+        "cached prompt blocks skip prefill",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size in tokens (default: the timing's, 16; vLLM on CPU uses 128)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens, as vLLM's flag",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        default=None,
+        help="vLLM's KV events config, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\': engine i '
+        "publishes on the endpoint's port + i (needs --enable-prefix-caching)",
+    )
+    p.add_argument(
         "--zero",
         action="store_true",
         help="instant engines (SimTiming.zero) for router-overhead measurements",
@@ -201,6 +227,15 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
     timing = load_profile(args.profile) if args.profile else SimTiming()
     if args.zero:
         timing = SimTiming.zero()
+    if args.block_size is not None:
+        timing = attrs.evolve(timing, block_size=args.block_size)
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            raw = json.loads(args.kv_events_config)
+        except ValueError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
+        kv_events = KvEventsConfig.from_json(raw)
     fields: dict[str, Any] = {
         "dialect": args.dialect,
         "speed": args.speed,
@@ -215,6 +250,9 @@ def spec_from_args(args: argparse.Namespace) -> SimEngineSpec:
         "unbounded_max_tokens": args.unbounded_max_tokens,
         "api_key": args.api_key,
         "vllm_version": args.vllm_version,
+        "prefix_caching": args.enable_prefix_caching,
+        "prompt_tokens_details": args.enable_prompt_tokens_details,
+        "kv_events": kv_events,
     }
     if args.build:
         fields["build"] = args.build

@@ -21,12 +21,14 @@ from ._load import (
 )
 from ._model import (
     Breaker as Breaker,
+    Cache as Cache,
     Config as Config,
     Controller as Controller,
     Ctl as Ctl,
     Engine as Engine,
     EngineSpec as EngineSpec,
     Health as Health,
+    KvEvents as KvEvents,
     Listen as Listen,
     Log as Log,
     Profiles as Profiles,

@@ -131,6 +131,10 @@ def cross_rules() -> tuple[CrossRule, ...]:
         ),
         CrossRule(_admin_token, ("admin.token", "admin.token_file")),
         CrossRule(_admin_port, ("listen.host", "listen.port", "admin.host", "admin.port")),
+        CrossRule(
+            _kv_events,
+            ("engines[].kv_events.endpoint", "engines[].kv_events.replay_endpoint"),
+        ),
     )
 
 
@@ -245,6 +249,32 @@ def _bootstrap_ports(cfg: Config) -> list[str]:
             out.append(
                 f"{where}: {spec.bootstrap_port} is only used by the sglang dialect "
                 f"(dialect is {spec.dialect!r})"
+            )
+    return out
+
+
+def _kv_events(cfg: Config) -> list[str]:
+    """`kv_events.replay_endpoint` is set only with an `endpoint`, and no two engines
+    publish to one endpoint Narwhal binds (each engine's events are told apart by the
+    socket they arrive on)."""
+    out: list[str] = []
+    bound: dict[str, int] = {}
+    for index, spec in enumerate(cfg.engines):
+        events = spec.kv_events
+        if events.endpoint is None:
+            if events.replay_endpoint is not None:
+                out.append(
+                    f"engines[{index}].kv_events.replay_endpoint: set without "
+                    "kv_events.endpoint; an engine without events has nothing to replay"
+                )
+            continue
+        if "*" in events.endpoint or events.endpoint.startswith("ipc://"):
+            continue
+        first = bound.setdefault(events.endpoint, index)
+        if first != index:
+            out.append(
+                f"engines[{index}].kv_events.endpoint: {events.endpoint!r} is also "
+                f"engines[{first}]'s; Narwhal binds it once, for one engine"
             )
     return out
 

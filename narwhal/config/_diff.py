@@ -19,7 +19,8 @@ The plan sorts every difference into what the supervisor does with it:
   unless an operator pinned the engine. A changed engine API key (its file now holds
   another key) reconfigures the engine; its change reads `<redacted> -> <redacted>`, as
   does a changed admin token or client key list (inline or read from its file), which
-  applies to the next request.
+  applies to the next request. New files under an unchanged `engine.tokenizer_path`
+  are a change of it, shown by their digests: the new tokenizer counts the next request.
 """
 
 from __future__ import annotations
@@ -187,6 +188,20 @@ def _secret_changes(old: Any, new: Any, path: str = "") -> list[Change]:
     return out
 
 
+def _tokenizer_change(old: Config, new: Config) -> list[Change]:
+    """The tokenizer's files changed under the same `engine.tokenizer_path` (a changed
+    path is a change of its own)."""
+    before, after = old.engine.tokenizer, new.engine.tokenizer
+    path = old.engine.tokenizer_path
+    if before is None or after is None or path != new.engine.tokenizer_path or before == after:
+        return []
+    return [
+        Change(
+            "engine.tokenizer_path", f"sha256:{before.digest[:12]}", f"sha256:{after.digest[:12]}"
+        )
+    ]
+
+
 def diff(old: Config, new: Config) -> ReloadPlan:
     before = config_to_dict(old)
     after = config_to_dict(new)
@@ -196,6 +211,7 @@ def diff(old: Config, new: Config) -> ReloadPlan:
     settings: list[Change] = []
     _walk(before, after, "", settings)
     secrets = _secret_changes(old, new)
+    settings.extend(_tokenizer_change(old, new))
     # The dicts show secrets redacted: a changed list length would show there too.
     shown = {change.path for change in secrets}
     settings = [*(c for c in settings if c.path not in shown), *secrets]

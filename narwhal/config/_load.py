@@ -40,6 +40,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 
 from .._errors import os_reason
 from .._files import FileTooLarge, read_file
+from ..tokenizer import load_tokenizer
 from ._cross import cross_rules
 from ._model import RESOLVED, Config, Ctl, Secret
 from ._paths import Path, field_pattern, format_path
@@ -91,9 +92,9 @@ def load_config(
 
     Raises ConfigError listing every problem, each message starting with the dotted path
     of the offending value (`source` stands for the whole document). Blocking: it reads
-    the credential files the document names (engine API keys, the admin token, the
-    clients' keys), unless `api_keys` is false (a caller that only needs other settings,
-    run by a user who may not read them); those credentials are then left out.
+    the files the document names (engine API keys, the admin token, the clients' keys,
+    the model's tokenizer), unless `api_keys` is false (a caller that only needs other
+    settings, run by a user who may not read them); those are then left out.
     `folder`: the folder relative paths are taken from (`_resolve`); None leaves them
     relative, to the working directory.
     """
@@ -131,6 +132,8 @@ def load_config(
         messages.extend(key_problems)
         config, credential_problems = _with_credential_files(config, broken)
         messages.extend(credential_problems)
+        config, tokenizer_problem = _with_tokenizer(config, broken)
+        messages.extend(tokenizer_problem)
     if messages:
         raise ConfigError(messages, source=source, unchecked=sorted(unchecked))
     return config
@@ -259,6 +262,18 @@ def _with_credential_files(config: Config, broken: set[str]) -> tuple[Config, li
             f"{MAX_CLIENT_KEYS} in all"
         )
     return attrs.evolve(config, admin=admin, listen=listen), problems
+
+
+def _with_tokenizer(config: Config, broken: set[str]) -> tuple[Config, list[str]]:
+    """`config` with the tokenizer `engine.tokenizer_path` names, read on every load (so
+    a reload picks up a new one, and a broken one refuses the reload)."""
+    path = config.engine.tokenizer_path
+    if path is None or "engine.tokenizer_path" in broken:
+        return config, []
+    tokenizer, problem = load_tokenizer(path)
+    if problem is not None:
+        return config, [f"engine.tokenizer_path: {problem}"]
+    return attrs.evolve(config, engine=attrs.evolve(config.engine, tokenizer=tokenizer)), []
 
 
 def read_api_key(path: str) -> tuple[Secret | None, str | None]:

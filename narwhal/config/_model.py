@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from ..tokenizer import LocalTokenizer
 from ._rules import (
     AtLeast,
     Between,
@@ -24,6 +25,7 @@ from ._rules import (
     SocketPath,
     Text,
     ZeroOrAtLeast,
+    ZmqEndpoint,
 )
 
 Dialect = Literal["vllm", "sglang"]
@@ -89,6 +91,44 @@ def _secret(doc: str, notes: str = "") -> dict[str, object]:
 def _resolved_secret(source: str) -> dict[str, object]:
     """Metadata of a credential the loader reads from the file the field `source` names."""
     return {RESOLVED: True, SECRET: True, "source": source, "doc": f"Read from `{source}`."}
+
+
+@attrs.frozen(kw_only=True)
+class KvEvents:
+    """An engine's KV cache events: the keys of its `--kv-events-config` (vLLM), copied."""
+
+    endpoint: str | None = _f(
+        None,
+        ZmqEndpoint(),
+        doc=(
+            "The engine's `endpoint`. `tcp://*:PORT` (the engine binds): Narwhal connects "
+            "to the engine's host at PORT; a concrete `tcp://HOST:PORT` (the engine "
+            "connects): Narwhal binds it; `null`: no events (see `cache.approximate_ttl_s`)."
+        ),
+        notes=(
+            "Narwhal keeps an index of the blocks each engine with events holds "
+            "(`cache.max_blocks_per_engine`); `/narwhal/state` shows it under `caches`. A "
+            "gap in the events that the replay cannot fill, an engine restart, a role "
+            "change or a changed endpoint empties that engine's index. The events name "
+            "blocks by hashes of token ids: a prompt is priced as cached on the engine only "
+            "when the router has its ids (`engine.tokenizer_path`, or a prompt sent as "
+            "ids); without them it is priced uncached there."
+        ),
+    )
+    replay_endpoint: str | None = _f(
+        None,
+        ZmqEndpoint(),
+        doc=(
+            "The engine's `replay_endpoint` (always bound by the engine; `tcp://*:PORT` "
+            "is reached at the engine's host), asked for missed batches; `null`: a gap "
+            "empties the index."
+        ),
+    )
+    topic: str = _f("", doc="The engine's `topic`: the prefix of the messages read.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
 
 
 @attrs.frozen(kw_only=True)
@@ -169,6 +209,7 @@ class EngineSpec:
             "own `--api-key`); `null` inherits it."
         ),
     )
+    kv_events: KvEvents = attrs.field(factory=KvEvents)
     api_key: Secret | None = attrs.field(
         default=None,
         metadata={
@@ -568,6 +609,37 @@ class Engine:
         ),
     )
     tokenize_timeout_s: float = _f(2.0, Positive(), doc="Exact-token-count deadline.")
+    tokenizer_path: str | None = _path(
+        None,
+        Text(),
+        doc=(
+            "The model's tokenizer, a folder holding its tokenizer.json (and chat template) "
+            "or the file, to count prompts in the router instead of asking engines' "
+            "/tokenize; `null` asks them. Read at start and at each reload."
+        ),
+        notes=(
+            "Needs the `tokenizer` extra (`pip install 'narwhal[tokenizer]'`: the "
+            "`tokenizers` library the engines use, and `jinja2` for chat templates). A "
+            "completion's text is counted with the special tokens the engines add; a chat's "
+            "is its messages rendered through the folder's chat template (chat_template.jinja, "
+            "else tokenizer_config.json's) as vLLM renders them, for a fleet of vLLM engines. "
+            "A request it cannot render as the engine does (tools, `chat_template_kwargs`, "
+            "tool or developer messages, images, a template that loops over content parts, "
+            "an SGLang engine's chat) is counted as without it, by /tokenize, and the miss is "
+            "counted by reason (`narwhal_token_count_local_misses_total`). It must be the "
+            "engines' model, and their template: an engine started with `--chat-template` or "
+            "`--default-chat-template-kwargs` renders otherwise. A reload reads the file "
+            "again; one that cannot be read or parsed is refused with this setting named, and "
+            "the running tokenizer stays."
+        ),
+    )
+    tokenizer: LocalTokenizer | None = attrs.field(
+        default=None,
+        metadata={
+            RESOLVED: True,
+            "doc": "The tokenizer read from `tokenizer_path`; never in the document.",
+        },
+    )
     vocab_size: int | None = _f(
         None,
         Between(1, 100_000_000),
@@ -628,6 +700,79 @@ class Engine:
         if self.control_connections:
             return self.control_connections
         return max(4, 2 * engine_count)
+
+
+@attrs.frozen(kw_only=True)
+class Cache:
+    """What Narwhal knows of each engine's prefix cache: exact from its KV events
+    (`engines[].kv_events`), else approximate, learnt from the prompts routed to it.
+
+    Admission and placement price a prefill by the tokens each engine must compute
+    (`cache.affinity`)."""
+
+    max_blocks_per_engine: int = _f(
+        262_144,
+        Between(1, 100_000_000),
+        doc=(
+            "Most cached blocks remembered per engine, in either index; past it the oldest "
+            "are forgotten first. About 120 bytes each once the bound is reached (measured "
+            "by tools/bench/dev/cache_index_memory.py): the default bounds an engine's "
+            "index near 31 MB."
+        ),
+    )
+    replay_timeout_s: float = _f(
+        2.0,
+        Positive(),
+        doc="Deadline for an engine's replay socket to resend the batches a gap lost.",
+    )
+    approximate_ttl_s: float = _f(
+        300.0,
+        Between(0.0, 86_400.0),
+        doc=(
+            "For an engine without `kv_events`: how long a prompt Narwhal routed to it "
+            "counts as cached after its last use; `0`: nothing known cached."
+        ),
+        notes=(
+            "The approximate index learns the 256-char text blocks of each prompt routed "
+            "to an engine (at most `cache.max_blocks_per_engine`, least recently used "
+            "dropped first) and estimates an engine's cached tokens as the matched share "
+            "of the prompt. vLLM evicts cached blocks under memory pressure, which "
+            "Narwhal does not see: a TTL longer than the engine's blocks survive "
+            "over-claims hits, and a saturated engine turns its whole cache over in its KV "
+            "capacity divided by its prefill rate, often under a minute. 300 s covers the "
+            "pause between a conversation's turns and keeps a shared system prompt in use; "
+            "lower it for engines with little KV memory. A reload applies it; `0` at a "
+            "reload empties the approximate indexes."
+        ),
+    )
+    affinity: float = _f(
+        1.0,
+        Between(0, 10),
+        doc=(
+            "How much an engine's cached prefix of a prompt lowers its placement cost: 1 "
+            "prices the prefill by the tokens the engine must compute, 0 places as if "
+            "nothing were cached (the spec's placement), above 1 favours cache hits over "
+            "backlog."
+        ),
+        notes=(
+            "Admission and projections credit the cache at most as it is worth (at 0, "
+            "not at all). The backlog each prefill adds keeps one engine from taking "
+            "every prompt that shares its prefix. docs/design.md#prefix-caching."
+        ),
+    )
+    local_prefill_share: float = _f(
+        0.9,
+        Between(0, 1, low_open=True),
+        doc=(
+            "Share of a prompt a vLLM decode engine must hold cached before Narwhal lets it "
+            "prefill the rest itself, skipping the prefill engine and the KV transfer, "
+            "when that is also the cheaper path; 1 never skips."
+        ),
+        notes=(
+            "Counted in `narwhal_local_prefills_total`. SGLang decode engines cannot "
+            "prefill, so never skip."
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -993,6 +1138,7 @@ class Config:
     engine: Engine = attrs.field(factory=Engine)
     controller: Controller = attrs.field(factory=Controller)
     recovery: Recovery = attrs.field(factory=Recovery)
+    cache: Cache = attrs.field(factory=Cache)
     profiles: Profiles = attrs.field(factory=Profiles)
 
     def connections_per_client(self) -> int:

@@ -139,6 +139,27 @@ class SocketPath:
         return f"non-empty, at most {UNIX_PATH_MAX} bytes"
 
 
+@attrs.frozen
+class ZmqEndpoint:
+    """A ZeroMQ endpoint another process can reach: `tcp://HOST:PORT` (HOST `*` for a
+    wildcard bind) or `ipc://PATH`. Not `inproc://`, which stays inside one process, nor
+    port 0, which the publisher picks and tells nobody."""
+
+    def check(self, value: str) -> str | None:
+        shown = _text(value)
+        if value.startswith("ipc://"):
+            return None if value[len("ipc://") :].strip() else f"{shown} names no ipc path"
+        if not value.startswith("tcp://"):
+            return f"{shown} must be tcp://HOST:PORT or ipc://PATH"
+        host, _, port = value[len("tcp://") :].rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            return f"{shown} must be tcp://HOST:PORT with a port in 1..65535"
+        return None
+
+    def describe(self) -> str:
+        return "tcp://HOST:PORT, ipc://PATH"
+
+
 # The longest key or token taken: an OpenAI key is about 170 characters.
 CREDENTIAL_MAX = 1024
 # What vLLM and SGLang compare after "Bearer ", and what an HTTP header carries unchanged:
@@ -179,4 +200,14 @@ class Credential:
         return f"printable ASCII without spaces, 1..{CREDENTIAL_MAX} characters"
 
 
-Rule = Positive | NonNegative | AtLeast | Between | ZeroOrAtLeast | Text | SocketPath | Credential
+Rule = (
+    Positive
+    | NonNegative
+    | AtLeast
+    | Between
+    | ZeroOrAtLeast
+    | Text
+    | SocketPath
+    | Credential
+    | ZmqEndpoint
+)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 
-from .._errors import os_reason
-from .._files import FileRefused, read_file
+from .._files import read_bounded
 from ._model import Secret
 from ._rules import credential_problem
 
@@ -25,25 +24,6 @@ KEYS_FILE_LIMIT = 1 << 20
 # Each request compares its key with every configured one (in constant time): this
 # bounds that work, about 60 ns a key.
 MAX_CLIENT_KEYS = 1000
-
-
-def read_bounded(path: str, limit: int) -> tuple[bytes | None, str | None]:
-    """The content of the regular file at `path` if it holds at most `limit` bytes
-    (`read_file`'s bounds), or why not: a message that names the file, for a setting's
-    problem."""
-    shown = json.dumps(path)
-    try:
-        return read_file(path, limit=limit), None
-    except FileNotFoundError:
-        return None, f"{shown}: no such file"
-    except IsADirectoryError:
-        return None, f"{shown}: it is a directory, not a regular file"
-    except FileRefused as exc:
-        return None, f"{shown}: {exc.strerror}"
-    except OSError as exc:
-        return None, f"{shown}: cannot read file: {os_reason(exc)}"
-    except ValueError:
-        return None, f"{shown}: a path cannot contain a NUL character"
 
 
 def read_token(path: str) -> tuple[Secret | None, str | None]:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Protocol
 
 import trio
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from ..admission import unstreamed_tokens
+from ..admission import cached_prefill_s, unstreamed_tokens
 from ..config import Config
 from ..fleet import EngineState
 from ._apply import (
@@ -123,11 +124,18 @@ class Controller:
     # -- inputs from the request path and recovery ---------------------------------------
 
     def record_arrival(
-        self, time: float, prompt_tokens: int, output_tokens: int, *, admitted: bool = True
+        self,
+        time: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        *,
+        admitted: bool = True,
+        cached_tokens: int = 0,
     ) -> None:
         """An offered request (admitted or refused by predictive admission) with its
-        prompt tokens and expected output tokens."""
-        self.demand.record(Arrival(time, prompt_tokens, output_tokens, admitted))
+        prompt tokens, expected output tokens and the leading prompt tokens an engine
+        held cached, which its prefill demand is priced without."""
+        self.demand.record(Arrival(time, prompt_tokens, output_tokens, admitted, cached_tokens))
 
     def record_first_token_timeout(self) -> None:
         """A decode leg hit engine.first_token_timeout_s (resets the evidence window)."""
@@ -170,7 +178,9 @@ class Controller:
         mean = self._mean_profile()
         if mean is not self._priced_with:
             self._priced_with = mean
-            self.demand.set_pricer(None if mean is None else mean.prefill.prefill_s)
+            self.demand.set_pricer(
+                None if mean is None else partial(cached_prefill_s, mean.prefill)
+            )
         rx = cfg.controller.reactive
         engines: list[EngineSnapshot] = []
         for engine in self._engines:

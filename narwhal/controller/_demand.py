@@ -29,7 +29,9 @@ import attrs
 from ..config import Reactive
 from ._load import DecodeDemand, PrefillDemand
 
-Pricer = Callable[[int], float]
+# Prefill seconds of a prompt of n tokens whose first k are cached (the mean profile's
+# `narwhal.admission.cached_prefill_s`).
+Pricer = Callable[[int, int], float]
 
 
 @attrs.frozen
@@ -40,6 +42,8 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
     admitted: bool = True
+    # The prompt's leading tokens an engine held cached when it was offered.
+    cached_tokens: int = 0
 
 
 @attrs.frozen
@@ -126,7 +130,7 @@ class _Horizon:
         self.events.clear()
         self.clear_sums()
         for arrival, _, _ in old:
-            service, priced = _price(price, arrival.prompt_tokens)
+            service, priced = _price(price, arrival)
             self.push(arrival, service, priced)
 
     def estimate(self, now: float, started_at: float) -> DemandEstimate:
@@ -148,10 +152,10 @@ class _Horizon:
         )
 
 
-def _price(price: Pricer | None, prompt_tokens: int) -> tuple[float, bool]:
+def _price(price: Pricer | None, arrival: Arrival) -> tuple[float, bool]:
     if price is None:
         return 0.0, False
-    return max(0.0, price(prompt_tokens)), True
+    return max(0.0, price(arrival.prompt_tokens, arrival.cached_tokens)), True
 
 
 class DemandEstimator:
@@ -204,7 +208,7 @@ class DemandEstimator:
         self._long.reprice(price)
 
     def record(self, arrival: Arrival) -> None:
-        service, priced = _price(self._price, arrival.prompt_tokens)
+        service, priced = _price(self._price, arrival)
         self.total += 1
         self.refused_total += not arrival.admitted
         self._short.push(arrival, service, priced)

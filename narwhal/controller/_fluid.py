@@ -403,7 +403,10 @@ def run_fluid(
     profile: Profile = fleet.profile
     interval = config.controller.monitor_interval_s
     estimator = DemandEstimator.from_config(
-        config.controller.reactive, started_at=fleet.now, price=profile.prefill.prefill_s
+        config.controller.reactive,
+        started_at=fleet.now,
+        # The fluid workload's prompts share nothing: none is ever cached.
+        price=lambda tokens, _cached: profile.prefill.prefill_s(tokens),
     )
     state = initial_state(fleet.now)
     run = FluidRun(fleet)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
-
-import attrs
+from typing import NamedTuple
 
 from ._errors import client_message
 
@@ -24,8 +23,9 @@ class SseKind(enum.Enum):
     OTHER = "other"  # comments, `event:`/`id:` lines, keep-alives
 
 
-@attrs.frozen
-class SseEvent:
+class SseEvent(NamedTuple):
+    """One event; a tuple because a relayed stream makes one per engine event."""
+
     kind: SseKind
     payload: bytes
     raw: bytes  # the event as received, separator included, for verbatim relay
@@ -89,11 +89,14 @@ def _classify(block: bytes, raw: bytes) -> SseEvent:
         if not data_lines:
             return SseEvent(SseKind.OTHER, block, raw)
         payload = b"\n".join(data_lines)
-    if payload.strip() == b"[DONE]":
+    # Looked at without copying the payload: a token chunk is hundreds of bytes.
+    if len(payload) < 64 and payload.strip() == b"[DONE]":
         return SseEvent(SseKind.DONE, payload, raw)
     # Error events start with the "error" key in both engines' encoders; a token chunk
     # starts with "id". Anything else that fails to parse is still relayed as data.
-    if payload.lstrip().startswith(b'{"error"'):
+    if payload.startswith(b'{"error"') or (
+        payload[:1].isspace() and payload.lstrip().startswith(b'{"error"')
+    ):
         try:
             parsed = json.loads(payload)
         except (ValueError, RecursionError):

@@ -422,6 +422,8 @@ class ConnectionPool:
         self.set_api_key(api_key)
         self._limiter = trio.CapacityLimiter(max_connections)
         self._idle: list[_Connection] = []
+        # Idle connections a smaller pool no longer keeps, closed at the next await.
+        self._surplus: list[_Connection] = []
         self._in_use = 0
         self._opened_total = 0
         self._reused_total = 0
@@ -457,8 +459,11 @@ class ConnectionPool:
         return self._in_use
 
     def resize(self, max_connections: int) -> None:
-        """Applied in place on reload; requests in flight keep their connections."""
+        """Applied in place on reload; requests in flight keep their connections. Idle
+        connections beyond the new size are closed at the pool's next request (or its
+        close), and a finished request's connection is kept only while there is room."""
         self._limiter.total_tokens = max_connections
+        self._surplus += self._idle[max_connections:]
         del self._idle[max_connections:]
 
     def configure(self, *, connect_timeout_s: float, pool_timeout_s: float) -> None:
@@ -521,13 +526,14 @@ class ConnectionPool:
             self._in_use -= 1
             self._limiter.release_on_behalf_of(borrower)
             if conn is not None:
-                if reusable and not self._closed:
+                if reusable and not self._closed and len(self._idle) < self._limiter.total_tokens:
                     conn.last_used = trio.current_time()
                     self._idle.append(conn)
                 else:
                     await conn.close()
 
     async def _checkout(self) -> _Connection:
+        await self._close_surplus()
         now = trio.current_time()
         while self._idle:
             conn = self._idle.pop()
@@ -589,10 +595,14 @@ class ConnectionPool:
 
     async def aclose(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            await conn.close()
+        self._surplus += self._idle
+        self._idle = []
+        await self._close_surplus()
         await trio.lowlevel.checkpoint()
+
+    async def _close_surplus(self) -> None:
+        while self._surplus:
+            await self._surplus.pop().close()
 
 
 def _reason(exc: OSError) -> str:

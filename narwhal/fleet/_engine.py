@@ -192,6 +192,9 @@ class EngineState:
         # Generated tokens per streamed event, learnt from the engines' usage reports
         # (`observe_packing`): streamed legs grow resident KV by this much per event.
         self.tokens_per_event = 1.0
+        # Restarts recovery has detected on this instance's address: each is a new
+        # engine process, with none of its predecessor's prefix cache.
+        self._restarts_detected = 0
 
     def __repr__(self) -> str:
         return (
@@ -343,6 +346,13 @@ class EngineState:
 
     def recovery_hold(self) -> None:
         self._held_until = math.inf
+
+    @property
+    def restarts_detected(self) -> int:
+        return self._restarts_detected
+
+    def recovery_new_instance(self) -> None:
+        self._restarts_detected += 1
 
     def recovery_release_hold(self) -> None:
         self._held_until = -math.inf

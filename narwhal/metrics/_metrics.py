@@ -100,7 +100,8 @@ class Metrics:
         )
         self.token_counts = Counter(
             "narwhal_token_counts",
-            "Prompt length determinations by method (exact via /tokenize, or fallback).",
+            "Prompt length determinations by method: local (engine.tokenizer_path's "
+            "tokenizer in the router), exact (an engine's /tokenize), or fallback.",
             ["method"],
             registry=registry,
         )
@@ -112,6 +113,16 @@ class Metrics:
             "engine_auth (401/403: the engine refused narwhal's API key), engine_model (404: "
             "the engine does not serve engines[].model), engine_error (another non-200 "
             "answer), unreachable, bad_answer (no integer count).",
+            ["reason"],
+            registry=registry,
+        )
+        self.token_local_misses = Counter(
+            "narwhal_token_count_local_misses",
+            "Prompts engine.tokenizer_path's tokenizer left to the engines' /tokenize, by "
+            "why: prompt (not one text), dialect (an SGLang engine would count it otherwise), "
+            "no_template, template_parts (the template loops over content parts), fields "
+            "(tools, chat_template_kwargs, ...), messages (tool, developer or multimodal "
+            "ones), template_error.",
             ["reason"],
             registry=registry,
         )
@@ -190,6 +201,20 @@ class Metrics:
             "Placements where every candidate missed its projected SLO (least-cost fallback).",
             registry=registry,
         )
+        self.local_prefills = Counter(
+            "narwhal_local_prefills",
+            "Requests placed on a prefill/decode pair whose decode engine prefilled the "
+            "prompt itself, holding at least cache.local_prefill_share of it cached.",
+            ["engine"],
+            registry=registry,
+        )
+        self.cached_prompt_tokens = Counter(
+            "narwhal_cached_prompt_tokens",
+            "Prompt tokens priced as cached on the engine that ran the request's prefill "
+            "(its KV events, or the prompts Narwhal routed there: caches.engines[].source).",
+            ["engine"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             "narwhal_ttft_seconds",
             "Time from ingress to the first generated token relayed to the client.",
@@ -227,6 +252,7 @@ class Metrics:
         self.requests_by = Children(self.requests)
         self.token_counts_by = Children(self.token_counts)
         self.token_fallbacks_by = Children(self.token_fallbacks)
+        self.token_local_misses_by = Children(self.token_local_misses)
         self.context_checks_by = Children(self.context_checks)
         self.unstreamed_legs_by = Children(self.unstreamed_legs)
         self.ttft_by = Children(self.ttft)

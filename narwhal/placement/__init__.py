@@ -5,5 +5,6 @@ from ._place import (
     NoPlacement as NoPlacement,
     Placement as Placement,
     Policy as Policy,
+    cached_load_policy as cached_load_policy,
     choose as choose,
 )

@@ -12,7 +12,7 @@ disaggregates; otherwise it falls back to an available "both" engine; otherwise 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -66,6 +66,20 @@ class Policy:
 
 
 DEFAULT_POLICY = Policy()
+
+
+def cached_load_policy(cached_tokens: Mapping[str, int], affinity: float) -> Policy:
+    """The load-based policy with `affinity` (cache.affinity) times each engine's cached
+    prefix of the prompt taken off its prefill cost (tokens it would not compute): with
+    no profile to price seconds, tokens are the cost. At 0, or with nothing cached,
+    `DEFAULT_POLICY` itself."""
+    if not affinity or not any(cached_tokens.values()):
+        return DEFAULT_POLICY
+
+    def prefill_cost(view: EngineView) -> float:
+        return view.prefill_tokens_inflight - affinity * cached_tokens.get(view.id, 0)
+
+    return Policy(prefill_cost=prefill_cost)
 
 
 def _pick(

@@ -5,6 +5,11 @@ router's own transport and dialect helpers, bypassing the router.
 """
 
 from ._builds import with_live_builds as with_live_builds
+from ._cached import (
+    cached_law_warning as cached_law_warning,
+    cached_summary as cached_summary,
+    measure_cached_prefill as measure_cached_prefill,
+)
 from ._check import (
     CheckPlan as CheckPlan,
     CheckReport as CheckReport,

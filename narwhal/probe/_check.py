@@ -24,6 +24,12 @@ measured number and the limit it was held to):
   dialect as configured) measured on the engine's current build. A usable profile whose
   prefill or decode fit misses its own measurements (model-error p90 above
   `narwhal.profiles.POOR_FIT_RESIDUAL_P90`) is a warn, naming the phase and the residual.
+* ``cached-prefill``: for an engine whose profile records its prefix cache (measured by
+  narwhal-profile, `narwhal.probe._cached`; no row for an older store), the residual of
+  the cached-prefill law on the measured points. Above `POOR_FIT_RESIDUAL_P90` at the
+  p90 it is a warn naming the engine and the numbers: cache-aware pricing would then
+  mislead admission on that engine. An engine seen to keep no prefix cache passes, and
+  the note says so.
 * ``handoff``: a complete prefill and decode verification leg on every crossed pair
   (`crossed_pairs`: every ordered pair of distinct engines, the self pair for one engine;
   for SGLang prefill/decode servers only prefill -> decode), each leg within
@@ -67,6 +73,8 @@ from ..engines import Json, parse_error_body
 from ..engines._dialects import chat_tokenize_refused, tokenize_count
 from ..fleet import explain_refusal
 from ..profiles import (
+    POOR_FIT_RESIDUAL_P90,
+    CachedPrefill,
     MeasuredFacts,
     ProfileStore,
     check_store,
@@ -75,6 +83,7 @@ from ..profiles import (
     read_store,
 )
 from ..recovery import METRICS_BODY_LIMIT, ScrapeError, parse_load
+from ._cached import cached_law_warning, cached_summary
 from ._client import (
     NULL_PARAMS,
     EngineClient,
@@ -560,14 +569,31 @@ async def _profiles(
         if fits:
             note = "; ".join(f.message() for f in fits)
             rows.add(CheckRow("profile", engine_id, "warn", "poor fit", limit, note))
-            continue
-        rows.add(CheckRow("profile", engine_id, "pass", "build matches", limit, build))
+        else:
+            rows.add(CheckRow("profile", engine_id, "pass", "build matches", limit, build))
+        if profile.cached is not None:
+            rows.add(cached_row(engine_id, profile.cached))
     # Problems that name no configured engine (schema, unknown store engines) still show.
     others = [m for m in check.messages if not any(f"engine {e!r}" in m for e in clients)]
     if check.store is not None:
         for message in others:
             rows.add(CheckRow("profile", "store", "warn", "note", "", message))
     return builds
+
+
+def cached_row(engine_id: str, record: CachedPrefill) -> CheckRow:
+    """The ``cached-prefill`` row of an engine whose profile records its prefix cache."""
+    limit = f"law residual p90 <= {100 * POOR_FIT_RESIDUAL_P90:.0f}%"
+    if not record.seen:
+        note = f"{cached_summary(record)}: cache-aware pricing must credit it nothing"
+        return CheckRow("cached-prefill", engine_id, "pass", "no prefix cache", limit, note)
+    measured = f"law residual p90 {100 * record.residual_p90:.1f}%"
+    warning = cached_law_warning(engine_id, record)
+    status: Status = "pass" if warning is None else "warn"
+    note = warning or cached_summary(record)
+    return CheckRow(
+        "cached-prefill", engine_id, status, measured, limit, note, value=record.residual_p90
+    )
 
 
 NO_CONNECTOR = "n/a: no KV connector"

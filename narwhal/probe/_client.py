@@ -12,6 +12,7 @@ Every call here is unbounded in time by design: deadlines belong to the caller
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -65,6 +66,9 @@ class Completion:
     prompt_tokens: int | None
     document: object
     error: str | None = None
+    # usage.prompt_tokens_details.cached_tokens, when the engine reports it (vLLM with
+    # --enable-prompt-tokens-details): the prompt tokens its prefix cache served.
+    cached_tokens: int | None = None
 
 
 @attrs.frozen
@@ -101,6 +105,9 @@ class Identity:
     # SGLang's launch mode from /get_server_info ("prefill", "decode" or "null" for an
     # aggregate server); None when the engine does not say (vLLM).
     disaggregation_mode: str | None = None
+    # The KV block size vllm:cache_config_info reports (prefix caching hits whole blocks);
+    # None when the engine does not say.
+    block_size: int | None = None
 
     @property
     def build_identity(self) -> str:
@@ -254,8 +261,11 @@ class EngineClient:
                 f"engine {self.id!r}: neither /v1/models nor /tokenize reports max_model_len"
             )
         capacity, source = None, ""
+        block_size: int | None = None
         info = first_labels(await self.metrics(), "vllm:cache_config_info")
         if info is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                block_size = int(info["block_size"])
             try:
                 capacity = int(info["num_gpu_blocks"]) * int(info["block_size"])
                 source = "vllm:cache_config_info num_gpu_blocks x block_size"
@@ -280,6 +290,7 @@ class EngineClient:
             max_num_seqs=seqs,
             max_num_seqs_source="sglang /get_server_info max_running_requests" if seqs else "",
             disaggregation_mode=_mode(server_info.get("disaggregation_mode")),
+            block_size=block_size if block_size and block_size > 0 else None,
         )
 
     async def launch_mode(self) -> str | None:
@@ -389,7 +400,9 @@ class EngineClient:
         seconds = trio.current_time() - start
         if status != 200:
             return Completion(status, seconds, None, None, f"HTTP {status}: {doc}")
-        return Completion(status, seconds, usage_tokens(doc, "prompt_tokens"), doc)
+        return Completion(
+            status, seconds, usage_tokens(doc, "prompt_tokens"), doc, cached_tokens=_cached(doc)
+        )
 
     async def stream(
         self,
@@ -761,6 +774,12 @@ def _loads(raw: bytes) -> object:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def _cached(document: object) -> int | None:
+    usage = document.get("usage") if isinstance(document, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    return json_int(details.get("cached_tokens")) if isinstance(details, dict) else None
 
 
 def _usage_prompt_tokens(payload: bytes) -> int | None:

@@ -35,6 +35,12 @@ What is measured, and how (everything is wall-clock as a client of the engine se
   A point whose probe brings too few gaps (the engine sent its tokens in a few bursts,
   as a CPU-starved vLLM API server does) is measured again, at most twice, and then
   skipped; the fit takes the points measured.
+* Cached prefill (engines that serve prefill, not SGLang prefill/decode servers): right
+  after the prefill fit, whether the engine keeps a prefix cache and how its prefill of a
+  prompt whose leading blocks it holds follows `narwhal.admission.cached_prefill_s` on
+  the fitted curve (`narwhal.probe._cached`): a repeated prompt, then a few (n, cached)
+  points, ``SweepPlan.cached_repeats`` times each (0: not measured). On narwhal-sim with
+  its default law that is 26 requests (and as many /tokenize), about 2 s at speed 1.
 * KV connector: each vLLM engine gets the router's P leg once; one that answers with
   ``kv_transfer_params: null`` has no KV connector (an aggregate engine): it is
   profiled on itself alone and joins no crossed pair (`kv_connectors`).
@@ -77,6 +83,7 @@ import trio
 from .. import __version__
 from ..config import Config
 from ..profiles import (
+    CachedPrefill,
     DecodeModel,
     DecodePoint,
     EngineProfile,
@@ -91,6 +98,7 @@ from ..profiles import (
     fit_prefill,
     handoff_profile,
 )
+from ._cached import cached_summary, measure_cached_prefill, requests as cached_requests
 from ._client import (
     EngineClient,
     Identity,
@@ -134,6 +142,11 @@ def _fraction(_inst: object, attr: attrs.Attribute[float], value: float) -> None
         raise ValueError(f"{attr.name} is {value!r}; must be in (0, 1]")
 
 
+def _non_negative_int(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} is {value!r}; must be >= 0")
+
+
 def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} is {value!r}; must be >= 1")
@@ -155,6 +168,8 @@ class SweepPlan:
     decode_skip: int = 2
     handoff_sizes: tuple[int, ...] | None = attrs.field(default=None, validator=_positive_ints)
     handoff_repeats: int = attrs.field(default=4, validator=_at_least_one)
+    # Repeats of each cached-prefill point (`narwhal.probe._cached`); 0 skips the step.
+    cached_repeats: int = attrs.field(default=5, validator=_non_negative_int)
     # Engines measured at the same time (and disjoint pairs during the handoff sweep).
     parallel: int = attrs.field(default=1, validator=_at_least_one)
     budget_s: float = attrs.field(default=900.0, validator=_positive)
@@ -219,6 +234,7 @@ class EngineMeasurement:
     kv_capacity_source: str
     max_num_seqs: int = 0  # 0: unknown
     max_num_seqs_source: str = ""
+    cached: CachedPrefill | None = None
 
 
 class SweepFailed(Exception):
@@ -335,6 +351,7 @@ async def _profile(
             "kv_budget": plan.kv_budget,
             "handoff_sizes": plan.handoff_targets(max_len),
             "handoff_repeats": plan.handoff_repeats,
+            "cached_repeats": plan.cached_repeats,
             "parallel": plan.parallel,
             "seed": plan.seed,
             "prefill_measures": "plain max_tokens=1 completions on an idle engine, "
@@ -435,6 +452,7 @@ def _engine_profile(
         prefill_source=prefill_source,
         decode_source=decode_source,
         kv_connector="" if connector is None else connector.stored,
+        cached=m.cached,
     )
 
 
@@ -477,10 +495,18 @@ async def _measure_engine(
         prefill: PrefillModel | None = None
         decode: DecodeModel | None = None
         estimate = cap = None
+        cached: CachedPrefill | None = None
         if client.pd_role == "decode":
             clock.say(f"{eid}: prefill not measured: an SGLang decode server computes no prompt")
         else:
             prefill = await _prefill_sweep(client, texts, cpt, identity, plan, clock)
+        if prefill is not None and client.pd_role is None and plan.cached_repeats:
+            cached, prefill = await _within(
+                limit * cached_requests(plan.cached_repeats),
+                f"engine {eid!r} cached prefill",
+                measure_cached_prefill(client, texts, cpt, identity, prefill, plan.cached_repeats),
+            )
+            clock.say(f"{eid}: cached prefill: {cached_summary(cached)}")
         if client.pd_role == "prefill":
             clock.say(f"{eid}: decode not measured: an SGLang prefill server never decodes")
         else:
@@ -508,6 +534,7 @@ async def _measure_engine(
         kv_capacity_source=source,
         max_num_seqs=seqs or 0,
         max_num_seqs_source=seqs_source,
+        cached=cached,
     )
 
 

@@ -7,6 +7,8 @@ may record measured facts (verified KV lease, crossed-handoff p99) into it.
 
 from ._fit import FitError as FitError
 from ._models import (
+    CachedPoint as CachedPoint,
+    CachedPrefill as CachedPrefill,
     DecodeModel as DecodeModel,
     DecodePoint as DecodePoint,
     EngineProfile as EngineProfile,
@@ -16,6 +18,7 @@ from ._models import (
     PrefillModel as PrefillModel,
     Quantile as Quantile,
     build_identity as build_identity,
+    cached_prefill as cached_prefill,
     fit_decode as fit_decode,
     fit_prefill as fit_prefill,
     handoff_profile as handoff_profile,

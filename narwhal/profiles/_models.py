@@ -60,6 +60,10 @@ class PrefillModel:
     spread_p50: float = attrs.field(default=0.0, validator=_finite_nonnegative)
     spread_p90: float = attrs.field(default=0.0, validator=_finite_nonnegative)
     spread_max: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    # Seconds per cached prompt token that a cached prefix does not save (tokenising,
+    # hashing and carrying the whole prompt), fitted on the cached-prefill points
+    # (`narwhal.probe._cached`); 0 before they are measured: the law alone.
+    cached_token_s: float = attrs.field(default=0.0, validator=_finite_nonnegative)
 
     @max_tokens.validator
     def _check_domain(self, attr: attrs.Attribute[int], value: int) -> None:
@@ -447,6 +451,70 @@ def handoff_profile(
     return HandoffProfile(prefill=prefill, decode=decode, buckets=tuple(merged))
 
 
+@attrs.frozen(kw_only=True)
+class CachedPoint:
+    """One prompt of `tokens` tokens whose first `cached` the engine held in its prefix
+    cache: its prefill seconds (median of the repeats) and what the cached-prefill law
+    (`narwhal.admission.cached_prefill_s` on the engine's prefill model) predicted."""
+
+    tokens: int = attrs.field(validator=_nonnegative_int)
+    cached: int = attrs.field(validator=_nonnegative_int)
+    seconds: float = attrs.field(validator=_finite_nonnegative)
+    predicted_s: float = attrs.field(validator=_finite_nonnegative)
+
+
+@attrs.frozen(kw_only=True)
+class CachedPrefill:
+    """What narwhal-profile measured of an engine's prefix cache (narwhal.probe._cached).
+
+    ``seen``: a prompt sent twice was served faster the second time (or the engine's
+    ``usage.prompt_tokens_details.cached_tokens`` said it hit); False records an engine
+    with no prefix cache, and then there are no points. ``probe_tokens``, ``cold_s`` and
+    ``warm_s`` are that repeated prompt and its two times. ``points`` are prompts whose
+    leading blocks repeat a prompt just sent, and ``residual_*`` the law's relative error
+    on them, |predicted - measured| / measured (p90 is the largest with ten points or
+    fewer). ``cached_source`` says how each point's cached tokens were known.
+    """
+
+    seen: bool
+    block_size: int = attrs.field(default=0, validator=_nonnegative_int)
+    cached_source: str = ""
+    probe_tokens: int = attrs.field(default=0, validator=_nonnegative_int)
+    cold_s: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    warm_s: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    points: tuple[CachedPoint, ...] = ()
+    residual_p50: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    residual_p90: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+    residual_max: float = attrs.field(default=0.0, validator=_finite_nonnegative)
+
+
+def cached_prefill(
+    *,
+    block_size: int,
+    cached_source: str,
+    probe_tokens: int,
+    cold_s: float,
+    warm_s: float,
+    points: Sequence[CachedPoint],
+) -> CachedPrefill:
+    """A seen prefix cache with the law's residuals over `points`."""
+    p50, p90, worst = _summary(
+        relative_residuals([p.predicted_s for p in points], [p.seconds for p in points])
+    )
+    return CachedPrefill(
+        seen=True,
+        block_size=block_size,
+        cached_source=cached_source,
+        probe_tokens=probe_tokens,
+        cold_s=cold_s,
+        warm_s=warm_s,
+        points=tuple(points),
+        residual_p50=p50,
+        residual_p90=p90,
+        residual_max=worst,
+    )
+
+
 KV_CONNECTOR = ("", "present", "none")
 
 
@@ -504,3 +572,6 @@ class EngineProfile:
     # it can hand no KV over, so no crossed pair includes it; an aggregate engine) or ""
     # (not known: an SGLang engine, which pairs by bootstrap rooms, or an older store).
     kv_connector: str = attrs.field(default="", validator=_kv_connector)
+    # How the engine's prefix cache follows the cached-prefill law (None: not measured,
+    # an older store or an SGLang prefill/decode server).
+    cached: CachedPrefill | None = None

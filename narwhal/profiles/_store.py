@@ -46,7 +46,10 @@ existed load with the engine's cap unknown. So are ``prefill_source``/``decode_s
 ("" for a model measured on the idle engine itself; otherwise how it was obtained, for an
 SGLang prefill or decode server that serves requests only in bootstrap pairs). So is
 ``kv_connector`` ("present", "none" for a vLLM engine that answered the router's prefill
-leg with ``kv_transfer_params: null``, "" when not known), and so are a
+leg with ``kv_transfer_params: null``, "" when not known), and so is ``cached`` (written
+only when measured: how the engine's prefix cache follows the cached-prefill law,
+`CachedPrefill`; a malformed one is reported and dropped, the profile stays usable), and
+so are a
 model's ``points`` and ``spread_p50``/``p90``/``max``: in a store written before them,
 ``residual_*`` mixed model error with per-gap (per-repeat) scatter; such a model loads
 with ``points`` 0, which says so, and its fit is not judged (`narwhal.profiles._quality`).
@@ -76,6 +79,8 @@ from .._errors import os_reason
 from .._files import read_file
 from ..config import Config, EngineSpec
 from ._models import (
+    CachedPoint,
+    CachedPrefill,
     DecodeModel,
     EngineProfile,
     HandoffBucket,
@@ -214,7 +219,7 @@ def _mean(profiles: list[EngineProfile]) -> EngineProfile:
 def store_to_json(store: ProfileStore) -> dict[str, object]:
     engines: dict[str, object] = {}
     for engine_id, p in sorted(store.engines.items()):
-        engines[engine_id] = {
+        entry: dict[str, object] = {
             "url": p.url,
             "dialect": p.dialect,
             "model": p.model,
@@ -231,6 +236,12 @@ def store_to_json(store: ProfileStore) -> dict[str, object]:
             "prefill": attrs.asdict(p.prefill),
             "decode": attrs.asdict(p.decode),
         }
+        if p.cached is not None:
+            entry["cached"] = {
+                **attrs.asdict(p.cached),
+                "points": [attrs.asdict(point) for point in p.cached.points],
+            }
+        engines[engine_id] = entry
     handoffs = [
         {
             "prefill": h.prefill,
@@ -313,6 +324,10 @@ def _build(cls: type[T], where: str, raw: object, problems: _Problems) -> T | No
                 problems.add(f"{where}.{name}: expected a finite number, got {value!r}")
                 bad = True
                 continue
+        elif expected in ("bool", bool) and not isinstance(value, bool):
+            problems.add(f"{where}.{name}: expected true or false, got {value!r}")
+            bad = True
+            continue
         elif expected in ("str", str) and not isinstance(value, str):
             problems.add(f"{where}.{name}: expected a string, got {value!r}")
             bad = True
@@ -386,16 +401,45 @@ def _engine(engine_id: str, raw: object, problems: _Problems) -> EngineProfile |
             bad = True
             continue
         values[name] = float(value) if kind is float else value  # type: ignore[arg-type]
-    problems.unknown(where, set(raw) - set(_ENGINE_FIELDS) - {"prefill", "decode"})
+    problems.unknown(where, set(raw) - set(_ENGINE_FIELDS) - {"prefill", "decode", "cached"})
     prefill = _build(PrefillModel, f"{where}.prefill", raw.get("prefill"), problems)
     decode = _build(DecodeModel, f"{where}.decode", raw.get("decode"), problems)
     if bad or prefill is None or decode is None:
         return None
+    cached = _cached(f"{where}.cached", raw["cached"], problems) if "cached" in raw else None
     try:
-        return EngineProfile(id=engine_id, prefill=prefill, decode=decode, **values)  # type: ignore[arg-type]
+        return EngineProfile(
+            id=engine_id,
+            prefill=prefill,
+            decode=decode,
+            cached=cached,
+            **values,  # type: ignore[arg-type]
+        )
     except (TypeError, ValueError) as exc:
         problems.add(f"{where}: {exc}")
         return None
+
+
+def _cached(where: str, raw: object, problems: _Problems) -> CachedPrefill | None:
+    """The engine's cached-prefill record; a malformed one is reported and left out, and
+    the engine's profile stays usable (the record only informs: nothing prices with it)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        problems.add(f"{where}: expected an object, got {_kind(raw)}; ignored")
+        return None
+    points: list[CachedPoint] = []
+    raw_points = raw.get("points", [])
+    if not isinstance(raw_points, list):
+        problems.add(f"{where}.points: expected a list, got {_kind(raw_points)}; ignored")
+        return None
+    for i, item in enumerate(raw_points):
+        point = _build(CachedPoint, f"{where}.points[{i}]", item, problems)
+        if point is None:
+            return None
+        points.append(point)
+    record = _build(CachedPrefill, where, {k: v for k, v in raw.items() if k != "points"}, problems)
+    return None if record is None else attrs.evolve(record, points=tuple(points))
 
 
 def _handoff(index: int, raw: object, problems: _Problems) -> HandoffProfile | None:

@@ -393,6 +393,7 @@ class ProbeLoop:
         record.identity.new_instance()
         record.engine.context_due = True
         record.engine.recovery_hold()
+        record.engine.recovery_new_instance()
         # Latency history and pending observations describe the previous instance.
         record.residuals.clear()
         record.pending.clear()

@@ -24,7 +24,7 @@ from .._errors import MalformedRequest, NarwhalError, NotFound
 from ._auth import ADMIN_TOKEN, CLIENT_KEYS, BearerCheck
 from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
 from ._context import DEGRADED_PUBLIC, ServingContext
-from ._flow import Flow
+from ._exchange import Exchange
 from ._request import request_id_from_header
 from ._state import live_gauges, state_document
 
@@ -166,7 +166,6 @@ class App(_Listener):
 
     def __init__(self, ctx: ServingContext) -> None:
         super().__init__(ctx)
-        self.flow = Flow(ctx)
         self.keys = BearerCheck(lambda config: config.listen.client_keys(), CLIENT_KEYS)
 
     async def _route(
@@ -183,9 +182,9 @@ class App(_Listener):
         if path.startswith("/v1/"):
             refusal = self.keys.refusal(self.ctx.config, headers)
         if method == "POST" and path == "/v1/completions":
-            await self.flow.handle("completions", dict(scope), receive, send, refusal=refusal)
+            await Exchange(self.ctx, "completions", dict(scope), send).run(receive, refusal=refusal)
         elif method == "POST" and path == "/v1/chat/completions":
-            await self.flow.handle("chat", dict(scope), receive, send, refusal=refusal)
+            await Exchange(self.ctx, "chat", dict(scope), send).run(receive, refusal=refusal)
         elif refusal is not None:
             raise self._counted(refusal)
         elif method not in _READ:

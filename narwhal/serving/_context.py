@@ -27,6 +27,7 @@ from ..config import Config
 from ..engines._dialects import ChatTokenizeRefusals
 from ..fleet import EngineState, Fleet
 from ..metrics import Metrics
+from ..prefix import PromptKey
 from ..signals import DecodeGaps as DecodeGaps, LegObserver as LegObserver
 from ._connections import OpenConnections
 from ._descriptors import DescriptorBudget, report
@@ -42,6 +43,14 @@ DEGRADED_PUBLIC = "its monitor passes keep failing (controller.monitor_failure_l
 # Answers to requests a deadline ended, at most this many per pass of the scheduler
 # (`Paced`): each is a few hundred µs of work, so a pass stays within a few ms.
 DEADLINE_ANSWERS_PER_PASS = 16
+
+
+class PrefixCaches(Protocol):
+    """What each engine holds of a prompt in its prefix cache (`narwhal.caches`)."""
+
+    def cached_tokens(self, engine_id: str, key: PromptKey, now: float) -> int: ...
+
+    def routed(self, engine_id: str, key: PromptKey, now: float) -> None: ...
 
 
 class ServingSignals(Protocol):
@@ -102,8 +111,13 @@ class RequestRecord:
     token_count_method: str | None = None
     # Why the count is an estimate, when token_count_method is "fallback".
     token_count_fallback: str | None = None
+    # Why engine.tokenizer_path's tokenizer did not count it, when it did not.
+    token_count_local_miss: str | None = None
     # Why an exact count was not checked against a context length, when it was not.
     context_unchecked: str | None = None
+    # The leading prompt tokens priced as cached on the engine that ran the prefill of
+    # the latest attempt (docs/design.md#prefix-caching).
+    cached_tokens: int = 0
     # Predictive admission's projected TTFT for the prefill path the first attempt took
     # (as priced at admission), the part of it that was load (backlog, decode lag, KV
     # wait) rather than the engine's own work, and whether that path's profile measured
@@ -150,6 +164,8 @@ class DemandEvent:
     max_tokens: int | None
     admitted: bool
     reason: str | None = None
+    # The most of the prompt an engine held cached, as admission credited it.
+    cached_tokens: int = 0
 
 
 @attrs.frozen
@@ -216,12 +232,14 @@ class ServingContext:
         self.unsized_offers = 0
         self.token_methods: Counter[str] = Counter()
         self.token_fallbacks: Counter[str] = Counter()
-        # Results of the context check (Flow._check_context), by result.
+        # Prompts engine.tokenizer_path's tokenizer left to the engines, by why.
+        self.token_local_misses: Counter[str] = Counter()
+        # Results of the context check (`_tokens.count_tokens`), by result.
         self.context_checks: Counter[str] = Counter()
         # Non-streaming decode legs sent to the engine as non-streaming requests, by why
         # their answer could not be assembled from a stream (engines.unassemblable_reason).
         self.unstreamed_legs: Counter[str] = Counter()
-        # SGLang engines whose build's /tokenize has no chat form (Flow._count_tokens).
+        # SGLang engines whose build's /tokenize has no chat form (`_tokens.count_tokens`).
         self.chat_tokenize_refusals: ChatTokenizeRefusals[EngineState] = ChatTokenizeRefusals()
         self.models = tuple(sorted({spec.model for spec in config.engines}))
         self.started_at = trio.current_time()
@@ -239,6 +257,9 @@ class ServingContext:
         # Predictive admission: the profile source (None until profiles are loaded) and
         # the prefill work committed to each engine.
         self.profiles: ProfileSource | None = None
+        # What each engine has cached (set by the supervisor): None prices every prompt
+        # uncached.
+        self.prefix_caches: PrefixCaches | None = None
         # Characters per token the profile sweep measured on this fleet's dialect; the
         # token-count fallback prefers it to engine.chars_per_token (a guess for the
         # tokenizer). None without a loaded store that has one.

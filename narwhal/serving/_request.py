@@ -329,3 +329,36 @@ def _chat_chars(body: Json) -> int:
         # tokens: an estimate from the messages alone would miss most of the prompt.
         total += len(json.dumps(tools, ensure_ascii=False))
     return total
+
+
+def prompt_text(request: ClientRequest) -> str:
+    """The prompt as text, for the approximate prefix index: a completion's prompt, or
+    a chat's tools and messages in order, each field apart, so that two conversations
+    share a text prefix exactly as far as they share messages. Empty for token ids."""
+    body = request.body
+    if request.kind != "chat":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else ""
+    parts: list[str] = []
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        parts.append(json.dumps(tools, ensure_ascii=False, sort_keys=True))
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        if not isinstance(message, dict):
+            continue
+        parts.append(str(message.get("role")))
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(
+                part["text"]
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+    # Field boundaries count (role "user" then "hi" is not "use" then "rhi"); an
+    # approximate index may confuse the rare text that holds NULs itself.
+    return "\x00".join(parts)

@@ -79,7 +79,10 @@ RemoteProtocolError from its connection's next_event by sending a Response with 
 error's status hint through the same connection, and that it reports the end of a
 connection through `send(Closed())`), which are not documented API, and on h11's
 private receive buffer (`_ClientProtocolErrors._drop_buffered`);
-tests/serving/test_server.py fails if a hypercorn or h11 upgrade changes them. Telling
+tests/serving/test_server.py fails if a hypercorn or h11 upgrade changes them. They are
+checked against the releases of `_hypercorn_pin.HYPERCORN_RANGE`, which pyproject.toml
+pins and which is checked before they are imported; no other module imports hypercorn
+(docs/design.md#http-server). Telling
 a reset from an end of stream takes epoll (`_wait_reset`): the server runs on Linux.
 """
 
@@ -97,21 +100,37 @@ from typing import Any, cast
 
 import h11
 import trio
-from hypercorn.app_wrappers import ASGIWrapper
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.trio.worker_context import EventWrapper, WorkerContext
-from hypercorn.typing import ASGIFramework, ConnectionState
 
 from .._codes import ErrorCode
 from .._errors import MalformedRequest, NarwhalError
+from .._hypercorn_pin import (
+    UnsupportedHypercorn,
+    installed_hypercorn,
+    require_supported_hypercorn,
+    supported_text,
+)
 from ..config import Listen
 from ._client import json_bytes
 from ._connections import OpenConnections
 from ._per_client import client_key
+
+# Before hypercorn's private names are imported: a release outside the range they were
+# checked against is refused by name, not by whatever it broke (see _hypercorn_pin).
+require_supported_hypercorn()
+try:
+    from hypercorn.app_wrappers import ASGIWrapper
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.events import Closed, Event, RawData, Updated
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.trio.task_group import TaskGroup
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+    from hypercorn.trio.worker_context import EventWrapper, WorkerContext
+    from hypercorn.typing import ASGIFramework, ConnectionState
+except ImportError as exc:
+    raise UnsupportedHypercorn(
+        f"hypercorn {installed_hypercorn()} is installed but lacks what narwhal's HTTP "
+        f"server imports ({exc}): reinstall hypercorn{supported_text()}"
+    ) from exc
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

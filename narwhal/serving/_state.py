@@ -141,7 +141,9 @@ class InFlightRequest:
     prompt_tokens: int | None
     token_count_method: str | None
     token_count_fallback: str | None
+    token_count_local_miss: str | None
     context_unchecked: str | None
+    cached_tokens: int
 
 
 @attrs.frozen(kw_only=True)
@@ -149,6 +151,7 @@ class RequestsSection:
     outcomes: Mapping[str, int]
     token_counts: Mapping[str, int]
     token_count_fallbacks: Mapping[str, int]
+    token_count_local_misses: Mapping[str, int]
     context_checks: Mapping[str, int]
     unstreamed_decode_legs: Mapping[str, int]
     fallback_chars_per_token: FallbackRatio
@@ -319,7 +322,9 @@ def _in_flight(record: RequestRecord, now: float) -> InFlightRequest:
         prompt_tokens=record.prompt_tokens,
         token_count_method=record.token_count_method,
         token_count_fallback=record.token_count_fallback,
+        token_count_local_miss=record.token_count_local_miss,
         context_unchecked=record.context_unchecked,
+        cached_tokens=record.cached_tokens,
     )
 
 
@@ -394,6 +399,7 @@ def state(ctx: ServingContext) -> StateDocument:
             outcomes=dict(sorted(ctx.outcomes.items())),
             token_counts=dict(sorted(ctx.token_methods.items())),
             token_count_fallbacks=dict(sorted(ctx.token_fallbacks.items())),
+            token_count_local_misses=dict(sorted(ctx.token_local_misses.items())),
             context_checks=dict(sorted(ctx.context_checks.items())),
             unstreamed_decode_legs=dict(sorted(ctx.unstreamed_legs.items())),
             fallback_chars_per_token=FallbackRatio(value=round(ratio, 3), source=ratio_source),

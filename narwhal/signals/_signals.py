@@ -11,7 +11,7 @@ Invariants
   are quick and never block.
 
 See
-  serving's `_flow` (the sender), recovery (the leg observer), the role controller
+  serving's request path (the sender), recovery (the leg observer), the role controller
   (`ServingSignals`).
 """
 

@@ -85,6 +85,16 @@ request). Fault durations are wall-clock seconds. Examples::
     {"metrics_stall_s": 3600}                               # /metrics never answers
     {"decode_slowdown": 3.0}                                # decode steps 3x the law
 
+Prefix caching (vLLM engines, off unless ``prefix_caching=True``, CLI
+``--enable-prefix-caching``): each engine caches its prompts' full blocks
+(``timing.block_size`` tokens, CLI ``--block-size``) under vLLM's own chained hashes
+(`narwhal.prefix`), LRU-evicted within ``kv_capacity_tokens``; a prompt's cached prefix is
+not prefilled again. ``prompt_tokens_details=True`` (``--enable-prompt-tokens-details``)
+reports ``usage.prompt_tokens_details.cached_tokens``; ``kv_events=KvEventsConfig(...)``
+(``--kv-events-config``, vLLM's JSON) publishes BlockStored / BlockRemoved /
+AllBlocksCleared on ZMQ as vLLM does, with its replay socket. ``POST /reset_prefix_cache``
+empties the cache; a restart starts an empty one whose event seq counts from 0 again.
+
 Everything the simulator reports is wall-clock. When the process is CPU-bound the step
 loop falls behind the law; ``/_sim/state`` counts that under ``step_lag`` (a speed below 1
 is valid and runs the fleet in slow motion, which keeps a CPU-bound benchmark faithful).
@@ -103,6 +113,7 @@ from ._core import (
     idle_prefill_s as idle_prefill_s,
 )
 from ._engine import SimEngine as SimEngine
+from ._events import KvEventsConfig as KvEventsConfig
 from ._faults import (
     FaultSpec as FaultSpec,
     FaultSpecError as FaultSpecError,

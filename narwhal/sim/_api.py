@@ -111,6 +111,7 @@ class Api:
             max_tokens=max(c.limit for c in choices),
             hold_kv=plan.leg.hold_kv,
             remote_kv=plan.leg.remote is not None,
+            token_ids=plan.prompt_ids or (),
         )
         ctx = ReqCtx(
             request_id=xrid,

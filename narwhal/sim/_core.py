@@ -4,18 +4,25 @@ A simplified vLLM v1 scheduler: running requests are scheduled first (one token 
 decodes, the next chunk for partial prefills), then waiting requests are admitted FIFO while
 the step's token budget, ``max_num_seqs`` and free KV blocks allow. KV is allocated in blocks
 as it grows; when a decode cannot get a block the newest running request is preempted and
-recomputed later, as vLLM does. The engine's step loop calls `schedule()`, sleeps for the
-plan's duration and calls `complete()`; tests drive the same two calls without sockets.
+recomputed later, as vLLM does. With prefix caching on (`_blocks.BlockPool`) a request
+admitted with cached blocks starts at the end of its hit: the prefill computes, and is
+priced on, the uncached tokens only (their attention over the cached prefix still pays
+the quadratic term). The engine's step loop calls `schedule()`, sleeps for the plan's
+duration and calls `complete()`; tests drive the same two calls without sockets.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from narwhal.prefix import block_hashes
+
+from ._blocks import BlockPool
 from ._timing import Noise, SimTiming, blocks_for
 
 
@@ -45,6 +52,16 @@ class CoreRequest:
     generated: int = 0
     preemptions: int = 0
     blocks: list[int] = attrs.Factory(list)
+    # The prompt's token ids, given when the engine caches prefixes, and the hashes of
+    # its full blocks (`SchedulerCore.add` computes them).
+    token_ids: Sequence[int] = ()
+    hashes: list[bytes] = attrs.Factory(list)
+    # Leading blocks of `blocks` that are in the prefix cache.
+    cached_blocks: int = 0
+    # Prompt tokens found in the cache when first admitted (vLLM's num_cached_tokens),
+    # and prompt tokens it computed into the cache by its first token (created).
+    cached_tokens: int | None = None
+    created_tokens: int = 0
     # Opaque slot for the I/O layer's per-request context.
     owner: Any = None
 
@@ -84,10 +101,19 @@ class StepResult:
 
 
 class SchedulerCore:
-    def __init__(self, timing: SimTiming, *, seed: int | str = 0) -> None:
+    def __init__(
+        self,
+        timing: SimTiming,
+        *,
+        seed: int | str = 0,
+        prefix_caching: bool = False,
+        kv_events: bool = False,
+    ) -> None:
         self.timing = timing
         self._noise = Noise(timing.noise_sigma, seed)
-        self._free: deque[int] = deque(range(timing.total_blocks))
+        self.pool = BlockPool(
+            timing.total_blocks, timing.block_size, caching=prefix_caching, events=kv_events
+        )
         self.waiting: deque[CoreRequest] = deque()
         self.running: list[CoreRequest] = []
         self.pulling: set[CoreRequest] = set()
@@ -100,11 +126,11 @@ class SchedulerCore:
     # -- queries ----------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.pool.free_count
 
     @property
     def used_blocks(self) -> int:
-        return self.timing.total_blocks - len(self._free)
+        return self.timing.total_blocks - self.pool.free_count
 
     @property
     def kv_usage(self) -> float:
@@ -120,6 +146,8 @@ class SchedulerCore:
 
     # -- mutations from the I/O layer ------------------------------------------------------
     def add(self, req: CoreRequest) -> None:
+        if self.pool.caching and req.token_ids and not req.hashes:
+            req.hashes = block_hashes(req.token_ids, self.timing.block_size)
         req.state = ReqState.WAITING
         self.waiting.append(req)
 
@@ -154,12 +182,14 @@ class SchedulerCore:
         self.pulling.discard(req)
         req.computed = req.prompt_tokens
         req.target = req.prompt_tokens
+        # The pulled KV is this engine's now, cached as if computed here.
+        self._cache(req, req.prompt_tokens)
         req.state = ReqState.RUNNING
         self.running.append(req)
 
     def release_held(self, blocks: list[int], tokens: int) -> None:
         """Return a lease's blocks (expired, pulled or released by the decoder)."""
-        self._free.extend(blocks)
+        self.pool.free(blocks)
         self.held_blocks -= len(blocks)
         self.held_tokens -= tokens
 
@@ -176,6 +206,7 @@ class SchedulerCore:
                 n = min(budget, r.target - r.computed)
                 plan.chunks.append((r, r.computed, r.computed + n))
                 chunk_cost += t.chunk_cost_s(r.computed, r.computed + n)
+                self._cache(r, r.computed + n)
                 budget -= n
                 i += 1
                 continue
@@ -184,8 +215,8 @@ class SchedulerCore:
             need = blocks_for(r.computed + (1 if r.generated else 0), t.block_size)
             scheduled = True
             while len(r.blocks) < need:
-                if self._free:
-                    r.blocks.append(self._free.popleft())
+                if self.pool.free_count:
+                    r.blocks += self.pool.allocate(1)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -218,12 +249,21 @@ class SchedulerCore:
             r = self.waiting[0]
             if not r.remote_kv and budget <= 0:
                 break
-            need = blocks_for(r.target, t.block_size)
-            if need > len(self._free):
+            pool = self.pool
+            hit = pool.lookup(r.hashes, r.prompt_tokens)
+            need = blocks_for(r.target, t.block_size) - len(hit)
+            if need + pool.evictable(hit) > pool.free_count:
                 break
             self.waiting.popleft()
-            for _ in range(need):
-                r.blocks.append(self._free.popleft())
+            pool.touch(hit)
+            r.blocks = hit + pool.allocate(need)
+            r.cached_blocks = len(hit)
+            r.computed = len(hit) * t.block_size
+            if r.cached_tokens is None:
+                # vLLM counts the first admission's hit, not a preempted one's.
+                r.cached_tokens = r.computed
+                if pool.caching:
+                    pool.count_lookup(r.prompt_tokens, len(hit))
             if r.remote_kv:
                 r.state = ReqState.PULLING
                 self.pulling.add(r)
@@ -235,8 +275,19 @@ class SchedulerCore:
             if n > 0:
                 plan.chunks.append((r, r.computed, r.computed + n))
                 chunk_cost += t.chunk_cost_s(r.computed, r.computed + n)
+                self._cache(r, r.computed + n)
                 budget -= n
         return chunk_cost
+
+    def _cache(self, r: CoreRequest, upto_token: int) -> None:
+        """Cache the prompt's full blocks below `upto_token` once they are scheduled (vLLM
+        caches a block when the step that computes it is planned)."""
+        if not r.hashes:
+            return
+        upto = min(upto_token // self.timing.block_size, len(r.hashes))
+        if upto > r.cached_blocks:
+            self.pool.cache(r.blocks, r.hashes, r.token_ids, r.cached_blocks, upto)
+            r.cached_blocks = upto
 
     def _preempt(self, r: CoreRequest) -> None:
         self._free_blocks(r)
@@ -259,6 +310,10 @@ class SchedulerCore:
                 continue
             r.computed = end
             if end >= r.target:
+                if not r.generated:
+                    # What vLLM reports as created_cache_tokens.
+                    cached = min(r.cached_blocks * self.timing.block_size, r.prompt_tokens)
+                    r.created_tokens = max(0, cached - (r.cached_tokens or 0))
                 r.generated += 1
                 progressed.append(r)
         for r in plan.decodes:
@@ -284,8 +339,9 @@ class SchedulerCore:
 
     def _free_blocks(self, r: CoreRequest) -> None:
         if r.blocks:
-            self._free.extend(r.blocks)
+            self.pool.free(r.blocks)
             r.blocks = []
+        r.cached_blocks = 0
 
 
 def idle_prefill_s(timing: SimTiming, prompt_tokens: int) -> float:

@@ -2,8 +2,10 @@
 
 Owns: `SimEngine`, which picks its protocol at start-up (`_vllm.VLLMProtocol` or
 `_sglang.SGLangProtocol`, by the spec's dialect) and serves the routes every engine has
-(/health, /metrics, /v1/models, /tokenize, the generation endpoints of `_api`, the
-simulator's /_sim/ control routes and `_kv`'s side channel) plus the protocol's own.
+(/health, /metrics, /v1/models, /tokenize, /reset_prefix_cache, the generation endpoints
+of `_api`, the simulator's /_sim/ control routes and `_kv`'s side channel) plus the
+protocol's own; and, when its spec has kv_events, the KV event publisher (`_events`),
+which gets the cache's events once per step.
 Invariants: the dialect is read once, here, to pick the protocol; everything that differs
 between vLLM and SGLang is asked of it. Simulated time is trio's clock; every duration
 from the spec is divided by its speed.
@@ -29,6 +31,7 @@ import trio
 from . import _http
 from ._api import Api
 from ._core import SchedulerCore
+from ._events import EventPublisher
 from ._faults import FaultSpec, FaultSpecError, parse_faults
 from ._http import HttpRequest, Responder
 from ._kv import KvStore
@@ -73,7 +76,13 @@ class SimEngine:
         self.label = str(index)
         seed_key = f"{spec.seed}/{index}/{generation}"
         self.instance_id = str(uuid.UUID(int=random.Random(seed_key).getrandbits(128), version=4))
-        self.core = SchedulerCore(spec.timing, seed=seed_key)
+        self.core = SchedulerCore(
+            spec.timing,
+            seed=seed_key,
+            prefix_caching=spec.prefix_caching,
+            kv_events=spec.kv_events is not None,
+        )
+        self.publisher = EventPublisher(spec.kv_events) if spec.kv_events is not None else None
         self._hex = random.Random(seed_key + "/ids")
         self.tokenizer = Tokenizer()
         self.counters = Counters()
@@ -131,16 +140,25 @@ class SimEngine:
     ) -> None:
         """Serve until cancelled. Without `listen` no port is opened: connections come
         from whoever calls `serve_stream` (a test's in-memory network)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._step_loop)
-            nursery.start_soon(self.kv.run_reaper)
-            nursery.start_soon(self.protocol.run)
-            if listen:
-                await nursery.start(self._serve_listener)
-            else:
-                self.up = True
-            task_status.started()
+        publisher = self.publisher
+        if publisher is not None:
+            publisher.open()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._step_loop)
+                nursery.start_soon(self.kv.run_reaper)
+                nursery.start_soon(self.protocol.run)
+                if publisher is not None:
+                    nursery.start_soon(publisher.serve_replay)
+                if listen:
+                    await nursery.start(self._serve_listener)
+                else:
+                    self.up = True
+                task_status.started()
+        finally:
+            if publisher is not None:
+                publisher.close()
 
     async def _serve_listener(self, *, task_status: trio.TaskStatus[None]) -> None:
         if self.port == 0:
@@ -234,6 +252,9 @@ class SimEngine:
             end = start + duration / speed
             await trio.sleep_until(end)
             result = core.complete(plan)
+            if self.publisher is not None:
+                # One batch per step, after it ran, as vLLM's scheduler publishes.
+                self.publisher.publish(core.pool.take_events())
             now = trio.current_time()
             metrics = self.metrics
             for r in result.progressed:
@@ -345,6 +366,8 @@ class SimEngine:
             used_tokens=core.resident_tokens(),
             capacity_tokens=core.timing.kv_capacity_tokens,
             published=self.protocol.load_reported,
+            prefix_queries=core.pool.queries if core.pool.caching else None,
+            prefix_hits=core.pool.hits,
         )
 
     def state(self, *, outcomes: int | None = None) -> dict[str, Any]:
@@ -386,6 +409,20 @@ class SimEngine:
                 "block_size": core.timing.block_size,
                 "usage": core.kv_usage,
             },
+            "prefix_cache": {
+                "enabled": self.spec.prefix_caching,
+                "cached_blocks": core.pool.cached_blocks,
+                "queries_tokens": core.pool.queries,
+                "hits_tokens": core.pool.hits,
+            },
+            "kv_events": None
+            if self.publisher is None
+            else {
+                "endpoint": self.publisher.endpoint,
+                "replay_endpoint": self.publisher.replay_endpoint,
+                "topic": self.publisher.config.topic,
+                "batches": self.publisher.published,
+            },
             "leases": {
                 "held": len(leases),
                 "tokens": sum(lease.tokens for lease in leases.values()),
@@ -413,6 +450,7 @@ class SimEngine:
             ("POST", "/_sim/faults"): self._post_faults,
             ("DELETE", "/_sim/faults"): self._delete_faults,
             ("POST", "/_sim/restart"): self._restart,
+            ("POST", "/reset_prefix_cache"): self._reset_prefix_cache,
         }
         routes.update(self.kv.routes())
         routes.update(self.protocol.routes())
@@ -483,6 +521,15 @@ class SimEngine:
     async def _delete_faults(self, req: HttpRequest, resp: Responder) -> None:
         self.set_faults(None)
         await resp.send_json(200, None)
+
+    async def _reset_prefix_cache(self, req: HttpRequest, resp: Responder) -> None:
+        """vLLM's (a dev-mode route there): forget every cached block unless some are
+        held, with an AllBlocksCleared event, published at once (vLLM's waits for the
+        next step)."""
+        success = self.core.pool.reset()
+        if self.publisher is not None:
+            self.publisher.publish(self.core.pool.take_events())
+        await resp.send_json(200, {"success": success})
 
     async def _restart(self, req: HttpRequest, resp: Responder) -> None:
         if self._on_restart is None:

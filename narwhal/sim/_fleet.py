@@ -9,6 +9,7 @@ import attrs
 import trio
 
 from ._engine import SimEngine
+from ._events import KvEventsConfig
 from ._faults import FaultSpec, parse_faults
 from ._spec import Dialect, DisaggregationMode, SimEngineSpec
 from ._timing import SimTiming
@@ -103,6 +104,8 @@ class Fleet:
         self.engines: list[EngineHandle] = []
         # Per-engine keys set by EngineHandle.set_api_key, over the spec's.
         self.api_keys: dict[int, str | None] = {}
+        # Each engine's KV event endpoints as first bound: a restart binds them again.
+        self.kv_events: dict[int, KvEventsConfig] = {}
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[int, trio.CancelScope] = {}
         self._stopped: dict[int, trio.Event] = {}
@@ -129,6 +132,10 @@ class Fleet:
             spec = attrs.evolve(spec, kv_connector=self.kv_connectors[index])
         if index in self.api_keys:
             spec = attrs.evolve(spec, api_key=self.api_keys[index])
+        if spec.kv_events is not None:
+            spec = attrs.evolve(
+                spec, kv_events=self.kv_events.get(index, spec.kv_events.for_engine(index))
+            )
         return SimEngine(
             spec,
             index=index,
@@ -155,6 +162,14 @@ class Fleet:
 
     async def _restart(self, handle: EngineHandle) -> None:
         old = handle.engine
+        publisher = old.publisher
+        if publisher is not None:
+            # A port 0 was resolved when bound: the new instance takes the same one.
+            self.kv_events[handle.index] = attrs.evolve(
+                publisher.config,
+                endpoint=publisher.endpoint,
+                replay_endpoint=publisher.replay_endpoint,
+            )
         await old.go_down()
         self._scopes[handle.index].cancel()
         await self._stopped[handle.index].wait()

@@ -141,6 +141,9 @@ class Gauges:
     capacity_tokens: int = 0
     # SGLang: whether its scheduler has reported its load yet (a fresh server has not).
     published: bool = True
+    # Prompt tokens looked up in the prefix cache and found there; None without a cache.
+    prefix_queries: int | None = None
+    prefix_hits: int = 0
 
 
 def count_streaming(counts: dict[str, int], stream: bool, value: int = 1) -> None:

@@ -30,7 +30,7 @@ from ._http import HttpRequest, Responder
 from ._metrics import Collector, EngineMetrics
 from ._output import Shapes
 from ._records import Lease, RemoteKV, ReqCtx
-from ._tokenizer import BOS, render_chat
+from ._tokenizer import BOS, piece_id, render_chat
 
 if TYPE_CHECKING:
     from ._engine import SimEngine
@@ -125,6 +125,8 @@ class Plan:
     min_tokens: int = 0
     # The model the answer names.
     model: str = ""
+    # The prompt's token ids, read only by an engine that caches prefixes.
+    prompt_ids: list[int] | None = None
 
 
 class EngineProtocol(abc.ABC):
@@ -279,6 +281,10 @@ class EngineProtocol(abc.ABC):
     def kv_transfer_params(self, ctx: ReqCtx) -> dict[str, Any] | None:
         """What a finished request's answer tells a decoder (null: nothing)."""
 
+    def prompt_details(self, ctx: ReqCtx, *, chat: bool, stream: bool) -> dict[str, Any] | None:
+        """The usage's prompt_tokens_details, when the engine reports them."""
+        return None
+
     @abc.abstractmethod
     async def run(self) -> None:
         """The dialect's own background work, for the engine's life."""
@@ -347,6 +353,23 @@ class EngineProtocol(abc.ABC):
                 param="prompt",
             )
         raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+
+    def prompt_ids(self, body: dict[str, Any], *, chat: bool) -> list[int]:
+        """The prompt's token ids, as `prompt` counts them (call it after `prompt`, which
+        refuses what has none)."""
+        tok = self.e.tokenizer
+        if chat:
+            text = self.chat_text(body["messages"], body)
+            special = self.special_tokens(body, chat=True)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return [int(t) for t in prompt or ()]
+            text, special = prompt, self.special_tokens(body, chat=False)
+        ids = tok.encode(text)
+        return [piece_id(BOS), *ids] if special else ids
 
     def chat_text(self, messages: list[Any], body: dict[str, Any]) -> str:
         """The prompt the engine renders for a chat body, the same for /tokenize and the

@@ -76,6 +76,8 @@ class RemoteKV:
     request_id: str = ""
     block_ids: Any = None
     room: int | None = None
+    # The producer's prefix-cache hit (vLLM remote_prefill_cached_tokens), if it said.
+    prefill_cached_tokens: int | None = None
 
 
 @attrs.define(eq=False)

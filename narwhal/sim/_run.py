@@ -233,9 +233,15 @@ class Run:
         await self._send(out)
 
     def usage(self) -> dict[str, Any]:
-        """The request's usage so far: every choice's tokens sent."""
+        """The request's usage so far: every choice's tokens sent, and the prompt's
+        details where the engine reports them."""
         completion = sum(min(self.sent, c.limit) for c in self.choices)
-        return usage(self.plan.prompt_tokens, completion)
+        totals: dict[str, Any] = usage(self.plan.prompt_tokens, completion)
+        plan = self.plan
+        details = self.protocol.prompt_details(self.ctx, chat=plan.chat, stream=plan.stream)
+        if details is not None:
+            totals["prompt_tokens_details"] = details
+        return totals
 
     async def _finish(self) -> tuple[str, int]:
         plan = self.plan

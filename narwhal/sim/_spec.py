@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._events import KvEventsConfig
 from ._timing import SimTiming
 from ._vllm_builds import DEFAULT_VLLM_VERSION, VLLM_BUILDS, VllmBuild
 
@@ -115,6 +116,18 @@ class SimEngineSpec:
     api_key: str | None = None
     # Bound on the per-request outcome ring kept for /_sim/state.
     outcome_ring: int = attrs.field(default=10_000, validator=_positive)
+    # vLLM --enable-prefix-caching: a prompt's cached full blocks (timing.block_size
+    # tokens each, chained hashes as vLLM's) are shared instead of computed, within
+    # timing.kv_capacity_tokens, LRU-evicted (`_blocks`). Real vLLM has it on by default;
+    # the simulator keeps it off unless asked, so that the timing every existing test,
+    # profile and benchmark was measured under does not move. vllm engines only.
+    prefix_caching: bool = False
+    # vLLM --enable-prompt-tokens-details: usage carries prompt_tokens_details with the
+    # prompt tokens the cache served (cached_tokens).
+    prompt_tokens_details: bool = False
+    # vLLM --kv-events-config with events on and the zmq publisher (`_events`); needs
+    # prefix_caching, without which vLLM has no cache to report on.
+    kv_events: KvEventsConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.disaggregation_mode not in LAUNCH_MODES[self.dialect]:
@@ -122,6 +135,13 @@ class SimEngineSpec:
                 f"disaggregation_mode is {self.disaggregation_mode!r}; only sglang engines "
                 "have a launch role (vllm takes the leg each request names)"
             )
+        if (self.prefix_caching or self.kv_events is not None) and self.dialect != "vllm":
+            raise ValueError(
+                "prefix_caching and kv_events are simulated for vllm engines only "
+                f"(dialect is {self.dialect!r})"
+            )
+        if self.kv_events is not None and not self.prefix_caching:
+            raise ValueError("kv_events needs prefix_caching: without it there is no cache")
 
     @property
     def vllm(self) -> VllmBuild:

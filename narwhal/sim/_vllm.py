@@ -215,6 +215,10 @@ class VLLMProtocol(EngineProtocol):
         limit = e.spec.timing.max_model_len
         keep = json_int(body.get("truncate_prompt_tokens"))
         prompt_tokens = checks.truncate(build, keep, prompt_tokens, limit)
+        prompt_ids = None
+        if e.spec.prefix_caching:
+            # truncate_prompt_tokens keeps the prompt's last tokens.
+            prompt_ids = self.prompt_ids(body, chat=chat)[-prompt_tokens:]
         min_tokens = body.get("min_tokens") or 0
         max_tokens, bound_param = self.output_bound(body, chat=chat)
         if max_tokens is None and not chat and build.null_max_tokens_is_default:
@@ -254,6 +258,7 @@ class VLLMProtocol(EngineProtocol):
             min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
             # vLLM answers with its own name (it refuses others).
             model=e.spec.model,
+            prompt_ids=prompt_ids,
         )
 
     def _leg(self, body: dict[str, Any]) -> Leg:
@@ -278,6 +283,7 @@ class VLLMProtocol(EngineProtocol):
             engine_id=str(params["remote_engine_id"]),
             request_id=str(params["remote_request_id"]),
             block_ids=params["remote_block_ids"],
+            prefill_cached_tokens=json_int(params.get("remote_prefill_cached_tokens")),
         )
         return Leg(phase="decode", remote=remote)
 
@@ -370,9 +376,35 @@ class VLLMProtocol(EngineProtocol):
             "transfer_mode": "pull",
         }
         if self.build.wire_032:
-            # No prefix-cache hits are simulated.
-            params["remote_prefill_cached_tokens"] = 0
+            # The producer's own prefix-cache hit, for the decoder to report.
+            params["remote_prefill_cached_tokens"] = ctx.core.cached_tokens or 0
         return params
+
+    def prompt_details(self, ctx: ReqCtx, *, chat: bool, stream: bool) -> dict[str, Any] | None:
+        """usage.prompt_tokens_details, only with --enable-prompt-tokens-details: the
+        prompt tokens the engine did not compute (a decode leg: the producer's hit when
+        its params say it, else the whole prompt, which came over the wire)."""
+        if not self.e.spec.prompt_tokens_details:
+            return None
+        core = ctx.core
+        cached = core.cached_tokens or 0
+        if ctx.remote is not None:
+            hit = ctx.remote.prefill_cached_tokens
+            cached = hit if hit is not None else core.prompt_tokens
+        if not chat:
+            # A completion sets cached_tokens alone; its stream dumps only what is set.
+            if stream:
+                return {"cached_tokens": cached}
+            return {
+                "cached_tokens": cached,
+                "created_cache_tokens": None,
+                "multimodal_tokens": None,
+            }
+        return {
+            "cached_tokens": cached,
+            "created_cache_tokens": core.created_tokens,
+            "multimodal_tokens": None,
+        }
 
     async def run(self) -> None:
         """Heartbeat every producer whose KV a decode leg still waits for, every
@@ -442,7 +474,7 @@ class VLLMProtocol(EngineProtocol):
             cache_info={
                 "block_size": str(timing.block_size),
                 "cache_dtype": "auto",
-                "enable_prefix_caching": "False",
+                "enable_prefix_caching": str(e.spec.prefix_caching),
                 "gpu_memory_utilization": "0.9",
                 "num_cpu_blocks": "None",
                 "num_gpu_blocks": str(timing.total_blocks),

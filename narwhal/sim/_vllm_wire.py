@@ -140,7 +140,7 @@ class VllmShapes(Shapes):
             chunk["system_fingerprint"] = self.fingerprint
         return chunk
 
-    def usage_chunk(self, totals: dict[str, int]) -> str:
+    def usage_chunk(self, totals: dict[str, Any]) -> str:
         chunk: dict[str, Any] = {**self._head(0), "choices": [], "usage": totals}
         if self.new and self.fingerprint is not None:
             chunk["system_fingerprint"] = self.fingerprint
@@ -162,7 +162,7 @@ class VllmShapes(Shapes):
     def body(
         self,
         choices: Sequence[tuple[Choice, str, dict[str, Any] | None]],
-        totals: dict[str, int],
+        totals: dict[str, Any],
         kv_transfer_params: dict[str, Any] | None,
     ) -> bytes:
         out: dict[str, Any] = {
@@ -172,7 +172,7 @@ class VllmShapes(Shapes):
         out["choices"] = [self._body_choice(c, text, lp) for c, text, lp in choices]
         out["service_tier"] = None
         out["system_fingerprint"] = self.fingerprint
-        details: dict[str, Any] = {"prompt_tokens_details": None}
+        details: dict[str, Any] = {"prompt_tokens_details": totals.get("prompt_tokens_details")}
         if self.new:
             details["completion_tokens_details"] = None
         out["usage"] = {**totals, **details}
@@ -266,6 +266,17 @@ class VllmCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting to be processed.", g.waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
         yield counter("num_preemptions", "Cumulative number of preemptions.", g.preemptions)
+        if g.prefix_queries is not None:
+            yield counter(
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                g.prefix_queries,
+            )
+            yield counter(
+                "prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                g.prefix_hits,
+            )
         if self._cache_info:
             # vLLM publishes its cache config as an info-style gauge whose labels carry
             # the values; capacity = num_gpu_blocks x block_size tokens.

@@ -294,6 +294,7 @@ class ControlLink:
                 event.prompt_tokens,
                 event.max_tokens or DEFAULT_EXPECTED_OUTPUT,
                 admitted=event.admitted,
+                cached_tokens=event.cached_tokens,
             )
         await controller.on_pass()
 

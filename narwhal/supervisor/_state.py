@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from ..caches import CachesSection
 from ..controller import ControllerSection
 from ..profiles import FleetProfiles
 from ..recovery import MonitorSection, RecoverySection
@@ -89,6 +90,7 @@ STATE_SECTIONS: Mapping[str, type[attrs.AttrsInstance]] = {
     "recovery": RecoverySection,
     "monitor": MonitorSection,
     "profiles": ProfilesSection,
+    "caches": CachesSection,
 }
 
 

@@ -6,7 +6,8 @@ when it is ready, so a failure stops startup before the daemon claims to be read
 1. the control socket (when `serve_ctl`): a socket path that is not ours stops startup
    here, before any port is bound;
 2. recovery: one probe of every engine, then a probe loop per engine (breakers,
-   quarantine, health ejection, restart holds, verifications);
+   quarantine, health ejection, restart holds, verifications); then a KV-event
+   subscriber per engine that publishes them (`narwhal.caches`);
 3. the monitor loop and its pass handlers (the role controller registers one), and the
    event-loop lag probe (`serving._lag`, which recovery also consults);
 4. the admin listener (admin.host:admin.port: /narwhal/state and /metrics), then the
@@ -52,6 +53,7 @@ from prometheus_client import Counter
 from .._codes import ErrorCode
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
+from ..caches import EngineCaches
 from ..config import (
     Config,
     ConfigError,
@@ -144,6 +146,7 @@ class Supervisor:
         self.ctx: ServingContext | None = None
         self.recovery: Recovery | None = None
         self.monitor: Monitor | None = None
+        self.caches: EngineCaches | None = None
         self.bound: list[tuple[str, int]] = []
         self.admin_bound: list[tuple[str, int]] = []
         self.reloads: list[ReloadReport] = []
@@ -209,12 +212,15 @@ class Supervisor:
         for name, handler in self.pass_handlers:
             monitor.add_handler(name, handler)
         self.monitor = monitor
+        caches = EngineCaches(ctx.fleet, config, ctx.metrics.registry)
+        self.caches = ctx.prefix_caches = caches
         ctx.state_providers.extend(
             [
                 ("supervisor", partial(supervisor_section, self)),
                 ("recovery", recovery.state),
                 ("monitor", monitor.state),
                 ("profiles", partial(profiles_section, self)),
+                ("caches", caches.state),
             ]
         )
         self._m_reloads = Counter(
@@ -233,6 +239,7 @@ class Supervisor:
                     await nursery.start(server.run)
                 require_profiles(config, ctx.profiles, self.profile_problems)
                 await nursery.start(recovery.run)
+                await nursery.start(caches.run)
                 await nursery.start(monitor.run)
                 await nursery.start(ctx.loop_lag.run)
                 # The admin listener first: the state and metrics of a router that
@@ -473,6 +480,8 @@ class Supervisor:
             deferred_roles=self.deferred_roles,
         )
         await self._reload_profiles(self.config, plan)
+        if self.caches is not None:
+            self.caches.reconfigure(self.config)
         if self.link is not None:
             self.link.reconfigure(self.config)
         for change in plan.restart_required:

@@ -5,6 +5,8 @@ import json
 import accuracy
 import pytest
 
+from narwhal.profiles import PrefillModel
+
 
 def _line(**fields: object) -> str:
     entry = {
@@ -138,3 +140,36 @@ def test_parse_mix() -> None:
     assert accuracy.parse_mix("code:0.75,conv:0.25") == (("code", 0.75), ("conv", 0.25))
     with pytest.raises(ValueError, match=r"unknown trace 'chat'"):
         accuracy.parse_mix("chat:1")
+
+
+def test_the_cached_law_is_judged_against_pricing_whole_prompts() -> None:
+    model = PrefillModel(
+        a_s=0.01, b_s_per_token=1e-5, c_s_per_token2=0.0, min_tokens=1, max_tokens=2000
+    )
+    samples = [
+        # Nothing cached: both prices are the curve, 20 ms; observed 25 ms.
+        accuracy.CachedSample(prompt_tokens=1000, cached_tokens=0, observed_s=0.025),
+        # A quarter cached: the law 17.5 ms, observed 17.5 ms; whole 20 ms.
+        accuracy.CachedSample(prompt_tokens=1000, cached_tokens=250, observed_s=0.0175),
+        # Most of it cached, outside the measured domain: the law 12 ms, whole 40 ms.
+        accuracy.CachedSample(prompt_tokens=3000, cached_tokens=2800, observed_s=0.012),
+    ]
+    result = accuracy.law_accuracy(samples, model, speed=2.0)
+    assert result["n"] == 3
+    assert result["cached_token_share"] == round(3050 / 5000, 4)
+    law, whole = result["all"]["law"], result["all"]["uncached_price"]
+    assert law["mape"] == pytest.approx((0.2 + 0.0 + 0.0) / 3, abs=1e-4)
+    assert whole["mape"] == pytest.approx((0.2 + 2.5 / 17.5 + 28 / 12) / 3, abs=1e-4)
+    # Model time: wall x speed.
+    assert law["bias_ms"] == pytest.approx(-10 / 3, abs=0.01)
+    assert result["in_domain"]["law"]["n"] == 2
+    bands = result["by_cached_share"]
+    assert {name: cell["law"]["n"] for name, cell in bands.items()} == {
+        "none": 1,
+        "under_half": 1,
+        "half_or_more": 1,
+    }
+    assert bands["half_or_more"]["uncached_price"]["mape"] == pytest.approx(28 / 12, abs=1e-4)
+    doc = {"result": {"accuracy": result}}
+    table = accuracy.cached_table(doc).splitlines()
+    assert table[2].startswith("| all | 3 | 6.7 % | ")

@@ -185,3 +185,11 @@ async def test_an_answer_that_closes_its_connection_is_counted_as_answered(
     # Not "broken": h11 cannot reuse such a connection, but the answer was whole.
     assert result["outcomes"] == {"429 too_many_pending_bodies": 3}
     assert result["connections_opened"] == 3
+
+
+def test_a_replayed_request_sends_a_text_prompt_as_given() -> None:
+    run = loadgen.Replay({"url": "http://127.0.0.1:9", "model": "m", "speed": 1.0})
+    text = json.loads(run.body(' a "b"', 3))
+    ids = json.loads(run.body(3, 3))
+    assert (text["prompt"], ids["prompt"]) == (' a "b"', [791, 791, 791])
+    assert text["max_tokens"] == ids["max_tokens"] == 3

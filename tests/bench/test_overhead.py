@@ -49,6 +49,7 @@ def test_pinned_plans_record_where_each_process_ran() -> None:
     )
     assert plan.to_json()["pinning"] == {
         "narwhal": [1],
+        "narwhal-lean": [1],
         "vllm-router": [1],
         "sim": [0],
         "loadgen": [0],

@@ -31,6 +31,9 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engines[].prefill_concurrency": (None, ">= 0"),
     "engines[].decode_concurrency": (None, ">= 0"),
     "engines[].api_key_file": (None, ""),
+    "engines[].kv_events.endpoint": (None, "tcp://HOST:PORT, ipc://PATH"),
+    "engines[].kv_events.replay_endpoint": (None, "tcp://HOST:PORT, ipc://PATH"),
+    "engines[].kv_events.topic": ("", ""),
     # (model)
     "slo.ttft_s": (0.5, "> 0"),
     "slo.tpot_s": (0.05, "> 0"),
@@ -79,6 +82,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "engine.first_token_timeout_s": (2.5, "> 0"),
     "engine.tokenize": (True, "true, false"),
     "engine.tokenize_timeout_s": (2.0, "> 0"),
+    "engine.tokenizer_path": (None, "non-empty"),  # (model) prompts counted in the router
     "engine.vocab_size": (None, "1..100000000"),
     "engine.chars_per_token": (3.8, "> 0"),
     # (model) prefill backlog pricing
@@ -132,6 +136,12 @@ SPEC: dict[str, tuple[Any, str]] = {
     "recovery.breaker.window_s": (30.0, "> 0"),
     "recovery.breaker.failure_ratio": (0.5, "(0.0, 1.0]"),
     "recovery.breaker.open_s": (10.0, "> 0"),
+    # (model) the cache index
+    "cache.max_blocks_per_engine": (262_144, "1..100000000"),
+    "cache.replay_timeout_s": (2.0, "> 0"),
+    "cache.approximate_ttl_s": (300.0, "0.0..86400.0"),
+    "cache.affinity": (1.0, "0..10"),
+    "cache.local_prefill_share": (0.9, "(0, 1]"),
     # manual 6
     "profiles.path": ("runs/profiles.json", "non-empty"),
 }

@@ -115,7 +115,7 @@ def _changed_config(config: Config, field: FieldDoc) -> Config:
         extra = attrs.evolve(config.engines[0], id="extra", url="http://127.0.0.1:9003")
         return attrs.evolve(config, engines=(*config.engines, extra))
     if field.path.startswith("engines[]."):
-        first = _changed(config.engines[0], [field.path.removeprefix("engines[].")])
+        first = _changed(config.engines[0], field.path.removeprefix("engines[].").split("."))
         return attrs.evolve(config, engines=(first, *config.engines[1:]))
     changed: Config = _changed(config, field.path.split("."))
     return changed

@@ -4,8 +4,11 @@ rising-demand test."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
+from narwhal.admission import cached_prefill_s
 from narwhal.config import Reactive
 from narwhal.controller import Arrival, DemandEstimator, demand_rising, pricing_demand
 
@@ -15,7 +18,9 @@ RX = Reactive(window_s=120.0, evidence_span_s=60.0, evidence_max_span_s=120.0)
 
 
 def estimator(started_at: float = 0.0) -> DemandEstimator:
-    return DemandEstimator.from_config(RX, started_at=started_at, price=PROFILE.prefill.prefill_s)
+    return DemandEstimator.from_config(
+        RX, started_at=started_at, price=partial(cached_prefill_s, PROFILE.prefill)
+    )
 
 
 def test_predictive_admission_refusals_count_toward_offered_demand() -> None:
@@ -70,7 +75,7 @@ def test_demand_pricing_uses_the_mean_profile_at_record_time_and_reprices_on_rel
     _, long = est.estimates(2.0)
     assert not long.priced
     assert long.prefill_s_mean == 0.0
-    est.set_pricer(PROFILE.prefill.prefill_s)
+    est.set_pricer(partial(cached_prefill_s, PROFILE.prefill))
     est.record(Arrival(1.5, 200, 10))
     _, long = est.estimates(2.0)
     assert long.priced
@@ -132,3 +137,18 @@ def test_reconfigure_changes_horizons() -> None:
     short, long = est.estimates(70.0)
     assert (short.horizon_s, long.horizon_s) == (10.0, 30.0)
     assert (short.arrivals, long.arrivals) == (0, 1)
+
+
+def test_a_cached_prefix_is_priced_out_of_the_prefill_demand() -> None:
+    # The same prompts, one stream with 3000 of their 4000 tokens cached: the prefill
+    # work the controller sizes the prefill pool for is what the engines compute.
+    cold, warm = estimator(), estimator()
+    for i in range(10):
+        cold.record(Arrival(100.0 + i, 4000, 10))
+        warm.record(Arrival(100.0 + i, 4000, 10, cached_tokens=3000))
+    _, cold_long = cold.estimates(120.0)
+    _, warm_long = warm.estimates(120.0)
+    assert cold_long.prefill_s_mean == pytest.approx(PROFILE.prefill.prefill_s(4000))
+    assert warm_long.prefill_s_mean == pytest.approx(cached_prefill_s(PROFILE.prefill, 4000, 3000))
+    assert warm_long.prefill_s_mean < 0.5 * cold_long.prefill_s_mean
+    assert warm_long.prompt_tokens_mean == cold_long.prompt_tokens_mean  # KV is the whole prompt

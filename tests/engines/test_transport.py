@@ -639,3 +639,33 @@ def test_a_key_that_would_inject_headers_is_refused_without_being_shown(key: str
         pool.set_api_key(key)
     assert str(refused.value) == "refusing an API key that cannot be sent in an HTTP header"
     assert not pool.sends_api_key
+
+
+async def test_shrinking_the_pool_closes_the_idle_connections_it_no_longer_keeps(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = ScriptedEngine(echo)
+    network = MemoryNetwork(nursery)
+    network.serve(PORT, engine.serve_stream)
+    pool = network.pool(PORT, max_connections=3)
+    gate = trio.Event()
+
+    async def one() -> None:
+        async with pool.request(b"GET", b"/") as response:
+            await response.aread(100)
+            await gate.wait()
+
+    async with trio.open_nursery() as three:
+        for _ in range(3):
+            three.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    assert pool.statistics().idle == 3
+    pool.resize(1)
+    assert pool.statistics().idle == 1
+    async with pool.request(b"GET", b"/") as response:
+        assert await response.aread(100) == b"GET / "
+    await trio.testing.wait_all_tasks_blocked()
+    # The two it let go were closed (the engine saw them leave), not left open.
+    assert (engine.connections, engine.disconnects) == (3, 2)
+    assert pool.statistics().idle == 1

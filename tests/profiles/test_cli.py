@@ -97,6 +97,7 @@ async def test_profile_then_check_and_record(
         "tokenize",
         "metrics",
         "profile",
+        "cached-prefill",
         "handoff",
         "lease",
         "handoff-wait",

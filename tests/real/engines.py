@@ -4,7 +4,8 @@ The engines run from their own venv (`tools/engines/vllm-venv.sh`, default
 `~/.cache/narwhal/vllm-venv`, or `NARWHAL_VLLM_VENV`), on free loopback ports, serving the tiny random-weight model that
 `tools/engines/tiny_model.py` builds at test time. The fleet is:
 
-- ``agg0``, ``agg1``: aggregate engines, no KV connector;
+- ``agg0``, ``agg1``: aggregate engines, no KV connector (``agg1`` publishes its KV cache
+  events on a PUB it binds, with a replay socket);
 - ``prefill``, ``decode``: one NixlConnector P/D pair (`kv_buffer_device: cpu`, each with
   its own side-channel port).
 
@@ -40,7 +41,7 @@ import attrs
 
 from narwhal.engines._dialects import vllm_decode_body, vllm_prefill_body
 
-from ..support import free_port
+from ..support import late_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
@@ -357,7 +358,13 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def engine_argv(model: Path, port: int, *, kv: dict[str, Any] | None = None) -> list[str]:
+def engine_argv(
+    model: Path,
+    port: int,
+    *,
+    kv: dict[str, Any] | None = None,
+    kv_events: dict[str, Any] | None = None,
+) -> list[str]:
     # NIXL's progress thread polls a core even when the engine is idle (UCX backend, no
     # setting reaches it through vLLM's NixlConnector): a connector engine runs niced, so
     # its polling yields to the test process and the other engines on a two-core box.
@@ -386,7 +393,17 @@ def engine_argv(model: Path, port: int, *, kv: dict[str, Any] | None = None) -> 
     ]
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv)]
+    if kv_events is not None:
+        argv += ["--kv-events-config", json.dumps(kv_events)]
     return argv
+
+
+def kv_events_config(engine: Engine) -> dict[str, Any] | None:
+    """The engine's --kv-events-config, when it publishes KV cache events."""
+    if "--kv-events-config" not in engine.argv:
+        return None
+    config: dict[str, Any] = json.loads(engine.argv[engine.argv.index("--kv-events-config") + 1])
+    return config
 
 
 @attrs.define
@@ -454,17 +471,29 @@ class RealFleet:
         for name in ("agg0", "agg1", "prefill", "decode"):
             if name not in wanted:
                 continue
-            port = free_port()
+            port = late_port()
             extra: dict[str, str] = {}
             kv = None
+            kv_events = None
+            if name == "agg1":
+                # Its KV cache events: a PUB it binds (vLLM's default form; Narwhal connects
+                # to it at the engine's host) and a replay socket on loopback
+                # (tests/real/test_vllm_prefix_cache.py, test_vllm_cache_index.py).
+                kv_events = {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{late_port()}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{late_port()}",
+                    "topic": "kv",
+                }
             if name in ("prefill", "decode"):
                 kv = NIXL
-                extra["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+                extra["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(late_port())
                 extra["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             engines[name] = Engine(
                 name=name,
                 port=port,
-                argv=engine_argv(model, port, kv=kv),
+                argv=engine_argv(model, port, kv=kv, kv_events=kv_events),
                 env=engine_env(extra),
                 log=directory / f"{name}.log",
             )

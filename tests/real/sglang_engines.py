@@ -35,7 +35,7 @@ from pathlib import Path
 
 import attrs
 
-from ..support import free_port
+from ..support import late_port
 from .engines import (
     CONTEXT,
     MODEL_NAME,
@@ -212,11 +212,11 @@ class SGLangFleet(RealFleet):
         model = build_model(directory / "model")
         wanted = set(names or NAMES)
         engines: dict[str, Engine] = {}
-        bootstrap = free_port()
+        bootstrap = late_port()
         for name in NAMES:
             if name not in wanted:
                 continue
-            port = free_port()
+            port = late_port()
             mode = None if name == "agg" else name
             engines[name] = SGLangEngine(
                 name=name,

@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import httpx
 import pytest
 import trio
 
-from ..ops.daemon import Launch, launcher
+from ..ops.daemon import Daemon, Launch, launcher
 from ..support import open_sse, post_stream, wait_for
 from .client import Throttle, counter, post_json, sse_events, unique_text
 from .conftest import MODEL, aggregate_config, narwhal_in_front, pair_config
@@ -178,6 +179,69 @@ async def stream(
     results.append(json.loads(events[-2])["usage"])
 
 
+@contextmanager
+def daemon_log_on_failure(daemon: Daemon) -> Iterator[None]:
+    """The daemon's log goes with its temporary directory: printed when the block fails."""
+    try:
+        yield
+    except BaseException:
+        print(f"--- {daemon.log_path} ---\n{daemon.log_path.read_text()[-30000:]}", file=sys.stderr)
+        raise
+
+
+async def streaming_on(daemon: Daemon, engine: str) -> int:
+    """The streams Narwhal is relaying from `engine` now. vLLM 0.32's
+    `vllm:num_requests_running` is no witness: it read 0 for over a second while four
+    streams ran on the engine (its scheduler statistics do not come with every step)."""
+    in_flight = (await daemon.state())["requests"]["in_flight"]
+    return sum(r["decode_engine"] == engine and r["stage"] == "streaming" for r in in_flight)
+
+
+# A stream is staged at most this often: agg1 can finish all four before it is stopped
+# (a stall of this process, seen in CI at load 14, or output already made and buffered).
+STAGINGS = 3
+
+
+async def reload_during_streams(
+    vllm: RealFleet,
+    daemon: Daemon,
+    changed: dict[str, Any],
+    clients: trio.Nursery,
+    results: list[dict[str, Any]],
+) -> bool:
+    """Four streams start on agg1, and the reload that removes agg1 runs while agg1 (its
+    core and its API server) is stopped with them on it. False (nothing reloaded) when
+    the streams had all ended by the time agg1 was stopped: the staging missed, not the
+    behaviour."""
+    agg1 = vllm["agg1"]
+    assert agg1.pid is not None
+    send, receive = trio.open_memory_channel[None](4)
+    with Throttle([agg1.engine_core_pid()]) as throttle:
+        async with send:
+            for _ in range(4):
+                clients.start_soon(stream, daemon.url, send.clone(), results)
+        await receive.receive()
+        # A stream has begun on agg1, throttled so that it is likely still running (at
+        # full speed agg1 makes it in a second or two). With agg1 stopped it stays there
+        # through the reload, with whichever of the others reached agg1 before the stop
+        # (the rest go to agg0 after it).
+        with throttle.stopped(agg1.pid):
+            if not await streaming_on(daemon, "agg1"):
+                return False
+            assert (await daemon.ctl("undrain", "agg0")).returncode == 0
+            daemon.write_config(changed)
+            daemon.signal(signal.SIGHUP)
+            await daemon.message("RELOADING=1")
+            await daemon.message("READY=1")
+            state = await daemon.state()
+            last = state["supervisor"]["reloads"][-1]
+            assert (last["applied"], last["trigger"]) == (True, "SIGHUP"), last
+            assert 'engines[agg1]: "present" -> "removed"' in last["changes"], last
+            assert [e["id"] for e in state["engines"]] == ["agg0"]
+            assert state["admission"]["max_admitted"] == 64
+    return True
+
+
 async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
     vllm: RealFleet, launch: Launch
 ) -> None:
@@ -189,35 +253,21 @@ async def test_a_sighup_reload_removes_an_engine_while_streams_run_on_it(
         "serving": {**initial["serving"], "max_connections": 64},
     }
     results: list[dict[str, Any]] = []
-    send, receive = trio.open_memory_channel[None](4)
     # Placement chooses freely between two idle engines: agg0 is drained while the
     # streams start, so that they run on agg1, the engine the reload removes.
     assert (await daemon.ctl("drain", "agg0")).returncode == 0
-    with trio.fail_after(240), Throttle([vllm["agg1"].engine_core_pid()]) as throttle:
-        async with trio.open_nursery() as clients, send:
-            for _ in range(4):
-                clients.start_soon(stream, daemon.url, send.clone(), results)
-            await receive.receive()
-            # A stream has begun on agg1, throttled so that it is still running (at full
-            # speed agg1 makes it in a second). With agg1's core stopped it stays there
-            # through the reload, with whichever of the others reached agg1 before the
-            # stop (the rest go to agg0 after it).
-            with throttle.stopped():
-                resident = await counter(vllm["agg1"], "vllm:num_requests_running")
-                assert resident >= 1
-                assert (await daemon.ctl("undrain", "agg0")).returncode == 0
-                daemon.write_config(changed)
-                daemon.signal(signal.SIGHUP)
-                await daemon.message("RELOADING=1")
-                await daemon.message("READY=1")
-                state = await daemon.state()
-                last = state["supervisor"]["reloads"][-1]
-                assert (last["applied"], last["trigger"]) == (True, "SIGHUP"), last
-                assert 'engines[agg1]: "present" -> "removed"' in last["changes"], last
-                assert [e["id"] for e in state["engines"]] == ["agg0"]
-                assert state["admission"]["max_admitted"] == 64
+    with trio.fail_after(240), daemon_log_on_failure(daemon):
+        async with trio.open_nursery() as clients:
+            for _ in range(STAGINGS):
+                if await reload_during_streams(vllm, daemon, changed, clients, results):
+                    break
+            else:
+                pytest.fail(
+                    f"agg1 finished every stream before it could be stopped, {STAGINGS} times"
+                )
     # Nothing dropped: every stream ran to its end, on the removed engine too.
-    assert [u["completion_tokens"] for u in results] == [STREAM_TOKENS] * 4
+    assert [u["completion_tokens"] for u in results] == [STREAM_TOKENS] * len(results)
+    assert len(results) >= 4
     # Retirement is checked on a timer after the engine's last stream ends, then logged.
     await wait_for(lambda: bool(daemon.events("engine_retired")), within_s=30)
     assert [e["engine"] for e in daemon.events("engine_retired")] == ["agg1"]

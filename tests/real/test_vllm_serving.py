@@ -106,7 +106,9 @@ async def test_a_completion_is_the_engines_answer(front: Front, client: httpx.As
         logprobs["top_logprobs"], expected_logprobs["top_logprobs"], strict=True
     ):
         assert top.keys() == expected_top.keys()
-        assert 2 <= len(top) <= 3  # the top 2, and the sampled token when it is not among them
+        # The top 2, and the sampled token when it is not among them; keyed by text, so
+        # two tokens that decode alike (the random-weight model makes such) are one key.
+        assert 1 <= len(top) <= 3
 
 
 @pytest.mark.parametrize("include_usage", [True, False], ids=["usage", "no-usage"])

@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import tomllib
 from collections.abc import Iterator
 
 import pytest
@@ -34,6 +35,14 @@ def test_the_image_is_slim_non_root_and_reads_etc_narwhal() -> None:
     assert _instructions("HEALTHCHECK")
     for source in (s.split()[0] for s in _instructions("COPY") if "--from" not in s):
         assert (REPO / source).exists(), source
+    # Every optional feature of the daemon works in the image: engine.tokenizer_path
+    # needs the tokenizer extra, and the image has nothing else to install it with.
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (install,) = [run for run in _instructions("RUN") if "pip install" in run]
+    assert "'.[tokenizer]'" in install
+    assert "tokenizer" in extras
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

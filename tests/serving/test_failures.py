@@ -119,6 +119,50 @@ async def test_a_connect_failure_reaches_recovery_with_its_deadline(
     ]
 
 
+@pytest.mark.parametrize("lagged", [True, False], ids=["lagged", "not-lagged"])
+async def test_a_decode_connect_that_the_routers_lag_explains_is_made_again(
+    start_stack: StartStack, monkeypatch: pytest.MonkeyPatch, lagged: bool
+) -> None:
+    # The handed-off KV waits on the prefill engine; a connect deadline that ran out only
+    # because the router stalled says nothing about the decode engine, so the router
+    # connects once more rather than failing the pair. Without the lag it fails the leg.
+    stack = await start_stack()
+    decode = stack.ctx.fleet.get("d1")
+    assert decode is not None
+    checkout = decode.serving_pool._checkout
+    attempts: list[float] = []
+
+    async def stalled_once() -> object:
+        attempts.append(trio.current_time())
+        if len(attempts) == 1:
+            if lagged:
+                stack.ctx.loop_lag.observe(1.0, at=trio.current_time())  # over a tenth of 1.5 s
+            raise ConnectError("connect to 127.0.0.1:9 exceeded it", timeout_s=1.5)
+        return await checkout()
+
+    monkeypatch.setattr(decode.serving_pool, "_checkout", stalled_once)
+    seen: list[EngineFailed] = []
+    original = stack.ctx.leg_observer.leg_failed
+
+    def leg_failed(engine: EngineState, phase: str, failure: EngineFailed) -> None:
+        seen.append(failure)
+        original(engine, phase, failure)
+
+    monkeypatch.setattr(stack.ctx.leg_observer, "leg_failed", leg_failed)
+    response = await post(stack, {"max_tokens": 3})
+    # Reported once either way (recovery sets the lagged one aside, test_service.py).
+    assert [(f.engine_id, f.code) for f in seen] == [("d1", "engine_unreachable")]
+    if lagged:
+        assert response.status_code == 200, response.text
+        assert len(attempts) == 2
+        assert response.json()["usage"]["completion_tokens"] == 3
+    else:
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "engine_unreachable"
+        assert len(attempts) == 1
+    await settled(stack)
+
+
 async def test_client_errors_from_the_engine_keep_their_status(start_stack: StartStack) -> None:
     # Without /tokenize's context length the engine is the one to say it.
     stack = await start_stack(engine={"tokenize": False})

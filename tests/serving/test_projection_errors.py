@@ -17,8 +17,8 @@ import trio.testing
 from narwhal._errors import Refused
 from narwhal.config import Config
 from narwhal.serving import state_document
-from narwhal.serving._context import RequestRecord
-from narwhal.serving._flow import Flow
+from narwhal.serving._admit import admit_predictively
+from narwhal.serving._context import RequestRecord, ServingContext
 from narwhal.serving._request import ClientRequest, parse_body
 
 from ..recovery.fakes import config, reload
@@ -54,7 +54,7 @@ def completion(tokens: int) -> ClientRequest:
 
 
 async def serve_chats(
-    flow: Flow, count: int, overrun_s: float = OVERHEAD_S, *, every_s: float = 0.05
+    ctx: ServingContext, count: int, overrun_s: float = OVERHEAD_S, *, every_s: float = 0.05
 ) -> None:
     """`count` short chats, one every `every_s`, each `overrun_s` over its projection,
     learnt as the request path learns from them as they finish."""
@@ -69,12 +69,12 @@ async def serve_chats(
             projected_wait_s=0.0,  # each on an idle fleet
             first_output_at=now,
         )
-        flow.ctx.projection_observed(record, now)
+        ctx.projection_observed(record, now)
         await trio.sleep(every_s)
 
 
-def admit(flow: Flow, tokens: int) -> None:
-    flow._admit_predictively(completion(tokens), tokens, flow.ctx.config)
+def admit(ctx: ServingContext, tokens: int) -> None:
+    admit_predictively(ctx, completion(tokens), tokens, ctx.config, {})
 
 
 async def test_short_chats_running_over_do_not_refuse_a_long_prompt_on_an_idle_fleet(
@@ -84,32 +84,32 @@ async def test_short_chats_running_over_do_not_refuse_a_long_prompt_on_an_idle_f
     # as a ratio that doubled the long prompt's 210 ms into 420 ms, over the 300 ms
     # budget, and refused it with 429 ttft_budget on a fleet doing nothing.
     async with rig_with_legs(fleet()) as (rig, legs):
-        flow = Flow(rig.ctx)
-        await serve_chats(flow, 100)
+        ctx = rig.ctx
+        await serve_chats(ctx, 100)
         assert rig.ctx.backlog.finish == {}
-        admit(flow, LONG_TOKENS)  # no Refused: nothing learnt at its size with no backlog
+        admit(ctx, LONG_TOKENS)  # no Refused: nothing learnt at its size with no backlog
         # Behind other work the overrun counts, as seconds, for every size: a chat behind
         # 270 ms of prefill projects 283 ms, and 283 + 27 > 300.
-        admit(flow, CHAT_TOKENS)
+        admit(ctx, CHAT_TOKENS)
         backlog = await legs.open(rig.engine("p0"), "prefill", 2700)
         with pytest.raises(Refused, match=r"\(0\.310s allowing for the 0\.027s by which") as info:
-            admit(flow, CHAT_TOKENS)
+            admit(ctx, CHAT_TOKENS)
         assert info.value.code == "ttft_budget"
         await ended(backlog)
         backlog = await legs.open(rig.engine("p0"), "prefill", 700)  # 210 + 70 + 27 > 300
         with pytest.raises(Refused, match=r"recent first tokens ran over their projections"):
-            admit(flow, LONG_TOKENS)
+            admit(ctx, LONG_TOKENS)
         await ended(backlog)
-        admit(flow, LONG_TOKENS)
+        admit(ctx, LONG_TOKENS)
 
 
 async def test_state_reports_the_allowances_and_reload_reconfigures_them(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with rig_with_legs(fleet()) as (rig, _):
-        flow = Flow(rig.ctx)
-        await serve_chats(flow, 90, overrun_s=0.01)
-        await serve_chats(flow, 10, overrun_s=0.2, every_s=0.0)
+        ctx = rig.ctx
+        await serve_chats(ctx, 90, overrun_s=0.01)
+        await serve_chats(ctx, 10, overrun_s=0.2, every_s=0.0)
 
         def shown() -> object:
             admission = state_document(rig.ctx)["admission"]

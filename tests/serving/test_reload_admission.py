@@ -27,7 +27,9 @@ from narwhal.profiles import (
     save_profiles,
 )
 from narwhal.serving import state_document
-from narwhal.serving._flow import Flow
+from narwhal.serving._admit import priced as priced_fleet
+from narwhal.serving._context import ServingContext
+from narwhal.serving._legs import phase_slot
 from narwhal.supervisor._control import ControlLink
 
 from ..admission.test_first_token_wait import Source
@@ -49,9 +51,9 @@ class Legs:
     """Engine legs held open in the phase slots (so committed and accounted) until
     their `end` event is set."""
 
-    def __init__(self, nursery: trio.Nursery, flow: Flow) -> None:
+    def __init__(self, nursery: trio.Nursery, ctx: ServingContext) -> None:
         self.nursery = nursery
-        self.flow = flow
+        self.ctx = ctx
 
     async def open(
         self, engine: EngineState, phase: Literal["prefill", "decode"], tokens: int
@@ -59,7 +61,7 @@ class Legs:
         end = trio.Event()
 
         async def run(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-            async with self.flow._phase_slot(engine, phase, tokens):
+            async with phase_slot(self.ctx, engine, phase, tokens):
                 task_status.started()
                 await end.wait()
 
@@ -72,7 +74,7 @@ async def rig_with_legs(cfg: Config) -> AsyncIterator[tuple[Rig, Legs]]:
     async with trio.open_nursery() as nursery:
         rig = await start(nursery, cfg)
         rig.ctx.profiles = Source()
-        yield rig, Legs(nursery, Flow(rig.ctx))
+        yield rig, Legs(nursery, rig.ctx)
         nursery.cancel_scope.cancel()
 
 
@@ -113,7 +115,7 @@ async def test_a_leg_on_a_replaced_engine_leaves_the_replacements_backlog_alone(
         assert trio.current_time() == now
         assert rig.ctx.backlog.wait_s(new, now) == pytest.approx(0.2)
         assert rig.ctx.backlog.committed == {new: 1}
-        assert Flow(rig.ctx)._priced(Source())["p0"].backlog_s == pytest.approx(0.2)
+        assert priced_fleet(rig.ctx, Source(), {})["p0"].backlog_s == pytest.approx(0.2)
         await ended(done)
         assert rig.ctx.backlog.committed == rig.ctx.backlog.finish == {}
 
@@ -142,7 +144,7 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         ctx.first_token_lags.observe(old, 0.5, trio.current_time())
         await ended(await legs.open(old, "decode", 4000))  # frees 4000 tokens of KV
         resident = await legs.open(old, "decode", 1000)
-        priced = Flow(ctx)._priced(Source())["d0"]
+        priced = priced_fleet(ctx, Source(), {})["d0"]
         assert priced.first_token_lag_s == pytest.approx(0.5)
         assert priced.kv_release_per_s > 0
 
@@ -150,7 +152,7 @@ async def test_a_replaced_decode_engine_starts_with_no_lag_or_kv_turnover(
         new = rig.engine("d0")
         await ended(resident)  # its KV is freed on the old instance, after the reload
         assert ctx.kv_turnover.current(old, trio.current_time()) == pytest.approx(4000)
-        priced = Flow(ctx)._priced(Source())["d0"]
+        priced = priced_fleet(ctx, Source(), {})["d0"]
         assert (priced.first_token_lag_s, priced.kv_release_per_s) == (0.0, 0.0)
         signals = ctx.load_signals(trio.current_time())
         assert "d0" not in signals.first_token_lag_s

@@ -22,7 +22,8 @@ from narwhal._errors import EngineFailed
 from narwhal.fleet import EngineLoad, EngineState
 from narwhal.fleet._engine import PACKING_MAX
 from narwhal.serving import DecodeGaps
-from narwhal.serving._flow import _GapLoad, _KvGrowth, _usage_report
+from narwhal.serving._legs import KvGrowth
+from narwhal.serving._meter import GapLoad, usage_report
 from narwhal.sim import SimEngineSpec
 
 from ..support import GapRecorder, claims
@@ -165,7 +166,7 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
     claims(engine.load.decode, 2, 1000)
-    load = _GapLoad()
+    load = GapLoad()
     load.add(engine, 3)
     claims(engine.load.decode, 4, 2000)  # 6 streams, 3000 tokens
     load.add(engine, 1)
@@ -194,7 +195,7 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     engine.load.prefill(0)
     load.add(engine, 1)
     assert not load.alone(summary)
-    assert _GapLoad().summary([]) is None
+    assert GapLoad().summary([]) is None
 
 
 def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_gaps() -> None:
@@ -203,7 +204,7 @@ def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_ga
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
     claims(engine.load.decode, 1, 100)
-    load = _GapLoad()
+    load = GapLoad()
     load.add(engine, 5)
     summary = load.summary([0.02, 0.0, 0.04, 0.0, 0.01])
     assert summary is not None
@@ -271,14 +272,14 @@ async def test_predictive_admission_still_relays_usage_unchanged(
 
 
 def test_usage_report_reads_only_usage_objects() -> None:
-    assert _usage_report(b'{"choices":[{"text":"a"}],"usage":null}') is None
-    assert _usage_report(b'{"choices":[],"usage":{"completion_tokens":7}}') == (7, True)
+    assert usage_report(b'{"choices":[{"text":"a"}],"usage":null}') is None
+    assert usage_report(b'{"choices":[],"usage":{"completion_tokens":7}}') == (7, True)
     # Continuous usage stats: every chunk reports the running count.
     chunk = b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": 3}}'
-    assert _usage_report(chunk) == (3, False)
-    assert _usage_report(b'{"choices":[],"usage":{"completion_tokens":-1}}') is None
-    assert _usage_report(b'{"choices":[],"usage":{"prompt_tokens":4}}') is None
-    assert _usage_report(b'{"usage":{"completion_tokens":') is None  # cut short
+    assert usage_report(chunk) == (3, False)
+    assert usage_report(b'{"choices":[],"usage":{"completion_tokens":-1}}') is None
+    assert usage_report(b'{"choices":[],"usage":{"prompt_tokens":4}}') is None
+    assert usage_report(b'{"usage":{"completion_tokens":') is None  # cut short
 
 
 def test_packing_ratio_is_a_bounded_moving_average() -> None:
@@ -299,12 +300,12 @@ def test_running_growth_never_passes_max_tokens() -> None:
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
     engine.tokens_per_event = 4.0
-    growth = _KvGrowth(None, engine, cap=10)  # type: ignore[arg-type]  # no ctx until exit
+    growth = KvGrowth(None, engine, cap=10)  # type: ignore[arg-type]  # no ctx until exit
     growth.add(2)
     assert engine.load.decode_tokens == 8
     growth.add(1)  # 12 by the ratio, but the request asked for at most 10
     assert (engine.load.decode_tokens, growth.tokens) == (10, 10)
     engine.tokens_per_event = 1.5
-    unbounded = _KvGrowth(None, engine, cap=None)  # type: ignore[arg-type]
+    unbounded = KvGrowth(None, engine, cap=None)  # type: ignore[arg-type]
     unbounded.add(3)
     assert unbounded.tokens == 4  # 4.5 so far: whole tokens only

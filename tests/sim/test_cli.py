@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from narwhal.cli import sim as sim_cli
+from narwhal.sim import KvEventsConfig, SimEngineSpec
 
 
 async def _read_lines(proc: trio.Process, n: int) -> list[str]:
@@ -150,3 +151,33 @@ def test_cli_plays_a_vllm_build_and_gives_each_engine_its_connector() -> None:
         sim_cli.connectors_from_args(args(*four, "none,nixl"))
     with pytest.raises(ValueError, match=r"^--kv-connector 'lmcache' is not one of nixl, none$"):
         sim_cli.connectors_from_args(args(*four, "lmcache"))
+
+
+def test_cli_turns_on_the_prefix_cache_and_its_events() -> None:
+    def spec(*argv: str) -> SimEngineSpec:
+        return sim_cli.spec_from_args(sim_cli.parser().parse_args(list(argv)))
+
+    plain = spec()
+    assert not plain.prefix_caching
+    assert plain.kv_events is None
+    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", "topic": "kv"}'
+    on = spec(
+        "--enable-prefix-caching",
+        "--block-size",
+        "128",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        events,
+    )
+    assert on.prefix_caching
+    assert on.prompt_tokens_details
+    assert on.timing.block_size == 128
+    assert on.kv_events == KvEventsConfig(endpoint="tcp://*:6000", topic="kv")
+    assert on.kv_events.for_engine(2).endpoint == "tcp://*:6002"
+    # Events off, as vLLM reads the same object: no publisher at all.
+    off = spec("--enable-prefix-caching", "--kv-events-config", '{"endpoint": "tcp://*:1"}')
+    assert off.kv_events is None
+    with pytest.raises(ValueError, match=r"^kv_events needs prefix_caching"):
+        spec("--kv-events-config", events)
+    with pytest.raises(ValueError, match=r"^unknown KV events field\(s\): bogus$"):
+        spec("--enable-prefix-caching", "--kv-events-config", '{"bogus": 1}')

@@ -23,6 +23,20 @@ each band's p90 overrun (observed - projected, what admission adds) and p90 rati
 Times are model time (the simulator's clock at speed 1: wall x speed), in ms. Writes
 runs/bench/accuracy.json and runs/bench/accuracy.png; logs, the generated configs and the
 profile go to runs/tmp/accuracy/<timestamp>/ (git-ignored).
+
+    .venv/bin/python tools/bench/accuracy.py --workload cached   # ~1 min
+
+The cached workload (issue 33) measures the cached-prefill law itself, which pricing by
+cached tokens rests on: one simulated vLLM engine with prefix caching on (and
+``cached_tokens`` reported), profiled with narwhal-profile, then the prompts of the
+`benchkit.sessions` workload (shared system prompts, multi-turn sessions whose every turn
+extends the last) sent one at a time as one-token completions. Each prompt's observed
+time is set against the profile's price with its cached prefix
+(`narwhal.admission.cached_prefill_s` at the engine's ``cached_tokens``) and without it
+(the curve at the whole prompt, what Narwhal priced before), by the share of the prompt
+that was cached. Writes runs/bench/accuracy-cached.json. The router-side number (Narwhal's
+projected TTFT against the observed, as the default workload measures it, on this
+workload) waits for the router to price by the cached tokens it knows of.
 """
 
 from __future__ import annotations
@@ -38,14 +52,20 @@ from pathlib import Path
 import attrs
 import benchkit
 import goodput
+import httpx
 import numpy as np
 import trio
-from benchkit import Json, attainment as gm, harness, workload as gw
+from benchkit import Json, attainment as gm, harness, sessions, workload as gw
 
-from narwhal.admission import band_label, error_band
+from narwhal.admission import band_label, cached_prefill_s, error_band
+from narwhal.config import load_config
+from narwhal.probe import SweepPlan, profile_fleet
+from narwhal.profiles import PrefillModel, ProfileStore, save_profiles
 from narwhal.sim import SimTiming
 
 OUT = benchkit.RUNS / "accuracy.json"
+CACHED_OUT = benchkit.RUNS / "accuracy-cached.json"
+ROUTED_OUT = benchkit.RUNS / "accuracy-routed.json"
 
 
 # ------------------------------------------------------------------------- log analysis
@@ -198,6 +218,300 @@ def summarize_level(preds: Sequence[Prediction], speed: float) -> dict[str, Json
     }
 
 
+# ------------------------------------------------------------------- the cached workload
+
+
+@attrs.frozen
+class CachedSample:
+    """One prompt of the cached workload: its tokens, the engine's cached_tokens, and
+    its one-token completion's round trip (wall seconds)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    observed_s: float
+
+
+def cached_share_band(sample: CachedSample) -> str:
+    return share_band(sample.prompt_tokens, sample.cached_tokens)
+
+
+def law_accuracy(samples: Sequence[CachedSample], model: PrefillModel, speed: float) -> Json:
+    """The cached-prefill law's error on `samples` (`error_stats`, model time), next to
+    the error of pricing every prompt whole; overall, inside the profile's measured
+    domain, and by the share of the prompt that was cached."""
+
+    def stats(sel: Sequence[CachedSample]) -> dict[str, Json]:
+        observed = [s.observed_s * speed for s in sel]
+        return {
+            "law": error_stats(
+                [cached_prefill_s(model, s.prompt_tokens, s.cached_tokens) * speed for s in sel],
+                observed,
+            ),
+            "uncached_price": error_stats(
+                [model.prefill_s(s.prompt_tokens) * speed for s in sel], observed
+            ),
+        }
+
+    bands: dict[str, list[CachedSample]] = {"none": [], "under_half": [], "half_or_more": []}
+    for s in samples:
+        bands[cached_share_band(s)].append(s)
+    tokens = sum(s.prompt_tokens for s in samples)
+    return {
+        "n": len(samples),
+        "cached_token_share": round(sum(s.cached_tokens for s in samples) / tokens, 4)
+        if tokens
+        else None,
+        "all": stats(samples),
+        "in_domain": stats([s for s in samples if model.in_domain(s.prompt_tokens)]),
+        "by_cached_share": {name: stats(sel) for name, sel in bands.items()},
+    }
+
+
+async def profile_one(url: str, run_dir: Path) -> ProfileStore:
+    """narwhal-profile's sweep on the one engine: the prefill curve this workload prices
+    with (and the cached-prefill step's own record); decode and handoffs kept small."""
+    config = load_config(
+        {
+            "engines": [{"id": "e0", "url": url, "model": harness.MODEL}],
+            "profiles": {"path": str(run_dir / "profiles.json")},
+        }
+    )
+    plan = SweepPlan(
+        prefill_sizes=(16, 64, 256, 512, 1024, 2048, 4096, 6000, 7000),
+        decode_active=(1,),
+        decode_contexts=(256,),
+        handoff_sizes=(256,),
+        handoff_repeats=1,
+        budget_s=600.0,
+    )
+    store = await profile_fleet(config, plan)
+    save_profiles(store, config.profiles.path)
+    return store
+
+
+def session_workload(
+    args: argparse.Namespace,
+) -> tuple[sessions.SessionParams, list[sessions.SessionRequest]]:
+    """The cached and routed workloads' prompts: the first --cached-requests of
+    --sessions sessions on the conversation trace's lengths."""
+    trace = gw.load_trace(args.traces, "conv")
+    params = sessions.SessionParams(sessions=args.sessions, seed=args.seed)
+    return params, sessions.build(trace, params)[: args.cached_requests]
+
+
+def session_facts(params: sessions.SessionParams, requests: list[sessions.SessionRequest]) -> Json:
+    return {
+        **params.to_json(),
+        "trace": "conv",
+        "requests": len(requests),
+        "shared_fraction": round(sessions.shared_fraction(requests), 4),
+    }
+
+
+async def measure_cached(args: argparse.Namespace, run_dir: Path) -> Json:
+    params, requests = session_workload(args)
+    speed = args.speed
+    started = time.monotonic()
+    async with harness.Procs(run_dir, args.niceness) as procs:
+        groups = await harness.start_fleet(
+            procs,
+            engines=1,
+            speed=speed,
+            model=harness.MODEL,
+            seed=args.seed,
+            extra_args=["--enable-prefix-caching", "--enable-prompt-tokens-details"],
+        )
+        url = groups[0][0]
+        profile = (await profile_one(url, run_dir)).engines["e0"]
+        samples: list[CachedSample] = []
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+            # One at a time, in arrival order: the law prices an idle engine's prefill,
+            # and each turn's prefix is then the earlier turn the engine just cached.
+            for r in requests:
+                body = {"model": harness.MODEL, "prompt": r.prompt, "max_tokens": 1}
+                sent = time.monotonic()
+                answer = await client.post("/v1/completions", json=body)
+                seconds = time.monotonic() - sent
+                answer.raise_for_status()
+                usage = answer.json()["usage"]
+                details = usage.get("prompt_tokens_details") or {}
+                samples.append(
+                    CachedSample(
+                        usage["prompt_tokens"], int(details.get("cached_tokens") or 0), seconds
+                    )
+                )
+    cached = profile.cached
+    return {
+        "timings": {"total_s": round(time.monotonic() - started, 1)},
+        "profile": {
+            "prefill": attrs.asdict(profile.prefill),
+            "cached": None if cached is None else attrs.asdict(cached),
+        },
+        "accuracy": law_accuracy(samples, profile.prefill, speed),
+        # Every prompt, for other laws to be tried on: [tokens, cached, observed model ms].
+        "samples": [
+            [s.prompt_tokens, s.cached_tokens, round(s.observed_s * speed * 1000, 3)]
+            for s in samples
+        ],
+        "workload": session_facts(params, requests),
+    }
+
+
+def share_band(prompt_tokens: int, cached_tokens: int) -> str:
+    share = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    if share == 0:
+        return "none"
+    return "under_half" if share < 0.5 else "half_or_more"
+
+
+async def measure_routed(args: argparse.Namespace, run_dir: Path) -> Json:
+    """The sessions workload through Narwhal on a profiled 1P1D pair whose engines cache
+    prefixes, one streamed request at a time: the TTFT Narwhal projected for each (priced
+    by the tokens it knew cached, `cached_tokens` on its log line) against the TTFT it
+    then observed, by the share of the prompt priced as cached."""
+    params, requests = session_workload(args)
+    speed = args.speed
+    started = time.monotonic()
+    async with harness.Procs(run_dir, args.niceness) as procs:
+        groups = await harness.start_fleet(
+            procs,
+            engines=2,
+            speed=speed,
+            model=harness.MODEL,
+            seed=args.seed,
+            extra_args=["--enable-prefix-caching"],
+        )
+        urls, roles = harness.assign_roles(groups, 1)
+        extra = await goodput.profile_fleet(urls, roles, run_dir)
+        extra["log"] = {"level": "info"}  # the per-request lines are the measurement
+        config = harness.narwhal_config(
+            urls,
+            roles,
+            port=harness.free_port(),
+            speed=speed,
+            admission="predictive",
+            controller=False,
+            ttft_slo_s=args.ttft_slo_s * 20,  # every prompt admitted: accuracy, not refusals
+            tpot_slo_s=args.tpot_slo_s,
+            socket_path=str(run_dir / "narwhal.sock"),
+            extra=extra,
+        )
+        url = await harness.start_narwhal(procs, config, run_dir)
+        async with httpx.AsyncClient(timeout=120.0) as client:
+            for r in requests:
+                body = {
+                    "model": harness.MODEL,
+                    "prompt": r.prompt,
+                    "max_tokens": 2,
+                    "stream": True,
+                }
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
+                    await answer.aread()
+    entries = request_lines((run_dir / "narwhal.log").read_text().splitlines())
+    served = [
+        e
+        for e in entries
+        if e.get("projected_ttft_s") is not None and e.get("observed_ttft_s") is not None
+    ]
+
+    def stats(sel: Sequence[dict[str, Json]]) -> dict[str, Json]:
+        return error_stats(
+            [float(e["projected_ttft_s"]) * speed for e in sel],
+            [float(e["observed_ttft_s"]) * speed for e in sel],
+        )
+
+    bands: dict[str, list[dict[str, Json]]] = {"none": [], "under_half": [], "half_or_more": []}
+    for e in served:
+        bands[share_band(int(e["prompt_tokens"]), int(e.get("cached_tokens") or 0))].append(e)
+    local = [e for e in served if e.get("prefill_engine") is None]
+    return {
+        "timings": {"total_s": round(time.monotonic() - started, 1)},
+        "sent": len(requests),
+        "served": len(served),
+        "local_prefills": len(local),
+        "accuracy": {
+            "all": stats(served),
+            "pair": stats([e for e in served if e.get("prefill_engine") is not None]),
+            "local_prefill": stats(local),
+            "by_cached_share": {name: stats(sel) for name, sel in bands.items()},
+        },
+        "workload": session_facts(params, requests),
+    }
+
+
+def routed_table(doc: Json) -> str:
+    """The README table of the routed sessions workload: projected against observed."""
+    acc = doc["result"]["accuracy"]
+    lines = [
+        "| requests | n | MAPE | rel err p90 | bias ms | observed TTFT p50 / p90 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = [("all", acc["all"]), ("through the pair", acc["pair"])]
+    rows.append(("prefilled on the decode engine", acc["local_prefill"]))
+    rows += [(f"priced cached: {name}", cell) for name, cell in acc["by_cached_share"].items()]
+    for name, a in rows:
+        if not a["n"]:
+            lines.append(f"| {name} | 0 | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {a['n']} | {_pct(a['mape'])} | {_pct(a['rel_error_p90'])} "
+            f"| {a['bias_ms']:+} | {a['observed_ms']['p50']} / {a['observed_ms']['p90']} |"
+        )
+    return "\n".join(lines)
+
+
+def cached_table(doc: Json) -> str:
+    """The README table of the cached workload: the law against pricing whole prompts."""
+    acc = doc["result"]["accuracy"]
+    lines = [
+        "| prompts | n | law MAPE | law rel err p90 | law bias ms | whole-prompt MAPE "
+        "| whole-prompt bias ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = [("all", acc["all"])] + [
+        (f"cached share: {name}", cell) for name, cell in acc["by_cached_share"].items()
+    ]
+    for name, cell in rows:
+        law, whole = cell["law"], cell["uncached_price"]
+        if not law["n"]:
+            lines.append(f"| {name} | 0 | | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {law['n']} | {_pct(law['mape'])} | {_pct(law['rel_error_p90'])} "
+            f"| {law['bias_ms']:+} | {_pct(whole['mape'])} | {whole['bias_ms']:+} |"
+        )
+    return "\n".join(lines)
+
+
+def routed_config(args: argparse.Namespace) -> Json:
+    return {
+        **sessions_config(args),
+        "engines": "1P1D",
+        "sim": "--enable-prefix-caching",
+        "narwhal": "predictive admission, cache defaults, slo.ttft_s 20x --ttft-slo-s",
+        "sent": "one at a time, arrival order, max_tokens 2, streamed",
+    }
+
+
+def cached_config(args: argparse.Namespace) -> Json:
+    return {
+        **sessions_config(args),
+        "engines": 1,
+        "sim": "--enable-prefix-caching --enable-prompt-tokens-details",
+        "sent": "one at a time, arrival order, max_tokens 1, non-streaming",
+    }
+
+
+def sessions_config(args: argparse.Namespace) -> Json:
+    return {
+        "speed": args.speed,
+        "sessions": args.sessions,
+        "cached_requests": args.cached_requests,
+        "seed": args.seed,
+        "niceness": args.niceness,
+    }
+
+
 # ------------------------------------------------------------------------------ the run
 
 
@@ -225,7 +539,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="reuse this profile store (measured on an identical fleet: same engines, speed)"
         " instead of profiling the fresh fleet",
     )
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument(
+        "--workload",
+        choices=("trace", "cached", "routed"),
+        default="trace",
+        help="trace: Azure requests through Narwhal (default); cached: the cached-prefill "
+        "law on the sessions workload, one caching engine; routed: the sessions workload "
+        "through Narwhal on a caching 1P1D pair, projected against observed TTFT",
+    )
+    p.add_argument("--sessions", type=int, default=60, help="cached workload: sessions")
+    p.add_argument("--cached-requests", type=int, default=300, help="cached workload: prompts sent")
+    p.add_argument(
+        "--out", type=Path, help=f"default {OUT} ({CACHED_OUT} when cached, {ROUTED_OUT} routed)"
+    )
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out")
     return p.parse_args(argv)
 
@@ -446,49 +772,82 @@ def plot(doc: Json, path: Path) -> None:
     benchkit.save_figure(fig, path)
 
 
+def trace_config(args: argparse.Namespace) -> Json:
+    return {
+        "engines": args.engines,
+        "speed": args.speed,
+        "sim_procs": args.sim_procs,
+        "levels": args.levels,
+        "level_model_s": args.level_s,
+        "mix": args.mix,
+        "seed": args.seed,
+        "niceness": args.niceness,
+        "slo": {"ttft_s": args.ttft_slo_s, "tpot_s": args.tpot_slo_s},
+        "admission": "predictive",
+        "controller": False,
+        "profile": str(args.profiles)
+        if args.profiles is not None
+        else "goodput.profile_fleet (narwhal-profile on this run's fleet)",
+    }
+
+
+_WORKLOADS = {
+    "trace": ("accuracy", OUT),
+    "cached": ("accuracy-cached", CACHED_OUT),
+    "routed": ("accuracy-routed", ROUTED_OUT),
+}
+
+
 async def run(args: argparse.Namespace) -> int:
-    run_dir = benchkit.TMP / "accuracy" / time.strftime("%Y%m%d-%H%M%S")
+    cached = args.workload == "cached"
+    routed = args.workload == "routed"
+    name, default_out = _WORKLOADS[args.workload]
+    run_dir = benchkit.TMP / name / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    measure_it = measure_cached if cached else measure_routed if routed else measure
     try:
-        result = await measure(args, run_dir)
+        result = await measure_it(args, run_dir)
     except gw.TraceError as exc:
         print(f"accuracy: {exc}", file=sys.stderr)
         return 2
     doc = {
-        "benchmark": "accuracy",
+        "benchmark": name,
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": benchkit.machine(),
-        "versions": benchkit.versions(["narwhal", "trio", "h11", "hypercorn", "numpy"]),
+        "versions": benchkit.versions(["narwhal", "trio", "h11", "hypercorn", "httpx", "numpy"]),
         "git": benchkit.git_revision(),
         "load_average": benchkit.load_average(),
         "config": {
-            "engines": args.engines,
-            "speed": args.speed,
-            "sim_procs": args.sim_procs,
-            "levels": args.levels,
-            "level_model_s": args.level_s,
-            "mix": args.mix,
-            "seed": args.seed,
-            "niceness": args.niceness,
-            "slo": {"ttft_s": args.ttft_slo_s, "tpot_s": args.tpot_slo_s},
-            "admission": "predictive",
-            "controller": False,
-            "profile": str(args.profiles)
-            if args.profiles is not None
-            else "goodput.profile_fleet (narwhal-profile on this run's fleet)",
+            **(
+                cached_config(args)
+                if cached
+                else routed_config(args)
+                if routed
+                else trace_config(args)
+            ),
             "logs": str(run_dir.relative_to(benchkit.REPO)),
             "units": "model time (wall x speed), ms",
         },
         "result": result,
     }
-    benchkit.publish(args.out, doc, plot=plot, table=table)
+    if cached or routed:
+        benchkit.publish(
+            args.out or default_out, doc, table=routed_table if routed else cached_table
+        )
+    else:
+        benchkit.publish(args.out or default_out, doc, plot=plot, table=table)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
-        return benchkit.show(args.out, replot=plot, table=table)
+        _, default_out = _WORKLOADS[args.workload]
+        if args.workload == "cached":
+            return benchkit.show(args.out or default_out, table=cached_table)
+        if args.workload == "routed":
+            return benchkit.show(args.out or default_out, table=routed_table)
+        return benchkit.show(args.out or default_out, replot=plot, table=table)
     if not args.traces.is_dir():
         print(f"accuracy: {args.traces} is not a directory; pass --traces DIR", file=sys.stderr)
         return 2

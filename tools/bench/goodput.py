@@ -65,6 +65,8 @@ class Configuration:
     note: str = ""
     # Extra Narwhal config sections merged into the generated file (the lead's knobs).
     narwhal_extra: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    # vllm-router's --policy in P/D mode (prefill and decode both).
+    policy: str = "round_robin"
     # THE LEAD'S HOOK for per-run preparation on the fresh fleet, before the router starts
     # (e.g. run narwhal-profile against these engines at this speed): called with the
     # engine URLs, their roles and the run directory; returns more config sections.
@@ -173,6 +175,28 @@ def with_controller_timing(cfg: Configuration, phase_model_s: float, speed: floa
     return attrs.evolve(cfg, narwhal_extra=extra)
 
 
+def with_narwhal_extra(cfg: Configuration, extra: dict[str, dict[str, Any]]) -> Configuration:
+    """`cfg` with `extra`'s sections (--narwhal-extra) merged over its own, key by key; a
+    vllm-router configuration is unchanged."""
+    if not extra or cfg.router != "narwhal":
+        return cfg
+    merged = dict(cfg.narwhal_extra)
+    for section, values in extra.items():
+        merged[section] = {**merged.get(section, {}), **values}
+    return attrs.evolve(cfg, narwhal_extra=merged)
+
+
+def json_sections(text: str) -> dict[str, dict[str, Any]]:
+    """--narwhal-extra's value: a JSON object of config sections, each an object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise argparse.ArgumentTypeError('must be an object of sections, e.g. {"cache": {...}}')
+    return value
+
+
 def _static(p: int) -> Configuration:
     # The bar for the controller: everything Narwhal-full does except moving roles, so
     # the comparison isolates the controller (open admission has its own row).
@@ -279,10 +303,13 @@ class Settings:
     # Keep Narwhal's per-request log lines (projected vs observed TTFT, engines, attempts)
     # in the run directory: diagnosis, at some router CPU.
     request_log: bool = False
+    # The fleet: engines, and more narwhal-sim options (prefix caching, block size).
+    engines: int = ENGINES
+    sim_args: tuple[str, ...] = ()
 
 
-def split_label(p: int) -> str:
-    return f"{p}P{ENGINES - p}D"
+def split_label(p: int, engines: int = ENGINES) -> str:
+    return f"{p}P{engines - p}D"
 
 
 async def run_one(
@@ -291,8 +318,11 @@ async def run_one(
     requests: Sequence[gw.Request],
     bounds: Sequence[tuple[str, float, float]],
     settings: Settings,
+    *,
+    prompts: Sequence[str] | None = None,
 ) -> Json:
-    """One configuration on a fresh fleet: returns its result document."""
+    """One configuration on a fresh fleet: returns its result document. `prompts`: the
+    requests' prompt texts, sent instead of `prompt` token ids of one repeated token."""
     run_dir = settings.out_dir / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
     speed = settings.speed
@@ -301,11 +331,12 @@ async def run_one(
     async with harness.Procs(run_dir, settings.niceness) as procs:
         groups = await harness.start_fleet(
             procs,
-            engines=ENGINES,
+            engines=settings.engines,
             sim_procs=settings.sim_procs,
             speed=speed,
             model=harness.MODEL,
             seed=settings.seed,
+            extra_args=settings.sim_args,
         )
         urls, roles = harness.assign_roles(groups, prefill)
         port = harness.free_port()
@@ -340,7 +371,7 @@ async def run_one(
             options = ["--request-timeout-secs", str(max(1, round(600.0 / speed)))]
             options += ["--log-level", "warning"]
             url, _ = await harness.start_vllm_router(
-                procs, exe, urls, roles, port=port, options=options
+                procs, exe, urls, roles, port=port, options=options, policy=cfg.policy
             )
         warm = await harness.warm_up(url)
         if any(s != 200 for s in warm):
@@ -349,7 +380,10 @@ async def run_one(
         run = await harness.replay(
             procs,
             url,
-            [(r.t, r.prompt, r.output) for r in requests],
+            [
+                (r.t, r.prompt if prompts is None else prompts[i], r.output)
+                for i, r in enumerate(requests)
+            ],
             speed=speed,
             duration_s=duration,
             run_dir=run_dir,
@@ -362,7 +396,7 @@ async def run_one(
     return {
         "status": "ran",
         "router": cfg.router,
-        "split": split_label(prefill),
+        "split": split_label(prefill, settings.engines),
         "admission": cfg.admission,
         "controller": cfg.controller,
         "note": cfg.note,
@@ -629,6 +663,14 @@ def common_arguments(p: argparse.ArgumentParser, *, out: Path) -> None:
     p.add_argument("--overload", type=float, default=1.75, help="overload phase x capacity")
     p.add_argument("--window-s", type=float, default=None, help="attainment window (model s)")
     p.add_argument("--all-splits", action="store_true", help="also run the pruned static splits")
+    p.add_argument(
+        "--narwhal-extra",
+        type=json_sections,
+        default={},
+        metavar="JSON",
+        help="config sections merged into every Narwhal run's generated config, e.g. "
+        '\'{"cache": {"affinity": 0}}\'',
+    )
     p.add_argument("--out", type=Path, default=out)
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
     p.add_argument("--table", action="store_true", help="print --out's results as Markdown")
@@ -694,6 +736,7 @@ def config_facts(args: argparse.Namespace, settings: Settings, scale: float) -> 
             "total": settings.total_timeout_s,
         },
         "features": features_from(args),
+        "narwhal_extra": args.narwhal_extra,
         "profiles": str(args.profiles)
         if args.profiles is not None
         else "measured on the first predictive run's fleet, reused by the later ones",
@@ -838,6 +881,7 @@ async def run_all(args: argparse.Namespace) -> int:
             print(f"goodput: {cfg.name}: same run as {alias}", flush=True)
             continue
         cfg = with_controller_timing(cfg, phase_model_s, args.speed)
+        cfg = with_narwhal_extra(cfg, args.narwhal_extra)
         if cfg.split == "best":
             best = summary(results, [b[0] for b in bounds]).get("best_static")
             if best is not None:

@@ -346,6 +346,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
             at = attrs.evolve(settings, out_dir=settings.out_dir / f"x{rate:g}")
             print(f"goodput-rate: x{rate:g} {cfg.name} ({len(requests)} requests) ...", flush=True)
             run_cfg = goodput.with_controller_timing(cfg, phase_model_s, args.speed)
+            run_cfg = goodput.with_narwhal_extra(run_cfg, args.narwhal_extra)
             try:
                 result = await goodput.run_one(run_cfg, prefills[cfg.name], requests, bounds, at)
             except Exception as exc:
@@ -369,6 +370,12 @@ async def sweep_all(args: argparse.Namespace) -> int:
 
 def markdown(doc: Json) -> str:
     """Attainment at each rate and the goodput of every configuration, as Markdown."""
+    return rate_table(doc, doc["summary"]["best_static"])
+
+
+def rate_table(doc: Json, bold: str | None) -> str:
+    """`markdown` for any sweep document (`sweeps`, `summary.goodput`, `config.rates`),
+    with the configuration `bold` in bold."""
     rates = doc["config"]["rates"]
     s = doc["summary"]
     lines = [
@@ -390,7 +397,7 @@ def markdown(doc: Json) -> str:
                 cells.append(f"{row['attainment']:.1%}")
         g = s["goodput"][name]
         mark = {"at_least": ">= ", "below": "< "}.get(g["kind"] or "", "")
-        label = f"**{name}**" if name == s["best_static"] else name
+        label = f"**{name}**" if name == bold else name
         rate = "–" if g["rate"] is None else f"{mark}{g['rate']:.2f}"
         per_s = "–" if g["per_s"] is None else f"{mark}{g['per_s']:.1f}"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {rate} | {per_s} |")

@@ -491,7 +491,8 @@ class Replay:
     """Every request of a workload at its own time, through one base URL.
 
     Each is a streaming `POST /v1/completions` whose prompt is a list of token ids (an
-    exact length for both the engine and the router) and whose `max_tokens` is the
+    exact length for both the engine and the router), or the workload's own text when it
+    gives one (prefix_goodput.py's shared prefixes), and whose `max_tokens` is the
     trace's output length. Per request, one row:
     `[index, lateness_s, status, outcome, ttft_s, tpot_s, tokens, end_s]` (wall seconds;
     `end_s` from the replay's start). Outcomes: ok, refused (429),
@@ -514,17 +515,20 @@ class Replay:
         self.stale_retries = 0
         self.t0 = 0.0
 
-    def body(self, prompt: int, output: int) -> bytes:
-        ids = b"[" + b"791," * (prompt - 1) + b"791]"
+    def body(self, prompt: int | str, output: int) -> bytes:
+        if isinstance(prompt, str):
+            encoded = json.dumps(prompt).encode()
+        else:
+            encoded = b"[" + b"791," * (prompt - 1) + b"791]"
         return (
             b'{"model":'
             + json.dumps(self.model).encode()
             + b',"prompt":'
-            + ids
+            + encoded
             + b',"max_tokens":%d,"stream":true,"stream_options":{"include_usage":true}}' % output
         )
 
-    async def one(self, index: int, at: float, prompt: int, output: int) -> None:
+    async def one(self, index: int, at: float, prompt: int | str, output: int) -> None:
         scheduled = self.t0 + at / self.speed
         await trio.sleep_until(scheduled)
         sent = trio.current_time()
@@ -735,6 +739,10 @@ MODES = {
 
 
 def main() -> None:
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        # Benchmarks start it with one spec; a person asking gets the docstring.
+        print(__doc__)
+        raise SystemExit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     spec = json.loads(sys.argv[1])
     print(json.dumps(trio.run(MODES[spec["mode"]], spec)), flush=True)
 

@@ -81,6 +81,10 @@ PROMPT = "Summarise the plot of a short story about a lighthouse keeper and a wh
 LOGS = RUNS / "logs"
 ROUTERS = ("narwhal", "vllm-router")
 ALL_TARGETS = ("direct", "narwhal", "vllm-router")
+# Targets run only when named: narwhal-lean is Narwhal's app on the h11 server prototype
+# of tools/bench/dev/lean_server.py (docs/design.md#http-server).
+EXTRA_TARGETS = ("narwhal-lean",)
+LEAN_SERVER = Path(__file__).parent / "dev" / "lean_server.py"
 MODES = ("non-stream", "stream")
 
 # Goals from issue 8 part 2; the thresholds are fixed here, before any measurement.
@@ -148,6 +152,7 @@ def pinning_for(cpus: Sequence[int]) -> dict[str, tuple[int, ...]]:
     router, rest = (ordered[-1],), tuple(ordered[:-1])
     return {
         "narwhal": router,
+        "narwhal-lean": router,
         "vllm-router": router,
         "sim": rest,
         "loadgen": rest,
@@ -379,7 +384,8 @@ def evaluate_goals(summary: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
         return None
 
     goals: dict[str, Json] = {}
-    for target in ROUTERS:
+    extra = [t for t in EXTRA_TARGETS if any(r["target"] == t for r in summary)]
+    for target in (*ROUTERS, *extra):
         stream = row("stream", GOAL_ADDED_TTFT_AT, target)
         added = stream.get("added_ttft_p50_ms") if stream else None
         flat: dict[str, Json] = {}
@@ -582,6 +588,15 @@ async def start_narwhal(procs: Procs, endpoints: Endpoints) -> dict[str, Json]:
     return config
 
 
+async def start_narwhal_lean(procs: Procs, endpoints: Endpoints) -> None:
+    """Narwhal with the lean h11 server in place of hypercorn, on its own ports."""
+    port = free_port()
+    config = narwhal_config(_url(endpoints.prefill), _url(endpoints.decode), port)
+    config["ctl"] = {"socket": str(LOGS / "narwhal-lean.sock")}
+    await harness.start_narwhal(procs, config, LOGS, name="narwhal-lean", script=LEAN_SERVER)
+    endpoints.routers["narwhal-lean"] = (("127.0.0.1", port), procs.find("narwhal-lean"))
+
+
 async def start_vllm_router(procs: Procs, endpoints: Endpoints, exe: Path) -> list[str]:
     port = free_port()
     urls = [_url(endpoints.prefill), _url(endpoints.decode)]
@@ -611,6 +626,8 @@ async def run(plan: Plan, out_stem: str) -> dict[str, Json]:
     async with Procs(LOGS, affinity=plan.pinning) as procs:
         endpoints = await start_fleet(procs)
         narwhal_cfg = await start_narwhal(procs, endpoints) if "narwhal" in targets else None
+        if "narwhal-lean" in targets:
+            await start_narwhal_lean(procs, endpoints)
         vllm_argv: list[str] | None = None
         if "vllm-router" in targets and peer is not None:
             exe = harness.vllm_router_binary(peer.venv)
@@ -740,7 +757,12 @@ def _title(document: Mapping[str, Json]) -> str:
 # ---------------------------------------------------------------------------- plot
 
 
-_COLORS = {"direct": "#7f7f7f", "narwhal": "#1f77b4", "vllm-router": "#ff7f0e"}
+_COLORS = {
+    "direct": "#7f7f7f",
+    "narwhal": "#1f77b4",
+    "vllm-router": "#ff7f0e",
+    "narwhal-lean": "#2ca02c",
+}
 
 
 def plot(document: Json, path: Path) -> None:
@@ -749,7 +771,7 @@ def plot(document: Json, path: Path) -> None:
     summary: Sequence[Mapping[str, Json]] = document["summary"]
     alternating: Sequence[Mapping[str, Json]] = document["alternating_c1"]["summary"]
     concs = sorted({int(r["concurrency"]) for r in summary})
-    targets = [t for t in ALL_TARGETS if any(r["target"] == t for r in summary)]
+    targets = [t for t in (*ALL_TARGETS, *EXTRA_TARGETS) if any(r["target"] == t for r in summary)]
 
     def values(mode: str, target: str, key: str) -> list[float]:
         out = []
@@ -841,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--targets",
         default=",".join(ALL_TARGETS),
-        help="comma-separated subset of: " + ", ".join(ALL_TARGETS),
+        help="comma-separated subset of: " + ", ".join((*ALL_TARGETS, *EXTRA_TARGETS)),
     )
     p.add_argument(
         "--pin",
@@ -857,7 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.replot:
         return benchkit.show(RUNS / f"{stem}.json", replot=plot)
     targets = [t for t in args.targets.split(",") if t]
-    unknown = sorted(set(targets) - set(ALL_TARGETS))
+    unknown = sorted(set(targets) - {*ALL_TARGETS, *EXTRA_TARGETS})
     if unknown:
         p.error(f"unknown target(s): {', '.join(unknown)}")
     try:

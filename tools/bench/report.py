@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -162,8 +163,14 @@ def table_for(name: str, doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    which = list(argv) or ["overhead", "transport", "accuracy", "memory"]
-    for name in which:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "results",
+        nargs="*",
+        default=["overhead", "transport", "accuracy", "memory"],
+        help="result stems under runs/bench/ (default: overhead transport accuracy memory)",
+    )
+    for name in parser.parse_args(argv).results:
         path = RUNS / f"{name}.json"
         if not path.exists():
             print(f"({path} does not exist)\n")

@@ -8,7 +8,7 @@ import profile_narwhal
 import pytest
 
 _ROOT = "run (trio/_core/_run.py:2532);unrolled_run (trio/_core/_run.py:2866)"
-_FLOW = "Flow.handle (narwhal/serving/_flow.py:138)"
+_FLOW = "Exchange.run (narwhal/serving/_exchange.py:120)"
 
 
 def test_samples_go_to_the_nearest_categorised_frame() -> None:
@@ -16,7 +16,7 @@ def test_samples_go_to_the_nearest_categorised_frame() -> None:
         f"{_ROOT};_handle (hypercorn/trio/task_group.py:28);{_FLOW};"
         "ConnectionPool._send (narwhal/engines/_transport.py:290);"
         "send_all (trio/_highlevel_socket.py:122) 3",
-        f"{_ROOT};{_FLOW};Flow._count_tokens (narwhal/serving/_flow.py:280);"
+        f"{_ROOT};{_FLOW};count_tokens (narwhal/serving/_tokens.py:57);"
         "dumps (json/__init__.py:238) 1",
         f"{_ROOT};_handle (hypercorn/trio/task_group.py:28);{_FLOW};"
         "Logger.info (logging/__init__.py:1489) 2",
@@ -30,7 +30,7 @@ def test_samples_go_to_the_nearest_categorised_frame() -> None:
         "logging": 20.0,
         "json encode/decode": 10.0,
     }
-    assert result["percent_inclusive"]["Flow._count_tokens"] == 10.0
+    assert result["percent_inclusive"]["count_tokens"] == 10.0
     assert result["percent_inclusive"]["Logger.info"] == 20.0
 
 

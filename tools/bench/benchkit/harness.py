@@ -216,9 +216,11 @@ async def start_fleet(
     model: str | None = None,
     seed: int | None = None,
     zero: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> list[list[str]]:
     """Start `engines` simulated engines in `sim_procs` processes (sim0, sim1, ...); the
-    engines' URLs per process. `zero`: instant engines (SimTiming.zero)."""
+    engines' URLs per process. `zero`: instant engines (SimTiming.zero); `extra_args`: more
+    narwhal-sim options."""
     sizes = [engines // sim_procs + (1 if i < engines % sim_procs else 0) for i in range(sim_procs)]
     groups: list[list[str]] = []
     for i, size in enumerate(sizes):
@@ -231,6 +233,7 @@ async def start_fleet(
             argv += ["--seed", str(seed + 100 * i)]
         if zero:
             argv.append("--zero")
+        argv += extra_args
         proc = await procs.start(f"sim{i}", argv, stdout_pipe=True)
         groups.append(await read_lines(proc, size, 30.0))
     return groups
@@ -325,14 +328,17 @@ async def start_narwhal(
     *,
     name: str = "narwhal",
     pythonpath: Path | None = None,
+    script: Path | None = None,
 ) -> str:
     """`narwhal serve` on `config` (written to directory/<name>.json); its client URL once
     /health answers. `pythonpath`: run the narwhal package found there instead (-P keeps
-    this checkout from shadowing it)."""
+    this checkout from shadowing it). `script`: a script that takes the daemon's
+    arguments, in place of `-m narwhal`."""
     path = directory / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2))
-    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(path)]
+    entry = [str(script)] if script is not None else ["-m", "narwhal"]
+    argv = [sys.executable, *entry, "serve", "--config", str(path)]
     env = None
     if pythonpath is not None:
         argv[1:1] = ["-P"]
@@ -409,8 +415,9 @@ async def start_vllm_router(
     *,
     port: int,
     options: Sequence[str] = (),
+    policy: str = "round_robin",
 ) -> tuple[str, list[str]]:
-    """vllm-router `--vllm-pd-disaggregation --policy round_robin` in front of the engines
+    """vllm-router `--vllm-pd-disaggregation --policy POLICY` in front of the engines
     (plus `options`); its URL once /health answers, and its command line."""
     argv = [
         str(exe),
@@ -420,7 +427,7 @@ async def start_vllm_router(
         str(port),
         "--vllm-pd-disaggregation",
         "--policy",
-        "round_robin",
+        policy,
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
@@ -585,7 +592,7 @@ class Replayed:
 async def replay(
     procs: Procs,
     url: str,
-    requests: Sequence[tuple[float, int, int]],
+    requests: Sequence[tuple[float, int | str, int]],
     *,
     speed: float,
     duration_s: float,
@@ -594,7 +601,7 @@ async def replay(
     ttft_timeout_s: float,
     total_timeout_s: float,
 ) -> Replayed:
-    """Replay `requests` ((model time, prompt tokens, max_tokens)) through `url` with
+    """Replay `requests` ((model time, prompt tokens or text, max_tokens)) through `url` with
     loadgen.py in replay mode, the sampler polling meanwhile, then read its final state.
     Its input and raw rows stay in `run_dir` (workload.json, results.jsonl, loadgen.json)."""
     workload, rows_file, stats_file = (

@@ -35,7 +35,7 @@ sys.path.append(sys.argv[2])
 import trio
 from narwhal.profiles import FleetProfiles, ProfileCheck
 from narwhal.serving import ServingContext
-from narwhal.serving._flow import _GapLoad
+from narwhal.serving._meter import GapLoad
 from narwhal.supervisor._control import ControlLink, _decode_interval
 from tests.profiles.helpers import config_for, store_for
 
@@ -62,10 +62,10 @@ async def main():
     ]
     loads = []
     for _ in range(64):
-        load = _GapLoad()
+        load = GapLoad()
         load.add(engine, gaps_per_stream)
         loads.append(load)
-    one_summary = hasattr(_GapLoad, "alone")
+    one_summary = hasattr(GapLoad, "alone")
 
     def tail(gaps, load):
         if one_summary:

@@ -62,7 +62,7 @@ CATEGORIES: list[tuple[str, Callable[[str], bool]]] = [
 ]
 SCHEDULER = "trio scheduler and epoll (no application frame)"
 INCLUSIVE = (
-    "Flow._count_tokens",
+    "count_tokens",
     "ClientChannel.send_json",
     "ClientChannel.send_chunk",
     "TCPServer._read_data",

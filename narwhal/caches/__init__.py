@@ -1,0 +1,7 @@
+"""What each engine has cached, as its KV cache events say (`EngineCaches`)."""
+
+from ._service import (
+    CachesSection as CachesSection,
+    EngineCache as EngineCache,
+    EngineCaches as EngineCaches,
+)

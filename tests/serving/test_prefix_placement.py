@@ -1,0 +1,135 @@
+"""Cache-aware placement through the request path, on simulated vLLM engines with the
+approximate index (docs/design.md#prefix-caching): a prompt goes where its prefix ran
+when cache.affinity says so, exactly as before at 0, and a decode engine that holds
+most of a prompt prefills it itself."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.admission import cached_prefill_s
+from narwhal.sim import SimEngineSpec
+
+from .conftest import MODEL, Stack, StartStack
+from .test_predictive import LawPrefill, LawProfiles
+
+SYSTEM = "You are a careful assistant. " * 80  # ~2300 chars: nine 256-char text blocks
+# The decode engine, which pulled the prefix, never prefills it itself.
+NOT_LOCAL = {"local_prefill_share": 1.0}
+
+
+async def complete(stack: Stack, prompt: str) -> httpx.Response:
+    async with stack.client() as client:
+        response = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def requests_by_phase(stack: Stack) -> list[dict[str, int]]:
+    return [engine.state()["counters"]["completed"] for engine in stack.fleet]
+
+
+async def prefill_engine_of(stack: Stack, prompt: str) -> str:
+    before = requests_by_phase(stack)
+    await complete(stack, prompt)
+    after = requests_by_phase(stack)
+    ran = [
+        stack.config.engines[i].id
+        for i, (b, a) in enumerate(zip(before, after, strict=True))
+        if a.get("prefill", 0) > b.get("prefill", 0)
+    ]
+    assert len(ran) == 1, (before, after)
+    return ran[0]
+
+
+async def second_prefill_engine(stack: Stack) -> str:
+    """Where a prompt goes whose prefix ran on p1 while p0 was drained."""
+    p0 = stack.ctx.fleet.get("p0")
+    assert p0 is not None
+    p0.operator_drain()
+    assert await prefill_engine_of(stack, SYSTEM + "First question?") == "p1"
+    p0.operator_undrain()
+    return await prefill_engine_of(stack, SYSTEM + "Second question?")
+
+
+@pytest.mark.parametrize(("affinity", "second"), [(1.0, "p1"), (0.0, "p0")])
+async def test_a_shared_prefix_goes_back_to_the_engine_it_ran_on(
+    start_stack: StartStack, affinity: float, second: str
+) -> None:
+    cache = {"affinity": affinity, **NOT_LOCAL}
+    stack = await start_stack(["prefill", "prefill", "decode"], cache=cache)
+    # Both idle: without the cache the tie goes to p0, by id; with it the prefix wins.
+    assert await second_prefill_engine(stack) == second
+    metrics = stack.ctx.metrics.registry
+    cached = metrics.get_sample_value("narwhal_cached_prompt_tokens_total", {"engine": "p1"})
+    assert (cached or 0) > 0 if affinity else cached is None
+
+
+async def test_no_approximate_index_places_as_before(start_stack: StartStack) -> None:
+    cache = {"approximate_ttl_s": 0, **NOT_LOCAL}
+    stack = await start_stack(["prefill", "prefill", "decode"], cache=cache)
+    assert await second_prefill_engine(stack) == "p0"
+
+
+def sim_with_cache() -> dict[str, Any]:
+    return {"spec": SimEngineSpec(prefix_caching=True)}
+
+
+@pytest.mark.parametrize(("share", "local"), [(0.5, True), (1.0, False)])
+async def test_a_decode_engine_holding_most_of_the_prompt_prefills_it_itself(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture, share: float, local: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.request")
+    stack = await start_stack(cache={"local_prefill_share": share}, sim=sim_with_cache())
+    prompt = SYSTEM + "A question?"
+    await complete(stack, prompt)  # p0 prefills, d1 pulls the KV: both learn it
+    before = requests_by_phase(stack)
+    await complete(stack, prompt + " And one more.")
+    after = requests_by_phase(stack)
+    prefills = after[0].get("prefill", 0) - before[0].get("prefill", 0)
+    assert prefills == (0 if local else 1)
+    skipped = stack.ctx.metrics.registry.get_sample_value(
+        "narwhal_local_prefills_total", {"engine": "d1"}
+    )
+    assert (skipped or 0) == (1 if local else 0)
+    # The decode engine's own prefix cache served most of it, as priced.
+    hits = stack.fleet[1].state()["prefix_cache"]["hits_tokens"]
+    assert hits > 0 if local else True
+    last = [r for r in caplog.records if getattr(r, "event", None) == "request"][-1]
+    priced = last.cached_tokens  # type: ignore[attr-defined]
+    assert (last.prefill_engine, last.decode_engine) == (None if local else "p0", "d1")  # type: ignore[attr-defined]
+    # Either engine ran the first turn's prompt: the one that prefills holds most of it.
+    assert priced >= 0.5 * last.prompt_tokens  # type: ignore[attr-defined]
+
+
+async def test_a_local_prefill_is_projected_as_the_path_it_takes(
+    start_stack: StartStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Priced by the law: the decode engine's own cached prefill, whose step makes the first
+    # token, not the pair's path the admission quote priced (a prefill, the whole prompt's
+    # handoff, then a decode step).
+    caplog.set_level(logging.INFO, logger="narwhal.request")
+    profiles = LawProfiles(speed=20.0)
+    stack = await start_stack(
+        serving={"admission": "predictive"},
+        slo={"ttft_s": 5.0, "tpot_s": 0.05},
+        cache={"local_prefill_share": 0.5},
+        sim=sim_with_cache(),
+        profiles=profiles,
+    )
+    prompt = SYSTEM + "A question?"
+    await complete(stack, prompt)
+    await complete(stack, prompt + " And one more.")
+    second = [r for r in caplog.records if getattr(r, "event", None) == "request"][-1]
+    assert second.prefill_engine is None  # type: ignore[attr-defined]
+    tokens, cached = second.prompt_tokens, second.cached_tokens  # type: ignore[attr-defined]
+    law = LawPrefill(profiles.timing, profiles.speed)
+    local = cached_prefill_s(law, tokens, cached)
+    assert second.projected_ttft_s == pytest.approx(local, rel=0.05, abs=1e-5)  # type: ignore[attr-defined]
+    assert local < profiles.handoff_s(tokens) + law.prefill_s(tokens)
