@@ -362,9 +362,15 @@ async def test_a_loaded_decode_engine_within_its_profile_is_not_ejected(
         sim={"timing": timing},
         profiles=LawProfiles(timing=timing, speed=1.0),
         controller={"monitor_interval_s": 0.05},
-        recovery={"health": {"window_s": 10.0, "min_samples": 3, "eject_ratio": 2.0}},
+        recovery={"health": {"window_s": 30.0, "min_samples": 3, "eject_ratio": 2.0}},
     )
-    await decode_rounds(stack, 3, streams=8, tokens=24)
+
+    def judged_enough() -> bool:
+        return all(residuals(stack, e)["samples"] >= 3 for e in ("d1", "d2"))
+
+    # A decode leg is judged only with enough clean token gaps: on a loaded box (CI's, once)
+    # three rounds left d1 two residuals. More rounds, not a looser bar.
+    await decode_rounds(stack, 8, streams=8, tokens=24, until=judged_enough)
     for engine_id in ("d1", "d2"):
         engine = stack.ctx.fleet.get(engine_id)
         assert engine is not None
