@@ -12,16 +12,22 @@ def test_the_sampler_finds_processes_started_from_a_venv_and_sums_their_pss() ->
     # A child started from this interpreter's venv is found by its program's path;
     # processes started from elsewhere are not.
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(30)"], stdin=subprocess.DEVNULL
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
     )
     try:
+        # Popen returns once exec has begun, before the kernel has set the new program's
+        # arguments: CI's loaded box once read an empty cmdline there. Running, it has them.
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"up\n"
         found = real_tier.started_from([Path(sys.prefix)])
         assert child.pid in found
         assert real_tier.started_from([Path("/nonexistent-venv")]) == []
         assert real_tier.pss_bytes(child.pid) > 1_000_000  # an interpreter is megabytes
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
     assert real_tier.pss_bytes(child.pid) == 0  # gone: nothing, not an error
 
 
