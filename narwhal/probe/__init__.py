@@ -20,6 +20,7 @@ from ._check import (
 )
 from ._client import (
     EngineClient as EngineClient,
+    Gauges as Gauges,
     HandoffResult as HandoffResult,
     Identity as Identity,
     KvConnector as KvConnector,

@@ -744,7 +744,11 @@ async def measure_decode_point(
     estimate: float | None = None
     capacity = identity.kv_capacity_tokens
     if gauges.running is not None:
-        measured_active = max(1, round(gauges.running) + 1)
+        # The engine's count adds other clients' requests to the point's own, but is no
+        # witness below them: vLLM 0.32 reads 0 for a second or more while requests run
+        # (tests/real), and a point recorded at 1 would bend the decode fit. Every load is
+        # running here: one that failed, ended or queued has already failed the point.
+        measured_active = max(active, round(gauges.running) + 1)
     if gauges.kv_usage is not None and gauges.kv_usage > 0:
         if capacity:
             kv = gauges.kv_usage * capacity + probe_kv - measured_active * half

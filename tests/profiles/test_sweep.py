@@ -9,7 +9,16 @@ import attrs
 import pytest
 import trio
 
-from narwhal.probe import EngineClient, SweepFailed, SweepPlan, carry_facts, profile_fleet
+from narwhal.probe import (
+    EngineClient,
+    Gauges,
+    SweepFailed,
+    SweepPlan,
+    TextMaker,
+    carry_facts,
+    measure_decode_point,
+    profile_fleet,
+)
 from narwhal.profiles import MeasuredFacts, load_profiles, save_profiles, verify_builds
 from narwhal.sim import SimTiming, idle_prefill_s
 
@@ -196,3 +205,26 @@ async def test_decode_points_beyond_the_engines_batch_cap_are_skipped(
     # vLLM does not publish max_num_seqs; what the sweep saw is recorded in its place.
     assert store.engines["e0"].max_num_seqs == 6
     assert store.engines["e0"].max_num_seqs_source.startswith("observed")
+
+
+async def test_a_decode_point_counts_its_own_requests_when_the_engine_reads_none(
+    start_fleet: StartFleet,
+) -> None:
+    # vLLM 0.32's vllm:num_requests_running reads 0 for a second or more while requests
+    # run. A point of 4 streams is still a point of 4, not of the 1 that 0 + the probe makes.
+    fleet = await start_fleet(engines=1, speed=5.0)
+    config = config_for({"e0": fleet[0].url})
+    client = EngineClient(config.engines[0], config.engine)
+    engine_gauges = client.gauges
+
+    async def none_running() -> Gauges:
+        return attrs.evolve(await engine_gauges(), running=0.0)
+
+    client.gauges = none_running  # type: ignore[method-assign]
+    try:
+        identity = await client.identity()
+        plan = attrs.evolve(PLAN, decode_gaps=8)
+        point, _ = await measure_decode_point(client, TextMaker("t"), 4.5, identity, 4, 128, plan)
+    finally:
+        await client.aclose()
+    assert point.active == 4
