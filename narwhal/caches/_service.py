@@ -544,3 +544,19 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return self.caches.families()
+
+
+def events_without_ids_warning(config: Config) -> str | None:
+    """The warning for engines whose KV events Narwhal reads but cannot match the prompts
+    sent as text against (no `engine.tokenizer_path`), or None."""
+    if config.engine.tokenizer_path is not None:
+        return None
+    ids = [spec.id for spec in config.engines if spec.kv_events.enabled]
+    if not ids:
+        return None
+    return (
+        f"engines[{', '.join(ids)}].kv_events: their events name blocks by token ids, and "
+        "without engine.tokenizer_path Narwhal has ids only for prompts sent as ids: prompts "
+        "sent as text are priced and placed there as uncached; set engine.tokenizer_path "
+        "to the model's tokenizer"
+    )

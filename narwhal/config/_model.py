@@ -112,7 +112,8 @@ class KvEvents:
             "change or a changed endpoint empties that engine's index. The events name "
             "blocks by hashes of token ids: a prompt is priced as cached on the engine only "
             "when the router has its ids (`engine.tokenizer_path`, or a prompt sent as "
-            "ids); without them it is priced uncached there."
+            "ids); without them it is priced uncached there, which the daemon's start and "
+            "`narwhal validate` warn of."
         ),
     )
     replay_endpoint: str | None = _f(

@@ -12,7 +12,9 @@ startup with the same functions, so the two cannot drift:
 - the control socket: `narwhal.ctl.inspect_path` (serve: `prepare_path`, which then
   creates its folder and binds: whether it may is asked here with access(2));
 - the listeners: a bind of each address as serve binds it, worded by `listen_refusal`;
-- the admin listener off loopback without a token: `open_admin_warning`.
+- the admin listener off loopback without a token: `open_admin_warning`;
+- engines' KV events that text prompts cannot be matched against (no
+  `engine.tokenizer_path`): `narwhal.caches.events_without_ids_warning`.
 
 Invariants: changes nothing (a probe listener is closed at once, no file or folder is
 made); contacts no engine (a profile's build is compared with the live engine's by
@@ -28,6 +30,7 @@ import os
 import attrs
 import trio
 
+from ..caches import events_without_ids_warning
 from ..config import Config
 from ..ctl import ControlSocketError, inspect_path
 from ..profiles import load_profiles
@@ -72,6 +75,9 @@ def preflight(config: Config, *, open_files: OpenFileLimit | None = None) -> Pre
     warning = open_admin_warning(config)
     if warning is not None:
         findings.append(Finding(f"admin.host: {warning}", refuses=False))
+    warning = events_without_ids_warning(config)
+    if warning is not None:
+        findings.append(Finding(warning, refuses=False))
     return Preflight(tuple(findings), running)
 
 

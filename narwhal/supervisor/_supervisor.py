@@ -53,7 +53,7 @@ from prometheus_client import Counter
 from .._codes import ErrorCode
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
-from ..caches import EngineCaches
+from ..caches import EngineCaches, events_without_ids_warning
 from ..config import (
     Config,
     ConfigError,
@@ -266,6 +266,7 @@ class Supervisor:
                     },
                 )
                 self._warn_open_admin(config)
+                self._warn_events_without_ids(config)
                 self.notifier.ready(self._status_line())
                 self._started.set()
                 task_status.started(self)
@@ -341,6 +342,14 @@ class Supervisor:
                 warning,
                 extra={"event": "admin_open", "host": admin.host, "port": admin.port},
             )
+
+    @staticmethod
+    def _warn_events_without_ids(config: Config) -> None:
+        """One WARNING when engines publish KV events that text prompts cannot be matched
+        against: their cache would be invisible to pricing without a word."""
+        warning = events_without_ids_warning(config)
+        if warning is not None:
+            log.warning("%s", warning, extra={"event": "cache_events_without_ids"})
 
     # ------------------------------------------------------------------ shutdown
 
