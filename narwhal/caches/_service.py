@@ -16,14 +16,15 @@ Invariants
   a gap, the engine's replay socket is asked for the missing batches, and the index is
   reset (`gap`) when it cannot give them all within cache.replay_timeout_s. A seq at or
   before the last one is a new publisher, a restarted engine (`seq_back`). A restart
-  recovery detects (`restart`), a role change (`role_change`), an undecodable batch
-  (`malformed`) and a changed endpoint at reload (`reconfigured`) reset it too; an engine
-  that leaves the fleet takes its index with it. Role and restart are checked whenever
-  the index is read or written, so no reader sees blocks from before either. The first
+  recovery detects (`restart`), an undecodable batch (`malformed`) and a changed
+  endpoint at reload (`reconfigured`) reset it too; an engine that leaves the fleet
+  takes its index with it. A restart is checked whenever the index is read or written,
+  so no reader sees blocks from before it. A role change resets nothing: the role is the
+  router's, and the engine's process keeps its cache. The first
   batch heard (at start, after a reset) is preceded by what the replay still holds of
   the engine's earlier batches, so a Narwhal restarted beside running engines learns
-  what they cached. An approximate index resets on a restart and a role change too,
-  and goes with cache.approximate_ttl_s set to 0. `cached_tokens` is below the
+  what they cached. An approximate index resets on a restart too, and goes with
+  cache.approximate_ttl_s set to 0. `cached_tokens` is below the
   prompt's tokens: vLLM computes at least the last one again.
 
 Errors
@@ -44,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ..config import Config, KvEvents
-from ..fleet import EngineState, Fleet, Role
+from ..fleet import EngineState, Fleet
 from ..prefix import (
     END_SEQ,
     BlockIndex,
@@ -96,7 +97,6 @@ class _Subscription:
     engine: EngineState
     events: KvEvents
     index: BlockIndex
-    role: Role
     restarts: int
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     replays: dict[str, int] = attrs.field(factory=dict)
@@ -122,7 +122,6 @@ class _Learnt:
 
     engine: EngineState
     index: PromptIndex
-    role: Role
     restarts: int
 
 
@@ -177,7 +176,6 @@ class EngineCaches:
                 self._learnt[engine.id] = _Learnt(
                     engine=engine,
                     index=PromptIndex(bound, ttl),
-                    role=engine.role,
                     restarts=engine.restarts_detected,
                 )
             else:
@@ -204,7 +202,6 @@ class EngineCaches:
                 engine=engine,
                 events=spec,
                 index=index,
-                role=engine.role,
                 restarts=engine.restarts_detected,
             )
             self._subs[engine.id] = fresh
@@ -303,15 +300,14 @@ class EngineCaches:
         return _NONE
 
     def _check(self, sub: _Subscription | _Learnt) -> None:
-        """Reset what the engine's role or process is no longer: recovery and the role
-        setters do not call here, so every read and write asks."""
+        """Reset what the engine's process no longer holds: recovery does not call here,
+        so every read and write asks. A role change keeps the index: Narwhal moves roles
+        in the router, and the engine's process keeps its prefix cache (its events go on
+        saying what it holds)."""
         engine = sub.engine
         if engine.restarts_detected != sub.restarts:
             sub.restarts = engine.restarts_detected
             self._reset(sub, "restart")
-        if engine.role != sub.role:
-            sub.role = engine.role
-            self._reset(sub, "role_change")
 
     def _reset(self, sub: _Subscription | _Learnt, reason: str) -> None:
         sub.index.reset(reason)
