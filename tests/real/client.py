@@ -12,11 +12,12 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
+import trio
 
 from ..support import sse_payloads
 from .engines import MODEL_NAME, Engine, sample
@@ -165,6 +166,49 @@ def _signal(pids: list[int], signum: int) -> None:
             pass  # killed meanwhile: the crash tests do that
 
 
+@asynccontextmanager
+async def stepping(
+    pids: list[int], *, step_s: float = 0.002, rest_s: float = 0.05
+) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Model processes stopped (SIGSTOP) and let run `step_s` at a time, every `rest_s`,
+    so a stream advances by the few tokens a step makes (0-30 here for 2 ms) however
+    slowly the client reads. Yields `halt`: stop stepping and leave them stopped. All are
+    continued at the end.
+
+    `Throttle`'s share of each period bounds nothing on this box: the tiny model makes a
+    1500-token stream in well under a second of CPU, and with vLLM's core paced at 1 %
+    the whole stream was made by the client's third event."""
+    scope = trio.CancelScope()
+    halted = trio.Event()
+
+    async def run() -> None:
+        try:
+            with scope:
+                while True:
+                    _signal(pids, signal.SIGCONT)
+                    await trio.sleep(step_s)
+                    _signal(pids, signal.SIGSTOP)
+                    await trio.sleep(rest_s)
+        finally:
+            _signal(pids, signal.SIGSTOP)
+            halted.set()
+
+    async def halt() -> None:
+        scope.cancel()
+        await halted.wait()
+
+    _signal(pids, signal.SIGSTOP)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            try:
+                yield halt
+            finally:
+                scope.cancel()
+    finally:
+        _signal(pids, signal.SIGCONT)
+
+
 class Throttle:
     """Model processes (vLLM's EngineCore, SGLang's scheduler) let run for `share` of each
     `period_s` and stopped (SIGSTOP) for the rest, by a thread of the test process.
@@ -172,8 +216,10 @@ class Throttle:
     The tiny model makes a whole 1500-token stream in a few seconds, and a test staged at
     a stream's third event must find it still in progress. Neither a lower CPU priority
     nor retries were enough: in CI every attempt finished before the client read three
-    events. Throttled, the engine is slower than any stall of Narwhal or the client, and
-    the box's CPU goes to them. While stopped, the API servers still answer (metrics,
+    events. Throttled, the box's CPU goes to Narwhal and the client; but a share of each
+    period bounds the tokens made less than it seems (vLLM's model runs in a worker the
+    core feeds, and a few ms make dozens of tokens), so a test that must catch a stream
+    unfinished steps the model instead (`stepping`). While stopped, the API servers still answer (metrics,
     aborts); the cores take what arrived first when continued."""
 
     def __init__(self, pids: list[int], *, share: float = 0.2, period_s: float = 0.1) -> None:

@@ -88,6 +88,22 @@ def build_model(out: Path) -> Path:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Pids of `pid`'s descendants, from /proc."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        path = Path(f"/proc/{parent}/task/{parent}/children")
+        try:
+            kids = [int(p) for p in path.read_text().split()]
+        except OSError:
+            kids = []
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
 @attrs.define
 class Engine:
     """One vLLM API server process (and its engine core child)."""
@@ -156,18 +172,13 @@ class Engine:
         """Pids of the API server's descendants (the engine core is one of them)."""
         if self.pid is None:
             return []
-        found: list[int] = []
-        todo = [self.pid]
-        while todo:
-            parent = todo.pop()
-            path = Path(f"/proc/{parent}/task/{parent}/children")
-            try:
-                kids = [int(p) for p in path.read_text().split()]
-            except OSError:
-                kids = []
-            found.extend(kids)
-            todo.extend(kids)
-        return found
+        return descendants(self.pid)
+
+    def model_pids(self) -> list[int]:
+        """The EngineCore and its descendants: vLLM 0.32 runs the model in a
+        `VLLM::Worker` child of the core."""
+        core = self.engine_core_pid()
+        return [core, *descendants(core)]
 
     def engine_core_pid(self) -> int:
         """The EngineCore process (vLLM v1 runs the model outside the API server)."""
