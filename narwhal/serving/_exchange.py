@@ -86,7 +86,7 @@ from ._tokens import count_tokens
 Endpoint = Literal["completions", "chat"]
 # Retry-After of a refusal at saturation (the retained ceiling, a full or timed-out
 # admission queue): slots free as requests finish, which no prediction here prices.
-_SATURATED_RETRY_AFTER_S = 1.0
+SATURATED_RETRY_AFTER_S = 1.0
 
 
 class Exchange:
@@ -148,28 +148,10 @@ class Exchange:
             # and gets nothing more of the router (its body unread, its connection closed).
             await self._refuse(receive, refusal, keep_connection=False)
             return
-        if not ctx.accepting:
-            # No connection to a daemon that is going away is worth keeping.
-            closing = Unavailable("narwhal is shutting down", code=ErrorCode.SHUTTING_DOWN)
-            await self._refuse(receive, closing, keep_connection=False)
-            return
-        if ctx.retained >= ctx.retained_ceiling:
-            # docs/design.md#retained-ceiling: past the ceiling, refuse before parsing the body.
-            ctx.unsized_offers += 1
-            ceiling = Refused(
-                f"narwhal retains at most serving.max_connections + serving.queue_capacity"
-                f" = {ctx.retained_ceiling} requests",
-                code=ErrorCode.RETAINED_CEILING,
-                retry_after_s=_SATURATED_RETRY_AFTER_S,
-            )
-            await self._refuse(receive, ceiling)
-            return
-        if ctx.pending_bodies.full(self.address):
-            # Below the ceiling, so that one client's slow bodies cannot reach it. Its
-            # body is not waited for: the client has enough of them arriving already.
-            slow = ctx.pending_bodies.refusal(self.address)
-            ctx.pending_bodies.refused(self.address)
-            await self._refuse(receive, slow, keep_connection=False)
+        refused = refusal_before_body(ctx, self.address)
+        if refused is not None:
+            error, keep_connection = refused
+            await self._refuse(receive, error, keep_connection=keep_connection)
             return
         self.record = record = RequestRecord(
             id=self.request_id, endpoint=self.endpoint, arrival=self.arrival
@@ -364,7 +346,7 @@ class Exchange:
         record.stage = "queued"
         try:
             async with ctx.gate.admitted(
-                queue_timeout_s=serving.queue_timeout_s, retry_after_s=_SATURATED_RETRY_AFTER_S
+                queue_timeout_s=serving.queue_timeout_s, retry_after_s=SATURATED_RETRY_AFTER_S
             ) as waited:
                 offered(ctx, request, tokens, admitted=True, cached=self.cached)
                 ctx.metrics.queue_wait.observe(waited)
@@ -506,6 +488,32 @@ class Exchange:
             failure.engine_id, failure.phase, failure.code
         ).inc()
         self.ctx.engine_leg_failed(failure, engine)
+
+
+def refusal_before_body(ctx: ServingContext, address: str) -> tuple[NarwhalError, bool] | None:
+    """Why a request from `address` is refused before its body is read, and whether its
+    connection is worth keeping; None: it may be retained. Counts the refusal where the
+    state document counts it."""
+    if not ctx.accepting:
+        # No connection to a daemon that is going away is worth keeping.
+        return Unavailable("narwhal is shutting down", code=ErrorCode.SHUTTING_DOWN), False
+    if ctx.retained >= ctx.retained_ceiling:
+        # docs/design.md#retained-ceiling: past the ceiling, refuse before parsing the body.
+        ctx.unsized_offers += 1
+        ceiling = Refused(
+            f"narwhal retains at most serving.max_connections + serving.queue_capacity"
+            f" = {ctx.retained_ceiling} requests",
+            code=ErrorCode.RETAINED_CEILING,
+            retry_after_s=SATURATED_RETRY_AFTER_S,
+        )
+        return ceiling, True
+    if ctx.pending_bodies.full(address):
+        # Below the ceiling, so that one client's slow bodies cannot reach it. Its body
+        # is not waited for: the client has enough of them arriving already.
+        slow = ctx.pending_bodies.refusal(address)
+        ctx.pending_bodies.refused(address)
+        return slow, False
+    return None
 
 
 def place(views: tuple[EngineView, ...], tried: Tried, policy: Policy) -> Placement | NoPlacement:
