@@ -26,7 +26,7 @@ from collections.abc import Callable
 import trio
 
 from ..serving._context import ServingContext
-from ..serving._exchange import SATURATED_RETRY_AFTER_S, refusal_before_body
+from ..serving._decisions import SATURATED_RETRY_AFTER_S, refusal_before_body
 from ._channel import CallHandler, NoteHandler
 
 Reply = Callable[[object], None]

@@ -6,7 +6,7 @@ import logging
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
@@ -34,6 +34,9 @@ from ._descriptors import DescriptorBudget, report
 from ._lag import LoopLag, Paced
 from ._per_client import PerClient
 from ._slo import SloTally, slo_result
+
+if TYPE_CHECKING:
+    from ._decisions import Decisions
 
 log = logging.getLogger("narwhal.request")
 
@@ -275,6 +278,13 @@ class ServingContext:
         )
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
+
+    def decisions_for(self, config: Config) -> Decisions:
+        """A new request's global decisions, on this process's state; a worker of the
+        multi-process plane asks its decision core instead (`narwhal.plane`)."""
+        from ._decisions import Decisions  # noqa: PLC0415: it builds on this module
+
+        return Decisions(self, config)
 
     def finished(self, outcome: str, record: RequestRecord | None = None) -> None:
         """Count a request's final outcome, and how it counts for SLO attainment."""

@@ -36,7 +36,6 @@ See
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Literal
 
 import trio
@@ -53,17 +52,9 @@ from .._errors import (
     Unavailable,
 )
 from ..admission import PathQuote
-from ..fleet import EngineState, EngineView
-from ..placement import NoPlacement, Placement, Policy, choose
+from ..fleet import EngineState
+from ..placement import NoPlacement, Placement
 from ..prefix import PromptKey
-from ._admit import (
-    admit_predictively,
-    aggregate_only,
-    has_aggregate,
-    local_prefill_prices,
-    offered,
-    placement_for,
-)
 from ._client import (
     ClientChannel,
     ClientGone,
@@ -76,17 +67,15 @@ from ._client import (
     watch_disconnect,
 )
 from ._context import DEGRADED_PUBLIC, RequestRecord, ServingContext, log
+from ._decisions import BeforeBody, Decisions
 from ._pairs import aggregate, pair_protocol
 from ._per_client import client_key
-from ._prefix import cached_by_engine, prefills_locally, prompt_of, ran_on
+from ._prefix import prompt_of
 from ._request import ClientRequest, decode_refusal, parse_body, request_id_from_header
-from ._retry import GiveUp, Reason, Tried, next_attempt
+from ._retry import GiveUp, Reason, Tried
 from ._tokens import count_tokens
 
 Endpoint = Literal["completions", "chat"]
-# Retry-After of a refusal at saturation (the retained ceiling, a full or timed-out
-# admission queue): slots free as requests finish, which no prediction here prices.
-SATURATED_RETRY_AFTER_S = 1.0
 
 
 class Exchange:
@@ -100,6 +89,7 @@ class Exchange:
         "client",
         "config",
         "ctx",
+        "decisions",
         "endpoint",
         "headers",
         "prompt",
@@ -115,6 +105,7 @@ class Exchange:
     ) -> None:
         self.ctx = ctx
         self.config = ctx.config  # one snapshot per request: a reload applies to new ones
+        self.decisions: Decisions = ctx.decisions_for(self.config)
         self.endpoint = endpoint
         self.arrival = trio.current_time()
         headers = scope.get("headers", [])
@@ -142,26 +133,26 @@ class Exchange:
     async def run(self, receive: Receive, *, refusal: NarwhalError | None = None) -> None:
         """Serve the request; `refusal`: the app refused it already (its API key),
         answered and counted here like the other refusals before the body."""
-        ctx = self.ctx
         if refusal is not None:
             # Before anything else: a client without the key learns nothing of the state,
             # and gets nothing more of the router (its body unread, its connection closed).
             await self._refuse(receive, refusal, keep_connection=False)
             return
-        refused = refusal_before_body(ctx, self.address)
-        if refused is not None:
-            error, keep_connection = refused
-            await self._refuse(receive, error, keep_connection=keep_connection)
-            return
+        try:
+            async with self.decisions.retained(self.address):
+                await self._retained_request(receive)
+        except BeforeBody as refused:
+            await self._refuse(receive, refused.error, keep_connection=refused.keep_connection)
+
+    async def _retained_request(self, receive: Receive) -> None:
+        ctx = self.ctx
         self.record = record = RequestRecord(
             id=self.request_id, endpoint=self.endpoint, arrival=self.arrival
         )
-        ctx.retained += 1
         ctx.records[id(record)] = record
-        body_read = ctx.pending_bodies.hold(self.address)
         outcome = "client_disconnected"
         try:
-            outcome = await self._retained(receive, body_read)
+            outcome = await self._retained(receive, self.decisions.body_read)
         except Exception:
             # A bug must still produce a well-formed error, never a dropped connection.
             log.exception("internal error serving request %s", record.id)
@@ -171,8 +162,7 @@ class Exchange:
                     NarwhalError(f"internal error serving request {record.id}")
                 )
         finally:
-            body_read()
-            ctx.retained -= 1
+            self.decisions.body_read()
             del ctx.records[id(record)]
             self._finished(outcome)
 
@@ -314,12 +304,13 @@ class Exchange:
     # ------------------------------------------------------------------ the request
 
     async def _serve(self) -> None:
-        ctx, request, record, serving = self.ctx, self.request, self.record, self.config.serving
+        ctx, request, record, decisions = self.ctx, self.request, self.record, self.decisions
         if request.model not in ctx.models:
             raise NotFound(f"the model `{request.model}` does not exist", param="model")
-        if ctx.degraded_reason is not None:
+        standing = await decisions.standing()
+        if standing.degraded_reason is not None:
             raise Unavailable(
-                f"narwhal is degraded: {ctx.degraded_reason}",
+                f"narwhal is degraded: {standing.degraded_reason}",
                 code=ErrorCode.DEGRADED,
                 public=f"narwhal is degraded: {DEGRADED_PUBLIC}",
             )
@@ -327,7 +318,7 @@ class Exchange:
             refusal = decode_refusal(request)
             if refusal is not None:
                 raise refusal
-        if request.one_engine == "n" and not has_aggregate(ctx):
+        if request.one_engine == "n" and not standing.has_aggregate:
             raise BadRequest(
                 f"n={request.n} is served only by an aggregate engine (role `both`), and the "
                 "fleet has none: a prefill/decode pair hands over the KV of one sequence, "
@@ -339,48 +330,35 @@ class Exchange:
         self.tokens = record.prompt_tokens = tokens
         record.token_count_method = method
         self.prompt = prompt_of(self)
-        self.cached = cached_by_engine(self)
+        self.cached = await decisions.cached(self.prompt)
         quotes: list[PathQuote] = []
-        if serving.admission == "predictive":
-            quotes = admit_predictively(ctx, request, tokens, self.config, self.cached)
+        if self.config.serving.admission == "predictive":
+            quotes = await decisions.admit(request, tokens, self.cached)
         record.stage = "queued"
         try:
-            async with ctx.gate.admitted(
-                queue_timeout_s=serving.queue_timeout_s, retry_after_s=SATURATED_RETRY_AFTER_S
-            ) as waited:
-                offered(ctx, request, tokens, admitted=True, cached=self.cached)
+            async with decisions.admitted() as waited:
+                decisions.offered(request, tokens, self.cached, admitted=True)
                 ctx.metrics.queue_wait.observe(waited)
                 await self._attempts(quotes)
         except Refused as refusal:
             if refusal.code in (ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_TIMEOUT):
-                offered(
-                    ctx, request, tokens, admitted=False, reason=refusal.code, cached=self.cached
-                )
+                decisions.offered(request, tokens, self.cached, admitted=False, reason=refusal.code)
             raise
 
     async def _attempts(self, quotes: list[PathQuote]) -> None:
         """Place and run attempts until one succeeds or `next_attempt` gives up."""
-        ctx, request, record = self.ctx, self.request, self.record
+        ctx, request, record, decisions = self.ctx, self.request, self.record, self.decisions
         tried = Tried()
-        one_engine = aggregate_only(ctx, request)
         while True:
             record.attempts = tried.attempts
-            views = ctx.fleet.views(trio.current_time())
-            if one_engine:
-                views = tuple(view for view in views if view.role == "both")
             if tried.attempts > 1:
-                self.cached = cached_by_engine(self)
-            policy = placement_for(ctx, self.tokens, self.config, self.cached)
-            placement = place(views, tried, policy)
+                self.cached = await decisions.cached(self.prompt)
+            placed = await decisions.place(request, self.tokens, self.cached, tried, self.prompt)
+            placement = placed.placement
             if isinstance(placement, NoPlacement):
                 raise Unavailable(
                     placement.reason, code=ErrorCode.NO_ENGINE_AVAILABLE, public=placement.public
                 )
-            if placement.unserved:
-                # docs/design.md#placement: every candidate misses its projected SLO; run
-                # on the cheapest.
-                ctx.unserved_placements += 1
-                ctx.metrics.unserved_placements.inc()
             record.prefill_engine = placement.prefill
             record.decode_engine = placement.decode
             if tried.attempts == 1:
@@ -391,144 +369,56 @@ class Exchange:
             decode = ctx.fleet.get(placement.decode)
             assert decode is not None
             prefill = None if placement.prefill is None else ctx.fleet.get(placement.prefill)
-            if prefill is not None and (
-                pair_protocol(decode.dialect).decode_alone(request)
-                or self._prefills_locally(prefill, decode)
-            ):
+            if placed.local_prefill:
                 # The decode engine computes the prompt itself: no prefill leg.
                 prefill = None
                 record.prefill_engine = None
-            computed = decode if prefill is None else prefill
-            record.cached_tokens = self.cached.get(computed.id, 0)
-            if record.cached_tokens:
-                ctx.metrics.cached_prompt_tokens.labels(computed.id).inc(record.cached_tokens)
-            ran_on(self, *{computed.id, decode.id})
+                prices = placed.local_prices
+                if prices is not None and prices.local_s is not None and tried.attempts <= 1:
+                    # The projection is the path taken (the admission quote priced the
+                    # pair's): the prefill's own step makes the first token, no decode
+                    # step follows.
+                    record.projected_ttft_s = prices.local_s
+                    record.projected_wait_s = prices.local_wait_s
+            record.cached_tokens = placed.cached_tokens
             try:
                 await self._attempt(prefill, decode)
             except EngineFailed as failure:
                 failed = prefill if prefill and failure.engine_id == prefill.id else decode
-                self._count_failure(failure, failed, placement)
-                decision = next_attempt(
+                decision = await decisions.retry(
                     failure,
+                    failed,
                     tried,
-                    prefill=placement.prefill,
+                    placement,
                     visible=self.client.started,
-                    serving=self.config.serving,
-                    budget_credits=ctx.retry_budget.level,
                     deadline=request.deadline,
-                    now=trio.current_time(),
-                    jitter=ctx.rng.random(),
                 )
                 if isinstance(decision, GiveUp):
                     await self._give_up(decision, failure)
                     raise
-                spent = ctx.retry_budget.try_spend()
-                assert spent  # next_attempt saw the credit, and nothing ran since
-                ctx.metrics.retries.labels(failure.code).inc()
                 record.stage = "backoff"
                 await trio.sleep(decision.backoff_s)
                 tried = decision.tried
                 continue
-            ctx.retry_budget.on_success()
+            decisions.succeeded()
             return
 
-    def _prefills_locally(self, prefill: EngineState, decode: EngineState) -> bool:
-        """docs/design.md#prefix-caching: a vLLM decode engine that holds most of the
-        prompt computes the rest itself when that is no slower than the pair's path."""
-        if not pair_protocol(decode.dialect).prefills_locally:
-            return False
-        price = partial(
-            local_prefill_prices, self.ctx, prefill.id, decode.id, self.tokens, self.cached
-        )
-        share = self.config.cache.local_prefill_share
-        prices = prefills_locally(self.cached.get(decode.id, 0), self.tokens, share, price)
-        if prices is None:
-            return False
-        self.ctx.metrics.local_prefills.labels(decode.id).inc()
-        record = self.record
-        if prices.local_s is not None and record.attempts <= 1:
-            # The projection is the path taken (the admission quote priced the pair's):
-            # the prefill's own step makes the first token, no decode step follows.
-            record.projected_ttft_s = prices.local_s
-            record.projected_wait_s = prices.local_wait_s
-        return True
-
     async def _attempt(self, prefill: EngineState | None, decode: EngineState) -> None:
-        # The decode engine is chosen a whole prefill before its leg starts: placement
-        # sees the request there from now on.
-        with decode.load.decode_placed(self.tokens) as pending:
+        async with self.decisions.decode_placed(decode, self.tokens):
             if prefill is None:
-                await aggregate(self, decode, pending)
+                await aggregate(self, decode)
             else:
-                await pair_protocol(prefill.dialect).run(self, prefill, decode, pending)
+                await pair_protocol(prefill.dialect).run(self, prefill, decode)
 
     async def _give_up(self, decision: GiveUp, failure: EngineFailed) -> None:
-        """Before `failure` ends the request: say why in its message, count a retry the
-        budget refused, and let a deadline too close for the retry answer the client
-        (`expired`), as it would have during the backoff."""
-        if decision.reason is Reason.BUDGET_EXHAUSTED:
-            self.ctx.retry_budget.refused()
+        """Before `failure` ends the request: say why in its message, and let a deadline
+        too close for the retry answer the client (`expired`), as it would have during
+        the backoff."""
         if decision.note:
             failure.note(decision.note)
         if decision.reason is Reason.DEADLINE:
             self.record.stage = "backoff"
             await trio.sleep_until(self.request.deadline)  # the deadline scope cancels it
-
-    def _count_failure(
-        self, failure: EngineFailed, engine: EngineState, placement: Placement
-    ) -> None:
-        """Report a failed leg on `engine`, the instance it ran on, to the metrics and to
-        recovery, which charges it as the failure's row says."""
-        if failure.code == ErrorCode.KV_TRANSFER_FAILED and placement.prefill is not None:
-            # Recovery tells which engine of the pair fails its transfers.
-            failure.partner_id = (
-                placement.decode if failure.engine_id == placement.prefill else placement.prefill
-            )
-        self.ctx.metrics.engine_failures.labels(
-            failure.engine_id, failure.phase, failure.code
-        ).inc()
-        self.ctx.engine_leg_failed(failure, engine)
-
-
-def refusal_before_body(ctx: ServingContext, address: str) -> tuple[NarwhalError, bool] | None:
-    """Why a request from `address` is refused before its body is read, and whether its
-    connection is worth keeping; None: it may be retained. Counts the refusal where the
-    state document counts it."""
-    if not ctx.accepting:
-        # No connection to a daemon that is going away is worth keeping.
-        return Unavailable("narwhal is shutting down", code=ErrorCode.SHUTTING_DOWN), False
-    if ctx.retained >= ctx.retained_ceiling:
-        # docs/design.md#retained-ceiling: past the ceiling, refuse before parsing the body.
-        ctx.unsized_offers += 1
-        ceiling = Refused(
-            f"narwhal retains at most serving.max_connections + serving.queue_capacity"
-            f" = {ctx.retained_ceiling} requests",
-            code=ErrorCode.RETAINED_CEILING,
-            retry_after_s=SATURATED_RETRY_AFTER_S,
-        )
-        return ceiling, True
-    if ctx.pending_bodies.full(address):
-        # Below the ceiling, so that one client's slow bodies cannot reach it. Its body
-        # is not waited for: the client has enough of them arriving already.
-        slow = ctx.pending_bodies.refusal(address)
-        ctx.pending_bodies.refused(address)
-        return slow, False
-    return None
-
-
-def place(views: tuple[EngineView, ...], tried: Tried, policy: Policy) -> Placement | NoPlacement:
-    """Where an attempt goes: not to an engine `tried` leaves out while another can take it.
-    When none can (the role's others are out), a retry goes back to the engine that
-    failed, as any HTTP retry would: a transient failure is worth the attempt, and
-    refusing the request as `no_engine_available` would blame a fleet that still has an
-    engine. An engine taken out of placement meanwhile (unreachable, breaker, quarantine,
-    ejection) is not placeable either way."""
-    placement = choose(views, excluded=tried.excluded | tried.avoided, policy=policy)
-    if isinstance(placement, NoPlacement) and tried.avoided:
-        placement = choose(views, excluded=tried.excluded, policy=policy)
-    if isinstance(placement, NoPlacement) and tried.excluded:
-        placement = choose(views, excluded=frozenset(), policy=policy)
-    return placement
 
 
 def _record_projection(

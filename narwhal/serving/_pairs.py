@@ -19,6 +19,7 @@ Invariants
 from __future__ import annotations
 
 import math
+from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -34,10 +35,10 @@ from ..engines._dialects import (
     vllm_kv_params,
     vllm_prefill_body,
 )
-from ..fleet import Claim, EngineState
+from ..fleet import EngineState
 from ._failure import FailureKind
 from ._leg_failures import failed, loads
-from ._legs import HandoffExpired, Leg, leg_body, phase_slot
+from ._legs import HandoffExpired, Leg, leg_body
 from ._request import ClientRequest
 
 if TYPE_CHECKING:
@@ -52,10 +53,8 @@ class PairProtocol(Protocol):
         """Whether the decode engine serves `request` without a prefill leg."""
         ...
 
-    async def run(
-        self, x: Exchange, prefill: EngineState, decode: EngineState, pending: Claim
-    ) -> None:
-        """Run `x` on the pair; `pending`: the decode placement's claim on its engine."""
+    async def run(self, x: Exchange, prefill: EngineState, decode: EngineState) -> None:
+        """Run `x` on the pair (inside its decode placement's claim, `Decisions`)."""
         ...
 
 
@@ -71,13 +70,11 @@ class VllmPair:
         # one (vLLM's own proxies send it so).
         return request.one_engine == "prompt_logprobs"
 
-    async def run(
-        self, x: Exchange, prefill: EngineState, decode: EngineState, pending: Claim
-    ) -> None:
+    async def run(self, x: Exchange, prefill: EngineState, decode: EngineState) -> None:
         serving = x.config.serving
         x.record.stage = "prefill"
         handoff_cap = serving.handoff_timeout_s or math.inf  # 0: the deadline is the cap
-        async with phase_slot(x.ctx, prefill, "prefill", x.tokens):
+        async with x.decisions.phase_slot(prefill, "prefill", x.tokens):
             # docs/design.md#retries: the handoff's age counts from the prefill HTTP
             # request, not from the wait for a prefill slot before it (no KV exists yet
             # during that wait).
@@ -93,17 +90,13 @@ class VllmPair:
         x.record.prefilled_at = trio.current_time()
         x.record.stage = "handoff"
         # Until the decode request is sent, the producer holds KV blocks for us.
-        handoff = prefill.load.handoff()
+        handoff = AsyncExitStack()
+        await handoff.enter_async_context(x.decisions.handoff(prefill))
         try:
-            async with phase_slot(
-                x.ctx,
-                decode,
-                "decode",
-                x.tokens,
-                not_after=prefill_started + handoff_cap,
-                pending=pending,
+            async with x.decisions.phase_slot(
+                decode, "decode", x.tokens, not_after=prefill_started + handoff_cap
             ):
-                handoff.release()
+                await handoff.aclose()
                 body, own_usage, unstreamed = leg_body(x.request, decode)
                 await Leg(x, decode, "decode").produce(
                     encode(vllm_decode_body(body, kv_params)),
@@ -123,7 +116,7 @@ class VllmPair:
                 public=f"kv handoff expired after {age:.3f}s ({limit}); the prefill must be redone",
             ) from None
         finally:
-            handoff.release()
+            await handoff.aclose()
 
 
 class SglangPair:
@@ -145,9 +138,7 @@ class SglangPair:
         # An SGLang decode server refuses a request without a bootstrap room.
         return False
 
-    async def run(
-        self, x: Exchange, prefill: EngineState, decode: EngineState, pending: Claim
-    ) -> None:
+    async def run(self, x: Exchange, prefill: EngineState, decode: EngineState) -> None:
         serving = x.config.serving
         first_token_s = x.config.engine.first_token_timeout_s
         port = prefill.spec.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
@@ -165,7 +156,7 @@ class SglangPair:
         timer = trio.CancelScope()  # its deadline starts once both legs are sent
 
         async def run_prefill() -> None:
-            async with phase_slot(x.ctx, prefill, "prefill", x.tokens):
+            async with x.decisions.phase_slot(prefill, "prefill", x.tokens):
                 prefill_slot.set()
                 await both_slots.wait()
                 await Leg(x, prefill, "prefill").read_whole(
@@ -185,7 +176,7 @@ class SglangPair:
 
         async def run_decode() -> None:
             await prefill_slot.wait()
-            async with phase_slot(x.ctx, decode, "decode", x.tokens, pending=pending):
+            async with x.decisions.phase_slot(decode, "decode", x.tokens):
                 timer.deadline = trio.current_time() + serving.prefill_timeout_s + first_token_s
                 both_slots.set()
                 await Leg(x, decode, "decode").produce(
@@ -204,11 +195,11 @@ class SglangPair:
             raise first_failure[0]
 
 
-async def aggregate(x: Exchange, engine: EngineState, pending: Claim) -> None:
+async def aggregate(x: Exchange, engine: EngineState) -> None:
     """One engine does both phases: its first token includes the prefill."""
     x.record.stage = "decode"
     body, own_usage, unstreamed = leg_body(x.request, engine)
-    async with phase_slot(x.ctx, engine, "decode", x.tokens, pending=pending):
+    async with x.decisions.phase_slot(engine, "decode", x.tokens):
         await Leg(x, engine, "aggregate").produce(
             encode(body),
             first_token_budget=x.config.serving.prefill_timeout_s

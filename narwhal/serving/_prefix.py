@@ -3,10 +3,9 @@
 
 Owns
   `prompt_of`, the exchange's `PromptKey` (its text, and its token ids when the router
-  has them: sent as ids, or counted by `engine.tokenizer_path`); `cached_by_engine`,
-  the leading tokens of it each engine holds, which admission and placement price;
-  `ran_on`, which tells the caches where a prompt's KV now is; and `prefills_locally`,
-  whether a pair's decode engine computes the prompt itself (cache.local_prefill_share).
+  has them: sent as ids, or counted by `engine.tokenizer_path`), which `Decisions`
+  looks up in the caches and tells them of; and `prefills_locally`, whether a pair's
+  decode engine computes the prompt itself (cache.local_prefill_share).
 
 Invariants
   Without a caches service (`ServingContext.prefix_caches`) there is no key and
@@ -22,8 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import trio
 
 from ..prefix import PromptKey, prompt_key
 from ._admit import LocalPrices
@@ -47,27 +44,6 @@ def prompt_of(x: Exchange) -> PromptKey | None:
             prompt = prompt[0]
         ids = prompt if isinstance(prompt, list) else None
     return prompt_key(prompt_text(request), x.tokens, ids)
-
-
-def cached_by_engine(x: Exchange) -> dict[str, int]:
-    """The engines holding some of the prompt, with how many leading tokens."""
-    caches, key = x.ctx.prefix_caches, x.prompt
-    if caches is None or key is None:
-        return {}
-    now = trio.current_time()
-    found = {engine.id: caches.cached_tokens(engine.id, key, now) for engine in x.ctx.fleet}
-    return {engine: tokens for engine, tokens in found.items() if tokens > 0}
-
-
-def ran_on(x: Exchange, *engine_ids: str) -> None:
-    """The prompt's KV is on these engines now (the prefill's and, after a handoff, the
-    decode engine's): the approximate index learns it."""
-    caches, key = x.ctx.prefix_caches, x.prompt
-    if caches is None or key is None:
-        return
-    now = trio.current_time()
-    for engine_id in engine_ids:
-        caches.routed(engine_id, key, now)
 
 
 def prefills_locally(
