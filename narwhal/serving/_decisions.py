@@ -33,9 +33,10 @@ from .._codes import ErrorCode
 from .._errors import EngineFailed, NarwhalError, Refused, Unavailable
 from ..admission import PathQuote
 from ..config import Config
-from ..fleet import Claim, EngineState, EngineView
+from ..fleet import Claim, EngineState, EngineView, Generated
 from ..placement import NoPlacement, Placement, Policy, choose
 from ..prefix import PromptKey
+from ..signals import DecodeGaps
 from ._admit import (
     LocalPrices,
     admit_predictively,
@@ -45,7 +46,8 @@ from ._admit import (
     offered,
     placement_for,
 )
-from ._context import ServingContext
+from ._context import RequestRecord, ServingContext
+from ._leg_failures import LegPhase
 from ._legs import phase_slot
 from ._pairs import pair_protocol
 from ._prefix import prefills_locally
@@ -317,6 +319,66 @@ class Decisions:
     def succeeded(self) -> None:
         """The request's attempt succeeded: the retry budget earns its share."""
         self.ctx.retry_budget.on_success()
+
+    # ---------------------------------------------------------------- what legs report
+
+    def alone(self, engine: EngineState) -> int | None:
+        """Called inside a leg's phase slot: the engine's leg count if the leg is the
+        only one on it now, else None. The leg was uncontended throughout when the count
+        is unchanged at its end (`leg_ok`)."""
+        load = engine.load
+        if load.prefill_inflight + load.decode_active > 1:
+            return None
+        return load.legs_started
+
+    def leg_ok(
+        self,
+        engine: EngineState,
+        phase: LegPhase,
+        duration_s: float,
+        *,
+        prompt_tokens: int,
+        alone: int | None,
+        gaps: DecodeGaps | None = None,
+    ) -> None:
+        """A leg succeeded; it was uncontended if the engine's leg count is still `alone`."""
+        contended = alone is None or engine.load.legs_started != alone
+        self.ctx.leg_observer.leg_ok(
+            engine, phase, duration_s, prompt_tokens=prompt_tokens, contended=contended, gaps=gaps
+        )
+
+    def leg_failed(self, failure: EngineFailed, engine: EngineState) -> None:
+        self.ctx.engine_leg_failed(failure, engine)
+
+    def kv_freed(self, engine: EngineState, tokens: int) -> None:
+        self.ctx.kv_freed(engine, tokens, trio.current_time())
+
+    def first_token_lag(self, engine: EngineState, lag_s: float) -> None:
+        self.ctx.first_token_lag(engine, lag_s, trio.current_time())
+
+    def decode_gaps(self, engine: EngineState, summary: DecodeGaps) -> None:
+        self.ctx.signals.decode_gaps(engine, summary)
+
+    def first_token_timeout(self, engine: EngineState) -> None:
+        self.ctx.signals.first_token_timeout(engine)
+
+    def generated(self, engine: EngineState) -> Generated:
+        """The KV a running streamed decode leg generates (`KvGrowth`)."""
+        return engine.load.generated()
+
+    def awaiting_first_token(self, engine: EngineState, since: float) -> Claim:
+        return engine.load.awaiting_first_token(since)
+
+    def unstreamed_decode(self, engine: EngineState, bound: int | None, since: float) -> Claim:
+        return engine.load.unstreamed_decode(bound, since)
+
+    def finished(self, outcome: str, record: RequestRecord | None = None) -> None:
+        """The request ended with `outcome`: counted, and its projection compared with
+        the TTFT it had."""
+        ctx = self.ctx
+        ctx.finished(outcome, record)
+        if record is not None:
+            ctx.projection_observed(record, trio.current_time())
 
 
 def refusal_before_body(ctx: ServingContext, address: str) -> tuple[NarwhalError, bool] | None:

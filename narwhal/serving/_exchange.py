@@ -169,10 +169,9 @@ class Exchange:
     def _finished(self, outcome: str) -> None:
         ctx, record, endpoint = self.ctx, self.record, self.endpoint
         now = trio.current_time()
-        ctx.finished(outcome, record)
+        self.decisions.finished(outcome, record)
         ctx.metrics.requests_by(endpoint, outcome).inc()
         ctx.metrics.request_duration_by(endpoint).observe(now - self.arrival)
-        ctx.projection_observed(record, now)
         log.info(
             "request finished",
             extra={
@@ -212,7 +211,7 @@ class Exchange:
             receive, content_length(self.headers), serving.max_request_bytes, serving.client_stall_s
         ):
             client.close_connection = False
-        self.ctx.finished(error.code)
+        self.decisions.finished(error.code)
         self.ctx.metrics.requests.labels(self.endpoint, error.code).inc()
         self.ctx.metrics.refusals.labels(error.code).inc()
         await client.send_error(error)

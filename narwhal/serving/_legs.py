@@ -67,6 +67,7 @@ from ._meter import GapLoad, StreamMeter
 from ._request import ClientRequest
 
 if TYPE_CHECKING:
+    from ._decisions import Decisions
     from ._exchange import Exchange
 
 ERROR_BODY_LIMIT = 65536
@@ -139,13 +140,13 @@ class KvGrowth:
     (`decode_tokens`, the prompt's share being held by the phase slot) while the leg
     runs: pricing reads it as the KV the engine has committed."""
 
-    __slots__ = ("cap", "ctx", "engine", "estimate", "generated", "reported")
+    __slots__ = ("cap", "decisions", "engine", "estimate", "generated", "reported")
 
-    def __init__(self, ctx: ServingContext, engine: EngineState, cap: int | None) -> None:
-        self.ctx = ctx
+    def __init__(self, decisions: Decisions, engine: EngineState, cap: int | None) -> None:
+        self.decisions = decisions
         self.engine = engine
         self.cap = math.inf if cap is None else cap  # the request's output bound
-        self.generated = engine.load.generated()
+        self.generated = decisions.generated(engine)
         self.estimate = 0.0
         self.reported: int | None = None  # usage.completion_tokens, once the engine sent it
 
@@ -168,7 +169,7 @@ class KvGrowth:
         self.generated.release()
         # The engine's report, when it sent one, is the KV turnover.
         freed = self.generated.tokens if self.reported is None else self.reported
-        self.ctx.kv_freed(self.engine, freed, trio.current_time())
+        self.decisions.kv_freed(self.engine, freed)
 
 
 class Leg:
@@ -215,7 +216,7 @@ class Leg:
                     # when the lag explains it: under a client flood the handshake's
                     # answer waits unread, and the engine would be taken out.
                     raise failure from None
-                self.x.ctx.engine_leg_failed(failure, engine)
+                self.x.decisions.leg_failed(failure, engine)
             except RemoteProtocolError as exc:
                 raise failed(engine, phase, FailureKind.CONNECTION_LOST, str(exc)) from None
             except PoolTimeout as exc:
@@ -272,7 +273,7 @@ class Leg:
         engine, phase = self.engine, self.phase
         limit = self.x.config.serving.max_response_bytes
         started = trio.current_time()
-        alone = _alone(engine)
+        alone = self.x.decisions.alone(engine)
         with trio.move_on_after(timeout_s) as timer:
             async with self.request(body) as response:
                 if response.status != 200:
@@ -289,12 +290,12 @@ class Leg:
                 if sse:
                     raise_stream_error(engine, phase, raw)
         if not timer.cancelled_caught:
-            self.x.ctx.leg_observer.leg_ok(
+            self.x.decisions.leg_ok(
                 engine,
                 phase,
                 trio.current_time() - started,
                 prompt_tokens=prompt_tokens,
-                contended=alone is None or engine.load.legs_started != alone,
+                alone=alone,
             )
             return raw
         detail = f"exceeded {timeout_setting}={timeout_s}"
@@ -334,7 +335,7 @@ class Leg:
         if timer is None:
             timer = trio.CancelScope(deadline=trio.current_time() + first_token_budget)
         if self.phase == "decode" and not engine.dialect.concurrent_legs:
-            with engine.load.awaiting_first_token(trio.current_time()) as waiting:
+            with x.decisions.awaiting_first_token(engine, trio.current_time()) as waiting:
                 await self.relay(
                     body,
                     sink,
@@ -359,7 +360,7 @@ class Leg:
         x.ctx.unstreamed_legs[reason] += 1
         x.ctx.metrics.unstreamed_legs_by(reason).inc()
         bound = leg_output_bound(x.request, x.record.prompt_tokens, engine.context_length)
-        with engine.load.unstreamed_decode(bound, trio.current_time()):
+        with x.decisions.unstreamed_decode(engine, bound, trio.current_time()):
             raw = await self.read_whole(
                 body,
                 timeout_s=math.inf,
@@ -372,7 +373,7 @@ class Leg:
         # and SGLang both report it.
         generated = usage_tokens(document, "completion_tokens") or 0
         if generated > 0:
-            x.ctx.kv_freed(engine, generated, trio.current_time())
+            x.decisions.kv_freed(engine, generated)
         if hold_until is not None:
             await hold_until.wait()
         x.record.stage = "writing"
@@ -391,14 +392,14 @@ class Leg:
         """Relay the engine's event stream to `sink` as the `StreamMeter` decides."""
         x, engine, phase, record = self.x, self.engine, self.phase, self.x.record
         started = trio.current_time()
-        alone = _alone(engine)
+        alone = self.x.decisions.alone(engine)
         gap = x.config.engine.decode_read_timeout_s or math.inf
         meter = StreamMeter(limit=x.config.serving.max_response_bytes, own_usage=own_usage)
         load = GapLoad()
         growth = None
         if phase != "prefill":
             bound = leg_output_bound(x.request, record.prompt_tokens, engine.context_length)
-            growth = KvGrowth(x.ctx, engine, bound)
+            growth = KvGrowth(x.decisions, engine, bound)
         with timer, growth or nullcontext():
             async with self.request(body) as response:
                 await self._expect_stream(response)
@@ -442,12 +443,12 @@ class Leg:
         if tpot_s is not None:
             record.observed_tpot_s = tpot_s
             x.ctx.metrics.tpot.observe(tpot_s)
-        x.ctx.leg_observer.leg_ok(
+        x.decisions.leg_ok(
             engine,
             phase,
             trio.current_time() - started,
             prompt_tokens=record.prompt_tokens or 0,
-            contended=alone is None or engine.load.legs_started != alone,
+            alone=alone,
             gaps=summary if summary is not None and load.alone(summary) else None,
         )
         await sink.end_stream()
@@ -480,7 +481,7 @@ class Leg:
             first_token_seen()
             # The decode request went out after its prefill answered, so this is the
             # decode side's whole share of the TTFT.
-            x.ctx.first_token_lag(self.engine, now - started, now)
+            x.decisions.first_token_lag(self.engine, now - started)
 
     def _stream_account(self, meter: StreamMeter, load: GapLoad) -> tuple[int, DecodeGaps | None]:
         """The tokens the stream generated and its gaps' summary, reported to the
@@ -491,7 +492,7 @@ class Leg:
         generated, gaps = meter.outcome(self.x.request.n)
         summary = load.summary(gaps)  # one per stream: the controller, correction, residual
         if summary is not None:
-            self.x.ctx.signals.decode_gaps(engine, summary)
+            self.x.decisions.decode_gaps(engine, summary)
         return generated, summary
 
     def _silence(self, meter: StreamMeter, started: float, gap: float) -> EngineFailed:
@@ -502,7 +503,7 @@ class Leg:
             if x.ctx.loop_lag.starved(waited) is None:
                 # Otherwise the router's own lag explains it: it says nothing about decode
                 # capacity, so it does not reset the controller's evidence window.
-                x.ctx.signals.first_token_timeout(engine)
+                x.decisions.first_token_timeout(engine)
             return failed(
                 engine,
                 phase,
@@ -547,16 +548,6 @@ def leg_body(request: ClientRequest, engine: EngineState) -> tuple[Json, bool, s
 
 def json_headers(request_id: str) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
-
-
-def _alone(engine: EngineState) -> int | None:
-    """Called inside a leg's reservation: the engine's leg count if this leg is the only
-    one on it right now, else None. The leg was uncontended throughout when the count is
-    unchanged at its end."""
-    load = engine.load
-    if load.prefill_inflight + load.decode_active > 1:
-        return None
-    return load.legs_started
 
 
 def _acquire_nowait(limiter: trio.CapacityLimiter, borrower: object) -> bool:

@@ -22,6 +22,7 @@ from narwhal._errors import EngineFailed
 from narwhal.fleet import EngineLoad, EngineState
 from narwhal.fleet._engine import PACKING_MAX
 from narwhal.serving import DecodeGaps
+from narwhal.serving._decisions import Decisions
 from narwhal.serving._legs import KvGrowth
 from narwhal.serving._meter import GapLoad, usage_report
 from narwhal.sim import SimEngineSpec
@@ -300,12 +301,13 @@ def test_running_growth_never_passes_max_tokens() -> None:
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
     engine.tokens_per_event = 4.0
-    growth = KvGrowth(None, engine, cap=10)  # type: ignore[arg-type]  # no ctx until exit
+    decisions = Decisions(None, None)  # type: ignore[arg-type]  # no ctx until exit
+    growth = KvGrowth(decisions, engine, cap=10)
     growth.add(2)
     assert engine.load.decode_tokens == 8
     growth.add(1)  # 12 by the ratio, but the request asked for at most 10
     assert (engine.load.decode_tokens, growth.tokens) == (10, 10)
     engine.tokens_per_event = 1.5
-    unbounded = KvGrowth(None, engine, cap=None)  # type: ignore[arg-type]
+    unbounded = KvGrowth(decisions, engine, cap=None)
     unbounded.add(3)
     assert unbounded.tokens == 4  # 4.5 so far: whole tokens only
