@@ -53,6 +53,11 @@ class NarwhalError(Exception):
         # SDKs obey; they retry every 429 otherwise, twice by default.
         self.final = final
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled between the plane's processes (narwhal.plane): rebuilt from its fields,
+        # whatever its class's __init__ asks for.
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
     def note(self, text: str) -> None:
         """Append `text` (no internals in it) to the message a client gets, either form."""
         self.message += text
@@ -247,3 +252,12 @@ def client_status_for_engine_status(status: int) -> int:
     if 400 <= status < 500:
         return status
     return 502
+
+
+def _rebuilt(
+    cls: type[NarwhalError], args: tuple[object, ...], fields: dict[str, object]
+) -> NarwhalError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(fields)
+    return error

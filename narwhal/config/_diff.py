@@ -40,6 +40,7 @@ RESTART_REQUIRED = (
     "admin.host",
     "admin.port",
     "ctl.socket",
+    "serving.workers",
     "controller.enabled",
 )
 # An engine whose endpoint or wire format changed is a different engine to talk to.

@@ -419,6 +419,18 @@ class Serving:
     max_connections: int = _f(
         512, AtLeast(1), doc="Global admitted-request limit and HTTP data-pool size."
     )
+    workers: int = _f(
+        1,
+        Between(0, 256),
+        doc=(
+            "Worker processes serving clients around one decision core; `0` is one per "
+            "CPU this process may run on, `1` serves in the daemon's own process."
+        ),
+        notes=(
+            "`serving.workers`: every limit stays global (the core holds them for every "
+            "worker; docs/architecture.md#workers). A change needs a restart."
+        ),
+    )
     queue_capacity: int = _f(
         0,
         NonNegative(),

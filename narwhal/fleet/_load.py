@@ -194,6 +194,12 @@ class EngineLoad:
             awaiting_first_token=len(self._awaiting_first_token),
         )
 
+    def mirror(self, decode_active: int, decode_tokens: int, prefill_inflight: int) -> None:
+        """Set the counts a worker process reads of its core's ledger (`narwhal.plane`):
+        a worker's legs take their claims on the core's, never on this one."""
+        self._decode.legs, self._decode.tokens = decode_active, decode_tokens
+        self._prefill.legs = prefill_inflight
+
     # ---------------------------------------------------------------- claims
 
     def prefill_queue(self, tokens: int) -> Claim:

@@ -2,84 +2,294 @@
 
 Owns
   `DecisionCore`: the handlers of every worker's channel, over the one `ServingContext`
-  the core keeps. A limit the spec makes global is held here, by the same objects a
-  single process uses, on behalf of the worker's request:
-  - `retain`: one of the retained requests (serving.max_connections +
-    serving.queue_capacity) and one of its client's bodies still arriving
-    (serving.max_pending_bodies_per_client), refused as the single process refuses; the
-    note `body_read` gives the body's back.
-  - `admitted`: an admission slot (serving.max_connections), queued in arrival order
-    across every worker, for at most serving.queue_timeout_s; answers the time queued.
+  the core keeps. Each request a worker retains is a session here: a `Decisions` of the
+  core's own, which takes what the worker's `RemoteDecisions` asks for on the same
+  objects a single process uses (the retained count, the admission gate and its queue,
+  the engines' phase limiters and load ledgers, the retry budget, the books pricing
+  reads), and the ledger claims the worker's legs reported.
 
 Invariants
-  What a worker holds is a hold on its channel (`Channel.hold`): released when the worker
-  leaves the `async with`, and when the worker dies, by the cancellation of the handlers'
-  tasks, whatever the worker was doing. So the counts here are exact at every moment but
-  for the requests of a worker that has just died, which are released in the scheduler's
-  next pass.
+  A session lives as long as its `retained` hold. It ends when the worker releases it,
+  or when the worker dies (its channel's handlers are cancelled): then every hold of the
+  request is released by its own `async with`, and every claim it still has is given
+  back. So the counts here are exact, but for the requests of a worker that has just
+  died, released in the core's next scheduler pass. A note about a request whose session
+  has ended, or about an engine no longer in the fleet, is dropped: what it reported is
+  gone with them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import trio
 
-from ..serving._context import ServingContext
-from ..serving._decisions import SATURATED_RETRY_AFTER_S, refusal_before_body
+from .._codes import ErrorCode
+from .._errors import EngineFailed, Unavailable
+from ..fleet import Claim, EngineState, Generated
+from ..placement import Placement
+from ..prefix import PromptKey
+from ..serving._context import RequestRecord, ServingContext
+from ..serving._decisions import Decisions
+from ..serving._request import ClientRequest
+from ..serving._retry import Tried
+from ..signals import DecodeGaps
 from ._channel import CallHandler, NoteHandler
 
 Reply = Callable[[object], None]
+# The outcome of a request whose worker died while serving it.
+WORKER_LOST = "worker_lost"
+
+
+@attrs.define(eq=False)
+class _Session:
+    decisions: Decisions
+    endpoint: str
+    claims: dict[int, Claim] = attrs.field(factory=dict)
+    finished: bool = False
 
 
 class DecisionCore:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        # The body holds of requests still reading theirs, by worker and request key.
-        self._bodies: dict[tuple[int, str], Callable[[], None]] = {}
+        self._sessions: dict[tuple[int, str], _Session] = {}
+
+    @property
+    def sessions(self) -> int:
+        """Requests the workers retain now."""
+        return len(self._sessions)
 
     def handlers(self, worker: int) -> tuple[CallHandler, NoteHandler]:
         """The handlers of worker `worker`'s channel."""
 
         async def on_call(name: str, payload: object, reply: Reply) -> object:
-            if name == "retain":
-                assert isinstance(payload, tuple)
-                key, address = payload
-                await self._retain(worker, key, address, reply)
+            if name == "config":
+                return self.ctx.config
+            assert isinstance(payload, tuple)
+            key, args = payload
+            if name == "retained":
+                address, endpoint = args
+                await self._retained(worker, key, str(address), str(endpoint), reply)
                 return None
-            if name == "admitted":
-                assert isinstance(payload, float | int)
-                await self._admitted(float(payload), reply)
-                return None
-            raise ValueError(f"the core has no call `{name}`")
+            session = self._sessions.get((worker, key))
+            if session is None:
+                raise RuntimeError(f"worker {worker} asked `{name}` of request {key}, not retained")
+            return await self._call(session.decisions, name, args, reply)
 
         def on_note(name: str, payload: object) -> None:
-            if name == "body_read":
-                assert isinstance(payload, str)
-                release = self._bodies.pop((worker, payload), None)
-                if release is not None:
-                    release()
+            if name == "up":
+                return
+            assert isinstance(payload, tuple)
+            key, args = payload
+            session = self._sessions.get((worker, key))
+            if session is None:
+                if name == "finished":  # refused before it was retained
+                    self.ctx.decisions_for(self.ctx.config).finished(*args)
+                return
+            self._note(session, name, args)
 
         return on_call, on_note
 
-    async def _retain(self, worker: int, key: str, address: str, reply: Reply) -> None:
-        ctx = self.ctx
-        refused = refusal_before_body(ctx, address)
-        if refused is not None:
-            raise refused[0]
-        ctx.retained += 1
-        body = self._bodies[(worker, key)] = ctx.pending_bodies.hold(address)
-        try:
-            reply(None)
-            await trio.sleep_forever()
-        finally:
-            body()
-            self._bodies.pop((worker, key), None)
-            ctx.retained -= 1
+    async def _retained(
+        self, worker: int, key: str, address: str, endpoint: str, reply: Reply
+    ) -> None:
+        decisions = self.ctx.decisions_for(self.ctx.config)
+        session = _Session(decisions, endpoint)
+        async with decisions.retained(address):
+            self._sessions[(worker, key)] = session
+            try:
+                reply(None)
+                await trio.sleep_forever()
+            finally:
+                del self._sessions[(worker, key)]
+                for claim in session.claims.values():
+                    claim.release()
+                if not session.finished:
+                    # Its worker died with it: no byte of an answer can reach the client
+                    # now, but the request still ends here once, counted.
+                    decisions.finished(WORKER_LOST)
+                    self.ctx.metrics.requests_by(endpoint, WORKER_LOST).inc()
 
-    async def _admitted(self, queue_timeout_s: float, reply: Reply) -> None:
-        async with self.ctx.gate.admitted(
-            queue_timeout_s=queue_timeout_s, retry_after_s=SATURATED_RETRY_AFTER_S
-        ) as waited:
-            reply(waited)
-            await trio.sleep_forever()
+    def mirror(self) -> tuple[dict[str, tuple[int, int, int, int | None, str]], float | None]:
+        """What workers read of the core's engines: each one's decode legs and tokens,
+        prefill legs and context length (`EngineLoad.mirror`), and the measured
+        characters per token."""
+        engines = {
+            engine.id: (
+                engine.load.decode_active,
+                engine.load.decode_tokens,
+                engine.load.prefill_inflight,
+                engine.context_length,
+                engine.context_note,
+            )
+            for engine in self.ctx.fleet
+        }
+        return engines, self.ctx.measured_chars_per_token
+
+    def _engine(self, engine_id: object) -> EngineState:
+        engine = self.ctx.fleet.get(str(engine_id))
+        if engine is None:
+            raise Unavailable(
+                f"engine {engine_id} left the fleet",
+                code=ErrorCode.NO_ENGINE_AVAILABLE,
+                public="the engine placed left the fleet",
+            )
+        return engine
+
+    async def _call(
+        self, decisions: Decisions, name: str, args: tuple[object, ...], reply: Reply
+    ) -> object:
+        now = trio.current_time()
+        if name == "standing":
+            return await decisions.standing()
+        if name == "cached":
+            (key,) = args
+            assert key is None or isinstance(key, PromptKey)
+            return await decisions.cached(key)
+        if name == "admit":
+            request, tokens, cached = args
+            assert isinstance(request, ClientRequest)
+            assert isinstance(cached, dict)
+            return await decisions.admit(request, _int(tokens), cached)
+        if name == "place":
+            request, tokens, cached, tried, key = args
+            assert isinstance(request, ClientRequest)
+            assert isinstance(cached, dict)
+            assert isinstance(tried, Tried)
+            assert key is None or isinstance(key, PromptKey)
+            return await decisions.place(request, _int(tokens), cached, tried, key)
+        if name == "retry":
+            failure, engine_id, tried, placement, visible, left = args
+            assert isinstance(failure, EngineFailed)
+            assert isinstance(tried, Tried)
+            assert isinstance(placement, Placement)
+            return await decisions.retry(
+                failure,
+                self._engine(engine_id),
+                tried,
+                placement,
+                visible=bool(visible),
+                deadline=now + _float(left),
+            )
+        if name == "admitted":
+            async with decisions.admitted() as waited:
+                reply(waited)
+                await trio.sleep_forever()
+        if name == "decode_placed":
+            engine_id, tokens = args
+            async with decisions.decode_placed(self._engine(engine_id), _int(tokens)):
+                reply(None)
+                await trio.sleep_forever()
+        if name == "phase_slot":
+            engine_id, phase, tokens, left = args
+            engine = self._engine(engine_id)
+            assert phase in ("prefill", "decode")
+            async with decisions.phase_slot(
+                engine, phase, _int(tokens), not_after=now + _float(left)
+            ):
+                reply(decisions.alone(engine))
+                await trio.sleep_forever()
+        if name == "handoff":
+            (engine_id,) = args
+            async with decisions.handoff(self._engine(engine_id)):
+                reply(None)
+                await trio.sleep_forever()
+        raise ValueError(f"the core has no call `{name}`")
+
+    def _note(self, session: _Session, name: str, args: tuple[object, ...]) -> None:
+        decisions = session.decisions
+        now = trio.current_time()
+        if name == "body_read":
+            decisions.body_read()
+        elif name == "offered":
+            request, tokens, cached, admitted, reason = args
+            assert isinstance(request, ClientRequest)
+            assert isinstance(cached, dict)
+            assert reason is None or isinstance(reason, str)
+            decisions.offered(request, _int(tokens), cached, admitted=bool(admitted), reason=reason)
+        elif name == "succeeded":
+            decisions.succeeded()
+        elif name == "finished":
+            outcome, record = args
+            assert record is None or isinstance(record, RequestRecord)
+            session.finished = True
+            decisions.finished(str(outcome), record)
+        elif name == "claim":
+            claim_id, kind, engine_id, *rest = args
+            engine = self.ctx.fleet.get(str(engine_id))
+            if engine is not None:
+                session.claims[_int(claim_id)] = _claim(decisions, str(kind), engine, rest, now)
+        elif name == "grow":
+            claim_id, tokens = args
+            grown = session.claims.get(_int(claim_id))
+            if isinstance(grown, Generated):
+                grown.add(_int(tokens))
+        elif name == "release":
+            released = session.claims.pop(_int(args[0]), None)
+            if released is not None:
+                released.release()
+        else:
+            engine = self.ctx.fleet.get(str(args[0]))
+            if engine is not None:
+                _engine_note(decisions, name, engine, args[1:])
+
+
+def _claim(
+    decisions: Decisions, kind: str, engine: EngineState, args: list[object], now: float
+) -> Claim:
+    """A worker's leg's claim on `engine`'s ledger; ages are seconds before `now`."""
+    if kind == "generated":
+        return decisions.generated(engine)
+    if kind == "awaiting_first_token":
+        (age,) = args
+        return decisions.awaiting_first_token(engine, now - _float(age))
+    if kind == "unstreamed_decode":
+        bound, age = args
+        assert bound is None or isinstance(bound, int)
+        return decisions.unstreamed_decode(engine, bound, now - _float(age))
+    raise ValueError(f"the core has no claim `{kind}`")
+
+
+def _engine_note(
+    decisions: Decisions, name: str, engine: EngineState, args: tuple[object, ...]
+) -> None:
+    if name == "leg_ok":
+        phase, duration_s, prompt_tokens, alone, gaps = args
+        assert phase in ("prefill", "decode", "aggregate")
+        assert alone is None or isinstance(alone, int)
+        assert gaps is None or isinstance(gaps, DecodeGaps)
+        decisions.leg_ok(
+            engine,
+            phase,
+            _float(duration_s),
+            prompt_tokens=_int(prompt_tokens),
+            alone=alone,
+            gaps=gaps,
+        )
+    elif name == "leg_failed":
+        (failure,) = args
+        assert isinstance(failure, EngineFailed)
+        decisions.leg_failed(failure, engine)
+    elif name == "kv_freed":
+        decisions.kv_freed(engine, _int(args[0]))
+    elif name == "first_token_lag":
+        decisions.first_token_lag(engine, _float(args[0]))
+    elif name == "decode_gaps":
+        (summary,) = args
+        assert isinstance(summary, DecodeGaps)
+        decisions.decode_gaps(engine, summary)
+    elif name == "first_token_timeout":
+        decisions.first_token_timeout(engine)
+    else:
+        raise ValueError(f"the core has no note `{name}`")
+
+
+def _int(value: object) -> int:
+    assert isinstance(value, int)
+    return value
+
+
+def _float(value: object) -> float:
+    assert isinstance(value, float | int)
+    return float(value)

@@ -1,8 +1,8 @@
 """The worker processes around the decision core (docs/architecture.md#workers).
 
 Owns
-  `WorkerPool`: starts `count` worker processes, each with the client listening socket
-  and its end of a `Channel` to the core handed down as file descriptors, serves each
+  `WorkerPool`: starts `count` worker processes, each with the client listening sockets
+  (`listening`, descriptors) and its end of a `Channel` to the core handed down, serves each
   channel with the core's handlers, and starts a worker again when it exits.
 
 Invariants
@@ -34,9 +34,9 @@ RESTART_BACKOFF_MAX_S = 30.0
 # A worker asked to stop gets this long for its in-flight requests before SIGKILL.
 STOP_GRACE_S = 5.0
 
-# The argv that starts worker `index`, given the listening socket's and the channel's
+# The argv that starts worker `index`, given the channel's and the listening sockets'
 # descriptor numbers in the child.
-Command = Callable[[int, int, int], list[str]]
+Command = Callable[[int, int, list[int]], list[str]]
 # The core's handlers for worker `index`'s channel.
 Handlers = Callable[[int], tuple[CallHandler, NoteHandler]]
 
@@ -56,6 +56,8 @@ class _Worker:
     starts: int = 0
     last_exit: str | None = None
     channel: Channel | None = None
+    stopped: trio.Event = attrs.field(factory=trio.Event)
+    recycling: bool = False
 
 
 class WorkerPool:
@@ -64,7 +66,7 @@ class WorkerPool:
         count: int,
         *,
         command: Command,
-        listening: socket.socket,
+        listening: list[int],
         handlers: Handlers,
         on_lost: Callable[[int, str], None] = lambda index, why: None,
     ) -> None:
@@ -76,6 +78,7 @@ class WorkerPool:
         self._on_lost = on_lost
         self._workers = [_Worker(index) for index in range(count)]
         self._up = [trio.Event() for _ in range(count)]
+        self._stopping = False
 
     def __repr__(self) -> str:
         running = sum(worker.pid is not None for worker in self._workers)
@@ -84,14 +87,26 @@ class WorkerPool:
     def statistics(self) -> tuple[WorkerStatistics, ...]:
         return tuple(WorkerStatistics(w.index, w.pid, w.starts, w.last_exit) for w in self._workers)
 
-    def channels(self) -> tuple[Channel, ...]:
-        """The channels of the workers running now."""
+    def broadcast(self, name: str, payload: object = None) -> None:
+        """Note `name` to every running worker."""
+        for channel in self.channels():
+            channel.note(name, payload)
+
+    def indexed_channels(self) -> tuple[tuple[int, Channel], ...]:
+        """The channels of the workers running now, with their workers' indexes."""
         return tuple(
-            w.channel for w in self._workers if w.channel is not None and not w.channel.gone
+            (w.index, w.channel)
+            for w in self._workers
+            if w.channel is not None and w.channel.gone is None
         )
 
+    def channels(self) -> tuple[Channel, ...]:
+        """The channels of the workers running now."""
+        return tuple(channel for _, channel in self.indexed_channels())
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep every worker running; `started` once each has started once."""
+        """Keep every worker running; `started` once each has said it is up (its `up`
+        note) once."""
         async with trio.open_nursery() as nursery:
             for worker in self._workers:
                 nursery.start_soon(self._keep, worker)
@@ -99,12 +114,40 @@ class WorkerPool:
                 await up.wait()
             task_status.started()
 
+    def stopping(self) -> bool:
+        """Whether `stop` was called (a method: it changes while a worker runs)."""
+        return self._stopping
+
+    def stop(self) -> None:
+        """Ask every worker to finish its requests and exit; none is started again."""
+        self._stopping = True
+        for channel in self.channels():
+            channel.note("stop")
+
+    def recycle(self) -> None:
+        """Replace every worker: each finishes its requests and exits, and a new one
+        starts at once (a reload changed what workers are started with)."""
+        for worker in self._workers:
+            if worker.channel is not None and worker.channel.gone is None:
+                worker.recycling = True
+                worker.channel.note("stop")
+
+    async def wait_stopped(self) -> None:
+        """Until every worker process has exited."""
+        for worker in self._workers:
+            await worker.stopped.wait()
+
     async def _keep(self, worker: _Worker) -> None:
         backoff = RESTART_BACKOFF_S
-        while True:
+        while not self.stopping():
             started = trio.current_time()
             why = await self._run_once(worker)
             worker.last_exit = why
+            if self.stopping():
+                break
+            if worker.recycling:
+                worker.recycling = False
+                continue
             log.warning(
                 "worker %d is gone: %s",
                 worker.index,
@@ -116,15 +159,16 @@ class WorkerPool:
                 backoff = RESTART_BACKOFF_S
             await trio.sleep(backoff)
             backoff = min(RESTART_BACKOFF_MAX_S, backoff * 2)
+        worker.stopped.set()
 
     async def _run_once(self, worker: _Worker) -> str:
         """Run `worker` until it or its channel ends; why it ended."""
         ours, theirs = socket.socketpair()
-        listen_fd = self._listening.fileno()
+        listen_fds = self._listening
         try:
             process = await trio.lowlevel.open_process(
-                self._command(worker.index, listen_fd, theirs.fileno()),
-                pass_fds=(listen_fd, theirs.fileno()),
+                self._command(worker.index, theirs.fileno(), listen_fds),
+                pass_fds=(*listen_fds, theirs.fileno()),
             )
         except OSError as exc:
             ours.close()
@@ -132,15 +176,21 @@ class WorkerPool:
         finally:
             theirs.close()
         on_call, on_note = self._handlers(worker.index)
+        up = self._up[worker.index]
+
+        def noted(name: str, payload: object) -> None:
+            if name == "up":
+                up.set()
+            on_note(name, payload)
+
         channel = Channel(
             trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
             peer=f"worker {worker.index}",
             on_call=on_call,
-            on_note=on_note,
+            on_note=noted,
         )
         worker.pid, worker.channel = process.pid, channel
         worker.starts += 1
-        self._up[worker.index].set()
         exited: str | None = None
         try:
             async with trio.open_nursery() as nursery:

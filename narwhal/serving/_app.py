@@ -21,6 +21,7 @@ from typing import Any
 
 from .._codes import ErrorCode
 from .._errors import MalformedRequest, NarwhalError, NotFound
+from ..metrics._merge import merged
 from ._auth import ADMIN_TOKEN, CLIENT_KEYS, BearerCheck
 from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
 from ._context import DEGRADED_PUBLIC, ServingContext
@@ -264,11 +265,16 @@ class AdminApp(_Listener):
             raise self._counted(refusal)
         if method not in _READ or path not in _ADMIN_ROUTES:
             raise _refusal(_ADMIN_ROUTES, method, path)
+        ctx = self.ctx
         if path == "/narwhal/state":
-            body = json_bytes(state_document(self.ctx))
-            await ClientChannel(send, request_id).send_json(200, body)
+            document = state_document(ctx)
+            if ctx.worker_states is not None:
+                document["workers"] = await ctx.worker_states()
+            await ClientChannel(send, request_id).send_json(200, json_bytes(document))
             return
-        body = self.ctx.metrics.render()
+        body = ctx.metrics.render()
+        if ctx.worker_metrics is not None:
+            body = merged(body, await ctx.worker_metrics())
         await send(
             {
                 "type": "http.response.start",

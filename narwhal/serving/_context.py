@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -13,6 +13,7 @@ import trio
 
 from .._codes import ErrorCode
 from .._errors import EngineFailed, MalformedRequest, NarwhalError
+from .._records import JsonObject
 from ..admission import (
     AdmissionGate,
     BacklogBook,
@@ -256,6 +257,12 @@ class ServingContext:
         # frozen record, shown under its key (`narwhal._records.to_json`).
         self.state_providers: list[tuple[str, Callable[[], attrs.AttrsInstance]]] = []
         self.leg_observer: LegObserver = _NoObserver()
+        # A worker of the multi-process plane: its requests' decisions, taken by its core.
+        self.decide_with: Callable[[Config, str], Decisions] | None = None
+        # A decision core: its workers' /metrics expositions, and their sections of
+        # /narwhal/state (`narwhal.supervisor.Plane`).
+        self.worker_metrics: Callable[[], Awaitable[list[bytes]]] | None = None
+        self.worker_states: Callable[[], Awaitable[list[JsonObject]]] | None = None
         self.signals: ServingSignals = _NoSignals()
         # Predictive admission: the profile source (None until profiles are loaded) and
         # the prefill work committed to each engine.
@@ -279,10 +286,13 @@ class ServingContext:
         self.demand_events: deque[DemandEvent] = deque(maxlen=DEMAND_EVENTS_MAX)
         self.unserved_placements = 0
 
-    def decisions_for(self, config: Config) -> Decisions:
-        """A new request's global decisions, on this process's state; a worker of the
-        multi-process plane asks its decision core instead (`narwhal.plane`)."""
-        from ._decisions import Decisions  # noqa: PLC0415: it builds on this module
+    def decisions_for(self, config: Config, endpoint: str = "") -> Decisions:
+        """A new request's global decisions (a request to `endpoint`), on this process's
+        state; a worker of the multi-process plane asks its decision core instead
+        (`narwhal.plane`)."""
+        if self.decide_with is not None:
+            return self.decide_with(config, endpoint)
+        from ._decisions import Decisions
 
         return Decisions(self, config)
 

@@ -105,7 +105,7 @@ class Exchange:
     ) -> None:
         self.ctx = ctx
         self.config = ctx.config  # one snapshot per request: a reload applies to new ones
-        self.decisions: Decisions = ctx.decisions_for(self.config)
+        self.decisions: Decisions = ctx.decisions_for(self.config, endpoint)
         self.endpoint = endpoint
         self.arrival = trio.current_time()
         headers = scope.get("headers", [])

@@ -881,9 +881,12 @@ async def serve_app(
     graceful_timeout_s: float = 5.0,
     open_connections: OpenConnections | None = None,
     protocol_error: Callable[[MalformedRequest], None] = _ignore_protocol_error,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `shutdown` is set; started() reports the bound (host, port) pairs.
+    `listeners`: sockets bound already (a worker's, handed down by its core) instead of
+    `host` and `port`.
     `client_stall_s`: the write stall limit, or where to read its current value.
     `open_connections`: the count and limit of open client connections (default: a
     fresh one at listen.max_open_connections' default). `protocol_error`: told of each
@@ -907,7 +910,8 @@ async def serve_app(
         )
     context = WorkerContext(None)
     wrapped = ASGIWrapper(cast(ASGIFramework, app))
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
     bound = [
         (str(listener.socket.getsockname()[0]), int(listener.socket.getsockname()[1]))
         for listener in listeners

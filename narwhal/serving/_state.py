@@ -516,3 +516,19 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
             for state in ("in_use", "idle", "waiting")
         ],
     )
+
+
+def worker_section(ctx: ServingContext) -> JsonObject:
+    """A worker process's part of /narwhal/state (`narwhal.plane`): what only it holds,
+    its client connections and the requests it serves, and its counts of how their
+    prompts were counted. The rest of the document is its core's."""
+    now = trio.current_time()
+    records = sorted(ctx.records.values(), key=lambda r: r.arrival)
+    connections = ctx.connections.statistics()
+    return {
+        "retained": ctx.retained,
+        "connections": {"open": connections.open, "idle": connections.idle},
+        "token_counts": dict(sorted(ctx.token_methods.items())),
+        "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
+        "in_flight": [to_json(_in_flight(r, now)) for r in records[:_LISTED_REQUESTS]],
+    }

@@ -89,6 +89,7 @@ from ._control import (
 )
 from ._notify import Notifier
 from ._operations import Operations
+from ._plane import Plane, worker_count
 from ._reload import ReloadReport, ReloadResult, apply_config
 from ._state import listener_url, profiles_section, supervisor_section
 
@@ -147,6 +148,8 @@ class Supervisor:
         self.recovery: Recovery | None = None
         self.monitor: Monitor | None = None
         self.caches: EngineCaches | None = None
+        # serving.workers above 1: the worker processes this daemon is the core of.
+        self.plane: Plane | None = None
         self.bound: list[tuple[str, int]] = []
         self.admin_bound: list[tuple[str, int]] = []
         self.reloads: list[ReloadReport] = []
@@ -249,9 +252,13 @@ class Supervisor:
                 self.admin_bound = await self._listen(
                     nursery, admin, "admin", admin_connections, stop_server, servers_done[0]
                 )
-                self.bound = await self._listen(
-                    nursery, App(ctx), "listen", ctx.connections, stop_server, servers_done[1]
-                )
+                if worker_count(config) > 1:
+                    self.plane = Plane(ctx, worker_count(config))
+                    self.bound = await self._listen_plane(nursery, self.plane, servers_done[1])
+                else:
+                    self.bound = await self._listen(
+                        nursery, App(ctx), "listen", ctx.connections, stop_server, servers_done[1]
+                    )
                 await nursery.start(self.notifier.watchdog)
                 log.info(
                     "listening on %s; admin on %s",
@@ -273,6 +280,8 @@ class Supervisor:
                 await self._shutdown.wait()
                 await self._drain(ctx)
                 stop_server.set()
+                if self.plane is not None:
+                    await self.plane.stop(CLEANUP_S)
                 with trio.move_on_after(CLEANUP_S + 1.0):
                     for done in servers_done:
                         await done.wait()
@@ -301,6 +310,24 @@ class Supervisor:
             )
         except OSError as exc:
             raise ListenError(listen_refusal(section, address.host, address.port, exc)) from None
+        return bound
+
+    async def _listen_plane(
+        self, nursery: trio.Nursery, plane: Plane, done: trio.Event
+    ) -> list[tuple[str, int]]:
+        """The client listener bound here and served by `plane`'s workers."""
+        address = self.config.listen
+
+        async def run(*, task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
+            try:
+                await plane.run(address.host, address.port, task_status=task_status)
+            finally:
+                done.set()
+
+        try:
+            bound: list[tuple[str, int]] = await nursery.start(run)
+        except OSError as exc:
+            raise ListenError(listen_refusal("listen", address.host, address.port, exc)) from None
         return bound
 
     async def _serve_http(
@@ -374,6 +401,9 @@ class Supervisor:
                 code=ErrorCode.SHUTTING_DOWN,
             )
             cancelled = ctx.cancel_requests(error)
+            if self.plane is not None:
+                self.plane.cancel_requests(error)
+                cancelled = ctx.retained
             log.warning(
                 "shutdown grace over: cancelled %d request(s)",
                 cancelled,
@@ -491,6 +521,8 @@ class Supervisor:
         await self._reload_profiles(self.config, plan)
         if self.caches is not None:
             self.caches.reconfigure(self.config)
+        if self.plane is not None:
+            self.plane.reloaded(self.config, plan)
         if self.link is not None:
             self.link.reconfigure(self.config)
         for change in plan.restart_required:

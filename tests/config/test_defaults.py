@@ -55,6 +55,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "serving.admission": ("predictive", '"predictive", "open"'),
     "serving.admission_margin": (0.0, ">= 0"),
     "serving.max_connections": (512, ">= 1"),
+    "serving.workers": (1, "0..256"),  # (model) the all-cores issue's data plane
     # manual 4.2
     "serving.queue_capacity": (0, ">= 0"),
     "serving.queue_timeout_s": (0.0, ">= 0"),

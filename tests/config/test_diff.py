@@ -117,7 +117,7 @@ def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() 
         admin={"host": "0.0.0.0", "port": 9998},
         ctl={"socket": "/run/n.sock"},
         controller={"enabled": False, "advisory": True},
-        serving={"max_connections": 64},
+        serving={"max_connections": 64, "workers": 4},
     )
     kept = keep_running(new, running)
     assert [c.path for c in diff(running, new).restart_required] == list(RESTART_REQUIRED)
@@ -128,6 +128,7 @@ def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() 
     assert kept.controller.enabled is True
     assert kept.controller.advisory is True
     assert kept.serving.max_connections == 64
+    assert kept.serving.workers == 1
 
 
 def test_changed_credentials_apply_and_read_redacted(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ async def main() -> None:
 
         return on_call, on_note
 
-    pool = WorkerPool(1, command=command, listening=sock, handlers=handlers)
+    pool = WorkerPool(1, command=command, listening=[sock.fileno()], handlers=handlers)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pool.run)
         await up.wait()

@@ -11,16 +11,17 @@ import pytest
 import trio
 
 from narwhal._codes import ErrorCode
-from narwhal._errors import Refused
-from narwhal.config import load_config
+from narwhal.config import Config, load_config
 from narwhal.plane import Channel, PeerGone
 from narwhal.plane._core import DecisionCore
+from narwhal.plane._remote import RemoteDecisions
 from narwhal.serving._context import ServingContext
+from narwhal.serving._decisions import BeforeBody
 
 Reply = Callable[[object], None]
 
 
-def context(**serving: Any) -> ServingContext:
+def configured(**serving: Any) -> Config:
     if serving.get("queue_capacity"):
         serving = {
             "queue_timeout_s": 30,
@@ -29,24 +30,44 @@ def context(**serving: Any) -> ServingContext:
             "handoff_timeout_s": 30,
             **serving,
         }
-    config = load_config(
+    return load_config(
         {
-            "engines": [{"id": "e0", "url": "http://127.0.0.1:9000", "role": "both"}],
+            "engines": [
+                {"id": "p0", "url": "http://127.0.0.1:9000", "role": "prefill"},
+                {"id": "d0", "url": "http://127.0.0.1:9001", "role": "decode"},
+            ],
             "serving": serving,
         }
     )
-    return ServingContext(config)
 
 
 async def _nothing(name: str, payload: object, reply: Reply) -> object:
     raise AssertionError(name)
 
 
+class Worker:
+    """A worker's side: its own context (as a worker process has) and its channel."""
+
+    def __init__(self, config: Config, channel: Channel) -> None:
+        self.ctx = ServingContext(config)
+        self.config = config
+        self.channel = channel
+
+    def decisions(self) -> RemoteDecisions:
+        return RemoteDecisions(self.ctx, self.config, self.channel, "completions")
+
+    @asynccontextmanager
+    async def request(self, address: str = "10.0.0.1") -> AsyncIterator[RemoteDecisions]:
+        decisions = self.decisions()
+        async with decisions.retained(address):
+            yield decisions
+
+
 @asynccontextmanager
-async def workers(core: DecisionCore, count: int) -> AsyncIterator[list[Channel]]:
+async def workers(core: DecisionCore, count: int) -> AsyncIterator[list[Worker]]:
     """`count` workers' channels to `core`, each over a socketpair."""
     async with trio.open_nursery() as nursery:
-        channels = []
+        made = []
         for index in range(count):
             a, b = trio.socket.socketpair()
             on_call, on_note = core.handlers(index)
@@ -58,14 +79,14 @@ async def workers(core: DecisionCore, count: int) -> AsyncIterator[list[Channel]
             )
             await nursery.start(core_end.run)
             await nursery.start(worker_end.run)
-            channels.append(worker_end)
-        yield channels
+            made.append(Worker(core.ctx.config, worker_end))
+        yield made
         nursery.cancel_scope.cancel()
 
 
 async def test_one_admission_queue_in_arrival_order_across_workers() -> None:
-    ctx = context(max_connections=1, queue_capacity=2, queue_timeout_s=30)
-    core = DecisionCore(ctx)
+    core = DecisionCore(ServingContext(configured(max_connections=1, queue_capacity=2)))
+    gate = core.ctx.gate
     order: list[str] = []
     with trio.fail_after(10):
         async with (
@@ -73,102 +94,138 @@ async def test_one_admission_queue_in_arrival_order_across_workers() -> None:
             trio.open_nursery() as nursery,
             AsyncExitStack() as held,
         ):
-            await held.enter_async_context(one.hold("admitted", 30.0))
-            assert ctx.gate.statistics().admitted == 1
+            first = await held.enter_async_context(one.request())
+            await held.enter_async_context(first.admitted())
+            assert gate.statistics().admitted == 1
 
-            async def queued(name: str, channel: Channel) -> None:
-                async with channel.hold("admitted", 30.0):
+            async def queued(name: str, worker: Worker) -> None:
+                async with worker.request() as decisions, decisions.admitted():
                     order.append(name)
 
             nursery.start_soon(queued, "two", two)
-            await wait_waiting(ctx, 1)
+            await wait_for(lambda: gate.statistics().waiting == 1)
             nursery.start_soon(queued, "three", three)
-            await wait_waiting(ctx, 2)
-            # The queue holds serving.queue_capacity=2 of any worker: the next is refused.
-            with pytest.raises(Refused, match=r"^admission queue is full") as refused:
-                await one.call("admitted", 30.0)
-            assert refused.value.code == ErrorCode.QUEUE_FULL
-            assert refused.value.retry_after_s == 1.0
-            # Leaving the hold on worker one frees the slot: the queue goes in order.
+            await wait_for(lambda: gate.statistics().waiting == 2)
+            # Leaving worker one's hold (first out) frees the slot: the queue goes in order.
         assert order == ["two", "three"]
-        assert ctx.gate.statistics().admitted == 0
+        await wait_for(lambda: core.sessions == 0)
+        assert gate.statistics().admitted == 0
+        assert core.ctx.retained == 0
 
 
 async def test_a_worker_that_dies_gives_back_its_slots_and_queue_places() -> None:
-    ctx = context(max_connections=1, queue_capacity=1, queue_timeout_s=30)
-    core = DecisionCore(ctx)
+    core = DecisionCore(ServingContext(configured(max_connections=1, queue_capacity=1)))
+    gate = core.ctx.gate
     with trio.fail_after(10):
         async with workers(core, 2) as (one, two), trio.open_nursery() as nursery:
             admitted = trio.Event()
 
             async def holder() -> None:
-                async with one.hold("admitted", 30.0):
+                async with one.request() as decisions, decisions.admitted():
                     await trio.sleep_forever()  # past its worker's death, as a stuck worker
 
             async def waiter() -> None:
-                async with two.hold("admitted", 30.0) as waited:
-                    assert isinstance(waited, float)
+                async with two.request() as decisions, decisions.admitted() as waited:
+                    assert waited > 0
                     admitted.set()
 
             nursery.start_soon(holder)
-            await wait_admitted(ctx, 1)
+            await wait_for(lambda: gate.statistics().admitted == 1)
             nursery.start_soon(waiter)
-            await wait_waiting(ctx, 1)
-            one.close("killed")  # the worker's process is gone
+            await wait_for(lambda: gate.statistics().waiting == 1)
+            one.channel.close("killed")  # the worker's process is gone
             await admitted.wait()
-            assert ctx.gate.statistics().waiting == 0
             with pytest.raises(PeerGone):
-                await one.call("admitted", 30.0)
+                await one.decisions().standing()
+            await wait_for(lambda: core.ctx.retained == 0)
             nursery.cancel_scope.cancel()
 
 
 async def test_the_retained_ceiling_counts_every_workers_requests() -> None:
-    ctx = context(max_connections=1, queue_capacity=1)
-    core = DecisionCore(ctx)
+    core = DecisionCore(ServingContext(configured(max_connections=1, queue_capacity=1)))
     with trio.fail_after(10):
         async with workers(core, 2) as (one, two):
-            async with (
-                one.hold("retain", ("r1", "10.0.0.1")),
-                two.hold("retain", ("r2", "10.0.0.2")),
-            ):
-                assert ctx.retained == 2
-                with pytest.raises(Refused, match=r"= 2 requests$") as refused:
-                    await one.call("retain", ("r3", "10.0.0.3"))
-                assert refused.value.code == ErrorCode.RETAINED_CEILING
-            await wait_for(lambda: ctx.retained == 0)
-            assert ctx.unsized_offers == 1
+            async with one.request("10.0.0.1"), two.request("10.0.0.2"):
+                assert core.ctx.retained == 2
+                assert (one.ctx.retained, two.ctx.retained) == (1, 1)  # each its own too
+                with pytest.raises(BeforeBody) as refused:
+                    async with one.request("10.0.0.3"):
+                        pass
+                assert refused.value.error.code == ErrorCode.RETAINED_CEILING
+                assert str(refused.value.error).endswith("= 2 requests")
+                assert refused.value.keep_connection
+            await wait_for(lambda: core.ctx.retained == 0)
+            assert core.ctx.unsized_offers == 1
 
 
 async def test_a_clients_bodies_still_arriving_are_counted_across_workers() -> None:
-    ctx = context(max_connections=8, max_pending_bodies_per_client=2)
-    core = DecisionCore(ctx)
+    core = DecisionCore(
+        ServingContext(configured(max_connections=8, max_pending_bodies_per_client=2))
+    )
     with trio.fail_after(10):
-        async with (
-            workers(core, 2) as (one, two),
-            one.hold("retain", ("a", "10.0.0.1")),
-            two.hold("retain", ("b", "10.0.0.1")),
-        ):
-            with pytest.raises(Refused, match=r"^client 10.0.0.1 already has 2 "):
-                await two.call("retain", ("c", "10.0.0.1"))
-            # The first's body is read: the client may send another.
-            one.note("body_read", "a")
-            async with two.hold("retain", ("c", "10.0.0.1")):
-                assert ctx.retained == 3
-                assert ctx.pending_bodies.statistics().counted == 2
+        async with workers(core, 2) as (one, two), one.request() as first, two.request():
+            with pytest.raises(BeforeBody, match="already has 2 "):
+                async with two.request():
+                    pass
+            first.body_read()  # its body is read: the client may send another
+            async with two.request():
+                assert core.ctx.retained == 3
+                assert core.ctx.pending_bodies.statistics().counted == 2
 
 
-async def wait_waiting(ctx: ServingContext, count: int) -> None:
-    await wait_for(lambda: ctx.gate.statistics().waiting == count)
+async def test_phase_slots_are_the_engines_whichever_worker_asks() -> None:
+    core = DecisionCore(ServingContext(configured(max_connections=4, prefill_concurrency=1)))
+    prefill = core.ctx.fleet.get("p0")
+    assert prefill is not None
+    with trio.fail_after(10):
+        async with workers(core, 2) as (one, two), trio.open_nursery() as nursery:
+            got = trio.Event()
+            async with one.request() as first:
+                engine = one.ctx.fleet.get("p0")
+                assert engine is not None
+                async with first.phase_slot(engine, "prefill", 1000):
+                    assert first.alone(engine) == 1  # the core's count of legs started
+                    assert prefill.load.prefill_inflight == 1
+
+                    async def second() -> None:
+                        async with two.request() as other:
+                            engine = two.ctx.fleet.get("p0")
+                            assert engine is not None
+                            async with other.phase_slot(engine, "prefill", 500):
+                                got.set()
+
+                    nursery.start_soon(second)
+                    await wait_for(lambda: prefill.load.prefill_queued_tokens == 500)
+                    assert not got.is_set()  # serving.prefill_concurrency=1, across workers
+            await got.wait()
+            await wait_for(lambda: core.sessions == 0)
+            assert prefill.load.prefill_inflight == prefill.load.prefill_queued == 0
 
 
-async def wait_admitted(ctx: ServingContext, count: int) -> None:
-    await wait_for(lambda: ctx.gate.statistics().admitted == count)
+async def test_claims_a_dead_workers_legs_held_are_given_back() -> None:
+    core = DecisionCore(ServingContext(configured()))
+    decode = core.ctx.fleet.get("d0")
+    assert decode is not None
+    with trio.fail_after(10):
+        async with workers(core, 1) as (one,):
+            engine = one.ctx.fleet.get("d0")
+            assert engine is not None
+            async with one.request() as decisions:
+                growth = decisions.generated(engine)
+                growth.add(40)
+                waiting = decisions.awaiting_first_token(engine, trio.current_time())
+                await wait_for(lambda: decode.load.decode_tokens == 40)
+                assert decode.load.statistics().awaiting_first_token == 1
+                waiting.release()
+                await wait_for(lambda: decode.load.statistics().awaiting_first_token == 0)
+                growth.add(2)
+                one.channel.close("killed")
+            await wait_for(lambda: core.sessions == 0)
+            assert decode.load.decode_tokens == 0
 
 
 async def wait_for(condition: Callable[[], bool]) -> None:
-    # The core answers over a socket: its tasks run in the same scheduler, so once every
-    # task is blocked, what the core will do for the frames sent so far is done.
-    while not condition():
-        await trio.testing.wait_all_tasks_blocked()
-        if not condition():
+    """Until `condition` holds: the core answers over a socket, in this scheduler."""
+    with trio.fail_after(5):
+        while not condition():  # noqa: ASYNC110  (another task's sockets)
             await trio.sleep(0.001)

@@ -17,13 +17,13 @@ from narwhal.plane._pool import WorkerPool
 Reply = Callable[[object], None]
 
 
-def command(index: int, listen_fd: int, channel_fd: int) -> list[str]:
+def command(index: int, channel_fd: int, listen_fds: list[int]) -> list[str]:
     return [
         sys.executable,
         "-m",
         "tests.plane.echo_worker",
         str(index),
-        str(listen_fd),
+        str(listen_fds[0]),
         str(channel_fd),
     ]
 
@@ -80,7 +80,7 @@ async def test_workers_share_the_listener_and_a_killed_one_is_restarted_and_repo
     pool = WorkerPool(
         2,
         command=command,
-        listening=sock,
+        listening=[sock.fileno()],
         handlers=core.handlers,
         on_lost=core.on_lost,
     )
@@ -119,7 +119,7 @@ async def test_a_worker_stops_when_its_core_goes() -> None:
     core = Core()
     sock = listener()
     pool = WorkerPool(
-        1, command=command, listening=sock, handlers=core.handlers, on_lost=core.on_lost
+        1, command=command, listening=[sock.fileno()], handlers=core.handlers, on_lost=core.on_lost
     )
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:

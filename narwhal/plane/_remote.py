@@ -1,0 +1,276 @@
+"""A worker's request decisions, taken by the decision core (docs/architecture.md#workers).
+
+Owns
+  `RemoteDecisions`: the `Decisions` of one request on a worker, each sent to the core
+  over the worker's channel, where a `Decisions` of the core's own runs it (`_core`):
+  calls for answers, holds for what is granted until released, notes for what is only
+  reported. `RemoteGenerated`: a streamed leg's KV growth, reported as it grows.
+
+Invariants
+  The core's session of the request lives as long as its `retained` hold: everything the
+  request still holds is released with it. Clock values never cross: each process has
+  its own trio clock, so a deadline or a start time goes as the seconds left or gone.
+  Engines go by id; the worker's own `EngineState` of that id serves the legs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Literal
+
+import attrs
+import trio
+
+from .._errors import EngineFailed
+from ..admission import PathQuote
+from ..config import Config
+from ..fleet import Claim, EngineState, Generated
+from ..placement import Placement
+from ..prefix import PromptKey
+from ..serving._context import RequestRecord, ServingContext
+from ..serving._decisions import Decisions, Placed, Standing
+from ..serving._leg_failures import LegPhase
+from ..serving._request import ClientRequest
+from ..serving._retry import GiveUp, Retry, Tried
+from ..signals import DecodeGaps
+from ._channel import Channel
+
+_KEYS = itertools.count(1)
+
+
+class RemoteGenerated(Generated):
+    """A streamed decode leg's generated KV on the core's ledger, grown by notes."""
+
+    __slots__ = ("_claim", "_decisions")
+
+    def __init__(self, decisions: RemoteDecisions, claim: int) -> None:
+        self._decisions = decisions
+        self._claim = claim
+        self.tokens = 0
+        Claim.__init__(self, lambda: decisions.release_claim(claim))
+
+    def add(self, tokens: int) -> None:
+        if self.held:
+            self.tokens += tokens
+            self._decisions.note("grow", self._claim, tokens)
+
+
+class RemoteDecisions(Decisions):
+    """One request's decisions on worker `ctx`, taken by the core over `channel`."""
+
+    __slots__ = ("_alone", "_channel", "_claims", "_key", "endpoint")
+
+    def __init__(
+        self, ctx: ServingContext, config: Config, channel: Channel, endpoint: str = ""
+    ) -> None:
+        super().__init__(ctx, config)
+        self._channel = channel
+        self.endpoint = endpoint  # counted under it if the worker dies with the request
+        self._key = str(next(_KEYS))
+        self._claims = itertools.count(1)
+        # Each engine's leg count as the core granted its phase slot (`alone`).
+        self._alone: dict[str, int | None] = {}
+
+    # ---------------------------------------------------------------- the wire
+
+    async def _call(self, name: str, *args: object) -> object:
+        return await self._channel.call(name, (self._key, args))
+
+    def _hold(self, name: str, *args: object) -> AbstractAsyncContextManager[object]:
+        return self._channel.hold(name, (self._key, args))
+
+    def note(self, name: str, *args: object) -> None:
+        """Report `name` to the core's session of this request (no answer)."""
+        self._channel.note(name, (self._key, args))
+
+    def _claim(self, kind: str, engine: EngineState, *args: object) -> int:
+        claim = next(self._claims)
+        self.note("claim", claim, kind, engine.id, *args)
+        return claim
+
+    def release_claim(self, claim: int) -> None:
+        self.note("release", claim)
+
+    # ---------------------------------------------------------------- ingress
+
+    @asynccontextmanager
+    async def retained(self, address: str) -> AsyncIterator[None]:
+        async with self._hold("retained", address, self.endpoint):
+            # The worker's own count too: its drain waits for its requests.
+            self.ctx.retained += 1
+            try:
+                yield
+            finally:
+                self.ctx.retained -= 1
+
+    def body_read(self) -> None:
+        self.note("body_read")
+
+    async def standing(self) -> Standing:
+        standing = await self._call("standing")
+        assert isinstance(standing, Standing)
+        return standing
+
+    async def cached(self, key: PromptKey | None) -> dict[str, int]:
+        if key is None or self.ctx.prefix_caches is None:
+            return {}
+        cached = await self._call("cached", key)
+        assert isinstance(cached, dict)
+        return cached
+
+    # ---------------------------------------------------------------- admission
+
+    async def admit(
+        self, request: ClientRequest, tokens: int, cached: Mapping[str, int]
+    ) -> list[PathQuote]:
+        quotes = await self._call("admit", _shape(request), tokens, dict(cached))
+        assert isinstance(quotes, list)
+        return quotes
+
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[float]:
+        async with self._hold("admitted") as waited:
+            assert isinstance(waited, float)
+            yield waited
+
+    def offered(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        cached: Mapping[str, int],
+        *,
+        admitted: bool,
+        reason: str | None = None,
+    ) -> None:
+        self.note("offered", _shape(request), tokens, dict(cached), admitted, reason)
+
+    async def place(
+        self,
+        request: ClientRequest,
+        tokens: int,
+        cached: Mapping[str, int],
+        tried: Tried,
+        prompt: PromptKey | None,
+    ) -> Placed:
+        placed = await self._call("place", _shape(request), tokens, dict(cached), tried, prompt)
+        assert isinstance(placed, Placed)
+        return placed
+
+    # ---------------------------------------------------------------- engine holds
+
+    @asynccontextmanager
+    async def decode_placed(self, engine: EngineState, tokens: int) -> AsyncIterator[None]:
+        async with self._hold("decode_placed", engine.id, tokens):
+            yield
+
+    @asynccontextmanager
+    async def phase_slot(
+        self,
+        engine: EngineState,
+        phase: Literal["prefill", "decode"],
+        tokens: int,
+        *,
+        not_after: float = math.inf,
+    ) -> AsyncIterator[None]:
+        left = not_after - trio.current_time()
+        async with self._hold("phase_slot", engine.id, phase, tokens, left) as alone:
+            assert alone is None or isinstance(alone, int)
+            self._alone[engine.id] = alone
+            yield
+
+    @asynccontextmanager
+    async def handoff(self, engine: EngineState) -> AsyncIterator[None]:
+        async with self._hold("handoff", engine.id):
+            yield
+
+    # ---------------------------------------------------------------- retries
+
+    async def retry(
+        self,
+        failure: EngineFailed,
+        failed: EngineState,
+        tried: Tried,
+        placement: Placement,
+        *,
+        visible: bool,
+        deadline: float,
+    ) -> Retry | GiveUp:
+        left = deadline - trio.current_time()
+        decision = await self._call("retry", failure, failed.id, tried, placement, visible, left)
+        assert isinstance(decision, Retry | GiveUp)
+        return decision
+
+    def succeeded(self) -> None:
+        self.note("succeeded")
+
+    # ---------------------------------------------------------------- what legs report
+
+    def alone(self, engine: EngineState) -> int | None:
+        return self._alone.get(engine.id)
+
+    def leg_ok(
+        self,
+        engine: EngineState,
+        phase: LegPhase,
+        duration_s: float,
+        *,
+        prompt_tokens: int,
+        alone: int | None,
+        gaps: DecodeGaps | None = None,
+    ) -> None:
+        self.note("leg_ok", engine.id, phase, duration_s, prompt_tokens, alone, gaps)
+
+    def leg_failed(self, failure: EngineFailed, engine: EngineState) -> None:
+        self.note("leg_failed", engine.id, failure)
+
+    def kv_freed(self, engine: EngineState, tokens: int) -> None:
+        self.note("kv_freed", engine.id, tokens)
+
+    def first_token_lag(self, engine: EngineState, lag_s: float) -> None:
+        self.note("first_token_lag", engine.id, lag_s)
+
+    def decode_gaps(self, engine: EngineState, summary: DecodeGaps) -> None:
+        self.note("decode_gaps", engine.id, summary)
+
+    def first_token_timeout(self, engine: EngineState) -> None:
+        self.note("first_token_timeout", engine.id)
+
+    def generated(self, engine: EngineState) -> RemoteGenerated:
+        return RemoteGenerated(self, self._claim("generated", engine))
+
+    def awaiting_first_token(self, engine: EngineState, since: float) -> Claim:
+        claim = self._claim("awaiting_first_token", engine, trio.current_time() - since)
+        return Claim(lambda: self.release_claim(claim))
+
+    def unstreamed_decode(self, engine: EngineState, bound: int | None, since: float) -> Claim:
+        claim = self._claim("unstreamed_decode", engine, bound, trio.current_time() - since)
+        return Claim(lambda: self.release_claim(claim))
+
+    def finished(self, outcome: str, record: RequestRecord | None = None) -> None:
+        self.note("finished", outcome, None if record is None else _outcome_of(record))
+
+
+def _shape(request: ClientRequest) -> ClientRequest:
+    """`request` as the core's decisions read it: its prompt left out (they price its
+    tokens, counted already), but for the fields they look at."""
+    body = request.body
+    kept = {"prompt_logprobs": body["prompt_logprobs"]} if "prompt_logprobs" in body else {}
+    return attrs.evolve(request, body=kept)
+
+
+def _outcome_of(record: RequestRecord) -> RequestRecord:
+    """What the core's tallies read of a finished request: its TTFT and TPOT, and the
+    projection they are compared with (no clock values: arrival is 0)."""
+    return RequestRecord(
+        id=record.id,
+        endpoint=record.endpoint,
+        arrival=0.0,
+        prompt_tokens=record.prompt_tokens,
+        projected_ttft_s=record.projected_ttft_s,
+        projected_wait_s=record.projected_wait_s,
+        first_output_at=record.observed_ttft_s,
+        observed_tpot_s=record.observed_tpot_s,
+    )

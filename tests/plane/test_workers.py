@@ -1,0 +1,196 @@
+"""Narwhal with serving.workers = 2: worker processes serve the clients, the daemon
+decides, against narwhal-sim on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import h11
+import httpx
+import pytest
+import trio
+
+from ..serving.conftest import MODEL, StartStack
+from ..support import SseReader, open_sse
+
+
+async def test_two_workers_serve_streams_and_answers_and_the_core_counts_them(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(serving={"workers": 2, "admission": "open"})
+    plane = stack.supervisor.plane
+    assert plane is not None
+    assert plane.pool is not None
+    assert len({stats.pid for stats in plane.pool.statistics()}) == 2
+    with trio.fail_after(60):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "prompt": f"hello {i}", "max_tokens": 8}
+                if i % 2:
+                    async with client.stream(
+                        "POST", "/v1/completions", json={**body, "stream": True}
+                    ) as response:
+                        assert response.status_code == 200
+                        raw = (await response.aread()).decode()
+                    assert raw.rstrip().endswith("data: [DONE]")
+                else:
+                    response = await client.post("/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    assert json.loads(response.text)["usage"]["completion_tokens"] == 8
+
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(one, i)
+    ctx = stack.supervisor.ctx
+    assert ctx is not None
+    assert ctx.outcomes["ok"] == 20
+    assert ctx.retained == 0
+    assert plane.core.sessions == 0
+
+
+async def test_metrics_and_state_are_the_core_s_with_every_workers_part(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(serving={"workers": 2, "admission": "open"})
+    with trio.fail_after(60):
+        # One connection a request: each lands on whichever worker accepts it.
+        for i in range(12):
+            async with stack.client() as client:
+                body = {"model": MODEL, "prompt": f"hi {i}", "max_tokens": 4}
+                response = await client.post("/v1/completions", json=body)
+                assert response.status_code == 200
+        metrics = await stack.metrics()
+        state = await stack.state()
+    assert 'narwhal_requests_total{endpoint="completions",outcome="ok"} 12.0' in metrics
+    assert state["requests"]["outcomes"] == {"ok": 12}
+    workers = state["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    assert all(w["starts"] == 1 and w["retained"] == 0 for w in workers)
+    assert sum(sum(w["token_counts"].values()) for w in workers) == 12
+
+
+async def test_serving_max_connections_is_one_limit_across_workers(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(
+        serving={"workers": 2, "admission": "open", "max_connections": 1}, speed=1.0
+    )
+    with trio.fail_after(60):
+        async with stack.client() as second:
+            long = {"model": MODEL, "prompt": "a", "max_tokens": 400, "stream": True}
+            async with open_sse(stack.url, "/v1/completions", long) as streaming:
+                assert streaming.status == 200
+                assert await streaming.event() is not None
+                # Whichever worker takes the other connections, the one slot is held: the
+                # retained ceiling is max_connections + queue_capacity = 1.
+                for _ in range(4):
+                    async with stack.client() as other:
+                        short = {"model": MODEL, "prompt": "b", "max_tokens": 2}
+                        refused = await other.post("/v1/completions", json=short)
+                    assert refused.status_code == 429
+                    assert refused.json()["error"]["code"] == "retained_ceiling"
+            # The client left: its worker sees it go, and the core frees the slot.
+            while stack.ctx.retained:  # noqa: ASYNC110  (another process's)
+                await trio.sleep(0.01)
+            done = await second.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "c", "max_tokens": 2}
+            )
+            assert done.status_code == 200
+    state = await stack.state()
+    assert state["requests"]["outcomes"]["retained_ceiling"] == 4
+
+
+async def test_a_killed_worker_fails_only_its_requests_and_is_started_again(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(serving={"workers": 2, "admission": "open"}, speed=1.0)
+    plane = stack.supervisor.plane
+    assert plane is not None
+    assert plane.pool is not None
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 300, "stream": True}
+    endings: dict[int, str] = {}
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            started = 0
+            all_started = trio.Event()
+
+            async def stream(i: int) -> None:
+                nonlocal started
+                async with open_sse(stack.url, "/v1/completions", body) as streaming:
+                    assert streaming.status == 200
+                    assert await streaming.event() is not None
+                    started += 1
+                    if started == 8:
+                        all_started.set()
+                    last = ""
+                    try:
+                        while (event := await streaming.event()) is not None:
+                            last = event
+                    except (h11.RemoteProtocolError, trio.BrokenResourceError):
+                        last = "cut"
+                    endings[i] = last
+
+            for i in range(8):
+                nursery.start_soon(stream, i)
+            await all_started.wait()
+            state = await stack.state()
+            assert all("in_flight" in w for w in state["workers"]), state["workers"]
+            serving = {w["index"]: len(w["in_flight"]) for w in state["workers"]}
+            victim = max(serving, key=lambda index: serving[index])
+            pid = plane.pool.statistics()[victim].pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+    cut = sorted(i for i, end in endings.items() if end == "cut")
+    done = sorted(i for i, end in endings.items() if end == "[DONE]")
+    assert len(cut) == serving[victim]  # the killed worker's streams, no other
+    assert len(done) == 8 - serving[victim]
+    ctx = stack.ctx
+    with trio.fail_after(10):
+        while ctx.retained or plane.core.sessions:  # noqa: ASYNC110  (another process's)
+            await trio.sleep(0.01)
+        while plane.pool.statistics()[victim].starts < 2:  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    assert ctx.gate.statistics().admitted == 0
+    assert all(engine.load.decode_active == 0 for engine in ctx.fleet)
+    # Each request the worker took with it ends once, counted as such.
+    assert ctx.outcomes["worker_lost"] == serving[victim]
+    assert ctx.outcomes["ok"] == 8 - serving[victim]
+    assert plane.pool.statistics()[victim].last_exit == "it was killed by SIGKILL"
+    async with stack.client() as client:
+        again = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+        )
+    assert again.status_code == 200
+
+
+async def test_a_shutdown_drains_the_workers_requests_and_stops_them(
+    start_stack: StartStack,
+) -> None:
+    stack = await start_stack(serving={"workers": 2, "admission": "open"}, speed=2.0)
+    plane = stack.supervisor.plane
+    assert plane is not None
+    assert plane.pool is not None
+    pids = [stats.pid for stats in plane.pool.statistics()]
+    body = {"model": MODEL, "prompt": "drain me", "max_tokens": 60, "stream": True}
+    with trio.fail_after(60):
+        async with open_sse(stack.url, "/v1/completions", body) as streaming:
+            assert await streaming.event() is not None
+            stack.supervisor.request_shutdown()
+            events = [event async for event in _events(streaming)]
+        # The stream in flight finished within the grace; new clients are refused.
+        assert events[-1] == "[DONE]"
+        await plane.pool.wait_stopped()
+    assert all(stats.pid is None for stats in plane.pool.statistics())
+    for pid in pids:
+        assert pid is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+async def _events(reader: SseReader) -> AsyncIterator[str]:
+    while (event := await reader.event()) is not None:
+        yield event
