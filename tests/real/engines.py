@@ -41,7 +41,13 @@ import attrs
 
 from narwhal.engines._dialects import vllm_decode_body, vllm_prefill_body
 
-from ..support import late_port
+# The benchmarks' package reads /proc for them and for us; they import it top-level.
+_BENCH = str(Path(__file__).resolve().parents[2] / "tools" / "bench")
+if _BENCH not in sys.path:
+    sys.path.insert(0, _BENCH)
+from benchkit import descendants  # noqa: E402
+
+from ..support import late_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
@@ -86,22 +92,6 @@ def build_model(out: Path) -> Path:
     if result.returncode != 0:
         raise EngineSetupError(f"building the tiny model failed:\n{result.stderr[-4000:]}")
     return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of `pid`'s descendants, from /proc."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        path = Path(f"/proc/{parent}/task/{parent}/children")
-        try:
-            kids = [int(p) for p in path.read_text().split()]
-        except OSError:
-            kids = []
-        found.extend(kids)
-        todo.extend(kids)
-    return found
 
 
 @attrs.define

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -141,7 +141,8 @@ class Report:
 
 @attrs.frozen
 class Verdict:
-    """How one exchange ended: ok, error (HTTP), stream_error, hung_up or malformed."""
+    """How one exchange ended: ok, error (HTTP), stream_error, hung_up, worker_lost or
+    malformed."""
 
     kind: str
     code: str | None = None
@@ -298,7 +299,10 @@ def check_clients(
     *,
     request_timeout_s: float,
     slack_s: float,
+    lost: Collection[str] = (),
 ) -> dict[str, Verdict]:
+    """`lost`: requests in flight on a worker process killed on purpose: a connection it
+    took with it (no response, or one cut short) is its verdict `worker_lost`."""
     well_formed = report.check("well_formed")
     deadline = report.check("deadline")
     deadline.notes["bound_s"] = round(request_timeout_s + slack_s, 3)
@@ -306,6 +310,8 @@ def check_clients(
     longest = 0.0
     for ex in exchanges:
         v = verdict(ex)
+        if ex.request_id in lost and (ex.status is None or not ex.complete) and not ex.timed_out:
+            v = Verdict("worker_lost", visible_output=v.visible_output, why=ex.cut or "")
         verdicts[ex.request_id] = v
         report.outcomes[v.label] += 1
         well_formed.checked += 1
@@ -338,7 +344,7 @@ def check_legs(
     for ex in exchanges:
         v = verdicts[ex.request_id]
         mine = legs.get(ex.request_id, [])
-        if ex.hung_up is None and ex.ended_wall:
+        if ex.hung_up is None and ex.ended_wall and v.kind != "worker_lost":
             for leg in mine:
                 within.checked += 1
                 if leg.outcome != "aborted" and not ended_by(leg, ex.ended_wall + RACE_SLACK_S):
@@ -533,6 +539,7 @@ def check_all(
     leases_released: bool = True,
     ctx: ServingContext | None = None,
     other_legs: Sequence[Mapping[str, Any]] = (),
+    lost: Collection[str] = (),
 ) -> Report:
     """Every check that the given data allows; see the module docstring.
 
@@ -540,7 +547,7 @@ def check_all(
     engine): they count for the leg checks only."""
     report = Report()
     verdicts = check_clients(
-        report, exchanges, request_timeout_s=request_timeout_s, slack_s=slack_s
+        report, exchanges, request_timeout_s=request_timeout_s, slack_s=slack_s, lost=lost
     )
     if engine_states or other_legs:
         legs = legs_by_request([*engine_states, *other_legs])

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -84,6 +85,9 @@ ALL_TARGETS = ("direct", "narwhal", "vllm-router")
 # Targets run only when named: narwhal-lean is Narwhal's app on the h11 server prototype
 # of tools/bench/dev/lean_server.py (docs/design.md#http-server).
 EXTRA_TARGETS = ("narwhal-lean",)
+# `--workers N`: Narwhal with serving.workers = N (N >= 2), target narwhal-wN; its CPU
+# is the daemon's (the decision core's) and its workers' together.
+WORKERS_TARGET = re.compile(r"narwhal-w([2-9]|[1-9][0-9]+)")
 LEAN_SERVER = Path(__file__).parent / "dev" / "lean_server.py"
 MODES = ("non-stream", "stream")
 
@@ -384,7 +388,7 @@ def evaluate_goals(summary: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
         return None
 
     goals: dict[str, Json] = {}
-    extra = [t for t in EXTRA_TARGETS if any(r["target"] == t for r in summary)]
+    extra = _extra_targets(summary)
     for target in (*ROUTERS, *extra):
         stream = row("stream", GOAL_ADDED_TTFT_AT, target)
         added = stream.get("added_ttft_p50_ms") if stream else None
@@ -417,6 +421,12 @@ def evaluate_goals(summary: Sequence[Mapping[str, Json]]) -> dict[str, Json]:
             "flat_cpu": flat,
         }
     return goals
+
+
+def _extra_targets(summary: Sequence[Mapping[str, Json]]) -> list[str]:
+    """The targets of `summary` beyond ALL_TARGETS, in the order they first appear."""
+    seen = dict.fromkeys(str(r["target"]) for r in summary)
+    return [t for t in seen if t not in ALL_TARGETS]
 
 
 # ---------------------------------------------------------------------------- running
@@ -588,6 +598,20 @@ async def start_narwhal(procs: Procs, endpoints: Endpoints) -> dict[str, Json]:
     return config
 
 
+async def start_narwhal_workers(procs: Procs, endpoints: Endpoints, target: str) -> None:
+    """Narwhal with serving.workers from `target` (narwhal-wN), on its own ports."""
+    match = WORKERS_TARGET.fullmatch(target)
+    assert match is not None
+    port = free_port()
+    config = narwhal_config(_url(endpoints.prefill), _url(endpoints.decode), port)
+    config["ctl"] = {"socket": str(LOGS / f"{target}.sock")}
+    serving = config["serving"]
+    assert isinstance(serving, dict)
+    serving["workers"] = int(match.group(1))
+    await harness.start_narwhal(procs, config, LOGS, name=target)
+    endpoints.routers[target] = (("127.0.0.1", port), procs.find(target))
+
+
 async def start_narwhal_lean(procs: Procs, endpoints: Endpoints) -> None:
     """Narwhal with the lean h11 server in place of hypercorn, on its own ports."""
     port = free_port()
@@ -628,6 +652,9 @@ async def run(plan: Plan, out_stem: str) -> dict[str, Json]:
         narwhal_cfg = await start_narwhal(procs, endpoints) if "narwhal" in targets else None
         if "narwhal-lean" in targets:
             await start_narwhal_lean(procs, endpoints)
+        for target in targets:
+            if WORKERS_TARGET.fullmatch(target):
+                await start_narwhal_workers(procs, endpoints, target)
         vllm_argv: list[str] | None = None
         if "vllm-router" in targets and peer is not None:
             exe = harness.vllm_router_binary(peer.venv)
@@ -771,7 +798,8 @@ def plot(document: Json, path: Path) -> None:
     summary: Sequence[Mapping[str, Json]] = document["summary"]
     alternating: Sequence[Mapping[str, Json]] = document["alternating_c1"]["summary"]
     concs = sorted({int(r["concurrency"]) for r in summary})
-    targets = [t for t in (*ALL_TARGETS, *EXTRA_TARGETS) if any(r["target"] == t for r in summary)]
+    targets = [t for t in ALL_TARGETS if any(r["target"] == t for r in summary)]
+    targets += _extra_targets(summary)
 
     def values(mode: str, target: str, key: str) -> list[float]:
         out = []
@@ -871,6 +899,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run the routers on a CPU of their own (the last one), the fleet and the load "
         "on the others; default output stem overhead-pinned",
     )
+    p.add_argument(
+        "--workers",
+        default="",
+        help="comma-separated serving.workers values >= 2: each adds target narwhal-wN",
+    )
     p.add_argument("--out", default=None, help="output stem under runs/bench/")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the stem's JSON")
     args = p.parse_args(argv)
@@ -879,7 +912,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.replot:
         return benchkit.show(RUNS / f"{stem}.json", replot=plot)
     targets = [t for t in args.targets.split(",") if t]
-    unknown = sorted(set(targets) - {*ALL_TARGETS, *EXTRA_TARGETS})
+    targets += [f"narwhal-w{n.strip()}" for n in args.workers.split(",") if n.strip()]
+    unknown = sorted(
+        t for t in set(targets) - {*ALL_TARGETS, *EXTRA_TARGETS} if not WORKERS_TARGET.fullmatch(t)
+    )
     if unknown:
         p.error(f"unknown target(s): {', '.join(unknown)}")
     try:

@@ -3,7 +3,7 @@ config reloads, then every invariant of tests/reliability/invariants.py.
 
     .venv/bin/python tools/bench/reliability.py [--dialect vllm|sglang] [--requests 20000]
         [--fault-rate 0.03] [--speed 20] [--concurrency 32] [--reload-every 3]
-        [--out runs/bench/reliability.json]
+        [--workers N [--kill-worker-after S]] [--out runs/bench/reliability.json]
 
 Three processes on loopback: a simulated fleet (2 prefill + 2 decode engines, this
 script re-run as `--serve-sim`, with an outcome ring large enough for every leg),
@@ -19,6 +19,12 @@ verification legs (docs/benchmarks.md). A few clients hang up part-way. Every
 one time in five, an invalid one that must be rejected) and the daemon gets SIGHUP.
 Once the load has drained the router and the engines must be idle and every invariant
 must hold; the result goes to --out as JSON. Bounded: the load stops after --max-s.
+
+`--workers N` runs the daemon with serving.workers = N; `--kill-worker-after S` then
+SIGKILLs the worker serving the most requests S seconds into the load. The requests it
+takes with it (in flight at that moment, and not listed in flight on another worker) may
+end cut short, as verdict `worker_lost`; every other invariant holds for them too, and the
+router must count each once (`worker_lost` among its outcomes).
 
 `--dialect sglang` plays an SGLang P/D fleet instead: two servers launched with
 `--disaggregation-mode prefill` and two with `decode`, which Narwhal drives as
@@ -458,8 +464,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         engines = engine_entries(args.dialect, urls)
         ctl = {"socket": str(directory / "ctl.sock")}
         profiles = {"path": str(directory / "no-profiles.json")}
+        plane = {"serving": {"workers": args.workers}}
         documents = [
-            merge(merge(BASE, variant), {"engines": engines, "ctl": ctl, "profiles": profiles})
+            merge(
+                merge(merge(BASE, variant), plane),
+                {"engines": engines, "ctl": ctl, "profiles": profiles},
+            )
             for variant in variants(args.dialect)
         ]
         invalid = invalid_documents(args.dialect, documents[0])
@@ -546,6 +556,23 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 assert daemon.process is not None
                 daemon.process.send_signal(signal.SIGHUP)
 
+        kill: dict[str, Any] = {}
+
+        async def kill_worker() -> None:
+            """SIGKILL the worker process serving the most requests, once."""
+            await trio.sleep(args.kill_worker_after)
+            state = await daemon.get("/narwhal/state")
+            workers = state["workers"]
+            victim = max(workers, key=lambda w: len(w.get("in_flight", [])))
+            kill["others_in_flight"] = sorted(
+                r["id"] for w in workers if w is not victim for r in w.get("in_flight", [])
+            )
+            kill["victim_in_flight"] = len(victim.get("in_flight", []))
+            os.kill(victim["pid"], signal.SIGKILL)
+            kill["at"] = trio.current_time()
+            kill["worker"] = victim["index"]
+            print(f"  killed worker {victim['index']} (pid {victim['pid']})", file=sys.stderr)
+
         async def progress(done: trio.Event) -> None:
             while not done.is_set():
                 with trio.move_on_after(10):
@@ -557,6 +584,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reloader, done)
             nursery.start_soon(progress, done)
+            if args.kill_worker_after is not None:
+                nursery.start_soon(kill_worker)
             async with trio.open_nursery() as workers:
                 for _ in range(args.concurrency):
                     workers.start_soon(worker)
@@ -577,6 +606,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         settle_started = trio.current_time()
         router_state, engine_states, settle_waited = await settle(daemon, urls)
         settle_s = trio.current_time() - settle_started
+        lost = lost_with_worker(exchanges, kill)
         report = check_all(
             exchanges,
             request_timeout_s=timeout_s,
@@ -584,6 +614,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             engine_states=engine_states,
             router_state=router_state,
             outcomes_before={},
+            lost=lost,
         )
         metrics = await daemon.get("/metrics")
         reloads = reload_counts(metrics)
@@ -609,6 +640,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 "sim_speed": args.speed,
                 "seed": args.seed,
                 "reload_every_s": args.reload_every,
+                "workers": args.workers,
                 "load_s": round(load_s, 1),
                 "settle_s": round(settle_s, 1),
                 "settle_waited_s": settle_waited,
@@ -637,10 +669,35 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "verifications": verifications,
             "engine_counters": counters,
             "reloads": {"sent": reloads_sent, "daemon": reloads},
+            "worker_kill": _kill_report(kill, lost, report.outcomes),
             "router_outcomes": router_state["requests"]["outcomes"],
             "retry_budget": router_state["retry_budget"],
             "invariants": report.to_json(),
         }
+
+
+def lost_with_worker(exchanges: list[Exchange], kill: dict[str, Any]) -> set[str]:
+    """The requests a killed worker may have taken with it: in flight when it died, and
+    not listed in flight on another worker just before."""
+    if "at" not in kill:
+        return set()
+    at, others = kill["at"], set(kill["others_in_flight"])
+    return {
+        ex.request_id
+        for ex in exchanges
+        if ex.started <= at and (ex.ended == 0 or ex.ended >= at) and ex.request_id not in others
+    }
+
+
+def _kill_report(kill: dict[str, Any], lost: set[str], outcomes: Any) -> dict[str, Any] | None:
+    if "at" not in kill:
+        return None
+    return {
+        "worker": kill["worker"],
+        "its_requests_in_flight_listed": kill["victim_in_flight"],
+        "in_flight_at_the_kill_elsewhere_or_unlisted": len(lost),
+        "ended_worker_lost": outcomes.get("worker_lost", 0),
+    }
 
 
 def _sum_counters(states: list[dict[str, Any]]) -> dict[str, int]:
@@ -715,6 +772,13 @@ def main() -> int:
     )
     parser.add_argument("--speed", type=float, default=20.0)
     parser.add_argument("--reload-every", type=float, default=3.0)
+    parser.add_argument("--workers", type=int, default=1, help="serving.workers")
+    parser.add_argument(
+        "--kill-worker-after",
+        type=float,
+        default=None,
+        help="SIGKILL the busiest worker process this many seconds into the load",
+    )
     parser.add_argument("--max-s", type=float, default=900.0, help="stop starting requests")
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument(

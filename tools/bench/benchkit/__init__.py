@@ -14,10 +14,12 @@ The load generator itself is tools/bench/loadgen.py, a process of its own.
 from ._cpu import (
     GUARD_CORES as GUARD_CORES,
     cpu_seconds as cpu_seconds,
+    descendants as descendants,
     disturbance as disturbance,
     machine_cpu_seconds as machine_cpu_seconds,
     measure_guarded as measure_guarded,
     rotated as rotated,
+    tree_cpu_seconds as tree_cpu_seconds,
     wait_quiet as wait_quiet,
 )
 from ._facts import (

@@ -10,6 +10,7 @@ Errors: `cpu_seconds` raises OSError for a process that is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -30,6 +31,32 @@ def cpu_seconds(pid: int) -> float:
         # The command name may contain spaces and parentheses; fields follow the last ")".
         fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of `pid`'s descendants now, from /proc (none once it is gone)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as fh:
+                kids = [int(p) for p in fh.read().split()]
+        except OSError:
+            kids = []
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` of a process and its live descendants (a Narwhal's worker
+    processes, serving.workers); raises OSError when the process itself is gone."""
+    total = cpu_seconds(pid)
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            total += cpu_seconds(child)
+    return total
 
 
 def machine_cpu_seconds() -> tuple[float, float]:

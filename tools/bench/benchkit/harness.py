@@ -32,7 +32,7 @@ import attrs
 import httpx
 import trio
 
-from ._cpu import cpu_seconds, machine_cpu_seconds
+from ._cpu import machine_cpu_seconds, tree_cpu_seconds
 from ._facts import BENCH, REPO, TMP, Json
 
 MODEL = "sim-llama-3-8b"
@@ -151,11 +151,12 @@ class Procs:
         return next(p for n, p in reversed(self.started) if n == name)
 
     def cpu(self) -> dict[str, float | None]:
-        """CPU seconds of every child so far (None: it has exited)."""
+        """CPU seconds of every child so far, its own children included (a Narwhal's
+        workers); None: it has exited."""
         out: dict[str, float | None] = {}
         for name, proc in self.started:
             try:
-                out[name] = cpu_seconds(proc.pid)
+                out[name] = tree_cpu_seconds(proc.pid)
             except OSError:
                 out[name] = None
         return out
