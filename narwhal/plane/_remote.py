@@ -39,23 +39,38 @@ from ..signals import DecodeGaps
 from ._channel import Channel
 
 _KEYS = itertools.count(1)
+# A streamed leg's KV growth reaches the core's ledger in steps of this many tokens.
+GROWTH_REPORT_TOKENS = 64
 
 
 class RemoteGenerated(Generated):
-    """A streamed decode leg's generated KV on the core's ledger, grown by notes."""
+    """A streamed decode leg's generated KV on the core's ledger, grown by notes: one
+    each `GROWTH_REPORT_TOKENS` tokens, not one per chunk, and the rest before release."""
 
-    __slots__ = ("_claim", "_decisions")
+    __slots__ = ("_claim", "_decisions", "_unreported")
 
     def __init__(self, decisions: RemoteDecisions, claim: int) -> None:
         self._decisions = decisions
         self._claim = claim
+        self._unreported = 0
         self.tokens = 0
-        Claim.__init__(self, lambda: decisions.release_claim(claim))
+        Claim.__init__(self, self._released)
 
     def add(self, tokens: int) -> None:
         if self.held:
             self.tokens += tokens
-            self._decisions.note("grow", self._claim, tokens)
+            self._unreported += tokens
+            if self._unreported >= GROWTH_REPORT_TOKENS:
+                self._report()
+
+    def _report(self) -> None:
+        if self._unreported:
+            self._decisions.note("grow", self._claim, self._unreported)
+            self._unreported = 0
+
+    def _released(self) -> None:
+        self._report()  # the ledger gives back what it was told of, all of it
+        self._decisions.release_claim(self._claim)
 
 
 class RemoteDecisions(Decisions):

@@ -11,9 +11,10 @@ Invariants
   What is eventually consistent across processes, and by how much: a worker's reads of
   the engines' decode and prefill load (the load of the token gaps it summarises) and
   their context lengths lag the core's by at most `MIRROR_INTERVAL_S` plus the channel's
-  latency; the KV a streamed leg generates reaches the core's ledger with the next write
-  of the worker's channel. Admission, the queue, placement, phase slots, the retained
-  ceiling and the retry budget are the core's alone: exact.
+  latency; the KV a streamed leg generates reaches the core's ledger in steps of
+  `GROWTH_REPORT_TOKENS` tokens, the rest at the leg's end. Admission, the queue,
+  placement, phase slots, the retained ceiling and the retry budget are the core's alone:
+  exact.
 """
 
 from __future__ import annotations
@@ -101,8 +102,15 @@ class Plane:
                 listener.socket.close()
 
     async def _mirror(self, pool: WorkerPool) -> None:
+        sent: object = None
+        starts = -1
         while True:
-            pool.broadcast("mirror", self.core.mirror())
+            mirror = self.core.mirror()
+            # A new worker needs it even if nothing changed.
+            restarted = sum(stats.starts for stats in pool.statistics())
+            if mirror != sent or restarted != starts:
+                pool.broadcast("mirror", mirror)
+                sent, starts = mirror, restarted
             await trio.sleep(MIRROR_INTERVAL_S)
 
     async def metrics(self) -> list[bytes]:

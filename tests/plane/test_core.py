@@ -214,7 +214,10 @@ async def test_claims_a_dead_workers_legs_held_are_given_back() -> None:
                 growth = decisions.generated(engine)
                 growth.add(40)
                 waiting = decisions.awaiting_first_token(engine, trio.current_time())
-                await wait_for(lambda: decode.load.decode_tokens == 40)
+                await decisions.standing()  # a round trip: every note before it is in
+                assert decode.load.decode_tokens == 0  # reported in steps of 64 tokens
+                growth.add(30)
+                await wait_for(lambda: decode.load.decode_tokens == 70)
                 assert decode.load.statistics().awaiting_first_token == 1
                 waiting.release()
                 await wait_for(lambda: decode.load.statistics().awaiting_first_token == 0)
@@ -222,6 +225,24 @@ async def test_claims_a_dead_workers_legs_held_are_given_back() -> None:
                 one.channel.close("killed")
             await wait_for(lambda: core.sessions == 0)
             assert decode.load.decode_tokens == 0
+
+
+async def test_a_legs_growth_not_yet_reported_is_reported_before_its_release() -> None:
+    core = DecisionCore(ServingContext(configured()))
+    decode = core.ctx.fleet.get("d0")
+    assert decode is not None
+    with trio.fail_after(10):
+        async with workers(core, 1) as (one,), one.request() as decisions:
+            engine = one.ctx.fleet.get("d0")
+            assert engine is not None
+            growth = decisions.generated(engine)
+            growth.add(10)
+            kept = decisions.generated(engine)
+            kept.add(64)
+            growth.release()
+            await decisions.standing()
+            # Released whole: nothing of the first stays; the second is on the ledger.
+            assert decode.load.decode_tokens == 64
 
 
 async def wait_for(condition: Callable[[], bool]) -> None:

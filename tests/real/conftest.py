@@ -10,6 +10,7 @@ every test of the tier errors with the reason, never skips.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Generator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -88,12 +89,16 @@ def engine_entry(engine: Engine, role: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+WORKERS_ENV = "NARWHAL_REAL_WORKERS"
+
+
 def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     document: dict[str, Any] = {
         "engines": entries,
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
-        "serving": {"admission": "open"},
+        # NARWHAL_REAL_WORKERS: the tier run with serving.workers at that value.
+        "serving": {"admission": "open", "workers": int(os.environ.get(WORKERS_ENV, "1"))},
         "controller": {"enabled": False},
         # CPU engines on a two-core box shared with the test process: a first token or a
         # probe answer can take seconds (a NIXL transfer starved of CPU took 40 s once,

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 import h11
 import trio
-from benchkit import Json, cpu_seconds, machine_cpu_seconds, summarize
+from benchkit import Json, cpu_seconds, machine_cpu_seconds, summarize, tree_cpu_seconds
 
 from narwhal.engines._dialects import vllm_decode_body, vllm_kv_params, vllm_prefill_body
 
@@ -281,7 +281,7 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
     busy, interrupts = machine_cpu_seconds()
     out = {"loadgen": cpu_seconds(os.getpid()), "machine": busy, "machine_irq": interrupts}
     for name, pid in pids.items():
-        out[name] = cpu_seconds(pid)
+        out[name] = tree_cpu_seconds(pid)  # a Narwhal's worker processes are its
     return out
 
 

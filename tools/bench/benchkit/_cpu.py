@@ -39,11 +39,16 @@ def descendants(pid: int) -> list[int]:
     todo = [pid]
     while todo:
         parent = todo.pop()
-        try:
-            with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as fh:
-                kids = [int(p) for p in fh.read().split()]
-        except OSError:
-            kids = []
+        kids: list[int] = []
+        # Every thread's children: a child forked from another thread than the main one
+        # (trio's open_process runs Popen in a worker thread) is listed under that thread.
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with (
+                    contextlib.suppress(OSError),
+                    open(f"/proc/{parent}/task/{task}/children", encoding="ascii") as fh,
+                ):
+                    kids.extend(int(p) for p in fh.read().split())
         found.extend(kids)
         todo.extend(kids)
     return found
