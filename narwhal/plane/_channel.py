@@ -25,6 +25,7 @@ Errors
 from __future__ import annotations
 
 import itertools
+import logging
 import pickle
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,6 +39,8 @@ import trio
 # the call is cancelled). Its return value answers the call unless `reply` did.
 CallHandler = Callable[[str, object, Callable[[object], None]], Awaitable[object]]
 NoteHandler = Callable[[str, object], None]
+
+log = logging.getLogger("narwhal.plane")
 
 _HEADER = struct.Struct("!I")
 _CALL, _REPLY, _RAISE, _NOTE, _CANCEL = range(5)
@@ -177,8 +180,8 @@ class Channel:
             raise PeerGone(f"{self.peer} is gone: {self._gone}")
         call_id = next(self._ids)
         waiting = self._waiting[call_id] = _Waiting()
-        self._queue((_CALL, call_id, name, payload))
         try:
+            self._queue((_CALL, call_id, name, payload))
             await waiting.done.wait()
         except BaseException:
             if not waiting.done.is_set() and self._gone is None:
@@ -230,7 +233,14 @@ class Channel:
     def _dispatch(self, frame: tuple[int, int, str, object]) -> None:
         kind, call_id, name, payload = frame
         if kind == _NOTE:
-            self._on_note(name, payload)
+            try:
+                self._on_note(name, payload)
+            except Exception as exc:
+                # A note that cannot be applied leaves this end's books wrong for the
+                # peer's requests: the peer goes (its requests released, a worker
+                # restarted) rather than the whole process.
+                log.exception("note %r from %s failed", name, self.peer)
+                self.close(f"its note `{name}` could not be applied: {type(exc).__name__}")
         elif kind == _CALL:
             assert self._calls is not None
             self._calls.start_soon(self._serve_call, call_id, name, payload)
@@ -272,7 +282,15 @@ class Channel:
     def _queue(self, frame: tuple[int, int, str, object]) -> None:
         if self._gone is not None:
             return
-        data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            kind, call_id, name, _ = frame
+            if kind != _REPLY:
+                raise  # the caller's own bug: raised where it sent it
+            # An answer that cannot travel fails its call, not the channel.
+            failure = RemoteFailure(f"the answer could not be sent: {type(exc).__name__}: {exc}")
+            data = pickle.dumps((_RAISE, call_id, name, failure), protocol=pickle.HIGHEST_PROTOCOL)
         self._outbox.append(_HEADER.pack(len(data)))
         self._outbox.append(data)
         self._outbox_bytes += _HEADER.size + len(data)

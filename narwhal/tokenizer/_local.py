@@ -100,6 +100,11 @@ class LocalTokenizer:
     def __repr__(self) -> str:
         return f"<LocalTokenizer {self.path} sha256:{self.digest[:12]}>"
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # A worker process (narwhal.plane) gets its core's configuration pickled: it reads
+        # the same files itself, and must find the same tokenizer there.
+        return (_reloaded, (self.path, self.digest))
+
     def count(self, kind: EndpointKind, body: Json, dialects: Collection[str]) -> int | str:
         """The prompt length engines of `dialects` charge `body`, or the miss reason."""
         ids = self.ids(kind, body, dialects)
@@ -136,6 +141,15 @@ class LocalTokenizer:
         [encoding] = self.encoder.encode_batch_fast([text], add_special_tokens=special)
         ids: list[int] = encoding.ids
         return ids
+
+
+def _reloaded(path: str, digest: str) -> LocalTokenizer:
+    tokenizer, problem = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"engine.tokenizer_path: {problem}")
+    if tokenizer.digest != digest:
+        raise ValueError(f"engine.tokenizer_path: {path} changed since the core read it")
+    return tokenizer
 
 
 def load_tokenizer(path: str) -> tuple[LocalTokenizer | None, str | None]:

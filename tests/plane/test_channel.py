@@ -30,6 +30,8 @@ class Peer:
             raise Refused("queue is full", code=ErrorCode.QUEUE_FULL, retry_after_s=1.0)
         if name == "odd":
             raise _Unpicklable(lambda: None)
+        if name == "odd_answer":
+            return lambda: None
         if name == "hold":
             self.held += 1
             try:
@@ -47,6 +49,8 @@ class Peer:
         raise AssertionError(name)
 
     def on_note(self, name: str, payload: object) -> None:
+        if name == "bad":
+            raise ValueError("cannot apply it")
         self.notes.append((name, payload))
 
 
@@ -175,3 +179,28 @@ async def test_a_frame_past_the_bound_ends_the_channel() -> None:
             # two -> one: one takes frames of at most 1 KiB.
             two.note("big", b"x" * 4096)
             assert (await one.wait_gone()).startswith("it sent a frame of 4")
+
+
+async def test_an_answer_that_cannot_travel_fails_its_call_not_the_channel() -> None:
+    async with pair() as (one, *_):
+        with trio.fail_after(5):
+            with pytest.raises(RemoteFailure, match=r"^the answer could not be sent: "):
+                await one.call("odd_answer")
+            assert await one.call("echo", 2) == 2
+            # What the caller itself cannot send is the caller's bug, raised there.
+            with pytest.raises(AttributeError, match=r"^Can't pickle local object"):
+                await one.call("echo", lambda: None)
+            assert await one.call("echo", 3) == 3
+        assert one.statistics().calls_waiting == 0
+
+
+async def test_a_note_that_cannot_be_applied_ends_the_channel_not_the_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with pair() as (one, two, *_):
+        with trio.fail_after(5):
+            one.note("bad")
+            assert await two.wait_gone() == "its note `bad` could not be applied: ValueError"
+            with pytest.raises(PeerGone):
+                await one.call("echo", 1)
+    assert "note 'bad' from left failed" in caplog.text

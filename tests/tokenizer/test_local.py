@@ -4,6 +4,7 @@ the engine tokenises (vLLM's completions and chat rendering), or is not made, wi
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,14 @@ def test_a_tokenizer_that_cannot_be_used_is_refused_with_the_file_named(
     assert found is not None
     pattern = problem.format(file=model / "tokenizer.json", folder=model)
     assert re.fullmatch(pattern, found), found
+
+
+def test_a_worker_process_gets_the_tokenizer_by_reading_the_same_files(model: Path) -> None:
+    tokenizer = local(model)
+    copy = pickle.loads(pickle.dumps(tokenizer))  # as a Config travels to a worker
+    assert copy == tokenizer
+    body: dict[str, object] = {"prompt": "def count(prompt): return len(prompt)"}
+    assert copy.count("completions", body, VLLM) == tokenizer.count("completions", body, VLLM)
+    (model / "tokenizer.json").write_text((model / "tokenizer.json").read_text() + " ")
+    with pytest.raises(ValueError, match=r"changed since the core read it$"):
+        pickle.loads(pickle.dumps(tokenizer))
