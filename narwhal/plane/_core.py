@@ -83,11 +83,11 @@ class DecisionCore:
             assert isinstance(payload, tuple)
             key, args = payload
             session = self._sessions.get((worker, key))
-            if session is None:
-                if name == "finished":  # refused before it was retained
-                    self.ctx.decisions_for(self.ctx.config).finished(*args)
-                return
-            self._note(session, name, args)
+            if session is None and name == "finished":
+                # Refused before it was retained: it ends here all the same, once.
+                session = _Session(self.ctx.decisions_for(self.ctx.config), "")
+            if session is not None:
+                self._note(session, name, args)
 
         return on_call, on_note
 

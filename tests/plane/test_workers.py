@@ -13,18 +13,30 @@ import httpx
 import pytest
 import trio
 
-from ..serving.conftest import MODEL, StartStack
+from narwhal.plane._pool import WorkerPool
+from narwhal.supervisor._plane import Plane
+
+from ..serving.conftest import MODEL, Stack, StartStack
 from ..support import SseReader, open_sse
+
+
+async def two_workers(
+    start_stack: StartStack, speed: float = 20.0
+) -> tuple[Stack, Plane, WorkerPool]:
+    """Narwhal with serving.workers = 2 in front of a 1P1D sim fleet: the stack, the
+    daemon's plane and its workers."""
+    stack = await start_stack(serving={"workers": 2, "admission": "open"}, speed=speed)
+    plane = stack.supervisor.plane
+    assert plane is not None
+    assert plane.pool is not None
+    return stack, plane, plane.pool
 
 
 async def test_two_workers_serve_streams_and_answers_and_the_core_counts_them(
     start_stack: StartStack,
 ) -> None:
-    stack = await start_stack(serving={"workers": 2, "admission": "open"})
-    plane = stack.supervisor.plane
-    assert plane is not None
-    assert plane.pool is not None
-    assert len({stats.pid for stats in plane.pool.statistics()}) == 2
+    stack, plane, pool = await two_workers(start_stack)
+    assert len({stats.pid for stats in pool.statistics()}) == 2
     with trio.fail_after(60):
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
 
@@ -107,10 +119,7 @@ async def test_serving_max_connections_is_one_limit_across_workers(
 async def test_a_killed_worker_fails_only_its_requests_and_is_started_again(
     start_stack: StartStack,
 ) -> None:
-    stack = await start_stack(serving={"workers": 2, "admission": "open"}, speed=1.0)
-    plane = stack.supervisor.plane
-    assert plane is not None
-    assert plane.pool is not None
+    stack, plane, pool = await two_workers(start_stack, speed=1.0)
     body = {"model": MODEL, "prompt": "long", "max_tokens": 300, "stream": True}
     endings: dict[int, str] = {}
     with trio.fail_after(90):
@@ -141,7 +150,7 @@ async def test_a_killed_worker_fails_only_its_requests_and_is_started_again(
             assert all("in_flight" in w for w in state["workers"]), state["workers"]
             serving = {w["index"]: len(w["in_flight"]) for w in state["workers"]}
             victim = max(serving, key=lambda index: serving[index])
-            pid = plane.pool.statistics()[victim].pid
+            pid = pool.statistics()[victim].pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
     cut = sorted(i for i, end in endings.items() if end == "cut")
@@ -152,14 +161,14 @@ async def test_a_killed_worker_fails_only_its_requests_and_is_started_again(
     with trio.fail_after(10):
         while ctx.retained or plane.core.sessions:  # noqa: ASYNC110  (another process's)
             await trio.sleep(0.01)
-        while plane.pool.statistics()[victim].starts < 2:  # noqa: ASYNC110
+        while pool.statistics()[victim].starts < 2:  # noqa: ASYNC110
             await trio.sleep(0.05)
     assert ctx.gate.statistics().admitted == 0
     assert all(engine.load.decode_active == 0 for engine in ctx.fleet)
     # Each request the worker took with it ends once, counted as such.
     assert ctx.outcomes["worker_lost"] == serving[victim]
     assert ctx.outcomes["ok"] == 8 - serving[victim]
-    assert plane.pool.statistics()[victim].last_exit == "it was killed by SIGKILL"
+    assert pool.statistics()[victim].last_exit == "it was killed by SIGKILL"
     async with stack.client() as client:
         again = await client.post(
             "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
@@ -170,11 +179,8 @@ async def test_a_killed_worker_fails_only_its_requests_and_is_started_again(
 async def test_a_shutdown_drains_the_workers_requests_and_stops_them(
     start_stack: StartStack,
 ) -> None:
-    stack = await start_stack(serving={"workers": 2, "admission": "open"}, speed=2.0)
-    plane = stack.supervisor.plane
-    assert plane is not None
-    assert plane.pool is not None
-    pids = [stats.pid for stats in plane.pool.statistics()]
+    stack, _, pool = await two_workers(start_stack, speed=2.0)
+    pids = [stats.pid for stats in pool.statistics()]
     body = {"model": MODEL, "prompt": "drain me", "max_tokens": 60, "stream": True}
     with trio.fail_after(60):
         async with open_sse(stack.url, "/v1/completions", body) as streaming:
@@ -183,8 +189,8 @@ async def test_a_shutdown_drains_the_workers_requests_and_stops_them(
             events = [event async for event in _events(streaming)]
         # The stream in flight finished within the grace; new clients are refused.
         assert events[-1] == "[DONE]"
-        await plane.pool.wait_stopped()
-    assert all(stats.pid is None for stats in plane.pool.statistics())
+        await pool.wait_stopped()
+    assert all(stats.pid is None for stats in pool.statistics())
     for pid in pids:
         assert pid is not None
         with pytest.raises(ProcessLookupError):
