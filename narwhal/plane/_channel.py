@@ -243,7 +243,10 @@ class Channel:
                 self.close(f"its note `{name}` could not be applied: {type(exc).__name__}")
         elif kind == _CALL:
             assert self._calls is not None
-            self._calls.start_soon(self._serve_call, call_id, name, payload)
+            # Registered now, not when its task first runs: a cancel read in the same
+            # pass as the call must find it.
+            scope = self._running[call_id] = trio.CancelScope()
+            self._calls.start_soon(self._serve_call, scope, call_id, name, payload)
         elif kind in (_REPLY, _RAISE):
             waiting = self._waiting.get(call_id)
             if waiting is not None:  # else its caller was cancelled meanwhile
@@ -251,11 +254,13 @@ class Channel:
                 waiting.value = payload
                 waiting.done.set()
         elif kind == _CANCEL:
-            scope = self._running.get(call_id)
-            if scope is not None:
-                scope.cancel()
+            running = self._running.get(call_id)
+            if running is not None:
+                running.cancel()
 
-    async def _serve_call(self, call_id: int, name: str, payload: object) -> None:
+    async def _serve_call(
+        self, scope: trio.CancelScope, call_id: int, name: str, payload: object
+    ) -> None:
         replied = False
 
         def reply(value: object) -> None:
@@ -264,8 +269,7 @@ class Channel:
                 replied = True
                 self._queue((_REPLY, call_id, "", value))
 
-        with trio.CancelScope() as scope:
-            self._running[call_id] = scope
+        with scope:
             try:
                 value = await self._on_call(name, payload, reply)
             except Exception as exc:

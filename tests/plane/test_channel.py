@@ -1,15 +1,19 @@
 from __future__ import annotations
 
+import pickle
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from narwhal._codes import ErrorCode
 from narwhal._errors import Refused
 from narwhal.plane import Channel, PeerGone, RemoteFailure
+from narwhal.plane._channel import _CALL, _CANCEL
 
 Reply = Callable[[object], None]
 
@@ -112,6 +116,28 @@ async def test_a_cancelled_caller_cancels_the_peers_task_and_what_it_held() -> N
             await right.release.wait()
             assert right.released == 1
             assert two.statistics().calls_running == 1  # the hold is still there
+
+
+async def test_a_call_cancelled_in_the_same_read_as_it_is_not_left_holding() -> None:
+    a, b = trio.socket.socketpair()
+    peer = Peer()
+    channel = Channel(trio.SocketStream(a), peer="raw", on_call=peer.on_call, on_note=peer.on_note)
+    raw = trio.SocketStream(b)
+
+    def frame(*fields: object) -> bytes:
+        data = pickle.dumps(fields)
+        return struct.pack("!I", len(data)) + data
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(channel.run)
+        with trio.fail_after(5):
+            # A call and its cancel in one read: dispatched before the call's task runs.
+            await raw.send_all(frame(_CALL, 1, "hold", None) + frame(_CANCEL, 1, "", None))
+            await trio.testing.wait_all_tasks_blocked()
+            assert channel.statistics().calls_running == 0
+            assert peer.held == peer.released
+        nursery.cancel_scope.cancel()
+    await raw.aclose()
 
 
 async def test_calls_made_and_waiting_fail_at_once_when_the_peer_goes() -> None:
