@@ -31,11 +31,12 @@ from ..fleet import Claim, EngineState, Generated
 from ..placement import Placement
 from ..prefix import PromptKey
 from ..serving._context import RequestRecord, ServingContext
-from ..serving._decisions import Decisions
+from ..serving._decisions import Decisions, Standing, first_slot, standing_of
 from ..serving._request import ClientRequest
 from ..serving._retry import Tried
 from ..signals import DecodeGaps
 from ._channel import CallHandler, NoteHandler
+from ._remote import FirstAttempt
 
 Reply = Callable[[object], None]
 # The outcome of a request whose worker died while serving it.
@@ -48,6 +49,10 @@ class _Session:
     endpoint: str
     claims: dict[int, Claim] = attrs.field(factory=dict)
     finished: bool = False
+    # The first attempt's grants the worker gave back (`FirstAttempt`).
+    let_go: dict[str, trio.Event] = attrs.field(
+        factory=lambda: {"decode_placed": trio.Event(), "slot": trio.Event()}
+    )
 
 
 class DecisionCore:
@@ -75,7 +80,7 @@ class DecisionCore:
             session = self._sessions.get((worker, key))
             if session is None:
                 raise RuntimeError(f"worker {worker} asked `{name}` of request {key}, not retained")
-            return await self._call(session.decisions, name, args, reply)
+            return await self._call(session, name, args, reply)
 
         def on_note(name: str, payload: object) -> None:
             if name == "up":
@@ -111,10 +116,12 @@ class DecisionCore:
                     decisions.finished(WORKER_LOST)
                     self.ctx.metrics.requests_by(endpoint, WORKER_LOST).inc()
 
-    def mirror(self) -> tuple[dict[str, tuple[int, int, int, int | None, str]], float | None]:
+    def mirror(
+        self,
+    ) -> tuple[dict[str, tuple[int, int, int, int | None, str]], float | None, Standing]:
         """What workers read of the core's engines: each one's decode legs and tokens,
-        prefill legs and context length (`EngineLoad.mirror`), and the measured
-        characters per token."""
+        prefill legs and context length (`EngineLoad.mirror`); the measured characters
+        per token; the fleet's standing."""
         engines = {
             engine.id: (
                 engine.load.decode_active,
@@ -125,7 +132,7 @@ class DecisionCore:
             )
             for engine in self.ctx.fleet
         }
-        return engines, self.ctx.measured_chars_per_token
+        return engines, self.ctx.measured_chars_per_token, standing_of(self.ctx)
 
     def _engine(self, engine_id: object) -> EngineState:
         engine = self.ctx.fleet.get(str(engine_id))
@@ -138,8 +145,9 @@ class DecisionCore:
         return engine
 
     async def _call(
-        self, decisions: Decisions, name: str, args: tuple[object, ...], reply: Reply
+        self, session: _Session, name: str, args: tuple[object, ...], reply: Reply
     ) -> object:
+        decisions = session.decisions
         now = trio.current_time()
         if name == "standing":
             return await decisions.standing()
@@ -147,11 +155,6 @@ class DecisionCore:
             (key,) = args
             assert key is None or isinstance(key, PromptKey)
             return await decisions.cached(key)
-        if name == "admit":
-            request, tokens, cached = args
-            assert isinstance(request, ClientRequest)
-            assert isinstance(cached, dict)
-            return await decisions.admit(request, _int(tokens), cached)
         if name == "place":
             request, tokens, cached, tried, key = args
             assert isinstance(request, ClientRequest)
@@ -172,10 +175,11 @@ class DecisionCore:
                 visible=bool(visible),
                 deadline=now + _float(left),
             )
-        if name == "admitted":
-            async with decisions.admitted() as waited:
-                reply(waited)
-                await trio.sleep_forever()
+        if name == "admission":
+            request, tokens, key = args
+            assert isinstance(request, ClientRequest)
+            assert key is None or isinstance(key, PromptKey)
+            await self._admission(session, request, _int(tokens), key, reply)
         if name == "decode_placed":
             engine_id, tokens = args
             async with decisions.decode_placed(self._engine(engine_id), _int(tokens)):
@@ -190,24 +194,45 @@ class DecisionCore:
             ):
                 reply(decisions.alone(engine))
                 await trio.sleep_forever()
-        if name == "handoff":
-            (engine_id,) = args
-            async with decisions.handoff(self._engine(engine_id)):
-                reply(None)
-                await trio.sleep_forever()
         raise ValueError(f"the core has no call `{name}`")
+
+    async def _admission(
+        self,
+        session: _Session,
+        request: ClientRequest,
+        tokens: int,
+        key: PromptKey | None,
+        reply: Reply,
+    ) -> None:
+        """Admit the request, place its first attempt, and take that attempt's decode
+        claim and first phase slot, as the worker's legs would next: one answer for
+        them all (`FirstAttempt`). The worker gives back the slot and the claim as its
+        legs leave them (`let_go`), and the admission slot with the hold."""
+        decisions = session.decisions
+        async with decisions.admission(request, tokens, key) as admitted:
+            placed = await decisions.place(request, tokens, admitted.cached, Tried(), key)
+            slot = first_slot(placed)
+            first = FirstAttempt(placed, slot)
+            if slot is None or first.decode is None:
+                reply((admitted, first))
+                await trio.sleep_forever()
+            engine_id, phase = slot
+            engine = self._engine(engine_id)
+            decode = self._engine(first.decode)
+            async with decisions.decode_placed(decode, tokens):
+                async with decisions.phase_slot(engine, phase, tokens):
+                    reply((admitted, attrs.evolve(first, alone=decisions.alone(engine))))
+                    await session.let_go["slot"].wait()
+                await session.let_go["decode_placed"].wait()
+            await trio.sleep_forever()
 
     def _note(self, session: _Session, name: str, args: tuple[object, ...]) -> None:
         decisions = session.decisions
         now = trio.current_time()
         if name == "body_read":
             decisions.body_read()
-        elif name == "offered":
-            request, tokens, cached, admitted, reason = args
-            assert isinstance(request, ClientRequest)
-            assert isinstance(cached, dict)
-            assert reason is None or isinstance(reason, str)
-            decisions.offered(request, _int(tokens), cached, admitted=bool(admitted), reason=reason)
+        elif name == "let_go":
+            session.let_go[str(args[0])].set()
         elif name == "succeeded":
             decisions.succeeded()
         elif name == "finished":
@@ -241,6 +266,8 @@ def _claim(
     """A worker's leg's claim on `engine`'s ledger; ages are seconds before `now`."""
     if kind == "generated":
         return decisions.generated(engine)
+    if kind == "handoff":
+        return decisions.handoff(engine)
     if kind == "awaiting_first_token":
         (age,) = args
         return decisions.awaiting_first_token(engine, now - _float(age))

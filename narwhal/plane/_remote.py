@@ -4,7 +4,9 @@ Owns
   `RemoteDecisions`: the `Decisions` of one request on a worker, each sent to the core
   over the worker's channel, where a `Decisions` of the core's own runs it (`_core`):
   calls for answers, holds for what is granted until released, notes for what is only
-  reported. `RemoteGenerated`: a streamed leg's KV growth, reported as it grows.
+  reported. `FirstAttempt`: what the core grants a request's first attempt with its
+  admission (placement, decode claim, first phase slot), so that they cost one round
+  trip. `RemoteGenerated`: a streamed leg's KV growth, reported as it grows.
 
 Invariants
   The core's session of the request lives as long as its `retained` hold: everything the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Literal
 
@@ -25,13 +27,12 @@ import attrs
 import trio
 
 from .._errors import EngineFailed
-from ..admission import PathQuote
 from ..config import Config
 from ..fleet import Claim, EngineState, Generated
 from ..placement import Placement
 from ..prefix import PromptKey
 from ..serving._context import RequestRecord, ServingContext
-from ..serving._decisions import Decisions, Placed, Standing
+from ..serving._decisions import Admitted, Decisions, Placed, Standing
 from ..serving._leg_failures import LegPhase
 from ..serving._request import ClientRequest
 from ..serving._retry import GiveUp, Retry, Tried
@@ -41,6 +42,23 @@ from ._channel import Channel
 _KEYS = itertools.count(1)
 # A streamed leg's KV growth reaches the core's ledger in steps of this many tokens.
 GROWTH_REPORT_TOKENS = 64
+
+
+@attrs.frozen
+class FirstAttempt:
+    """What the core granted a request's first attempt with its admission, so that
+    admission, placement and the first leg's slot cost one round trip: the placement,
+    and whether the core holds the decode engine's claim and the first phase slot
+    (`first_slot`) for it, with the slot's `alone` count."""
+
+    placed: Placed
+    slot: tuple[str, Literal["prefill", "decode"]] | None
+    alone: int | None = None
+
+    @property
+    def decode(self) -> str | None:
+        placement = self.placed.placement
+        return placement.decode if isinstance(placement, Placement) else None
 
 
 class RemoteGenerated(Generated):
@@ -76,18 +94,38 @@ class RemoteGenerated(Generated):
 class RemoteDecisions(Decisions):
     """One request's decisions on worker `ctx`, taken by the core over `channel`."""
 
-    __slots__ = ("_alone", "_channel", "_claims", "_key", "endpoint")
+    __slots__ = (
+        "_alone",
+        "_channel",
+        "_claims",
+        "_first",
+        "_granted",
+        "_key",
+        "_mirrored",
+        "endpoint",
+    )
 
     def __init__(
-        self, ctx: ServingContext, config: Config, channel: Channel, endpoint: str = ""
+        self,
+        ctx: ServingContext,
+        config: Config,
+        channel: Channel,
+        endpoint: str = "",
+        *,
+        mirrored: Callable[[], Standing | None] = lambda: None,
     ) -> None:
         super().__init__(ctx, config)
         self._channel = channel
         self.endpoint = endpoint  # counted under it if the worker dies with the request
+        self._mirrored = mirrored
         self._key = str(next(_KEYS))
         self._claims = itertools.count(1)
         # Each engine's leg count as the core granted its phase slot (`alone`).
         self._alone: dict[str, int | None] = {}
+        # The first attempt's grants (`admission`) the legs have not taken yet:
+        # "placed", then "decode_placed" and "slot" when the core holds them.
+        self._first: FirstAttempt | None = None
+        self._granted: set[str] = set()
 
     # ---------------------------------------------------------------- the wire
 
@@ -125,9 +163,13 @@ class RemoteDecisions(Decisions):
         self.note("body_read")
 
     async def standing(self) -> Standing:
-        standing = await self._call("standing")
-        assert isinstance(standing, Standing)
-        return standing
+        # The core's mirror, at most MIRROR_INTERVAL_S old; asked until it comes.
+        standing = self._mirrored()
+        if standing is not None:
+            return standing
+        asked = await self._call("standing")
+        assert isinstance(asked, Standing)
+        return asked
 
     async def cached(self, key: PromptKey | None) -> dict[str, int]:
         if key is None or self.ctx.prefix_caches is None:
@@ -138,29 +180,33 @@ class RemoteDecisions(Decisions):
 
     # ---------------------------------------------------------------- admission
 
-    async def admit(
-        self, request: ClientRequest, tokens: int, cached: Mapping[str, int]
-    ) -> list[PathQuote]:
-        quotes = await self._call("admit", _shape(request), tokens, dict(cached))
-        assert isinstance(quotes, list)
-        return quotes
-
     @asynccontextmanager
-    async def admitted(self) -> AsyncIterator[float]:
-        async with self._hold("admitted") as waited:
-            assert isinstance(waited, float)
-            yield waited
+    async def admission(
+        self, request: ClientRequest, tokens: int, prompt: PromptKey | None
+    ) -> AsyncIterator[Admitted]:
+        async with self._hold("admission", _shape(request), tokens, prompt) as answer:
+            assert isinstance(answer, tuple)
+            admitted, first = answer
+            assert isinstance(admitted, Admitted)
+            assert isinstance(first, FirstAttempt)
+            self._first = first
+            self._granted = {"placed", "decode_placed", "slot"} if first.slot else {"placed"}
+            try:
+                yield admitted
+            finally:
+                self._granted.clear()
 
-    def offered(
-        self,
-        request: ClientRequest,
-        tokens: int,
-        cached: Mapping[str, int],
-        *,
-        admitted: bool,
-        reason: str | None = None,
-    ) -> None:
-        self.note("offered", _shape(request), tokens, dict(cached), admitted, reason)
+    def _take(self, grant: str) -> None:
+        """The legs hold the first attempt's `grant` now: it is not granted twice."""
+        self._granted.discard(grant)
+        self._granted.add(f"{grant} taken")
+
+    def _let_go(self, grant: str) -> None:
+        """Give back the first attempt's `grant` the core holds, taken or not."""
+        for held in (grant, f"{grant} taken"):
+            if held in self._granted:
+                self._granted.discard(held)
+                self.note("let_go", grant)
 
     async def place(
         self,
@@ -170,6 +216,10 @@ class RemoteDecisions(Decisions):
         tried: Tried,
         prompt: PromptKey | None,
     ) -> Placed:
+        if tried.attempts == 1 and "placed" in self._granted:
+            assert self._first is not None
+            self._granted.discard("placed")
+            return self._first.placed
         placed = await self._call("place", _shape(request), tokens, dict(cached), tried, prompt)
         assert isinstance(placed, Placed)
         return placed
@@ -178,8 +228,17 @@ class RemoteDecisions(Decisions):
 
     @asynccontextmanager
     async def decode_placed(self, engine: EngineState, tokens: int) -> AsyncIterator[None]:
-        async with self._hold("decode_placed", engine.id, tokens):
-            yield
+        first = self._first
+        if first is not None and "decode_placed" in self._granted and engine.id == first.decode:
+            self._take("decode_placed")
+            try:
+                yield
+            finally:
+                self._let_go("slot")  # the attempt ended before its legs took it
+                self._let_go("decode_placed")
+        else:
+            async with self._hold("decode_placed", engine.id, tokens):
+                yield
 
     @asynccontextmanager
     async def phase_slot(
@@ -190,16 +249,24 @@ class RemoteDecisions(Decisions):
         *,
         not_after: float = math.inf,
     ) -> AsyncIterator[None]:
-        left = not_after - trio.current_time()
-        async with self._hold("phase_slot", engine.id, phase, tokens, left) as alone:
-            assert alone is None or isinstance(alone, int)
-            self._alone[engine.id] = alone
-            yield
+        first = self._first
+        if first is not None and "slot" in self._granted and first.slot == (engine.id, phase):
+            self._take("slot")
+            self._alone[engine.id] = first.alone
+            try:
+                yield
+            finally:
+                self._let_go("slot")
+        else:
+            left = not_after - trio.current_time()
+            async with self._hold("phase_slot", engine.id, phase, tokens, left) as alone:
+                assert alone is None or isinstance(alone, int)
+                self._alone[engine.id] = alone
+                yield
 
-    @asynccontextmanager
-    async def handoff(self, engine: EngineState) -> AsyncIterator[None]:
-        async with self._hold("handoff", engine.id):
-            yield
+    def handoff(self, engine: EngineState) -> Claim:
+        claim = self._claim("handoff", engine)
+        return Claim(lambda: self.release_claim(claim))
 
     # ---------------------------------------------------------------- retries
 

@@ -24,6 +24,7 @@ from ..config import Config
 from ..prefix import PromptKey
 from ..serving._app import App
 from ..serving._context import ServingContext
+from ..serving._decisions import Standing
 from ..serving._server import serve_app
 from ..serving._state import worker_section
 from ._channel import Channel
@@ -55,6 +56,7 @@ class Worker:
         self.listeners = listeners
         self.ctx: ServingContext | None = None
         self.stop = trio.Event()
+        self.standing: Standing | None = None  # the core's, as of its last mirror
 
     async def on_call(self, name: str, payload: object, reply: Reply) -> object:
         ctx = self.ctx
@@ -78,7 +80,7 @@ class Worker:
             ctx.config = payload  # new requests take it (each snapshots it at ingress)
         elif name == "mirror":
             assert isinstance(payload, tuple)
-            engines, chars_per_token = payload
+            engines, chars_per_token, self.standing = payload
             ctx.measured_chars_per_token = chars_per_token
             for engine_id, (active, tokens, prefills, length, note) in engines.items():
                 engine = ctx.fleet.get(engine_id)
@@ -90,7 +92,9 @@ class Worker:
         config = await channel.call("config")
         assert isinstance(config, Config)
         ctx = self.ctx = ServingContext(config)
-        ctx.decide_with = lambda config, endpoint: RemoteDecisions(ctx, config, channel, endpoint)
+        ctx.decide_with = lambda config, endpoint: RemoteDecisions(
+            ctx, config, channel, endpoint, mirrored=lambda: self.standing
+        )
         ctx.prefix_caches = _CoreCaches()
         try:
             async with trio.open_nursery() as nursery:

@@ -79,6 +79,17 @@ class Standing:
 
 
 @attrs.frozen
+class Admitted:
+    """A request admitted: the tokens of its prompt each engine holds, predictive
+    admission's quotes (none when admission is not predictive), and the seconds it
+    waited in the admission queue."""
+
+    cached: dict[str, int]
+    quotes: list[PathQuote]
+    waited_s: float
+
+
+@attrs.frozen
 class Placed:
     """An attempt's placement; `local_prefill`: the decode engine computes the prompt
     itself (no prefill leg), at `local_prices`; `cached_tokens`: what the engine that
@@ -127,7 +138,7 @@ class Decisions:
             self._body.release()
 
     async def standing(self) -> Standing:
-        return Standing(self.ctx.degraded_reason, has_aggregate(self.ctx))
+        return standing_of(self.ctx)
 
     async def cached(self, key: PromptKey | None) -> dict[str, int]:
         """The engines holding some of the prompt `key`, with how many leading tokens."""
@@ -140,31 +151,30 @@ class Decisions:
 
     # ---------------------------------------------------------------- admission
 
-    async def admit(
-        self, request: ClientRequest, tokens: int, cached: Mapping[str, int]
-    ) -> list[PathQuote]:
-        """Predictive admission's quotes, or its refusal."""
-        return admit_predictively(self.ctx, request, tokens, self.config, cached)
-
     @asynccontextmanager
-    async def admitted(self) -> AsyncIterator[float]:
-        """An admission slot for the body; yields the time spent queued."""
-        serving = self.config.serving
-        async with self.ctx.gate.admitted(
-            queue_timeout_s=serving.queue_timeout_s, retry_after_s=SATURATED_RETRY_AFTER_S
-        ) as waited:
-            yield waited
-
-    def offered(
-        self,
-        request: ClientRequest,
-        tokens: int,
-        cached: Mapping[str, int],
-        *,
-        admitted: bool,
-        reason: str | None = None,
-    ) -> None:
-        offered(self.ctx, request, tokens, admitted=admitted, reason=reason, cached=cached)
+    async def admission(
+        self, request: ClientRequest, tokens: int, prompt: PromptKey | None
+    ) -> AsyncIterator[Admitted]:
+        """Admit the request (predictive admission when configured, then a place in the
+        admission queue) and hold its admission slot; raises the refusal. Every
+        admission, and every refusal of the queue, is offered demand
+        (predictive admission offers its own refusals)."""
+        ctx, config = self.ctx, self.config
+        cached = await self.cached(prompt)
+        quotes: list[PathQuote] = []
+        if config.serving.admission == "predictive":
+            quotes = admit_predictively(ctx, request, tokens, config, cached)
+        try:
+            async with ctx.gate.admitted(
+                queue_timeout_s=config.serving.queue_timeout_s,
+                retry_after_s=SATURATED_RETRY_AFTER_S,
+            ) as waited:
+                offered(ctx, request, tokens, admitted=True, cached=cached)
+                yield Admitted(cached, quotes, waited)
+        except Refused as refusal:
+            if refusal.code in (ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_TIMEOUT):
+                offered(ctx, request, tokens, admitted=False, reason=refusal.code, cached=cached)
+            raise
 
     # ---------------------------------------------------------------- placement
 
@@ -268,11 +278,9 @@ class Decisions:
         pending = self._pending if phase == "decode" else None
         return phase_slot(self.ctx, engine, phase, tokens, not_after=not_after, pending=pending)
 
-    @asynccontextmanager
-    async def handoff(self, engine: EngineState) -> AsyncIterator[None]:
+    def handoff(self, engine: EngineState) -> Claim:
         """The producer's KV held for a decode leg not sent yet."""
-        with engine.load.handoff():
-            yield
+        return engine.load.handoff()
 
     # ---------------------------------------------------------------- retries
 
@@ -379,6 +387,22 @@ class Decisions:
         ctx.finished(outcome, record)
         if record is not None:
             ctx.projection_observed(record, trio.current_time())
+
+
+def standing_of(ctx: ServingContext) -> Standing:
+    return Standing(ctx.degraded_reason, has_aggregate(ctx))
+
+
+def first_slot(placed: Placed) -> tuple[str, Literal["prefill", "decode"]] | None:
+    """The engine and phase of the first phase slot an attempt placed so takes: every
+    path takes its prefill slot first (`_pairs`), and a path without a prefill leg has
+    only its decode slot. None: nothing was placed."""
+    placement = placed.placement
+    if isinstance(placement, NoPlacement):
+        return None
+    if placement.prefill is None or placed.local_prefill:
+        return placement.decode, "decode"
+    return placement.prefill, "prefill"
 
 
 def refusal_before_body(ctx: ServingContext, address: str) -> tuple[NarwhalError, bool] | None:

@@ -329,20 +329,11 @@ class Exchange:
         self.tokens = record.prompt_tokens = tokens
         record.token_count_method = method
         self.prompt = prompt_of(self)
-        self.cached = await decisions.cached(self.prompt)
-        quotes: list[PathQuote] = []
-        if self.config.serving.admission == "predictive":
-            quotes = await decisions.admit(request, tokens, self.cached)
         record.stage = "queued"
-        try:
-            async with decisions.admitted() as waited:
-                decisions.offered(request, tokens, self.cached, admitted=True)
-                ctx.metrics.queue_wait.observe(waited)
-                await self._attempts(quotes)
-        except Refused as refusal:
-            if refusal.code in (ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_TIMEOUT):
-                decisions.offered(request, tokens, self.cached, admitted=False, reason=refusal.code)
-            raise
+        async with decisions.admission(request, tokens, self.prompt) as admitted:
+            self.cached = admitted.cached
+            ctx.metrics.queue_wait.observe(admitted.waited_s)
+            await self._attempts(admitted.quotes)
 
     async def _attempts(self, quotes: list[PathQuote]) -> None:
         """Place and run attempts until one succeeds or `next_attempt` gives up."""

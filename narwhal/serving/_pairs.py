@@ -19,7 +19,6 @@ Invariants
 from __future__ import annotations
 
 import math
-from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -90,13 +89,12 @@ class VllmPair:
         x.record.prefilled_at = trio.current_time()
         x.record.stage = "handoff"
         # Until the decode request is sent, the producer holds KV blocks for us.
-        handoff = AsyncExitStack()
-        await handoff.enter_async_context(x.decisions.handoff(prefill))
+        handoff = x.decisions.handoff(prefill)
         try:
             async with x.decisions.phase_slot(
                 decode, "decode", x.tokens, not_after=prefill_started + handoff_cap
             ):
-                await handoff.aclose()
+                handoff.release()
                 body, own_usage, unstreamed = leg_body(x.request, decode)
                 await Leg(x, decode, "decode").produce(
                     encode(vllm_decode_body(body, kv_params)),
@@ -116,7 +114,7 @@ class VllmPair:
                 public=f"kv handoff expired after {age:.3f}s ({limit}); the prefill must be redone",
             ) from None
         finally:
-            await handoff.aclose()
+            handoff.release()
 
 
 class SglangPair:

@@ -9,9 +9,9 @@ Owns
 
 Invariants
   What is eventually consistent across processes, and by how much: a worker's reads of
-  the engines' decode and prefill load (the load of the token gaps it summarises) and
-  their context lengths lag the core's by at most `MIRROR_INTERVAL_S` plus the channel's
-  latency; the KV a streamed leg generates reaches the core's ledger in steps of
+  the engines' decode and prefill load (the load of the token gaps it summarises), their
+  context lengths and the fleet's standing lag the core's by at most `MIRROR_INTERVAL_S`
+  plus the channel's latency; the KV a streamed leg generates reaches the core's ledger in steps of
   `GROWTH_REPORT_TOKENS` tokens, the rest at the leg's end. Admission, the queue,
   placement, phase slots, the retained ceiling and the retry budget are the core's alone:
   exact.

@@ -4,7 +4,7 @@ worker that goes releases what it held."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -12,11 +12,15 @@ import trio
 
 from narwhal._codes import ErrorCode
 from narwhal.config import Config, load_config
+from narwhal.fleet import EngineState
+from narwhal.placement import Placement
 from narwhal.plane import Channel, PeerGone
 from narwhal.plane._core import DecisionCore
 from narwhal.plane._remote import RemoteDecisions
 from narwhal.serving._context import ServingContext
-from narwhal.serving._decisions import BeforeBody
+from narwhal.serving._decisions import Admitted, BeforeBody
+from narwhal.serving._request import ClientRequest, parse_body
+from narwhal.serving._retry import Tried
 
 Reply = Callable[[object], None]
 
@@ -36,7 +40,7 @@ def configured(**serving: Any) -> Config:
                 {"id": "p0", "url": "http://127.0.0.1:9000", "role": "prefill"},
                 {"id": "d0", "url": "http://127.0.0.1:9001", "role": "decode"},
             ],
-            "serving": serving,
+            "serving": {"admission": "open", **serving},
         }
     )
 
@@ -61,6 +65,11 @@ class Worker:
         decisions = self.decisions()
         async with decisions.retained(address):
             yield decisions
+
+    def admission(
+        self, decisions: RemoteDecisions, tokens: int = 100
+    ) -> AbstractAsyncContextManager[Admitted]:
+        return decisions.admission(decisions_request(self), tokens, None)
 
 
 @asynccontextmanager
@@ -95,11 +104,11 @@ async def test_one_admission_queue_in_arrival_order_across_workers() -> None:
             AsyncExitStack() as held,
         ):
             first = await held.enter_async_context(one.request())
-            await held.enter_async_context(first.admitted())
+            await held.enter_async_context(one.admission(first))
             assert gate.statistics().admitted == 1
 
             async def queued(name: str, worker: Worker) -> None:
-                async with worker.request() as decisions, decisions.admitted():
+                async with worker.request() as decisions, worker.admission(decisions):
                     order.append(name)
 
             nursery.start_soon(queued, "two", two)
@@ -121,12 +130,12 @@ async def test_a_worker_that_dies_gives_back_its_slots_and_queue_places() -> Non
             admitted = trio.Event()
 
             async def holder() -> None:
-                async with one.request() as decisions, decisions.admitted():
+                async with one.request() as decisions, one.admission(decisions):
                     await trio.sleep_forever()  # past its worker's death, as a stuck worker
 
             async def waiter() -> None:
-                async with two.request() as decisions, decisions.admitted() as waited:
-                    assert waited > 0
+                async with two.request() as decisions, two.admission(decisions) as granted:
+                    assert granted.waited_s > 0
                     admitted.set()
 
             nursery.start_soon(holder)
@@ -250,3 +259,94 @@ async def wait_for(condition: Callable[[], bool]) -> None:
     with trio.fail_after(5):
         while not condition():  # noqa: ASYNC110  (another task's sockets)
             await trio.sleep(0.001)
+
+
+async def test_admission_grants_the_first_attempts_placement_claim_and_slot_at_once() -> None:
+    core = DecisionCore(ServingContext(configured(max_connections=2)))
+    prefill, decode = pair_of(core.ctx)
+    with trio.fail_after(10):
+        async with workers(core, 1) as (one,), one.request() as decisions:
+            p0, d0 = pair_of(one.ctx)
+            async with one.admission(decisions) as admitted:
+                assert admitted.quotes == []  # serving.admission is open here
+                # Held by the core before the worker's legs ask: the decode claim and
+                # the prefill slot.
+                assert decode.load.decode_pending == 1
+                assert prefill.load.prefill_inflight == 1
+                sent = one.channel.statistics().frames_sent
+                placed = await decisions.place(decisions_request(one), 100, {}, Tried(), None)
+                assert isinstance(placed.placement, Placement)
+                assert (placed.placement.prefill, placed.placement.decode) == ("p0", "d0")
+                async with decisions.decode_placed(d0, 100):
+                    async with decisions.phase_slot(p0, "prefill", 100):
+                        assert decisions.alone(p0) == 1
+                    # Neither was asked for again: no frame went to the core.
+                    assert one.channel.statistics().frames_sent == sent
+                    await wait_for(lambda: prefill.load.prefill_inflight == 0)
+                    assert decode.load.decode_pending == 1
+                    async with decisions.phase_slot(d0, "decode", 100):  # asked: 1 frame
+                        assert decode.load.decode_active == 1
+                        assert decode.load.decode_pending == 0  # the slot took the claim
+                await wait_for(lambda: decode.load.decode_active == 0)
+                # A retry's placement is the core's to make again.
+                again = await decisions.place(
+                    decisions_request(one),
+                    100,
+                    {},
+                    Tried(attempts=2, excluded=frozenset({"p0"})),
+                    None,
+                )
+                assert isinstance(again.placement, Placement)
+            await wait_for(lambda: core.ctx.gate.statistics().admitted == 0)
+            assert decode.load.decode_pending == prefill.load.prefill_queued == 0
+
+
+async def test_a_first_attempt_that_ends_before_its_legs_gives_back_its_slot() -> None:
+    core = DecisionCore(ServingContext(configured(max_connections=2, prefill_concurrency=1)))
+    prefill, decode = pair_of(core.ctx)
+    with trio.fail_after(10):
+        async with workers(core, 1) as (one,):
+            d0 = one.ctx.fleet.get("d0")
+            assert d0 is not None
+            async with one.request() as decisions, one.admission(decisions):
+                await decisions.place(decisions_request(one), 100, {}, Tried(), None)
+                async with decisions.decode_placed(d0, 100):
+                    pass  # as when the worker's engine is gone before the leg
+                await wait_for(lambda: prefill.load.prefill_inflight == 0)
+                assert decode.load.decode_pending == 0
+                # The slot is free for the next request's admission.
+                async with one.request() as other, one.admission(other):
+                    assert prefill.load.prefill_inflight == 1
+
+
+async def test_a_worker_that_dies_during_its_first_attempt_gives_back_what_the_core_held() -> None:
+    core = DecisionCore(ServingContext(configured(max_connections=2)))
+    prefill, decode = pair_of(core.ctx)
+    with trio.fail_after(10):
+        async with workers(core, 1) as (one,):
+            async with one.request() as decisions, one.admission(decisions):
+                assert prefill.load.prefill_inflight == decode.load.decode_pending == 1
+                one.channel.close("killed")
+            await wait_for(lambda: core.sessions == 0)
+            assert prefill.load.prefill_inflight == decode.load.decode_pending == 0
+            assert core.ctx.gate.statistics().admitted == 0
+            assert core.ctx.retained == 0
+
+
+def decisions_request(worker: Worker) -> ClientRequest:
+    return parse_body(
+        b'{"model": "m", "prompt": "hello", "max_tokens": 4}',
+        kind="completions",
+        request_id="r",
+        models=worker.ctx.models,
+        arrival=trio.current_time(),
+        deadline=trio.current_time() + 60,
+    )
+
+
+def pair_of(ctx: ServingContext) -> tuple[EngineState, EngineState]:
+    """The context's own instances of the prefill and the decode engine."""
+    prefill, decode = ctx.fleet.get("p0"), ctx.fleet.get("d0")
+    assert prefill is not None
+    assert decode is not None
+    return prefill, decode
