@@ -43,10 +43,24 @@ class JsonFormatter(logging.Formatter):
         return self._encoder.encode(entry)
 
 
-def configure(level: str) -> None:
+def configure(level: str, *, worker: int | None = None) -> None:
+    """Log JSON lines at `level` to stderr; a worker process's lines carry its index
+    (`worker`), the daemon's none."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
+    if worker is not None:
+        handler.addFilter(_Worker(worker))
     root = logging.getLogger("narwhal")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+class _Worker(logging.Filter):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.index
+        return True

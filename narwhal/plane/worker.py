@@ -19,6 +19,7 @@ from functools import partial
 
 import trio
 
+from .. import _logging
 from .._errors import NarwhalError
 from ..config import Config
 from ..prefix import PromptKey
@@ -78,6 +79,7 @@ class Worker:
         elif name == "config":
             assert isinstance(payload, Config)
             ctx.config = payload  # new requests take it (each snapshots it at ingress)
+            logging.getLogger("narwhal").setLevel(payload.log.level.upper())
         elif name == "mirror":
             assert isinstance(payload, tuple)
             engines, chars_per_token, self.standing = payload
@@ -91,6 +93,8 @@ class Worker:
     async def work(self, channel: Channel) -> None:
         config = await channel.call("config")
         assert isinstance(config, Config)
+        # The daemon's log: the same JSON lines on the same stderr, each with its worker.
+        _logging.configure(config.log.level, worker=self.index)
         ctx = self.ctx = ServingContext(config)
         ctx.decide_with = lambda config, endpoint: RemoteDecisions(
             ctx, config, channel, endpoint, mirrored=lambda: self.standing

@@ -27,7 +27,7 @@ from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
 from ._context import DEGRADED_PUBLIC, ServingContext
 from ._exchange import Exchange
 from ._request import request_id_from_header
-from ._state import live_gauges, state_document
+from ._state import live_gauges, state_document, with_workers
 
 log = logging.getLogger("narwhal.app")
 
@@ -269,7 +269,7 @@ class AdminApp(_Listener):
         if path == "/narwhal/state":
             document = state_document(ctx)
             if ctx.worker_states is not None:
-                document["workers"] = await ctx.worker_states()
+                document = with_workers(document, await ctx.worker_states())
             await ClientChannel(send, request_id).send_json(200, json_bytes(document))
             return
         body = ctx.metrics.render()

@@ -17,7 +17,9 @@ See
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -397,11 +399,7 @@ def state(ctx: ServingContext) -> StateDocument:
         slo=slo_section(ctx, now),
         requests=RequestsSection(
             outcomes=dict(sorted(ctx.outcomes.items())),
-            token_counts=dict(sorted(ctx.token_methods.items())),
-            token_count_fallbacks=dict(sorted(ctx.token_fallbacks.items())),
-            token_count_local_misses=dict(sorted(ctx.token_local_misses.items())),
-            context_checks=dict(sorted(ctx.context_checks.items())),
-            unstreamed_decode_legs=dict(sorted(ctx.unstreamed_legs.items())),
+            **_worker_counts(ctx),
             fallback_chars_per_token=FallbackRatio(value=round(ratio, 3), source=ratio_source),
             tokenize_chat_refused={
                 engine.id: round(now - since, 3)
@@ -518,17 +516,52 @@ def live_gauges(ctx: ServingContext) -> Iterator[Gauge]:
     )
 
 
+def _worker_counts(ctx: ServingContext) -> dict[str, dict[str, int]]:
+    """The counts of /narwhal/state's `requests` that a worker process keeps for its own
+    requests (`narwhal.plane`): the document adds every worker's to the core's."""
+    return {
+        "token_counts": dict(sorted(ctx.token_methods.items())),
+        "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
+        "token_count_local_misses": dict(sorted(ctx.token_local_misses.items())),
+        "context_checks": dict(sorted(ctx.context_checks.items())),
+        "unstreamed_decode_legs": dict(sorted(ctx.unstreamed_legs.items())),
+    }
+
+
 def worker_section(ctx: ServingContext) -> JsonObject:
     """A worker process's part of /narwhal/state (`narwhal.plane`): what only it holds,
     its client connections and the requests it serves, and its counts of how their
-    prompts were counted. The rest of the document is its core's."""
+    prompts were counted and checked. The rest of the document is its core's."""
     now = trio.current_time()
     records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     connections = ctx.connections.statistics()
     return {
         "retained": ctx.retained,
         "connections": {"open": connections.open, "idle": connections.idle},
-        "token_counts": dict(sorted(ctx.token_methods.items())),
-        "token_count_fallbacks": dict(sorted(ctx.token_fallbacks.items())),
+        **_worker_counts(ctx),
         "in_flight": [to_json(_in_flight(r, now)) for r in records[:_LISTED_REQUESTS]],
     }
+
+
+def with_workers(document: JsonObject, workers: list[JsonObject]) -> JsonObject:
+    """`document` (the core's) with its workers' sections under `workers`, and what they
+    keep of its `requests` and `connections` added in: their counts summed, their
+    requests in flight listed, the oldest first."""
+    document["workers"] = workers
+    requests: dict[str, Any] = document["requests"]  # type: ignore[assignment]
+    connections: dict[str, int] = document["connections"]  # type: ignore[assignment]
+    in_flight: list[dict[str, Any]] = list(requests["in_flight"])
+    for worker in workers:
+        for key, counts in worker.items():
+            if isinstance(counts, dict) and key in requests:  # `_worker_counts`
+                total = Counter(requests[key])
+                total.update(counts)
+                requests[key] = dict(sorted(total.items()))
+        listed: Any = worker.get("in_flight", [])
+        in_flight.extend(listed)
+        opened: Any = worker.get("connections", {})
+        for key in ("open", "idle"):
+            connections[key] += opened.get(key, 0)
+    in_flight.sort(key=lambda request: -request["age_s"])
+    requests["in_flight"] = in_flight[:_LISTED_REQUESTS]
+    return document

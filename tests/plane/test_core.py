@@ -34,15 +34,14 @@ def configured(**serving: Any) -> Config:
             "handoff_timeout_s": 30,
             **serving,
         }
-    return load_config(
-        {
-            "engines": [
-                {"id": "p0", "url": "http://127.0.0.1:9000", "role": "prefill"},
-                {"id": "d0", "url": "http://127.0.0.1:9001", "role": "decode"},
-            ],
-            "serving": {"admission": "open", **serving},
-        }
-    )
+    document: dict[str, Any] = {
+        "engines": [
+            {"id": "p0", "url": "http://127.0.0.1:9000", "role": "prefill"},
+            {"id": "d0", "url": "http://127.0.0.1:9001", "role": "decode"},
+        ],
+        "serving": {"admission": "open", **serving},
+    }
+    return load_config(document)
 
 
 async def _nothing(name: str, payload: object, reply: Reply) -> object:

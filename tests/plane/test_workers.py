@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import h11
@@ -83,6 +84,13 @@ async def test_metrics_and_state_are_the_core_s_with_every_workers_part(
     assert [w["index"] for w in workers] == [0, 1]
     assert all(w["starts"] == 1 and w["retained"] == 0 for w in workers)
     assert sum(sum(w["token_counts"].values()) for w in workers) == 12
+    # The document's own counts are the workers' added up, as one process's would be.
+    requests = state["requests"]
+    assert sum(requests["token_counts"].values()) == 12
+    assert requests["token_counts"] == dict(
+        sum((Counter(w["token_counts"]) for w in workers), Counter())
+    )
+    assert sum(requests["context_checks"].values()) == 12
 
 
 async def test_serving_max_connections_is_one_limit_across_workers(
@@ -149,6 +157,7 @@ async def test_a_killed_worker_fails_only_its_requests_and_is_started_again(
             state = await stack.state()
             assert all("in_flight" in w for w in state["workers"]), state["workers"]
             serving = {w["index"]: len(w["in_flight"]) for w in state["workers"]}
+            assert len(state["requests"]["in_flight"]) == 8  # every worker's, listed once
             victim = max(serving, key=lambda index: serving[index])
             pid = pool.statistics()[victim].pid
             assert pid is not None
@@ -230,3 +239,24 @@ async def test_workers_read_the_fleets_standing_from_the_cores_mirror(
         stack.ctx.degraded_reason = None
         while (await answer()).status_code != 200:  # noqa: ASYNC110  (another process's)
             await trio.sleep(0.01)
+
+
+async def test_workers_log_each_request_as_the_daemon_does_with_their_index(
+    start_stack: StartStack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    stack, _plane, pool = await two_workers(start_stack)
+    with trio.fail_after(30):
+        async with stack.client() as client:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        lines: list[dict[str, object]] = []
+        while not lines:
+            # The workers share the daemon's stderr: one JSON object a line.
+            _, err = capfd.readouterr()
+            lines = [json.loads(text) for text in err.splitlines() if '"event": "request"' in text]
+            await trio.sleep(0.01)
+    (line,) = lines
+    assert line["outcome"] == "ok"
+    assert line["logger"] == "narwhal.request"
+    assert line["worker"] in {stats.index for stats in pool.statistics()}
+    assert (line["prefill_engine"], line["decode_engine"]) == ("p0", "d1")

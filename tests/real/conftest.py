@@ -10,6 +10,8 @@ every test of the tier errors with the reason, never skips.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import AsyncIterator, Generator, Iterator
 from contextlib import asynccontextmanager
@@ -149,3 +151,33 @@ async def narwhal_in_front(
             yield RealStack(supervisor, config)
         finally:
             nursery.cancel_scope.cancel()
+
+
+class RequestLog:
+    """Narwhal's `request` log lines (one per finished request), as their fields: the
+    daemon's own records and, with worker processes (NARWHAL_REAL_WORKERS), the JSON
+    lines the workers write to the stderr they share with it."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]):
+        self._caplog = caplog
+        self._capfd = capfd
+        self._from_workers: list[dict[str, Any]] = []
+        caplog.set_level(logging.INFO, logger="narwhal.request")
+
+    def lines(self) -> list[dict[str, Any]]:
+        """Every request line so far, in the order each process wrote them."""
+        _, err = self._capfd.readouterr()
+        for text in err.splitlines():
+            if text.startswith("{") and '"event": "request"' in text:
+                self._from_workers.append(json.loads(text))
+        own = [
+            dict(record.__dict__)
+            for record in self._caplog.records
+            if getattr(record, "event", None) == "request"
+        ]
+        return own + self._from_workers
+
+
+@pytest.fixture
+def request_log(caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> RequestLog:
+    return RequestLog(caplog, capfd)

@@ -9,7 +9,6 @@ The engines are shared by the whole tier, so what a test reads from an engine's
 from __future__ import annotations
 
 import json
-import logging
 import re
 from typing import Any
 
@@ -22,6 +21,7 @@ from .client import counter, sse_events
 from .conftest import (
     MODEL,
     RealStack,
+    RequestLog,
     aggregate_config,
     engine_entry,
     narwhal_in_front,
@@ -235,13 +235,9 @@ async def test_requests_the_decode_engine_would_refuse_are_refused_before_any_pr
 # --------------------------------------------------------------- 3. n > 1 and best_of
 
 
-def finished(caplog: pytest.LogCaptureFixture) -> list[tuple[str | None, str | None]]:
+def finished(log: RequestLog) -> list[tuple[str | None, str | None]]:
     """(prefill engine, decode engine) of each finished request, in order."""
-    return [
-        (getattr(record, "prefill_engine", None), getattr(record, "decode_engine", None))
-        for record in caplog.records
-        if getattr(record, "event", None) == "request"
-    ]
+    return [(line.get("prefill_engine"), line.get("decode_engine")) for line in log.lines()]
 
 
 def mixed_config(fleet: RealFleet) -> dict[str, Any]:
@@ -257,9 +253,8 @@ def mixed_config(fleet: RealFleet) -> dict[str, Any]:
 
 
 async def test_n_is_served_on_an_aggregate_leg_and_best_of_is_refused(
-    vllm: RealFleet, caplog: pytest.LogCaptureFixture
+    vllm: RealFleet, request_log: RequestLog
 ) -> None:
-    caplog.set_level(logging.INFO, logger="narwhal")
     async with (
         narwhal_in_front(mixed_config(vllm)) as stack,
         httpx.AsyncClient(timeout=60) as client,
@@ -298,7 +293,7 @@ async def test_n_is_served_on_an_aggregate_leg_and_best_of_is_refused(
     assert {c["index"] for chunk in chunks for c in chunk["choices"]} == {0, 1}
     assert chunks[-1]["usage"]["completion_tokens"] == 6
     # n > 1 ran on the aggregate engine, n = 1 disaggregated as ever.
-    assert finished(caplog)[:3] == [(None, "agg0"), (None, "agg0"), ("prefill", "decode")]
+    assert finished(request_log)[:3] == [(None, "agg0"), (None, "agg0"), ("prefill", "decode")]
     # vLLM 0.32 ignores best_of (no V1 engine picks the best of several samples).
     assert plain.status_code == 200, plain.text
     assert best_of.status_code == 400
@@ -329,12 +324,9 @@ async def test_n_on_a_pair_alone_is_refused_before_any_prefill(vllm: RealFleet) 
     assert await counter(prefill, "vllm:prompt_tokens_total") == prompt_tokens
 
 
-async def test_prompt_logprobs_run_on_one_engine(
-    vllm: RealFleet, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_prompt_logprobs_run_on_one_engine(vllm: RealFleet, request_log: RequestLog) -> None:
     # The decode engine recomputes a prompt whose logprobs are asked for (vLLM skips the
     # KV it was handed): a prefill leg for it is work done twice.
-    caplog.set_level(logging.INFO, logger="narwhal")
     prefill, decode = vllm.pair
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 1}
     prompt_tokens = await counter(prefill, "vllm:prompt_tokens_total")
@@ -350,7 +342,7 @@ async def test_prompt_logprobs_run_on_one_engine(
         assert choice["prompt_logprobs"][0] is None
         assert len(choice["prompt_logprobs"]) == answer.json()["usage"]["prompt_tokens"]
     # The pair's decode engine alone, then the aggregate engine; never a prefill leg.
-    assert finished(caplog) == [(None, "decode"), (None, "agg0")]
+    assert finished(request_log) == [(None, "decode"), (None, "agg0")]
     assert await counter(prefill, "vllm:prompt_tokens_total") == prompt_tokens
     computed = await counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     assert computed - local == alone.json()["usage"]["prompt_tokens"]

@@ -4,15 +4,13 @@ with no /tokenize asked."""
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Any
 
 import httpx
-import pytest
 
 from ..support import wait_for
-from .conftest import MODEL, RealStack, aggregate_config, narwhal_in_front
+from .conftest import MODEL, RealStack, RequestLog, aggregate_config, narwhal_in_front
 from .engines import RealFleet
 
 COMPLETIONS = [
@@ -45,24 +43,19 @@ async def charged(stack: RealStack, client: httpx.AsyncClient, path: str, body: 
     return prompt_tokens
 
 
-def counted(caplog: pytest.LogCaptureFixture) -> list[int]:
+def counted(log: RequestLog) -> list[int]:
     """The prompt tokens of each request the router has logged as finished."""
-    return [
-        r.__dict__["prompt_tokens"]
-        for r in caplog.records
-        if r.name == "narwhal.request" and r.__dict__.get("event") == "request"
-    ]
+    return [line["prompt_tokens"] for line in log.lines()]
 
 
-def logged(caplog: pytest.LogCaptureFixture, requests: int) -> bool:
-    return len(counted(caplog)) == requests
+def logged(log: RequestLog, requests: int) -> bool:
+    return len(counted(log)) == requests
 
 
 async def test_the_routers_own_count_is_what_vllm_charges(
-    vllm: RealFleet, caplog: pytest.LogCaptureFixture
+    vllm: RealFleet, request_log: RequestLog
 ) -> None:
     document = aggregate_config(vllm, engine={"tokenizer_path": str(vllm.model)})
-    caplog.set_level(logging.INFO, logger="narwhal.request")
     async with narwhal_in_front(document) as stack, httpx.AsyncClient(timeout=60) as client:
         sent = 0
         for path, bodies in (("/v1/completions", COMPLETIONS), ("/v1/chat/completions", CHATS)):
@@ -70,8 +63,8 @@ async def test_the_routers_own_count_is_what_vllm_charges(
                 engine_count = await charged(stack, client, path, body)
                 sent += 1
                 # The line is logged as the request leaves the router, just after the answer.
-                await wait_for(partial(logged, caplog, sent), within_s=10)
-                assert counted(caplog)[-1] == engine_count, (path, body)
+                await wait_for(partial(logged, request_log, sent), within_s=10)
+                assert counted(request_log)[-1] == engine_count, (path, body)
         state = await stack.state()
     requests = state["requests"]
     assert requests["token_counts"] == {"local": len(COMPLETIONS) + len(CHATS)}
