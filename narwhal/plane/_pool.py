@@ -57,7 +57,6 @@ class _Worker:
     last_exit: str | None = None
     channel: Channel | None = None
     stopped: trio.Event = attrs.field(factory=trio.Event)
-    recycling: bool = False
 
 
 class WorkerPool:
@@ -124,14 +123,6 @@ class WorkerPool:
         for channel in self.channels():
             channel.note("stop")
 
-    def recycle(self) -> None:
-        """Replace every worker: each finishes its requests and exits, and a new one
-        starts at once (a reload changed what workers are started with)."""
-        for worker in self._workers:
-            if worker.channel is not None and worker.channel.gone is None:
-                worker.recycling = True
-                worker.channel.note("stop")
-
     async def wait_stopped(self) -> None:
         """Until every worker process has exited."""
         for worker in self._workers:
@@ -145,9 +136,6 @@ class WorkerPool:
             worker.last_exit = why
             if self.stopping():
                 break
-            if worker.recycling:
-                worker.recycling = False
-                continue
             log.warning(
                 "worker %d is gone: %s",
                 worker.index,

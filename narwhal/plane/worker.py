@@ -21,13 +21,16 @@ import trio
 
 from .. import _logging
 from .._errors import NarwhalError
-from ..config import Config
+from ..config import Config, diff
+from ..fleet import EngineState
 from ..prefix import PromptKey
 from ..serving._app import App
-from ..serving._context import ServingContext
+from ..serving._context import ServingContext, served_models
 from ..serving._decisions import Standing
 from ..serving._server import serve_app
 from ..serving._state import worker_section
+from ..supervisor._reload import fresh_engines, swap_engines
+from ..supervisor._supervisor import CLEANUP_S
 from ._channel import Channel
 from ._remote import RemoteDecisions
 from ._worker import run_worker
@@ -58,6 +61,7 @@ class Worker:
         self.ctx: ServingContext | None = None
         self.stop = trio.Event()
         self.standing: Standing | None = None  # the core's, as of its last mirror
+        self._nursery: trio.Nursery | None = None
 
     async def on_call(self, name: str, payload: object, reply: Reply) -> object:
         ctx = self.ctx
@@ -78,8 +82,7 @@ class Worker:
             ctx.cancel_requests(payload)
         elif name == "config":
             assert isinstance(payload, Config)
-            ctx.config = payload  # new requests take it (each snapshots it at ingress)
-            logging.getLogger("narwhal").setLevel(payload.log.level.upper())
+            self.reload(ctx, payload)
         elif name == "mirror":
             assert isinstance(payload, tuple)
             engines, chars_per_token, self.standing = payload
@@ -89,6 +92,23 @@ class Worker:
                 if engine is not None:
                     engine.load.mirror(active, tokens, prefills)
                     engine.set_context(length, note)
+
+    def reload(self, ctx: ServingContext, config: Config) -> None:
+        """Take the core's reloaded configuration (the one in force there): new requests
+        snapshot it, and the engines it adds, replaces or removes change here as in the
+        core (`swap_engines`). A retired instance's legs finish on it; it is closed once
+        every request that could have one is past its deadline."""
+        old = ctx.config
+        plan = diff(old, config)
+        fresh = fresh_engines(ctx, config, plan)
+        ctx.config = config
+        ctx.models = served_models(config)
+        ctx.apply_client_limits(config)
+        logging.getLogger("narwhal").setLevel(config.log.level.upper())
+        for engine in swap_engines(ctx, config, plan, fresh):
+            if self._nursery is not None:
+                bound = old.serving.request_timeout_s + CLEANUP_S
+                self._nursery.start_soon(_close_after, ctx, engine, bound)
 
     async def work(self, channel: Channel) -> None:
         config = await channel.call("config")
@@ -102,6 +122,7 @@ class Worker:
         ctx.prefix_caches = _CoreCaches()
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 await nursery.start(ctx.loop_lag.run)
                 async with trio.open_nursery() as serving:
                     await serving.start(
@@ -124,6 +145,13 @@ class Worker:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 await ctx.fleet.aclose()
+
+
+async def _close_after(ctx: ServingContext, engine: EngineState, delay_s: float) -> None:
+    await trio.sleep(delay_s)
+    with trio.move_on_after(CLEANUP_S, shield=True):
+        await engine.aclose()
+    ctx.fleet.forget(engine)
 
 
 async def main(argv: list[str]) -> None:

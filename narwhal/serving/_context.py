@@ -188,6 +188,11 @@ class LoadSignals:
 DEMAND_EVENTS_MAX = 100_000
 
 
+def served_models(config: Config) -> tuple[str, ...]:
+    """The model names the configured engines serve, sorted."""
+    return tuple(sorted({spec.model for spec in config.engines}))
+
+
 class ServingContext:
     def __init__(self, config: Config, *, seed: int | None = None) -> None:
         self.config = config
@@ -245,7 +250,7 @@ class ServingContext:
         self.unstreamed_legs: Counter[str] = Counter()
         # SGLang engines whose build's /tokenize has no chat form (`_tokens.count_tokens`).
         self.chat_tokenize_refusals: ChatTokenizeRefusals[EngineState] = ChatTokenizeRefusals()
-        self.models = tuple(sorted({spec.model for spec in config.engines}))
+        self.models = served_models(config)
         self.started_at = trio.current_time()
         # Set by the supervisor when Narwhal cannot make sound decisions
         # (docs/design.md#role-control: monitor failures); new admissions are refused with this

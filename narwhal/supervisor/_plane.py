@@ -4,8 +4,8 @@ docs/architecture.md#workers).
 Owns
   `Plane`: the client listener, bound here and handed down; the `WorkerPool`; the
   `DecisionCore` that answers the workers; the `mirror` note that tells them the engines'
-  load every `MIRROR_INTERVAL_S`; reloads (the new configuration to every worker, and new
-  workers when the engines changed); the drain (cancelling what the grace left).
+  load every `MIRROR_INTERVAL_S`; reloads (the configuration in force to every worker,
+  which changes its engines as the core did); the drain (cancelling what the grace left).
 
 Invariants
   What is eventually consistent across processes, and by how much: a worker's reads of
@@ -28,7 +28,7 @@ import trio
 
 from .._errors import NarwhalError
 from .._records import JsonObject
-from ..config import Config, ReloadPlan
+from ..config import Config
 from ..plane import Channel, PeerGone
 from ..plane._core import DecisionCore
 from ..plane._pool import WorkerPool
@@ -151,19 +151,11 @@ class Plane:
                 nursery.start_soon(ask, index, channel)
         return answers
 
-    def reloaded(self, config: Config, plan: ReloadPlan) -> None:
-        """Every worker takes `config` for its new requests; when the engines changed,
-        each worker is replaced by one started with them."""
-        if self.pool is None:
-            return
-        self.pool.broadcast("config", config)
-        if (
-            plan.engines_added
-            or plan.engines_removed
-            or plan.engines_replaced
-            or plan.engines_reconfigured
-        ):
-            self.pool.recycle()
+    def reloaded(self, config: Config) -> None:
+        """Every worker takes `config`, the configuration now in force, for its new
+        requests, and makes its engines' changes as the core made them."""
+        if self.pool is not None:
+            self.pool.broadcast("config", config)
 
     def cancel_requests(self, error: NarwhalError) -> None:
         """Every worker cancels its retained requests with `error` (the drain's grace is

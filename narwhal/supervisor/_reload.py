@@ -38,6 +38,7 @@ from ..config import Config, PlanReport, ReloadPlan, keep_running
 from ..fleet import EngineState, Role
 from ..recovery import Recovery
 from ..serving import DescriptorBudget, ServingContext
+from ..serving._context import served_models
 
 log = logging.getLogger("narwhal.reload")
 
@@ -93,17 +94,13 @@ async def apply_config(
     deferred = {} if deferred_roles is None else deferred_roles
     old = ctx.config
     effective = keep_running(new, old)
-    fresh: dict[str, EngineState] = {}
-    for engine_id in (*plan.engines_added, *plan.engines_replaced):
-        spec = effective.engine_by_id(engine_id)
-        assert spec is not None
-        fresh[engine_id] = EngineState(spec, effective, connect=ctx.fleet.connect)
+    fresh = fresh_engines(ctx, effective, plan)
     async with trio.open_nursery() as nursery:
         for engine in fresh.values():
             nursery.start_soon(recovery.admit, engine)
 
     ctx.config = effective
-    ctx.models = tuple(sorted({spec.model for spec in effective.engines}))
+    ctx.models = served_models(effective)
     serving = effective.serving
     ctx.gate.reconfigure(
         max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
@@ -124,24 +121,13 @@ async def apply_config(
 
     for engine_id in plan.engines_removed:
         deferred.pop(engine_id, None)
-    for engine_id in (*plan.engines_removed, *plan.engines_replaced):
-        retired = ctx.fleet.retire(engine_id)
-        if retired is None:
-            continue
+    for retired in swap_engines(ctx, effective, plan, fresh):
         recovery.retire(retired)
-        replacement = fresh.get(engine_id)
+        replacement = fresh.get(retired.id)
         if replacement is not None:
             # Operator intent survives a new url: a drained or pinned engine stays so.
             replacement.operator_intent_from(retired)
         retire(retired)
-    for engine in fresh.values():
-        ctx.fleet.add(engine)
-    ctx.fleet.reorder([spec.id for spec in effective.engines])
-
-    for engine in ctx.fleet:
-        spec = effective.engine_by_id(engine.id)
-        if spec is not None:
-            engine.reconfigure(spec, effective)
     for engine_id, old_role, new_role in plan.role_changes:
         live = ctx.fleet.get(engine_id)
         if live is None:
@@ -167,3 +153,34 @@ async def apply_config(
     recovery.reconfigure(effective)
     logging.getLogger("narwhal").setLevel(effective.log.level.upper())
     return effective
+
+
+def fresh_engines(ctx: ServingContext, config: Config, plan: ReloadPlan) -> dict[str, EngineState]:
+    """New instances of the engines `plan` adds or replaces, by id."""
+    fresh: dict[str, EngineState] = {}
+    for engine_id in (*plan.engines_added, *plan.engines_replaced):
+        spec = config.engine_by_id(engine_id)
+        assert spec is not None
+        fresh[engine_id] = EngineState(spec, config, connect=ctx.fleet.connect)
+    return fresh
+
+
+def swap_engines(
+    ctx: ServingContext, config: Config, plan: ReloadPlan, fresh: dict[str, EngineState]
+) -> list[EngineState]:
+    """Take the engines `plan` removes or replaces out of `ctx.fleet`, put the `fresh`
+    instances in, and resize every live engine to `config`; the instances taken out,
+    whose legs in flight finish on them before they are closed."""
+    retired = [
+        engine
+        for engine_id in (*plan.engines_removed, *plan.engines_replaced)
+        if (engine := ctx.fleet.retire(engine_id)) is not None
+    ]
+    for engine in fresh.values():
+        ctx.fleet.add(engine)
+    ctx.fleet.reorder([spec.id for spec in config.engines])
+    for engine in ctx.fleet:
+        spec = config.engine_by_id(engine.id)
+        if spec is not None:
+            engine.reconfigure(spec, config)
+    return retired

@@ -522,7 +522,7 @@ class Supervisor:
         if self.caches is not None:
             self.caches.reconfigure(self.config)
         if self.plane is not None:
-            self.plane.reloaded(self.config, plan)
+            self.plane.reloaded(self.config)
         if self.link is not None:
             self.link.reconfigure(self.config)
         for change in plan.restart_required:

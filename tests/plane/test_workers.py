@@ -8,17 +8,22 @@ import os
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
 
 import h11
 import httpx
 import pytest
 import trio
 
+from narwhal.config import load_config
 from narwhal.plane._pool import WorkerPool
+from narwhal.sim import Fleet, serve_fleet
+from narwhal.supervisor import Supervisor
 from narwhal.supervisor._plane import Plane
 
-from ..serving.conftest import MODEL, Stack, StartStack
-from ..support import SseReader, open_sse
+from ..serving.conftest import MODEL, Stack, StartStack, fleet_config
+from ..support import FakeFileLimit, SseReader, open_sse
 
 
 async def two_workers(
@@ -260,3 +265,48 @@ async def test_workers_log_each_request_as_the_daemon_does_with_their_index(
     assert line["logger"] == "narwhal.request"
     assert line["worker"] in {stats.index for stats in pool.statistics()}
     assert (line["prefill_engine"], line["decode_engine"]) == ("p0", "d1")
+
+
+async def test_a_reload_removing_an_engine_lets_its_streams_end_without_new_workers(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    fleet: Fleet = await nursery.start(partial(serve_fleet, engines=3, speed=1.0, model=MODEL))
+    document = fleet_config(
+        fleet, ["prefill", "decode", "decode"], serving={"workers": 2, "admission": "open"}
+    )
+    path = tmp_path / "narwhal.json"
+    path.write_text(json.dumps(document))
+    supervisor: Supervisor = await nursery.start(
+        Supervisor(
+            load_config(document), config_path=str(path), open_files=FakeFileLimit().limit()
+        ).run
+    )
+    stack = Stack(fleet, supervisor, load_config(document))
+    plane = supervisor.plane
+    assert plane is not None
+    assert plane.pool is not None
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 120, "stream": True}
+    with trio.fail_after(60):
+        async with open_sse(stack.url, "/v1/completions", body) as streaming:
+            assert await streaming.event() is not None
+            (running,) = (await stack.state())["requests"]["in_flight"]
+            removed = running["decode_engine"]
+            document["engines"] = [e for e in document["engines"] if e["id"] != removed]
+            path.write_text(json.dumps(document))
+            result = await supervisor.reload()
+            assert result.applied, result.errors
+            # The stream goes on to its end on the engine that left the configuration.
+            last = ""
+            while (event := await streaming.event()) is not None:
+                last = event
+            assert last == "[DONE]"
+        # The same workers serve on, with the engines now configured.
+        assert [stats.starts for stats in plane.pool.statistics()] == [1, 1]
+        async with stack.client() as client:
+            for _ in range(4):
+                short = {"model": MODEL, "prompt": "b", "max_tokens": 2}
+                answer = await client.post("/v1/completions", json=short)
+                assert answer.status_code == 200, answer.text
+        state = await stack.state()
+    assert removed not in [engine["id"] for engine in state["engines"]]
+    assert state["requests"]["outcomes"] == {"ok": 5}
