@@ -24,6 +24,7 @@ from ._server import serve_app as serve_app
 from ._state import (
     EngineSection as EngineSection,
     StateDocument as StateDocument,
+    full_state_document as full_state_document,
     state as state,
     state_document as state_document,
 )

@@ -27,7 +27,7 @@ from ._client import ClientChannel, Receive, Send, eager, has_body, json_bytes
 from ._context import DEGRADED_PUBLIC, ServingContext
 from ._exchange import Exchange
 from ._request import request_id_from_header
-from ._state import live_gauges, state_document, with_workers
+from ._state import full_state_document, live_gauges
 
 log = logging.getLogger("narwhal.app")
 
@@ -267,9 +267,7 @@ class AdminApp(_Listener):
             raise _refusal(_ADMIN_ROUTES, method, path)
         ctx = self.ctx
         if path == "/narwhal/state":
-            document = state_document(ctx)
-            if ctx.worker_states is not None:
-                document = with_workers(document, await ctx.worker_states())
+            document = await full_state_document(ctx)
             await ClientChannel(send, request_id).send_json(200, json_bytes(document))
             return
         body = ctx.metrics.render()

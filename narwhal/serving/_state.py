@@ -413,8 +413,17 @@ def state(ctx: ServingContext) -> StateDocument:
 
 
 def state_document(ctx: ServingContext) -> JsonObject:
-    """/narwhal/state as JSON (`state`)."""
+    """/narwhal/state as JSON (`state`), the process's own part."""
     return to_json(state(ctx))
+
+
+async def full_state_document(ctx: ServingContext) -> JsonObject:
+    """/narwhal/state as JSON, as the admin listener and narwhalctl show it: with the
+    worker processes' parts when there are any (`with_workers`)."""
+    document = state_document(ctx)
+    if ctx.worker_states is not None:
+        document = with_workers(document, await ctx.worker_states())
+    return document
 
 
 Gauge = tuple[str, str, list[str], list[tuple[list[str], float]]]

@@ -40,7 +40,7 @@ from ..controller import ControllerSection, FlipEntry, RoleMove, SplitCounts
 from ..ctl import CtlError, CtlRequest
 from ..fleet import EngineState, Role
 from ..placement import NoPlacement, choose
-from ..serving import ServingContext, state_document
+from ..serving import ServingContext, full_state_document
 
 if TYPE_CHECKING:
     from ._supervisor import Supervisor
@@ -61,7 +61,7 @@ class Operations:
     async def __call__(self, request: CtlRequest) -> object:
         command = request.command
         if command == "state":
-            return state_document(self.ctx)
+            return await full_state_document(self.ctx)
         if command == "proposals":
             controller = self.supervisor.link.controller if self.supervisor.link else None
             view = proposals_view(

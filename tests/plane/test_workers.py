@@ -17,9 +17,10 @@ import pytest
 import trio
 
 from narwhal.config import load_config
+from narwhal.ctl import CtlRequest
 from narwhal.plane._pool import WorkerPool
 from narwhal.sim import Fleet, serve_fleet
-from narwhal.supervisor import Supervisor
+from narwhal.supervisor import Operations, Supervisor
 from narwhal.supervisor._plane import Plane
 
 from ..serving.conftest import MODEL, Stack, StartStack, fleet_config
@@ -96,6 +97,11 @@ async def test_metrics_and_state_are_the_core_s_with_every_workers_part(
         sum((Counter(w["token_counts"]) for w in workers), Counter())
     )
     assert sum(requests["context_checks"].values()) == 12
+    # narwhalctl state shows the same document.
+    ctl = await Operations(stack.supervisor)(CtlRequest("state"))
+    assert isinstance(ctl, dict)
+    assert [w["index"] for w in ctl["workers"]] == [0, 1]
+    assert ctl["requests"]["token_counts"] == requests["token_counts"]
 
 
 async def test_serving_max_connections_is_one_limit_across_workers(
@@ -222,28 +228,27 @@ async def test_workers_read_the_fleets_standing_from_the_cores_mirror(
     start_stack: StartStack,
 ) -> None:
     stack, _plane, _pool = await two_workers(start_stack)
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    operations = Operations(stack.supervisor)
+    # n > 1 needs an aggregate engine (role `both`): whether the fleet has one is the
+    # core's, mirrored to the workers.
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2}
 
-    async def answer() -> httpx.Response:
-        async with stack.client() as client:  # a new connection: either worker
-            return await client.post("/v1/completions", json=body)
+    async def statuses(wanted: int) -> None:
+        """Until four answers in a row, each on a new connection (either worker), are
+        `wanted`."""
+        in_a_row = 0
+        while in_a_row < 4:
+            async with stack.client() as client:
+                answer = await client.post("/v1/completions", json=body)
+            in_a_row = in_a_row + 1 if answer.status_code == wanted else 0
+            await trio.sleep(0.005)
 
     with trio.fail_after(30):
-        assert (await answer()).status_code == 200
-        stack.ctx.degraded_reason = "3 consecutive monitor passes failed"
-        # Within a mirror interval, every worker refuses as degraded.
-        refused = 0
-        while refused < 4:
-            response = await answer()
-            if response.status_code == 503:
-                assert response.json()["error"]["code"] == "degraded"
-                refused += 1
-            else:
-                refused = 0
-                await trio.sleep(0.01)
-        stack.ctx.degraded_reason = None
-        while (await answer()).status_code != 200:  # noqa: ASYNC110  (another process's)
-            await trio.sleep(0.01)
+        await statuses(400)
+        assert await operations(CtlRequest("pin", "d1", "both"))
+        await statuses(200)
+        assert await operations(CtlRequest("pin", "d1", "decode"))
+        await statuses(400)
 
 
 async def test_workers_log_each_request_as_the_daemon_does_with_their_index(
