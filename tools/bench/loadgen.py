@@ -282,6 +282,7 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
     out = {"loadgen": cpu_seconds(os.getpid()), "machine": busy, "machine_irq": interrupts}
     for name, pid in pids.items():
         out[name] = tree_cpu_seconds(pid)  # a Narwhal's worker processes are its
+        out[f"{name}/core"] = cpu_seconds(pid)  # and this, the part of it the process's own
     return out
 
 

@@ -4,6 +4,7 @@ requests are offered.
 
     .venv/bin/python tools/bench/memory.py              # 2 x 2,000 and 2 x 10,000; ~2.5 min
     .venv/bin/python tools/bench/memory.py --replot     # redraw the PNG from the JSON
+    .venv/bin/python tools/bench/memory.py --workers 2 --out runs/bench/memory-workers.json
 
 For each flood size, on a fresh fleet and a fresh router: 4 simulated engines (2P2D) in slow
 motion (`--speed`, so a served request takes seconds), Narwhal with queueing on
@@ -11,7 +12,8 @@ motion (`--speed`, so a served request takes seconds), Narwhal with queueing on
 off), then a flood client (loadgen.py in flood mode, its own process) with `--concurrency`
 keep-alive sockets that sends the flood's requests as fast as the router answers them.
 Phases: idle (before), flood, drain (until nothing is retained), idle (after). Every
-~100 ms the driver reads the router's VmRSS and VmHWM from /proc/PID/status, and a second
+~100 ms the driver reads the router's VmRSS and VmHWM from /proc/PID/status (with
+`--workers`, summed over its worker processes too), and a second
 task polls /narwhal/state for the retained and queued counts.
 
 Each flood runs `--rounds` times against the same router (drain and idle in between), so
@@ -162,14 +164,26 @@ class Watch:
         self._drained = trio.Event()
 
     async def rss_loop(self) -> None:
-        path = trio.Path(f"/proc/{self.pid}/status")
         while True:
             now = trio.current_time()
-            rss, hwm = parse_status(await path.read_text())
+            rss, hwm = await self._tree_status()
             self.samples.append(
                 Sample(now - self.t0, self.phase, rss, hwm, self.retained, self.queued)
             )
             await trio.sleep_until(now + SAMPLE_EVERY_S)
+
+    async def _tree_status(self) -> tuple[int, int]:
+        """(VmRSS, VmHWM) of the router and its worker processes (serving.workers), summed:
+        the sum of their peaks is at least the tree's peak."""
+        rss, hwm = parse_status(await trio.Path(f"/proc/{self.pid}/status").read_text())
+        for child in benchkit.descendants(self.pid):
+            try:
+                text = await trio.Path(f"/proc/{child}/status").read_text()
+                child_rss, child_hwm = parse_status(text)
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            rss, hwm = rss + child_rss, hwm + child_hwm
+        return rss, hwm
 
     async def state_loop(self) -> None:
         async with httpx.AsyncClient(timeout=5.0) as client:
@@ -215,7 +229,11 @@ async def one_flood(args: argparse.Namespace, requests: int, run_dir: Path) -> J
             # The flood stands for many clients, but all of it comes from 127.0.0.1: the
             # per-client limits are raised to the global ones, as behind a proxy.
             extra={
-                "serving": {**SERVING, "max_pending_bodies_per_client": CEILING},
+                "serving": {
+                    **SERVING,
+                    "max_pending_bodies_per_client": CEILING,
+                    "workers": args.workers,
+                },
                 "listen": {"max_open_connections_per_client": 4096},
             },
         )
@@ -291,6 +309,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-limit-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--niceness", type=int, default=5)
+    p.add_argument(
+        "--workers", type=int, default=1, help="serving.workers; RSS is the process tree's"
+    )
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out")
     return p.parse_args(argv)
@@ -364,7 +385,7 @@ async def run(args: argparse.Namespace) -> int:
         "config": {
             "engines": "4 simulated (2P2D), one process",
             "speed": args.speed,
-            "serving": SERVING,
+            "serving": {**SERVING, "workers": args.workers},
             "admission": "open",
             "concurrency": args.concurrency,
             "rounds": args.rounds,

@@ -274,7 +274,14 @@ def cell_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[s
         "cpu_share": {k: round(float(v) / window, 3) for k, v in cpu.items()},
         **_others(cpu, window, ours),
         "sim_cpu_ms_per_request": rounded(1000 * cpu["sim"] / completed) if completed else None,
-        **_router_cpu(cpu.get("router"), completed, raw["events"], stream=stream, tokens=tokens),
+        **_router_cpu(
+            cpu.get("router"),
+            completed,
+            raw["events"],
+            stream=stream,
+            tokens=tokens,
+            core_s=cpu.get("router/core"),
+        ),
     }
     if raw.get("error_samples"):
         out["error_samples"] = list(raw["error_samples"])
@@ -295,17 +302,32 @@ def _others(cpu: Mapping[str, float], window: float, ours: float) -> dict[str, J
 
 
 def _router_cpu(
-    router_s: float | None, completed: int, events: int, *, stream: bool, tokens: int
+    router_s: float | None,
+    completed: int,
+    events: int,
+    *,
+    stream: bool,
+    tokens: int,
+    core_s: float | None = None,
 ) -> dict[str, Json]:
-    """The router's CPU per request, per streamed chunk and per token (None: no router)."""
+    """The router's CPU per request, per streamed chunk and per token (None: no router);
+    `core_s`: its main process's own share (a Narwhal with workers: the decision core's,
+    the one part that does not grow with the workers)."""
     out: dict[str, Json] = dict.fromkeys(
-        ("router_cpu_ms_per_request", "router_cpu_us_per_chunk", "router_cpu_us_per_token")
+        (
+            "router_cpu_ms_per_request",
+            "router_cpu_us_per_chunk",
+            "router_cpu_us_per_token",
+            "router_core_cpu_ms_per_request",
+        )
     )
     if router_s is not None and completed:
         out["router_cpu_ms_per_request"] = rounded(1000 * router_s / completed)
         if stream and events:
             out["router_cpu_us_per_chunk"] = rounded(1e6 * router_s / events, 1)
             out["router_cpu_us_per_token"] = rounded(1e6 * router_s / (completed * tokens), 1)
+    if core_s is not None and completed:
+        out["router_core_cpu_ms_per_request"] = rounded(1000 * core_s / completed)
     return out
 
 
@@ -343,6 +365,7 @@ _MEDIAN_KEYS = (
     "router_cpu_ms_per_request",
     "router_cpu_us_per_chunk",
     "router_cpu_us_per_token",
+    "router_core_cpu_ms_per_request",
     "sim_cpu_ms_per_request",
     "chunks_per_stream",
     "other_cpu_share",
@@ -549,7 +572,8 @@ async def alternating_once(
 def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) -> dict[str, Json]:
     """Per target metrics of one alternating probe, plus its disturbance."""
     cpu = raw["cpu_s"]
-    ours = sum(float(v) for k, v in cpu.items() if not k.startswith("machine"))
+    # A "<name>/core" entry is a part of <name>'s, not more CPU.
+    ours = sum(float(v) for k, v in cpu.items() if not k.startswith("machine") and "/" not in k)
     out: dict[str, Json] = {"cpu_s": dict(cpu), **_others(cpu, float(raw["window_s"]), ours)}
     direct = raw["targets"].get("direct")
     for name, t in raw["targets"].items():
@@ -564,7 +588,14 @@ def alternating_metrics(raw: Mapping[str, Any], *, stream: bool, tokens: int) ->
             "chunks_per_stream": round(t["events"] / completed, 2)
             if stream and completed
             else None,
-            **_router_cpu(cpu.get(name), completed, t["events"], stream=stream, tokens=tokens),
+            **_router_cpu(
+                cpu.get(name),
+                completed,
+                t["events"],
+                stream=stream,
+                tokens=tokens,
+                core_s=cpu.get(f"{name}/core"),
+            ),
         }
         if t.get("error_samples"):
             cell["error_samples"] = t["error_samples"]
