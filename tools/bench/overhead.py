@@ -821,6 +821,17 @@ _COLORS = {
     "vllm-router": "#ff7f0e",
     "narwhal-lean": "#2ca02c",
 }
+# narwhal-w2, narwhal-w4, ...: shades apart from one process's blue.
+_WORKER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def _color(target: str) -> str | None:
+    if target in _COLORS:
+        return _COLORS[target]
+    match = WORKERS_TARGET.fullmatch(target)
+    if match is None:
+        return None
+    return _WORKER_COLORS[int(match.group(1)) % len(_WORKER_COLORS)]
 
 
 def plot(document: Json, path: Path) -> None:
@@ -871,7 +882,7 @@ def plot(document: Json, path: Path) -> None:
         for i, target in enumerate(shown):
             xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(concs))]
             ys = values(mode, target, key)
-            bars = ax.bar(xs, ys, width, label=target, color=_COLORS.get(target))
+            bars = ax.bar(xs, ys, width, label=target, color=_color(target))
             ax.bar_label(bars, fmt="%.3g", fontsize=7)
         ax.set_xticks(range(len(concs)), [str(c) for c in concs])
         ax.set_xlabel("concurrent clients")
@@ -881,12 +892,13 @@ def plot(document: Json, path: Path) -> None:
         ax.legend(fontsize=8)
     ax = axes[1][1]
     routers = [t for t in targets if t != "direct"]
+    bar = 0.8 / len(routers)
     for i, target in enumerate(routers):
-        xs = [j + (i - (len(routers) - 1) / 2) * 0.35 for j in range(len(concs))]
+        xs = [j + (i - (len(routers) - 1) / 2) * bar for j in range(len(concs))]
         p50 = values("stream", target, "added_ttft_p50_ms")
         p99 = values("stream", target, "added_ttft_p99_ms")
-        color = _COLORS.get(target)
-        bars = ax.bar(xs, p50, 0.35, label=f"{target} p50", color=color)
+        color = _color(target)
+        bars = ax.bar(xs, p50, bar, label=f"{target} p50", color=color)
         ax.bar_label(bars, fmt="%.3g", fontsize=7)
         ax.scatter(xs, p99, marker="_", s=300, color=color, label=f"{target} p99")
         probe = next(
