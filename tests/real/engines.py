@@ -553,6 +553,10 @@ def _up(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        # Nothing cuts the teardown short: a second SIGTERM came when `pkill -f` matched
+        # a `timeout` wrapper of this command too, and left the engines running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         RealFleet.attach(Path(args.state)).stop()
 
 
