@@ -105,10 +105,15 @@ def real_config(entries: list[dict[str, Any]], **sections: Any) -> dict[str, Any
         # CPU engines on a two-core box shared with the test process: a first token or a
         # probe answer can take seconds (a NIXL transfer starved of CPU took 40 s once,
         # and in CI the whole box once stood still for 33 s under a pair's first token,
-        # which then missed 60 s). The tier asserts behaviour, not latency, and a leg cut
-        # at the default 2.5 s would count against a healthy engine; tests of a timer set
-        # their own. Below the clients' 120 s, so a stall still ends in Narwhal's answer.
-        "engine": {"first_token_timeout_s": 90.0, "health_timeout_s": 20.0},
+        # which then missed 60 s; a stall of 54 s once outlasted a loopback connect's
+        # 10 s). The tier asserts behaviour, not latency, and a leg cut at the default
+        # 2.5 s would count against a healthy engine; tests of a timer set their own.
+        # Below the clients' 120 s, so a stall still ends in Narwhal's answer.
+        "engine": {
+            "first_token_timeout_s": 90.0,
+            "health_timeout_s": 20.0,
+            "connect_timeout_s": 60.0,
+        },
     }
     for key, value in sections.items():
         document[key] = {**document.get(key, {}), **value}
