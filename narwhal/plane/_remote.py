@@ -99,9 +99,10 @@ class RemoteDecisions(Decisions):
         "_channel",
         "_claims",
         "_first",
-        "_granted",
+        "_grants",
         "_key",
         "_mirrored",
+        "_unplaced",
         "endpoint",
     )
 
@@ -122,10 +123,12 @@ class RemoteDecisions(Decisions):
         self._claims = itertools.count(1)
         # Each engine's leg count as the core granted its phase slot (`alone`).
         self._alone: dict[str, int | None] = {}
-        # The first attempt's grants (`admission`) the legs have not taken yet:
-        # "placed", then "decode_placed" and "slot" when the core holds them.
+        # The first attempt (`admission`): its placement until `place` reads it, and the
+        # holds the core keeps for it ("decode_placed", "slot"), each with whether the
+        # legs have taken it.
         self._first: FirstAttempt | None = None
-        self._granted: set[str] = set()
+        self._unplaced: Placed | None = None
+        self._grants: dict[str, bool] = {}
 
     # ---------------------------------------------------------------- the wire
 
@@ -189,24 +192,22 @@ class RemoteDecisions(Decisions):
             admitted, first = answer
             assert isinstance(admitted, Admitted)
             assert isinstance(first, FirstAttempt)
-            self._first = first
-            self._granted = {"placed", "decode_placed", "slot"} if first.slot else {"placed"}
+            self._first, self._unplaced = first, first.placed
+            self._grants = dict.fromkeys(("decode_placed", "slot"), False) if first.slot else {}
             try:
                 yield admitted
             finally:
-                self._granted.clear()
+                self._unplaced = None
+                self._grants.clear()
 
-    def _take(self, grant: str) -> None:
-        """The legs hold the first attempt's `grant` now: it is not granted twice."""
-        self._granted.discard(grant)
-        self._granted.add(f"{grant} taken")
+    def _untaken(self, grant: str) -> bool:
+        """Whether the core holds the first attempt's `grant` and no leg has taken it."""
+        return self._grants.get(grant) is False
 
     def _let_go(self, grant: str) -> None:
         """Give back the first attempt's `grant` the core holds, taken or not."""
-        for held in (grant, f"{grant} taken"):
-            if held in self._granted:
-                self._granted.discard(held)
-                self.note("let_go", grant)
+        if self._grants.pop(grant, None) is not None:
+            self.note("let_go", grant)
 
     async def place(
         self,
@@ -216,10 +217,9 @@ class RemoteDecisions(Decisions):
         tried: Tried,
         prompt: PromptKey | None,
     ) -> Placed:
-        if tried.attempts == 1 and "placed" in self._granted:
-            assert self._first is not None
-            self._granted.discard("placed")
-            return self._first.placed
+        if tried.attempts == 1 and self._unplaced is not None:
+            first, self._unplaced = self._unplaced, None
+            return first
         placed = await self._call("place", _shape(request), tokens, dict(cached), tried, prompt)
         assert isinstance(placed, Placed)
         return placed
@@ -229,8 +229,8 @@ class RemoteDecisions(Decisions):
     @asynccontextmanager
     async def decode_placed(self, engine: EngineState, tokens: int) -> AsyncIterator[None]:
         first = self._first
-        if first is not None and "decode_placed" in self._granted and engine.id == first.decode:
-            self._take("decode_placed")
+        if first is not None and self._untaken("decode_placed") and engine.id == first.decode:
+            self._grants["decode_placed"] = True
             try:
                 yield
             finally:
@@ -250,8 +250,8 @@ class RemoteDecisions(Decisions):
         not_after: float = math.inf,
     ) -> AsyncIterator[None]:
         first = self._first
-        if first is not None and "slot" in self._granted and first.slot == (engine.id, phase):
-            self._take("slot")
+        if first is not None and self._untaken("slot") and first.slot == (engine.id, phase):
+            self._grants["slot"] = True
             self._alone[engine.id] = first.alone
             try:
                 yield
