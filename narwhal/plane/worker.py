@@ -25,7 +25,7 @@ from ..config import Config, diff
 from ..fleet import EngineState
 from ..prefix import PromptKey
 from ..serving._app import App
-from ..serving._context import ServingContext, served_models
+from ..serving._context import ServingContext
 from ..serving._decisions import Standing
 from ..serving._server import serve_app
 from ..serving._state import worker_section
@@ -101,9 +101,7 @@ class Worker:
         old = ctx.config
         plan = diff(old, config)
         fresh = fresh_engines(ctx, config, plan)
-        ctx.config = config
-        ctx.models = served_models(config)
-        ctx.apply_client_limits(config)
+        ctx.take_config(config)
         logging.getLogger("narwhal").setLevel(config.log.level.upper())
         for engine in swap_engines(ctx, config, plan, fresh):
             if self._nursery is not None:

@@ -350,9 +350,12 @@ class ServingContext:
         self.descriptors = budget
         self.connections.set_limit(budget.effective, configured=budget.configured)
 
-    def apply_client_limits(self, config: Config) -> None:
-        """Enforce `config`'s limits per client address from now on (a reload); what is
-        open or arriving already stays."""
+    def take_config(self, config: Config) -> None:
+        """A reload's configuration in force: new requests snapshot it and may name its
+        models, and its limits per client address apply from now on (what is open or
+        arriving already stays)."""
+        self.config = config
+        self.models = served_models(config)
         self.connections.per_client.limit = config.connections_per_client()
         self.pending_bodies.limit = config.serving.pending_bodies_per_client()
 

@@ -330,13 +330,18 @@ def _in_flight(record: RequestRecord, now: float) -> InFlightRequest:
     )
 
 
+def _listed_in_flight(ctx: ServingContext, now: float) -> tuple[InFlightRequest, ...]:
+    """The oldest `_LISTED_REQUESTS` requests in flight, the oldest first."""
+    records = sorted(ctx.records.values(), key=lambda r: r.arrival)
+    return tuple(_in_flight(r, now) for r in records[:_LISTED_REQUESTS])
+
+
 def state(ctx: ServingContext) -> StateDocument:
     """The state document now, as records."""
     now = trio.current_time()
     gate = ctx.gate.statistics()
     budget = ctx.retry_budget
     connections = ctx.connections.statistics()
-    records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     ratio, ratio_source = ctx.chars_per_token(ctx.config)
     signals = ctx.load_signals(now)
     return StateDocument(
@@ -405,7 +410,7 @@ def state(ctx: ServingContext) -> StateDocument:
                 engine.id: round(now - since, 3)
                 for engine, since in ctx.chat_tokenize_refusals.learnt(ctx.config)
             },
-            in_flight=tuple(_in_flight(r, now) for r in records[:_LISTED_REQUESTS]),
+            in_flight=_listed_in_flight(ctx, now),
         ),
         engines=tuple(engine_section(engine, now) for engine in ctx.fleet),
         provided={key: provider() for key, provider in ctx.state_providers},
@@ -542,13 +547,12 @@ def worker_section(ctx: ServingContext) -> JsonObject:
     its client connections and the requests it serves, and its counts of how their
     prompts were counted and checked. The rest of the document is its core's."""
     now = trio.current_time()
-    records = sorted(ctx.records.values(), key=lambda r: r.arrival)
     connections = ctx.connections.statistics()
     return {
         "retained": ctx.retained,
         "connections": {"open": connections.open, "idle": connections.idle},
         **_worker_counts(ctx),
-        "in_flight": [to_json(_in_flight(r, now)) for r in records[:_LISTED_REQUESTS]],
+        "in_flight": [to_json(request) for request in _listed_in_flight(ctx, now)],
     }
 
 

@@ -38,7 +38,6 @@ from ..config import Config, PlanReport, ReloadPlan, keep_running
 from ..fleet import EngineState, Role
 from ..recovery import Recovery
 from ..serving import DescriptorBudget, ServingContext
-from ..serving._context import served_models
 
 log = logging.getLogger("narwhal.reload")
 
@@ -99,14 +98,12 @@ async def apply_config(
         for engine in fresh.values():
             nursery.start_soon(recovery.admit, engine)
 
-    ctx.config = effective
-    ctx.models = served_models(effective)
+    ctx.take_config(effective)
     serving = effective.serving
     ctx.gate.reconfigure(
         max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
     )
     ctx.apply_descriptors(descriptors)
-    ctx.apply_client_limits(effective)
     ctx.retry_budget.reconfigure(
         maximum=float(serving.retry_budget), replenish=serving.retry_replenish
     )
