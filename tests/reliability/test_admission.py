@@ -41,8 +41,14 @@ async def test_a_long_prompt_after_a_burst_of_short_chats_is_served_on_an_idle_f
     async def chat(i: int) -> None:
         await c.send(i, c.body(stream=i % 2 == 0, max_tokens=4, chat=True))
 
-    await c.run(100, chat, concurrency=4, within_s=60)
-    assert c.exchanges_by_label() == {"ok": 100}
+    # Two at a time keeps each chat's wait to about one other's prefill (backlog plus the
+    # learnt overrun ~0.2 s, inside 0.3 s). The burst is only the setup: a chat refused
+    # for its budget when this shared box stalls is admission doing its job, so a few
+    # are allowed, as long as enough are served to learn from.
+    await c.run(100, chat, concurrency=2, within_s=60)
+    burst = c.exchanges_by_label()
+    assert set(burst) <= {"ok", "error:ttft_budget"}, burst
+    assert burst["ok"] >= 90, burst
     ctx = c.stack.ctx
 
     def idle() -> bool:
@@ -58,7 +64,7 @@ async def test_a_long_prompt_after_a_burst_of_short_chats_is_served_on_an_idle_f
     assert c.label_of(long) == "ok"
     # The chats' overrun was learnt, for paths with backlog and for their own size.
     learnt = (await c.stack.state())["admission"]["projection_errors"]
-    assert learnt["backlog"]["samples"] == 101
+    assert learnt["backlog"]["samples"] == burst["ok"] + 1
     assert learnt["backlog"]["overrun_s"] >= OVERHEAD_S
     assert "4096-8191" in learnt["idle_by_prompt_tokens"]  # the long prompt's, alone
     report = await c.check()
