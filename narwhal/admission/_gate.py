@@ -29,10 +29,17 @@ class AdmissionGate:
     def __init__(self, *, max_admitted: int, queue_capacity: int) -> None:
         self._limiter = trio.CapacityLimiter(max_admitted)
         self.queue_capacity = queue_capacity
+        # How a refusal names the limit: the setting, or this replica's part of it.
+        self.limit = f"serving.max_connections={max_admitted}"
 
-    def reconfigure(self, *, max_admitted: int, queue_capacity: int) -> None:
-        self._limiter.total_tokens = max_admitted
+    def reconfigure(self, *, queue_capacity: int) -> None:
         self.queue_capacity = queue_capacity
+
+    def limit_to(self, max_admitted: int, limit: str) -> None:
+        """Admit at most `max_admitted` (at least 1) at once; `limit` names it for refusals.
+        Requests holding slots above a lowered limit keep them; new ones wait."""
+        self._limiter.total_tokens = max(1, max_admitted)
+        self.limit = limit
 
     def statistics(self) -> GateStatistics:
         stats = self._limiter.statistics()
@@ -63,8 +70,8 @@ class AdmissionGate:
             if stats.tasks_waiting >= self.queue_capacity:
                 if self.queue_capacity == 0:
                     message = (
-                        f"all serving.max_connections={int(stats.total_tokens)} admission "
-                        "slots are in use and queueing is off (serving.queue_capacity=0)"
+                        f"all {self.limit} admission slots are in use and queueing is off "
+                        "(serving.queue_capacity=0)"
                     )
                 else:
                     message = (

@@ -17,3 +17,4 @@ from ._load import (
     LoadStatistics as LoadStatistics,
 )
 from ._model import model_refused as model_refused, names_model as names_model
+from ._share import Share as Share

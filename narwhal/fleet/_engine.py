@@ -35,6 +35,7 @@ import trio
 from ..config import Config, EngineSpec
 from ..engines import Connect, ConnectionPool, Dialect, dialect_for
 from ._load import EngineLoad
+from ._share import Share
 
 Role = Literal["prefill", "decode", "both"]
 Phase = Literal["prefill", "decode", "aggregate"]
@@ -161,8 +162,14 @@ class EngineState:
         # move the work it takes (`Fleet.watch`); set while it belongs to a fleet.
         self._on_change: Callable[[EngineState], None] | None = None
         self._role: Role = spec.role
-        self.prefill_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "prefill")))
-        self.decode_limiter = trio.CapacityLimiter(_limit(_concurrency(spec, config, "decode")))
+        self.prefill_limiter = trio.CapacityLimiter(math.inf)
+        self.decode_limiter = trio.CapacityLimiter(math.inf)
+        # This replica's part of the phase limits (`cluster_share`; whole for one replica)
+        # and the phases it has none of, which it must not place here.
+        self._share = Share()
+        self._share_offset = 0
+        self._no_share: frozenset[str] = frozenset()
+        self._apply_limits(config)
         # Availability, each flag behind its owner's methods (module docstring).
         self._removed = False
         self._drained = False
@@ -391,8 +398,30 @@ class EngineState:
             pool.set_api_key(spec.api_key_text())
         # A reload may point the id at another server.
         self.context_due = True
-        self.prefill_limiter.total_tokens = _limit(_concurrency(spec, config, "prefill"))
-        self.decode_limiter.total_tokens = _limit(_concurrency(spec, config, "decode"))
+        self._apply_limits(config)
+
+    def cluster_share(self, share: Share, offset: int, config: Config) -> None:
+        """Only the cluster's share split calls this (`Fleet.apply_share`): this replica's
+        part of the engine's phase limits; `offset` is the engine's index in config order."""
+        self._share, self._share_offset = share, offset
+        self._apply_limits(config)
+
+    def _apply_limits(self, config: Config) -> None:
+        # A part lowered under the requests holding slots leaves them be: new ones wait.
+        no_share = set()
+        phases: tuple[tuple[Literal["prefill", "decode"], trio.CapacityLimiter], ...] = (
+            ("prefill", self.prefill_limiter),
+            ("decode", self.decode_limiter),
+        )
+        for phase, limiter in phases:
+            total = _concurrency(self.spec, config, phase)
+            part = self._share.of(total, self._share_offset)
+            if total and not part:
+                no_share.add(phase)
+            limiter.total_tokens = _limit(max(part, 1) if total else 0)
+        if frozenset(no_share) != self._no_share:
+            self._no_share = frozenset(no_share)
+            self._changed()
 
     def set_context(self, length: int | None, note: str) -> bool:
         """Record what the engine says of its context length (`note`: where it was read,
@@ -436,6 +465,8 @@ class EngineState:
             return "quarantined"
         phases = ("prefill", "decode") if phase in (None, "aggregate") else (phase,)
         for name in phases:
+            if name in self._no_share:
+                return f"no {name} share on this replica"
             gate = self.phase_gates.get(name)
             if gate is not None and (reason := gate.blocked(now)) is not None:
                 return reason

@@ -20,6 +20,7 @@ import trio
 from ..config import Config
 from ..engines import Connect
 from ._engine import EngineState, EngineView
+from ._share import Share
 
 
 class Fleet:
@@ -37,6 +38,8 @@ class Fleet:
         self._engines: dict[str, EngineState] = {}
         self.retiring: list[EngineState] = []
         self._watcher: Callable[[EngineState], None] | None = None
+        # This replica's part of the engines' phase limits (`apply_share`).
+        self.share = Share()
         for spec in config.engines:
             self.add(EngineState(spec, config, connect=connect))
 
@@ -93,6 +96,15 @@ class Fleet:
         self._engines = dict(
             sorted(self._engines.items(), key=lambda item: order.get(item[0], len(order)))
         )
+
+    def apply_share(self, config: Config, share: Share | None = None) -> None:
+        """Give every engine this replica's part of its phase limits (`share`, else the
+        one last given): after a membership change, and after a reload added or
+        reordered engines (the split spreads remainders by config order)."""
+        if share is not None:
+            self.share = share
+        for offset, engine in enumerate(self._engines.values()):
+            engine.cluster_share(self.share, offset, config)
 
     async def aclose(self) -> None:
         for engine in [*self._engines.values(), *self.retiring]:

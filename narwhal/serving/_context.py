@@ -26,7 +26,7 @@ from ..admission import (
 )
 from ..config import Config
 from ..engines._dialects import ChatTokenizeRefusals
-from ..fleet import EngineState, Fleet
+from ..fleet import EngineState, Fleet, Share
 from ..metrics import Metrics
 from ..prefix import PromptKey
 from ..signals import DecodeGaps as DecodeGaps, LegObserver as LegObserver
@@ -349,6 +349,18 @@ class ServingContext:
         report(budget, self.descriptors)
         self.descriptors = budget
         self.connections.set_limit(budget.effective, configured=budget.configured)
+
+    def apply_share(self, share: Share | None = None) -> None:
+        """This replica's part of serving.max_connections and of every engine's phase
+        limits (`share`, else the fleet's current one): after a membership change, a
+        reload, or a change in whether this replica can reach etcd (narwhal.cluster)."""
+        serving = self.config.serving
+        self.fleet.apply_share(self.config, share)
+        share = self.fleet.share
+        self.gate.limit_to(
+            share.of(serving.max_connections),
+            share.describe("serving.max_connections", serving.max_connections),
+        )
 
     def take_config(self, config: Config) -> None:
         """A reload's configuration in force: new requests snapshot it and may name its

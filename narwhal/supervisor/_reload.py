@@ -100,9 +100,8 @@ async def apply_config(
 
     ctx.take_config(effective)
     serving = effective.serving
-    ctx.gate.reconfigure(
-        max_admitted=serving.max_connections, queue_capacity=serving.queue_capacity
-    )
+    ctx.gate.reconfigure(queue_capacity=serving.queue_capacity)
+    ctx.apply_share()
     ctx.apply_descriptors(descriptors)
     ctx.retry_budget.reconfigure(
         maximum=float(serving.retry_budget), replenish=serving.retry_replenish
@@ -180,4 +179,6 @@ def swap_engines(
         spec = config.engine_by_id(engine.id)
         if spec is not None:
             engine.reconfigure(spec, config)
+    # The split spreads remainders by config order, which the reload may have changed.
+    ctx.fleet.apply_share(config)
     return retired

@@ -8,6 +8,7 @@ import trio.testing
 
 from narwhal._errors import Refused
 from narwhal.admission import AdmissionGate, RetryBudget, backoff_ceiling, full_jitter
+from narwhal.fleet import Share
 
 
 async def test_gate_is_fifo_and_reports_wait(autojump_clock: trio.testing.MockClock) -> None:
@@ -80,7 +81,7 @@ async def test_reconfigure_admits_waiters_in_place(autojump_clock: trio.testing.
             nursery.start_soon(one)
         await trio.testing.wait_all_tasks_blocked()
         assert len(admitted) == 1
-        gate.reconfigure(max_admitted=3, queue_capacity=5)
+        gate.limit_to(3, "serving.max_connections=3")
         await trio.testing.wait_all_tasks_blocked()
         assert len(admitted) == 3
 
@@ -112,3 +113,18 @@ def test_retry_budget_spends_and_replenishes() -> None:
     assert budget.level == 2  # never above the maximum
     budget.reconfigure(maximum=1, replenish=0.1)
     assert budget.level == 1
+
+
+async def test_a_refusal_names_the_limit_as_this_replica_holds_it() -> None:
+    gate = AdmissionGate(max_admitted=1, queue_capacity=0)
+    gate.limit_to(1, Share(index=1, count=2).describe("serving.max_connections", 3))
+    async with gate.admitted(queue_timeout_s=1):
+        with pytest.raises(Refused) as refused:
+            async with gate.admitted(queue_timeout_s=1):
+                pass
+    assert str(refused.value).startswith(
+        "all this replica's 1 of serving.max_connections=3 (2 replicas) admission slots are "
+        "in use and queueing is off"
+    )
+    gate.limit_to(0, "none")  # a part that rounds to nothing still admits one at a time
+    assert gate.statistics().max_admitted == 1
