@@ -22,6 +22,7 @@ from ._load import (
 from ._model import (
     Breaker as Breaker,
     Cache as Cache,
+    Cluster as Cluster,
     Config as Config,
     Controller as Controller,
     Ctl as Ctl,

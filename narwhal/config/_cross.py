@@ -15,12 +15,12 @@ import inspect
 import math
 from collections.abc import Callable
 from fractions import Fraction
-from urllib.parse import urlsplit
 
 import attrs
 
 from ..engines._dialects import dialect_for
 from ._model import Config, EngineSpec
+from ._rules import url_problem
 
 
 @attrs.frozen
@@ -135,6 +135,8 @@ def cross_rules() -> tuple[CrossRule, ...]:
             _kv_events,
             ("engines[].kv_events.endpoint", "engines[].kv_events.replay_endpoint"),
         ),
+        CrossRule(_cluster_endpoints, ("cluster.endpoints",)),
+        CrossRule(_cluster_timeout, ("cluster.request_timeout_s", "cluster.lease_ttl_s")),
     )
 
 
@@ -158,36 +160,6 @@ def _engine_ids(cfg: Config) -> list[str]:
     return out
 
 
-def _url_problem(url: str) -> tuple[str | None, tuple[str, str, int] | None]:
-    """A problem with an engine URL, or None and its (scheme, host, port) identity."""
-    if any(ch.isspace() for ch in url):
-        return "must not contain whitespace", None
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        # urlsplit raises for out-of-range or non-numeric ports and malformed IPv6 hosts.
-        return "is not a valid url with a numeric port in 1..65535", None
-    if parts.scheme == "https":
-        # The engine transport speaks plain HTTP/1.1; accepting https here would fail
-        # only at the first request.
-        return "uses https, which the engine transport does not support yet", None
-    if parts.scheme != "http":
-        return "must start with http://", None
-    host = parts.hostname
-    if not host:
-        return "has no host", None
-    if port == 0:
-        return "is not a valid url with a numeric port in 1..65535", None
-    if parts.path not in ("", "/"):
-        return f"must not have a path beyond '/' (got {parts.path!r})", None
-    if parts.query or parts.fragment:
-        return "must not have a query or fragment", None
-    if port is None:
-        port = 80
-    return None, (parts.scheme, host, port)
-
-
 def _engine_urls(cfg: Config) -> list[str]:
     """Engine URLs are `http(s)://host[:port]` with no path beyond `/`, no query or
     fragment, and no two engines share one (scheme, host, port); a missing port means
@@ -195,7 +167,7 @@ def _engine_urls(cfg: Config) -> list[str]:
     out: list[str] = []
     seen: dict[tuple[str, str, int], int] = {}
     for index, spec in enumerate(cfg.engines):
-        problem, identity = _url_problem(spec.url)
+        problem, identity = url_problem(spec.url)
         if problem is not None:
             out.append(f"engines[{index}].url: {spec.url!r} {problem}")
         elif identity is not None:
@@ -394,6 +366,35 @@ def _admin_port(cfg: Config) -> list[str]:
         f"admin.port: {admin.port} is listen.port too, on {admin.host}; the admin listener "
         "needs a port of its own"
     ]
+
+
+def _cluster_endpoints(cfg: Config) -> list[str]:
+    """No etcd member is listed twice: it would count as two tries of one request."""
+    out: list[str] = []
+    seen: dict[tuple[str, str, int], int] = {}
+    for index, url in enumerate(cfg.cluster.endpoints):
+        _, identity = url_problem(url)
+        if identity is None:
+            continue  # the field rule names it
+        if identity in seen:
+            out.append(
+                f"cluster.endpoints[{index}]: {url!r} is the same member as "
+                f"cluster.endpoints[{seen[identity]}]"
+            )
+        seen[identity] = index
+    return out
+
+
+def _cluster_timeout(cfg: Config) -> list[str]:
+    """`cluster.request_timeout_s` is at most a third of `cluster.lease_ttl_s`: a renewal
+    that times out must leave time for another before the lease lapses."""
+    c = cfg.cluster
+    if c.request_timeout_s > c.lease_ttl_s / 3:
+        return [
+            f"cluster.request_timeout_s: {c.request_timeout_s!r} exceeds a third of "
+            f"cluster.lease_ttl_s={c.lease_ttl_s!r}"
+        ]
+    return []
 
 
 def _retry_cap(cfg: Config) -> list[str]:

@@ -70,7 +70,7 @@ def _describe(cls: type[Any], section: str) -> Iterator[FieldDoc]:
             notes=metadata.get("notes", ""),
             reload=reload_effect(path),
         )
-        if get_origin(tp) is tuple and get_args(tp)[0] is not Secret:
+        if get_origin(tp) is tuple and attrs.has(get_args(tp)[0]) and get_args(tp)[0] is not Secret:
             yield from _describe(get_args(tp)[0], f"{path}[]")
 
 
@@ -79,7 +79,11 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "string"
     if origin is tuple:
-        return "list of strings" if get_args(tp)[0] is Secret else "list of objects"
+        return (
+            "list of objects"
+            if attrs.has(get_args(tp)[0]) and get_args(tp)[0] is not Secret
+            else "list of strings"
+        )
     if origin in (Union, types.UnionType):
         (inner,) = (arg for arg in get_args(tp) if arg is not type(None))
         return f"{_type_name(inner)} or null"

@@ -42,6 +42,12 @@ RESTART_REQUIRED = (
     "ctl.socket",
     "serving.workers",
     "controller.enabled",
+    # A replica's identity and its membership's terms: another value is another member.
+    "cluster.endpoints",
+    "cluster.prefix",
+    "cluster.replica_id",
+    "cluster.lease_ttl_s",
+    "cluster.request_timeout_s",
 )
 # An engine whose endpoint or wire format changed is a different engine to talk to.
 _REPLACING_FIELDS = ("url", "dialect")

@@ -19,8 +19,11 @@ from ._rules import (
     AtLeast,
     Between,
     Credential,
+    HttpOrigin,
+    KeyPrefix,
     NonNegative,
     Positive,
+    ReplicaName,
     Rule,
     SocketPath,
     Text,
@@ -789,6 +792,77 @@ class Cache:
 
 
 @attrs.frozen(kw_only=True)
+class Cluster:
+    """Several Narwhal replicas in front of one fleet, coordinated through etcd
+    (docs/operations.md#several-replicas). Without `endpoints`, one replica, exactly as
+    without this section."""
+
+    endpoints: tuple[str, ...] = _f(
+        (),
+        HttpOrigin("Narwhal's etcd client"),
+        doc=(
+            "etcd client URLs (`http://HOST:PORT`, etcd 3.4 or newer: its v3 JSON gateway); "
+            "`[]`: a single replica."
+        ),
+        notes=(
+            "Each replica holds a lease under `cluster.prefix`, and the replicas split "
+            "`serving.max_connections` and every engine's phase concurrency between them: "
+            "each admits against its own part, so the request path never waits on etcd. "
+            "A replica whose lease lapses is gone, and its part returns to the others."
+        ),
+    )
+    prefix: str = _f(
+        "/narwhal/",
+        KeyPrefix(),
+        doc="The etcd key prefix of one fleet's replicas; another fleet uses another.",
+    )
+    replica_id: str = _f(
+        "",
+        ReplicaName(),
+        doc=(
+            'This replica\'s name, unique in the cluster; `""`: the host name and the '
+            "listen port (`host:8000`)."
+        ),
+        notes="A second replica starting with a name in use is refused with its name.",
+    )
+    lease_ttl_s: int = _f(
+        10,
+        Between(2, 600),
+        doc=(
+            "Seconds a replica stays a member after its last word to etcd; it renews every "
+            "third of it."
+        ),
+        notes=(
+            "The controller's leadership moves within this plus one monitor interval of "
+            "its holder's death; a dead replica's part of the capacity returns after it."
+        ),
+    )
+    request_timeout_s: float = _f(
+        2.0,
+        Positive(),
+        doc="Deadline for one etcd request, at most a third of `cluster.lease_ttl_s`.",
+    )
+    isolated_share: float = _f(
+        0.5,
+        Between(0, 1),
+        doc=(
+            "Share of its part a replica keeps admitting once cut off from etcd for longer "
+            "than its lease (the others may have taken its part back by then)."
+        ),
+        notes=(
+            "Until the lease could have lapsed a cut-off replica keeps its whole part, "
+            "with roles frozen. Past that, the others may have re-split without it: the "
+            "capacity spent twice is at most this share of the cut-off replica's part. `0` "
+            "never overspends, and admits one request at a time."
+        ),
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoints)
+
+
+@attrs.frozen(kw_only=True)
 class Profiles:
     """Engine latency profiles."""
 
@@ -1152,6 +1226,7 @@ class Config:
     controller: Controller = attrs.field(factory=Controller)
     recovery: Recovery = attrs.field(factory=Recovery)
     cache: Cache = attrs.field(factory=Cache)
+    cluster: Cluster = attrs.field(factory=Cluster)
     profiles: Profiles = attrs.field(factory=Profiles)
 
     def connections_per_client(self) -> int:

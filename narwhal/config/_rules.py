@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -200,6 +202,86 @@ class Credential:
         return f"printable ASCII without spaces, 1..{CREDENTIAL_MAX} characters"
 
 
+def url_problem(
+    url: str, client: str = "the engine transport"
+) -> tuple[str | None, tuple[str, str, int] | None]:
+    """A problem with a plain-HTTP origin URL (an engine's, an etcd member's: `client`
+    names what would speak to it), or None and its (scheme, host, port) identity."""
+    if any(ch.isspace() for ch in url):
+        return "must not contain whitespace", None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        # urlsplit raises for out-of-range or non-numeric ports and malformed IPv6 hosts.
+        return "is not a valid url with a numeric port in 1..65535", None
+    if parts.scheme == "https":
+        # The clients speak plain HTTP/1.1; accepting https here would fail only at the
+        # first request.
+        return f"uses https, which {client} does not support yet", None
+    if parts.scheme != "http":
+        return "must start with http://", None
+    host = parts.hostname
+    if not host:
+        return "has no host", None
+    if port == 0:
+        return "is not a valid url with a numeric port in 1..65535", None
+    if parts.path not in ("", "/"):
+        return f"must not have a path beyond '/' (got {parts.path!r})", None
+    if parts.query or parts.fragment:
+        return "must not have a query or fragment", None
+    if port is None:
+        port = 80
+    return None, (parts.scheme, host, port)
+
+
+@attrs.frozen
+class HttpOrigin:
+    """`http://HOST[:PORT]` with no path, query or fragment; `client` names what would
+    speak to it, for a refused https."""
+
+    client: str
+
+    def check(self, value: str) -> str | None:
+        problem, _ = url_problem(value, self.client)
+        return None if problem is None else f"{_text(value)} {problem}"
+
+    def describe(self) -> str:
+        return "http://HOST:PORT"
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+@attrs.frozen
+class ReplicaName:
+    """Empty (derived), or 1-64 of letters, digits and `._:-`: it is part of an etcd key
+    and a metric label."""
+
+    def check(self, value: str) -> str | None:
+        if value == "" or _NAME.fullmatch(value):
+            return None
+        return f"{_text(value)} must be empty or 1-64 of letters, digits and ._:-"
+
+    def describe(self) -> str:
+        return "empty, or 1-64 of [A-Za-z0-9._:-]"
+
+
+@attrs.frozen
+class KeyPrefix:
+    """An etcd key prefix: starts and ends with `/`, visible ASCII only."""
+
+    def check(self, value: str) -> str | None:
+        if not (len(value) >= 2 and value.startswith("/") and value.endswith("/")):
+            return f"{_text(value)} must start and end with '/' (e.g. \"/narwhal/\")"
+        if any(not 0x21 <= ord(ch) < 0x7F for ch in value):
+            return f"{_text(value)} must be visible ASCII, no spaces"
+        return None
+
+    def describe(self) -> str:
+        return "/.../"
+
+
 Rule = (
     Positive
     | NonNegative
@@ -210,4 +292,7 @@ Rule = (
     | SocketPath
     | Credential
     | ZmqEndpoint
+    | HttpOrigin
+    | ReplicaName
+    | KeyPrefix
 )

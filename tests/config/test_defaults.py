@@ -143,6 +143,12 @@ SPEC: dict[str, tuple[Any, str]] = {
     "cache.approximate_ttl_s": (300.0, "0.0..86400.0"),
     "cache.affinity": (1.0, "0..10"),
     "cache.local_prefill_share": (0.9, "(0, 1]"),
+    "cluster.endpoints": ([], "http://HOST:PORT"),
+    "cluster.prefix": ("/narwhal/", "/.../"),
+    "cluster.replica_id": ("", "empty, or 1-64 of [A-Za-z0-9._:-]"),
+    "cluster.lease_ttl_s": (10, "2..600"),
+    "cluster.request_timeout_s": (2.0, "> 0"),
+    "cluster.isolated_share": (0.5, "0..1"),
     # manual 6
     "profiles.path": ("runs/profiles.json", "non-empty"),
 }

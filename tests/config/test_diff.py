@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from narwhal._records import to_json
 from narwhal.config import RESTART_REQUIRED, Config, diff, keep_running, load_config
 
@@ -118,6 +120,14 @@ def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() 
         ctl={"socket": "/run/n.sock"},
         controller={"enabled": False, "advisory": True},
         serving={"max_connections": 64, "workers": 4},
+        cluster={
+            "endpoints": ["http://127.0.0.1:2379"],
+            "prefix": "/other/",
+            "replica_id": "r2",
+            "lease_ttl_s": 30,
+            "request_timeout_s": 1.0,
+            "isolated_share": 0.25,
+        },
     )
     kept = keep_running(new, running)
     assert [c.path for c in diff(running, new).restart_required] == list(RESTART_REQUIRED)
@@ -129,6 +139,7 @@ def test_keep_running_keeps_every_restart_required_setting_and_takes_the_rest() 
     assert kept.controller.advisory is True
     assert kept.serving.max_connections == 64
     assert kept.serving.workers == 1
+    assert kept.cluster == attrs.evolve(running.cluster, isolated_share=0.25)
 
 
 def test_changed_credentials_apply_and_read_redacted(tmp_path: Path) -> None:

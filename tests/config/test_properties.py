@@ -53,7 +53,7 @@ def _plausible(tp: Any) -> st.SearchStrategy[Any]:
     if get_origin(tp) is Literal:
         return st.sampled_from([*get_args(tp), "other"])
     if get_origin(tp) is tuple:
-        return st.lists(_shaped(get_args(tp)[0]), min_size=0, max_size=4)
+        return st.lists(_plausible(get_args(tp)[0]), min_size=0, max_size=4)
     if attrs.has(tp):
         return _shaped(tp)
     if tp is bool:
