@@ -5,7 +5,8 @@
 #
 # Creates ./.venv if needed, installs Narwhal with its test extras from the package
 # registries, lints and type-checks, checks the Prometheus rules (installing promtool
-# with apt-get if needed), creates the real engines' venvs if needed
+# with apt-get if needed), installs etcd with apt-get if needed (tests/cluster runs real
+# etcd), creates the real engines' venvs if needed
 # (tools/engines/vllm-venv.sh and sglang-venv.sh, in ~/.cache/narwhal), then runs the
 # suite: the fast tier first, the real-engine tier (tests/real, real vLLM engines, then
 # real SGLang engines) last. `--no-real` skips the real tier, for quick local runs; CI
@@ -38,6 +39,13 @@ if ! command -v promtool >/dev/null; then
     $sudo apt-get install -y -q --no-install-recommends prometheus
 fi
 promtool check rules conf/prometheus/*.rules.yml
+# etcd (Debian's `etcd-server` package, etcd 3.4): tests/cluster runs real etcd clusters.
+if ! command -v etcd >/dev/null; then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -q
+    $sudo apt-get install -y -q --no-install-recommends etcd-server
+fi
 if [ "$real" = 0 ]; then
     exec .venv/bin/pytest -m "not slow and not real" "${args[@]}"
 fi
