@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import trio
 
 from .. import _logging
+from ..cluster import ClusterUnavailable
 from ..config import Config, ConfigError, config_to_dict, load_config_file
 from ..ctl import ControlSocketError
 from ..serving import DescriptorLimitError
@@ -147,7 +148,13 @@ def _run_serve(path: str) -> int:
     problems: list[str] = []
     try:
         trio.run(_serve, config, path)
-    except* (ControlSocketError, ProfilesUnavailable, DescriptorLimitError, ListenError) as group:
+    except* (
+        ControlSocketError,
+        ProfilesUnavailable,
+        DescriptorLimitError,
+        ListenError,
+        ClusterUnavailable,
+    ) as group:
         problems.extend(str(exc) for exc in _leaves(group))
     except* OSError as group:
         # Binding an address is a ListenError, which names its settings.

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -251,6 +251,10 @@ class ControlLink:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
         self.controller: Controller | None = None
+        # With several replicas (narwhal.cluster) only the leader moves roles, and tells
+        # the others of each move; one replica always leads.
+        self.leads: Callable[[], bool] = lambda: True
+        self.moved: Callable[[EngineState], None] = lambda engine: None
         if ctx.config.controller.enabled:
             self.controller = Controller(
                 ctx.config,
@@ -296,7 +300,13 @@ class ControlLink:
                 admitted=event.admitted,
                 cached_tokens=event.cached_tokens,
             )
+        if not self.leads():
+            return
+        roles = {engine.id: engine.role for engine in self.ctx.fleet}
         await controller.on_pass()
+        for engine in self.ctx.fleet:
+            if roles.get(engine.id, engine.role) != engine.role:
+                self.moved(engine)
 
     # -- ServingSignals ----------------------------------------------------------------
     # A reload that removed or replaced the engine a leg ran on leaves that instance

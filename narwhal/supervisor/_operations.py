@@ -30,7 +30,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import attrs
 import trio
@@ -46,6 +46,15 @@ if TYPE_CHECKING:
     from ._supervisor import Supervisor
 
 log = logging.getLogger("narwhal.operator")
+
+
+# The shared facts (narwhal.cluster) each engine command may change.
+_FACTS: dict[str, tuple[Literal["role", "drained", "pinned"], ...]] = {
+    "drain": ("drained",),
+    "undrain": ("drained",),
+    "pin": ("role", "pinned"),
+    "unpin": ("role", "pinned"),
+}
 
 
 class Operations:
@@ -88,6 +97,17 @@ class Operations:
             return to_json(reloaded.report())
         assert request.engine is not None
         engine = self._engine(request.engine)
+        result = self._engine_command(command, request, engine)
+        cluster = self.supervisor.cluster
+        if cluster is not None and cluster.config.cluster.enabled:
+            # Fleet-wide: every replica applies it from etcd (now, or once etcd answers).
+            cluster.share_facts(engine, *_FACTS[command])
+            result["replicas"] = "all"
+        return result
+
+    def _engine_command(
+        self, command: str, request: CtlRequest, engine: EngineState
+    ) -> dict[str, object]:
         if command == "drain":
             return self._flag(engine, "drained", engine.operator_drain)
         if command == "undrain":

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ..caches import CachesSection
+from ..cluster import ClusterSection
 from ..controller import ControllerSection
 from ..profiles import FleetProfiles
 from ..recovery import MonitorSection, RecoverySection
@@ -91,6 +92,7 @@ STATE_SECTIONS: Mapping[str, type[attrs.AttrsInstance]] = {
     "monitor": MonitorSection,
     "profiles": ProfilesSection,
     "caches": CachesSection,
+    "cluster": ClusterSection,
 }
 
 

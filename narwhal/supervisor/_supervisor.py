@@ -54,6 +54,7 @@ from .._codes import ErrorCode
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
 from ..caches import EngineCaches, events_without_ids_warning
+from ..cluster import ClusterService, replica_name
 from ..config import (
     Config,
     ConfigError,
@@ -150,6 +151,8 @@ class Supervisor:
         self.caches: EngineCaches | None = None
         # serving.workers above 1: the worker processes this daemon is the core of.
         self.plane: Plane | None = None
+        # This replica's membership of its cluster (`cluster.endpoints`; idle without).
+        self.cluster: ClusterService | None = None
         self.bound: list[tuple[str, int]] = []
         self.admin_bound: list[tuple[str, int]] = []
         self.reloads: list[ReloadReport] = []
@@ -217,6 +220,11 @@ class Supervisor:
         self.monitor = monitor
         caches = EngineCaches(ctx.fleet, config, ctx.metrics.registry)
         self.caches = ctx.prefix_caches = caches
+        cluster = ClusterService(config, replica_name(config))
+        self.cluster = cluster
+        link.leads = cluster.leads
+        link.moved = lambda engine: cluster.share_facts(engine, "role")
+        ctx.metrics.add_live_gauges(cluster.gauges)
         ctx.state_providers.extend(
             [
                 ("supervisor", partial(supervisor_section, self)),
@@ -224,6 +232,7 @@ class Supervisor:
                 ("monitor", monitor.state),
                 ("profiles", partial(profiles_section, self)),
                 ("caches", caches.state),
+                ("cluster", lambda: cluster.state(ctx.config.serving.max_connections)),
             ]
         )
         self._m_reloads = Counter(
@@ -245,6 +254,10 @@ class Supervisor:
                 await nursery.start(caches.run)
                 await nursery.start(monitor.run)
                 await nursery.start(ctx.loop_lag.run)
+                if config.cluster.enabled:
+                    # Before any listener: this replica admits against its part of the
+                    # capacity from its first request, with the fleet's shared facts.
+                    await nursery.start(cluster.run, ctx)
                 # The admin listener first: the state and metrics of a router that
                 # serves clients must be readable.
                 admin = AdminApp(ctx)
@@ -525,6 +538,9 @@ class Supervisor:
             self.plane.reloaded(self.config)
         if self.link is not None:
             self.link.reconfigure(self.config)
+        if self.cluster is not None and self.ctx is not None:
+            self.cluster.reconfigure(self.config)
+            self.cluster.take_waiting_facts(self.ctx)
         for change in plan.restart_required:
             log.warning(
                 "%s needs a restart; the running value stays in force",

@@ -567,6 +567,7 @@ class _CtlHost:
 
     ctx: ServingContext
     deferred_roles: dict[str, Role] = attrs.Factory(dict)
+    cluster: None = None  # one replica: nothing to share
 
 
 async def drain_x1(rig: Rig) -> None:

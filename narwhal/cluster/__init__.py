@@ -1,0 +1,8 @@
+"""Several Narwhal replicas coordinating through etcd (`ClusterService`)."""
+
+from ._service import (
+    ClusterSection as ClusterSection,
+    ClusterService as ClusterService,
+    ClusterUnavailable as ClusterUnavailable,
+    replica_name as replica_name,
+)

@@ -1,0 +1,409 @@
+"""This replica's place in the cluster, applied to the request path.
+
+Owns
+  `ClusterService`: runs the membership (`Membership`: a lease, the member list, the
+  controller's leadership) and applies what the view implies: this replica's part of
+  the capacity (`share_for`, `ServingContext.apply_share`) and whether its role
+  controller may move roles (`leads`). `ClusterSection` for /narwhal/state, and the
+  `narwhal_cluster_*` gauges.
+
+Invariants
+  The request path never waits on etcd: a view change or the clock crossing the lease
+  re-splits the limits the request path reads. Roles move only from the leader, and only
+  while it can reach etcd: a cut-off replica freezes them (another may lead by then).
+  With no `cluster.endpoints` nothing runs and the section says `enabled: false`.
+
+Errors
+  `ClusterUnavailable` from `run` when no etcd member answers within the lease TTL at
+  start, or when the replica id is in use (`EtcdError`): the daemon does not start
+  without knowing its part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import aclosing
+
+import attrs
+import trio
+
+from ..config import Config
+from ..fleet import EngineState, Share
+from ..serving import ServingContext
+from ._etcd import Etcd, EtcdError, EtcdUnavailable
+from ._facts import Fact, What, apply, decode, encode, fact_of, key_of
+from ._membership import Membership, ReplicaIdInUse, View
+from ._shares import isolated, share_for
+
+log = logging.getLogger("narwhal.cluster")
+
+Gauge = tuple[str, str, list[str], list[tuple[list[str], float]]]
+
+
+class ClusterUnavailable(Exception):
+    """The replica cannot join its cluster; the message names the setting."""
+
+
+@attrs.frozen
+class ClusterSection:
+    """/narwhal/state `cluster`."""
+
+    enabled: bool
+    replica_id: str | None
+    members: tuple[str, ...]
+    leader: str | None
+    leading: bool
+    connected: bool
+    isolated: bool
+    # Seconds since `connected` last changed (null before the first word from etcd).
+    connected_for_s: float | None
+    # This replica's part of serving.max_connections (all of it for one replica).
+    max_admitted: int
+
+
+def replica_name(config: Config) -> str:
+    """cluster.replica_id, else the host name and listen.port (the process id for port
+    0, which each start picks anew)."""
+    if config.cluster.replica_id:
+        return config.cluster.replica_id
+    port = config.listen.port
+    return f"{socket.gethostname()}:{port or f'pid{os.getpid()}'}"[:64]
+
+
+class ClusterService:
+    def __init__(self, config: Config, replica_id: str) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.view: View | None = None
+        self._changed = trio.Event()
+        self._share = Share()
+        self._etcd: Etcd | None = None
+        self._ctx: ServingContext | None = None
+        # Facts this replica changed and has not written yet (the newest value of each
+        # is written: a later change replaces an earlier one).
+        self._unwritten: dict[tuple[str, What], EngineState] = {}
+        self._write_wanted = trio.Event()
+        # Facts naming engines this replica does not have yet (a reload to come).
+        self._waiting: dict[tuple[str, What], Fact] = {}
+
+    def leads(self) -> bool:
+        """May this replica's role controller move roles now."""
+        view = self.view
+        if not self.config.cluster.enabled:
+            return True
+        return view is not None and view.connected and view.leader == self.replica_id
+
+    def share(self, now: float) -> Share:
+        view = self.view
+        if view is None or not self.config.cluster.enabled:
+            return Share()
+        return share_for(
+            view.members,
+            self.replica_id,
+            connected=view.connected,
+            lease_ok_until=view.lease_ok_until,
+            now=now,
+            isolated_share=self.config.cluster.isolated_share,
+        )
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload: cluster.isolated_share applies; the rest needs a restart."""
+        self.config = config
+        self._changed.set()
+
+    async def run(self, ctx: ServingContext, *, task_status: trio.TaskStatus[None]) -> None:
+        cluster = self.config.cluster
+        etcd = Etcd(cluster.endpoints, timeout_s=cluster.request_timeout_s)
+        membership = Membership(
+            etcd,
+            prefix=cluster.prefix.encode(),
+            replica_id=self.replica_id,
+            ttl_s=cluster.lease_ttl_s,
+            elect=True,
+            on_change=self._on_view,
+        )
+        self._etcd, self._ctx = etcd, ctx
+        try:
+            async with trio.open_nursery() as nursery:
+                revision = await self._join(nursery, membership, ctx)
+                self._on_view(membership.view)
+                self._apply_share(ctx)
+                nursery.start_soon(self._watch_facts, ctx, revision)
+                nursery.start_soon(self._write_facts)
+                task_status.started()
+                await self._follow(ctx)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await etcd.aclose()
+
+    async def _join(
+        self, nursery: trio.Nursery, membership: Membership, ctx: ServingContext
+    ) -> int:
+        """Register and read the shared facts; the revision they were read at.
+
+        A restart after a crash finds its previous process's member key until that
+        lease lapses: waiting out one lease TTL (and a request's deadline) lets it
+        rejoin, where refusing at once would have systemd restart it into the same
+        refusal. A second live replica with the id is still refused after that wait."""
+        cluster = self.config.cluster
+        bound_s = cluster.lease_ttl_s + 2 * cluster.request_timeout_s
+        deadline = trio.current_time() + bound_s
+        last = "no answer yet"
+        try:
+            with trio.fail_at(deadline):
+                while True:
+                    try:
+                        await nursery.start(membership.run)
+                        return await self._read_facts(ctx)
+                    except ReplicaIdInUse as exc:
+                        if trio.current_time() + cluster.lease_ttl_s / 3 >= deadline:
+                            raise ClusterUnavailable(f"cluster: {exc}") from None
+                        log.warning(
+                            "%s; trying again until it lapses",
+                            exc,
+                            extra={"event": "cluster_id_in_use", "replica": self.replica_id},
+                        )
+                    except EtcdUnavailable as exc:
+                        # etcd starting with the hosts, or a member restarting: a
+                        # refused connection is not yet a reason to give up.
+                        last = str(exc)
+                    await trio.sleep(cluster.lease_ttl_s / 3)
+        except trio.TooSlowError:
+            raise ClusterUnavailable(
+                f"cannot join the cluster within {bound_s:g} s (cluster.lease_ttl_s plus two "
+                f"cluster.request_timeout_s) at cluster.endpoints={list(cluster.endpoints)}: "
+                f"{last}"
+            ) from None
+        except EtcdError as exc:
+            raise ClusterUnavailable(f"cluster: {exc}") from None
+
+    # ------------------------------------------------------------ shared facts
+
+    @property
+    def _prefix(self) -> bytes:
+        return self.config.cluster.prefix.encode()
+
+    def share_facts(self, engine: EngineState, *whats: What) -> None:
+        """This replica changed `engine`'s role or an operator's mark (`whats`): write
+        them for every replica, now and after any etcd outage (the newest value wins)."""
+        if not self.config.cluster.enabled:
+            return
+        for what in whats:
+            self._unwritten[engine.id, what] = engine
+        self._write_wanted.set()
+
+    async def _write_facts(self) -> None:
+        assert self._etcd is not None
+        retry_s = self.config.cluster.lease_ttl_s / 3
+        while True:
+            await self._write_wanted.wait()
+            self._write_wanted = trio.Event()
+            while self._unwritten:
+                (engine_id, what), engine = next(iter(self._unwritten.items()))
+                fact = fact_of(engine, what, self.replica_id)
+                try:
+                    await self._etcd.put(key_of(self._prefix, engine_id, what), encode(fact))
+                except EtcdError as exc:
+                    log.warning(
+                        "engine %s's %s not shared yet: %s",
+                        engine_id,
+                        what,
+                        exc,
+                        extra={"event": "cluster_fact_unwritten", "engine": engine_id},
+                    )
+                    await trio.sleep(retry_s)
+                    continue
+                # A change made while the write was under way is written next.
+                if self._unwritten.get((engine_id, what)) is engine and fact == fact_of(
+                    engine, what, self.replica_id
+                ):
+                    del self._unwritten[engine_id, what]
+
+    async def _read_facts(self, ctx: ServingContext) -> int:
+        """Apply every stored fact; the revision to watch from."""
+        assert self._etcd is not None
+        kvs, revision = await self._etcd.get_prefix(self._prefix + b"facts/")
+        for kv in kvs:
+            self._take_fact(ctx, kv.key, kv.value)
+        return revision
+
+    async def _watch_facts(self, ctx: ServingContext, revision: int) -> None:
+        assert self._etcd is not None
+        retry_s = self.config.cluster.lease_ttl_s / 3
+        while True:
+            try:
+                watch = self._etcd.watch_prefix(
+                    self._prefix + b"facts/", start_revision=revision + 1
+                )
+                async with aclosing(watch) as batches:
+                    async for batch in batches:
+                        for event in batch:
+                            revision = max(revision, event.mod_revision)
+                            if event.kind == "put":
+                                self._take_fact(ctx, event.key, event.value)
+            except EtcdError:
+                # Past a compaction missed events cannot be replayed, and an outage may
+                # have hidden some: read the whole set again once etcd answers.
+                await trio.sleep(retry_s)
+                try:
+                    revision = await self._read_facts(ctx)
+                except EtcdError:
+                    continue
+
+    def _take_fact(self, ctx: ServingContext, key: bytes, value: bytes) -> None:
+        try:
+            fact = decode(self._prefix, key, value)
+        except ValueError as exc:
+            log.warning(
+                "ignored a shared fact: %s",
+                exc,
+                extra={"event": "cluster_fact_invalid", "key": key.decode(errors="replace")},
+            )
+            return
+        self._apply_fact(ctx, fact)
+
+    def _apply_fact(self, ctx: ServingContext, fact: Fact) -> None:
+        engine = ctx.fleet.get(fact.engine)
+        if engine is None:
+            self._waiting[fact.engine, fact.what] = fact
+            return
+        self._waiting.pop((fact.engine, fact.what), None)
+        if (fact.engine, fact.what) in self._unwritten:
+            # This replica's own newer change is on its way to etcd and will win.
+            return
+        changed = apply(engine, fact)
+        if changed is not None:
+            log.info(
+                "engine %s %s %s -> %s (from replica %s)",
+                fact.engine,
+                fact.what,
+                *changed,
+                fact.by,
+                extra={
+                    "event": "cluster_fact",
+                    "engine": fact.engine,
+                    "what": fact.what,
+                    "old": changed[0],
+                    "new": changed[1],
+                    "by": fact.by,
+                },
+            )
+
+    def take_waiting_facts(self, ctx: ServingContext) -> None:
+        """After a reload: facts that named engines this replica did not have yet."""
+        for fact in list(self._waiting.values()):
+            self._apply_fact(ctx, fact)
+
+    # ------------------------------------------------------------ membership
+
+    def _on_view(self, view: View) -> None:
+        self.view = view
+        self._changed.set()
+
+    async def _follow(self, ctx: ServingContext) -> None:
+        """Re-split at every view change, and when the clock crosses the lease while cut
+        off (no view change marks that moment)."""
+        while True:
+            self._changed = trio.Event()
+            view = self.view
+            deadline = float("inf")
+            if (
+                view is not None
+                and not view.connected
+                and trio.current_time() < view.lease_ok_until
+            ):
+                deadline = view.lease_ok_until
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
+            self._apply_share(ctx)
+
+    def _apply_share(self, ctx: ServingContext) -> None:
+        share = self.share(trio.current_time())
+        if share == self._share:
+            return
+        before, self._share = self._share, share
+        ctx.apply_share(share)
+        view = self.view
+        level = logging.WARNING if share.scale < 1.0 else logging.INFO
+        log.log(
+            level,
+            "capacity share: replica %d of %d at %.2f",
+            share.index + 1,
+            share.count,
+            share.scale,
+            extra={
+                "event": "cluster_share",
+                "replica": self.replica_id,
+                "members": list(view.members) if view else [],
+                "index": share.index,
+                "count": share.count,
+                "scale": share.scale,
+                "was_count": before.count,
+                "max_admitted": share.of(ctx.config.serving.max_connections),
+            },
+        )
+
+    def state(self, max_connections: int) -> ClusterSection:
+        view = self.view
+        now = trio.current_time()
+        if not self.config.cluster.enabled or view is None:
+            return ClusterSection(
+                enabled=self.config.cluster.enabled,
+                replica_id=self.replica_id if self.config.cluster.enabled else None,
+                members=(),
+                leader=None,
+                leading=False,
+                connected=False,
+                isolated=False,
+                connected_for_s=None,
+                max_admitted=max_connections,
+            )
+        return ClusterSection(
+            enabled=True,
+            replica_id=self.replica_id,
+            members=view.members,
+            leader=view.leader,
+            leading=self.leads(),
+            connected=view.connected,
+            isolated=isolated(view.connected, view.lease_ok_until, now),
+            connected_for_s=round(now - view.since, 3),
+            max_admitted=max(1, self._share.of(max_connections)),
+        )
+
+    def gauges(self) -> Iterator[Gauge]:
+        """For `Metrics.add_live_gauges`: present for one replica too, at its values."""
+        section = self.state(self.config.serving.max_connections)
+        single = not section.enabled
+        yield (
+            "narwhal_cluster_members",
+            "Replicas this replica sees in the cluster (1 without a cluster section).",
+            [],
+            [([], float(1 if single else len(section.members)))],
+        )
+        yield (
+            "narwhal_cluster_connected",
+            "1 while this replica reaches etcd (1 without a cluster section).",
+            [],
+            [([], float(single or section.connected))],
+        )
+        yield (
+            "narwhal_cluster_leader",
+            "1 while this replica's role controller may move roles.",
+            [],
+            [([], float(single or section.leading))],
+        )
+        yield (
+            "narwhal_cluster_isolated",
+            "1 while cut off from etcd past the lease: admitting at cluster.isolated_share.",
+            [],
+            [([], float(section.isolated))],
+        )
+        yield (
+            "narwhal_cluster_max_admitted",
+            "This replica's part of serving.max_connections.",
+            [],
+            [([], float(section.max_admitted))],
+        )

@@ -1,0 +1,226 @@
+"""Several Narwhal replicas in front of one simulated fleet, coordinated through a real
+three-member etcd: membership, the capacity split, one controller, shared fleet facts,
+and what a replica does when etcd goes away (issue 34)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from narwhal.cluster import ClusterUnavailable
+from narwhal.cluster._etcd import Etcd
+from narwhal.config import load_config
+from narwhal.ctl import CtlRequest
+from narwhal.fleet import EngineState
+from narwhal.sim import Fleet, serve_fleet
+from narwhal.supervisor import Supervisor
+from narwhal.supervisor._operations import Operations
+
+from ..serving.conftest import MODEL, fleet_config
+from ..support import FakeFileLimit, InFront, wait_for
+from .conftest import EtcdCluster
+
+TTL_S = 2
+
+
+@attrs.define
+class Replica(InFront):
+    supervisor: Supervisor
+    scope: trio.CancelScope
+
+    @property
+    def cluster(self) -> dict[str, Any]:
+        section = self.supervisor.cluster
+        assert section is not None
+        return attrs.asdict(section.state(self.ctx.config.serving.max_connections))
+
+    def stop(self) -> None:
+        """Stop it as its service manager would (SIGTERM's path: leases revoked)."""
+        self.scope.cancel()
+
+
+StartReplica = Callable[..., Awaitable[Replica]]
+
+
+@pytest.fixture
+async def fleet(nursery: trio.Nursery) -> Fleet:
+    sim: Fleet = await nursery.start(partial(serve_fleet, engines=2, speed=20.0, model=MODEL))
+    return sim
+
+
+@pytest.fixture
+def start_replica(nursery: trio.Nursery, fleet: Fleet, etcd_three: EtcdCluster) -> StartReplica:
+    async def start(name: str, *, cluster: dict[str, Any] | None = None) -> Replica:
+        document = fleet_config(
+            fleet,
+            ["prefill", "decode"],
+            serving={"max_connections": 8, "prefill_concurrency": 3, "decode_concurrency": 4},
+            cluster={
+                "endpoints": etcd_three.endpoints,
+                "replica_id": name,
+                "lease_ttl_s": TTL_S,
+                "request_timeout_s": 0.5,
+                **(cluster or {}),
+            },
+        )
+        config = load_config(document)
+        supervisor = Supervisor(config, open_files=FakeFileLimit().limit())
+        scope = trio.CancelScope()
+
+        async def run(*, task_status: trio.TaskStatus[Supervisor]) -> None:
+            with scope:
+                await supervisor.run(task_status=task_status)
+
+        await nursery.start(run)
+        return Replica(supervisor, scope)
+
+    return start
+
+
+def _engine(replica: Replica, engine_id: str) -> EngineState:
+    engine = replica.ctx.fleet.get(engine_id)
+    assert engine is not None
+    return engine
+
+
+def _members(*replicas: Replica) -> list[list[str]]:
+    return [list(r.cluster["members"]) for r in replicas]
+
+
+async def _complete(replica: Replica) -> httpx.Response:
+    async with replica.client() as client:
+        return await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 4}
+        )
+
+
+async def test_two_replicas_split_the_capacity_and_one_leads(start_replica: StartReplica) -> None:
+    a = await start_replica("a")
+    # Alone, a replica has everything.
+    assert a.cluster["members"] == ("a",)
+    assert a.ctx.gate.statistics().max_admitted == 8
+    b = await start_replica("b")
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    assert [r.ctx.gate.statistics().max_admitted for r in (a, b)] == [4, 4]
+    # prefill_concurrency 3 on engine 0: the odd slot goes to replica 0 (a).
+    prefill = [_engine(r, "p0").prefill_limiter.total_tokens for r in (a, b)]
+    decode = [_engine(r, "d1").decode_limiter.total_tokens for r in (a, b)]
+    assert prefill == [2, 1]
+    assert decode == [2, 2]
+    leaders = [r.cluster["leader"] for r in (a, b)]
+    assert leaders[0] == leaders[1] in ("a", "b")
+    assert [r.cluster["leading"] for r in (a, b)].count(True) == 1
+    for replica in (a, b):
+        response = await _complete(replica)
+        assert response.status_code == 200, response.text
+    metrics = await b.metrics()
+    assert "narwhal_cluster_members 2.0" in metrics
+    assert "narwhal_cluster_max_admitted 4.0" in metrics
+
+
+async def test_a_stopped_replicas_part_and_leadership_return_to_the_others(
+    start_replica: StartReplica,
+) -> None:
+    a = await start_replica("a")
+    b = await start_replica("b")
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    leader, other = (a, b) if a.cluster["leading"] else (b, a)
+    started = trio.current_time()
+    leader.stop()
+    await wait_for(lambda: other.cluster["leading"], within_s=TTL_S + 5)
+    # A stop revokes the lease: the others know at once, not after the TTL.
+    assert trio.current_time() - started < TTL_S
+    await wait_for(lambda: other.ctx.gate.statistics().max_admitted == 8, within_s=5)
+    assert len(other.cluster["members"]) == 1
+
+
+async def test_narwhalctl_on_one_replica_acts_on_every_replica(
+    start_replica: StartReplica,
+) -> None:
+    a = await start_replica("a")
+    b = await start_replica("b")
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    result = await Operations(a.supervisor)(CtlRequest("drain", engine="d1"))
+    assert isinstance(result, dict)
+    assert result["replicas"] == "all"
+    b_d1 = b.ctx.fleet.get("d1")
+    assert b_d1 is not None
+    await wait_for(lambda: b_d1.drained, within_s=5)
+    await Operations(b.supervisor)(CtlRequest("undrain", engine="d1"))
+    a_d1 = a.ctx.fleet.get("d1")
+    assert a_d1 is not None
+    await wait_for(lambda: not a_d1.drained, within_s=5)
+    await Operations(b.supervisor)(CtlRequest("pin", engine="p0", role="decode"))
+    a_p0 = a.ctx.fleet.get("p0")
+    assert a_p0 is not None
+    await wait_for(lambda: a_p0.pinned and a_p0.role == "decode", within_s=5)
+    # A replica that joins later starts with the facts.
+    c = await start_replica("c")
+    c_p0 = c.ctx.fleet.get("p0")
+    assert c_p0 is not None
+    assert (c_p0.pinned, c_p0.role) == (True, "decode")
+
+
+async def test_cut_off_from_etcd_a_replica_keeps_serving_then_admits_a_safe_share(
+    start_replica: StartReplica, etcd_three: EtcdCluster
+) -> None:
+    a = await start_replica("a", cluster={"isolated_share": 0.5})
+    b = await start_replica("b")
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    etcd_three.pause_all()
+    try:
+        await wait_for(lambda: not a.cluster["connected"], within_s=TTL_S + 5)
+        # Roles freeze: nobody leads while cut off.
+        assert not a.cluster["leading"]
+        assert not b.cluster["leading"]
+        response = await _complete(a)
+        assert response.status_code == 200, response.text
+        await wait_for(lambda: a.cluster["isolated"], within_s=TTL_S + 5)
+        assert a.ctx.gate.statistics().max_admitted == 2  # half of its 4
+        state = await a.state()
+        assert state["cluster"]["isolated"] is True
+        assert "narwhal_cluster_isolated 1.0" in await a.metrics()
+        response = await _complete(a)
+        assert response.status_code == 200, response.text
+    finally:
+        etcd_three.resume_all()
+    await wait_for(lambda: a.cluster["connected"] and not a.cluster["isolated"], within_s=15)
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=15)
+    # Each re-registered after etcd expired its lease: the split follows the members.
+    await wait_for(lambda: a.ctx.gate.statistics().max_admitted == 4, within_s=5)
+    await wait_for(
+        lambda: [a.cluster["leading"], b.cluster["leading"]].count(True) == 1, within_s=15
+    )
+
+
+async def test_a_replica_restarted_after_a_crash_waits_out_its_old_lease(
+    start_replica: StartReplica, etcd_three: EtcdCluster
+) -> None:
+    # What a kill -9 leaves: the member key under a lease nobody renews any more.
+    etcd = Etcd(etcd_three.endpoints, timeout_s=1.0)
+    try:
+        lease = await etcd.grant(TTL_S)
+        await etcd.put(b"/narwhal/members/a", b'{"id": "a"}', lease=lease)
+        started = trio.current_time()
+        a = await start_replica("a")
+        waited = trio.current_time() - started
+    finally:
+        await etcd.aclose()
+    assert a.cluster["members"] == ("a",)
+    assert waited >= 1.0  # it did wait for the lapse (etcd may round the TTL up)
+
+
+async def test_a_second_live_replica_with_a_name_in_use_is_refused_naming_it(
+    start_replica: StartReplica,
+) -> None:
+    await start_replica("a")
+    with pytest.raises(ExceptionGroup) as refused:
+        await start_replica("a")
+    # After waiting out a lease TTL in case it was its own previous process's key.
+    assert refused.group_contains(ClusterUnavailable, match="replica id 'a' is in use")
