@@ -81,7 +81,6 @@ class ClusterService:
         self._changed = trio.Event()
         self._share = Share()
         self._etcd: Etcd | None = None
-        self._ctx: ServingContext | None = None
         # Facts this replica changed and has not written yet (the newest value of each
         # is written: a later change replaces an earlier one).
         self._unwritten: dict[tuple[str, What], EngineState] = {}
@@ -125,7 +124,7 @@ class ClusterService:
             elect=True,
             on_change=self._on_view,
         )
-        self._etcd, self._ctx = etcd, ctx
+        self._etcd = etcd
         try:
             async with trio.open_nursery() as nursery:
                 revision = await self._join(nursery, membership, ctx)

@@ -255,6 +255,9 @@ class ControlLink:
         # the others of each move; one replica always leads.
         self.leads: Callable[[], bool] = lambda: True
         self.moved: Callable[[EngineState], None] = lambda engine: None
+        # How many arrivals one seen here stands for: with replicas behind a balancer that
+        # spreads requests evenly, each sees about 1/N of the fleet's (narwhal.cluster).
+        self.arrival_weight: Callable[[], int] = lambda: 1
         if ctx.config.controller.enabled:
             self.controller = Controller(
                 ctx.config,
@@ -291,15 +294,18 @@ class ControlLink:
         if controller is None:
             events.clear()
             return
+        weight = self.arrival_weight()
         while events:
             event = events.popleft()
-            controller.record_arrival(
-                event.at,
-                event.prompt_tokens,
-                event.max_tokens or DEFAULT_EXPECTED_OUTPUT,
-                admitted=event.admitted,
-                cached_tokens=event.cached_tokens,
-            )
+            # Every replica keeps the demand warm, so a new leader decides at once.
+            for _ in range(weight):
+                controller.record_arrival(
+                    event.at,
+                    event.prompt_tokens,
+                    event.max_tokens or DEFAULT_EXPECTED_OUTPUT,
+                    admitted=event.admitted,
+                    cached_tokens=event.cached_tokens,
+                )
         if not self.leads():
             return
         roles = {engine.id: engine.role for engine in self.ctx.fleet}

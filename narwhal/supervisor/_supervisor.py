@@ -224,6 +224,7 @@ class Supervisor:
         self.cluster = cluster
         link.leads = cluster.leads
         link.moved = lambda engine: cluster.share_facts(engine, "role")
+        link.arrival_weight = lambda: ctx.fleet.share.count
         ctx.metrics.add_live_gauges(cluster.gauges)
         ctx.state_providers.extend(
             [

@@ -28,7 +28,7 @@ from narwhal.profiles import (
 )
 from narwhal.serving import state_document
 from narwhal.serving._admit import priced as priced_fleet
-from narwhal.serving._context import ServingContext
+from narwhal.serving._context import DemandEvent, ServingContext
 from narwhal.serving._legs import phase_slot
 from narwhal.supervisor._control import ControlLink
 
@@ -256,3 +256,35 @@ async def test_the_decode_correction_is_judged_at_the_load_the_gaps_were_measure
         assert (d0.load.decode_active, d0.load.decode_tokens) == (0, 0)  # as the stream ended
         link.decode_gaps(d0, on_profile)
         assert profiles.decode_correction("d0") == pytest.approx(1.0)
+
+
+async def test_a_replica_weights_its_arrivals_by_the_members_and_moves_roles_only_leading(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # narwhal.cluster: each of N replicas sees about 1/N of the fleet's arrivals, and only
+    # the leader's controller moves roles (its moves are then shared).
+    async with rig_with_legs(fleet(P0, D0)) as (rig, _):
+        link = ControlLink(rig.ctx)
+        controller = link.controller
+        assert controller is not None
+        leading = False
+        moved: list[EngineState] = []
+        link.leads = lambda: leading
+        link.moved = moved.append
+        link.arrival_weight = lambda: 3
+        calls: list[float] = []
+
+        async def on_pass() -> None:
+            calls.append(trio.current_time())
+            rig.engine("d0").role = "prefill"
+
+        controller.on_pass = on_pass  # type: ignore[method-assign,assignment]
+        rig.ctx.demand_events.append(DemandEvent(trio.current_time(), 100, 10, True))
+        await link.on_pass(None)  # type: ignore[arg-type]
+        assert controller.demand.total == 3
+        assert calls == []
+        assert moved == []
+        leading = True
+        await link.on_pass(None)  # type: ignore[arg-type]
+        assert len(calls) == 1
+        assert moved == [rig.engine("d0")]
