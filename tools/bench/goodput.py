@@ -306,6 +306,9 @@ class Settings:
     # The fleet: engines, and more narwhal-sim options (prefix caching, block size).
     engines: int = ENGINES
     sim_args: tuple[str, ...] = ()
+    # Narwhal replicas on one etcd (its `cluster` section), the load spread over them by
+    # the load generator in turn: a simple balancer.
+    replicas: int = 1
 
 
 def split_label(p: int, engines: int = ENGINES) -> str:
@@ -347,20 +350,30 @@ async def run_one(
                 extra.update(await cfg.prepare(urls, roles, run_dir))
             if settings.request_log:
                 extra["log"] = {"level": "info"}
-            config = harness.narwhal_config(
-                urls,
-                roles,
-                port=port,
-                speed=speed,
-                admission=cfg.admission,
-                controller=cfg.controller,
-                ttft_slo_s=settings.slo.ttft_s,
-                tpot_slo_s=settings.slo.tpot_s,
-                socket_path=str(run_dir / "narwhal.sock"),
-                extra=extra,
-            )
-            url = await harness.start_narwhal(procs, config, run_dir)
-            narwhal_url = harness.admin_url(config)
+            if settings.replicas > 1:
+                endpoint = await harness.start_etcd(procs, run_dir)
+                extra["cluster"] = {"endpoints": [endpoint], "lease_ttl_s": 5}
+            targets: list[str] = []
+            for replica in range(settings.replicas):
+                if settings.replicas > 1:
+                    extra["cluster"] = {**extra["cluster"], "replica_id": f"r{replica}"}
+                config = harness.narwhal_config(
+                    urls,
+                    roles,
+                    port=port if replica == 0 else harness.free_port(),
+                    speed=speed,
+                    admission=cfg.admission,
+                    controller=cfg.controller,
+                    ttft_slo_s=settings.slo.ttft_s,
+                    tpot_slo_s=settings.slo.tpot_s,
+                    socket_path=str(run_dir / f"narwhal-{replica}.sock"),
+                    extra=extra,
+                )
+                name = "narwhal" if replica == 0 else f"narwhal-{replica}"
+                targets.append(await harness.start_narwhal(procs, config, run_dir, name=name))
+                if replica == 0:
+                    narwhal_url = harness.admin_url(config)
+            url = ",".join(targets)
         else:
             exe = harness.vllm_router_binary(settings.vllm_router_venv)
             if exe is None:
@@ -373,9 +386,10 @@ async def run_one(
             url, _ = await harness.start_vllm_router(
                 procs, exe, urls, roles, port=port, options=options, policy=cfg.policy
             )
-        warm = await harness.warm_up(url)
-        if any(s != 200 for s in warm):
-            raise RuntimeError(f"warm-up requests through {url} answered {warm}")
+        for target in url.split(","):
+            warm = await harness.warm_up(target)
+            if any(s != 200 for s in warm):
+                raise RuntimeError(f"warm-up requests through {target} answered {warm}")
         sampler = harness.Sampler(urls, roles, narwhal_url, speed, settings.sample_every_s)
         run = await harness.replay(
             procs,
@@ -396,6 +410,7 @@ async def run_one(
     return {
         "status": "ran",
         "router": cfg.router,
+        "replicas": settings.replicas,
         "split": split_label(prefill, settings.engines),
         "admission": cfg.admission,
         "controller": cfg.controller,
@@ -682,6 +697,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--phases", default="all", help="comma-separated phase names, or 'all'")
     p.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
     p.add_argument("--rerun-aliases", action="store_true")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="Narwhal replicas on one etcd (Debian's etcd-server), the load spread over "
+        "them in turn",
+    )
     return p.parse_args(argv)
 
 
@@ -846,7 +868,7 @@ async def run_all(args: argparse.Namespace) -> int:
     bounds = gw.phase_bounds(phases)
     phase_model_s = min(end - start for _, start, end in bounds)
     window_s = args.window_s or (3.0 if args.quick else 10.0)
-    settings = settings_from(args, slo, window_s, "goodput")
+    settings = attrs.evolve(settings_from(args, slo, window_s, "goodput"), replicas=args.replicas)
     features = features_from(args)
     prune = args.quick and not args.all_splits
     chosen = select(args.configs)

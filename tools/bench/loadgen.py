@@ -489,7 +489,8 @@ async def alternate(spec: dict[str, Any]) -> dict[str, Json]:
 
 
 class Replay:
-    """Every request of a workload at its own time, through one base URL.
+    """Every request of a workload at its own time, through one base URL (or several in
+    turn).
 
     Each is a streaming `POST /v1/completions` whose prompt is a list of token ids (an
     exact length for both the engine and the router), or the workload's own text when it
@@ -505,12 +506,15 @@ class Replay:
     """
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        parts = urlsplit(spec["url"])
         self.model = spec["model"]
         self.speed = float(spec["speed"])
         self.ttft_timeout = spec.get("ttft_timeout_s", 20.0) / self.speed
         self.total_timeout = spec.get("total_timeout_s", 120.0) / self.speed
-        self.pool = Pool(parts.hostname or "127.0.0.1", parts.port or 80)
+        # Several base URLs, comma-separated (replicas): request i goes to URL i mod n.
+        self.pools = [
+            Pool(parts.hostname or "127.0.0.1", parts.port or 80)
+            for parts in map(urlsplit, spec["url"].split(","))
+        ]
         self.rows: list[list[Any]] = []
         self.reads = 0
         self.stale_retries = 0
@@ -544,7 +548,8 @@ class Replay:
             for _ in range(2):
                 reply = Reply()
                 try:
-                    await self.pool.request(body, reply, stream=True, on_first_text=first_text)
+                    pool = self.pools[index % len(self.pools)]
+                    await pool.request(body, reply, stream=True, on_first_text=first_text)
                     outcome = stream_outcome(reply)
                 except (Broken, OSError):
                     outcome = broken_outcome(reply)
@@ -580,7 +585,8 @@ class Replay:
                 # hold thousands of sleeping tasks at once.
                 await trio.sleep_until(self.t0 + at / self.speed - 1.0)
                 nursery.start_soon(self.one, index, at, prompt, output)
-        self.pool.close()
+        for pool in self.pools:
+            pool.close()
         return trio.current_time() - self.t0
 
 
@@ -624,7 +630,7 @@ async def replay(spec: dict[str, Any]) -> dict[str, Json]:
         "cpu_ms_per_request": round(1000 * cpu / max(len(late), 1), 3),
         "cpu_us_per_chunk": round(1e6 * cpu / max(run.reads, 1), 1),
         "chunks": run.reads,
-        "connections_opened": run.pool.opened,
+        "connections_opened": sum(pool.opened for pool in run.pools),
         "stale_connection_retries": run.stale_retries,
         "lateness_s": {
             "p50": late[len(late) // 2] if late else None,

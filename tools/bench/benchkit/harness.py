@@ -317,6 +317,28 @@ def narwhal_config(
     return config
 
 
+async def start_etcd(procs: Procs, directory: Path) -> str:
+    """A one-member etcd (Debian's etcd-server) on free loopback ports, its data in
+    `directory`; its client URL once it answers."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise RuntimeError("etcd is not on PATH: apt-get install etcd-server")
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    argv = [
+        binary,
+        "--name=bench",
+        f"--data-dir={directory / 'etcd'}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=bench={peer}",
+    ]
+    proc = await procs.start("etcd", argv)
+    await wait_http_ok(client + "/health", 30.0, proc)
+    return client
+
+
 def admin_url(config: Mapping[str, Any]) -> str:
     """Where the Narwhal `config` serves /narwhal/state and /metrics."""
     return f"http://127.0.0.1:{config['admin']['port']}"
