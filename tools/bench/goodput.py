@@ -352,7 +352,7 @@ async def run_one(
                 extra["log"] = {"level": "info"}
             if settings.replicas > 1:
                 endpoint = await harness.start_etcd(procs, run_dir)
-                extra["cluster"] = {"endpoints": [endpoint], "lease_ttl_s": 5}
+                extra["cluster"] = {"endpoints": [endpoint]}
             targets: list[str] = []
             for replica in range(settings.replicas):
                 if settings.replicas > 1:
