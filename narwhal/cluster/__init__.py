@@ -1,5 +1,6 @@
 """Several Narwhal replicas coordinating through etcd (`ClusterService`)."""
 
+from ._facts import What as What
 from ._service import (
     ClusterSection as ClusterSection,
     ClusterService as ClusterService,

@@ -30,12 +30,13 @@ import datetime
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import trio
 
 from .._records import SPLICED, to_json
+from ..cluster import What
 from ..controller import ControllerSection, FlipEntry, RoleMove, SplitCounts
 from ..ctl import CtlError, CtlRequest
 from ..fleet import EngineState, Role
@@ -49,7 +50,7 @@ log = logging.getLogger("narwhal.operator")
 
 
 # The shared facts (narwhal.cluster) each engine command may change.
-_FACTS: dict[str, tuple[Literal["role", "drained", "pinned"], ...]] = {
+_FACTS: dict[str, tuple[What, ...]] = {
     "drain": ("drained",),
     "undrain": ("drained",),
     "pin": ("role", "pinned"),
