@@ -131,11 +131,15 @@ class Controller:
         *,
         admitted: bool = True,
         cached_tokens: int = 0,
+        weight: int = 1,
     ) -> None:
         """An offered request (admitted or refused by predictive admission) with its
         prompt tokens, expected output tokens and the leading prompt tokens an engine
-        held cached, which its prefill demand is priced without."""
-        self.demand.record(Arrival(time, prompt_tokens, output_tokens, admitted, cached_tokens))
+        held cached, which its prefill demand is priced without; `weight`: the arrivals
+        it stands for (one sample all the same)."""
+        self.demand.record(
+            Arrival(time, prompt_tokens, output_tokens, admitted, cached_tokens, weight)
+        )
 
     def record_first_token_timeout(self) -> None:
         """A decode leg hit engine.first_token_timeout_s (resets the evidence window)."""
@@ -192,6 +196,9 @@ class Controller:
             )
             unseen = 0  # KV made by non-streaming decode legs, as admission estimates it
             load = engine.load.statistics()
+            # This replica's ledger times the members: the fleet's load, as admission
+            # estimates it (`EngineState.load_scale`); the view is scaled already.
+            n = engine.load_scale
             if load.unstreamed_legs and profile is not None:
                 view = engine.view(now)
                 unseen = round(unstreamed_tokens(view, profile.decode, correction))
@@ -204,25 +211,26 @@ class Controller:
                     pinned=engine.pinned,
                     fixed_role=engine.fixed_role,
                     since_role_change_s=self.state.since_role_change(engine.id, now),
-                    decode_active=load.decode_active,
-                    decode_tokens=load.decode_tokens + unseen,
-                    decode_pending=load.decode_pending,
-                    decode_pending_tokens=load.decode_pending_tokens,
-                    prefill_inflight=load.prefill_inflight,
-                    prefill_tokens_inflight=load.prefill_tokens_inflight,
+                    decode_active=load.decode_active * n,
+                    decode_tokens=load.decode_tokens * n + unseen,
+                    decode_pending=load.decode_pending * n,
+                    decode_pending_tokens=load.decode_pending_tokens * n,
+                    prefill_inflight=load.prefill_inflight * n,
+                    prefill_tokens_inflight=load.prefill_tokens_inflight * n,
                     # Prefills waiting for one of the router's slots
                     # (serving.prefill_concurrency) are work the engine will do: without
                     # them a capped pool looked idle however long its queue.
                     prefill_work_s=prefill_work_s(
                         profile or mean,
-                        load.prefill_inflight + load.prefill_queued,
-                        load.prefill_tokens_inflight + load.prefill_queued_tokens,
+                        (load.prefill_inflight + load.prefill_queued) * n,
+                        (load.prefill_tokens_inflight + load.prefill_queued_tokens) * n,
                     ),
-                    handoffs_pending=load.handoffs_pending,
+                    handoffs_pending=load.handoffs_pending * n,
                     profile=profile,
                     decode_interval_s=total / count if count else None,
                     decode_correction=correction,
-                    decode_slots=decode_slots(engine.decode_limiter.total_tokens, profile),
+                    # The engine's whole limit: this replica holds its part of it.
+                    decode_slots=decode_slots(engine.whole_limit("decode"), profile),
                 )
             )
         short, long = self.demand.estimates(now)

@@ -282,7 +282,7 @@ class _Pass:
         self.measured_decode = measured_decode_load(engines, snap.mean_profile, self.slo.tpot_s)
         self.floors = self._floors()
         self.priceable = snap.mean_profile is not None and snap.long.priced
-        self.enough_arrivals = snap.long.arrivals >= self.rx.min_arrivals
+        self.enough_arrivals = snap.long.samples >= self.rx.min_arrivals
         self.prefill_demand: PrefillDemand | None = None
         self.decode_demand: DecodeDemand | None = None
         if self.priceable and snap.long.arrivals > 0:

@@ -44,6 +44,9 @@ class Arrival:
     admitted: bool = True
     # The prompt's leading tokens an engine held cached when it was offered.
     cached_tokens: int = 0
+    # The arrivals it stands for: a replica of N behind an even balancer sees one in N
+    # of the fleet's (`ControlLink.arrival_weight`). It is still one sample.
+    weight: int = 1
 
 
 @attrs.frozen
@@ -60,6 +63,11 @@ class DemandEstimate:
     prefill_s_mean: float  # mean-profile prefill time of the offered prompts, E[s]
     prefill_s_sq_mean: float  # E[s²]
     priced: bool  # every arrival in the horizon was priced with a profile
+    # Arrivals this replica saw (`arrivals` counts each as the `weight` it stands for):
+    # what the evidence gates count. All of them for one replica.
+    samples: int = attrs.field(
+        default=attrs.Factory(lambda self: self.arrivals, takes_self=True), kw_only=True
+    )
 
     @property
     def rate(self) -> float:
@@ -94,6 +102,7 @@ class _Horizon:
 
     def clear_sums(self) -> None:
         self.count = 0
+        self.samples = 0
         self.refused = 0
         self.unpriced = 0
         self.prompt = 0.0
@@ -103,9 +112,11 @@ class _Horizon:
         self.service_sq = 0.0
 
     def _add(self, arrival: Arrival, service: float, priced: bool, sign: int) -> None:
+        self.samples += sign
+        self.unpriced += sign * (not priced)
+        sign *= arrival.weight
         self.count += sign
         self.refused += sign * (not arrival.admitted)
-        self.unpriced += sign * (not priced)
         self.prompt += sign * arrival.prompt_tokens
         self.output += sign * arrival.output_tokens
         out = arrival.output_tokens
@@ -149,6 +160,7 @@ class _Horizon:
             prefill_s_mean=max(0.0, self.service / n),
             prefill_s_sq_mean=max(0.0, self.service_sq / n),
             priced=self.unpriced == 0,
+            samples=self.samples,
         )
 
 
@@ -266,7 +278,7 @@ def evidence_view(
     elapsed = max(0.0, now - window.opened_at)
     since_open = max(0, arrivals_total - window.arrivals_at_open)
     span_done = elapsed >= reactive.evidence_span_s
-    samples = min(short.arrivals, since_open) if span_done else since_open
+    samples = min(short.samples, since_open) if span_done else since_open
     if span_done and samples >= reactive.evidence_min_arrivals:
         return EvidenceView(window.opened_at, elapsed, samples, True, "span elapsed with samples")
     if elapsed >= reactive.evidence_max_span_s:
@@ -283,7 +295,7 @@ def demand_rising(short: DemandEstimate, long: DemandEstimate, reactive: Reactiv
     consolidation pauses while short-horizon decode demand exceeds the long-horizon
     decode demand by more than `demand_rise_tolerance`. Decode demand is the floored
     output-token rate."""
-    if short.arrivals < reactive.evidence_min_arrivals:
+    if short.samples < reactive.evidence_min_arrivals:
         return False
     floor = reactive.demand_floor
     rise = long.decode_token_rate(floor) * (1.0 + reactive.demand_rise_tolerance)
@@ -302,7 +314,7 @@ def _larger(
     # The short horizon competes only once it holds enough samples to mean something
     # (the same bar as the rising-demand test); one long prompt in an empty minute is
     # not a demand estimate.
-    if short.arrivals < reactive.evidence_min_arrivals:
+    if short.samples < reactive.evidence_min_arrivals:
         return long
     return short if key(short) > key(long) else long
 

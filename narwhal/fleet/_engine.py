@@ -168,6 +168,7 @@ class EngineState:
         # and the phases it has none of, which it must not place here.
         self._share = Share()
         self._share_offset = 0
+        self._whole_limits: dict[str, float] = {}
         self._no_share: frozenset[str] = frozenset()
         self._apply_limits(config)
         # Availability, each flag behind its owner's methods (module docstring).
@@ -415,6 +416,7 @@ class EngineState:
         )
         for phase, limiter in phases:
             total = _concurrency(self.spec, config, phase)
+            self._whole_limits[phase] = _limit(total)
             part = self._share.of(total, self._share_offset)
             if total and not part:
                 no_share.add(phase)
@@ -485,23 +487,39 @@ class EngineState:
         ratio = min(PACKING_MAX, max(1.0, tokens / events))
         self.tokens_per_event += PACKING_ALPHA * (ratio - self.tokens_per_event)
 
+    def whole_limit(self, phase: Literal["prefill", "decode"]) -> float:
+        """The engine's limit of `phase`'s concurrency over all replicas (inf: none);
+        its limiter holds this replica's part."""
+        return self._whole_limits[phase]
+
+    @property
+    def load_scale(self) -> int:
+        """What this replica's ledger is multiplied by to estimate the engine's load: the
+        cluster's member count (1 for one replica). Each replica's ledger holds only the
+        work it sent, and behind an even balancer every member sends about as much; a
+        replica pricing its own part alone admitted into decode batches and KV the
+        others were filling too."""
+        return self._share.count
+
     def view(self, now: float) -> EngineView:
-        load = self.load
+        """The engine's load as the fleet's (`load_scale`); its free slots are this
+        replica's part of them."""
+        load, n = self.load, self._share.count
         return EngineView(
             id=self.id,
             role=self._role,
             prefill_blocked=self.unavailable_reason(now, "prefill"),
             decode_blocked=self.unavailable_reason(now, "decode"),
-            prefill_inflight=load.prefill_inflight,
-            prefill_tokens_inflight=load.prefill_tokens_inflight + load.prefill_queued_tokens,
+            prefill_inflight=load.prefill_inflight * n,
+            prefill_tokens_inflight=(load.prefill_tokens_inflight + load.prefill_queued_tokens) * n,
             prefill_slots_free=self.prefill_limiter.available_tokens,
-            decode_active=load.decode_active + load.decode_pending,
-            decode_tokens=load.decode_tokens + load.decode_pending_tokens,
+            decode_active=(load.decode_active + load.decode_pending) * n,
+            decode_tokens=(load.decode_tokens + load.decode_pending_tokens) * n,
             decode_slots_free=self.decode_limiter.available_tokens,
-            handoffs_pending=load.handoffs_pending,
+            handoffs_pending=load.handoffs_pending * n,
             first_token_wait_s=load.first_token_wait_s(now),
-            unstreamed_age_s=load.unstreamed_age_s(now),
-            unstreamed_cap=load.unstreamed_cap,
+            unstreamed_age_s=load.unstreamed_age_s(now) * n,
+            unstreamed_cap=load.unstreamed_cap * n,
         )
 
     async def aclose(self) -> None:

@@ -335,7 +335,10 @@ class Decisions:
         only one on it now, else None. The leg was uncontended throughout when the count
         is unchanged at its end (`leg_ok`)."""
         load = engine.load
-        if load.prefill_inflight + load.decode_active > 1:
+        # Another replica's legs on the engine are not in this ledger: with more than
+        # one member no leg is known to be alone, and latency residuals come from decode
+        # legs only (priced at the fleet's estimated load, `EngineState.load_scale`).
+        if load.prefill_inflight + load.decode_active > 1 or engine.load_scale > 1:
             return None
         return load.legs_started
 

@@ -214,8 +214,8 @@ class GapLoad:
     def add(self, engine: EngineState, gaps: int) -> None:
         if gaps <= 0:
             return
-        load = engine.load
-        active, kv = load.decode_active, load.decode_tokens
+        load, n = engine.load, engine.load_scale  # the fleet's load, as pricing sees it
+        active, kv = load.decode_active * n, load.decode_tokens * n
         self.active += gaps * active
         self.kv_tokens += gaps * kv
         self.max_active = max(self.max_active, active)

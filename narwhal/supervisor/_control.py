@@ -298,14 +298,14 @@ class ControlLink:
         while events:
             event = events.popleft()
             # Every replica keeps the demand warm, so a new leader decides at once.
-            for _ in range(weight):
-                controller.record_arrival(
-                    event.at,
-                    event.prompt_tokens,
-                    event.max_tokens or DEFAULT_EXPECTED_OUTPUT,
-                    admitted=event.admitted,
-                    cached_tokens=event.cached_tokens,
-                )
+            controller.record_arrival(
+                event.at,
+                event.prompt_tokens,
+                event.max_tokens or DEFAULT_EXPECTED_OUTPUT,
+                admitted=event.admitted,
+                cached_tokens=event.cached_tokens,
+                weight=weight,
+            )
         if not self.leads():
             return
         roles = {engine.id: engine.role for engine in self.ctx.fleet}

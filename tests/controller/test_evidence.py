@@ -154,3 +154,25 @@ def test_mixed_pressure_d2p_moves_are_evidence_gated_too() -> None:
     d = decide(snap, opened_at(NOW - 10.0, snap.arrivals_total - 5), NOW, config())
     assert d.proposed.prefill == 3
     assert (d.result, d.gate) == ("blocked", "evidence")
+
+
+def test_a_replicas_weighted_arrivals_count_as_the_samples_it_saw() -> None:
+    # A replica of three stands each arrival for three in the demand, but the evidence
+    # gate needs evidence_min_arrivals real ones.
+    est = DemandEstimator.from_config(RX, started_at=0.0)
+    for i in range(4):
+        est.record(Arrival(float(i), 100, 10, weight=3))
+    short, _ = est.estimates(60.0)
+    assert (short.arrivals, short.samples) == (12, 4)
+    v = evidence_view(
+        EvidenceWindow(0.0, 0), arrivals_total=est.total, short=short, now=60.0, reactive=RX
+    )
+    assert not v.closed
+    assert v.samples == 4
+    for i in range(4, 10):
+        est.record(Arrival(float(i), 100, 10, weight=3))
+    short, _ = est.estimates(60.0)
+    assert short.rate == 30 / 60.0  # the fleet's rate
+    assert evidence_view(
+        EvidenceWindow(0.0, 0), arrivals_total=est.total, short=short, now=60.0, reactive=RX
+    ).closed

@@ -10,6 +10,7 @@ import pytest
 
 from narwhal.config import Config, EngineSpec, Serving
 from narwhal.fleet import Fleet, Share
+from narwhal.serving import ServingContext
 
 
 @pytest.mark.parametrize("total", [1, 2, 3, 7, 64, 65])
@@ -109,3 +110,19 @@ def test_a_reload_keeps_the_part() -> None:
     p0.reconfigure(bigger.engines[0], bigger)
     assert p0.prefill_limiter.total_tokens == 5
     assert p0.decode_limiter.total_tokens == math.inf
+
+
+async def test_the_booked_prefill_backlog_is_priced_as_the_fleets() -> None:
+    # Each replica books only its own prefills; behind an even balancer every member
+    # sends about as many, so the engine's queue is the book times the member count.
+    config, _ = _fleet(prefill=0, decode=0)
+    ctx = ServingContext(config)
+    p0 = ctx.fleet.get("p0")
+    assert p0 is not None
+    ctx.backlog.commit(p0, 0.25, now=10.0)
+    assert ctx.load_signals(10.0).backlog_s == {"p0": 0.25, "d0": 0.0}
+    ctx.apply_share(Share(index=1, count=3))
+    assert ctx.load_signals(10.0).backlog_s == {"p0": 0.75, "d0": 0.0}
+    assert ctx.load_signals(10.1).backlog_s["p0"] == pytest.approx(0.45)
+    ctx.apply_share(Share())
+    assert ctx.load_signals(10.0).backlog_s["p0"] == 0.25

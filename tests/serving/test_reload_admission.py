@@ -281,7 +281,9 @@ async def test_a_replica_weights_its_arrivals_by_the_members_and_moves_roles_onl
         controller.on_pass = on_pass  # type: ignore[method-assign,assignment]
         rig.ctx.demand_events.append(DemandEvent(trio.current_time(), 100, 10, True))
         await link.on_pass(None)  # type: ignore[arg-type]
-        assert controller.demand.total == 3
+        # Three arrivals in the demand, one sample for the evidence gate.
+        short, _ = controller.demand.estimates(trio.current_time())
+        assert (short.arrivals, short.samples, controller.demand.total) == (3, 1, 1)
         assert calls == []
         assert moved == []
         leading = True

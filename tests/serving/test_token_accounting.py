@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from narwhal._errors import EngineFailed
-from narwhal.fleet import EngineLoad, EngineState
+from narwhal.fleet import EngineLoad, EngineState, Share
 from narwhal.fleet._engine import PACKING_MAX
 from narwhal.serving import DecodeGaps
 from narwhal.serving._decisions import Decisions
@@ -166,6 +166,7 @@ async def test_a_decode_legs_gap_summary_is_per_token_with_the_load_it_ran_at(
 def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> None:
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
+    engine._share = Share()  # one replica: the ledger is the engine's whole load
     claims(engine.load.decode, 2, 1000)
     load = GapLoad()
     load.add(engine, 3)
@@ -204,6 +205,7 @@ def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_ga
     # median keeps them, the correction's samples are the positive ones (its rule 1).
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
+    engine._share = Share()  # one replica: the ledger is the engine's whole load
     claims(engine.load.decode, 1, 100)
     load = GapLoad()
     load.add(engine, 5)
@@ -300,6 +302,7 @@ def test_packing_ratio_is_a_bounded_moving_average() -> None:
 def test_running_growth_never_passes_max_tokens() -> None:
     engine = EngineState.__new__(EngineState)
     engine.load = EngineLoad()
+    engine._share = Share()  # one replica: the ledger is the engine's whole load
     engine.tokens_per_event = 4.0
     decisions = Decisions(None, None)  # type: ignore[arg-type]  # no ctx until exit
     growth = KvGrowth(decisions, engine, cap=10)
