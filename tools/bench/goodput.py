@@ -21,11 +21,13 @@ with ``"status": "skipped"`` until `FEATURES` says the feature is there (or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Any
 
 import attrs
 import benchkit
+import httpx
 import trio
 from benchkit import Json, attainment as gm, harness, workload as gw
 
@@ -309,6 +312,9 @@ class Settings:
     # Narwhal replicas on one etcd (its `cluster` section), the load spread over them by
     # the load generator in turn: a simple balancer.
     replicas: int = 1
+    # SIGKILL the leading replica at this model time (replicas > 1): the requests lost
+    # and how long until another leads (`failover`).
+    kill_leader_at_s: float | None = None
 
 
 def split_label(p: int, engines: int = ENGINES) -> str:
@@ -354,6 +360,7 @@ async def run_one(
                 endpoint = await harness.start_etcd(procs, run_dir)
                 extra["cluster"] = {"endpoints": [endpoint]}
             targets: list[str] = []
+            admins: list[str] = []
             for replica in range(settings.replicas):
                 if settings.replicas > 1:
                     extra["cluster"] = {**extra["cluster"], "replica_id": f"r{replica}"}
@@ -371,6 +378,7 @@ async def run_one(
                 )
                 name = "narwhal" if replica == 0 else f"narwhal-{replica}"
                 targets.append(await harness.start_narwhal(procs, config, run_dir, name=name))
+                admins.append(harness.admin_url(config))
                 if replica == 0:
                     narwhal_url = harness.admin_url(config)
             url = ",".join(targets)
@@ -390,21 +398,35 @@ async def run_one(
             warm = await harness.warm_up(target)
             if any(s != 200 for s in warm):
                 raise RuntimeError(f"warm-up requests through {target} answered {warm}")
+        kill: dict[str, float] | None = None
+        watch = Failover()
+        if settings.kill_leader_at_s is not None and cfg.router == "narwhal":
+            leader = await leading_replica(admins)
+            # The sampler reads a replica that survives.
+            narwhal_url = admins[(leader + 1) % len(admins)]
+            name = "narwhal" if leader == 0 else f"narwhal-{leader}"
+            pid = next(proc.pid for n, proc in procs.started if n == name)
+            kill = {"pid": pid, "at_s": settings.kill_leader_at_s}
+            watch = Failover(leader, [a for i, a in enumerate(admins) if i != leader])
         sampler = harness.Sampler(urls, roles, narwhal_url, speed, settings.sample_every_s)
-        run = await harness.replay(
-            procs,
-            url,
-            [
-                (r.t, r.prompt if prompts is None else prompts[i], r.output)
-                for i, r in enumerate(requests)
-            ],
-            speed=speed,
-            duration_s=duration,
-            run_dir=run_dir,
-            sampler=sampler,
-            ttft_timeout_s=settings.ttft_timeout_s,
-            total_timeout_s=settings.total_timeout_s,
-        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run)
+            run = await harness.replay(
+                procs,
+                url,
+                [
+                    (r.t, r.prompt if prompts is None else prompts[i], r.output)
+                    for i, r in enumerate(requests)
+                ],
+                speed=speed,
+                duration_s=duration,
+                run_dir=run_dir,
+                sampler=sampler,
+                ttft_timeout_s=settings.ttft_timeout_s,
+                total_timeout_s=settings.total_timeout_s,
+                kill=kill,
+            )
+            nursery.cancel_scope.cancel()
     samples = gm.samples_from([(r.t, r.phase, r.source) for r in requests], run.rows, speed)
     slo = settings.slo
     return {
@@ -431,7 +453,74 @@ async def run_one(
             k: run.loadgen[k]
             for k in ("cpu_ms_per_request", "cpu_us_per_chunk", "cpu_share", "chunks")
         },
+        **({} if kill is None else {"failover": watch.summary(run, speed)}),
     }
+
+
+async def leading_replica(admins: Sequence[str]) -> int:
+    """The index of the replica whose /narwhal/state says it leads (waits up to 10 s)."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        with trio.fail_after(10.0):
+            while True:
+                for i, admin in enumerate(admins):
+                    state = (await client.get(admin + "/narwhal/state")).json()
+                    if state["cluster"]["leading"]:
+                        return i
+                await trio.sleep(0.1)
+
+
+@attrs.define
+class Failover:
+    """Polls the surviving replicas' /narwhal/state every 50 ms (wall) for the first one
+    to lead after the kill, and sorts the load generator's rows by the replica they went
+    to: what a replica's `kill -9` loses, and how long the fleet goes without a
+    controller."""
+
+    killed: int = -1
+    survivors: list[str] = attrs.Factory(list)
+    # (epoch s, whether any survivor leads) per poll
+    polls: list[tuple[float, bool]] = attrs.Factory(list)
+
+    async def run(self) -> None:
+        if not self.survivors:
+            return
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while True:
+                leads = False
+                for admin in self.survivors:
+                    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                        state = (await client.get(admin + "/narwhal/state")).json()
+                        leads = leads or bool(state["cluster"]["leading"])
+                self.polls.append((time.time(), leads))
+                await trio.sleep(0.05)
+
+    def summary(self, run: harness.Replayed, speed: float) -> Json:
+        killed_at = run.loadgen.get("killed_at_s")
+        epoch = run.loadgen.get("killed_at_epoch")
+        if killed_at is None or epoch is None:
+            return {"killed": None}
+        led = next((t for t, leads in self.polls if t > epoch and leads), None)
+        # The rows: [index, lateness, status, outcome, ttft, tpot, tokens, end_s, target].
+        failed: Counter[str] = Counter()
+        in_flight = lost = other_failed = 0
+        for row in run.rows:
+            outcome, end_s, target = row[3], row[7], row[8]
+            if target == self.killed and float(end_s) >= float(killed_at):
+                in_flight += 1
+                lost += outcome not in ("ok", "refused")
+            elif outcome not in ("ok", "refused"):
+                other_failed += 1
+                failed[str(outcome)] += 1
+        return {
+            "killed": self.killed,
+            "killed_at_model_s": round(float(killed_at) * speed, 3),
+            "leader_after_s": None if led is None else round(led - float(epoch), 3),
+            "on_killed_replica_unfinished_at_kill": in_flight,
+            "on_killed_replica_failed": lost,
+            "elsewhere_failed": other_failed,
+            "elsewhere_failures": dict(failed),
+            "requests_redispatched_to": run.loadgen.get("targets_down"),
+        }
 
 
 PRUNE_BELOW = 0.6
@@ -704,6 +793,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="Narwhal replicas on one etcd (Debian's etcd-server), the load spread over "
         "them in turn",
     )
+    p.add_argument(
+        "--kill-leader-at",
+        type=float,
+        default=None,
+        metavar="MODEL_S",
+        help="with --replicas > 1: SIGKILL the leading replica at this model time; the "
+        "result's `failover` says what it lost and when another led",
+    )
     return p.parse_args(argv)
 
 
@@ -868,7 +965,13 @@ async def run_all(args: argparse.Namespace) -> int:
     bounds = gw.phase_bounds(phases)
     phase_model_s = min(end - start for _, start, end in bounds)
     window_s = args.window_s or (3.0 if args.quick else 10.0)
-    settings = attrs.evolve(settings_from(args, slo, window_s, "goodput"), replicas=args.replicas)
+    if args.kill_leader_at is not None and args.replicas < 2:
+        raise SystemExit("goodput: --kill-leader-at needs --replicas 2 or more")
+    settings = attrs.evolve(
+        settings_from(args, slo, window_s, "goodput"),
+        replicas=args.replicas,
+        kill_leader_at_s=args.kill_leader_at,
+    )
     features = features_from(args)
     prune = args.quick and not args.all_splits
     chosen = select(args.configs)

@@ -39,6 +39,7 @@ import os
 import re
 import resource
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -496,8 +497,9 @@ class Replay:
     exact length for both the engine and the router), or the workload's own text when it
     gives one (prefix_goodput.py's shared prefixes), and whose `max_tokens` is the
     trace's output length. Per request, one row:
-    `[index, lateness_s, status, outcome, ttft_s, tpot_s, tokens, end_s]` (wall seconds;
-    `end_s` from the replay's start). Outcomes: ok, refused (429),
+    `[index, lateness_s, status, outcome, ttft_s, tpot_s, tokens, end_s, target]` (wall
+    seconds; `end_s` from the replay's start; `target`: the index of the URL that took
+    it). Outcomes: ok, refused (429),
     http_<status>[:<error code>], stream_error[:<error code>] (an error event inside a 200
     stream), truncated (ended without [DONE]), timeout (no first token within
     `ttft_timeout_s`, or not finished within `total_timeout_s`, both model seconds),
@@ -510,11 +512,19 @@ class Replay:
         self.speed = float(spec["speed"])
         self.ttft_timeout = spec.get("ttft_timeout_s", 20.0) / self.speed
         self.total_timeout = spec.get("total_timeout_s", 120.0) / self.speed
-        # Several base URLs, comma-separated (replicas): request i goes to URL i mod n.
+        # Several base URLs, comma-separated (replicas): request i goes to URL i mod n,
+        # as a balancer would, skipping one that refused a connection (down for good:
+        # a balancer's health check with redispatch).
         self.pools = [
             Pool(parts.hostname or "127.0.0.1", parts.port or 80)
             for parts in map(urlsplit, spec["url"].split(","))
         ]
+        self.down: set[int] = set()
+        # {"pid": N, "at_s": model seconds}: SIGKILL that process then (a replica's
+        # crash); when it was sent, in seconds after the start (`killed_at_s`).
+        self.kill: dict[str, Any] | None = spec.get("kill")
+        self.killed_at_s: float | None = None
+        self.killed_at_epoch: float | None = None
         self.rows: list[list[Any]] = []
         self.reads = 0
         self.stale_retries = 0
@@ -545,10 +555,17 @@ class Replay:
             def first_text() -> None:
                 scope.deadline = sent + self.total_timeout
 
-            for _ in range(2):
+            target = index % len(self.pools)
+            for _ in range(1 + len(self.pools)):
                 reply = Reply()
+                if target in self.down and len(self.down) < len(self.pools):
+                    target = next(
+                        (target + k) % len(self.pools)
+                        for k in range(len(self.pools))
+                        if (target + k) % len(self.pools) not in self.down
+                    )
                 try:
-                    pool = self.pools[index % len(self.pools)]
+                    pool = self.pools[target]
                     await pool.request(body, reply, stream=True, on_first_text=first_text)
                     outcome = stream_outcome(reply)
                 except (Broken, OSError):
@@ -560,6 +577,12 @@ class Replay:
                 if outcome == "conn_error" and reply.reused and not reply.got_bytes:
                     self.stale_retries += 1
                     continue
+                # Refused outright: that replica is gone, and the balancer sends the
+                # request to the next one.
+                if outcome == "conn_error" and not reply.reused and len(self.pools) > 1:
+                    self.down.add(target)
+                    if len(self.down) < len(self.pools):
+                        continue
                 break
         if scope.cancelled_caught:
             outcome = "timeout"
@@ -574,12 +597,14 @@ class Replay:
             tpot = round((reply.last_text_at - first) / (tokens - 1), 7)
         self.rows.append(
             [index, round(sent - scheduled, 6), reply.status, outcome, ttft, tpot, tokens,
-             round(end - self.t0, 6)]
+             round(end - self.t0, 6), target]
         )  # fmt: skip
 
     async def run(self, requests: list[list[Any]], start_delay_s: float) -> float:
         self.t0 = trio.current_time() + start_delay_s
         async with trio.open_nursery() as nursery:
+            if self.kill is not None:
+                nursery.start_soon(self._kill, self.kill)
             for index, (at, prompt, output) in enumerate(requests):
                 # Start tasks a little ahead of their time so a large workload does not
                 # hold thousands of sleeping tasks at once.
@@ -588,6 +613,12 @@ class Replay:
         for pool in self.pools:
             pool.close()
         return trio.current_time() - self.t0
+
+    async def _kill(self, kill: dict[str, Any]) -> None:
+        await trio.sleep_until(self.t0 + float(kill["at_s"]) / self.speed)
+        os.kill(int(kill["pid"]), 9)
+        self.killed_at_s = round(trio.current_time() - self.t0, 6)
+        self.killed_at_epoch = time.time()
 
 
 def stream_outcome(reply: Reply) -> str:
@@ -632,6 +663,9 @@ async def replay(spec: dict[str, Any]) -> dict[str, Json]:
         "chunks": run.reads,
         "connections_opened": sum(pool.opened for pool in run.pools),
         "stale_connection_retries": run.stale_retries,
+        "targets_down": sorted(run.down),
+        "killed_at_s": run.killed_at_s,
+        "killed_at_epoch": run.killed_at_epoch,
         "lateness_s": {
             "p50": late[len(late) // 2] if late else None,
             "p99": late[int(len(late) * 0.99)] if late else None,

@@ -623,10 +623,12 @@ async def replay(
     sampler: Sampler,
     ttft_timeout_s: float,
     total_timeout_s: float,
+    kill: Mapping[str, float] | None = None,
 ) -> Replayed:
     """Replay `requests` ((model time, prompt tokens or text, max_tokens)) through `url` with
     loadgen.py in replay mode, the sampler polling meanwhile, then read its final state.
-    Its input and raw rows stay in `run_dir` (workload.json, results.jsonl, loadgen.json)."""
+    Its input and raw rows stay in `run_dir` (workload.json, results.jsonl, loadgen.json).
+    `kill`: {"pid", "at_s"}, a process the load generator SIGKILLs at that model time."""
     workload, rows_file, stats_file = (
         run_dir / name for name in ("workload.json", "results.jsonl", "loadgen.json")
     )
@@ -642,6 +644,8 @@ async def replay(
         "ttft_timeout_s": ttft_timeout_s,
         "total_timeout_s": total_timeout_s,
     }
+    if kill is not None:
+        spec["kill"] = dict(kill)
     # The replay cannot outlive its last arrival plus the client timeout.
     hard_limit = (duration_s + total_timeout_s) / speed + 60.0
     cpu0, busy0, wall0 = procs.cpu(), machine_cpu_seconds()[0], trio.current_time()
