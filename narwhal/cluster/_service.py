@@ -4,8 +4,9 @@ Owns
   `ClusterService`: runs the membership (`Membership`: a lease, the member list, the
   controller's leadership) and applies what the view implies: this replica's part of
   the capacity (`share_for`, `ServingContext.apply_share`) and whether its role
-  controller may move roles (`leads`). `ClusterSection` for /narwhal/state, and the
-  `narwhal_cluster_*` gauges.
+  controller may move roles (`leads`); the cluster's profile store (`profiles`,
+  `SharedProfiles`). `ClusterSection` for /narwhal/state, and the `narwhal_cluster_*`
+  gauges.
 
 Invariants
   The request path never waits on etcd: a view change or the clock crossing the lease
@@ -22,9 +23,11 @@ Errors
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from contextlib import aclosing
 
 import attrs
@@ -34,8 +37,9 @@ from ..config import Config
 from ..fleet import EngineState, Share
 from ..serving import ServingContext
 from ._etcd import Etcd, EtcdError, EtcdUnavailable
-from ._facts import Fact, What, apply, decode, encode, fact_of, key_of
+from ._facts import VERDICTS, Fact, Hold, What, apply, decode, encode, fact_of, key_of
 from ._membership import Membership, ReplicaIdInUse, View
+from ._profiles import SharedProfiles, Source
 from ._shares import isolated, share_for
 
 log = logging.getLogger("narwhal.cluster")
@@ -62,6 +66,20 @@ class ClusterSection:
     connected_for_s: float | None
     # This replica's part of serving.max_connections (all of it for one replica).
     max_admitted: int
+    # Where the profile store this replica prices with came from, and its sha256's first
+    # 12 hex digits (null without a cluster, or without a store).
+    profiles_source: Source | None = None
+    profiles_digest: str | None = None
+    # Engines another replica's ejection or quarantine holds out here, by engine id.
+    holds: Mapping[str, HoldSection] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class HoldSection:
+    what: str
+    by: str
+    reason: str
+    for_s: float
 
 
 def replica_name(config: Config) -> str:
@@ -83,10 +101,17 @@ class ClusterService:
         self._etcd: Etcd | None = None
         # Facts this replica changed and has not written yet (the newest value of each
         # is written: a later change replaces an earlier one).
-        self._unwritten: dict[tuple[str, What], EngineState] = {}
+        self._unwritten: dict[tuple[str, What], Fact] = {}
         self._write_wanted = trio.Event()
         # Facts naming engines this replica does not have yet (a reload to come).
         self._waiting: dict[tuple[str, What], Fact] = {}
+        self.profiles = SharedProfiles(
+            config.cluster.prefix.encode(),
+            replica_id=replica_id,
+            retry_s=config.cluster.lease_ttl_s / 3,
+        )
+        # The other replicas' verdicts holding engines out here: engine id -> the fact.
+        self.holds: dict[str, Fact] = {}
 
     def leads(self) -> bool:
         """May this replica's role controller move roles now."""
@@ -132,6 +157,8 @@ class ClusterService:
                 self._apply_share(ctx)
                 nursery.start_soon(self._watch_facts, ctx, revision)
                 nursery.start_soon(self._write_facts)
+                # Before serving: this replica prices with the cluster's profile store.
+                await nursery.start(self.profiles.run, etcd)
                 task_status.started()
                 await self._follow(ctx)
         finally:
@@ -188,10 +215,33 @@ class ClusterService:
     def share_facts(self, engine: EngineState, *whats: What) -> None:
         """This replica changed `engine`'s role or an operator's mark (`whats`): write
         them for every replica, now and after any etcd outage (the newest value wins)."""
+        for what in whats:
+            self._put(fact_of(engine, what, self.replica_id))
+
+    def verdict_changed(self, engine: EngineState, kind: str, new: str, reason: str) -> None:
+        """Recovery's verdict on `engine` changed on this replica's own evidence
+        (`Verdicts.changed`): share an ejection for recovery.health.window_s (its
+        readmission, when it comes, ends it early), a quarantine for
+        recovery.failure_quarantine_s. Breakers stay each replica's own: they open and
+        close within seconds, on the legs each one sees."""
+        recovery = self.config.recovery
+        value: Hold | bool
+        what: What
+        if kind == "health" and new == "ejected":
+            value, what = Hold(reason, time.time() + recovery.health.window_s), "ejected"
+        elif kind == "health" and new == "up":
+            value, what = False, "ejected"
+        elif kind == "quarantine" and new == "quarantined":
+            until = time.time() + recovery.failure_quarantine_s
+            value, what = Hold(reason, until), "quarantined"
+        else:
+            return
+        self._put(Fact(engine=engine.id, what=what, value=value, by=self.replica_id))
+
+    def _put(self, fact: Fact) -> None:
         if not self.config.cluster.enabled:
             return
-        for what in whats:
-            self._unwritten[engine.id, what] = engine
+        self._unwritten[fact.engine, fact.what] = fact
         self._write_wanted.set()
 
     async def _write_facts(self) -> None:
@@ -201,8 +251,7 @@ class ClusterService:
             await self._write_wanted.wait()
             self._write_wanted = trio.Event()
             while self._unwritten:
-                (engine_id, what), engine = next(iter(self._unwritten.items()))
-                fact = fact_of(engine, what, self.replica_id)
+                (engine_id, what), fact = next(iter(self._unwritten.items()))
                 try:
                     await self._etcd.put(key_of(self._prefix, engine_id, what), encode(fact))
                 except EtcdError as exc:
@@ -216,9 +265,7 @@ class ClusterService:
                     await trio.sleep(retry_s)
                     continue
                 # A change made while the write was under way is written next.
-                if self._unwritten.get((engine_id, what)) is engine and fact == fact_of(
-                    engine, what, self.replica_id
-                ):
+                if self._unwritten.get((engine_id, what)) is fact:
                     del self._unwritten[engine_id, what]
 
     async def _read_facts(self, ctx: ServingContext) -> int:
@@ -273,6 +320,9 @@ class ClusterService:
         if (fact.engine, fact.what) in self._unwritten:
             # This replica's own newer change is on its way to etcd and will win.
             return
+        if fact.what in VERDICTS:
+            self._take_verdict(engine, fact)
+            return
         changed = apply(engine, fact)
         if changed is not None:
             log.info(
@@ -290,6 +340,51 @@ class ClusterService:
                     "by": fact.by,
                 },
             )
+
+    def _take_verdict(self, engine: EngineState, fact: Fact) -> None:
+        """Another replica's ejection or quarantine holds the engine out here too, until
+        its time, its release, or that replica leaving the cluster. This replica's own
+        verdicts (its echo) are recovery's already."""
+        if fact.by == self.replica_id:
+            return
+        held = self.holds.get(engine.id)
+        if not isinstance(fact.value, Hold):
+            if held is not None and (held.what, held.by) == (fact.what, fact.by):
+                self._release(engine, f"{fact.by} readmitted it")
+            return
+        left_s = fact.value.until - time.time()
+        if left_s <= 0:
+            return
+        self.holds[engine.id] = fact
+        reason = f"{fact.what} by replica {fact.by}: {fact.value.reason}"
+        engine.cluster_hold(trio.current_time() + left_s, reason)
+        log.warning(
+            "engine %s held out for %.1f s: %s",
+            engine.id,
+            left_s,
+            reason,
+            extra={
+                "event": "cluster_hold",
+                "engine": engine.id,
+                "what": fact.what,
+                "by": fact.by,
+                "for_s": round(left_s, 3),
+                "reason": fact.value.reason,
+            },
+        )
+
+    def _release(self, engine: EngineState, why: str) -> None:
+        fact = self.holds.pop(engine.id, None)
+        if fact is None:
+            return
+        engine.cluster_hold(-math.inf, "")
+        log.info(
+            "engine %s no longer held out by replica %s: %s",
+            engine.id,
+            fact.by,
+            why,
+            extra={"event": "cluster_hold_released", "engine": engine.id, "by": fact.by},
+        )
 
     def take_waiting_facts(self, ctx: ServingContext) -> None:
         """After a reload: facts that named engines this replica did not have yet."""
@@ -318,6 +413,18 @@ class ClusterService:
             with trio.move_on_at(deadline):
                 await self._changed.wait()
             self._apply_share(ctx)
+            self._release_departed(ctx)
+
+    def _release_departed(self, ctx: ServingContext) -> None:
+        """A replica's verdicts leave with it: its lease lapsed or it stopped, and this
+        replica's own probes judge the engines it held out."""
+        view = self.view
+        if view is None or not view.connected:
+            return
+        for engine_id, fact in list(self.holds.items()):
+            engine = ctx.fleet.get(engine_id)
+            if fact.by not in view.members and engine is not None:
+                self._release(engine, "it left the cluster")
 
     def _apply_share(self, ctx: ServingContext) -> None:
         share = self.share(trio.current_time())
@@ -370,7 +477,23 @@ class ClusterService:
             isolated=isolated(view.connected, view.lease_ok_until, now),
             connected_for_s=round(now - view.since, 3),
             max_admitted=max(1, self._share.of(max_connections)),
+            profiles_source=self.profiles.source,
+            profiles_digest=self.profiles.digest[:12] if self.profiles.digest else None,
+            holds=self._hold_sections(),
         )
+
+    def _hold_sections(self) -> dict[str, HoldSection]:
+        wall = time.time()
+        return {
+            engine_id: HoldSection(
+                what=fact.what,
+                by=fact.by,
+                reason=fact.value.reason,
+                for_s=round(max(0.0, fact.value.until - wall), 3),
+            )
+            for engine_id, fact in sorted(self.holds.items())
+            if isinstance(fact.value, Hold) and fact.value.until > wall
+        }
 
     def gauges(self) -> Iterator[Gauge]:
         """For `Metrics.add_live_gauges`: present for one replica too, at its values."""

@@ -181,6 +181,10 @@ class EngineState:
         self._quarantined_until = -math.inf
         self._ejected: str | None = None
         self._unreachable: str | None = None
+        # Another replica's ejection or quarantine of the engine (narwhal.cluster): out
+        # until then, for that reason.
+        self._peer_held_until = -math.inf
+        self._peer_reason = ""
         # The context length the engine refuses requests beyond (`set_context`): read by
         # recovery at a good probe while `context_due` (the first one, and the first after
         # a failed probe or a restart), and from each vLLM /tokenize answer. None, with
@@ -368,6 +372,14 @@ class EngineState:
     def recovery_quarantine(self, until: float) -> None:
         self._quarantined_until = until
 
+    def cluster_hold(self, until: float, reason: str) -> None:
+        """Only the cluster service calls this: another replica ejected or quarantined
+        the engine, so it is out here too until `until` (-inf: released)."""
+        was = self._peer_held_until
+        self._peer_held_until, self._peer_reason = until, reason if until > -math.inf else ""
+        if (until > -math.inf) != (was > -math.inf):
+            self._changed()
+
     def recovery_key_accepted(self) -> None:
         self._key_refusal.reason = None
 
@@ -465,6 +477,8 @@ class EngineState:
             return "restart hold"
         if now < self._quarantined_until:
             return "quarantined"
+        if now < self._peer_held_until:
+            return self._peer_reason
         phases = ("prefill", "decode") if phase in (None, "aggregate") else (phase,)
         for name in phases:
             if name in self._no_share:

@@ -1,6 +1,7 @@
 """Engine profiles: the measured latency models every prediction in Narwhal prices with.
 
-Pure: no trio and no I/O, except `load_profiles`/`save_profiles` (blocking file access).
+Pure: no trio and no I/O, except `load_profiles`/`read_document`/`save_profiles` (blocking
+file access).
 `narwhal-profile` measures and writes the store; `narwhal-check` verifies the fleet and
 may record measured facts (verified KV lease, crossed-handoff p99) into it.
 """
@@ -44,11 +45,15 @@ from ._store import (
     ProfileCheck as ProfileCheck,
     ProfileStore as ProfileStore,
     StoreBusy as StoreBusy,
+    StoreDocument as StoreDocument,
+    check_document as check_document,
     check_store as check_store,
     crossed_pairs as crossed_pairs,
     load_profiles as load_profiles,
     lock_store as lock_store,
+    parse_document as parse_document,
     pd_server as pd_server,
+    read_document as read_document,
     read_store as read_store,
     save_profiles as save_profiles,
     store_from_json as store_from_json,

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -640,22 +641,56 @@ def lock_store(path: str | os.PathLike[str], *, holder: str) -> Iterator[None]:
         os.close(fd)
 
 
-def read_store(path: str | os.PathLike[str]) -> tuple[ProfileStore | None, list[str]]:
-    """Read and parse a store file; (None, [why]) when it is missing or unreadable."""
+@attrs.frozen
+class StoreDocument:
+    """A store's bytes as read from `source` (a file's path, or where else they were kept),
+    or none (`data` None) with the reason in `problems`; `digest` is their sha256 in hex,
+    what tells two stores apart without parsing them."""
+
+    source: str
+    data: bytes | None
+    problems: tuple[str, ...] = ()
+    digest: str | None = attrs.field(init=False, eq=False)
+
+    @digest.default
+    def _digest(self) -> str | None:
+        return None if self.data is None else hashlib.sha256(self.data).hexdigest()
+
+
+def read_document(path: str | os.PathLike[str]) -> StoreDocument:
+    """A store file's bytes, unparsed; none, with why, when it is missing or unreadable.
+    Blocking."""
     source = os.fspath(path)
     try:
-        text = read_file(source, limit=STORE_FILE_LIMIT).decode("utf-8")
+        data = read_file(source, limit=STORE_FILE_LIMIT)
     except FileNotFoundError:
-        return None, [f"{source}: profile store is missing; run narwhal-profile --config FILE"]
+        missing = f"{source}: profile store is missing; run narwhal-profile --config FILE"
+        return StoreDocument(source, None, (missing,))
     except OSError as exc:
-        return None, [f"{source}: cannot read profile store: {os_reason(exc)}"]
+        unreadable = f"{source}: cannot read profile store: {os_reason(exc)}"
+        return StoreDocument(source, None, (unreadable,))
+    return StoreDocument(source, data)
+
+
+def parse_document(document: StoreDocument) -> tuple[ProfileStore | None, list[str]]:
+    """Parse a store's bytes, as `store_from_json` does its JSON; never raises."""
+    source = document.source
+    if document.data is None:
+        return None, list(document.problems)
+    try:
+        text = document.data.decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, [f"{source}: cannot read profile store: {exc}"]
     try:
-        document = json.loads(text)
+        parsed = json.loads(text)
     except ValueError as exc:
         return None, [f"{source}: not valid JSON: {exc}"]
-    return store_from_json(document, source=source)
+    return store_from_json(parsed, source=source)
+
+
+def read_store(path: str | os.PathLike[str]) -> tuple[ProfileStore | None, list[str]]:
+    """Read and parse a store file; (None, [why]) when it is missing or unreadable."""
+    return parse_document(read_document(path))
 
 
 # -- checking against the configuration ---------------------------------------------------
@@ -815,5 +850,11 @@ def load_profiles(path: str | os.PathLike[str] | None, config: Config) -> Profil
     """Load the store at `path` (default: ``config.profiles.path``) and check it. Never
     raises on bad content; blocking (call it via `trio.to_thread.run_sync` from async code).
     """
-    store, problems = read_store(config.profiles.path if path is None else path)
+    return check_document(read_document(config.profiles.path if path is None else path), config)
+
+
+def check_document(document: StoreDocument, config: Config) -> ProfileCheck:
+    """Parse a store's bytes and check them against the configuration, as `load_profiles`
+    does a file's. Never raises on bad content."""
+    store, problems = parse_document(document)
     return check_store(store, problems, config)

@@ -12,6 +12,8 @@ Invariants
   quarantine's end, a restart hold's recovery.restart_hold_s, a readmission), at once on
   a counted failure, and when another engine leaving placement leaves this one, waiting
   for readmission, the last to take its role's work (`Verdicts.left_placement`).
+  A replica of a cluster starts each loop `index / count` of an interval later than the
+  first member would (its `Share`), so replicas restarted together spread their probes.
   Engines present at startup get one probe before the router reports ready, and
   engines a reload adds get one before placement can see them (`first_probe`): one that
   fails it starts ejected and is probed like any other, so it is readmitted (after a
@@ -73,7 +75,12 @@ class ProbeLoop:
         with trio.CancelScope() as scope:
             record.scope = scope
             task_status.started()
-            next_probe = trio.current_time() + self.ctx.config.recovery.health.interval_s
+            # Replicas of one cluster restarted together would probe each engine at the
+            # same instants for good: each starts its loops a fraction of an interval
+            # apart, by its place among the members.
+            share = self.ctx.fleet.share
+            interval = self.ctx.config.recovery.health.interval_s
+            next_probe = trio.current_time() + interval * (1 + share.index / share.count)
             while True:
                 now = trio.current_time()
                 cut = self.verdicts.backoff_cut(record, now)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import TypeVar
 
 import attrs
@@ -57,6 +58,9 @@ class Verdicts:
         # probed) while the old one is still in placement, until `Recovery.retire` ends it.
         self.replaced: list[EngineRecovery] = []
         self.recent_changes: deque[RecentChange] = deque(maxlen=_RECENT_CHANGES)
+        # Told of every change, after it is recorded: (engine, kind, new, reason). The
+        # cluster service shares ejections and quarantines with the other replicas.
+        self.on_change: Callable[[EngineState, str, str, str], None] | None = None
 
     def record_for(self, engine: EngineState) -> EngineRecovery | None:
         record = self.records.get(engine.id)
@@ -104,6 +108,9 @@ class Verdicts:
                 "reason": reason,
             },
         )
+        record = self.records.get(engine_id)
+        if self.on_change is not None and record is not None:
+            self.on_change(record.engine, kind, new, reason)
 
     def health_changed(self, record: EngineRecovery, change: VerdictChange | None) -> None:
         reason = record.health.ejected_reason

@@ -1,6 +1,7 @@
 """Linking the request path to the profiles and the role controller.
 
-- Profiles: loaded from profiles.path at start and on every reload. Problems (missing
+- Profiles: loaded from profiles.path at start and on every reload (with several
+  replicas, the cluster's store may stand in for it: `narwhal.cluster`). Problems (missing
   file, stale build, an engine without a profile) are logged one per line and shown in
   /narwhal/state; they are never silently ignored. Predictive admission without a single
   usable profile cannot price anything, so the daemon refuses to start (or, on reload,
@@ -33,7 +34,9 @@ from ..profiles import (
     PoorFit,
     ProfileCheck,
     ProfileStore,
-    load_profiles,
+    StoreDocument,
+    check_document,
+    read_document,
 )
 from ..recovery import LegObservation, MonitorPass, Predictor
 from ..serving import DecodeGaps, ServingContext
@@ -77,7 +80,7 @@ class ProfileFindings:
     hear what is still wrong.
     """
 
-    path: str
+    path: str  # profiles.path, or where else the store was read (the cluster's etcd key)
     store: ProfileStore | None
     problems: tuple[str, ...]
     # None: the load gave no usable profile, so no fit was judged, and none went away.
@@ -106,22 +109,52 @@ class ProfileFindings:
 
 
 async def load_fleet_profiles(
-    config: Config, previous: ProfileFindings | None = None
+    config: Config,
+    previous: ProfileFindings | None = None,
+    *,
+    document: StoreDocument | None = None,
 ) -> tuple[FleetProfiles | None, ProfileFindings]:
-    """Load and check profiles.path, and log what is wrong with it: everything at start
-    (`previous` None), what changed since `previous` at a reload."""
-    path = config.profiles.path
+    """Load and check profiles.path (or `document`, a store as read elsewhere: the
+    cluster's), and log what is wrong with it: everything at start (`previous` None), what
+    changed since `previous` at a reload."""
+    if document is None:
+        document = await read_profiles_file(config)
+    profiles, found = await check_fleet_profiles(config, document)
+    report_fleet_profiles(profiles, found, previous)
+    return profiles, found
+
+
+async def read_profiles_file(config: Config) -> StoreDocument:
+    """profiles.path's bytes, unparsed (their digest tells a changed file)."""
     # Abandoned if cancelled: a shutdown during a reload waits on no file.
-    check = await trio.to_thread.run_sync(load_profiles, path, config, abandon_on_cancel=True)
+    return await trio.to_thread.run_sync(
+        read_document, config.profiles.path, abandon_on_cancel=True
+    )
+
+
+async def check_fleet_profiles(
+    config: Config, document: StoreDocument
+) -> tuple[FleetProfiles | None, ProfileFindings]:
+    """Check a store against `config` and the engines' live builds, logging nothing."""
+    check = await trio.to_thread.run_sync(check_document, document, config, abandon_on_cancel=True)
     # A profile measured on another build than the engine runs now is stale (README).
     check = await with_live_builds(check, config)
     profiles = fleet_profiles(config, check)
     fits = tuple(profiles.poor_fits()) if profiles is not None else None
-    found = ProfileFindings(path, check.store, check.messages, fits)
+    return profiles, ProfileFindings(document.source, check.store, check.messages, fits)
+
+
+def report_fleet_profiles(
+    profiles: FleetProfiles | None, found: ProfileFindings, previous: ProfileFindings | None
+) -> None:
+    """Log what a load found: everything at start (`previous` None), what changed since
+    `previous` at a reload."""
+    path = found.path
     news = found.since(previous)
     for message in news.problems:
         log.warning("profile: %s", message, extra={"event": "profile_problem", "problem": message})
     if profiles is not None:
+        check = profiles.check
         log.info(
             "profiles loaded from %s: %d/%d engines usable",
             path,
@@ -168,7 +201,6 @@ async def load_fleet_profiles(
                 "poor_fits": news.unchanged_fits,
             },
         )
-    return profiles, found
 
 
 def fleet_profiles(config: Config, check: ProfileCheck) -> FleetProfiles | None:

@@ -72,7 +72,7 @@ class PoorFitEntry:
 class ProfilesSection:
     path: str | None  # profiles.path
     loaded: bool
-    source: str  # "profiles.path", or "injected" (tests)
+    source: str  # "profiles.path", "cluster" (its etcd key), or "injected" (tests)
     usable_engines: tuple[str, ...]
     problems: tuple[str, ...]
     decode_correction: Mapping[str, float]
@@ -142,13 +142,22 @@ def profiles_section(supervisor: Supervisor) -> ProfilesSection:
     return ProfilesSection(
         path=supervisor.config.profiles.path,
         loaded=source is not None,
-        source="injected" if supervisor.injected_profiles is not None else "profiles.path",
+        source=_profiles_source(supervisor),
         usable_engines=tuple(usable),
         problems=tuple(supervisor.profile_problems),
         decode_correction=corrections,
         max_num_seqs=caps,
         poor_fits=tuple(poor),
     )
+
+
+def _profiles_source(supervisor: Supervisor) -> str:
+    if supervisor.injected_profiles is not None:
+        return "injected"
+    cluster = supervisor.cluster
+    if cluster is not None and cluster.profiles.source == "cluster":
+        return "cluster"
+    return "profiles.path"
 
 
 def listener_url(address: tuple[str, int]) -> str:

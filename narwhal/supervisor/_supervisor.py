@@ -54,7 +54,7 @@ from .._codes import ErrorCode
 from .._errors import Unavailable, os_reason
 from ..admission import ProfileSource
 from ..caches import EngineCaches, events_without_ids_warning
-from ..cluster import ClusterService, replica_name
+from ..cluster import ClusterService, SharedProfiles, replica_name
 from ..config import (
     Config,
     ConfigError,
@@ -67,7 +67,7 @@ from ..config import (
 )
 from ..ctl import ControlServer
 from ..fleet import EngineState, Role
-from ..profiles import FleetProfiles
+from ..profiles import FleetProfiles, StoreDocument
 from ..recovery import HttpProber, Monitor, PassHandler, Predictor, Prober, Recovery
 from ..serving import (
     ADMIN_MAX_CONNECTIONS,
@@ -82,10 +82,13 @@ from ..serving import (
 from ._control import (
     ControlLink,
     ProfileFindings,
+    check_fleet_profiles,
     install_profiles,
     load_fleet_profiles,
     profile_predictor,
+    read_profiles_file,
     recheck_profile_build,
+    report_fleet_profiles,
     require_profiles,
 )
 from ._notify import Notifier
@@ -164,6 +167,9 @@ class Supervisor:
         self._force = trio.Event()
         self._started = trio.Event()
         self._reload_lock = trio.Lock()
+        # Held while a profile store is checked and installed: a reload's, or the
+        # cluster's (`_adopt_cluster_profiles`).
+        self._profiles_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._m_reloads: Counter | None = None
 
@@ -192,10 +198,12 @@ class Supervisor:
         # Before anything is opened: a limit with no room for the retained requests'
         # connections stops startup here (DescriptorLimitError).
         ctx.apply_descriptors(self.open_files.fit(config))
+        profiles_file: StoreDocument | None = None
         if self.injected_profiles is not None:
             install_profiles(ctx, self.injected_profiles, config)
         else:
-            profiles, found = await load_fleet_profiles(config)
+            profiles_file = await read_profiles_file(config)
+            profiles, found = await load_fleet_profiles(config, document=profiles_file)
             self.profile_findings = found
             self.profile_problems = list(found.problems)
             install_profiles(ctx, profiles, config)
@@ -222,9 +230,16 @@ class Supervisor:
         self.caches = ctx.prefix_caches = caches
         cluster = ClusterService(config, replica_name(config))
         self.cluster = cluster
+        if config.cluster.enabled and profiles_file is not None:
+            # One store for every replica: the cluster's, or this one's file published.
+            cluster.profiles.adopt = self._adopt_cluster_profiles
+            cluster.profiles.checked(
+                profiles_file, profiles_file, installed=ctx.profiles is not None
+            )
         link.leads = cluster.leads
         link.moved = lambda engine: cluster.share_facts(engine, "role")
         link.arrival_weight = lambda: ctx.fleet.share.count
+        recovery.verdicts.on_change = cluster.verdict_changed
         ctx.metrics.add_live_gauges(cluster.gauges)
         ctx.state_providers.extend(
             [
@@ -250,15 +265,20 @@ class Supervisor:
                 if self.serve_ctl:
                     server = ControlServer(config.ctl.socket, Operations(self))
                     await nursery.start(server.run)
-                require_profiles(config, ctx.profiles, self.profile_problems)
+                if not config.cluster.enabled:
+                    require_profiles(config, ctx.profiles, self.profile_problems)
+                if config.cluster.enabled:
+                    # Before any listener: this replica admits against its part of the
+                    # capacity from its first request, with the fleet's shared facts.
+                    # Before recovery: a replica that rejoins takes the others' verdicts
+                    # and spreads its probes by its place among them.
+                    await nursery.start(cluster.run, ctx)
+                    # With the cluster's profile store, when it has one.
+                    require_profiles(config, ctx.profiles, self.profile_problems)
                 await nursery.start(recovery.run)
                 await nursery.start(caches.run)
                 await nursery.start(monitor.run)
                 await nursery.start(ctx.loop_lag.run)
-                if config.cluster.enabled:
-                    # Before any listener: this replica admits against its part of the
-                    # capacity from its first request, with the fleet's shared facts.
-                    await nursery.start(cluster.run, ctx)
                 # The admin listener first: the state and metrics of a router that
                 # serves clients must be readable.
                 admin = AdminApp(ctx)
@@ -558,15 +578,36 @@ class Supervisor:
         return ReloadResult(True, path, plan=plan, trigger=trigger)
 
     async def _reload_profiles(self, config: Config, plan: ReloadPlan) -> None:
-        ctx = self.ctx
-        assert ctx is not None
         if self.injected_profiles is not None:
             return
+        async with self._profiles_lock:
+            shared = self._shared_profiles()
+            file = await read_profiles_file(config)
+            # In a cluster, the cluster's store in use unless the operator changed the file.
+            document = file if shared is None else shared.to_check(file)
+            installed = await self._install_reloaded(
+                config, plan, document, keep=shared is not None
+            )
+            if shared is not None:
+                shared.checked(file, document, installed=installed)
+
+    async def _install_reloaded(
+        self, config: Config, plan: ReloadPlan, document: StoreDocument, *, keep: bool
+    ) -> bool:
+        """Price with the reloaded `document` if it gives a usable profile; whether it
+        does. Under predictive admission, or when `keep` (a cluster: its store stays
+        good), unusable profiles leave the previous ones in place."""
+        ctx = self.ctx
+        assert ctx is not None
         previous = ctx.profiles
-        profiles, found = await load_fleet_profiles(config, self.profile_findings)
+        profiles, found = await load_fleet_profiles(
+            config, self.profile_findings, document=document
+        )
         self.profile_findings = found
         problems = list(found.problems)
-        if profiles is None and config.serving.admission == "predictive":
+        if profiles is None and (
+            config.serving.admission == "predictive" or (keep and previous is not None)
+        ):
             # Keep pricing with what we have rather than refuse every request; but not a
             # replaced engine (another url or dialect) with its predecessor's profile.
             if isinstance(previous, FleetProfiles):
@@ -576,7 +617,7 @@ class Supervisor:
                 extra={"event": "profiles_reload", "outcome": "kept", "problems": problems},
             )
             self.profile_problems = problems
-            return
+            return False
         if isinstance(profiles, FleetProfiles) and isinstance(previous, FleetProfiles):
             # Every reload re-reads the profiles: an engine it left alone keeps what was
             # learnt of its decode speed, which started again from 1.0 on each reload
@@ -587,6 +628,38 @@ class Supervisor:
             )
         install_profiles(ctx, profiles, config)
         self.profile_problems = problems
+        return profiles is not None
+
+    def _shared_profiles(self) -> SharedProfiles | None:
+        """The cluster's profile store, when this replica shares one (in a cluster, with
+        profiles read from profiles.path, not injected)."""
+        cluster = self.cluster
+        return None if cluster is None or cluster.profiles.adopt is None else cluster.profiles
+
+    async def _adopt_cluster_profiles(self, document: StoreDocument) -> None:
+        """`SharedProfiles.adopt`: the cluster's store, checked as profiles.path is, and
+        priced with if it gives a usable profile; refused, and said, if not."""
+        ctx, shared = self.ctx, self._shared_profiles()
+        assert ctx is not None
+        assert shared is not None
+        async with self._profiles_lock:
+            # The store in use already, or another value came while a reload ran.
+            if not shared.wants(document):
+                return
+            config = self.config
+            profiles, found = await check_fleet_profiles(config, document)
+            if profiles is None:
+                shared.refused(document, found.problems)
+                return
+            report_fleet_profiles(profiles, found, self.profile_findings)
+            previous = ctx.profiles
+            if isinstance(previous, FleetProfiles):
+                # The engines are the same ones: what was learnt of their decode speed stays.
+                profiles.carry_corrections(previous, (e.id for e in config.engines))
+            install_profiles(ctx, profiles, config)
+            self.profile_findings = found
+            self.profile_problems = list(found.problems)
+            shared.adopted(document)
 
     async def _recheck_profile_build(self, engine: EngineState) -> None:
         """Recovery's `before_release`: `recheck_profile_build`, whose problems the

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.cluster._facts import Fact, apply, decode, encode, fact_of, key_of, parse_key
+from narwhal.cluster._facts import (
+    Fact,
+    Hold,
+    apply,
+    decode,
+    encode,
+    fact_of,
+    key_of,
+    parse_key,
+)
 from narwhal.config import Config, EngineSpec
 from narwhal.fleet import EngineState, Fleet
 
@@ -42,6 +51,13 @@ def test_a_fact_round_trips_through_its_key_and_value() -> None:
     assert decode(PREFIX, key, encode(fact)) == Fact("e/0", "role", "prefill", "r1")
 
 
+@pytest.mark.parametrize("value", [Hold("3 failed probes", 1796620000.25), False])
+def test_a_verdict_round_trips_as_a_hold_or_its_release(value: Hold | bool) -> None:
+    key = key_of(PREFIX, "e/0", "ejected")
+    fact = Fact("e/0", "ejected", value, "r1")
+    assert decode(PREFIX, key, encode(fact)) == fact
+
+
 @pytest.mark.parametrize(
     ("key", "value", "problem"),
     [
@@ -52,6 +68,13 @@ def test_a_fact_round_trips_through_its_key_and_value() -> None:
         (b"/narwhal/facts/e0/role", b'{"value": "both2", "by": "r"}', "is not one of"),
         (b"/narwhal/facts/e0/drained", b'{"value": 1, "by": "r"}', "is not true or false"),
         (b"/narwhal/facts/e0/pinned", b'{"value": true}', "is not a replica name"),
+        (b"/narwhal/facts/e0/ejected", b'{"value": true, "by": "r"}', "not false or an object"),
+        (b"/narwhal/facts/e0/ejected", b'{"value": {"until": 5}, "by": "r"}', "not a string"),
+        (
+            b"/narwhal/facts/e0/quarantined",
+            b'{"value": {"reason": "x", "until": "soon"}, "by": "r"}',
+            "is not a time",
+        ),
     ],
 )
 def test_a_malformed_fact_is_refused_whole_naming_the_problem(

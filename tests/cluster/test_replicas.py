@@ -56,7 +56,9 @@ async def fleet(nursery: trio.Nursery) -> Fleet:
 
 @pytest.fixture
 def start_replica(nursery: trio.Nursery, fleet: Fleet, etcd_three: EtcdCluster) -> StartReplica:
-    async def start(name: str, *, cluster: dict[str, Any] | None = None) -> Replica:
+    async def start(
+        name: str, *, cluster: dict[str, Any] | None = None, **sections: dict[str, Any]
+    ) -> Replica:
         document = fleet_config(
             fleet,
             ["prefill", "decode"],
@@ -68,6 +70,7 @@ def start_replica(nursery: trio.Nursery, fleet: Fleet, etcd_three: EtcdCluster) 
                 "request_timeout_s": 0.5,
                 **(cluster or {}),
             },
+            **sections,
         )
         config = load_config(document)
         supervisor = Supervisor(config, open_files=FakeFileLimit().limit())
@@ -224,3 +227,55 @@ async def test_a_second_live_replica_with_a_name_in_use_is_refused_naming_it(
         await start_replica("a")
     # After waiting out a lease TTL in case it was its own previous process's key.
     assert refused.group_contains(ClusterUnavailable, match="replica id 'a' is in use")
+
+
+def _why_out(replica: Replica, engine_id: str) -> str | None:
+    return _engine(replica, engine_id).unavailable_reason(trio.current_time())
+
+
+async def test_a_quarantine_on_one_replica_holds_the_engine_out_on_every_replica(
+    start_replica: StartReplica, fleet: Fleet
+) -> None:
+    recovery = {"failure_quarantine_s": 30.0}
+    a = await start_replica("a", recovery=recovery)
+    b = await start_replica("b", recovery=recovery)
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    fleet[0].set_faults(error_status=503, leg="prefill", count=1)
+    await _complete(a)  # its prefill leg fails on p0, and a quarantines p0
+    assert _why_out(a, "p0") == "quarantined"
+    await wait_for(lambda: _why_out(b, "p0") is not None, within_s=5)
+    assert _why_out(b, "p0") == "quarantined by replica a: counted prefill failure " + (
+        "(engine_http_503); excluded from placement for recovery.failure_quarantine_s=30.0"
+    )
+    assert b.supervisor.recovery is not None
+    # b's own verdicts are untouched: the hold is a's, and b's probes go on.
+    assert b.supervisor.recovery.state().engines["p0"].quarantine.active is False
+    # A replica joining later takes it from etcd before it serves.
+    c = await start_replica("c", recovery=recovery)
+    assert (_why_out(c, "p0") or "").startswith("quarantined by replica a")
+    # A replica's verdicts leave with it.
+    a.stop()
+    await wait_for(lambda: _why_out(b, "p0") is None and _why_out(c, "p0") is None, within_s=5)
+
+
+async def test_an_ejection_is_shared_and_its_readmission_releases_every_replica(
+    start_replica: StartReplica, fleet: Fleet
+) -> None:
+    # a probes often; b so rarely that it sees p0 fail only through a.
+    fast = {"health": {"interval_s": 0.1, "failure_threshold": 1, "readmit_successes": 1}}
+    a = await start_replica("a", recovery=fast)
+    b = await start_replica("b", recovery={"health": {"interval_s": 600.0}})
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    fleet[0].set_faults(unhealthy=True)
+    await wait_for(lambda: (_why_out(a, "p0") or "").startswith("ejected"), within_s=5)
+    await wait_for(lambda: _why_out(b, "p0") is not None, within_s=5)
+    assert (_why_out(b, "p0") or "").startswith("ejected by replica a: ")
+    assert b.supervisor.recovery is not None
+    assert b.supervisor.recovery.state().engines["p0"].health.verdict.verdict.value == "up"
+    with pytest.raises(trio.TooSlowError):  # nothing else lets it go early
+        await wait_for(lambda: _why_out(b, "p0") is None, within_s=1)
+    fleet[0].clear_faults()
+    # a verifies p0 and readmits it; b follows without a probe or verification of its own.
+    await wait_for(lambda: _why_out(a, "p0") is None, within_s=10)
+    await wait_for(lambda: _why_out(b, "p0") is None, within_s=5)
+    assert b.supervisor.recovery.state().engines["p0"].last_verification is None

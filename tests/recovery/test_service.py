@@ -20,7 +20,7 @@ import trio.testing
 from narwhal._records import to_json
 from narwhal.config import Config, Secret
 from narwhal.ctl import CtlRequest
-from narwhal.fleet import EngineState, Role, key_refused, model_refused
+from narwhal.fleet import EngineState, Role, Share, key_refused, model_refused
 from narwhal.recovery import (
     BreakerState,
     ContextReading,
@@ -2572,3 +2572,24 @@ async def test_a_replaced_engine_is_probed_as_one_engine_not_two(
     record = rig.recovery.record("d0")
     assert record is not None
     assert record.engine is new
+
+
+@pytest.mark.parametrize(("index", "count", "first_s"), [(0, 1, 1.0), (1, 2, 1.5), (2, 4, 1.5)])
+async def test_a_replica_starts_its_probe_loops_by_its_place_among_the_members(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    index: int,
+    count: int,
+    first_s: float,
+) -> None:
+    # Replicas restarted together would otherwise probe every engine at the same instants
+    # for as long as they run (the interval here is 1 s).
+    prober = FakeProber()
+    ctx = ServingContext(with_peer("decode"))
+    ctx.fleet.apply_share(ctx.config, Share(index=index, count=count))
+    recovery = Recovery(ctx, prober=prober)
+    t0 = trio.current_time()
+    await nursery.start(recovery.run)
+    await trio.sleep_until(t0 + first_s + 1.2)
+    d0 = [round(at - t0, 6) for engine, at in prober.probes if engine == "d0"]
+    assert d0 == [0.0, first_s, first_s + 1.0]  # the startup probe, then the loop's
