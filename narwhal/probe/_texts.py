@@ -2,13 +2,17 @@
 
 English-like prose from a fixed vocabulary, so the engine's tokenizer sees ordinary word
 and punctuation statistics (the chars-per-token ratio measured on these texts is the one
-the router's character fallback needs). Every prompt starts with a distinct serial, so no
-two prompts share a prefix and an engine's prefix cache cannot shorten a measured prefill.
+the router's character fallback needs). Every prompt starts with a distinct serial and a
+nonce of its `TextMaker`, so no two prompts share a prefix, within a run or across runs,
+and an engine's prefix cache cannot shorten a measured prefill. (With the seed alone, a
+second narwhal-profile of an engine that kept its cache sent it the first run's prompts
+again, and timed cache hits as cold prefills.)
 """
 
 from __future__ import annotations
 
 import random
+import secrets
 
 _VOCAB = (  # noqa: SIM905 (a word list reads better as prose)
     "the of and to in is was for on as with by at from that this it be are or an not which "
@@ -31,6 +35,7 @@ class TextMaker:
     def __init__(self, seed: int | str = 0) -> None:
         self._rng = random.Random(seed)
         self._serial = 0
+        self._nonce = secrets.token_hex(3)
 
     def text(self, chars: int) -> str:
         self._serial += 1
@@ -42,7 +47,7 @@ class TextMaker:
             while sum(len(w) + 1 for w in words) < chars:
                 words.append(rng.choice(_VOCAB))
             return " ".join(words).capitalize() or "Hello"
-        parts = [f"Record {self._serial:06d} {rng.randrange(10**6):06d}."]
+        parts = [f"Record {self._nonce} {self._serial:06d} {rng.randrange(10**6):06d}."]
         size = len(parts[0])
         sentence = 0
         while size < chars:
