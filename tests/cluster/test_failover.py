@@ -144,3 +144,42 @@ def test_without_its_cluster_the_daemon_does_not_start_and_says_why(tmp_path: Pa
     last = done.stderr.decode().strip().splitlines()[-1]
     assert last.startswith("narwhal: cannot join the cluster within 3 s"), last
     assert "cluster.endpoints=['http://127.0.0.1:9']" in last
+
+
+async def test_a_replica_with_worker_processes_takes_its_part_and_shares_its_facts(
+    nursery: trio.Nursery, launch: Launch, etcd_three: EtcdCluster
+) -> None:
+    # serving.workers: the decision core holds the gate and the limiters the split sets,
+    # and narwhalctl on it speaks for the cluster as on any replica.
+    fleet = await start_fleet(nursery, 2, speed=5.0)
+
+    def config(name: str, workers: int) -> dict[str, Any]:
+        return document(
+            fleet,
+            ["prefill", "decode"],
+            serving={"admission": "open", "workers": workers, "max_connections": 64},
+            cluster={
+                "endpoints": etcd_three.endpoints,
+                "replica_id": name,
+                "lease_ttl_s": TTL_S,
+                "request_timeout_s": 0.5,
+            },
+        )
+
+    a = await launch(config("a", 2))
+    b = await launch(config("b", 1))
+    for daemon in (a, b):
+        await _until(daemon, lambda s: s["members"] == ["a", "b"], within_s=15)
+    assert [(await _cluster(d))["max_admitted"] for d in (a, b)] == [32, 32]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for daemon in (a, b):
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+            response = await client.post(f"{daemon.url}/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+    done = await a.ctl("drain", "d1")
+    assert done.returncode == 0, done.stderr
+    with trio.fail_after(10):
+        while True:
+            if (await b.state())["recovery"]["engines"]["d1"]["drained"]:
+                break
+            await trio.sleep(0.05)
