@@ -74,8 +74,8 @@ class SharedProfiles:
         self._publish_wanted = trio.Event()
 
     def __repr__(self) -> str:
-        digest = self.digest[:12] if self.digest else None
-        return f"<SharedProfiles {self.key.decode(errors='replace')} [{self.source}: {digest}]>"
+        key = self.key.decode(errors="replace")
+        return f"<SharedProfiles {key} [{self.source}: {self.digest_shown}]>"
 
     def pending(self) -> tuple[StoreDocument, bool] | None:
         """The store waiting to be written to the key, and whether only if it is absent."""
@@ -90,6 +90,11 @@ class SharedProfiles:
     def digest(self) -> str | None:
         """The sha256 of the store in use (hex)."""
         return None if self.in_use is None else self.in_use.digest
+
+    @property
+    def digest_shown(self) -> str | None:
+        """`digest` as /narwhal/state and the log show it."""
+        return _short(self.digest)
 
     # ------------------------------------------------------------ decisions (no I/O)
 

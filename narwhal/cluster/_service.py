@@ -478,7 +478,7 @@ class ClusterService:
             connected_for_s=round(now - view.since, 3),
             max_admitted=max(1, self._share.of(max_connections)),
             profiles_source=self.profiles.source,
-            profiles_digest=self.profiles.digest[:12] if self.profiles.digest else None,
+            profiles_digest=self.profiles.digest_shown,
             holds=self._hold_sections(),
         )
 

@@ -195,10 +195,9 @@ class Controller:
                 max(rx.decode_correction_min, self._decode_correction(engine.id)),
             )
             unseen = 0  # KV made by non-streaming decode legs, as admission estimates it
-            load = engine.load.statistics()
             # This replica's ledger times the members: the fleet's load, as admission
             # estimates it (`EngineState.load_scale`); the view is scaled already.
-            n = engine.load_scale
+            load = engine.load.statistics().scaled(engine.load_scale)
             if load.unstreamed_legs and profile is not None:
                 view = engine.view(now)
                 unseen = round(unstreamed_tokens(view, profile.decode, correction))
@@ -211,21 +210,21 @@ class Controller:
                     pinned=engine.pinned,
                     fixed_role=engine.fixed_role,
                     since_role_change_s=self.state.since_role_change(engine.id, now),
-                    decode_active=load.decode_active * n,
-                    decode_tokens=load.decode_tokens * n + unseen,
-                    decode_pending=load.decode_pending * n,
-                    decode_pending_tokens=load.decode_pending_tokens * n,
-                    prefill_inflight=load.prefill_inflight * n,
-                    prefill_tokens_inflight=load.prefill_tokens_inflight * n,
+                    decode_active=load.decode_active,
+                    decode_tokens=load.decode_tokens + unseen,
+                    decode_pending=load.decode_pending,
+                    decode_pending_tokens=load.decode_pending_tokens,
+                    prefill_inflight=load.prefill_inflight,
+                    prefill_tokens_inflight=load.prefill_tokens_inflight,
                     # Prefills waiting for one of the router's slots
                     # (serving.prefill_concurrency) are work the engine will do: without
                     # them a capped pool looked idle however long its queue.
                     prefill_work_s=prefill_work_s(
                         profile or mean,
-                        (load.prefill_inflight + load.prefill_queued) * n,
-                        (load.prefill_tokens_inflight + load.prefill_queued_tokens) * n,
+                        load.prefill_inflight + load.prefill_queued,
+                        load.prefill_tokens_inflight + load.prefill_queued_tokens,
                     ),
-                    handoffs_pending=load.handoffs_pending * n,
+                    handoffs_pending=load.handoffs_pending,
                     profile=profile,
                     decode_interval_s=total / count if count else None,
                     decode_correction=correction,

@@ -55,6 +55,26 @@ class LoadStatistics:
     unstreamed_legs: int = 0
     awaiting_first_token: int = 0
 
+    def scaled(self, n: int) -> LoadStatistics:
+        """The load `n` times over: the fleet's, estimated from one of `n` replicas'
+        ledgers (`EngineState.load_scale`). The leg counter stays this ledger's."""
+        if n == 1:
+            return self
+        return LoadStatistics(
+            legs_started=self.legs_started,
+            prefill_queued=self.prefill_queued * n,
+            prefill_queued_tokens=self.prefill_queued_tokens * n,
+            prefill_inflight=self.prefill_inflight * n,
+            prefill_tokens_inflight=self.prefill_tokens_inflight * n,
+            handoffs_pending=self.handoffs_pending * n,
+            decode_pending=self.decode_pending * n,
+            decode_pending_tokens=self.decode_pending_tokens * n,
+            decode_active=self.decode_active * n,
+            decode_tokens=self.decode_tokens * n,
+            unstreamed_legs=self.unstreamed_legs * n,
+            awaiting_first_token=self.awaiting_first_token * n,
+        )
+
 
 class Claim:
     """Load taken from a ledger, given back once: by `release()` (idempotent) or on

@@ -431,7 +431,7 @@ class ServingContext:
         into a queue twice the one it priced (the replicas benchmark, docs/benchmarks.md).
         A balancer sending in turn splits each burst between the replicas: their books
         rise and fall together, and the book's own value now beat its recent mean as
-        the guess of the others' (58.5 against 63.4 req/s of goodput with two replicas).
+        the guess of the others' (58.5 against 63.0 req/s of goodput with two replicas).
         The lag and KV turnover are observed on the engines' answers, so they are the
         fleet's already.
         """

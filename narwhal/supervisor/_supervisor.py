@@ -43,7 +43,7 @@ second request skips the rest of the grace.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -265,16 +265,14 @@ class Supervisor:
                 if self.serve_ctl:
                     server = ControlServer(config.ctl.socket, Operations(self))
                     await nursery.start(server.run)
-                if not config.cluster.enabled:
-                    require_profiles(config, ctx.profiles, self.profile_problems)
                 if config.cluster.enabled:
                     # Before any listener: this replica admits against its part of the
                     # capacity from its first request, with the fleet's shared facts.
                     # Before recovery: a replica that rejoins takes the others' verdicts
                     # and spreads its probes by its place among them.
                     await nursery.start(cluster.run, ctx)
-                    # With the cluster's profile store, when it has one.
-                    require_profiles(config, ctx.profiles, self.profile_problems)
+                # With the cluster's profile store, when it has one.
+                require_profiles(config, ctx.profiles, self.profile_problems)
                 await nursery.start(recovery.run)
                 await nursery.start(caches.run)
                 await nursery.start(monitor.run)
@@ -618,17 +616,31 @@ class Supervisor:
             )
             self.profile_problems = problems
             return False
+        # Every reload re-reads the profiles: an engine it left alone keeps what was
+        # learnt of its decode speed, which started again from 1.0 on each reload (a key
+        # rotation reset the whole fleet's TPOT pricing).
+        changed = {*plan.engines_added, *plan.engines_replaced, *plan.engines_removed}
+        kept = [e.id for e in config.engines if e.id not in changed]
+        self._price_with(profiles, problems, config, carry=kept)
+        return profiles is not None
+
+    def _price_with(
+        self,
+        profiles: FleetProfiles | None,
+        problems: list[str],
+        config: Config,
+        *,
+        carry: Iterable[str],
+    ) -> None:
+        """Price with `profiles` from now on; the engines in `carry` keep what was learnt
+        of their decode speed under the previous ones."""
+        ctx = self.ctx
+        assert ctx is not None
+        previous = ctx.profiles
         if isinstance(profiles, FleetProfiles) and isinstance(previous, FleetProfiles):
-            # Every reload re-reads the profiles: an engine it left alone keeps what was
-            # learnt of its decode speed, which started again from 1.0 on each reload
-            # (a key rotation reset the whole fleet's TPOT pricing).
-            changed = {*plan.engines_added, *plan.engines_replaced, *plan.engines_removed}
-            profiles.carry_corrections(
-                previous, (e.id for e in config.engines if e.id not in changed)
-            )
+            profiles.carry_corrections(previous, carry)
         install_profiles(ctx, profiles, config)
         self.profile_problems = problems
-        return profiles is not None
 
     def _shared_profiles(self) -> SharedProfiles | None:
         """The cluster's profile store, when this replica shares one (in a cluster, with
@@ -639,8 +651,7 @@ class Supervisor:
     async def _adopt_cluster_profiles(self, document: StoreDocument) -> None:
         """`SharedProfiles.adopt`: the cluster's store, checked as profiles.path is, and
         priced with if it gives a usable profile; refused, and said, if not."""
-        ctx, shared = self.ctx, self._shared_profiles()
-        assert ctx is not None
+        shared = self._shared_profiles()
         assert shared is not None
         async with self._profiles_lock:
             # The store in use already, or another value came while a reload ran.
@@ -652,13 +663,11 @@ class Supervisor:
                 shared.refused(document, found.problems)
                 return
             report_fleet_profiles(profiles, found, self.profile_findings)
-            previous = ctx.profiles
-            if isinstance(previous, FleetProfiles):
-                # The engines are the same ones: what was learnt of their decode speed stays.
-                profiles.carry_corrections(previous, (e.id for e in config.engines))
-            install_profiles(ctx, profiles, config)
+            # The engines are the same ones: what was learnt of their decode speed stays.
+            self._price_with(
+                profiles, list(found.problems), config, carry=[e.id for e in config.engines]
+            )
             self.profile_findings = found
-            self.profile_problems = list(found.problems)
             shared.adopted(document)
 
     async def _recheck_profile_build(self, engine: EngineState) -> None:

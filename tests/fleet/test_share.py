@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from narwhal.config import Config, EngineSpec, Serving
-from narwhal.fleet import Fleet, Share
+from narwhal.fleet import Fleet, LoadStatistics, Share
 from narwhal.serving import ServingContext
 
 
@@ -126,3 +126,11 @@ async def test_the_booked_prefill_backlog_is_priced_as_the_fleets() -> None:
     assert ctx.load_signals(10.1).backlog_s["p0"] == pytest.approx(0.45)
     ctx.apply_share(Share())
     assert ctx.load_signals(10.0).backlog_s["p0"] == 0.25
+
+
+def test_a_replicas_load_statistics_scale_to_the_fleets_but_its_leg_counter() -> None:
+    load = LoadStatistics(legs_started=7, prefill_inflight=1, decode_active=2, decode_tokens=300)
+    assert load.scaled(1) is load
+    assert load.scaled(3) == LoadStatistics(
+        legs_started=7, prefill_inflight=3, decode_active=6, decode_tokens=900
+    )

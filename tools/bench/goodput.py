@@ -519,7 +519,8 @@ class Failover:
             "on_killed_replica_failed": lost,
             "elsewhere_failed": other_failed,
             "elsewhere_failures": dict(failed),
-            "requests_redispatched_to": run.loadgen.get("targets_down"),
+            # Replicas the balancer stopped sending to (refused connections): the killed one.
+            "replicas_marked_down": run.loadgen.get("targets_down"),
         }
 
 
