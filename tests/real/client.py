@@ -11,9 +11,11 @@ import itertools
 import json
 import os
 import signal
-import threading
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -166,52 +168,70 @@ def _signal(pids: list[int], signum: int) -> None:
             pass  # killed meanwhile: the crash tests do that
 
 
+class Pacer:
+    """Model processes let run `on_s` and stopped (SIGSTOP) `off_s` in turn by a child
+    process at real-time priority (`pacer.py`), from `start` until `halt`, which leaves
+    them stopped.
+
+    Not by the test process: while a real engine generates, this box leaves other
+    processes of its priority unscheduled for up to half a second, and in CI a pacer in
+    the test process let a 1500-token stream be made in one "2 ms" step."""
+
+    def __init__(self, pids: list[int], *, on_s: float, off_s: float) -> None:
+        self.pids = pids
+        self._argv = [sys.executable, str(_PACER), str(on_s), str(off_s), *map(str, pids)]
+        self._child: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        _signal(self.pids, signal.SIGSTOP)  # stopped until the child takes over
+        self._child = subprocess.Popen(self._argv)
+
+    def halt(self) -> None:
+        """Stop pacing, the processes stopped; blocks until the child has exited (at
+        most one `on_s` slice after the SIGTERM)."""
+        child, self._child = self._child, None
+        if child is None:
+            return
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        _signal(self.pids, signal.SIGSTOP)  # whatever the child did last
+
+
+_PACER = Path(__file__).with_name("pacer.py")
+
+
 @asynccontextmanager
 async def stepping(
     pids: list[int], *, step_s: float = 0.002, rest_s: float = 0.05
 ) -> AsyncIterator[Callable[[], Awaitable[None]]]:
-    """Model processes stopped (SIGSTOP) and let run `step_s` at a time, every `rest_s`,
-    so a stream advances by the few tokens a step makes (0-30 here for 2 ms) however
-    slowly the client reads. Yields `halt`: stop stepping and leave them stopped. All are
-    continued at the end.
+    """Model processes stopped (SIGSTOP) and let run `step_s` at a time, every `rest_s`
+    (`Pacer`), so a stream advances by the few tokens a step makes (0-30 here for 2 ms)
+    however slowly the client reads. Yields `halt`: stop stepping and leave them
+    stopped. All are continued at the end.
 
     `Throttle`'s share of each period bounds nothing on this box: the tiny model makes a
     1500-token stream in well under a second of CPU, and with vLLM's core paced at 1 %
     the whole stream was made by the client's third event."""
-    scope = trio.CancelScope()
-    halted = trio.Event()
-
-    async def run() -> None:
-        try:
-            with scope:
-                while True:
-                    _signal(pids, signal.SIGCONT)
-                    await trio.sleep(step_s)
-                    _signal(pids, signal.SIGSTOP)
-                    await trio.sleep(rest_s)
-        finally:
-            _signal(pids, signal.SIGSTOP)
-            halted.set()
+    pacer = Pacer(pids, on_s=step_s, off_s=rest_s)
 
     async def halt() -> None:
-        scope.cancel()
-        await halted.wait()
+        await trio.to_thread.run_sync(pacer.halt)
 
-    _signal(pids, signal.SIGSTOP)
+    pacer.start()
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run)
-            try:
-                yield halt
-            finally:
-                scope.cancel()
+        yield halt
     finally:
+        await trio.to_thread.run_sync(pacer.halt)
         _signal(pids, signal.SIGCONT)
 
 
 class Throttle:
     """Model processes (vLLM's EngineCore, SGLang's scheduler) let run for `share` of each
-    `period_s` and stopped (SIGSTOP) for the rest, by a thread of the test process.
+    `period_s` and stopped (SIGSTOP) for the rest (`Pacer`).
 
     The tiny model makes a whole 1500-token stream in a few seconds, and a test staged at
     a stream's third event must find it still in progress. Neither a lower CPU priority
@@ -224,33 +244,15 @@ class Throttle:
 
     def __init__(self, pids: list[int], *, share: float = 0.2, period_s: float = 0.1) -> None:
         self._pids = pids
-        self._on_s = period_s * share
-        self._off_s = period_s - self._on_s
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._pace, name="throttle", daemon=True)
+        self._pacer = Pacer(pids, on_s=period_s * share, off_s=period_s * (1 - share))
 
     def __enter__(self) -> Throttle:
-        self._thread.start()
+        self._pacer.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._end_pacing()
+        self._pacer.halt()
         _signal(self._pids, signal.SIGCONT)
-
-    def _pace(self) -> None:
-        while True:
-            _signal(self._pids, signal.SIGCONT)
-            if self._halt.wait(self._on_s):
-                break
-            _signal(self._pids, signal.SIGSTOP)
-            if self._halt.wait(self._off_s):
-                break
-        _signal(self._pids, signal.SIGSTOP)
-
-    def _end_pacing(self) -> None:
-        self._halt.set()
-        if self._thread.is_alive():
-            self._thread.join()  # at most one slice: the wait above wakes at once
 
     @contextmanager
     def stopped(self, *others: int) -> Iterator[None]:
@@ -259,7 +261,7 @@ class Throttle:
         where it is: on this box vLLM's API server, not its core, sets a tiny model's
         pace, and it streams out what the core made before the stop (1000 tokens took
         1.7 s with the core paced at a fifth and free alike, 900 of them in one burst)."""
-        self._end_pacing()
+        self._pacer.halt()
         _signal(list(others), signal.SIGSTOP)
         try:
             yield
