@@ -195,9 +195,9 @@ class Controller:
                 max(rx.decode_correction_min, self._decode_correction(engine.id)),
             )
             unseen = 0  # KV made by non-streaming decode legs, as admission estimates it
-            # This replica's ledger times the members: the fleet's load, as admission
-            # estimates it (`EngineState.load_scale`); the view is scaled already.
-            load = engine.load.statistics().scaled(engine.load_scale)
+            # The fleet's load, as admission estimates it (`EngineState.fleet_load`);
+            # the view is the fleet's already.
+            load = engine.fleet_load(now)
             if load.unstreamed_legs and profile is not None:
                 view = engine.view(now)
                 unseen = round(unstreamed_tokens(view, profile.decode, correction))

@@ -15,6 +15,7 @@ from ._load import (
     EngineLoad as EngineLoad,
     Generated as Generated,
     LoadStatistics as LoadStatistics,
+    SeenLoad as SeenLoad,
 )
 from ._model import model_refused as model_refused, names_model as names_model
 from ._share import Share as Share

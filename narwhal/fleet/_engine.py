@@ -34,7 +34,7 @@ import trio
 
 from ..config import Config, EngineSpec
 from ..engines import Connect, ConnectionPool, Dialect, dialect_for
-from ._load import EngineLoad
+from ._load import EngineLoad, LoadStatistics, SeenLoad
 from ._share import Share
 
 Role = Literal["prefill", "decode", "both"]
@@ -168,6 +168,8 @@ class EngineState:
         # and the phases it has none of, which it must not place here.
         self._share = Share()
         self._share_offset = 0
+        # The other replicas' legs on the engine, from its last scrape (`saw_engine_load`).
+        self._seen: SeenLoad | None = None
         self._whole_limits: dict[str, float] = {}
         self._no_share: frozenset[str] = frozenset()
         self._apply_limits(config)
@@ -515,21 +517,73 @@ class EngineState:
         others were filling too."""
         return self._share.count
 
+    def saw_engine_load(self, requests: float, now: float, valid_s: float) -> None:
+        """The engine's /metrics reported `requests` running or waiting (the monitor's
+        scrape, as it arrives): with other replicas, those beyond this replica's legs on
+        it are theirs (`SeenLoad`), trusted for `valid_s`. By the engine's role they are
+        prefill or decode legs; on an engine of both, in the proportion of this
+        replica's own (decode when it has none there)."""
+        if self._share.count == 1:
+            self._seen = None
+            return
+        load, last = self.load, self._seen
+        prefill, decode = load.prefill_inflight, load.decode_active
+        others = max(0, round(requests) - prefill - decode)
+        if self._role == "prefill":
+            theirs_prefill = others
+        elif self._role == "decode" or not prefill:
+            theirs_prefill = 0
+        else:
+            theirs_prefill = round(others * prefill / (prefill + decode))
+        self._seen = SeenLoad(
+            prefill=theirs_prefill,
+            decode=others - theirs_prefill,
+            prefill_tokens=load.prefill_tokens_inflight / prefill
+            if prefill
+            else (last.prefill_tokens if last is not None else 0.0),
+            decode_tokens=load.decode_tokens / decode
+            if decode
+            else (last.decode_tokens if last is not None else 0.0),
+            until=now + valid_s,
+        )
+
+    def seen_load(self, now: float) -> SeenLoad | None:
+        """The other replicas' legs on the engine at the last scrape, while it is
+        trusted; None for one replica, or without a recent scrape."""
+        seen = self._seen
+        if seen is None or now > seen.until or self._share.count == 1:
+            return None
+        return seen
+
+    def fleet_load(self, now: float) -> LoadStatistics:
+        """The engine's load as the fleet's: this replica's ledger plus the other
+        replicas' legs its last scrape showed (`seen_load`), or, without one, the
+        ledger times the member count (`load_scale`). Times the members alone, each of
+        two replicas priced its own commits twice and the other's not at all, and their
+        admitted prefills missed TTFT (the replicas benchmark, docs/benchmarks.md)."""
+        own = self.load.statistics()
+        seen = self.seen_load(now)
+        return own.scaled(self._share.count) if seen is None else own.with_others(seen)
+
     def view(self, now: float) -> EngineView:
-        """The engine's load as the fleet's (`load_scale`); its free slots are this
+        """The engine's load as the fleet's (`fleet_load`); its free slots are this
         replica's part of them."""
         load, n = self.load, self._share.count
+        # One replica reads its ledger's counters directly: placement asks this of
+        # every engine for every request.
+        fleet: EngineLoad | LoadStatistics = load if n == 1 else self.fleet_load(now)
         return EngineView(
             id=self.id,
             role=self._role,
             prefill_blocked=self.unavailable_reason(now, "prefill"),
             decode_blocked=self.unavailable_reason(now, "decode"),
-            prefill_inflight=load.prefill_inflight * n,
-            prefill_tokens_inflight=(load.prefill_tokens_inflight + load.prefill_queued_tokens) * n,
+            prefill_inflight=fleet.prefill_inflight,
+            prefill_tokens_inflight=fleet.prefill_tokens_inflight + fleet.prefill_queued_tokens,
             prefill_slots_free=self.prefill_limiter.available_tokens,
-            decode_active=(load.decode_active + load.decode_pending) * n,
-            decode_tokens=(load.decode_tokens + load.decode_pending_tokens) * n,
+            decode_active=fleet.decode_active + fleet.decode_pending,
+            decode_tokens=fleet.decode_tokens + fleet.decode_pending_tokens,
             decode_slots_free=self.decode_limiter.available_tokens,
+            # Not in an engine's /metrics: this ledger's, times the members.
             handoffs_pending=load.handoffs_pending * n,
             first_token_wait_s=load.first_token_wait_s(now),
             unstreamed_age_s=load.unstreamed_age_s(now) * n,

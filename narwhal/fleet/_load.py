@@ -75,6 +75,34 @@ class LoadStatistics:
             awaiting_first_token=self.awaiting_first_token * n,
         )
 
+    def with_others(self, seen: SeenLoad) -> LoadStatistics:
+        """This ledger's load plus the other replicas' legs seen on the engine: the
+        fleet's, estimated from the engine's own report rather than from this ledger
+        alone (`scaled`)."""
+        return attrs.evolve(
+            self,
+            prefill_inflight=self.prefill_inflight + seen.prefill,
+            prefill_tokens_inflight=self.prefill_tokens_inflight
+            + round(seen.prefill * seen.prefill_tokens),
+            decode_active=self.decode_active + seen.decode,
+            decode_tokens=self.decode_tokens + round(seen.decode * seen.decode_tokens),
+        )
+
+
+@attrs.frozen
+class SeenLoad:
+    """The other replicas' legs on one engine, as its own /metrics showed them: the
+    requests it reported running or waiting less this replica's legs on it then, by
+    phase (`EngineState.saw_engine_load`), each taken to hold what this replica's legs
+    of that phase held on average. Trusted until `until`, a few monitor passes."""
+
+    prefill: int
+    decode: int
+    # Prompt tokens per prefill leg; KV tokens per decode leg.
+    prefill_tokens: float
+    decode_tokens: float
+    until: float
+
 
 class Claim:
     """Load taken from a ledger, given back once: by `release()` (idempotent) or on

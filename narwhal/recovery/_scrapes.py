@@ -45,6 +45,11 @@ from ._host import MonitorHost
 
 log = logging.getLogger("narwhal.monitor")
 
+# How many monitor intervals an engine's reported load stands for the other replicas'
+# legs on it (`EngineState.seen_load`); after that pricing falls back to this replica's
+# ledger times the members. A late or missed scrape is not yet a stale estimate.
+SEEN_LOAD_PASSES = 3
+
 
 @attrs.define(eq=False)
 class _Scrape:
@@ -192,6 +197,10 @@ class Scrapes:
         engine = scrape.engine
         try:
             scrape.sample = sample = await self.prober.scrape(engine, self.ctx.config)
+            # With other replicas, what the engine runs beyond this one's legs is theirs
+            # (pricing's estimate of the fleet's load), trusted for a few passes.
+            trusted_s = SEEN_LOAD_PASSES * self.ctx.config.controller.monitor_interval_s
+            engine.saw_engine_load(sample.running + sample.waiting, trio.current_time(), trusted_s)
             self._observe(engine, sample)
         except ScrapeError as exc:
             scrape.error = str(exc)

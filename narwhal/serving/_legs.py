@@ -417,7 +417,7 @@ class Leg:
                         timer.deadline = now + gap
                         self._first_token(now, started, release, first_token_seen)
                     if step.tokens:
-                        load.add(engine, step.gaps)
+                        load.add(engine, step.gaps, now)
                         if growth is not None:
                             growth.add(step.tokens)
                     if growth is not None:

@@ -36,7 +36,7 @@ from typing import NamedTuple
 from ..engines import SseEvent, SseKind, SseScanner
 from ..engines._dialects import usage_tokens
 from ..engines._sse import SseOverflow
-from ..fleet import EngineState
+from ..fleet import EngineLoad, EngineState, LoadStatistics
 from ._context import DecodeGaps
 from ._failure import FailureKind
 
@@ -211,11 +211,14 @@ class GapLoad:
         self.prefill = False
         self.longest_write_s = 0.0
 
-    def add(self, engine: EngineState, gaps: int) -> None:
+    def add(self, engine: EngineState, gaps: int, now: float) -> None:
         if gaps <= 0:
             return
-        load, n = engine.load, engine.load_scale  # the fleet's load, as pricing sees it
-        active, kv = load.decode_active * n, load.decode_tokens * n
+        # The fleet's load, as pricing sees it (one replica's ledger is the fleet's).
+        load: EngineLoad | LoadStatistics = (
+            engine.load if engine.load_scale == 1 else engine.fleet_load(now)
+        )
+        active, kv = load.decode_active, load.decode_tokens
         self.active += gaps * active
         self.kv_tokens += gaps * kv
         self.max_active = max(self.max_active, active)

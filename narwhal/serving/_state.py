@@ -203,6 +203,14 @@ class EnginePools:
 
 
 @attrs.frozen(kw_only=True)
+class OtherReplicasLegs:
+    """The other replicas' legs on the engine at its last scrape (`SeenLoad`)."""
+
+    prefill: int
+    decode: int
+
+
+@attrs.frozen(kw_only=True)
 class EngineSection:
     id: str
     url: str
@@ -216,6 +224,9 @@ class EngineSection:
     prefill: PrefillSlots
     decode: DecodeSlots
     handoffs_pending: int
+    # None for one replica, or without a recent scrape (pricing then takes this
+    # replica's ledger times the members).
+    other_replicas: OtherReplicasLegs | None
     context: EngineContext
     pools: EnginePools
 
@@ -254,6 +265,7 @@ def _projection_errors(stats: ErrorStatistics) -> ProjectionErrorsSection:
 def engine_section(engine: EngineState, now: float) -> EngineSection:
     reason = engine.unavailable_reason(now)
     load = engine.load.statistics()
+    seen = engine.seen_load(now)
     return EngineSection(
         id=engine.id,
         url=engine.spec.url,
@@ -283,6 +295,9 @@ def engine_section(engine: EngineState, now: float) -> EngineSection:
             slots_in_use=engine.decode_limiter.borrowed_tokens,
         ),
         handoffs_pending=load.handoffs_pending,
+        other_replicas=None
+        if seen is None
+        else OtherReplicasLegs(prefill=seen.prefill, decode=seen.decode),
         context=EngineContext(
             length=engine.context_length,
             note=engine.context_note,

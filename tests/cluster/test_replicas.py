@@ -279,3 +279,30 @@ async def test_an_ejection_is_shared_and_its_readmission_releases_every_replica(
     await wait_for(lambda: _why_out(a, "p0") is None, within_s=10)
     await wait_for(lambda: _why_out(b, "p0") is None, within_s=5)
     assert b.supervisor.recovery.state().engines["p0"].last_verification is None
+
+
+async def test_a_replica_prices_the_legs_it_sees_of_another_on_an_engine(
+    start_replica: StartReplica, fleet: Fleet
+) -> None:
+    a = await start_replica("a")
+    b = await start_replica("b")
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    fleet[1].set_faults(decode_slowdown=1000.0)  # a's decode stays on d1 for seconds
+    d1_on_a, d1_on_b = _engine(a, "d1"), _engine(b, "d1")
+
+    async def long_request() -> None:
+        async with a.client() as client:
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 200}
+            await client.post("/v1/completions", json=body)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(long_request)
+        await wait_for(lambda: d1_on_a.load.decode_active == 1, within_s=10)
+        # b sent nothing to d1, yet prices the decode its scrape of d1 shows.
+        await wait_for(lambda: d1_on_b.view(trio.current_time()).decode_active == 1, within_s=10)
+        assert d1_on_b.load.decode_active == 0
+        entry = next(e for e in (await b.state())["engines"] if e["id"] == "d1")
+        assert entry["other_replicas"] == {"prefill": 0, "decode": 1}
+        # a sees its own leg on d1 and nobody else's.
+        assert d1_on_a.view(trio.current_time()).decode_active == 1
+        nursery.cancel_scope.cancel()

@@ -12,6 +12,8 @@ from narwhal.config import Config, EngineSpec, Serving
 from narwhal.fleet import Fleet, LoadStatistics, Share
 from narwhal.serving import ServingContext
 
+from ..admission.test_first_token_wait import Source
+
 
 @pytest.mark.parametrize("total", [1, 2, 3, 7, 64, 65])
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
@@ -134,3 +136,71 @@ def test_a_replicas_load_statistics_scale_to_the_fleets_but_its_leg_counter() ->
     assert load.scaled(3) == LoadStatistics(
         legs_started=7, prefill_inflight=3, decode_active=6, decode_tokens=900
     )
+
+
+def test_the_other_replicas_legs_are_what_the_engine_reports_beyond_this_ones() -> None:
+    config, fleet = _fleet(prefill=0, decode=0)
+    p0, d0 = fleet.get("p0"), fleet.get("d0")
+    assert p0 is not None
+    assert d0 is not None
+    fleet.apply_share(config, Share(index=0, count=2))
+    with p0.load.prefill(400), p0.load.prefill(600), d0.load.decode(1000):
+        # No scrape yet: this ledger times the members stands for the fleet's load.
+        assert p0.view(1.0).prefill_inflight == 4
+        # p0 runs 5 requests, 2 of them this replica's: 3 are the other's, each the
+        # size of this replica's on average; d0 runs only this replica's leg.
+        p0.saw_engine_load(5, 1.0, 0.5)
+        d0.saw_engine_load(1, 1.0, 0.5)
+        view = p0.view(1.2)
+        assert (view.prefill_inflight, view.prefill_tokens_inflight) == (5, 2500)
+        assert (d0.view(1.2).decode_active, d0.view(1.2).decode_tokens) == (1, 1000)
+        assert p0.fleet_load(1.2).prefill_inflight == 5
+        # Trusted for valid_s: an engine not scraped since is priced as before.
+        assert p0.seen_load(1.6) is None
+        assert p0.view(1.6).prefill_inflight == 4
+    # With none of this replica's legs on it, the other's keep the size last seen.
+    p0.saw_engine_load(2, 2.0, 0.5)
+    assert (p0.view(2.0).prefill_inflight, p0.view(2.0).prefill_tokens_inflight) == (2, 1000)
+    # One replica: its ledger is the engine's whole load, whatever the engine reports.
+    fleet.apply_share(config, Share())
+    p0.saw_engine_load(9, 3.0, 0.5)
+    assert p0.seen_load(3.0) is None
+    assert p0.view(3.0).prefill_inflight == 0
+
+
+def test_the_other_replicas_legs_on_an_engine_of_both_roles_split_as_this_ones() -> None:
+    spec = EngineSpec(id="a0", url="http://127.0.0.1:9", role="both")
+    config = Config(engines=(spec,))
+    fleet = Fleet(config)
+    fleet.apply_share(config, Share(index=1, count=2))
+    a0 = fleet.get("a0")
+    assert a0 is not None
+    a0.saw_engine_load(4, 0.0, 1.0)  # none of this replica's: decodes, by most of their life
+    assert (a0.fleet_load(0.0).prefill_inflight, a0.fleet_load(0.0).decode_active) == (0, 4)
+    with a0.load.prefill(100), a0.load.decode(300), a0.load.decode(300), a0.load.decode(300):
+        a0.saw_engine_load(12, 0.0, 1.0)  # 8 others, a quarter of them prefills
+        load = a0.fleet_load(0.5)
+        assert (load.prefill_inflight, load.decode_active) == (3, 9)
+        assert (load.prefill_tokens_inflight, load.decode_tokens) == (300, 2700)
+    # A report below this replica's own legs (they reached the engine after its
+    # gauges were read) leaves no others, not a negative count.
+    with a0.load.decode(300), a0.load.decode(300):
+        a0.saw_engine_load(1, 1.0, 1.0)
+        assert a0.fleet_load(1.0).decode_active == 2
+
+
+async def test_the_other_replicas_prefills_seen_on_an_engine_are_priced_by_its_curve() -> None:
+    config, _ = _fleet(prefill=0, decode=0)
+    ctx = ServingContext(config)
+    ctx.profiles = Source()  # prefill_s = 0.0001 s per token
+    p0 = ctx.fleet.get("p0")
+    assert p0 is not None
+    ctx.apply_share(Share(index=0, count=2))
+    ctx.backlog.commit(p0, 0.25, now=10.0)
+    # No scrape: the book times the members.
+    assert ctx.load_signals(10.0).backlog_s["p0"] == pytest.approx(0.5)
+    with p0.load.prefill(2000):
+        p0.saw_engine_load(4, 10.0, 1.0)  # 3 of the other's, of 2,000 tokens each
+    assert ctx.load_signals(10.0).backlog_s["p0"] == pytest.approx(0.25 + 3 * 0.2)
+    p0.saw_engine_load(0, 10.0, 1.0)  # the engine runs none but this replica's
+    assert ctx.load_signals(10.0).backlog_s["p0"] == pytest.approx(0.25)

@@ -169,10 +169,10 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     engine._share = Share()  # one replica: the ledger is the engine's whole load
     claims(engine.load.decode, 2, 1000)
     load = GapLoad()
-    load.add(engine, 3)
+    load.add(engine, 3, 0.0)
     claims(engine.load.decode, 4, 2000)  # 6 streams, 3000 tokens
-    load.add(engine, 1)
-    load.add(engine, 0)  # a read past the stream's kept gaps adds nothing
+    load.add(engine, 1, 0.0)
+    load.add(engine, 0, 0.0)  # a read past the stream's kept gaps adds nothing
     # Within a quarter of the gaps' time (4 x 10 ms): too few gaps after it to matter.
     load.longest_write_s = 0.0099
     gaps = [0.01, 0.03, 0.01, 0.01]
@@ -195,7 +195,7 @@ def test_a_gap_summary_is_withheld_when_the_gaps_are_not_the_engines_alone() -> 
     # A prefill leg on the engine meanwhile: its chunks shared the decode steps.
     load.longest_write_s = 0.0
     engine.load.prefill(0)
-    load.add(engine, 1)
+    load.add(engine, 1, 0.0)
     assert not load.alone(summary)
     assert GapLoad().summary([]) is None
 
@@ -208,7 +208,7 @@ def test_a_gap_summary_gives_the_decode_correction_the_median_of_its_positive_ga
     engine._share = Share()  # one replica: the ledger is the engine's whole load
     claims(engine.load.decode, 1, 100)
     load = GapLoad()
-    load.add(engine, 5)
+    load.add(engine, 5, 0.0)
     summary = load.summary([0.02, 0.0, 0.04, 0.0, 0.01])
     assert summary is not None
     assert (summary.count, summary.median_s) == (5, 0.01)
