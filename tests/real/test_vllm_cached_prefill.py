@@ -4,7 +4,6 @@ from its prefills of prompts whose leading blocks it holds."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import attrs
@@ -51,10 +50,12 @@ async def test_the_law_is_measured_and_holds_on_vllm(vllm: RealFleet, tmp_path: 
     # cold. Timed here in interleaved pairs of one size, not against the sweep's cold
     # fit: on this box that fit moves 30-50 % between runs, and one CI run's cached
     # point (1,408 of 1,702 tokens, 138 ms) stood above a cold fit of 87 ms measured a
-    # minute before it.
+    # minute before it. Each side's fastest: a busy spell of the box only adds time,
+    # and one CI run's first three pairs were that slow (cached 204, 122, 97 ms then
+    # 42, 37; cold 103, 181, 273 then 84, 84), putting the medians at 97 against 102.
     cpt = store.chars_per_token.get("vllm", 4.0)
     cached_s, cold_s = await _paired(engine.url, chars=round(1600 * cpt), cached_share=0.85)
-    assert statistics.median(cached_s) < 0.85 * statistics.median(cold_s), (cached_s, cold_s)
+    assert min(cached_s) < 0.85 * min(cold_s), (cached_s, cold_s)
     # How close the law comes depends on the box: on this one, 2 cores under four CPU
     # engines, the cold fit itself moves 30-50 % between runs at 1700 tokens, and the law
     # was 54-93 % off at p90 in three runs, over-pricing the mostly cached prompts (the
@@ -71,7 +72,7 @@ async def test_the_law_is_measured_and_holds_on_vllm(vllm: RealFleet, tmp_path: 
 
 
 async def _paired(
-    url: str, *, chars: int, cached_share: float, pairs: int = 5
+    url: str, *, chars: int, cached_share: float, pairs: int = 7
 ) -> tuple[list[float], list[float]]:
     """Seconds of `pairs` prompts of `chars` characters whose first `cached_share` the
     engine holds (a shared prefix, sent once first), and of as many that share nothing
