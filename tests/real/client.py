@@ -23,6 +23,7 @@ import trio
 
 from ..support import sse_payloads
 from .engines import MODEL_NAME, Engine, sample
+from .pacer import send_signal as _signal
 
 MODEL = MODEL_NAME
 TIMEOUT_S = 120.0
@@ -158,14 +159,6 @@ def streamed_text(events: list[dict[str, Any]], *, chat: bool = False) -> str:
 
 def finish_reasons(events: list[dict[str, Any]]) -> list[str]:
     return [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
-
-
-def _signal(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass  # killed meanwhile: the crash tests do that
 
 
 class Pacer:

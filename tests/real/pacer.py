@@ -20,7 +20,7 @@ import sys
 import time
 
 
-def _send(pids: list[int], signum: int) -> None:
+def send_signal(pids: list[int], signum: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, signum)
@@ -52,14 +52,14 @@ def main(argv: list[str]) -> int:
     _raise_priority()
     while not halted:
         if os.getppid() != parent:  # orphaned: leave nothing stopped behind
-            _send(pids, signal.SIGCONT)
+            send_signal(pids, signal.SIGCONT)
             return 1
-        _send(pids, signal.SIGCONT)
+        send_signal(pids, signal.SIGCONT)
         time.sleep(on_s)  # a SIGTERM meanwhile ends the loop after this slice
-        _send(pids, signal.SIGSTOP)
+        send_signal(pids, signal.SIGSTOP)
         if not halted:
             time.sleep(off_s)
-    _send(pids, signal.SIGSTOP)
+    send_signal(pids, signal.SIGSTOP)
     return 0
 
 
