@@ -504,7 +504,11 @@ class RealFleet:
                 engine.start()
             fleet.wait_ready()
             if "prefill" in engines and "decode" in engines:
+                # Both ways: NIXL connects each direction apart, and the sweep of
+                # narwhal-profile, the role flips and the connector probes hand off
+                # decode -> prefill too (that first handshake took 60 s in one CI run).
                 warm_pair(engines["prefill"], engines["decode"])
+                warm_pair(engines["decode"], engines["prefill"])
         except BaseException:
             fleet.stop()
             raise

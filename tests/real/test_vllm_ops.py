@@ -48,6 +48,10 @@ PROFILE_ARGS = [
     "--handoff-repeats",
     "1",
     "--quiet",
+    # Not --fast's 120 s: the sweep takes 27 s on a quiet box, but one CI run's NIXL pull
+    # outlasted the 30 s lease, and a transfer has stalled for 145 s (below).
+    "--budget-s",
+    "270",
 ]
 # The lease (vLLM's 30 s KV lease on the producer) is not measured: 30 s of the tier's
 # budget for a fact of the engine build, not of Narwhal.
