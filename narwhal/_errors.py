@@ -155,6 +155,11 @@ class Refused(NarwhalError):
     status = 429
     type = "rate_limit_error"
     default_code = ErrorCode.OVERLOADED
+    # Predictive admission's projection for the cheapest path, which missed the budget:
+    # logged with the refusal (the `request` line), so over-refusal can be read off it.
+    projected_ttft_s: float | None = None
+    projected_wait_s: float | None = None
+    projected_in_domain: bool | None = None
 
 
 class Unavailable(NarwhalError):

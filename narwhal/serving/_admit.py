@@ -122,12 +122,17 @@ def admit_predictively(
         ctx.signals.ttft_breach()
     if verdict.code == ErrorCode.NO_PRICED_PATH:
         raise Unavailable(verdict.message, code=verdict.code)
-    raise Refused(
+    refusal = Refused(
         verdict.message,
         code=verdict.code,
         retry_after_s=verdict.retry_after_s,
         final=verdict.final,
     )
+    if verdict.quote is not None:
+        refusal.projected_ttft_s = verdict.quote.ttft_s
+        refusal.projected_wait_s = verdict.quote.wait_s
+        refusal.projected_in_domain = verdict.quote.in_domain
+    raise refusal
 
 
 def priced(

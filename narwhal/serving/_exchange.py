@@ -276,6 +276,10 @@ class Exchange:
             if failure is not None and not gone:
                 if isinstance(failure, Refused):
                     self.ctx.metrics.refusals.labels(failure.code).inc()
+                    if failure.projected_ttft_s is not None:
+                        record.projected_ttft_s = failure.projected_ttft_s
+                        record.projected_wait_s = failure.projected_wait_s
+                        record.projected_in_domain = failure.projected_in_domain
                 await client.send_error(failure)
         if gone:
             return "client_disconnected"

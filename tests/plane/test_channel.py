@@ -31,7 +31,9 @@ class Peer:
         if name == "echo":
             return payload
         if name == "fail":
-            raise Refused("queue is full", code=ErrorCode.QUEUE_FULL, retry_after_s=1.0)
+            refusal = Refused("queue is full", code=ErrorCode.QUEUE_FULL, retry_after_s=1.0)
+            refusal.projected_ttft_s = 0.75  # set after construction, as admission does
+            raise refusal
         if name == "odd":
             raise _Unpicklable(lambda: None)
         if name == "odd_answer":
@@ -98,6 +100,7 @@ async def test_the_handlers_exception_is_raised_at_the_caller_as_itself() -> Non
             await one.call("fail")
         assert caught.value.code == ErrorCode.QUEUE_FULL
         assert caught.value.retry_after_s == 1.0
+        assert caught.value.projected_ttft_s == 0.75
         with (
             trio.fail_after(5),
             pytest.raises(RemoteFailure, match=r"^_Unpicklable: cannot travel$"),

@@ -87,17 +87,22 @@ async def test_a_non_streaming_response_observes_its_first_token(
     assert await error_samples(stack) == 1
 
 
-async def test_a_refused_request_has_neither(
+async def test_a_refused_request_records_the_projection_that_refused_it(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
     # 2000 tokens take ~50 ms at speed 1, ~2.5 ms at speed 20: above a 2 ms target.
-    line = await served_line(
-        await predictive_stack(start_stack, ttft_s=0.002), caplog, 429, stream=True
-    )
+    stack = await predictive_stack(start_stack, ttft_s=0.002)
+    line = await served_line(stack, caplog, 429, stream=True)
     assert line["outcome"] == "prompt_exceeds_ttft_target"
-    keys = ("projected_ttft_s", "projected_wait_s", "observed_ttft_s", "projected_in_domain")
-    for key in (*keys, "prefill_s"):
-        assert line[key] is None, key
+    # The cheapest path's quote, as an admitted request's: over the 2 ms target on an
+    # idle fleet, so none of it is backlog.
+    assert line["projected_ttft_s"] > 0.002
+    assert line["projected_wait_s"] == 0.0
+    assert line["projected_in_domain"] is True
+    # Nothing was served, so nothing was observed, nor compared with the projection.
+    assert line["observed_ttft_s"] is None
+    assert line["prefill_s"] is None
+    assert await error_samples(stack) == 0
 
 
 async def test_open_admission_observes_without_projecting(
