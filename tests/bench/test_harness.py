@@ -191,3 +191,19 @@ def test_alternating_probe_metrics_per_target() -> None:
     assert narwhal["added_ttft_ms"] == {"p50": 2.5, "p99": 6.0}
     assert narwhal["requests_per_s"] == 16.0
     assert "added_ttft_ms" not in probe["direct"]
+
+
+def test_a_replay_whose_simulator_lagged_past_the_limit_carries_a_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchkit import harness
+
+    limit = harness.STARVED_LAG_FRACTION
+    assert harness.starved(None) is None  # no steps: nothing to judge
+    assert harness.starved(limit) is None
+    warning = harness.starved(0.085)
+    assert warning is not None
+    assert warning.startswith("the simulator lagged 8.5% of its steps (above 2%)")
+    harness.warn_if_starved("goodput: narwhal-full", {"warning": warning})
+    harness.warn_if_starved("goodput: narwhal-full", {"warning": None})
+    assert capsys.readouterr().err == f"goodput: narwhal-full: WARNING: {warning}\n"

@@ -1035,6 +1035,7 @@ async def run_all(args: argparse.Namespace) -> int:
             f"{r['faithfulness']['sim_lagged_step_fraction']})",
             flush=True,
         )
+        harness.warn_if_starved(f"goodput: {cfg.name}", r["faithfulness"])
     doc = {
         **result_head("goodput", started, args.vllm_router_venv),
         "config": config_facts(args, settings, scale),

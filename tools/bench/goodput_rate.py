@@ -40,7 +40,7 @@ from pathlib import Path
 import attrs
 import benchkit
 import goodput
-from benchkit import Json, workload as gw
+from benchkit import Json, harness, workload as gw
 
 from narwhal.sim import SimTiming
 
@@ -359,6 +359,7 @@ async def sweep_all(args: argparse.Namespace) -> int:
                 f"(wall {row.get('wall_s')} s)",
                 flush=True,
             )
+            harness.warn_if_starved(f"goodput-rate: x{rate:g} {cfg.name}", row.get("faithfulness"))
             # Written after every run, so an interrupted sweep keeps what it measured.
             benchkit.write_json(args.out, document(), indent=1)
     benchkit.publish(args.out, document(), plot=plot, indent=1)

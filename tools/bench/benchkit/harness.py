@@ -674,18 +674,45 @@ async def replay(
     )
 
 
+# Above this fraction of simulator steps behind their law, a replay measures the box's
+# CPU, not the router: two replicas at --speed 0.25 lagged 8-10 % on a slow day and
+# priced every first token low, against 0.1-1.3 % in the runs the docs compare.
+STARVED_LAG_FRACTION = 0.02
+
+
+def starved(lagged_step_fraction: float | None) -> str | None:
+    """The warning a replay whose simulator lagged that often must carry, or None."""
+    if lagged_step_fraction is None or lagged_step_fraction <= STARVED_LAG_FRACTION:
+        return None
+    return (
+        f"the simulator lagged {lagged_step_fraction:.1%} of its steps (above "
+        f"{STARVED_LAG_FRACTION:.0%}): the box starved it, so this run measures the CPU, "
+        "not the router; rerun on a quieter box or at a lower --speed"
+    )
+
+
+def warn_if_starved(who: str, faithfulness: Json) -> None:
+    """Print a run's `starved` warning, if it has one, on stderr under `who`."""
+    warning = faithfulness.get("warning") if isinstance(faithfulness, dict) else None
+    if warning:
+        print(f"{who}: WARNING: {warning}", file=sys.stderr, flush=True)
+
+
 def faithfulness(run: Replayed, sampler: Sampler) -> dict[str, Json]:
     """Whether the replay measured the simulated fleet's law rather than a starved box:
     simulator steps that fell > 20 ms (wall) behind it, the load generator's lateness,
-    every child's CPU share, and what everything else on the machine used meanwhile."""
+    every child's CPU share, and what everything else on the machine used meanwhile;
+    `warning` when the simulator lagged too often (`starved`)."""
     engines = sampler.final_engines
     steps = sum(e["steps"] for e in engines)
     resets = sum(e["step_lag_resets"] for e in engines)
     ours = run.loadgen["cpu_s"] + sum(run.cpu_s.values())
+    fraction = round(resets / steps, 5) if steps else None
     return {
+        "warning": starved(fraction),
         "sim_steps": steps,
         "sim_step_lag_resets": resets,
-        "sim_lagged_step_fraction": round(resets / steps, 5) if steps else None,
+        "sim_lagged_step_fraction": fraction,
         "sim_max_step_lag_ms_wall": max(
             (e["max_step_lag_s"] * 1000 for e in engines), default=None
         ),
