@@ -463,5 +463,14 @@ def usage_tokens(response: object, key: str) -> int | None:
     return json_int(usage.get(key)) if isinstance(usage, dict) else None
 
 
+def usage_cached_tokens(response: object) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`: the prompt tokens the engine found in
+    its prefix cache (vLLM with --enable-prompt-tokens-details; null without). None when
+    the answer does not say."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    return json_int(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
 def encode(document: Json) -> bytes:
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()

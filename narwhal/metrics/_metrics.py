@@ -215,6 +215,14 @@ class Metrics:
             ["engine"],
             registry=registry,
         )
+        self.engine_cached_prompt_tokens = Counter(
+            "narwhal_engine_cached_prompt_tokens",
+            "Prompt tokens the engine that computed the prompt reported found in its prefix "
+            "cache (usage.prompt_tokens_details.cached_tokens): against "
+            "narwhal_cached_prompt_tokens, how far Narwhal's cache estimate is off.",
+            ["engine"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             "narwhal_ttft_seconds",
             "Time from ingress to the first generated token relayed to the client.",

@@ -122,6 +122,9 @@ class RequestRecord:
     # The leading prompt tokens priced as cached on the engine that ran the prefill of
     # the latest attempt (docs/design.md#prefix-caching).
     cached_tokens: int = 0
+    # What the engine that computed the prompt said it found cached
+    # (usage.prompt_tokens_details.cached_tokens); None when it did not say.
+    engine_cached_tokens: int | None = None
     # Predictive admission's projected TTFT for the prefill path the first attempt took
     # (as priced at admission), the part of it that was load (backlog, decode lag, KV
     # wait) rather than the engine's own work, and whether that path's profile measured

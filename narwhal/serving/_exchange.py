@@ -185,6 +185,7 @@ class Exchange:
                 "attempts": record.attempts,
                 "prompt_tokens": record.prompt_tokens,
                 "cached_tokens": record.cached_tokens,
+                "engine_cached_tokens": record.engine_cached_tokens,
                 "duration_s": round(now - self.arrival, 6),
                 "projected_ttft_s": _round(record.projected_ttft_s),
                 "projected_wait_s": _round(record.projected_wait_s),
@@ -375,6 +376,7 @@ class Exchange:
                     record.projected_ttft_s = prices.local_s
                     record.projected_wait_s = prices.local_wait_s
             record.cached_tokens = placed.cached_tokens
+            record.engine_cached_tokens = None
             try:
                 await self._attempt(prefill, decode)
             except EngineFailed as failure:

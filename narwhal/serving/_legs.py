@@ -47,7 +47,12 @@ from ..engines import (
     parse_error_body,
 )
 from ..engines._assemble import streamed_leg_body, unassemblable_reason
-from ..engines._dialects import encode, usage_tokens, with_usage_report
+from ..engines._dialects import (
+    encode,
+    usage_cached_tokens,
+    usage_tokens,
+    with_usage_report,
+)
 from ..fleet import Claim, EngineState, key_refused, model_refused
 from ._collector import Collector, Sink
 from ._context import DecodeGaps, ServingContext
@@ -369,6 +374,8 @@ class Leg:
                 prompt_tokens=x.record.prompt_tokens or 0,
             )
         document = loads(raw, engine, self.phase)  # relayed as application/json: JSON
+        if self.phase == "aggregate":
+            engine_cached(x, engine, usage_cached_tokens(document))
         # The KV its output held is freed now too (the slot frees the prompt's); vLLM
         # and SGLang both report it.
         generated = usage_tokens(document, "completion_tokens") or 0
@@ -431,6 +438,8 @@ class Leg:
                         await sink.send_chunk(step.send)
                         load.longest_write_s = max(load.longest_write_s, trio.current_time() - now)
         generated, summary = self._stream_account(meter, load)
+        if phase == "aggregate":
+            engine_cached(x, engine, meter.reported_cached)
         if timer.cancelled_caught:
             raise self._silence(meter, started, gap)
         if meter.held:
@@ -522,6 +531,14 @@ class Leg:
             f"{x.config.engine.decode_read_timeout_s}",
             deadline_s=gap,
         )
+
+
+def engine_cached(x: Exchange, engine: EngineState, count: int | None) -> None:
+    """Record the prompt tokens `engine`, which computed the prompt, said it found cached
+    (`usage_cached_tokens`; None: it did not say), and count them."""
+    x.record.engine_cached_tokens = count
+    if count:
+        x.ctx.metrics.engine_cached_prompt_tokens.labels(engine.id).inc(count)
 
 
 def leg_output_bound(

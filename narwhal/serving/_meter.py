@@ -34,7 +34,7 @@ import re
 from typing import NamedTuple
 
 from ..engines import SseEvent, SseKind, SseScanner
-from ..engines._dialects import usage_tokens
+from ..engines._dialects import usage_cached_tokens, usage_tokens
 from ..engines._sse import SseOverflow
 from ..fleet import EngineLoad, EngineState, LoadStatistics
 from ._context import DecodeGaps
@@ -79,6 +79,7 @@ class StreamMeter:
         "gaps",
         "last_at",
         "reported",
+        "reported_cached",
         "tokens",
     )
 
@@ -94,6 +95,8 @@ class StreamMeter:
         self.tokens = 0  # token events from the first token on
         self.gaps: list[float] = []  # decode token intervals, for the decode correction
         self.reported: int | None = None  # the engine's usage.completion_tokens
+        # Its usage.prompt_tokens_details.cached_tokens, when it reports them.
+        self.reported_cached: int | None = None
 
     @property
     def held(self) -> bool:
@@ -120,7 +123,7 @@ class StreamMeter:
                 if b'"usage"' in payload:  # cheaper than the search, and mostly absent
                     usage = usage_report(payload)
                     if usage is not None:
-                        self.reported, usage_only = usage
+                        self.reported, usage_only, self.reported_cached = usage
                         if usage_only and self._own_usage:
                             continue
                 if self.first_at is None and not usage_only and has_token(payload):
@@ -285,10 +288,11 @@ def has_token(payload: bytes) -> bool:
     return False
 
 
-def usage_report(payload: bytes) -> tuple[int, bool] | None:
-    """The `usage.completion_tokens` of an event that carries a usage object, and whether
-    the event is the usage-only chunk (`choices: []`); None otherwise. Completions chunks
-    carry `"usage": null`, so the value is looked at before anything is parsed."""
+def usage_report(payload: bytes) -> tuple[int, bool, int | None] | None:
+    """The `usage.completion_tokens` of an event that carries a usage object, whether
+    the event is the usage-only chunk (`choices: []`), and the prompt's cached tokens
+    when the engine reports them (`usage_cached_tokens`); None otherwise. Completions
+    chunks carry `"usage": null`, so the value is looked at before anything is parsed."""
     if _USAGE_OBJECT.search(payload) is None:
         return None
     try:
@@ -299,4 +303,4 @@ def usage_report(payload: bytes) -> tuple[int, bool] | None:
     if count is None or count < 0:
         return None
     assert isinstance(document, dict)  # usage_tokens found a count in it
-    return count, document.get("choices") == []
+    return count, document.get("choices") == [], usage_cached_tokens(document)

@@ -30,6 +30,7 @@ from ..engines._dialects import (
     encode,
     new_bootstrap_room,
     sglang_pd_body,
+    usage_cached_tokens,
     vllm_decode_body,
     vllm_kv_params,
     vllm_prefill_body,
@@ -37,7 +38,7 @@ from ..engines._dialects import (
 from ..fleet import EngineState
 from ._failure import FailureKind
 from ._leg_failures import failed, loads
-from ._legs import HandoffExpired, Leg, leg_body
+from ._legs import HandoffExpired, Leg, engine_cached, leg_body
 from ._request import ClientRequest
 
 if TYPE_CHECKING:
@@ -85,7 +86,9 @@ class VllmPair:
                 timeout_setting="serving.prefill_timeout_s",
                 prompt_tokens=x.tokens,
             )
-        kv_params = vllm_kv_params(loads(raw, prefill, "prefill"))
+        answer = loads(raw, prefill, "prefill")
+        engine_cached(x, prefill, usage_cached_tokens(answer))
+        kv_params = vllm_kv_params(answer)
         x.record.prefilled_at = trio.current_time()
         x.record.stage = "handoff"
         # Until the decode request is sent, the producer holds KV blocks for us.

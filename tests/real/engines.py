@@ -5,7 +5,8 @@ The engines run from their own venv (`tools/engines/vllm-venv.sh`, default
 `tools/engines/tiny_model.py` builds at test time. The fleet is:
 
 - ``agg0``, ``agg1``: aggregate engines, no KV connector (``agg1`` publishes its KV cache
-  events on a PUB it binds, with a replay socket);
+  events on a PUB it binds, with a replay socket, and reports the prompt tokens it found
+  cached in its answers' usage, `--enable-prompt-tokens-details`);
 - ``prefill``, ``decode``: one NixlConnector P/D pair (`kv_buffer_device: cpu`, each with
   its own side-channel port).
 
@@ -395,7 +396,9 @@ def engine_argv(
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv)]
     if kv_events is not None:
-        argv += ["--kv-events-config", json.dumps(kv_events)]
+        # The cache-aware engine also says what it found cached, which Narwhal logs
+        # beside its own estimate (tests/real/test_vllm_cache_index.py).
+        argv += ["--kv-events-config", json.dumps(kv_events), "--enable-prompt-tokens-details"]
     return argv
 
 

@@ -6,11 +6,13 @@ prompt's blocks, and `match` on the prompt's chain (computed by `narwhal.prefix`
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from narwhal.caches import EngineCaches
@@ -59,10 +61,11 @@ async def test_narwhal_indexes_the_blocks_agg1_reports_for_a_routed_prompt(
 
 
 async def test_a_prompt_extending_one_agg1_cached_is_placed_there_by_its_events(
-    vllm: RealFleet,
+    vllm: RealFleet, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Exact pricing: the router has the prompt's token ids (engine.tokenizer_path), agg1's
     # events say which of its blocks it holds, and agg0 (no events) has seen nothing.
+    caplog.set_level(logging.INFO, logger="narwhal.request")
     agg0, agg1 = vllm["agg0"], vllm["agg1"]
     events = kv_events_config(agg1)
     assert events is not None
@@ -103,6 +106,10 @@ async def test_a_prompt_extending_one_agg1_cached_is_placed_there_by_its_events(
     assert cached >= 128
     assert records["agg1"]["source"] == "events"
     assert records["agg0"]["source"] == "approximate"
+    # agg1 found in its cache exactly the blocks its events told Narwhal it held.
+    line = [r.__dict__ for r in caplog.records if r.__dict__.get("event") == "request"][-1]
+    assert line["decode_engine"] == "agg1"
+    assert line["engine_cached_tokens"] == line["cached_tokens"] == cached
 
 
 async def client_ids(url: str, prompt: str) -> list[int]:

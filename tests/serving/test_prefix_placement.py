@@ -22,10 +22,10 @@ SYSTEM = "You are a careful assistant. " * 80  # ~2300 chars: nine 256-char text
 NOT_LOCAL = {"local_prefill_share": 1.0}
 
 
-async def complete(stack: Stack, prompt: str) -> httpx.Response:
+async def complete(stack: Stack, prompt: str, **extra: Any) -> httpx.Response:
     async with stack.client() as client:
         response = await client.post(
-            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
         )
     assert response.status_code == 200, response.text
     return response
@@ -133,3 +133,40 @@ async def test_a_local_prefill_is_projected_as_the_path_it_takes(
     local = cached_prefill_s(law, tokens, cached)
     assert second.projected_ttft_s == pytest.approx(local, rel=0.05, abs=1e-5)  # type: ignore[attr-defined]
     assert local < profiles.handoff_s(tokens) + law.prefill_s(tokens)
+
+
+@pytest.mark.parametrize(
+    ("share", "computed", "extra"),
+    [(1.0, "p0", {}), (0.5, "d1", {}), (0.5, "d1", {"echo": True})],
+)
+async def test_the_engine_that_computes_the_prompt_reports_what_it_found_cached(
+    start_stack: StartStack,
+    caplog: pytest.LogCaptureFixture,
+    share: float,
+    computed: str,
+    extra: dict[str, Any],
+) -> None:
+    # vLLM with --enable-prompt-tokens-details: the prefill leg's answer (p0), or the
+    # usage chunk of the decode engine's stream when it prefills itself (d1; with echo,
+    # its whole answer: that leg is not streamed), says how much of the prompt it found
+    # cached; logged beside Narwhal's own estimate.
+    caplog.set_level(logging.INFO, logger="narwhal.request")
+    sim = {"spec": SimEngineSpec(prefix_caching=True, prompt_tokens_details=True)}
+    stack = await start_stack(cache={"local_prefill_share": share}, sim=sim)
+    prompt = SYSTEM + "A question?"
+    await complete(stack, prompt)
+    await complete(stack, prompt + " And one more.", **extra)
+    first, second = [r.__dict__ for r in caplog.records if r.__dict__.get("event") == "request"]
+    assert first["engine_cached_tokens"] == 0  # p0 had seen nothing
+    assert (second["prefill_engine"] or second["decode_engine"]) == computed
+    index = stack.fleet[0 if computed == "p0" else 1].state()["prefix_cache"]
+    reported = second["engine_cached_tokens"]
+    # The engine's count: the prompt's full blocks it held, which its own counters
+    # show. Narwhal's estimate, learnt from the prompts it routed, agrees within one of
+    # the engine's 16-token blocks: it counts blocks of text, sized in tokens.
+    assert 0 < reported == index["hits_tokens"] <= second["prompt_tokens"]
+    assert second["cached_tokens"] == pytest.approx(reported, abs=16)
+    counted = stack.ctx.metrics.registry.get_sample_value(
+        "narwhal_engine_cached_prompt_tokens_total", {"engine": computed}
+    )
+    assert counted == reported

@@ -276,10 +276,18 @@ async def test_predictive_admission_still_relays_usage_unchanged(
 
 def test_usage_report_reads_only_usage_objects() -> None:
     assert usage_report(b'{"choices":[{"text":"a"}],"usage":null}') is None
-    assert usage_report(b'{"choices":[],"usage":{"completion_tokens":7}}') == (7, True)
+    assert usage_report(b'{"choices":[],"usage":{"completion_tokens":7}}') == (7, True, None)
     # Continuous usage stats: every chunk reports the running count.
     chunk = b'{"choices": [{"text": "a"}], "usage": {"completion_tokens": 3}}'
-    assert usage_report(chunk) == (3, False)
+    assert usage_report(chunk) == (3, False, None)
+    # vLLM with --enable-prompt-tokens-details: the prompt tokens it found cached.
+    detailed = (
+        b'{"choices":[],"usage":{"completion_tokens":2,'
+        b'"prompt_tokens_details":{"cached_tokens":512}}}'
+    )
+    assert usage_report(detailed) == (2, True, 512)
+    without = b'{"choices":[],"usage":{"completion_tokens":2,"prompt_tokens_details":null}}'
+    assert usage_report(without) == (2, True, None)
     assert usage_report(b'{"choices":[],"usage":{"completion_tokens":-1}}') is None
     assert usage_report(b'{"choices":[],"usage":{"prompt_tokens":4}}') is None
     assert usage_report(b'{"usage":{"completion_tokens":') is None  # cut short
