@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import TYPE_CHECKING
 
 from ._codes import ErrorCode
+
+if TYPE_CHECKING:
+    from .admission import PathQuote
 
 Json = dict[str, object]
 
@@ -155,11 +159,9 @@ class Refused(NarwhalError):
     status = 429
     type = "rate_limit_error"
     default_code = ErrorCode.OVERLOADED
-    # Predictive admission's projection for the cheapest path, which missed the budget:
+    # Predictive admission's quote for the cheapest path, which missed the budget:
     # logged with the refusal (the `request` line), so over-refusal can be read off it.
-    projected_ttft_s: float | None = None
-    projected_wait_s: float | None = None
-    projected_in_domain: bool | None = None
+    quote: PathQuote | None = None
 
 
 class Unavailable(NarwhalError):

@@ -128,10 +128,7 @@ def admit_predictively(
         retry_after_s=verdict.retry_after_s,
         final=verdict.final,
     )
-    if verdict.quote is not None:
-        refusal.projected_ttft_s = verdict.quote.ttft_s
-        refusal.projected_wait_s = verdict.quote.wait_s
-        refusal.projected_in_domain = verdict.quote.in_domain
+    refusal.quote = verdict.quote
     raise refusal
 
 

@@ -277,10 +277,8 @@ class Exchange:
             if failure is not None and not gone:
                 if isinstance(failure, Refused):
                     self.ctx.metrics.refusals.labels(failure.code).inc()
-                    if failure.projected_ttft_s is not None:
-                        record.projected_ttft_s = failure.projected_ttft_s
-                        record.projected_wait_s = failure.projected_wait_s
-                        record.projected_in_domain = failure.projected_in_domain
+                    if failure.quote is not None:
+                        _record_quote(record, failure.quote)
                 await client.send_error(failure)
         if gone:
             return "client_disconnected"
@@ -425,10 +423,14 @@ def _record_projection(
     mode = "disaggregated" if placement.prefill is not None else "aggregate"
     for quote in quotes:
         if quote.engine == engine and quote.mode == mode:
-            record.projected_ttft_s = quote.ttft_s
-            record.projected_wait_s = quote.wait_s
-            record.projected_in_domain = quote.in_domain
+            _record_quote(record, quote)
             return
+
+
+def _record_quote(record: RequestRecord, quote: PathQuote) -> None:
+    record.projected_ttft_s = quote.ttft_s
+    record.projected_wait_s = quote.wait_s
+    record.projected_in_domain = quote.in_domain
 
 
 def _client_address(scope: dict[str, object]) -> str:

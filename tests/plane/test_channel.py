@@ -12,8 +12,11 @@ import trio.testing
 
 from narwhal._codes import ErrorCode
 from narwhal._errors import Refused
+from narwhal.admission import PathQuote
 from narwhal.plane import Channel, PeerGone, RemoteFailure
 from narwhal.plane._channel import _CALL, _CANCEL
+
+QUOTE = PathQuote("p0", "disaggregated", wait_s=0.5, ttft_s=0.75, idle_ttft_s=0.25, in_domain=True)
 
 Reply = Callable[[object], None]
 
@@ -32,7 +35,7 @@ class Peer:
             return payload
         if name == "fail":
             refusal = Refused("queue is full", code=ErrorCode.QUEUE_FULL, retry_after_s=1.0)
-            refusal.projected_ttft_s = 0.75  # set after construction, as admission does
+            refusal.quote = QUOTE  # set after construction, as admission does
             raise refusal
         if name == "odd":
             raise _Unpicklable(lambda: None)
@@ -100,7 +103,7 @@ async def test_the_handlers_exception_is_raised_at_the_caller_as_itself() -> Non
             await one.call("fail")
         assert caught.value.code == ErrorCode.QUEUE_FULL
         assert caught.value.retry_after_s == 1.0
-        assert caught.value.projected_ttft_s == 0.75
+        assert caught.value.quote == QUOTE
         with (
             trio.fail_after(5),
             pytest.raises(RemoteFailure, match=r"^_Unpicklable: cannot travel$"),
