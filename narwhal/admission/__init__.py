@@ -19,6 +19,7 @@ from ._pricing import (
     WindowStatistics as WindowStatistics,
     band_label as band_label,
     cached_prefill_s as cached_prefill_s,
+    credited_prefill_s as credited_prefill_s,
     error_band as error_band,
     judge as judge,
     placement_policy as placement_policy,

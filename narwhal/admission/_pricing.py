@@ -83,6 +83,16 @@ def cached_prefill_s(curve: PrefillLaw, tokens: int, cached: int) -> float:
     return min(full, max(curve.prefill_s(0), full - saving, 0.0))
 
 
+def credited_prefill_s(curve: PrefillLaw, tokens: int, cached: int, credit: float) -> float:
+    """Prefill seconds of the prompt less `credit` times what its `cached` prefix saves
+    (`cached_prefill_s`): 1 prices it as it is, 0 as if nothing were cached, and above 1
+    (cache.affinity, in placement's cost only) favours the cache beyond its worth."""
+    full = max(0.0, curve.prefill_s(tokens))
+    if not cached or not credit:
+        return full
+    return full - credit * (full - cached_prefill_s(curve, tokens, cached))
+
+
 class DecodeCurve(Protocol):
     # Floats: a stream's gaps are judged at the mean load over them.
     def interval_s(self, active: float, kv_tokens: float) -> float: ...
@@ -110,17 +120,11 @@ class Priced:
     cached_tokens: int = 0
 
     def prefill_s(self, prompt_tokens: int, credit: float = 1.0) -> float:
-        """Seconds to prefill the prompt here on an idle engine, less `credit` times what
-        its cached prefix saves: 1 prices it as it is, 0 as if nothing were cached, and
-        above 1 (cache.affinity, in placement's cost only) favours the cache beyond its
-        worth. inf without a prefill profile."""
+        """Seconds to prefill the prompt here on an idle engine, with `credit` of what its
+        cached prefix saves (`credited_prefill_s`); inf without a prefill profile."""
         if self.prefill is None:
             return math.inf
-        full = max(0.0, self.prefill.prefill_s(prompt_tokens))
-        if not self.cached_tokens or not credit:
-            return full
-        cached = cached_prefill_s(self.prefill, prompt_tokens, self.cached_tokens)
-        return full - credit * (full - cached)
+        return credited_prefill_s(self.prefill, prompt_tokens, self.cached_tokens, credit)
 
     @property
     def decode_tokens(self) -> float:
@@ -159,23 +163,27 @@ class Priced:
         modelled = handoff_s + first_step_s
         # How much longer than the model the decode side has lately taken to a first token.
         lag = max(0.0, self.first_token_lag_s - modelled)
-        return DecodeSide(modelled, lag, self.kv_ready_s(prompt_tokens))
+        return DecodeSide(modelled, lag, self.kv_ready_s(prompt_tokens), self.backlog_s)
 
 
 @attrs.frozen
 class DecodeSide:
     """A decode engine's share of a projected TTFT: `modelled_s` (handoff + first step
-    from the profile), `lag_s` (how much slower than that it has lately been) and
-    `kv_ready_s` (when its KV cache has room for the prompt, from now)."""
+    from the profile), `lag_s` (how much slower than that it has lately been),
+    `kv_ready_s` (when its KV cache has room for the prompt, from now) and `backlog_s`
+    (the prompts it prefills itself, cache.local_prefill_share, booked ahead of it)."""
 
     modelled_s: float
     lag_s: float
     kv_ready_s: float
+    backlog_s: float = 0.0
 
     def delay_s(self, prefill_done_s: float = 0.0) -> float:
         """Load delay beyond the model for a prompt whose prefill ends `prefill_done_s`
-        from now: the KV wait overlaps the prefill, the lag does not."""
-        return max(self.lag_s, self.kv_ready_s - prefill_done_s)
+        from now: the KV wait and the engine's own prefills overlap the prefill (chunked
+        prefill steps a running prompt's chunks before a newly arrived decode), the lag
+        does not."""
+        return max(self.lag_s, max(self.kv_ready_s, self.backlog_s) - prefill_done_s)
 
     @property
     def cost_s(self) -> float:

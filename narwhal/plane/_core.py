@@ -186,11 +186,11 @@ class DecisionCore:
                 reply(None)
                 await trio.sleep_forever()
         if name == "phase_slot":
-            engine_id, phase, tokens, left = args
+            engine_id, phase, tokens, left, cached = args
             engine = self._engine(engine_id)
             assert phase in ("prefill", "decode")
             async with decisions.phase_slot(
-                engine, phase, _int(tokens), not_after=now + _float(left)
+                engine, phase, _int(tokens), not_after=now + _float(left), cached=_int(cached)
             ):
                 reply(decisions.alone(engine))
                 await trio.sleep_forever()
@@ -220,7 +220,8 @@ class DecisionCore:
             engine = self._engine(engine_id)
             decode = self._engine(first.decode)
             async with decisions.decode_placed(decode, tokens):
-                async with decisions.phase_slot(engine, phase, tokens):
+                cached = admitted.cached.get(engine_id, 0)
+                async with decisions.phase_slot(engine, phase, tokens, cached=cached):
                     reply((admitted, attrs.evolve(first, alone=decisions.alone(engine))))
                     await session.let_go["slot"].wait()
                 await session.let_go["decode_placed"].wait()
@@ -268,6 +269,9 @@ def _claim(
         return decisions.generated(engine)
     if kind == "handoff":
         return decisions.handoff(engine)
+    if kind == "local_prefill":
+        tokens, cached = args
+        return decisions.local_prefill(engine, _int(tokens), _int(cached))
     if kind == "awaiting_first_token":
         (age,) = args
         return decisions.awaiting_first_token(engine, now - _float(age))

@@ -248,6 +248,7 @@ class RemoteDecisions(Decisions):
         tokens: int,
         *,
         not_after: float = math.inf,
+        cached: int = 0,
     ) -> AsyncIterator[None]:
         first = self._first
         if first is not None and self._untaken("slot") and first.slot == (engine.id, phase):
@@ -259,13 +260,18 @@ class RemoteDecisions(Decisions):
                 self._let_go("slot")
         else:
             left = not_after - trio.current_time()
-            async with self._hold("phase_slot", engine.id, phase, tokens, left) as alone:
+            hold = self._hold("phase_slot", engine.id, phase, tokens, left, cached)
+            async with hold as alone:
                 assert alone is None or isinstance(alone, int)
                 self._alone[engine.id] = alone
                 yield
 
     def handoff(self, engine: EngineState) -> Claim:
         claim = self._claim("handoff", engine)
+        return Claim(lambda: self.release_claim(claim))
+
+    def local_prefill(self, engine: EngineState, tokens: int, cached: int) -> Claim:
+        claim = self._claim("local_prefill", engine, tokens, cached)
         return Claim(lambda: self.release_claim(claim))
 
     # ---------------------------------------------------------------- retries

@@ -170,12 +170,15 @@ def placement_for(
 
 @attrs.frozen
 class LocalPrices:
-    """A pair request's two ways to the decode engine's first step, in seconds; None
-    where no profile prices it. `local_s`: the decode engine prefills the uncached rest
-    itself (its backlog and prefill, whose step makes the first token); `remote_s`: the
-    prefill engine's path to the handoff (backlog, prefill, handoff; the decode engine's
-    first step follows); `local_wait_s`: the part of `local_s` that is the decode
-    engine's backlog."""
+    """A pair request's two ways to its first token on the decode engine, in seconds;
+    None where no profile prices it.
+
+    `local_s`: the decode engine prefills the uncached rest itself once it can take
+    the prompt in (`DecodeSide.delay_s`: its recent lag to a first token, KV room, the
+    local prefills booked before it), in a step of its decode batch that makes the
+    first token. `remote_s`: the prefill engine's path to the handoff (backlog,
+    prefill, handoff), the same delay less what the path overlaps of it, and the
+    decode engine's first step. `local_wait_s`: the delay, `local_s`'s wait."""
 
     local_s: float | None = None
     remote_s: float | None = None
@@ -188,13 +191,23 @@ def local_prefill_prices(
     if ctx.profiles is None:
         return LocalPrices()
     prices = priced(ctx, ctx.profiles, cached)
-    local, remote = prices.get(decode), prices.get(prefill)
-    local_s = None
-    if local is not None and local.prefill is not None:
-        local_s = local.backlog_s + local.prefill_s(tokens)
-    remote_s = (
-        None
-        if remote is None or remote.prefill is None
-        else remote.backlog_s + remote.prefill_s(tokens) + ctx.profiles.handoff_s(tokens)
-    )
-    return LocalPrices(local_s, remote_s, 0.0 if local is None else local.backlog_s)
+    local = prices.get(decode)
+    if local is None:
+        return LocalPrices()
+    return local_path_prices(local, prices.get(prefill), tokens, ctx.profiles.handoff_s(tokens))
+
+
+def local_path_prices(
+    local: Priced, remote: Priced | None, tokens: int, handoff_s: float
+) -> LocalPrices:
+    """`LocalPrices` of a prompt of `tokens` on decode engine `local` and prefill engine
+    `remote`, as priced now."""
+    step_s = local.first_step_s(tokens)
+    side = local.decode_side(tokens, handoff_s, step_s)
+    local_wait_s = side.delay_s()
+    local_s = None if local.prefill is None else local_wait_s + local.prefill_s(tokens) + step_s
+    remote_s = None
+    if remote is not None and remote.prefill is not None:
+        path_s = remote.backlog_s + remote.prefill_s(tokens) + handoff_s
+        remote_s = path_s + side.delay_s(path_s) + step_s
+    return LocalPrices(local_s, remote_s, local_wait_s)

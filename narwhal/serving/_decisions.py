@@ -48,7 +48,7 @@ from ._admit import (
 )
 from ._context import RequestRecord, ServingContext
 from ._leg_failures import LegPhase
-from ._legs import phase_slot
+from ._legs import book_prefill, phase_slot
 from ._pairs import pair_protocol
 from ._prefix import prefills_locally
 from ._request import ClientRequest
@@ -272,11 +272,19 @@ class Decisions:
         tokens: int,
         *,
         not_after: float = math.inf,
+        cached: int = 0,
     ) -> AbstractAsyncContextManager[None]:
-        """One of the engine's phase slots (`_legs.phase_slot`); a decode slot takes over
-        the decode placement's claim."""
+        """One of the engine's phase slots (`_legs.phase_slot`, a prefill's priced less its
+        `cached` prefix there); a decode slot takes over the decode placement's claim."""
         pending = self._pending if phase == "decode" else None
-        return phase_slot(self.ctx, engine, phase, tokens, not_after=not_after, pending=pending)
+        return phase_slot(
+            self.ctx, engine, phase, tokens, not_after=not_after, pending=pending, cached=cached
+        )
+
+    def local_prefill(self, engine: EngineState, tokens: int, cached: int) -> Claim:
+        """The prefill a decode engine makes of the prompt itself, booked on its backlog
+        (`_legs.book_prefill`) until released at the first token."""
+        return book_prefill(self.ctx, engine, tokens, cached)
 
     def handoff(self, engine: EngineState) -> Claim:
         """The producer's KV held for a decode leg not sent yet."""

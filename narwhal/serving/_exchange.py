@@ -376,7 +376,7 @@ class Exchange:
             record.cached_tokens = placed.cached_tokens
             record.engine_cached_tokens = None
             try:
-                await self._attempt(prefill, decode)
+                await self._attempt(prefill, decode, local_prefill=placed.local_prefill)
             except EngineFailed as failure:
                 failed = prefill if prefill and failure.engine_id == prefill.id else decode
                 decision = await decisions.retry(
@@ -397,10 +397,12 @@ class Exchange:
             decisions.succeeded()
             return
 
-    async def _attempt(self, prefill: EngineState | None, decode: EngineState) -> None:
+    async def _attempt(
+        self, prefill: EngineState | None, decode: EngineState, *, local_prefill: bool
+    ) -> None:
         async with self.decisions.decode_placed(decode, self.tokens):
             if prefill is None:
-                await aggregate(self, decode)
+                await aggregate(self, decode, local_prefill=local_prefill)
             else:
                 await pair_protocol(prefill.dialect).run(self, prefill, decode)
 

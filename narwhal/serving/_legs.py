@@ -35,7 +35,7 @@ import trio
 
 from .._codes import ErrorCode
 from .._errors import EngineFailed, Unavailable
-from ..admission import shared_overhead_s
+from ..admission import credited_prefill_s, shared_overhead_s
 from ..engines import (
     ENDPOINT_PATHS,
     ConnectError,
@@ -82,6 +82,24 @@ class HandoffExpired(Exception):
     """A phase slot was not had by its `not_after` (the KV handoff's deadline)."""
 
 
+def book_prefill(ctx: ServingContext, engine: EngineState, tokens: int, cached: int = 0) -> Claim:
+    """Commit a prompt's priced prefill to the engine's backlog (`BacklogBook`), until
+    the claim is released; nothing without a prefill profile for the engine.
+
+    Priced as admission prices it: less what the `cached` prefix saves, with
+    cache.affinity's credit (at most 1), so a blind fleet books the whole prompt."""
+    curve = None if ctx.profiles is None else ctx.profiles.prefill_curve(engine.id)
+    if curve is None:
+        return Claim(lambda: None)
+    credit = min(1.0, ctx.config.cache.affinity)
+    work = credited_prefill_s(curve, tokens, cached, credit)
+    chunk = ctx.config.engine.prefill_chunk_tokens
+    shared = shared_overhead_s(curve.prefill_s(0), tokens, chunk)
+    backlog = ctx.backlog
+    backlog.commit(engine, work, trio.current_time(), shared)
+    return Claim(lambda: backlog.release(engine))
+
+
 @asynccontextmanager
 async def phase_slot(
     ctx: ServingContext,
@@ -91,21 +109,18 @@ async def phase_slot(
     *,
     not_after: float = math.inf,
     pending: Claim | None = None,
+    cached: int = 0,
 ) -> AsyncIterator[None]:
     """Hold one of the engine's phase slots (serving.*_concurrency) and account load.
 
     A prefill waiting for its slot counts as queued prefill work on the engine from
-    the moment it is placed; a decode's load moves from pending to active here.
+    the moment it is placed (`book_prefill`, less its `cached` prefix there); a
+    decode's load moves from pending to active here.
     """
     limiter = engine.prefill_limiter if phase == "prefill" else engine.decode_limiter
     borrower = object()
-    backlog = ctx.backlog
-    curve = None if ctx.profiles is None else ctx.profiles.prefill_curve(engine.id)
-    if phase == "prefill" and curve is not None:
-        # Committed when the leg is placed, so later arrivals see it while it waits.
-        chunk = ctx.config.engine.prefill_chunk_tokens
-        shared = shared_overhead_s(curve.prefill_s(0), tokens, chunk)
-        backlog.commit(engine, curve.prefill_s(tokens), trio.current_time(), shared)
+    # Committed when the leg is placed, so later arrivals see it while it waits.
+    booked = book_prefill(ctx, engine, tokens, cached) if phase == "prefill" else None
     queued = engine.load.prefill_queue(tokens) if phase == "prefill" else nullcontext()
     try:
         with queued:
@@ -118,8 +133,8 @@ async def phase_slot(
                     await limiter.acquire_on_behalf_of(borrower)
                 expired = wait.cancelled_caught
     except BaseException:
-        if phase == "prefill" and curve is not None:
-            backlog.release(engine)
+        if booked is not None:
+            booked.release()
         raise
     if expired or trio.current_time() > not_after:
         if not expired:
@@ -135,8 +150,8 @@ async def phase_slot(
         if phase == "decode":
             # The KV the prompt held is freed with the slot.
             ctx.kv_freed(engine, tokens, trio.current_time())
-        elif curve is not None:
-            backlog.release(engine)
+        elif booked is not None:
+            booked.release()
         limiter.release_on_behalf_of(borrower)
 
 
@@ -179,14 +194,19 @@ class KvGrowth:
 
 class Leg:
     """One engine request of exchange `x`: its `phase` on `engine`, the instance placed
-    (a reload may replace an engine of the same id while the leg runs)."""
+    (a reload may replace an engine of the same id while the leg runs). `prefilling`:
+    the prefill booked on the engine by a leg that computes the prompt there, released
+    at its first token."""
 
-    __slots__ = ("engine", "phase", "x")
+    __slots__ = ("engine", "phase", "prefilling", "x")
 
-    def __init__(self, x: Exchange, engine: EngineState, phase: LegPhase) -> None:
+    def __init__(
+        self, x: Exchange, engine: EngineState, phase: LegPhase, prefilling: Claim | None = None
+    ) -> None:
         self.x = x
         self.engine = engine
         self.phase = phase
+        self.prefilling = prefilling
 
     @asynccontextmanager
     async def request(self, body: bytes) -> AsyncIterator[Response]:
@@ -483,6 +503,8 @@ class Leg:
         first_token_seen: Callable[[], None] | None,
     ) -> None:
         x = self.x
+        if self.prefilling is not None:
+            self.prefilling.release()
         if release:
             x.record.first_output_at = now
         x.ctx.metrics.ttft_by(self.phase).observe(now - x.request.arrival)

@@ -19,6 +19,7 @@ Invariants
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -74,7 +75,9 @@ class VllmPair:
         serving = x.config.serving
         x.record.stage = "prefill"
         handoff_cap = serving.handoff_timeout_s or math.inf  # 0: the deadline is the cap
-        async with x.decisions.phase_slot(prefill, "prefill", x.tokens):
+        async with x.decisions.phase_slot(
+            prefill, "prefill", x.tokens, cached=x.cached.get(prefill.id, 0)
+        ):
             # docs/design.md#retries: the handoff's age counts from the prefill HTTP
             # request, not from the wait for a prefill slot before it (no KV exists yet
             # during that wait).
@@ -157,7 +160,9 @@ class SglangPair:
         timer = trio.CancelScope()  # its deadline starts once both legs are sent
 
         async def run_prefill() -> None:
-            async with x.decisions.phase_slot(prefill, "prefill", x.tokens):
+            async with x.decisions.phase_slot(
+                prefill, "prefill", x.tokens, cached=x.cached.get(prefill.id, 0)
+            ):
                 prefill_slot.set()
                 await both_slots.wait()
                 await Leg(x, prefill, "prefill").read_whole(
@@ -196,18 +201,29 @@ class SglangPair:
             raise first_failure[0]
 
 
-async def aggregate(x: Exchange, engine: EngineState) -> None:
-    """One engine does both phases: its first token includes the prefill."""
+async def aggregate(x: Exchange, engine: EngineState, *, local_prefill: bool = False) -> None:
+    """One engine does both phases: its first token includes the prefill.
+
+    `local_prefill`: a decode engine computes the prompt itself (cache.local_prefill_share).
+    Its prefill is booked on the engine's backlog until the first token, so the next
+    local prefill and the first decode step of a handoff behind it are priced behind it
+    (docs/design.md#prefix-caching)."""
     x.record.stage = "decode"
     body, own_usage, unstreamed = leg_body(x.request, engine)
-    async with x.decisions.phase_slot(engine, "decode", x.tokens):
-        await Leg(x, engine, "aggregate").produce(
-            encode(body),
-            first_token_budget=x.config.serving.prefill_timeout_s
-            + x.config.engine.first_token_timeout_s,
-            own_usage=own_usage,
-            unstreamed=unstreamed,
-        )
+    booked = (
+        x.decisions.local_prefill(engine, x.tokens, x.cached.get(engine.id, 0))
+        if local_prefill
+        else None
+    )
+    with booked if booked is not None else nullcontext():
+        async with x.decisions.phase_slot(engine, "decode", x.tokens):
+            await Leg(x, engine, "aggregate", booked).produce(
+                encode(body),
+                first_token_budget=x.config.serving.prefill_timeout_s
+                + x.config.engine.first_token_timeout_s,
+                own_usage=own_usage,
+                unstreamed=unstreamed,
+            )
 
 
 _PROTOCOLS: dict[str, PairProtocol] = {"vllm": VllmPair(), "sglang": SglangPair()}

@@ -315,6 +315,34 @@ def test_kv_wait_and_first_token_lag_are_not_added_together() -> None:
     assert quote.ttft_s == pytest.approx(0.1 + 0.5)
 
 
+def test_a_decode_engine_s_own_prefills_delay_a_handoff_beyond_the_remote_prefill() -> None:
+    # d0 has 0.3 s of prompts it prefills itself booked (cache.local_prefill_share): a
+    # handoff's first step runs once they are through. The 0.1 s remote prefill overlaps
+    # them, so 0.2 s is wait; a remote prefill longer than the booking hides it.
+    p0, d0 = kv_fleet(0, 0.0)
+    busy = attrs.evolve(d0, backlog_s=0.3)
+    (quote,) = quote_paths([p0, busy], prompt_tokens=1000, handoff_s=0.0)
+    assert quote.wait_s == pytest.approx(0.2)
+    assert quote.ttft_s == pytest.approx(0.3 + 0.01)
+    slow = attrs.evolve(p0, prefill=Linear(0.001))
+    (hidden,) = quote_paths([slow, busy], prompt_tokens=1000, handoff_s=0.0)
+    assert hidden.wait_s == 0.0
+    # Like the KV wait, it is the same queue the first-token lag sees: the larger counts.
+    lagging = attrs.evolve(busy, first_token_lag_s=0.5)
+    (lag,) = quote_paths([p0, lagging], prompt_tokens=1000, handoff_s=0.0)
+    assert lag.ttft_s == pytest.approx(0.1 + 0.5)
+
+
+def test_placement_steers_a_handoff_away_from_a_decode_engine_busy_prefilling() -> None:
+    priced = {p.view.id: p for p in lagging_fleet(0.0, 0.0)}
+    priced["d0"] = attrs.evolve(priced["d0"], backlog_s=0.2)
+    policy = placement_policy(
+        priced, prompt_tokens=100, handoff_s=0.0, ttft_budget_s=1.0, tpot_target_s=0.05
+    )
+    assert policy.decode_cost(priced["d0"].view) == pytest.approx(0.01 + 0.2)
+    assert policy.decode_cost(priced["d1"].view) == pytest.approx(0.01)
+
+
 def unstreamed(committed: int, age_s: float, cap: float, *, interval: float = 0.01) -> Priced:
     """`kv_decode` with non-streaming decode legs that have run `age_s` seconds in all."""
     engine = kv_decode("d0", committed, interval=interval)

@@ -253,6 +253,42 @@ async def test_a_legs_growth_not_yet_reported_is_reported_before_its_release() -
             assert decode.load.decode_tokens == 64
 
 
+class PerToken:
+    """A prefill profile of 1 ms per token, the same on every engine."""
+
+    def prefill_curve(self, engine_id: str) -> PerToken:
+        return self
+
+    def prefill_s(self, n: int) -> float:
+        return 0.001 * n
+
+
+async def test_a_workers_prompts_are_booked_in_the_cores_backlog_less_their_cached_prefix() -> None:
+    # A 1,000-token prompt of which the engine holds 600: 0.4 s to compute, whether a
+    # prefill slot or a decode engine's own prefill (cache.local_prefill_share) books it.
+    ctx = ServingContext(configured())
+    ctx.profiles = PerToken()  # type: ignore[assignment]
+    core = DecisionCore(ctx)
+    prefill, decode = ctx.fleet.get("p0"), ctx.fleet.get("d0")
+    assert prefill is not None
+    assert decode is not None
+    with trio.fail_after(10):
+        async with workers(core, 1) as (one,), one.request() as decisions:
+            engine = one.ctx.fleet.get("d0")
+            assert engine is not None
+            booked = decisions.local_prefill(engine, 1000, 600)
+            await decisions.standing()  # a round trip: every note before it is in
+            assert ctx.backlog.wait_s(decode, trio.current_time()) == pytest.approx(0.4, abs=0.05)
+            booked.release()
+            await wait_for(lambda: decode not in ctx.backlog.finish)
+            engine = one.ctx.fleet.get("p0")
+            assert engine is not None
+            async with decisions.phase_slot(engine, "prefill", 1000, cached=600):
+                wait = ctx.backlog.wait_s(prefill, trio.current_time())
+                assert wait == pytest.approx(0.4, abs=0.05)
+            await wait_for(lambda: prefill not in ctx.backlog.finish)
+
+
 async def wait_for(condition: Callable[[], bool]) -> None:
     """Until `condition` holds: the core answers over a socket, in this scheduler."""
     with trio.fail_after(5):

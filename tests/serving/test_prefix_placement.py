@@ -10,12 +10,14 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from narwhal.admission import cached_prefill_s
 from narwhal.sim import SimEngineSpec
 
+from ..support import wait_for
 from .conftest import MODEL, Stack, StartStack
-from .test_predictive import LawPrefill, LawProfiles
+from .test_predictive import LawDecode, LawPrefill, LawProfiles
 
 SYSTEM = "You are a careful assistant. " * 80  # ~2300 chars: nine 256-char text blocks
 # The decode engine, which pulled the prefix, never prefills it itself.
@@ -111,9 +113,9 @@ async def test_a_decode_engine_holding_most_of_the_prompt_prefills_it_itself(
 async def test_a_local_prefill_is_projected_as_the_path_it_takes(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Priced by the law: the decode engine's own cached prefill, whose step makes the first
-    # token, not the pair's path the admission quote priced (a prefill, the whole prompt's
-    # handoff, then a decode step).
+    # Priced by the law: the decode engine's own cached prefill, in a step of its decode
+    # batch that makes the first token, not the pair's path the admission quote priced (a
+    # prefill, the whole prompt's handoff, then a decode step).
     caplog.set_level(logging.INFO, logger="narwhal.request")
     profiles = LawProfiles(speed=20.0)
     stack = await start_stack(
@@ -126,13 +128,16 @@ async def test_a_local_prefill_is_projected_as_the_path_it_takes(
     prompt = SYSTEM + "A question?"
     await complete(stack, prompt)
     await complete(stack, prompt + " And one more.")
-    second = [r for r in caplog.records if getattr(r, "event", None) == "request"][-1]
-    assert second.prefill_engine is None  # type: ignore[attr-defined]
-    tokens, cached = second.prompt_tokens, second.cached_tokens  # type: ignore[attr-defined]
+    first, second = [r.__dict__ for r in caplog.records if r.__dict__.get("event") == "request"]
+    assert (first["prefill_engine"], second["prefill_engine"]) == ("p0", None)
+    tokens, cached = second["prompt_tokens"], second["cached_tokens"]
     law = LawPrefill(profiles.timing, profiles.speed)
-    local = cached_prefill_s(law, tokens, cached)
-    assert second.projected_ttft_s == pytest.approx(local, rel=0.05, abs=1e-5)  # type: ignore[attr-defined]
-    assert local < profiles.handoff_s(tokens) + law.prefill_s(tokens)
+    step = LawDecode(profiles.timing, profiles.speed).interval_s(1, tokens)
+    local = cached_prefill_s(law, tokens, cached) + step
+    # The wait is the decode engine's recent lag to a first token beyond its model.
+    idle = second["projected_ttft_s"] - second["projected_wait_s"]
+    assert idle == pytest.approx(local, rel=0.05, abs=1e-5)
+    assert local < profiles.handoff_s(tokens) + law.prefill_s(tokens) + step
 
 
 @pytest.mark.parametrize(
@@ -170,3 +175,55 @@ async def test_the_engine_that_computes_the_prompt_reports_what_it_found_cached(
         "narwhal_engine_cached_prompt_tokens_total", {"engine": computed}
     )
     assert counted == reported
+
+
+# Model seconds per wall second: slow enough that a prefill's booking can be read while
+# it lasts.
+SLOW = 0.02
+
+
+@pytest.mark.parametrize(
+    ("share", "engine", "leg"), [(1.0, "p0", "prefill"), (0.5, "d1", "aggregate")]
+)
+async def test_a_prompt_is_booked_at_what_its_cached_prefix_leaves_to_compute(
+    start_stack: StartStack,
+    caplog: pytest.LogCaptureFixture,
+    share: float,
+    engine: str,
+    leg: str,
+) -> None:
+    # Whichever engine computes the prompt, the pair's prefill engine or a decode engine
+    # that prefills it itself, its prefill backlog holds the price of the uncached rest
+    # until the prompt is computed (the prefill leg's answer, the local prefill's first
+    # token), and nothing after. Without the booking, a decode engine's own prefills
+    # were priced as no wait at all.
+    caplog.set_level(logging.INFO, logger="narwhal.request")
+    profiles = LawProfiles(speed=SLOW)
+    stack = await start_stack(
+        speed=SLOW,
+        serving={"admission": "predictive"},
+        slo={"ttft_s": 30.0, "tpot_s": 5.0},
+        cache={"local_prefill_share": share},
+        sim=sim_with_cache(),
+        profiles=profiles,
+    )
+    prompt = SYSTEM + "A question?"
+    await complete(stack, prompt)
+
+    def booked() -> float:
+        return stack.ctx.load_signals(trio.current_time()).backlog_s[engine]
+
+    assert booked() == 0.0
+    index = [spec.id for spec in stack.config.engines].index(engine)
+    stack.fleet[index].set_faults(stall_before_first_token_s=1.0, leg=leg, count=1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(complete, stack, prompt + " And one more.")
+        await wait_for(lambda: booked() > 0)
+        seen = booked()
+    assert booked() == 0.0
+    last = [r.__dict__ for r in caplog.records if r.__dict__.get("event") == "request"][-1]
+    assert (last["prefill_engine"] or last["decode_engine"]) == engine
+    law = LawPrefill(profiles.timing, profiles.speed)
+    tokens, cached = last["prompt_tokens"], last["cached_tokens"]
+    assert cached > 0.5 * tokens
+    assert seen <= cached_prefill_s(law, tokens, cached) + 0.01 < law.prefill_s(tokens)
