@@ -154,6 +154,15 @@ class Priced:
         )
         return max(0.0, interval) * self.decode_correction
 
+    def batch_step_s(self, prompt_tokens: int) -> float:
+        """What the engine's decode batch adds to the step a prompt prefilled here rides
+        in: its first step with the prompt added, less an idle engine's (whose fixed
+        cost the prefill curve already holds). 0 on an engine decoding nothing."""
+        if self.decode is None:
+            return 0.0
+        idle = max(0.0, self.decode.interval_s(1, prompt_tokens)) * self.decode_correction
+        return max(0.0, self.first_step_s(prompt_tokens) - idle)
+
     def decode_side(
         self, prompt_tokens: int, handoff_s: float, first_step_s: float | None = None
     ) -> DecodeSide:

@@ -186,11 +186,11 @@ class DecisionCore:
                 reply(None)
                 await trio.sleep_forever()
         if name == "phase_slot":
-            engine_id, phase, tokens, left, cached = args
+            engine_id, phase, tokens, left = args
             engine = self._engine(engine_id)
             assert phase in ("prefill", "decode")
             async with decisions.phase_slot(
-                engine, phase, _int(tokens), not_after=now + _float(left), cached=_int(cached)
+                engine, phase, _int(tokens), not_after=now + _float(left)
             ):
                 reply(decisions.alone(engine))
                 await trio.sleep_forever()
@@ -220,8 +220,7 @@ class DecisionCore:
             engine = self._engine(engine_id)
             decode = self._engine(first.decode)
             async with decisions.decode_placed(decode, tokens):
-                cached = admitted.cached.get(engine_id, 0)
-                async with decisions.phase_slot(engine, phase, tokens, cached=cached):
+                async with decisions.phase_slot(engine, phase, tokens):
                     reply((admitted, attrs.evolve(first, alone=decisions.alone(engine))))
                     await session.let_go["slot"].wait()
                 await session.let_go["decode_placed"].wait()

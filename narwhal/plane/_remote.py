@@ -248,7 +248,6 @@ class RemoteDecisions(Decisions):
         tokens: int,
         *,
         not_after: float = math.inf,
-        cached: int = 0,
     ) -> AsyncIterator[None]:
         first = self._first
         if first is not None and self._untaken("slot") and first.slot == (engine.id, phase):
@@ -260,8 +259,7 @@ class RemoteDecisions(Decisions):
                 self._let_go("slot")
         else:
             left = not_after - trio.current_time()
-            hold = self._hold("phase_slot", engine.id, phase, tokens, left, cached)
-            async with hold as alone:
+            async with self._hold("phase_slot", engine.id, phase, tokens, left) as alone:
                 assert alone is None or isinstance(alone, int)
                 self._alone[engine.id] = alone
                 yield

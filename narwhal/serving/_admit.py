@@ -176,9 +176,10 @@ class LocalPrices:
     `local_s`: the decode engine prefills the uncached rest itself once it can take
     the prompt in (`DecodeSide.delay_s`: its recent lag to a first token, KV room, the
     local prefills booked before it), in a step of its decode batch that makes the
-    first token. `remote_s`: the prefill engine's path to the handoff (backlog,
-    prefill, handoff), the same delay less what the path overlaps of it, and the
-    decode engine's first step. `local_wait_s`: the delay, `local_s`'s wait."""
+    first token (so it pays what the batch adds to a step, `Priced.batch_step_s`).
+    `remote_s`: the prefill engine's path to the handoff (backlog, prefill, handoff),
+    the same delay less what the path overlaps of it, and the decode engine's first
+    step. `local_wait_s`: the delay, `local_s`'s wait."""
 
     local_s: float | None = None
     remote_s: float | None = None
@@ -205,7 +206,9 @@ def local_path_prices(
     step_s = local.first_step_s(tokens)
     side = local.decode_side(tokens, handoff_s, step_s)
     local_wait_s = side.delay_s()
-    local_s = None if local.prefill is None else local_wait_s + local.prefill_s(tokens) + step_s
+    local_s = None
+    if local.prefill is not None:
+        local_s = local_wait_s + local.prefill_s(tokens) + local.batch_step_s(tokens)
     remote_s = None
     if remote is not None and remote.prefill is not None:
         path_s = remote.backlog_s + remote.prefill_s(tokens) + handoff_s

@@ -272,14 +272,11 @@ class Decisions:
         tokens: int,
         *,
         not_after: float = math.inf,
-        cached: int = 0,
     ) -> AbstractAsyncContextManager[None]:
-        """One of the engine's phase slots (`_legs.phase_slot`, a prefill's priced less its
-        `cached` prefix there); a decode slot takes over the decode placement's claim."""
+        """One of the engine's phase slots (`_legs.phase_slot`); a decode slot takes over
+        the decode placement's claim."""
         pending = self._pending if phase == "decode" else None
-        return phase_slot(
-            self.ctx, engine, phase, tokens, not_after=not_after, pending=pending, cached=cached
-        )
+        return phase_slot(self.ctx, engine, phase, tokens, not_after=not_after, pending=pending)
 
     def local_prefill(self, engine: EngineState, tokens: int, cached: int) -> Claim:
         """The prefill a decode engine makes of the prompt itself, booked on its backlog

@@ -86,8 +86,8 @@ def book_prefill(ctx: ServingContext, engine: EngineState, tokens: int, cached: 
     """Commit a prompt's priced prefill to the engine's backlog (`BacklogBook`), until
     the claim is released; nothing without a prefill profile for the engine.
 
-    Priced as admission prices it: less what the `cached` prefix saves, with
-    cache.affinity's credit (at most 1), so a blind fleet books the whole prompt."""
+    Less what the `cached` prefix saves, with cache.affinity's credit (at most 1), as
+    admission prices it: a blind fleet books the whole prompt."""
     curve = None if ctx.profiles is None else ctx.profiles.prefill_curve(engine.id)
     if curve is None:
         return Claim(lambda: None)
@@ -109,18 +109,21 @@ async def phase_slot(
     *,
     not_after: float = math.inf,
     pending: Claim | None = None,
-    cached: int = 0,
 ) -> AsyncIterator[None]:
     """Hold one of the engine's phase slots (serving.*_concurrency) and account load.
 
     A prefill waiting for its slot counts as queued prefill work on the engine from
-    the moment it is placed (`book_prefill`, less its `cached` prefix there); a
-    decode's load moves from pending to active here.
+    the moment it is placed (`book_prefill`); a decode's load moves from pending to
+    active here.
     """
     limiter = engine.prefill_limiter if phase == "prefill" else engine.decode_limiter
     borrower = object()
-    # Committed when the leg is placed, so later arrivals see it while it waits.
-    booked = book_prefill(ctx, engine, tokens, cached) if phase == "prefill" else None
+    # Committed when the leg is placed, so later arrivals see it while it waits. The
+    # whole prompt, whatever the engine holds cached: booked at the cached price, the
+    # pair path ran 0.3-0.4 s past its projection at the median on the prefix benchmark
+    # (0.2 s booking it whole), and admission refused half as many
+    # (docs/benchmarks.md#cache-aware-serving).
+    booked = book_prefill(ctx, engine, tokens) if phase == "prefill" else None
     queued = engine.load.prefill_queue(tokens) if phase == "prefill" else nullcontext()
     try:
         with queued:

@@ -75,9 +75,7 @@ class VllmPair:
         serving = x.config.serving
         x.record.stage = "prefill"
         handoff_cap = serving.handoff_timeout_s or math.inf  # 0: the deadline is the cap
-        async with x.decisions.phase_slot(
-            prefill, "prefill", x.tokens, cached=x.cached.get(prefill.id, 0)
-        ):
+        async with x.decisions.phase_slot(prefill, "prefill", x.tokens):
             # docs/design.md#retries: the handoff's age counts from the prefill HTTP
             # request, not from the wait for a prefill slot before it (no KV exists yet
             # during that wait).
@@ -160,9 +158,7 @@ class SglangPair:
         timer = trio.CancelScope()  # its deadline starts once both legs are sent
 
         async def run_prefill() -> None:
-            async with x.decisions.phase_slot(
-                prefill, "prefill", x.tokens, cached=x.cached.get(prefill.id, 0)
-            ):
+            async with x.decisions.phase_slot(prefill, "prefill", x.tokens):
                 prefill_slot.set()
                 await both_slots.wait()
                 await Leg(x, prefill, "prefill").read_whole(
@@ -210,9 +206,11 @@ async def aggregate(x: Exchange, engine: EngineState, *, local_prefill: bool = F
     (docs/design.md#prefix-caching)."""
     x.record.stage = "decode"
     body, own_usage, unstreamed = leg_body(x.request, engine)
+    # A leg read whole shows no first token: booked until its answer, it would stand
+    # overdue on the engine for its whole decode.
     booked = (
         x.decisions.local_prefill(engine, x.tokens, x.cached.get(engine.id, 0))
-        if local_prefill
+        if local_prefill and unstreamed is None
         else None
     )
     with booked if booked is not None else nullcontext():

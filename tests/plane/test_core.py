@@ -263,9 +263,9 @@ class PerToken:
         return 0.001 * n
 
 
-async def test_a_workers_prompts_are_booked_in_the_cores_backlog_less_their_cached_prefix() -> None:
-    # A 1,000-token prompt of which the engine holds 600: 0.4 s to compute, whether a
-    # prefill slot or a decode engine's own prefill (cache.local_prefill_share) books it.
+async def test_a_workers_prompts_are_booked_in_the_cores_backlog() -> None:
+    # A 1,000-token prompt: 1 s in a prefill slot; 0.4 s when a decode engine that holds
+    # 600 of its tokens prefills it itself (cache.local_prefill_share).
     ctx = ServingContext(configured())
     ctx.profiles = PerToken()  # type: ignore[assignment]
     core = DecisionCore(ctx)
@@ -283,9 +283,9 @@ async def test_a_workers_prompts_are_booked_in_the_cores_backlog_less_their_cach
             await wait_for(lambda: decode not in ctx.backlog.finish)
             engine = one.ctx.fleet.get("p0")
             assert engine is not None
-            async with decisions.phase_slot(engine, "prefill", 1000, cached=600):
+            async with decisions.phase_slot(engine, "prefill", 1000):
                 wait = ctx.backlog.wait_s(prefill, trio.current_time())
-                assert wait == pytest.approx(0.4, abs=0.05)
+                assert wait == pytest.approx(1.0, abs=0.05)
             await wait_for(lambda: prefill not in ctx.backlog.finish)
 
 

@@ -6,6 +6,7 @@ most of a prompt prefills it itself."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import httpx
@@ -113,8 +114,8 @@ async def test_a_decode_engine_holding_most_of_the_prompt_prefills_it_itself(
 async def test_a_local_prefill_is_projected_as_the_path_it_takes(
     start_stack: StartStack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Priced by the law: the decode engine's own cached prefill, in a step of its decode
-    # batch that makes the first token, not the pair's path the admission quote priced (a
+    # Priced by the law: the decode engine's own cached prefill, whose step makes the first
+    # token (d1 decodes nothing else), not the pair's path the admission quote priced (a
     # prefill, the whole prompt's handoff, then a decode step).
     caplog.set_level(logging.INFO, logger="narwhal.request")
     profiles = LawProfiles(speed=20.0)
@@ -132,11 +133,11 @@ async def test_a_local_prefill_is_projected_as_the_path_it_takes(
     assert (first["prefill_engine"], second["prefill_engine"]) == ("p0", None)
     tokens, cached = second["prompt_tokens"], second["cached_tokens"]
     law = LawPrefill(profiles.timing, profiles.speed)
-    step = LawDecode(profiles.timing, profiles.speed).interval_s(1, tokens)
-    local = cached_prefill_s(law, tokens, cached) + step
+    local = cached_prefill_s(law, tokens, cached)
     # The wait is the decode engine's recent lag to a first token beyond its model.
     idle = second["projected_ttft_s"] - second["projected_wait_s"]
     assert idle == pytest.approx(local, rel=0.05, abs=1e-5)
+    step = LawDecode(profiles.timing, profiles.speed).interval_s(1, tokens)
     assert local < profiles.handoff_s(tokens) + law.prefill_s(tokens) + step
 
 
@@ -182,24 +183,8 @@ async def test_the_engine_that_computes_the_prompt_reports_what_it_found_cached(
 SLOW = 0.02
 
 
-@pytest.mark.parametrize(
-    ("share", "engine", "leg"), [(1.0, "p0", "prefill"), (0.5, "d1", "aggregate")]
-)
-async def test_a_prompt_is_booked_at_what_its_cached_prefix_leaves_to_compute(
-    start_stack: StartStack,
-    caplog: pytest.LogCaptureFixture,
-    share: float,
-    engine: str,
-    leg: str,
-) -> None:
-    # Whichever engine computes the prompt, the pair's prefill engine or a decode engine
-    # that prefills it itself, its prefill backlog holds the price of the uncached rest
-    # until the prompt is computed (the prefill leg's answer, the local prefill's first
-    # token), and nothing after. Without the booking, a decode engine's own prefills
-    # were priced as no wait at all.
-    caplog.set_level(logging.INFO, logger="narwhal.request")
-    profiles = LawProfiles(speed=SLOW)
-    stack = await start_stack(
+async def slow_stack(start_stack: StartStack, profiles: LawProfiles, share: float) -> Stack:
+    return await start_stack(
         speed=SLOW,
         serving={"admission": "predictive"},
         slo={"ttft_s": 30.0, "tpot_s": 5.0},
@@ -207,6 +192,28 @@ async def test_a_prompt_is_booked_at_what_its_cached_prefix_leaves_to_compute(
         sim=sim_with_cache(),
         profiles=profiles,
     )
+
+
+@pytest.mark.parametrize(
+    ("share", "engine", "leg", "whole"),
+    [(1.0, "p0", "prefill", True), (0.5, "d1", "aggregate", False)],
+)
+async def test_a_prompt_is_booked_on_the_engine_that_computes_it_until_it_has(
+    start_stack: StartStack,
+    caplog: pytest.LogCaptureFixture,
+    share: float,
+    engine: str,
+    leg: str,
+    whole: bool,
+) -> None:
+    # Whichever engine computes the prompt, the pair's prefill engine or a decode engine
+    # that prefills it itself, its prefill backlog holds the prompt's price until it is
+    # computed (the prefill leg's answer, the local prefill's first token), and nothing
+    # after: the uncached rest's on the decode engine, whose own prefills were priced as
+    # no wait at all, and the whole prompt's on the prefill engine.
+    caplog.set_level(logging.INFO, logger="narwhal.request")
+    profiles = LawProfiles(speed=SLOW)
+    stack = await slow_stack(start_stack, profiles, share)
     prompt = SYSTEM + "A question?"
     await complete(stack, prompt)
 
@@ -226,4 +233,30 @@ async def test_a_prompt_is_booked_at_what_its_cached_prefix_leaves_to_compute(
     law = LawPrefill(profiles.timing, profiles.speed)
     tokens, cached = last["prompt_tokens"], last["cached_tokens"]
     assert cached > 0.5 * tokens
-    assert seen <= cached_prefill_s(law, tokens, cached) + 0.01 < law.prefill_s(tokens)
+    rest = cached_prefill_s(law, tokens, cached)
+    assert rest + 0.2 < law.prefill_s(tokens)
+    if whole:
+        assert rest + 0.2 < seen <= law.prefill_s(tokens) + 0.01
+    else:
+        assert seen <= rest + 0.01
+
+
+async def test_a_local_prefill_read_whole_is_not_booked(start_stack: StartStack) -> None:
+    # With echo the decode engine's leg is read whole: no first token would end its
+    # booking, which would then stand overdue on the engine for the whole decode.
+    stack = await slow_stack(start_stack, LawProfiles(speed=SLOW), 0.5)
+    prompt = SYSTEM + "A question?"
+    await complete(stack, prompt)
+    stack.fleet[1].set_faults(stall_before_first_token_s=1.0, leg="aggregate", count=1)
+
+    def legs() -> int:
+        return int(stack.fleet[1].state()["counters"]["requests"].get("aggregate", 0))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(complete, stack, prompt + " And one more.", echo=True))
+        await wait_for(lambda: legs() == 1)
+        assert stack.ctx.load_signals(trio.current_time()).backlog_s["d1"] == 0.0
+    served = stack.ctx.metrics.registry.get_sample_value(
+        "narwhal_local_prefills_total", {"engine": "d1"}
+    )
+    assert served == 1
