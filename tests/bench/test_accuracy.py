@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import accuracy
 import pytest
@@ -173,3 +174,23 @@ def test_the_cached_law_is_judged_against_pricing_whole_prompts() -> None:
     doc = {"result": {"accuracy": result}}
     table = accuracy.cached_table(doc).splitlines()
     assert table[2].startswith("| all | 3 | 6.7 % | ")
+
+
+def test_a_request_log_summary_splits_the_paths_and_sums_the_cached_shares(tmp_path: Path) -> None:
+    # At speed 0.5 a wall second is half a model second: errors in model ms.
+    log = tmp_path / "narwhal.log"
+    lines = [
+        _line(prefill_engine="p0", cached_tokens=40, engine_cached_tokens=50),
+        _line(prefill_engine=None, decode_engine="d1", cached_tokens=80, observed_ttft_s=0.4),
+        _line(outcome="ttft_budget", observed_ttft_s=None, projected_ttft_s=0.9, prompt_tokens=7),
+        "not a request line",
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    summary = accuracy.request_log_summary(log, speed=0.5)
+    assert summary["outcomes"] == {"ok": 2, "ttft_budget": 1}
+    pair, local = summary["accuracy"]["pair"], summary["accuracy"]["local_prefill"]
+    assert (pair["n"], local["n"], summary["accuracy"]["all"]["n"]) == (1, 1, 2)
+    assert pair["bias_ms"] == pytest.approx(-25.0)
+    assert local["bias_ms"] == pytest.approx(-100.0)
+    # Narwhal's estimate over the served prompts; the engines' over the lines that say.
+    assert summary["cached_share"] == {"narwhal": 0.6, "engine": 0.5}

@@ -79,3 +79,11 @@ def test_blind_and_aware_are_narwhal_full_apart_from_the_cache_section() -> None
     }
     assert aware.narwhal_extra == {}
     assert pg.peer_config("cache_aware", 2).policy == "cache_aware"
+
+
+def test_a_request_log_turns_on_narwhal_s_log_and_the_engines_cached_tokens() -> None:
+    plain = pg.parse_args(["--traces", "t"])
+    logged = pg.parse_args(["--traces", "t", "--request-log"])
+    assert "--enable-prompt-tokens-details" not in pg.sim_args(plain)
+    assert "--enable-prompt-tokens-details" in pg.sim_args(logged)
+    assert (plain.request_log, logged.request_log) == (False, True)

@@ -408,34 +408,77 @@ async def measure_routed(args: argparse.Namespace, run_dir: Path) -> Json:
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
                     await answer.aread()
     entries = request_lines((run_dir / "narwhal.log").read_text().splitlines())
-    served = [
+    served = projected_and_observed(entries)
+    bands: dict[str, list[dict[str, Json]]] = {"none": [], "under_half": [], "half_or_more": []}
+    for e in served:
+        bands[share_band(int(e["prompt_tokens"]), int(e.get("cached_tokens") or 0))].append(e)
+    return {
+        "timings": {"total_s": round(time.monotonic() - started, 1)},
+        "sent": len(requests),
+        "served": len(served),
+        "local_prefills": sum(1 for e in served if e.get("prefill_engine") is None),
+        "accuracy": {
+            **by_path(served, speed),
+            "by_cached_share": {name: path_stats(sel, speed) for name, sel in bands.items()},
+        },
+        "workload": session_facts(params, requests),
+    }
+
+
+def projected_and_observed(entries: Iterable[dict[str, Json]]) -> list[dict[str, Json]]:
+    """The request lines with both a projected and an observed TTFT."""
+    return [
         e
         for e in entries
         if e.get("projected_ttft_s") is not None and e.get("observed_ttft_s") is not None
     ]
 
-    def stats(sel: Sequence[dict[str, Json]]) -> dict[str, Json]:
-        return error_stats(
-            [float(e["projected_ttft_s"]) * speed for e in sel],
-            [float(e["observed_ttft_s"]) * speed for e in sel],
-        )
 
-    bands: dict[str, list[dict[str, Json]]] = {"none": [], "under_half": [], "half_or_more": []}
-    for e in served:
-        bands[share_band(int(e["prompt_tokens"]), int(e.get("cached_tokens") or 0))].append(e)
-    local = [e for e in served if e.get("prefill_engine") is None]
+def path_stats(sel: Sequence[dict[str, Json]], speed: float) -> dict[str, Json]:
+    """`error_stats` of request lines, in model time."""
+    return error_stats(
+        [float(e["projected_ttft_s"]) * speed for e in sel],
+        [float(e["observed_ttft_s"]) * speed for e in sel],
+    )
+
+
+def by_path(served: Sequence[dict[str, Json]], speed: float) -> dict[str, Json]:
+    """Projection accuracy of all requests, of those through a prefill engine ("pair"),
+    and of those a decode engine prefilled itself ("local_prefill")."""
     return {
-        "timings": {"total_s": round(time.monotonic() - started, 1)},
-        "sent": len(requests),
-        "served": len(served),
-        "local_prefills": len(local),
-        "accuracy": {
-            "all": stats(served),
-            "pair": stats([e for e in served if e.get("prefill_engine") is not None]),
-            "local_prefill": stats(local),
-            "by_cached_share": {name: stats(sel) for name, sel in bands.items()},
+        "all": path_stats(served, speed),
+        "pair": path_stats([e for e in served if e.get("prefill_engine") is not None], speed),
+        "local_prefill": path_stats([e for e in served if e.get("prefill_engine") is None], speed),
+    }
+
+
+def request_log_summary(path: Path, speed: float) -> dict[str, Json]:
+    """What a Narwhal request log (log level info) says of a run, every request line
+    (warm-ups included): outcomes, projection
+    accuracy by path (`by_path`) and the share of the served prompt tokens Narwhal
+    priced as cached (`cached_tokens`) and the engines found cached
+    (`engine_cached_tokens`, vLLM's --enable-prompt-tokens-details; over the lines that
+    have it)."""
+    entries = request_lines(path.read_text().splitlines())
+    outcomes: dict[str, int] = {}
+    for e in entries:
+        outcome = str(e.get("outcome"))
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    ok = [e for e in entries if e.get("outcome") == "ok" and e.get("prompt_tokens")]
+
+    def share(key: str) -> float | None:
+        counted = [e for e in ok if e.get(key) is not None]
+        prompt = sum(int(e["prompt_tokens"]) for e in counted)
+        cached = sum(int(e[key]) for e in counted)
+        return round(cached / prompt, 4) if prompt else None
+
+    return {
+        "outcomes": outcomes,
+        "accuracy": by_path(projected_and_observed(entries), speed),
+        "cached_share": {
+            "narwhal": share("cached_tokens"),
+            "engine": share("engine_cached_tokens"),
         },
-        "workload": session_facts(params, requests),
     }
 
 

@@ -25,6 +25,12 @@ on a 1P1D fleet); all run the first rate, and the `--peer-finalists` best of the
 
 Writes runs/bench/prefix-goodput.json and .png; logs and raw rows go to
 runs/tmp/prefix-goodput/<stamp>/ (not committed).
+
+`--request-log` runs Narwhal at log level info and the engines with
+--enable-prompt-tokens-details; each Narwhal row then gains `requests`
+(`accuracy.request_log_summary`): outcomes, projected against observed TTFT through the
+pair and for local prefills, and the prompt tokens Narwhal priced and the engines found
+cached.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import accuracy
 import attrs
 import benchkit
 import goodput
@@ -158,7 +165,8 @@ def peer_config(policy: str, prefill: int) -> goodput.Configuration:
 
 
 def sim_args(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("--enable-prefix-caching", "--block-size", str(args.block_size))
+    details = ("--enable-prompt-tokens-details",) if args.request_log else ()
+    return ("--enable-prefix-caching", *details, "--block-size", str(args.block_size))
 
 
 async def probe_policies(args: argparse.Namespace, exe: Path, tmp: Path) -> dict[str, Json]:
@@ -216,6 +224,7 @@ async def sweep(args: argparse.Namespace) -> int:
         goodput.settings_from(args, slo, args.window_s / 4, "prefix-goodput"),
         engines=args.engines,
         sim_args=sim_args(args),
+        request_log=args.request_log,
     )
     base = sessions.SessionParams(
         tenants=args.tenants,
@@ -309,6 +318,9 @@ async def sweep(args: argparse.Namespace) -> int:
                 result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
                 print(f"prefix-goodput: {cfg.name}: FAILED: {exc}", file=sys.stderr, flush=True)
             row = goodput_rate.compact(rate, result, bounds)
+            log = at.out_dir / cfg.name / "narwhal.log"
+            if args.request_log and cfg.router == "narwhal" and log.exists():
+                row["requests"] = accuracy.request_log_summary(log, args.speed)
             sweeps[cfg.name].append(row)
             print(
                 f"prefix-goodput: x{rate:g} {cfg.name}: attainment {row.get('attainment')} "
@@ -393,6 +405,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=1,
         help="vllm-router policies that go on past the first rate (the best there)",
+    )
+    p.add_argument(
+        "--request-log",
+        action="store_true",
+        help="log Narwhal's requests and the engines' cached tokens; summarise them per row",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
