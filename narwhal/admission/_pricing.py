@@ -596,10 +596,24 @@ class BacklogBook(Generic[K]):
     more expensive by the second instead of looking idle and drawing every request until
     its breaker opens, while the few milliseconds a healthy engine runs late cost about
     that much.
+
+    With other replicas (narwhal.cluster), the engine works through their prefills and
+    this replica's as one queue: `fleet_finish` is that queue's finish time, moved by
+    this replica's commits and by the work the others say they committed (`heard`).
+    Adding each replica's own book instead drains the whole at one second per second per
+    replica: with two, it priced a burst's prefill wait at about half of what it was.
+    `booked_s` counts the seconds this replica ever committed to each engine, for the
+    others to take the difference of. The fleet's queue forgets its error as this
+    replica's own book does, once no replica has a leg committed there: when this
+    replica's last one ends while the others last said they have none (`others_busy`
+    holds the engines where one had), or when the others say so after it.
     """
 
     finish: dict[K, float] = attrs.Factory(dict)
     committed: dict[K, int] = attrs.Factory(dict)
+    fleet_finish: dict[K, float] = attrs.Factory(dict)
+    booked_s: dict[K, float] = attrs.Factory(dict)
+    others_busy: set[K] = attrs.Factory(set)
 
     def wait_s(self, engine: K, now: float) -> float:
         finish = self.finish.get(engine, now)
@@ -611,8 +625,36 @@ class BacklogBook(Generic[K]):
         wait = self.wait_s(engine, now)
         if wait > 0:
             predicted_s -= min(max(0.0, shared_s), predicted_s)
-        self.finish[engine] = now + wait + max(0.0, predicted_s)
+        work = max(0.0, predicted_s)
+        self.finish[engine] = now + wait + work
         self.committed[engine] = self.committed.get(engine, 0) + 1
+        self.booked_s[engine] = self.booked_s.get(engine, 0.0) + work
+        self.heard(engine, work, now)
+
+    def heard(self, engine: K, work_s: float, now: float) -> None:
+        """`work_s` more prefill committed to the engine, by this replica or another."""
+        self.fleet_finish[engine] = max(self.fleet_finish.get(engine, now), now) + work_s
+
+    def others_say(self, engine: K, busy: bool) -> None:
+        """Whether the other replicas, by their last words, have prefill legs committed
+        to the engine; none and none of this replica's: the queue is empty."""
+        if busy:
+            self.others_busy.add(engine)
+            return
+        self.others_busy.discard(engine)
+        if not self.committed.get(engine):
+            self.fleet_finish.pop(engine, None)
+
+    def fleet_wait_s(self, engine: K, now: float) -> float:
+        """The engine's wait over every replica's commits. Legs still running past the
+        queue's finish are overdue, as in `wait_s`; but not past this replica's own
+        finish, which the others' work on the engine delays: that overdue time is
+        queueing, not a slow engine, and counting it priced three replicas' queues high."""
+        finish = self.fleet_finish.get(engine, now)
+        if finish >= now:
+            return finish - now
+        busy = self.committed.get(engine, 0) > 0 or engine in self.others_busy
+        return now - finish if busy else 0.0
 
     def release(self, engine: K) -> None:
         left = self.committed.get(engine, 0) - 1
@@ -621,6 +663,8 @@ class BacklogBook(Generic[K]):
         else:
             self.committed.pop(engine, None)
             self.finish.pop(engine, None)
+            if engine not in self.others_busy:
+                self.fleet_finish.pop(engine, None)
 
     def waits(self, now: float) -> Mapping[K, float]:
         return {engine: self.wait_s(engine, now) for engine in self.finish}

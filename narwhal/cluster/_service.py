@@ -5,8 +5,11 @@ Owns
   controller's leadership) and applies what the view implies: this replica's part of
   the capacity (`share_for`, `ServingContext.apply_share`) and whether its role
   controller may move roles (`leads`); the cluster's profile store (`profiles`,
-  `SharedProfiles`). `ClusterSection` for /narwhal/state, and the `narwhal_cluster_*`
-  gauges.
+  `SharedProfiles`); the replicas' loads (`narwhal.cluster._loads`): this replica's
+  published every cluster.load_interval_s, the others' booked prefill work added to the
+  engines' queues (`BacklogBook.heard`) and their legs given to the engines
+  (`EngineState.saw_replica_loads`). `ClusterSection` for /narwhal/state, and the
+  `narwhal_cluster_*` gauges.
 
 Invariants
   The request path never waits on etcd: a view change or the clock crossing the lease
@@ -38,6 +41,7 @@ from ..fleet import EngineState, Share
 from ..serving import ServingContext
 from ._etcd import Etcd, EtcdError, EtcdUnavailable
 from ._facts import VERDICTS, Fact, Hold, What, apply, decode, encode, fact_of, key_of
+from ._loads import EngineWord, Heard, Word, decode_word, encode_word, refresh_s, trust_s
 from ._membership import Membership, ReplicaIdInUse, View
 from ._profiles import SharedProfiles, Source
 from ._shares import isolated, share_for
@@ -72,6 +76,9 @@ class ClusterSection:
     profiles_digest: str | None = None
     # Engines another replica's ejection or quarantine holds out here, by engine id.
     holds: Mapping[str, HoldSection] = attrs.field(factory=dict)
+    # Every other member's load word is recent: admission prices their legs and prefill
+    # work with them (false: with the engines' scrape, `engines[].other_replicas`).
+    loads_heard: bool = False
 
 
 @attrs.frozen
@@ -112,6 +119,8 @@ class ClusterService:
         )
         # The other replicas' verdicts holding engines out here: engine id -> the fact.
         self.holds: dict[str, Fact] = {}
+        # The other replicas' last words on their loads (`_watch_loads`).
+        self.heard = Heard()
 
     def leads(self) -> bool:
         """May this replica's role controller move roles now."""
@@ -157,6 +166,8 @@ class ClusterService:
                 self._apply_share(ctx)
                 nursery.start_soon(self._watch_facts, ctx, revision)
                 nursery.start_soon(self._write_facts)
+                nursery.start_soon(self._watch_loads, ctx)
+                nursery.start_soon(self._write_loads, ctx, membership)
                 # Before serving: this replica prices with the cluster's profile store.
                 await nursery.start(self.profiles.run, etcd)
                 task_status.started()
@@ -391,6 +402,114 @@ class ClusterService:
         for fact in list(self._waiting.values()):
             self._apply_fact(ctx, fact)
 
+    # ------------------------------------------------------------ shared loads
+
+    @property
+    def _loads_prefix(self) -> bytes:
+        return self._prefix + b"loads/"
+
+    async def _write_loads(self, ctx: ServingContext, membership: Membership) -> None:
+        """Publish this replica's word every cluster.load_interval_s when it changed, and
+        every `refresh_s` anyway: the others trust a word only that long. A failed write
+        is not retried: the next interval's word replaces it."""
+        assert self._etcd is not None
+        key = self._loads_prefix + self.replica_id.encode()
+        last, last_at = b"", -math.inf
+        while True:
+            interval = self.config.cluster.load_interval_s
+            await trio.sleep(interval if interval > 0 else 1.0)
+            if interval <= 0:
+                continue
+            now = trio.current_time()
+            value = encode_word(self.word(ctx, now))
+            if value == last and now - last_at < refresh_s(interval):
+                continue
+            try:
+                await self._etcd.put(key, value, lease=membership.lease)
+            except EtcdError:
+                # Membership reports the outage; the others stop trusting the last word.
+                continue
+            last, last_at = value, now
+
+    def word(self, ctx: ServingContext, now: float) -> Word:
+        """This replica's load on each engine it has any on."""
+        word: dict[str, EngineWord] = {}
+        for engine in ctx.fleet:
+            load = engine.load.statistics()
+            booked = ctx.backlog.booked_s.get(engine, 0.0)
+            if booked or load.prefill_inflight or load.decode_active:
+                word[engine.id] = EngineWord(
+                    booked_s=booked,
+                    backlog_s=ctx.backlog.wait_s(engine, now),
+                    prefill=load.prefill_inflight,
+                    prefill_tokens=load.prefill_tokens_inflight,
+                    decode=load.decode_active,
+                    decode_tokens=load.decode_tokens,
+                )
+        return word
+
+    async def _watch_loads(self, ctx: ServingContext) -> None:
+        assert self._etcd is not None
+        retry_s = self.config.cluster.lease_ttl_s / 3
+        prefix = self._loads_prefix
+        while True:
+            try:
+                kvs, revision = await self._etcd.get_prefix(prefix)
+                # Replicas whose keys went while the watch was down are gone.
+                for replica in set(self.heard.words) - {self._replica_of(kv.key) for kv in kvs}:
+                    self.heard.gone(replica)
+                for kv in kvs:
+                    self._hear(ctx, kv.key, kv.value)
+                self._price_with_loads(ctx)
+                watch = self._etcd.watch_prefix(prefix, start_revision=revision + 1)
+                async with aclosing(watch) as batches:
+                    async for batch in batches:
+                        for event in batch:
+                            if event.kind == "put":
+                                self._hear(ctx, event.key, event.value)
+                            else:
+                                self.heard.gone(self._replica_of(event.key))
+                        self._price_with_loads(ctx)
+            except EtcdError:
+                await trio.sleep(retry_s)
+
+    def _replica_of(self, key: bytes) -> str:
+        return key[len(self._loads_prefix) :].decode(errors="replace")
+
+    def _hear(self, ctx: ServingContext, key: bytes, value: bytes) -> None:
+        replica = self._replica_of(key)
+        if replica == self.replica_id:
+            return
+        try:
+            word = decode_word(value)
+        except ValueError as exc:
+            log.warning(
+                "ignored replica %s's load: %s",
+                replica,
+                exc,
+                extra={"event": "cluster_load_invalid", "replica": replica},
+            )
+            return
+        now = trio.current_time()
+        for engine_id, work_s in self.heard.heard(replica, word, now).items():
+            engine = ctx.fleet.get(engine_id)
+            if engine is not None:
+                ctx.backlog.heard(engine, work_s, now)
+
+    def _price_with_loads(self, ctx: ServingContext) -> None:
+        """Give each engine the others' load on it, when every other member's word is
+        trusted; otherwise none, and pricing takes the engines' scrape."""
+        view = self.view
+        if view is None:
+            return
+        others, until = self._heard_until(view)
+        heard = until > trio.current_time()
+        for engine in ctx.fleet:
+            engine.saw_replica_loads(
+                self.heard.others_on(engine.id, others, until) if heard else None
+            )
+            ctx.backlog.others_say(engine, self.heard.busy_on(engine.id, others))
+
     # ------------------------------------------------------------ membership
 
     def _on_view(self, view: View) -> None:
@@ -414,6 +533,7 @@ class ClusterService:
                 await self._changed.wait()
             self._apply_share(ctx)
             self._release_departed(ctx)
+            self._price_with_loads(ctx)
 
     def _release_departed(self, ctx: ServingContext) -> None:
         """A replica's verdicts leave with it: its lease lapsed or it stopped, and this
@@ -480,7 +600,17 @@ class ClusterService:
             profiles_source=self.profiles.source,
             profiles_digest=self.profiles.digest_shown,
             holds=self._hold_sections(),
+            loads_heard=self._heard_until(view)[1] > now,
         )
+
+    def _heard_until(self, view: View) -> tuple[list[str], float]:
+        """The other members, and until when each one's load word is trusted (-inf
+        alone: there is nobody else's load to price with)."""
+        others = [m for m in view.members if m != self.replica_id]
+        if not others:
+            return others, -math.inf
+        trust = trust_s(self.config.cluster.load_interval_s)
+        return others, self.heard.trusted_until(others, trust)
 
     def _hold_sections(self) -> dict[str, HoldSection]:
         wall = time.time()
@@ -522,6 +652,12 @@ class ClusterService:
             "1 while cut off from etcd past the lease: admitting at cluster.isolated_share.",
             [],
             [([], float(section.isolated))],
+        )
+        yield (
+            "narwhal_cluster_loads_heard",
+            "1 while every other replica's published load is recent and priced with.",
+            [],
+            [([], float(section.loads_heard))],
         )
         yield (
             "narwhal_cluster_max_admitted",

@@ -856,6 +856,20 @@ class Cluster:
             "never overspends, and admits one request at a time."
         ),
     )
+    load_interval_s: float = _f(
+        0.05,
+        Between(0, 10),
+        doc=(
+            "How often a replica publishes its load on each engine (booked prefill "
+            "backlog, legs by phase) for the others to price with; `0`: never."
+        ),
+        notes=(
+            "An unchanged load is not written again for a second. Without every other "
+            "member's recent word, a replica estimates their legs from the engines' "
+            "/metrics instead: in bursts that priced the prefill wait at about half. "
+            "Each write is an etcd revision: run etcd with `--auto-compaction-retention`."
+        ),
+    )
 
     @property
     def enabled(self) -> bool:

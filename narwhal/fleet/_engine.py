@@ -168,8 +168,10 @@ class EngineState:
         # and the phases it has none of, which it must not place here.
         self._share = Share()
         self._share_offset = 0
-        # The other replicas' legs on the engine, from its last scrape (`saw_engine_load`).
+        # The other replicas' legs on the engine, from its last scrape (`saw_engine_load`)
+        # and as they last published them (`saw_replica_loads`).
         self._seen: SeenLoad | None = None
+        self._published: SeenLoad | None = None
         self._whole_limits: dict[str, float] = {}
         self._no_share: frozenset[str] = frozenset()
         self._apply_limits(config)
@@ -547,13 +549,22 @@ class EngineState:
             until=now + valid_s,
         )
 
+    def saw_replica_loads(self, published: SeenLoad | None) -> None:
+        """The other replicas' legs and booked prefill backlog on the engine, as they
+        published them (narwhal.cluster's shared loads); None when some member's word is
+        missing or too old."""
+        self._published = published
+
     def seen_load(self, now: float) -> SeenLoad | None:
-        """The other replicas' legs on the engine at the last scrape, while it is
-        trusted; None for one replica, or without a recent scrape."""
-        seen = self._seen
-        if seen is None or now > seen.until or self._share.count == 1:
+        """The other replicas' legs on the engine: as they published them while that is
+        trusted, else as the last scrape showed them while that is; None for one
+        replica, or without either."""
+        if self._share.count == 1:
             return None
-        return seen
+        for seen in (self._published, self._seen):
+            if seen is not None and now <= seen.until:
+                return seen
+        return None
 
     def fleet_load(self, now: float) -> LoadStatistics:
         """The engine's load as the fleet's: this replica's ledger plus the other

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 
 import attrs
 
@@ -91,10 +91,11 @@ class LoadStatistics:
 
 @attrs.frozen
 class SeenLoad:
-    """The other replicas' legs on one engine, as its own /metrics showed them: the
+    """The other replicas' legs on one engine, trusted until `until`: as they published
+    them through etcd (`source` "replicas", `EngineState.saw_replica_loads`), or as the
+    engine's own /metrics showed them ("scrape", `EngineState.saw_engine_load`): the
     requests it reported running or waiting less this replica's legs on it then, by
-    phase (`EngineState.saw_engine_load`), each taken to hold what this replica's legs
-    of that phase held on average. Trusted until `until`, a few monitor passes."""
+    phase, each taken to hold what this replica's legs of that phase held on average."""
 
     prefill: int
     decode: int
@@ -102,6 +103,7 @@ class SeenLoad:
     prefill_tokens: float
     decode_tokens: float
     until: float
+    source: Literal["scrape", "replicas"] = "scrape"
 
 
 class Claim:

@@ -409,6 +409,9 @@ class ServingContext:
         the fleet anyway.)"""
         self.first_token_lags.forget(engine)
         self.kv_turnover.forget(engine)
+        self.backlog.fleet_finish.pop(engine, None)
+        self.backlog.booked_s.pop(engine, None)
+        self.backlog.others_busy.discard(engine)
 
     # Legs still running on an engine a reload removed or replaced end after the reload,
     # some after its retirement (a leg that outlives the wait, say when the reload
@@ -442,19 +445,23 @@ class ServingContext:
     def fleet_backlog_s(self, engine: EngineState, now: float) -> float:
         """The engine's prefill backlog, in seconds, over all replicas.
 
-        This replica books only the prefills it sent. The other replicas' are those its
-        last scrape showed on the engine beyond this replica's legs (`seen_load`), each
-        priced as a prompt of the mean size of this replica's. Without a recent scrape
+        This replica books only the prefills it sent. While the other replicas' words are
+        trusted (`seen_load`, source "replicas"), the book's queue of every replica's
+        commits stands for it (`BacklogBook.fleet_wait_s`).
+        Without that, those the last scrape showed on the engine beyond this replica's
+        legs, each priced as a prompt of the mean size of this replica's: in a burst
+        that priced the wait at about half of what it was. Without a recent scrape either,
         the book times the member count stands for it: behind an even balancer each
         member sends about as much, at about the same times. That alone priced each
-        replica's own commits twice and the others' not at all: with two replicas 0.92 of
-        the admitted requests met TTFT, against 0.97 with the engines' counts (the
-        replicas benchmark, docs/benchmarks.md)."""
+        replica's own commits twice and the others' not at all (the replicas benchmark,
+        docs/benchmarks.md)."""
         own = self.backlog.wait_s(engine, now)
         members = engine.load_scale
         if members == 1:
             return own
         seen = engine.seen_load(now)
+        if seen is not None and seen.source == "replicas":
+            return self.backlog.fleet_wait_s(engine, now)
         curve = None if self.profiles is None else self.profiles.prefill_curve(engine.id)
         if seen is None or curve is None:
             return own * members

@@ -204,8 +204,10 @@ class EnginePools:
 
 @attrs.frozen(kw_only=True)
 class OtherReplicasLegs:
-    """The other replicas' legs on the engine at its last scrape (`SeenLoad`)."""
+    """The other replicas' legs on the engine (`SeenLoad`): as they published them
+    ("replicas"), or as its last scrape showed them ("scrape")."""
 
+    source: str
     prefill: int
     decode: int
 
@@ -297,7 +299,7 @@ def engine_section(engine: EngineState, now: float) -> EngineSection:
         handoffs_pending=load.handoffs_pending,
         other_replicas=None
         if seen is None
-        else OtherReplicasLegs(prefill=seen.prefill, decode=seen.decode),
+        else OtherReplicasLegs(source=seen.source, prefill=seen.prefill, decode=seen.decode),
         context=EngineContext(
             length=engine.context_length,
             note=engine.context_note,

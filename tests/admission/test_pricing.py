@@ -172,6 +172,42 @@ def test_backlog_book_is_a_virtual_finish_time() -> None:
     assert book.wait_s("p0", 20.0) == pytest.approx(0.3)
 
 
+def test_every_replicas_commits_to_an_engine_make_one_queue() -> None:
+    book: BacklogBook[str] = BacklogBook()
+    book.commit("p0", 1.0, now=10.0)
+    book.heard("p0", 1.0, now=10.0)  # another replica booked as much at the same time
+    # One engine works through both at one second per second: 2 s of work, not 1 + 1
+    # each draining on its own.
+    assert book.fleet_wait_s("p0", 11.0) == pytest.approx(1.0)
+    assert book.wait_s("p0", 11.0) == 0.0
+    assert book.booked_s == {"p0": 1.0}  # what this replica booked, for the others
+    # Overdue past the queue's finish (12.0), not past this replica's own (11.0).
+    assert book.fleet_wait_s("p0", 13.0) == pytest.approx(1.0)
+    assert book.wait_s("p0", 13.0) == pytest.approx(2.0)
+    # Work heard on an idle engine starts now.
+    book.heard("p1", 0.5, now=20.0)
+    assert book.fleet_wait_s("p1", 20.2) == pytest.approx(0.3)
+    assert book.wait_s("p1", 20.2) == 0.0
+
+
+def test_the_fleets_queue_forgets_its_error_once_no_replica_has_a_leg_there() -> None:
+    book: BacklogBook[str] = BacklogBook()
+    book.others_say("p0", busy=True)
+    book.commit("p0", 1.0, now=10.0)
+    book.heard("p0", 2.0, now=10.0)
+    book.release("p0")  # this replica's leg ended early; the others' work may not have
+    assert book.fleet_wait_s("p0", 10.5) == pytest.approx(2.5)
+    book.others_say("p0", busy=False)  # theirs ended too: the engine is idle
+    assert book.fleet_wait_s("p0", 10.5) == 0.0
+    # The other way round: the others finished first, then this replica's last leg.
+    book.commit("p0", 1.0, now=20.0)
+    book.heard("p0", 2.0, now=20.0)
+    book.others_say("p0", busy=False)
+    assert book.fleet_wait_s("p0", 20.5) == pytest.approx(2.5)  # this replica's leg runs
+    book.release("p0")
+    assert book.fleet_wait_s("p0", 20.5) == 0.0
+
+
 def test_a_prompt_queued_behind_backlog_shares_the_per_request_overhead() -> None:
     book: BacklogBook[str] = BacklogBook()
     # Idle engine: the whole prediction, overhead included.

@@ -84,6 +84,10 @@ class EtcdCluster:
             # election timeout (1.5x, rounded up): 1 s here.
             "--heartbeat-interval=50",
             "--election-timeout=500",
+            # The replicas write their loads many times a second: keep the history short
+            # (docs/operations.md#several-replicas).
+            "--auto-compaction-mode=periodic",
+            "--auto-compaction-retention=10m",
             "--logger=zap",
             "--log-outputs=stderr",
         ]

@@ -22,6 +22,8 @@ from narwhal.sim import Fleet, serve_fleet
 from narwhal.supervisor import Supervisor
 from narwhal.supervisor._operations import Operations
 
+from ..admission.test_first_token_wait import Source
+from ..admission.test_pricing import Linear
 from ..serving.conftest import MODEL, fleet_config
 from ..support import FakeFileLimit, InFront, wait_for
 from .conftest import EtcdCluster
@@ -125,6 +127,9 @@ async def test_two_replicas_split_the_capacity_and_one_leads(start_replica: Star
     metrics = await b.metrics()
     assert "narwhal_cluster_members 2.0" in metrics
     assert "narwhal_cluster_max_admitted 4.0" in metrics
+    # Each prices with the other's published load (cluster.load_interval_s).
+    await wait_for(lambda: a.cluster["loads_heard"] and b.cluster["loads_heard"], within_s=5)
+    assert "narwhal_cluster_loads_heard 1.0" in await b.metrics()
 
 
 async def test_a_stopped_replicas_part_and_leadership_return_to_the_others(
@@ -141,6 +146,7 @@ async def test_a_stopped_replicas_part_and_leadership_return_to_the_others(
     assert trio.current_time() - started < TTL_S
     await wait_for(lambda: other.ctx.gate.statistics().max_admitted == 8, within_s=5)
     assert len(other.cluster["members"]) == 1
+    assert other.cluster["loads_heard"] is False  # alone: nobody else's to hear
 
 
 async def test_narwhalctl_on_one_replica_acts_on_every_replica(
@@ -281,11 +287,15 @@ async def test_an_ejection_is_shared_and_its_readmission_releases_every_replica(
     assert b.supervisor.recovery.state().engines["p0"].last_verification is None
 
 
+@pytest.mark.parametrize(
+    ("interval_s", "source"), [(0.05, "replicas"), (0.0, "scrape")], ids=["published", "scraped"]
+)
 async def test_a_replica_prices_the_legs_it_sees_of_another_on_an_engine(
-    start_replica: StartReplica, fleet: Fleet
+    start_replica: StartReplica, fleet: Fleet, interval_s: float, source: str
 ) -> None:
-    a = await start_replica("a")
-    b = await start_replica("b")
+    # Published, a's word says what it runs on d1; with publishing off, b's scrape of d1.
+    a = await start_replica("a", cluster={"load_interval_s": interval_s})
+    b = await start_replica("b", cluster={"load_interval_s": interval_s})
     await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
     fleet[1].set_faults(decode_slowdown=1000.0)  # a's decode stays on d1 for seconds
     d1_on_a, d1_on_b = _engine(a, "d1"), _engine(b, "d1")
@@ -298,11 +308,74 @@ async def test_a_replica_prices_the_legs_it_sees_of_another_on_an_engine(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(long_request)
         await wait_for(lambda: d1_on_a.load.decode_active == 1, within_s=10)
-        # b sent nothing to d1, yet prices the decode its scrape of d1 shows.
+        # b sent nothing to d1, yet prices the decode a runs there.
         await wait_for(lambda: d1_on_b.view(trio.current_time()).decode_active == 1, within_s=10)
         assert d1_on_b.load.decode_active == 0
         entry = next(e for e in (await b.state())["engines"] if e["id"] == "d1")
-        assert entry["other_replicas"] == {"prefill": 0, "decode": 1}
+        assert entry["other_replicas"] == {"source": source, "prefill": 0, "decode": 1}
         # a sees its own leg on d1 and nobody else's.
         assert d1_on_a.view(trio.current_time()).decode_active == 1
         nursery.cancel_scope.cancel()
+
+
+class _SlowPrefills(Source):
+    def prefill_curve(self, engine_id: str) -> Linear:
+        return Linear(1.0)  # a second a token: a's booking shows on b for seconds
+
+
+async def test_a_replica_prices_the_prefill_work_another_booked(
+    start_replica: StartReplica, fleet: Fleet
+) -> None:
+    a = await start_replica("a")
+    b = await start_replica("b")
+    await wait_for(lambda: _members(a, b) == [["a", "b"], ["a", "b"]], within_s=10)
+    fleet[0].set_faults(leg="prefill", stall_before_first_token_s=30.0)  # p0 holds a's prefill
+    p0_on_a, p0_on_b = _engine(a, "p0"), _engine(b, "p0")
+    a.ctx.profiles = _SlowPrefills()  # a books its prefills; b has no profile to book with
+
+    async def long_request() -> None:
+        async with a.client() as client:
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+            await client.post("/v1/completions", json=body)
+
+    def backlog_on_b() -> float:
+        return b.ctx.load_signals(trio.current_time()).backlog_s["p0"]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(long_request)
+        await wait_for(lambda: p0_on_a.load.prefill_inflight == 1, within_s=10)
+        booked = a.ctx.backlog.booked_s[p0_on_a]
+        assert booked >= 3.0  # "hello there" is 3 tokens or more
+        # b booked nothing on p0, yet its wait there is a's booking, less the time since.
+        await wait_for(lambda: backlog_on_b() > 0, within_s=5)
+        assert b.ctx.backlog.wait_s(p0_on_b, trio.current_time()) == 0.0
+        assert booked - 1.0 < backlog_on_b() <= booked
+        entry = next(e for e in (await b.state())["engines"] if e["id"] == "p0")
+        assert entry["other_replicas"] == {"source": "replicas", "prefill": 1, "decode": 0}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_replicas_load_gives_way_to_the_engines_scrape(
+    start_replica: StartReplica,
+) -> None:
+    a = await start_replica("a")
+    b = await start_replica("b")
+    await wait_for(lambda: b.cluster["loads_heard"], within_s=10)
+    d1_on_b = _engine(b, "d1")
+    seen = d1_on_b.seen_load(trio.current_time())
+    assert seen is not None
+    assert seen.source == "replicas"
+    # A reload turns a's publishing off: still a member, but silent. Within 2.5 s b stops
+    # trusting its last word and says so.
+    silent = attrs.evolve(
+        a.supervisor.config,
+        cluster=attrs.evolve(a.supervisor.config.cluster, load_interval_s=0.0),
+    )
+    assert a.supervisor.cluster is not None
+    a.supervisor.cluster.reconfigure(silent)
+    await wait_for(lambda: not b.cluster["loads_heard"], within_s=5)
+    assert "narwhal_cluster_loads_heard 0.0" in await b.metrics()
+    assert b.cluster["members"] == ("a", "b")
+    await wait_for(
+        lambda: (d1_on_b.seen_load(trio.current_time()) or seen).source == "scrape", within_s=5
+    )

@@ -149,6 +149,7 @@ SPEC: dict[str, tuple[Any, str]] = {
     "cluster.lease_ttl_s": (10, "2..600"),
     "cluster.request_timeout_s": (2.0, "> 0"),
     "cluster.isolated_share": (0.5, "0..1"),
+    "cluster.load_interval_s": (0.05, "0..10"),
     # manual 6
     "profiles.path": ("runs/profiles.json", "non-empty"),
 }

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from narwhal.config import Config, EngineSpec, Serving
-from narwhal.fleet import Fleet, LoadStatistics, Share
+from narwhal.fleet import EngineState, Fleet, LoadStatistics, SeenLoad, Share
 from narwhal.serving import ServingContext
 
 from ..admission.test_first_token_wait import Source
@@ -189,7 +189,8 @@ def test_the_other_replicas_legs_on_an_engine_of_both_roles_split_as_this_ones()
         assert a0.fleet_load(1.0).decode_active == 2
 
 
-async def test_the_other_replicas_prefills_seen_on_an_engine_are_priced_by_its_curve() -> None:
+def _two_replicas_with_a_booking() -> tuple[ServingContext, EngineState]:
+    """One of two replicas, with profiles, that booked 0.25 s on p0 at t=10."""
     config, _ = _fleet(prefill=0, decode=0)
     ctx = ServingContext(config)
     ctx.profiles = Source()  # prefill_s = 0.0001 s per token
@@ -197,6 +198,11 @@ async def test_the_other_replicas_prefills_seen_on_an_engine_are_priced_by_its_c
     assert p0 is not None
     ctx.apply_share(Share(index=0, count=2))
     ctx.backlog.commit(p0, 0.25, now=10.0)
+    return ctx, p0
+
+
+async def test_the_other_replicas_prefills_seen_on_an_engine_are_priced_by_its_curve() -> None:
+    ctx, p0 = _two_replicas_with_a_booking()
     # No scrape: the book times the members.
     assert ctx.load_signals(10.0).backlog_s["p0"] == pytest.approx(0.5)
     with p0.load.prefill(2000):
@@ -204,3 +210,31 @@ async def test_the_other_replicas_prefills_seen_on_an_engine_are_priced_by_its_c
     assert ctx.load_signals(10.0).backlog_s["p0"] == pytest.approx(0.25 + 3 * 0.2)
     p0.saw_engine_load(0, 10.0, 1.0)  # the engine runs none but this replica's
     assert ctx.load_signals(10.0).backlog_s["p0"] == pytest.approx(0.25)
+
+
+async def test_the_other_replicas_published_load_stands_before_the_scrape_while_trusted() -> None:
+    ctx, p0 = _two_replicas_with_a_booking()
+    ctx.backlog.heard(p0, 0.5, now=10.0)  # the other booked 0.5 s on p0
+    p0.saw_engine_load(3, 10.0, 5.0)  # the scrape: 3 of the other's, sized as none
+    published = SeenLoad(
+        prefill=2, decode=0, prefill_tokens=500.0, decode_tokens=0.0, until=11.0, source="replicas"
+    )
+    p0.saw_replica_loads(published)
+    assert p0.seen_load(10.5) is published
+    # One queue of both replicas' work, drained since: not the legs by the curve.
+    assert ctx.load_signals(10.1).backlog_s["p0"] == pytest.approx(0.75 - 0.1)
+    assert p0.view(10.1).prefill_inflight == 2
+    assert p0.view(10.1).prefill_tokens_inflight == 1000
+    # Past its trust, the scrape again (3 legs of no tokens: nothing to price).
+    scraped = p0.seen_load(11.5)
+    assert scraped is not None
+    assert scraped.source == "scrape"
+    assert p0.view(11.5).prefill_inflight == 3
+    # This replica's own leg, overdue by 1.25 s, and the other's 3 legs of no tokens.
+    assert ctx.load_signals(11.5).backlog_s["p0"] == pytest.approx(1.25)
+    p0.saw_replica_loads(None)
+    assert p0.seen_load(10.5) is scraped
+    # One replica: nobody else's, whatever was published.
+    p0.saw_replica_loads(published)
+    ctx.apply_share(Share())
+    assert p0.seen_load(10.5) is None

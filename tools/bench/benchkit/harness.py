@@ -333,6 +333,10 @@ async def start_etcd(procs: Procs, directory: Path) -> str:
         f"--listen-peer-urls={peer}",
         f"--initial-advertise-peer-urls={peer}",
         f"--initial-cluster=bench={peer}",
+        # The replicas write their loads many times a second: keep the history short
+        # (docs/operations.md#several-replicas).
+        "--auto-compaction-mode=periodic",
+        "--auto-compaction-retention=10m",
     ]
     proc = await procs.start("etcd", argv)
     await wait_http_ok(client + "/health", 30.0, proc)
