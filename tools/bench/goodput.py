@@ -358,7 +358,7 @@ async def run_one(
                 extra["log"] = {"level": "info"}
             if settings.replicas > 1:
                 endpoint = await harness.start_etcd(procs, run_dir)
-                extra["cluster"] = {"endpoints": [endpoint]}
+                extra["cluster"] = {**extra.get("cluster", {}), "endpoints": [endpoint]}
             targets: list[str] = []
             admins: list[str] = []
             for replica in range(settings.replicas):
