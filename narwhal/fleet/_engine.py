@@ -550,9 +550,9 @@ class EngineState:
         )
 
     def saw_replica_loads(self, published: SeenLoad | None) -> None:
-        """The other replicas' legs and booked prefill backlog on the engine, as they
-        published them (narwhal.cluster's shared loads); None when some member's word is
-        missing or too old."""
+        """The other replicas' legs on the engine, as they published them
+        (narwhal.cluster's shared loads; their booked prefill work goes to the
+        `BacklogBook`); None when some member's word is missing or too old."""
         self._published = published
 
     def seen_load(self, now: float) -> SeenLoad | None:
